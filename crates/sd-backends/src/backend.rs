@@ -1,0 +1,137 @@
+//! Backend instances (execution streams on a device) and the manager that shares them.
+//!
+//! Ownership: a [`Backend`] owns its `ggml_backend_t` and frees it on drop.
+//! The [`BackendManager`] keeps one instance per resolved device name and hands
+//! out `Arc<Backend>`: modules that ask for the same device share one instance
+//! (backend.md, "Backend sharing and lifetime"); runtime and parameter
+//! assignments share the same cache; the last `Arc` frees the instance.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use ggml_sys as sys;
+
+use crate::device::Device;
+use crate::error::{BackendError, Result};
+use crate::graph::Graph;
+
+/// An execution stream on one device.
+pub struct Backend {
+    raw: sys::ggml_backend_t,
+    device: Device,
+    /// ggml backends are not re-entrant: one graph at a time.
+    lock: Mutex<()>,
+}
+
+// SAFETY: the backend handle may move between threads; concurrent use is
+// serialised by `lock` for compute and by ggml for tensor copies.
+unsafe impl Send for Backend {}
+// SAFETY: as above.
+unsafe impl Sync for Backend {}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Backend({})", self.device.name())
+    }
+}
+
+impl Backend {
+    /// Creates a new instance on `device` (prefer [`BackendManager::get`]).
+    pub fn new(device: Device) -> Result<Self> {
+        // SAFETY: a live device; null params means defaults.
+        let raw = unsafe { sys::ggml_backend_dev_init(device.as_raw(), std::ptr::null()) };
+        if raw.is_null() {
+            return Err(BackendError::BackendInit(device.name()));
+        }
+        Ok(Self { raw, device, lock: Mutex::new(()) })
+    }
+
+    /// The raw handle.
+    pub fn as_raw(&self) -> sys::ggml_backend_t {
+        self.raw
+    }
+
+    /// The device this backend runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Sets the thread count, where the backend supports it (CPU).
+    pub fn set_threads(&self, n: usize) {
+        // SAFETY: a live device's registration.
+        let reg = unsafe { sys::ggml_backend_dev_backend_reg(self.device.as_raw()) };
+        // SAFETY: live registration, NUL-terminated name.
+        let p = unsafe { sys::ggml_backend_reg_get_proc_address(reg, c"ggml_backend_set_n_threads".as_ptr()) };
+        if !p.is_null() {
+            // SAFETY: the symbol has ggml's `ggml_backend_set_n_threads_t` signature.
+            let f: sys::SetNThreadsFn = unsafe { std::mem::transmute(p) };
+            // SAFETY: a live backend of that registration.
+            unsafe { f(self.raw, n.max(1) as i32) };
+        }
+    }
+
+    /// Runs a graph whose tensors are all allocated, and waits for it.
+    pub fn compute(&self, graph: &Graph<'_>) -> Result<()> {
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: live backend and graph; the graph's tensors are allocated (caller contract
+        // of every allocator in this crate).
+        let status = unsafe { sys::ggml_backend_graph_compute(self.raw, graph.as_raw()) };
+        if status != sys::ggml_status::GGML_STATUS_SUCCESS {
+            return Err(BackendError::Compute { device: self.device.name(), status: status.0 });
+        }
+        Ok(())
+    }
+
+    /// Waits for queued asynchronous work.
+    pub fn synchronize(&self) {
+        // SAFETY: a live backend.
+        unsafe { sys::ggml_backend_synchronize(self.raw) }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // SAFETY: we own the backend; no graph runs (we have &mut self).
+        unsafe { sys::ggml_backend_free(self.raw) }
+    }
+}
+
+/// One shared backend instance per device name.
+#[derive(Debug, Default)]
+pub struct BackendManager {
+    cache: Mutex<HashMap<String, Arc<Backend>>>,
+    threads: Option<usize>,
+}
+
+impl BackendManager {
+    /// A manager that sets `threads` on every CPU-like backend it creates.
+    pub fn new(threads: Option<usize>) -> Self {
+        Self { cache: Mutex::new(HashMap::new()), threads }
+    }
+
+    /// The shared backend of `device`, created on first use.
+    pub fn get(&self, device: Device) -> Result<Arc<Backend>> {
+        let name = device.name();
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = cache.get(&name) {
+            return Ok(b.clone());
+        }
+        let b = Arc::new(Backend::new(device)?);
+        if let Some(t) = self.threads {
+            b.set_threads(t);
+        }
+        tracing::debug!(device = %name, "created backend instance");
+        cache.insert(name, b.clone());
+        Ok(b)
+    }
+
+    /// How many distinct instances exist.
+    pub fn len(&self) -> usize {
+        self.cache.lock().map(|c| c.len()).unwrap_or(0)
+    }
+
+    /// Whether no instance exists.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

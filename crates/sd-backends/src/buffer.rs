@@ -1,0 +1,157 @@
+//! Buffer types and buffers: where tensor data lives.
+//!
+//! Ownership: a [`BufferType`] is a non-owning, copyable handle that lives as
+//! long as its device (forever). A [`Buffer`] owns a `ggml_backend_buffer_t`
+//! and frees it on drop; tensors placed in it must not be used after that,
+//! which the model code guarantees by keeping the buffer next to the context
+//! that describes its tensors.
+
+use ggml_sys as sys;
+
+use crate::context::Context;
+use crate::error::{BackendError, Result};
+use crate::registry::cstr;
+
+/// A kind of memory (device memory, host memory, pinned host memory, ...).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct BufferType {
+    raw: sys::ggml_backend_buffer_type_t,
+}
+
+// SAFETY: buffer types are immutable process-lifetime descriptors.
+unsafe impl Send for BufferType {}
+// SAFETY: as above.
+unsafe impl Sync for BufferType {}
+
+impl std::fmt::Debug for BufferType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BufferType({})", self.name())
+    }
+}
+
+impl BufferType {
+    pub(crate) fn from_raw(raw: sys::ggml_backend_buffer_type_t) -> Self {
+        Self { raw }
+    }
+
+    /// The raw handle.
+    pub fn as_raw(self) -> sys::ggml_backend_buffer_type_t {
+        self.raw
+    }
+
+    /// The buffer type's name.
+    pub fn name(self) -> String {
+        // SAFETY: a live buffer type returns a static name.
+        unsafe { cstr(sys::ggml_backend_buft_name(self.raw)) }
+    }
+
+    /// Whether its memory is host memory.
+    pub fn is_host(self) -> bool {
+        // SAFETY: a live buffer type.
+        unsafe { sys::ggml_backend_buft_is_host(self.raw) }
+    }
+
+    /// Allocates a buffer of `size` bytes.
+    pub fn alloc(self, size: usize) -> Result<Buffer> {
+        // SAFETY: a live buffer type; ggml returns null on failure.
+        let raw = unsafe { sys::ggml_backend_buft_alloc_buffer(self.raw, size) };
+        if raw.is_null() {
+            return Err(BackendError::Alloc { device: self.name(), bytes: size });
+        }
+        Ok(Buffer { raw })
+    }
+
+    /// Bytes needed to allocate every tensor of `ctx` in this buffer type.
+    pub fn ctx_tensors_size(self, ctx: &Context) -> usize {
+        // SAFETY: live context and buffer type.
+        unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.as_raw(), self.raw) }
+    }
+
+    /// Allocates one buffer holding every not-yet-allocated tensor of `ctx`.
+    /// Returns `Ok(None)` when the context has nothing to allocate.
+    pub fn alloc_ctx_tensors(self, ctx: &Context) -> Result<Option<Buffer>> {
+        let size = self.ctx_tensors_size(ctx);
+        if size == 0 {
+            return Ok(None);
+        }
+        // SAFETY: live context and buffer type; null means failure.
+        let raw = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.as_raw(), self.raw) };
+        if raw.is_null() {
+            return Err(BackendError::Alloc { device: self.name(), bytes: size });
+        }
+        Ok(Some(Buffer { raw }))
+    }
+}
+
+/// How a buffer is used (the scheduler prefers running ops next to weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufferUsage {
+    /// Anything.
+    Any,
+    /// Model weights.
+    Weights,
+    /// Compute scratch.
+    Compute,
+}
+
+/// An owned allocation of device or host memory.
+pub struct Buffer {
+    raw: sys::ggml_backend_buffer_t,
+}
+
+// SAFETY: a buffer is a handle to memory; ggml's buffer functions may be called
+// from any thread as long as calls on one buffer are not concurrent, which
+// `&mut`/ownership rules give us for mutation.
+unsafe impl Send for Buffer {}
+// SAFETY: shared access only reads metadata (size, name) or tensor data through
+// ggml's thread-safe copy functions.
+unsafe impl Sync for Buffer {}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Buffer({} bytes)", self.size())
+    }
+}
+
+impl Buffer {
+    /// The raw handle.
+    pub fn as_raw(&self) -> sys::ggml_backend_buffer_t {
+        self.raw
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        // SAFETY: a live buffer.
+        unsafe { sys::ggml_backend_buffer_get_size(self.raw) }
+    }
+
+    /// Fills the buffer with a byte.
+    pub fn clear(&self, value: u8) {
+        // SAFETY: a live buffer.
+        unsafe { sys::ggml_backend_buffer_clear(self.raw, value) }
+    }
+
+    /// Marks how the buffer is used.
+    pub fn set_usage(&self, usage: BufferUsage) {
+        let u = match usage {
+            BufferUsage::Any => sys::ggml_backend_buffer_usage::GGML_BACKEND_BUFFER_USAGE_ANY,
+            BufferUsage::Weights => sys::ggml_backend_buffer_usage::GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
+            BufferUsage::Compute => sys::ggml_backend_buffer_usage::GGML_BACKEND_BUFFER_USAGE_COMPUTE,
+        };
+        // SAFETY: a live buffer.
+        unsafe { sys::ggml_backend_buffer_set_usage(self.raw, u) }
+    }
+
+    /// The buffer's type.
+    pub fn buffer_type(&self) -> BufferType {
+        // SAFETY: a live buffer.
+        BufferType::from_raw(unsafe { sys::ggml_backend_buffer_get_type(self.raw) })
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: we own the buffer; no tensor of it is used after this (module docs).
+        unsafe { sys::ggml_backend_buffer_free(self.raw) }
+    }
+}

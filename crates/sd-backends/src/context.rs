@@ -1,0 +1,288 @@
+//! ggml contexts and tensor handles.
+//!
+//! Ownership: a [`Context`] owns a `ggml_context` (freed on drop) and with it
+//! the metadata of every tensor and graph created in it. A [`Tensor`] is a
+//! copyable handle borrowed from its context (`Tensor<'ctx>`), so the borrow
+//! checker keeps it from outliving the metadata. Tensor *data* lives in a
+//! [`crate::Buffer`] (or in the context's own memory when it was created with
+//! `no_alloc = false`); see the buffer module for that rule.
+
+use std::ffi::CStr;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+use ggml_sys as sys;
+
+use crate::error::{BackendError, Result};
+
+pub use sys::ggml_type as GgmlType;
+
+/// An owned ggml context.
+pub struct Context {
+    raw: NonNull<sys::ggml_context>,
+}
+
+// SAFETY: a context is plain memory owned by this value; moving it between
+// threads is fine. It is not Sync: ggml contexts are not thread-safe.
+unsafe impl Send for Context {}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Context({:p})", self.raw)
+    }
+}
+
+impl Context {
+    /// A context with `mem_size` bytes of metadata (and data, unless `no_alloc`).
+    pub fn new(mem_size: usize, no_alloc: bool) -> Result<Self> {
+        let params = sys::ggml_init_params { mem_size, mem_buffer: std::ptr::null_mut(), no_alloc };
+        // SAFETY: ggml_init allocates and returns null on failure.
+        let raw = unsafe { sys::ggml_init(params) };
+        NonNull::new(raw).map(|raw| Self { raw }).ok_or(BackendError::Context(mem_size))
+    }
+
+    /// A metadata-only context for `n_tensors` tensors and one graph of `graph_size` nodes.
+    pub fn for_graph(n_tensors: usize, graph_size: usize) -> Result<Self> {
+        // SAFETY: pure size computations.
+        let size = unsafe { sys::ggml_tensor_overhead() * n_tensors + sys::ggml_graph_overhead_custom(graph_size, false) };
+        Self::new(size + 1024, true)
+    }
+
+    /// A metadata-only context for `n_tensors` tensors (weights, inputs).
+    pub fn for_tensors(n_tensors: usize) -> Result<Self> {
+        // SAFETY: pure size computation.
+        let size = unsafe { sys::ggml_tensor_overhead() } * n_tensors.max(1);
+        Self::new(size + 1024, true)
+    }
+
+    /// The raw handle.
+    pub fn as_raw(&self) -> *mut sys::ggml_context {
+        self.raw.as_ptr()
+    }
+
+    /// Creates a tensor of `ty` with dims `ne` (innermost first, 1 to 4 dims).
+    pub fn new_tensor(&self, ty: GgmlType, ne: &[i64]) -> Tensor<'_> {
+        assert!((1..=4).contains(&ne.len()), "tensors have 1 to 4 dimensions");
+        // SAFETY: live context; ne has ne.len() entries.
+        let raw = unsafe { sys::ggml_new_tensor(self.as_raw(), ty, ne.len() as i32, ne.as_ptr()) };
+        Tensor::from_raw(raw)
+    }
+
+    /// An f32 tensor.
+    pub fn new_f32(&self, ne: &[i64]) -> Tensor<'_> {
+        self.new_tensor(GgmlType::GGML_TYPE_F32, ne)
+    }
+
+    /// Looks a tensor up by its ggml name.
+    pub fn get_tensor(&self, name: &str) -> Option<Tensor<'_>> {
+        let c = std::ffi::CString::new(name).ok()?;
+        // SAFETY: live context, NUL-terminated name.
+        let raw = unsafe { sys::ggml_get_tensor(self.as_raw(), c.as_ptr()) };
+        (!raw.is_null()).then(|| Tensor::from_raw(raw))
+    }
+
+    /// Every tensor of the context, in creation order.
+    pub fn tensors(&self) -> Vec<Tensor<'_>> {
+        let mut out = Vec::new();
+        // SAFETY: live context; iteration functions return null at the end.
+        let mut t = unsafe { sys::ggml_get_first_tensor(self.as_raw()) };
+        while !t.is_null() {
+            out.push(Tensor::from_raw(t));
+            // SAFETY: t belongs to this context.
+            t = unsafe { sys::ggml_get_next_tensor(self.as_raw(), t) };
+        }
+        out
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: we own the context; borrowed tensors cannot outlive it.
+        unsafe { sys::ggml_free(self.raw.as_ptr()) }
+    }
+}
+
+/// A handle to a tensor whose metadata lives in a context borrowed for `'c`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Tensor<'c> {
+    raw: NonNull<sys::ggml_tensor>,
+    _ctx: PhantomData<&'c Context>,
+}
+
+// SAFETY: the handle is a pointer into a context; data access goes through
+// ggml's backend copy functions, which are thread-safe per tensor.
+unsafe impl Send for Tensor<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Tensor<'_> {}
+
+impl std::fmt::Debug for Tensor<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({} {:?} {:?})", self.name(), self.shape(), self.dtype())
+    }
+}
+
+impl<'c> Tensor<'c> {
+    pub(crate) fn from_raw(raw: *mut sys::ggml_tensor) -> Self {
+        // A null here means ggml failed an allocation it does not report: a bug in
+        // how we sized the context.
+        Self { raw: NonNull::new(raw).expect("ggml returned a null tensor"), _ctx: PhantomData }
+    }
+
+    /// Re-borrows a raw tensor pointer.
+    ///
+    /// # Safety
+    /// `raw` must point to a live tensor whose context outlives `'c`.
+    pub unsafe fn from_raw_unchecked(raw: *mut sys::ggml_tensor) -> Self {
+        Self::from_raw(raw)
+    }
+
+    /// The raw pointer.
+    pub fn as_raw(self) -> *mut sys::ggml_tensor {
+        self.raw.as_ptr()
+    }
+
+    fn r(&self) -> &sys::ggml_tensor {
+        // SAFETY: the context outlives 'c and with it the tensor struct.
+        unsafe { self.raw.as_ref() }
+    }
+
+    /// Dimensions (ggml `ne`), innermost first.
+    pub fn shape(self) -> [i64; 4] {
+        self.r().ne
+    }
+
+    /// Strides in bytes.
+    pub fn nb(self) -> [usize; 4] {
+        self.r().nb
+    }
+
+    /// Element type.
+    pub fn dtype(self) -> GgmlType {
+        self.r().type_
+    }
+
+    /// Number of elements.
+    pub fn n_elements(self) -> i64 {
+        self.shape().iter().product()
+    }
+
+    /// Size of the data in bytes.
+    pub fn nbytes(self) -> usize {
+        // SAFETY: a live tensor.
+        unsafe { sys::ggml_nbytes(self.as_raw()) }
+    }
+
+    /// The ggml name.
+    pub fn name(self) -> String {
+        // SAFETY: name is a NUL-terminated array inside the struct.
+        unsafe { CStr::from_ptr(self.r().name.as_ptr()) }.to_string_lossy().into_owned()
+    }
+
+    /// Sets the ggml name (truncated by ggml to `GGML_MAX_NAME - 1` bytes; callers
+    /// that need names longer than that keep their own map).
+    pub fn set_name(self, name: &str) -> Self {
+        let c = std::ffi::CString::new(name.replace('\0', "")).unwrap_or_default();
+        // SAFETY: live tensor, NUL-terminated name; ggml copies with truncation.
+        unsafe { sys::ggml_set_name(self.as_raw(), c.as_ptr()) };
+        self
+    }
+
+    /// Marks the tensor as a graph input (allocated so it can be set before compute).
+    pub fn set_input(self) -> Self {
+        // SAFETY: a live tensor.
+        unsafe { sys::ggml_set_input(self.as_raw()) };
+        self
+    }
+
+    /// Marks the tensor as a graph output (never overwritten by the allocator).
+    pub fn set_output(self) -> Self {
+        // SAFETY: a live tensor.
+        unsafe { sys::ggml_set_output(self.as_raw()) };
+        self
+    }
+
+    /// Whether the tensor has storage (a buffer or context memory).
+    pub fn is_allocated(self) -> bool {
+        !self.r().data.is_null() || !self.r().buffer.is_null()
+    }
+
+    /// Whether the tensor lives in a backend buffer.
+    pub fn has_buffer(self) -> bool {
+        !self.r().buffer.is_null()
+    }
+
+    /// Copies raw bytes into the tensor's storage.
+    pub fn set_bytes(self, data: &[u8]) -> Result<()> {
+        self.check_size(data.len())?;
+        // SAFETY: allocated tensor (checked) and exactly nbytes of data.
+        unsafe { sys::ggml_backend_tensor_set(self.as_raw(), data.as_ptr().cast(), 0, data.len()) };
+        Ok(())
+    }
+
+    /// Copies f32 values into an f32 tensor.
+    pub fn set_f32(self, data: &[f32]) -> Result<()> {
+        self.check_type(GgmlType::GGML_TYPE_F32)?;
+        // SAFETY: reinterpreting f32s as bytes is always valid.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        self.set_bytes(bytes)
+    }
+
+    /// Copies i32 values into an i32 tensor.
+    pub fn set_i32(self, data: &[i32]) -> Result<()> {
+        self.check_type(GgmlType::GGML_TYPE_I32)?;
+        // SAFETY: reinterpreting i32s as bytes is always valid.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        self.set_bytes(bytes)
+    }
+
+    /// Reads the raw bytes.
+    pub fn get_bytes(self) -> Result<Vec<u8>> {
+        if !self.is_allocated() {
+            return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
+        }
+        let mut out = vec![0u8; self.nbytes()];
+        // SAFETY: allocated tensor; out has nbytes.
+        unsafe { sys::ggml_backend_tensor_get(self.as_raw(), out.as_mut_ptr().cast(), 0, out.len()) };
+        Ok(out)
+    }
+
+    /// Reads an f32 (or f16, converted) tensor.
+    pub fn get_f32(self) -> Result<Vec<f32>> {
+        let bytes = self.get_bytes()?;
+        match self.dtype() {
+            GgmlType::GGML_TYPE_F32 => Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            GgmlType::GGML_TYPE_F16 => Ok(bytes
+                .chunks_exact(2)
+                // SAFETY: pure conversion function.
+                .map(|c| unsafe { sys::ggml_fp16_to_fp32(u16::from_le_bytes([c[0], c[1]])) })
+                .collect()),
+            other => Err(BackendError::DataSize { name: format!("{} (type {})", self.name(), other.0), expected: 0, got: bytes.len() }),
+        }
+    }
+
+    fn check_type(self, ty: GgmlType) -> Result<()> {
+        if self.dtype() != ty {
+            return Err(BackendError::DataSize { name: format!("{} (type {} not {})", self.name(), self.dtype().0, ty.0), expected: self.nbytes(), got: 0 });
+        }
+        Ok(())
+    }
+
+    fn check_size(self, len: usize) -> Result<()> {
+        if len != self.nbytes() || !self.is_allocated() {
+            return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: len });
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of one row of `n` elements of `ty`.
+pub fn row_size(ty: GgmlType, n: i64) -> usize {
+    // SAFETY: pure computation.
+    unsafe { sys::ggml_row_size(ty, n) }
+}
+
+/// The name of a ggml type (`f32`, `q8_0`, ...).
+pub fn type_name(ty: GgmlType) -> String {
+    // SAFETY: returns a static string for every type id.
+    unsafe { crate::registry::cstr(sys::ggml_type_name(ty)) }
+}

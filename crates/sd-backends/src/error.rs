@@ -1,0 +1,44 @@
+//! The error type of this crate.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong below the model layer.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// No device has this name (or unique prefix).
+    #[error("unknown device `{name}`; available devices: {available}")]
+    UnknownDevice { name: String, available: String },
+    /// A backend could not be created for a device.
+    #[error("could not initialise a backend for device `{0}`")]
+    BackendInit(String),
+    /// A plugin needed for an operation is not loaded.
+    #[error("the {0} plugin is not loaded (searched: {1})")]
+    PluginMissing(String, String),
+    /// The plugin lacks a function we need.
+    #[error("plugin `{plugin}` does not export `{symbol}`")]
+    MissingProc { plugin: String, symbol: String },
+    /// An RPC endpoint string is malformed.
+    #[error("bad RPC endpoint `{0}`: expected HOST:PORT with an IPv4 address or host name")]
+    BadEndpoint(String),
+    /// An RPC server could not be reached or did not speak the protocol.
+    #[error("RPC server {endpoint} is unusable: {reason}")]
+    RpcUnreachable { endpoint: String, reason: String },
+    /// A buffer allocation failed on a device.
+    #[error("allocating {bytes} bytes on {device} failed")]
+    Alloc { device: String, bytes: usize },
+    /// A graph computation failed.
+    #[error("graph computation on {device} failed with status {status}")]
+    Compute { device: String, status: i32 },
+    /// A ggml context could not be created.
+    #[error("could not create a ggml context of {0} bytes")]
+    Context(usize),
+    /// Tensor data of the wrong size.
+    #[error("tensor `{name}` holds {expected} bytes, got {got}")]
+    DataSize { name: String, expected: usize, got: usize },
+    /// An I/O error with the path involved.
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// Result alias.
+pub type Result<T, E = BackendError> = std::result::Result<T, E>;

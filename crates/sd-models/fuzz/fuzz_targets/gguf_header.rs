@@ -1,0 +1,14 @@
+//! Fuzz target: arbitrary bytes as a whole GGUF file must never panic the header parser.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use sd_models::files::gguf;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(h) = gguf::parse(data) {
+        // Whatever is accepted must point inside the input.
+        for t in &h.tensors {
+            assert!(t.offset + t.len <= data.len() as u64, "{} out of bounds", t.name);
+        }
+    }
+});

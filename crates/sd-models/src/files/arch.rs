@@ -1,0 +1,267 @@
+//! Architecture detection through an in-binary registry (`inventory`).
+//!
+//! Each model family submits an [`ArchSpec`] from its own file; [`detect`] asks every
+//! registered spec whether the tensors are its own. Exactly one must answer: none is an
+//! error that lists what was found (notable tensors, shapes and name prefixes), more than
+//! one is an error naming the candidates. No central `match` has to grow when a family
+//! is added, and a binary links a family by `use`-ing the module that registers it.
+//!
+//! Prediction type (eps or v) comes, in order, from the user's override (`--prediction`),
+//! from file metadata ([`prediction_from_metadata`]), or stays unknown. sd.cpp decides an
+//! SD 2.x file without metadata by running the UNet once on a probe input; that needs the
+//! model graph, so here it is reported as unknown and left to the caller.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use super::error::FilesError;
+use super::index::TensorIndex;
+
+/// One registered model architecture.
+#[derive(Debug)]
+pub struct ArchSpec {
+    /// Short unique name (`"sd1"`).
+    pub name: &'static str,
+    /// What users call it (`"Stable Diffusion 1.x"`).
+    pub description: &'static str,
+    /// Returns the detection when the tensors are of this architecture.
+    pub detect: fn(&TensorIndex) -> Option<Detected>,
+}
+
+inventory::collect!(ArchSpec);
+
+/// What the noise predictor predicts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Prediction {
+    /// ε-prediction (SD 1.x, SD 2.x base).
+    Eps,
+    /// v-prediction (SD 2.x 768-v).
+    V,
+}
+
+impl fmt::Display for Prediction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Prediction::Eps => "eps",
+            Prediction::V => "v",
+        })
+    }
+}
+
+/// A prediction name no [`Prediction`] has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown prediction type '{given}' (accepted: eps, v)")]
+pub struct UnknownPrediction {
+    pub given: String,
+}
+
+impl FromStr for Prediction {
+    type Err = UnknownPrediction;
+
+    /// Accepts sd.cpp's `eps` / `v` and the spellings found in metadata (`epsilon`,
+    /// `v_prediction`, `v-prediction`), ignoring ASCII case.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "eps" | "epsilon" => Ok(Prediction::Eps),
+            "v" | "v_prediction" | "v-prediction" | "vpred" | "v_pred" => Ok(Prediction::V),
+            _ => Err(UnknownPrediction { given: s.to_owned() }),
+        }
+    }
+}
+
+/// Where the prediction type came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PredictionSource {
+    /// The user's override.
+    Override,
+    /// A metadata key (or marker tensor) of the files.
+    Metadata { key: String },
+    /// The architecture has only one (SD 1.x is always eps).
+    ArchDefault,
+    /// Neither; the caller decides (sd.cpp probes the UNet for SD 2.x).
+    Unknown,
+}
+
+/// The result of detection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Detected {
+    /// [`ArchSpec::name`] of the architecture.
+    pub arch: &'static str,
+    /// Width of the text-encoder output the UNet cross-attends to (768 SD 1.x, 1024 SD 2.x).
+    pub context_dim: u64,
+    pub prediction: Option<Prediction>,
+    pub prediction_source: PredictionSource,
+}
+
+/// Every registered architecture, sorted by name.
+pub fn registered() -> Vec<&'static ArchSpec> {
+    let mut v: Vec<&'static ArchSpec> = inventory::iter::<ArchSpec>.into_iter().collect();
+    v.sort_by_key(|a| a.name);
+    v
+}
+
+/// Metadata keys read for the prediction type, in order. Values are parsed with
+/// [`Prediction::from_str`]; `ss_v_parameterization` (kohya) is a boolean string.
+pub const PREDICTION_KEYS: &[&str] = &[
+    "modelspec.prediction_type",
+    "prediction_type",
+    "diffusers.scheduler.prediction_type",
+    "ss_v_parameterization",
+];
+
+/// The prediction type the files declare: a metadata key of [`PREDICTION_KEYS`], or a
+/// `v_pred` marker tensor (the convention sd.cpp reads for SDXL v-pred files).
+pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
+    for &key in PREDICTION_KEYS {
+        let Some((file, value)) = index.metadata(key) else { continue };
+        let Some(s) = value.as_str() else {
+            tracing::warn!(key, file = %file.path.display(), "prediction metadata is not a string; ignored");
+            continue;
+        };
+        let parsed = if key == "ss_v_parameterization" {
+            match s.to_ascii_lowercase().as_str() {
+                "true" => Some(Prediction::V),
+                "false" => None,
+                _ => None,
+            }
+        } else {
+            s.parse().ok()
+        };
+        match parsed {
+            Some(p) => return Some((p, key.to_owned())),
+            None if key == "ss_v_parameterization" => {}
+            None => tracing::warn!(key, value = s, file = %file.path.display(), "unknown prediction type in metadata; ignored"),
+        }
+    }
+    index.contains("v_pred").then(|| (Prediction::V, "v_pred".to_owned()))
+}
+
+/// Detects the architecture of `index` with the registered specs; `prediction` overrides
+/// what the files say.
+pub fn detect(index: &TensorIndex, prediction: Option<Prediction>) -> Result<Detected, FilesError> {
+    let specs = registered();
+    let found: Vec<(&ArchSpec, Detected)> = specs.iter().filter_map(|s| (s.detect)(index).map(|d| (*s, d))).collect();
+    match found.len() {
+        0 => Err(FilesError::UnknownArchitecture {
+            known: specs.iter().map(|s| format!("{} ({})", s.name, s.description)).collect::<Vec<_>>().join(", "),
+            found: summarize(index),
+        }),
+        1 => {
+            let (spec, mut d) = found.into_iter().next().expect("one element");
+            if let Some(p) = prediction {
+                d.prediction = Some(p);
+                d.prediction_source = PredictionSource::Override;
+            }
+            tracing::info!(arch = spec.name, prediction = ?d.prediction, source = ?d.prediction_source, "model architecture detected");
+            Ok(d)
+        }
+        _ => Err(FilesError::AmbiguousArchitecture { candidates: found.iter().map(|(s, _)| s.name).collect() }),
+    }
+}
+
+/// A short description of what the index holds, for the unknown-architecture error.
+pub fn summarize(index: &TensorIndex) -> String {
+    if index.is_empty() {
+        return "no tensors at all".to_owned();
+    }
+    let mut prefixes: BTreeMap<String, usize> = BTreeMap::new();
+    for e in index.entries() {
+        let mut parts = e.name.split('.');
+        let head = match (parts.next(), parts.next()) {
+            (Some(a), Some(b)) if !b.is_empty() => format!("{a}.{b}"),
+            (Some(a), _) => a.to_owned(),
+            _ => String::new(),
+        };
+        *prefixes.entry(head).or_default() += 1;
+    }
+    let mut top: Vec<(String, usize)> = prefixes.into_iter().collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut out = format!("{} tensors; prefixes: ", index.len());
+    out += &top.iter().take(8).map(|(p, n)| format!("{p}.* ({n})")).collect::<Vec<_>>().join(", ");
+    if top.len() > 8 {
+        out += &format!(", and {} more", top.len() - 8);
+    }
+    let notable = [
+        sd::TOKEN_EMBEDDING,
+        sd::UNET_CONV_IN,
+        sd::UNET_CROSS_ATTN_K,
+        "model.diffusion_model.middle_block.1.norm.weight",
+        "first_stage_model.decoder.conv_in.weight",
+    ];
+    let shapes: Vec<String> = notable
+        .iter()
+        .filter_map(|n| index.get(n).map(|e| format!("{} {:?}", e.name, e.shape)))
+        .collect();
+    if shapes.is_empty() {
+        out += "; none of the SD tensors this build knows (";
+        out += &notable[..3].join(", ");
+        out += ")";
+    } else {
+        out += "; notable: ";
+        out += &shapes.join(", ");
+    }
+    let examples: Vec<&str> = index.entries().iter().take(3).map(|e| e.original_name.as_str()).collect();
+    out += &format!("; first stored names: {}", examples.join(", "));
+    out
+}
+
+/// SD 1.x and SD 2.x (UNet with CLIP ViT-L/14 or OpenCLIP ViT-H/14 text encoder).
+pub mod sd {
+    use super::*;
+
+    /// The text encoder's token embedding, `[vocab, width]`.
+    pub const TOKEN_EMBEDDING: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
+    /// The UNet's input convolution, `[320, in_channels, 3, 3]`.
+    pub const UNET_CONV_IN: &str = "model.diffusion_model.input_blocks.0.0.weight";
+    /// The first cross-attention key projection, `[320, context_dim]`.
+    pub const UNET_CROSS_ATTN_K: &str = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight";
+
+    /// The facts both SD 1.x and 2.x detection read, as sd.cpp's `get_sd_version` does:
+    /// a UNet with a middle block and 4 latent input channels (9 is inpainting, 8 is
+    /// instruct-pix2pix; both other architectures), one text encoder (a second is SDXL),
+    /// and the context width from the text encoder's token embedding, or from the UNet's
+    /// cross-attention when only the UNet is given. When both are present they must agree.
+    pub fn context_width(index: &TensorIndex) -> Option<u64> {
+        let conv_in = index.get(UNET_CONV_IN)?;
+        if conv_in.shape.len() != 4 || conv_in.shape[1] != 4 {
+            return None;
+        }
+        if !index.with_prefix("model.diffusion_model.middle_block.1.").any(|_| true) {
+            return None;
+        }
+        if index.with_prefix("cond_stage_model.1.").any(|_| true) {
+            return None;
+        }
+        let from_te = index.get(TOKEN_EMBEDDING).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));
+        let from_unet = index.get(UNET_CROSS_ATTN_K).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));
+        match (from_te, from_unet) {
+            (Some(a), Some(b)) if a != b => None,
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn detected(index: &TensorIndex, arch: &'static str, context_dim: u64) -> Detected {
+        let (prediction, prediction_source) = match prediction_from_metadata(index) {
+            Some((p, key)) => (Some(p), PredictionSource::Metadata { key }),
+            None if arch == "sd1" => (Some(Prediction::Eps), PredictionSource::ArchDefault),
+            None => (None, PredictionSource::Unknown),
+        };
+        Detected { arch, context_dim, prediction, prediction_source }
+    }
+
+    fn detect_sd1(index: &TensorIndex) -> Option<Detected> {
+        (context_width(index)? == 768).then(|| detected(index, "sd1", 768))
+    }
+
+    fn detect_sd2(index: &TensorIndex) -> Option<Detected> {
+        (context_width(index)? == 1024).then(|| detected(index, "sd2", 1024))
+    }
+
+    inventory::submit! {
+        ArchSpec { name: "sd1", description: "Stable Diffusion 1.x", detect: detect_sd1 }
+    }
+    inventory::submit! {
+        ArchSpec { name: "sd2", description: "Stable Diffusion 2.x", detect: detect_sd2 }
+    }
+}

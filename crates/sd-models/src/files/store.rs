@@ -1,0 +1,373 @@
+//! Opening model files: memory maps, format sniffing, diffusers folders, component files.
+//!
+//! Every file is memory-mapped and only its header is parsed, so opening a multi-GiB
+//! checkpoint touches a few header pages and costs milliseconds; tensor bytes are paged in
+//! only when [`ModelFiles::bytes`] slices are read.
+//!
+//! Sources combine as in sd.cpp: `-m` (a single-file checkpoint, a GGUF, or a diffusers
+//! folder) first, then the component files `--diffusion-model`, `--vae`, `--clip_l`,
+//! `--taesd`. A component file **replaces** every tensor of its component that earlier
+//! sources gave (so `-m model.safetensors --vae other.safetensors` uses the other VAE whole,
+//! never a mix); sd.cpp gets the same effect by letting later names overwrite earlier ones.
+//! Within one file, two stored names that normalize to one internal name are an error.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::arch::{self, Detected, Prediction};
+use super::error::{FilesError, FormatError};
+use super::gguf::{self, GgufValue};
+use super::index::{prefix_component, Component, FileFormat, SourceFile, TensorEntry, TensorIndex};
+use super::names::{normalize, FileRole, Normalized, QkvPart};
+use super::safetensors::{self, expected_bytes};
+use super::RawTensor;
+
+/// The model files a user named (the reference's `-m`, `--diffusion-model`, `--vae`,
+/// `--clip_l`, `--taesd`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelSources {
+    /// `-m`: a single-file checkpoint (safetensors or GGUF) or a diffusers folder.
+    pub model: Option<PathBuf>,
+    /// `--diffusion-model`: the UNet alone.
+    pub diffusion_model: Option<PathBuf>,
+    /// `--vae`: the VAE alone.
+    pub vae: Option<PathBuf>,
+    /// `--clip_l`: the CLIP-L text encoder alone.
+    pub clip_l: Option<PathBuf>,
+    /// `--taesd`: the tiny autoencoder.
+    pub taesd: Option<PathBuf>,
+}
+
+impl ModelSources {
+    /// Sources with only `-m`.
+    pub fn model(path: impl Into<PathBuf>) -> Self {
+        ModelSources { model: Some(path.into()), ..Self::default() }
+    }
+}
+
+enum Mapping {
+    Map(Mmap),
+    /// A zero-length file (which cannot be mapped); it is rejected as truncated anyway.
+    Empty,
+}
+
+impl Mapping {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Mapping::Map(m) => m,
+            Mapping::Empty => &[],
+        }
+    }
+}
+
+/// The opened model: a [`TensorIndex`] plus the memory maps its byte ranges point into.
+pub struct ModelFiles {
+    index: TensorIndex,
+    maps: Vec<Mapping>,
+}
+
+impl std::fmt::Debug for ModelFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelFiles").field("files", &self.index.files()).field("tensors", &self.index.len()).finish()
+    }
+}
+
+/// One parsed file, before its names are normalized.
+struct Parsed {
+    file: SourceFile,
+    map: Mapping,
+    raw: Vec<RawTensor>,
+}
+
+impl ModelFiles {
+    /// Opens every file of `sources`, parses their headers and builds the index.
+    pub fn open(sources: &ModelSources) -> Result<Self, FilesError> {
+        let mut parsed: Vec<Parsed> = Vec::new();
+        if let Some(m) = &sources.model {
+            if m.is_dir() {
+                parsed.extend(open_diffusers(m)?);
+            } else {
+                parsed.push(open_file(m, FileRole::Checkpoint)?);
+            }
+        }
+        let components = [
+            (&sources.diffusion_model, FileRole::DiffusionModel),
+            (&sources.vae, FileRole::Vae),
+            (&sources.clip_l, FileRole::TextEncoder(0)),
+            (&sources.taesd, FileRole::Taesd),
+        ];
+        for (path, role) in components {
+            if let Some(p) = path {
+                parsed.push(open_file(p, role)?);
+            }
+        }
+        if parsed.is_empty() {
+            return Err(FilesError::NoModel);
+        }
+
+        let mut files = Vec::with_capacity(parsed.len());
+        let mut maps = Vec::with_capacity(parsed.len());
+        let mut entries: Vec<TensorEntry> = Vec::new();
+        for (i, p) in parsed.into_iter().enumerate() {
+            let new = file_entries(i, &p.file, p.raw)?;
+            if let Some(replaced) = replaced_component(p.file.role) {
+                let before = entries.len();
+                entries.retain(|e| prefix_component(&e.name) != replaced);
+                if entries.len() != before {
+                    tracing::info!(
+                        file = %p.file.path.display(),
+                        replaced = before - entries.len(),
+                        ?replaced,
+                        "component file replaces the tensors of this component given earlier"
+                    );
+                }
+            }
+            entries.extend(new);
+            files.push(p.file);
+            maps.push(p.map);
+        }
+        let index = TensorIndex::new(files, entries)?;
+        tracing::debug!(tensors = index.len(), files = index.files().len(), "model files indexed");
+        Ok(ModelFiles { index, maps })
+    }
+
+    /// Opens a single checkpoint, GGUF or diffusers folder (`-m` alone).
+    pub fn open_model(path: impl Into<PathBuf>) -> Result<Self, FilesError> {
+        Self::open(&ModelSources::model(path))
+    }
+
+    /// The index of every tensor.
+    pub fn index(&self) -> &TensorIndex {
+        &self.index
+    }
+
+    /// The stored bytes of `entry`, borrowed from the memory map (paged in on first read).
+    ///
+    /// # Panics
+    /// If `entry` does not come from this `ModelFiles` (its file index or byte range does not
+    /// fit): that is a bug of the caller, since every range was checked at open.
+    pub fn bytes(&self, entry: &TensorEntry) -> &[u8] {
+        let map = self.maps.get(entry.file).expect("TensorEntry from another ModelFiles").bytes();
+        let (start, end) = (entry.offset as usize, (entry.offset + entry.len) as usize);
+        map.get(start..end).expect("TensorEntry byte range was validated at open")
+    }
+
+    /// The entry and bytes of the tensor with this internal name.
+    pub fn tensor(&self, name: &str) -> Option<(&TensorEntry, &[u8])> {
+        self.index.get(name).map(|e| (e, self.bytes(e)))
+    }
+
+    /// Detects the architecture with the registered [`arch::ArchSpec`]s; `prediction`
+    /// overrides what the files say (`--prediction`).
+    pub fn detect(&self, prediction: Option<Prediction>) -> Result<Detected, FilesError> {
+        arch::detect(&self.index, prediction)
+    }
+}
+
+fn replaced_component(role: FileRole) -> Option<Component> {
+    match role {
+        FileRole::DiffusionModel => Some(Component::Diffusion),
+        FileRole::Vae => Some(Component::Vae),
+        FileRole::TextEncoder(i) => Some(Component::TextEncoder(i)),
+        FileRole::Taesd => Some(Component::Taesd),
+        FileRole::Checkpoint => None,
+    }
+}
+
+fn io_err(path: &Path, error: std::io::Error) -> FilesError {
+    FilesError::Io { path: path.to_owned(), error }
+}
+
+fn map_file(path: &Path) -> Result<(Mapping, u64), FilesError> {
+    let file = File::open(path).map_err(|e| io_err(path, e))?;
+    let len = file.metadata().map_err(|e| io_err(path, e))?.len();
+    if len == 0 {
+        return Ok((Mapping::Empty, 0));
+    }
+    // SAFETY: the map is read-only and lives as long as the slices borrowed from it. Another
+    // process truncating or rewriting the file while it is mapped would change or fault
+    // those bytes; like every mmap-based model loader (and ripgrep's mmap searcher), we accept
+    // that a model file is not modified while it is in use.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
+    Ok((Mapping::Map(map), len))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sniffed {
+    Safetensors,
+    Gguf,
+}
+
+fn sniff(path: &Path, bytes: &[u8]) -> Option<Sniffed> {
+    if bytes.starts_with(&gguf::MAGIC) {
+        return Some(Sniffed::Gguf);
+    }
+    let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("gguf") => Some(Sniffed::Gguf),
+        Some("safetensors") => Some(Sniffed::Safetensors),
+        _ if bytes.get(8) == Some(&b'{') => Some(Sniffed::Safetensors),
+        _ => None,
+    }
+}
+
+/// Maps and parses one file.
+fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
+    let (map, len) = map_file(path)?;
+    let bytes = map.bytes();
+    let malformed = |problem: FormatError| FilesError::Malformed { path: path.to_owned(), problem };
+    let (format, metadata, raw) = match sniff(path, bytes) {
+        Some(Sniffed::Safetensors) => {
+            let h = safetensors::parse(bytes).map_err(malformed)?;
+            let meta = h.metadata.into_iter().map(|(k, v)| (k, GgufValue::String(v))).collect();
+            (FileFormat::Safetensors, meta, h.tensors)
+        }
+        Some(Sniffed::Gguf) => {
+            let h = gguf::parse(bytes).map_err(malformed)?;
+            (FileFormat::Gguf { version: h.version, alignment: h.alignment }, h.metadata, h.tensors)
+        }
+        None => {
+            return Err(FilesError::UnknownFormat {
+                path: path.to_owned(),
+                first_bytes: bytes.iter().take(16).copied().collect(),
+            })
+        }
+    };
+    tracing::debug!(path = %path.display(), ?format, ?role, tensors = raw.len(), "parsed model file header");
+    Ok(Parsed { file: SourceFile { path: path.to_owned(), format, role, len, metadata }, map, raw })
+}
+
+/// The entries of one file: names normalized, fused q/k/v projections split.
+fn file_entries(file: usize, sf: &SourceFile, raw: Vec<RawTensor>) -> Result<Vec<TensorEntry>, FilesError> {
+    let mut out: Vec<TensorEntry> = Vec::with_capacity(raw.len());
+    let own = replaced_component(sf.role);
+    let mut foreign = 0usize;
+    for t in raw {
+        let normalized = normalize(&t.name, sf.role);
+        let first = match &normalized {
+            Normalized::One(n) => n,
+            Normalized::Split(n) => &n[0],
+        };
+        let c = prefix_component(first);
+        if own.is_some_and(|own| c != own && c != Component::Other) {
+            foreign += 1;
+            continue;
+        }
+        match normalized {
+            Normalized::One(name) => out.push(TensorEntry {
+                name,
+                original_name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+                file,
+                offset: t.offset,
+                len: t.len,
+                part: None,
+            }),
+            Normalized::Split(names) => {
+                let bad = |problem| FilesError::BadFusedProjection {
+                    path: sf.path.clone(),
+                    tensor: t.name.clone(),
+                    shape: t.shape.clone(),
+                    dtype: t.dtype.name().to_owned(),
+                    problem,
+                };
+                let Some(&rows) = t.shape.first() else {
+                    return Err(bad("it is a scalar"));
+                };
+                if rows % 3 != 0 || rows == 0 {
+                    return Err(bad("its first dimension is not a positive multiple of 3"));
+                }
+                let mut shape = t.shape.clone();
+                shape[0] = rows / 3;
+                let third = expected_bytes(&t.name, t.dtype, &shape)
+                    .map_err(|problem| FilesError::Malformed { path: sf.path.clone(), problem })?;
+                if third.checked_mul(3) != Some(t.len) {
+                    return Err(bad("its bytes do not divide into three equal row blocks"));
+                }
+                for (k, (name, part)) in names.into_iter().zip([QkvPart::Q, QkvPart::K, QkvPart::V]).enumerate() {
+                    out.push(TensorEntry {
+                        name,
+                        original_name: t.name.clone(),
+                        dtype: t.dtype,
+                        shape: shape.clone(),
+                        file,
+                        offset: t.offset + k as u64 * third,
+                        len: third,
+                        part: Some(part),
+                    });
+                }
+            }
+        }
+    }
+    if foreign > 0 {
+        tracing::warn!(
+            file = %sf.path.display(),
+            skipped = foreign,
+            "component file also holds tensors of other components; only its own are used"
+        );
+    }
+    Ok(out)
+}
+
+/// The safetensors file of one diffusers component folder, if present (the fp16 variant as
+/// a fallback).
+fn diffusers_file(root: &Path, folder: &str, stem: &str) -> Option<PathBuf> {
+    [format!("{stem}.safetensors"), format!("{stem}.fp16.safetensors")]
+        .into_iter()
+        .map(|f| root.join(folder).join(f))
+        .find(|p| p.is_file())
+}
+
+fn read_json(root: &Path, rel: &str) -> Result<Option<serde_json::Value>, FilesError> {
+    let path = root.join(rel);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| FilesError::Diffusers { path: root.to_owned(), problem: format!("{rel} is not valid JSON: {e}") })?;
+    if !value.is_object() {
+        return Err(FilesError::Diffusers { path: root.to_owned(), problem: format!("{rel} is not a JSON object") });
+    }
+    Ok(Some(value))
+}
+
+/// The files of a diffusers folder: `unet/` (required), `vae/`, `text_encoder/`,
+/// `text_encoder_2/` (optional, each with a warning when missing as sd.cpp does).
+fn open_diffusers(root: &Path) -> Result<Vec<Parsed>, FilesError> {
+    match read_json(root, "model_index.json")? {
+        Some(index) => tracing::debug!(
+            class = index.get("_class_name").and_then(|c| c.as_str()).unwrap_or("?"),
+            "diffusers model_index.json"
+        ),
+        None => tracing::warn!(path = %root.display(), "diffusers folder has no model_index.json"),
+    }
+    let Some(unet) = diffusers_file(root, "unet", "diffusion_pytorch_model") else {
+        return Err(FilesError::Diffusers {
+            path: root.to_owned(),
+            problem: "missing unet/diffusion_pytorch_model.safetensors (only safetensors weights are read)".into(),
+        });
+    };
+    let mut out = vec![open_file(&unet, FileRole::DiffusionModel)?];
+    if let Some(sched) = read_json(root, "scheduler/scheduler_config.json")? {
+        if let Some(p) = sched.get("prediction_type").and_then(|p| p.as_str()) {
+            out[0].file.metadata.push(("diffusers.scheduler.prediction_type".into(), GgufValue::String(p.to_owned())));
+        }
+    }
+    let parts = [
+        ("vae", "diffusion_pytorch_model", FileRole::Vae),
+        ("text_encoder", "model", FileRole::TextEncoder(0)),
+        ("text_encoder_2", "model", FileRole::TextEncoder(1)),
+    ];
+    for (folder, stem, role) in parts {
+        match diffusers_file(root, folder, stem) {
+            Some(p) => out.push(open_file(&p, role)?),
+            None if folder == "text_encoder_2" => {}
+            None => tracing::warn!(path = %root.display(), folder, "diffusers folder has no {folder}/{stem}.safetensors"),
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,13 @@
+//! Model files, text encoders, diffusion models and samplers.
+//!
+//! The crate is split by concern, one module per folder:
+//! - [`files`]: memory-mapped safetensors / GGUF / diffusers folders, tensor-name
+//!   normalization, architecture detection.
+//! - [`fixture`]: checkpoints with the real tensor layout and small random weights.
+//! - [`text`]: the CLIP BPE tokenizer and prompt weighting.
+//! - [`sampling`]: noise generators (Philox, mt19937), schedulers and samplers.
+
+pub mod files;
+pub mod fixture;
+pub mod sampling;
+pub mod text;

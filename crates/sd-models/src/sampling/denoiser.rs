@@ -1,0 +1,208 @@
+//! Turning a raw UNet output into the denoised estimate the samplers need (k-diffusion style).
+//!
+//! The samplers only ever ask "what is the clean latent for `x` at noise level `sigma`?". For an
+//! SD checkpoint that answer is assembled from the UNet's raw prediction exactly as the reference
+//! does it: scalings `c_skip, c_out, c_in` of the parameterisation (CompVis eps or v), the model
+//! input `x * c_in`, the timestep `t = sigma_to_t(sigma)` from the discrete schedule,
+//! classifier-free guidance `uncond + cfg * (cond - uncond)` (the unconditional pass only when
+//! `cfg != 1`), then `pred * c_out + x * c_skip`.
+//!
+//! [`GuidedDenoiser`] does that around a caller-supplied model callback, so the pipeline can run
+//! the UNet once per sigma on cond and uncond together (one batch) and hand back both outputs.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::schedule::DiscreteSchedule;
+use super::{parse_name, SamplingError, Step};
+
+/// What the diffusion model predicts (`--prediction`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Prediction {
+    /// Noise (epsilon) prediction: SD 1.x, SD 2.x base (512), SD-Turbo.
+    Eps,
+    /// Velocity prediction: SD 2.x 768-v.
+    V,
+}
+
+impl Prediction {
+    /// The parameterisations implemented here.
+    pub const ALL: [Prediction; 2] = [Prediction::Eps, Prediction::V];
+
+    /// Names the reference accepts that are not implemented here.
+    pub const NOT_IMPLEMENTED: [&'static str; 4] = ["edm_v", "sd3_flow", "flux_flow", "flux2_flow"];
+
+    /// The name the reference's CLI accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Prediction::Eps => "eps",
+            Prediction::V => "v",
+        }
+    }
+
+    /// The k-diffusion scalings at `sigma` (sigma_data = 1), in the reference's operation order.
+    pub fn scalings(self, sigma: f32) -> Scalings {
+        const SIGMA_DATA: f32 = 1.0;
+        let var = sigma * sigma + SIGMA_DATA * SIGMA_DATA;
+        let c_in = 1.0 / var.sqrt();
+        match self {
+            Prediction::Eps => Scalings {
+                c_skip: 1.0,
+                c_out: -sigma,
+                c_in,
+            },
+            Prediction::V => Scalings {
+                c_skip: SIGMA_DATA * SIGMA_DATA / var,
+                c_out: -sigma * SIGMA_DATA / var.sqrt(),
+                c_in,
+            },
+        }
+    }
+}
+
+impl fmt::Display for Prediction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Prediction {
+    type Err = SamplingError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_name(
+            "prediction",
+            s,
+            &Prediction::ALL,
+            |k| k.name(),
+            &Prediction::NOT_IMPLEMENTED,
+        )
+    }
+}
+
+/// `denoised = model_output * c_out + x * c_skip`, with the model fed `x * c_in`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scalings {
+    /// Weight of the noisy input in the denoised estimate.
+    pub c_skip: f32,
+    /// Weight of the model output in the denoised estimate.
+    pub c_out: f32,
+    /// Scale applied to the noisy input before the model sees it.
+    pub c_in: f32,
+}
+
+/// What the model callback of a [`GuidedDenoiser`] is asked to compute.
+#[derive(Debug)]
+pub struct ModelInput<'a> {
+    /// The model's input latent, already scaled: `x * c_in`.
+    pub x: &'a [f32],
+    /// The (fractional) timestep for the model's time embedding: `sigma_to_t(sigma)`.
+    pub timestep: f32,
+    /// The noise level being denoised (for logging; the model uses `timestep`).
+    pub sigma: f32,
+    /// Which sampling step this evaluation belongs to.
+    pub step: Step,
+    /// Whether the unconditional (negative-prompt) output is needed as well (`cfg != 1`).
+    pub uncond: bool,
+}
+
+/// The model callback's answer: the conditional output, and the unconditional one if asked.
+#[derive(Clone, Debug, Default)]
+pub struct ModelOutput {
+    /// Output for the prompt's conditioning.
+    pub cond: Vec<f32>,
+    /// Output for the negative prompt's conditioning; required when [`ModelInput::uncond`] is set.
+    pub uncond: Option<Vec<f32>>,
+}
+
+/// A denoiser for the samplers built from a raw model callback, a parameterisation, the
+/// discrete schedule (for timesteps) and a classifier-free-guidance scale.
+pub struct GuidedDenoiser<'s, F> {
+    schedule: &'s DiscreteSchedule,
+    prediction: Prediction,
+    cfg_scale: f32,
+    model: F,
+}
+
+impl<F> fmt::Debug for GuidedDenoiser<'_, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuidedDenoiser")
+            .field("prediction", &self.prediction)
+            .field("cfg_scale", &self.cfg_scale)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'s, F> GuidedDenoiser<'s, F> {
+    /// Wraps `model`; with `cfg_scale == 1` the unconditional pass is never requested.
+    pub fn new(
+        schedule: &'s DiscreteSchedule,
+        prediction: Prediction,
+        cfg_scale: f32,
+        model: F,
+    ) -> Self {
+        GuidedDenoiser {
+            schedule,
+            prediction,
+            cfg_scale,
+            model,
+        }
+    }
+
+    /// Whether each evaluation needs the unconditional output (the reference: `cfg != 1`).
+    pub fn uses_uncond(&self) -> bool {
+        self.cfg_scale != 1.0
+    }
+
+    /// The denoised estimate of `x` at `sigma`: one model evaluation (cond and, if guided, uncond).
+    pub fn denoise<E>(&mut self, x: &[f32], sigma: f32, step: Step) -> Result<Vec<f32>, E>
+    where
+        F: FnMut(ModelInput<'_>) -> Result<ModelOutput, E>,
+        E: From<SamplingError>,
+    {
+        let Scalings {
+            c_skip,
+            c_out,
+            c_in,
+        } = self.prediction.scalings(sigma);
+        let timestep = self.schedule.sigma_to_t(sigma);
+        let x_in: Vec<f32> = x.iter().map(|&v| v * c_in).collect();
+        let uncond = self.uses_uncond();
+        let out = (self.model)(ModelInput {
+            x: &x_in,
+            timestep,
+            sigma,
+            step,
+            uncond,
+        })?;
+        check_len("model output (cond)", x.len(), out.cond.len())?;
+        let mut pred = out.cond;
+        if uncond {
+            let Some(u) = out.uncond else {
+                return Err(SamplingError::MissingUncond.into());
+            };
+            check_len("model output (uncond)", x.len(), u.len())?;
+            let cfg = self.cfg_scale;
+            for (p, &u) in pred.iter_mut().zip(&u) {
+                *p = u + cfg * (*p - u);
+            }
+        }
+        Ok(pred
+            .iter()
+            .zip(x)
+            .map(|(&p, &xv)| p * c_out + xv * c_skip)
+            .collect())
+    }
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), SamplingError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(SamplingError::LengthMismatch {
+            what,
+            expected,
+            got,
+        })
+    }
+}

@@ -1,0 +1,52 @@
+//! Text side of generation: the CLIP BPE tokenizer, prompt weighting and chunking.
+//!
+//! The goal is token-for-token agreement with stable-diffusion.cpp, so that the text encoder
+//! sees exactly the ids and per-token weights the reference would feed it. Where the
+//! reference departs from upstream CLIP or from A1111, we follow the reference and say so:
+//!
+//! - [`ClipTokenizer`] is CLIP's byte-level BPE (49408 ids, `</w>` end-of-word suffix) with
+//!   the reference's text cleanup: ASCII whitespace collapsed, ASCII-only lowercasing, no
+//!   ftfy or HTML unescaping, and a pre-tokenizer whose letter and digit classes are ASCII
+//!   (the reference runs `std::regex` over bytes). For ASCII prompts this is upstream CLIP.
+//! - [`parse_prompt_attention`] reads the A1111 weighting syntax (`(x)`, `(x:1.3)`, `[x]`,
+//!   escapes, `BREAK`) with the reference's quirks, in `f32` like the reference.
+//! - [`ClipTokenizer::tokenize_weighted`] turns a prompt into [`Chunk`]s of 77 ids (BOS, up to
+//!   75 tokens, EOS, padding) with a weight per id, ready for the encoder; the pad id per
+//!   model family lives in [`ChunkConfig`].
+//!
+//! The vocabulary is OpenAI CLIP's `bpe_simple_vocab_16e6.txt.gz`, embedded in the binary
+//! (see `crates/sd-models/data/README.md` for its origin and license) and parsed once per
+//! process. Textual-inversion embeddings and LoRA tags are not handled here.
+
+mod chunk;
+mod prompt;
+mod tokenizer;
+
+pub use chunk::{Chunk, ChunkConfig};
+pub use prompt::{parse_prompt_attention, PromptFragment};
+pub use tokenizer::{ClipTokenizer, BOS_ID, EOS_ID, VOCAB_SIZE};
+
+/// Why a prompt could not be turned into encoder input.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum TokenizeError {
+    /// `(text:W)` where `W` holds no number (the reference aborts on these).
+    #[error(
+        "prompt weight `{weight}` at byte {offset} is not a number; \
+         write a weight like `(word:1.2)` or escape the bracket as `\\(`"
+    )]
+    InvalidWeight { weight: String, offset: usize },
+    /// `(text:W)` where `W` does not fit a normal `f32` (the reference aborts on these).
+    #[error(
+        "prompt weight `{weight}` at byte {offset} is out of range; \
+         weights must be normal f32 numbers such as 0.5 or 1.3"
+    )]
+    WeightOutOfRange { weight: String, offset: usize },
+    /// A [`ChunkConfig`] whose chunks cannot hold BOS, EOS and one token.
+    #[error(
+        "chunk length {0} is too short: a chunk holds BOS, EOS and at least one token (3 or more)"
+    )]
+    ChunkTooShort(usize),
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,452 @@
+//! The entry point [`plan`], its request, and the plan as a serde value with a text rendering.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::autofit::{auto_fit, ram_reserve};
+use crate::budget::{resolve_budgets, BudgetRule};
+use crate::device::{validate_names, Device, DeviceType};
+use crate::error::PlanError;
+use crate::explicit::explicit;
+use crate::memcheck::{check, MemoryCheck, Verdict};
+use crate::model::{ComponentSummary, Module, ModelDescription};
+use crate::placement::{account, names, Layout, Params, Placement};
+use crate::spec::{
+    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Flags,
+};
+use crate::units::{fmt_bytes, fmt_opt};
+
+/// Everything [`plan`] needs: raw flag strings, devices, RAM and the model.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanRequest {
+    /// The flags as given on a command line.
+    #[serde(default)]
+    pub flags: Flags,
+    /// Devices in listing order (ggml's order). A `CPU` device is added when none is listed.
+    pub devices: Vec<Device>,
+    /// Available system RAM in bytes (MemAvailable); `None` when it cannot be read.
+    #[serde(default)]
+    pub ram_available_bytes: Option<u64>,
+    /// The model.
+    pub model: ModelDescription,
+}
+
+/// A contiguous block range on one device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitRange {
+    /// Device name.
+    pub device: String,
+    /// First block index (inclusive).
+    pub first_block: u32,
+    /// Last block index (inclusive).
+    pub last_block: u32,
+    /// Bytes of params this device holds for the module (its blocks; plus the non-block tensors
+    /// on the main device; a row split counts the split tensors' full size on every device).
+    pub param_bytes: u64,
+}
+
+/// How a module is split across devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitKind {
+    /// One runtime device.
+    None,
+    /// Contiguous block ranges.
+    Layer,
+    /// Row-split block weights.
+    Row,
+}
+
+/// Where one module runs and where its params live.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModulePlan {
+    /// The module.
+    pub module: Module,
+    /// Runtime device names; the first is the main device.
+    pub runtime: Vec<String>,
+    /// Where params live: a device name, `disk`, or for a split whose params follow its ranges
+    /// the runtime devices joined by `&`.
+    pub params: String,
+    /// Total params bytes.
+    pub param_bytes: u64,
+    /// Estimated compute reserve on the runtime device(s).
+    pub compute_reserve_bytes: u64,
+    /// Staging space for the largest tensor when params live away from the runtime device.
+    pub staging_bytes: u64,
+    /// Split kind.
+    pub split_mode: SplitKind,
+    /// Per-device block ranges; empty without a split.
+    pub split: Vec<SplitRange>,
+}
+
+/// What one device holds and may hold.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceUsage {
+    /// Device name.
+    pub device: String,
+    /// Device kind.
+    #[serde(rename = "type")]
+    pub kind: DeviceType,
+    /// Reported free memory.
+    pub free_bytes: Option<u64>,
+    /// Reported total memory.
+    pub total_bytes: Option<u64>,
+    /// Planning budget (available RAM for the CPU); `None` = unknown, not checked.
+    pub budget_bytes: Option<u64>,
+    /// The rule the budget comes from.
+    pub budget_rule: BudgetRule,
+    /// Resident params.
+    pub param_bytes: u64,
+    /// Compute space: the largest compute reserve of the modules running here.
+    pub compute_bytes: u64,
+    /// Staging space: the largest tensor of each module running here with params elsewhere.
+    pub staging_bytes: u64,
+    /// `param_bytes + compute_bytes + staging_bytes`.
+    pub used_bytes: u64,
+    /// `used_bytes <= budget_bytes` (true when the budget is unknown).
+    pub fits: bool,
+}
+
+/// A placement plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Whether auto-fit made the placement.
+    pub auto_fit: bool,
+    /// Every device within its budget and the memory check not refusing.
+    pub fits: bool,
+    /// The computing device: auto-fit's main GPU (or the CPU), else diffusion's main device.
+    pub main_device: String,
+    /// Equivalent `--backend` (one entry per present module).
+    pub backend: String,
+    /// Equivalent `--params-backend` (entries where params do not follow the runtime).
+    pub params_backend: String,
+    /// Equivalent `--split-mode` (row entries only).
+    pub split_mode: String,
+    /// Available RAM.
+    pub ram_available_bytes: Option<u64>,
+    /// RAM auto-fit keeps free (max(2 GiB, 10%)); `None` when not auto-fit or RAM unknown.
+    pub ram_reserve_bytes: Option<u64>,
+    /// Per-device usage, in listing order.
+    pub devices: Vec<DeviceUsage>,
+    /// Per-module placement, in backend.md's table order; only modules the model has.
+    pub modules: Vec<ModulePlan>,
+    /// The pre-load memory check.
+    pub memory_check: MemoryCheck,
+    /// Things a person should know.
+    pub warnings: Vec<String>,
+}
+
+/// Makes a plan. Errors only on bad input (flags, devices); a plan that does not fit is a
+/// [`Plan`] with `fits == false` (see [`Plan::ensure_loadable`] for the refusal error).
+pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
+    let mut warnings = Vec::new();
+    validate_names(req.devices.iter().map(|d| d.name.as_str()))
+        .map_err(|reason| PlanError::InvalidDevices { reason })?;
+    let mut devices: Vec<Device> = req.devices.clone();
+    if !devices.iter().any(|d| d.kind == DeviceType::Cpu) {
+        let mut cpu = Device::cpu();
+        if devices.iter().any(|d| d.name.trim().eq_ignore_ascii_case("cpu")) {
+            cpu.name = "CPU-host".into();
+        }
+        devices.push(cpu);
+    }
+    let cpu = devices.iter().position(|d| d.kind == DeviceType::Cpu).unwrap_or(0);
+
+    let flags = &req.flags;
+    let backend_spec = flags.effective_backend();
+    let params_spec = flags.effective_params_backend();
+    let backend = parse_backend(&backend_spec)?;
+    let params = parse_params_backend(&params_spec)?;
+    let split = parse_split_mode(flags.split_mode.as_deref().unwrap_or(""))?;
+    let max_vram = parse_max_vram(flags.max_vram.as_deref().unwrap_or(""))?;
+    let auto_fit_flag = parse_auto_fit(flags.auto_fit.as_deref())?;
+    let ram = req.ram_available_bytes;
+    let budgets = resolve_budgets(&devices, ram, &max_vram, &mut warnings)?;
+
+    let explicit_given = !backend_spec.trim().is_empty() || !params_spec.trim().is_empty();
+    let auto = auto_fit_flag && !explicit_given;
+    if auto_fit_flag && explicit_given && flags.auto_fit.is_some() {
+        warnings.push("--auto-fit on is ignored: explicit --backend/--params-backend assignments disable auto-fit".into());
+    }
+    if auto && !split.is_empty() {
+        warnings.push("--split-mode does not change auto-fit placements (auto-fit never splits a module)".into());
+    }
+
+    let summaries = req.model.summaries();
+    let (placements, main) = if auto {
+        let a = auto_fit(&summaries, &devices, &budgets, ram, cpu, &mut warnings);
+        (a.placements, a.main)
+    } else {
+        let e = explicit(&summaries, &devices, &budgets, &backend, &params, &split, &mut warnings)?;
+        (e.placements, e.main)
+    };
+
+    let usage = account(&summaries, &placements, devices.len());
+    let mut device_usage = Vec::with_capacity(devices.len());
+    for ((d, u), b) in devices.iter().zip(&usage).zip(&budgets) {
+        let fits = b.bytes.is_none_or(|b| u.total() <= b);
+        if !fits {
+            warnings.push(format!(
+                "{} needs {} (params {} + compute {} + staging {}) but its budget is {}",
+                d.name.trim(),
+                fmt_bytes(u.total()),
+                fmt_bytes(u.params),
+                fmt_bytes(u.compute),
+                fmt_bytes(u.staging),
+                fmt_opt(b.bytes)
+            ));
+        }
+        device_usage.push(DeviceUsage {
+            device: d.name.trim().to_string(),
+            kind: d.kind,
+            free_bytes: d.free_bytes,
+            total_bytes: d.total_bytes,
+            budget_bytes: b.bytes,
+            budget_rule: b.rule,
+            param_bytes: u.params,
+            compute_bytes: u.compute,
+            staging_bytes: u.staging,
+            used_bytes: u.total(),
+            fits,
+        });
+    }
+
+    let (file_bytes, from_files) = req.model.file_bytes();
+    if !from_files {
+        warnings.push("no source file sizes given: the memory check uses the sum of tensor sizes".into());
+    }
+    let memory_check = check(&devices, ram, main, file_bytes, flags.no_memory_check);
+    if matches!(memory_check.verdict, Verdict::Warn | Verdict::Refuse) {
+        warnings.push(format!("memory check: {}", memory_check.message));
+    }
+
+    let modules: Vec<ModulePlan> = Module::ALL
+        .iter()
+        .filter_map(|m| {
+            let p = placements.iter().find(|p| p.module == *m)?;
+            let s = summaries.iter().find(|s| s.module == *m)?;
+            Some(module_plan(s, p, &devices))
+        })
+        .collect();
+    let fits = device_usage.iter().all(|u| u.fits) && memory_check.verdict != Verdict::Refuse;
+    let (backend_eq, params_eq, split_eq) = equivalent_flags(&placements, &devices);
+    Ok(Plan {
+        auto_fit: auto,
+        fits,
+        main_device: devices[main].name.trim().to_string(),
+        backend: backend_eq,
+        params_backend: params_eq,
+        split_mode: split_eq,
+        ram_available_bytes: ram,
+        ram_reserve_bytes: if auto { ram.map(ram_reserve) } else { None },
+        devices: device_usage,
+        modules,
+        memory_check,
+        warnings,
+    })
+}
+
+fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> ModulePlan {
+    let runtime = names(devices, &p.layout.devices());
+    let params = match p.params {
+        Params::Disk => "disk".to_string(),
+        Params::Device(d) => devices[d].name.trim().to_string(),
+        Params::Follow => runtime.join("&"),
+    };
+    let offloaded = match (&p.layout, p.params) {
+        (Layout::Single(r), Params::Device(d)) => d != *r,
+        (_, Params::Follow) => false,
+        (Layout::Row(devs), Params::Device(d)) => !devs.contains(&d),
+        _ => true,
+    };
+    let largest = match p.layout {
+        Layout::Single(_) => s.largest_tensor,
+        Layout::Row(_) => s.largest_non_block,
+        Layout::Layer(_) => s.largest_tensor,
+    };
+    let mut split = Vec::new();
+    let (kind, first_all, last_all) = (
+        &p.layout,
+        s.blocks.first().map_or(0, |b| b.index),
+        s.blocks.last().map_or(0, |b| b.index),
+    );
+    let split_mode = match kind {
+        Layout::Single(_) => SplitKind::None,
+        Layout::Layer(ranges) => {
+            for (i, r) in ranges.iter().enumerate() {
+                if r.start == r.end {
+                    continue;
+                }
+                let blocks = &s.blocks[r.start..r.end];
+                let mut bytes = blocks.iter().fold(0u64, |a, b| a.saturating_add(b.bytes));
+                if i == 0 {
+                    bytes = bytes.saturating_add(s.non_block_bytes);
+                }
+                split.push(SplitRange {
+                    device: devices[r.device].name.trim().to_string(),
+                    first_block: blocks[0].index,
+                    last_block: blocks[blocks.len() - 1].index,
+                    param_bytes: bytes,
+                });
+            }
+            SplitKind::Layer
+        }
+        Layout::Row(devs) => {
+            let split_bytes = s.param_bytes.saturating_sub(s.non_block_bytes);
+            for (i, &d) in devs.iter().enumerate() {
+                let own_non_block = i == 0 && matches!(p.params, Params::Follow);
+                split.push(SplitRange {
+                    device: devices[d].name.trim().to_string(),
+                    first_block: first_all,
+                    last_block: last_all,
+                    param_bytes: if own_non_block { split_bytes.saturating_add(s.non_block_bytes) } else { split_bytes },
+                });
+            }
+            SplitKind::Row
+        }
+    };
+    ModulePlan {
+        module: s.module,
+        runtime,
+        params,
+        param_bytes: s.param_bytes,
+        compute_reserve_bytes: s.module.compute_reserve(),
+        staging_bytes: if offloaded { largest } else { 0 },
+        split_mode,
+        split,
+    }
+}
+
+fn equivalent_flags(placements: &[Placement], devices: &[Device]) -> (String, String, String) {
+    let mut backend = Vec::new();
+    let mut params = Vec::new();
+    let mut split = Vec::new();
+    let mut sorted: Vec<&Placement> = placements.iter().collect();
+    sorted.sort_by_key(|p| Module::PRIORITY.iter().position(|m| *m == p.module));
+    for p in sorted {
+        let m = p.module.name();
+        backend.push(format!("{m}={}", names(devices, &p.layout.devices()).join("&")));
+        match (&p.layout, p.params) {
+            (_, Params::Disk) => params.push(format!("{m}=disk")),
+            (Layout::Single(r), Params::Device(d)) if d == *r => {}
+            (_, Params::Device(d)) => params.push(format!("{m}={}", devices[d].name.trim())),
+            (_, Params::Follow) => {}
+        }
+        if matches!(p.layout, Layout::Row(_)) {
+            split.push(format!("{m}=row"));
+        }
+    }
+    (backend.join(","), params.join(","), split.join(","))
+}
+
+impl Plan {
+    /// `Err(PlanError::MemoryRefused)` when the memory check refuses the model: a loader calls
+    /// this before loading.
+    pub fn ensure_loadable(&self) -> Result<(), PlanError> {
+        let mc = &self.memory_check;
+        if mc.verdict != Verdict::Refuse {
+            return Ok(());
+        }
+        Err(PlanError::MemoryRefused {
+            estimate_bytes: mc.estimate_bytes,
+            limit_bytes: mc.limit_bytes.unwrap_or(0),
+            figures: mc.figures.clone(),
+            device: mc.device.clone().unwrap_or_default(),
+        })
+    }
+
+    /// The plan as pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// The plan for a person.
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "placement plan: {} (auto-fit {}, computing on {})",
+            if self.fits { "fits" } else { "DOES NOT FIT" },
+            if self.auto_fit { "on" } else { "off" },
+            self.main_device
+        );
+        let _ = writeln!(o, "devices:");
+        for d in &self.devices {
+            let _ = writeln!(
+                o,
+                "  {:<10} {:<5} free {:>11}  budget {:>11} ({})  params {:>11}  compute {:>11}  staging {:>10}  used {:>11}  {}",
+                d.device,
+                d.kind.name(),
+                fmt_opt(d.free_bytes),
+                fmt_opt(d.budget_bytes),
+                d.budget_rule.describe(),
+                fmt_bytes(d.param_bytes),
+                fmt_bytes(d.compute_bytes),
+                fmt_bytes(d.staging_bytes),
+                fmt_bytes(d.used_bytes),
+                if d.budget_bytes.is_none() { "unchecked" } else if d.fits { "ok" } else { "OVER BUDGET" }
+            );
+        }
+        if let Some(r) = self.ram_reserve_bytes {
+            let _ = writeln!(o, "  RAM kept free by auto-fit: {}", fmt_bytes(r));
+        }
+        let _ = writeln!(o, "modules:");
+        for m in &self.modules {
+            let _ = write!(
+                o,
+                "  {:<11} runtime {:<12} params {:<12} {:>11}  reserve {}",
+                m.module.name(),
+                m.runtime.join("&"),
+                m.params,
+                fmt_bytes(m.param_bytes),
+                fmt_bytes(m.compute_reserve_bytes)
+            );
+            if m.staging_bytes > 0 {
+                let _ = write!(o, " + staging {}", fmt_bytes(m.staging_bytes));
+            }
+            let _ = writeln!(o);
+            for r in &m.split {
+                let _ = writeln!(
+                    o,
+                    "      {} split: {} blocks {}..={} ({})",
+                    match m.split_mode {
+                        SplitKind::Row => "row",
+                        _ => "layer",
+                    },
+                    r.device,
+                    r.first_block,
+                    r.last_block,
+                    fmt_bytes(r.param_bytes)
+                );
+            }
+        }
+        let _ = writeln!(
+            o,
+            "memory check: {} (estimate {}){}",
+            match self.memory_check.verdict {
+                Verdict::Ok => "ok",
+                Verdict::Warn => "warn",
+                Verdict::Refuse => "refuse",
+                Verdict::Skipped => "skipped",
+            },
+            fmt_bytes(self.memory_check.estimate_bytes),
+            if self.memory_check.message.is_empty() { String::new() } else { format!(": {}", self.memory_check.message) }
+        );
+        let _ = write!(o, "equivalent flags: --backend \"{}\"", self.backend);
+        if !self.params_backend.is_empty() {
+            let _ = write!(o, " --params-backend \"{}\"", self.params_backend);
+        }
+        if !self.split_mode.is_empty() {
+            let _ = write!(o, " --split-mode \"{}\"", self.split_mode);
+        }
+        let _ = writeln!(o);
+        if !self.warnings.is_empty() {
+            let _ = writeln!(o, "warnings:");
+            for w in &self.warnings {
+                let _ = writeln!(o, "  - {w}");
+            }
+        }
+        o
+    }
+}

@@ -1,0 +1,387 @@
+//! The placement language: `--backend`, `--params-backend`, `--split-mode`, `--max-vram`,
+//! `--auto-fit` and the compatibility flags, parsed into plain values.
+//!
+//! Parsing is in two steps so that it can be fuzzed and reused without devices: the functions
+//! here check syntax, module names (backend.md's alias table) and the structural rules (`&`
+//! lists only for diffusion and te, none in `--params-backend`, `disk` only for params); device
+//! tokens stay strings until [`crate::plan`] resolves them against the device list.
+//!
+//! Syntax (backend.md "Syntax"): comma-separated entries; an entry without `=` (or with key
+//! `all`, `default` or `*`) sets the default for every module without a more specific entry;
+//! `module=value` sets one module. Later entries override earlier ones for the same key, which is
+//! what lets explicit entries override the compatibility flags that are prepended.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::{is_default_token, is_disk_token};
+use crate::error::{Flag, PlanError};
+use crate::model::Module;
+
+/// The raw flag values, exactly as given on a command line (`None` = flag absent).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Flags {
+    /// `--backend`.
+    pub backend: Option<String>,
+    /// `--params-backend`.
+    pub params_backend: Option<String>,
+    /// `--split-mode`.
+    pub split_mode: Option<String>,
+    /// `--max-vram`.
+    pub max_vram: Option<String>,
+    /// `--auto-fit` (`on` or `off`).
+    pub auto_fit: Option<String>,
+    /// `--clip-on-cpu`: prepends `te=cpu` to `--backend`.
+    pub clip_on_cpu: bool,
+    /// `--vae-on-cpu`: prepends `vae=cpu` to `--backend`.
+    pub vae_on_cpu: bool,
+    /// `--control-net-cpu`: prepends `controlnet=cpu` to `--backend`.
+    pub control_net_cpu: bool,
+    /// `--offload-to-cpu`: prepends `*=cpu` to `--params-backend`.
+    pub offload_to_cpu: bool,
+    /// `--no-memory-check`: load without the pre-load memory check or its warning.
+    pub no_memory_check: bool,
+}
+
+impl Flags {
+    /// `--backend` with the compatibility flags prepended ("The example argument layer prepends
+    /// te=cpu, vae=cpu, and controlnet=cpu to --backend").
+    pub fn effective_backend(&self) -> String {
+        let mut parts: Vec<&str> = Vec::new();
+        if self.clip_on_cpu {
+            parts.push("te=cpu");
+        }
+        if self.vae_on_cpu {
+            parts.push("vae=cpu");
+        }
+        if self.control_net_cpu {
+            parts.push("controlnet=cpu");
+        }
+        join_prepended(parts, self.backend.as_deref())
+    }
+
+    /// `--params-backend` with `*=cpu` prepended for `--offload-to-cpu`.
+    pub fn effective_params_backend(&self) -> String {
+        let parts = if self.offload_to_cpu { vec!["*=cpu"] } else { Vec::new() };
+        join_prepended(parts, self.params_backend.as_deref())
+    }
+}
+
+fn join_prepended<'a>(mut parts: Vec<&'a str>, user: Option<&'a str>) -> String {
+    if let Some(u) = user {
+        if !u.trim().is_empty() {
+            parts.push(u);
+        }
+    }
+    parts.join(",")
+}
+
+/// One assignment with the entry it came from (for error messages).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry<T> {
+    /// The parsed value.
+    pub value: T,
+    /// The entry as written, e.g. `te=cuda0`.
+    pub entry: String,
+}
+
+/// A parsed assignment: a default and per-module overrides.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment<T> {
+    /// Set by a bare value or `all=`/`default=`/`*=` (the last one wins).
+    pub default: Option<Entry<T>>,
+    /// Per-module values (the last one per module wins).
+    pub modules: BTreeMap<Module, Entry<T>>,
+}
+
+impl<T> Default for Assignment<T> {
+    fn default() -> Self {
+        Assignment { default: None, modules: BTreeMap::new() }
+    }
+}
+
+impl<T> Assignment<T> {
+    /// The value for `module`: its own entry, else the default.
+    pub fn get(&self, module: Module) -> Option<&Entry<T>> {
+        self.modules.get(&module).or(self.default.as_ref())
+    }
+
+    /// Whether nothing was assigned.
+    pub fn is_empty(&self) -> bool {
+        self.default.is_none() && self.modules.is_empty()
+    }
+}
+
+/// A `--backend` value.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RuntimeValue {
+    /// One device token (may be `auto`, `default`, `gpu`, a name or a prefix).
+    Device(String),
+    /// `a&b...`: layer or row split (diffusion and te only), at least two tokens.
+    List(Vec<String>),
+}
+
+/// A `--params-backend` value.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ParamsValue {
+    /// One device token.
+    Device(String),
+    /// Reload from the model file on demand.
+    Disk,
+}
+
+/// How a multi-device module distributes its weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitMode {
+    /// Contiguous block ranges per device (the default).
+    Layer,
+    /// Block matmul weights sliced by rows across the devices.
+    Row,
+}
+
+/// Key of one entry: the default or a module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Key {
+    Default,
+    Module(Module),
+}
+
+struct RawEntry {
+    key: Key,
+    value: String,
+    entry: String,
+}
+
+fn is_default_key(key: &str) -> bool {
+    let k = key.trim().to_lowercase();
+    k == "all" || k == "default" || k == "*"
+}
+
+/// Splits `spec` into entries; checks keys. Empty parts are skipped.
+fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
+    let mut out = Vec::new();
+    for part in spec.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            continue;
+        }
+        let Some((key, value)) = part.split_once('=') else {
+            out.push(RawEntry { key: Key::Default, value: part.to_string(), entry: part.to_string() });
+            continue;
+        };
+        let (key, value) = (key.trim(), value.trim());
+        if key.is_empty() {
+            return Err(PlanError::InvalidAssignment {
+                flag,
+                entry: part.to_string(),
+                reason: "missing module name before '='; write MODULE=VALUE or all=VALUE".into(),
+            });
+        }
+        if value.is_empty() {
+            return Err(PlanError::InvalidAssignment {
+                flag,
+                entry: part.to_string(),
+                reason: format!("missing value after '='; write {key}=VALUE (or {key}=auto for the default device)"),
+            });
+        }
+        let key = if is_default_key(key) {
+            Key::Default
+        } else {
+            match Module::parse(key) {
+                Some(m) => Key::Module(m),
+                None => {
+                    return Err(PlanError::UnknownModule {
+                        flag,
+                        token: key.to_string(),
+                        entry: part.to_string(),
+                        accepted: Module::accepted_names(),
+                    })
+                }
+            }
+        };
+        out.push(RawEntry { key, value: value.to_string(), entry: part.to_string() });
+    }
+    Ok(out)
+}
+
+fn insert<T>(a: &mut Assignment<T>, key: Key, value: T, entry: String) {
+    let e = Entry { value, entry };
+    match key {
+        Key::Default => a.default = Some(e),
+        Key::Module(m) => {
+            a.modules.insert(m, e);
+        }
+    }
+}
+
+/// Parses `--backend` (after compatibility flags): single names, per-module entries, `&` lists.
+pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> {
+    let flag = Flag::Backend;
+    let mut a = Assignment::default();
+    for raw in parse_entries(flag, spec)? {
+        let value = if raw.value.contains('&') {
+            let module_ok = matches!(raw.key, Key::Module(m) if m.accepts_device_list());
+            if !module_ok {
+                let reason = match raw.key {
+                    Key::Module(m) => format!(
+                        "module {m} accepts only a single device; only diffusion and te accept '&' lists (layer/row split)"
+                    ),
+                    Key::Default => "a default applies to every module, and only diffusion and te accept '&' lists; write diffusion=A&B or te=A&B".to_string(),
+                };
+                return Err(PlanError::DeviceListNotAllowed {
+                    flag,
+                    token: raw.value.clone(),
+                    entry: raw.entry.clone(),
+                    reason,
+                });
+            }
+            let names: Vec<String> = raw
+                .value
+                .split('&')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect();
+            if names.is_empty() {
+                return Err(PlanError::InvalidDeviceList {
+                    flag,
+                    token: raw.value.clone(),
+                    entry: raw.entry.clone(),
+                    reason: "it names no device; write e.g. cuda0&cuda1".into(),
+                });
+            }
+            for n in &names {
+                if is_disk_token(n) {
+                    return Err(PlanError::DiskAsRuntime { entry: raw.entry.clone() });
+                }
+                if is_default_token(n) {
+                    return Err(PlanError::InvalidDeviceList {
+                        flag,
+                        token: raw.value.clone(),
+                        entry: raw.entry.clone(),
+                        reason: format!("'{n}' (the default device) cannot be part of a device list; name the devices"),
+                    });
+                }
+            }
+            if names.len() == 1 {
+                RuntimeValue::Device(names.into_iter().next().unwrap_or_default())
+            } else {
+                RuntimeValue::List(names)
+            }
+        } else {
+            if is_disk_token(&raw.value) {
+                return Err(PlanError::DiskAsRuntime { entry: raw.entry.clone() });
+            }
+            RuntimeValue::Device(raw.value.clone())
+        };
+        insert(&mut a, raw.key, value, raw.entry);
+    }
+    Ok(a)
+}
+
+/// Parses `--params-backend` (after `--offload-to-cpu`): device names or `disk`, no lists.
+pub fn parse_params_backend(spec: &str) -> Result<Assignment<ParamsValue>, PlanError> {
+    let flag = Flag::ParamsBackend;
+    let mut a = Assignment::default();
+    for raw in parse_entries(flag, spec)? {
+        if raw.value.contains('&') {
+            return Err(PlanError::DeviceListNotAllowed {
+                flag,
+                token: raw.value.clone(),
+                entry: raw.entry.clone(),
+                reason: "--params-backend accepts no device lists; with a layer split each block range's params follow its device when params are not assigned".into(),
+            });
+        }
+        let value = if is_disk_token(&raw.value) {
+            ParamsValue::Disk
+        } else {
+            ParamsValue::Device(raw.value.clone())
+        };
+        insert(&mut a, raw.key, value, raw.entry);
+    }
+    Ok(a)
+}
+
+/// Parses `--split-mode`: `layer` or `row`, single or per module.
+pub fn parse_split_mode(spec: &str) -> Result<Assignment<SplitMode>, PlanError> {
+    let mut a = Assignment::default();
+    for raw in parse_entries(Flag::SplitMode, spec)? {
+        let mode = match raw.value.trim().to_lowercase().as_str() {
+            "layer" => SplitMode::Layer,
+            "row" => SplitMode::Row,
+            _ => {
+                return Err(PlanError::InvalidSplitMode { token: raw.value.clone(), entry: raw.entry.clone() })
+            }
+        };
+        insert(&mut a, raw.key, mode, raw.entry);
+    }
+    Ok(a)
+}
+
+/// A parsed `--max-vram`: GiB values, device keys not yet resolved.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MaxVram {
+    /// A bare number or `all=`/`default=`/`*=`.
+    pub default: Option<f64>,
+    /// `device=GiB` entries in order, keys as written.
+    pub devices: Vec<Entry<(String, f64)>>,
+}
+
+/// Parses `--max-vram` (`6`, `-1`, `0`, `cuda0=6,vulkan0=2`, `all=4,cuda1=-1`).
+pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
+    let flag = Flag::MaxVram;
+    let mut out = MaxVram::default();
+    for part in spec.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            continue;
+        }
+        match part.split_once('=') {
+            None => out.default = Some(parse_gib(part, part)?),
+            Some((key, value)) => {
+                let (key, value) = (key.trim(), value.trim());
+                if key.is_empty() || value.is_empty() {
+                    return Err(PlanError::InvalidAssignment {
+                        flag,
+                        entry: part.to_string(),
+                        reason: "write DEVICE=GiB (e.g. cuda0=6), all=GiB or a bare GiB value".into(),
+                    });
+                }
+                let gib = parse_gib(value, part)?;
+                if is_default_key(key) {
+                    out.default = Some(gib);
+                } else {
+                    out.devices.push(Entry { value: (key.to_string(), gib), entry: part.to_string() });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn parse_gib(token: &str, entry: &str) -> Result<f64, PlanError> {
+    let t = token.trim();
+    let ok_chars = !t.is_empty()
+        && t.chars().all(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'));
+    match t.parse::<f64>() {
+        Ok(v) if ok_chars && v.is_finite() => Ok(v),
+        _ => Err(PlanError::MalformedNumber {
+            flag: Flag::MaxVram,
+            token: t.to_string(),
+            entry: entry.to_string(),
+        }),
+    }
+}
+
+/// Parses `--auto-fit`: absent = on; `on` or `off` (case-insensitive).
+pub fn parse_auto_fit(value: Option<&str>) -> Result<bool, PlanError> {
+    match value.map(|v| v.trim().to_lowercase()) {
+        None => Ok(true),
+        Some(v) if v == "on" => Ok(true),
+        Some(v) if v == "off" => Ok(false),
+        Some(_) => Err(PlanError::InvalidAutoFit { token: value.unwrap_or_default().to_string() }),
+    }
+}

@@ -1,0 +1,1 @@
+//! Graph-cut segment planning and the executor that stages, evicts and prefetches weights.

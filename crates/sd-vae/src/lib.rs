@@ -1,0 +1,1 @@
+//! AutoencoderKL and TAESD decoders/encoders with tiling.

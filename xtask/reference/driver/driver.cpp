@@ -1,0 +1,402 @@
+// sdref_driver: our C ABI over stable-diffusion.cpp (see sdref_driver.h).
+//
+// Why this file includes sd.cpp's src/stable-diffusion.cpp: the C API only
+// offers whole generations, while parity checks need single components (text
+// encoder, one diffusion-model call, VAE decode) evaluated by the very objects
+// sd.cpp loaded, with its own settings. Those objects are public members of
+// StableDiffusionGGML, a class defined in that .cpp file (no header declares
+// it). Compiling the unmodified file inside this translation unit, and leaving
+// it out of the static library (driver/CMakeLists.txt), gives us the class
+// definition without copying or patching any sd.cpp source. Generation itself
+// goes through the public C API only (new_sd_ctx, generate_image).
+
+#include "src/stable-diffusion.cpp"
+
+#include "sdref_driver.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+struct sdref_ctx {
+    sd_ctx_t* sd_ctx = nullptr;
+};
+
+namespace {
+
+sdref_log_cb g_log_cb           = nullptr;
+sdref_progress_cb g_progress_cb = nullptr;
+void* g_cb_data                 = nullptr;
+
+void log_trampoline(enum sd_log_level_t level, const char* text, void*) {
+    if (g_log_cb != nullptr) {
+        g_log_cb(static_cast<int>(level), text, g_cb_data);
+    }
+}
+
+void progress_trampoline(int step, int steps, float seconds, void*) {
+    if (g_progress_cb != nullptr) {
+        g_progress_cb(step, steps, seconds, g_cb_data);
+    }
+}
+
+void set_err(char* err, size_t err_len, const char* fmt, ...) {
+    if (err == nullptr || err_len == 0) {
+        return;
+    }
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, err_len, fmt, args);
+    va_end(args);
+}
+
+const char* opt_str(const char* s) {
+    return s != nullptr ? s : "";
+}
+
+// Prepends `assignment` to a comma-separated backend spec, the way sd.cpp's
+// CLI turns --offload-to-cpu / --clip-on-cpu / --vae-on-cpu into specs.
+std::string prepend_assignment(const std::string& spec, const char* assignment) {
+    return spec.empty() ? std::string(assignment) : std::string(assignment) + "," + spec;
+}
+
+bool parse_rng(const char* name, rng_type_t* out, const char* what, char* err, size_t err_len) {
+    if (name == nullptr) {
+        return true;
+    }
+    rng_type_t rng = str_to_rng_type(name);
+    if (rng == RNG_TYPE_COUNT) {
+        set_err(err, err_len, "unknown %s '%s' (accepted: std_default, cuda, cpu)", what, name);
+        return false;
+    }
+    *out = rng;
+    return true;
+}
+
+sd::Tensor<float> tensor_from_c(const sdref_tensor* t) {
+    std::vector<int64_t> shape(t->ne, t->ne + t->n_dims);
+    int64_t numel = 1;
+    for (int64_t d : shape) {
+        numel *= d;
+    }
+    std::vector<float> data(t->data, t->data + numel);
+    return sd::Tensor<float>(std::move(shape), std::move(data));
+}
+
+bool tensor_to_c(const sd::Tensor<float>& src, sdref_tensor* dst, char* err, size_t err_len) {
+    *dst = sdref_tensor{};
+    if (src.dim() < 1 || src.dim() > 4) {
+        set_err(err, err_len, "result tensor has %lld dims, expected 1..4", static_cast<long long>(src.dim()));
+        return false;
+    }
+    size_t bytes = static_cast<size_t>(src.numel()) * sizeof(float);
+    dst->data    = static_cast<float*>(malloc(bytes));
+    if (dst->data == nullptr) {
+        set_err(err, err_len, "out of memory copying a %zu-byte result", bytes);
+        return false;
+    }
+    memcpy(dst->data, src.data(), bytes);
+    dst->n_dims = static_cast<int>(src.dim());
+    for (int i = 0; i < 4; i++) {
+        dst->ne[i] = i < dst->n_dims ? src.shape()[i] : 1;
+    }
+    return true;
+}
+
+bool check_input(const sdref_tensor* t, const char* what, char* err, size_t err_len) {
+    if (t == nullptr || t->data == nullptr || t->n_dims < 1 || t->n_dims > 4) {
+        set_err(err, err_len, "%s: missing data or n_dims outside 1..4", what);
+        return false;
+    }
+    for (int i = 0; i < t->n_dims; i++) {
+        if (t->ne[i] <= 0) {
+            set_err(err, err_len, "%s: axis %d has length %lld", what, i, static_cast<long long>(t->ne[i]));
+            return false;
+        }
+    }
+    return true;
+}
+
+// VAE::_compute is protected; naming it through a derived class yields a
+// pointer to the base member, which may then be called on any VAE. This is
+// the decoder's raw output, before VAE::decode's clamp((v + 1) / 2, 0, 1).
+struct VaeRawDecode : VAE {
+    static sd::Tensor<float> run(VAE* vae, int n_threads, const sd::Tensor<float>& z) {
+        auto fn = &VaeRawDecode::_compute;
+        return (vae->*fn)(n_threads, z, true);
+    }
+};
+
+struct RunnerDone {
+    GGMLRunner* runner = nullptr;
+    ~RunnerDone() {
+        if (runner != nullptr) {
+            runner->runner_done();
+        }
+    }
+};
+
+}  // namespace
+
+extern "C" {
+
+void sdref_set_callbacks(sdref_log_cb log_cb, sdref_progress_cb progress_cb, void* data) {
+    g_log_cb      = log_cb;
+    g_progress_cb = progress_cb;
+    g_cb_data     = data;
+    sd_set_log_callback(log_trampoline, nullptr);
+    sd_set_progress_callback(progress_trampoline, nullptr);
+}
+
+const char* sdref_system_info(void) {
+    return sd_get_system_info();
+}
+
+const char* sdref_sdcpp_version(void) {
+    return sd_version();
+}
+
+sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
+    if (o == nullptr) {
+        set_err(err, err_len, "no options");
+        return nullptr;
+    }
+    sd_ctx_params_t p;
+    sd_ctx_params_init(&p);
+
+    if (o->wtype != nullptr) {
+        p.wtype = str_to_sd_type(o->wtype);
+        if (p.wtype == SD_TYPE_COUNT) {
+            set_err(err, err_len, "unknown weight type '%s' (examples: f32, f16, q8_0, q4_0, q4_K)", o->wtype);
+            return nullptr;
+        }
+    }
+    if (!parse_rng(o->rng, &p.rng_type, "rng", err, err_len) ||
+        !parse_rng(o->sampler_rng, &p.sampler_rng_type, "sampler rng", err, err_len)) {
+        return nullptr;
+    }
+
+    std::string backend        = opt_str(o->backend);
+    std::string params_backend = opt_str(o->params_backend);
+    if (o->offload_to_cpu) {
+        params_backend = prepend_assignment(params_backend, "*=cpu");
+    }
+    if (o->clip_on_cpu) {
+        backend = prepend_assignment(backend, "te=cpu");
+    }
+    if (o->vae_on_cpu) {
+        backend = prepend_assignment(backend, "vae=cpu");
+    }
+
+    // sd.cpp's CLI passes "" (never NULL) for unset paths; do the same.
+    p.model_path           = opt_str(o->model_path);
+    p.diffusion_model_path = opt_str(o->diffusion_model_path);
+    p.vae_path             = opt_str(o->vae_path);
+    p.clip_l_path          = opt_str(o->clip_l_path);
+    p.clip_g_path          = opt_str(o->clip_g_path);
+    p.t5xxl_path           = opt_str(o->t5xxl_path);
+    p.clip_vision_path                = "";
+    p.llm_path                        = "";
+    p.llm_vision_path                 = "";
+    p.high_noise_diffusion_model_path = "";
+    p.uncond_diffusion_model_path     = "";
+    p.embeddings_connectors_path      = "";
+    p.audio_vae_path                  = "";
+    p.taesd_path                      = "";
+    p.control_net_path                = "";
+    p.photo_maker_path                = "";
+    p.tensor_type_rules               = "";
+    p.n_threads                       = o->n_threads > 0 ? o->n_threads : sd_get_num_physical_cores();
+    p.enable_mmap                     = o->enable_mmap;
+    p.flash_attn                      = o->flash_attn;
+    p.diffusion_flash_attn            = o->diffusion_flash_attn;
+    p.diffusion_conv_direct           = o->diffusion_conv_direct;
+    p.vae_conv_direct                 = o->vae_conv_direct;
+    p.max_vram                        = o->max_vram;
+    p.backend                         = backend.c_str();
+    p.params_backend                  = params_backend.c_str();
+
+    sd_ctx_t* sd_ctx = new_sd_ctx(&p);
+    if (sd_ctx == nullptr) {
+        set_err(err, err_len, "new_sd_ctx failed (sd.cpp's ERROR log lines above say why)");
+        return nullptr;
+    }
+    auto* ctx   = new sdref_ctx;
+    ctx->sd_ctx = sd_ctx;
+    return ctx;
+}
+
+void sdref_ctx_free(sdref_ctx* ctx) {
+    if (ctx == nullptr) {
+        return;
+    }
+    free_sd_ctx(ctx->sd_ctx);
+    delete ctx;
+}
+
+int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_images,
+                   int* out_count, char* err, size_t err_len) {
+    *out_images = nullptr;
+    *out_count  = 0;
+    sd_img_gen_params_t g;
+    sd_img_gen_params_init(&g);
+
+    if (o->sample_method != nullptr) {
+        g.sample_params.sample_method = str_to_sample_method(o->sample_method);
+        if (g.sample_params.sample_method == SAMPLE_METHOD_COUNT) {
+            set_err(err, err_len, "unknown sampling method '%s'", o->sample_method);
+            return 1;
+        }
+    }
+    if (o->scheduler != nullptr) {
+        g.sample_params.scheduler = str_to_scheduler(o->scheduler);
+        if (g.sample_params.scheduler == SCHEDULER_COUNT) {
+            set_err(err, err_len, "unknown scheduler '%s'", o->scheduler);
+            return 1;
+        }
+    }
+    // The CLI always hands its default skip layers over; with the default
+    // slg scale of 0 they have no effect, but keep the parameters identical.
+    static int skip_layers[]           = {7, 8, 9};
+    g.sample_params.guidance.slg.layers      = skip_layers;
+    g.sample_params.guidance.slg.layer_count = 3;
+    g.sample_params.guidance.txt_cfg         = o->cfg_scale;
+    g.sample_params.sample_steps             = o->steps;
+
+    g.prompt                     = opt_str(o->prompt);
+    g.negative_prompt            = opt_str(o->negative_prompt);
+    g.clip_skip                  = o->clip_skip;
+    g.width                      = o->width;
+    g.height                     = o->height;
+    g.strength                   = o->strength;
+    g.seed                       = o->seed;
+    g.batch_count                = o->batch_count;
+    g.vae_tiling_params.enabled  = o->vae_tiling;
+    if (o->init_rgb != nullptr) {
+        g.init_image = sd_image_t{static_cast<uint32_t>(o->width), static_cast<uint32_t>(o->height), 3,
+                                  const_cast<uint8_t*>(o->init_rgb)};
+    }
+
+    sd_image_t* images = generate_image(ctx->sd_ctx, &g);
+    if (images == nullptr) {
+        set_err(err, err_len, "generate_image failed (sd.cpp's ERROR log lines above say why)");
+        return 1;
+    }
+    static_assert(sizeof(sd_image_t) == sizeof(sdref_image), "sd_image_t and sdref_image differ");
+    *out_images = reinterpret_cast<sdref_image*>(images);
+    *out_count  = o->batch_count;
+    return 0;
+}
+
+void sdref_images_free(sdref_image* images, int count) {
+    free_sd_images(reinterpret_cast<sd_image_t*>(images), count);
+}
+
+int sdref_encode_text(sdref_ctx* ctx, const char* prompt, int clip_skip, int width, int height,
+                      sdref_tensor* out_crossattn, sdref_tensor* out_vector, char* err,
+                      size_t err_len) {
+    *out_crossattn = sdref_tensor{};
+    *out_vector    = sdref_tensor{};
+    StableDiffusionGGML* sd = ctx->sd_ctx->sd;
+    if (sd->cond_stage_model == nullptr) {
+        set_err(err, err_len, "the loaded model has no text encoder");
+        return 1;
+    }
+    // As prepare_image_generation_embeds does for the positive prompt.
+    ConditionerRunnerDoneOnExit done{sd->cond_stage_model.get()};
+    std::vector<sd::Tensor<float>> no_ref_images;
+    ConditionerParams params;
+    params.text            = opt_str(prompt);
+    params.clip_skip       = clip_skip;
+    params.width           = width;
+    params.height          = height;
+    params.zero_out_masked = false;
+    params.ref_images      = &no_ref_images;
+    SDCondition cond       = sd->cond_stage_model->get_learned_condition(sd->n_threads, params);
+    if (cond.c_crossattn.empty()) {
+        set_err(err, err_len, "get_learned_condition returned no c_crossattn");
+        return 1;
+    }
+    if (!tensor_to_c(cond.c_crossattn, out_crossattn, err, err_len)) {
+        return 1;
+    }
+    if (!cond.c_vector.empty() && !tensor_to_c(cond.c_vector, out_vector, err, err_len)) {
+        sdref_tensor_free(out_crossattn);
+        return 1;
+    }
+    return 0;
+}
+
+int sdref_diffusion(sdref_ctx* ctx, const sdref_tensor* x, float timestep,
+                    const sdref_tensor* context, const sdref_tensor* y, sdref_tensor* out,
+                    char* err, size_t err_len) {
+    *out                    = sdref_tensor{};
+    StableDiffusionGGML* sd = ctx->sd_ctx->sd;
+    if (!sd_version_is_unet(sd->version)) {
+        set_err(err, err_len, "diffusion dumps support UNet models (SD1.x/SD2.x/SDXL) only; this model is version %d",
+                static_cast<int>(sd->version));
+        return 1;
+    }
+    if (!check_input(x, "latent", err, err_len) || !check_input(context, "context", err, err_len) ||
+        (y != nullptr && !check_input(y, "y", err, err_len))) {
+        return 1;
+    }
+    sd::Tensor<float> x_t = tensor_from_c(x);
+    sd::Tensor<float> c   = tensor_from_c(context);
+    sd::Tensor<float> y_t = y != nullptr ? tensor_from_c(y) : sd::Tensor<float>();
+    int64_t batch         = x->n_dims == 4 ? x->ne[3] : 1;
+    sd::Tensor<float> timesteps({batch}, std::vector<float>(static_cast<size_t>(batch), timestep));
+
+    // As the sampler's run_condition does for UNet models, without controls.
+    RunnerDone done{sd->diffusion_model.get()};
+    std::vector<sd::Tensor<float>> no_controls;
+    DiffusionParams params;
+    params.x         = &x_t;
+    params.timesteps = &timesteps;
+    params.context   = &c;
+    params.y         = y_t.empty() ? nullptr : &y_t;
+    params.extra     = UNetDiffusionExtra{-1, &no_controls, 0.f};
+    sd::Tensor<float> result = sd->diffusion_model->compute(sd->n_threads, params);
+    sd->diffusion_model->free_compute_buffer();
+    if (result.empty()) {
+        set_err(err, err_len, "diffusion model compute failed (see sd.cpp's log)");
+        return 1;
+    }
+    return tensor_to_c(result, out, err, err_len) ? 0 : 1;
+}
+
+int sdref_vae_decode(sdref_ctx* ctx, const sdref_tensor* latent, bool latent_is_diffusion_space,
+                     sdref_tensor* out, char* err, size_t err_len) {
+    *out                    = sdref_tensor{};
+    StableDiffusionGGML* sd = ctx->sd_ctx->sd;
+    if (sd->first_stage_model == nullptr) {
+        set_err(err, err_len, "the loaded model has no VAE");
+        return 1;
+    }
+    if (!check_input(latent, "latent", err, err_len)) {
+        return 1;
+    }
+    sd::Tensor<float> z = tensor_from_c(latent);
+    if (latent_is_diffusion_space) {
+        z = sd->first_stage_model->diffusion_to_vae_latents(z);
+    }
+    RunnerDone done{sd->first_stage_model.get()};
+    sd::Tensor<float> result = VaeRawDecode::run(sd->first_stage_model.get(), sd->n_threads, z);
+    sd->first_stage_model->free_compute_buffer();
+    if (result.empty()) {
+        set_err(err, err_len, "vae decode compute failed (see sd.cpp's log)");
+        return 1;
+    }
+    return tensor_to_c(result, out, err, err_len) ? 0 : 1;
+}
+
+void sdref_tensor_free(sdref_tensor* t) {
+    if (t != nullptr) {
+        free(t->data);
+        t->data = nullptr;
+    }
+}
+
+}  // extern "C"

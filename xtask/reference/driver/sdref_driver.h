@@ -1,0 +1,123 @@
+/*
+ * sdref_driver: a small C ABI over stable-diffusion.cpp for the sdref tool.
+ *
+ * Only plain C types cross this boundary; the enums of sd.cpp are passed as
+ * the strings its own CLI accepts (NULL = sd.cpp's default) and converted by
+ * sd.cpp's str_to_* functions. Every function that can fail returns 0 on
+ * success and non-zero on failure, writing a message into err[0..err_len).
+ *
+ * Tensors use ggml's axis order: ne[0] is the fastest-moving axis, so a
+ * PyTorch tensor of shape [N, C, H, W] has ne = {W, H, C, N}; the data are
+ * contiguous little-endian f32 in the same memory order as PyTorch's.
+ */
+#ifndef SDREF_DRIVER_H
+#define SDREF_DRIVER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct sdref_ctx sdref_ctx;
+
+typedef struct {
+    const char* model_path;
+    const char* diffusion_model_path;
+    const char* vae_path;
+    const char* clip_l_path;
+    const char* clip_g_path;
+    const char* t5xxl_path;
+    const char* wtype;          /* weight type name, e.g. "f16"; NULL: as in the file */
+    const char* rng;            /* "cuda" | "std_default" | "cpu"; NULL: cuda */
+    const char* sampler_rng;    /* NULL: same as rng */
+    const char* backend;        /* runtime backend assignment; NULL: default */
+    const char* params_backend; /* parameter backend assignment; NULL: default */
+    int n_threads;              /* <= 0: number of physical cores */
+    float max_vram;             /* GiB; 0 disables graph cutting */
+    bool offload_to_cpu;        /* prepends "*=cpu" to params_backend, as the CLI does */
+    bool clip_on_cpu;           /* prepends "te=cpu" to backend */
+    bool vae_on_cpu;            /* prepends "vae=cpu" to backend */
+    bool flash_attn;
+    bool diffusion_flash_attn;
+    bool diffusion_conv_direct;
+    bool vae_conv_direct;
+    bool enable_mmap;
+} sdref_ctx_opts;
+
+typedef struct {
+    const char* prompt;
+    const char* negative_prompt;
+    int width;
+    int height;
+    int steps;
+    int batch_count;
+    int clip_skip;             /* <= 0: the model's default */
+    float cfg_scale;
+    float strength;            /* img2img only */
+    int64_t seed;
+    const char* sample_method; /* NULL: the model's default */
+    const char* scheduler;     /* NULL: the model's default */
+    const uint8_t* init_rgb;   /* NULL: txt2img; else width*height*3 bytes */
+    bool vae_tiling;
+} sdref_gen_opts;
+
+typedef struct {
+    uint32_t width;
+    uint32_t height;
+    uint32_t channel;
+    uint8_t* data;
+} sdref_image;
+
+typedef struct {
+    float* data;
+    int64_t ne[4];
+    int n_dims;
+} sdref_tensor;
+
+typedef void (*sdref_log_cb)(int level, const char* text, void* data);
+typedef void (*sdref_progress_cb)(int step, int steps, float seconds, void* data);
+
+void sdref_set_callbacks(sdref_log_cb log_cb, sdref_progress_cb progress_cb, void* data);
+const char* sdref_system_info(void);
+const char* sdref_sdcpp_version(void);
+
+sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* opts, char* err, size_t err_len);
+void sdref_ctx_free(sdref_ctx* ctx);
+
+/* On success *out_images holds *out_count images; free them with sdref_images_free. */
+int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* opts, sdref_image** out_images,
+                   int* out_count, char* err, size_t err_len);
+void sdref_images_free(sdref_image* images, int count);
+
+/* The conditioning sd.cpp feeds the diffusion model for `prompt`
+ * (c_crossattn), and the pooled vector (c_vector) where the model has one
+ * (out_vector->data is NULL otherwise). */
+int sdref_encode_text(sdref_ctx* ctx, const char* prompt, int clip_skip, int width, int height,
+                      sdref_tensor* out_crossattn, sdref_tensor* out_vector, char* err,
+                      size_t err_len);
+
+/* One evaluation of the diffusion model on the raw model input x (already
+ * scaled by c_in), the model timestep t (e.g. 999.0 for SD1), and context. y
+ * may be NULL. The output is the raw model output (eps or v). */
+int sdref_diffusion(sdref_ctx* ctx, const sdref_tensor* x, float timestep,
+                    const sdref_tensor* context, const sdref_tensor* y, sdref_tensor* out,
+                    char* err, size_t err_len);
+
+/* VAE decode of `latent` to the decoder's raw output, in [-1, 1] nominally,
+ * before sd.cpp maps it with clamp((v + 1) / 2, 0, 1) and converts to uint8.
+ * latent_is_diffusion_space: the latent is what the sampler produces, and is
+ * first mapped to the VAE's space exactly as sd.cpp's decode does (for SD1/2:
+ * divided by 0.18215). */
+int sdref_vae_decode(sdref_ctx* ctx, const sdref_tensor* latent, bool latent_is_diffusion_space,
+                     sdref_tensor* out, char* err, size_t err_len);
+
+void sdref_tensor_free(sdref_tensor* t);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SDREF_DRIVER_H */

@@ -1,0 +1,476 @@
+//! Safe wrappers over our C++ driver's C ABI (driver/sdref_driver.h).
+//!
+//! Only this module holds `unsafe`. The driver owns sd.cpp; Rust sees an opaque
+//! context, plain option structs whose strings live in `CString`s kept alive
+//! for the duration of each call, and results it copies out before freeing.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ptr;
+
+#[repr(C)]
+struct RawCtx {
+    _private: [u8; 0],
+}
+
+#[repr(C)]
+struct RawCtxOpts {
+    model_path: *const c_char,
+    diffusion_model_path: *const c_char,
+    vae_path: *const c_char,
+    clip_l_path: *const c_char,
+    clip_g_path: *const c_char,
+    t5xxl_path: *const c_char,
+    wtype: *const c_char,
+    rng: *const c_char,
+    sampler_rng: *const c_char,
+    backend: *const c_char,
+    params_backend: *const c_char,
+    n_threads: c_int,
+    max_vram: f32,
+    offload_to_cpu: bool,
+    clip_on_cpu: bool,
+    vae_on_cpu: bool,
+    flash_attn: bool,
+    diffusion_flash_attn: bool,
+    diffusion_conv_direct: bool,
+    vae_conv_direct: bool,
+    enable_mmap: bool,
+}
+
+#[repr(C)]
+struct RawGenOpts {
+    prompt: *const c_char,
+    negative_prompt: *const c_char,
+    width: c_int,
+    height: c_int,
+    steps: c_int,
+    batch_count: c_int,
+    clip_skip: c_int,
+    cfg_scale: f32,
+    strength: f32,
+    seed: i64,
+    sample_method: *const c_char,
+    scheduler: *const c_char,
+    init_rgb: *const u8,
+    vae_tiling: bool,
+}
+
+#[repr(C)]
+struct RawImage {
+    width: u32,
+    height: u32,
+    channel: u32,
+    data: *mut u8,
+}
+
+#[repr(C)]
+struct RawTensor {
+    data: *mut f32,
+    ne: [i64; 4],
+    n_dims: c_int,
+}
+
+type LogCb = extern "C" fn(level: c_int, text: *const c_char, data: *mut c_void);
+type ProgressCb = extern "C" fn(step: c_int, steps: c_int, seconds: f32, data: *mut c_void);
+
+extern "C" {
+    fn sdref_set_callbacks(log_cb: Option<LogCb>, progress_cb: Option<ProgressCb>, data: *mut c_void);
+    fn sdref_system_info() -> *const c_char;
+    fn sdref_sdcpp_version() -> *const c_char;
+    fn sdref_ctx_new(opts: *const RawCtxOpts, err: *mut c_char, err_len: usize) -> *mut RawCtx;
+    fn sdref_ctx_free(ctx: *mut RawCtx);
+    fn sdref_generate(
+        ctx: *mut RawCtx,
+        opts: *const RawGenOpts,
+        out_images: *mut *mut RawImage,
+        out_count: *mut c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_images_free(images: *mut RawImage, count: c_int);
+    fn sdref_encode_text(
+        ctx: *mut RawCtx,
+        prompt: *const c_char,
+        clip_skip: c_int,
+        width: c_int,
+        height: c_int,
+        out_crossattn: *mut RawTensor,
+        out_vector: *mut RawTensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_diffusion(
+        ctx: *mut RawCtx,
+        x: *const RawTensor,
+        timestep: f32,
+        context: *const RawTensor,
+        y: *const RawTensor,
+        out: *mut RawTensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_vae_decode(
+        ctx: *mut RawCtx,
+        latent: *const RawTensor,
+        latent_is_diffusion_space: bool,
+        out: *mut RawTensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_tensor_free(t: *mut RawTensor);
+}
+
+/// Log level numbers of sd.cpp's `sd_log_level_t`.
+pub const LOG_DEBUG: i32 = 0;
+
+/// Receives sd.cpp's log lines and progress reports.
+pub trait Observer: Send + Sync {
+    fn log(&self, level: i32, text: &str);
+    fn progress(&self, step: i32, steps: i32, seconds: f32);
+}
+
+extern "C" fn log_trampoline(level: c_int, text: *const c_char, data: *mut c_void) {
+    if text.is_null() || data.is_null() {
+        return;
+    }
+    // SAFETY: `data` is the `&'static dyn Observer` boxed in `set_observer`,
+    // never freed; `text` is a NUL-terminated string sd.cpp owns for the call.
+    let (observer, text) = unsafe { (&*(data as *const &'static dyn Observer), CStr::from_ptr(text)) };
+    observer.log(level, &text.to_string_lossy());
+}
+
+extern "C" fn progress_trampoline(step: c_int, steps: c_int, seconds: f32, data: *mut c_void) {
+    if data.is_null() {
+        return;
+    }
+    // SAFETY: as in `log_trampoline`.
+    let observer = unsafe { &*(data as *const &'static dyn Observer) };
+    observer.progress(step, steps, seconds);
+}
+
+/// Routes sd.cpp's log and progress callbacks to `observer` for the rest of the process.
+pub fn set_observer(observer: &'static dyn Observer) {
+    let data = Box::into_raw(Box::new(observer)) as *mut c_void;
+    // SAFETY: the trampolines match the C typedefs; `data` is leaked, so it
+    // outlives every callback.
+    unsafe { sdref_set_callbacks(Some(log_trampoline), Some(progress_trampoline), data) };
+}
+
+fn static_str(p: *const c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: the driver returns pointers to static NUL-terminated strings.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+pub fn system_info() -> String {
+    // SAFETY: no arguments; returns a static string.
+    static_str(unsafe { sdref_system_info() })
+}
+
+pub fn sdcpp_version() -> String {
+    // SAFETY: no arguments; returns a static string.
+    static_str(unsafe { sdref_sdcpp_version() })
+}
+
+/// Keeps the `CString`s behind the raw pointers of one call alive.
+#[derive(Default)]
+struct Strings(Vec<CString>);
+
+impl Strings {
+    fn opt(&mut self, s: Option<&str>) -> Result<*const c_char, String> {
+        match s {
+            None => Ok(ptr::null()),
+            Some(s) => {
+                let c = CString::new(s).map_err(|_| format!("argument {s:?} contains a NUL byte"))?;
+                let p = c.as_ptr();
+                self.0.push(c);
+                Ok(p)
+            }
+        }
+    }
+}
+
+struct ErrBuf([u8; 1024]);
+
+impl ErrBuf {
+    fn new() -> Self {
+        ErrBuf([0; 1024])
+    }
+    fn ptr(&mut self) -> *mut c_char {
+        self.0.as_mut_ptr().cast()
+    }
+    fn message(&self) -> String {
+        let end = self.0.iter().position(|&b| b == 0).unwrap_or(self.0.len());
+        String::from_utf8_lossy(&self.0[..end]).into_owned()
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct CtxOptions {
+    pub model: Option<String>,
+    pub diffusion_model: Option<String>,
+    pub vae: Option<String>,
+    pub clip_l: Option<String>,
+    pub clip_g: Option<String>,
+    pub t5xxl: Option<String>,
+    pub wtype: Option<String>,
+    pub rng: Option<String>,
+    pub sampler_rng: Option<String>,
+    pub backend: Option<String>,
+    pub params_backend: Option<String>,
+    pub threads: i32,
+    pub max_vram: f32,
+    pub offload_to_cpu: bool,
+    pub clip_on_cpu: bool,
+    pub vae_on_cpu: bool,
+    pub flash_attn: bool,
+    pub diffusion_fa: bool,
+    pub diffusion_conv_direct: bool,
+    pub vae_conv_direct: bool,
+    pub mmap: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenOptions {
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub width: i32,
+    pub height: i32,
+    pub steps: i32,
+    pub batch_count: i32,
+    pub clip_skip: i32,
+    pub cfg_scale: f32,
+    pub strength: f32,
+    pub seed: i64,
+    pub sample_method: Option<String>,
+    pub scheduler: Option<String>,
+    /// RGB8, `width * height * 3` bytes; `None` for txt2img.
+    pub init_rgb: Option<Vec<u8>>,
+    pub vae_tiling: bool,
+}
+
+pub struct Image {
+    pub width: u32,
+    pub height: u32,
+    pub channels: u32,
+    pub data: Vec<u8>,
+}
+
+/// A tensor in ggml axis order: `ne[0]` moves fastest. `shape_torch` gives
+/// the outermost-first order used in files and by PyTorch.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    pub ne: Vec<i64>,
+    pub data: Vec<f32>,
+}
+
+impl Tensor {
+    pub fn from_torch_shape(shape: &[i64], data: Vec<f32>) -> Tensor {
+        Tensor { ne: shape.iter().rev().copied().collect(), data }
+    }
+    pub fn shape_torch(&self) -> Vec<i64> {
+        self.ne.iter().rev().copied().collect()
+    }
+    fn raw(&self) -> RawTensor {
+        let mut ne = [1i64; 4];
+        ne[..self.ne.len()].copy_from_slice(&self.ne);
+        RawTensor { data: self.data.as_ptr() as *mut f32, ne, n_dims: self.ne.len() as c_int }
+    }
+}
+
+fn empty_raw() -> RawTensor {
+    RawTensor { data: ptr::null_mut(), ne: [0; 4], n_dims: 0 }
+}
+
+/// Copies a driver-allocated tensor out and frees it; `None` when empty.
+fn take_raw(mut t: RawTensor) -> Option<Tensor> {
+    if t.data.is_null() {
+        return None;
+    }
+    let dims = t.n_dims.clamp(0, 4) as usize;
+    let ne: Vec<i64> = t.ne[..dims].to_vec();
+    let numel: i64 = ne.iter().product();
+    // SAFETY: the driver malloc'ed `numel` floats at `t.data`.
+    let data = unsafe { std::slice::from_raw_parts(t.data, numel as usize) }.to_vec();
+    // SAFETY: `t` came from the driver and is freed exactly once.
+    unsafe { sdref_tensor_free(&mut t) };
+    Some(Tensor { ne, data })
+}
+
+fn check_tensor(t: &Tensor, what: &str) -> Result<(), String> {
+    if t.ne.is_empty() || t.ne.len() > 4 {
+        return Err(format!("{what}: {} dims, expected 1..4", t.ne.len()));
+    }
+    let numel: i64 = t.ne.iter().product();
+    if numel as usize != t.data.len() {
+        return Err(format!("{what}: shape {:?} needs {numel} values, have {}", t.shape_torch(), t.data.len()));
+    }
+    Ok(())
+}
+
+/// A loaded sd.cpp context (`new_sd_ctx`).
+pub struct Context {
+    raw: *mut RawCtx,
+}
+
+impl Context {
+    pub fn new(o: &CtxOptions) -> Result<Context, String> {
+        let mut s = Strings::default();
+        let raw_opts = RawCtxOpts {
+            model_path: s.opt(o.model.as_deref())?,
+            diffusion_model_path: s.opt(o.diffusion_model.as_deref())?,
+            vae_path: s.opt(o.vae.as_deref())?,
+            clip_l_path: s.opt(o.clip_l.as_deref())?,
+            clip_g_path: s.opt(o.clip_g.as_deref())?,
+            t5xxl_path: s.opt(o.t5xxl.as_deref())?,
+            wtype: s.opt(o.wtype.as_deref())?,
+            rng: s.opt(o.rng.as_deref())?,
+            sampler_rng: s.opt(o.sampler_rng.as_deref())?,
+            backend: s.opt(o.backend.as_deref())?,
+            params_backend: s.opt(o.params_backend.as_deref())?,
+            n_threads: o.threads,
+            max_vram: o.max_vram,
+            offload_to_cpu: o.offload_to_cpu,
+            clip_on_cpu: o.clip_on_cpu,
+            vae_on_cpu: o.vae_on_cpu,
+            flash_attn: o.flash_attn,
+            diffusion_flash_attn: o.diffusion_fa,
+            diffusion_conv_direct: o.diffusion_conv_direct,
+            vae_conv_direct: o.vae_conv_direct,
+            enable_mmap: o.mmap,
+        };
+        let mut err = ErrBuf::new();
+        // SAFETY: every pointer in `raw_opts` is null or points into `s`,
+        // alive until the end of this function; `err` is 1024 writable bytes.
+        let raw = unsafe { sdref_ctx_new(&raw_opts, err.ptr(), err.0.len()) };
+        if raw.is_null() {
+            return Err(err.message());
+        }
+        Ok(Context { raw })
+    }
+
+    pub fn generate(&mut self, o: &GenOptions) -> Result<Vec<Image>, String> {
+        if let Some(rgb) = &o.init_rgb {
+            let want = o.width as usize * o.height as usize * 3;
+            if rgb.len() != want {
+                return Err(format!("init image has {} bytes, {}x{} RGB needs {want}", rgb.len(), o.width, o.height));
+            }
+        }
+        let mut s = Strings::default();
+        let raw_opts = RawGenOpts {
+            prompt: s.opt(Some(&o.prompt))?,
+            negative_prompt: s.opt(Some(&o.negative_prompt))?,
+            width: o.width,
+            height: o.height,
+            steps: o.steps,
+            batch_count: o.batch_count,
+            clip_skip: o.clip_skip,
+            cfg_scale: o.cfg_scale,
+            strength: o.strength,
+            seed: o.seed,
+            sample_method: s.opt(o.sample_method.as_deref())?,
+            scheduler: s.opt(o.scheduler.as_deref())?,
+            init_rgb: o.init_rgb.as_ref().map_or(ptr::null(), |v| v.as_ptr()),
+            vae_tiling: o.vae_tiling,
+        };
+        let mut images: *mut RawImage = ptr::null_mut();
+        let mut count: c_int = 0;
+        let mut err = ErrBuf::new();
+        // SAFETY: `self.raw` is a live context; the option pointers live in
+        // `s` and `o` for the call; the out-pointers are valid locals.
+        let rc = unsafe { sdref_generate(self.raw, &raw_opts, &mut images, &mut count, err.ptr(), err.0.len()) };
+        if rc != 0 {
+            return Err(err.message());
+        }
+        let mut out = Vec::with_capacity(count.max(0) as usize);
+        for i in 0..count.max(0) as usize {
+            // SAFETY: the driver returned `count` images at `images`.
+            let img = unsafe { &*images.add(i) };
+            if img.data.is_null() {
+                continue;
+            }
+            let len = img.width as usize * img.height as usize * img.channel as usize;
+            // SAFETY: sd.cpp allocates width*height*channel bytes per image.
+            let data = unsafe { std::slice::from_raw_parts(img.data, len) }.to_vec();
+            out.push(Image { width: img.width, height: img.height, channels: img.channel, data });
+        }
+        // SAFETY: freed once, with the count the driver returned.
+        unsafe { sdref_images_free(images, count) };
+        Ok(out)
+    }
+
+    /// Returns (c_crossattn, c_vector if the model has one).
+    pub fn encode_text(
+        &mut self,
+        prompt: &str,
+        clip_skip: i32,
+        width: i32,
+        height: i32,
+    ) -> Result<(Tensor, Option<Tensor>), String> {
+        let mut s = Strings::default();
+        let prompt = s.opt(Some(prompt))?;
+        let mut cross = empty_raw();
+        let mut vector = empty_raw();
+        let mut err = ErrBuf::new();
+        // SAFETY: live context, valid prompt string, valid out-pointers.
+        let rc = unsafe {
+            sdref_encode_text(self.raw, prompt, clip_skip, width, height, &mut cross, &mut vector, err.ptr(), err.0.len())
+        };
+        if rc != 0 {
+            return Err(err.message());
+        }
+        let cross = take_raw(cross).ok_or("text encoder returned no tensor")?;
+        Ok((cross, take_raw(vector)))
+    }
+
+    pub fn diffusion(&mut self, x: &Tensor, timestep: f32, context: &Tensor, y: Option<&Tensor>) -> Result<Tensor, String> {
+        check_tensor(x, "latent")?;
+        check_tensor(context, "context")?;
+        if let Some(y) = y {
+            check_tensor(y, "y")?;
+        }
+        let (rx, rc_, ry) = (x.raw(), context.raw(), y.map(Tensor::raw));
+        let mut out = empty_raw();
+        let mut err = ErrBuf::new();
+        // SAFETY: the input RawTensors point into tensors borrowed for the
+        // call (the driver only reads them); `out` and `err` are valid.
+        let rc = unsafe {
+            sdref_diffusion(
+                self.raw,
+                &rx,
+                timestep,
+                &rc_,
+                ry.as_ref().map_or(ptr::null(), |r| r as *const RawTensor),
+                &mut out,
+                err.ptr(),
+                err.0.len(),
+            )
+        };
+        if rc != 0 {
+            return Err(err.message());
+        }
+        take_raw(out).ok_or_else(|| "diffusion model returned no tensor".to_owned())
+    }
+
+    pub fn vae_decode(&mut self, latent: &Tensor, diffusion_space: bool) -> Result<Tensor, String> {
+        check_tensor(latent, "latent")?;
+        let rl = latent.raw();
+        let mut out = empty_raw();
+        let mut err = ErrBuf::new();
+        // SAFETY: as in `diffusion`.
+        let rc = unsafe { sdref_vae_decode(self.raw, &rl, diffusion_space, &mut out, err.ptr(), err.0.len()) };
+        if rc != 0 {
+            return Err(err.message());
+        }
+        take_raw(out).ok_or_else(|| "VAE returned no tensor".to_owned())
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from sdref_ctx_new and is freed once.
+        unsafe { sdref_ctx_free(self.raw) };
+    }
+}

@@ -1,0 +1,531 @@
+//! sdref: stable-diffusion.cpp (the reference) as a separate process, for side-by-side runs.
+//!
+//! Why a separate executable: sd.cpp links its own ggml (another version,
+//! built with GGML_MAX_NAME=128), which must never share a process with ours.
+//! We compare across the process boundary through files: PNGs, and raw f32
+//! tensors with a JSON sidecar (see `rawio`).
+//!
+//! Subcommands:
+//! - `txt2img` (img2img with `-i`): sd.cpp CLI flag names, mapped onto the C
+//!   API (`new_sd_ctx`, `generate_image`); writes PNGs and prints machine-
+//!   readable `SDREF_TIMING` and `SDREF_RSS` lines on stderr.
+//! - `encode-text`, `unet`, `vae-decode`: one component of the loaded model,
+//!   evaluated by sd.cpp's own objects, dumped as raw f32 (driver/driver.cpp
+//!   explains how it reaches them without patching sd.cpp).
+//! - `info`: sd.cpp's version and the CPU features its ggml was built for.
+
+mod ffi;
+mod rawio;
+mod timing;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::{json, Map};
+
+use ffi::{Context, CtxOptions, GenOptions, Tensor};
+use timing::Recorder;
+
+#[derive(Parser, Debug)]
+#[command(name = "sdref", about = "stable-diffusion.cpp reference runs and component dumps")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate images (img2img when -i is given), as sd.cpp's CLI does.
+    Txt2img(Txt2Img),
+    /// Dump the text conditioning sd.cpp feeds the diffusion model.
+    EncodeText(EncodeText),
+    /// Dump one diffusion-model (UNet) evaluation.
+    Unet(Unet),
+    /// Dump a VAE decode, before clamping and uint8 conversion.
+    VaeDecode(VaeDecode),
+    /// Print sd.cpp's version and system info.
+    Info,
+}
+
+/// Model and runtime flags, named as in sd.cpp's CLI.
+#[derive(Args, Debug)]
+struct ModelArgs {
+    /// Path to the full model (checkpoint, diffusers folder or GGUF).
+    #[arg(short = 'm', long = "model")]
+    model: Option<String>,
+    /// Path to a standalone diffusion model.
+    #[arg(long = "diffusion-model")]
+    diffusion_model: Option<String>,
+    /// Path to a standalone VAE.
+    #[arg(long = "vae")]
+    vae: Option<String>,
+    /// Path to a standalone CLIP-L text encoder.
+    #[arg(long = "clip_l")]
+    clip_l: Option<String>,
+    /// Path to a standalone CLIP-G text encoder.
+    #[arg(long = "clip_g")]
+    clip_g: Option<String>,
+    /// Path to a standalone T5-XXL text encoder.
+    #[arg(long = "t5xxl")]
+    t5xxl: Option<String>,
+    /// Threads; <= 0 means the number of physical cores (sd.cpp's default).
+    #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true)]
+    threads: i32,
+    /// Weight type (f32, f16, q8_0, q4_0, ...); default: as in the file.
+    #[arg(long = "type")]
+    wtype: Option<String>,
+    /// RNG: cuda (default), std_default or cpu.
+    #[arg(long = "rng")]
+    rng: Option<String>,
+    /// Sampler RNG; default: same as --rng.
+    #[arg(long = "sampler-rng")]
+    sampler_rng: Option<String>,
+    /// Runtime backend assignment, e.g. cpu or te=cpu,vae=cuda0.
+    #[arg(long = "backend")]
+    backend: Option<String>,
+    /// Parameter backend assignment, e.g. disk, cpu or diffusion=disk.
+    #[arg(long = "params-backend")]
+    params_backend: Option<String>,
+    /// VRAM budget in GiB for graph-cut segmented execution (0: off).
+    #[arg(long = "max-vram", default_value_t = 0.0, allow_negative_numbers = true)]
+    max_vram: f32,
+    /// Keep weights in RAM (params backend "*=cpu").
+    #[arg(long = "offload-to-cpu")]
+    offload_to_cpu: bool,
+    /// Run the text encoder on the CPU.
+    #[arg(long = "clip-on-cpu")]
+    clip_on_cpu: bool,
+    /// Run the VAE on the CPU.
+    #[arg(long = "vae-on-cpu")]
+    vae_on_cpu: bool,
+    /// Flash attention everywhere.
+    #[arg(long = "fa")]
+    flash_attn: bool,
+    /// Flash attention in the diffusion model only.
+    #[arg(long = "diffusion-fa")]
+    diffusion_fa: bool,
+    /// ggml_conv2d_direct in the diffusion model.
+    #[arg(long = "diffusion-conv-direct")]
+    diffusion_conv_direct: bool,
+    /// ggml_conv2d_direct in the VAE.
+    #[arg(long = "vae-conv-direct")]
+    vae_conv_direct: bool,
+    /// Memory-map the model file.
+    #[arg(long = "mmap")]
+    mmap: bool,
+    /// Also echo sd.cpp's DEBUG log lines.
+    #[arg(short = 'v', long = "verbose")]
+    verbose: bool,
+}
+
+impl ModelArgs {
+    fn ctx_options(&self) -> CtxOptions {
+        CtxOptions {
+            model: self.model.clone(),
+            diffusion_model: self.diffusion_model.clone(),
+            vae: self.vae.clone(),
+            clip_l: self.clip_l.clone(),
+            clip_g: self.clip_g.clone(),
+            t5xxl: self.t5xxl.clone(),
+            wtype: self.wtype.clone(),
+            rng: self.rng.clone(),
+            sampler_rng: self.sampler_rng.clone(),
+            backend: self.backend.clone(),
+            params_backend: self.params_backend.clone(),
+            threads: self.threads,
+            max_vram: self.max_vram,
+            offload_to_cpu: self.offload_to_cpu,
+            clip_on_cpu: self.clip_on_cpu,
+            vae_on_cpu: self.vae_on_cpu,
+            flash_attn: self.flash_attn,
+            diffusion_fa: self.diffusion_fa,
+            diffusion_conv_direct: self.diffusion_conv_direct,
+            vae_conv_direct: self.vae_conv_direct,
+            mmap: self.mmap,
+        }
+    }
+
+    fn model_desc(&self) -> String {
+        self.model.clone().or_else(|| self.diffusion_model.clone()).unwrap_or_default()
+    }
+}
+
+#[derive(Args, Debug)]
+struct Txt2Img {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    prompt: String,
+    #[arg(short = 'n', long = "negative-prompt", default_value = "")]
+    negative_prompt: String,
+    /// Image width; default 512, or the init image's width.
+    #[arg(short = 'W', long = "width")]
+    width: Option<i32>,
+    /// Image height; default 512, or the init image's height.
+    #[arg(short = 'H', long = "height")]
+    height: Option<i32>,
+    #[arg(long = "steps", default_value_t = 20)]
+    steps: i32,
+    #[arg(long = "cfg-scale", default_value_t = 7.0)]
+    cfg_scale: f32,
+    /// euler, euler_a, heun, dpm2, dpm++2s_a, dpm++2m, dpm++2mv2, ipndm, ipndm_v, lcm, ddim_trailing, tcd, ...
+    #[arg(long = "sampling-method")]
+    sampling_method: Option<String>,
+    /// discrete, karras, exponential, ays, gits, sgm_uniform, simple, ...
+    #[arg(long = "scheduler")]
+    scheduler: Option<String>,
+    /// RNG seed.
+    #[arg(short = 's', long = "seed", default_value_t = 42, allow_negative_numbers = true)]
+    seed: i64,
+    #[arg(short = 'b', long = "batch-count", default_value_t = 1)]
+    batch_count: i32,
+    /// Output PNG; image k > 1 of a batch goes to STEM_k.png.
+    #[arg(short = 'o', long = "output", default_value = "output.png")]
+    output: PathBuf,
+    /// img2img denoising strength.
+    #[arg(long = "strength", default_value_t = 0.75)]
+    strength: f32,
+    /// Init image (PNG) for img2img.
+    #[arg(short = 'i', long = "init-img")]
+    init_img: Option<PathBuf>,
+    /// Decode with the tiled VAE.
+    #[arg(long = "vae-tiling")]
+    vae_tiling: bool,
+    /// CLIP layers to skip; <= 0 means the model's default.
+    #[arg(long = "clip-skip", default_value_t = -1, allow_negative_numbers = true)]
+    clip_skip: i32,
+}
+
+#[derive(Args, Debug)]
+struct EncodeText {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    prompt: String,
+    #[arg(long = "clip-skip", default_value_t = -1, allow_negative_numbers = true)]
+    clip_skip: i32,
+    /// Image size some conditioners take into account (not SD1/SD2).
+    #[arg(short = 'W', long = "width", default_value_t = 512)]
+    width: i32,
+    #[arg(short = 'H', long = "height", default_value_t = 512)]
+    height: i32,
+    /// Output raw f32 file (c_crossattn); a pooled vector, where the model has
+    /// one, goes to OUTPUT.vector.f32. Sidecars: OUTPUT.json.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct Unet {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The model input x (already scaled by c_in), raw f32, e.g. [1,4,32,32].
+    #[arg(long = "latent")]
+    latent: PathBuf,
+    /// Shape of --latent when it has no sidecar, e.g. 1,4,32,32.
+    #[arg(long = "latent-shape")]
+    latent_shape: Option<String>,
+    /// The model timestep t (e.g. 999 for the first step of 1000-step SD1 schedules).
+    #[arg(long = "timestep", allow_negative_numbers = true)]
+    timestep: f32,
+    /// The context (c_crossattn), raw f32, e.g. from encode-text.
+    #[arg(long = "context")]
+    context: PathBuf,
+    /// Shape of --context when it has no sidecar, e.g. 1,77,768.
+    #[arg(long = "context-shape")]
+    context_shape: Option<String>,
+    /// Output raw f32 file (the model's raw output: eps or v).
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct VaeDecode {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The latent, raw f32, e.g. [1,4,32,32].
+    #[arg(long = "latent")]
+    latent: PathBuf,
+    /// Shape of --latent when it has no sidecar.
+    #[arg(long = "latent-shape")]
+    latent_shape: Option<String>,
+    /// The latent is already in the VAE's space (skip sd.cpp's division by
+    /// the scale factor, 0.18215 for SD1/SD2).
+    #[arg(long = "vae-space")]
+    vae_space: bool,
+    /// Output raw f32 file: the decoder output, nominally in [-1, 1]; sd.cpp's
+    /// image is clamp((v + 1) / 2, 0, 1) of it.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+}
+
+type Res<T> = Result<T, String>;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Txt2img(a) => txt2img(a),
+        Command::EncodeText(a) => encode_text(a),
+        Command::Unet(a) => unet(a),
+        Command::VaeDecode(a) => vae_decode(a),
+        Command::Info => {
+            println!("sd.cpp version: {}", ffi::sdcpp_version());
+            println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));
+            println!("{}", ffi::system_info().trim_end());
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("sdref: error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn start(verbose: bool) -> &'static Recorder {
+    let recorder: &'static Recorder = Box::leak(Box::new(Recorder::new(verbose)));
+    ffi::set_observer(recorder);
+    recorder
+}
+
+fn load(args: &ModelArgs) -> Res<(Context, f64)> {
+    if args.model.is_none() && args.diffusion_model.is_none() {
+        return Err("give a model with -m/--model or --diffusion-model".into());
+    }
+    let t0 = Instant::now();
+    let ctx = Context::new(&args.ctx_options())?;
+    Ok((ctx, t0.elapsed().as_secs_f64()))
+}
+
+fn print_rss() {
+    match timing::peak_rss_kib() {
+        Some(kib) => eprintln!("SDREF_RSS peak_rss_kib={kib} peak_rss_mib={:.0}", kib as f64 / 1024.0),
+        None => eprintln!("SDREF_RSS peak_rss_kib=unknown"),
+    }
+}
+
+fn read_png_rgb(path: &Path) -> Res<(u32, u32, Vec<u8>)> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut decoder = png::Decoder::new(std::io::BufReader::new(file));
+    decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
+    let mut reader = decoder.read_info().map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (w, h) = (info.width, info.height);
+    let px = (w * h) as usize;
+    let rgb = match info.color_type {
+        png::ColorType::Rgb => buf[..px * 3].to_vec(),
+        png::ColorType::Rgba => buf[..px * 4].chunks_exact(4).flat_map(|p| [p[0], p[1], p[2]]).collect(),
+        png::ColorType::Grayscale => buf[..px].iter().flat_map(|&g| [g, g, g]).collect(),
+        png::ColorType::GrayscaleAlpha => buf[..px * 2].chunks_exact(2).flat_map(|p| [p[0], p[0], p[0]]).collect(),
+        png::ColorType::Indexed => return Err(format!("{}: palette PNG was not expanded", path.display())),
+    };
+    Ok((w, h, rgb))
+}
+
+fn write_png(path: &Path, img: &ffi::Image) -> Res<()> {
+    let file = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), img.width, img.height);
+    enc.set_color(match img.channels {
+        1 => png::ColorType::Grayscale,
+        3 => png::ColorType::Rgb,
+        4 => png::ColorType::Rgba,
+        c => return Err(format!("sd.cpp returned an image with {c} channels")),
+    });
+    enc.set_depth(png::BitDepth::Eight);
+    let mut w = enc.write_header().map_err(|e| format!("{}: {e}", path.display()))?;
+    w.write_image_data(&img.data).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn batch_path(base: &Path, index: usize) -> PathBuf {
+    if index == 0 {
+        return base.to_path_buf();
+    }
+    let stem = base.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+    let ext = base.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or_else(|| "png".into());
+    base.with_file_name(format!("{stem}_{}.{ext}", index + 1))
+}
+
+fn txt2img(a: Txt2Img) -> Res<()> {
+    let t_start = Instant::now();
+    let recorder = start(a.model.verbose);
+
+    let (mut width, mut height) = (a.width.unwrap_or(512), a.height.unwrap_or(512));
+    let init_rgb = match &a.init_img {
+        None => None,
+        Some(path) => {
+            let (w, h, rgb) = read_png_rgb(path)?;
+            width = a.width.unwrap_or(w as i32);
+            height = a.height.unwrap_or(h as i32);
+            if (w as i32, h as i32) != (width, height) {
+                return Err(format!("{} is {w}x{h}, but {width}x{height} was asked; resize it first", path.display()));
+            }
+            Some(rgb)
+        }
+    };
+
+    let (mut ctx, load_s) = load(&a.model)?;
+    let gen = GenOptions {
+        prompt: a.prompt.clone(),
+        negative_prompt: a.negative_prompt.clone(),
+        width,
+        height,
+        steps: a.steps,
+        batch_count: a.batch_count,
+        clip_skip: a.clip_skip,
+        cfg_scale: a.cfg_scale,
+        strength: a.strength,
+        seed: a.seed,
+        sample_method: a.sampling_method.clone(),
+        scheduler: a.scheduler.clone(),
+        init_rgb,
+        vae_tiling: a.vae_tiling,
+    };
+    let t_gen = Instant::now();
+    let images = ctx.generate(&gen)?;
+    let generate_s = t_gen.elapsed().as_secs_f64();
+    drop(ctx);
+
+    for (i, img) in images.iter().enumerate() {
+        let path = batch_path(&a.output, i);
+        write_png(&path, img)?;
+        eprintln!("sdref: wrote {}", path.display());
+    }
+
+    let t = recorder.take();
+    let total_s = t_start.elapsed().as_secs_f64();
+    let opt = |v: Option<f64>| v.map_or_else(|| "unknown".to_owned(), timing::ms);
+    let steps: Vec<String> = t.step_s.iter().map(|&s| timing::ms(s)).collect();
+    let step_mean = (!t.step_s.is_empty()).then(|| t.step_s.iter().sum::<f64>() / t.step_s.len() as f64);
+    let sampling = (!t.sampling_s.is_empty()).then(|| t.sampling_s.iter().sum::<f64>());
+    eprintln!(
+        "SDREF_TIMING load_ms={} text_encode_ms={} sampling_ms={} steps={} step_ms={} step_mean_ms={} decode_ms={} \
+         generate_ms={} total_ms={}",
+        timing::ms(load_s),
+        opt(t.text_encode_s),
+        opt(sampling),
+        t.step_s.len(),
+        if steps.is_empty() { "unknown".to_owned() } else { steps.join(",") },
+        opt(step_mean),
+        opt(t.decode_s),
+        timing::ms(generate_s),
+        timing::ms(total_s),
+    );
+    print_rss();
+    Ok(())
+}
+
+fn meta(pairs: &[(&str, serde_json::Value)]) -> Map<String, serde_json::Value> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
+}
+
+fn encode_text(a: EncodeText) -> Res<()> {
+    start(a.model.verbose);
+    let (mut ctx, _) = load(&a.model)?;
+    let t0 = Instant::now();
+    let (cross, vector) = ctx.encode_text(&a.prompt, a.clip_skip, a.width, a.height)?;
+    let ms = timing::ms(t0.elapsed().as_secs_f64());
+    let common = [
+        ("source", json!(format!("stable-diffusion.cpp {}", ffi::sdcpp_version()))),
+        ("model", json!(a.model.model_desc())),
+        ("prompt", json!(a.prompt)),
+        ("clip_skip", json!(a.clip_skip)),
+    ];
+    let mut m = meta(&common);
+    m.insert("what".into(), json!("text encoder output: c_crossattn, the context fed to the diffusion model"));
+    rawio::write_tensor(&a.output, &cross, m)?;
+    eprintln!("sdref: wrote {} shape {:?}", a.output.display(), cross.shape_torch());
+    if let Some(vector) = vector {
+        let mut path = a.output.as_os_str().to_owned();
+        path.push(".vector.f32");
+        let path = PathBuf::from(path);
+        let mut m = meta(&common);
+        m.insert("what".into(), json!("text encoder pooled output: c_vector"));
+        rawio::write_tensor(&path, &vector, m)?;
+        eprintln!("sdref: wrote {} shape {:?}", path.display(), vector.shape_torch());
+    }
+    eprintln!("SDREF_TIMING encode_text_ms={ms}");
+    print_rss();
+    Ok(())
+}
+
+fn shape_arg(s: &Option<String>) -> Res<Option<Vec<i64>>> {
+    s.as_deref().map(rawio::parse_shape).transpose()
+}
+
+fn unet(a: Unet) -> Res<()> {
+    let x = rawio::read_tensor(&a.latent, shape_arg(&a.latent_shape)?.as_deref())?;
+    let c = rawio::read_tensor(&a.context, shape_arg(&a.context_shape)?.as_deref())?;
+    start(a.model.verbose);
+    let (mut ctx, _) = load(&a.model)?;
+    let t0 = Instant::now();
+    let out = ctx.diffusion(&x, a.timestep, &c, None::<&Tensor>)?;
+    let ms = timing::ms(t0.elapsed().as_secs_f64());
+    let m = meta(&[
+        ("source", json!(format!("stable-diffusion.cpp {}", ffi::sdcpp_version()))),
+        ("model", json!(a.model.model_desc())),
+        ("what", json!("diffusion model raw output (eps or v) for one evaluation")),
+        ("latent", json!(a.latent.display().to_string())),
+        ("context", json!(a.context.display().to_string())),
+        ("timestep", json!(a.timestep)),
+    ]);
+    rawio::write_tensor(&a.output, &out, m)?;
+    eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());
+    eprintln!("SDREF_TIMING unet_ms={ms}");
+    print_rss();
+    Ok(())
+}
+
+fn vae_decode(a: VaeDecode) -> Res<()> {
+    let z = rawio::read_tensor(&a.latent, shape_arg(&a.latent_shape)?.as_deref())?;
+    start(a.model.verbose);
+    let (mut ctx, _) = load(&a.model)?;
+    let t0 = Instant::now();
+    let out = ctx.vae_decode(&z, !a.vae_space)?;
+    let ms = timing::ms(t0.elapsed().as_secs_f64());
+    let m = meta(&[
+        ("source", json!(format!("stable-diffusion.cpp {}", ffi::sdcpp_version()))),
+        ("model", json!(a.model.model_desc())),
+        ("what", json!("VAE decoder raw output, nominally [-1, 1]; image = clamp((v + 1) / 2, 0, 1)")),
+        ("latent", json!(a.latent.display().to_string())),
+        ("latent_space", json!(if a.vae_space { "vae" } else { "diffusion (divided by the scale factor first)" })),
+    ]);
+    rawio::write_tensor(&a.output, &out, m)?;
+    eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());
+    eprintln!("SDREF_TIMING vae_decode_ms={ms}");
+    print_rss();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_images_after_the_first_get_numbered_names() {
+        assert_eq!(batch_path(Path::new("out/a.png"), 0), PathBuf::from("out/a.png"));
+        assert_eq!(batch_path(Path::new("out/a.png"), 1), PathBuf::from("out/a_2.png"));
+    }
+
+    #[test]
+    fn the_cli_accepts_the_reference_flag_names() {
+        let cli = Cli::try_parse_from([
+            "sdref", "txt2img", "-m", "m.safetensors", "-p", "a cat", "-n", "blurry", "-W", "256", "-H", "256",
+            "--steps", "4", "--cfg-scale", "7", "--sampling-method", "euler", "--scheduler", "discrete", "-s", "42",
+            "-b", "1", "-o", "x.png", "-t", "2", "--rng", "std_default", "--strength", "0.5", "--vae-tiling",
+            "--diffusion-fa", "--backend", "cpu", "--params-backend", "disk", "--max-vram", "-1",
+            "--offload-to-cpu", "--type", "f16", "--clip_l", "c.safetensors", "--vae", "v.safetensors",
+        ])
+        .unwrap();
+        let Command::Txt2img(a) = cli.command else { panic!("not txt2img") };
+        assert_eq!((a.width, a.height, a.steps, a.seed), (Some(256), Some(256), 4, 42));
+        assert_eq!(a.model.threads, 2);
+        assert_eq!(a.model.max_vram, -1.0);
+        assert_eq!(a.model.rng.as_deref(), Some("std_default"));
+        assert!(a.model.offload_to_cpu && a.model.diffusion_fa && a.vae_tiling);
+    }
+}

@@ -1,0 +1,140 @@
+//! `cargo xtask fixture`: write a checkpoint with a real family's layout and random weights.
+//!
+//! ```text
+//! cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
+//!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae]
+//! ```
+//!
+//! Defaults: seed 42, type f16, output `target/fixtures/<family>-<type>.<ext>` in the
+//! workspace, where the extension is `gguf` for quantized types and `safetensors`
+//! otherwise; with `-o` the extension chooses the format. `--only` keeps some components
+//! (file metadata unchanged), for small files in tests. The generation itself lives in
+//! `sd_models::fixture`; this is only argument handling.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
+
+const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae]";
+
+/// Parsed command line.
+#[derive(Debug, PartialEq)]
+struct Args {
+    family: Family,
+    seed: u64,
+    wtype: WeightType,
+    output: Option<PathBuf>,
+    only: Option<Vec<Component>>,
+}
+
+fn parse(args: &[String]) -> Result<Args> {
+    let mut family = None;
+    let mut seed = 42u64;
+    let mut wtype = WeightType::F16;
+    let mut output = None;
+    let mut only = None;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
+        match arg.as_str() {
+            "--seed" | "-s" => {
+                let v = value(arg)?;
+                seed = v.parse().with_context(|| format!("--seed '{v}' is not a non-negative integer"))?;
+            }
+            "--type" => {
+                let v = value(arg)?;
+                wtype = WeightType::parse(&v).ok_or_else(|| fixture::FixtureError::UnknownType(v.clone()))?;
+            }
+            "-o" | "--output" => output = Some(PathBuf::from(value(arg)?)),
+            "--only" => {
+                let v = value(arg)?;
+                let list = v
+                    .split(',')
+                    .map(|c| Component::parse(c.trim()).with_context(|| format!("--only: unknown component '{c}' (accepted: unet, text, vae)")))
+                    .collect::<Result<Vec<_>>>()?;
+                only = Some(list);
+            }
+            "-h" | "--help" => bail!("{USAGE}"),
+            s if s.starts_with('-') => bail!("unknown option '{s}'\n{USAGE}"),
+            s if family.is_none() => family = Some(Family::parse(s)?),
+            s => bail!("unexpected argument '{s}' (the family is already '{}')\n{USAGE}", family.map_or("", Family::name)),
+        }
+    }
+    let family = family.with_context(|| format!("no family given\n{USAGE}"))?;
+    Ok(Args { family, seed, wtype, output, only })
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
+pub fn run(args: &[String]) -> Result<()> {
+    let args = parse(args)?;
+    let (path, format) = match &args.output {
+        Some(p) => (p.clone(), FileFormat::from_path(p)?),
+        None => {
+            let format = if args.wtype.is_quantized() { FileFormat::Gguf } else { FileFormat::Safetensors };
+            let dir = workspace_root().join("target").join("fixtures");
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (dir.join(format!("{}-{}.{}", args.family.name(), args.wtype, format.extension())), format)
+        }
+    };
+    let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);
+    if let Some(only) = &args.only {
+        req.arch = req.arch.only(only);
+    }
+    let start = Instant::now();
+    let report = fixture::write_fixture(&path, &req)?;
+    println!(
+        "wrote {} ({} fixture, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        report.path.display(),
+        args.family.name(),
+        args.seed,
+        args.wtype,
+        report.tensors,
+        report.params as f64 / 1e6,
+        report.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn parses_the_documented_command_line() {
+        let a = parse(&args("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae")).unwrap();
+        assert_eq!(
+            a,
+            Args { family: Family::Sd21, seed: 7, wtype: WeightType::Q8_0, output: Some("m.gguf".into()), only: Some(vec![Component::Unet, Component::Vae]) }
+        );
+        let d = parse(&args("sd-turbo")).unwrap();
+        assert_eq!((d.seed, d.wtype, d.output, d.only), (42, WeightType::F16, None, None));
+    }
+
+    #[test]
+    fn rejects_bad_command_lines_with_the_reason() {
+        for (line, needle) in [
+            ("", "no family"),
+            ("sdxl", "sdxl"),
+            ("sd15 --type q3_k", "q3_k"),
+            ("sd15 --seed -1", "--seed"),
+            ("sd15 --seed", "needs a value"),
+            ("sd15 --only unet,clip", "clip"),
+            ("sd15 sd21", "unexpected argument"),
+            ("sd15 --fast", "--fast"),
+        ] {
+            let e = parse(&args(line)).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
+        }
+    }
+}

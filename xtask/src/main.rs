@@ -1,1 +1,38 @@
-fn main() {}
+//! Project automation (`cargo xtask <command>`): plugins, fixtures, the reference, parity, benchmarks.
+
+mod fixture;
+mod plugins;
+mod reference;
+
+use anyhow::{bail, Result};
+
+const USAGE: &str = "usage: cargo xtask <command> [args]
+
+commands:
+  plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]
+                      build backend plugins from the pinned ggml and install them
+  fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE]
+                      write a checkpoint with the real layout and random weights
+  reference           build the stable-diffusion.cpp reference harness (sdref)";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((cmd, rest)) = args.split_first() else {
+        println!("{USAGE}");
+        return Ok(());
+    };
+    match cmd.as_str() {
+        "plugins" => plugins::run(rest),
+        "fixture" => fixture::run(rest),
+        "reference" => {
+            let exe = reference::build()?;
+            println!("{}", exe.display());
+            Ok(())
+        }
+        "help" | "--help" | "-h" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command `{other}`\n{USAGE}"),
+    }
+}

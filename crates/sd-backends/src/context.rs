@@ -16,6 +16,8 @@ use ggml_sys as sys;
 use crate::error::{BackendError, Result};
 
 pub use sys::ggml_type as GgmlType;
+/// The raw ggml tensor struct, for handles stored outside a borrow.
+pub type RawTensor = sys::ggml_tensor;
 
 /// An owned ggml context.
 pub struct Context {

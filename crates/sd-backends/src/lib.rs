@@ -19,6 +19,7 @@ pub mod alloc;
 pub mod backend;
 pub mod buffer;
 pub mod context;
+pub mod convert;
 pub mod device;
 pub mod error;
 pub mod event;

@@ -260,4 +260,40 @@ impl Context {
         // SAFETY: live context.
         Tensor::from_raw(unsafe { sys::ggml_arange(self.as_raw(), start, stop, step) })
     }
+
+    /// Sets every element above the diagonal shifted by `n_past` (ne[0] index > n_past +
+    /// ne[1] index) to -inf: a causal mask applied in place of adding a 0/-inf mask tensor.
+    pub fn diag_mask_inf<'c>(&'c self, a: Tensor<'_>, n_past: i32) -> Tensor<'c> {
+        // SAFETY: live context and operand.
+        Tensor::from_raw(unsafe { sys::ggml_diag_mask_inf(self.as_raw(), a.as_raw(), n_past) })
+    }
+
+    /// Matrix product like [`Context::mul_mat`], asking backends that can lower precision
+    /// (CUDA's f16 GEMM) to accumulate in f32 (`ggml_mul_mat_set_prec(GGML_PREC_F32)`).
+    pub fn mul_mat_prec_f32<'c>(&'c self, a: Tensor<'_>, b: Tensor<'_>) -> Tensor<'c> {
+        // SAFETY: live context and operands.
+        let t = unsafe { sys::ggml_mul_mat(self.as_raw(), a.as_raw(), b.as_raw()) };
+        // SAFETY: t is a mul_mat node just created.
+        unsafe { sys::ggml_mul_mat_set_prec(t, sys::ggml_prec::GGML_PREC_F32) };
+        Tensor::from_raw(t)
+    }
+
+    /// GEGLU with the halves swapped: splits ne[0] into a | b and returns a * gelu(b)
+    /// (ggml's tanh GELU), the order of the LDM/diffusers `GEGLU` feed-forward. On the CPU
+    /// it computes exactly `mul(a, gelu(cont(b)))` in one pass.
+    pub fn geglu_swapped<'c>(&'c self, a: Tensor<'_>) -> Tensor<'c> {
+        // SAFETY: live context and operand.
+        Tensor::from_raw(unsafe { sys::ggml_geglu_swapped(self.as_raw(), a.as_raw()) })
+    }
+
+    /// `a` itself when it is contiguous, else a contiguous copy (saves a copy node when a
+    /// permutation happens to keep the memory order).
+    pub fn cont_if_needed<'c>(&'c self, a: Tensor<'c>) -> Tensor<'c> {
+        // SAFETY: a live tensor.
+        if unsafe { sys::ggml_is_contiguous(a.as_raw()) } {
+            a
+        } else {
+            self.cont(a)
+        }
+    }
 }

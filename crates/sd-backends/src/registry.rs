@@ -254,7 +254,13 @@ impl PluginRegistry {
     }
 
     fn skip(&mut self, path: PathBuf, reason: SkipReason) {
-        tracing::info!(plugin = %path.display(), "skipping plugin: {reason}");
+        match reason {
+            // Choosing the best CPU variant is normal operation, not news.
+            SkipReason::Superseded { .. } | SkipReason::Shadowed { .. } => {
+                tracing::debug!(plugin = %path.display(), "not using plugin: {reason}")
+            }
+            _ => tracing::info!(plugin = %path.display(), "skipping plugin: {reason}"),
+        }
         self.skipped.push(SkippedPlugin { path, reason });
     }
 

@@ -1,1 +1,85 @@
-fn main() {}
+//! `sd-cli`: image generation, device listing, placement plans and an RPC device server.
+//!
+//! Flag names follow stable-diffusion.cpp's `sd-cli` so existing commands keep
+//! working. Subcommands: `plan` (print a placement plan without loading
+//! weights) and `rpc-server` (serve a local device to other machines); without
+//! a subcommand, `--list-devices` lists devices and otherwise an image is
+//! generated.
+
+mod devices;
+mod logging;
+mod rpc_server;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Options shared by every command that touches devices.
+#[derive(Args, Debug, Clone, Default)]
+pub struct DeviceArgs {
+    /// Directory to search for backend plugins first (repeatable).
+    #[arg(long = "plugin-dir", value_name = "DIR")]
+    pub plugin_dir: Vec<PathBuf>,
+    /// Remote devices: comma-separated `host:port` of `sd-cli rpc-server` instances.
+    #[arg(long = "rpc", value_name = "HOST:PORT[,...]")]
+    pub rpc: Option<String>,
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "sd-cli", about = "Diffusion models on ggml, placed across devices", disable_version_flag = true)]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Print the version, the ggml version and the plugin directories searched.
+    #[arg(long = "version", global = true)]
+    version: bool,
+    /// Debug logging (`-v`), trace logging (`-vv`).
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(flatten)]
+    devices: DeviceArgs,
+    /// List the available devices and exit.
+    #[arg(long = "list-devices")]
+    list_devices: bool,
+    /// With --list-devices: print JSON.
+    #[arg(long = "json")]
+    json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve a local device to other machines over ggml's RPC protocol.
+    RpcServer(rpc_server::RpcServerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    logging::init(cli.verbose);
+    let result = if cli.version {
+        devices::print_version(&cli.devices)
+    } else {
+        match cli.command {
+            Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
+            None if cli.list_devices => devices::list(&cli.devices, cli.json),
+            None => {
+                eprintln!("nothing to do: pass --list-devices, a subcommand, or a model with -m (see --help)");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -92,7 +92,9 @@ pub(crate) fn auto_fit(
     warnings: &mut Vec<String>,
 ) -> AutoFit {
     let comps = by_priority(summaries);
-    let gpus: Vec<usize> = (0..devices.len()).filter(|&i| devices[i].kind == DeviceType::Gpu).collect();
+    let gpus: Vec<usize> = (0..devices.len())
+        .filter(|&i| devices[i].kind == DeviceType::Gpu)
+        .collect();
 
     // Main GPU: largest known budget, first on a tie; with no known budget, the first GPU.
     let mut main: Option<usize> = None;
@@ -118,10 +120,12 @@ pub(crate) fn auto_fit(
         let p = c.param_bytes;
         let on_main = match budgets[main].bytes {
             None => true,
-            Some(b) => resident
-                .saturating_add(p)
-                .saturating_add(room(&comps, &decided, i, true))
-                <= b,
+            Some(b) => {
+                resident
+                    .saturating_add(p)
+                    .saturating_add(room(&comps, &decided, i, true))
+                    <= b
+            }
         };
         let loc = if on_main {
             resident = resident.saturating_add(p);
@@ -233,8 +237,15 @@ fn cpu_only(
         .map(|(c, loc)| Placement {
             module: c.module,
             layout: Layout::Single(cpu),
-            params: if *loc == Loc::Disk { Params::Disk } else { Params::Device(cpu) },
+            params: if *loc == Loc::Disk {
+                Params::Disk
+            } else {
+                Params::Device(cpu)
+            },
         })
         .collect();
-    AutoFit { placements, main: cpu }
+    AutoFit {
+        placements,
+        main: cpu,
+    }
 }

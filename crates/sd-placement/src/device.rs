@@ -107,7 +107,9 @@ impl Device {
         if !self.registry.trim().is_empty() {
             return self.registry.trim().to_string();
         }
-        self.name.trim_end_matches(|c: char| c.is_ascii_digit()).to_string()
+        self.name
+            .trim_end_matches(|c: char| c.is_ascii_digit())
+            .to_string()
     }
 
     /// The memory figure the planner starts from: free memory, or total when free is not
@@ -166,12 +168,12 @@ pub struct ProfileDevice {
 impl DeviceProfile {
     /// Parses a profile from TOML text (no file access: the caller reads the file).
     pub fn from_toml_str(text: &str) -> Result<DeviceProfile, PlanError> {
-        let profile: DeviceProfile = toml::from_str(text).map_err(|e| PlanError::InvalidProfile {
-            reason: e.to_string().trim_end().to_string(),
-        })?;
-        validate_names(profile.devices.iter().map(|d| d.name.as_str())).map_err(|reason| {
-            PlanError::InvalidProfile { reason }
-        })?;
+        let profile: DeviceProfile =
+            toml::from_str(text).map_err(|e| PlanError::InvalidProfile {
+                reason: e.to_string().trim_end().to_string(),
+            })?;
+        validate_names(profile.devices.iter().map(|d| d.name.as_str()))
+            .map_err(|reason| PlanError::InvalidProfile { reason })?;
         Ok(profile)
     }
 
@@ -273,7 +275,10 @@ pub fn resolve_device(
                 available: list_names(devices),
             });
     }
-    if let Some(i) = devices.iter().position(|d| d.name.trim().to_lowercase() == lower) {
+    if let Some(i) = devices
+        .iter()
+        .position(|d| d.name.trim().to_lowercase() == lower)
+    {
         return Ok(i);
     }
     let prefixed: Vec<usize> = devices
@@ -298,7 +303,11 @@ pub fn resolve_device(
             })
         }
     }
-    let registry = if lower == "metal" { "mtl".to_string() } else { lower.clone() };
+    let registry = if lower == "metal" {
+        "mtl".to_string()
+    } else {
+        lower.clone()
+    };
     if let Some(i) = devices.iter().position(|d| {
         let r = d.registry_name().to_lowercase();
         r == lower || r == registry

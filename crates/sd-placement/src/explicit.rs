@@ -22,20 +22,36 @@ enum Runtime {
     Many(Vec<usize>, String),
 }
 
-fn resolve_runtime(devices: &[Device], e: &Entry<RuntimeValue>, warnings: &mut Vec<String>) -> Result<Runtime, PlanError> {
+fn resolve_runtime(
+    devices: &[Device],
+    e: &Entry<RuntimeValue>,
+    warnings: &mut Vec<String>,
+) -> Result<Runtime, PlanError> {
     match &e.value {
-        RuntimeValue::Device(t) => Ok(Runtime::One(resolve_device(devices, t, Flag::Backend, &e.entry)?)),
+        RuntimeValue::Device(t) => Ok(Runtime::One(resolve_device(
+            devices,
+            t,
+            Flag::Backend,
+            &e.entry,
+        )?)),
         RuntimeValue::List(ts) => {
             let mut idx: Vec<usize> = Vec::new();
             for t in ts {
                 let i = resolve_device(devices, t, Flag::Backend, &e.entry)?;
                 if idx.contains(&i) {
-                    warnings.push(format!("--backend '{}' lists {} twice; using it once", e.entry, devices[i].name));
+                    warnings.push(format!(
+                        "--backend '{}' lists {} twice; using it once",
+                        e.entry, devices[i].name
+                    ));
                 } else {
                     idx.push(i);
                 }
             }
-            Ok(if idx.len() == 1 { Runtime::One(idx[0]) } else { Runtime::Many(idx, e.entry.clone()) })
+            Ok(if idx.len() == 1 {
+                Runtime::One(idx[0])
+            } else {
+                Runtime::Many(idx, e.entry.clone())
+            })
         }
     }
 }
@@ -43,7 +59,12 @@ fn resolve_runtime(devices: &[Device], e: &Entry<RuntimeValue>, warnings: &mut V
 fn resolve_params(devices: &[Device], e: &Entry<ParamsValue>) -> Result<Params, PlanError> {
     match &e.value {
         ParamsValue::Disk => Ok(Params::Disk),
-        ParamsValue::Device(t) => Ok(Params::Device(resolve_device(devices, t, Flag::ParamsBackend, &e.entry)?)),
+        ParamsValue::Device(t) => Ok(Params::Device(resolve_device(
+            devices,
+            t,
+            Flag::ParamsBackend,
+            &e.entry,
+        )?)),
     }
 }
 
@@ -97,7 +118,11 @@ pub(crate) fn explicit(
             (Layout::Single(d), Params::Follow) => Params::Device(*d),
             (_, p) => p,
         };
-        placements.push(Placement { module, layout, params: p });
+        placements.push(Placement {
+            module,
+            layout,
+            params: p,
+        });
     }
     let main = placements
         .iter()
@@ -139,7 +164,10 @@ fn multi_device(
                 "{module}: row split unavailable ({} cannot split rows); falling back to layer split",
                 devices[i].name
             ));
-        } else if let Some(&i) = list.iter().find(|&&i| devices[i].registry_name().to_lowercase() != registry) {
+        } else if let Some(&i) = list
+            .iter()
+            .find(|&&i| devices[i].registry_name().to_lowercase() != registry)
+        {
             warnings.push(format!(
                 "{module}: row split unavailable (devices belong to different backend registries: {} is {}, {} is {}); falling back to layer split",
                 devices[first].name,
@@ -174,7 +202,11 @@ fn multi_device(
             ));
             continue;
         }
-        out.push(Range { device: d, start, end });
+        out.push(Range {
+            device: d,
+            start,
+            end,
+        });
     }
     Layout::Layer(out)
 }

@@ -142,7 +142,9 @@ impl Module {
             out.push_str(&m.aliases().join(", "));
             out.push(')');
         }
-        out.push_str("; also all=, default=, *= for every module (case-insensitive, '-' and '_' ignored)");
+        out.push_str(
+            "; also all=, default=, *= for every module (case-insensitive, '-' and '_' ignored)",
+        );
         out
     }
 }
@@ -171,12 +173,20 @@ pub struct Tensor {
 impl Tensor {
     /// A non-block tensor.
     pub fn new(name: impl Into<String>, bytes: u64) -> Self {
-        Tensor { name: name.into(), bytes, block: None }
+        Tensor {
+            name: name.into(),
+            bytes,
+            block: None,
+        }
     }
 
     /// A tensor of transformer block `block`.
     pub fn in_block(name: impl Into<String>, bytes: u64, block: u32) -> Self {
-        Tensor { name: name.into(), bytes, block: Some(block) }
+        Tensor {
+            name: name.into(),
+            bytes,
+            block: Some(block),
+        }
     }
 }
 
@@ -287,7 +297,12 @@ impl ModelDescription {
                 .fold(0u64, |a, t| a.saturating_add(t.bytes));
             (sum, false)
         } else {
-            (self.files.iter().fold(0u64, |a, f| a.saturating_add(f.bytes)), true)
+            (
+                self.files
+                    .iter()
+                    .fold(0u64, |a, f| a.saturating_add(f.bytes)),
+                true,
+            )
         }
     }
 }

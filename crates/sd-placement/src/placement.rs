@@ -73,7 +73,9 @@ pub(crate) struct Usage {
 
 impl Usage {
     pub fn total(self) -> u64 {
-        self.params.saturating_add(self.compute).saturating_add(self.staging)
+        self.params
+            .saturating_add(self.compute)
+            .saturating_add(self.staging)
     }
 }
 
@@ -85,7 +87,11 @@ fn range_bytes(s: &ComponentSummary, r: &Range) -> (u64, u64) {
 }
 
 /// Per-device usage of a set of placements.
-pub(crate) fn account(summaries: &[ComponentSummary], placements: &[Placement], n_devices: usize) -> Vec<Usage> {
+pub(crate) fn account(
+    summaries: &[ComponentSummary],
+    placements: &[Placement],
+    n_devices: usize,
+) -> Vec<Usage> {
     let mut usage = vec![Usage::default(); n_devices];
     let add_params = |usage: &mut Vec<Usage>, d: usize, b: u64| {
         usage[d].params = usage[d].params.saturating_add(b);
@@ -96,7 +102,9 @@ pub(crate) fn account(summaries: &[ComponentSummary], placements: &[Placement], 
         usage[d].staging = usage[d].staging.saturating_add(staging);
     };
     for p in placements {
-        let Some(s) = summaries.iter().find(|s| s.module == p.module) else { continue };
+        let Some(s) = summaries.iter().find(|s| s.module == p.module) else {
+            continue;
+        };
         let r = p.module.compute_reserve();
         match &p.layout {
             Layout::Single(rt) => match p.params {
@@ -154,5 +162,7 @@ pub(crate) fn account(summaries: &[ComponentSummary], placements: &[Placement], 
 
 /// Device names for output.
 pub(crate) fn names(devices: &[Device], idx: &[usize]) -> Vec<String> {
-    idx.iter().map(|&i| devices[i].name.trim().to_string()).collect()
+    idx.iter()
+        .map(|&i| devices[i].name.trim().to_string())
+        .collect()
 }

@@ -10,7 +10,7 @@ use crate::device::{validate_names, Device, DeviceType};
 use crate::error::PlanError;
 use crate::explicit::explicit;
 use crate::memcheck::{check, MemoryCheck, Verdict};
-use crate::model::{ComponentSummary, Module, ModelDescription};
+use crate::model::{ComponentSummary, ModelDescription, Module};
 use crate::placement::{account, names, Layout, Params, Placement};
 use crate::spec::{
     parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Flags,
@@ -146,12 +146,18 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let mut devices: Vec<Device> = req.devices.clone();
     if !devices.iter().any(|d| d.kind == DeviceType::Cpu) {
         let mut cpu = Device::cpu();
-        if devices.iter().any(|d| d.name.trim().eq_ignore_ascii_case("cpu")) {
+        if devices
+            .iter()
+            .any(|d| d.name.trim().eq_ignore_ascii_case("cpu"))
+        {
             cpu.name = "CPU-host".into();
         }
         devices.push(cpu);
     }
-    let cpu = devices.iter().position(|d| d.kind == DeviceType::Cpu).unwrap_or(0);
+    let cpu = devices
+        .iter()
+        .position(|d| d.kind == DeviceType::Cpu)
+        .unwrap_or(0);
 
     let flags = &req.flags;
     let backend_spec = flags.effective_backend();
@@ -170,7 +176,10 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         warnings.push("--auto-fit on is ignored: explicit --backend/--params-backend assignments disable auto-fit".into());
     }
     if auto && !split.is_empty() {
-        warnings.push("--split-mode does not change auto-fit placements (auto-fit never splits a module)".into());
+        warnings.push(
+            "--split-mode does not change auto-fit placements (auto-fit never splits a module)"
+                .into(),
+        );
     }
 
     let summaries = req.model.summaries();
@@ -178,7 +187,15 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         let a = auto_fit(&summaries, &devices, &budgets, ram, cpu, &mut warnings);
         (a.placements, a.main)
     } else {
-        let e = explicit(&summaries, &devices, &budgets, &backend, &params, &split, &mut warnings)?;
+        let e = explicit(
+            &summaries,
+            &devices,
+            &budgets,
+            &backend,
+            &params,
+            &split,
+            &mut warnings,
+        )?;
         (e.placements, e.main)
     };
 
@@ -214,7 +231,9 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
 
     let (file_bytes, from_files) = req.model.file_bytes();
     if !from_files {
-        warnings.push("no source file sizes given: the memory check uses the sum of tensor sizes".into());
+        warnings.push(
+            "no source file sizes given: the memory check uses the sum of tensor sizes".into(),
+        );
     }
     let memory_check = check(&devices, ram, main, file_bytes, flags.no_memory_check);
     if matches!(memory_check.verdict, Verdict::Warn | Verdict::Refuse) {
@@ -300,7 +319,11 @@ fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> Modul
                     device: devices[d].name.trim().to_string(),
                     first_block: first_all,
                     last_block: last_all,
-                    param_bytes: if own_non_block { split_bytes.saturating_add(s.non_block_bytes) } else { split_bytes },
+                    param_bytes: if own_non_block {
+                        split_bytes.saturating_add(s.non_block_bytes)
+                    } else {
+                        split_bytes
+                    },
                 });
             }
             SplitKind::Row
@@ -326,7 +349,10 @@ fn equivalent_flags(placements: &[Placement], devices: &[Device]) -> (String, St
     sorted.sort_by_key(|p| Module::PRIORITY.iter().position(|m| *m == p.module));
     for p in sorted {
         let m = p.module.name();
-        backend.push(format!("{m}={}", names(devices, &p.layout.devices()).join("&")));
+        backend.push(format!(
+            "{m}={}",
+            names(devices, &p.layout.devices()).join("&")
+        ));
         match (&p.layout, p.params) {
             (_, Params::Disk) => params.push(format!("{m}=disk")),
             (Layout::Single(r), Params::Device(d)) if d == *r => {}
@@ -431,7 +457,11 @@ impl Plan {
                 Verdict::Skipped => "skipped",
             },
             fmt_bytes(self.memory_check.estimate_bytes),
-            if self.memory_check.message.is_empty() { String::new() } else { format!(": {}", self.memory_check.message) }
+            if self.memory_check.message.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", self.memory_check.message)
+            }
         );
         let _ = write!(o, "equivalent flags: --backend \"{}\"", self.backend);
         if !self.params_backend.is_empty() {

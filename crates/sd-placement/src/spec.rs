@@ -64,7 +64,11 @@ impl Flags {
 
     /// `--params-backend` with `*=cpu` prepended for `--offload-to-cpu`.
     pub fn effective_params_backend(&self) -> String {
-        let parts = if self.offload_to_cpu { vec!["*=cpu"] } else { Vec::new() };
+        let parts = if self.offload_to_cpu {
+            vec!["*=cpu"]
+        } else {
+            Vec::new()
+        };
         join_prepended(parts, self.params_backend.as_deref())
     }
 }
@@ -98,7 +102,10 @@ pub struct Assignment<T> {
 
 impl<T> Default for Assignment<T> {
     fn default() -> Self {
-        Assignment { default: None, modules: BTreeMap::new() }
+        Assignment {
+            default: None,
+            modules: BTreeMap::new(),
+        }
     }
 }
 
@@ -169,7 +176,11 @@ fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
             continue;
         }
         let Some((key, value)) = part.split_once('=') else {
-            out.push(RawEntry { key: Key::Default, value: part.to_string(), entry: part.to_string() });
+            out.push(RawEntry {
+                key: Key::Default,
+                value: part.to_string(),
+                entry: part.to_string(),
+            });
             continue;
         };
         let (key, value) = (key.trim(), value.trim());
@@ -202,7 +213,11 @@ fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
                 }
             }
         };
-        out.push(RawEntry { key, value: value.to_string(), entry: part.to_string() });
+        out.push(RawEntry {
+            key,
+            value: value.to_string(),
+            entry: part.to_string(),
+        });
     }
     Ok(out)
 }
@@ -255,7 +270,9 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
             }
             for n in &names {
                 if is_disk_token(n) {
-                    return Err(PlanError::DiskAsRuntime { entry: raw.entry.clone() });
+                    return Err(PlanError::DiskAsRuntime {
+                        entry: raw.entry.clone(),
+                    });
                 }
                 if is_default_token(n) {
                     return Err(PlanError::InvalidDeviceList {
@@ -273,7 +290,9 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
             }
         } else {
             if is_disk_token(&raw.value) {
-                return Err(PlanError::DiskAsRuntime { entry: raw.entry.clone() });
+                return Err(PlanError::DiskAsRuntime {
+                    entry: raw.entry.clone(),
+                });
             }
             RuntimeValue::Device(raw.value.clone())
         };
@@ -313,7 +332,10 @@ pub fn parse_split_mode(spec: &str) -> Result<Assignment<SplitMode>, PlanError> 
             "layer" => SplitMode::Layer,
             "row" => SplitMode::Row,
             _ => {
-                return Err(PlanError::InvalidSplitMode { token: raw.value.clone(), entry: raw.entry.clone() })
+                return Err(PlanError::InvalidSplitMode {
+                    token: raw.value.clone(),
+                    entry: raw.entry.clone(),
+                })
             }
         };
         insert(&mut a, raw.key, mode, raw.entry);
@@ -347,14 +369,18 @@ pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
                     return Err(PlanError::InvalidAssignment {
                         flag,
                         entry: part.to_string(),
-                        reason: "write DEVICE=GiB (e.g. cuda0=6), all=GiB or a bare GiB value".into(),
+                        reason: "write DEVICE=GiB (e.g. cuda0=6), all=GiB or a bare GiB value"
+                            .into(),
                     });
                 }
                 let gib = parse_gib(value, part)?;
                 if is_default_key(key) {
                     out.default = Some(gib);
                 } else {
-                    out.devices.push(Entry { value: (key.to_string(), gib), entry: part.to_string() });
+                    out.devices.push(Entry {
+                        value: (key.to_string(), gib),
+                        entry: part.to_string(),
+                    });
                 }
             }
         }
@@ -365,7 +391,8 @@ pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
 fn parse_gib(token: &str, entry: &str) -> Result<f64, PlanError> {
     let t = token.trim();
     let ok_chars = !t.is_empty()
-        && t.chars().all(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'));
+        && t.chars()
+            .all(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'));
     match t.parse::<f64>() {
         Ok(v) if ok_chars && v.is_finite() => Ok(v),
         _ => Err(PlanError::MalformedNumber {
@@ -382,6 +409,8 @@ pub fn parse_auto_fit(value: Option<&str>) -> Result<bool, PlanError> {
         None => Ok(true),
         Some(v) if v == "on" => Ok(true),
         Some(v) if v == "off" => Ok(false),
-        Some(_) => Err(PlanError::InvalidAutoFit { token: value.unwrap_or_default().to_string() }),
+        Some(_) => Err(PlanError::InvalidAutoFit {
+            token: value.unwrap_or_default().to_string(),
+        }),
     }
 }

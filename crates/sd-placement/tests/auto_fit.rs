@@ -25,16 +25,41 @@ struct Case {
 
 fn check(c: &Case) -> Plan {
     // The memory check has its own tests (memory_check.rs); here `fits` is about placement.
-    let f = Flags { max_vram: c.max_vram.map(Into::into), no_memory_check: true, ..Flags::default() };
-    let p = plan(&request(c.devices.clone(), c.ram_mib.map(|r| r * MIB), c.model.clone(), f)).unwrap();
+    let f = Flags {
+        max_vram: c.max_vram.map(Into::into),
+        no_memory_check: true,
+        ..Flags::default()
+    };
+    let p = plan(&request(
+        c.devices.clone(),
+        c.ram_mib.map(|r| r * MIB),
+        c.model.clone(),
+        f,
+    ))
+    .unwrap();
     assert!(p.auto_fit, "[{}]", c.rule);
-    assert_eq!(p.main_device, c.main, "[{}] main device\n{}", c.rule, p.render());
-    for (m, want) in [Module::Diffusion, Module::Te, Module::Vae].iter().zip(c.params) {
+    assert_eq!(
+        p.main_device,
+        c.main,
+        "[{}] main device\n{}",
+        c.rule,
+        p.render()
+    );
+    for (m, want) in [Module::Diffusion, Module::Te, Module::Vae]
+        .iter()
+        .zip(c.params)
+    {
         if want == "-" {
             continue;
         }
         let mp = module(&p, *m);
-        assert_eq!(mp.params, want, "[{}] params of {m}\n{}", c.rule, p.render());
+        assert_eq!(
+            mp.params,
+            want,
+            "[{}] params of {m}\n{}",
+            c.rule,
+            p.render()
+        );
         // "auto-fit uses one GPU for diffusion / te / vae computation"
         assert_eq!(mp.runtime, [c.main], "[{}] runtime of {m}", c.rule);
     }
@@ -141,17 +166,60 @@ fn main_gpu_choice() {
     // "It chooses the GPU with the largest available memory budget (the first device on a tie)"
     let devs = cpu_gpus(&[("CUDA0", 8192), ("CUDA1", 12288), ("CUDA2", 12288)]);
     let m = mib_model((1000, 10), (100, 10), (100, 10));
-    let p = check(&Case { rule: "largest budget, first on a tie", devices: devs.clone(), ram_mib: Some(16384), model: m.clone(), max_vram: None, main: "CUDA1", params: ["CUDA1", "CUDA1", "CUDA1"], fits: true });
-    assert_eq!(p.backend, "diffusion=CUDA1,te=CUDA1,vae=CUDA1", "\"The chosen backend specifications are printed.\"");
+    let p = check(&Case {
+        rule: "largest budget, first on a tie",
+        devices: devs.clone(),
+        ram_mib: Some(16384),
+        model: m.clone(),
+        max_vram: None,
+        main: "CUDA1",
+        params: ["CUDA1", "CUDA1", "CUDA1"],
+        fits: true,
+    });
+    assert_eq!(
+        p.backend, "diffusion=CUDA1,te=CUDA1,vae=CUDA1",
+        "\"The chosen backend specifications are printed.\""
+    );
     assert_eq!(p.params_backend, "");
     // "--auto-fit on --max-vram cuda0=8,cuda1=14": budgets decide, not free memory.
-    check(&Case { rule: "--max-vram lowers CUDA1's budget: CUDA2 is now largest", devices: devs.clone(), ram_mib: Some(16384), model: m.clone(), max_vram: Some("cuda1=4"), main: "CUDA2", params: ["CUDA2", "CUDA2", "CUDA2"], fits: true });
+    check(&Case {
+        rule: "--max-vram lowers CUDA1's budget: CUDA2 is now largest",
+        devices: devs.clone(),
+        ram_mib: Some(16384),
+        model: m.clone(),
+        max_vram: Some("cuda1=4"),
+        main: "CUDA2",
+        params: ["CUDA2", "CUDA2", "CUDA2"],
+        fits: true,
+    });
     // Listing order, not name: the GPU listed first wins a tie.
     let devs2 = cpu_gpus(&[("CUDA1", 8192), ("CUDA0", 8192)]);
-    check(&Case { rule: "tie: first listed", devices: devs2, ram_mib: Some(16384), model: m.clone(), max_vram: None, main: "CUDA1", params: ["CUDA1", "CUDA1", "CUDA1"], fits: true });
+    check(&Case {
+        rule: "tie: first listed",
+        devices: devs2,
+        ram_mib: Some(16384),
+        model: m.clone(),
+        max_vram: None,
+        main: "CUDA1",
+        params: ["CUDA1", "CUDA1", "CUDA1"],
+        fits: true,
+    });
     // Only discrete GPUs are candidates.
-    let devs3 = vec![Device::cpu(), igpu("Intel0", 30.0), gpu_budget("Vulkan0", 4096)];
-    check(&Case { rule: "integrated GPU is never main when a GPU exists", devices: devs3, ram_mib: Some(16384), model: m, max_vram: None, main: "Vulkan0", params: ["Vulkan0", "Vulkan0", "Vulkan0"], fits: true });
+    let devs3 = vec![
+        Device::cpu(),
+        igpu("Intel0", 30.0),
+        gpu_budget("Vulkan0", 4096),
+    ];
+    check(&Case {
+        rule: "integrated GPU is never main when a GPU exists",
+        devices: devs3,
+        ram_mib: Some(16384),
+        model: m,
+        max_vram: None,
+        main: "Vulkan0",
+        params: ["Vulkan0", "Vulkan0", "Vulkan0"],
+        fits: true,
+    });
 }
 
 #[test]
@@ -159,6 +227,7 @@ fn reserves_and_staging() {
     // "Initial compute reserves are estimates (2 GiB for diffusion and text encoders, 1 GiB for
     // VAE); higher-priority placements also leave staging space for the largest weight tensor of
     // each lower-priority offloaded component." Budgets set exactly with --max-vram (n/1024 GiB).
+    #[allow(clippy::type_complexity)]
     let table: &[(&str, (u64, u64), (u64, u64), (u64, u64), u64, [&str; 3])] = &[
         ("VAE alone: 1000 + 1024 = 2024 > 2023", (0, 0), (0, 0), (1000, 10), 2023, ["-", "-", "CPU"]),
         ("VAE alone: 1000 + 1024 = 2024 fits 2024", (0, 0), (0, 0), (1000, 10), 2024, ["-", "-", "CUDA0"]),
@@ -170,7 +239,8 @@ fn reserves_and_staging() {
         ("everything: 1700 + 2048 = 3748", (1000, 10), (600, 60), (100, 50), 3748, ["CUDA0", "CUDA0", "CUDA0"]),
     ];
     for (why, d, t, v, budget, want) in table {
-        let spec: &'static str = Box::leak(format!("cuda0={}", *budget as f64 / 1024.0).into_boxed_str());
+        let spec: &'static str =
+            Box::leak(format!("cuda0={}", *budget as f64 / 1024.0).into_boxed_str());
         check(&Case {
             rule: why,
             devices: cpu_gpus(&[("CUDA0", 100_000)]),
@@ -193,12 +263,30 @@ fn ram_reserve_rule() {
     // 40 GiB RAM: 36 GiB for params. A 36 GiB diffusion model goes to RAM, one MiB more to disk.
     for (extra, want) in [(0u64, "CPU"), (1, "disk")] {
         let m = mib_model((36 * 1024 + extra, 100), (0, 0), (0, 0));
-        check(&Case { rule: "RAM reserve max(2 GiB, 10%)", devices: cpu_gpus(&[("CUDA0", 4096)]), ram_mib: Some(40 * 1024), model: m, max_vram: None, main: "CUDA0", params: [want, "-", "-"], fits: true });
+        check(&Case {
+            rule: "RAM reserve max(2 GiB, 10%)",
+            devices: cpu_gpus(&[("CUDA0", 4096)]),
+            ram_mib: Some(40 * 1024),
+            model: m,
+            max_vram: None,
+            main: "CUDA0",
+            params: [want, "-", "-"],
+            fits: true,
+        });
     }
     // 10 GiB RAM: the 2 GiB floor applies (10% would be 1 GiB): 8 GiB for params.
     for (extra, want) in [(0u64, "CPU"), (1, "disk")] {
         let m = mib_model((8 * 1024 + extra, 100), (0, 0), (0, 0));
-        check(&Case { rule: "RAM reserve floor 2 GiB", devices: cpu_gpus(&[("CUDA0", 4096)]), ram_mib: Some(10 * 1024), model: m, max_vram: None, main: "CUDA0", params: [want, "-", "-"], fits: true });
+        check(&Case {
+            rule: "RAM reserve floor 2 GiB",
+            devices: cpu_gpus(&[("CUDA0", 4096)]),
+            ram_mib: Some(10 * 1024),
+            model: m,
+            max_vram: None,
+            main: "CUDA0",
+            params: [want, "-", "-"],
+            fits: true,
+        });
     }
 }
 
@@ -208,13 +296,40 @@ fn no_gpu() {
     // RAM cannot hold them." RAM 8192: cap 6144; diffusion 4096 (4096+2048+110 <= 8192) -> RAM;
     // te 4096+2500 > 6144 -> disk; vae 4296 <= 6144, 4296+2048+100 <= 8192 -> RAM.
     let m = mib_model((4096, 100), (2500, 100), (200, 10));
-    let p = check(&Case { rule: "CPU only", devices: vec![Device::cpu()], ram_mib: Some(8192), model: m.clone(), max_vram: None, main: "CPU", params: ["CPU", "disk", "CPU"], fits: true });
+    let p = check(&Case {
+        rule: "CPU only",
+        devices: vec![Device::cpu()],
+        ram_mib: Some(8192),
+        model: m.clone(),
+        max_vram: None,
+        main: "CPU",
+        params: ["CPU", "disk", "CPU"],
+        fits: true,
+    });
     assert_eq!(device(&p, "CPU").used_bytes, (4296 + 2048 + 100) * MIB);
     // An integrated GPU alone does not make auto-fit compute on it.
-    let p = check(&Case { rule: "iGPU only", devices: vec![Device::cpu(), igpu("Intel0", 8.0)], ram_mib: Some(8192), model: m.clone(), max_vram: None, main: "CPU", params: ["CPU", "disk", "CPU"], fits: true });
+    let p = check(&Case {
+        rule: "iGPU only",
+        devices: vec![Device::cpu(), igpu("Intel0", 8.0)],
+        ram_mib: Some(8192),
+        model: m.clone(),
+        max_vram: None,
+        main: "CPU",
+        params: ["CPU", "disk", "CPU"],
+        fits: true,
+    });
     assert!(p.warnings.iter().any(|w| w.contains("integrated GPU")));
     // RAM unknown: params stay with the CPU runtime (disk is never chosen blindly), with a warning.
-    let p = check(&Case { rule: "CPU only, RAM unknown", devices: vec![Device::cpu()], ram_mib: None, model: m, max_vram: None, main: "CPU", params: ["CPU", "CPU", "CPU"], fits: true });
+    let p = check(&Case {
+        rule: "CPU only, RAM unknown",
+        devices: vec![Device::cpu()],
+        ram_mib: None,
+        model: m,
+        max_vram: None,
+        main: "CPU",
+        params: ["CPU", "CPU", "CPU"],
+        fits: true,
+    });
     assert!(p.warnings.iter().any(|w| w.contains("RAM is unknown")));
 }
 
@@ -222,13 +337,38 @@ fn no_gpu() {
 fn split_mode_does_not_change_auto_fit() {
     // "Auto-fit does not select multi-GPU layer/row computation, so --split-mode does not change
     // its placements."
-    let devs = vec![Device::cpu(), gpu("CUDA0", 12.0).with_row_split(true), gpu("CUDA1", 12.0).with_row_split(true)];
+    let devs = vec![
+        Device::cpu(),
+        gpu("CUDA0", 12.0).with_row_split(true),
+        gpu("CUDA1", 12.0).with_row_split(true),
+    ];
     let m = flux_dev_q8();
-    let base = plan(&request(devs.clone(), Some(32 * GIB), m.clone(), Flags::default())).unwrap();
-    let row = plan(&request(devs, Some(32 * GIB), m, Flags { split_mode: Some("row".into()), ..Flags::default() })).unwrap();
+    let base = plan(&request(
+        devs.clone(),
+        Some(32 * GIB),
+        m.clone(),
+        Flags::default(),
+    ))
+    .unwrap();
+    let row = plan(&request(
+        devs,
+        Some(32 * GIB),
+        m,
+        Flags {
+            split_mode: Some("row".into()),
+            ..Flags::default()
+        },
+    ))
+    .unwrap();
     assert_eq!(base.modules, row.modules);
-    assert!(base.modules.iter().all(|m| m.split_mode == SplitKind::None && m.runtime.len() == 1));
-    assert!(row.warnings.iter().any(|w| w.contains("--split-mode does not change auto-fit")));
+    assert!(base
+        .modules
+        .iter()
+        .all(|m| m.split_mode == SplitKind::None && m.runtime.len() == 1));
+    assert!(row
+        .warnings
+        .iter()
+        .any(|w| w.contains("--split-mode does not change auto-fit")));
 }
 
 #[test]
@@ -249,7 +389,13 @@ fn other_gpus_store_weights_only() {
     };
     let p = check(&c);
     let other = device(&p, "CUDA1");
-    assert_eq!((other.param_bytes, other.compute_bytes, other.staging_bytes), (8700 * MIB, 0, 0));
+    assert_eq!(
+        (other.param_bytes, other.compute_bytes, other.staging_bytes),
+        (8700 * MIB, 0, 0)
+    );
     let main = device(&p, "CUDA0");
-    assert_eq!((main.param_bytes, main.compute_bytes, main.staging_bytes), (0, 2048 * MIB, 910 * MIB));
+    assert_eq!(
+        (main.param_bytes, main.compute_bytes, main.staging_bytes),
+        (0, 2048 * MIB, 910 * MIB)
+    );
 }

@@ -40,7 +40,12 @@ struct Compat {
     offload: bool,
 }
 
-const NONE: Compat = Compat { clip: false, vae: false, control: false, offload: false };
+const NONE: Compat = Compat {
+    clip: false,
+    vae: false,
+    control: false,
+    offload: false,
+};
 
 fn run(cases: &[Case]) {
     for c in cases {
@@ -53,22 +58,50 @@ fn run(cases: &[Case]) {
         let got = plan(&req);
         match (&c.expect, got) {
             (Expect::Places(want), Ok(p)) => {
-                assert!(!p.auto_fit, "[{}] explicit flags must disable auto-fit", c.rule);
+                assert!(
+                    !p.auto_fit,
+                    "[{}] explicit flags must disable auto-fit",
+                    c.rule
+                );
                 for (m, rt, params) in want.iter() {
                     let m = Module::parse(m).expect("test module name");
                     let mp = module(&p, m);
-                    assert_eq!(mp.runtime.join("&"), *rt, "[{}] runtime of {m} for {:?}/{:?}", c.rule, c.backend, c.params);
-                    assert_eq!(mp.params, *params, "[{}] params of {m} for {:?}/{:?}", c.rule, c.backend, c.params);
+                    assert_eq!(
+                        mp.runtime.join("&"),
+                        *rt,
+                        "[{}] runtime of {m} for {:?}/{:?}",
+                        c.rule,
+                        c.backend,
+                        c.params
+                    );
+                    assert_eq!(
+                        mp.params, *params,
+                        "[{}] params of {m} for {:?}/{:?}",
+                        c.rule, c.backend, c.params
+                    );
                 }
             }
             (Expect::Fails(parts), Err(e)) => {
                 let msg = e.to_string();
                 for part in parts.iter() {
-                    assert!(msg.contains(part), "[{}] error {msg:?} lacks {part:?}", c.rule);
+                    assert!(
+                        msg.contains(part),
+                        "[{}] error {msg:?} lacks {part:?}",
+                        c.rule
+                    );
                 }
             }
-            (Expect::Places(_), Err(e)) => panic!("[{}] {:?}/{:?}: unexpected error {e}", c.rule, c.backend, c.params),
-            (Expect::Fails(_), Ok(p)) => panic!("[{}] {:?}/{:?}: expected an error, got {}", c.rule, c.backend, c.params, p.render()),
+            (Expect::Places(_), Err(e)) => panic!(
+                "[{}] {:?}/{:?}: unexpected error {e}",
+                c.rule, c.backend, c.params
+            ),
+            (Expect::Fails(_), Ok(p)) => panic!(
+                "[{}] {:?}/{:?}: expected an error, got {}",
+                c.rule,
+                c.backend,
+                c.params,
+                p.render()
+            ),
         }
     }
 }
@@ -191,22 +224,55 @@ fn module_alias_table() {
     // backend.md "Modules": every accepted name of the table, checked through --backend.
     let table: &[(&str, &[&str])] = &[
         ("diffusion", &["diffusion", "model", "unet", "dit"]),
-        ("te", &["te", "clip", "text", "textencoder", "textencoders", "conditioner", "cond", "llm", "t5", "t5xxl"]),
-        ("clip_vision", &["clip_vision", "clipvision", "clip-vision", "vision"]),
+        (
+            "te",
+            &[
+                "te",
+                "clip",
+                "text",
+                "textencoder",
+                "textencoders",
+                "conditioner",
+                "cond",
+                "llm",
+                "t5",
+                "t5xxl",
+            ],
+        ),
+        (
+            "clip_vision",
+            &["clip_vision", "clipvision", "clip-vision", "vision"],
+        ),
         ("vae", &["vae", "firststage", "autoencoder", "tae"]),
         ("controlnet", &["controlnet", "control"]),
-        ("photomaker", &["photomaker", "photomakerid", "pmid", "photo"]),
+        (
+            "photomaker",
+            &["photomaker", "photomakerid", "pmid", "photo"],
+        ),
         ("upscaler", &["upscaler", "esrgan", "hires"]),
         ("detector", &["detector", "adetailer", "yolo"]),
     ];
     for (canonical, aliases) in table {
         for alias in aliases.iter() {
-            for spelled in [alias.to_string(), alias.to_uppercase(), format!("-{alias}_")] {
+            for spelled in [
+                alias.to_string(),
+                alias.to_uppercase(),
+                format!("-{alias}_"),
+            ] {
                 let spec = format!("{spelled}=cuda1");
-                let p = plan(&request(devices(), Some(64 * GIB), all_modules_model(), flags(Some(&spec), None)))
-                    .unwrap_or_else(|e| panic!("alias {spelled}: {e}"));
+                let p = plan(&request(
+                    devices(),
+                    Some(64 * GIB),
+                    all_modules_model(),
+                    flags(Some(&spec), None),
+                ))
+                .unwrap_or_else(|e| panic!("alias {spelled}: {e}"));
                 for m in &p.modules {
-                    let want = if m.module.name() == *canonical { "CUDA1" } else { "CUDA0" };
+                    let want = if m.module.name() == *canonical {
+                        "CUDA1"
+                    } else {
+                        "CUDA0"
+                    };
                     assert_eq!(m.runtime, [want], "--backend {spec}: module {}", m.module);
                 }
             }
@@ -274,29 +340,66 @@ fn default_and_gpu_special_values() {
     // value gpu selects the first GPU backend, falling back to the first integrated GPU backend."
     // (device lists in listing order; expected device for auto/default/""/gpu)
     let table: &[(&str, Vec<Device>, &str, Option<&str>)] = &[
-        ("GPU preferred over an earlier-listed iGPU and CPU", vec![Device::cpu(), igpu("Intel0", 8.0), gpu("CUDA0", 8.0)], "CUDA0", Some("CUDA0")),
-        ("first GPU when there are two", vec![Device::cpu(), gpu("Vulkan0", 8.0), gpu("Vulkan1", 16.0)], "Vulkan0", Some("Vulkan0")),
-        ("integrated GPU when no GPU", vec![Device::cpu(), igpu("Intel0", 8.0)], "Intel0", Some("Intel0")),
-        ("CPU when neither; gpu is an error", vec![Device::cpu()], "CPU", None),
+        (
+            "GPU preferred over an earlier-listed iGPU and CPU",
+            vec![Device::cpu(), igpu("Intel0", 8.0), gpu("CUDA0", 8.0)],
+            "CUDA0",
+            Some("CUDA0"),
+        ),
+        (
+            "first GPU when there are two",
+            vec![Device::cpu(), gpu("Vulkan0", 8.0), gpu("Vulkan1", 16.0)],
+            "Vulkan0",
+            Some("Vulkan0"),
+        ),
+        (
+            "integrated GPU when no GPU",
+            vec![Device::cpu(), igpu("Intel0", 8.0)],
+            "Intel0",
+            Some("Intel0"),
+        ),
+        (
+            "CPU when neither; gpu is an error",
+            vec![Device::cpu()],
+            "CPU",
+            None,
+        ),
     ];
     for (why, devs, want_default, want_gpu) in table {
         // `te=auto`, `te=DEFAULT`, and an empty backend name (the whole flag empty, --auto-fit off
         // so that the default device is what remains).
         for spec in ["te=auto", "te=DEFAULT", "", "  "] {
-            let p = plan(&request(devs.clone(), Some(64 * GIB), simple_model(GIB, GIB, 100 * MIB), Flags {
-                backend: Some(spec.to_string()),
-                auto_fit: Some("off".into()),
-                ..Flags::default()
-            }))
+            let p = plan(&request(
+                devs.clone(),
+                Some(64 * GIB),
+                simple_model(GIB, GIB, 100 * MIB),
+                Flags {
+                    backend: Some(spec.to_string()),
+                    auto_fit: Some("off".into()),
+                    ..Flags::default()
+                },
+            ))
             .unwrap();
-            assert_eq!(module(&p, Module::Te).runtime, [*want_default], "{why}: --backend {spec:?}");
+            assert_eq!(
+                module(&p, Module::Te).runtime,
+                [*want_default],
+                "{why}: --backend {spec:?}"
+            );
         }
-        let r = plan(&request(devs.clone(), Some(64 * GIB), simple_model(GIB, GIB, 100 * MIB), flags(Some("gpu"), None)));
+        let r = plan(&request(
+            devs.clone(),
+            Some(64 * GIB),
+            simple_model(GIB, GIB, 100 * MIB),
+            flags(Some("gpu"), None),
+        ));
         match want_gpu {
             Some(g) => assert_eq!(module(&r.unwrap(), Module::Vae).runtime, [*g], "{why}"),
             None => {
                 let e = r.unwrap_err().to_string();
-                assert!(e.contains("'gpu'") && e.contains("no") && e.contains("CPU (cpu)"), "{why}: {e}");
+                assert!(
+                    e.contains("'gpu'") && e.contains("no") && e.contains("CPU (cpu)"),
+                    "{why}: {e}"
+                );
             }
         }
     }
@@ -361,8 +464,16 @@ fn device_lists() {
 #[test]
 fn compatibility_flags() {
     let clip = Compat { clip: true, ..NONE };
-    let all3 = Compat { clip: true, vae: true, control: true, offload: false };
-    let offload = Compat { offload: true, ..NONE };
+    let all3 = Compat {
+        clip: true,
+        vae: true,
+        control: true,
+        offload: false,
+    };
+    let offload = Compat {
+        offload: true,
+        ..NONE
+    };
     run(&[
         Case {
             rule: "backend.md: \"The example argument layer prepends te=cpu, vae=cpu, and controlnet=cpu to --backend\"",
@@ -396,7 +507,15 @@ fn compatibility_flags() {
         },
     ]);
     // The composed strings themselves.
-    let f = Flags { backend: Some("cuda0".into()), clip_on_cpu: true, vae_on_cpu: true, control_net_cpu: true, offload_to_cpu: true, params_backend: Some("te=disk".into()), ..Flags::default() };
+    let f = Flags {
+        backend: Some("cuda0".into()),
+        clip_on_cpu: true,
+        vae_on_cpu: true,
+        control_net_cpu: true,
+        offload_to_cpu: true,
+        params_backend: Some("te=disk".into()),
+        ..Flags::default()
+    };
     assert_eq!(f.effective_backend(), "te=cpu,vae=cpu,controlnet=cpu,cuda0");
     assert_eq!(f.effective_params_backend(), "*=cpu,te=disk");
 }
@@ -408,24 +527,90 @@ fn explicit_assignments_disable_auto_fit() {
     let m = simple_model(GIB, GIB, 100 * MIB);
     let table: &[(&str, Flags, bool)] = &[
         ("no flags: auto-fit defaults to on", Flags::default(), true),
-        ("--auto-fit on", Flags { auto_fit: Some("on".into()), ..Flags::default() }, true),
-        ("--auto-fit OFF (case-insensitive)", Flags { auto_fit: Some("OFF".into()), ..Flags::default() }, false),
-        ("--backend with --auto-fit on", Flags { backend: Some("cuda0".into()), auto_fit: Some("on".into()), ..Flags::default() }, false),
-        ("--params-backend alone", Flags { params_backend: Some("cpu".into()), ..Flags::default() }, false),
-        ("--clip-on-cpu prepends to --backend", Flags { clip_on_cpu: true, ..Flags::default() }, false),
-        ("--offload-to-cpu prepends to --params-backend", Flags { offload_to_cpu: true, auto_fit: Some("on".into()), ..Flags::default() }, false),
-        ("empty --backend is no assignment (sd_ctx_params: nonempty assignments disable it)", Flags { backend: Some("  ".into()), ..Flags::default() }, true),
+        (
+            "--auto-fit on",
+            Flags {
+                auto_fit: Some("on".into()),
+                ..Flags::default()
+            },
+            true,
+        ),
+        (
+            "--auto-fit OFF (case-insensitive)",
+            Flags {
+                auto_fit: Some("OFF".into()),
+                ..Flags::default()
+            },
+            false,
+        ),
+        (
+            "--backend with --auto-fit on",
+            Flags {
+                backend: Some("cuda0".into()),
+                auto_fit: Some("on".into()),
+                ..Flags::default()
+            },
+            false,
+        ),
+        (
+            "--params-backend alone",
+            Flags {
+                params_backend: Some("cpu".into()),
+                ..Flags::default()
+            },
+            false,
+        ),
+        (
+            "--clip-on-cpu prepends to --backend",
+            Flags {
+                clip_on_cpu: true,
+                ..Flags::default()
+            },
+            false,
+        ),
+        (
+            "--offload-to-cpu prepends to --params-backend",
+            Flags {
+                offload_to_cpu: true,
+                auto_fit: Some("on".into()),
+                ..Flags::default()
+            },
+            false,
+        ),
+        (
+            "empty --backend is no assignment (sd_ctx_params: nonempty assignments disable it)",
+            Flags {
+                backend: Some("  ".into()),
+                ..Flags::default()
+            },
+            true,
+        ),
     ];
     for (why, f, want) in table {
         let p = plan(&request(devices(), Some(64 * GIB), m.clone(), f.clone())).unwrap();
         assert_eq!(p.auto_fit, *want, "{why}");
         if f.auto_fit.as_deref() == Some("on") && !want {
-            assert!(p.warnings.iter().any(|w| w.contains("--auto-fit on is ignored")), "{why}: {:?}", p.warnings);
+            assert!(
+                p.warnings
+                    .iter()
+                    .any(|w| w.contains("--auto-fit on is ignored")),
+                "{why}: {:?}",
+                p.warnings
+            );
         }
     }
     // "--auto-fit requires on or off"
     for bad in ["yes", "1", "", "onn"] {
-        let e = plan(&request(devices(), None, m.clone(), Flags { auto_fit: Some(bad.into()), ..Flags::default() })).unwrap_err();
+        let e = plan(&request(
+            devices(),
+            None,
+            m.clone(),
+            Flags {
+                auto_fit: Some(bad.into()),
+                ..Flags::default()
+            },
+        ))
+        .unwrap_err();
         assert_eq!(e, PlanError::InvalidAutoFit { token: bad.into() });
         assert!(e.to_string().contains("accepted: on, off"));
     }
@@ -435,29 +620,59 @@ fn explicit_assignments_disable_auto_fit() {
 fn max_vram_targets_devices() {
     // backend.md: "--max-vram can target resolved backend/device names: --backend
     // diffusion=cuda0,vae=vulkan0 --max-vram cuda0=6,vulkan0=2"
-    let p = plan(&request(devices(), Some(64 * GIB), simple_model(GIB, GIB, 100 * MIB), Flags {
-        backend: Some("diffusion=cuda0,vae=vulkan0".into()),
-        max_vram: Some("cuda0=6,vulkan0=2".into()),
-        ..Flags::default()
-    }))
+    let p = plan(&request(
+        devices(),
+        Some(64 * GIB),
+        simple_model(GIB, GIB, 100 * MIB),
+        Flags {
+            backend: Some("diffusion=cuda0,vae=vulkan0".into()),
+            max_vram: Some("cuda0=6,vulkan0=2".into()),
+            ..Flags::default()
+        },
+    ))
     .unwrap();
     assert_eq!(device(&p, "CUDA0").budget_bytes, Some(6 * GIB));
     assert_eq!(device(&p, "Vulkan0").budget_bytes, Some(2 * GIB));
     // CUDA1 has no entry: free minus 512 MiB.
     assert_eq!(device(&p, "CUDA1").budget_bytes, Some(24 * GIB - 512 * MIB));
     let table: &[(&str, &str, &[&str])] = &[
-        ("unknown device key", "cuda9=4", &["--max-vram", "unknown device 'cuda9'", "'cuda9=4'"]),
-        ("ambiguous key", "cu=4", &["--max-vram", "ambiguous", "CUDA0, CUDA1"]),
-        ("malformed number", "cuda0=6GB", &["--max-vram", "malformed number '6GB'", "'cuda0=6GB'", "decimal number"]),
+        (
+            "unknown device key",
+            "cuda9=4",
+            &["--max-vram", "unknown device 'cuda9'", "'cuda9=4'"],
+        ),
+        (
+            "ambiguous key",
+            "cu=4",
+            &["--max-vram", "ambiguous", "CUDA0, CUDA1"],
+        ),
+        (
+            "malformed number",
+            "cuda0=6GB",
+            &[
+                "--max-vram",
+                "malformed number '6GB'",
+                "'cuda0=6GB'",
+                "decimal number",
+            ],
+        ),
         ("malformed bare number", "six", &["malformed number 'six'"]),
         ("non-finite", "inf", &["malformed number 'inf'"]),
         ("NaN", "cuda0=NaN", &["malformed number 'NaN'"]),
         ("empty value", "cuda0=", &["invalid assignment 'cuda0='"]),
     ];
     for (why, spec, parts) in table {
-        let e = plan(&request(devices(), None, simple_model(GIB, GIB, MIB * 100), Flags { max_vram: Some((*spec).into()), ..Flags::default() }))
-            .unwrap_err()
-            .to_string();
+        let e = plan(&request(
+            devices(),
+            None,
+            simple_model(GIB, GIB, MIB * 100),
+            Flags {
+                max_vram: Some((*spec).into()),
+                ..Flags::default()
+            },
+        ))
+        .unwrap_err()
+        .to_string();
         for part in parts.iter() {
             assert!(e.contains(part), "{why}: {e:?} lacks {part:?}");
         }
@@ -471,8 +686,16 @@ fn split_mode_syntax() {
     let ok: &[(&str, Option<SplitMode>, Option<SplitMode>)] = &[
         ("row", Some(SplitMode::Row), Some(SplitMode::Row)),
         ("LAYER", Some(SplitMode::Layer), Some(SplitMode::Layer)),
-        ("diffusion=row,te=layer", Some(SplitMode::Row), Some(SplitMode::Layer)),
-        ("all=row,text_encoder=layer", Some(SplitMode::Row), Some(SplitMode::Layer)),
+        (
+            "diffusion=row,te=layer",
+            Some(SplitMode::Row),
+            Some(SplitMode::Layer),
+        ),
+        (
+            "all=row,text_encoder=layer",
+            Some(SplitMode::Row),
+            Some(SplitMode::Layer),
+        ),
         ("", None, None),
     ];
     for (spec, d, t) in ok {
@@ -481,9 +704,15 @@ fn split_mode_syntax() {
         assert_eq!(a.get(Module::Te).map(|e| e.value), *t, "{spec}");
     }
     let e = parse_split_mode("diffusion=rows").unwrap_err().to_string();
-    assert!(e.contains("invalid mode 'rows'") && e.contains("layer, row"), "{e}");
+    assert!(
+        e.contains("invalid mode 'rows'") && e.contains("layer, row"),
+        "{e}"
+    );
     let e = parse_split_mode("unet3=row").unwrap_err().to_string();
-    assert!(e.contains("--split-mode") && e.contains("unknown module 'unet3'"), "{e}");
+    assert!(
+        e.contains("--split-mode") && e.contains("unknown module 'unet3'"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -491,7 +720,16 @@ fn registry_name_resolves_first_device() {
     // Extension (reference behaviour, backend.md lists `metal` among common values): a token
     // equal to a registry name selects that registry's first device when no name or prefix
     // matches.
-    let devs = vec![Device::cpu(), Device::gpu("MTL0", 8 * GIB, 8 * GIB).with_registry("MTL")];
-    let p = plan(&request(devs, None, simple_model(GIB, GIB, MIB), flags(Some("metal"), None))).unwrap();
+    let devs = vec![
+        Device::cpu(),
+        Device::gpu("MTL0", 8 * GIB, 8 * GIB).with_registry("MTL"),
+    ];
+    let p = plan(&request(
+        devs,
+        None,
+        simple_model(GIB, GIB, MIB),
+        flags(Some("metal"), None),
+    ))
+    .unwrap();
     assert_eq!(module(&p, Module::Diffusion).runtime, ["MTL0"]);
 }

@@ -82,27 +82,63 @@ fn budget_semantics() {
     for c in &cases {
         let devs = vec![
             Device::cpu(),
-            Device::new("CUDA0", DeviceType::Gpu).with_memory(c.cuda0.0.map(|m| m * MIB), c.cuda0.1.map(|m| m * MIB)),
+            Device::new("CUDA0", DeviceType::Gpu)
+                .with_memory(c.cuda0.0.map(|m| m * MIB), c.cuda0.1.map(|m| m * MIB)),
             Device::gpu("CUDA1", 8 * GIB, 8 * GIB),
         ];
-        let f = Flags { max_vram: c.max_vram.map(Into::into), ..Flags::default() };
-        let p = plan(&request(devs, Some(16 * GIB), simple_model(GIB, GIB / 4, 100 * MIB), f)).unwrap();
-        assert_eq!(device(&p, "CUDA0").budget_bytes, c.want.0.map(|m| m * MIB), "[{}] CUDA0", c.rule);
-        assert_eq!(device(&p, "CUDA1").budget_bytes, c.want.1.map(|m| m * MIB), "[{}] CUDA1", c.rule);
+        let f = Flags {
+            max_vram: c.max_vram.map(Into::into),
+            ..Flags::default()
+        };
+        let p = plan(&request(
+            devs,
+            Some(16 * GIB),
+            simple_model(GIB, GIB / 4, 100 * MIB),
+            f,
+        ))
+        .unwrap();
+        assert_eq!(
+            device(&p, "CUDA0").budget_bytes,
+            c.want.0.map(|m| m * MIB),
+            "[{}] CUDA0",
+            c.rule
+        );
+        assert_eq!(
+            device(&p, "CUDA1").budget_bytes,
+            c.want.1.map(|m| m * MIB),
+            "[{}] CUDA1",
+            c.rule
+        );
         // The CPU's budget is available RAM whatever --max-vram says.
-        assert_eq!(device(&p, "CPU").budget_bytes, Some(16 * GIB), "[{}] CPU", c.rule);
+        assert_eq!(
+            device(&p, "CPU").budget_bytes,
+            Some(16 * GIB),
+            "[{}] CPU",
+            c.rule
+        );
     }
 }
 
 #[test]
 fn max_vram_on_cpu_is_ignored_with_warning() {
-    let p = plan(&request(vec![Device::cpu(), gpu("CUDA0", 8.0)], Some(16 * GIB), simple_model(GIB, GIB, MIB * 100), Flags {
-        max_vram: Some("cpu=4".into()),
-        ..Flags::default()
-    }))
+    let p = plan(&request(
+        vec![Device::cpu(), gpu("CUDA0", 8.0)],
+        Some(16 * GIB),
+        simple_model(GIB, GIB, MIB * 100),
+        Flags {
+            max_vram: Some("cpu=4".into()),
+            ..Flags::default()
+        },
+    ))
     .unwrap();
     assert_eq!(device(&p, "CPU").budget_bytes, Some(16 * GIB));
-    assert!(p.warnings.iter().any(|w| w.contains("'cpu=4'") && w.contains("RAM")), "{:?}", p.warnings);
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| w.contains("'cpu=4'") && w.contains("RAM")),
+        "{:?}",
+        p.warnings
+    );
 }
 
 #[test]
@@ -112,18 +148,29 @@ fn budgets_drive_explicit_fit() {
     // params + 2 GiB compute = 6 GiB fits --max-vram 6, not 5.9.
     let m = mib_model((3072, 100), (1024, 100), (0, 0));
     for (spec, fits) in [("cuda0=6", true), ("cuda0=5.9", false)] {
-        let p = plan(&request(vec![Device::cpu(), gpu("CUDA0", 24.0)], Some(64 * GIB), m.clone(), Flags {
-            backend: Some("cuda0".into()),
-            max_vram: Some(spec.into()),
-            ..Flags::default()
-        }))
+        let p = plan(&request(
+            vec![Device::cpu(), gpu("CUDA0", 24.0)],
+            Some(64 * GIB),
+            m.clone(),
+            Flags {
+                backend: Some("cuda0".into()),
+                max_vram: Some(spec.into()),
+                ..Flags::default()
+            },
+        ))
         .unwrap();
         let u = device(&p, "CUDA0");
         assert_eq!(u.used_bytes, 6 * GIB);
         assert_eq!(p.fits, fits, "{spec}");
         assert_eq!(u.fits, fits, "{spec}");
         if !fits {
-            assert!(p.warnings.iter().any(|w| w.starts_with("CUDA0 needs 6.00 GiB")), "{:?}", p.warnings);
+            assert!(
+                p.warnings
+                    .iter()
+                    .any(|w| w.starts_with("CUDA0 needs 6.00 GiB")),
+                "{:?}",
+                p.warnings
+            );
         }
     }
 }
@@ -132,16 +179,26 @@ fn budgets_drive_explicit_fit() {
 fn recommended_biggest_model_shape() {
     // performance.md: "--offload-to-cpu --max-vram -1": params in RAM, staged as needed;
     // "--max-vram -1: reserve about 1 GiB from the startup free-memory snapshot".
-    let p = plan(&request(vec![Device::cpu(), gpu("CUDA0", 12.0)], Some(64 * GIB), flux_dev_q8(), Flags {
-        offload_to_cpu: true,
-        max_vram: Some("-1".into()),
-        ..Flags::default()
-    }))
+    let p = plan(&request(
+        vec![Device::cpu(), gpu("CUDA0", 12.0)],
+        Some(64 * GIB),
+        flux_dev_q8(),
+        Flags {
+            offload_to_cpu: true,
+            max_vram: Some("-1".into()),
+            ..Flags::default()
+        },
+    ))
     .unwrap();
     assert!(!p.auto_fit);
     assert_eq!(device(&p, "CUDA0").budget_bytes, Some(11 * GIB));
     for m in &p.modules {
-        assert_eq!((m.runtime.join("&").as_str(), m.params.as_str()), ("CUDA0", "CPU"), "{}", m.module);
+        assert_eq!(
+            (m.runtime.join("&").as_str(), m.params.as_str()),
+            ("CUDA0", "CPU"),
+            "{}",
+            m.module
+        );
     }
     assert!(p.fits, "{}", p.render());
 }
@@ -151,10 +208,15 @@ fn params_follow_runtime_with_auto_fit_off() {
     // performance.md: "With --auto-fit off, parameters use the same backend as --backend, so a
     // GPU runtime backend also keeps parameters in VRAM." A 12 GiB model on an 8 GiB card then
     // does not fit (no implicit offload).
-    let p = plan(&request(vec![Device::cpu(), gpu("CUDA0", 8.0)], Some(64 * GIB), flux_dev_q8(), Flags {
-        auto_fit: Some("off".into()),
-        ..Flags::default()
-    }))
+    let p = plan(&request(
+        vec![Device::cpu(), gpu("CUDA0", 8.0)],
+        Some(64 * GIB),
+        flux_dev_q8(),
+        Flags {
+            auto_fit: Some("off".into()),
+            ..Flags::default()
+        },
+    ))
     .unwrap();
     assert!(!p.auto_fit);
     assert!(p.modules.iter().all(|m| m.params == "CUDA0"));

@@ -21,23 +21,57 @@ fn model() -> ModelDescription {
         .enumerate()
         .map(|(k, m)| Component {
             module: m,
-            tensors: (0..6u32).map(|i| Tensor { name: format!("{m}.{i}"), bytes: (k as u64 + 1) << 28, block: (i > 0).then_some(i) }).collect(),
+            tensors: (0..6u32)
+                .map(|i| Tensor {
+                    name: format!("{m}.{i}"),
+                    bytes: (k as u64 + 1) << 28,
+                    block: (i > 0).then_some(i),
+                })
+                .collect(),
         })
         .collect();
-    ModelDescription { components, files: vec![SourceFile { role: "<file>".into(), bytes: 9 * GIB }] }
+    ModelDescription {
+        components,
+        files: vec![SourceFile {
+            role: "<file>".into(),
+            bytes: 9 * GIB,
+        }],
+    }
 }
 
 /// Strings made of the placement language's own characters and words, plus anything.
 fn spec() -> impl Strategy<Value = String> {
     let word = prop_oneof![
-        Just("diffusion".to_string()), Just("te".to_string()), Just("vae".to_string()), Just("clip-vision".to_string()),
-        Just("all".to_string()), Just("*".to_string()), Just("cuda0".to_string()), Just("cu".to_string()), Just("CUDA1".to_string()),
-        Just("cpu".to_string()), Just("disk".to_string()), Just("auto".to_string()), Just("gpu".to_string()), Just("row".to_string()),
-        Just("layer".to_string()), Just("-1.5".to_string()), Just("1e400".to_string()), Just("nan".to_string()),
-        Just(",".to_string()), Just("=".to_string()), Just("&".to_string()), Just(" ".to_string()), Just("\u{0}".to_string()),
-        Just("é".to_string()), ".{0,6}",
+        Just("diffusion".to_string()),
+        Just("te".to_string()),
+        Just("vae".to_string()),
+        Just("clip-vision".to_string()),
+        Just("all".to_string()),
+        Just("*".to_string()),
+        Just("cuda0".to_string()),
+        Just("cu".to_string()),
+        Just("CUDA1".to_string()),
+        Just("cpu".to_string()),
+        Just("disk".to_string()),
+        Just("auto".to_string()),
+        Just("gpu".to_string()),
+        Just("row".to_string()),
+        Just("layer".to_string()),
+        Just("-1.5".to_string()),
+        Just("1e400".to_string()),
+        Just("nan".to_string()),
+        Just(",".to_string()),
+        Just("=".to_string()),
+        Just("&".to_string()),
+        Just(" ".to_string()),
+        Just("\u{0}".to_string()),
+        Just("é".to_string()),
+        ".{0,6}",
     ];
-    prop_oneof![prop::collection::vec(word, 0..12).prop_map(|w| w.concat()), any::<String>()]
+    prop_oneof![
+        prop::collection::vec(word, 0..12).prop_map(|w| w.concat()),
+        any::<String>()
+    ]
 }
 
 proptest! {

@@ -1,1 +1,21 @@
-//! Graph-cut segment planning and the executor that stages, evicts and prefetches weights.
+//! Weights residency and graph execution for model runners.
+//!
+//! What it is for: a model module (text encoder, UNet, VAE) declares its
+//! parameters as [`TensorSpec`]s, gets a [`Weights`] set whose tensors it uses
+//! as graph operands, and runs graphs through a [`Runner`] bound to one device.
+//! Where parameters live and how they reach the computing device is decided
+//! here, not in model code.
+//!
+//! What it refuses to do: it knows no model architecture and reads no file;
+//! tensor bytes come from a [`TensorSource`] the caller provides.
+//!
+//! The planning half (segment lists, merging, eviction order) is pure logic and
+//! uses no ggml type; the execution half uses `sd-backends`.
+
+pub mod error;
+pub mod runner;
+pub mod weights;
+
+pub use error::{Result, SchedError};
+pub use runner::Runner;
+pub use weights::{short_name, SourceError, TensorSource, TensorSpec, Weights};

@@ -1,1 +1,45 @@
 //! AutoencoderKL and TAESD decoders/encoders with tiling.
+//!
+//! What it is for: turning diffusion latents into images and images into latents for
+//! SD 1.x/2.x, as ggml graphs that match stable-diffusion.cpp op by op (so the numbers
+//! agree with the reference), plus the VAE tiling of `performance.md`.
+//!
+//! Main types:
+//! * [`AutoencoderKl`] with [`VaeConfig::sd`] and [`vae_specs`]: the LDM autoencoder
+//!   (`first_stage_model.*`); decode gives `[3, 8h, 8w]` in `[-1, 1]`, encode gives a
+//!   [`LatentDistribution`] that the caller samples with its own noise.
+//! * [`Taesd`] with [`TaesdConfig::sd`] and [`taesd_specs`]: the tiny autoencoder
+//!   (`--taesd`, `tae.*`), images in `[0, 1]`.
+//! * [`TilingParams`] (parsed from the CLI strings) and [`decode_tiled`] /
+//!   [`encode_tiled`]: the main paths, with tiling and the allocation-failure retry of
+//!   the decode path. The tiling arithmetic is pure logic in [`tiling`].
+//!
+//! Where the latent scale factor is applied (0.18215 for SD 1.x/2.x): **by the caller**,
+//! outside every graph, as stable-diffusion.cpp does:
+//! * text-to-image: `model.diffusion_to_vae(&mut latent)` (AutoencoderKL: `x / 0.18215`;
+//!   TAESD: unchanged), then [`decode_tiled`], then map the image with [`ImageRange`];
+//! * image-to-image: image `[0, 1]` -> `x * 2 - 1` (AutoencoderKL only), [`encode_tiled`],
+//!   [`LatentDistribution::from_moments`], `.sample(noise)` with noise from the
+//!   generation's RNG, then [`VaeConfig::vae_to_diffusion`] (`x * 0.18215`).
+//!
+//! Convolution path: ggml's im2col + matmul (`ggml_conv_2d`) with f16 kernels, the
+//! reference's default; [`GraphOptions::conv_direct`] selects `ggml_conv_2d_direct`
+//! (the reference's `--vae-conv-direct`).
+//!
+//! What it refuses to do: it reads no file (weights come from a
+//! [`sd_sched::TensorSource`]), draws no random numbers, and never clamps or quantises
+//! images; that is the pipeline's job.
+
+pub mod error;
+pub mod kl;
+pub mod nn;
+pub mod run;
+pub mod tae;
+pub mod tiling;
+
+pub use error::{Result, VaeError};
+pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, VaeConfig, VaeParts};
+pub use nn::GraphOptions;
+pub use run::{decode_tiled, encode_tiled, FirstStage, ImageRange, GRAPH_SIZE};
+pub use tae::{taesd_specs, Taesd, TaesdConfig, TaesdParts};
+pub use tiling::{TileGrid, TilingParams};

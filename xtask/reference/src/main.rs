@@ -263,6 +263,10 @@ struct VaeDecode {
 
 type Res<T> = Result<T, String>;
 
+/// What the pinned package carries; sd.cpp's own version string says
+/// "unknown" when built outside a git checkout.
+const SDCPP_ORIGIN: &str = "diffusion-rs-sys 0.1.20: upstream commit 5db680c of 2026-06-14";
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -271,7 +275,7 @@ fn main() -> ExitCode {
         Command::Unet(a) => unet(a),
         Command::VaeDecode(a) => vae_decode(a),
         Command::Info => {
-            println!("sd.cpp version: {}", ffi::sdcpp_version());
+            println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));
             println!("{}", ffi::system_info().trim_end());
             Ok(())
@@ -404,7 +408,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
     let sampling = (!t.sampling_s.is_empty()).then(|| t.sampling_s.iter().sum::<f64>());
     eprintln!(
         "SDREF_TIMING load_ms={} text_encode_ms={} sampling_ms={} steps={} step_ms={} step_mean_ms={} decode_ms={} \
-         generate_ms={} total_ms={}",
+         tensor_load_ms={} generate_ms={} total_ms={}",
         timing::ms(load_s),
         opt(t.text_encode_s),
         opt(sampling),
@@ -412,6 +416,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         if steps.is_empty() { "unknown".to_owned() } else { steps.join(",") },
         opt(step_mean),
         opt(t.decode_s),
+        timing::ms(t.tensor_load_s),
         timing::ms(generate_s),
         timing::ms(total_s),
     );
@@ -430,7 +435,7 @@ fn encode_text(a: EncodeText) -> Res<()> {
     let (cross, vector) = ctx.encode_text(&a.prompt, a.clip_skip, a.width, a.height)?;
     let ms = timing::ms(t0.elapsed().as_secs_f64());
     let common = [
-        ("source", json!(format!("stable-diffusion.cpp {}", ffi::sdcpp_version()))),
+        ("source", json!(format!("stable-diffusion.cpp, {SDCPP_ORIGIN}"))),
         ("model", json!(a.model.model_desc())),
         ("prompt", json!(a.prompt)),
         ("clip_skip", json!(a.clip_skip)),
@@ -466,7 +471,7 @@ fn unet(a: Unet) -> Res<()> {
     let out = ctx.diffusion(&x, a.timestep, &c, None::<&Tensor>)?;
     let ms = timing::ms(t0.elapsed().as_secs_f64());
     let m = meta(&[
-        ("source", json!(format!("stable-diffusion.cpp {}", ffi::sdcpp_version()))),
+        ("source", json!(format!("stable-diffusion.cpp, {SDCPP_ORIGIN}"))),
         ("model", json!(a.model.model_desc())),
         ("what", json!("diffusion model raw output (eps or v) for one evaluation")),
         ("latent", json!(a.latent.display().to_string())),
@@ -488,7 +493,7 @@ fn vae_decode(a: VaeDecode) -> Res<()> {
     let out = ctx.vae_decode(&z, !a.vae_space)?;
     let ms = timing::ms(t0.elapsed().as_secs_f64());
     let m = meta(&[
-        ("source", json!(format!("stable-diffusion.cpp {}", ffi::sdcpp_version()))),
+        ("source", json!(format!("stable-diffusion.cpp, {SDCPP_ORIGIN}"))),
         ("model", json!(a.model.model_desc())),
         ("what", json!("VAE decoder raw output, nominally [-1, 1]; image = clamp((v + 1) / 2, 0, 1)")),
         ("latent", json!(a.latent.display().to_string())),

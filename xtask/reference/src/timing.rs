@@ -5,8 +5,11 @@
 //! taking 32.1s", "decode_first_stage completed, taking 14.5s"), with 10 ms
 //! resolution, and calls the progress callback once per sampling step with the
 //! seconds that step took (microsecond clock). The progress callback also
-//! serves model loading and tiled VAE passes, so a step is only counted
-//! between the "generating image" and "sampling completed" log lines.
+//! serves weight loading (which sd.cpp does lazily, inside the first step of a
+//! stage) and tiled VAE passes, so a step is only counted between the
+//! "generating image" and "sampling completed" log lines, and outside a
+//! weight load (the DEBUG line "loading N/M tensors from FILE" up to the INFO
+//! line "loading tensors completed, taking Xs").
 
 use std::io::Write;
 use std::sync::Mutex;
@@ -20,7 +23,10 @@ pub struct StageTimes {
     pub decode_s: Option<f64>,
     pub generate_s: Option<f64>,
     pub step_s: Vec<f64>,
+    /// Sum of sd.cpp's "loading tensors completed, taking Xs" lines.
+    pub tensor_load_s: f64,
     in_sampling: bool,
+    in_loading: bool,
 }
 
 /// Echoes sd.cpp's log to stderr and records its stage timings.
@@ -65,6 +71,11 @@ impl StageTimes {
     fn observe_line(&mut self, line: &str) {
         if line.contains("generating image:") {
             self.in_sampling = true;
+        } else if line.contains("loading tensors completed") {
+            self.in_loading = false;
+            self.tensor_load_s += taking_seconds(line).unwrap_or(0.0);
+        } else if line.contains("loading ") && line.contains(" tensors from ") {
+            self.in_loading = true;
         } else if line.contains("get_learned_condition completed") {
             self.text_encode_s = taking_seconds(line).or(self.text_encode_s);
         } else if line.contains("sampling completed") && !line.contains("hires") {
@@ -98,7 +109,7 @@ impl Observer for Recorder {
 
     fn progress(&self, step: i32, _steps: i32, seconds: f32) {
         let mut t = self.times.lock().unwrap_or_else(|e| e.into_inner());
-        if t.in_sampling && step > 0 {
+        if t.in_sampling && !t.in_loading && step > 0 {
             t.step_s.push(f64::from(seconds));
         }
     }
@@ -152,12 +163,17 @@ mod tests {
         let r = Recorder::new(false);
         r.progress(3, 10, 0.5); // model loading
         r.log(1, "generating image: 1/1 - seed 42");
+        r.log(0, "model_loader.cpp:987  - loading 686/1130 tensors from m.safetensors");
+        r.progress(1, 686, 0.1); // lazy weight load inside step 1
+        r.log(1, "model_loader.cpp:1211 - loading tensors completed, taking 3.01s (read: 2.99s)");
         r.progress(0, 4, 0.0);
         r.progress(1, 4, 8.0);
         r.progress(2, 4, 8.1);
         r.log(1, "sampling completed, taking 16.1s");
         r.progress(1, 4, 0.2); // VAE tiles
-        assert_eq!(r.take().step_s, vec![8.0, f64::from(8.1f32)]);
+        let t = r.take();
+        assert_eq!(t.step_s, vec![8.0, f64::from(8.1f32)]);
+        assert_eq!(t.tensor_load_s, 3.01);
     }
 
     #[test]

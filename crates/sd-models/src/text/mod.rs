@@ -18,6 +18,8 @@
 //! (see `crates/sd-models/data/README.md` for its origin and license) and parsed once per
 //! process. Textual-inversion embeddings and LoRA tags are not handled here.
 
+pub mod clip;
+pub mod conditioning;
 mod chunk;
 mod prompt;
 mod tokenizer;

@@ -23,11 +23,21 @@ fn model() -> ModelDescription {
     let mut components = Vec::new();
     for (k, m) in Module::ALL.into_iter().enumerate() {
         let tensors = (0..6u32)
-            .map(|i| Tensor { name: format!("{m}.{i}"), bytes: (k as u64 + 1) << 28, block: (i > 0).then_some(i) })
+            .map(|i| Tensor {
+                name: format!("{m}.{i}"),
+                bytes: (k as u64 + 1) << 28,
+                block: (i > 0).then_some(i),
+            })
             .collect();
         components.push(Component { module: m, tensors });
     }
-    ModelDescription { components, files: vec![SourceFile { role: "<file>".into(), bytes: 9 << 30 }] }
+    ModelDescription {
+        components,
+        files: vec![SourceFile {
+            role: "<file>".into(),
+            bytes: 9 << 30,
+        }],
+    }
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -56,14 +66,24 @@ fuzz_target!(|data: &[u8]| {
     let _ = Module::parse(&text);
     let _ = resolve_device(&devices(), &text, Flag::Backend, &text);
 
-    let req = PlanRequest { flags: flags.clone(), devices: devices(), ram_available_bytes: Some(16 << 30), model: model() };
+    let req = PlanRequest {
+        flags: flags.clone(),
+        devices: devices(),
+        ram_available_bytes: Some(16 << 30),
+        model: model(),
+    };
     if let Ok(p) = plan(&req) {
         let _ = p.render();
         let _ = p.to_json();
         let _ = p.ensure_loadable();
     }
     if let Ok(profile) = DeviceProfile::from_toml_str(&profile) {
-        let req = PlanRequest { flags, devices: profile.devices(), ram_available_bytes: profile.ram_available_bytes(), model: model() };
+        let req = PlanRequest {
+            flags,
+            devices: profile.devices(),
+            ram_available_bytes: profile.ram_available_bytes(),
+            model: model(),
+        };
         if let Ok(p) = plan(&req) {
             let _ = p.render();
         }

@@ -1,0 +1,91 @@
+//! `--list-devices`, `--version` and the device setup shared by every command.
+
+use std::process::ExitCode;
+
+use anyhow::{Context as _, Result};
+use sd_backends::{DeviceInfo, PluginRegistry, PluginSearch};
+
+use crate::DeviceArgs;
+
+/// Loads the plugins and connects the `--rpc` servers.
+pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
+    let mut reg = PluginRegistry::discover(&PluginSearch::standard(args.plugin_dir.clone()));
+    if reg.plugins().is_empty() {
+        anyhow::bail!(
+            "no backend plugin could be loaded; searched: {}{}",
+            reg.searched().iter().map(|(d, o)| format!("{} ({o})", d.display())).collect::<Vec<_>>().join(", "),
+            if reg.skipped().is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; skipped: {}",
+                    reg.skipped().iter().map(|s| format!("{}: {}", s.path.display(), s.reason)).collect::<Vec<_>>().join("; ")
+                )
+            }
+        );
+    }
+    if let Some(list) = &args.rpc {
+        for endpoint in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let devs = reg.add_rpc_server(endpoint).with_context(|| format!("--rpc {endpoint}"))?;
+            tracing::info!(
+                "added {} remote device(s) from {endpoint}: {}",
+                devs.len(),
+                devs.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    Ok(reg)
+}
+
+fn mib(b: u64) -> String {
+    format!("{} MiB", b / (1024 * 1024))
+}
+
+/// `--list-devices [--json]`.
+pub fn list(args: &DeviceArgs, json: bool) -> Result<ExitCode> {
+    let reg = open(args)?;
+    let infos: Vec<DeviceInfo> = reg.device_infos();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&infos)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rows: Vec<[String; 5]> = infos
+        .iter()
+        .map(|i| {
+            [
+                i.name.clone(),
+                i.kind.as_str().to_string(),
+                format!("{} / {}", mib(i.memory_free), mib(i.memory_total)),
+                i.description.clone(),
+                i.plugin.clone(),
+            ]
+        })
+        .collect();
+    let head = ["DEVICE", "TYPE", "FREE / TOTAL", "DESCRIPTION", "PLUGIN"];
+    let mut w = head.map(str::len);
+    for r in &rows {
+        for (k, c) in r.iter().enumerate() {
+            w[k] = w[k].max(c.len());
+        }
+    }
+    let line = |r: &[String; 5]| {
+        format!("{:<w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}", r[0], r[1], r[2], r[3], r[4], w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3])
+    };
+    println!("{}", line(&head.map(String::from)));
+    for r in &rows {
+        println!("{}", line(r));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--version`.
+pub fn print_version(args: &DeviceArgs) -> Result<ExitCode> {
+    let (ggml, package) = sd_backends::ggml_version();
+    println!("sd-cli {}", env!("CARGO_PKG_VERSION"));
+    println!("ggml {ggml} (from crates.io package {package}, backend API {})", ggml_sys::GGML_BACKEND_API_VERSION);
+    println!("plugin directories searched, in order:");
+    for (dir, origin) in PluginSearch::standard(args.plugin_dir.clone()).directories() {
+        println!("  {} ({origin})", dir.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,22 @@
+//! The tracing subscriber of the binary: info by default, `-v` debug, `-vv` trace.
+//!
+//! `RUST_LOG` overrides the level. ggml's own messages arrive under the target
+//! `ggml` (see sd-backends' log bridge).
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs the subscriber; logs go to stderr so stdout stays for data (JSON).
+pub fn init(verbose: u8) {
+    let level = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(verbose > 0)
+        .without_time()
+        .try_init();
+}

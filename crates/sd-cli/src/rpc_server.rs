@@ -1,0 +1,48 @@
+//! `sd-cli rpc-server`: serve a local device to other machines over ggml's RPC protocol.
+
+use std::process::ExitCode;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use sd_backends::DeviceKind;
+
+use crate::DeviceArgs;
+
+/// Options of `rpc-server`.
+#[derive(Args, Debug)]
+pub struct RpcServerArgs {
+    /// Address to bind. The protocol has no authentication: keep it on loopback
+    /// unless the network is trusted.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 50052)]
+    pub port: u16,
+    /// Device to serve (default: the first GPU, else the CPU).
+    #[arg(long, value_name = "NAME")]
+    pub device: Option<String>,
+    /// CPU threads for computations on a CPU device.
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: usize,
+    /// Directory for the server's tensor cache (optional).
+    #[arg(long = "cache-dir", value_name = "DIR")]
+    pub cache_dir: Option<std::path::PathBuf>,
+}
+
+/// Runs the server until the process is stopped.
+pub fn run(args: &RpcServerArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
+    let reg = crate::devices::open(dev_args)?;
+    let devices = reg.devices();
+    let device = match &args.device {
+        Some(name) => reg.device(name)?,
+        None => devices
+            .iter()
+            .find(|d| d.kind() == DeviceKind::Gpu)
+            .or_else(|| devices.iter().find(|d| d.kind() == DeviceKind::Cpu))
+            .copied()
+            .context("no device to serve")?,
+    };
+    let threads = if args.threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { args.threads };
+    sd_backends::rpc::serve(&reg, &args.host, args.port, &[device], threads, args.cache_dir.as_deref())?;
+    Ok(ExitCode::SUCCESS)
+}

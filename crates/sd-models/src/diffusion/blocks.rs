@@ -1,0 +1,409 @@
+//! UNet building blocks as ggml graph functions: linear, conv, norms, attention, ResBlock, SpatialTransformer.
+//!
+//! Each block comes as a pair: a `*_specs` function that declares its parameters (name,
+//! storage type, ggml shape) and a forward function that reads them from a
+//! [`Weights`] set under the same name prefix. Names follow the LDM module tree
+//! (`in_layers.0`, `transformer_blocks.0.attn1.to_q`, ...), as stable-diffusion.cpp
+//! names them internally.
+//!
+//! Numerics follow stable-diffusion.cpp (`ggml_extend.hpp`, `common/block.hpp`):
+//!
+//! * Storage types: convolution kernels are always f16, biases and norm parameters
+//!   always f32, linear weights take the file's type or the `--type` override
+//!   ([`linear_weight_type`]). The storage type decides the precision of ggml's product:
+//!   with an f16 (or quantized) weight the CPU backend rounds the activation to the
+//!   weight's dot type first; convolutions run as im2col in f16.
+//! * GroupNorm: 32 groups, eps 1e-6 (the reference hard-codes it for every GroupNorm);
+//!   LayerNorm eps 1e-5; GELU is ggml's tanh approximation; upsampling is nearest.
+//! * Attention: `softmax(k·q / sqrt(d))` with f32 products, or
+//!   `ggml_flash_attn_ext` with k and v cast to f16 (`--diffusion-fa`).
+
+use sd_backends::convert::fits_blocks;
+use sd_backends::{Context, Device, GgmlType, ScaleMode, Tensor};
+use sd_sched::{TensorSpec, Weights};
+
+use super::Result;
+
+const F32: GgmlType = GgmlType::GGML_TYPE_F32;
+const F16: GgmlType = GgmlType::GGML_TYPE_F16;
+
+/// Groups of every GroupNorm in the UNet.
+pub const GROUPS: i32 = 32;
+/// GroupNorm epsilon (the reference uses 1e-6 for every GroupNorm it builds).
+pub const GROUP_NORM_EPS: f32 = 1e-6;
+/// LayerNorm epsilon of the transformer blocks.
+pub const LAYER_NORM_EPS: f32 = 1e-5;
+
+// ---------------------------------------------------------------------------------------
+// Storage types
+// ---------------------------------------------------------------------------------------
+
+/// Whether `--type ty` converts the tensor `name` whose rows have `ne0` elements.
+///
+/// The reference's rule (`tensor_should_be_converted`): never biases and scales, never
+/// the embedding-like inputs of the various families (UNet: `time_embed.`, `label_emb.`),
+/// and never a row length that is not a whole number of `ty`'s blocks.
+pub fn type_override_applies(name: &str, ne0: i64, ty: GgmlType) -> bool {
+    const KEPT: [&str; 14] = [
+        "img_in.",
+        "txt_in.",
+        "time_in.",
+        "vector_in.",
+        "guidance_in.",
+        "final_layer.",
+        "x_embedder.",
+        "t_embedder.",
+        "y_embedder.",
+        "pos_embed",
+        "context_embedder.",
+        "time_embed.",
+        "label_emb.",
+        "embedding",
+    ];
+    if !fits_blocks(ty, ne0) {
+        return false;
+    }
+    if name.ends_with(".bias") || name.ends_with(".scale") || name.ends_with(".weight_scale") {
+        return false;
+    }
+    !KEPT.iter().any(|k| name.contains(k))
+}
+
+/// Storage type of a linear layer's weight `name` with `in_features` inputs.
+///
+/// The file's type (`file`, f32 when the file lacks the tensor), replaced by the `--type`
+/// override where [`type_override_applies`]; f32 when the row length is not a whole number
+/// of the resulting type's blocks.
+pub fn linear_weight_type(name: &str, in_features: i64, file: Option<GgmlType>, wtype: Option<GgmlType>) -> GgmlType {
+    let mut ty = file.unwrap_or(F32);
+    if let (Some(_), Some(w)) = (file, wtype) {
+        if type_override_applies(name, in_features, w) {
+            ty = w;
+        }
+    }
+    if !fits_blocks(ty, in_features) {
+        ty = F32;
+    }
+    ty
+}
+
+/// Collects parameter specs with the storage-type rules applied.
+pub struct SpecSink<'a> {
+    /// The specs so far, in declaration order.
+    pub specs: Vec<TensorSpec>,
+    dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>,
+    wtype: Option<GgmlType>,
+}
+
+impl std::fmt::Debug for SpecSink<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SpecSink({} specs, wtype {:?})", self.specs.len(), self.wtype)
+    }
+}
+
+impl<'a> SpecSink<'a> {
+    /// A sink asking `dtype_of` for the file's type of each tensor, with the `--type` override `wtype`.
+    pub fn new(dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Self {
+        Self { specs: Vec::new(), dtype_of, wtype }
+    }
+
+    fn push(&mut self, name: String, ty: GgmlType, ne: &[i64]) {
+        self.specs.push(TensorSpec { name, ty, ne: ne.to_vec() });
+    }
+
+    /// `nn.Linear(inp, out)`: weight [inp, out] in the file's / override type, bias [out] f32.
+    pub fn linear(&mut self, p: &str, inp: i64, out: i64, bias: bool) {
+        let name = format!("{p}.weight");
+        let ty = linear_weight_type(&name, inp, (self.dtype_of)(&name), self.wtype);
+        self.push(name, ty, &[inp, out]);
+        if bias {
+            self.push(format!("{p}.bias"), F32, &[out]);
+        }
+    }
+
+    /// `nn.Conv2d(inp, out, k)` with bias: kernel [k, k, inp, out] f16, bias [out] f32.
+    pub fn conv2d(&mut self, p: &str, inp: i64, out: i64, k: i64) {
+        self.push(format!("{p}.weight"), F16, &[k, k, inp, out]);
+        self.push(format!("{p}.bias"), F32, &[out]);
+    }
+
+    /// GroupNorm / LayerNorm affine parameters, f32.
+    pub fn norm(&mut self, p: &str, c: i64) {
+        self.push(format!("{p}.weight"), F32, &[c]);
+        self.push(format!("{p}.bias"), F32, &[c]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Primitive layers
+// ---------------------------------------------------------------------------------------
+
+fn param<'w>(w: &'w Weights, p: &str, leaf: &str) -> Result<Tensor<'w>> {
+    Ok(w.get(&format!("{p}.{leaf}"))?)
+}
+
+/// `x W^T + b` over ne[0]: x [inp, ...] -> [out, ...].
+pub fn linear<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
+    let y = g.mul_mat(param(w, p, "weight")?, x);
+    Ok(if bias { g.add(y, param(w, p, "bias")?) } else { y })
+}
+
+/// 2-D convolution with bias via im2col (`ggml_conv_2d`): x [W, H, IC, N] -> [OW, OH, OC, N].
+pub fn conv2d<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, stride: i32, pad: i32) -> Result<Tensor<'g>> {
+    let k = param(w, p, "weight")?;
+    let b = param(w, p, "bias")?;
+    let y = g.conv_2d(k, x, stride, stride, pad, pad, 1, 1);
+    Ok(g.add(y, g.reshape(b, &[1, 1, b.shape()[0], 1])))
+}
+
+/// GroupNorm(32, eps 1e-6) with affine parameters over x [W, H, C, N].
+pub fn group_norm32<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    let c = x.shape()[2];
+    let gamma = g.reshape(param(w, p, "weight")?, &[1, 1, c, 1]);
+    let beta = g.reshape(param(w, p, "bias")?, &[1, 1, c, 1]);
+    let y = g.group_norm(x, GROUPS, GROUP_NORM_EPS);
+    Ok(g.add(g.mul(y, gamma), beta))
+}
+
+/// LayerNorm(eps 1e-5) over ne[0] with affine parameters.
+pub fn layer_norm<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    let y = g.norm(x, LAYER_NORM_EPS);
+    Ok(g.add(g.mul(y, param(w, p, "weight")?), param(w, p, "bias")?))
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention
+// ---------------------------------------------------------------------------------------
+
+/// Which attention kernel to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// `mul_mat` + `soft_max` + `mul_mat`, products in f32.
+    Plain,
+    /// `ggml_flash_attn_ext` with f16 k/v, unconditionally (the CPU supports every shape).
+    Flash,
+    /// Flash attention where `device` supports the op for the shape at hand, else
+    /// [`AttnKernel::Plain`] (the reference's per-call fallback).
+    FlashWhereSupported(Device),
+}
+
+impl AttnKernel {
+    /// [`AttnKernel::Flash`] when `flash`, else [`AttnKernel::Plain`].
+    pub fn from_flag(flash: bool) -> Self {
+        if flash {
+            AttnKernel::Flash
+        } else {
+            AttnKernel::Plain
+        }
+    }
+}
+
+/// Multi-head attention: q [C, Lq, N], k / v [C, Lk, N] with C = n_head * d_head -> [C, Lq, N].
+pub fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, n_head: i64, kernel: AttnKernel) -> Tensor<'g> {
+    let [c, lq, n, _] = q.shape();
+    let lk = k.shape()[1];
+    let d = c / n_head;
+    let scale = 1.0 / (d as f32).sqrt();
+    // [C, L, N] -> [d, L, H, N] (a view).
+    let heads = |t: Tensor<'g>, l: i64| g.permute(g.reshape(t, &[d, n_head, l, n]), [0, 2, 1, 3]);
+    let qh = g.cont_if_needed(heads(q, lq));
+
+    let flash = match kernel {
+        AttnKernel::Plain => None,
+        AttnKernel::Flash | AttnKernel::FlashWhereSupported(_) => {
+            // The reference copies k and v contiguous, then casts them to f16; casting the
+            // permuted views directly writes the same f16 values in one pass. The 4-D form
+            // (heads in ne[2], batch in ne[3]) gives [d, H, Lq, N]: per (head, sample) the
+            // same computation as the reference's 3-D form, which only supports N = 1.
+            let k16 = g.cast(heads(k, lk), F16);
+            let v16 = g.cast(heads(v, lk), F16);
+            let out = g.flash_attn_ext(qh, k16, v16, None, scale);
+            match kernel {
+                AttnKernel::FlashWhereSupported(dev) if !dev.supports_op(out) => None,
+                _ => Some(out),
+            }
+        }
+    };
+    if let Some(out) = flash {
+        return g.reshape(out, &[c, lq, n]);
+    }
+
+    let qh = g.reshape(qh, &[d, lq, n_head * n]);
+    let kh = g.reshape(g.cont_if_needed(heads(k, lk)), &[d, lk, n_head * n]);
+    // v as [Lk, d, H*N], so the second product contracts over Lk.
+    let vt = g.cont_if_needed(g.permute(g.reshape(v, &[d, n_head, lk, n]), [1, 2, 0, 3]));
+    let vt = g.reshape(vt, &[lk, d, n_head * n]);
+    let kq = g.mul_mat_prec_f32(kh, qh); // [Lk, Lq, H*N]
+    // The reference scales in its own node, then takes a plain softmax; ggml's softmax
+    // applies its scale with the same single multiply, so fusing it is exact.
+    let kq = g.soft_max_ext(kq, None, scale, 0.0);
+    let kqv = g.mul_mat(vt, kq); // [d, Lq, H*N]
+    let kqv = g.permute(g.reshape(kqv, &[d, lq, n_head, n]), [0, 2, 1, 3]); // [d, H, Lq, N]
+    g.reshape(g.cont_if_needed(kqv), &[c, lq, n])
+}
+
+/// Declares `CrossAttention(query_dim, context_dim)`: bias-free q/k/v, `to_out.0` with bias.
+pub fn cross_attention_specs(s: &mut SpecSink<'_>, p: &str, query_dim: i64, context_dim: i64, inner: i64) {
+    s.linear(&format!("{p}.to_q"), query_dim, inner, false);
+    s.linear(&format!("{p}.to_k"), context_dim, inner, false);
+    s.linear(&format!("{p}.to_v"), context_dim, inner, false);
+    s.linear(&format!("{p}.to_out.0"), inner, query_dim, true);
+}
+
+/// `CrossAttention`: x [C, Lq, N] attends to context [Dc, Lk, N].
+pub fn cross_attention<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, context: Tensor<'g>, n_head: i64, kernel: AttnKernel) -> Result<Tensor<'g>> {
+    let q = linear(g, w, &format!("{p}.to_q"), x, false)?;
+    let k = linear(g, w, &format!("{p}.to_k"), context, false)?;
+    let v = linear(g, w, &format!("{p}.to_v"), context, false)?;
+    let a = attention(g, q, k, v, n_head, kernel);
+    linear(g, w, &format!("{p}.to_out.0"), a, true)
+}
+
+/// Declares the GEGLU `FeedForward(dim, mult 4)`.
+pub fn feed_forward_specs(s: &mut SpecSink<'_>, p: &str, dim: i64) {
+    let inner = 4 * dim;
+    s.linear(&format!("{p}.net.0.proj"), dim, 2 * inner, true);
+    s.linear(&format!("{p}.net.2"), inner, dim, true);
+}
+
+/// `FeedForward` with GEGLU: `net.2(a * gelu(b))` where `[a | b] = net.0.proj(x)`.
+pub fn feed_forward<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    let h = linear(g, w, &format!("{p}.net.0.proj"), x, true)?;
+    // Reference: a = view of the first half, gate = cont(second half), gelu(gate), a * gate.
+    // ggml's fused swapped GEGLU computes the same table GELU and the same product.
+    let h = g.geglu_swapped(h);
+    linear(g, w, &format!("{p}.net.2"), h, true)
+}
+
+/// Declares a `BasicTransformerBlock(dim, context_dim)`.
+pub fn transformer_block_specs(s: &mut SpecSink<'_>, p: &str, dim: i64, context_dim: i64) {
+    cross_attention_specs(s, &format!("{p}.attn1"), dim, dim, dim);
+    cross_attention_specs(s, &format!("{p}.attn2"), dim, context_dim, dim);
+    feed_forward_specs(s, &format!("{p}.ff"), dim);
+    for n in ["norm1", "norm2", "norm3"] {
+        s.norm(&format!("{p}.{n}"), dim);
+    }
+}
+
+/// `BasicTransformerBlock`: self-attention, cross-attention, feed-forward, each pre-normed
+/// and residual. x [C, L, N], context [Dc, Lc, N].
+pub fn transformer_block<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, context: Tensor<'g>, n_head: i64, kernel: AttnKernel) -> Result<Tensor<'g>> {
+    let h = layer_norm(g, w, &format!("{p}.norm1"), x)?;
+    let x = g.add(cross_attention(g, w, &format!("{p}.attn1"), h, h, n_head, kernel)?, x);
+    let h = layer_norm(g, w, &format!("{p}.norm2"), x)?;
+    let x = g.add(cross_attention(g, w, &format!("{p}.attn2"), h, context, n_head, kernel)?, x);
+    let h = layer_norm(g, w, &format!("{p}.norm3"), x)?;
+    Ok(g.add(feed_forward(g, w, &format!("{p}.ff"), h)?, x))
+}
+
+// ---------------------------------------------------------------------------------------
+// UNet blocks
+// ---------------------------------------------------------------------------------------
+
+/// Shape of a `SpatialTransformer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransformerShape {
+    /// Channels in and out (= heads x head width).
+    pub channels: i64,
+    /// Attention heads.
+    pub n_head: i64,
+    /// Stacked `BasicTransformerBlock`s.
+    pub depth: usize,
+    /// Width of the cross-attention context.
+    pub context_dim: i64,
+    /// Linear `proj_in`/`proj_out` (SD 2.x) instead of 1x1 convolutions (SD 1.x).
+    pub linear_proj: bool,
+}
+
+/// Declares a `SpatialTransformer`.
+pub fn spatial_transformer_specs(s: &mut SpecSink<'_>, p: &str, t: &TransformerShape) {
+    let c = t.channels;
+    s.norm(&format!("{p}.norm"), c);
+    if t.linear_proj {
+        s.linear(&format!("{p}.proj_in"), c, c, true);
+    } else {
+        s.conv2d(&format!("{p}.proj_in"), c, c, 1);
+    }
+    for d in 0..t.depth {
+        transformer_block_specs(s, &format!("{p}.transformer_blocks.{d}"), c, t.context_dim);
+    }
+    if t.linear_proj {
+        s.linear(&format!("{p}.proj_out"), c, c, true);
+    } else {
+        s.conv2d(&format!("{p}.proj_out"), c, c, 1);
+    }
+}
+
+/// `SpatialTransformer`: x [W, H, C, N] as W*H tokens through the transformer blocks, plus x.
+pub fn spatial_transformer<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, context: Tensor<'g>, t: &TransformerShape, kernel: AttnKernel) -> Result<Tensor<'g>> {
+    let [wd, ht, c, n] = x.shape();
+    // [W, H, C, N] -> [C, W*H, N]: token index = x + W * y.
+    let to_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 2, 0, 3])), &[c, wd * ht, n]);
+    let from_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 0, 2, 3])), &[wd, ht, c, n]);
+
+    let mut h = group_norm32(g, w, &format!("{p}.norm"), x)?;
+    h = if t.linear_proj {
+        linear(g, w, &format!("{p}.proj_in"), to_tokens(h), true)?
+    } else {
+        to_tokens(conv2d(g, w, &format!("{p}.proj_in"), h, 1, 0)?)
+    };
+    for d in 0..t.depth {
+        h = transformer_block(g, w, &format!("{p}.transformer_blocks.{d}"), h, context, t.n_head, kernel)?;
+    }
+    h = if t.linear_proj {
+        from_tokens(linear(g, w, &format!("{p}.proj_out"), h, true)?)
+    } else {
+        conv2d(g, w, &format!("{p}.proj_out"), from_tokens(h), 1, 0)?
+    };
+    Ok(g.add(h, x))
+}
+
+/// Declares an LDM `ResBlock(inp -> out)` conditioned on an embedding of width `emb`.
+pub fn res_block_specs(s: &mut SpecSink<'_>, p: &str, inp: i64, out: i64, emb: i64) {
+    s.norm(&format!("{p}.in_layers.0"), inp);
+    s.conv2d(&format!("{p}.in_layers.2"), inp, out, 3);
+    s.linear(&format!("{p}.emb_layers.1"), emb, out, true);
+    s.norm(&format!("{p}.out_layers.0"), out);
+    s.conv2d(&format!("{p}.out_layers.3"), out, out, 3);
+    if inp != out {
+        s.conv2d(&format!("{p}.skip_connection"), inp, out, 1);
+    }
+}
+
+/// LDM `ResBlock`: x [W, H, IC, N], emb [E, N] -> [W, H, OC, N]. A 1x1 `skip_connection`
+/// maps x to OC channels when the weights have one (IC != OC).
+pub fn res_block<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, emb: Tensor<'g>) -> Result<Tensor<'g>> {
+    let mut h = group_norm32(g, w, &format!("{p}.in_layers.0"), x)?;
+    h = g.silu(h);
+    h = conv2d(g, w, &format!("{p}.in_layers.2"), h, 1, 1)?;
+    let e = linear(g, w, &format!("{p}.emb_layers.1"), g.silu(emb), true)?; // [OC, N]
+    let [oc, n, _, _] = e.shape();
+    h = g.add(h, g.reshape(e, &[1, 1, oc, n]));
+    h = group_norm32(g, w, &format!("{p}.out_layers.0"), h)?;
+    h = g.silu(h);
+    h = conv2d(g, w, &format!("{p}.out_layers.3"), h, 1, 1)?;
+    let skip_name = format!("{p}.skip_connection");
+    let skip = if w.contains(&format!("{skip_name}.weight")) { conv2d(g, w, &skip_name, x, 1, 0)? } else { x };
+    Ok(g.add(h, skip))
+}
+
+/// Declares a `Downsample` (3x3 convolution, stride 2, named `op`).
+pub fn downsample_specs(s: &mut SpecSink<'_>, p: &str, ch: i64) {
+    s.conv2d(&format!("{p}.op"), ch, ch, 3);
+}
+
+/// `Downsample`: 3x3 convolution with stride 2 and padding 1.
+pub fn downsample<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    conv2d(g, w, &format!("{p}.op"), x, 2, 1)
+}
+
+/// Declares an `Upsample` (nearest x2, then a 3x3 convolution named `conv`).
+pub fn upsample_specs(s: &mut SpecSink<'_>, p: &str, ch: i64) {
+    s.conv2d(&format!("{p}.conv"), ch, ch, 3);
+}
+
+/// `Upsample`: nearest-neighbour x2, then a 3x3 convolution.
+pub fn upsample<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    let up = g.upscale(x, 2, ScaleMode::Nearest);
+    conv2d(g, w, &format!("{p}.conv"), up, 1, 1)
+}

@@ -1,0 +1,122 @@
+//! Diffusion models: the denoising networks a sampler evaluates once per step.
+//!
+//! # Design
+//!
+//! * **Mirror the reference op by op.** Outputs must match stable-diffusion.cpp to the
+//!   rounding error, so every block builds the same ggml operations on the same storage
+//!   types as the reference does (`common/block.hpp`, `ggml_extend.hpp`, `unet.hpp`): where
+//!   weights are f16 the ggml CPU backend rounds activations to f16 before the product, so
+//!   the storage type of each parameter is part of the model math ([`blocks::linear_weight_type`]).
+//!   Deviations are allowed only where they are exactly equivalent on ggml's kernels (a
+//!   fused `soft_max_ext` scale instead of a separate scale node, the fused swapped GEGLU
+//!   instead of `cont` + `gelu` + `mul`, casting a permuted view instead of copying it
+//!   first); each is noted where it is made.
+//! * **One layout walk.** The UNet's block list ([`unet::layout`]) is computed once from
+//!   the config; the parameter specs and the graph both walk it, so names, shapes and
+//!   the forward pass cannot drift apart.
+//! * **Blocks are plain functions** over a [`sd_sched::Weights`] set and a name prefix
+//!   ([`blocks`]), so a parity harness can run one ResBlock or one transformer on given
+//!   inputs ([`run_graph`]) and compare it with the reference's dump of the same block.
+//! * **Graph cuts are recorded, not used yet:** every forward pushes `(block name,
+//!   activation)` after each block, for the segmenting scheduler to come.
+//!
+//! What it refuses to do: read files (the loader hands a [`sd_sched::TensorSource`]),
+//! choose devices, or sample. Prediction type (eps / v) is the sampler's business: the
+//! UNet returns its raw output.
+
+pub mod blocks;
+pub mod unet;
+
+#[cfg(test)]
+mod tests;
+
+use sd_backends::{Context, Tensor};
+use sd_sched::Runner;
+
+pub use blocks::AttnKernel;
+pub use unet::{forward, unet_specs, validate_against_file, Heads, UNetConfig, UNetModel};
+
+/// Errors of the diffusion models.
+#[derive(Debug, thiserror::Error)]
+pub enum DiffusionError {
+    /// The file's tensors disagree with the architecture (missing tensors, wrong shapes).
+    #[error("{model}: {} tensor(s) of the file disagree with the architecture: {}", problems.len(), summarize(problems))]
+    WeightsMismatch { model: &'static str, problems: Vec<TensorProblem> },
+    /// A config that does not describe a buildable network.
+    #[error("invalid {model} config: {reason}")]
+    Config { model: &'static str, reason: String },
+    /// Inputs whose sizes disagree with each other or with the model.
+    #[error("{model} input: {reason}")]
+    Input { model: &'static str, reason: String },
+    /// Weights or compute-buffer failure.
+    #[error(transparent)]
+    Sched(#[from] sd_sched::SchedError),
+    /// A ggml-level failure.
+    #[error(transparent)]
+    Backend(#[from] sd_backends::BackendError),
+}
+
+/// One disagreement between a file and the tensors an architecture needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TensorProblem {
+    /// The architecture needs `name` with shape `expected`; the file lacks it.
+    Missing { name: String, expected: Vec<i64> },
+    /// The file has `name` with shape `found`, the architecture needs `expected` (ggml order).
+    Shape { name: String, expected: Vec<i64>, found: Vec<i64> },
+}
+
+impl std::fmt::Display for TensorProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TensorProblem::Missing { name, expected } => write!(f, "missing tensor '{name}' (expected shape {expected:?}, ggml order)"),
+            TensorProblem::Shape { name, expected, found } => {
+                write!(f, "tensor '{name}' has shape {found:?}, expected {expected:?} (ggml order, innermost first)")
+            }
+        }
+    }
+}
+
+fn summarize(problems: &[TensorProblem]) -> String {
+    const SHOWN: usize = 5;
+    let mut s = problems.iter().take(SHOWN).map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
+    if problems.len() > SHOWN {
+        s.push_str(&format!("; and {} more", problems.len() - SHOWN));
+    }
+    s
+}
+
+/// Result alias of this module.
+pub type Result<T, E = DiffusionError> = std::result::Result<T, E>;
+
+/// Builds a graph over f32 inputs of the given shapes (ggml order), computes it on the
+/// runner's backend and returns the output's values and shape.
+///
+/// For parity checks of single blocks: `build` receives the input tensors (created in the
+/// graph context, marked as inputs) and returns the output. `graph_size` bounds the number
+/// of nodes (and tensors) the graph may create.
+pub fn run_graph<F>(runner: &mut Runner, inputs: &[(&[i64], &[f32])], graph_size: usize, build: F) -> Result<(Vec<f32>, [i64; 4])>
+where
+    F: for<'g> FnOnce(&'g Context, &[Tensor<'g>]) -> Result<Tensor<'g>>,
+{
+    let g = Context::for_graph(graph_size, graph_size)?;
+    let mut ts = Vec::with_capacity(inputs.len());
+    for (i, (ne, data)) in inputs.iter().enumerate() {
+        let n: i64 = ne.iter().product();
+        if n as usize != data.len() || ne.is_empty() || ne.len() > 4 {
+            return Err(DiffusionError::Input {
+                model: "graph",
+                reason: format!("input {i}: shape {ne:?} needs {n} values, got {}", data.len()),
+            });
+        }
+        ts.push(g.new_f32(ne).set_name(&format!("input{i}")).set_input());
+    }
+    let out = build(&g, &ts)?.set_output();
+    let graph = g.new_graph(graph_size);
+    graph.expand(out);
+    runner.alloc(&graph)?;
+    for (t, (_, data)) in ts.iter().zip(inputs) {
+        t.set_f32(data)?;
+    }
+    runner.compute(&graph)?;
+    Ok((out.get_f32()?, out.shape()))
+}

@@ -1,0 +1,528 @@
+//! The SD 1.x / 2.x UNet (`ldm.modules.diffusionmodules.openaimodel.UNetModel`) as a ggml graph.
+//!
+//! References: Rombach et al., "High-Resolution Image Synthesis with Latent Diffusion
+//! Models" (arXiv:2112.10752), and stable-diffusion.cpp's `unet.hpp`, whose graph this one
+//! reproduces op for op (see [`super::blocks`] for the per-block numerics).
+//!
+//! Shape: a timestep embedding (`time_embed`), `input_blocks` (a 3x3 stem, then per level
+//! `num_res_blocks` ResBlocks, each followed by a SpatialTransformer at the attention
+//! resolutions, and a stride-2 Downsample between levels), a `middle_block` (ResBlock,
+//! SpatialTransformer, ResBlock), `output_blocks` mirroring the input blocks with the
+//! input blocks' activations concatenated on the channel axis, and `out` (GroupNorm,
+//! SiLU, 3x3 conv). The network outputs the model prediction (eps or v) as it is; the
+//! sampler interprets it.
+//!
+//! Batching: stable-diffusion.cpp evaluates the conditional and unconditional passes as
+//! two separate batch-1 calls. Every op here treats samples independently, so a batch of
+//! two gives the same numbers as two calls (a test checks this); [`UNetModel::eval`] takes
+//! any batch and leaves the choice to the sampler.
+
+use sd_backends::{BufferType, Context, GgmlType, Tensor};
+use sd_sched::{Runner, TensorSource, TensorSpec, Weights};
+
+use super::blocks::{self, AttnKernel, SpecSink, TransformerShape};
+use super::{DiffusionError, Result, TensorProblem};
+
+/// Prefix of every UNet tensor's internal name.
+pub const PREFIX: &str = "model.diffusion_model";
+/// Period of the sinusoidal timestep embedding.
+const MAX_PERIOD: i32 = 10000;
+/// Tensors (and graph nodes) the metadata context of one UNet graph may hold. SD 1.5 at
+/// batch 2 builds about 3,000 nodes plus views; the bound is checked by a test.
+pub const GRAPH_SIZE: usize = 16384;
+
+const MODEL: &str = "UNet";
+
+/// How the attention heads of a transformer are sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heads {
+    /// A fixed number of heads at every level (SD 1.x: 8).
+    Count(i64),
+    /// A fixed head width, heads = channels / width (SD 2.x: `num_head_channels` 64).
+    Width(i64),
+}
+
+/// `UNetModel` hyper-parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UNetConfig {
+    /// Latent channels in (4; 9 for inpainting models).
+    pub in_channels: i64,
+    /// Channels out.
+    pub out_channels: i64,
+    /// Channels of the first level.
+    pub model_channels: i64,
+    /// Width of the timestep embedding (4 x `model_channels` in SD 1.x / 2.x).
+    pub time_embed_dim: i64,
+    /// Per-level channel multipliers.
+    pub channel_mult: Vec<i64>,
+    /// ResBlocks per level on the way down (one more on the way up).
+    pub num_res_blocks: usize,
+    /// Downsampling factors (`ds` = 1, 2, 4, ...) of the levels that have transformers.
+    pub attention_resolutions: Vec<i64>,
+    /// Head sizing of the transformers.
+    pub heads: Heads,
+    /// Transformer blocks per SpatialTransformer.
+    pub transformer_depth: usize,
+    /// Width of the text context (768 for CLIP ViT-L, 1024 for OpenCLIP ViT-H).
+    pub context_dim: i64,
+    /// Linear `proj_in`/`proj_out` in the transformers instead of 1x1 convolutions.
+    pub use_linear_projection: bool,
+}
+
+impl UNetConfig {
+    /// SD 1.x (v1-inference.yaml): 320 channels, mult [1, 2, 4, 4], 8 heads, context 768.
+    pub fn sd15() -> Self {
+        UNetConfig {
+            in_channels: 4,
+            out_channels: 4,
+            model_channels: 320,
+            time_embed_dim: 1280,
+            channel_mult: vec![1, 2, 4, 4],
+            num_res_blocks: 2,
+            attention_resolutions: vec![4, 2, 1],
+            heads: Heads::Count(8),
+            transformer_depth: 1,
+            context_dim: 768,
+            use_linear_projection: false,
+        }
+    }
+
+    /// SD 2.x (v2-inference[-v].yaml; SD-Turbo too): head width 64, context 1024, linear projections.
+    pub fn sd21() -> Self {
+        UNetConfig { heads: Heads::Width(64), context_dim: 1024, use_linear_projection: true, ..UNetConfig::sd15() }
+    }
+
+    /// This config with the widths a file's tensors show, as the reference detects them:
+    /// input and model channels from `input_blocks.0.0.weight`, the embedding width from
+    /// `time_embed.0.weight`, output channels from `out.2.weight`, the context width from
+    /// the first cross-attention `to_k`, and linear vs convolution projections from the
+    /// rank of the first transformer's `proj_out.weight`. `ne_of` returns a tensor's ggml
+    /// shape (innermost first) by internal name.
+    pub fn adapted_to_file(mut self, ne_of: &dyn Fn(&str) -> Option<Vec<u64>>) -> Self {
+        let get = |rel: &str| ne_of(&format!("{PREFIX}.{rel}"));
+        if let Some(ne) = get("input_blocks.0.0.weight").filter(|ne| ne.len() == 4) {
+            self.in_channels = ne[2] as i64;
+            self.model_channels = ne[3] as i64;
+            self.time_embed_dim = 4 * self.model_channels;
+        }
+        if let Some(ne) = get("time_embed.0.weight").filter(|ne| ne.len() == 2) {
+            self.model_channels = ne[0] as i64;
+            self.time_embed_dim = ne[1] as i64;
+        }
+        if let Some(ne) = get("out.2.weight").filter(|ne| ne.len() == 4) {
+            self.out_channels = ne[3] as i64;
+        }
+        let layout = layout(&self);
+        let first_transformer = layout.blocks().flat_map(|b| &b.layers).find_map(|(p, l)| matches!(l, Layer::Transformer { .. }).then(|| p.clone()));
+        if let Some(p) = first_transformer {
+            let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap_or(&p).to_string();
+            if let Some(ne) = get(&format!("{rel}.transformer_blocks.0.attn2.to_k.weight")).filter(|ne| ne.len() == 2) {
+                self.context_dim = ne[0] as i64;
+            }
+            match get(&format!("{rel}.proj_out.weight")).map(|ne| ne.len()) {
+                Some(4) => self.use_linear_projection = false,
+                Some(2) => self.use_linear_projection = true,
+                _ => {}
+            }
+        }
+        self
+    }
+
+    /// Checks the hyper-parameters; the error names the offending field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
+        if self.channel_mult.is_empty() || self.num_res_blocks == 0 || self.transformer_depth == 0 {
+            return bad(format!("channel_mult, num_res_blocks and transformer_depth must be non-empty / non-zero: {self:?}"));
+        }
+        if self.in_channels <= 0 || self.out_channels <= 0 || self.context_dim <= 0 || self.time_embed_dim <= 0 {
+            return bad(format!("in/out channels, context_dim and time_embed_dim must be positive: {self:?}"));
+        }
+        if self.model_channels <= 0 || self.model_channels % 2 != 0 {
+            return bad(format!("model_channels {} must be positive and even (timestep embedding)", self.model_channels));
+        }
+        for &m in &self.channel_mult {
+            let c = m * self.model_channels;
+            if c <= 0 || c % blocks::GROUPS as i64 != 0 {
+                return bad(format!("level width {c} (model_channels {} x mult {m}) is not a positive multiple of 32 (GroupNorm32)", self.model_channels));
+            }
+            let ok = match self.heads {
+                Heads::Count(n) => n > 0 && c % n == 0,
+                Heads::Width(d) => d > 0 && c % d == 0,
+            };
+            if !ok {
+                return bad(format!("{:?} does not divide level width {c}", self.heads));
+            }
+        }
+        Ok(())
+    }
+
+    /// Heads of a transformer with `ch` channels.
+    pub fn n_head(&self, ch: i64) -> i64 {
+        match self.heads {
+            Heads::Count(n) => n,
+            Heads::Width(d) => ch / d,
+        }
+    }
+
+    /// The latent width and height must be multiples of this (one halving per level but the last).
+    pub fn size_multiple(&self) -> i64 {
+        1 << (self.channel_mult.len().saturating_sub(1))
+    }
+
+    fn transformer(&self, ch: i64) -> TransformerShape {
+        TransformerShape {
+            channels: ch,
+            n_head: self.n_head(ch),
+            depth: self.transformer_depth,
+            context_dim: self.context_dim,
+            linear_proj: self.use_linear_projection,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Layout
+// ---------------------------------------------------------------------------------------
+
+/// One module inside a UNet block.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Layer {
+    /// The 3x3 stem convolution (`input_blocks.0.0`).
+    Stem { inp: i64, out: i64 },
+    /// A `ResBlock`.
+    Res { inp: i64, out: i64 },
+    /// A `SpatialTransformer`.
+    Transformer(TransformerShape),
+    /// A stride-2 `Downsample`.
+    Down { ch: i64 },
+    /// A nearest x2 `Upsample`.
+    Up { ch: i64 },
+}
+
+/// A numbered UNet block: its name (the graph-cut label) and its modules with their full prefixes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    /// `input_blocks.N`, `middle_block` or `output_blocks.N`.
+    pub name: String,
+    /// (full name prefix, module), in execution order.
+    pub layers: Vec<(String, Layer)>,
+}
+
+/// The blocks of a UNet in execution order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    /// `input_blocks.*`; each one's output is kept for a skip connection.
+    pub input: Vec<Block>,
+    /// `middle_block`.
+    pub middle: Block,
+    /// `output_blocks.*`; each one first concatenates the last kept skip activation.
+    pub output: Vec<Block>,
+}
+
+impl Layout {
+    /// Every block, input to output.
+    pub fn blocks(&self) -> impl Iterator<Item = &Block> {
+        self.input.iter().chain(std::iter::once(&self.middle)).chain(self.output.iter())
+    }
+}
+
+/// Walks the module tree of `cfg` (the constructor of `UNetModel`).
+pub fn layout(cfg: &UNetConfig) -> Layout {
+    let mc = cfg.model_channels;
+    let levels = cfg.channel_mult.len();
+    let name = |s: String| format!("{PREFIX}.{s}");
+    let mut input = vec![Block { name: "input_blocks.0".into(), layers: vec![(name("input_blocks.0.0".into()), Layer::Stem { inp: cfg.in_channels, out: mc })] }];
+    let mut skip_chans = vec![mc];
+    let mut ch = mc;
+    let mut ds = 1;
+    let mut idx = 0;
+    for (level, &mult) in cfg.channel_mult.iter().enumerate() {
+        for _ in 0..cfg.num_res_blocks {
+            idx += 1;
+            let out = mult * mc;
+            let mut layers = vec![(name(format!("input_blocks.{idx}.0")), Layer::Res { inp: ch, out })];
+            ch = out;
+            if cfg.attention_resolutions.contains(&ds) {
+                layers.push((name(format!("input_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
+            }
+            input.push(Block { name: format!("input_blocks.{idx}"), layers });
+            skip_chans.push(ch);
+        }
+        if level != levels - 1 {
+            idx += 1;
+            input.push(Block { name: format!("input_blocks.{idx}"), layers: vec![(name(format!("input_blocks.{idx}.0")), Layer::Down { ch })] });
+            skip_chans.push(ch);
+            ds *= 2;
+        }
+    }
+
+    let middle = Block {
+        name: "middle_block".into(),
+        layers: vec![
+            (name("middle_block.0".into()), Layer::Res { inp: ch, out: ch }),
+            (name("middle_block.1".into()), Layer::Transformer(cfg.transformer(ch))),
+            (name("middle_block.2".into()), Layer::Res { inp: ch, out: ch }),
+        ],
+    };
+
+    let mut output = Vec::new();
+    let mut idx = 0;
+    for (level, &mult) in cfg.channel_mult.iter().enumerate().rev() {
+        for j in 0..=cfg.num_res_blocks {
+            let skip = skip_chans.pop().expect("one skip connection per output block");
+            let out = mult * mc;
+            let mut layers = vec![(name(format!("output_blocks.{idx}.0")), Layer::Res { inp: ch + skip, out })];
+            ch = out;
+            let mut sub = 1;
+            if cfg.attention_resolutions.contains(&ds) {
+                layers.push((name(format!("output_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
+                sub = 2;
+            }
+            if level > 0 && j == cfg.num_res_blocks {
+                layers.push((name(format!("output_blocks.{idx}.{sub}")), Layer::Up { ch }));
+                ds /= 2;
+            }
+            output.push(Block { name: format!("output_blocks.{idx}"), layers });
+            idx += 1;
+        }
+    }
+    Layout { input, middle, output }
+}
+
+// ---------------------------------------------------------------------------------------
+// Parameters
+// ---------------------------------------------------------------------------------------
+
+/// Every UNet parameter: internal name, storage type and ggml shape.
+///
+/// `dtype_of` gives the file's type of a tensor by internal name (None when absent);
+/// `wtype` is the `--type` override. Storage follows the reference: convolution kernels
+/// f16, biases and norms f32, linear weights the file's type or the override (except
+/// `time_embed.*`, which `--type` leaves alone); see [`blocks::linear_weight_type`].
+pub fn unet_specs(cfg: &UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+    let mut s = SpecSink::new(dtype_of, wtype);
+    let (mc, temb) = (cfg.model_channels, cfg.time_embed_dim);
+    s.linear(&format!("{PREFIX}.time_embed.0"), mc, temb, true);
+    s.linear(&format!("{PREFIX}.time_embed.2"), temb, temb, true);
+    for block in layout(cfg).blocks() {
+        for (p, layer) in &block.layers {
+            match layer {
+                Layer::Stem { inp, out } => s.conv2d(p, *inp, *out, 3),
+                Layer::Res { inp, out } => blocks::res_block_specs(&mut s, p, *inp, *out, temb),
+                Layer::Transformer(t) => blocks::spatial_transformer_specs(&mut s, p, t),
+                Layer::Down { ch } => blocks::downsample_specs(&mut s, p, *ch),
+                Layer::Up { ch } => blocks::upsample_specs(&mut s, p, *ch),
+            }
+        }
+    }
+    s.norm(&format!("{PREFIX}.out.0"), mc);
+    s.conv2d(&format!("{PREFIX}.out.2"), mc, cfg.out_channels, 3);
+    s.specs
+}
+
+/// Checks a file's UNet tensors against `specs`.
+///
+/// `file` lists the file's tensors as (internal name, ggml shape innermost first, as
+/// `TensorEntry::ne` gives it); trailing dimensions of 1 are ignored on both sides. Every
+/// missing tensor and shape mismatch is reported in one error; on success the names under
+/// the UNet prefix that the architecture does not use are returned, for a warning.
+pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) -> Result<Vec<String>> {
+    fn trim(ne: &[i64]) -> Vec<i64> {
+        let mut v = ne.to_vec();
+        while v.len() > 1 && v.last() == Some(&1) {
+            v.pop();
+        }
+        v
+    }
+    let found: std::collections::HashMap<&str, Vec<i64>> = file.iter().map(|(n, ne)| (n.as_str(), ne.iter().map(|&d| d as i64).collect())).collect();
+    let mut problems = Vec::new();
+    for s in specs {
+        match found.get(s.name.as_str()) {
+            None => problems.push(TensorProblem::Missing { name: s.name.clone(), expected: s.ne.clone() }),
+            Some(ne) if trim(ne) != trim(&s.ne) => problems.push(TensorProblem::Shape { name: s.name.clone(), expected: s.ne.clone(), found: ne.clone() }),
+            Some(_) => {}
+        }
+    }
+    if !problems.is_empty() {
+        return Err(DiffusionError::WeightsMismatch { model: MODEL, problems });
+    }
+    let known: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    let prefix = format!("{PREFIX}.");
+    Ok(file.iter().filter(|(n, _)| n.starts_with(&prefix) && !known.contains(n.as_str())).map(|(n, _)| n.clone()).collect())
+}
+
+// ---------------------------------------------------------------------------------------
+// Graph
+// ---------------------------------------------------------------------------------------
+
+/// The UNet graph: x [W, H, in_channels, N], timesteps [N], context [context_dim, L, N or 1]
+/// -> [W, H, out_channels, N]. `flash_attn` selects `ggml_flash_attn_ext` for attention.
+/// Pushes `(block name, activation)` after the time embedding, each block and `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &UNetConfig,
+    x: Tensor<'g>,
+    timesteps: Tensor<'g>,
+    context: Tensor<'g>,
+    flash_attn: bool,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
+    forward_with(g, w, cfg, x, timesteps, context, AttnKernel::from_flag(flash_attn), cuts)
+}
+
+/// [`forward`] with an explicit attention kernel choice.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &UNetConfig,
+    x: Tensor<'g>,
+    timesteps: Tensor<'g>,
+    context: Tensor<'g>,
+    kernel: AttnKernel,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
+    check_shapes(cfg, x.shape(), timesteps.shape(), context.shape())?;
+    let [_, _, _, n] = x.shape();
+    let [cd, lc, cn, _] = context.shape();
+    // A context shared by the whole batch is repeated per sample, as the reference does.
+    let context = if cn != n { g.repeat(context, g.new_f32(&[cd, lc, n])) } else { context };
+
+    let t_emb = g.timestep_embedding(timesteps, cfg.model_channels as i32, MAX_PERIOD); // [mc, N]
+    let mut emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.0"), t_emb, true)?;
+    emb = g.silu(emb);
+    emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.2"), emb, true)?; // [temb, N]
+    cuts.push(("time_embed".into(), emb));
+
+    let layout = layout(cfg);
+    let run_block = |block: &Block, mut h: Tensor<'g>| -> Result<Tensor<'g>> {
+        for (p, layer) in &block.layers {
+            h = match layer {
+                Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
+                Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
+                Layer::Transformer(t) => blocks::spatial_transformer(g, w, p, h, context, t, kernel)?,
+                Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
+                Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
+            };
+        }
+        Ok(h)
+    };
+
+    let mut skips = Vec::with_capacity(layout.input.len());
+    let mut h = x;
+    for block in &layout.input {
+        h = run_block(block, h)?;
+        cuts.push((block.name.clone(), h));
+        skips.push(h);
+    }
+    h = run_block(&layout.middle, h)?;
+    cuts.push((layout.middle.name.clone(), h));
+    for block in &layout.output {
+        let skip = skips.pop().expect("the layout has one skip per output block");
+        h = g.concat(h, skip, 2);
+        h = run_block(block, h)?;
+        cuts.push((block.name.clone(), h));
+    }
+
+    h = blocks::group_norm32(g, w, &format!("{PREFIX}.out.0"), h)?;
+    h = g.silu(h);
+    h = blocks::conv2d(g, w, &format!("{PREFIX}.out.2"), h, 1, 1)?;
+    cuts.push(("out".into(), h));
+    Ok(h)
+}
+
+fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Result<()> {
+    let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+    let m = cfg.size_multiple();
+    if x[0] <= 0 || x[1] <= 0 || x[0] % m != 0 || x[1] % m != 0 {
+        return bad(format!("latent size {}x{} is not a positive multiple of {m} (image size a multiple of {})", x[0], x[1], 8 * m));
+    }
+    if x[2] != cfg.in_channels {
+        return bad(format!("latent has {} channels, the model takes {}", x[2], cfg.in_channels));
+    }
+    if t[0] != x[3] || t[1..].iter().any(|&d| d != 1) {
+        return bad(format!("{} timesteps for a batch of {}", t[0], x[3]));
+    }
+    if c[0] != cfg.context_dim {
+        return bad(format!("context width {} but the model's cross-attention takes {}", c[0], cfg.context_dim));
+    }
+    if c[1] <= 0 || (c[2] != x[3] && c[2] != 1) || c[3] != 1 {
+        return bad(format!("context shape {:?} does not fit a batch of {} (ggml order [width, tokens, batch or 1])", &c[..3], x[3]));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Model
+// ---------------------------------------------------------------------------------------
+
+/// A UNet with its weights: what the sampler calls once per step.
+#[derive(Debug)]
+pub struct UNetModel {
+    /// Hyper-parameters.
+    pub cfg: UNetConfig,
+    /// Parameters (internal names).
+    pub weights: Weights,
+    /// Use flash attention where the device supports it (`--diffusion-fa`).
+    pub flash_attn: bool,
+}
+
+impl UNetModel {
+    /// Declares the parameters of `cfg` (no storage yet); see [`unet_specs`] for the types.
+    pub fn new(cfg: UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Result<Self> {
+        cfg.validate()?;
+        let weights = Weights::new(unet_specs(&cfg, dtype_of, wtype))?;
+        Ok(Self { cfg, weights, flash_attn: false })
+    }
+
+    /// Declares, allocates on `buft` and fills the parameters from `src`.
+    pub fn load(cfg: UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>, buft: BufferType, src: &dyn TensorSource) -> Result<Self> {
+        let mut m = Self::new(cfg, dtype_of, wtype)?;
+        m.weights.allocate(buft)?;
+        m.weights.load_from(src)?;
+        tracing::debug!(tensors = m.weights.specs().len(), bytes = m.weights.nbytes(), "UNet weights loaded");
+        Ok(m)
+    }
+
+    /// One evaluation. `x` is the latent [N, C, H, W] (row-major, i.e. ggml [W, H, C, N]),
+    /// `timesteps` one per sample, `context` [N or 1, n_ctx_tokens, context_dim]; returns
+    /// the prediction [N, out_channels, H, W].
+    #[allow(clippy::too_many_arguments)]
+    pub fn eval(&self, runner: &mut Runner, x: &[f32], (w, h): (usize, usize), timesteps: &[f32], context: &[f32], n_ctx_tokens: usize, batch: usize) -> Result<Vec<f32>> {
+        let _span = tracing::trace_span!("unet", w, h, batch, n_ctx_tokens).entered();
+        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+        let cin = self.cfg.in_channels as usize;
+        let cd = self.cfg.context_dim as usize;
+        if batch == 0 || w == 0 || h == 0 || n_ctx_tokens == 0 {
+            return bad(format!("empty input: {w}x{h} latent, batch {batch}, {n_ctx_tokens} context tokens"));
+        }
+        if x.len() != w * h * cin * batch {
+            return bad(format!("latent has {} values, {batch} x {cin} x {h} x {w} needs {}", x.len(), w * h * cin * batch));
+        }
+        if timesteps.len() != batch {
+            return bad(format!("{} timesteps for a batch of {batch}", timesteps.len()));
+        }
+        let ctx_batch = context.len() / (n_ctx_tokens * cd).max(1);
+        if context.len() % (n_ctx_tokens * cd) != 0 || (ctx_batch != batch && ctx_batch != 1) {
+            return bad(format!("context has {} values, expected {batch} (or 1) x {n_ctx_tokens} x {cd}", context.len()));
+        }
+
+        let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
+        let tx = g.new_f32(&[w as i64, h as i64, cin as i64, batch as i64]).set_name("x").set_input();
+        let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
+        let tc = g.new_f32(&[cd as i64, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
+        let kernel = if self.flash_attn { AttnKernel::FlashWhereSupported(runner.backend().device()) } else { AttnKernel::Plain };
+        let mut cuts = Vec::new();
+        let out = forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
+        let graph = g.new_graph(GRAPH_SIZE);
+        graph.expand(out);
+        runner.alloc(&graph)?;
+        tx.set_f32(x)?;
+        tt.set_f32(timesteps)?;
+        tc.set_f32(context)?;
+        runner.compute(&graph)?;
+        Ok(out.get_f32()?)
+    }
+}

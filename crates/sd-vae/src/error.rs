@@ -1,0 +1,83 @@
+//! The error type of this crate: bad flags, bad inputs, and failures of the graph runs.
+
+use sd_sched::SchedError;
+
+/// Errors of VAE loading, tiling and graph execution.
+#[derive(Debug, thiserror::Error)]
+pub enum VaeError {
+    /// A command-line value that cannot be used; names the flag.
+    #[error("{flag}: {message}")]
+    Flag {
+        /// The flag, as the user typed it (`--vae-tile-size`, ...).
+        flag: &'static str,
+        /// What is wrong and what is accepted.
+        message: String,
+    },
+    /// An input buffer whose size or channel count does not fit the model.
+    #[error("{module}: {message}")]
+    Input {
+        /// `vae` or `taesd`.
+        module: &'static str,
+        /// What was expected and what was given.
+        message: String,
+    },
+    /// The compute buffer of a graph could not be allocated, or it is larger than the cap.
+    /// This is the failure the decode path retries with smaller tiles.
+    #[error("{device}: cannot allocate {bytes} bytes for the {module} compute buffer{}",
+            .cap.map(|c| format!(" (cap {c} bytes)")).unwrap_or_default())]
+    Alloc {
+        /// The device of the runner.
+        device: String,
+        /// `vae` or `taesd`.
+        module: &'static str,
+        /// Bytes the graph needs.
+        bytes: usize,
+        /// The memory cap that was exceeded, when a cap caused the failure.
+        cap: Option<usize>,
+    },
+    /// A graph failed while running (never retried).
+    #[error("{module} compute failed")]
+    Compute {
+        /// `vae` or `taesd`.
+        module: &'static str,
+        /// The runner's error.
+        #[source]
+        source: SchedError,
+    },
+    /// Weights could not be declared, allocated or loaded.
+    #[error("{module} weights")]
+    Weights {
+        /// `vae` or `taesd`.
+        module: &'static str,
+        /// The weights error (names the tensor).
+        #[source]
+        source: SchedError,
+    },
+    /// A ggml object could not be created (context, tensor data).
+    #[error("{module}: ggml")]
+    Backend {
+        /// `vae` or `taesd`.
+        module: &'static str,
+        /// The wrapper's error.
+        #[source]
+        source: sd_backends::BackendError,
+    },
+}
+
+impl VaeError {
+    /// Whether this is an allocation failure (the only kind the decode path retries).
+    pub fn is_alloc(&self) -> bool {
+        matches!(self, VaeError::Alloc { .. })
+    }
+
+    pub(crate) fn flag(flag: &'static str, message: impl Into<String>) -> Self {
+        VaeError::Flag { flag, message: message.into() }
+    }
+
+    pub(crate) fn input(module: &'static str, message: impl Into<String>) -> Self {
+        VaeError::Input { module, message: message.into() }
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = VaeError> = std::result::Result<T, E>;

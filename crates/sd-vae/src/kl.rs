@@ -1,0 +1,622 @@
+//! AutoencoderKL (`ldm.models.autoencoder.AutoencoderKL`), the SD 1.x/2.x first stage.
+//!
+//! Reference: Rombach et al., "High-Resolution Image Synthesis with Latent Diffusion
+//! Models" (2022); the graph mirrors stable-diffusion.cpp's `auto_encoder_kl.hpp`.
+//! Parameters are `first_stage_model.{encoder,decoder,quant_conv,post_quant_conv}.*`
+//! with LDM names. The decoder maps a `[4, h, w]` latent to a `[3, 8h, 8w]` image in
+//! `[-1, 1]` (not clamped); the encoder maps such an image to the moments (mean and
+//! log-variance) of a diagonal Gaussian over latents ([`LatentDistribution`]).
+//!
+//! The latent scale factor (0.18215 for SD 1.x/2.x) is **not** applied inside the graphs:
+//! the caller applies it with [`VaeConfig::diffusion_to_vae`] before decoding and
+//! [`VaeConfig::vae_to_diffusion`] after sampling from the encoder's distribution,
+//! exactly where stable-diffusion.cpp applies it (`decode_first_stage`,
+//! `encode_first_stage`).
+
+use sd_backends::{BufferType, GgmlType, Tensor};
+use sd_sched::{Runner, TensorSource, TensorSpec, Weights};
+
+use crate::error::{Result, VaeError};
+use crate::nn::{AttnBlock, Conv2d, Downsample, Fwd, GraphOptions, GroupNorm, ResnetBlock, Upsample};
+use crate::run::{run_graph, FirstStage, ImageRange};
+
+const MODULE: &str = "vae";
+const PREFIX: &str = "first_stage_model";
+
+/// The autoencoder's hyper-parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VaeConfig {
+    /// Base channel count.
+    pub ch: usize,
+    /// Channel multiplier per resolution level.
+    pub ch_mult: Vec<usize>,
+    /// ResNet blocks per level (the decoder has one more).
+    pub num_res_blocks: usize,
+    /// Image channels.
+    pub in_channels: usize,
+    /// Output image channels.
+    pub out_ch: usize,
+    /// Latent channels.
+    pub z_channels: usize,
+    /// Channels of `quant_conv`/`post_quant_conv`.
+    pub embed_dim: usize,
+    /// Whether the encoder outputs mean and log-variance (2 x `z_channels`).
+    pub double_z: bool,
+    /// Group-norm groups.
+    pub norm_groups: usize,
+    /// Group-norm epsilon.
+    pub norm_eps: f32,
+    /// `None`: the mid-block attention projections are 1x1 convolutions (LDM files).
+    /// `Some(ty)`: they are linear layers with weights stored as `ty` (diffusers files
+    /// whose `[C, C]` weights were kept 2-D, as sd.cpp keeps them).
+    pub attn_linear: Option<GgmlType>,
+    /// Latent scale factor (`latent_vae = latent_diffusion / scale + shift`).
+    pub scale_factor: f32,
+    /// Latent shift factor.
+    pub shift_factor: f32,
+}
+
+impl VaeConfig {
+    /// The SD 1.x / 2.x VAE: ch 128, mult [1, 2, 4, 4], 2 ResNet blocks, z 4,
+    /// 32 groups with eps 1e-6, mid-block attention, quant convs, scale 0.18215.
+    pub fn sd() -> Self {
+        Self {
+            ch: 128,
+            ch_mult: vec![1, 2, 4, 4],
+            num_res_blocks: 2,
+            in_channels: 3,
+            out_ch: 3,
+            z_channels: 4,
+            embed_dim: 4,
+            double_z: true,
+            norm_groups: 32,
+            norm_eps: 1e-6,
+            attn_linear: None,
+            scale_factor: 0.18215,
+            shift_factor: 0.0,
+        }
+    }
+
+    /// Pixels per latent pixel: 2^(levels - 1).
+    pub fn downscale(&self) -> usize {
+        1 << self.ch_mult.len().saturating_sub(1)
+    }
+
+    /// Channels of the encoder's output (the moments).
+    pub fn moment_channels(&self) -> usize {
+        self.z_channels * if self.double_z { 2 } else { 1 }
+    }
+
+    /// Diffusion latents to VAE latents, in place: `x / scale + shift` (in this order,
+    /// in f32, as stable-diffusion.cpp computes it). Call before decoding.
+    pub fn diffusion_to_vae(&self, latents: &mut [f32]) {
+        for v in latents {
+            *v = *v / self.scale_factor + self.shift_factor;
+        }
+    }
+
+    /// VAE latents to diffusion latents, in place: `(x - shift) * scale`. Call after
+    /// [`LatentDistribution::sample`].
+    pub fn vae_to_diffusion(&self, latents: &mut [f32]) {
+        for v in latents {
+            *v = (*v - self.shift_factor) * self.scale_factor;
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.ch_mult.is_empty() || self.ch == 0 || self.z_channels == 0 || self.norm_groups == 0 {
+            return Err(VaeError::input(MODULE, format!("unusable configuration {self:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// Which halves of the autoencoder to declare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VaeParts {
+    /// Decoder and `post_quant_conv` (text-to-image).
+    DecoderOnly,
+    /// Both halves (image-to-image).
+    Full,
+}
+
+/// The parameters of the autoencoder, in a stable order.
+pub fn vae_specs(cfg: &VaeConfig, parts: VaeParts) -> Vec<TensorSpec> {
+    let mut out = Vec::new();
+    let dec = Decoder::new(cfg);
+    dec.specs(&mut out);
+    post_quant_conv(cfg).specs(&mut out);
+    if parts == VaeParts::Full {
+        Encoder::new(cfg).specs(&mut out);
+        quant_conv(cfg).specs(&mut out);
+    }
+    out
+}
+
+fn post_quant_conv(cfg: &VaeConfig) -> Conv2d {
+    Conv2d::new(format!("{PREFIX}.post_quant_conv"), cfg.z_channels, cfg.embed_dim, 1, 1, 0)
+}
+
+fn quant_conv(cfg: &VaeConfig) -> Conv2d {
+    let f = if cfg.double_z { 2 } else { 1 };
+    Conv2d::new(format!("{PREFIX}.quant_conv"), cfg.embed_dim * f, cfg.z_channels * f, 1, 1, 0)
+}
+
+/// One resolution level of the encoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DownLevel {
+    /// ResNet blocks.
+    pub blocks: Vec<ResnetBlock>,
+    /// Downsampling (all levels but the last).
+    pub downsample: Option<Downsample>,
+}
+
+/// One resolution level of the decoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpLevel {
+    /// ResNet blocks.
+    pub blocks: Vec<ResnetBlock>,
+    /// Upsampling (all levels but level 0).
+    pub upsample: Option<Upsample>,
+}
+
+/// The middle of both halves: ResNet, attention, ResNet.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mid {
+    /// `mid.block_1`.
+    pub block_1: ResnetBlock,
+    /// `mid.attn_1`.
+    pub attn_1: AttnBlock,
+    /// `mid.block_2`.
+    pub block_2: ResnetBlock,
+}
+
+impl Mid {
+    fn new(prefix: &str, ch: usize, cfg: &VaeConfig) -> Self {
+        let (g, e) = (cfg.norm_groups, cfg.norm_eps);
+        Self {
+            block_1: ResnetBlock::new(&format!("{prefix}.mid.block_1"), ch, ch, g, e),
+            attn_1: AttnBlock::new(&format!("{prefix}.mid.attn_1"), ch, g, e, cfg.attn_linear),
+            block_2: ResnetBlock::new(&format!("{prefix}.mid.block_2"), ch, ch, g, e),
+        }
+    }
+
+    fn specs(&self, out: &mut Vec<TensorSpec>) {
+        self.block_1.specs(out);
+        self.attn_1.specs(out);
+        self.block_2.specs(out);
+    }
+
+    fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
+        let h = self.block_1.forward(f, x)?;
+        let h = self.attn_1.forward(f, h)?;
+        self.block_2.forward(f, h)
+    }
+}
+
+/// `ldm.modules.diffusionmodules.model.Encoder`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Encoder {
+    /// Input convolution.
+    pub conv_in: Conv2d,
+    /// Levels, full resolution first.
+    pub down: Vec<DownLevel>,
+    /// Middle.
+    pub mid: Mid,
+    /// Output norm.
+    pub norm_out: GroupNorm,
+    /// Output convolution (to the moments).
+    pub conv_out: Conv2d,
+}
+
+impl Encoder {
+    /// The encoder of `cfg`.
+    pub fn new(cfg: &VaeConfig) -> Self {
+        let p = format!("{PREFIX}.encoder");
+        let (g, e) = (cfg.norm_groups, cfg.norm_eps);
+        let levels = cfg.ch_mult.len();
+        let mut down = Vec::with_capacity(levels);
+        for i in 0..levels {
+            let mut block_in = if i == 0 { cfg.ch } else { cfg.ch * cfg.ch_mult[i - 1] };
+            let block_out = cfg.ch * cfg.ch_mult[i];
+            let mut blocks = Vec::with_capacity(cfg.num_res_blocks);
+            for j in 0..cfg.num_res_blocks {
+                blocks.push(ResnetBlock::new(&format!("{p}.down.{i}.block.{j}"), block_in, block_out, g, e));
+                block_in = block_out;
+            }
+            let downsample = (i + 1 != levels).then(|| Downsample::new(&format!("{p}.down.{i}.downsample"), block_in));
+            down.push(DownLevel { blocks, downsample });
+        }
+        let block_in = cfg.ch * cfg.ch_mult[levels - 1];
+        Self {
+            conv_in: Conv2d::new(format!("{p}.conv_in"), cfg.in_channels, cfg.ch, 3, 1, 1),
+            down,
+            mid: Mid::new(&p, block_in, cfg),
+            norm_out: GroupNorm { name: format!("{p}.norm_out"), channels: block_in, groups: g, eps: e },
+            conv_out: Conv2d::new(format!("{p}.conv_out"), block_in, cfg.moment_channels(), 3, 1, 1),
+        }
+    }
+
+    /// Parameters.
+    pub fn specs(&self, out: &mut Vec<TensorSpec>) {
+        self.conv_in.specs(out);
+        for l in &self.down {
+            for b in &l.blocks {
+                b.specs(out);
+            }
+            if let Some(d) = &l.downsample {
+                d.conv.specs(out);
+            }
+        }
+        self.mid.specs(out);
+        self.norm_out.specs(out);
+        self.conv_out.specs(out);
+    }
+
+    /// `x` is `[W, H, 3, N]`; returns `[W/8, H/8, 2z, N]`, recording block outputs in `cuts`.
+    pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+        let mut h = self.conv_in.forward(f, x)?;
+        cuts.push(("vae.encoder.prelude".into(), h));
+        for (i, level) in self.down.iter().enumerate() {
+            for (j, b) in level.blocks.iter().enumerate() {
+                h = b.forward(f, h)?;
+                cuts.push((format!("vae.encoder.down.{i}.block.{j}"), h));
+            }
+            if let Some(d) = &level.downsample {
+                h = d.forward(f, h)?;
+                cuts.push((format!("vae.encoder.down.{i}.downsample"), h));
+            }
+        }
+        h = self.mid.forward(f, h)?;
+        cuts.push(("vae.encoder.mid".into(), h));
+        let h = self.norm_out.forward(f, h)?;
+        let h = f.ctx.silu(h);
+        self.conv_out.forward(f, h)
+    }
+}
+
+/// `ldm.modules.diffusionmodules.model.Decoder`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decoder {
+    /// Input convolution.
+    pub conv_in: Conv2d,
+    /// Middle.
+    pub mid: Mid,
+    /// Levels indexed as in the checkpoint (`up.0` is full resolution); run from the last.
+    pub up: Vec<UpLevel>,
+    /// Output norm.
+    pub norm_out: GroupNorm,
+    /// Output convolution (to RGB).
+    pub conv_out: Conv2d,
+}
+
+impl Decoder {
+    /// The decoder of `cfg`.
+    pub fn new(cfg: &VaeConfig) -> Self {
+        let p = format!("{PREFIX}.decoder");
+        let (g, e) = (cfg.norm_groups, cfg.norm_eps);
+        let levels = cfg.ch_mult.len();
+        let mut block_in = cfg.ch * cfg.ch_mult[levels - 1];
+        let conv_in = Conv2d::new(format!("{p}.conv_in"), cfg.z_channels, block_in, 3, 1, 1);
+        let mid = Mid::new(&p, block_in, cfg);
+        let mut up: Vec<Option<UpLevel>> = vec![None; levels];
+        for i in (0..levels).rev() {
+            let block_out = cfg.ch * cfg.ch_mult[i];
+            let mut blocks = Vec::with_capacity(cfg.num_res_blocks + 1);
+            for j in 0..=cfg.num_res_blocks {
+                blocks.push(ResnetBlock::new(&format!("{p}.up.{i}.block.{j}"), block_in, block_out, g, e));
+                block_in = block_out;
+            }
+            let upsample = (i != 0).then(|| Upsample::new(&format!("{p}.up.{i}.upsample"), block_in));
+            up[i] = Some(UpLevel { blocks, upsample });
+        }
+        Self {
+            conv_in,
+            mid,
+            up: up.into_iter().map(|l| l.expect("every level is built")).collect(),
+            norm_out: GroupNorm { name: format!("{p}.norm_out"), channels: block_in, groups: g, eps: e },
+            conv_out: Conv2d::new(format!("{p}.conv_out"), block_in, cfg.out_ch, 3, 1, 1),
+        }
+    }
+
+    /// Parameters.
+    pub fn specs(&self, out: &mut Vec<TensorSpec>) {
+        self.conv_in.specs(out);
+        self.mid.specs(out);
+        for l in self.up.iter().rev() {
+            for b in &l.blocks {
+                b.specs(out);
+            }
+            if let Some(u) = &l.upsample {
+                u.conv.specs(out);
+            }
+        }
+        self.norm_out.specs(out);
+        self.conv_out.specs(out);
+    }
+
+    /// `z` is `[w, h, z, N]`; returns `[8w, 8h, 3, N]`, recording block outputs in `cuts`.
+    pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+        let mut h = self.conv_in.forward(f, z)?;
+        cuts.push(("vae.decoder.prelude".into(), h));
+        h = self.mid.forward(f, h)?;
+        cuts.push(("vae.decoder.mid".into(), h));
+        for (i, level) in self.up.iter().enumerate().rev() {
+            for (j, b) in level.blocks.iter().enumerate() {
+                h = b.forward(f, h)?;
+                cuts.push((format!("vae.decoder.up.{i}.block.{j}"), h));
+            }
+            if let Some(u) = &level.upsample {
+                h = u.forward(f, h)?;
+                cuts.push((format!("vae.decoder.up.{i}.upsample"), h));
+            }
+        }
+        let h = self.norm_out.forward(f, h)?;
+        let h = f.ctx.silu(h);
+        self.conv_out.forward(f, h)
+    }
+}
+
+/// The diagonal Gaussian the encoder describes (`DiagonalGaussianDistribution`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LatentDistribution {
+    /// Mean, planar `[z, h, w]`.
+    pub mean: Vec<f32>,
+    /// Log-variance, same layout.
+    pub logvar: Vec<f32>,
+    /// Latent `[w, h]`.
+    pub dims: (usize, usize),
+    /// Latent channels.
+    pub channels: usize,
+}
+
+impl LatentDistribution {
+    /// Splits encoder moments (planar `[2z, h, w]`) into mean (first half of the
+    /// channels) and log-variance (second half).
+    pub fn from_moments(moments: &[f32], dims: (usize, usize), channels2: usize) -> Result<Self> {
+        let plane = dims.0 * dims.1;
+        if channels2 % 2 != 0 || moments.len() != plane * channels2 {
+            return Err(VaeError::input(
+                MODULE,
+                format!("moments have {} values, expected an even channel count times {}x{}", moments.len(), dims.1, dims.0),
+            ));
+        }
+        let half = plane * channels2 / 2;
+        Ok(Self { mean: moments[..half].to_vec(), logvar: moments[half..].to_vec(), dims, channels: channels2 / 2 })
+    }
+
+    /// A sample `mean + exp(0.5 * clamp(logvar, -30, 20)) * noise` with the caller's
+    /// standard-normal `noise` (one value per latent element, drawn from the generation's
+    /// RNG as stable-diffusion.cpp draws it with `randn_like(mean)`).
+    pub fn sample(&self, noise: &[f32]) -> Result<Vec<f32>> {
+        if noise.len() != self.mean.len() {
+            return Err(VaeError::input(MODULE, format!("noise has {} values, the latent {}", noise.len(), self.mean.len())));
+        }
+        Ok(self
+            .mean
+            .iter()
+            .zip(&self.logvar)
+            .zip(noise)
+            .map(|((&m, &lv), &n)| {
+                let std = (0.5f32 * lv.clamp(-30.0, 20.0)).exp();
+                m + std * n
+            })
+            .collect())
+    }
+
+    /// The mean (what pix2pix-style models use instead of a sample).
+    pub fn mode(&self) -> &[f32] {
+        &self.mean
+    }
+}
+
+/// The SD 1.x/2.x autoencoder with its weights.
+pub struct AutoencoderKl {
+    cfg: VaeConfig,
+    decoder: Decoder,
+    post_quant_conv: Conv2d,
+    encoder: Option<(Encoder, Conv2d)>,
+    weights: Weights,
+    opts: GraphOptions,
+}
+
+impl std::fmt::Debug for AutoencoderKl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AutoencoderKl").field("cfg", &self.cfg).field("encoder", &self.encoder.is_some()).field("opts", &self.opts).finish()
+    }
+}
+
+impl AutoencoderKl {
+    /// Declares the parameters of `parts`, allocates them on `buft` and fills them from `source`.
+    pub fn load(cfg: VaeConfig, parts: VaeParts, source: &dyn TensorSource, buft: BufferType) -> Result<Self> {
+        cfg.check()?;
+        let w = |e| VaeError::Weights { module: MODULE, source: e };
+        let mut weights = Weights::new(vae_specs(&cfg, parts)).map_err(w)?;
+        weights.allocate(buft).map_err(w)?;
+        weights.load_from(source).map_err(w)?;
+        Self::from_weights(cfg, weights)
+    }
+
+    /// Wraps weights declared with [`vae_specs`] and already filled (the encoder is
+    /// available when the set holds its tensors).
+    pub fn from_weights(cfg: VaeConfig, weights: Weights) -> Result<Self> {
+        cfg.check()?;
+        let has_encoder = weights.contains(&format!("{PREFIX}.encoder.conv_in.weight"));
+        let parts = if has_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
+        for s in vae_specs(&cfg, parts) {
+            if !weights.contains(&s.name) {
+                return Err(VaeError::Weights { module: MODULE, source: sd_sched::SchedError::MissingTensor(s.name) });
+            }
+        }
+        Ok(Self {
+            decoder: Decoder::new(&cfg),
+            post_quant_conv: post_quant_conv(&cfg),
+            encoder: has_encoder.then(|| (Encoder::new(&cfg), quant_conv(&cfg))),
+            cfg,
+            weights,
+            opts: GraphOptions::default(),
+        })
+    }
+
+    /// Sets the graph switches (direct convolution, flash attention).
+    pub fn with_options(mut self, opts: GraphOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &VaeConfig {
+        &self.cfg
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// Whether the encoder was loaded.
+    pub fn has_encoder(&self) -> bool {
+        self.encoder.is_some()
+    }
+
+    /// Builds the decode graph on `z` (`[w, h, z, 1]`, VAE latents): `post_quant_conv`
+    /// then the decoder. Returns `[8w, 8h, 3, 1]`.
+    pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+        let z = self.post_quant_conv.forward(f, z)?;
+        self.decoder.forward(f, z, cuts)
+    }
+
+    /// Builds the encode graph on `x` (`[W, H, 3, 1]` in [-1, 1]): the encoder then
+    /// `quant_conv`. Returns the moments `[W/8, H/8, 2z, 1]`.
+    pub fn build_encode<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+        let (enc, quant) = self.encoder.as_ref().ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (VaeParts::DecoderOnly)"))?;
+        let h = enc.forward(f, x, cuts)?;
+        quant.forward(f, h)
+    }
+
+    /// Decodes one VAE latent (planar `[channels, h, w]`, already divided by the scale
+    /// factor) to an image, planar `[3, 8h, 8w]` in [-1, 1] before clamping. One graph,
+    /// no tiling (see [`crate::decode_tiled`] for the main decode path).
+    pub fn decode(&self, runner: &mut Runner, latent: &[f32], dims: (usize, usize), channels: usize) -> Result<Vec<f32>> {
+        self.decode_graph(runner, latent, [dims.0, dims.1], channels, None).map(|(v, _)| v)
+    }
+
+    /// Encodes an image (planar `[3, H, W]` in [-1, 1], `H` and `W` multiples of 8) to the
+    /// moments of the latent distribution. One graph, no tiling (see [`crate::encode_tiled`]).
+    pub fn encode(&self, runner: &mut Runner, image: &[f32], dims: (usize, usize)) -> Result<LatentDistribution> {
+        let (m, c) = self.encode_graph(runner, image, [dims.0, dims.1], self.cfg.in_channels, None)?;
+        let s = self.cfg.downscale();
+        LatentDistribution::from_moments(&m, (dims.0 / s, dims.1 / s), c)
+    }
+
+    /// Runs one named block (`decoder.mid.block_1`, `decoder.mid.attn_1`,
+    /// `decoder.up.2.upsample`, `encoder.down.0.downsample`, `decoder.conv_in`,
+    /// `decoder.norm_out`, `post_quant_conv`, ...; names without the
+    /// `first_stage_model.` prefix) on a planar `[c, h, w]` input. Returns the output
+    /// and its `[w, h, c]`. For comparisons against the reference, block by block.
+    pub fn run_block(&self, runner: &mut Runner, name: &str, input: &[f32], dims: [usize; 3]) -> Result<(Vec<f32>, [usize; 3])> {
+        let full = format!("{PREFIX}.{name}");
+        let block = self.find_block(&full).ok_or_else(|| VaeError::input(MODULE, format!("no block named `{name}`")))?;
+        run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| match block {
+            Block::Conv(c) => c.forward(f, x),
+            Block::Norm(n) => n.forward(f, x),
+            Block::Resnet(r) => r.forward(f, x),
+            Block::Attn(a) => a.forward(f, x),
+            Block::Up(u) => u.forward(f, x),
+            Block::Down(d) => d.forward(f, x),
+        })
+    }
+
+    fn find_block(&self, full: &str) -> Option<Block<'_>> {
+        let convs = [&self.decoder.conv_in, &self.decoder.conv_out, &self.post_quant_conv];
+        let mut found = convs.into_iter().find(|c| c.name == full).map(Block::Conv);
+        let mids = std::iter::once(&self.decoder.mid).chain(self.encoder.as_ref().map(|(e, _)| &e.mid));
+        let mut resnets: Vec<&ResnetBlock> = self.decoder.up.iter().flat_map(|l| &l.blocks).collect();
+        let mut norms = vec![&self.decoder.norm_out];
+        let ups: Vec<&Upsample> = self.decoder.up.iter().filter_map(|l| l.upsample.as_ref()).collect();
+        let mut downs: Vec<&Downsample> = Vec::new();
+        let mut attns = Vec::new();
+        for m in mids {
+            resnets.extend([&m.block_1, &m.block_2]);
+            attns.push(&m.attn_1);
+        }
+        if let Some((e, q)) = &self.encoder {
+            for c in [&e.conv_in, &e.conv_out, q] {
+                if c.name == full {
+                    found = Some(Block::Conv(c));
+                }
+            }
+            resnets.extend(e.down.iter().flat_map(|l| &l.blocks));
+            downs.extend(e.down.iter().filter_map(|l| l.downsample.as_ref()));
+            norms.push(&e.norm_out);
+        }
+        found
+            .or_else(|| resnets.into_iter().find(|r| r.name == full).map(Block::Resnet))
+            .or_else(|| attns.into_iter().find(|a| a.name == full).map(Block::Attn))
+            .or_else(|| norms.into_iter().find(|n| n.name == full).map(Block::Norm))
+            .or_else(|| ups.into_iter().find(|u| u.conv.name.strip_suffix(".conv") == Some(full)).map(Block::Up))
+            .or_else(|| downs.into_iter().find(|d| d.conv.name.strip_suffix(".conv") == Some(full)).map(Block::Down))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Block<'a> {
+    Conv(&'a Conv2d),
+    Norm(&'a GroupNorm),
+    Resnet(&'a ResnetBlock),
+    Attn(&'a AttnBlock),
+    Up(&'a Upsample),
+    Down(&'a Downsample),
+}
+
+impl FirstStage for AutoencoderKl {
+    fn module(&self) -> &'static str {
+        MODULE
+    }
+
+    fn scale_factor(&self) -> usize {
+        self.cfg.downscale()
+    }
+
+    fn latent_channels(&self) -> usize {
+        self.cfg.z_channels
+    }
+
+    fn image_channels(&self) -> usize {
+        self.cfg.out_ch
+    }
+
+    fn image_range(&self) -> ImageRange {
+        ImageRange::MinusOneToOne
+    }
+
+    fn diffusion_to_vae(&self, latents: &mut [f32]) {
+        self.cfg.diffusion_to_vae(latents)
+    }
+
+    fn decode_graph(&self, runner: &mut Runner, latent: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)> {
+        if channels != self.cfg.z_channels {
+            return Err(VaeError::input(MODULE, format!("the latent has {channels} channels, this VAE takes {}", self.cfg.z_channels)));
+        }
+        let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, latent, [dims[0], dims[1], channels], max_compute_bytes, |f, z| {
+            let mut cuts = Vec::new();
+            self.build_decode(f, z, &mut cuts)
+        })?;
+        Ok((out, ne[2]))
+    }
+
+    fn encode_graph(&self, runner: &mut Runner, image: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)> {
+        let s = self.cfg.downscale();
+        if channels != self.cfg.in_channels || dims[0] % s != 0 || dims[1] % s != 0 {
+            return Err(VaeError::input(
+                MODULE,
+                format!("cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of {s}", dims[0], dims[1], self.cfg.in_channels),
+            ));
+        }
+        let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, image, [dims[0], dims[1], channels], max_compute_bytes, |f, x| {
+            let mut cuts = Vec::new();
+            self.build_encode(f, x, &mut cuts)
+        })?;
+        Ok((out, ne[2]))
+    }
+}

@@ -1,0 +1,217 @@
+//! Graph execution: one graph per call, the main decode path with tiling and the allocation retry.
+//!
+//! A model ([`FirstStage`]) knows how to build and run one decode or encode graph on
+//! a planar buffer. [`decode_tiled`] and [`encode_tiled`] put the tiling rules of
+//! `performance.md` on top:
+//! * with `--vae-tiling`, both directions split the input into the grid of
+//!   [`crate::tiling`] and blend the tiles as stable-diffusion.cpp blends them;
+//! * the decode path retries an allocation failure with smaller tiles, even without
+//!   `--vae-tiling`: the first retry uses at most 256-pixel tiles, later ones halve the
+//!   effective tile down to the minimum, and each must shrink it; a failure while
+//!   computing is returned at once; encoding is never retried.
+//!
+//! An allocation failure is either the runner failing to allocate the compute buffer,
+//! or the measured buffer exceeding the caller's `max_compute_bytes` (checked before
+//! allocating), so the retry can be exercised on any machine.
+
+use sd_backends::{alloc::measure, Context, Tensor};
+use sd_sched::{Runner, SchedError, Weights};
+
+use crate::error::{Result, VaeError};
+use crate::nn::{Fwd, GraphOptions};
+use crate::tiling::{retry_tile_size, run_tiled, tile_grid, Direction, TilingParams};
+
+/// Nodes of one autoencoder graph (stable-diffusion.cpp's `VAE_GRAPH_SIZE`).
+pub const GRAPH_SIZE: usize = 20480;
+
+/// The value range of the images a model takes and produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageRange {
+    /// `[-1, 1]` (AutoencoderKL): an image in `[0, 1]` enters as `x * 2 - 1`; the output
+    /// becomes displayable as `clamp((y + 1) * 0.5, 0, 1)`.
+    MinusOneToOne,
+    /// `[0, 1]` (TAESD): images enter and leave as they are (clamp the output).
+    ZeroToOne,
+}
+
+/// An autoencoder that can run one decode or encode graph.
+pub trait FirstStage {
+    /// `vae` or `taesd`, for logs and errors.
+    fn module(&self) -> &'static str;
+    /// Image pixels per latent pixel (8).
+    fn scale_factor(&self) -> usize;
+    /// Channels of a latent.
+    fn latent_channels(&self) -> usize;
+    /// Channels of an image.
+    fn image_channels(&self) -> usize;
+    /// The range of the images.
+    fn image_range(&self) -> ImageRange;
+    /// Diffusion-space latents to what the decoder takes, in place (AutoencoderKL divides
+    /// by its scale factor; TAESD takes them unchanged).
+    fn diffusion_to_vae(&self, latents: &mut [f32]);
+    /// One decode graph on a planar `[channels, h, w]` latent. Returns the planar image
+    /// and its channel count.
+    fn decode_graph(&self, runner: &mut Runner, latent: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)>;
+    /// One encode graph on a planar `[channels, H, W]` image. Returns the planar output
+    /// (moments for AutoencoderKL, the latent for TAESD) and its channel count.
+    fn encode_graph(&self, runner: &mut Runner, image: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)>;
+}
+
+/// Builds a graph on an input of `dims` (`[w, h, c]`, batch 1) with `build`, checks the
+/// compute buffer against `max_compute_bytes`, allocates, runs it and reads the output
+/// (planar data and `[w, h, c]`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_graph<F>(
+    runner: &mut Runner,
+    module: &'static str,
+    weights: &Weights,
+    opts: GraphOptions,
+    input: &[f32],
+    dims: [usize; 3],
+    max_compute_bytes: Option<usize>,
+    build: F,
+) -> Result<(Vec<f32>, [usize; 3])>
+where
+    F: for<'w, 'g> FnOnce(&Fwd<'w, 'g>, Tensor<'g>) -> Result<Tensor<'g>>,
+{
+    let [w, h, c] = dims;
+    if w == 0 || h == 0 || c == 0 || input.len() != w * h * c {
+        return Err(VaeError::input(module, format!("input has {} values, expected {c}x{h}x{w} (non-empty)", input.len())));
+    }
+    let backend_err = |e| VaeError::Backend { module, source: e };
+    let ctx = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE).map_err(backend_err)?;
+    let x = ctx.new_f32(&[w as i64, h as i64, c as i64, 1]).set_name("vae.input").set_input();
+    let device = runner.backend().device();
+    let fwd = Fwd { ctx: &ctx, weights, opts, device, module };
+    let out = build(&fwd, x)?.set_output();
+    let graph = ctx.new_graph(GRAPH_SIZE);
+    graph.expand(out);
+    if let Some(cap) = max_compute_bytes {
+        let need = measure(device.buffer_type(), &graph);
+        if need > cap {
+            return Err(VaeError::Alloc { device: device.name(), module, bytes: need, cap: Some(cap) });
+        }
+    }
+    runner.alloc(&graph).map_err(|e| match e {
+        SchedError::Alloc { device, bytes, .. } => VaeError::Alloc { device, module, bytes, cap: None },
+        other => VaeError::Compute { module, source: other },
+    })?;
+    x.set_f32(input).map_err(backend_err)?;
+    runner.compute(&graph).map_err(|e| VaeError::Compute { module, source: e })?;
+    let [ow, oh, oc, on] = out.shape();
+    if on != 1 {
+        return Err(VaeError::input(module, format!("the graph produced a batch of {on}")));
+    }
+    let data = out.get_f32().map_err(backend_err)?;
+    Ok((data, [ow as usize, oh as usize, oc as usize]))
+}
+
+/// The main decode path: decodes a VAE latent (planar `[channels, h, w]`, already passed
+/// through [`FirstStage::diffusion_to_vae`]) to a planar `[3, 8h, 8w]` image in the
+/// model's [`ImageRange`]. Tiles when `tiling.enabled`; retries an allocation failure
+/// with smaller tiles whether or not tiling is enabled. `tiling` is not modified.
+pub fn decode_tiled(
+    model: &dyn FirstStage,
+    runner: &mut Runner,
+    latent: &[f32],
+    dims: (usize, usize),
+    channels: usize,
+    tiling: &TilingParams,
+    max_compute_bytes: Option<usize>,
+) -> Result<Vec<f32>> {
+    let small = [dims.0, dims.1];
+    let scale = model.scale_factor();
+    let overlap = tiling.overlap();
+    // None: one graph over the whole latent.
+    let mut tile: Option<[usize; 2]> = if tiling.enabled { Some(tiling.tile_size_latent(small, scale)?) } else { None };
+    let mut first_retry = true;
+    loop {
+        let attempt = match tile {
+            None => model.decode_graph(runner, latent, small, channels, max_compute_bytes).map(|(v, _)| v),
+            Some(t) => decode_grid(model, runner, latent, small, channels, t, overlap, max_compute_bytes),
+        };
+        match attempt {
+            Err(e) if e.is_alloc() => {
+                let effective = tile.map_or(small, |t| tile_grid(small, t, overlap).tile);
+                match retry_tile_size(effective, small, scale, first_retry) {
+                    Some(next) => {
+                        tracing::warn!(
+                            "{}: {e}; retrying the decode with {}x{} pixel tiles",
+                            model.module(),
+                            next[0] * scale,
+                            next[1] * scale
+                        );
+                        tile = Some(next);
+                        first_retry = false;
+                    }
+                    None => return Err(e),
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_grid(
+    model: &dyn FirstStage,
+    runner: &mut Runner,
+    latent: &[f32],
+    small: [usize; 2],
+    channels: usize,
+    tile: [usize; 2],
+    overlap: f32,
+    max_compute_bytes: Option<usize>,
+) -> Result<Vec<f32>> {
+    let grid = tile_grid(small, tile, overlap);
+    if grid.is_single() {
+        return model.decode_graph(runner, latent, small, channels, max_compute_bytes).map(|(v, _)| v);
+    }
+    tracing::debug!(
+        tiles = grid.tiles.len(),
+        tile_w = grid.tile[0],
+        tile_h = grid.tile[1],
+        overlap_x = grid.overlap_factor[0],
+        overlap_y = grid.overlap_factor[1],
+        "{} decode tiling",
+        model.module()
+    );
+    let scale = model.scale_factor();
+    run_tiled(&grid, latent, channels, scale, Direction::Decode, |piece, d| {
+        model.decode_graph(runner, piece, d, channels, max_compute_bytes)
+    })
+}
+
+/// Encodes a planar `[channels, H, W]` image (in the model's [`ImageRange`]); tiles when
+/// `tiling.enabled`, with the same tile sizes as decoding. Never retried. Returns the
+/// planar output (AutoencoderKL: the moments, see [`crate::LatentDistribution`]; TAESD: the
+/// latent) and its channel count.
+pub fn encode_tiled(
+    model: &dyn FirstStage,
+    runner: &mut Runner,
+    image: &[f32],
+    dims: (usize, usize),
+    channels: usize,
+    tiling: &TilingParams,
+    max_compute_bytes: Option<usize>,
+) -> Result<(Vec<f32>, usize)> {
+    let scale = model.scale_factor();
+    if !tiling.enabled {
+        return model.encode_graph(runner, image, [dims.0, dims.1], channels, max_compute_bytes);
+    }
+    if dims.0 % scale != 0 || dims.1 % scale != 0 {
+        return Err(VaeError::input(model.module(), format!("cannot tile-encode a {}x{} image: sides must be multiples of {scale}", dims.0, dims.1)));
+    }
+    let small = [dims.0 / scale, dims.1 / scale];
+    let grid = tiling.grid(small, scale)?;
+    if grid.is_single() {
+        return model.encode_graph(runner, image, [dims.0, dims.1], channels, max_compute_bytes);
+    }
+    let mut out_channels = 0;
+    let out = run_tiled(&grid, image, channels, scale, Direction::Encode, |piece, d| {
+        let r = model.encode_graph(runner, piece, d, channels, max_compute_bytes)?;
+        out_channels = r.1;
+        Ok(r)
+    })?;
+    Ok((out, out_channels))
+}

@@ -1,0 +1,373 @@
+//! The autoencoder graphs on the real CPU backend: each block against a plain-Rust f64
+//! version, whole tiny models against composed references, the real SD 1.x/2.x and
+//! TAESD configurations at tiny sizes, and tiled/retried decoding with real graphs.
+//!
+//! Tolerance: convolutions run ggml's im2col path, which rounds activations to f16 and
+//! multiplies by f16 kernels with f32 accumulation. The reference rounds its conv inputs
+//! to f16 the same way and accumulates in f64, so the two differ by f32 accumulation
+//! error plus the rare activation whose f32 and f64 values round to neighbouring f16
+//! numbers (one f16 ulp, 2^-11 relative, diluted by the following sum). We allow
+//! 2e-3 of the output's magnitude (a few f16 ulps); a wrong op (missing bias, wrong
+//! eps, transposed attention, wrong pad side) is off by far more.
+
+mod common;
+
+use common::reference::{silu, Act, Params};
+use common::{cpu_runner, max_diff, uniform, RandomSource};
+use sd_backends::GgmlType;
+use sd_sched::Runner;
+use sd_vae::{
+    decode_tiled, encode_tiled, AutoencoderKl, FirstStage, GraphOptions, LatentDistribution, Taesd, TaesdConfig, TaesdParts, TilingParams,
+    VaeConfig, VaeParts,
+};
+
+const SRC: RandomSource = RandomSource { seed: 42 };
+
+fn tiny() -> VaeConfig {
+    VaeConfig { ch: 32, ch_mult: vec![1, 2], num_res_blocks: 1, ..VaeConfig::sd() }
+}
+
+fn load(cfg: VaeConfig, runner: &Runner) -> AutoencoderKl {
+    AutoencoderKl::load(cfg, VaeParts::Full, &SRC, runner.backend().device().buffer_type()).unwrap()
+}
+
+fn check(name: &str, got: &[f32], want: &Act) {
+    let (d, m) = max_diff(got, &want.data);
+    let tol = 2e-3 * m.max(1.0);
+    assert!(d <= tol, "{name}: max diff {d:e} > {tol:e} (max |ref| {m})");
+    assert!(got.iter().all(|v| v.is_finite()), "{name}: non-finite output");
+}
+
+fn input(c: usize, h: usize, w: usize, seed: u64) -> (Vec<f32>, Act) {
+    let v = uniform(c * h * w, seed).into_iter().map(|x| 2.0 * x).collect::<Vec<_>>();
+    let a = Act::from_f32(w, h, c, &v);
+    (v, a)
+}
+
+#[test]
+fn each_block_matches_the_f64_reference() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(tiny(), &runner);
+    let p = Params { src: &SRC };
+    let pre = "first_stage_model";
+
+    let (x, a) = input(4, 5, 6, 1);
+    let (y, d) = vae.run_block(&mut runner, "decoder.conv_in", &x, [6, 5, 4]).unwrap();
+    assert_eq!(d, [6, 5, 64]);
+    check("conv_in", &y, &p.conv(&format!("{pre}.decoder.conv_in"), &a, 64, 3, 1, 1, true));
+
+    let (x, a) = input(32, 4, 5, 2);
+    let (y, _) = vae.run_block(&mut runner, "decoder.norm_out", &x, [5, 4, 32]).unwrap();
+    check("group norm", &y, &p.group_norm(&format!("{pre}.decoder.norm_out"), &a, 32, 1e-6));
+
+    let (x, a) = input(64, 6, 5, 3);
+    let (y, d) = vae.run_block(&mut runner, "decoder.up.0.block.0", &x, [5, 6, 64]).unwrap();
+    assert_eq!(d, [5, 6, 32]);
+    check("resnet with shortcut", &y, &p.resnet(&format!("{pre}.decoder.up.0.block.0"), &a, 32));
+
+    let (x, a) = input(64, 3, 4, 4);
+    let (y, _) = vae.run_block(&mut runner, "decoder.mid.block_1", &x, [4, 3, 64]).unwrap();
+    check("resnet", &y, &p.resnet(&format!("{pre}.decoder.mid.block_1"), &a, 64));
+
+    let (x, a) = input(64, 4, 3, 5);
+    let (y, _) = vae.run_block(&mut runner, "decoder.mid.attn_1", &x, [3, 4, 64]).unwrap();
+    check("attention", &y, &p.attn(&format!("{pre}.decoder.mid.attn_1"), &a));
+
+    let (x, a) = input(64, 3, 4, 6);
+    let (y, d) = vae.run_block(&mut runner, "decoder.up.1.upsample", &x, [4, 3, 64]).unwrap();
+    assert_eq!(d, [8, 6, 64]);
+    check("upsample", &y, &p.upsample(&format!("{pre}.decoder.up.1.upsample"), &a));
+
+    let (x, a) = input(32, 6, 7, 7);
+    let (y, d) = vae.run_block(&mut runner, "encoder.down.0.downsample", &x, [7, 6, 32]).unwrap();
+    assert_eq!(d, [4, 3, 32]);
+    check("downsample", &y, &p.downsample(&format!("{pre}.encoder.down.0.downsample"), &a));
+
+    let e = vae.run_block(&mut runner, "decoder.nothing", &x, [7, 6, 32]).unwrap_err();
+    assert!(e.to_string().contains("decoder.nothing"), "{e}");
+}
+
+/// The whole tiny decoder against the reference composed block by block: checks the
+/// wiring (order of levels, channel flow, post_quant_conv first, SiLU before conv_out).
+#[test]
+fn tiny_decoder_matches_the_composed_reference() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(tiny(), &runner);
+    let p = Params { src: &SRC };
+    let d = "first_stage_model.decoder";
+    let (z, za) = input(4, 2, 3, 11);
+    let got = vae.decode(&mut runner, &z, (3, 2), 4).unwrap();
+
+    let h = p.conv("first_stage_model.post_quant_conv", &za, 4, 1, 1, 0, true);
+    let h = p.conv(&format!("{d}.conv_in"), &h, 64, 3, 1, 1, true);
+    let h = p.resnet(&format!("{d}.mid.block_1"), &h, 64);
+    let h = p.attn(&format!("{d}.mid.attn_1"), &h);
+    let h = p.resnet(&format!("{d}.mid.block_2"), &h, 64);
+    let h = p.resnet(&format!("{d}.up.1.block.0"), &h, 64);
+    let h = p.resnet(&format!("{d}.up.1.block.1"), &h, 64);
+    let h = p.upsample(&format!("{d}.up.1.upsample"), &h);
+    let h = p.resnet(&format!("{d}.up.0.block.0"), &h, 32);
+    let h = p.resnet(&format!("{d}.up.0.block.1"), &h, 32);
+    let h = Act { data: p.group_norm(&format!("{d}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
+    let want = p.conv(&format!("{d}.conv_out"), &h, 3, 3, 1, 1, true);
+    assert_eq!((want.w, want.h, want.c), (6, 4, 3));
+    check("tiny decoder", &got, &want);
+}
+
+#[test]
+fn tiny_encoder_matches_the_composed_reference() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(tiny(), &runner);
+    let p = Params { src: &SRC };
+    let e = "first_stage_model.encoder";
+    let (x, xa) = input(3, 4, 6, 12);
+    let dist = vae.encode(&mut runner, &x, (6, 4)).unwrap();
+    assert_eq!((dist.dims, dist.channels), ((3, 2), 4));
+
+    let h = p.conv(&format!("{e}.conv_in"), &xa, 32, 3, 1, 1, true);
+    let h = p.resnet(&format!("{e}.down.0.block.0"), &h, 32);
+    let h = p.downsample(&format!("{e}.down.0.downsample"), &h);
+    let h = p.resnet(&format!("{e}.down.1.block.0"), &h, 64);
+    let h = p.resnet(&format!("{e}.mid.block_1"), &h, 64);
+    let h = p.attn(&format!("{e}.mid.attn_1"), &h);
+    let h = p.resnet(&format!("{e}.mid.block_2"), &h, 64);
+    let h = Act { data: p.group_norm(&format!("{e}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
+    let h = p.conv(&format!("{e}.conv_out"), &h, 8, 3, 1, 1, true);
+    let want = p.conv("first_stage_model.quant_conv", &h, 8, 1, 1, 0, true);
+    let got: Vec<f32> = dist.mean.iter().chain(&dist.logvar).copied().collect();
+    check("tiny encoder", &got, &want);
+}
+
+#[test]
+fn sampling_uses_the_callers_noise() {
+    let moments: Vec<f32> = vec![1.0, -2.0, 0.0, 50.0, -100.0, 2.0f32.ln() * 2.0];
+    let d = LatentDistribution::from_moments(&moments, (3, 1), 2).unwrap();
+    assert_eq!(d.mean, vec![1.0, -2.0, 0.0]);
+    let s = d.sample(&[1.0, 1.0, -1.0]).unwrap();
+    // std = exp(0.5 * clamp(logvar, -30, 20)): exp(10), exp(-15), 2.
+    assert_eq!(s[0], 1.0 + 10f32.exp());
+    assert_eq!(s[1], -2.0 + (-15f32).exp());
+    assert!((s[2] - -2.0).abs() < 1e-6);
+    assert!(d.sample(&[0.0; 2]).is_err());
+    assert_eq!(d.sample(&[0.0; 3]).unwrap(), d.mode());
+}
+
+#[test]
+fn scale_factor_is_applied_by_the_caller_both_ways() {
+    let cfg = VaeConfig::sd();
+    let mut v = vec![0.18215f32, -0.3643];
+    cfg.diffusion_to_vae(&mut v);
+    assert_eq!(v, vec![0.18215f32 / 0.18215, -0.3643 / 0.18215]);
+    cfg.vae_to_diffusion(&mut v);
+    assert!((v[0] - 0.18215).abs() < 1e-7 && (v[1] + 0.3643).abs() < 1e-7);
+}
+
+/// The real SD 1.x/2.x configuration (both families share it) builds and runs at a tiny size.
+#[test]
+fn sd_vae_decodes_and_encodes_at_tiny_sizes() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(VaeConfig::sd(), &runner);
+    let (z, _) = input(4, 2, 3, 21);
+    let img = vae.decode(&mut runner, &z, (3, 2), 4).unwrap();
+    assert_eq!(img.len(), 3 * 16 * 24);
+    assert!(img.iter().all(|v| v.is_finite()));
+    let spread = img.iter().cloned().fold(f32::MIN, f32::max) - img.iter().cloned().fold(f32::MAX, f32::min);
+    assert!(spread > 1e-3, "a constant image means a dead graph");
+
+    let dist = vae.encode(&mut runner, &img, (24, 16)).unwrap();
+    assert_eq!((dist.dims, dist.channels, dist.mean.len()), ((3, 2), 4, 24));
+    assert!(dist.mean.iter().chain(&dist.logvar).all(|v| v.is_finite()));
+
+    assert!(vae.decode(&mut runner, &z, (3, 2), 8).is_err(), "wrong channel count");
+    assert!(vae.decode(&mut runner, &z[1..], (3, 2), 4).is_err(), "wrong length");
+    assert!(vae.encode(&mut runner, &img[..3 * 12 * 16], (12, 16)).is_err(), "width not a multiple of 8");
+}
+
+#[test]
+fn decoder_only_weights_have_no_encoder() {
+    let runner = cpu_runner("vae");
+    let vae = AutoencoderKl::load(tiny(), VaeParts::DecoderOnly, &SRC, runner.backend().device().buffer_type()).unwrap();
+    assert!(!vae.has_encoder());
+    let specs = sd_vae::vae_specs(&tiny(), VaeParts::DecoderOnly);
+    assert!(specs.iter().all(|s| !s.name.contains(".encoder.") && !s.name.contains("quant_conv.") || s.name.contains("post_quant")));
+    let mut runner = runner;
+    let e = vae.encode(&mut runner, &vec![0.0; 3 * 8 * 8], (8, 8)).unwrap_err();
+    assert!(e.to_string().contains("encoder"), "{e}");
+}
+
+#[test]
+fn sd_spec_shapes_and_types() {
+    let specs = sd_vae::vae_specs(&VaeConfig::sd(), VaeParts::Full);
+    let find = |n: &str| specs.iter().find(|s| s.name == n).unwrap_or_else(|| panic!("{n}"));
+    let f16 = GgmlType::GGML_TYPE_F16;
+    let f32 = GgmlType::GGML_TYPE_F32;
+    // ggml order, innermost first: [kw, kh, in, out].
+    assert_eq!((find("first_stage_model.decoder.conv_in.weight").ne.clone(), find("first_stage_model.decoder.conv_in.weight").ty), (vec![3, 3, 4, 512], f16));
+    assert_eq!(find("first_stage_model.decoder.mid.attn_1.q.weight").ne, vec![1, 1, 512, 512]);
+    assert_eq!(find("first_stage_model.decoder.up.0.block.0.nin_shortcut.weight").ne, vec![1, 1, 256, 128]);
+    assert_eq!(find("first_stage_model.decoder.up.3.upsample.conv.weight").ne, vec![3, 3, 512, 512]);
+    assert_eq!(find("first_stage_model.encoder.down.1.block.0.nin_shortcut.weight").ne, vec![1, 1, 128, 256]);
+    assert_eq!(find("first_stage_model.encoder.conv_out.weight").ne, vec![3, 3, 512, 8]);
+    assert_eq!(find("first_stage_model.quant_conv.weight").ne, vec![1, 1, 8, 8]);
+    assert_eq!(find("first_stage_model.post_quant_conv.weight").ne, vec![1, 1, 4, 4]);
+    assert_eq!(find("first_stage_model.decoder.norm_out.weight").ty, f32);
+    assert_eq!(find("first_stage_model.decoder.conv_out.bias").ty, f32);
+    assert!(specs.iter().all(|s| !s.name.contains("up.0.upsample") && !s.name.contains("down.3.downsample")));
+    // 248 tensors in the LDM checkpoint's first_stage_model.
+    assert_eq!(specs.len(), 248);
+    // Diffusers-style linear projections keep the file's type.
+    let lin = VaeConfig { attn_linear: Some(f32), ..VaeConfig::sd() };
+    let specs = sd_vae::vae_specs(&lin, VaeParts::DecoderOnly);
+    let q = specs.iter().find(|s| s.name == "first_stage_model.decoder.mid.attn_1.q.weight").unwrap();
+    assert_eq!((q.ne.clone(), q.ty), (vec![512, 512], f32));
+}
+
+#[test]
+fn linear_attention_projections_match_the_conv_form() {
+    // The same weights as a 1x1 convolution (f16) and as a linear layer (f16): the
+    // linear form skips im2col but rounds its input to f16 for the f16 matmul too.
+    let mut runner = cpu_runner("vae");
+    let conv = load(tiny(), &runner);
+    let lin = load(VaeConfig { attn_linear: Some(GgmlType::GGML_TYPE_F16), ..tiny() }, &runner);
+    let (x, a) = input(64, 4, 3, 8);
+    let (y1, _) = conv.run_block(&mut runner, "decoder.mid.attn_1", &x, [3, 4, 64]).unwrap();
+    let (y2, _) = lin.run_block(&mut runner, "decoder.mid.attn_1", &x, [3, 4, 64]).unwrap();
+    check("linear attention", &y2, &Act::from_f32(3, 4, 64, &y1));
+    let _ = a;
+}
+
+#[test]
+fn flash_attention_and_direct_convolution_agree() {
+    let mut runner = cpu_runner("vae");
+    let plain = load(tiny(), &runner);
+    let (z, _) = input(4, 4, 4, 31);
+    let want = plain.decode(&mut runner, &z, (4, 4), 4).unwrap();
+    let want = Act::from_f32(8, 8, 3, &want);
+    for opts in [GraphOptions { flash_attn: true, conv_direct: false }, GraphOptions { flash_attn: false, conv_direct: true }] {
+        let m = load(tiny(), &runner).with_options(opts);
+        let got = m.decode(&mut runner, &z, (4, 4), 4).unwrap();
+        // Flash attention rounds k and v to f16: a few f16 ulps at most.
+        check(&format!("{opts:?}"), &got, &want);
+    }
+}
+
+#[test]
+fn taesd_blocks_and_whole_decoder_match_the_reference() {
+    let mut runner = cpu_runner("taesd");
+    let cfg = TaesdConfig::sd();
+    let tae = Taesd::load(cfg.clone(), TaesdParts::Full, &SRC, runner.backend().device().buffer_type()).unwrap();
+    let p = Params { src: &SRC };
+
+    let (x, a) = input(64, 5, 4, 41);
+    let (y, _) = tae.run_block(&mut runner, "decoder.layers.7", &x, [4, 5, 64]).unwrap();
+    check("tae block", &y, &p.tae_block("tae.decoder.layers.7", &a));
+
+    // Whole decoder: 3 tanh(z / 3), conv, relu, 3 x (3 blocks, up, conv), block, conv.
+    let (z, za) = input(4, 2, 2, 42);
+    let got = tae.decode(&mut runner, &z, (2, 2), 4).unwrap();
+    let l = |i: usize| format!("tae.decoder.layers.{i}");
+    let mut h = Act { data: za.data.iter().map(|v| 3.0 * (v / 3.0).tanh()).collect(), ..za };
+    h = p.conv(&l(0), &h, 64, 3, 1, 1, true);
+    h = Act { data: h.data.iter().map(|v| v.max(0.0)).collect(), ..h };
+    let mut i = 2;
+    for _ in 0..3 {
+        for _ in 0..3 {
+            h = p.tae_block(&l(i), &h);
+            i += 1;
+        }
+        let (w, hh) = (h.w * 2, h.h * 2);
+        let mut up = vec![0.0; w * hh * h.c];
+        for c in 0..h.c {
+            for y in 0..hh {
+                for x in 0..w {
+                    up[(c * hh + y) * w + x] = h.data[(c * h.h + y / 2) * h.w + x / 2];
+                }
+            }
+        }
+        i += 1;
+        h = p.conv(&l(i), &Act::new(w, hh, h.c, up), 64, 3, 1, 1, false);
+        i += 1;
+    }
+    h = p.tae_block(&l(17), &h);
+    let want = p.conv(&l(18), &h, 3, 3, 1, 1, true);
+    assert_eq!((want.w, want.h, want.c), (16, 16, 3));
+    check("taesd decoder", &got, &want);
+
+    let (img, _) = input(3, 16, 24, 43);
+    let lat = tae.encode(&mut runner, &img, (24, 16)).unwrap();
+    assert_eq!(lat.len(), 4 * 2 * 3);
+    assert!(lat.iter().all(|v| v.is_finite()));
+    let (lat2, c) = tae.run_block(&mut runner, "encoder.layers.2", &uniform(64 * 8 * 8, 3), [8, 8, 64]).unwrap();
+    assert_eq!((lat2.len(), c), (64 * 4 * 4, [4, 4, 64]));
+}
+
+#[test]
+fn taesd_spec_names_follow_the_file() {
+    let specs = sd_vae::taesd_specs(&TaesdConfig::sd(), TaesdParts::Full);
+    let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+    for n in [
+        "tae.decoder.layers.0.weight",
+        "tae.decoder.layers.0.bias",
+        "tae.decoder.layers.2.conv.0.weight",
+        "tae.decoder.layers.6.weight",
+        "tae.decoder.layers.18.bias",
+        "tae.encoder.layers.0.weight",
+        "tae.encoder.layers.2.weight",
+        "tae.encoder.layers.13.conv.4.bias",
+        "tae.encoder.layers.14.weight",
+    ] {
+        assert!(names.contains(&n), "{n}");
+    }
+    for n in ["tae.decoder.layers.6.bias", "tae.encoder.layers.2.bias", "tae.decoder.layers.1.weight", "tae.decoder.layers.5.weight"] {
+        assert!(!names.contains(&n), "{n}");
+    }
+    assert_eq!(specs.iter().find(|s| s.name == "tae.decoder.layers.0.weight").unwrap().ne, vec![3, 3, 4, 64]);
+}
+
+/// Tiling with real graphs: an input that fits one tile decodes exactly as without tiling;
+/// several tiles give an image of the right size.
+#[test]
+fn tiled_decode_with_real_graphs() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(tiny(), &runner);
+    let (z, _) = input(4, 6, 6, 51);
+    let plain = vae.decode(&mut runner, &z, (6, 6), 4).unwrap();
+    let on = TilingParams::from_cli(true, None, None, None).unwrap();
+    let single = decode_tiled(&vae, &mut runner, &z, (6, 6), 4, &on, None).unwrap();
+    assert_eq!(plain, single);
+
+    let (z, _) = input(4, 10, 12, 52);
+    let small = TilingParams::from_cli(true, Some("64"), None, None).unwrap();
+    let tiled = decode_tiled(&vae, &mut runner, &z, (12, 10), 4, &small, None).unwrap();
+    assert_eq!(tiled.len(), 3 * 80 * 96);
+    assert!(tiled.iter().all(|v| v.is_finite()));
+    let (enc, c) = encode_tiled(&vae, &mut runner, &tiled, (96, 80), 3, &small, None).unwrap();
+    assert_eq!((enc.len(), c), (8 * 10 * 12, 8));
+}
+
+/// A compute-buffer cap between the needs of the whole graph and of 64-pixel tiles makes
+/// the untiled decode fail allocation and retry; the result is the tiled decode.
+#[test]
+fn memory_cap_triggers_the_retry_with_real_graphs() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(tiny(), &runner);
+    let (z, _) = input(4, 16, 16, 61);
+    let need = |runner: &mut Runner, d: usize| match vae.decode_graph(runner, &z[..4 * d * d], [d, d], 4, Some(0)) {
+        Err(sd_vae::VaeError::Alloc { bytes, cap: Some(0), .. }) => bytes,
+        other => panic!("expected a capped allocation failure, got {other:?}"),
+    };
+    let (whole, tile8) = (need(&mut runner, 16), need(&mut runner, 8));
+    assert!(tile8 < whole);
+    let retried = decode_tiled(&vae, &mut runner, &z, (16, 16), 4, &TilingParams::default(), Some(tile8)).unwrap();
+    // 16 latent pixels: the first retry (at most 256 pixels = 32 latent) would not shrink, so it halves to 8.
+    let tiled = TilingParams::from_cli(true, Some("64"), None, None).unwrap();
+    let want = decode_tiled(&vae, &mut runner, &z, (16, 16), 4, &tiled, None).unwrap();
+    assert_eq!(retried, want);
+    // Below every tile's need, the decode fails with the allocation error.
+    let e = decode_tiled(&vae, &mut runner, &z, (16, 16), 4, &TilingParams::default(), Some(1024)).unwrap_err();
+    assert!(e.is_alloc(), "{e}");
+    // Encoding is not retried.
+    let img = vec![0.1f32; 3 * 128 * 128];
+    let e = encode_tiled(&vae, &mut runner, &img, (128, 128), 3, &TilingParams::default(), Some(1024)).unwrap_err();
+    assert!(e.is_alloc(), "{e}");
+}

@@ -1,0 +1,152 @@
+//! `cargo xtask plugins`: build vendor backend plugins from the pinned ggml and install them.
+//!
+//! ```text
+//! cargo xtask plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]
+//! ```
+//!
+//! Each `plugins/<name>/plugin.toml` lists CMake options and module targets.
+//! The default plugins (cpu, rpc) are built by `ggml-sys`'s build script into
+//! `target/ggml/build`; other backends get their own build directory
+//! (`target/ggml/build-<name>`), so enabling one never reconfigures the default
+//! build. A backend whose toolkit is missing fails with one message naming it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+#[derive(serde::Deserialize)]
+struct Manifest {
+    name: String,
+    #[serde(default)]
+    default: bool,
+    #[serde(default)]
+    cmake: Vec<String>,
+    #[serde(default)]
+    targets: Vec<String>,
+    #[serde(default)]
+    all_targets: Vec<String>,
+    #[serde(default)]
+    requires_programs: Vec<String>,
+    requires_os: Option<String>,
+    toolkit: Option<String>,
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn which(p: &str) -> bool {
+    std::env::var_os("PATH").map(|ps| std::env::split_paths(&ps).any(|d| d.join(p).is_file())).unwrap_or(false)
+}
+
+fn manifests() -> Result<Vec<Manifest>> {
+    let dir = workspace().join("plugins");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&dir).with_context(|| dir.display().to_string())? {
+        let p = e?.path().join("plugin.toml");
+        if p.exists() {
+            out.push(toml::from_str(&std::fs::read_to_string(&p)?).with_context(|| p.display().to_string())?);
+        }
+    }
+    out.sort_by(|a: &Manifest, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+fn run_cmd(cmd: &mut Command) -> Result<()> {
+    let st = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !st.success() {
+        bail!("{cmd:?} failed with {st}");
+    }
+    Ok(())
+}
+
+/// Entry point.
+pub fn run(args: &[String]) -> Result<()> {
+    let mut backends: Vec<String> = vec!["cpu".into(), "rpc".into()];
+    let mut all_variants = false;
+    let mut out: Option<PathBuf> = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--backend" => {
+                backends = it.next().context("--backend needs a list")?.split(',').map(|s| s.trim().to_ascii_lowercase()).collect()
+            }
+            "--cpu-variants" => {
+                all_variants = match it.next().map(String::as_str) {
+                    Some("all") => true,
+                    Some("default") => false,
+                    other => bail!("--cpu-variants takes `default` or `all`, not {other:?}"),
+                }
+            }
+            "--out" => out = Some(PathBuf::from(it.next().context("--out needs a directory")?)),
+            other => bail!("unknown argument `{other}`\nusage: cargo xtask plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]"),
+        }
+    }
+    let all = manifests()?;
+    for b in &backends {
+        if !all.iter().any(|m| &m.name == b) {
+            bail!("unknown backend `{b}`; plugins/ has: {}", all.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "));
+        }
+    }
+    // Check toolkits before building anything.
+    for m in all.iter().filter(|m| backends.contains(&m.name)) {
+        let missing_os = m.requires_os.as_deref().is_some_and(|os| os != std::env::consts::OS);
+        let missing: Vec<&String> = m.requires_programs.iter().filter(|p| !which(p)).collect();
+        if missing_os || !missing.is_empty() {
+            bail!(
+                "cannot build the {} plugin{}: it needs {}",
+                m.name,
+                if missing.is_empty() {
+                    format!(" on {}", std::env::consts::OS)
+                } else {
+                    format!(" (not found on PATH: {})", missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "))
+                },
+                m.toolkit.as_deref().unwrap_or("its toolkit"),
+            );
+        }
+    }
+    // The default build (ggml-base, cpu, rpc) comes from ggml-sys's build script.
+    let t = std::time::Instant::now();
+    run_cmd(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(["build", "--release", "-p", "ggml-sys"]).current_dir(workspace()))?;
+    let root = workspace().join("target/ggml");
+    let info: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root.join("build-info.json"))?)?;
+    let src = PathBuf::from(info["source_dir"].as_str().context("build-info.json: source_dir")?);
+    let default_plugins = root.join("plugins");
+    let dest = out.unwrap_or_else(|| default_plugins.clone());
+    std::fs::create_dir_all(&dest)?;
+    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).to_string();
+    let mut installed = Vec::new();
+    for m in all.iter().filter(|m| backends.contains(&m.name)) {
+        let (build, targets) = if m.default {
+            let targets = if m.name == "cpu" && all_variants { m.all_targets.clone() } else { m.targets.clone() };
+            (root.join("build"), targets)
+        } else {
+            let build = root.join(format!("build-{}", m.name));
+            let mut cfg = Command::new("cmake");
+            cfg.arg("-S").arg(workspace().join("crates/ggml-sys/cmake")).arg("-B").arg(&build);
+            cfg.arg(format!("-DGGML_SOURCE_DIR={}", src.display()));
+            cfg.args(["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"]);
+            cfg.args(&m.cmake);
+            run_cmd(&mut cfg)?;
+            (build, m.targets.clone())
+        };
+        let mut b = Command::new("cmake");
+        b.arg("--build").arg(&build).args(["--parallel", &jobs, "--target"]).args(&targets);
+        run_cmd(&mut b)?;
+        for t in &targets {
+            let name = format!("lib{t}.so");
+            let from = build.join("bin").join(&name);
+            let to = dest.join(&name);
+            let tmp = dest.join(format!("{name}.tmp"));
+            std::fs::copy(&from, &tmp).with_context(|| from.display().to_string())?;
+            std::fs::rename(&tmp, &to)?;
+            installed.push(to);
+        }
+    }
+    println!("built in {:.0} s; installed into {}:", t.elapsed().as_secs_f64(), dest.display());
+    for p in installed {
+        println!("  {}", p.file_name().unwrap().to_string_lossy());
+    }
+    Ok(())
+}

@@ -4,7 +4,14 @@
 //! `diffusion-rs-sys` (pinned in Cargo.toml, never compiled as a crate). It is
 //! found through `SDREF_SDCPP_DIR` when set (xtask sets it), else through
 //! `cargo metadata`. CMake runs with sd.cpp's default CPU settings (Release,
-//! GGML_NATIVE=ON, OpenMP); see driver/CMakeLists.txt.
+//! GGML_NATIVE=ON, OpenMP) and no compiler flags of cargo's; see
+//! driver/CMakeLists.txt.
+//!
+//! The CMake tree lives in `<target-dir>/sdref-cmake` (or `SDREF_CMAKE_DIR`),
+//! not in OUT_DIR: every variant of this build script (release, debug, test,
+//! clippy) gets its own OUT_DIR, and each would otherwise recompile sd.cpp,
+//! which takes many minutes on two cores. Cargo's lock on the target dir keeps
+//! two builds from using the tree at once.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -14,6 +21,7 @@ const SYS_PACKAGE: &str = "diffusion-rs-sys";
 
 fn main() {
     println!("cargo:rerun-if-env-changed=SDREF_SDCPP_DIR");
+    println!("cargo:rerun-if-env-changed=SDREF_CMAKE_DIR");
     println!("cargo:rerun-if-changed=driver");
     println!("cargo:rerun-if-changed=build.rs");
 
@@ -26,7 +34,9 @@ fn main() {
     };
 
     let dst = cmake::Config::new("driver")
+        .out_dir(cmake_dir())
         .profile("Release")
+        .no_default_flags(true)
         .define("SDCPP_DIR", &sdcpp)
         .build();
     let lib_dir = dst.join("lib");
@@ -40,6 +50,18 @@ fn main() {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
     println!("cargo:rustc-env=SDREF_SDCPP_DIR={}", sdcpp.display());
+}
+
+fn cmake_dir() -> PathBuf {
+    if let Some(dir) = env::var_os("SDREF_CMAKE_DIR") {
+        return PathBuf::from(dir);
+    }
+    // OUT_DIR is <target-dir>[/<triple>]/<profile>/build/<pkg>-<hash>/out.
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR for build scripts"));
+    match out.ancestors().nth(4) {
+        Some(target_dir) => target_dir.join("sdref-cmake"),
+        None => out,
+    }
 }
 
 fn locate_sdcpp() -> Result<PathBuf, String> {

@@ -46,7 +46,7 @@ pub fn list(args: &DeviceArgs, json: bool) -> Result<ExitCode> {
     let reg = open(args)?;
     let infos: Vec<DeviceInfo> = reg.device_infos();
     if json {
-        println!("{}", serde_json::to_string_pretty(&infos)?);
+        crate::out!("{}", serde_json::to_string_pretty(&infos)?);
         return Ok(ExitCode::SUCCESS);
     }
     let rows: Vec<[String; 5]> = infos
@@ -71,9 +71,9 @@ pub fn list(args: &DeviceArgs, json: bool) -> Result<ExitCode> {
     let line = |r: &[String; 5]| {
         format!("{:<w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}", r[0], r[1], r[2], r[3], r[4], w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3])
     };
-    println!("{}", line(&head.map(String::from)));
+    crate::out!("{}", line(&head.map(String::from)));
     for r in &rows {
-        println!("{}", line(r));
+        crate::out!("{}", line(r));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -81,11 +81,11 @@ pub fn list(args: &DeviceArgs, json: bool) -> Result<ExitCode> {
 /// `--version`.
 pub fn print_version(args: &DeviceArgs) -> Result<ExitCode> {
     let (ggml, package) = sd_backends::ggml_version();
-    println!("sd-cli {}", env!("CARGO_PKG_VERSION"));
-    println!("ggml {ggml} (from crates.io package {package}, backend API {})", ggml_sys::GGML_BACKEND_API_VERSION);
-    println!("plugin directories searched, in order:");
+    crate::out!("sd-cli {}", env!("CARGO_PKG_VERSION"));
+    crate::out!("ggml {ggml} (from crates.io package {package}, backend API {})", ggml_sys::GGML_BACKEND_API_VERSION);
+    crate::out!("plugin directories searched, in order:");
     for (dir, origin) in PluginSearch::standard(args.plugin_dir.clone()).directories() {
-        println!("  {} ({origin})", dir.display());
+        crate::out!("  {} ({origin})", dir.display());
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -6,8 +6,18 @@
 //! a subcommand, `--list-devices` lists devices and otherwise an image is
 //! generated.
 
+/// Prints a line to stdout, ignoring a closed pipe (`sd-cli ... | head`).
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 mod devices;
 mod logging;
+mod plan;
 mod rpc_server;
 
 use std::path::PathBuf;
@@ -50,6 +60,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Print a placement plan from the model files' headers (no weights are read).
+    Plan(plan::PlanArgs),
     /// Serve a local device to other machines over ggml's RPC protocol.
     RpcServer(rpc_server::RpcServerArgs),
 }
@@ -68,6 +80,11 @@ fn main() -> ExitCode {
     } else {
         match cli.command {
             Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
+            // Any error of `plan` is bad input (files, flags, profile): exit status 2.
+            Some(Command::Plan(args)) => plan::run(&args, &cli.devices).or_else(|e| {
+                eprintln!("error: {e:#}");
+                Ok(ExitCode::from(2))
+            }),
             None if cli.list_devices => devices::list(&cli.devices, cli.json),
             None => {
                 eprintln!("nothing to do: pass --list-devices, a subcommand, or a model with -m (see --help)");

@@ -7,6 +7,7 @@
 //! - [`text`]: the CLIP BPE tokenizer and prompt weighting.
 //! - [`sampling`]: noise generators (Philox, mt19937), schedulers and samplers.
 
+pub mod describe;
 pub mod diffusion;
 pub mod files;
 pub mod fixture;

@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use sd_models::files::gguf;
+use sd_models_fuzz::files::gguf;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(h) = gguf::parse(data) {

@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use sd_models::files::safetensors;
+use sd_models_fuzz::files::safetensors;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(h) = safetensors::parse(data) {

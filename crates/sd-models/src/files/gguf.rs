@@ -367,7 +367,16 @@ pub fn parse(file: &[u8]) -> Result<GgufHeader, FormatError> {
 
     let header_end = r.pos;
     let data_start = if n_tensors > 0 { header_end.div_ceil(alignment) * alignment } else { header_end };
-    let data_len = r.len().saturating_sub(data_start);
+    if data_start > r.len() {
+        // ggml also refuses a file whose alignment padding runs past its end.
+        return Err(FormatError::Truncated {
+            what: format!("the padding to the {alignment}-byte aligned data section"),
+            start: header_end,
+            end: data_start,
+            file_len: r.len(),
+        });
+    }
+    let data_len = r.len() - data_start;
     for t in &mut tensors {
         if t.offset % alignment != 0 {
             return Err(FormatError::Misaligned { tensor: t.name.clone(), offset: t.offset, alignment });

@@ -32,6 +32,7 @@ pub mod error;
 pub mod gguf;
 pub mod index;
 pub mod names;
+mod raw;
 pub mod safetensors;
 pub mod store;
 
@@ -43,19 +44,6 @@ pub use dtype::DType;
 pub use error::{FilesError, FormatError};
 pub use index::{Component, FileFormat, SourceFile, TensorEntry, TensorIndex};
 pub use names::{FileRole, QkvPart};
+pub use raw::RawTensor;
 pub use safetensors::TensorSpec;
 pub use store::{ModelFiles, ModelSources};
-
-/// One tensor as a header describes it, before name normalization.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RawTensor {
-    /// Name as stored.
-    pub name: String,
-    pub dtype: DType,
-    /// Row-major shape, outermost first (for GGUF: `ne` reversed).
-    pub shape: Vec<u64>,
-    /// Absolute byte offset in the file.
-    pub offset: u64,
-    /// Byte length (exactly shape × dtype).
-    pub len: u64,
-}

@@ -243,6 +243,21 @@ fn gguf_every_truncation_is_an_error() {
     }
 }
 
+/// Found by the fuzzer: a zero-size tensor in a file that ends inside the alignment padding
+/// was accepted with an offset past the end of the file.
+#[test]
+fn gguf_file_ending_inside_the_alignment_padding_is_truncated() {
+    let mut g = G::new(3, 1, 0);
+    g.tensor("empty", &[0], 0, 0);
+    assert_ne!(g.0.len() % 32, 0, "the header must end unaligned for this case");
+    let e = gg_err(&g.0);
+    assert!(matches!(e, FormatError::Truncated { .. }) && e.to_string().contains("padding"), "{e}");
+    // With the padding present, the zero-size tensor sits at the end of the file.
+    let bytes = g.data(32, 0);
+    let h = gguf::parse(&bytes).unwrap();
+    assert_eq!((h.tensors[0].offset, h.tensors[0].len), (bytes.len() as u64, 0));
+}
+
 #[test]
 fn gguf_magic_and_version() {
     let mut b = valid_gguf();

@@ -1,0 +1,194 @@
+//! `sd-cli plan`: print a placement plan from file headers, for this machine or a device profile.
+//!
+//! Exit status: 0 when the plan fits, 1 when it does not, 2 on bad input.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use sd_models::describe::{describe, ExtraFile};
+use sd_models::files::{ModelFiles, ModelSources};
+use sd_placement::{plan, Device, DeviceProfile, DeviceType, Flags, PlanRequest, MIB};
+
+use crate::DeviceArgs;
+
+/// The placement flags, shared by `plan` and generation.
+#[derive(Args, Debug, Clone, Default)]
+pub struct PlacementArgs {
+    /// Runtime backend per module (`cuda0`, `te=cpu,diffusion=cuda0`, `diffusion=cuda0&cuda1`).
+    #[arg(long = "backend", value_name = "SPEC")]
+    pub backend: Option<String>,
+    /// Where parameters live per module (a device, or `disk`).
+    #[arg(long = "params-backend", value_name = "SPEC")]
+    pub params_backend: Option<String>,
+    /// `layer` or `row`, or per module (`diffusion=row,te=layer`).
+    #[arg(long = "split-mode", value_name = "SPEC")]
+    pub split_mode: Option<String>,
+    /// Per-device budget in GiB (`6`, `-1`, `cuda0=6,vulkan0=2`).
+    #[arg(long = "max-vram", value_name = "SPEC", allow_hyphen_values = true)]
+    pub max_vram: Option<String>,
+    /// Automatic placement: `on` (default unless --backend/--params-backend are given) or `off`.
+    #[arg(long = "auto-fit", value_name = "on|off")]
+    pub auto_fit: Option<String>,
+    /// Deprecated: `te=cpu` in front of --backend.
+    #[arg(long = "clip-on-cpu")]
+    pub clip_on_cpu: bool,
+    /// Deprecated: `vae=cpu` in front of --backend.
+    #[arg(long = "vae-on-cpu")]
+    pub vae_on_cpu: bool,
+    /// Deprecated: `controlnet=cpu` in front of --backend.
+    #[arg(long = "control-net-cpu")]
+    pub control_net_cpu: bool,
+    /// Parameters in RAM: `*=cpu` in front of --params-backend.
+    #[arg(long = "offload-to-cpu")]
+    pub offload_to_cpu: bool,
+    /// Skip the pre-load memory check.
+    #[arg(long = "no-memory-check")]
+    pub no_memory_check: bool,
+}
+
+impl PlacementArgs {
+    /// The planner's flags.
+    pub fn flags(&self) -> Flags {
+        Flags {
+            backend: self.backend.clone(),
+            params_backend: self.params_backend.clone(),
+            split_mode: self.split_mode.clone(),
+            max_vram: self.max_vram.clone(),
+            auto_fit: self.auto_fit.clone(),
+            clip_on_cpu: self.clip_on_cpu,
+            vae_on_cpu: self.vae_on_cpu,
+            control_net_cpu: self.control_net_cpu,
+            offload_to_cpu: self.offload_to_cpu,
+            no_memory_check: self.no_memory_check,
+        }
+    }
+}
+
+/// The model file flags, shared by `plan` and generation.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ModelArgs {
+    /// Model: a checkpoint (safetensors, GGUF) or a diffusers folder.
+    #[arg(short = 'm', long = "model", value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// The diffusion model alone.
+    #[arg(long = "diffusion-model", value_name = "PATH")]
+    pub diffusion_model: Option<PathBuf>,
+    /// The VAE alone.
+    #[arg(long = "vae", value_name = "PATH")]
+    pub vae: Option<PathBuf>,
+    /// The CLIP-L text encoder alone.
+    #[arg(long = "clip_l", value_name = "PATH")]
+    pub clip_l: Option<PathBuf>,
+    /// The CLIP-G text encoder (planning only for now).
+    #[arg(long = "clip_g", value_name = "PATH")]
+    pub clip_g: Option<PathBuf>,
+    /// The T5-XXL text encoder (planning only for now).
+    #[arg(long = "t5xxl", value_name = "PATH")]
+    pub t5xxl: Option<PathBuf>,
+    /// An LLM text encoder (planning only for now).
+    #[arg(long = "llm", value_name = "PATH")]
+    pub llm: Option<PathBuf>,
+    /// The tiny autoencoder (TAESD) used instead of the VAE.
+    #[arg(long = "taesd", value_name = "PATH")]
+    pub taesd: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The sources the runtime loads.
+    pub fn sources(&self) -> ModelSources {
+        ModelSources {
+            model: self.model.clone(),
+            diffusion_model: self.diffusion_model.clone(),
+            vae: self.vae.clone(),
+            clip_l: self.clip_l.clone(),
+            taesd: self.taesd.clone(),
+        }
+    }
+
+    /// Files described from headers only.
+    pub fn extra(&self) -> Vec<ExtraFile> {
+        let mut v = Vec::new();
+        for (flag, path, dominant) in
+            [("--clip_g", &self.clip_g, false), ("--t5xxl", &self.t5xxl, true), ("--llm", &self.llm, true)]
+        {
+            if let Some(p) = path {
+                v.push(ExtraFile { flag: flag.into(), path: p.clone(), dominant });
+            }
+        }
+        v
+    }
+}
+
+/// Options of `plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+    /// Plan for the devices of a TOML profile instead of this machine's.
+    #[arg(long = "devices", value_name = "PROFILE.toml")]
+    pub devices: Option<PathBuf>,
+    /// Available RAM in MiB (overrides the machine's or the profile's figure).
+    #[arg(long = "ram-mib", value_name = "N")]
+    pub ram_mib: Option<u64>,
+    /// Print the plan as JSON.
+    #[arg(long = "json")]
+    pub json: bool,
+}
+
+/// MemAvailable from /proc/meminfo, in bytes.
+pub fn ram_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// This machine's devices as the planner sees them.
+pub fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
+    let reg = crate::devices::open(args)?;
+    Ok(reg
+        .device_infos()
+        .into_iter()
+        .filter_map(|i| {
+            let kind = match i.kind {
+                sd_backends::DeviceKind::Cpu => DeviceType::Cpu,
+                sd_backends::DeviceKind::Gpu => DeviceType::Gpu,
+                sd_backends::DeviceKind::Igpu => DeviceType::Igpu,
+                sd_backends::DeviceKind::Accel => DeviceType::Accel,
+                sd_backends::DeviceKind::Meta => return None,
+            };
+            let mem = |v: u64| (v > 0 || i.memory_total > 0).then_some(v);
+            // ggml's registry name for RPC devices is RPC[host:port]; they all share
+            // the RPC registry for split purposes.
+            let registry = i.registry.split('[').next().unwrap_or_default().to_string();
+            Some(Device::new(i.name, kind).with_memory(mem(i.memory_free), mem(i.memory_total)).with_registry(registry))
+        })
+        .collect())
+}
+
+/// Runs `plan`.
+pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
+    let (devices, profile_ram) = match &args.devices {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading device profile {}", p.display()))?;
+            let prof = DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
+            (prof.devices(), prof.ram_available_mib.map(|m| m * MIB))
+        }
+        None => (machine_devices(dev_args)?, ram_available()),
+    };
+    let ram = args.ram_mib.map(|m| m * MIB).or(profile_ram);
+    let sources = args.model.sources();
+    let files = ModelFiles::open(&sources)?;
+    let model = describe(&files, &args.model.extra())?;
+    let request = PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model };
+    let p = plan(&request)?;
+    if args.json {
+        crate::out!("{}", p.to_json());
+    } else {
+        crate::out!("{}", p.render());
+    }
+    Ok(if p.fits { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}

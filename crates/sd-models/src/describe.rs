@@ -1,0 +1,116 @@
+//! The planner's view of a model: tensor sizes per module and block, and file sizes, from headers only.
+//!
+//! `sd-cli plan` and the generation path both describe the model with this
+//! module before anything is loaded. Besides the files the runtime can load
+//! ([`ModelFiles`]), extra text-encoder files (`--clip_g`, `--t5xxl`, `--llm`)
+//! can be described by header so that plans for later model families work
+//! before their runtimes exist. Only headers are read.
+
+use std::path::{Path, PathBuf};
+
+use sd_placement::{Component as PComponent, ModelDescription, Module, SourceFile, Tensor};
+
+use crate::files::{self, Component, FilesError, FormatError, ModelFiles};
+
+/// An extra file described by header only.
+#[derive(Clone, Debug)]
+pub struct ExtraFile {
+    /// The flag it came from, used as its role (`--t5xxl`).
+    pub flag: String,
+    /// Path.
+    pub path: PathBuf,
+    /// Whether it is the dominant text encoder (T5-XXL, an LLM): its layers get block indices.
+    pub dominant: bool,
+}
+
+fn module_of(c: Component) -> Option<Module> {
+    match c {
+        Component::Diffusion => Some(Module::Diffusion),
+        Component::TextEncoder(_) => Some(Module::Te),
+        Component::Vae | Component::Taesd => Some(Module::Vae),
+        Component::Unused | Component::Other => None,
+    }
+}
+
+/// Role names that never show a path (plans are printed and shared).
+fn role_of(role: files::FileRole) -> String {
+    format!("<{} file>", format!("{role:?}").to_lowercase())
+}
+
+/// Describes the opened model plus extra header-only files.
+pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescription, FilesError> {
+    let index = model.index();
+    let mut comps: Vec<PComponent> = Vec::new();
+    let mut push = |module: Module, t: Tensor| match comps.iter_mut().find(|c| c.module == module) {
+        Some(c) => c.tensors.push(t),
+        None => comps.push(PComponent { module, tensors: vec![t] }),
+    };
+    let mut ignored = 0usize;
+    for e in index.entries() {
+        match module_of(files::index::component_of(&e.name)) {
+            Some(m) => push(m, Tensor { name: e.name.clone(), bytes: e.len, block: index.block(e) }),
+            None => ignored += 1,
+        }
+    }
+    if ignored > 0 {
+        tracing::debug!(ignored, "tensors outside every module (unused buffers or unknown) are not planned");
+    }
+    let mut sources: Vec<SourceFile> =
+        index.files().iter().map(|f| SourceFile { role: role_of(f.role), bytes: f.len }).collect();
+    for x in extra {
+        let (len, tensors) = header_tensors(&x.path)?;
+        sources.push(SourceFile { role: format!("<{} file>", x.flag.trim_start_matches('-')), bytes: len });
+        for (name, bytes) in tensors {
+            let block = if x.dominant { layer_index(&name) } else { None };
+            push(Module::Te, Tensor { name, bytes, block });
+        }
+    }
+    Ok(ModelDescription { components: comps, files: sources })
+}
+
+/// Block index of a text-encoder layer tensor by common naming schemes
+/// (T5 `encoder.block.N.`, LLMs `layers.N.` / `blk.N.`).
+fn layer_index(name: &str) -> Option<u32> {
+    for key in ["encoder.block.", "layers.", "blk."] {
+        if let Some(pos) = name.find(key) {
+            return name[pos + key.len()..].split('.').next()?.parse().ok();
+        }
+    }
+    None
+}
+
+/// (file size, [(tensor name, bytes)]) of a safetensors or GGUF file, header only.
+fn header_tensors(path: &Path) -> Result<(u64, Vec<(String, u64)>), FilesError> {
+    let io = |e: std::io::Error| FilesError::Io { path: path.to_owned(), error: e };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len == 0 {
+        return Err(FilesError::Malformed {
+            path: path.to_owned(),
+            problem: FormatError::Truncated { what: "the header".into(), start: 0, end: 8, file_len: 0 },
+        });
+    }
+    // SAFETY: the map is read-only and private; a concurrent truncation of the file by
+    // another process could fault, the same contract every model loader has.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    let malformed = |problem| FilesError::Malformed { path: path.to_owned(), problem };
+    let raw = if map.starts_with(b"GGUF") {
+        files::gguf::parse(&map).map_err(malformed)?.tensors
+    } else {
+        files::safetensors::parse(&map).map_err(malformed)?.tensors
+    };
+    Ok((len, raw.into_iter().map(|t| (t.name, t.len)).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_indices() {
+        assert_eq!(layer_index("encoder.block.12.layer.0.SelfAttention.q.weight"), Some(12));
+        assert_eq!(layer_index("model.layers.3.mlp.up_proj.weight"), Some(3));
+        assert_eq!(layer_index("blk.7.attn_q.weight"), Some(7));
+        assert_eq!(layer_index("shared.weight"), None);
+    }
+}

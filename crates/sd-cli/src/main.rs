@@ -16,6 +16,8 @@ macro_rules! out {
 }
 
 mod devices;
+mod generate;
+mod image_io;
 mod logging;
 mod plan;
 mod rpc_server;
@@ -56,6 +58,8 @@ struct Cli {
     /// With --list-devices: print JSON.
     #[arg(long = "json")]
     json: bool,
+    #[command(flatten)]
+    generate: generate::GenerateArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -86,10 +90,7 @@ fn main() -> ExitCode {
                 Ok(ExitCode::from(2))
             }),
             None if cli.list_devices => devices::list(&cli.devices, cli.json),
-            None => {
-                eprintln!("nothing to do: pass --list-devices, a subcommand, or a model with -m (see --help)");
-                return ExitCode::from(2);
-            }
+            None => generate::run(&cli.generate, &cli.devices),
         }
     };
     match result {

@@ -149,7 +149,12 @@ pub fn ram_available() -> Option<u64> {
 /// This machine's devices as the planner sees them.
 pub fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
     let reg = crate::devices::open(args)?;
-    Ok(reg
+    Ok(machine_devices_from(&reg))
+}
+
+/// The planner's view of a registry's devices.
+pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
+    reg
         .device_infos()
         .into_iter()
         .filter_map(|i| {
@@ -166,7 +171,7 @@ pub fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
             let registry = i.registry.split('[').next().unwrap_or_default().to_string();
             Some(Device::new(i.name, kind).with_memory(mem(i.memory_free), mem(i.memory_total)).with_registry(registry))
         })
-        .collect())
+        .collect()
 }
 
 /// Runs `plan`.

@@ -11,5 +11,7 @@ pub mod describe;
 pub mod diffusion;
 pub mod files;
 pub mod fixture;
+pub mod loader;
+pub mod pipeline;
 pub mod sampling;
 pub mod text;

@@ -13,6 +13,7 @@
 //! uses no ggml type; the execution half uses `sd-backends`.
 
 pub mod error;
+pub mod plan;
 pub mod runner;
 pub mod weights;
 

@@ -727,14 +727,14 @@ fn registry_names_are_unique_and_include_sd() {
 // Fuzz corpus replay and property tests: no input makes a parser panic.
 // ---------------------------------------------------------------------------------------
 
-/// Replays every input cargo-fuzz saved under `fuzz/corpus/<target>/` and
-/// `fuzz/artifacts/<target>/` through the same code the fuzz targets run.
+/// Replays the committed seeds (`fuzz/seeds/<target>/`) and, where a fuzzing run left
+/// them, libFuzzer's corpus and crash artifacts through the code the fuzz targets run.
 #[test]
 fn fuzz_corpus_replays_without_panic() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
     let mut n = 0;
     for (target, parse) in [("safetensors_header", parse_safetensors_any as fn(&[u8])), ("gguf_header", parse_gguf_any)] {
-        for sub in ["corpus", "artifacts"] {
+        for sub in ["seeds", "corpus", "artifacts"] {
             let Ok(rd) = std::fs::read_dir(root.join(sub).join(target)) else { continue };
             for f in rd.flatten() {
                 if let Ok(bytes) = std::fs::read(f.path()) {
@@ -752,7 +752,7 @@ fn fuzz_corpus_replays_without_panic() {
 /// descriptions, so they also check our readers against an independent writer.
 #[test]
 fn independently_written_seed_files_parse_as_intended() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
     let g = std::fs::read(root.join("gguf_header/seed-valid")).unwrap();
     let h = gguf::parse(&g).unwrap();
     assert_eq!(h.alignment, 32);

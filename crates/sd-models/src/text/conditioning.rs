@@ -107,3 +107,119 @@ fn mean(values: &[f32]) -> f32 {
     let sum: f64 = values.iter().map(|&v| v as f64).sum();
     (sum / values.len() as f64) as f32
 }
+
+#[cfg(test)]
+mod tests {
+    use sd_backends::GgmlType;
+    use sd_sched::Runner;
+
+    use super::*;
+    use crate::text::clip::test_support::{backend, model, tiny};
+    use crate::text::clip::{Activation, ClipError};
+    use crate::text::{BOS_ID, EOS_ID};
+
+    #[test]
+    fn token_weights_scale_then_restore_the_mean() {
+        // Two values per token, weights (1, 2, 1): [1,2 | 6,8 | 5,6], mean 28/6 against 3.5
+        // before, so everything is multiplied by 3.5 / (28/6) = 0.75.
+        let mut h = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        apply_token_weights(&mut h, 2, &[1.0, 2.0, 1.0]);
+        let want = [0.75, 1.5, 4.5, 6.0, 3.75, 4.5];
+        for (g, w) in h.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{h:?}");
+        }
+    }
+
+    #[test]
+    fn token_weights_edge_cases_follow_the_reference() {
+        // All weights exactly 1: untouched, even non-finite values.
+        let mut h = vec![f32::NAN, 1.0];
+        apply_token_weights(&mut h, 1, &[1.0, 1.0]);
+        assert!(h[0].is_nan() && h[1] == 1.0);
+        // New mean 0: weighted but not rescaled.
+        let mut h = vec![1.0, -1.0, 3.0, -3.0];
+        apply_token_weights(&mut h, 2, &[2.0, 1.0]);
+        assert_eq!(h, [2.0, -2.0, 3.0, -3.0]);
+        // Every weight 0: all zeros, no division by zero.
+        let mut h = vec![1.0, 2.0];
+        apply_token_weights(&mut h, 1, &[0.0, 0.0]);
+        assert_eq!(h, [0.0, 0.0]);
+        // A non-finite mean before weighting: weighted only.
+        let mut h = vec![f32::INFINITY, 2.0];
+        apply_token_weights(&mut h, 1, &[1.0, 0.5]);
+        assert_eq!(h, [f32::INFINITY, 1.0]);
+    }
+
+    fn padded(body: &[u32], pad: u32) -> Vec<u32> {
+        let mut ids = vec![BOS_ID];
+        ids.extend_from_slice(body);
+        ids.push(EOS_ID);
+        ids.resize(77, pad);
+        ids
+    }
+
+    #[test]
+    fn prompts_become_chunks_encoded_one_by_one() {
+        let backend = backend();
+        let mut runner = Runner::new("clip", backend.clone());
+        let tok = ClipTokenizer::new();
+        // SD 2.x-like: pad 0, default clip skip 2.
+        let cfg = tiny(Activation::GeluTanh, 2, 0);
+        let model = model(&cfg, GgmlType::GGML_TYPE_F16, &backend);
+
+        // Empty prompt: one chunk BOS, EOS, padding; default clip skip.
+        let empty = encode_prompt(&model, &mut runner, &tok, "", -1).unwrap();
+        assert_eq!(empty.shape(), [32, 77]);
+        assert_eq!(empty.data, model.encode_ids(&mut runner, &padded(&[], 0), 2).unwrap());
+        // An explicit clip skip is honoured.
+        let skip1 = encode_prompt(&model, &mut runner, &tok, "", 1).unwrap();
+        assert_eq!(skip1.data, model.encode_ids(&mut runner, &padded(&[], 0), 1).unwrap());
+        assert_ne!(skip1.data, empty.data);
+
+        // 80 tokens: two chunks (75 + 5), concatenated along the token axis.
+        let prompt = vec!["cat"; 80].join(" ");
+        let cat = tok.tokenize("cat");
+        assert_eq!(cat.len(), 1);
+        let long = encode_prompt(&model, &mut runner, &tok, &prompt, 0).unwrap();
+        assert_eq!(long.shape(), [32, 154]);
+        let first = model.encode_ids(&mut runner, &padded(&[cat[0]; 75], 0), 2).unwrap();
+        let second = model.encode_ids(&mut runner, &padded(&[cat[0]; 5], 0), 2).unwrap();
+        assert_eq!(long.data[..32 * 77], first[..]);
+        assert_eq!(long.data[32 * 77..], second[..]);
+
+        let e = encode_prompt(&model, &mut runner, &tok, "a cat", 4).unwrap_err();
+        assert!(matches!(e, ClipError::ClipSkip { requested: 4, layers: 3, .. }), "{e}");
+        let e = encode_prompt(&model, &mut runner, &tok, "(cat:x)", 0).unwrap_err();
+        assert!(matches!(e, ClipError::Tokenize(_)), "{e}");
+    }
+
+    #[test]
+    fn weighted_prompt_scales_its_tokens_and_keeps_the_mean() {
+        let backend = backend();
+        let mut runner = Runner::new("clip", backend.clone());
+        let tok = ClipTokenizer::new();
+        let cfg = tiny(Activation::QuickGelu, 1, EOS_ID);
+        let model = model(&cfg, GgmlType::GGML_TYPE_F32, &backend);
+
+        let weighted = encode_prompt(&model, &mut runner, &tok, "a (red:1.5) cat", 0).unwrap();
+        let plain = encode_prompt(&model, &mut runner, &tok, "a red cat", 0).unwrap();
+        let body: Vec<u32> = ["a", "red", "cat"].iter().flat_map(|w| tok.tokenize(w)).collect();
+        assert_eq!(body.len(), 3);
+        let raw = model.encode_ids(&mut runner, &padded(&body, EOS_ID), 1).unwrap();
+        // Same ids, so the unweighted prompt is the raw encoder output.
+        assert_eq!(plain.data, raw);
+
+        // In f64: token 2 ("red") times 1.5, then everything times mean(raw) / mean(weighted).
+        let h = cfg.hidden_size;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let raw64: Vec<f64> = raw.iter().map(|&v| v as f64).collect();
+        let mut scaled = raw64.clone();
+        scaled[2 * h..3 * h].iter_mut().for_each(|v| *v *= 1.5);
+        let factor = mean(&raw64) / mean(&scaled);
+        for (i, (&got, want)) in weighted.data.iter().zip(scaled.iter().map(|v| v * factor)).enumerate() {
+            assert!((got as f64 - want).abs() < 1e-5 * (1.0 + want.abs()), "value {i}: {got} vs {want}");
+        }
+        let got64: Vec<f64> = weighted.data.iter().map(|&v| v as f64).collect();
+        assert!((mean(&got64) - mean(&raw64)).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,433 @@
+//! Text-to-image and image-to-image generation for SD 1.x / 2.x, end to end.
+//!
+//! The order of operations, and every place randomness enters, follows
+//! stable-diffusion.cpp so that the same seed gives the same image:
+//! 1. encode the prompt (and the negative prompt when guidance is on);
+//! 2. for img2img, encode the init image with the VAE and sample the latent
+//!    with noise from the generator seeded with `seed` (before the per-image
+//!    reseed), then scale it into diffusion space;
+//! 3. for each image `b` of the batch: reseed the generator with `seed + b`,
+//!    draw the initial noise for the whole latent (`[C, H, W]` order), run the
+//!    sampler (which continues the same generator for ancestral noise);
+//! 4. decode every latent with the VAE (or TAESD), map `[-1, 1]` to 8-bit.
+//!
+//! Memory: each module's weights are loaded for its phase and released after
+//! it (text encoder after encoding, UNet after sampling), so the peak is the
+//! largest phase rather than the sum.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use sd_backends::{Backend, GgmlType};
+use sd_sched::Runner;
+use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeConfig, VaeParts};
+
+use crate::diffusion::unet::{UNetConfig, UNetModel};
+use crate::files::{ModelFiles, ModelSources, Prediction as FilePrediction, PredictionSource};
+use crate::loader::{dtype_of, FileSource};
+use crate::sampling::{
+    img2img_sigmas, noised_latent, sample, txt2img_latent, DiscreteSchedule, GuidedDenoiser, ModelInput, ModelOutput,
+    Prediction, RngKind, SampleMethod, Scheduler,
+};
+use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
+use crate::text::conditioning::{encode_prompt, Conditioning};
+use crate::text::ClipTokenizer;
+
+/// Errors of a generation, each naming the stage and what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// Model files.
+    #[error(transparent)]
+    Files(#[from] crate::files::FilesError),
+    /// A setting that cannot work.
+    #[error("{0}")]
+    Invalid(String),
+    /// Loading or running the text encoder.
+    #[error("text encoder: {0}")]
+    Text(#[from] crate::text::clip::ClipError),
+    /// Loading or running the UNet.
+    #[error("diffusion model: {0}")]
+    Diffusion(#[from] crate::diffusion::DiffusionError),
+    /// Loading or running the VAE.
+    #[error("VAE: {0}")]
+    Vae(#[from] sd_vae::VaeError),
+    /// Sampling.
+    #[error("sampling: {0}")]
+    Sampling(#[from] crate::sampling::SamplingError),
+    /// Weights or execution.
+    #[error(transparent)]
+    Sched(#[from] sd_sched::SchedError),
+}
+
+/// Result alias.
+pub type Result<T, E = PipelineError> = std::result::Result<T, E>;
+
+/// The device (backend) each module computes on.
+#[derive(Clone, Debug)]
+pub struct ModuleDevices {
+    /// Text encoder.
+    pub te: Arc<Backend>,
+    /// UNet.
+    pub diffusion: Arc<Backend>,
+    /// VAE / TAESD.
+    pub vae: Arc<Backend>,
+}
+
+/// How to load the model.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// The files.
+    pub sources: ModelSources,
+    /// `--prediction`.
+    pub prediction: Option<FilePrediction>,
+    /// `--type`: store weights in this type.
+    pub wtype: Option<GgmlType>,
+    /// Where each module runs.
+    pub devices: ModuleDevices,
+    /// `--diffusion-fa`.
+    pub flash_attn: bool,
+}
+
+/// One generation request (the reference's flags).
+#[derive(Clone, Debug)]
+pub struct GenerateParams {
+    /// `-p`.
+    pub prompt: String,
+    /// `-n`.
+    pub negative_prompt: String,
+    /// `-W`, `-H` in pixels.
+    pub width: usize,
+    /// Height in pixels.
+    pub height: usize,
+    /// `--steps`.
+    pub steps: usize,
+    /// `--cfg-scale`.
+    pub cfg_scale: f32,
+    /// `--sampling-method`.
+    pub method: SampleMethod,
+    /// `--scheduler`.
+    pub scheduler: Scheduler,
+    /// `-s`.
+    pub seed: u64,
+    /// `-b`.
+    pub batch_count: usize,
+    /// `--rng`.
+    pub rng: RngKind,
+    /// `--clip-skip` (<= 0: the model's default).
+    pub clip_skip: i64,
+    /// `--eta` (None: the sampler's default).
+    pub eta: Option<f32>,
+    /// img2img: the init image, planar `[3, H, W]` in `[0, 1]`, and `--strength`.
+    pub init_image: Option<(Vec<f32>, f32)>,
+    /// VAE tiling.
+    pub tiling: TilingParams,
+    /// Cap on one VAE graph's compute buffer (triggers the tiled retry).
+    pub vae_max_compute_bytes: Option<usize>,
+}
+
+/// An 8-bit RGB image, row-major, interleaved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Image {
+    /// Width in pixels.
+    pub width: usize,
+    /// Height in pixels.
+    pub height: usize,
+    /// `width * height * 3` bytes.
+    pub rgb: Vec<u8>,
+}
+
+/// What the pipeline reports while it runs.
+#[derive(Clone, Debug)]
+pub enum Progress {
+    /// A stage finished, with its duration.
+    Stage { name: &'static str, seconds: f64 },
+    /// A sampling step finished.
+    Step { image: usize, step: usize, steps: usize, seconds: f64 },
+}
+
+/// The loaded model family and its settings; weights are loaded per phase.
+pub struct Pipeline {
+    files: ModelFiles,
+    arch: &'static str,
+    prediction: Prediction,
+    clip: ClipConfig,
+    unet: UNetConfig,
+    opts: LoadOptions,
+    tokenizer: ClipTokenizer,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pipeline({}, {:?})", self.arch, self.prediction)
+    }
+}
+
+/// Bytes of an image tensor -> u8 exactly as the reference rounds.
+fn to_u8(v: f32) -> u8 {
+    if v <= 0.0 {
+        0
+    } else if v >= 1.0 {
+        255
+    } else {
+        (v * 255.0 + 0.5) as u8
+    }
+}
+
+impl Pipeline {
+    /// Opens the files, detects the architecture and checks the tensors against it.
+    pub fn open(opts: LoadOptions) -> Result<Self> {
+        let files = ModelFiles::open(&opts.sources)?;
+        let detected = files.detect(opts.prediction)?;
+        let (clip, unet) = match detected.arch {
+            "sd1" => (ClipConfig::vit_l14(), UNetConfig::sd15()),
+            "sd2" => (ClipConfig::vit_h14(), UNetConfig::sd21()),
+            other => return Err(PipelineError::Invalid(format!("architecture `{other}` has no runtime yet"))),
+        };
+        let prediction = match detected.prediction {
+            Some(FilePrediction::V) => Prediction::V,
+            Some(FilePrediction::Eps) => Prediction::Eps,
+            None => {
+                tracing::warn!("the model files do not say whether the model predicts eps or v; assuming eps (use --prediction v for 768-v models)");
+                Prediction::Eps
+            }
+        };
+        if let PredictionSource::Metadata { key } = &detected.prediction_source {
+            tracing::info!("prediction {} (from `{key}`)", prediction.name());
+        }
+        tracing::info!("model: {} ({} tensors), prediction {}", detected.arch, files.index().len(), prediction.name());
+        Ok(Self { files, arch: detected.arch, prediction, clip, unet, opts, tokenizer: ClipTokenizer::new() })
+    }
+
+    /// The detected architecture (`sd1`, `sd2`).
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// The opened files.
+    pub fn files(&self) -> &ModelFiles {
+        &self.files
+    }
+
+    fn load_clip(&self) -> Result<ClipTextModel> {
+        let src = FileSource::new(&self.files);
+        let dtype = dtype_of(&self.files);
+        let mut w = sd_sched::Weights::new(clip_specs(&self.clip, &dtype, self.opts.wtype))?;
+        w.allocate(self.opts.devices.te.device().buffer_type())?;
+        w.load_from(&src)?;
+        Ok(ClipTextModel::new(self.clip.clone(), w)?)
+    }
+
+    fn load_unet(&self) -> Result<UNetModel> {
+        let src = FileSource::new(&self.files);
+        let dtype = dtype_of(&self.files);
+        let mut m = UNetModel::load(self.unet.clone(), &dtype, self.opts.wtype, self.opts.devices.diffusion.device().buffer_type(), &src)?;
+        m.flash_attn = self.opts.flash_attn;
+        Ok(m)
+    }
+
+    fn load_first_stage(&self, need_encoder: bool) -> Result<Box<dyn FirstStage>> {
+        let src = FileSource::new(&self.files);
+        let buft = self.opts.devices.vae.device().buffer_type();
+        if self.opts.sources.taesd.is_some() {
+            let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
+            return Ok(Box::new(Taesd::load(sd_vae::TaesdConfig::sd(), parts, &src, buft)?));
+        }
+        let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
+        Ok(Box::new(AutoencoderKl::load(VaeConfig::sd(), parts, &src, buft)?))
+    }
+
+    /// Generates `params.batch_count` images.
+    pub fn generate(&self, p: &GenerateParams, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
+        if p.width == 0 || p.height == 0 || p.width % 8 != 0 || p.height % 8 != 0 {
+            return Err(PipelineError::Invalid(format!("-W {} -H {}: width and height must be positive multiples of 8", p.width, p.height)));
+        }
+        if p.steps == 0 {
+            return Err(PipelineError::Invalid("--steps 0: at least one sampling step is needed".into()));
+        }
+        if p.batch_count == 0 {
+            return Err(PipelineError::Invalid("-b 0: the batch count must be at least 1".into()));
+        }
+        if !p.cfg_scale.is_finite() {
+            return Err(PipelineError::Invalid(format!("--cfg-scale {}: not a number", p.cfg_scale)));
+        }
+        let (lw, lh) = (p.width / 8, p.height / 8);
+        let channels = self.unet.in_channels as usize;
+        let guided = p.cfg_scale != 1.0;
+
+        // 1. Text.
+        let t = Instant::now();
+        let (cond, uncond) = {
+            let model = self.load_clip()?;
+            let mut runner = Runner::new("te", self.opts.devices.te.clone());
+            let cond = encode_prompt(&model, &mut runner, &self.tokenizer, &p.prompt, p.clip_skip)?;
+            let uncond =
+                if guided { Some(encode_prompt(&model, &mut runner, &self.tokenizer, &p.negative_prompt, p.clip_skip)?) } else { None };
+            (cond, uncond)
+        };
+        let secs = t.elapsed().as_secs_f64();
+        tracing::info!("text encoding took {secs:.2} s");
+        progress(Progress::Stage { name: "text encode", seconds: secs });
+
+        // 2. Schedule and, for img2img, the init latent.
+        let schedule = DiscreteSchedule::sd();
+        let full = p.scheduler.sigmas(p.steps, &schedule)?;
+        let mut init_latent: Option<Vec<f32>> = None;
+        let sigmas = match &p.init_image {
+            None => full,
+            Some((image, strength)) => {
+                let t = Instant::now();
+                let vae = self.load_first_stage(true)?;
+                let mut runner = Runner::new("vae", self.opts.devices.vae.clone());
+                let px: Vec<f32> = match vae.image_range() {
+                    sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
+                    sd_vae::ImageRange::ZeroToOne => image.clone(),
+                };
+                let mut rng = p.rng.seeded(p.seed);
+                let latent = encode_latent(vae.as_ref(), &mut runner, &px, (p.width, p.height), &p.tiling, rng.as_mut())?;
+                init_latent = Some(latent);
+                let secs = t.elapsed().as_secs_f64();
+                tracing::info!("init image encoded in {secs:.2} s");
+                progress(Progress::Stage { name: "image encode", seconds: secs });
+                img2img_sigmas(&full, *strength)?
+            }
+        };
+        if sigmas.len() < 2 {
+            return Err(PipelineError::Invalid("--strength too low: no sampling step remains".into()));
+        }
+
+        // 3. Sampling.
+        let mut latents = Vec::with_capacity(p.batch_count);
+        {
+            let unet = self.load_unet()?;
+            let mut runner = Runner::new("unet", self.opts.devices.diffusion.clone());
+            for b in 0..p.batch_count {
+                let mut rng = p.rng.seeded(p.seed.wrapping_add(b as u64));
+                let noise = rng.randn(channels * lh * lw);
+                let x = match &init_latent {
+                    None => txt2img_latent(&noise, sigmas[0]),
+                    Some(init) => noised_latent(init, &noise, sigmas[0])?,
+                };
+                let mut step_start = Instant::now();
+                let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
+                    let out = eval_guided(&unet, &mut runner, inp.x, (lw, lh), inp.timestep, &cond, uncond.as_ref().filter(|_| inp.uncond))?;
+                    Ok(out)
+                };
+                let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
+                let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Vec<f32>> {
+                    let out = denoiser.denoise::<PipelineError>(x, sigma, step)?;
+                    if step.last_eval {
+                        let secs = step_start.elapsed().as_secs_f64();
+                        tracing::info!("image {}/{} step {}/{} took {secs:.2} s", b + 1, p.batch_count, step.index + 1, step.count);
+                        progress(Progress::Step { image: b, step: step.index, steps: step.count, seconds: secs });
+                        step_start = Instant::now();
+                    }
+                    Ok(out)
+                };
+                let eta = p.eta.unwrap_or_else(|| p.method.default_eta());
+                let out = sample(p.method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
+                latents.push(out);
+            }
+        }
+
+        // 4. Decoding.
+        let t = Instant::now();
+        let vae = self.load_first_stage(false)?;
+        let mut runner = Runner::new("vae", self.opts.devices.vae.clone());
+        let mut images = Vec::with_capacity(latents.len());
+        for mut latent in latents {
+            vae.diffusion_to_vae(&mut latent);
+            let img = sd_vae::decode_tiled(vae.as_ref(), &mut runner, &latent, (lw, lh), channels, &p.tiling, p.vae_max_compute_bytes)?;
+            images.push(planar_to_rgb8(&img, p.width, p.height, vae.image_range()));
+        }
+        let secs = t.elapsed().as_secs_f64();
+        tracing::info!("decoding took {secs:.2} s");
+        progress(Progress::Stage { name: "decode", seconds: secs });
+        Ok(images)
+    }
+}
+
+/// One guided model evaluation: cond and uncond as one batch of 2 when their token
+/// counts agree (identical numbers to two runs, fewer graph launches), else two runs.
+fn eval_guided(
+    unet: &UNetModel,
+    runner: &mut Runner,
+    x: &[f32],
+    dims: (usize, usize),
+    timestep: f32,
+    cond: &Conditioning,
+    uncond: Option<&Conditioning>,
+) -> Result<ModelOutput> {
+    match uncond {
+        None => {
+            let c = unet.eval(runner, x, dims, &[timestep], &cond.data, cond.n_tokens, 1)?;
+            Ok(ModelOutput { cond: c, uncond: None })
+        }
+        Some(u) if u.n_tokens == cond.n_tokens => {
+            let mut xx = Vec::with_capacity(2 * x.len());
+            xx.extend_from_slice(x);
+            xx.extend_from_slice(x);
+            let mut ctx = Vec::with_capacity(cond.data.len() * 2);
+            ctx.extend_from_slice(&cond.data);
+            ctx.extend_from_slice(&u.data);
+            let mut out = unet.eval(runner, &xx, dims, &[timestep, timestep], &ctx, cond.n_tokens, 2)?;
+            let un = out.split_off(x.len());
+            Ok(ModelOutput { cond: out, uncond: Some(un) })
+        }
+        Some(u) => {
+            let c = unet.eval(runner, x, dims, &[timestep], &cond.data, cond.n_tokens, 1)?;
+            let un = unet.eval(runner, x, dims, &[timestep], &u.data, u.n_tokens, 1)?;
+            Ok(ModelOutput { cond: c, uncond: Some(un) })
+        }
+    }
+}
+
+/// Encodes an image (in the model's range) to a diffusion-space latent.
+fn encode_latent(
+    vae: &dyn FirstStage,
+    runner: &mut Runner,
+    px: &[f32],
+    (w, h): (usize, usize),
+    tiling: &TilingParams,
+    rng: &mut dyn crate::sampling::NoiseRng,
+) -> Result<Vec<f32>> {
+    let (out, c) = sd_vae::encode_tiled(vae, runner, px, (w, h), 3, tiling, None)?;
+    let s = vae.scale_factor();
+    let (lw, lh) = (w / s, h / s);
+    let latent_c = vae.latent_channels();
+    let mut latent = if c == 2 * latent_c {
+        let dist = sd_vae::LatentDistribution::from_moments(&out, (lw, lh), c)?;
+        let noise = rng.randn(latent_c * lw * lh);
+        dist.sample(&noise)?
+    } else {
+        out
+    };
+    vae_to_diffusion(vae, &mut latent);
+    Ok(latent)
+}
+
+fn vae_to_diffusion(vae: &dyn FirstStage, latent: &mut [f32]) {
+    // diffusion_to_vae divides by the scale factor (AutoencoderKL) or does nothing
+    // (TAESD); the inverse multiplies. Probe it on 1.0 to stay agnostic.
+    let mut probe = [1.0f32];
+    vae.diffusion_to_vae(&mut probe);
+    if probe[0] != 1.0 && probe[0] != 0.0 {
+        let k = 1.0 / probe[0];
+        latent.iter_mut().for_each(|v| *v *= k);
+    }
+}
+
+fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {
+    let plane = w * h;
+    let mut rgb = vec![0u8; plane * 3];
+    for i in 0..plane {
+        for c in 0..3 {
+            let v = img[c * plane + i];
+            let v = match range {
+                sd_vae::ImageRange::MinusOneToOne => ((v + 1.0) * 0.5).clamp(0.0, 1.0),
+                sd_vae::ImageRange::ZeroToOne => v.clamp(0.0, 1.0),
+            };
+            rgb[i * 3 + c] = to_u8(v);
+        }
+    }
+    Image { width: w, height: h, rgb }
+}

@@ -378,12 +378,13 @@ impl<'w> Embeddings<'w> {
 
     /// ids [L, N] i32 -> [hidden, L, N].
     fn forward<'g>(&self, g: &'g Context, ids: Tensor<'_>) -> Tensor<'g> {
+        // One flat gather ([hidden, L * N]); the reference gathers with ids shaped
+        // [L, 1, N], which this ggml accepts only for N = 1. A gather copies rows, so the
+        // values are the same either way.
         let [l, n, ..] = ids.shape();
-        let ids = g.reshape(ids, &[l, 1, n]);
-        let tok = g.get_rows(self.token, ids); // [hidden, L, 1, N]
+        let tok = g.get_rows(self.token, g.reshape(ids, &[l * n]));
         let hidden = tok.shape()[0];
-        let tok = g.reshape(tok, &[hidden, l, n]);
-        g.add(tok, self.position)
+        g.add(g.reshape(tok, &[hidden, l, n]), self.position)
     }
 }
 

@@ -110,7 +110,8 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    /// A device in state `device`; its `workspace` is counted as fixed (no runner here owns it).
+    /// A device in state `device`; its `workspace` is counted as fixed until
+    /// [`Simulator::with_workspace_owner`] names the runner it belongs to.
     pub fn new(device: DeviceState) -> Self {
         let fixed = device.fixed.saturating_add(device.workspace);
         let managed = device.managed();
@@ -124,6 +125,15 @@ impl Simulator {
             high_water: managed,
             template: device,
         }
+    }
+
+    /// The initial `workspace` of the device state is runner `module`'s reusable compute buffer.
+    pub fn with_workspace_owner(mut self, module: &str) -> Self {
+        let ws = self.template.workspace;
+        self.fixed = self.fixed.saturating_sub(ws);
+        self.workspaces.retain(|(m, _)| m != module);
+        self.workspaces.push((module.to_string(), ws));
+        self
     }
 
     /// The device as runner `module` sees it now.
@@ -188,7 +198,11 @@ impl Simulator {
         self.free = self.free.map(|f| f.saturating_add(bytes));
     }
 
+    /// Allocates `bytes`; a zero-byte allocation allocates nothing and always succeeds.
     fn alloc(&mut self, bytes: u64, action: impl Fn() -> String) -> Result<(), Violation> {
+        if bytes == 0 {
+            return Ok(());
+        }
         if let Some(free) = self.free {
             if free < bytes.saturating_add(self.template.scratch_reserve) {
                 return Err(Violation::IntoReserve {

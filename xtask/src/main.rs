@@ -1,6 +1,8 @@
 //! Project automation (`cargo xtask <command>`): plugins, fixtures, the reference, parity, benchmarks.
 
+mod bench;
 mod fixture;
+mod parity;
 mod plugins;
 mod reference;
 
@@ -13,7 +15,11 @@ commands:
                       build backend plugins from the pinned ggml and install them
   fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE]
                       write a checkpoint with the real layout and random weights
-  reference           build the stable-diffusion.cpp reference harness (sdref)";
+  reference           build the stable-diffusion.cpp reference harness (sdref)
+  parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]
+                      compare text encoder, UNet, VAE and 256x256 generations with the reference
+  bench [--size 256|512|both] [--runs N] [--threads N]
+                      time sd-cli against the reference, alternating runs, with ratios";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -24,6 +30,8 @@ fn main() -> Result<()> {
     match cmd.as_str() {
         "plugins" => plugins::run(rest),
         "fixture" => fixture::run(rest),
+        "parity" => parity::run(rest),
+        "bench" => bench::run(rest),
         "reference" => {
             let exe = reference::build()?;
             println!("{}", exe.display());

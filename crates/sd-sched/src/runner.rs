@@ -1,6 +1,6 @@
 //! A runner executes a module's graphs on one device and owns its compute buffer.
 //!
-//! Usage: build a graph in a metadata-only [`Context`] (inputs marked with
+//! Usage: build a graph in a metadata-only `Context` (inputs marked with
 //! `set_input`), call [`Runner::alloc`], set the inputs' data, call
 //! [`Runner::compute`], read the outputs. The compute buffer is measured with
 //! ggml's measure-only allocator before allocating, and its size is logged at

@@ -12,8 +12,8 @@ use std::collections::HashSet;
 
 use proptest::prelude::*;
 use sd_sched::plan::{
-    plan, DeviceState, Estimate, MergedWorkspace, Mode, ModuleGraph, Options, ParamGroup, PlanError, Reason,
-    Replica, Segment, Simulator, MIB,
+    plan, DeviceState, Estimate, MergedWorkspace, Mode, ModuleGraph, Options, ParamGroup,
+    PlanError, Reason, Replica, Segment, Simulator, MIB,
 };
 
 const M: u64 = MIB;
@@ -29,6 +29,8 @@ struct SegSpec {
 #[derive(Clone, Debug)]
 struct Case {
     segs: Vec<SegSpec>,
+    /// Per mille of the module's size (weights, largest workspace, cut outputs), above the
+    /// other runners' bytes; likewise free memory above the scratch reserve.
     budget: Option<u64>,
     free: Option<u64>,
     fixed: u64,
@@ -47,31 +49,44 @@ fn seg_spec() -> impl Strategy<Value = SegSpec> {
         0..150 * M,
         prop::option::of((0..40 * M, 1usize..4)),
     )
-        .prop_map(|(groups, share_previous, workspace, cut)| SegSpec { groups, share_previous, workspace, cut })
+        .prop_map(|(groups, share_previous, workspace, cut)| SegSpec {
+            groups,
+            share_previous,
+            workspace,
+            cut,
+        })
 }
 
 fn case() -> impl Strategy<Value = Case> {
     (
-        prop::collection::vec(seg_spec(), 1..10),
-        prop::option::of(0..3000 * M),
-        prop::option::of(0..4000 * M),
+        prop::collection::vec(seg_spec(), 1..12),
+        prop::option::weighted(0.85, 50u64..1300),
+        prop::option::weighted(0.6, 50u64..1500),
         0..300 * M,
         prop::collection::vec((0..200 * M, any::<bool>()), 0..3),
-        prop::collection::vec(0u8..3, 40),
+        prop::collection::vec(
+            prop_oneof![6 => Just(0u8), 3 => Just(1u8), 1 => Just(2u8)],
+            40,
+        ),
         prop_oneof![Just(0), 0..200 * M],
-        (any::<bool>(), any::<bool>(), any::<bool>()),
+        (prop::bool::weighted(0.15), any::<bool>(), any::<bool>()),
     )
-        .prop_map(|(segs, budget, free, fixed, foreign, own, workspace, (a, b, c))| Case {
-            segs,
-            budget,
-            free,
-            fixed,
-            foreign,
-            own,
-            workspace,
-            opts: Options { disable_segmented_compute: a, disable_prefetch: b },
-            async_transfer: c,
-        })
+        .prop_map(
+            |(segs, budget, free, fixed, foreign, own, workspace, (a, b, c))| Case {
+                segs,
+                budget,
+                free,
+                fixed,
+                foreign,
+                own,
+                workspace,
+                opts: Options {
+                    disable_segmented_compute: a,
+                    disable_prefetch: b,
+                },
+                async_transfer: c,
+            },
+        )
 }
 
 fn build(c: &Case) -> (ModuleGraph, DeviceState) {
@@ -79,8 +94,12 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
     let mut segments: Vec<Segment> = Vec::new();
     let mut last_group: Option<ParamGroup> = None;
     for (i, s) in c.segs.iter().enumerate() {
-        let mut groups: Vec<ParamGroup> =
-            s.groups.iter().enumerate().map(|(k, b)| ParamGroup::new(format!("m/s{i}.g{k}"), *b)).collect();
+        let mut groups: Vec<ParamGroup> = s
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(k, b)| ParamGroup::new(format!("m/s{i}.g{k}"), *b))
+            .collect();
         if s.share_previous {
             if let Some(g) = &last_group {
                 groups.push(g.clone());
@@ -97,13 +116,37 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
         }
         segments.push(seg);
     }
-    let module = ModuleGraph { name: "m".into(), segments };
-    let mut d = DeviceState::new("DEV0", c.budget, c.free);
+    let module = ModuleGraph {
+        name: "m".into(),
+        segments,
+    };
+    let size: u64 = {
+        let mut seen = HashSet::new();
+        let s = &module.segments;
+        s.iter()
+            .flat_map(|s| &s.groups)
+            .filter(|g| seen.insert(g.name.clone()))
+            .map(|g| g.bytes)
+            .sum::<u64>()
+            + s.iter().map(|s| s.workspace).max().unwrap_or(0)
+            + s.iter()
+                .flat_map(|s| &s.cut_outputs)
+                .map(|c| c.bytes)
+                .sum::<u64>()
+    };
+    let others = c.fixed + c.foreign.iter().map(|(b, _)| b).sum::<u64>();
+    let budget = c.budget.map(|pm| others + size / 1000 * pm);
+    let free = c.free.map(|pm| 512 * M + size / 1000 * pm);
+    let mut d = DeviceState::new("DEV0", budget, free);
     d.fixed = c.fixed;
     d.workspace = c.workspace;
     d.async_transfer = c.async_transfer;
     for (k, (bytes, pinned)) in c.foreign.iter().enumerate() {
-        d.replicas.push(Replica { group: format!("other/g{k}"), bytes: *bytes, pinned: *pinned });
+        d.replicas.push(Replica {
+            group: format!("other/g{k}"),
+            bytes: *bytes,
+            pinned: *pinned,
+        });
     }
     let mut seen = HashSet::new();
     let mut k = 0;
@@ -111,8 +154,16 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
         for g in &s.groups {
             if seen.insert(g.name.clone()) {
                 match c.own[k % c.own.len()] {
-                    1 => d.replicas.push(Replica { group: g.name.clone(), bytes: g.bytes, pinned: false }),
-                    2 => d.replicas.push(Replica { group: g.name.clone(), bytes: g.bytes, pinned: true }),
+                    1 => d.replicas.push(Replica {
+                        group: g.name.clone(),
+                        bytes: g.bytes,
+                        pinned: false,
+                    }),
+                    2 => d.replicas.push(Replica {
+                        group: g.name.clone(),
+                        bytes: g.bytes,
+                        pinned: true,
+                    }),
                     _ => {}
                 }
                 k += 1;
@@ -144,11 +195,20 @@ fn must_fail(m: &ModuleGraph, d: &DeviceState, opts: &Options) -> bool {
         .filter(|r| !r.pinned && !groups.iter().any(|g| g.name == r.group))
         .map(|r| r.bytes)
         .sum();
-    let full_ws = if n == 1 { m.segments[0].workspace } else { Estimate.merged(&m.segments, 0..n) };
-    let need: u64 =
-        groups.iter().filter(|g| has(&g.name).is_none()).map(|g| g.bytes).sum::<u64>() + full_ws.saturating_sub(d.workspace);
+    let full_ws = if n == 1 {
+        m.segments[0].workspace
+    } else {
+        Estimate.merged(&m.segments, 0..n)
+    };
+    let need: u64 = groups
+        .iter()
+        .filter(|g| has(&g.name).is_none())
+        .map(|g| g.bytes)
+        .sum::<u64>()
+        + full_ws.saturating_sub(d.workspace);
     let avail = [
-        d.free.map(|f| (f + reclaimable).saturating_sub(d.scratch_reserve)),
+        d.free
+            .map(|f| (f + reclaimable).saturating_sub(d.scratch_reserve)),
         d.budget.map(|b| (b + reclaimable).saturating_sub(managed)),
     ]
     .into_iter()
@@ -161,10 +221,21 @@ fn must_fail(m: &ModuleGraph, d: &DeviceState, opts: &Options) -> bool {
     if n == 1 || opts.disable_segmented_compute {
         return need > avail;
     }
-    let pinned: u64 = d.replicas.iter().filter(|r| r.pinned).map(|r| r.bytes).sum();
-    let unpinned: u64 = d.replicas.iter().filter(|r| !r.pinned).map(|r| r.bytes).sum();
+    let pinned: u64 = d
+        .replicas
+        .iter()
+        .filter(|r| r.pinned)
+        .map(|r| r.bytes)
+        .sum();
+    let unpinned: u64 = d
+        .replicas
+        .iter()
+        .filter(|r| !r.pinned)
+        .map(|r| r.bytes)
+        .sum();
     let cap = [
-        d.free.map(|f| (f + d.workspace + unpinned).saturating_sub(d.scratch_reserve)),
+        d.free
+            .map(|f| (f + d.workspace + unpinned).saturating_sub(d.scratch_reserve)),
         d.budget.map(|b| b.saturating_sub(d.fixed + pinned)),
     ]
     .into_iter()
@@ -192,7 +263,7 @@ fn must_fail(m: &ModuleGraph, d: &DeviceState, opts: &Options) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
     fn budgets_hold_and_weights_are_resident(c in case()) {
@@ -202,9 +273,9 @@ proptest! {
         prop_assert_eq!(&first, &plan(&m, &d, &c.opts, &mut Estimate));
         prop_assert_eq!(first.is_err(), must_fail(&m, &d, &c.opts), "{:?}", first);
         match first {
-            Err(PlanError::DoesNotFit { needed, available, budget, .. }) => {
-                prop_assert!(needed > available);
-                prop_assert!(available <= budget.unwrap_or(u64::MAX));
+            Err(PlanError::DoesNotFit(f)) => {
+                prop_assert!(f.needed > f.available);
+                prop_assert!(f.available <= f.budget.unwrap_or(u64::MAX));
             }
             Err(e) => prop_assert!(false, "unexpected error {}", e),
             Ok(s) => {

@@ -7,8 +7,8 @@
 //! out by hand in each case's comment from the rule it quotes.
 
 use sd_sched::plan::{
-    plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup, PlanError, PlannedSegment, Reason,
-    Replica, Schedule, Segment, Simulator, Transfer, Violation, MIB,
+    plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup, PlanError,
+    PlannedSegment, Reason, Replica, Schedule, Segment, Simulator, Transfer, Violation, MIB,
 };
 
 const M: u64 = MIB;
@@ -19,13 +19,28 @@ fn g(name: &str) -> String {
 
 /// head, `n` blocks, tail.
 fn stack(n: usize) -> ModuleGraph {
-    let mut segments = vec![Segment::new("head", vec![ParamGroup::new(g("head"), 30 * M)], 40 * M)];
+    let mut segments = vec![Segment::new(
+        "head",
+        vec![ParamGroup::new(g("head"), 30 * M)],
+        40 * M,
+    )];
     for i in 0..n {
         let name = format!("block.{i}");
-        segments.push(Segment::new(name.clone(), vec![ParamGroup::new(g(&name), 100 * M)], 50 * M));
+        segments.push(Segment::new(
+            name.clone(),
+            vec![ParamGroup::new(g(&name), 100 * M)],
+            50 * M,
+        ));
     }
-    segments.push(Segment::new("tail", vec![ParamGroup::new(g("tail"), 20 * M)], 60 * M));
-    ModuleGraph { name: "unet".into(), segments }
+    segments.push(Segment::new(
+        "tail",
+        vec![ParamGroup::new(g("tail"), 20 * M)],
+        60 * M,
+    ));
+    ModuleGraph {
+        name: "unet".into(),
+        segments,
+    }
 }
 
 fn budget(bytes: u64) -> DeviceState {
@@ -37,7 +52,10 @@ fn free(bytes: u64) -> DeviceState {
 }
 
 fn no_prefetch() -> Options {
-    Options { disable_prefetch: true, ..Options::default() }
+    Options {
+        disable_prefetch: true,
+        ..Options::default()
+    }
 }
 
 fn run(module: &ModuleGraph, device: &DeviceState, opts: Options) -> Schedule {
@@ -53,7 +71,11 @@ fn names<'a>(it: impl Iterator<Item = &'a str>) -> Vec<String> {
 }
 
 fn replica(group: &str, bytes: u64, pinned: bool) -> Replica {
-    Replica { group: group.to_string(), bytes, pinned }
+    Replica {
+        group: group.to_string(),
+        bytes,
+        pinned,
+    }
 }
 
 /// Weights 850 MiB + workspace 60 MiB for 8 blocks: the monolithic need on an empty device.
@@ -170,7 +192,12 @@ fn monolithic_or_segmented() {
     ];
     for c in cases {
         let s = run(&stack(8), &c.device, c.opts);
-        assert_eq!((s.mode, s.decision.reason), (c.want, c.reason), "{}", c.rule);
+        assert_eq!(
+            (s.mode, s.decision.reason),
+            (c.want, c.reason),
+            "{}",
+            c.rule
+        );
         if c.want == Mode::Monolithic {
             assert_eq!(s.segments.len(), 1, "{}", c.rule);
             assert_eq!(s.segments[0].base, 0..10, "{}", c.rule);
@@ -187,7 +214,10 @@ fn reusable_buffer_is_not_reallocated() {
     let mut d = budget(60 * M + 850 * M + H);
     d.workspace = 60 * M;
     let s = run(&stack(8), &d, Options::default());
-    assert!(!s.segments[0].actions.iter().any(|a| matches!(a, Action::Workspace { .. })));
+    assert!(!s.segments[0]
+        .actions
+        .iter()
+        .any(|a| matches!(a, Action::Workspace { .. })));
     assert_eq!(s.transfer_bytes(), 850 * M);
     assert_eq!(s.decision.new_workspace, 0);
 }
@@ -231,13 +261,21 @@ fn prefetch_order() {
     // 60 MiB of workspace) fits next to the following one, so only the first loads
     // synchronously and every other segment's groups are prefetched by its predecessor.
     let s = run(&stack(8), &budget(600 * M), Options::default());
-    let want: [&[&str]; 5] =
-        [&["block.1", "block.2"], &["block.3", "block.4"], &["block.5", "block.6"], &["block.7", "tail"], &[]];
+    let want: [&[&str]; 5] = [
+        &["block.1", "block.2"],
+        &["block.3", "block.4"],
+        &["block.5", "block.6"],
+        &["block.7", "tail"],
+        &[],
+    ];
     for (i, (p, w)) in s.segments.iter().zip(want).enumerate() {
         let w: Vec<String> = w.iter().map(|n| g(n)).collect();
         assert_eq!(names(p.prefetches()), w, "{}", p.name);
         for a in &p.actions {
-            if let Action::Prefetch { for_segment, via, .. } = a {
+            if let Action::Prefetch {
+                for_segment, via, ..
+            } = a
+            {
                 assert_eq!((*for_segment, *via), (i + 1, Transfer::Async));
             }
         }
@@ -267,9 +305,18 @@ fn prefetch_skipped_when_it_does_not_fit() {
     // merges (650 > 472), and the next block's 300 MiB cannot sit next to the current one
     // (300 + 50 + 300 = 650 > 600): nothing is prefetched, each block loads its own weights.
     let segments = (0..4)
-        .map(|i| Segment::new(format!("b{i}"), vec![ParamGroup::new(format!("m/b{i}"), 300 * M)], 50 * M))
+        .map(|i| {
+            Segment::new(
+                format!("b{i}"),
+                vec![ParamGroup::new(format!("m/b{i}"), 300 * M)],
+                50 * M,
+            )
+        })
         .collect();
-    let m = ModuleGraph { name: "m".into(), segments };
+    let m = ModuleGraph {
+        name: "m".into(),
+        segments,
+    };
     let s = run(&m, &budget(600 * M), Options::default());
     assert_eq!(ranges(&s), [0..1, 1..2, 2..3, 3..4]);
     assert_eq!(s.prefetches().count(), 0);
@@ -284,6 +331,46 @@ fn prefetch_skipped_when_it_does_not_fit() {
 }
 
 #[test]
+fn prefetch_targets_the_next_parameter_bearing_segment() {
+    // "the next parameter-bearing segment is prefetched": segment 1 has no parameters (300 MiB
+    // of workspace), so segment 0 prefetches segment 2's weights. They stay pinned across
+    // segment 1, so the prefetch is made only if segment 1 still fits next to them:
+    //   budget 420: 100 (B) + 300 (workspace) = 400 <= 420, prefetched;
+    //   budget 350: 400 > 350, not prefetched, and B is loaded by segment 2 itself.
+    // (Merging: 100 + 300 exceeds both budgets less 128 MiB; the whole graph needs 500.)
+    let m = ModuleGraph {
+        name: "m".into(),
+        segments: vec![
+            Segment::new("s0", vec![ParamGroup::new("m/a", 100 * M)], 10 * M),
+            Segment::new("s1", vec![], 300 * M),
+            Segment::new("s2", vec![ParamGroup::new("m/b", 100 * M)], 10 * M),
+        ],
+    };
+    let s = run(&m, &budget(420 * M), Options::default());
+    assert_eq!(ranges(&s), [0..1, 1..2, 2..3]);
+    assert_eq!(names(s.segments[0].prefetches()), ["m/b"]);
+    assert!(matches!(
+        s.segments[0]
+            .actions
+            .iter()
+            .find(|a| matches!(a, Action::Prefetch { .. })),
+        Some(Action::Prefetch { for_segment: 2, .. })
+    ));
+    assert_eq!(s.segments[2].loads().count(), 0);
+    Simulator::new(budget(420 * M))
+        .replay(&m, &s, &mut Estimate)
+        .unwrap();
+
+    let s = run(&m, &budget(350 * M), Options::default());
+    assert_eq!(s.prefetches().count(), 0);
+    assert!(s.segments[0].prefetch_skipped);
+    assert_eq!(names(s.segments[2].loads()), ["m/b"]);
+    Simulator::new(budget(350 * M))
+        .replay(&m, &s, &mut Estimate)
+        .unwrap();
+}
+
+#[test]
 fn eviction_goes_from_the_last_segment_backward() {
     // "automatic graph-cut execution evicts them from the last segment backward when the next
     // weight or compute allocation needs space" and "The current segment's weights are pinned".
@@ -291,32 +378,45 @@ fn eviction_goes_from_the_last_segment_backward() {
     // replica of another module (te/x, 50 MiB, not used by this graph: reclaimed first) and a
     // pinned one (vae/y, never evicted). Budget 600 + 50 + 40 MiB.
     let mut d = budget(690 * M);
-    d.replicas = vec![replica("te/x", 50 * M, false), replica("vae/y", 40 * M, true)];
+    d.replicas = vec![
+        replica("te/x", 50 * M, false),
+        replica("vae/y", 40 * M, true),
+    ];
     for n in ["block.3", "block.4", "block.5", "block.6", "block.7"] {
         d.replicas.push(replica(&g(n), 100 * M, false));
     }
     d.replicas.push(replica(&g("tail"), 20 * M, false));
     let s = run(&stack(8), &d, no_prefetch());
     // Capacity: 690 - 40 pinned = 650; merge limit 522: head..b2 = 380 (+b3 = 480 <= 522,
-    // +b4 = 580): head..block.3; block.4..block.7 = 450; tail alone.
-    assert_eq!(ranges(&s), [0..5, 5..9, 9..10]);
+    // +b4 = 580): head..block.3; then block.4..tail = 420 weights + 60 workspace = 480.
+    assert_eq!(ranges(&s), [0..5, 5..10]);
     // Segment 0 needs head, b0, b1, b2 (330 MiB) and 50 MiB workspace = 380 MiB; block.3 is
     // resident and pinned. Free now: 690 - 610 = 80. te/x first (130), then the tail (150),
     // block.7 (250), block.6 (350), block.5 (450 >= 380).
     assert_eq!(
         names(s.segments[0].evictions()),
-        ["te/x".to_string(), g("tail"), g("block.7"), g("block.6"), g("block.5")]
+        [
+            "te/x".to_string(),
+            g("tail"),
+            g("block.7"),
+            g("block.6"),
+            g("block.5")
+        ]
     );
-    // Segment 1 needs block.5..7 back (300 MiB; block.4 is resident and pinned). Free: 690 -
-    // (40 + 430 + 100 + 50) = 70. From the last segment backward, skipping its own groups:
-    // block.3 (170), block.2 (270), block.1 (370 >= 300).
-    assert_eq!(names(s.segments[1].evictions()), [g("block.3"), g("block.2"), g("block.1")]);
-    // The tail needs 20 MiB and 10 MiB more workspace (60 - 50); free is 690 - (40 + 130 + 400
-    // + 50) = 70 MiB, so nothing is evicted.
-    assert_eq!(s.segments[2].evictions().count(), 0);
+    // Segment 1 needs block.5..7 and the tail back (320 MiB; block.4 is resident and pinned)
+    // and 10 MiB more workspace. Free: 690 - (40 + 430 + 100 + 50) = 70. From the last segment
+    // backward, skipping its own groups: block.3 (170), block.2 (270), block.1 (370 >= 330).
+    assert_eq!(
+        names(s.segments[1].evictions()),
+        [g("block.3"), g("block.2"), g("block.1")]
+    );
     for p in &s.segments {
         for e in p.evictions() {
-            assert!(!p.groups.iter().any(|x| x == e), "{} evicts its own {e}", p.name);
+            assert!(
+                !p.groups.iter().any(|x| x == e),
+                "{} evicts its own {e}",
+                p.name
+            );
             assert_ne!(e, "vae/y");
         }
     }
@@ -336,11 +436,16 @@ fn leading_segments_stay_resident_across_steps() {
     let mut sim = Simulator::new(budget(600 * M));
     let mut transfers = Vec::new();
     for step in 0..4 {
-        let (s, r) = sim.run(&m, &Options::default(), &mut Estimate).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let (s, r) = sim
+            .run(&m, &Options::default(), &mut Estimate)
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
         assert_eq!(s.mode, Mode::Segmented);
         if step > 0 {
             for moved in r.loaded.iter().chain(&r.prefetched) {
-                assert!(moved != &g("head") && moved != &g("block.0"), "step {step} reloads {moved}");
+                assert!(
+                    moved != &g("head") && moved != &g("block.0"),
+                    "step {step} reloads {moved}"
+                );
             }
         }
         assert!(s.segments[0].stays_resident, "step {step}");
@@ -368,13 +473,19 @@ fn everything_fits_after_the_first_step() {
     assert!(s.segments.iter().all(|p| p.stays_resident));
     for _ in 0..3 {
         let (s, r) = sim.run(&m, &Options::default(), &mut Estimate).unwrap();
-        assert_eq!((s.mode, r.transferred(), r.evicted_bytes), (Mode::Segmented, 0, 0));
+        assert_eq!(
+            (s.mode, r.transferred(), r.evicted_bytes),
+            (Mode::Segmented, 0, 0)
+        );
     }
     // A budget with the headroom to spare runs whole from the start and then reuses everything.
     let mut sim = Simulator::new(budget(NEED8 + H));
     for step in 0..3 {
         let (s, r) = sim.run(&m, &Options::default(), &mut Estimate).unwrap();
-        assert_eq!((s.mode, r.transferred()), (Mode::Monolithic, if step == 0 { 850 * M } else { 0 }));
+        assert_eq!(
+            (s.mode, r.transferred()),
+            (Mode::Monolithic, if step == 0 { 850 * M } else { 0 })
+        );
     }
 }
 
@@ -387,12 +498,18 @@ fn monolithic_reclaims_unpinned_replicas_first() {
     // available = 1238 - 400 + 400 = 1238 >= 910 + 128, so monolithic; free now 838 < 910, so
     // te/a is evicted (1038 >= 910) and te/b stays.
     let mut d = budget(1238 * M);
-    d.replicas = vec![replica("te/a", 200 * M, false), replica("te/b", 200 * M, false)];
+    d.replicas = vec![
+        replica("te/a", 200 * M, false),
+        replica("te/b", 200 * M, false),
+    ];
     let s = run(&stack(8), &d, Options::default());
     assert_eq!(s.mode, Mode::Monolithic);
     let p: &PlannedSegment = &s.segments[0];
     assert_eq!(names(p.evictions()), ["te/a"]);
-    assert!(matches!(p.actions[0], Action::Evict { .. }), "reclaims before it allocates");
+    assert!(
+        matches!(p.actions[0], Action::Evict { .. }),
+        "reclaims before it allocates"
+    );
     // With 1038 MiB both go.
     d.budget = Some(1038 * M);
     let s = run(&stack(8), &d, Options::default());
@@ -404,16 +521,31 @@ fn monolithic_reclaims_unpinned_replicas_first() {
     d.budget = Some(1000 * M);
     let one = ModuleGraph {
         name: "vae".into(),
-        segments: vec![Segment::new("decoder", vec![ParamGroup::new("vae/decoder", 800 * M)], 110 * M)],
+        segments: vec![Segment::new(
+            "decoder",
+            vec![ParamGroup::new("vae/decoder", 800 * M)],
+            110 * M,
+        )],
     };
     let s = run(&one, &d, Options::default());
-    assert_eq!((s.mode, s.decision.reason), (Mode::Monolithic, Reason::NoCuts));
+    assert_eq!(
+        (s.mode, s.decision.reason),
+        (Mode::Monolithic, Reason::NoCuts)
+    );
     assert_eq!(names(s.segments[0].evictions()), ["te/a", "te/b"]);
-    let forced = Options { disable_segmented_compute: true, ..Options::default() };
+    let forced = Options {
+        disable_segmented_compute: true,
+        ..Options::default()
+    };
     let s = run(&stack(8), &d, forced);
-    assert_eq!((s.mode, s.decision.reason), (Mode::Monolithic, Reason::Disabled));
+    assert_eq!(
+        (s.mode, s.decision.reason),
+        (Mode::Monolithic, Reason::Disabled)
+    );
     assert_eq!(names(s.segments[0].evictions()), ["te/a", "te/b"]);
-    let report = Simulator::new(d).replay(&stack(8), &s, &mut Estimate).unwrap();
+    let report = Simulator::new(d)
+        .replay(&stack(8), &s, &mut Estimate)
+        .unwrap();
     assert_eq!(report.high_water, NEED8);
 }
 
@@ -424,28 +556,49 @@ fn forced_monolithic_fails_cleanly() {
     let err = plan(
         &stack(8),
         &budget(600 * M),
-        &Options { disable_segmented_compute: true, ..Options::default() },
+        &Options {
+            disable_segmented_compute: true,
+            ..Options::default()
+        },
         &mut Estimate,
     )
     .unwrap_err();
     match &err {
-        PlanError::DoesNotFit { what, needed, available, budget, .. } => {
+        PlanError::DoesNotFit(f) => {
+            let (what, needed, available, budget) = (&f.what, &f.needed, &f.available, &f.budget);
             assert_eq!(what, "the whole graph");
-            assert_eq!((*needed, *available, *budget), (NEED8, 600 * M, Some(600 * M)));
+            assert_eq!(
+                (*needed, *available, *budget),
+                (NEED8, 600 * M, Some(600 * M))
+            );
         }
         e => panic!("{e}"),
     }
     let msg = err.to_string();
-    for part in ["CUDA0", "954204160 bytes", "600.0 MiB", "--disable-segmented-compute"] {
+    for part in [
+        "CUDA0",
+        "954204160 bytes",
+        "600.0 MiB",
+        "--disable-segmented-compute",
+    ] {
         assert!(msg.contains(part), "{part} not in: {msg}");
     }
     // A graph without cuts cannot fall back to segments either.
     let one = ModuleGraph {
         name: "vae".into(),
-        segments: vec![Segment::new("decoder", vec![ParamGroup::new("vae/decoder", 800 * M)], 110 * M)],
+        segments: vec![Segment::new(
+            "decoder",
+            vec![ParamGroup::new("vae/decoder", 800 * M)],
+            110 * M,
+        )],
     };
-    let msg = plan(&one, &budget(900 * M), &Options::default(), &mut Estimate).unwrap_err().to_string();
-    assert!(msg.contains("no cut markers") && msg.contains("954204160"), "{msg}");
+    let msg = plan(&one, &budget(900 * M), &Options::default(), &mut Estimate)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("no cut markers") && msg.contains("954204160"),
+        "{msg}"
+    );
     // 910 MiB in 910 MiB: the planning headroom is consumed, it runs.
     let s = run(&one, &budget(910 * M), Options::default());
     assert_eq!(s.mode, Mode::Monolithic);
@@ -460,12 +613,23 @@ fn a_segment_that_cannot_fit_names_device_bytes_and_budget() {
     m.segments[4].groups[0].bytes = 700 * M;
     let err = plan(&m, &budget(600 * M), &Options::default(), &mut Estimate).unwrap_err();
     let msg = err.to_string();
-    for part in ["CUDA0", "segment `block.3`", "786432000 bytes", "managed budget 600.0 MiB", "unet"] {
+    for part in [
+        "CUDA0",
+        "segment `block.3`",
+        "786432000 bytes",
+        "managed budget 600.0 MiB",
+        "unet",
+    ] {
         assert!(msg.contains(part), "{part} not in: {msg}");
     }
     // Free memory: the reserve is named too.
-    let msg = plan(&m, &free(1000 * M), &Options::default(), &mut Estimate).unwrap_err().to_string();
-    assert!(msg.contains("512.0 MiB scratch reserve") && msg.contains("488.0 MiB"), "{msg}");
+    let msg = plan(&m, &free(1000 * M), &Options::default(), &mut Estimate)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("512.0 MiB scratch reserve") && msg.contains("488.0 MiB"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -481,15 +645,18 @@ fn cut_buffers_count_while_they_live() {
     segments[1] = segments[1].clone().with_cut_output(10 * M, 3);
     segments[2] = segments[2].clone().with_cut_output(8 * M, 3);
     segments[3] = segments[3].clone().with_cut_output(8 * M, 4);
-    let m = ModuleGraph { name: "u".into(), segments };
+    let m = ModuleGraph {
+        name: "u".into(),
+        segments,
+    };
     // out1 alone: 100 weights + 20 workspace + 28 of cut buffers live (in0's and in1's skips,
     // mid's output) + 8 it writes for out0 = 156 MiB, the largest. With 155 MiB it cannot
     // run, and the message counts the cut buffers.
     let err = plan(&m, &budget(155 * M), &no_prefetch(), &mut Estimate).unwrap_err();
     match err {
-        PlanError::DoesNotFit { what, cuts, needed, .. } => {
-            assert_eq!(what, "segment `out1`");
-            assert_eq!((cuts, needed), (36 * M, 156 * M));
+        PlanError::DoesNotFit(f) => {
+            assert_eq!(f.what, "segment `out1`");
+            assert_eq!((f.cuts, f.needed), (36 * M, 156 * M));
         }
         e => panic!("{e}"),
     }
@@ -521,43 +688,88 @@ fn the_simulator_catches_broken_schedules() {
 
     // Dropping the evictions of the second segment overflows the budget.
     let mut bad = s.clone();
-    bad.segments[1].actions.retain(|a| !matches!(a, Action::Evict { .. }));
-    assert!(matches!(replay(&bad), Err(Violation::OverBudget { .. })), "{:?}", replay(&bad));
+    bad.segments[1]
+        .actions
+        .retain(|a| !matches!(a, Action::Evict { .. }));
+    assert!(
+        matches!(replay(&bad), Err(Violation::OverBudget { .. })),
+        "{:?}",
+        replay(&bad)
+    );
     // Dropping a load leaves a segment without its weights.
     let mut bad = s.clone();
-    let pos = bad.segments[2].actions.iter().position(|a| matches!(a, Action::Load { .. })).unwrap();
+    let pos = bad.segments[2]
+        .actions
+        .iter()
+        .position(|a| matches!(a, Action::Load { .. }))
+        .unwrap();
     bad.segments[2].actions.remove(pos);
     assert!(matches!(replay(&bad), Err(Violation::NotResident { .. })));
     // Evicting the current segment's own weights.
     let mut bad = s.clone();
     let first = bad.segments[1].groups[0].clone();
     let at = bad.segments[1].actions.len() - 1;
-    bad.segments[1].actions.insert(at, Action::Evict { group: first, bytes: 100 * M });
-    assert!(matches!(replay(&bad), Err(Violation::EvictPinned { .. })), "{:?}", replay(&bad));
+    bad.segments[1].actions.insert(
+        at,
+        Action::Evict {
+            group: first,
+            bytes: 100 * M,
+        },
+    );
+    assert!(
+        matches!(replay(&bad), Err(Violation::EvictPinned { .. })),
+        "{:?}",
+        replay(&bad)
+    );
     // A too-small workspace.
     let mut bad = s.clone();
-    bad.segments[0].actions.retain(|a| !matches!(a, Action::Workspace { .. }));
-    assert!(matches!(replay(&bad), Err(Violation::WorkspaceTooSmall { .. })));
+    bad.segments[0]
+        .actions
+        .retain(|a| !matches!(a, Action::Workspace { .. }));
+    assert!(matches!(
+        replay(&bad),
+        Err(Violation::WorkspaceTooSmall { .. })
+    ));
     // Free memory dipping into the scratch reserve.
     let f = free(600 * M + RESERVE);
     let s = run(&m, &f, no_prefetch());
-    assert!(Simulator::new(f.clone()).replay(&m, &s, &mut Estimate).is_ok());
+    assert!(Simulator::new(f.clone())
+        .replay(&m, &s, &mut Estimate)
+        .is_ok());
     let mut tight = Simulator::new(f);
     tight.take_free(100 * M);
-    assert!(matches!(tight.replay(&m, &s, &mut Estimate), Err(Violation::IntoReserve { .. })));
+    assert!(matches!(
+        tight.replay(&m, &s, &mut Estimate),
+        Err(Violation::IntoReserve { .. })
+    ));
 }
 
 #[test]
 fn invalid_input_is_an_error() {
     let mut m = stack(2);
-    m.segments[2].groups.push(ParamGroup::new(g("head"), 31 * M));
-    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate).unwrap_err().to_string();
-    assert!(msg.contains("unet/head") && msg.contains("one size"), "{msg}");
+    m.segments[2]
+        .groups
+        .push(ParamGroup::new(g("head"), 31 * M));
+    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("unet/head") && msg.contains("one size"),
+        "{msg}"
+    );
     let mut m = stack(2);
     m.segments[1] = m.segments[1].clone().with_cut_output(M, 1);
-    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate).unwrap_err().to_string();
-    assert!(msg.contains("block.0") && msg.contains("read last by segment 1"), "{msg}");
-    let empty = ModuleGraph { name: "x".into(), segments: vec![] };
+    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("block.0") && msg.contains("read last by segment 1"),
+        "{msg}"
+    );
+    let empty = ModuleGraph {
+        name: "x".into(),
+        segments: vec![],
+    };
     assert!(plan(&empty, &budget(GIB_10), &Options::default(), &mut Estimate).is_err());
 }
 

@@ -375,7 +375,7 @@ impl LatentDistribution {
     /// channels) and log-variance (second half).
     pub fn from_moments(moments: &[f32], dims: (usize, usize), channels2: usize) -> Result<Self> {
         let plane = dims.0 * dims.1;
-        if channels2 % 2 != 0 || moments.len() != plane * channels2 {
+        if !channels2.is_multiple_of(2) || moments.len() != plane * channels2 {
             return Err(VaeError::input(
                 MODULE,
                 format!("moments have {} values, expected an even channel count times {}x{}", moments.len(), dims.1, dims.0),
@@ -594,7 +594,14 @@ impl FirstStage for AutoencoderKl {
         self.cfg.diffusion_to_vae(latents)
     }
 
-    fn decode_graph(&self, runner: &mut Runner, latent: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)> {
+    fn decode_graph(
+        &self,
+        runner: &mut Runner,
+        latent: &[f32],
+        dims: [usize; 2],
+        channels: usize,
+        max_compute_bytes: Option<usize>,
+    ) -> Result<(Vec<f32>, usize)> {
         if channels != self.cfg.z_channels {
             return Err(VaeError::input(MODULE, format!("the latent has {channels} channels, this VAE takes {}", self.cfg.z_channels)));
         }
@@ -605,12 +612,22 @@ impl FirstStage for AutoencoderKl {
         Ok((out, ne[2]))
     }
 
-    fn encode_graph(&self, runner: &mut Runner, image: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)> {
+    fn encode_graph(
+        &self,
+        runner: &mut Runner,
+        image: &[f32],
+        dims: [usize; 2],
+        channels: usize,
+        max_compute_bytes: Option<usize>,
+    ) -> Result<(Vec<f32>, usize)> {
         let s = self.cfg.downscale();
-        if channels != self.cfg.in_channels || dims[0] % s != 0 || dims[1] % s != 0 {
+        if channels != self.cfg.in_channels || !dims[0].is_multiple_of(s) || !dims[1].is_multiple_of(s) {
             return Err(VaeError::input(
                 MODULE,
-                format!("cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of {s}", dims[0], dims[1], self.cfg.in_channels),
+                format!(
+                    "cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of {s}",
+                    dims[0], dims[1], self.cfg.in_channels
+                ),
             ));
         }
         let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, image, [dims[0], dims[1], channels], max_compute_bytes, |f, x| {

@@ -51,10 +51,24 @@ pub trait FirstStage {
     fn diffusion_to_vae(&self, latents: &mut [f32]);
     /// One decode graph on a planar `[channels, h, w]` latent. Returns the planar image
     /// and its channel count.
-    fn decode_graph(&self, runner: &mut Runner, latent: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)>;
+    fn decode_graph(
+        &self,
+        runner: &mut Runner,
+        latent: &[f32],
+        dims: [usize; 2],
+        channels: usize,
+        max_compute_bytes: Option<usize>,
+    ) -> Result<(Vec<f32>, usize)>;
     /// One encode graph on a planar `[channels, H, W]` image. Returns the planar output
     /// (moments for AutoencoderKL, the latent for TAESD) and its channel count.
-    fn encode_graph(&self, runner: &mut Runner, image: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)>;
+    fn encode_graph(
+        &self,
+        runner: &mut Runner,
+        image: &[f32],
+        dims: [usize; 2],
+        channels: usize,
+        max_compute_bytes: Option<usize>,
+    ) -> Result<(Vec<f32>, usize)>;
 }
 
 /// Builds a graph on an input of `dims` (`[w, h, c]`, batch 1) with `build`, checks the
@@ -135,12 +149,7 @@ pub fn decode_tiled(
                 let effective = tile.map_or(small, |t| tile_grid(small, t, overlap).tile);
                 match retry_tile_size(effective, small, scale, first_retry) {
                     Some(next) => {
-                        tracing::warn!(
-                            "{}: {e}; retrying the decode with {}x{} pixel tiles",
-                            model.module(),
-                            next[0] * scale,
-                            next[1] * scale
-                        );
+                        tracing::warn!("{}: {e}; retrying the decode with {}x{} pixel tiles", model.module(), next[0] * scale, next[1] * scale);
                         tile = Some(next);
                         first_retry = false;
                     }
@@ -177,9 +186,7 @@ fn decode_grid(
         model.module()
     );
     let scale = model.scale_factor();
-    run_tiled(&grid, latent, channels, scale, Direction::Decode, |piece, d| {
-        model.decode_graph(runner, piece, d, channels, max_compute_bytes)
-    })
+    run_tiled(&grid, latent, channels, scale, Direction::Decode, |piece, d| model.decode_graph(runner, piece, d, channels, max_compute_bytes))
 }
 
 /// Encodes a planar `[channels, H, W]` image (in the model's [`ImageRange`]); tiles when
@@ -199,7 +206,7 @@ pub fn encode_tiled(
     if !tiling.enabled {
         return model.encode_graph(runner, image, [dims.0, dims.1], channels, max_compute_bytes);
     }
-    if dims.0 % scale != 0 || dims.1 % scale != 0 {
+    if !dims.0.is_multiple_of(scale) || !dims.1.is_multiple_of(scale) {
         return Err(VaeError::input(model.module(), format!("cannot tile-encode a {}x{} image: sides must be multiples of {scale}", dims.0, dims.1)));
     }
     let small = [dims.0 / scale, dims.1 / scale];

@@ -106,7 +106,7 @@ pub enum Layer {
     /// A convolution.
     Conv(Conv2d),
     /// A residual block.
-    Block(TaeBlock),
+    Block(Box<TaeBlock>),
     /// ReLU (no parameters).
     Relu,
     /// Nearest x2 upsampling (no parameters).
@@ -139,12 +139,12 @@ pub fn decoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
     let mut layers = vec![Layer::Conv(Conv2d::new(p(0), cfg.z_channels, ch, 3, 1, 1)), Layer::Relu];
     for _stage in 0..3 {
         for _ in 0..cfg.num_blocks {
-            layers.push(Layer::Block(TaeBlock::new(p(layers.len()), ch, ch)));
+            layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch))));
         }
         layers.push(Layer::Upsample);
         layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, ch, 3, 1, 1).no_bias()));
     }
-    layers.push(Layer::Block(TaeBlock::new(p(layers.len()), ch, ch)));
+    layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch))));
     layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, cfg.image_channels, 3, 1, 1)));
     layers
 }
@@ -154,11 +154,11 @@ pub fn encoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
     let p = |i: usize| format!("{PREFIX}.encoder.layers.{i}");
     let ch = cfg.channels;
     let mut layers = vec![Layer::Conv(Conv2d::new(p(0), cfg.image_channels, ch, 3, 1, 1))];
-    layers.push(Layer::Block(TaeBlock::new(p(1), ch, ch)));
+    layers.push(Layer::Block(Box::new(TaeBlock::new(p(1), ch, ch))));
     for _stage in 0..3 {
         layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, ch, 3, 2, 1).no_bias()));
         for _ in 0..cfg.num_blocks {
-            layers.push(Layer::Block(TaeBlock::new(p(layers.len()), ch, ch)));
+            layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch))));
         }
     }
     layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, cfg.z_channels, 3, 1, 1)));
@@ -266,7 +266,8 @@ impl Taesd {
             .map(|i| (&self.decoder, i))
             .or_else(|| name.strip_prefix("encoder.layers.").and_then(|i| self.encoder.as_ref().map(|e| (e, i))))
             .ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
-        let layer = index.parse::<usize>().ok().and_then(|i| side.get(i)).ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
+        let layer =
+            index.parse::<usize>().ok().and_then(|i| side.get(i)).ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
         run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| layer_forward(layer, f, x))
     }
 }
@@ -294,7 +295,14 @@ impl FirstStage for Taesd {
 
     fn diffusion_to_vae(&self, _latents: &mut [f32]) {}
 
-    fn decode_graph(&self, runner: &mut Runner, latent: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)> {
+    fn decode_graph(
+        &self,
+        runner: &mut Runner,
+        latent: &[f32],
+        dims: [usize; 2],
+        channels: usize,
+        max_compute_bytes: Option<usize>,
+    ) -> Result<(Vec<f32>, usize)> {
         if channels != self.cfg.z_channels {
             return Err(VaeError::input(MODULE, format!("the latent has {channels} channels, TAESD takes {}", self.cfg.z_channels)));
         }
@@ -305,11 +313,21 @@ impl FirstStage for Taesd {
         Ok((out, ne[2]))
     }
 
-    fn encode_graph(&self, runner: &mut Runner, image: &[f32], dims: [usize; 2], channels: usize, max_compute_bytes: Option<usize>) -> Result<(Vec<f32>, usize)> {
-        if channels != self.cfg.image_channels || dims[0] % 8 != 0 || dims[1] % 8 != 0 {
+    fn encode_graph(
+        &self,
+        runner: &mut Runner,
+        image: &[f32],
+        dims: [usize; 2],
+        channels: usize,
+        max_compute_bytes: Option<usize>,
+    ) -> Result<(Vec<f32>, usize)> {
+        if channels != self.cfg.image_channels || !dims[0].is_multiple_of(8) || !dims[1].is_multiple_of(8) {
             return Err(VaeError::input(
                 MODULE,
-                format!("cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of 8", dims[0], dims[1], self.cfg.image_channels),
+                format!(
+                    "cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of 8",
+                    dims[0], dims[1], self.cfg.image_channels
+                ),
             ));
         }
         let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, image, [dims[0], dims[1], channels], max_compute_bytes, |f, x| {

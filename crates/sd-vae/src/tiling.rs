@@ -72,17 +72,18 @@ impl TilingParams {
             })?;
         }
         if let Some(s) = overlap {
-            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| {
-                VaeError::flag(OVERLAP_FLAG, format!("expected a fraction of the tile size (clamped to 0..0.5), got `{s}`"))
-            })?;
+            p.target_overlap = s
+                .trim()
+                .parse::<f32>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .ok_or_else(|| VaeError::flag(OVERLAP_FLAG, format!("expected a fraction of the tile size (clamped to 0..0.5), got `{s}`")))?;
         }
         if let Some(s) = relative {
             p.rel_size = parse_pair(s, |v| v.parse::<f32>().ok().filter(|f| f.is_finite() && *f >= 0.0)).ok_or_else(|| {
                 VaeError::flag(
                     RELATIVE_FLAG,
-                    format!(
-                        "expected one positive value or WIDTHxHEIGHT (up to 1: fraction of the input; above 1: tiles per axis), got `{s}`"
-                    ),
+                    format!("expected one positive value or WIDTHxHEIGHT (up to 1: fraction of the input; above 1: tiles per axis), got `{s}`"),
                 )
             })?;
         }
@@ -108,6 +109,16 @@ impl TilingParams {
             out[axis] = axis_tile(self.tile_size[axis], self.rel_size[axis], latent[axis], scale, overlap, name)?;
         }
         Ok(out)
+    }
+
+    /// Checks the sizes against an image of `image` pixels (`[w, h]`) before any work is
+    /// done, so a bad `--vae-tile-size` fails before sampling rather than at decode time.
+    pub fn validate(&self, image: [usize; 2], scale: usize) -> Result<()> {
+        if self.enabled {
+            let scale = scale.max(1);
+            self.tile_size_latent([image[0] / scale, image[1] / scale], scale)?;
+        }
+        Ok(())
     }
 
     /// The grid for an input of `latent` latent pixels.
@@ -274,11 +285,7 @@ pub fn smootherstep(x: f32) -> f32 {
 /// over `overlap` at an edge shared with a neighbour, 1 at the image border.
 pub fn edge_factor(i: usize, size: usize, origin: usize, full: usize, overlap: usize, skip: usize) -> f32 {
     let rising = if overlap > 0 && origin > 0 { (i as i64 - skip as i64) as f32 / overlap as f32 } else { 1.0 };
-    let falling = if overlap > 0 && (origin as i64) < full as i64 - size as i64 {
-        (size as i64 - i as i64) as f32 / overlap as f32
-    } else {
-        1.0
-    };
+    let falling = if overlap > 0 && (origin as i64) < full as i64 - size as i64 { (size as i64 - i as i64) as f32 / overlap as f32 } else { 1.0 };
     rising.min(falling).min(1.0)
 }
 
@@ -370,16 +377,7 @@ where
             out_planes = p;
             out = vec![0.0; p * out_dims[0] * out_dims[1]];
         }
-        merge_tile(
-            &mut out,
-            out_dims,
-            &processed,
-            out_tile,
-            p,
-            [t.x * out_mul, t.y * out_mul],
-            overlap,
-            [t.skip_x * out_mul, t.skip_y * out_mul],
-        );
+        merge_tile(&mut out, out_dims, &processed, out_tile, p, [t.x * out_mul, t.y * out_mul], overlap, [t.skip_x * out_mul, t.skip_y * out_mul]);
         tracing::debug!(tile = i + 1, of = grid.tiles.len(), "vae tile done");
     }
     Ok(out)

@@ -17,8 +17,8 @@ use common::{cpu_runner, max_diff, uniform, RandomSource};
 use sd_backends::GgmlType;
 use sd_sched::Runner;
 use sd_vae::{
-    decode_tiled, encode_tiled, AutoencoderKl, FirstStage, GraphOptions, LatentDistribution, Taesd, TaesdConfig, TaesdParts, TilingParams,
-    VaeConfig, VaeParts,
+    decode_tiled, encode_tiled, AutoencoderKl, FirstStage, GraphOptions, LatentDistribution, Taesd, TaesdConfig, TaesdParts, TilingParams, VaeConfig,
+    VaeParts,
 };
 
 const SRC: RandomSource = RandomSource { seed: 42 };
@@ -223,7 +223,10 @@ fn sd_spec_shapes_and_types() {
     let f16 = GgmlType::GGML_TYPE_F16;
     let f32 = GgmlType::GGML_TYPE_F32;
     // ggml order, innermost first: [kw, kh, in, out].
-    assert_eq!((find("first_stage_model.decoder.conv_in.weight").ne.clone(), find("first_stage_model.decoder.conv_in.weight").ty), (vec![3, 3, 4, 512], f16));
+    assert_eq!(
+        (find("first_stage_model.decoder.conv_in.weight").ne.clone(), find("first_stage_model.decoder.conv_in.weight").ty),
+        (vec![3, 3, 4, 512], f16)
+    );
     assert_eq!(find("first_stage_model.decoder.mid.attn_1.q.weight").ne, vec![1, 1, 512, 512]);
     assert_eq!(find("first_stage_model.decoder.up.0.block.0.nin_shortcut.weight").ne, vec![1, 1, 256, 128]);
     assert_eq!(find("first_stage_model.decoder.up.3.upsample.conv.weight").ne, vec![3, 3, 512, 512]);
@@ -258,18 +261,26 @@ fn linear_attention_projections_match_the_conv_form() {
 }
 
 #[test]
-fn flash_attention_and_direct_convolution_agree() {
+fn flash_attention_agrees_and_direct_convolution_is_bit_identical_on_cpu() {
     let mut runner = cpu_runner("vae");
     let plain = load(tiny(), &runner);
     let (z, _) = input(4, 4, 4, 31);
     let want = plain.decode(&mut runner, &z, (4, 4), 4).unwrap();
-    let want = Act::from_f32(8, 8, 3, &want);
-    for opts in [GraphOptions { flash_attn: true, conv_direct: false }, GraphOptions { flash_attn: false, conv_direct: true }] {
-        let m = load(tiny(), &runner).with_options(opts);
-        let got = m.decode(&mut runner, &z, (4, 4), 4).unwrap();
-        // Flash attention rounds k and v to f16: a few f16 ulps at most.
-        check(&format!("{opts:?}"), &got, &want);
-    }
+    let (x, _) = input(3, 8, 8, 32);
+    let want_enc = plain.encode(&mut runner, &x, (8, 8)).unwrap();
+
+    let flash = load(tiny(), &runner).with_options(GraphOptions { flash_attn: true, conv_direct: false });
+    let got = flash.decode(&mut runner, &z, (4, 4), 4).unwrap();
+    // Flash attention rounds q, k and v to f16: a few f16 ulps at most.
+    check("flash attention", &got, &Act::from_f32(8, 8, 3, &want));
+
+    // GraphOptions::recommended picks direct convolution on the CPU because ggml's CPU
+    // kernel feeds the same f16 im2col rows to the same matmul: the images must be equal.
+    let opts = GraphOptions::recommended(runner.backend().device());
+    assert!(opts.conv_direct && !opts.flash_attn);
+    let direct = load(tiny(), &runner).with_options(opts);
+    assert!(direct.decode(&mut runner, &z, (4, 4), 4).unwrap() == want, "direct convolution decode differs from im2col");
+    assert!(direct.encode(&mut runner, &x, (8, 8)).unwrap() == want_enc, "direct convolution encode differs from im2col");
 }
 
 #[test]

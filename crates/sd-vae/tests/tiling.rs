@@ -67,6 +67,10 @@ fn explicit_sizes_below_four_latent_pixels_are_rejected() {
     // A 3-latent-pixel axis accepts a 3-pixel tile (the full axis) but not 2.
     assert_eq!(params(Some("24"), None, None).tile_size_latent([3, 3], 8).unwrap(), [3, 3]);
     assert_eq!(flag_of(params(Some("16"), None, None).tile_size_latent([3, 3], 8).unwrap_err()), "--vae-tile-size");
+    // The check can run before any work, on the image size.
+    assert_eq!(flag_of(params(Some("24"), None, None).validate([512, 512], 8).unwrap_err()), "--vae-tile-size");
+    assert!(params(Some("24"), None, None).validate([24, 24], 8).is_ok());
+    assert!(TilingParams::default().validate([512, 512], 8).is_ok());
 }
 
 #[test]

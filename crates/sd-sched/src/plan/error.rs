@@ -1,5 +1,7 @@
 //! Why a graph cannot be planned.
 
+use std::fmt;
+
 use sd_placement::fmt_bytes;
 
 /// A plan that cannot be made.
@@ -7,47 +9,8 @@ use sd_placement::fmt_bytes;
 pub enum PlanError {
     /// Even after reclaiming every unpinned replica, a segment (or the whole graph, when it
     /// must run monolithic) does not fit the device.
-    #[error(
-        "{device}: {what} of {module} needs {needed} bytes ({needed_h}: {weights_h} weights, {workspace_h} \
-         workspace, {cuts_h} cut buffers) but only {available} bytes ({available_h}) are available after \
-         reclaiming unpinned replicas (managed budget {budget_h}, live free {free_h} less the {reserve_h} \
-         scratch reserve); {hint}",
-        needed_h = fmt_bytes(*needed),
-        weights_h = fmt_bytes(*weights),
-        workspace_h = fmt_bytes(*workspace),
-        cuts_h = fmt_bytes(*cuts),
-        available_h = fmt_bytes(*available),
-        budget_h = budget.map_or_else(|| "none".to_string(), fmt_bytes),
-        free_h = free.map_or_else(|| "unknown".to_string(), fmt_bytes),
-        reserve_h = fmt_bytes(*reserve),
-    )]
-    DoesNotFit {
-        /// Device name.
-        device: String,
-        /// Module (runner) name.
-        module: String,
-        /// `segment `name`` or `the whole graph`.
-        what: String,
-        /// Bytes it needs (for a segment: its weights, workspace and live cut buffers; for the
-        /// whole graph: missing weights and the workspace beyond the reusable buffer).
-        needed: u64,
-        /// Weights part of `needed`.
-        weights: u64,
-        /// Workspace part of `needed`.
-        workspace: u64,
-        /// Cut-buffer part of `needed`.
-        cuts: u64,
-        /// Bytes available to it.
-        available: u64,
-        /// The explicit managed budget, if any.
-        budget: Option<u64>,
-        /// Live free memory, if known.
-        free: Option<u64>,
-        /// The scratch reserve.
-        reserve: u64,
-        /// What the user can change.
-        hint: &'static str,
-    },
+    #[error("{0}")]
+    DoesNotFit(Box<Shortfall>),
     /// The description of the module or the device contradicts itself.
     #[error("segment plan for {module}: {reason}")]
     InvalidInput {
@@ -56,4 +19,59 @@ pub enum PlanError {
         /// What is wrong and what is accepted.
         reason: String,
     },
+}
+
+/// What did not fit, where, and by how much.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shortfall {
+    /// Device name.
+    pub device: String,
+    /// Module (runner) name.
+    pub module: String,
+    /// ``segment `name` `` or `the whole graph`.
+    pub what: String,
+    /// Bytes it needs (for a segment: its weights, workspace and live cut buffers; for the
+    /// whole graph: missing weights and the workspace beyond the reusable buffer).
+    pub needed: u64,
+    /// Weights part of `needed`.
+    pub weights: u64,
+    /// Workspace part of `needed`.
+    pub workspace: u64,
+    /// Cut-buffer part of `needed`.
+    pub cuts: u64,
+    /// Bytes available to it.
+    pub available: u64,
+    /// The explicit managed budget, if any.
+    pub budget: Option<u64>,
+    /// Live free memory, if known.
+    pub free: Option<u64>,
+    /// The scratch reserve.
+    pub reserve: u64,
+    /// What the user can change.
+    pub hint: &'static str,
+}
+
+impl fmt::Display for Shortfall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} of {} needs {} bytes ({}: {} weights, {} workspace, {} cut buffers) but only {} bytes ({}) \
+             are available after reclaiming unpinned replicas (managed budget {}, live free {} less the {} \
+             scratch reserve); {}",
+            self.device,
+            self.what,
+            self.module,
+            self.needed,
+            fmt_bytes(self.needed),
+            fmt_bytes(self.weights),
+            fmt_bytes(self.workspace),
+            fmt_bytes(self.cuts),
+            self.available,
+            fmt_bytes(self.available),
+            self.budget.map_or_else(|| "none".to_string(), fmt_bytes),
+            self.free.map_or_else(|| "unknown".to_string(), fmt_bytes),
+            fmt_bytes(self.reserve),
+            self.hint,
+        )
+    }
 }

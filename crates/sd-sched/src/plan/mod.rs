@@ -60,7 +60,7 @@
 //!    workspace comes from a [`MergedWorkspace`] (the executor measures the merged graph;
 //!    [`Estimate`] is the plain-data approximation).
 //! 3. **Actions per segment**, replayed on a model of the device:
-//!    reclaim (shrink an oversized idle workspace first, then evict unpinned replicas:
+//!    reclaim (release an oversized idle workspace first, then evict unpinned replicas:
 //!    replicas the graph does not use first, in the order the device lists them, then the
 //!    graph's own *from the last segment backward*; the current segment's weights and
 //!    groups being prefetched for a later segment are pinned), allocate the workspace,
@@ -77,11 +77,46 @@
 //!    reports which. A monolithic run evicts only replicas the graph does not use, and
 //!    only as many as it needs, before it allocates.
 //!
+//! The executor plans before every graph run with the live device state (free memory can
+//! drop between runs). Because reclaimable replicas count as available, the choice equals
+//! "the whole graph's weights and workspace plus 128 MiB fit the capacity" whatever is
+//! resident (an oversized reusable buffer aside): "later graph runs remain segmented when
+//! the full graph exceeds the budget", even once all its weights happen to be resident (such
+//! runs transfer nothing).
+//!
 //! The [`Simulator`] replays schedules on an independent ledger, checks every action (an
 //! eviction of a pinned replica, a load that does not fit, a segment computing without its
 //! weights, managed bytes above the budget, free memory below the reserve) and reports the
 //! managed high-water mark and the bytes transferred per run. The executor's own accounting
 //! must satisfy the same checks.
+//!
+//! # Use
+//!
+//! ```
+//! use sd_sched::plan::{plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup,
+//!                      Segment, Simulator, MIB};
+//!
+//! // Eight 100 MiB blocks with 50 MiB of workspace each, on a device with a 600 MiB budget.
+//! let segments = (0..8)
+//!     .map(|i| Segment::new(format!("block.{i}"), vec![ParamGroup::new(format!("unet/block.{i}"), 100 * MIB)], 50 * MIB))
+//!     .collect();
+//! let unet = ModuleGraph { name: "unet".into(), segments };
+//! let device = DeviceState::new("CUDA0", Some(600 * MIB), None);
+//! let schedule = plan(&unet, &device, &Options::default(), &mut Estimate).unwrap();
+//! assert_eq!(schedule.mode, Mode::Segmented);
+//! // The executor performs each segment's actions in order: evictions, workspace, loads, cut
+//! // buffers, prefetches (issued before computing, awaited by the segment that needs them),
+//! // compute, cut-buffer releases.
+//! assert!(matches!(schedule.segments[0].actions.last(), Some(Action::Compute)));
+//! // Four sampling steps on a simulated device: the budget holds, and the steps after the first
+//! // copy less because the leading blocks stay resident.
+//! let mut sim = Simulator::new(device);
+//! let copied: Vec<u64> = (0..4)
+//!     .map(|_| sim.run(&unet, &Options::default(), &mut Estimate).unwrap().1.transferred())
+//!     .collect();
+//! assert!(sim.high_water() <= 600 * MIB);
+//! assert!(copied[1] < copied[0]);
+//! ```
 //!
 //! Group names are global on a device: callers qualify them (`diffusion/input_blocks.1`) so
 //! that replicas of different modules never collide.
@@ -93,7 +128,7 @@ mod schedule;
 mod sim;
 mod workspace;
 
-pub use error::PlanError;
+pub use error::{PlanError, Shortfall};
 pub use model::{CutOutput, DeviceState, ModuleGraph, Options, ParamGroup, Replica, Segment};
 pub use planner::plan;
 pub use schedule::{Action, Decision, Mode, PlannedSegment, Reason, Schedule, Transfer};

@@ -18,7 +18,10 @@ pub struct ParamGroup {
 impl ParamGroup {
     /// A group named `name` of `bytes` bytes.
     pub fn new(name: impl Into<String>, bytes: u64) -> Self {
-        Self { name: name.into(), bytes }
+        Self {
+            name: name.into(),
+            bytes,
+        }
     }
 }
 
@@ -49,7 +52,12 @@ pub struct Segment {
 impl Segment {
     /// A segment with parameter groups and workspace, no cut outputs.
     pub fn new(name: impl Into<String>, groups: Vec<ParamGroup>, workspace: u64) -> Self {
-        Self { name: name.into(), groups, workspace, cut_outputs: Vec::new() }
+        Self {
+            name: name.into(),
+            groups,
+            workspace,
+            cut_outputs: Vec::new(),
+        }
     }
 
     /// Adds an output read last by segment `last_reader`.
@@ -130,7 +138,9 @@ impl DeviceState {
     pub fn managed(&self) -> u64 {
         self.replicas
             .iter()
-            .fold(self.fixed.saturating_add(self.workspace), |acc, r| acc.saturating_add(r.bytes))
+            .fold(self.fixed.saturating_add(self.workspace), |acc, r| {
+                acc.saturating_add(r.bytes)
+            })
     }
 }
 
@@ -160,9 +170,14 @@ impl Facts {
     /// Checks the module against itself and the device: a group has one size everywhere, a
     /// replica is listed once, a cut output is read after it is written and within the list.
     pub fn new(module: &ModuleGraph, device: &DeviceState) -> Result<Self, PlanError> {
-        let invalid = |reason: String| PlanError::InvalidInput { module: module.name.clone(), reason };
+        let invalid = |reason: String| PlanError::InvalidInput {
+            module: module.name.clone(),
+            reason,
+        };
         if module.segments.is_empty() {
-            return Err(invalid("the segment list is empty (a graph without cuts is one segment)".into()));
+            return Err(invalid(
+                "the segment list is empty (a graph without cuts is one segment)".into(),
+            ));
         }
         let n = module.segments.len();
         let mut bytes: HashMap<String, u64> = HashMap::new();
@@ -204,7 +219,10 @@ impl Facts {
         let mut device_pinned = HashSet::new();
         for r in &device.replicas {
             if !listed.insert(r.group.as_str()) {
-                return Err(invalid(format!("device {} lists a replica of `{}` twice", device.name, r.group)));
+                return Err(invalid(format!(
+                    "device {} lists a replica of `{}` twice",
+                    device.name, r.group
+                )));
             }
             if let Some(&b) = bytes.get(&r.group) {
                 if b != r.bytes {
@@ -218,7 +236,12 @@ impl Facts {
                 }
             }
         }
-        Ok(Self { bytes, seg_groups, all_groups, device_pinned })
+        Ok(Self {
+            bytes,
+            seg_groups,
+            all_groups,
+            device_pinned,
+        })
     }
 
     /// Unique groups of the base segments in `range`, in order of first appearance.

@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use super::error::PlanError;
+use super::error::{PlanError, Shortfall};
 use super::model::{cuts_in, cuts_out, DeviceState, Facts, ModuleGraph, Options};
 use super::schedule::{Action, Decision, Mode, PlannedSegment, Reason, Schedule, Transfer};
 use super::workspace::MergedWorkspace;
@@ -22,9 +22,16 @@ pub fn plan(
     workspace: &mut dyn MergedWorkspace,
 ) -> Result<Schedule, PlanError> {
     let facts = Facts::new(module, device)?;
-    let workspace = &mut Memo { inner: workspace, seen: HashMap::new() };
+    let workspace = &mut Memo {
+        inner: workspace,
+        seen: HashMap::new(),
+    };
     let n = module.segments.len();
-    let full_ws = if n == 1 { module.segments[0].workspace } else { workspace.merged(&module.segments, 0..n) };
+    let full_ws = if n == 1 {
+        module.segments[0].workspace
+    } else {
+        workspace.merged(&module.segments, 0..n)
+    };
 
     // Capacity: what this runner could hold at once after reclaiming every unpinned replica
     // and its own idle workspace.
@@ -36,10 +43,14 @@ pub fn plan(
             evictable = evictable.saturating_add(r.bytes);
         }
     }
-    let cap_free = device
-        .free
-        .map(|f| f.saturating_add(device.workspace).saturating_add(evictable).saturating_sub(device.scratch_reserve));
-    let cap_budget = device.budget.map(|b| b.saturating_sub(device.fixed.saturating_add(pinned)));
+    let cap_free = device.free.map(|f| {
+        f.saturating_add(device.workspace)
+            .saturating_add(evictable)
+            .saturating_sub(device.scratch_reserve)
+    });
+    let cap_budget = device
+        .budget
+        .map(|b| b.saturating_sub(device.fixed.saturating_add(pinned)));
     let capacity = min_opt(cap_free, cap_budget);
 
     // The monolithic/segmented choice, in performance.md's terms.
@@ -58,8 +69,14 @@ pub fn plan(
         .filter(|r| !r.pinned && !graph_groups.contains(r.group.as_str()))
         .map(|r| r.bytes)
         .fold(0, u64::saturating_add);
-    let avail_free = device.free.map(|f| f.saturating_add(reclaimable).saturating_sub(device.scratch_reserve));
-    let avail_budget = device.budget.map(|b| b.saturating_add(reclaimable).saturating_sub(device.managed()));
+    let avail_free = device.free.map(|f| {
+        f.saturating_add(reclaimable)
+            .saturating_sub(device.scratch_reserve)
+    });
+    let avail_budget = device.budget.map(|b| {
+        b.saturating_add(reclaimable)
+            .saturating_sub(device.managed())
+    });
     let available = min_opt(avail_free, avail_budget);
     let need = missing_weights.saturating_add(new_workspace);
     let reason = match available {
@@ -110,7 +127,7 @@ pub fn plan(
                          device memory, or run the module on another device"
                     }
                 };
-                return Err(PlanError::DoesNotFit {
+                return Err(PlanError::DoesNotFit(Box::new(Shortfall {
                     device: device.name.clone(),
                     module: module.name.clone(),
                     what: "the whole graph".into(),
@@ -123,7 +140,7 @@ pub fn plan(
                     free: device.free,
                     reserve: device.scratch_reserve,
                     hint,
-                });
+                })));
             }
         }
         vec![ctx.monolithic(&mut dev, full_ws)]
@@ -136,7 +153,11 @@ pub fn plan(
     let schedule = Schedule {
         module: module.name.clone(),
         device: device.name.clone(),
-        mode: if reason == Reason::ExceedsHeadroom { Mode::Segmented } else { Mode::Monolithic },
+        mode: if reason == Reason::ExceedsHeadroom {
+            Mode::Segmented
+        } else {
+            Mode::Monolithic
+        },
         decision,
         capacity,
         base_segments: n,
@@ -173,14 +194,22 @@ impl Ledger {
             reserve: device.scratch_reserve,
             free: device.free,
             managed: device.managed(),
-            resident: device.replicas.iter().map(|r| (r.group.clone(), r.bytes, r.pinned)).collect(),
+            resident: device
+                .replicas
+                .iter()
+                .map(|r| (r.group.clone(), r.bytes, r.pinned))
+                .collect(),
             workspace: device.workspace,
         }
     }
 
     fn room(&self) -> u64 {
-        let by_free = self.free.map_or(u64::MAX, |f| f.saturating_sub(self.reserve));
-        let by_budget = self.budget.map_or(u64::MAX, |b| b.saturating_sub(self.managed));
+        let by_free = self
+            .free
+            .map_or(u64::MAX, |f| f.saturating_sub(self.reserve));
+        let by_budget = self
+            .budget
+            .map_or(u64::MAX, |b| b.saturating_sub(self.managed));
         by_free.min(by_budget)
     }
 
@@ -199,7 +228,11 @@ impl Ledger {
     }
 
     fn evict(&mut self, group: &str) -> u64 {
-        let pos = self.resident.iter().position(|(g, _, _)| g == group).expect("evicting a resident replica");
+        let pos = self
+            .resident
+            .iter()
+            .position(|(g, _, _)| g == group)
+            .expect("evicting a resident replica");
         let (_, bytes, _) = self.resident.remove(pos);
         self.release(bytes);
         bytes
@@ -246,7 +279,12 @@ struct Ctx<'a> {
 }
 
 impl<'a> Ctx<'a> {
-    fn new(module: &'a ModuleGraph, device: &'a DeviceState, opts: &Options, facts: &'a Facts) -> Self {
+    fn new(
+        module: &'a ModuleGraph,
+        device: &'a DeviceState,
+        opts: &Options,
+        facts: &'a Facts,
+    ) -> Self {
         let mut seen = HashSet::new();
         let mut backward = Vec::new();
         for groups in facts.seg_groups.iter().rev() {
@@ -256,9 +294,18 @@ impl<'a> Ctx<'a> {
                 }
             }
         }
-        let prefetch = (!opts.disable_prefetch)
-            .then_some(if device.async_transfer { Transfer::Async } else { Transfer::WorkerThread });
-        Self { module, device, facts, prefetch, backward }
+        let prefetch = (!opts.disable_prefetch).then_some(if device.async_transfer {
+            Transfer::Async
+        } else {
+            Transfer::WorkerThread
+        });
+        Self {
+            module,
+            device,
+            facts,
+            prefetch,
+            backward,
+        }
     }
 
     fn range_name(&self, range: &Range<usize>) -> String {
@@ -280,15 +327,18 @@ impl<'a> Ctx<'a> {
 
     /// (unpinned weights, workspace, cut buffers live while it runs) of base segments `range` merged.
     fn footprint(&self, ws: &mut dyn MergedWorkspace, range: Range<usize>) -> (u64, u64, u64) {
-        let weights = self.facts.unpinned_bytes(&self.facts.groups_of(range.clone()));
+        let weights = self
+            .facts
+            .unpinned_bytes(&self.facts.groups_of(range.clone()));
         let workspace = self.workspace_of(ws, range.clone());
-        let cuts = cuts_in(&self.module.segments, range.start).saturating_add(cuts_out(&self.module.segments, range));
+        let cuts = cuts_in(&self.module.segments, range.start)
+            .saturating_add(cuts_out(&self.module.segments, range));
         (weights, workspace, cuts)
     }
 
     fn does_not_fit(&self, range: Range<usize>, fp: (u64, u64, u64), capacity: u64) -> PlanError {
         let (weights, workspace, cuts) = fp;
-        PlanError::DoesNotFit {
+        PlanError::DoesNotFit(Box::new(Shortfall {
             device: self.device.name.clone(),
             module: self.module.name.clone(),
             what: format!("segment `{}`", self.range_name(&range)),
@@ -302,13 +352,17 @@ impl<'a> Ctx<'a> {
             reserve: self.device.scratch_reserve,
             hint: "every segment must fit on its own: raise --max-vram or free device memory, lower the \
                    resolution or batch size, or run the module on another device",
-        }
+        }))
     }
 
     /// Checks that every base segment fits the capacity, then merges adjacent ones greedily
     /// while the merged segment fits the capacity less the planning headroom (and, with
     /// prefetch, next to a prefetch of its own weight).
-    fn merge(&self, ws: &mut dyn MergedWorkspace, capacity: u64) -> Result<Vec<Range<usize>>, PlanError> {
+    fn merge(
+        &self,
+        ws: &mut dyn MergedWorkspace,
+        capacity: u64,
+    ) -> Result<Vec<Range<usize>>, PlanError> {
         let n = self.module.segments.len();
         for i in 0..n {
             let fp = self.footprint(ws, i..i + 1);
@@ -324,7 +378,11 @@ impl<'a> Ctx<'a> {
             while end < n {
                 let (w, s, c) = self.footprint(ws, start..end + 1);
                 let neighbour = if self.prefetch.is_some() { w } else { 0 };
-                if w.saturating_add(s).saturating_add(c).saturating_add(neighbour) <= limit {
+                if w.saturating_add(s)
+                    .saturating_add(c)
+                    .saturating_add(neighbour)
+                    <= limit
+                {
                     end += 1;
                 } else {
                     break;
@@ -338,7 +396,12 @@ impl<'a> Ctx<'a> {
 
     fn planned(&self, ws: &mut dyn MergedWorkspace, ranges: &[Range<usize>]) -> Vec<Seg> {
         let segs = &self.module.segments;
-        let owner = |base: usize| ranges.iter().position(|r| r.contains(&base)).expect("ranges cover the list");
+        let owner = |base: usize| {
+            ranges
+                .iter()
+                .position(|r| r.contains(&base))
+                .expect("ranges cover the list")
+        };
         let mut release = vec![0u64; ranges.len()];
         for r in ranges {
             for s in &segs[r.clone()] {
@@ -383,7 +446,11 @@ impl<'a> Ctx<'a> {
     }
 
     fn missing(&self, dev: &Ledger, groups: &[String]) -> Vec<(String, u64)> {
-        groups.iter().filter(|g| !dev.is_resident(g)).map(|g| (g.clone(), self.facts.bytes[g])).collect()
+        groups
+            .iter()
+            .filter(|g| !dev.is_resident(g))
+            .map(|g| (g.clone(), self.facts.bytes[g]))
+            .collect()
     }
 
     /// Plans segment `i` on `dev`, updating it; prefetches for a later segment when
@@ -405,13 +472,16 @@ impl<'a> Ctx<'a> {
         let missing = self.missing(dev, &seg.groups);
         let missing_bytes = missing.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
         let need = |dev: &Ledger| {
-            missing_bytes.saturating_add(seg.workspace.saturating_sub(dev.workspace)).saturating_add(seg.cuts_out)
+            missing_bytes
+                .saturating_add(seg.workspace.saturating_sub(dev.workspace))
+                .saturating_add(seg.cuts_out)
         };
 
-        // Reclaim: an oversized idle workspace first, then unpinned replicas in order.
+        // Reclaim: an oversized idle workspace first (released now, allocated at its size
+        // below, after the evictions), then unpinned replicas in order.
         if need(dev) > dev.room() && dev.workspace > seg.workspace {
-            actions.push(Action::Workspace { bytes: seg.workspace });
-            dev.set_workspace(seg.workspace);
+            actions.push(Action::Workspace { bytes: 0 });
+            dev.set_workspace(0);
         }
         for (g, _) in self.candidates(dev, &pins) {
             if need(dev) <= dev.room() {
@@ -426,7 +496,9 @@ impl<'a> Ctx<'a> {
             return Err(self.does_not_fit(seg.base.clone(), (w, seg.workspace, c), capacity));
         }
         if seg.workspace > dev.workspace {
-            actions.push(Action::Workspace { bytes: seg.workspace });
+            actions.push(Action::Workspace {
+                bytes: seg.workspace,
+            });
             dev.set_workspace(seg.workspace);
         }
         for (g, bytes) in missing {
@@ -435,7 +507,9 @@ impl<'a> Ctx<'a> {
         }
         if seg.cuts_out > 0 {
             dev.alloc(seg.cuts_out);
-            actions.push(Action::AllocCut { bytes: seg.cuts_out });
+            actions.push(Action::AllocCut {
+                bytes: seg.cuts_out,
+            });
         }
 
         let mut prefetch_skipped = false;
@@ -443,7 +517,9 @@ impl<'a> Ctx<'a> {
             if let Some(j) = (i + 1..segs.len()).find(|&j| !segs[j].groups.is_empty()) {
                 let wanted = self.missing(dev, &segs[j].groups);
                 if !wanted.is_empty() {
-                    match self.try_prefetch(segs, dev, inflight, &pins, i, j, &wanted, via, capacity) {
+                    match self
+                        .try_prefetch(segs, dev, inflight, &pins, i, j, &wanted, via, capacity)
+                    {
                         Some((trial, trial_inflight, pf_actions)) => {
                             *dev = trial;
                             *inflight = trial_inflight;
@@ -458,10 +534,15 @@ impl<'a> Ctx<'a> {
         actions.push(Action::Compute);
         if seg.cuts_release > 0 {
             dev.release(seg.cuts_release);
-            actions.push(Action::ReleaseCut { bytes: seg.cuts_release });
+            actions.push(Action::ReleaseCut {
+                bytes: seg.cuts_release,
+            });
         }
         inflight.retain(|g| !seg.groups.contains(g));
-        Ok(StepOut { actions, prefetch_skipped })
+        Ok(StepOut {
+            actions,
+            prefetch_skipped,
+        })
     }
 
     /// The state after prefetching `wanted` (segment `j`'s missing groups) during segment
@@ -484,7 +565,10 @@ impl<'a> Ctx<'a> {
         let mut pins = pins.clone();
         pins.extend(segs[j].groups.iter().cloned());
         let candidates = self.candidates(dev, &pins);
-        let evictable = candidates.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
+        let evictable = candidates
+            .iter()
+            .map(|(_, b)| *b)
+            .fold(0, u64::saturating_add);
         if dev.room().saturating_add(evictable) < bytes_wanted {
             return None;
         }
@@ -501,7 +585,12 @@ impl<'a> Ctx<'a> {
         for (g, bytes) in wanted {
             trial.load(g, *bytes);
             trial_inflight.insert(g.clone());
-            actions.push(Action::Prefetch { group: g.clone(), bytes: *bytes, for_segment: j, via });
+            actions.push(Action::Prefetch {
+                group: g.clone(),
+                bytes: *bytes,
+                for_segment: j,
+                via,
+            });
         }
         // Every segment up to the target must still fit with the prefetched groups pinned.
         let mut check = trial.clone();
@@ -509,7 +598,8 @@ impl<'a> Ctx<'a> {
         check.release(segs[i].cuts_release);
         check_inflight.retain(|g| !segs[i].groups.contains(g));
         for k in i + 1..=j {
-            self.step(segs, &mut check, &mut check_inflight, k, false, capacity).ok()?;
+            self.step(segs, &mut check, &mut check_inflight, k, false, capacity)
+                .ok()?;
         }
         Some((trial, trial_inflight, actions))
     }
@@ -567,5 +657,89 @@ impl MergedWorkspace for Memo<'_> {
         let b = self.inner.merged(segments, range);
         self.seen.insert(key, b);
         b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{ParamGroup, Segment};
+
+    fn module(groups: &[&[&str]]) -> ModuleGraph {
+        let segments = groups
+            .iter()
+            .enumerate()
+            .map(|(i, gs)| {
+                let gs = gs.iter().map(|g| ParamGroup::new(*g, 1)).collect();
+                Segment::new(format!("s{i}"), gs, 0)
+            })
+            .collect();
+        ModuleGraph {
+            name: "m".into(),
+            segments,
+        }
+    }
+
+    #[test]
+    fn a_shared_group_ranks_at_its_last_use() {
+        // "from the last segment backward": a group used by segments 1 and 3 is evicted with
+        // segment 3's, before segment 2's.
+        let m = module(&[&["a"], &["b", "shared"], &["c"], &["shared", "d"]]);
+        let d = DeviceState::new("D", Some(10), None);
+        let facts = Facts::new(&m, &d).unwrap();
+        let ctx = Ctx::new(&m, &d, &Options::default(), &facts);
+        assert_eq!(ctx.backward, ["d", "shared", "c", "b", "a"]);
+    }
+
+    #[test]
+    fn candidates_put_foreign_replicas_first_and_skip_pins() {
+        let m = module(&[&["a"], &["b"], &["c"]]);
+        let mut d = DeviceState::new("D", Some(100), None);
+        for (g, pinned) in [
+            ("a", false),
+            ("x", false),
+            ("c", true),
+            ("b", false),
+            ("y", true),
+            ("z", false),
+        ] {
+            d.replicas.push(crate::plan::Replica {
+                group: g.into(),
+                bytes: 1,
+                pinned,
+            });
+        }
+        let facts = Facts::new(&m, &d).unwrap();
+        let ctx = Ctx::new(&m, &d, &Options::default(), &facts);
+        let dev = Ledger::new(&d);
+        let pins: HashSet<String> = ["b".to_string()].into();
+        let order: Vec<String> = ctx
+            .candidates(&dev, &pins)
+            .into_iter()
+            .map(|(g, _)| g)
+            .collect();
+        // Foreign x and z in device order; y is pinned; then c (pinned on the device: skipped),
+        // b (pinned by the segment: skipped), a.
+        assert_eq!(order, ["x", "z", "a"]);
+    }
+
+    #[test]
+    fn room_is_the_tighter_limit() {
+        let mut d = DeviceState::new("D", Some(1000), Some(2000));
+        d.scratch_reserve = 100;
+        d.fixed = 300;
+        let mut l = Ledger::new(&d);
+        // Budget: 1000 - 300 = 700; free: 2000 - 100 = 1900.
+        assert_eq!(l.room(), 700);
+        l.free = Some(500);
+        assert_eq!(l.room(), 400);
+        l.alloc(450);
+        assert_eq!((l.room(), l.managed), (0, 750));
+        l.release(450);
+        assert_eq!(l.room(), 400);
+        assert_eq!(
+            Ledger::new(&DeviceState::new("CPU", None, None)).room(),
+            u64::MAX
+        );
     }
 }

@@ -72,7 +72,8 @@ pub enum Action {
         bytes: u64,
     },
     /// Reallocate the runner's compute buffer to exactly `bytes` (free, then allocate): to
-    /// grow it, or to shrink an oversized idle one under pressure.
+    /// grow it, or with `bytes == 0` to release an oversized idle one under pressure before
+    /// evicting replicas (it is then allocated at the segment's size after the evictions).
     Workspace {
         /// New capacity.
         bytes: u64,
@@ -195,7 +196,10 @@ impl Schedule {
 
     /// Bytes this run copies to the device.
     pub fn transfer_bytes(&self) -> u64 {
-        self.segments.iter().map(PlannedSegment::transfer_bytes).fold(0, u64::saturating_add)
+        self.segments
+            .iter()
+            .map(PlannedSegment::transfer_bytes)
+            .fold(0, u64::saturating_add)
     }
 
     /// Groups prefetched during the run, in order.
@@ -208,9 +212,16 @@ impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mode = match self.mode {
             Mode::Monolithic => "monolithic".to_string(),
-            Mode::Segmented => format!("{} segments (from {})", self.segments.len(), self.base_segments),
+            Mode::Segmented => format!(
+                "{} segments (from {})",
+                self.segments.len(),
+                self.base_segments
+            ),
         };
-        let avail = self.decision.available.map_or_else(|| "unbounded".to_string(), fmt_bytes);
+        let avail = self
+            .decision
+            .available
+            .map_or_else(|| "unbounded".to_string(), fmt_bytes);
         write!(
             f,
             "{} on {}: {mode} ({:?}; need {} of {avail} + {} planning headroom), peak workspace {}, transfers {}",

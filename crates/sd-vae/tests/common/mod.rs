@@ -158,6 +158,7 @@ pub mod reference {
         }
 
         /// A convolution as ggml's im2col path computes it: input rounded to f16, f16 kernel.
+        #[allow(clippy::too_many_arguments)]
         pub fn conv(&self, name: &str, x: &Act, out_ch: usize, k: usize, stride: usize, pad: usize, bias: bool) -> Act {
             let kernel = self.get(&format!("{name}.weight"), GgmlType::GGML_TYPE_F16, &[k as i64, k as i64, x.c as i64, out_ch as i64]);
             let b = if bias { self.get(&format!("{name}.bias"), GgmlType::GGML_TYPE_F32, &[out_ch as i64]) } else { vec![0.0; out_ch] };

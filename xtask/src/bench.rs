@@ -1,0 +1,515 @@
+//! `cargo xtask bench`: our `sd-cli` and the reference (`sdref`), alternating, same fixture and settings.
+//!
+//! ```text
+//! cargo xtask bench [--size 256|512|both] [--runs N] [--threads N]
+//! ```
+//!
+//! Both programs run as child processes on the SD 1.5 f16 fixture
+//! (`target/fixtures/sd15-f16.safetensors`, written if missing) with the same
+//! flags: euler, cfg 7, seed 42, the prompt "a photo of a cat", 256x256 with 4
+//! steps and 512x512 with 2 steps. Runs alternate (ours, ref, then ref, ours,
+//! ...) so that a drift in machine load falls on both sides.
+//!
+//! What is measured, and how, is the same for both wherever it can be:
+//! - whole run and peak RSS: measured here around the child process, the
+//!   wall clock from spawn to reap and `ru_maxrss` from `wait4(2)` (the
+//!   child's own high-water mark, exact, no polling);
+//! - stage times: each program's own report. Ours come from `sd-cli`'s info
+//!   log lines (`text encoding took X s`, `image 1/1 step K/N took X s`,
+//!   `decoding took X s`, `generation took X s`), the reference's from its
+//!   `SDREF_TIMING` line. Both have 10 ms resolution. Our text-encode and
+//!   decode times include loading that module's weights (the pipeline loads
+//!   per phase); the reference loads everything before generating, so its
+//!   stage times exclude loading and its `load_ms` is shown apart.
+//!
+//! Parsing log lines is the fragile part: a reworded message silently loses a
+//! column (shown as `?`, with a warning). A machine-readable line from
+//! `sd-cli` (like `SDREF_TIMING`, or a `--timings-json FILE` flag) would remove
+//! that fragility.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use sd_models::fixture::Family;
+
+use crate::parity::{build_sd_cli, ensure_fixture, workspace_root};
+use crate::reference;
+
+const USAGE: &str = "usage: cargo xtask bench [--size 256|512|both] [--runs N] [--threads N]";
+
+/// The prompt of every benchmark run.
+pub const PROMPT: &str = "a photo of a cat";
+
+/// One benchmark setting: image side and sampling steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Setting {
+    side: u32,
+    steps: u32,
+}
+
+const SETTING_256: Setting = Setting { side: 256, steps: 4 };
+const SETTING_512: Setting = Setting { side: 512, steps: 2 };
+
+/// Parsed command line.
+#[derive(Debug, PartialEq)]
+struct Args {
+    settings: Vec<Setting>,
+    runs: usize,
+    threads: u32,
+}
+
+fn parse(args: &[String]) -> Result<Args> {
+    let mut settings = vec![SETTING_256, SETTING_512];
+    let mut runs = 2usize;
+    let mut threads = 2u32;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
+        match arg.as_str() {
+            "--size" => {
+                settings = match value(arg)?.as_str() {
+                    "256" => vec![SETTING_256],
+                    "512" => vec![SETTING_512],
+                    "both" => vec![SETTING_256, SETTING_512],
+                    other => bail!("--size {other}: accepted are 256, 512 and both"),
+                }
+            }
+            "--runs" => {
+                let v = value(arg)?;
+                runs = v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--runs {v}: a positive integer"))?;
+            }
+            "--threads" | "-t" => {
+                let v = value(arg)?;
+                threads = v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--threads {v}: a positive integer"))?;
+            }
+            "-h" | "--help" => bail!("{USAGE}"),
+            other => bail!("unknown argument `{other}`\n{USAGE}"),
+        }
+    }
+    Ok(Args { settings, runs, threads })
+}
+
+/// A finished child process with what it printed and what it cost.
+#[derive(Debug)]
+pub struct Measured {
+    /// Everything it wrote to stdout.
+    pub stdout: String,
+    /// Everything it wrote to stderr.
+    pub stderr: String,
+    /// Exit code; `None` when a signal ended it.
+    pub code: Option<i32>,
+    /// Wall clock from spawn to reap.
+    pub wall_s: f64,
+    /// The child's peak resident set (`ru_maxrss` of `wait4`), KiB.
+    pub max_rss_kib: u64,
+}
+
+impl Measured {
+    /// Whether it exited with status 0.
+    pub fn success(&self) -> bool {
+        self.code == Some(0)
+    }
+
+    /// An error naming `what` with the end of its stderr, unless it succeeded.
+    pub fn check(&self, what: &str) -> Result<()> {
+        if self.success() {
+            return Ok(());
+        }
+        let tail: Vec<&str> = self.stderr.lines().rev().take(25).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        bail!(
+            "{what} failed ({}); the end of its stderr:\n{}",
+            self.code.map_or_else(|| "killed by a signal".to_owned(), |c| format!("exit code {c}")),
+            tail.join("\n")
+        )
+    }
+}
+
+/// Runs `cmd` to completion, capturing its output, and measures its wall time and
+/// peak RSS with `wait4`, the same way for every program.
+pub fn run_measured(cmd: &mut Command) -> Result<Measured> {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child = cmd.spawn().with_context(|| format!("cannot start {:?}", cmd.get_program()))?;
+    let pid = libc::pid_t::try_from(child.id()).context("child pid out of range")?;
+    let pipe = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            String::from_utf8_lossy(&buf).into_owned()
+        })
+    };
+    let out = pipe(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let err = pipe(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let mut status: libc::c_int = 0;
+    // SAFETY: rusage is plain old data; all-zero is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: `pid` is our own child, not yet reaped (std's `Child` never waited on
+        // it); `status` and `usage` are valid for writes.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        if r == pid {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e).context("wait4 on the child");
+        }
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    // The child is reaped: `child` must not be waited on again; dropping it does nothing.
+    drop(child);
+    let stdout = out.join().unwrap_or_default();
+    let stderr = err.join().unwrap_or_default();
+    let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+    // ru_maxrss is in KiB on Linux.
+    let max_rss_kib = u64::try_from(usage.ru_maxrss).unwrap_or(0);
+    Ok(Measured { stdout, stderr, code, wall_s, max_rss_kib })
+}
+
+/// Removes ANSI escape sequences (colours) from log text.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                // Parameters and intermediates up to the final byte in @..~.
+                for d in chars.by_ref() {
+                    if ('@'..='~').contains(&d) {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The number of seconds in "... `key` X s" on `line`, if the line holds `key`.
+fn seconds_after(line: &str, key: &str) -> Option<f64> {
+    let rest = &line[line.find(key)? + key.len()..];
+    let num = rest.trim_start().split_whitespace().next()?;
+    num.parse().ok()
+}
+
+/// Stage times of one run, seconds; `None` where the program did not report it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// Text encoding (prompt and negative prompt).
+    pub text_encode_s: Option<f64>,
+    /// Each sampling step (with cfg: cond and uncond evaluations).
+    pub steps_s: Vec<f64>,
+    /// VAE decoding.
+    pub decode_s: Option<f64>,
+    /// The program's own generation time (ours: after opening the files; ref: `generate_image`).
+    pub generation_s: Option<f64>,
+    /// Model loading timed apart (ref only: `new_sd_ctx`).
+    pub load_s: Option<f64>,
+}
+
+/// Parses our `sd-cli` info lines.
+pub fn parse_ours(stderr: &str) -> Timings {
+    let mut t = Timings::default();
+    for line in strip_ansi(stderr).lines() {
+        if let Some(v) = seconds_after(line, "text encoding took") {
+            t.text_encode_s = Some(t.text_encode_s.unwrap_or(0.0) + v);
+        } else if line.contains(" step ") && line.contains("image ") {
+            if let Some(v) = line.rfind(" took ").and_then(|i| seconds_after(&line[i..], " took")) {
+                t.steps_s.push(v);
+            }
+        } else if let Some(v) = seconds_after(line, "decoding took") {
+            t.decode_s = Some(t.decode_s.unwrap_or(0.0) + v);
+        } else if let Some(v) = seconds_after(line, "generation took") {
+            t.generation_s = Some(v);
+        }
+    }
+    t
+}
+
+/// Parses the reference's `SDREF_TIMING` line.
+pub fn parse_ref(stderr: &str) -> Timings {
+    let Some(f) = reference::parse_tagged_line(stderr, "SDREF_TIMING") else {
+        return Timings::default();
+    };
+    let ms = |k: &str| reference::field_f64(&f, k).map(|v| v / 1000.0);
+    let steps_s = f
+        .get("step_ms")
+        .map(|s| s.split(',').filter_map(|v| v.parse::<f64>().ok()).map(|v| v / 1000.0).collect())
+        .unwrap_or_default();
+    Timings {
+        text_encode_s: ms("text_encode_ms"),
+        steps_s,
+        decode_s: ms("decode_ms"),
+        generation_s: ms("generate_ms"),
+        load_s: ms("load_ms"),
+    }
+}
+
+/// The median of `v` (mean of the middle two for an even count); `None` when empty.
+pub fn median(v: &[f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    Some(if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 })
+}
+
+/// One program's runs at one setting.
+#[derive(Debug, Default)]
+struct Side {
+    timings: Vec<Timings>,
+    wall_s: Vec<f64>,
+    rss_kib: Vec<u64>,
+    /// The reference's self-reported peak (getrusage SELF), for a cross-check.
+    self_rss_kib: Vec<u64>,
+}
+
+impl Side {
+    fn step_median(&self) -> Option<f64> {
+        median(&self.timings.iter().flat_map(|t| t.steps_s.iter().copied()).collect::<Vec<_>>())
+    }
+    fn med(&self, f: impl Fn(&Timings) -> Option<f64>) -> Option<f64> {
+        median(&self.timings.iter().filter_map(f).collect::<Vec<_>>())
+    }
+    fn wall(&self) -> Option<f64> {
+        median(&self.wall_s)
+    }
+    fn rss_mib(&self) -> Option<f64> {
+        self.rss_kib.iter().max().map(|&k| k as f64 / 1024.0)
+    }
+}
+
+fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+    let mut c = Command::new(exe);
+    c.args(["-m"]).arg(model);
+    c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
+    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
+    c.args(["-t", &threads.to_string(), "-o"]).arg(out);
+    c.env("NO_COLOR", "1");
+    c
+}
+
+fn ref_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+    let mut c = Command::new(exe);
+    c.arg("txt2img").args(["-m"]).arg(model);
+    c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
+    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
+    c.args(["-t", &threads.to_string(), "-o"]).arg(out);
+    c
+}
+
+fn fmt_s(v: Option<f64>) -> String {
+    v.map_or_else(|| "?".to_owned(), |v| format!("{v:.2} s"))
+}
+
+fn fmt_ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "?".to_owned(),
+    }
+}
+
+fn print_table(s: Setting, threads: u32, runs: usize, ours: &Side, refr: &Side) {
+    println!();
+    println!(
+        "sd15 f16 fixture, {0}x{0}, {1} steps euler, cfg 7, seed 42, -t {threads}, {runs} run(s) each, alternating",
+        s.side, s.steps
+    );
+    println!("{:<28} {:>12} {:>12} {:>9}", "", "ours", "reference", "ours/ref");
+    let row = |name: &str, a: Option<f64>, b: Option<f64>, fmt: &dyn Fn(Option<f64>) -> String| {
+        println!("{name:<28} {:>12} {:>12} {:>9}", fmt(a), fmt(b), fmt_ratio(a, b));
+    };
+    let secs = |v: Option<f64>| fmt_s(v);
+    let mib = |v: Option<f64>| v.map_or_else(|| "?".to_owned(), |v| format!("{v:.0} MiB"));
+    row("per step (median)", ours.step_median(), refr.step_median(), &secs);
+    row("text encode (1)", ours.med(|t| t.text_encode_s), refr.med(|t| t.text_encode_s), &secs);
+    row("decode (1)", ours.med(|t| t.decode_s), refr.med(|t| t.decode_s), &secs);
+    row("generation (2)", ours.med(|t| t.generation_s), refr.med(|t| t.generation_s), &secs);
+    row("whole run (wall)", ours.wall(), refr.wall(), &secs);
+    row("peak RSS (wait4 ru_maxrss)", ours.rss_mib(), refr.rss_mib(), &mib);
+    let self_rss = refr.self_rss_kib.iter().max().map(|&k| k as f64 / 1024.0);
+    let load = refr.med(|t| t.load_s);
+    println!(
+        "  reference load (new_sd_ctx): {}; its self-reported peak RSS: {}",
+        fmt_s(load),
+        mib(self_rss)
+    );
+    println!(
+        "  all steps, ours: {:?}",
+        ours.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>()
+    );
+    println!(
+        "  all steps, ref:  {:?}",
+        refr.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>()
+    );
+    println!("  (1) ours includes loading that module's weights; the reference's excludes loading.");
+    println!("  (2) ours: from opening the files to the PNG written; reference: generate_image only.");
+}
+
+/// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
+pub fn run(args: &[String]) -> Result<()> {
+    let args = parse(args)?;
+    let root = workspace_root();
+    eprintln!("bench: building sd-cli (release) and the reference");
+    let ours_exe = build_sd_cli()?;
+    let ref_exe = reference::build()?;
+    let model = ensure_fixture(Family::Sd15)?;
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut results: Vec<(Setting, Side, Side)> = Vec::new();
+    for &s in &args.settings {
+        let (mut ours, mut refr) = (Side::default(), Side::default());
+        for i in 0..args.runs {
+            let order: [bool; 2] = if i % 2 == 0 { [true, false] } else { [false, true] };
+            for is_ours in order {
+                let out: PathBuf = dir.join(format!("{}-{}-{}.png", if is_ours { "ours" } else { "ref" }, s.side, i));
+                let mut cmd = if is_ours {
+                    our_command(&ours_exe, &model, s, args.threads, &out)
+                } else {
+                    ref_command(&ref_exe, &model, s, args.threads, &out)
+                };
+                let who = if is_ours { "ours" } else { "reference" };
+                eprintln!("bench: {0}x{0} run {1}/{2}: {who}", s.side, i + 1, args.runs);
+                let m = run_measured(&mut cmd)?;
+                m.check(&format!("{who} at {0}x{0}", s.side))?;
+                let side = if is_ours { &mut ours } else { &mut refr };
+                let t = if is_ours { parse_ours(&m.stderr) } else { parse_ref(&m.stderr) };
+                if t.steps_s.len() != s.steps as usize {
+                    eprintln!(
+                        "bench: warning: found {} step times in {who}'s log, expected {} (did a log line change?)",
+                        t.steps_s.len(),
+                        s.steps
+                    );
+                }
+                if t.text_encode_s.is_none() || t.decode_s.is_none() {
+                    eprintln!("bench: warning: {who}'s text-encode or decode time is missing from its log");
+                }
+                if !is_ours {
+                    if let Some(k) = reference::parse_tagged_line(&m.stderr, "SDREF_RSS")
+                        .and_then(|f| reference::field_f64(&f, "peak_rss_kib"))
+                    {
+                        side.self_rss_kib.push(k as u64);
+                    }
+                }
+                side.timings.push(t);
+                side.wall_s.push(m.wall_s);
+                side.rss_kib.push(m.max_rss_kib);
+            }
+        }
+        results.push((s, ours, refr));
+    }
+    let mut load = String::new();
+    if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
+        load = l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
+    }
+    for (s, ours, refr) in &results {
+        print_table(*s, args.threads, args.runs, ours, refr);
+    }
+    println!("\nload average at the end (1, 5, 15 min): {load}");
+    let summary: BTreeMap<String, String> = results
+        .iter()
+        .map(|(s, o, r)| {
+            (
+                format!("{}x{}", s.side, s.side),
+                format!(
+                    "step {} rss {}",
+                    fmt_ratio(o.step_median(), r.step_median()),
+                    fmt_ratio(o.rss_mib(), r.rss_mib())
+                ),
+            )
+        })
+        .collect();
+    println!("ours/ref: {summary:?}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn parses_the_documented_command_line() {
+        let a = parse(&args("--size 512 --runs 3 --threads 4")).unwrap();
+        assert_eq!(a, Args { settings: vec![SETTING_512], runs: 3, threads: 4 });
+        let d = parse(&[]).unwrap();
+        assert_eq!(d, Args { settings: vec![SETTING_256, SETTING_512], runs: 2, threads: 2 });
+        for (line, needle) in [("--size 128", "128"), ("--runs 0", "--runs"), ("--threads x", "--threads"), ("--fast", "--fast")] {
+            let e = parse(&args(line)).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
+        }
+    }
+
+    #[test]
+    fn our_log_lines_give_the_stage_times_with_or_without_colours() {
+        let log = "\u{1b}[32m INFO\u{1b}[0m model: sd1 (1130 tensors), prediction eps\n\
+                   \u{1b}[32m INFO\u{1b}[0m text encoding took 1.25 s\n\
+                    INFO image 1/1 step 1/2 took 3.50 s\n\
+                    INFO image 1/1 step 2/2 took 3.25 s\n\
+                    INFO decoding took 2.00 s\n\
+                    INFO saved out.png\n\
+                    INFO generation took 10.50 s\n";
+        let t = parse_ours(log);
+        assert_eq!(t.text_encode_s, Some(1.25));
+        assert_eq!(t.steps_s, vec![3.5, 3.25]);
+        assert_eq!(t.decode_s, Some(2.0));
+        assert_eq!(t.generation_s, Some(10.5));
+        assert_eq!(t.load_s, None);
+    }
+
+    #[test]
+    fn the_reference_line_gives_seconds() {
+        let log = "SDREF_TIMING load_ms=1500 text_encode_ms=640 sampling_ms=8000 steps=2 step_ms=4000,4100 \
+                   step_mean_ms=4050 decode_ms=unknown generate_ms=9000 total_ms=11000\n";
+        let t = parse_ref(log);
+        assert_eq!(t.steps_s, vec![4.0, 4.1]);
+        assert_eq!(t.text_encode_s, Some(0.64));
+        assert_eq!(t.decode_s, None);
+        assert_eq!(t.load_s, Some(1.5));
+        assert_eq!(parse_ref("no timing here"), Timings::default());
+    }
+
+    #[test]
+    fn medians_of_odd_and_even_counts() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(&[]), None);
+    }
+
+    #[test]
+    fn a_child_is_measured_and_its_failure_reported() {
+        // A shell that allocates nothing special: its peak RSS is positive and small,
+        // its output and exit code come back.
+        let m = run_measured(Command::new("sh").args(["-c", "echo out; echo err >&2; exit 3"])).unwrap();
+        assert_eq!(m.stdout.trim(), "out");
+        assert_eq!(m.stderr.trim(), "err");
+        assert_eq!(m.code, Some(3));
+        assert!(m.max_rss_kib > 0 && m.max_rss_kib < 1024 * 1024, "{}", m.max_rss_kib);
+        let e = m.check("sh").unwrap_err();
+        assert!(format!("{e}").contains("exit code 3") && format!("{e}").contains("err"), "{e}");
+    }
+
+    #[test]
+    fn peak_rss_sees_a_large_allocation_in_the_child() {
+        // dd allocates its 200 MiB block and fills it from /dev/zero: the child's own
+        // peak must show in ru_maxrss.
+        let m = run_measured(Command::new("dd").args(["if=/dev/zero", "of=/dev/null", "bs=200M", "count=1"])).unwrap();
+        m.check("dd").unwrap();
+        assert!(m.max_rss_kib > 190 * 1024, "{} KiB", m.max_rss_kib);
+    }
+}

@@ -119,10 +119,11 @@ impl Measured {
         if self.success() {
             return Ok(());
         }
-        let tail: Vec<&str> = self.stderr.lines().rev().take(25).collect();
+        let both = format!("{}{}", self.stdout, self.stderr);
+        let tail: Vec<&str> = both.lines().rev().take(25).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
         bail!(
-            "{what} failed ({}); the end of its stderr:\n{}",
+            "{what} failed ({}); the end of its output:\n{}",
             self.code.map_or_else(|| "killed by a signal".to_owned(), |c| format!("exit code {c}")),
             tail.join("\n")
         )

@@ -90,7 +90,6 @@ pub fn build() -> anyhow::Result<PathBuf> {
 
 /// The `key=value` fields of the last stderr line starting with `tag`
 /// (e.g. "SDREF_TIMING" or "SDREF_RSS"); `None` when no such line exists.
-#[allow(dead_code)] // for the benchmark and parity commands, which read sdref's stderr
 pub fn parse_tagged_line(stderr: &str, tag: &str) -> Option<BTreeMap<String, String>> {
     let line = stderr.lines().rev().find(|l| l.split_whitespace().next() == Some(tag))?;
     Some(
@@ -103,7 +102,6 @@ pub fn parse_tagged_line(stderr: &str, tag: &str) -> Option<BTreeMap<String, Str
 }
 
 /// One field of a tagged line as milliseconds/MiB/etc.; `None` if absent or "unknown".
-#[allow(dead_code)] // as `parse_tagged_line`
 pub fn field_f64(fields: &BTreeMap<String, String>, key: &str) -> Option<f64> {
     fields.get(key)?.parse().ok()
 }

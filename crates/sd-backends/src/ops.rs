@@ -50,7 +50,7 @@ impl Context {
         gelu_erf => ggml_gelu_erf;
         /// Quick GELU (x * sigmoid(1.702 x)), used by CLIP ViT-L.
         gelu_quick => ggml_gelu_quick;
-        /// GEGLU: splits ne[0] in halves, returns a * gelu(b).
+        /// GEGLU: splits ne[0] in halves, returns gelu(first half) * second half.
         geglu => ggml_geglu;
         /// ReLU.
         relu => ggml_relu;

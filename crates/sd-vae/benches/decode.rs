@@ -63,8 +63,13 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let size: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(256);
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
-    let backend = Backend::new(reg.device("cpu").expect("cpu device")).expect("cpu backend");
+    // SD_VAE_BENCH_PLUGIN_DIR: load the CPU plugin from another build of the same ggml
+    // (to compare build options such as GGML_LLAMAFILE).
+    let dir = std::env::var_os("SD_VAE_BENCH_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
+    let reg = PluginRegistry::discover(&PluginSearch::only(vec![dir]));
+    let dev = reg.device("cpu").expect("cpu device");
+    println!("cpu plugin: {}", reg.plugin_of(&dev).map(|p| p.path.display().to_string()).unwrap_or_default());
+    let backend = Backend::new(dev).expect("cpu backend");
     backend.set_threads(threads);
     let backend = Arc::new(backend);
     let buft = backend.device().buffer_type();
@@ -91,11 +96,12 @@ fn main() {
             best_cpu = best_cpu.min(cpu_seconds() - c0);
             img = r;
         }
-        println!(
-            "vae decode [{label}]: {best:.2} s wall, {best_cpu:.2} s cpu (best of 2), compute buffer {:.1} MiB",
-            need as f64 / 1048576.0
-        );
+        println!("vae decode [{label}]: {best:.2} s wall, {best_cpu:.2} s cpu (best of 2), compute buffer {:.1} MiB", need as f64 / 1048576.0);
         images.push(img);
+    }
+    if let Some(path) = std::env::var_os("SD_VAE_BENCH_DUMP") {
+        let bytes: Vec<u8> = images[0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(path, bytes).expect("dump");
     }
     let same = images[0] == images[1];
     let maxd = images[0].iter().zip(&images[1]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);

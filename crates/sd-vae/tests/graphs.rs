@@ -279,8 +279,11 @@ fn flash_attention_agrees_and_direct_convolution_is_bit_identical_on_cpu() {
     let opts = GraphOptions::recommended(runner.backend().device());
     assert!(opts.conv_direct && !opts.flash_attn);
     let direct = load(tiny(), &runner).with_options(opts);
-    assert!(direct.decode(&mut runner, &z, (4, 4), 4).unwrap() == want, "direct convolution decode differs from im2col");
-    assert!(direct.encode(&mut runner, &x, (8, 8)).unwrap() == want_enc, "direct convolution encode differs from im2col");
+    // If this fails, ggml's CPU matmul changed (a GGML_LLAMAFILE=ON build tiles the GEMM by
+    // chunk and differs by ~1e-6): revisit GraphOptions::recommended.
+    let msg = "direct convolution differs from im2col on the CPU";
+    assert!(direct.decode(&mut runner, &z, (4, 4), 4).unwrap() == want, "{msg} (decode)");
+    assert!(direct.encode(&mut runner, &x, (8, 8)).unwrap() == want_enc, "{msg} (encode)");
 }
 
 #[test]

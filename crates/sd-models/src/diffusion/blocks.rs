@@ -74,7 +74,12 @@ pub fn type_override_applies(name: &str, ne0: i64, ty: GgmlType) -> bool {
 /// The file's type (`file`, f32 when the file lacks the tensor), replaced by the `--type`
 /// override where [`type_override_applies`]; f32 when the row length is not a whole number
 /// of the resulting type's blocks.
-pub fn linear_weight_type(name: &str, in_features: i64, file: Option<GgmlType>, wtype: Option<GgmlType>) -> GgmlType {
+pub fn linear_weight_type(
+    name: &str,
+    in_features: i64,
+    file: Option<GgmlType>,
+    wtype: Option<GgmlType>,
+) -> GgmlType {
     let mut ty = file.unwrap_or(F32);
     if let (Some(_), Some(w)) = (file, wtype) {
         if type_override_applies(name, in_features, w) {
@@ -97,18 +102,31 @@ pub struct SpecSink<'a> {
 
 impl std::fmt::Debug for SpecSink<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SpecSink({} specs, wtype {:?})", self.specs.len(), self.wtype)
+        write!(
+            f,
+            "SpecSink({} specs, wtype {:?})",
+            self.specs.len(),
+            self.wtype
+        )
     }
 }
 
 impl<'a> SpecSink<'a> {
     /// A sink asking `dtype_of` for the file's type of each tensor, with the `--type` override `wtype`.
     pub fn new(dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Self {
-        Self { specs: Vec::new(), dtype_of, wtype }
+        Self {
+            specs: Vec::new(),
+            dtype_of,
+            wtype,
+        }
     }
 
     fn push(&mut self, name: String, ty: GgmlType, ne: &[i64]) {
-        self.specs.push(TensorSpec { name, ty, ne: ne.to_vec() });
+        self.specs.push(TensorSpec {
+            name,
+            ty,
+            ne: ne.to_vec(),
+        });
     }
 
     /// `nn.Linear(inp, out)`: weight [inp, out] in the file's / override type, bias [out] f32.
@@ -143,13 +161,30 @@ fn param<'w>(w: &'w Weights, p: &str, leaf: &str) -> Result<Tensor<'w>> {
 }
 
 /// `x W^T + b` over ne[0]: x [inp, ...] -> [out, ...].
-pub fn linear<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
+pub fn linear<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    bias: bool,
+) -> Result<Tensor<'g>> {
     let y = g.mul_mat(param(w, p, "weight")?, x);
-    Ok(if bias { g.add(y, param(w, p, "bias")?) } else { y })
+    Ok(if bias {
+        g.add(y, param(w, p, "bias")?)
+    } else {
+        y
+    })
 }
 
 /// 2-D convolution with bias via im2col (`ggml_conv_2d`): x [W, H, IC, N] -> [OW, OH, OC, N].
-pub fn conv2d<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, stride: i32, pad: i32) -> Result<Tensor<'g>> {
+pub fn conv2d<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    stride: i32,
+    pad: i32,
+) -> Result<Tensor<'g>> {
     let k = param(w, p, "weight")?;
     let b = param(w, p, "bias")?;
     let y = g.conv_2d(k, x, stride, stride, pad, pad, 1, 1);
@@ -199,7 +234,14 @@ impl AttnKernel {
 }
 
 /// Multi-head attention: q [C, Lq, N], k / v [C, Lk, N] with C = n_head * d_head -> [C, Lq, N].
-pub fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, n_head: i64, kernel: AttnKernel) -> Tensor<'g> {
+pub fn attention<'g>(
+    g: &'g Context,
+    q: Tensor<'g>,
+    k: Tensor<'g>,
+    v: Tensor<'g>,
+    n_head: i64,
+    kernel: AttnKernel,
+) -> Tensor<'g> {
     let [c, lq, n, _] = q.shape();
     let lk = k.shape()[1];
     let d = c / n_head;
@@ -234,8 +276,8 @@ pub fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>
     let vt = g.cont_if_needed(g.permute(g.reshape(v, &[d, n_head, lk, n]), [1, 2, 0, 3]));
     let vt = g.reshape(vt, &[lk, d, n_head * n]);
     let kq = g.mul_mat_prec_f32(kh, qh); // [Lk, Lq, H*N]
-    // The reference scales in its own node, then takes a plain softmax; ggml's softmax
-    // applies its scale with the same single multiply, so fusing it is exact.
+                                         // The reference scales in its own node, then takes a plain softmax; ggml's softmax
+                                         // applies its scale with the same single multiply, so fusing it is exact.
     let kq = g.soft_max_ext(kq, None, scale, 0.0);
     let kqv = g.mul_mat(vt, kq); // [d, Lq, H*N]
     let kqv = g.permute(g.reshape(kqv, &[d, lq, n_head, n]), [0, 2, 1, 3]); // [d, H, Lq, N]
@@ -243,7 +285,13 @@ pub fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>
 }
 
 /// Declares `CrossAttention(query_dim, context_dim)`: bias-free q/k/v, `to_out.0` with bias.
-pub fn cross_attention_specs(s: &mut SpecSink<'_>, p: &str, query_dim: i64, context_dim: i64, inner: i64) {
+pub fn cross_attention_specs(
+    s: &mut SpecSink<'_>,
+    p: &str,
+    query_dim: i64,
+    context_dim: i64,
+    inner: i64,
+) {
     s.linear(&format!("{p}.to_q"), query_dim, inner, false);
     s.linear(&format!("{p}.to_k"), context_dim, inner, false);
     s.linear(&format!("{p}.to_v"), context_dim, inner, false);
@@ -251,7 +299,15 @@ pub fn cross_attention_specs(s: &mut SpecSink<'_>, p: &str, query_dim: i64, cont
 }
 
 /// `CrossAttention`: x [C, Lq, N] attends to context [Dc, Lk, N].
-pub fn cross_attention<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, context: Tensor<'g>, n_head: i64, kernel: AttnKernel) -> Result<Tensor<'g>> {
+pub fn cross_attention<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    context: Tensor<'g>,
+    n_head: i64,
+    kernel: AttnKernel,
+) -> Result<Tensor<'g>> {
     let q = linear(g, w, &format!("{p}.to_q"), x, false)?;
     let k = linear(g, w, &format!("{p}.to_k"), context, false)?;
     let v = linear(g, w, &format!("{p}.to_v"), context, false)?;
@@ -287,11 +343,25 @@ pub fn transformer_block_specs(s: &mut SpecSink<'_>, p: &str, dim: i64, context_
 
 /// `BasicTransformerBlock`: self-attention, cross-attention, feed-forward, each pre-normed
 /// and residual. x [C, L, N], context [Dc, Lc, N].
-pub fn transformer_block<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, context: Tensor<'g>, n_head: i64, kernel: AttnKernel) -> Result<Tensor<'g>> {
+pub fn transformer_block<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    context: Tensor<'g>,
+    n_head: i64,
+    kernel: AttnKernel,
+) -> Result<Tensor<'g>> {
     let h = layer_norm(g, w, &format!("{p}.norm1"), x)?;
-    let x = g.add(cross_attention(g, w, &format!("{p}.attn1"), h, h, n_head, kernel)?, x);
+    let x = g.add(
+        cross_attention(g, w, &format!("{p}.attn1"), h, h, n_head, kernel)?,
+        x,
+    );
     let h = layer_norm(g, w, &format!("{p}.norm2"), x)?;
-    let x = g.add(cross_attention(g, w, &format!("{p}.attn2"), h, context, n_head, kernel)?, x);
+    let x = g.add(
+        cross_attention(g, w, &format!("{p}.attn2"), h, context, n_head, kernel)?,
+        x,
+    );
     let h = layer_norm(g, w, &format!("{p}.norm3"), x)?;
     Ok(g.add(feed_forward(g, w, &format!("{p}.ff"), h)?, x))
 }
@@ -335,11 +405,20 @@ pub fn spatial_transformer_specs(s: &mut SpecSink<'_>, p: &str, t: &TransformerS
 }
 
 /// `SpatialTransformer`: x [W, H, C, N] as W*H tokens through the transformer blocks, plus x.
-pub fn spatial_transformer<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, context: Tensor<'g>, t: &TransformerShape, kernel: AttnKernel) -> Result<Tensor<'g>> {
+pub fn spatial_transformer<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    context: Tensor<'g>,
+    t: &TransformerShape,
+    kernel: AttnKernel,
+) -> Result<Tensor<'g>> {
     let [wd, ht, c, n] = x.shape();
     // [W, H, C, N] -> [C, W*H, N]: token index = x + W * y.
     let to_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 2, 0, 3])), &[c, wd * ht, n]);
-    let from_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 0, 2, 3])), &[wd, ht, c, n]);
+    let from_tokens =
+        |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 0, 2, 3])), &[wd, ht, c, n]);
 
     let mut h = group_norm32(g, w, &format!("{p}.norm"), x)?;
     h = if t.linear_proj {
@@ -348,7 +427,15 @@ pub fn spatial_transformer<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'
         to_tokens(conv2d(g, w, &format!("{p}.proj_in"), h, 1, 0)?)
     };
     for d in 0..t.depth {
-        h = transformer_block(g, w, &format!("{p}.transformer_blocks.{d}"), h, context, t.n_head, kernel)?;
+        h = transformer_block(
+            g,
+            w,
+            &format!("{p}.transformer_blocks.{d}"),
+            h,
+            context,
+            t.n_head,
+            kernel,
+        )?;
     }
     h = if t.linear_proj {
         from_tokens(linear(g, w, &format!("{p}.proj_out"), h, true)?)
@@ -372,7 +459,13 @@ pub fn res_block_specs(s: &mut SpecSink<'_>, p: &str, inp: i64, out: i64, emb: i
 
 /// LDM `ResBlock`: x [W, H, IC, N], emb [E, N] -> [W, H, OC, N]. A 1x1 `skip_connection`
 /// maps x to OC channels when the weights have one (IC != OC).
-pub fn res_block<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, emb: Tensor<'g>) -> Result<Tensor<'g>> {
+pub fn res_block<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    emb: Tensor<'g>,
+) -> Result<Tensor<'g>> {
     let mut h = group_norm32(g, w, &format!("{p}.in_layers.0"), x)?;
     h = g.silu(h);
     h = conv2d(g, w, &format!("{p}.in_layers.2"), h, 1, 1)?;
@@ -383,7 +476,11 @@ pub fn res_block<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, emb: T
     h = g.silu(h);
     h = conv2d(g, w, &format!("{p}.out_layers.3"), h, 1, 1)?;
     let skip_name = format!("{p}.skip_connection");
-    let skip = if w.contains(&format!("{skip_name}.weight")) { conv2d(g, w, &skip_name, x, 1, 0)? } else { x };
+    let skip = if w.contains(&format!("{skip_name}.weight")) {
+        conv2d(g, w, &skip_name, x, 1, 0)?
+    } else {
+        x
+    };
     Ok(g.add(h, skip))
 }
 

@@ -41,7 +41,10 @@ pub use unet::{forward, unet_specs, validate_against_file, Heads, UNetConfig, UN
 pub enum DiffusionError {
     /// The file's tensors disagree with the architecture (missing tensors, wrong shapes).
     #[error("{model}: {} tensor(s) of the file disagree with the architecture: {}", problems.len(), summarize(problems))]
-    WeightsMismatch { model: &'static str, problems: Vec<TensorProblem> },
+    WeightsMismatch {
+        model: &'static str,
+        problems: Vec<TensorProblem>,
+    },
     /// A config that does not describe a buildable network.
     #[error("invalid {model} config: {reason}")]
     Config { model: &'static str, reason: String },
@@ -62,14 +65,25 @@ pub enum TensorProblem {
     /// The architecture needs `name` with shape `expected`; the file lacks it.
     Missing { name: String, expected: Vec<i64> },
     /// The file has `name` with shape `found`, the architecture needs `expected` (ggml order).
-    Shape { name: String, expected: Vec<i64>, found: Vec<i64> },
+    Shape {
+        name: String,
+        expected: Vec<i64>,
+        found: Vec<i64>,
+    },
 }
 
 impl std::fmt::Display for TensorProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TensorProblem::Missing { name, expected } => write!(f, "missing tensor '{name}' (expected shape {expected:?}, ggml order)"),
-            TensorProblem::Shape { name, expected, found } => {
+            TensorProblem::Missing { name, expected } => write!(
+                f,
+                "missing tensor '{name}' (expected shape {expected:?}, ggml order)"
+            ),
+            TensorProblem::Shape {
+                name,
+                expected,
+                found,
+            } => {
                 write!(f, "tensor '{name}' has shape {found:?}, expected {expected:?} (ggml order, innermost first)")
             }
         }
@@ -78,7 +92,12 @@ impl std::fmt::Display for TensorProblem {
 
 fn summarize(problems: &[TensorProblem]) -> String {
     const SHOWN: usize = 5;
-    let mut s = problems.iter().take(SHOWN).map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
+    let mut s = problems
+        .iter()
+        .take(SHOWN)
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join("; ");
     if problems.len() > SHOWN {
         s.push_str(&format!("; and {} more", problems.len() - SHOWN));
     }
@@ -94,7 +113,12 @@ pub type Result<T, E = DiffusionError> = std::result::Result<T, E>;
 /// For parity checks of single blocks: `build` receives the input tensors (created in the
 /// graph context, marked as inputs) and returns the output. `graph_size` bounds the number
 /// of nodes (and tensors) the graph may create.
-pub fn run_graph<F>(runner: &mut Runner, inputs: &[(&[i64], &[f32])], graph_size: usize, build: F) -> Result<(Vec<f32>, [i64; 4])>
+pub fn run_graph<F>(
+    runner: &mut Runner,
+    inputs: &[(&[i64], &[f32])],
+    graph_size: usize,
+    build: F,
+) -> Result<(Vec<f32>, [i64; 4])>
 where
     F: for<'g> FnOnce(&'g Context, &[Tensor<'g>]) -> Result<Tensor<'g>>,
 {
@@ -105,7 +129,10 @@ where
         if n as usize != data.len() || ne.is_empty() || ne.len() > 4 {
             return Err(DiffusionError::Input {
                 model: "graph",
-                reason: format!("input {i}: shape {ne:?} needs {n} values, got {}", data.len()),
+                reason: format!(
+                    "input {i}: shape {ne:?} needs {n} values, got {}",
+                    data.len()
+                ),
             });
         }
         ts.push(g.new_f32(ne).set_name(&format!("input{i}")).set_input());

@@ -27,8 +27,8 @@ use super::{DiffusionError, Result, TensorProblem};
 pub const PREFIX: &str = "model.diffusion_model";
 /// Period of the sinusoidal timestep embedding.
 const MAX_PERIOD: i32 = 10000;
-/// Tensors (and graph nodes) the metadata context of one UNet graph may hold. SD 1.5 at
-/// batch 2 builds about 3,000 nodes plus views; the bound is checked by a test.
+/// Tensors (and graph nodes) the metadata context of one UNet graph may hold. SD 1.5 builds
+/// about 2,550 tensors (2,530 nodes, views included); a test keeps the bound at 2x that.
 pub const GRAPH_SIZE: usize = 16384;
 
 const MODEL: &str = "UNet";
@@ -89,7 +89,12 @@ impl UNetConfig {
 
     /// SD 2.x (v2-inference[-v].yaml; SD-Turbo too): head width 64, context 1024, linear projections.
     pub fn sd21() -> Self {
-        UNetConfig { heads: Heads::Width(64), context_dim: 1024, use_linear_projection: true, ..UNetConfig::sd15() }
+        UNetConfig {
+            heads: Heads::Width(64),
+            context_dim: 1024,
+            use_linear_projection: true,
+            ..UNetConfig::sd15()
+        }
     }
 
     /// This config with the widths a file's tensors show, as the reference detects them:
@@ -113,10 +118,18 @@ impl UNetConfig {
             self.out_channels = ne[3] as i64;
         }
         let layout = layout(&self);
-        let first_transformer = layout.blocks().flat_map(|b| &b.layers).find_map(|(p, l)| matches!(l, Layer::Transformer { .. }).then(|| p.clone()));
+        let first_transformer = layout
+            .blocks()
+            .flat_map(|b| &b.layers)
+            .find_map(|(p, l)| matches!(l, Layer::Transformer { .. }).then(|| p.clone()));
         if let Some(p) = first_transformer {
-            let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap_or(&p).to_string();
-            if let Some(ne) = get(&format!("{rel}.transformer_blocks.0.attn2.to_k.weight")).filter(|ne| ne.len() == 2) {
+            let rel = p
+                .strip_prefix(&format!("{PREFIX}."))
+                .unwrap_or(&p)
+                .to_string();
+            if let Some(ne) = get(&format!("{rel}.transformer_blocks.0.attn2.to_k.weight"))
+                .filter(|ne| ne.len() == 2)
+            {
                 self.context_dim = ne[0] as i64;
             }
             match get(&format!("{rel}.proj_out.weight")).map(|ne| ne.len()) {
@@ -130,15 +143,29 @@ impl UNetConfig {
 
     /// Checks the hyper-parameters; the error names the offending field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
+        let bad = |reason: String| {
+            Err(DiffusionError::Config {
+                model: MODEL,
+                reason,
+            })
+        };
         if self.channel_mult.is_empty() || self.num_res_blocks == 0 || self.transformer_depth == 0 {
             return bad(format!("channel_mult, num_res_blocks and transformer_depth must be non-empty / non-zero: {self:?}"));
         }
-        if self.in_channels <= 0 || self.out_channels <= 0 || self.context_dim <= 0 || self.time_embed_dim <= 0 {
-            return bad(format!("in/out channels, context_dim and time_embed_dim must be positive: {self:?}"));
+        if self.in_channels <= 0
+            || self.out_channels <= 0
+            || self.context_dim <= 0
+            || self.time_embed_dim <= 0
+        {
+            return bad(format!(
+                "in/out channels, context_dim and time_embed_dim must be positive: {self:?}"
+            ));
         }
         if self.model_channels <= 0 || self.model_channels % 2 != 0 {
-            return bad(format!("model_channels {} must be positive and even (timestep embedding)", self.model_channels));
+            return bad(format!(
+                "model_channels {} must be positive and even (timestep embedding)",
+                self.model_channels
+            ));
         }
         for &m in &self.channel_mult {
             let c = m * self.model_channels;
@@ -222,7 +249,10 @@ pub struct Layout {
 impl Layout {
     /// Every block, input to output.
     pub fn blocks(&self) -> impl Iterator<Item = &Block> {
-        self.input.iter().chain(std::iter::once(&self.middle)).chain(self.output.iter())
+        self.input
+            .iter()
+            .chain(std::iter::once(&self.middle))
+            .chain(self.output.iter())
     }
 }
 
@@ -231,7 +261,16 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
     let mc = cfg.model_channels;
     let levels = cfg.channel_mult.len();
     let name = |s: String| format!("{PREFIX}.{s}");
-    let mut input = vec![Block { name: "input_blocks.0".into(), layers: vec![(name("input_blocks.0.0".into()), Layer::Stem { inp: cfg.in_channels, out: mc })] }];
+    let mut input = vec![Block {
+        name: "input_blocks.0".into(),
+        layers: vec![(
+            name("input_blocks.0.0".into()),
+            Layer::Stem {
+                inp: cfg.in_channels,
+                out: mc,
+            },
+        )],
+    }];
     let mut skip_chans = vec![mc];
     let mut ch = mc;
     let mut ds = 1;
@@ -240,17 +279,29 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
         for _ in 0..cfg.num_res_blocks {
             idx += 1;
             let out = mult * mc;
-            let mut layers = vec![(name(format!("input_blocks.{idx}.0")), Layer::Res { inp: ch, out })];
+            let mut layers = vec![(
+                name(format!("input_blocks.{idx}.0")),
+                Layer::Res { inp: ch, out },
+            )];
             ch = out;
             if cfg.attention_resolutions.contains(&ds) {
-                layers.push((name(format!("input_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
+                layers.push((
+                    name(format!("input_blocks.{idx}.1")),
+                    Layer::Transformer(cfg.transformer(ch)),
+                ));
             }
-            input.push(Block { name: format!("input_blocks.{idx}"), layers });
+            input.push(Block {
+                name: format!("input_blocks.{idx}"),
+                layers,
+            });
             skip_chans.push(ch);
         }
         if level != levels - 1 {
             idx += 1;
-            input.push(Block { name: format!("input_blocks.{idx}"), layers: vec![(name(format!("input_blocks.{idx}.0")), Layer::Down { ch })] });
+            input.push(Block {
+                name: format!("input_blocks.{idx}"),
+                layers: vec![(name(format!("input_blocks.{idx}.0")), Layer::Down { ch })],
+            });
             skip_chans.push(ch);
             ds *= 2;
         }
@@ -259,9 +310,18 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
     let middle = Block {
         name: "middle_block".into(),
         layers: vec![
-            (name("middle_block.0".into()), Layer::Res { inp: ch, out: ch }),
-            (name("middle_block.1".into()), Layer::Transformer(cfg.transformer(ch))),
-            (name("middle_block.2".into()), Layer::Res { inp: ch, out: ch }),
+            (
+                name("middle_block.0".into()),
+                Layer::Res { inp: ch, out: ch },
+            ),
+            (
+                name("middle_block.1".into()),
+                Layer::Transformer(cfg.transformer(ch)),
+            ),
+            (
+                name("middle_block.2".into()),
+                Layer::Res { inp: ch, out: ch },
+            ),
         ],
     };
 
@@ -269,24 +329,42 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
     let mut idx = 0;
     for (level, &mult) in cfg.channel_mult.iter().enumerate().rev() {
         for j in 0..=cfg.num_res_blocks {
-            let skip = skip_chans.pop().expect("one skip connection per output block");
+            let skip = skip_chans
+                .pop()
+                .expect("one skip connection per output block");
             let out = mult * mc;
-            let mut layers = vec![(name(format!("output_blocks.{idx}.0")), Layer::Res { inp: ch + skip, out })];
+            let mut layers = vec![(
+                name(format!("output_blocks.{idx}.0")),
+                Layer::Res {
+                    inp: ch + skip,
+                    out,
+                },
+            )];
             ch = out;
             let mut sub = 1;
             if cfg.attention_resolutions.contains(&ds) {
-                layers.push((name(format!("output_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
+                layers.push((
+                    name(format!("output_blocks.{idx}.1")),
+                    Layer::Transformer(cfg.transformer(ch)),
+                ));
                 sub = 2;
             }
             if level > 0 && j == cfg.num_res_blocks {
                 layers.push((name(format!("output_blocks.{idx}.{sub}")), Layer::Up { ch }));
                 ds /= 2;
             }
-            output.push(Block { name: format!("output_blocks.{idx}"), layers });
+            output.push(Block {
+                name: format!("output_blocks.{idx}"),
+                layers,
+            });
             idx += 1;
         }
     }
-    Layout { input, middle, output }
+    Layout {
+        input,
+        middle,
+        output,
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -299,7 +377,11 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
 /// `wtype` is the `--type` override. Storage follows the reference: convolution kernels
 /// f16, biases and norms f32, linear weights the file's type or the override (except
 /// `time_embed.*`, which `--type` leaves alone); see [`blocks::linear_weight_type`].
-pub fn unet_specs(cfg: &UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+pub fn unet_specs(
+    cfg: &UNetConfig,
+    dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+    wtype: Option<GgmlType>,
+) -> Vec<TensorSpec> {
     let mut s = SpecSink::new(dtype_of, wtype);
     let (mc, temb) = (cfg.model_channels, cfg.time_embed_dim);
     s.linear(&format!("{PREFIX}.time_embed.0"), mc, temb, true);
@@ -326,7 +408,10 @@ pub fn unet_specs(cfg: &UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
 /// `TensorEntry::ne` gives it); trailing dimensions of 1 are ignored on both sides. Every
 /// missing tensor and shape mismatch is reported in one error; on success the names under
 /// the UNet prefix that the architecture does not use are returned, for a warning.
-pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) -> Result<Vec<String>> {
+pub fn validate_against_file(
+    specs: &[TensorSpec],
+    file: &[(String, Vec<u64>)],
+) -> Result<Vec<String>> {
     fn trim(ne: &[i64]) -> Vec<i64> {
         let mut v = ne.to_vec();
         while v.len() > 1 && v.last() == Some(&1) {
@@ -334,21 +419,38 @@ pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) 
         }
         v
     }
-    let found: std::collections::HashMap<&str, Vec<i64>> = file.iter().map(|(n, ne)| (n.as_str(), ne.iter().map(|&d| d as i64).collect())).collect();
+    let found: std::collections::HashMap<&str, Vec<i64>> = file
+        .iter()
+        .map(|(n, ne)| (n.as_str(), ne.iter().map(|&d| d as i64).collect()))
+        .collect();
     let mut problems = Vec::new();
     for s in specs {
         match found.get(s.name.as_str()) {
-            None => problems.push(TensorProblem::Missing { name: s.name.clone(), expected: s.ne.clone() }),
-            Some(ne) if trim(ne) != trim(&s.ne) => problems.push(TensorProblem::Shape { name: s.name.clone(), expected: s.ne.clone(), found: ne.clone() }),
+            None => problems.push(TensorProblem::Missing {
+                name: s.name.clone(),
+                expected: s.ne.clone(),
+            }),
+            Some(ne) if trim(ne) != trim(&s.ne) => problems.push(TensorProblem::Shape {
+                name: s.name.clone(),
+                expected: s.ne.clone(),
+                found: ne.clone(),
+            }),
             Some(_) => {}
         }
     }
     if !problems.is_empty() {
-        return Err(DiffusionError::WeightsMismatch { model: MODEL, problems });
+        return Err(DiffusionError::WeightsMismatch {
+            model: MODEL,
+            problems,
+        });
     }
     let known: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
     let prefix = format!("{PREFIX}.");
-    Ok(file.iter().filter(|(n, _)| n.starts_with(&prefix) && !known.contains(n.as_str())).map(|(n, _)| n.clone()).collect())
+    Ok(file
+        .iter()
+        .filter(|(n, _)| n.starts_with(&prefix) && !known.contains(n.as_str()))
+        .map(|(n, _)| n.clone())
+        .collect())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -369,7 +471,16 @@ pub fn forward<'g>(
     flash_attn: bool,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    forward_with(g, w, cfg, x, timesteps, context, AttnKernel::from_flag(flash_attn), cuts)
+    forward_with(
+        g,
+        w,
+        cfg,
+        x,
+        timesteps,
+        context,
+        AttnKernel::from_flag(flash_attn),
+        cuts,
+    )
 }
 
 /// [`forward`] with an explicit attention kernel choice.
@@ -388,7 +499,11 @@ pub fn forward_with<'g>(
     let [_, _, _, n] = x.shape();
     let [cd, lc, cn, _] = context.shape();
     // A context shared by the whole batch is repeated per sample, as the reference does.
-    let context = if cn != n { g.repeat(context, g.new_f32(&[cd, lc, n])) } else { context };
+    let context = if cn != n {
+        g.repeat(context, g.new_f32(&[cd, lc, n]))
+    } else {
+        context
+    };
 
     let t_emb = g.timestep_embedding(timesteps, cfg.model_channels as i32, MAX_PERIOD); // [mc, N]
     let mut emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.0"), t_emb, true)?;
@@ -402,7 +517,9 @@ pub fn forward_with<'g>(
             h = match layer {
                 Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
                 Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
-                Layer::Transformer(t) => blocks::spatial_transformer(g, w, p, h, context, t, kernel)?,
+                Layer::Transformer(t) => {
+                    blocks::spatial_transformer(g, w, p, h, context, t, kernel)?
+                }
                 Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
                 Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
             };
@@ -420,7 +537,9 @@ pub fn forward_with<'g>(
     h = run_block(&layout.middle, h)?;
     cuts.push((layout.middle.name.clone(), h));
     for block in &layout.output {
-        let skip = skips.pop().expect("the layout has one skip per output block");
+        let skip = skips
+            .pop()
+            .expect("the layout has one skip per output block");
         h = g.concat(h, skip, 2);
         h = run_block(block, h)?;
         cuts.push((block.name.clone(), h));
@@ -434,19 +553,35 @@ pub fn forward_with<'g>(
 }
 
 fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Result<()> {
-    let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+    let bad = |reason: String| {
+        Err(DiffusionError::Input {
+            model: MODEL,
+            reason,
+        })
+    };
     let m = cfg.size_multiple();
     if x[0] <= 0 || x[1] <= 0 || x[0] % m != 0 || x[1] % m != 0 {
-        return bad(format!("latent size {}x{} is not a positive multiple of {m} (image size a multiple of {})", x[0], x[1], 8 * m));
+        return bad(format!(
+            "latent size {}x{} is not a positive multiple of {m} (image size a multiple of {})",
+            x[0],
+            x[1],
+            8 * m
+        ));
     }
     if x[2] != cfg.in_channels {
-        return bad(format!("latent has {} channels, the model takes {}", x[2], cfg.in_channels));
+        return bad(format!(
+            "latent has {} channels, the model takes {}",
+            x[2], cfg.in_channels
+        ));
     }
     if t[0] != x[3] || t[1..].iter().any(|&d| d != 1) {
         return bad(format!("{} timesteps for a batch of {}", t[0], x[3]));
     }
     if c[0] != cfg.context_dim {
-        return bad(format!("context width {} but the model's cross-attention takes {}", c[0], cfg.context_dim));
+        return bad(format!(
+            "context width {} but the model's cross-attention takes {}",
+            c[0], cfg.context_dim
+        ));
     }
     if c[1] <= 0 || (c[2] != x[3] && c[2] != 1) || c[3] != 1 {
         return bad(format!("context shape {:?} does not fit a batch of {} (ggml order [width, tokens, batch or 1])", &c[..3], x[3]));
@@ -471,18 +606,36 @@ pub struct UNetModel {
 
 impl UNetModel {
     /// Declares the parameters of `cfg` (no storage yet); see [`unet_specs`] for the types.
-    pub fn new(cfg: UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Result<Self> {
+    pub fn new(
+        cfg: UNetConfig,
+        dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+        wtype: Option<GgmlType>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let weights = Weights::new(unet_specs(&cfg, dtype_of, wtype))?;
-        Ok(Self { cfg, weights, flash_attn: false })
+        Ok(Self {
+            cfg,
+            weights,
+            flash_attn: false,
+        })
     }
 
     /// Declares, allocates on `buft` and fills the parameters from `src`.
-    pub fn load(cfg: UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>, buft: BufferType, src: &dyn TensorSource) -> Result<Self> {
+    pub fn load(
+        cfg: UNetConfig,
+        dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+        wtype: Option<GgmlType>,
+        buft: BufferType,
+        src: &dyn TensorSource,
+    ) -> Result<Self> {
         let mut m = Self::new(cfg, dtype_of, wtype)?;
         m.weights.allocate(buft)?;
         m.weights.load_from(src)?;
-        tracing::debug!(tensors = m.weights.specs().len(), bytes = m.weights.nbytes(), "UNet weights loaded");
+        tracing::debug!(
+            tensors = m.weights.specs().len(),
+            bytes = m.weights.nbytes(),
+            "UNet weights loaded"
+        );
         Ok(m)
     }
 
@@ -490,32 +643,71 @@ impl UNetModel {
     /// `timesteps` one per sample, `context` [N or 1, n_ctx_tokens, context_dim]; returns
     /// the prediction [N, out_channels, H, W].
     #[allow(clippy::too_many_arguments)]
-    pub fn eval(&self, runner: &mut Runner, x: &[f32], (w, h): (usize, usize), timesteps: &[f32], context: &[f32], n_ctx_tokens: usize, batch: usize) -> Result<Vec<f32>> {
+    pub fn eval(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        context: &[f32],
+        n_ctx_tokens: usize,
+        batch: usize,
+    ) -> Result<Vec<f32>> {
         let _span = tracing::trace_span!("unet", w, h, batch, n_ctx_tokens).entered();
-        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+        let bad = |reason: String| {
+            Err(DiffusionError::Input {
+                model: MODEL,
+                reason,
+            })
+        };
         let cin = self.cfg.in_channels as usize;
         let cd = self.cfg.context_dim as usize;
         if batch == 0 || w == 0 || h == 0 || n_ctx_tokens == 0 {
-            return bad(format!("empty input: {w}x{h} latent, batch {batch}, {n_ctx_tokens} context tokens"));
+            return bad(format!(
+                "empty input: {w}x{h} latent, batch {batch}, {n_ctx_tokens} context tokens"
+            ));
         }
         if x.len() != w * h * cin * batch {
-            return bad(format!("latent has {} values, {batch} x {cin} x {h} x {w} needs {}", x.len(), w * h * cin * batch));
+            return bad(format!(
+                "latent has {} values, {batch} x {cin} x {h} x {w} needs {}",
+                x.len(),
+                w * h * cin * batch
+            ));
         }
         if timesteps.len() != batch {
-            return bad(format!("{} timesteps for a batch of {batch}", timesteps.len()));
+            return bad(format!(
+                "{} timesteps for a batch of {batch}",
+                timesteps.len()
+            ));
         }
         let ctx_batch = context.len() / (n_ctx_tokens * cd).max(1);
-        if context.len() % (n_ctx_tokens * cd) != 0 || (ctx_batch != batch && ctx_batch != 1) {
-            return bad(format!("context has {} values, expected {batch} (or 1) x {n_ctx_tokens} x {cd}", context.len()));
+        if !context.len().is_multiple_of(n_ctx_tokens * cd)
+            || (ctx_batch != batch && ctx_batch != 1)
+        {
+            return bad(format!(
+                "context has {} values, expected {batch} (or 1) x {n_ctx_tokens} x {cd}",
+                context.len()
+            ));
         }
 
         let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
-        let tx = g.new_f32(&[w as i64, h as i64, cin as i64, batch as i64]).set_name("x").set_input();
+        let tx = g
+            .new_f32(&[w as i64, h as i64, cin as i64, batch as i64])
+            .set_name("x")
+            .set_input();
         let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
-        let tc = g.new_f32(&[cd as i64, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
-        let kernel = if self.flash_attn { AttnKernel::FlashWhereSupported(runner.backend().device()) } else { AttnKernel::Plain };
+        let tc = g
+            .new_f32(&[cd as i64, n_ctx_tokens as i64, ctx_batch as i64])
+            .set_name("context")
+            .set_input();
+        let kernel = if self.flash_attn {
+            AttnKernel::FlashWhereSupported(runner.backend().device())
+        } else {
+            AttnKernel::Plain
+        };
         let mut cuts = Vec::new();
-        let out = forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
+        let out =
+            forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
         let graph = g.new_graph(GRAPH_SIZE);
         graph.expand(out);
         runner.alloc(&graph)?;

@@ -63,9 +63,9 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let size: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(256);
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    // SD_VAE_BENCH_PLUGIN_DIR: load the CPU plugin from another build of the same ggml
+    // SD_VAE_PLUGIN_DIR: load the CPU plugin from another build of the same ggml
     // (to compare build options such as GGML_LLAMAFILE).
-    let dir = std::env::var_os("SD_VAE_BENCH_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
+    let dir = std::env::var_os("SD_VAE_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
     let reg = PluginRegistry::discover(&PluginSearch::only(vec![dir]));
     let dev = reg.device("cpu").expect("cpu device");
     println!("cpu plugin: {}", reg.plugin_of(&dev).map(|p| p.path.display().to_string()).unwrap_or_default());

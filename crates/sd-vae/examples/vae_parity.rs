@@ -6,6 +6,8 @@
 //! output in [-1, 1], `[1, 3, 8 SIDE, 8 SIDE]`). Run
 //! `sdref vae-decode -m MODEL --latent OUT_DIR/z.f32 -o OUT_DIR/vae.ref.f32 -t THREADS`
 //! and compare the two files. With a TAESD file it also writes `OUT_DIR/taesd.ours.f32`.
+//! `SD_VAE_CONV=im2col|direct` forces a convolution path; `SD_VAE_PLUGIN_DIR` loads the
+//! CPU plugin from another directory (another build of the same ggml).
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -66,8 +68,11 @@ fn main() {
     let out = PathBuf::from(&a[3]);
     std::fs::create_dir_all(&out).expect("out dir");
 
-    let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
+    // SD_VAE_PLUGIN_DIR: take the CPU plugin from another build of the same ggml.
+    let dir = std::env::var_os("SD_VAE_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
+    let reg = PluginRegistry::discover(&PluginSearch::only(vec![dir]));
     let dev = reg.device("cpu").expect("cpu");
+    eprintln!("cpu plugin: {}", reg.plugin_of(&dev).map(|p| p.path.display().to_string()).unwrap_or_default());
     let backend = Backend::new(dev).expect("backend");
     backend.set_threads(threads);
     let backend = Arc::new(backend);
@@ -88,9 +93,13 @@ fn main() {
 
     let file = File { bytes: std::fs::read(&a[0]).expect("model"), prefix: "" };
     let cfg = VaeConfig::sd();
-    let vae = AutoencoderKl::load(cfg.clone(), VaeParts::DecoderOnly, &file, backend.device().buffer_type())
-        .expect("load")
-        .with_options(GraphOptions::recommended(dev));
+    let vae = AutoencoderKl::load(cfg.clone(), VaeParts::DecoderOnly, &file, backend.device().buffer_type()).expect("load").with_options(
+        match std::env::var("SD_VAE_CONV").as_deref() {
+            Ok("im2col") => GraphOptions::default(),
+            Ok("direct") => GraphOptions { conv_direct: true, flash_attn: false },
+            _ => GraphOptions::recommended(dev),
+        },
+    );
     let mut runner = Runner::new("vae", backend.clone());
     let mut zv = z.clone();
     vae.diffusion_to_vae(&mut zv);

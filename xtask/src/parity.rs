@@ -54,18 +54,23 @@
 //! `N` counts the rounded matmul/conv inputs on the longest path:
 //! - CLIP: 4 per layer (qkv, out projection, fc1, fc2): ViT-L/14, 12 layers:
 //!   N = 48; OpenCLIP ViT-H/14 up to the penultimate layer, 23 layers: N = 92;
-//! - UNet: 2 convs per ResNet block (25 blocks, timestep embedding linears
-//!   included as one point each), 8 per transformer block (proj_in, q/k/v,
-//!   out, cross q, cross out, GEGLU in, GEGLU out, proj_out; 16 blocks), the 6
-//!   down/up samplers and conv_in/out: N ~ 50 + 25 + 128 + 8 = 211;
+//! - UNet: 2 convs per ResNet block (22 blocks: 2 per down level, 2 mid, 3 per
+//!   up level) and its timestep-embedding linear (one point each), 8 per
+//!   transformer block (proj_in, q/k/v, out, cross q, cross out, GEGLU in,
+//!   GEGLU out, proj_out; 16 blocks), the 6 down/up samplers and
+//!   conv_in/out: N ~ 44 + 22 + 128 + 8 = 202;
 //! - VAE decoder: post_quant_conv, conv_in, mid (2 ResNet blocks, attention with
 //!   q/k/v/out), 4 levels x 3 ResNet blocks x 2 convs, 3 upsample convs,
 //!   conv_out: N ~ 1 + 1 + 4 + 2 + 24 + 3 + 1 = 36.
 //!
 //! Resulting bounds (rel_rms / rel_max): CLIP-L 1.4e-2 / 2.7e-2, CLIP-H 1.9e-2 /
-//! 3.8e-2, UNet 2.8e-2 / 5.7e-2, VAE 1.2e-2 / 2.4e-2. They are bounds, not
-//! expectations: the observed errors (printed) are far smaller when both
-//! programs compute the same ops in the same order.
+//! 3.7e-2, UNet 2.8e-2 / 5.6e-2, VAE 1.2e-2 / 2.3e-2. They are bounds, not
+//! expectations. When this command was written (2 threads, f16 fixtures) the
+//! observed rel_rms were 1.6e-3 (CLIP-L), 1.8e-3 (CLIP-H), 2.6e-3 / 3.6e-4
+//! (UNet SD1 / SD2) and 2.4e-3 (VAE): 5 to 80 times inside the bounds, and
+//! the differences are uncorrelated with the values (no scale or offset
+//! error), as rounding noise should be. The 256x256 PNGs differed by at most
+//! 2 levels, 0.2 on average.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -363,7 +368,7 @@ impl Tolerance {
 /// Rounding points per module (counted in the module doc).
 const CLIP_L_POINTS: u32 = 48;
 const CLIP_H_POINTS: u32 = 92;
-const UNET_POINTS: u32 = 211;
+const UNET_POINTS: u32 = 202;
 const VAE_POINTS: u32 = 36;
 
 /// One line of the report.

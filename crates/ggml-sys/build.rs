@@ -48,11 +48,7 @@ fn main() {
 fn run() -> Result<(), String> {
     let manifest_dir = PathBuf::from(env("CARGO_MANIFEST_DIR")?);
     let out_dir = PathBuf::from(env("OUT_DIR")?);
-    let workspace = manifest_dir
-        .parent()
-        .and_then(Path::parent)
-        .ok_or("cannot find the workspace root")?
-        .to_path_buf();
+    let workspace = manifest_dir.parent().and_then(Path::parent).ok_or("cannot find the workspace root")?.to_path_buf();
     let pin_path = manifest_dir.join("ggml-source.toml");
     println!("cargo:rerun-if-changed={}", pin_path.display());
     println!("cargo:rerun-if-changed=cmake/CMakeLists.txt");
@@ -60,10 +56,8 @@ fn run() -> Result<(), String> {
     println!("cargo:rerun-if-changed=wrapper.h");
     println!("cargo:rerun-if-env-changed=SD_GGML_SOURCE_DIR");
     println!("cargo:rerun-if-env-changed=SD_GGML_BUILD_DIR");
-    let pin: Pin = toml::from_str(
-        &fs::read_to_string(&pin_path).map_err(|e| format!("{}: {e}", pin_path.display()))?,
-    )
-    .map_err(|e| format!("{}: {e}", pin_path.display()))?;
+    let pin: Pin = toml::from_str(&fs::read_to_string(&pin_path).map_err(|e| format!("{}: {e}", pin_path.display()))?)
+        .map_err(|e| format!("{}: {e}", pin_path.display()))?;
 
     let ggml_src = match std::env::var_os("SD_GGML_SOURCE_DIR") {
         Some(dir) => {
@@ -161,9 +155,7 @@ fn fetch_pinned(pin: &Pin, out_dir: &Path) -> Result<PathBuf, String> {
     if std::env::var_os("CARGO_NET_OFFLINE").is_some() {
         cmd.arg("--offline");
     }
-    let out = cmd
-        .output()
-        .map_err(|e| format!("running `{cargo} metadata` to fetch {}: {e}", pin.package))?;
+    let out = cmd.output().map_err(|e| format!("running `{cargo} metadata` to fetch {}: {e}", pin.package))?;
     if !out.status.success() {
         return Err(format!(
             "could not download the pinned ggml source ({} {}) from the registry:\n{}",
@@ -191,8 +183,7 @@ fn fetch_pinned(pin: &Pin, out_dir: &Path) -> Result<PathBuf, String> {
         .into_iter()
         .flatten()
         .find(|p| {
-            p["name"].as_str() == Some(pin.package.as_str())
-                && p["version"].as_str() == Some(pin.version.as_str())
+            p["name"].as_str() == Some(pin.package.as_str()) && p["version"].as_str() == Some(pin.version.as_str())
         })
         .and_then(|p| p.get("checksum"))
         .and_then(|c| c.as_str())
@@ -203,10 +194,7 @@ fn fetch_pinned(pin: &Pin, out_dir: &Path) -> Result<PathBuf, String> {
             pin.package, pin.version, pin.sha256
         ));
     }
-    let src = Path::new(manifest)
-        .parent()
-        .ok_or("bad manifest path")?
-        .join(&pin.subdir);
+    let src = Path::new(manifest).parent().ok_or("bad manifest path")?.join(&pin.subdir);
     if !src.join("CMakeLists.txt").exists() {
         return Err(format!("{} has no ggml tree at {}", pin.package, src.display()));
     }
@@ -408,8 +396,8 @@ fn generate_bindings(manifest_dir: &Path, src: &Path, out_dir: &Path) -> Result<
     for f in LOADER_FUNCTIONS {
         b = b.blocklist_function(f);
     }
-    let bindings = b.generate().map_err(|e| format!("bindgen failed: {e} (is libclang installed? apt-get install libclang-dev)"))?;
-    bindings
-        .write_to_file(out_dir.join("bindings.rs"))
-        .map_err(|e| e.to_string())
+    let bindings = b
+        .generate()
+        .map_err(|e| format!("bindgen failed: {e} (is libclang installed? apt-get install libclang-dev)"))?;
+    bindings.write_to_file(out_dir.join("bindings.rs")).map_err(|e| e.to_string())
 }

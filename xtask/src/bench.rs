@@ -52,14 +52,8 @@ struct Setting {
     steps: u32,
 }
 
-const SETTING_256: Setting = Setting {
-    side: 256,
-    steps: 4,
-};
-const SETTING_512: Setting = Setting {
-    side: 512,
-    steps: 2,
-};
+const SETTING_256: Setting = Setting { side: 256, steps: 4 };
+const SETTING_512: Setting = Setting { side: 512, steps: 2 };
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -75,11 +69,7 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut threads = 2u32;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let mut value = |flag: &str| {
-            it.next()
-                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
-                .cloned()
-        };
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
         match arg.as_str() {
             "--size" => {
                 settings = match value(arg)?.as_str() {
@@ -91,29 +81,18 @@ fn parse(args: &[String]) -> Result<Args> {
             }
             "--runs" => {
                 let v = value(arg)?;
-                runs = v
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .with_context(|| format!("--runs {v}: a positive integer"))?;
+                runs = v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--runs {v}: a positive integer"))?;
             }
             "--threads" | "-t" => {
                 let v = value(arg)?;
-                threads = v
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .with_context(|| format!("--threads {v}: a positive integer"))?;
+                threads =
+                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--threads {v}: a positive integer"))?;
             }
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument `{other}`\n{USAGE}"),
         }
     }
-    Ok(Args {
-        settings,
-        runs,
-        threads,
-    })
+    Ok(Args { settings, runs, threads })
 }
 
 /// A finished child process with what it printed and what it cost.
@@ -147,10 +126,7 @@ impl Measured {
         let tail: Vec<&str> = tail.into_iter().rev().collect();
         bail!(
             "{what} failed ({}); the end of its output:\n{}",
-            self.code.map_or_else(
-                || "killed by a signal".to_owned(),
-                |c| format!("exit code {c}")
-            ),
+            self.code.map_or_else(|| "killed by a signal".to_owned(), |c| format!("exit code {c}")),
             tail.join("\n")
         )
     }
@@ -159,13 +135,9 @@ impl Measured {
 /// Runs `cmd` to completion, capturing its output, and measures its wall time and
 /// peak RSS with `wait4`, the same way for every program.
 pub fn run_measured(cmd: &mut Command) -> Result<Measured> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start {:?}", cmd.get_program()))?;
+    let mut child = cmd.spawn().with_context(|| format!("cannot start {:?}", cmd.get_program()))?;
     let pid = libc::pid_t::try_from(child.id()).context("child pid out of range")?;
     let pipe = |r: Option<Box<dyn Read + Send>>| {
         std::thread::spawn(move || {
@@ -176,18 +148,8 @@ pub fn run_measured(cmd: &mut Command) -> Result<Measured> {
             String::from_utf8_lossy(&buf).into_owned()
         })
     };
-    let out = pipe(
-        child
-            .stdout
-            .take()
-            .map(|p| Box::new(p) as Box<dyn Read + Send>),
-    );
-    let err = pipe(
-        child
-            .stderr
-            .take()
-            .map(|p| Box::new(p) as Box<dyn Read + Send>),
-    );
+    let out = pipe(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let err = pipe(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
     let mut status: libc::c_int = 0;
     // SAFETY: rusage is plain old data; all-zero is a valid value.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -211,13 +173,7 @@ pub fn run_measured(cmd: &mut Command) -> Result<Measured> {
     let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
     // ru_maxrss is in KiB on Linux.
     let max_rss_kib = u64::try_from(usage.ru_maxrss).unwrap_or(0);
-    Ok(Measured {
-        stdout,
-        stderr,
-        code,
-        wall_s,
-        max_rss_kib,
-    })
+    Ok(Measured { stdout, stderr, code, wall_s, max_rss_kib })
 }
 
 /// Removes ANSI escape sequences (colours) from log text.
@@ -271,10 +227,7 @@ pub fn parse_ours(stderr: &str) -> Timings {
         if let Some(v) = seconds_after(line, "text encoding took") {
             t.text_encode_s = Some(t.text_encode_s.unwrap_or(0.0) + v);
         } else if line.contains(" step ") && line.contains("image ") {
-            if let Some(v) = line
-                .rfind(" took ")
-                .and_then(|i| seconds_after(&line[i..], " took"))
-            {
+            if let Some(v) = line.rfind(" took ").and_then(|i| seconds_after(&line[i..], " took")) {
                 t.steps_s.push(v);
             }
         } else if let Some(v) = seconds_after(line, "decoding took") {
@@ -294,12 +247,7 @@ pub fn parse_ref(stderr: &str) -> Timings {
     let ms = |k: &str| reference::field_f64(&f, k).map(|v| v / 1000.0);
     let steps_s = f
         .get("step_ms")
-        .map(|s| {
-            s.split(',')
-                .filter_map(|v| v.parse::<f64>().ok())
-                .map(|v| v / 1000.0)
-                .collect()
-        })
+        .map(|s| s.split(',').filter_map(|v| v.parse::<f64>().ok()).map(|v| v / 1000.0).collect())
         .unwrap_or_default();
     Timings {
         text_encode_s: ms("text_encode_ms"),
@@ -321,11 +269,7 @@ pub fn median(v: &[f64]) -> Option<f64> {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let n = s.len();
-    Some(if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        (s[n / 2 - 1] + s[n / 2]) / 2.0
-    })
+    Some(if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 })
 }
 
 /// One program's runs at one setting.
@@ -340,13 +284,7 @@ struct Side {
 
 impl Side {
     fn step_median(&self) -> Option<f64> {
-        median(
-            &self
-                .timings
-                .iter()
-                .flat_map(|t| t.steps_s.iter().copied())
-                .collect::<Vec<_>>(),
-        )
+        median(&self.timings.iter().flat_map(|t| t.steps_s.iter().copied()).collect::<Vec<_>>())
     }
     fn med(&self, f: impl Fn(&Timings) -> Option<f64>) -> Option<f64> {
         median(&self.timings.iter().filter_map(f).collect::<Vec<_>>())
@@ -362,24 +300,8 @@ impl Side {
 fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
     let mut c = Command::new(exe);
     c.args(["-m"]).arg(model);
-    c.args([
-        "-p",
-        PROMPT,
-        "-W",
-        &s.side.to_string(),
-        "-H",
-        &s.side.to_string(),
-    ]);
-    c.args([
-        "--steps",
-        &s.steps.to_string(),
-        "--sampling-method",
-        "euler",
-        "--cfg-scale",
-        "7",
-        "-s",
-        "42",
-    ]);
+    c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
+    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
     c.args(["-t", &threads.to_string(), "-o"]).arg(out);
     c.env("NO_COLOR", "1");
     c
@@ -388,24 +310,8 @@ fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -
 fn ref_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
     let mut c = Command::new(exe);
     c.arg("txt2img").args(["-m"]).arg(model);
-    c.args([
-        "-p",
-        PROMPT,
-        "-W",
-        &s.side.to_string(),
-        "-H",
-        &s.side.to_string(),
-    ]);
-    c.args([
-        "--steps",
-        &s.steps.to_string(),
-        "--sampling-method",
-        "euler",
-        "--cfg-scale",
-        "7",
-        "-s",
-        "42",
-    ]);
+    c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
+    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
     c.args(["-t", &threads.to_string(), "-o"]).arg(out);
     c
 }
@@ -427,51 +333,18 @@ fn print_table(s: Setting, threads: u32, runs: usize, ours: &Side, refr: &Side) 
         "sd15 f16 fixture, {0}x{0}, {1} steps euler, cfg 7, seed 42, -t {threads}, {runs} run(s) each, alternating",
         s.side, s.steps
     );
-    println!(
-        "{:<28} {:>12} {:>12} {:>9}",
-        "", "ours", "reference", "ours/ref"
-    );
+    println!("{:<28} {:>12} {:>12} {:>9}", "", "ours", "reference", "ours/ref");
     let row = |name: &str, a: Option<f64>, b: Option<f64>, fmt: &dyn Fn(Option<f64>) -> String| {
-        println!(
-            "{name:<28} {:>12} {:>12} {:>9}",
-            fmt(a),
-            fmt(b),
-            fmt_ratio(a, b)
-        );
+        println!("{name:<28} {:>12} {:>12} {:>9}", fmt(a), fmt(b), fmt_ratio(a, b));
     };
     let secs = |v: Option<f64>| fmt_s(v);
     let mib = |v: Option<f64>| v.map_or_else(|| "?".to_owned(), |v| format!("{v:.0} MiB"));
-    row(
-        "per step (median)",
-        ours.step_median(),
-        refr.step_median(),
-        &secs,
-    );
-    row(
-        "text encode (1)",
-        ours.med(|t| t.text_encode_s),
-        refr.med(|t| t.text_encode_s),
-        &secs,
-    );
-    row(
-        "decode (1)",
-        ours.med(|t| t.decode_s),
-        refr.med(|t| t.decode_s),
-        &secs,
-    );
-    row(
-        "generation (2)",
-        ours.med(|t| t.generation_s),
-        refr.med(|t| t.generation_s),
-        &secs,
-    );
+    row("per step (median)", ours.step_median(), refr.step_median(), &secs);
+    row("text encode (1)", ours.med(|t| t.text_encode_s), refr.med(|t| t.text_encode_s), &secs);
+    row("decode (1)", ours.med(|t| t.decode_s), refr.med(|t| t.decode_s), &secs);
+    row("generation (2)", ours.med(|t| t.generation_s), refr.med(|t| t.generation_s), &secs);
     row("whole run (wall)", ours.wall(), refr.wall(), &secs);
-    row(
-        "peak RSS (wait4 ru_maxrss)",
-        ours.rss_mib(),
-        refr.rss_mib(),
-        &mib,
-    );
+    row("peak RSS (wait4 ru_maxrss)", ours.rss_mib(), refr.rss_mib(), &mib);
     let self_rss = refr.self_rss_kib.iter().max().map(|&k| k as f64 / 1024.0);
     let load = refr.med(|t| t.load_s);
     println!(
@@ -479,26 +352,10 @@ fn print_table(s: Setting, threads: u32, runs: usize, ours: &Side, refr: &Side) 
         fmt_s(load),
         mib(self_rss)
     );
-    println!(
-        "  all steps, ours: {:?}",
-        ours.timings
-            .iter()
-            .map(|t| t.steps_s.clone())
-            .collect::<Vec<_>>()
-    );
-    println!(
-        "  all steps, ref:  {:?}",
-        refr.timings
-            .iter()
-            .map(|t| t.steps_s.clone())
-            .collect::<Vec<_>>()
-    );
-    println!(
-        "  (1) ours includes loading that module's weights; the reference's excludes it (above)."
-    );
-    println!(
-        "  (2) ours: from opening the files to the PNG written; reference: generate_image only."
-    );
+    println!("  all steps, ours: {:?}", ours.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
+    println!("  all steps, ref:  {:?}", refr.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
+    println!("  (1) ours includes loading that module's weights; the reference's excludes it (above).");
+    println!("  (2) ours: from opening the files to the PNG written; reference: generate_image only.");
 }
 
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
@@ -515,38 +372,20 @@ pub fn run(args: &[String]) -> Result<()> {
     for &s in &args.settings {
         let (mut ours, mut refr) = (Side::default(), Side::default());
         for i in 0..args.runs {
-            let order: [bool; 2] = if i % 2 == 0 {
-                [true, false]
-            } else {
-                [false, true]
-            };
+            let order: [bool; 2] = if i % 2 == 0 { [true, false] } else { [false, true] };
             for is_ours in order {
-                let out: PathBuf = dir.join(format!(
-                    "{}-{}-{}.png",
-                    if is_ours { "ours" } else { "ref" },
-                    s.side,
-                    i
-                ));
+                let out: PathBuf = dir.join(format!("{}-{}-{}.png", if is_ours { "ours" } else { "ref" }, s.side, i));
                 let mut cmd = if is_ours {
                     our_command(&ours_exe, &model, s, args.threads, &out)
                 } else {
                     ref_command(&ref_exe, &model, s, args.threads, &out)
                 };
                 let who = if is_ours { "ours" } else { "reference" };
-                eprintln!(
-                    "bench: {0}x{0} run {1}/{2}: {who}",
-                    s.side,
-                    i + 1,
-                    args.runs
-                );
+                eprintln!("bench: {0}x{0} run {1}/{2}: {who}", s.side, i + 1, args.runs);
                 let m = run_measured(&mut cmd)?;
                 m.check(&format!("{who} at {0}x{0}", s.side))?;
                 let side = if is_ours { &mut ours } else { &mut refr };
-                let t = if is_ours {
-                    parse_ours(&m.stderr)
-                } else {
-                    parse_ref(&m.stderr)
-                };
+                let t = if is_ours { parse_ours(&m.stderr) } else { parse_ref(&m.stderr) };
                 if t.steps_s.len() != s.steps as usize {
                     eprintln!(
                         "bench: warning: found {} step times in {who}'s log, expected {} (did a log line change?)",
@@ -607,29 +446,12 @@ mod tests {
     #[test]
     fn parses_the_documented_command_line() {
         let a = parse(&args("--size 512 --runs 3 --threads 4")).unwrap();
-        assert_eq!(
-            a,
-            Args {
-                settings: vec![SETTING_512],
-                runs: 3,
-                threads: 4
-            }
-        );
+        assert_eq!(a, Args { settings: vec![SETTING_512], runs: 3, threads: 4 });
         let d = parse(&[]).unwrap();
-        assert_eq!(
-            d,
-            Args {
-                settings: vec![SETTING_256, SETTING_512],
-                runs: 2,
-                threads: 2
-            }
-        );
-        for (line, needle) in [
-            ("--size 128", "128"),
-            ("--runs 0", "--runs"),
-            ("--threads x", "--threads"),
-            ("--fast", "--fast"),
-        ] {
+        assert_eq!(d, Args { settings: vec![SETTING_256, SETTING_512], runs: 2, threads: 2 });
+        for (line, needle) in
+            [("--size 128", "128"), ("--runs 0", "--runs"), ("--threads x", "--threads"), ("--fast", "--fast")]
+        {
             let e = parse(&args(line)).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
@@ -675,34 +497,20 @@ mod tests {
     fn a_child_is_measured_and_its_failure_reported() {
         // A shell that allocates nothing special: its peak RSS is positive and small,
         // its output and exit code come back.
-        let m = run_measured(Command::new("sh").args(["-c", "echo out; echo err >&2; exit 3"]))
-            .unwrap();
+        let m = run_measured(Command::new("sh").args(["-c", "echo out; echo err >&2; exit 3"])).unwrap();
         assert_eq!(m.stdout.trim(), "out");
         assert_eq!(m.stderr.trim(), "err");
         assert_eq!(m.code, Some(3));
-        assert!(
-            m.max_rss_kib > 0 && m.max_rss_kib < 1024 * 1024,
-            "{}",
-            m.max_rss_kib
-        );
+        assert!(m.max_rss_kib > 0 && m.max_rss_kib < 1024 * 1024, "{}", m.max_rss_kib);
         let e = m.check("sh").unwrap_err();
-        assert!(
-            format!("{e}").contains("exit code 3") && format!("{e}").contains("err"),
-            "{e}"
-        );
+        assert!(format!("{e}").contains("exit code 3") && format!("{e}").contains("err"), "{e}");
     }
 
     #[test]
     fn peak_rss_sees_a_large_allocation_in_the_child() {
         // dd allocates its 200 MiB block and fills it from /dev/zero: the child's own
         // peak must show in ru_maxrss.
-        let m = run_measured(Command::new("dd").args([
-            "if=/dev/zero",
-            "of=/dev/null",
-            "bs=200M",
-            "count=1",
-        ]))
-        .unwrap();
+        let m = run_measured(Command::new("dd").args(["if=/dev/zero", "of=/dev/null", "bs=200M", "count=1"])).unwrap();
         m.check("dd").unwrap();
         assert!(m.max_rss_kib > 190 * 1024, "{} KiB", m.max_rss_kib);
     }

@@ -37,22 +37,15 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut only = None;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let mut value = |flag: &str| {
-            it.next()
-                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
-                .cloned()
-        };
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
         match arg.as_str() {
             "--seed" | "-s" => {
                 let v = value(arg)?;
-                seed = v
-                    .parse()
-                    .with_context(|| format!("--seed '{v}' is not a non-negative integer"))?;
+                seed = v.parse().with_context(|| format!("--seed '{v}' is not a non-negative integer"))?;
             }
             "--type" => {
                 let v = value(arg)?;
-                wtype = WeightType::parse(&v)
-                    .ok_or_else(|| fixture::FixtureError::UnknownType(v.clone()))?;
+                wtype = WeightType::parse(&v).ok_or_else(|| fixture::FixtureError::UnknownType(v.clone()))?;
             }
             "-o" | "--output" => output = Some(PathBuf::from(value(arg)?)),
             "--only" => {
@@ -60,9 +53,8 @@ fn parse(args: &[String]) -> Result<Args> {
                 let list = v
                     .split(',')
                     .map(|c| {
-                        Component::parse(c.trim()).with_context(|| {
-                            format!("--only: unknown component '{c}' (accepted: unet, text, vae)")
-                        })
+                        Component::parse(c.trim())
+                            .with_context(|| format!("--only: unknown component '{c}' (accepted: unet, text, vae)"))
                     })
                     .collect::<Result<Vec<_>>>()?;
                 only = Some(list);
@@ -77,19 +69,11 @@ fn parse(args: &[String]) -> Result<Args> {
         }
     }
     let family = family.with_context(|| format!("no family given\n{USAGE}"))?;
-    Ok(Args {
-        family,
-        seed,
-        wtype,
-        output,
-        only,
-    })
+    Ok(Args { family, seed, wtype, output, only })
 }
 
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
@@ -98,23 +82,10 @@ pub fn run(args: &[String]) -> Result<()> {
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
-            let format = if args.wtype.is_quantized() {
-                FileFormat::Gguf
-            } else {
-                FileFormat::Safetensors
-            };
+            let format = if args.wtype.is_quantized() { FileFormat::Gguf } else { FileFormat::Safetensors };
             let dir = workspace_root().join("target").join("fixtures");
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-            (
-                dir.join(format!(
-                    "{}-{}.{}",
-                    args.family.name(),
-                    args.wtype,
-                    format.extension()
-                )),
-                format,
-            )
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (dir.join(format!("{}-{}.{}", args.family.name(), args.wtype, format.extension())), format)
         }
     };
     let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);
@@ -159,10 +130,7 @@ mod tests {
             }
         );
         let d = parse(&args("sd-turbo")).unwrap();
-        assert_eq!(
-            (d.seed, d.wtype, d.output, d.only),
-            (42, WeightType::F16, None, None)
-        );
+        assert_eq!((d.seed, d.wtype, d.output, d.only), (42, WeightType::F16, None, None));
     }
 
     #[test]

@@ -107,16 +107,12 @@ const F16_U: f64 = 1.0 / 2048.0;
 
 /// The workspace root (xtask's parent directory).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
 /// Where the fixture of `family` lives: `target/fixtures/<family>-f16.safetensors`.
 pub fn fixture_path(family: Family) -> PathBuf {
-    workspace_root()
-        .join("target/fixtures")
-        .join(format!("{}-f16.safetensors", family.name()))
+    workspace_root().join("target/fixtures").join(format!("{}-f16.safetensors", family.name()))
 }
 
 /// The fixture of `family` (seed 42, f16, safetensors), written first if missing.
@@ -127,22 +123,14 @@ pub fn ensure_fixture(family: Family) -> Result<PathBuf> {
     }
     let dir = path.parent().context("fixture path has no parent")?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    eprintln!(
-        "parity: writing the {} fixture to {} (full size, takes a while)",
-        family.name(),
-        path.display()
-    );
+    eprintln!("parity: writing the {} fixture to {} (full size, takes a while)", family.name(), path.display());
     let t = Instant::now();
     // Write under a temporary name so that an interrupted run leaves no truncated fixture.
     let tmp = path.with_extension("safetensors.partial");
     let req = FixtureRequest::family(family, 42, WeightType::F16, FileFormat::Safetensors);
     fixture::write_fixture(&tmp, &req).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    eprintln!(
-        "parity: fixture written in {:.0} s",
-        t.elapsed().as_secs_f64()
-    );
+    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    eprintln!("parity: fixture written in {:.0} s", t.elapsed().as_secs_f64());
     Ok(path)
 }
 
@@ -154,15 +142,7 @@ fn cargo() -> String {
 /// JSON messages, so that `CARGO_TARGET_DIR` is honoured).
 pub fn build_sd_cli() -> Result<PathBuf> {
     let out = Command::new(cargo())
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "sd-cli",
-            "--bin",
-            "sd-cli",
-            "--message-format=json-render-diagnostics",
-        ])
+        .args(["build", "--release", "-p", "sd-cli", "--bin", "sd-cli", "--message-format=json-render-diagnostics"])
         .current_dir(workspace_root())
         .stderr(std::process::Stdio::inherit())
         .output()
@@ -195,19 +175,12 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut test_data_dir = workspace_root().join("tests/data");
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let mut value = |flag: &str| {
-            it.next()
-                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
-                .cloned()
-        };
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
         match arg.as_str() {
             "--threads" | "-t" => {
                 let v = value(arg)?;
-                threads = v
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .with_context(|| format!("--threads {v}: a positive integer"))?;
+                threads =
+                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--threads {v}: a positive integer"))?;
             }
             "--write-test-data" => write_test_data = true,
             "--test-data-dir" => test_data_dir = PathBuf::from(value(arg)?),
@@ -261,11 +234,7 @@ impl Diff {
     /// Compares `ours` with `reference` element by element (same length required).
     pub fn of(ours: &[f64], reference: &[f64]) -> Result<Diff> {
         if ours.len() != reference.len() || ours.is_empty() {
-            bail!(
-                "cannot compare {} values with {}",
-                ours.len(),
-                reference.len()
-            );
+            bail!("cannot compare {} values with {}", ours.len(), reference.len());
         }
         let n = ours.len();
         let (mut max_abs, mut sum_abs, mut sum_sq) = (0.0f64, 0.0f64, 0.0f64);
@@ -330,17 +299,11 @@ impl Tolerance {
     /// The bound for a path with `n` f16 rounding points: `4 u sqrt(n)` / `8 u sqrt(n)`.
     pub fn rounding_points(n: u32) -> Tolerance {
         let r = F16_U * f64::from(n).sqrt();
-        Tolerance::Relative {
-            rel_rms: 4.0 * r,
-            rel_max: 8.0 * r,
-        }
+        Tolerance::Relative { rel_rms: 4.0 * r, rel_max: 8.0 * r }
     }
 
     /// The PNG bound: mean <= 1/255, max <= 8/255.
-    pub const PNG: Tolerance = Tolerance::Levels {
-        mean: 1.0,
-        max: 8.0,
-    };
+    pub const PNG: Tolerance = Tolerance::Levels { mean: 1.0, max: 8.0 };
 
     /// Whether `d` is within this tolerance (never with non-finite values).
     pub fn accepts(&self, d: &Diff) -> bool {
@@ -348,9 +311,7 @@ impl Tolerance {
             return false;
         }
         match *self {
-            Tolerance::Relative { rel_rms, rel_max } => {
-                d.rel_rms() <= rel_rms && d.rel_max() <= rel_max
-            }
+            Tolerance::Relative { rel_rms, rel_max } => d.rel_rms() <= rel_rms && d.rel_max() <= rel_max,
             Tolerance::Levels { mean, max } => d.mean_abs <= mean && d.max_abs <= max,
         }
     }
@@ -413,11 +374,7 @@ impl Row {
 /// Writes raw little-endian f32 and the sdref sidecar (`PATH.json`) with `shape`.
 pub fn write_raw(path: &Path, shape: &[usize], data: &[f32], what: &str) -> Result<()> {
     if shape.iter().product::<usize>() != data.len() {
-        bail!(
-            "{}: shape {shape:?} does not hold {} values",
-            path.display(),
-            data.len()
-        );
+        bail!("{}: shape {shape:?} does not hold {} values", path.display(), data.len());
     }
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
@@ -440,32 +397,19 @@ fn sidecar(path: &Path) -> PathBuf {
 pub fn read_raw(path: &Path) -> Result<(Vec<usize>, Vec<f32>)> {
     let side_path = sidecar(path);
     let side: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&side_path)
-            .with_context(|| format!("reading {}", side_path.display()))?,
+        &std::fs::read_to_string(&side_path).with_context(|| format!("reading {}", side_path.display()))?,
     )
     .with_context(|| format!("parsing {}", side_path.display()))?;
     let shape: Vec<usize> = side["shape"]
         .as_array()
-        .and_then(|a| {
-            a.iter()
-                .map(|v| v.as_u64().and_then(|x| usize::try_from(x).ok()))
-                .collect()
-        })
+        .and_then(|a| a.iter().map(|v| v.as_u64().and_then(|x| usize::try_from(x).ok())).collect())
         .with_context(|| format!("{}: no integer `shape` array", side_path.display()))?;
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let n: usize = shape.iter().product();
     if bytes.len() != n * 4 {
-        bail!(
-            "{}: {} bytes, but shape {shape:?} of f32 needs {}",
-            path.display(),
-            bytes.len(),
-            n * 4
-        );
+        bail!("{}: {} bytes, but shape {shape:?} of f32 needs {}", path.display(), bytes.len(), n * 4);
     }
-    let data = bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let data = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Ok((shape, data))
 }
 
@@ -499,25 +443,15 @@ fn read_png_rgb(path: &Path) -> Result<(u32, u32, Vec<u8>)> {
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut dec = png::Decoder::new(std::io::BufReader::new(file));
     dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
-    let mut reader = dec
-        .read_info()
-        .with_context(|| format!("reading {}", path.display()))?;
+    let mut reader = dec.read_info().with_context(|| format!("reading {}", path.display()))?;
     let mut buf = vec![0; reader.output_buffer_size()];
-    let info = reader
-        .next_frame(&mut buf)
-        .with_context(|| format!("decoding {}", path.display()))?;
+    let info = reader.next_frame(&mut buf).with_context(|| format!("decoding {}", path.display()))?;
     let px = info.width as usize * info.height as usize;
     let rgb = match info.color_type {
         png::ColorType::Rgb => buf[..px * 3].to_vec(),
-        png::ColorType::Rgba => buf[..px * 4]
-            .chunks_exact(4)
-            .flat_map(|p| [p[0], p[1], p[2]])
-            .collect(),
+        png::ColorType::Rgba => buf[..px * 4].chunks_exact(4).flat_map(|p| [p[0], p[1], p[2]]).collect(),
         png::ColorType::Grayscale => buf[..px].iter().flat_map(|&g| [g, g, g]).collect(),
-        png::ColorType::GrayscaleAlpha => buf[..px * 2]
-            .chunks_exact(2)
-            .flat_map(|p| [p[0], p[0], p[0]])
-            .collect(),
+        png::ColorType::GrayscaleAlpha => buf[..px * 2].chunks_exact(2).flat_map(|p| [p[0], p[0], p[0]]).collect(),
         png::ColorType::Indexed => bail!("{}: a palette image was not expanded", path.display()),
     };
     Ok((info.width, info.height, rgb))
@@ -528,11 +462,7 @@ fn png_diff(ours: &Path, reference: &Path) -> Result<(Diff, String)> {
     let (w1, h1, a) = read_png_rgb(ours)?;
     let (w2, h2, b) = read_png_rgb(reference)?;
     if (w1, h1) != (w2, h2) {
-        bail!(
-            "{} is {w1}x{h1} but {} is {w2}x{h2}",
-            ours.display(),
-            reference.display()
-        );
+        bail!("{} is {w1}x{h1} but {} is {w2}x{h2}", ours.display(), reference.display());
     }
     let to = |v: &[u8]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
     Ok((Diff::of(&to(&a), &to(&b))?, format!("{w1}x{h1}x3")))
@@ -562,13 +492,8 @@ impl Cpu {
         let device = registry
             .device("cpu")
             .context("no CPU device among the loaded ggml plugins (run `cargo xtask plugins`?)")?;
-        let backend = BackendManager::new(Some(threads as usize))
-            .get(device)
-            .context("creating the CPU backend")?;
-        Ok(Cpu {
-            _registry: registry,
-            backend,
-        })
+        let backend = BackendManager::new(Some(threads as usize)).get(device).context("creating the CPU backend")?;
+        Ok(Cpu { _registry: registry, backend })
     }
 }
 
@@ -616,34 +541,15 @@ fn our_unet(
 ) -> Result<Vec<f32>> {
     let src = FileSource::new(files);
     let dtype = dtype_of(files);
-    let unet = UNetModel::load(
-        cfg.clone(),
-        &dtype,
-        None,
-        cpu.backend.device().buffer_type(),
-        &src,
-    )?;
+    let unet = UNetModel::load(cfg.clone(), &dtype, None, cpu.backend.device().buffer_type(), &src)?;
     let mut runner = Runner::new("unet", cpu.backend.clone());
-    Ok(unet.eval(
-        &mut runner,
-        x,
-        (LATENT_SIDE, LATENT_SIDE),
-        &[TIMESTEP],
-        context,
-        n_ctx,
-        1,
-    )?)
+    Ok(unet.eval(&mut runner, x, (LATENT_SIDE, LATENT_SIDE), &[TIMESTEP], context, n_ctx, 1)?)
 }
 
 fn our_vae(cpu: &Cpu, files: &ModelFiles, latent: &[f32]) -> Result<Vec<f32>> {
     let src = FileSource::new(files);
     let cfg = VaeConfig::sd();
-    let vae = AutoencoderKl::load(
-        cfg.clone(),
-        VaeParts::DecoderOnly,
-        &src,
-        cpu.backend.device().buffer_type(),
-    )?;
+    let vae = AutoencoderKl::load(cfg.clone(), VaeParts::DecoderOnly, &src, cpu.backend.device().buffer_type())?;
     let mut runner = Runner::new("vae", cpu.backend.clone());
     let mut z = latent.to_vec();
     cfg.diffusion_to_vae(&mut z);
@@ -656,10 +562,7 @@ fn our_vae(cpu: &Cpu, files: &ModelFiles, latent: &[f32]) -> Result<Vec<f32>> {
 
 fn sdref(exe: &Path, sub: &str, model: &Path, threads: u32) -> Command {
     let mut c = Command::new(exe);
-    c.arg(sub)
-        .arg("-m")
-        .arg(model)
-        .args(["-t", &threads.to_string()]);
+    c.arg(sub).arg("-m").arg(model).args(["-t", &threads.to_string()]);
     c
 }
 
@@ -699,13 +602,7 @@ fn gen_flags(prompt: &str, side: u32, steps: u32, threads: u32) -> Vec<String> {
 // The checks
 // ---------------------------------------------------------------------------------------
 
-fn check_family(
-    family: Family,
-    threads: u32,
-    sdref_exe: &Path,
-    ours_exe: &Path,
-    cpu: &Cpu,
-) -> Result<Vec<Row>> {
+fn check_family(family: Family, threads: u32, sdref_exe: &Path, ours_exe: &Path, cpu: &Cpu) -> Result<Vec<Row>> {
     let name = family.name();
     let model = ensure_fixture(family)?;
     let dir = workspace_root().join("target/parity").join(name);
@@ -726,35 +623,20 @@ fn check_family(
         let mut c = sdref(sdref_exe, "encode-text", &model, threads);
         c.args(["-p", p, "-o"]).arg(&out);
         let s = run_ok(c, "sdref encode-text")?;
-        eprintln!(
-            "parity: {name}: sdref encode-text {:?} took {s:.1} s (with model load)",
-            p
-        );
+        eprintln!("parity: {name}: sdref encode-text {:?} took {s:.1} s (with model load)", p);
         ref_te.push(read_raw(&out)?);
     }
     let t = Instant::now();
     let ours_te = our_text(cpu, &files, &clip, &prompts)?;
-    eprintln!(
-        "parity: {name}: our text encoder took {:.1} s (with weight load)",
-        t.elapsed().as_secs_f64()
-    );
+    eprintln!("parity: {name}: our text encoder took {:.1} s (with weight load)", t.elapsed().as_secs_f64());
     for (i, ((shape, r), (o, n_tok, hidden))) in ref_te.iter().zip(&ours_te).enumerate() {
         if shape.iter().product::<usize>() != o.len() {
             bail!("{name}: text {i}: the reference's conditioning is {shape:?}, ours [1, {n_tok}, {hidden}]");
         }
-        write_raw(
-            &dir.join(format!("te{i}.ours.f32")),
-            &[1, *n_tok, *hidden],
-            o,
-            "our conditioning",
-        )?;
+        write_raw(&dir.join(format!("te{i}.ours.f32")), &[1, *n_tok, *hidden], o, "our conditioning")?;
         push(Row {
             family: name,
-            what: if i == 0 {
-                "text".into()
-            } else {
-                "text (weighted)".into()
-            },
+            what: if i == 0 { "text".into() } else { "text (weighted)".into() },
             shape: shape_str(shape),
             diff: Diff::of(&to_f64(o), &to_f64(r))?,
             tol: Tolerance::rounding_points(clip_points),
@@ -763,19 +645,11 @@ fn check_family(
 
     // (b) UNet, on the reference's conditioning.
     let (ctx_shape, ctx) = &ref_te[0];
-    let n_ctx = ctx_shape
-        .get(1)
-        .copied()
-        .context("the reference's conditioning has no token axis")?;
+    let n_ctx = ctx_shape.get(1).copied().context("the reference's conditioning has no token axis")?;
     let x_shape = [1, 4, LATENT_SIDE, LATENT_SIDE];
     let x = normal_values(0x5eed_0001, x_shape.iter().product());
     let x_path = dir.join("unet_x.f32");
-    write_raw(
-        &x_path,
-        &x_shape,
-        &x,
-        "UNet input x (scaled by c_in), standard normal, splitmix64 seed 0x5eed0001",
-    )?;
+    write_raw(&x_path, &x_shape, &x, "UNet input x (scaled by c_in), standard normal, splitmix64 seed 0x5eed0001")?;
     let out = dir.join("unet.ref.f32");
     let mut c = sdref(sdref_exe, "unet", &model, threads);
     c.arg("--latent")
@@ -788,10 +662,7 @@ fn check_family(
     let (shape, r) = read_raw(&out)?;
     let t = Instant::now();
     let o = our_unet(cpu, &files, &unet_cfg, &x, ctx, n_ctx)?;
-    eprintln!(
-        "parity: {name}: our UNet took {:.1} s (with weight load)",
-        t.elapsed().as_secs_f64()
-    );
+    eprintln!("parity: {name}: our UNet took {:.1} s (with weight load)", t.elapsed().as_secs_f64());
     write_raw(&dir.join("unet.ours.f32"), &shape, &o, "our UNet output").ok();
     push(Row {
         family: name,
@@ -804,12 +675,7 @@ fn check_family(
     // (c) VAE decode.
     let z = normal_values(0x5eed_0002, x_shape.iter().product());
     let z_path = dir.join("vae_z.f32");
-    write_raw(
-        &z_path,
-        &x_shape,
-        &z,
-        "diffusion-space latent, standard normal, splitmix64 seed 0x5eed0002",
-    )?;
+    write_raw(&z_path, &x_shape, &z, "diffusion-space latent, standard normal, splitmix64 seed 0x5eed0002")?;
     let out = dir.join("vae.ref.f32");
     let mut c = sdref(sdref_exe, "vae-decode", &model, threads);
     c.arg("--latent").arg(&z_path).arg("-o").arg(&out);
@@ -818,10 +684,7 @@ fn check_family(
     let (shape, r) = read_raw(&out)?;
     let t = Instant::now();
     let o = our_vae(cpu, &files, &z)?;
-    eprintln!(
-        "parity: {name}: our VAE took {:.1} s (with weight load)",
-        t.elapsed().as_secs_f64()
-    );
+    eprintln!("parity: {name}: our VAE took {:.1} s (with weight load)", t.elapsed().as_secs_f64());
     write_raw(&dir.join("vae.ours.f32"), &shape, &o, "our VAE output").ok();
     push(Row {
         family: name,
@@ -836,44 +699,22 @@ fn check_family(
     let flags = gen_flags(PROMPT, 256, 4, threads);
     let ref_png = dir.join("txt2img.ref.png");
     let mut c = Command::new(sdref_exe);
-    c.arg("txt2img")
-        .arg("-m")
-        .arg(&model)
-        .args(&flags)
-        .arg("-o")
-        .arg(&ref_png);
+    c.arg("txt2img").arg("-m").arg(&model).args(&flags).arg("-o").arg(&ref_png);
     let s = run_ok(c, "sdref txt2img")?;
     eprintln!("parity: {name}: sdref txt2img took {s:.1} s");
     let ours_png = dir.join("txt2img.ours.png");
     let mut c = Command::new(ours_exe);
-    c.arg("-m")
-        .arg(&model)
-        .args(&flags)
-        .arg("-o")
-        .arg(&ours_png)
-        .env("NO_COLOR", "1");
+    c.arg("-m").arg(&model).args(&flags).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
     let s = run_ok(c, "sd-cli")?;
     eprintln!("parity: {name}: our sd-cli took {s:.1} s");
     let (diff, shape) = png_diff(&ours_png, &ref_png)?;
-    push(Row {
-        family: name,
-        what: "png 256 euler4".into(),
-        shape,
-        diff,
-        tol: Tolerance::PNG,
-    });
+    push(Row { family: name, what: "png 256 euler4".into(), shape, diff, tol: Tolerance::PNG });
     Ok(rows)
 }
 
 /// The CI test inputs: `ref-<family>-f16-seed42-64x64-euler2-cfg7.png` (tests/data/README.md),
 /// written by the reference, then compared with ours at the same settings.
-fn write_test_data(
-    family: Family,
-    threads: u32,
-    sdref_exe: &Path,
-    ours_exe: &Path,
-    dir: &Path,
-) -> Result<Row> {
+fn write_test_data(family: Family, threads: u32, sdref_exe: &Path, ours_exe: &Path, dir: &Path) -> Result<Row> {
     let name = family.name();
     let model = ensure_fixture(family)?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -881,35 +722,18 @@ fn write_test_data(
     let tmp = dir.join(format!(".ref-{name}.partial.png"));
     let flags = gen_flags("a cat", 64, 2, threads);
     let mut c = Command::new(sdref_exe);
-    c.arg("txt2img")
-        .arg("-m")
-        .arg(&model)
-        .args(&flags)
-        .arg("-o")
-        .arg(&tmp);
+    c.arg("txt2img").arg("-m").arg(&model).args(&flags).arg("-o").arg(&tmp);
     run_ok(c, "sdref txt2img")?;
-    std::fs::rename(&tmp, &file)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))?;
+    std::fs::rename(&tmp, &file).with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))?;
     println!("wrote {}", file.display());
     let work = workspace_root().join("target/parity").join(name);
     std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
     let ours_png = work.join("test-data.ours.png");
     let mut c = Command::new(ours_exe);
-    c.arg("-m")
-        .arg(&model)
-        .args(&flags)
-        .arg("-o")
-        .arg(&ours_png)
-        .env("NO_COLOR", "1");
+    c.arg("-m").arg(&model).args(&flags).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
     run_ok(c, "sd-cli")?;
     let (diff, shape) = png_diff(&ours_png, &file)?;
-    Ok(Row {
-        family: name,
-        what: "png 64 euler2".into(),
-        shape,
-        diff,
-        tol: Tolerance::PNG,
-    })
+    Ok(Row { family: name, what: "png 64 euler2".into(), shape, diff, tol: Tolerance::PNG })
 }
 
 /// Entry point of `cargo xtask parity ...` (`args` excludes the subcommand name).
@@ -932,11 +756,7 @@ pub fn run(args: &[String]) -> Result<()> {
             rows.extend(check_family(f, args.threads, &sdref_exe, &ours_exe, &cpu)?);
         }
     }
-    println!(
-        "\nparity summary ({} threads, {:.0} s):",
-        args.threads,
-        start.elapsed().as_secs_f64()
-    );
+    println!("\nparity summary ({} threads, {:.0} s):", args.threads, start.elapsed().as_secs_f64());
     for r in &rows {
         r.print();
     }
@@ -959,24 +779,15 @@ mod tests {
     #[test]
     fn parses_the_documented_command_line() {
         let a = parse(&args("sd21 --threads 4")).unwrap();
-        assert_eq!(
-            (a.families, a.threads, a.write_test_data),
-            (vec![Family::Sd21], 4, false)
-        );
+        assert_eq!((a.families, a.threads, a.write_test_data), (vec![Family::Sd21], 4, false));
         let d = parse(&[]).unwrap();
-        assert_eq!(
-            (d.families, d.threads),
-            (vec![Family::Sd15, Family::Sd21], 2)
-        );
+        assert_eq!((d.families, d.threads), (vec![Family::Sd15, Family::Sd21], 2));
         let w = parse(&args("all --write-test-data --test-data-dir /tmp/x")).unwrap();
         assert!(w.write_test_data);
         assert_eq!(w.test_data_dir, PathBuf::from("/tmp/x"));
-        for (line, needle) in [
-            ("sdxl", "sdxl"),
-            ("sd15 sd21", "unexpected"),
-            ("--threads 0", "--threads"),
-            ("--quick", "--quick"),
-        ] {
+        for (line, needle) in
+            [("sdxl", "sdxl"), ("sd15 sd21", "unexpected"), ("--threads 0", "--threads"), ("--quick", "--quick")]
+        {
             let e = parse(&args(line)).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
@@ -1001,24 +812,16 @@ mod tests {
     #[test]
     fn tolerances_reject_what_they_should() {
         let png = Tolerance::PNG;
-        let within = Diff::of(
-            &[10.0, 18.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-            &[10.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-        )
-        .unwrap();
+        let within =
+            Diff::of(&[10.0, 18.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], &[10.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).unwrap();
         assert!(png.accepts(&within), "max 8, mean 1 is the limit itself");
         let over = Diff::of(&[19.0, 0.0], &[10.0, 0.0]).unwrap();
         assert!(!png.accepts(&over));
         let nan = Diff::of(&[f64::NAN, 1.0], &[1.0, 1.0]).unwrap();
         assert!(!png.accepts(&nan) && !Tolerance::rounding_points(1).accepts(&nan));
         // 4 u sqrt(N): 48 points give 1.35e-2.
-        let Tolerance::Relative { rel_rms, rel_max } = Tolerance::rounding_points(48) else {
-            unreachable!()
-        };
-        assert!(
-            (rel_rms - 4.0 * 48f64.sqrt() / 2048.0).abs() < 1e-15
-                && (rel_max - 2.0 * rel_rms).abs() < 1e-15
-        );
+        let Tolerance::Relative { rel_rms, rel_max } = Tolerance::rounding_points(48) else { unreachable!() };
+        assert!((rel_rms - 4.0 * 48f64.sqrt() / 2048.0).abs() < 1e-15 && (rel_max - 2.0 * rel_rms).abs() < 1e-15);
     }
 
     #[test]
@@ -1027,16 +830,9 @@ mod tests {
         assert_eq!(a, normal_values(7, 100_000));
         assert_ne!(a[..10], normal_values(8, 10)[..]);
         let mean = a.iter().map(|&v| f64::from(v)).sum::<f64>() / a.len() as f64;
-        let var = a
-            .iter()
-            .map(|&v| (f64::from(v) - mean).powi(2))
-            .sum::<f64>()
-            / a.len() as f64;
+        let var = a.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / a.len() as f64;
         // Standard errors: 1/sqrt(n) = 0.003 for the mean, ~0.0045 for the variance.
-        assert!(
-            mean.abs() < 0.02 && (var - 1.0).abs() < 0.03,
-            "mean {mean} var {var}"
-        );
+        assert!(mean.abs() < 0.02 && (var - 1.0).abs() < 0.03, "mean {mean} var {var}");
         assert_eq!(normal_values(1, 3).len(), 3);
     }
 

@@ -86,7 +86,10 @@ pub fn run(args: &[String]) -> Result<()> {
     let all = manifests()?;
     for b in &backends {
         if !all.iter().any(|m| &m.name == b) {
-            bail!("unknown backend `{b}`; plugins/ has: {}", all.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "));
+            bail!(
+                "unknown backend `{b}`; plugins/ has: {}",
+                all.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+            );
         }
     }
     // Check toolkits before building anything.
@@ -100,7 +103,10 @@ pub fn run(args: &[String]) -> Result<()> {
                 if missing.is_empty() {
                     format!(" on {}", std::env::consts::OS)
                 } else {
-                    format!(" (not found on PATH: {})", missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "))
+                    format!(
+                        " (not found on PATH: {})",
+                        missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                    )
                 },
                 m.toolkit.as_deref().unwrap_or("its toolkit"),
             );
@@ -108,7 +114,11 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     // The default build (ggml-base, cpu, rpc) comes from ggml-sys's build script.
     let t = std::time::Instant::now();
-    run_cmd(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(["build", "--release", "-p", "ggml-sys"]).current_dir(workspace()))?;
+    run_cmd(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "--release", "-p", "ggml-sys"])
+            .current_dir(workspace()),
+    )?;
     let root = workspace().join("target/ggml");
     let info: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root.join("build-info.json"))?)?;
     let src = PathBuf::from(info["source_dir"].as_str().context("build-info.json: source_dir")?);
@@ -126,7 +136,14 @@ pub fn run(args: &[String]) -> Result<()> {
             let mut cfg = Command::new("cmake");
             cfg.arg("-S").arg(workspace().join("crates/ggml-sys/cmake")).arg("-B").arg(&build);
             cfg.arg(format!("-DGGML_SOURCE_DIR={}", src.display()));
-            cfg.args(["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"]);
+            cfg.args([
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DBUILD_SHARED_LIBS=ON",
+                "-DGGML_BACKEND_DL=ON",
+                "-DGGML_CPU=OFF",
+                "-DGGML_BUILD_TESTS=OFF",
+                "-DGGML_BUILD_EXAMPLES=OFF",
+            ]);
             cfg.args(&m.cmake);
             run_cmd(&mut cfg)?;
             (build, m.targets.clone())

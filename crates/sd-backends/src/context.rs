@@ -46,7 +46,8 @@ impl Context {
     /// A metadata-only context for `n_tensors` tensors and one graph of `graph_size` nodes.
     pub fn for_graph(n_tensors: usize, graph_size: usize) -> Result<Self> {
         // SAFETY: pure size computations.
-        let size = unsafe { sys::ggml_tensor_overhead() * n_tensors + sys::ggml_graph_overhead_custom(graph_size, false) };
+        let size =
+            unsafe { sys::ggml_tensor_overhead() * n_tensors + sys::ggml_graph_overhead_custom(graph_size, false) };
         Self::new(size + 1024, true)
     }
 
@@ -252,19 +253,29 @@ impl<'c> Tensor<'c> {
     pub fn get_f32(self) -> Result<Vec<f32>> {
         let bytes = self.get_bytes()?;
         match self.dtype() {
-            GgmlType::GGML_TYPE_F32 => Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            GgmlType::GGML_TYPE_F32 => {
+                Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
             GgmlType::GGML_TYPE_F16 => Ok(bytes
                 .chunks_exact(2)
                 // SAFETY: pure conversion function.
                 .map(|c| unsafe { sys::ggml_fp16_to_fp32(u16::from_le_bytes([c[0], c[1]])) })
                 .collect()),
-            other => Err(BackendError::DataSize { name: format!("{} (type {})", self.name(), other.0), expected: 0, got: bytes.len() }),
+            other => Err(BackendError::DataSize {
+                name: format!("{} (type {})", self.name(), other.0),
+                expected: 0,
+                got: bytes.len(),
+            }),
         }
     }
 
     fn check_type(self, ty: GgmlType) -> Result<()> {
         if self.dtype() != ty {
-            return Err(BackendError::DataSize { name: format!("{} (type {} not {})", self.name(), self.dtype().0, ty.0), expected: self.nbytes(), got: 0 });
+            return Err(BackendError::DataSize {
+                name: format!("{} (type {} not {})", self.name(), self.dtype().0, ty.0),
+                expected: self.nbytes(),
+                got: 0,
+            });
         }
         Ok(())
     }

@@ -83,7 +83,9 @@ pub fn pack_f32(to: GgmlType, values: &[f32], row: i64) -> Result<Vec<u8>, Conve
     }
     let mut out = vec![0u8; row_size(to, n)];
     // SAFETY: values holds nrows*row floats; out is sized for that many elements of `to`.
-    let written = unsafe { sys::ggml_quantize_chunk(to, values.as_ptr(), out.as_mut_ptr().cast(), 0, n / row, row, std::ptr::null()) };
+    let written = unsafe {
+        sys::ggml_quantize_chunk(to, values.as_ptr(), out.as_mut_ptr().cast(), 0, n / row, row, std::ptr::null())
+    };
     debug_assert_eq!(written, out.len());
     Ok(out)
 }
@@ -108,7 +110,13 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes_and_blocks() {
-        assert!(matches!(convert(GgmlType::GGML_TYPE_F32, GgmlType::GGML_TYPE_F16, &[0; 7], &[2]), Err(ConvertError::Size { .. })));
-        assert!(matches!(convert(GgmlType::GGML_TYPE_F32, GgmlType::GGML_TYPE_Q8_0, &[0; 40], &[10]), Err(ConvertError::Block { .. })));
+        assert!(matches!(
+            convert(GgmlType::GGML_TYPE_F32, GgmlType::GGML_TYPE_F16, &[0; 7], &[2]),
+            Err(ConvertError::Size { .. })
+        ));
+        assert!(matches!(
+            convert(GgmlType::GGML_TYPE_F32, GgmlType::GGML_TYPE_Q8_0, &[0; 40], &[10]),
+            Err(ConvertError::Block { .. })
+        ));
     }
 }

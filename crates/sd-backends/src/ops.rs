@@ -143,27 +143,71 @@ impl Context {
 
     /// 2-D convolution (im2col + matmul). Kernel [KW, KH, IC, OC], data [W, H, C, N].
     #[allow(clippy::too_many_arguments)]
-    pub fn conv_2d<'c>(&'c self, kernel: Tensor<'_>, data: Tensor<'_>, s0: i32, s1: i32, p0: i32, p1: i32, d0: i32, d1: i32) -> Tensor<'c> {
+    pub fn conv_2d<'c>(
+        &'c self,
+        kernel: Tensor<'_>,
+        data: Tensor<'_>,
+        s0: i32,
+        s1: i32,
+        p0: i32,
+        p1: i32,
+        d0: i32,
+        d1: i32,
+    ) -> Tensor<'c> {
         // SAFETY: live context and operands.
-        Tensor::from_raw(unsafe { sys::ggml_conv_2d(self.as_raw(), kernel.as_raw(), data.as_raw(), s0, s1, p0, p1, d0, d1) })
+        Tensor::from_raw(unsafe {
+            sys::ggml_conv_2d(self.as_raw(), kernel.as_raw(), data.as_raw(), s0, s1, p0, p1, d0, d1)
+        })
     }
 
     /// 2-D convolution computed directly (no im2col buffer).
     #[allow(clippy::too_many_arguments)]
-    pub fn conv_2d_direct<'c>(&'c self, kernel: Tensor<'_>, data: Tensor<'_>, s0: i32, s1: i32, p0: i32, p1: i32, d0: i32, d1: i32) -> Tensor<'c> {
+    pub fn conv_2d_direct<'c>(
+        &'c self,
+        kernel: Tensor<'_>,
+        data: Tensor<'_>,
+        s0: i32,
+        s1: i32,
+        p0: i32,
+        p1: i32,
+        d0: i32,
+        d1: i32,
+    ) -> Tensor<'c> {
         // SAFETY: live context and operands.
-        Tensor::from_raw(unsafe { sys::ggml_conv_2d_direct(self.as_raw(), kernel.as_raw(), data.as_raw(), s0, s1, p0, p1, d0, d1) })
+        Tensor::from_raw(unsafe {
+            sys::ggml_conv_2d_direct(self.as_raw(), kernel.as_raw(), data.as_raw(), s0, s1, p0, p1, d0, d1)
+        })
     }
 
     /// im2col.
     #[allow(clippy::too_many_arguments)]
-    pub fn im2col<'c>(&'c self, kernel: Tensor<'_>, data: Tensor<'_>, s0: i32, s1: i32, p0: i32, p1: i32, d0: i32, d1: i32, is_2d: bool, ty: GgmlType) -> Tensor<'c> {
+    pub fn im2col<'c>(
+        &'c self,
+        kernel: Tensor<'_>,
+        data: Tensor<'_>,
+        s0: i32,
+        s1: i32,
+        p0: i32,
+        p1: i32,
+        d0: i32,
+        d1: i32,
+        is_2d: bool,
+        ty: GgmlType,
+    ) -> Tensor<'c> {
         // SAFETY: live context and operands.
-        Tensor::from_raw(unsafe { sys::ggml_im2col(self.as_raw(), kernel.as_raw(), data.as_raw(), s0, s1, p0, p1, d0, d1, is_2d, ty) })
+        Tensor::from_raw(unsafe {
+            sys::ggml_im2col(self.as_raw(), kernel.as_raw(), data.as_raw(), s0, s1, p0, p1, d0, d1, is_2d, ty)
+        })
     }
 
     /// Softmax of a * scale + mask (mask optional, broadcast over rows).
-    pub fn soft_max_ext<'c>(&'c self, a: Tensor<'_>, mask: Option<Tensor<'_>>, scale: f32, max_bias: f32) -> Tensor<'c> {
+    pub fn soft_max_ext<'c>(
+        &'c self,
+        a: Tensor<'_>,
+        mask: Option<Tensor<'_>>,
+        scale: f32,
+        max_bias: f32,
+    ) -> Tensor<'c> {
         let m = mask.map_or(std::ptr::null_mut(), |m| m.as_raw());
         // SAFETY: live context and operands (mask may be null).
         Tensor::from_raw(unsafe { sys::ggml_soft_max_ext(self.as_raw(), a.as_raw(), m, scale, max_bias) })
@@ -171,10 +215,18 @@ impl Context {
 
     /// Fused attention. q [D, Lq, H, N], k/v [D, Lk, H, N] (k/v f16 on most backends);
     /// result [D, H, Lq, N]. Accumulates in f32.
-    pub fn flash_attn_ext<'c>(&'c self, q: Tensor<'_>, k: Tensor<'_>, v: Tensor<'_>, mask: Option<Tensor<'_>>, scale: f32) -> Tensor<'c> {
+    pub fn flash_attn_ext<'c>(
+        &'c self,
+        q: Tensor<'_>,
+        k: Tensor<'_>,
+        v: Tensor<'_>,
+        mask: Option<Tensor<'_>>,
+        scale: f32,
+    ) -> Tensor<'c> {
         let m = mask.map_or(std::ptr::null_mut(), |m| m.as_raw());
         // SAFETY: live context and operands (mask may be null).
-        let t = unsafe { sys::ggml_flash_attn_ext(self.as_raw(), q.as_raw(), k.as_raw(), v.as_raw(), m, scale, 0.0, 0.0) };
+        let t =
+            unsafe { sys::ggml_flash_attn_ext(self.as_raw(), q.as_raw(), k.as_raw(), v.as_raw(), m, scale, 0.0, 0.0) };
         // SAFETY: t is a flash-attention node just created.
         unsafe { sys::ggml_flash_attn_ext_set_prec(t, sys::ggml_prec::GGML_PREC_F32) };
         Tensor::from_raw(t)
@@ -240,7 +292,9 @@ impl Context {
     /// A view of `a` with shape `ne`, byte strides `nb[1..]` and byte offset.
     pub fn view<'c>(&'c self, a: Tensor<'_>, ne: [i64; 4], nb: [usize; 3], offset: usize) -> Tensor<'c> {
         // SAFETY: live context and operand; ggml checks the view lies within a.
-        Tensor::from_raw(unsafe { sys::ggml_view_4d(self.as_raw(), a.as_raw(), ne[0], ne[1], ne[2], ne[3], nb[0], nb[1], nb[2], offset) })
+        Tensor::from_raw(unsafe {
+            sys::ggml_view_4d(self.as_raw(), a.as_raw(), ne[0], ne[1], ne[2], ne[3], nb[0], nb[1], nb[2], offset)
+        })
     }
 
     /// Converts to another type.
@@ -252,7 +306,9 @@ impl Context {
     /// Average pooling over ne[0], ne[1].
     pub fn avg_pool_2d<'c>(&'c self, a: Tensor<'_>, k: i32, s: i32, p: f32) -> Tensor<'c> {
         // SAFETY: live context and operand.
-        Tensor::from_raw(unsafe { sys::ggml_pool_2d(self.as_raw(), a.as_raw(), sys::ggml_op_pool::GGML_OP_POOL_AVG, k, k, s, s, p, p) })
+        Tensor::from_raw(unsafe {
+            sys::ggml_pool_2d(self.as_raw(), a.as_raw(), sys::ggml_op_pool::GGML_OP_POOL_AVG, k, k, s, s, p, p)
+        })
     }
 
     /// [start, stop) in steps.

@@ -59,9 +59,7 @@ impl PluginSearch {
         if self.use_env {
             if let Some(v) = std::env::var_os("SD_PLUGIN_PATH") {
                 dirs.extend(
-                    std::env::split_paths(&v)
-                        .filter(|p| !p.as_os_str().is_empty())
-                        .map(|p| (p, "SD_PLUGIN_PATH")),
+                    std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()).map(|p| (p, "SD_PLUGIN_PATH")),
                 );
             }
         }
@@ -126,11 +124,9 @@ impl fmt::Display for SkipReason {
             ),
             Self::UnusableOnThisCpu => write!(f, "unusable on this CPU (score 0)"),
             Self::InitFailed => write!(f, "`ggml_backend_init` returned no registration"),
-            Self::Superseded { by, score, winner_score } => write!(
-                f,
-                "variant with score {score} superseded by {} (score {winner_score})",
-                by.display()
-            ),
+            Self::Superseded { by, score, winner_score } => {
+                write!(f, "variant with score {score} superseded by {} (score {winner_score})", by.display())
+            }
             Self::Shadowed { by } => write!(f, "shadowed by {} (searched earlier)", by.display()),
         }
     }
@@ -310,10 +306,7 @@ impl PluginRegistry {
             // SAFETY: raw is a registration returned by init.
             let found = unsafe { sys::backend_reg_api_version(raw) };
             if found != sys::GGML_BACKEND_API_VERSION {
-                self.skip(
-                    c.path,
-                    SkipReason::ApiVersionMismatch { found, expected: sys::GGML_BACKEND_API_VERSION },
-                );
+                self.skip(c.path, SkipReason::ApiVersionMismatch { found, expected: sys::GGML_BACKEND_API_VERSION });
                 // The library stays loaded: its init ran and may have started state.
                 std::mem::forget(c.lib);
                 continue;
@@ -322,13 +315,7 @@ impl PluginRegistry {
             let name = handle.name();
             tracing::debug!(plugin = %c.path.display(), name, score = ?c.score, "loaded plugin");
             winner = Some((c.path.clone(), c.score.unwrap_or(1)));
-            self.plugins.push(LoadedPlugin {
-                name,
-                path: c.path,
-                score: c.score,
-                endpoint: None,
-                reg: handle,
-            });
+            self.plugins.push(LoadedPlugin { name, path: c.path, score: c.score, endpoint: None, reg: handle });
             // Never unloaded.
             std::mem::forget(c.lib);
         }
@@ -368,14 +355,12 @@ impl PluginRegistry {
     /// Finds a device by exact (case-insensitive) name.
     pub fn device(&self, name: &str) -> Result<Device> {
         let devices = self.devices();
-        devices
-            .iter()
-            .find(|d| d.name().eq_ignore_ascii_case(name))
-            .copied()
-            .ok_or_else(|| BackendError::UnknownDevice {
+        devices.iter().find(|d| d.name().eq_ignore_ascii_case(name)).copied().ok_or_else(|| {
+            BackendError::UnknownDevice {
                 name: name.to_string(),
                 available: devices.iter().map(|d| d.name()).collect::<Vec<_>>().join(", "),
-            })
+            }
+        })
     }
 
     /// The first loaded registration whose name starts with `prefix` (case-insensitive).
@@ -400,13 +385,10 @@ impl PluginRegistry {
             return Ok(p.reg.devices());
         }
         rpc::probe(endpoint, rpc::PROBE_TIMEOUT)?;
-        let add = rpc_plugin
-            .reg
-            .proc(c"ggml_backend_rpc_add_server")
-            .ok_or_else(|| BackendError::MissingProc {
-                plugin: rpc_plugin.path.display().to_string(),
-                symbol: "ggml_backend_rpc_add_server".into(),
-            })?;
+        let add = rpc_plugin.reg.proc(c"ggml_backend_rpc_add_server").ok_or_else(|| BackendError::MissingProc {
+            plugin: rpc_plugin.path.display().to_string(),
+            symbol: "ggml_backend_rpc_add_server".into(),
+        })?;
         // SAFETY: the RPC plugin exports this function with the RpcAddServerFn signature (ggml-rpc.h).
         let add: sys::RpcAddServerFn = unsafe { std::mem::transmute(add) };
         let c_endpoint = std::ffi::CString::new(endpoint).map_err(|_| BackendError::BadEndpoint(endpoint.into()))?;
@@ -456,7 +438,10 @@ fn open_library(path: &Path) -> std::result::Result<Library, SkipReason> {
         let detail = e.to_string();
         // dlopen names the missing dependency when one is absent.
         let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
-        if detail.contains("cannot open shared object file") && !detail.starts_with(&format!("{}:", path.display())) && !detail.contains(&format!("{file}: cannot open")) {
+        if detail.contains("cannot open shared object file")
+            && !detail.starts_with(&format!("{}:", path.display()))
+            && !detail.contains(&format!("{file}: cannot open"))
+        {
             SkipReason::MissingDependency { detail }
         } else {
             SkipReason::NotAPlugin { detail }
@@ -486,6 +471,9 @@ mod tests {
         assert!(dirs[0].0.is_absolute());
         let s = PluginSearch::standard(vec![]);
         let cwd = std::env::current_dir().unwrap();
-        assert!(s.directories().iter().all(|(d, _)| d != &cwd || d == &std::env::current_exe().unwrap().parent().unwrap().to_path_buf()));
+        assert!(s
+            .directories()
+            .iter()
+            .all(|(d, _)| d != &cwd || d == &std::env::current_exe().unwrap().parent().unwrap().to_path_buf()));
     }
 }

@@ -35,11 +35,7 @@ pub fn parse_endpoint(endpoint: &str) -> Result<SocketAddr> {
     if port == 0 {
         return Err(bad());
     }
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|_| bad())?
-        .find(SocketAddr::is_ipv4)
-        .ok_or_else(bad)
+    (host, port).to_socket_addrs().map_err(|_| bad())?.find(SocketAddr::is_ipv4).ok_or_else(bad)
 }
 
 /// Connects to an endpoint and checks that a compatible ggml RPC server answers.
@@ -65,7 +61,10 @@ pub fn probe(endpoint: &str, timeout: Duration) -> Result<()> {
     if rsp[0] != sys::RPC_PROTO_MAJOR_VERSION {
         return Err(fail(format!(
             "protocol version {}.{}.{}, this client speaks {}.x",
-            rsp[0], rsp[1], rsp[2], sys::RPC_PROTO_MAJOR_VERSION
+            rsp[0],
+            rsp[1],
+            rsp[2],
+            sys::RPC_PROTO_MAJOR_VERSION
         )));
     }
     Ok(())

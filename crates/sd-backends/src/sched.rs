@@ -36,7 +36,14 @@ impl Scheduler {
         let mut raw_b: Vec<sys::ggml_backend_t> = backends.iter().map(|b| b.as_raw()).collect();
         // SAFETY: live backends (kept alive by self.backends); null bufts = defaults.
         let raw = unsafe {
-            sys::ggml_backend_sched_new(raw_b.as_mut_ptr(), std::ptr::null_mut(), raw_b.len() as i32, graph_size, parallel, true)
+            sys::ggml_backend_sched_new(
+                raw_b.as_mut_ptr(),
+                std::ptr::null_mut(),
+                raw_b.len() as i32,
+                graph_size,
+                parallel,
+                true,
+            )
         };
         if raw.is_null() {
             return Err(BackendError::BackendInit("scheduler".into()));

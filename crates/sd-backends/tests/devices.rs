@@ -22,10 +22,13 @@ fn reference(w: &[f32], x: &[f32], b: &[f32], k: usize, m: usize, n: usize) -> V
             .map(|i| (0..k).map(|t| w[i * k + t] as f64 * x[j * k + t] as f64).sum::<f64>() + b[j * m + i] as f64)
             .collect();
         let max = row.iter().cloned().fold(f64::MIN, f64::max);
-        let sum: f64 = row.iter_mut().map(|v| {
-            *v = (*v - max).exp();
-            *v
-        }).sum();
+        let sum: f64 = row
+            .iter_mut()
+            .map(|v| {
+                *v = (*v - max).exp();
+                *v
+            })
+            .sum();
         for i in 0..m {
             out[j * m + i] = (row[i] / sum) as f32;
         }
@@ -35,7 +38,11 @@ fn reference(w: &[f32], x: &[f32], b: &[f32], k: usize, m: usize, n: usize) -> V
 
 fn inputs(k: usize, m: usize, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let f = |i: usize, s: f32| (i as f32 * 0.37 + s).sin() * 0.8;
-    ((0..m * k).map(|i| f(i, 0.1)).collect(), (0..n * k).map(|i| f(i, 1.7)).collect(), (0..n * m).map(|i| f(i, 2.9)).collect())
+    (
+        (0..m * k).map(|i| f(i, 0.1)).collect(),
+        (0..n * k).map(|i| f(i, 1.7)).collect(),
+        (0..n * m).map(|i| f(i, 2.9)).collect(),
+    )
 }
 
 /// Builds softmax(mul_mat(W, x) + b) and computes it on `backend`.
@@ -221,7 +228,9 @@ fn broken_plugins_are_skipped_with_their_reasons() {
         SkipReason::ApiVersionMismatch { found: 999, expected: ggml_sys::GGML_BACKEND_API_VERSION }
     );
     assert_eq!(reason("libggml-nocpu.so"), SkipReason::UnusableOnThisCpu);
-    assert!(matches!(reason("libggml-needsdep.so"), SkipReason::MissingDependency { detail } if detail.contains("libsd-missing-dep")));
+    assert!(
+        matches!(reason("libggml-needsdep.so"), SkipReason::MissingDependency { detail } if detail.contains("libsd-missing-dep"))
+    );
     // The real plugins from the install dir still load.
     assert!(reg.devices().iter().any(|d| d.kind() == DeviceKind::Cpu));
     assert!(reg.plugins().iter().any(|p| p.name == "RPC"));
@@ -230,7 +239,8 @@ fn broken_plugins_are_skipped_with_their_reasons() {
 
 #[test]
 fn earlier_directories_shadow_later_ones() {
-    let reg = PluginRegistry::discover(&PluginSearch::only(vec![install_dir(), install_dir().join("..").join("plugins")]));
+    let reg =
+        PluginRegistry::discover(&PluginSearch::only(vec![install_dir(), install_dir().join("..").join("plugins")]));
     // The same directory twice is searched once (deduplicated), so nothing is shadowed.
     assert!(reg.skipped().iter().all(|s| !matches!(s.reason, SkipReason::Shadowed { .. })));
     let dir = std::env::temp_dir().join(format!("sd-plugins-shadow-{}", std::process::id()));
@@ -240,6 +250,9 @@ fn earlier_directories_shadow_later_ones() {
     let reg = PluginRegistry::discover(&PluginSearch::only(vec![dir.clone(), install_dir()]));
     let rpc = reg.plugins().iter().find(|p| p.name == "RPC").unwrap();
     assert_eq!(rpc.path, dir.join("libggml-rpc.so"));
-    assert!(reg.skipped().iter().any(|s| matches!(&s.reason, SkipReason::Shadowed { by } if by == &dir.join("libggml-rpc.so"))));
+    assert!(reg
+        .skipped()
+        .iter()
+        .any(|s| matches!(&s.reason, SkipReason::Shadowed { by } if by == &dir.join("libggml-rpc.so"))));
     let _ = std::fs::remove_dir_all(&dir);
 }

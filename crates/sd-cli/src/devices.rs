@@ -19,7 +19,11 @@ pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
             } else {
                 format!(
                     "; skipped: {}",
-                    reg.skipped().iter().map(|s| format!("{}: {}", s.path.display(), s.reason)).collect::<Vec<_>>().join("; ")
+                    reg.skipped()
+                        .iter()
+                        .map(|s| format!("{}: {}", s.path.display(), s.reason))
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 )
             }
         );
@@ -69,7 +73,18 @@ pub fn list(args: &DeviceArgs, json: bool) -> Result<ExitCode> {
         }
     }
     let line = |r: &[String; 5]| {
-        format!("{:<w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}", r[0], r[1], r[2], r[3], r[4], w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3])
+        format!(
+            "{:<w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}",
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            w0 = w[0],
+            w1 = w[1],
+            w2 = w[2],
+            w3 = w[3]
+        )
     };
     crate::out!("{}", line(&head.map(String::from)));
     for r in &rows {

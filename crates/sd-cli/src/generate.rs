@@ -133,7 +133,9 @@ fn wtype(s: &str) -> Result<GgmlType> {
         "q6_k" => GgmlType::GGML_TYPE_Q6_K,
         "q3_k" => GgmlType::GGML_TYPE_Q3_K,
         "q2_k" => GgmlType::GGML_TYPE_Q2_K,
-        other => bail!("--type '{other}': accepted: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_k, q3_k, q4_k, q5_k, q6_k"),
+        other => bail!(
+            "--type '{other}': accepted: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_k, q3_k, q4_k, q5_k, q6_k"
+        ),
     })
 }
 
@@ -145,7 +147,9 @@ fn fixture_cache() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("sd-rs");
     }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/sd-rs")).unwrap_or_else(|| std::env::temp_dir().join("sd-rs"))
+    std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".cache/sd-rs"))
+        .unwrap_or_else(|| std::env::temp_dir().join("sd-rs"))
 }
 
 fn ensure_fixture() -> Result<PathBuf> {
@@ -240,7 +244,9 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     if let Some(s) = &a.vae_relative_tile_size {
         tiling.rel_size = parse_pair::<f32>(s, "--vae-relative-tile-size")?;
     }
-    if !a.vae_tiling && (a.vae_tile_size.is_some() || a.vae_tile_overlap.is_some() || a.vae_relative_tile_size.is_some()) {
+    if !a.vae_tiling
+        && (a.vae_tile_size.is_some() || a.vae_tile_overlap.is_some() || a.vae_relative_tile_size.is_some())
+    {
         bail!("--vae-tile-size, --vae-tile-overlap and --vae-relative-tile-size require --vae-tiling");
     }
     if a.output.is_dir() {
@@ -251,7 +257,14 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         Some(p) => {
             let img = read_png(p)?;
             if img.width as usize != a.width || img.height as usize != a.height {
-                bail!("-i {}: the image is {}x{}, but -W/-H ask for {}x{}", p.display(), img.width, img.height, a.width, a.height);
+                bail!(
+                    "-i {}: the image is {}x{}, but -W/-H ask for {}x{}",
+                    p.display(),
+                    img.width,
+                    img.height,
+                    a.width,
+                    a.height
+                );
             }
             let plane = (img.width * img.height) as usize;
             let mut planar = vec![0f32; plane * 3];
@@ -267,7 +280,10 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         tracing::warn!("the prompt is empty (-p): generating unconditioned");
     }
     let seed = if a.seed < 0 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64 & 0x7fff_ffff).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64 & 0x7fff_ffff)
+            .unwrap_or(0)
     } else {
         a.seed as u64
     };
@@ -304,7 +320,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     if plan.auto_fit {
         tracing::info!("auto-fit: --backend \"{}\" --params-backend \"{}\"", plan.backend, plan.params_backend);
     }
-    let threads = if a.threads <= 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { a.threads as usize };
+    let threads = if a.threads <= 0 {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    } else {
+        a.threads as usize
+    };
     let manager = BackendManager::new(Some(threads));
     let backend_of = |module: sd_placement::Module| -> Result<Arc<sd_backends::Backend>> {
         let m = plan.modules.iter().find(|m| m.module == module);
@@ -314,9 +334,18 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
                 tracing::warn!("{}: multi-device split is not implemented yet; running on {name}", module.name());
             }
             if m.params != name && !m.params.is_empty() {
-                tracing::warn!("{}: parameters on `{}` are not implemented yet; loading them on {name}", module.name(), m.params);
+                tracing::warn!(
+                    "{}: parameters on `{}` are not implemented yet; loading them on {name}",
+                    module.name(),
+                    m.params
+                );
             }
-            tracing::info!("{}: runs on {name}, params {} ({})", module.name(), m.params, sd_placement::fmt_bytes(m.param_bytes));
+            tracing::info!(
+                "{}: runs on {name}, params {} ({})",
+                module.name(),
+                m.params,
+                sd_placement::fmt_bytes(m.param_bytes)
+            );
         }
         Ok(manager.get(reg.device(&name)?)?)
     };
@@ -329,7 +358,13 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         tracing::debug!("--disable-prefetch / --disable-segmented-compute: graphs run monolithic in this version");
     }
 
-    let pipeline = Pipeline::open(LoadOptions { sources: model_args.sources(), prediction, wtype: wt, devices, flash_attn: a.diffusion_fa })?;
+    let pipeline = Pipeline::open(LoadOptions {
+        sources: model_args.sources(),
+        prediction,
+        wtype: wt,
+        devices,
+        flash_attn: a.diffusion_fa,
+    })?;
     let params = GenerateParams {
         prompt: a.prompt.clone(),
         negative_prompt: a.negative_prompt.clone(),
@@ -355,7 +390,12 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
             if tty {
                 let done = step + 1;
                 let bar: String = (0..30).map(|i| if i * steps < done * 30 { '=' } else { ' ' }).collect();
-                let _ = write!(std::io::stderr(), "\r  [{bar}] {done}/{steps} image {} {:.2} it/s ", image + 1, 1.0 / seconds.max(1e-9));
+                let _ = write!(
+                    std::io::stderr(),
+                    "\r  [{bar}] {done}/{steps} image {} {:.2} it/s ",
+                    image + 1,
+                    1.0 / seconds.max(1e-9)
+                );
                 if done == steps {
                     let _ = writeln!(std::io::stderr());
                 }

@@ -20,7 +20,11 @@ pub struct Rgb8 {
 /// Writes `img` as PNG with a `parameters` text chunk, atomically.
 pub fn write_png(path: &Path, img: &Rgb8, parameters: &str) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp: PathBuf = dir.join(format!(".{}.tmp-{}", path.file_name().and_then(|n| n.to_str()).unwrap_or("out.png"), std::process::id()));
+    let tmp: PathBuf = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("out.png"),
+        std::process::id()
+    ));
     let result = (|| -> Result<()> {
         let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let mut enc = png::Encoder::new(std::io::BufWriter::new(file), img.width, img.height);

@@ -154,8 +154,7 @@ pub fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
 
 /// The planner's view of a registry's devices.
 pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
-    reg
-        .device_infos()
+    reg.device_infos()
         .into_iter()
         .filter_map(|i| {
             let kind = match i.kind {
@@ -179,7 +178,8 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (devices, profile_ram) = match &args.devices {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading device profile {}", p.display()))?;
-            let prof = DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
+            let prof =
+                DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
             (prof.devices(), prof.ram_available_mib.map(|m| m * MIB))
         }
         None => (machine_devices(dev_args)?, ram_available()),

@@ -42,7 +42,11 @@ pub fn run(args: &RpcServerArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
             .copied()
             .context("no device to serve")?,
     };
-    let threads = if args.threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { args.threads };
+    let threads = if args.threads == 0 {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    } else {
+        args.threads
+    };
     sd_backends::rpc::serve(&reg, &args.host, args.port, &[device], threads, args.cache_dir.as_deref())?;
     Ok(ExitCode::SUCCESS)
 }

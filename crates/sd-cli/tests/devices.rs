@@ -49,7 +49,15 @@ fn list_devices_json_shows_the_cpu_with_real_memory() {
     let total = cpu["memory_total"].as_u64().unwrap();
     // The machine's real memory, as /proc/meminfo reports it (ggml reads the same).
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let kb: u64 = meminfo.lines().find(|l| l.starts_with("MemTotal:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    let kb: u64 = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(total, kb * 1024);
     for key in ["name", "description", "type", "memory_free", "memory_total", "plugin"] {
         assert!(!cpu[key].is_null(), "missing {key}");
@@ -126,5 +134,8 @@ fn version_names_ggml_and_the_plugin_directories() {
     assert!(s.contains(&format!("ggml {}", ggml_sys::GGML_VERSION)), "{s}");
     assert!(s.contains("install directory") && s.contains("executable directory"), "{s}");
     let cwd = std::env::current_dir().unwrap();
-    assert!(!s.lines().any(|l| l.trim().starts_with(&format!("{} (", cwd.display()))), "the working directory is never searched: {s}");
+    assert!(
+        !s.lines().any(|l| l.trim().starts_with(&format!("{} (", cwd.display()))),
+        "the working directory is never searched: {s}"
+    );
 }

@@ -48,7 +48,22 @@ fn generate(model: &Path, out: &Path, threads: u32, extra: &[&str]) -> std::proc
     sd_cli()
         .arg("-m")
         .arg(model)
-        .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler", "-s", "42", "--cfg-scale", "7"])
+        .args([
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "2",
+            "--sampling-method",
+            "euler",
+            "-s",
+            "42",
+            "--cfg-scale",
+            "7",
+        ])
         .args(["-t", &threads.to_string()])
         .arg("-o")
         .arg(out)

@@ -47,10 +47,16 @@ pub fn dtype_of(files: &ModelFiles) -> impl Fn(&str) -> Option<GgmlType> + '_ {
 /// Index of the first non-finite value in float data, if any.
 fn first_non_finite(ty: GgmlType, data: &[u8]) -> Option<usize> {
     match ty {
-        GgmlType::GGML_TYPE_F32 => data.chunks_exact(4).position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+        GgmlType::GGML_TYPE_F32 => {
+            data.chunks_exact(4).position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
+        }
         // f16: exponent bits all ones means inf or NaN.
-        GgmlType::GGML_TYPE_F16 => data.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00),
-        GgmlType::GGML_TYPE_BF16 => data.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80),
+        GgmlType::GGML_TYPE_F16 => {
+            data.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00)
+        }
+        GgmlType::GGML_TYPE_BF16 => {
+            data.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80)
+        }
         _ => None,
     }
 }
@@ -75,7 +81,12 @@ impl TensorSource for FileSource<'_> {
             )));
         }
         let from = ggml_type(e.dtype).ok_or_else(|| {
-            SourceError(format!("tensor `{}` in {}: dtype {} cannot be loaded", e.original_name, self.path_of(e), e.dtype.name()))
+            SourceError(format!(
+                "tensor `{}` in {}: dtype {} cannot be loaded",
+                e.original_name,
+                self.path_of(e),
+                e.dtype.name()
+            ))
         })?;
         let bytes = self.files.bytes(e);
         if let Some(i) = first_non_finite(from, bytes) {

@@ -220,7 +220,13 @@ impl Pipeline {
     fn load_unet(&self) -> Result<UNetModel> {
         let src = FileSource::new(&self.files);
         let dtype = dtype_of(&self.files);
-        let mut m = UNetModel::load(self.unet.clone(), &dtype, self.opts.wtype, self.opts.devices.diffusion.device().buffer_type(), &src)?;
+        let mut m = UNetModel::load(
+            self.unet.clone(),
+            &dtype,
+            self.opts.wtype,
+            self.opts.devices.diffusion.device().buffer_type(),
+            &src,
+        )?;
         m.flash_attn = self.opts.flash_attn;
         Ok(m)
     }
@@ -239,7 +245,10 @@ impl Pipeline {
     /// Generates `params.batch_count` images.
     pub fn generate(&self, p: &GenerateParams, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
         if p.width == 0 || p.height == 0 || p.width % 8 != 0 || p.height % 8 != 0 {
-            return Err(PipelineError::Invalid(format!("-W {} -H {}: width and height must be positive multiples of 8", p.width, p.height)));
+            return Err(PipelineError::Invalid(format!(
+                "-W {} -H {}: width and height must be positive multiples of 8",
+                p.width, p.height
+            )));
         }
         if p.steps == 0 {
             return Err(PipelineError::Invalid("--steps 0: at least one sampling step is needed".into()));
@@ -260,8 +269,11 @@ impl Pipeline {
             let model = self.load_clip()?;
             let mut runner = Runner::new("te", self.opts.devices.te.clone());
             let cond = encode_prompt(&model, &mut runner, &self.tokenizer, &p.prompt, p.clip_skip)?;
-            let uncond =
-                if guided { Some(encode_prompt(&model, &mut runner, &self.tokenizer, &p.negative_prompt, p.clip_skip)?) } else { None };
+            let uncond = if guided {
+                Some(encode_prompt(&model, &mut runner, &self.tokenizer, &p.negative_prompt, p.clip_skip)?)
+            } else {
+                None
+            };
             (cond, uncond)
         };
         let secs = t.elapsed().as_secs_f64();
@@ -283,7 +295,8 @@ impl Pipeline {
                     sd_vae::ImageRange::ZeroToOne => image.clone(),
                 };
                 let mut rng = p.rng.seeded(p.seed);
-                let latent = encode_latent(vae.as_ref(), &mut runner, &px, (p.width, p.height), &p.tiling, rng.as_mut())?;
+                let latent =
+                    encode_latent(vae.as_ref(), &mut runner, &px, (p.width, p.height), &p.tiling, rng.as_mut())?;
                 init_latent = Some(latent);
                 let secs = t.elapsed().as_secs_f64();
                 tracing::info!("init image encoded in {secs:.2} s");
@@ -309,7 +322,15 @@ impl Pipeline {
                 };
                 let mut step_start = Instant::now();
                 let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
-                    let out = eval_guided(&unet, &mut runner, inp.x, (lw, lh), inp.timestep, &cond, uncond.as_ref().filter(|_| inp.uncond))?;
+                    let out = eval_guided(
+                        &unet,
+                        &mut runner,
+                        inp.x,
+                        (lw, lh),
+                        inp.timestep,
+                        &cond,
+                        uncond.as_ref().filter(|_| inp.uncond),
+                    )?;
                     Ok(out)
                 };
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
@@ -317,7 +338,13 @@ impl Pipeline {
                     let out = denoiser.denoise::<PipelineError>(x, sigma, step)?;
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
-                        tracing::info!("image {}/{} step {}/{} took {secs:.2} s", b + 1, p.batch_count, step.index + 1, step.count);
+                        tracing::info!(
+                            "image {}/{} step {}/{} took {secs:.2} s",
+                            b + 1,
+                            p.batch_count,
+                            step.index + 1,
+                            step.count
+                        );
                         progress(Progress::Step { image: b, step: step.index, steps: step.count, seconds: secs });
                         step_start = Instant::now();
                     }
@@ -336,7 +363,15 @@ impl Pipeline {
         let mut images = Vec::with_capacity(latents.len());
         for mut latent in latents {
             vae.diffusion_to_vae(&mut latent);
-            let img = sd_vae::decode_tiled(vae.as_ref(), &mut runner, &latent, (lw, lh), channels, &p.tiling, p.vae_max_compute_bytes)?;
+            let img = sd_vae::decode_tiled(
+                vae.as_ref(),
+                &mut runner,
+                &latent,
+                (lw, lh),
+                channels,
+                &p.tiling,
+                p.vae_max_compute_bytes,
+            )?;
             images.push(planar_to_rgb8(&img, p.width, p.height, vae.image_range()));
         }
         let secs = t.elapsed().as_secs_f64();

@@ -10,11 +10,9 @@ use sd_placement::*;
 fn model() -> ModelDescription {
     // 1,200 diffusion tensors in 60 blocks, 600 text-encoder tensors in 24 blocks, 200 VAE.
     let mut components = Vec::new();
-    for (module, n, nb, bytes) in [
-        (Module::Diffusion, 1200u32, 60u32, 10 * MIB),
-        (Module::Te, 600, 24, 15 * MIB),
-        (Module::Vae, 200, 0, MIB),
-    ] {
+    for (module, n, nb, bytes) in
+        [(Module::Diffusion, 1200u32, 60u32, 10 * MIB), (Module::Te, 600, 24, 15 * MIB), (Module::Vae, 200, 0, MIB)]
+    {
         let tensors = (0..n)
             .map(|i| Tensor {
                 name: format!("{module}.blocks.{}.t{i}.weight", i % nb.max(1)),
@@ -24,13 +22,7 @@ fn model() -> ModelDescription {
             .collect();
         components.push(Component { module, tensors });
     }
-    ModelDescription {
-        components,
-        files: vec![SourceFile {
-            role: "<checkpoint file>".into(),
-            bytes: 20 * GIB,
-        }],
-    }
+    ModelDescription { components, files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 20 * GIB }] }
 }
 
 fn devices() -> Vec<Device> {
@@ -64,8 +56,7 @@ fn main() {
         model: model(),
     };
     let mut split = auto.clone();
-    split.flags.backend =
-        Some("diffusion=cuda0&cuda1&cuda2&cuda3&cuda4&cuda5&cuda6,te=cuda6&cuda5".into());
+    split.flags.backend = Some("diffusion=cuda0&cuda1&cuda2&cuda3&cuda4&cuda5&cuda6,te=cuda6&cuda5".into());
     let tensors: usize = auto.model.components.iter().map(|c| c.tensors.len()).sum();
     for (name, req) in [("auto-fit", &auto), ("layer split", &split)] {
         let t = median(|| {

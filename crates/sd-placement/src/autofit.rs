@@ -47,10 +47,7 @@ pub(crate) struct AutoFit {
 
 /// Summaries in auto-fit priority order.
 fn by_priority(summaries: &[ComponentSummary]) -> Vec<&ComponentSummary> {
-    Module::PRIORITY
-        .iter()
-        .filter_map(|m| summaries.iter().find(|s| s.module == *m))
-        .collect()
+    Module::PRIORITY.iter().filter_map(|m| summaries.iter().find(|s| s.module == *m)).collect()
 }
 
 /// Room the computing device must keep beside its resident params while component `i` is
@@ -92,9 +89,7 @@ pub(crate) fn auto_fit(
     warnings: &mut Vec<String>,
 ) -> AutoFit {
     let comps = by_priority(summaries);
-    let gpus: Vec<usize> = (0..devices.len())
-        .filter(|&i| devices[i].kind == DeviceType::Gpu)
-        .collect();
+    let gpus: Vec<usize> = (0..devices.len()).filter(|&i| devices[i].kind == DeviceType::Gpu).collect();
 
     // Main GPU: largest known budget, first on a tie; with no known budget, the first GPU.
     let mut main: Option<usize> = None;
@@ -120,12 +115,7 @@ pub(crate) fn auto_fit(
         let p = c.param_bytes;
         let on_main = match budgets[main].bytes {
             None => true,
-            Some(b) => {
-                resident
-                    .saturating_add(p)
-                    .saturating_add(room(&comps, &decided, i, true))
-                    <= b
-            }
+            Some(b) => resident.saturating_add(p).saturating_add(room(&comps, &decided, i, true)) <= b,
         };
         let loc = if on_main {
             resident = resident.saturating_add(p);
@@ -174,7 +164,8 @@ pub(crate) fn auto_fit(
         }
     }
     if devices.iter().any(|d| d.kind == DeviceType::Igpu) {
-        warnings.push("auto-fit uses discrete GPUs only; an integrated GPU is used only when named in --backend".into());
+        warnings
+            .push("auto-fit uses discrete GPUs only; an integrated GPU is used only when named in --backend".into());
     }
 
     let placements = comps
@@ -211,9 +202,8 @@ fn cpu_only(
     let mut decided: Vec<Loc> = Vec::with_capacity(comps.len());
     match ram {
         None => {
-            warnings.push(
-                "auto-fit: available RAM is unknown; params stay in RAM with the CPU runtime, unchecked".into(),
-            );
+            warnings
+                .push("auto-fit: available RAM is unknown; params stay in RAM with the CPU runtime, unchecked".into());
             decided = vec![Loc::Main; comps.len()];
         }
         Some(r) => {
@@ -237,15 +227,8 @@ fn cpu_only(
         .map(|(c, loc)| Placement {
             module: c.module,
             layout: Layout::Single(cpu),
-            params: if *loc == Loc::Disk {
-                Params::Disk
-            } else {
-                Params::Device(cpu)
-            },
+            params: if *loc == Loc::Disk { Params::Disk } else { Params::Device(cpu) },
         })
         .collect();
-    AutoFit {
-        placements,
-        main: cpu,
-    }
+    AutoFit { placements, main: cpu }
 }

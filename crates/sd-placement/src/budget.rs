@@ -83,11 +83,7 @@ pub(crate) fn resolve_budgets(
     let mut out = Vec::with_capacity(devices.len());
     for (d, own) in devices.iter().zip(per_device) {
         if d.kind == DeviceType::Cpu {
-            out.push(Budget {
-                bytes: ram,
-                rule: BudgetRule::Ram,
-                explicit: false,
-            });
+            out.push(Budget { bytes: ram, rule: BudgetRule::Ram, explicit: false });
             continue;
         }
         let value = own.or(max_vram.default);
@@ -109,15 +105,9 @@ pub(crate) fn resolve_budgets(
                 };
                 (Some(bytes), BudgetRule::Managed(v))
             }
-            Some(v) if v < 0.0 => (
-                free.map(|f| f.saturating_sub(gib_to_bytes(v))),
-                BudgetRule::FreeMinus(-v),
-            ),
+            Some(v) if v < 0.0 => (free.map(|f| f.saturating_sub(gib_to_bytes(v))), BudgetRule::FreeMinus(-v)),
             Some(_) => (free, BudgetRule::Free),
-            None => (
-                free.map(|f| f.saturating_sub(HALF_GIB)),
-                BudgetRule::FreeMinusMargin,
-            ),
+            None => (free.map(|f| f.saturating_sub(HALF_GIB)), BudgetRule::FreeMinusMargin),
         };
         if bytes.is_none() {
             warnings.push(format!(
@@ -125,11 +115,7 @@ pub(crate) fn resolve_budgets(
                 d.name, d.name
             ));
         }
-        out.push(Budget {
-            bytes,
-            rule,
-            explicit: value.is_some(),
-        });
+        out.push(Budget { bytes, rule, explicit: value.is_some() });
     }
     Ok(out)
 }

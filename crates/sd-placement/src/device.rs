@@ -107,9 +107,7 @@ impl Device {
         if !self.registry.trim().is_empty() {
             return self.registry.trim().to_string();
         }
-        self.name
-            .trim_end_matches(|c: char| c.is_ascii_digit())
-            .to_string()
+        self.name.trim_end_matches(|c: char| c.is_ascii_digit()).to_string()
     }
 
     /// The memory figure the planner starts from: free memory, or total when free is not
@@ -168,10 +166,8 @@ pub struct ProfileDevice {
 impl DeviceProfile {
     /// Parses a profile from TOML text (no file access: the caller reads the file).
     pub fn from_toml_str(text: &str) -> Result<DeviceProfile, PlanError> {
-        let profile: DeviceProfile =
-            toml::from_str(text).map_err(|e| PlanError::InvalidProfile {
-                reason: e.to_string().trim_end().to_string(),
-            })?;
+        let profile: DeviceProfile = toml::from_str(text)
+            .map_err(|e| PlanError::InvalidProfile { reason: e.to_string().trim_end().to_string() })?;
         validate_names(profile.devices.iter().map(|d| d.name.as_str()))
             .map_err(|reason| PlanError::InvalidProfile { reason })?;
         Ok(profile)
@@ -248,12 +244,7 @@ pub fn default_device(devices: &[Device]) -> Option<usize> {
 
 /// Resolves a device token against `devices`; `flag` and `entry` (the whole assignment, e.g.
 /// `te=cuda9`) only feed the error message.
-pub fn resolve_device(
-    devices: &[Device],
-    token: &str,
-    flag: Flag,
-    entry: &str,
-) -> Result<usize, PlanError> {
+pub fn resolve_device(devices: &[Device], token: &str, flag: Flag, entry: &str) -> Result<usize, PlanError> {
     let t = token.trim();
     let lower = t.to_lowercase();
     if is_default_token(t) {
@@ -275,10 +266,7 @@ pub fn resolve_device(
                 available: list_names(devices),
             });
     }
-    if let Some(i) = devices
-        .iter()
-        .position(|d| d.name.trim().to_lowercase() == lower)
-    {
+    if let Some(i) = devices.iter().position(|d| d.name.trim().to_lowercase() == lower) {
         return Ok(i);
     }
     let prefixed: Vec<usize> = devices
@@ -295,19 +283,11 @@ pub fn resolve_device(
                 flag,
                 token: t.to_string(),
                 entry: entry.trim().to_string(),
-                candidates: prefixed
-                    .iter()
-                    .map(|&i| devices[i].name.trim())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                candidates: prefixed.iter().map(|&i| devices[i].name.trim()).collect::<Vec<_>>().join(", "),
             })
         }
     }
-    let registry = if lower == "metal" {
-        "mtl".to_string()
-    } else {
-        lower.clone()
-    };
+    let registry = if lower == "metal" { "mtl".to_string() } else { lower.clone() };
     if let Some(i) = devices.iter().position(|d| {
         let r = d.registry_name().to_lowercase();
         r == lower || r == registry
@@ -326,9 +306,5 @@ fn list_names(devices: &[Device]) -> String {
     if devices.is_empty() {
         return "(none)".to_string();
     }
-    devices
-        .iter()
-        .map(|d| format!("{} ({})", d.name.trim(), d.kind.name()))
-        .collect::<Vec<_>>()
-        .join(", ")
+    devices.iter().map(|d| format!("{} ({})", d.name.trim(), d.kind.name())).collect::<Vec<_>>().join(", ")
 }

@@ -75,9 +75,7 @@ pub enum PlanError {
         candidates: String,
     },
     /// `auto`/`gpu` with no device of that kind.
-    #[error(
-        "{flag}: '{token}' selects {wanted}, but there is none; available devices: {available}"
-    )]
+    #[error("{flag}: '{token}' selects {wanted}, but there is none; available devices: {available}")]
     NoSuchDeviceType {
         /// Flag.
         flag: Flag,

@@ -28,30 +28,18 @@ fn resolve_runtime(
     warnings: &mut Vec<String>,
 ) -> Result<Runtime, PlanError> {
     match &e.value {
-        RuntimeValue::Device(t) => Ok(Runtime::One(resolve_device(
-            devices,
-            t,
-            Flag::Backend,
-            &e.entry,
-        )?)),
+        RuntimeValue::Device(t) => Ok(Runtime::One(resolve_device(devices, t, Flag::Backend, &e.entry)?)),
         RuntimeValue::List(ts) => {
             let mut idx: Vec<usize> = Vec::new();
             for t in ts {
                 let i = resolve_device(devices, t, Flag::Backend, &e.entry)?;
                 if idx.contains(&i) {
-                    warnings.push(format!(
-                        "--backend '{}' lists {} twice; using it once",
-                        e.entry, devices[i].name
-                    ));
+                    warnings.push(format!("--backend '{}' lists {} twice; using it once", e.entry, devices[i].name));
                 } else {
                     idx.push(i);
                 }
             }
-            Ok(if idx.len() == 1 {
-                Runtime::One(idx[0])
-            } else {
-                Runtime::Many(idx, e.entry.clone())
-            })
+            Ok(if idx.len() == 1 { Runtime::One(idx[0]) } else { Runtime::Many(idx, e.entry.clone()) })
         }
     }
 }
@@ -59,12 +47,7 @@ fn resolve_runtime(
 fn resolve_params(devices: &[Device], e: &Entry<ParamsValue>) -> Result<Params, PlanError> {
     match &e.value {
         ParamsValue::Disk => Ok(Params::Disk),
-        ParamsValue::Device(t) => Ok(Params::Device(resolve_device(
-            devices,
-            t,
-            Flag::ParamsBackend,
-            &e.entry,
-        )?)),
+        ParamsValue::Device(t) => Ok(Params::Device(resolve_device(devices, t, Flag::ParamsBackend, &e.entry)?)),
     }
 }
 
@@ -92,9 +75,8 @@ pub(crate) fn explicit(
     for e in params.default.iter().chain(params.modules.values()) {
         resolve_params(devices, e)?;
     }
-    let default = default_device(devices).ok_or_else(|| PlanError::InvalidDevices {
-        reason: "no GPU, integrated GPU or CPU device to run on".into(),
-    })?;
+    let default = default_device(devices)
+        .ok_or_else(|| PlanError::InvalidDevices { reason: "no GPU, integrated GPU or CPU device to run on".into() })?;
 
     let mut placements = Vec::new();
     for s in summaries {
@@ -118,11 +100,7 @@ pub(crate) fn explicit(
             (Layout::Single(d), Params::Follow) => Params::Device(*d),
             (_, p) => p,
         };
-        placements.push(Placement {
-            module,
-            layout,
-            params: p,
-        });
+        placements.push(Placement { module, layout, params: p });
     }
     let main = placements
         .iter()
@@ -164,10 +142,7 @@ fn multi_device(
                 "{module}: row split unavailable ({} cannot split rows); falling back to layer split",
                 devices[i].name
             ));
-        } else if let Some(&i) = list
-            .iter()
-            .find(|&&i| devices[i].registry_name().to_lowercase() != registry)
-        {
+        } else if let Some(&i) = list.iter().find(|&&i| devices[i].registry_name().to_lowercase() != registry) {
             warnings.push(format!(
                 "{module}: row split unavailable (devices belong to different backend registries: {} is {}, {} is {}); falling back to layer split",
                 devices[first].name,
@@ -202,11 +177,7 @@ fn multi_device(
             ));
             continue;
         }
-        out.push(Range {
-            device: d,
-            start,
-            end,
-        });
+        out.push(Range { device: d, start, end });
     }
     Layout::Layer(out)
 }

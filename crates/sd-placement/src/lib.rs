@@ -88,16 +88,14 @@ mod units;
 
 pub use autofit::ram_reserve;
 pub use budget::BudgetRule;
-pub use device::{
-    default_device, resolve_device, Device, DeviceProfile, DeviceType, ProfileDevice,
-};
+pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceType, ProfileDevice};
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
 pub use plan::{plan, DeviceUsage, ModulePlan, Plan, PlanRequest, SplitKind, SplitRange};
 pub use spec::{
-    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode,
-    Assignment, Entry, Flags, MaxVram, ParamsValue, RuntimeValue, SplitMode,
+    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Assignment, Entry, Flags,
+    MaxVram, ParamsValue, RuntimeValue, SplitMode,
 };
 pub use split::partition as layer_partition;
 pub use units::{fmt_bytes, GIB, MIB};

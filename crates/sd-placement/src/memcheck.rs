@@ -132,21 +132,13 @@ pub(crate) fn check(
             );
         } else {
             mc.verdict = Verdict::Ok;
-            mc.message = format!(
-                "ok: estimated {} fits {}'s {}",
-                fmt_bytes(est),
-                dev.name,
-                fmt_bytes(fig)
-            );
+            mc.message = format!("ok: estimated {} fits {}'s {}", fmt_bytes(est), dev.name, fmt_bytes(fig));
         }
         return mc;
     }
     // CPU, integrated GPU or accelerator: host memory, compared with available RAM alone.
     let Some(r) = ram else {
-        mc.message = format!(
-            "not checked: available RAM is unknown ({} uses host memory)",
-            dev.name
-        );
+        mc.message = format!("not checked: available RAM is unknown ({} uses host memory)", dev.name);
         return mc;
     };
     mc.device_bytes = Some(r);
@@ -162,11 +154,7 @@ pub(crate) fn check(
         );
     } else {
         mc.verdict = Verdict::Ok;
-        mc.message = format!(
-            "ok: estimated {} fits available RAM {}",
-            fmt_bytes(est),
-            fmt_bytes(r)
-        );
+        mc.message = format!("ok: estimated {} fits available RAM {}", fmt_bytes(est), fmt_bytes(r));
     }
     mc
 }

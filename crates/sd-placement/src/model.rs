@@ -81,18 +81,9 @@ impl Module {
     pub fn aliases(self) -> &'static [&'static str] {
         match self {
             Module::Diffusion => &["diffusion", "model", "unet", "dit"],
-            Module::Te => &[
-                "te",
-                "clip",
-                "text",
-                "textencoder",
-                "textencoders",
-                "conditioner",
-                "cond",
-                "llm",
-                "t5",
-                "t5xxl",
-            ],
+            Module::Te => {
+                &["te", "clip", "text", "textencoder", "textencoders", "conditioner", "cond", "llm", "t5", "t5xxl"]
+            }
             Module::ClipVision => &["clipvision", "vision"],
             Module::Vae => &["vae", "firststage", "autoencoder", "tae"],
             Module::ControlNet => &["controlnet", "control"],
@@ -104,15 +95,9 @@ impl Module {
 
     /// Parses a module name: case-insensitive, surrounding blanks trimmed, `-` and `_` ignored.
     pub fn parse(name: &str) -> Option<Module> {
-        let normalized: String = name
-            .trim()
-            .chars()
-            .filter(|c| *c != '-' && *c != '_')
-            .flat_map(char::to_lowercase)
-            .collect();
-        Module::ALL
-            .into_iter()
-            .find(|m| m.aliases().contains(&normalized.as_str()))
+        let normalized: String =
+            name.trim().chars().filter(|c| *c != '-' && *c != '_').flat_map(char::to_lowercase).collect();
+        Module::ALL.into_iter().find(|m| m.aliases().contains(&normalized.as_str()))
     }
 
     /// Whether `&` device lists (layer or row split) are accepted: "Layer split is supported for
@@ -142,9 +127,7 @@ impl Module {
             out.push_str(&m.aliases().join(", "));
             out.push(')');
         }
-        out.push_str(
-            "; also all=, default=, *= for every module (case-insensitive, '-' and '_' ignored)",
-        );
+        out.push_str("; also all=, default=, *= for every module (case-insensitive, '-' and '_' ignored)");
         out
     }
 }
@@ -173,20 +156,12 @@ pub struct Tensor {
 impl Tensor {
     /// A non-block tensor.
     pub fn new(name: impl Into<String>, bytes: u64) -> Self {
-        Tensor {
-            name: name.into(),
-            bytes,
-            block: None,
-        }
+        Tensor { name: name.into(), bytes, block: None }
     }
 
     /// A tensor of transformer block `block`.
     pub fn in_block(name: impl Into<String>, bytes: u64, block: u32) -> Self {
-        Tensor {
-            name: name.into(),
-            bytes,
-            block: Some(block),
-        }
+        Tensor { name: name.into(), bytes, block: Some(block) }
     }
 }
 
@@ -244,12 +219,8 @@ impl ModelDescription {
     pub(crate) fn summaries(&self) -> Vec<ComponentSummary> {
         let mut out = Vec::new();
         for module in Module::ALL {
-            let mut tensors = self
-                .components
-                .iter()
-                .filter(|c| c.module == module)
-                .flat_map(|c| c.tensors.iter())
-                .peekable();
+            let mut tensors =
+                self.components.iter().filter(|c| c.module == module).flat_map(|c| c.tensors.iter()).peekable();
             if tensors.peek().is_none() {
                 continue;
             }
@@ -267,11 +238,7 @@ impl ModelDescription {
                 s.largest_tensor = s.largest_tensor.max(t.bytes);
                 match t.block {
                     Some(b) => {
-                        let e = blocks.entry(b).or_insert(BlockSummary {
-                            index: b,
-                            bytes: 0,
-                            largest_tensor: 0,
-                        });
+                        let e = blocks.entry(b).or_insert(BlockSummary { index: b, bytes: 0, largest_tensor: 0 });
                         e.bytes = e.bytes.saturating_add(t.bytes);
                         e.largest_tensor = e.largest_tensor.max(t.bytes);
                     }
@@ -290,19 +257,11 @@ impl ModelDescription {
     /// Sum of source file sizes, or of tensor sizes when no file is listed.
     pub(crate) fn file_bytes(&self) -> (u64, bool) {
         if self.files.is_empty() {
-            let sum = self
-                .components
-                .iter()
-                .flat_map(|c| c.tensors.iter())
-                .fold(0u64, |a, t| a.saturating_add(t.bytes));
+            let sum =
+                self.components.iter().flat_map(|c| c.tensors.iter()).fold(0u64, |a, t| a.saturating_add(t.bytes));
             (sum, false)
         } else {
-            (
-                self.files
-                    .iter()
-                    .fold(0u64, |a, f| a.saturating_add(f.bytes)),
-                true,
-            )
+            (self.files.iter().fold(0u64, |a, f| a.saturating_add(f.bytes)), true)
         }
     }
 }

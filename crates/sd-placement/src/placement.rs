@@ -73,9 +73,7 @@ pub(crate) struct Usage {
 
 impl Usage {
     pub fn total(self) -> u64 {
-        self.params
-            .saturating_add(self.compute)
-            .saturating_add(self.staging)
+        self.params.saturating_add(self.compute).saturating_add(self.staging)
     }
 }
 
@@ -87,11 +85,7 @@ fn range_bytes(s: &ComponentSummary, r: &Range) -> (u64, u64) {
 }
 
 /// Per-device usage of a set of placements.
-pub(crate) fn account(
-    summaries: &[ComponentSummary],
-    placements: &[Placement],
-    n_devices: usize,
-) -> Vec<Usage> {
+pub(crate) fn account(summaries: &[ComponentSummary], placements: &[Placement], n_devices: usize) -> Vec<Usage> {
     let mut usage = vec![Usage::default(); n_devices];
     let add_params = |usage: &mut Vec<Usage>, d: usize, b: u64| {
         usage[d].params = usage[d].params.saturating_add(b);
@@ -162,7 +156,5 @@ pub(crate) fn account(
 
 /// Device names for output.
 pub(crate) fn names(devices: &[Device], idx: &[usize]) -> Vec<String> {
-    idx.iter()
-        .map(|&i| devices[i].name.trim().to_string())
-        .collect()
+    idx.iter().map(|&i| devices[i].name.trim().to_string()).collect()
 }

@@ -12,9 +12,7 @@ use crate::explicit::explicit;
 use crate::memcheck::{check, MemoryCheck, Verdict};
 use crate::model::{ComponentSummary, ModelDescription, Module};
 use crate::placement::{account, names, Layout, Params, Placement};
-use crate::spec::{
-    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Flags,
-};
+use crate::spec::{parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Flags};
 use crate::units::{fmt_bytes, fmt_opt};
 
 /// Everything [`plan`] needs: raw flag strings, devices, RAM and the model.
@@ -146,18 +144,12 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let mut devices: Vec<Device> = req.devices.clone();
     if !devices.iter().any(|d| d.kind == DeviceType::Cpu) {
         let mut cpu = Device::cpu();
-        if devices
-            .iter()
-            .any(|d| d.name.trim().eq_ignore_ascii_case("cpu"))
-        {
+        if devices.iter().any(|d| d.name.trim().eq_ignore_ascii_case("cpu")) {
             cpu.name = "CPU-host".into();
         }
         devices.push(cpu);
     }
-    let cpu = devices
-        .iter()
-        .position(|d| d.kind == DeviceType::Cpu)
-        .unwrap_or(0);
+    let cpu = devices.iter().position(|d| d.kind == DeviceType::Cpu).unwrap_or(0);
 
     let flags = &req.flags;
     let backend_spec = flags.effective_backend();
@@ -173,13 +165,11 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let explicit_given = !backend_spec.trim().is_empty() || !params_spec.trim().is_empty();
     let auto = auto_fit_flag && !explicit_given;
     if auto_fit_flag && explicit_given && flags.auto_fit.is_some() {
-        warnings.push("--auto-fit on is ignored: explicit --backend/--params-backend assignments disable auto-fit".into());
+        warnings
+            .push("--auto-fit on is ignored: explicit --backend/--params-backend assignments disable auto-fit".into());
     }
     if auto && !split.is_empty() {
-        warnings.push(
-            "--split-mode does not change auto-fit placements (auto-fit never splits a module)"
-                .into(),
-        );
+        warnings.push("--split-mode does not change auto-fit placements (auto-fit never splits a module)".into());
     }
 
     let summaries = req.model.summaries();
@@ -187,15 +177,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         let a = auto_fit(&summaries, &devices, &budgets, ram, cpu, &mut warnings);
         (a.placements, a.main)
     } else {
-        let e = explicit(
-            &summaries,
-            &devices,
-            &budgets,
-            &backend,
-            &params,
-            &split,
-            &mut warnings,
-        )?;
+        let e = explicit(&summaries, &devices, &budgets, &backend, &params, &split, &mut warnings)?;
         (e.placements, e.main)
     };
 
@@ -231,9 +213,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
 
     let (file_bytes, from_files) = req.model.file_bytes();
     if !from_files {
-        warnings.push(
-            "no source file sizes given: the memory check uses the sum of tensor sizes".into(),
-        );
+        warnings.push("no source file sizes given: the memory check uses the sum of tensor sizes".into());
     }
     let memory_check = check(&devices, ram, main, file_bytes, flags.no_memory_check);
     if matches!(memory_check.verdict, Verdict::Warn | Verdict::Refuse) {
@@ -285,11 +265,8 @@ fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> Modul
         Layout::Layer(_) => s.largest_tensor,
     };
     let mut split = Vec::new();
-    let (kind, first_all, last_all) = (
-        &p.layout,
-        s.blocks.first().map_or(0, |b| b.index),
-        s.blocks.last().map_or(0, |b| b.index),
-    );
+    let (kind, first_all, last_all) =
+        (&p.layout, s.blocks.first().map_or(0, |b| b.index), s.blocks.last().map_or(0, |b| b.index));
     let split_mode = match kind {
         Layout::Single(_) => SplitKind::None,
         Layout::Layer(ranges) => {
@@ -349,10 +326,7 @@ fn equivalent_flags(placements: &[Placement], devices: &[Device]) -> (String, St
     sorted.sort_by_key(|p| Module::PRIORITY.iter().position(|m| *m == p.module));
     for p in sorted {
         let m = p.module.name();
-        backend.push(format!(
-            "{m}={}",
-            names(devices, &p.layout.devices()).join("&")
-        ));
+        backend.push(format!("{m}={}", names(devices, &p.layout.devices()).join("&")));
         match (&p.layout, p.params) {
             (_, Params::Disk) => params.push(format!("{m}=disk")),
             (Layout::Single(r), Params::Device(d)) if d == *r => {}

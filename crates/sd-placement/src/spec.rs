@@ -64,11 +64,7 @@ impl Flags {
 
     /// `--params-backend` with `*=cpu` prepended for `--offload-to-cpu`.
     pub fn effective_params_backend(&self) -> String {
-        let parts = if self.offload_to_cpu {
-            vec!["*=cpu"]
-        } else {
-            Vec::new()
-        };
+        let parts = if self.offload_to_cpu { vec!["*=cpu"] } else { Vec::new() };
         join_prepended(parts, self.params_backend.as_deref())
     }
 }
@@ -102,10 +98,7 @@ pub struct Assignment<T> {
 
 impl<T> Default for Assignment<T> {
     fn default() -> Self {
-        Assignment {
-            default: None,
-            modules: BTreeMap::new(),
-        }
+        Assignment { default: None, modules: BTreeMap::new() }
     }
 }
 
@@ -176,11 +169,7 @@ fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
             continue;
         }
         let Some((key, value)) = part.split_once('=') else {
-            out.push(RawEntry {
-                key: Key::Default,
-                value: part.to_string(),
-                entry: part.to_string(),
-            });
+            out.push(RawEntry { key: Key::Default, value: part.to_string(), entry: part.to_string() });
             continue;
         };
         let (key, value) = (key.trim(), value.trim());
@@ -213,11 +202,7 @@ fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
                 }
             }
         };
-        out.push(RawEntry {
-            key,
-            value: value.to_string(),
-            entry: part.to_string(),
-        });
+        out.push(RawEntry { key, value: value.to_string(), entry: part.to_string() });
     }
     Ok(out)
 }
@@ -253,13 +238,8 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
                     reason,
                 });
             }
-            let names: Vec<String> = raw
-                .value
-                .split('&')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(str::to_string)
-                .collect();
+            let names: Vec<String> =
+                raw.value.split('&').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
             if names.is_empty() {
                 return Err(PlanError::InvalidDeviceList {
                     flag,
@@ -270,9 +250,7 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
             }
             for n in &names {
                 if is_disk_token(n) {
-                    return Err(PlanError::DiskAsRuntime {
-                        entry: raw.entry.clone(),
-                    });
+                    return Err(PlanError::DiskAsRuntime { entry: raw.entry.clone() });
                 }
                 if is_default_token(n) {
                     return Err(PlanError::InvalidDeviceList {
@@ -290,9 +268,7 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
             }
         } else {
             if is_disk_token(&raw.value) {
-                return Err(PlanError::DiskAsRuntime {
-                    entry: raw.entry.clone(),
-                });
+                return Err(PlanError::DiskAsRuntime { entry: raw.entry.clone() });
             }
             RuntimeValue::Device(raw.value.clone())
         };
@@ -314,11 +290,7 @@ pub fn parse_params_backend(spec: &str) -> Result<Assignment<ParamsValue>, PlanE
                 reason: "--params-backend accepts no device lists; with a layer split each block range's params follow its device when params are not assigned".into(),
             });
         }
-        let value = if is_disk_token(&raw.value) {
-            ParamsValue::Disk
-        } else {
-            ParamsValue::Device(raw.value.clone())
-        };
+        let value = if is_disk_token(&raw.value) { ParamsValue::Disk } else { ParamsValue::Device(raw.value.clone()) };
         insert(&mut a, raw.key, value, raw.entry);
     }
     Ok(a)
@@ -331,12 +303,7 @@ pub fn parse_split_mode(spec: &str) -> Result<Assignment<SplitMode>, PlanError> 
         let mode = match raw.value.trim().to_lowercase().as_str() {
             "layer" => SplitMode::Layer,
             "row" => SplitMode::Row,
-            _ => {
-                return Err(PlanError::InvalidSplitMode {
-                    token: raw.value.clone(),
-                    entry: raw.entry.clone(),
-                })
-            }
+            _ => return Err(PlanError::InvalidSplitMode { token: raw.value.clone(), entry: raw.entry.clone() }),
         };
         insert(&mut a, raw.key, mode, raw.entry);
     }
@@ -369,18 +336,14 @@ pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
                     return Err(PlanError::InvalidAssignment {
                         flag,
                         entry: part.to_string(),
-                        reason: "write DEVICE=GiB (e.g. cuda0=6), all=GiB or a bare GiB value"
-                            .into(),
+                        reason: "write DEVICE=GiB (e.g. cuda0=6), all=GiB or a bare GiB value".into(),
                     });
                 }
                 let gib = parse_gib(value, part)?;
                 if is_default_key(key) {
                     out.default = Some(gib);
                 } else {
-                    out.devices.push(Entry {
-                        value: (key.to_string(), gib),
-                        entry: part.to_string(),
-                    });
+                    out.devices.push(Entry { value: (key.to_string(), gib), entry: part.to_string() });
                 }
             }
         }
@@ -390,16 +353,10 @@ pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
 
 fn parse_gib(token: &str, entry: &str) -> Result<f64, PlanError> {
     let t = token.trim();
-    let ok_chars = !t.is_empty()
-        && t.chars()
-            .all(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'));
+    let ok_chars = !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'));
     match t.parse::<f64>() {
         Ok(v) if ok_chars && v.is_finite() => Ok(v),
-        _ => Err(PlanError::MalformedNumber {
-            flag: Flag::MaxVram,
-            token: t.to_string(),
-            entry: entry.to_string(),
-        }),
+        _ => Err(PlanError::MalformedNumber { flag: Flag::MaxVram, token: t.to_string(), entry: entry.to_string() }),
     }
 }
 
@@ -409,8 +366,6 @@ pub fn parse_auto_fit(value: Option<&str>) -> Result<bool, PlanError> {
         None => Ok(true),
         Some(v) if v == "on" => Ok(true),
         Some(v) if v == "off" => Ok(false),
-        Some(_) => Err(PlanError::InvalidAutoFit {
-            token: value.unwrap_or_default().to_string(),
-        }),
+        Some(_) => Err(PlanError::InvalidAutoFit { token: value.unwrap_or_default().to_string() }),
     }
 }

@@ -17,20 +17,12 @@ pub(crate) fn weights(devices: &[Device], budgets: &[Budget], listed: &[usize]) 
     let raw: Vec<Option<f64>> = listed
         .iter()
         .map(|&i| {
-            let basis = if budgets[i].explicit {
-                budgets[i].bytes
-            } else {
-                devices[i].free_figure()
-            };
+            let basis = if budgets[i].explicit { budgets[i].bytes } else { devices[i].free_figure() };
             basis.map(|b| b.saturating_sub(2 * GIB).max(b / 8) as f64)
         })
         .collect();
     let known: Vec<f64> = raw.iter().flatten().copied().filter(|w| *w > 0.0).collect();
-    let fill = if known.is_empty() {
-        1.0
-    } else {
-        known.iter().sum::<f64>() / known.len() as f64
-    };
+    let fill = if known.is_empty() { 1.0 } else { known.iter().sum::<f64>() / known.len() as f64 };
     let w: Vec<f64> = raw.iter().map(|w| w.unwrap_or(fill)).collect();
     if w.iter().all(|x| *x <= 0.0) {
         vec![1.0; w.len()]

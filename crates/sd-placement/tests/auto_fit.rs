@@ -25,41 +25,16 @@ struct Case {
 
 fn check(c: &Case) -> Plan {
     // The memory check has its own tests (memory_check.rs); here `fits` is about placement.
-    let f = Flags {
-        max_vram: c.max_vram.map(Into::into),
-        no_memory_check: true,
-        ..Flags::default()
-    };
-    let p = plan(&request(
-        c.devices.clone(),
-        c.ram_mib.map(|r| r * MIB),
-        c.model.clone(),
-        f,
-    ))
-    .unwrap();
+    let f = Flags { max_vram: c.max_vram.map(Into::into), no_memory_check: true, ..Flags::default() };
+    let p = plan(&request(c.devices.clone(), c.ram_mib.map(|r| r * MIB), c.model.clone(), f)).unwrap();
     assert!(p.auto_fit, "[{}]", c.rule);
-    assert_eq!(
-        p.main_device,
-        c.main,
-        "[{}] main device\n{}",
-        c.rule,
-        p.render()
-    );
-    for (m, want) in [Module::Diffusion, Module::Te, Module::Vae]
-        .iter()
-        .zip(c.params)
-    {
+    assert_eq!(p.main_device, c.main, "[{}] main device\n{}", c.rule, p.render());
+    for (m, want) in [Module::Diffusion, Module::Te, Module::Vae].iter().zip(c.params) {
         if want == "-" {
             continue;
         }
         let mp = module(&p, *m);
-        assert_eq!(
-            mp.params,
-            want,
-            "[{}] params of {m}\n{}",
-            c.rule,
-            p.render()
-        );
+        assert_eq!(mp.params, want, "[{}] params of {m}\n{}", c.rule, p.render());
         // "auto-fit uses one GPU for diffusion / te / vae computation"
         assert_eq!(mp.runtime, [c.main], "[{}] runtime of {m}", c.rule);
     }
@@ -176,10 +151,7 @@ fn main_gpu_choice() {
         params: ["CUDA1", "CUDA1", "CUDA1"],
         fits: true,
     });
-    assert_eq!(
-        p.backend, "diffusion=CUDA1,te=CUDA1,vae=CUDA1",
-        "\"The chosen backend specifications are printed.\""
-    );
+    assert_eq!(p.backend, "diffusion=CUDA1,te=CUDA1,vae=CUDA1", "\"The chosen backend specifications are printed.\"");
     assert_eq!(p.params_backend, "");
     // "--auto-fit on --max-vram cuda0=8,cuda1=14": budgets decide, not free memory.
     check(&Case {
@@ -205,11 +177,7 @@ fn main_gpu_choice() {
         fits: true,
     });
     // Only discrete GPUs are candidates.
-    let devs3 = vec![
-        Device::cpu(),
-        igpu("Intel0", 30.0),
-        gpu_budget("Vulkan0", 4096),
-    ];
+    let devs3 = vec![Device::cpu(), igpu("Intel0", 30.0), gpu_budget("Vulkan0", 4096)];
     check(&Case {
         rule: "integrated GPU is never main when a GPU exists",
         devices: devs3,
@@ -234,13 +202,26 @@ fn reserves_and_staging() {
         ("diffusion alone: 1000 + 2048 = 3048 > 3047", (1000, 10), (0, 0), (0, 0), 3047, ["CPU", "-", "-"]),
         ("diffusion alone: 3048 fits 3048", (1000, 10), (0, 0), (0, 0), 3048, ["CUDA0", "-", "-"]),
         ("te alone: 2 GiB reserve", (0, 0), (1000, 10), (0, 0), 3048, ["-", "CUDA0", "-"]),
-        ("diffusion leaves staging for te's and vae's largest tensors: 1000+2048+60+50 = 3158 > 3157", (1000, 10), (600, 60), (100, 50), 3157, ["CPU", "CPU", "CPU"]),
-        ("... and fits 3158; then te 1000+600+2048+50 = 3698 > 3158, vae needs te's full weights room", (1000, 10), (600, 60), (100, 50), 3158, ["CUDA0", "CPU", "CPU"]),
+        (
+            "diffusion leaves staging for te's and vae's largest tensors: 1000+2048+60+50 = 3158 > 3157",
+            (1000, 10),
+            (600, 60),
+            (100, 50),
+            3157,
+            ["CPU", "CPU", "CPU"],
+        ),
+        (
+            "... and fits 3158; then te 1000+600+2048+50 = 3698 > 3158, vae needs te's full weights room",
+            (1000, 10),
+            (600, 60),
+            (100, 50),
+            3158,
+            ["CUDA0", "CPU", "CPU"],
+        ),
         ("everything: 1700 + 2048 = 3748", (1000, 10), (600, 60), (100, 50), 3748, ["CUDA0", "CUDA0", "CUDA0"]),
     ];
     for (why, d, t, v, budget, want) in table {
-        let spec: &'static str =
-            Box::leak(format!("cuda0={}", *budget as f64 / 1024.0).into_boxed_str());
+        let spec: &'static str = Box::leak(format!("cuda0={}", *budget as f64 / 1024.0).into_boxed_str());
         check(&Case {
             rule: why,
             devices: cpu_gpus(&[("CUDA0", 100_000)]),
@@ -337,38 +318,14 @@ fn no_gpu() {
 fn split_mode_does_not_change_auto_fit() {
     // "Auto-fit does not select multi-GPU layer/row computation, so --split-mode does not change
     // its placements."
-    let devs = vec![
-        Device::cpu(),
-        gpu("CUDA0", 12.0).with_row_split(true),
-        gpu("CUDA1", 12.0).with_row_split(true),
-    ];
+    let devs = vec![Device::cpu(), gpu("CUDA0", 12.0).with_row_split(true), gpu("CUDA1", 12.0).with_row_split(true)];
     let m = flux_dev_q8();
-    let base = plan(&request(
-        devs.clone(),
-        Some(32 * GIB),
-        m.clone(),
-        Flags::default(),
-    ))
-    .unwrap();
-    let row = plan(&request(
-        devs,
-        Some(32 * GIB),
-        m,
-        Flags {
-            split_mode: Some("row".into()),
-            ..Flags::default()
-        },
-    ))
-    .unwrap();
+    let base = plan(&request(devs.clone(), Some(32 * GIB), m.clone(), Flags::default())).unwrap();
+    let row =
+        plan(&request(devs, Some(32 * GIB), m, Flags { split_mode: Some("row".into()), ..Flags::default() })).unwrap();
     assert_eq!(base.modules, row.modules);
-    assert!(base
-        .modules
-        .iter()
-        .all(|m| m.split_mode == SplitKind::None && m.runtime.len() == 1));
-    assert!(row
-        .warnings
-        .iter()
-        .any(|w| w.contains("--split-mode does not change auto-fit")));
+    assert!(base.modules.iter().all(|m| m.split_mode == SplitKind::None && m.runtime.len() == 1));
+    assert!(row.warnings.iter().any(|w| w.contains("--split-mode does not change auto-fit")));
 }
 
 #[test]
@@ -389,13 +346,7 @@ fn other_gpus_store_weights_only() {
     };
     let p = check(&c);
     let other = device(&p, "CUDA1");
-    assert_eq!(
-        (other.param_bytes, other.compute_bytes, other.staging_bytes),
-        (8700 * MIB, 0, 0)
-    );
+    assert_eq!((other.param_bytes, other.compute_bytes, other.staging_bytes), (8700 * MIB, 0, 0));
     let main = device(&p, "CUDA0");
-    assert_eq!(
-        (main.param_bytes, main.compute_bytes, main.staging_bytes),
-        (0, 2048 * MIB, 910 * MIB)
-    );
+    assert_eq!((main.param_bytes, main.compute_bytes, main.staging_bytes), (0, 2048 * MIB, 910 * MIB));
 }

@@ -40,12 +40,7 @@ struct Compat {
     offload: bool,
 }
 
-const NONE: Compat = Compat {
-    clip: false,
-    vae: false,
-    control: false,
-    offload: false,
-};
+const NONE: Compat = Compat { clip: false, vae: false, control: false, offload: false };
 
 fn run(cases: &[Case]) {
     for c in cases {
@@ -58,11 +53,7 @@ fn run(cases: &[Case]) {
         let got = plan(&req);
         match (&c.expect, got) {
             (Expect::Places(want), Ok(p)) => {
-                assert!(
-                    !p.auto_fit,
-                    "[{}] explicit flags must disable auto-fit",
-                    c.rule
-                );
+                assert!(!p.auto_fit, "[{}] explicit flags must disable auto-fit", c.rule);
                 for (m, rt, params) in want.iter() {
                     let m = Module::parse(m).expect("test module name");
                     let mp = module(&p, m);
@@ -74,34 +65,19 @@ fn run(cases: &[Case]) {
                         c.backend,
                         c.params
                     );
-                    assert_eq!(
-                        mp.params, *params,
-                        "[{}] params of {m} for {:?}/{:?}",
-                        c.rule, c.backend, c.params
-                    );
+                    assert_eq!(mp.params, *params, "[{}] params of {m} for {:?}/{:?}", c.rule, c.backend, c.params);
                 }
             }
             (Expect::Fails(parts), Err(e)) => {
                 let msg = e.to_string();
                 for part in parts.iter() {
-                    assert!(
-                        msg.contains(part),
-                        "[{}] error {msg:?} lacks {part:?}",
-                        c.rule
-                    );
+                    assert!(msg.contains(part), "[{}] error {msg:?} lacks {part:?}", c.rule);
                 }
             }
-            (Expect::Places(_), Err(e)) => panic!(
-                "[{}] {:?}/{:?}: unexpected error {e}",
-                c.rule, c.backend, c.params
-            ),
-            (Expect::Fails(_), Ok(p)) => panic!(
-                "[{}] {:?}/{:?}: expected an error, got {}",
-                c.rule,
-                c.backend,
-                c.params,
-                p.render()
-            ),
+            (Expect::Places(_), Err(e)) => panic!("[{}] {:?}/{:?}: unexpected error {e}", c.rule, c.backend, c.params),
+            (Expect::Fails(_), Ok(p)) => {
+                panic!("[{}] {:?}/{:?}: expected an error, got {}", c.rule, c.backend, c.params, p.render())
+            }
         }
     }
 }
@@ -224,55 +200,22 @@ fn module_alias_table() {
     // backend.md "Modules": every accepted name of the table, checked through --backend.
     let table: &[(&str, &[&str])] = &[
         ("diffusion", &["diffusion", "model", "unet", "dit"]),
-        (
-            "te",
-            &[
-                "te",
-                "clip",
-                "text",
-                "textencoder",
-                "textencoders",
-                "conditioner",
-                "cond",
-                "llm",
-                "t5",
-                "t5xxl",
-            ],
-        ),
-        (
-            "clip_vision",
-            &["clip_vision", "clipvision", "clip-vision", "vision"],
-        ),
+        ("te", &["te", "clip", "text", "textencoder", "textencoders", "conditioner", "cond", "llm", "t5", "t5xxl"]),
+        ("clip_vision", &["clip_vision", "clipvision", "clip-vision", "vision"]),
         ("vae", &["vae", "firststage", "autoencoder", "tae"]),
         ("controlnet", &["controlnet", "control"]),
-        (
-            "photomaker",
-            &["photomaker", "photomakerid", "pmid", "photo"],
-        ),
+        ("photomaker", &["photomaker", "photomakerid", "pmid", "photo"]),
         ("upscaler", &["upscaler", "esrgan", "hires"]),
         ("detector", &["detector", "adetailer", "yolo"]),
     ];
     for (canonical, aliases) in table {
         for alias in aliases.iter() {
-            for spelled in [
-                alias.to_string(),
-                alias.to_uppercase(),
-                format!("-{alias}_"),
-            ] {
+            for spelled in [alias.to_string(), alias.to_uppercase(), format!("-{alias}_")] {
                 let spec = format!("{spelled}=cuda1");
-                let p = plan(&request(
-                    devices(),
-                    Some(64 * GIB),
-                    all_modules_model(),
-                    flags(Some(&spec), None),
-                ))
-                .unwrap_or_else(|e| panic!("alias {spelled}: {e}"));
+                let p = plan(&request(devices(), Some(64 * GIB), all_modules_model(), flags(Some(&spec), None)))
+                    .unwrap_or_else(|e| panic!("alias {spelled}: {e}"));
                 for m in &p.modules {
-                    let want = if m.module.name() == *canonical {
-                        "CUDA1"
-                    } else {
-                        "CUDA0"
-                    };
+                    let want = if m.module.name() == *canonical { "CUDA1" } else { "CUDA0" };
                     assert_eq!(m.runtime, [want], "--backend {spec}: module {}", m.module);
                 }
             }
@@ -352,18 +295,8 @@ fn default_and_gpu_special_values() {
             "Vulkan0",
             Some("Vulkan0"),
         ),
-        (
-            "integrated GPU when no GPU",
-            vec![Device::cpu(), igpu("Intel0", 8.0)],
-            "Intel0",
-            Some("Intel0"),
-        ),
-        (
-            "CPU when neither; gpu is an error",
-            vec![Device::cpu()],
-            "CPU",
-            None,
-        ),
+        ("integrated GPU when no GPU", vec![Device::cpu(), igpu("Intel0", 8.0)], "Intel0", Some("Intel0")),
+        ("CPU when neither; gpu is an error", vec![Device::cpu()], "CPU", None),
     ];
     for (why, devs, want_default, want_gpu) in table {
         // `te=auto`, `te=DEFAULT`, and an empty backend name (the whole flag empty, --auto-fit off
@@ -373,33 +306,18 @@ fn default_and_gpu_special_values() {
                 devs.clone(),
                 Some(64 * GIB),
                 simple_model(GIB, GIB, 100 * MIB),
-                Flags {
-                    backend: Some(spec.to_string()),
-                    auto_fit: Some("off".into()),
-                    ..Flags::default()
-                },
+                Flags { backend: Some(spec.to_string()), auto_fit: Some("off".into()), ..Flags::default() },
             ))
             .unwrap();
-            assert_eq!(
-                module(&p, Module::Te).runtime,
-                [*want_default],
-                "{why}: --backend {spec:?}"
-            );
+            assert_eq!(module(&p, Module::Te).runtime, [*want_default], "{why}: --backend {spec:?}");
         }
-        let r = plan(&request(
-            devs.clone(),
-            Some(64 * GIB),
-            simple_model(GIB, GIB, 100 * MIB),
-            flags(Some("gpu"), None),
-        ));
+        let r =
+            plan(&request(devs.clone(), Some(64 * GIB), simple_model(GIB, GIB, 100 * MIB), flags(Some("gpu"), None)));
         match want_gpu {
             Some(g) => assert_eq!(module(&r.unwrap(), Module::Vae).runtime, [*g], "{why}"),
             None => {
                 let e = r.unwrap_err().to_string();
-                assert!(
-                    e.contains("'gpu'") && e.contains("no") && e.contains("CPU (cpu)"),
-                    "{why}: {e}"
-                );
+                assert!(e.contains("'gpu'") && e.contains("no") && e.contains("CPU (cpu)"), "{why}: {e}");
             }
         }
     }
@@ -410,52 +328,78 @@ fn device_lists() {
     run(&[
         Case {
             rule: "backend.md: \"A --backend module assignment can list several devices separated by &\"",
-            backend: Some("diffusion=cuda0&cuda1"), params: None, compat: NONE,
+            backend: Some("diffusion=cuda0&cuda1"),
+            params: None,
+            compat: NONE,
             expect: Places(&[("diffusion", "CUDA0&CUDA1", "CUDA0&CUDA1"), ("te", "CUDA0", "CUDA0")]),
         },
         Case {
             rule: "backend.md: \"Layer split is supported for the diffusion and te modules.\" (te, via an alias)",
-            backend: Some("t5xxl=cuda1&vulkan0"), params: None, compat: NONE,
+            backend: Some("t5xxl=cuda1&vulkan0"),
+            params: None,
+            compat: NONE,
             expect: Places(&[("te", "CUDA1&Vulkan0", "CUDA1&Vulkan0")]),
         },
         Case {
             rule: "backend.md: \"other modules accept only a single device\"",
-            backend: Some("vae=cuda0&cuda1"), params: None, compat: NONE,
-            expect: Fails(&["--backend", "device list 'cuda0&cuda1'", "'vae=cuda0&cuda1'", "module vae accepts only a single device", "only diffusion and te"]),
+            backend: Some("vae=cuda0&cuda1"),
+            params: None,
+            compat: NONE,
+            expect: Fails(&[
+                "--backend",
+                "device list 'cuda0&cuda1'",
+                "'vae=cuda0&cuda1'",
+                "module vae accepts only a single device",
+                "only diffusion and te",
+            ]),
         },
         Case {
             rule: "backend.md: \"other modules accept only a single device\" (a default applies to every module)",
-            backend: Some("all=cuda0&cuda1"), params: None, compat: NONE,
+            backend: Some("all=cuda0&cuda1"),
+            params: None,
+            compat: NONE,
             expect: Fails(&["device list 'cuda0&cuda1'", "diffusion=A&B"]),
         },
         Case {
             rule: "backend.md: \"--params-backend accepts no device lists.\"",
-            backend: Some("diffusion=cuda0&cuda1"), params: Some("diffusion=cuda0&cuda1"), compat: NONE,
+            backend: Some("diffusion=cuda0&cuda1"),
+            params: Some("diffusion=cuda0&cuda1"),
+            compat: NONE,
             expect: Fails(&["--params-backend", "device list 'cuda0&cuda1'", "accepts no device lists"]),
         },
         Case {
             rule: "a list naming disk is rejected as disk is no runtime backend",
-            backend: Some("diffusion=cuda0&disk"), params: None, compat: NONE,
+            backend: Some("diffusion=cuda0&disk"),
+            params: None,
+            compat: NONE,
             expect: Fails(&["'diffusion=cuda0&disk'", "not a runtime backend"]),
         },
         Case {
             rule: "a list cannot hold the default device token (reference behaviour)",
-            backend: Some("diffusion=cuda0&auto"), params: None, compat: NONE,
+            backend: Some("diffusion=cuda0&auto"),
+            params: None,
+            compat: NONE,
             expect: Fails(&["invalid device list", "'auto'"]),
         },
         Case {
             rule: "a list naming no device is an error",
-            backend: Some("diffusion=&&"), params: None, compat: NONE,
+            backend: Some("diffusion=&&"),
+            params: None,
+            compat: NONE,
             expect: Fails(&["invalid device list '&&'", "names no device"]),
         },
         Case {
             rule: "a list whose devices resolve to one device is a single device",
-            backend: Some("diffusion=cuda1&CUDA1"), params: None, compat: NONE,
+            backend: Some("diffusion=cuda1&CUDA1"),
+            params: None,
+            compat: NONE,
             expect: Places(&[("diffusion", "CUDA1", "CUDA1")]),
         },
         Case {
             rule: "list members resolve like single names (unknown member is named)",
-            backend: Some("diffusion=cuda0&cuda7"), params: None, compat: NONE,
+            backend: Some("diffusion=cuda0&cuda7"),
+            params: None,
+            compat: NONE,
             expect: Fails(&["unknown device 'cuda7'", "'diffusion=cuda0&cuda7'"]),
         },
     ]);
@@ -464,16 +408,8 @@ fn device_lists() {
 #[test]
 fn compatibility_flags() {
     let clip = Compat { clip: true, ..NONE };
-    let all3 = Compat {
-        clip: true,
-        vae: true,
-        control: true,
-        offload: false,
-    };
-    let offload = Compat {
-        offload: true,
-        ..NONE
-    };
+    let all3 = Compat { clip: true, vae: true, control: true, offload: false };
+    let offload = Compat { offload: true, ..NONE };
     run(&[
         Case {
             rule: "backend.md: \"The example argument layer prepends te=cpu, vae=cpu, and controlnet=cpu to --backend\"",
@@ -527,62 +463,23 @@ fn explicit_assignments_disable_auto_fit() {
     let m = simple_model(GIB, GIB, 100 * MIB);
     let table: &[(&str, Flags, bool)] = &[
         ("no flags: auto-fit defaults to on", Flags::default(), true),
-        (
-            "--auto-fit on",
-            Flags {
-                auto_fit: Some("on".into()),
-                ..Flags::default()
-            },
-            true,
-        ),
-        (
-            "--auto-fit OFF (case-insensitive)",
-            Flags {
-                auto_fit: Some("OFF".into()),
-                ..Flags::default()
-            },
-            false,
-        ),
+        ("--auto-fit on", Flags { auto_fit: Some("on".into()), ..Flags::default() }, true),
+        ("--auto-fit OFF (case-insensitive)", Flags { auto_fit: Some("OFF".into()), ..Flags::default() }, false),
         (
             "--backend with --auto-fit on",
-            Flags {
-                backend: Some("cuda0".into()),
-                auto_fit: Some("on".into()),
-                ..Flags::default()
-            },
+            Flags { backend: Some("cuda0".into()), auto_fit: Some("on".into()), ..Flags::default() },
             false,
         ),
-        (
-            "--params-backend alone",
-            Flags {
-                params_backend: Some("cpu".into()),
-                ..Flags::default()
-            },
-            false,
-        ),
-        (
-            "--clip-on-cpu prepends to --backend",
-            Flags {
-                clip_on_cpu: true,
-                ..Flags::default()
-            },
-            false,
-        ),
+        ("--params-backend alone", Flags { params_backend: Some("cpu".into()), ..Flags::default() }, false),
+        ("--clip-on-cpu prepends to --backend", Flags { clip_on_cpu: true, ..Flags::default() }, false),
         (
             "--offload-to-cpu prepends to --params-backend",
-            Flags {
-                offload_to_cpu: true,
-                auto_fit: Some("on".into()),
-                ..Flags::default()
-            },
+            Flags { offload_to_cpu: true, auto_fit: Some("on".into()), ..Flags::default() },
             false,
         ),
         (
             "empty --backend is no assignment (sd_ctx_params: nonempty assignments disable it)",
-            Flags {
-                backend: Some("  ".into()),
-                ..Flags::default()
-            },
+            Flags { backend: Some("  ".into()), ..Flags::default() },
             true,
         ),
     ];
@@ -590,27 +487,13 @@ fn explicit_assignments_disable_auto_fit() {
         let p = plan(&request(devices(), Some(64 * GIB), m.clone(), f.clone())).unwrap();
         assert_eq!(p.auto_fit, *want, "{why}");
         if f.auto_fit.as_deref() == Some("on") && !want {
-            assert!(
-                p.warnings
-                    .iter()
-                    .any(|w| w.contains("--auto-fit on is ignored")),
-                "{why}: {:?}",
-                p.warnings
-            );
+            assert!(p.warnings.iter().any(|w| w.contains("--auto-fit on is ignored")), "{why}: {:?}", p.warnings);
         }
     }
     // "--auto-fit requires on or off"
     for bad in ["yes", "1", "", "onn"] {
-        let e = plan(&request(
-            devices(),
-            None,
-            m.clone(),
-            Flags {
-                auto_fit: Some(bad.into()),
-                ..Flags::default()
-            },
-        ))
-        .unwrap_err();
+        let e = plan(&request(devices(), None, m.clone(), Flags { auto_fit: Some(bad.into()), ..Flags::default() }))
+            .unwrap_err();
         assert_eq!(e, PlanError::InvalidAutoFit { token: bad.into() });
         assert!(e.to_string().contains("accepted: on, off"));
     }
@@ -636,26 +519,9 @@ fn max_vram_targets_devices() {
     // CUDA1 has no entry: free minus 512 MiB.
     assert_eq!(device(&p, "CUDA1").budget_bytes, Some(24 * GIB - 512 * MIB));
     let table: &[(&str, &str, &[&str])] = &[
-        (
-            "unknown device key",
-            "cuda9=4",
-            &["--max-vram", "unknown device 'cuda9'", "'cuda9=4'"],
-        ),
-        (
-            "ambiguous key",
-            "cu=4",
-            &["--max-vram", "ambiguous", "CUDA0, CUDA1"],
-        ),
-        (
-            "malformed number",
-            "cuda0=6GB",
-            &[
-                "--max-vram",
-                "malformed number '6GB'",
-                "'cuda0=6GB'",
-                "decimal number",
-            ],
-        ),
+        ("unknown device key", "cuda9=4", &["--max-vram", "unknown device 'cuda9'", "'cuda9=4'"]),
+        ("ambiguous key", "cu=4", &["--max-vram", "ambiguous", "CUDA0, CUDA1"]),
+        ("malformed number", "cuda0=6GB", &["--max-vram", "malformed number '6GB'", "'cuda0=6GB'", "decimal number"]),
         ("malformed bare number", "six", &["malformed number 'six'"]),
         ("non-finite", "inf", &["malformed number 'inf'"]),
         ("NaN", "cuda0=NaN", &["malformed number 'NaN'"]),
@@ -666,10 +532,7 @@ fn max_vram_targets_devices() {
             devices(),
             None,
             simple_model(GIB, GIB, MIB * 100),
-            Flags {
-                max_vram: Some((*spec).into()),
-                ..Flags::default()
-            },
+            Flags { max_vram: Some((*spec).into()), ..Flags::default() },
         ))
         .unwrap_err()
         .to_string();
@@ -686,16 +549,8 @@ fn split_mode_syntax() {
     let ok: &[(&str, Option<SplitMode>, Option<SplitMode>)] = &[
         ("row", Some(SplitMode::Row), Some(SplitMode::Row)),
         ("LAYER", Some(SplitMode::Layer), Some(SplitMode::Layer)),
-        (
-            "diffusion=row,te=layer",
-            Some(SplitMode::Row),
-            Some(SplitMode::Layer),
-        ),
-        (
-            "all=row,text_encoder=layer",
-            Some(SplitMode::Row),
-            Some(SplitMode::Layer),
-        ),
+        ("diffusion=row,te=layer", Some(SplitMode::Row), Some(SplitMode::Layer)),
+        ("all=row,text_encoder=layer", Some(SplitMode::Row), Some(SplitMode::Layer)),
         ("", None, None),
     ];
     for (spec, d, t) in ok {
@@ -704,15 +559,9 @@ fn split_mode_syntax() {
         assert_eq!(a.get(Module::Te).map(|e| e.value), *t, "{spec}");
     }
     let e = parse_split_mode("diffusion=rows").unwrap_err().to_string();
-    assert!(
-        e.contains("invalid mode 'rows'") && e.contains("layer, row"),
-        "{e}"
-    );
+    assert!(e.contains("invalid mode 'rows'") && e.contains("layer, row"), "{e}");
     let e = parse_split_mode("unet3=row").unwrap_err().to_string();
-    assert!(
-        e.contains("--split-mode") && e.contains("unknown module 'unet3'"),
-        "{e}"
-    );
+    assert!(e.contains("--split-mode") && e.contains("unknown module 'unet3'"), "{e}");
 }
 
 #[test]
@@ -720,16 +569,7 @@ fn registry_name_resolves_first_device() {
     // Extension (reference behaviour, backend.md lists `metal` among common values): a token
     // equal to a registry name selects that registry's first device when no name or prefix
     // matches.
-    let devs = vec![
-        Device::cpu(),
-        Device::gpu("MTL0", 8 * GIB, 8 * GIB).with_registry("MTL"),
-    ];
-    let p = plan(&request(
-        devs,
-        None,
-        simple_model(GIB, GIB, MIB),
-        flags(Some("metal"), None),
-    ))
-    .unwrap();
+    let devs = vec![Device::cpu(), Device::gpu("MTL0", 8 * GIB, 8 * GIB).with_registry("MTL")];
+    let p = plan(&request(devs, None, simple_model(GIB, GIB, MIB), flags(Some("metal"), None))).unwrap();
     assert_eq!(module(&p, Module::Diffusion).runtime, ["MTL0"]);
 }

@@ -82,40 +82,15 @@ fn budget_semantics() {
     for c in &cases {
         let devs = vec![
             Device::cpu(),
-            Device::new("CUDA0", DeviceType::Gpu)
-                .with_memory(c.cuda0.0.map(|m| m * MIB), c.cuda0.1.map(|m| m * MIB)),
+            Device::new("CUDA0", DeviceType::Gpu).with_memory(c.cuda0.0.map(|m| m * MIB), c.cuda0.1.map(|m| m * MIB)),
             Device::gpu("CUDA1", 8 * GIB, 8 * GIB),
         ];
-        let f = Flags {
-            max_vram: c.max_vram.map(Into::into),
-            ..Flags::default()
-        };
-        let p = plan(&request(
-            devs,
-            Some(16 * GIB),
-            simple_model(GIB, GIB / 4, 100 * MIB),
-            f,
-        ))
-        .unwrap();
-        assert_eq!(
-            device(&p, "CUDA0").budget_bytes,
-            c.want.0.map(|m| m * MIB),
-            "[{}] CUDA0",
-            c.rule
-        );
-        assert_eq!(
-            device(&p, "CUDA1").budget_bytes,
-            c.want.1.map(|m| m * MIB),
-            "[{}] CUDA1",
-            c.rule
-        );
+        let f = Flags { max_vram: c.max_vram.map(Into::into), ..Flags::default() };
+        let p = plan(&request(devs, Some(16 * GIB), simple_model(GIB, GIB / 4, 100 * MIB), f)).unwrap();
+        assert_eq!(device(&p, "CUDA0").budget_bytes, c.want.0.map(|m| m * MIB), "[{}] CUDA0", c.rule);
+        assert_eq!(device(&p, "CUDA1").budget_bytes, c.want.1.map(|m| m * MIB), "[{}] CUDA1", c.rule);
         // The CPU's budget is available RAM whatever --max-vram says.
-        assert_eq!(
-            device(&p, "CPU").budget_bytes,
-            Some(16 * GIB),
-            "[{}] CPU",
-            c.rule
-        );
+        assert_eq!(device(&p, "CPU").budget_bytes, Some(16 * GIB), "[{}] CPU", c.rule);
     }
 }
 
@@ -125,20 +100,11 @@ fn max_vram_on_cpu_is_ignored_with_warning() {
         vec![Device::cpu(), gpu("CUDA0", 8.0)],
         Some(16 * GIB),
         simple_model(GIB, GIB, MIB * 100),
-        Flags {
-            max_vram: Some("cpu=4".into()),
-            ..Flags::default()
-        },
+        Flags { max_vram: Some("cpu=4".into()), ..Flags::default() },
     ))
     .unwrap();
     assert_eq!(device(&p, "CPU").budget_bytes, Some(16 * GIB));
-    assert!(
-        p.warnings
-            .iter()
-            .any(|w| w.contains("'cpu=4'") && w.contains("RAM")),
-        "{:?}",
-        p.warnings
-    );
+    assert!(p.warnings.iter().any(|w| w.contains("'cpu=4'") && w.contains("RAM")), "{:?}", p.warnings);
 }
 
 #[test]
@@ -152,11 +118,7 @@ fn budgets_drive_explicit_fit() {
             vec![Device::cpu(), gpu("CUDA0", 24.0)],
             Some(64 * GIB),
             m.clone(),
-            Flags {
-                backend: Some("cuda0".into()),
-                max_vram: Some(spec.into()),
-                ..Flags::default()
-            },
+            Flags { backend: Some("cuda0".into()), max_vram: Some(spec.into()), ..Flags::default() },
         ))
         .unwrap();
         let u = device(&p, "CUDA0");
@@ -164,13 +126,7 @@ fn budgets_drive_explicit_fit() {
         assert_eq!(p.fits, fits, "{spec}");
         assert_eq!(u.fits, fits, "{spec}");
         if !fits {
-            assert!(
-                p.warnings
-                    .iter()
-                    .any(|w| w.starts_with("CUDA0 needs 6.00 GiB")),
-                "{:?}",
-                p.warnings
-            );
+            assert!(p.warnings.iter().any(|w| w.starts_with("CUDA0 needs 6.00 GiB")), "{:?}", p.warnings);
         }
     }
 }
@@ -183,22 +139,13 @@ fn recommended_biggest_model_shape() {
         vec![Device::cpu(), gpu("CUDA0", 12.0)],
         Some(64 * GIB),
         flux_dev_q8(),
-        Flags {
-            offload_to_cpu: true,
-            max_vram: Some("-1".into()),
-            ..Flags::default()
-        },
+        Flags { offload_to_cpu: true, max_vram: Some("-1".into()), ..Flags::default() },
     ))
     .unwrap();
     assert!(!p.auto_fit);
     assert_eq!(device(&p, "CUDA0").budget_bytes, Some(11 * GIB));
     for m in &p.modules {
-        assert_eq!(
-            (m.runtime.join("&").as_str(), m.params.as_str()),
-            ("CUDA0", "CPU"),
-            "{}",
-            m.module
-        );
+        assert_eq!((m.runtime.join("&").as_str(), m.params.as_str()), ("CUDA0", "CPU"), "{}", m.module);
     }
     assert!(p.fits, "{}", p.render());
 }
@@ -212,10 +159,7 @@ fn params_follow_runtime_with_auto_fit_off() {
         vec![Device::cpu(), gpu("CUDA0", 8.0)],
         Some(64 * GIB),
         flux_dev_q8(),
-        Flags {
-            auto_fit: Some("off".into()),
-            ..Flags::default()
-        },
+        Flags { auto_fit: Some("off".into()), ..Flags::default() },
     ))
     .unwrap();
     assert!(!p.auto_fit);

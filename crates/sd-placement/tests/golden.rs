@@ -22,13 +22,12 @@ fn golden(name: &str, req: &PlanRequest) -> Plan {
             std::fs::write(&path, got).unwrap();
             continue;
         }
-        let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}; run with UPDATE_GOLDEN=1 to create it",
-                path.display()
-            )
-        });
-        assert_eq!(got, &want, "{name}.{ext} differs from the golden; if intended, rerun with UPDATE_GOLDEN=1 and review the diff");
+        let want = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}; run with UPDATE_GOLDEN=1 to create it", path.display()));
+        assert_eq!(
+            got, &want,
+            "{name}.{ext} differs from the golden; if intended, rerun with UPDATE_GOLDEN=1 and review the diff"
+        );
     }
     p
 }
@@ -49,12 +48,7 @@ fn sd15_f16_on_4gib_gpu() {
     // te: needs room for diffusion's full weights + reserve -> offloaded; vae likewise.
     // GPU: 2048 + staging 56.25 + 72.4 + 4.5 = 2181 MiB <= 3584: fits.
     // Memory check: 2,132,625,894 x 1.25 + 512 MiB = 3054.3 MiB <= 4096: ok.
-    let req = request(
-        vec![Device::cpu(), gpu("CUDA0", 4.0)],
-        Some(16 * GIB),
-        sd15_f16(),
-        Flags::default(),
-    );
+    let req = request(vec![Device::cpu(), gpu("CUDA0", 4.0)], Some(16 * GIB), sd15_f16(), Flags::default());
     let p = golden("sd15_f16_4gib_gpu", &req);
     assert!(p.auto_fit && p.fits);
     for m in [Module::Diffusion, Module::Te, Module::Vae] {
@@ -70,12 +64,7 @@ fn sdxl_on_6gib_gpu_16gib_ram() {
     // 4897 + 1559.6 + 159.5 = 6616 MiB <= 14336. GPU: 2048 + 56.25 + 120.6 + 4.5 = 2229 MiB.
     // Memory check: 6,938,040,682 x 1.25 + 512 MiB = 8783 MiB > 6144 -> warn (not refused:
     // 6 + 16 GiB).
-    let req = request(
-        vec![Device::cpu(), gpu("CUDA0", 6.0)],
-        Some(16 * GIB),
-        sdxl_f16(),
-        Flags::default(),
-    );
+    let req = request(vec![Device::cpu(), gpu("CUDA0", 6.0)], Some(16 * GIB), sdxl_f16(), Flags::default());
     let p = golden("sdxl_6gib_gpu_16gib_ram", &req);
     assert!(p.auto_fit && p.fits);
     for m in [Module::Diffusion, Module::Te, Module::Vae] {
@@ -91,21 +80,13 @@ fn flux_dev_q8_t5xxl_on_8gib_gpu_32gib_ram() {
     // te 9318 MiB -> RAM (21374 <= 29491); vae 319.8 MiB -> RAM (21694). GPU: 2048 reserve +
     // staging 66.9 (single_blocks linear1) + 251 (T5 shared embedding) + 9 = 2375 MiB: fits.
     // Memory check: files 22.77 GB x 1.25 + 512 MiB = 27.6 GiB > 8 GiB -> warn; <= 8 + 32.
-    let req = request(
-        vec![Device::cpu(), gpu("CUDA0", 8.0)],
-        Some(32 * GIB),
-        flux_dev_q8(),
-        Flags::default(),
-    );
+    let req = request(vec![Device::cpu(), gpu("CUDA0", 8.0)], Some(32 * GIB), flux_dev_q8(), Flags::default());
     let p = golden("flux_dev_q8_t5xxl_8gib_gpu_32gib_ram", &req);
     assert!(p.auto_fit && p.fits);
     for m in [Module::Diffusion, Module::Te, Module::Vae] {
         assert_eq!(where_(&p, m), s("CUDA0", "CPU"), "{m}");
     }
-    assert_eq!(
-        device(&p, "CUDA0").staging_bytes,
-        70_189_056 + 263_192_576 + 9_437_184
-    );
+    assert_eq!(device(&p, "CUDA0").staging_bytes, 70_189_056 + 263_192_576 + 9_437_184);
     assert_eq!(p.memory_check.verdict, Verdict::Warn);
 }
 
@@ -119,61 +100,29 @@ fn flux_dev_on_two_gpus_layer_split() {
     // te and vae have no assignment: the default device CUDA0, params follow. CUDA0 then holds
     // 8,731,334,912 + 9,770,359,808 + 335,304,388 B = 17.54 GiB + 2 GiB compute <= 23.5 GiB.
     let devs = vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 12.0)];
-    let req = request(
-        devs,
-        Some(64 * GIB),
-        flux_dev_q8(),
-        flags(Some("diffusion=cuda0&cuda1"), None),
-    );
+    let req = request(devs, Some(64 * GIB), flux_dev_q8(), flags(Some("diffusion=cuda0&cuda1"), None));
     let p = golden("flux_dev_two_gpus_layer_split", &req);
     assert!(!p.auto_fit && p.fits);
     let d = module(&p, Module::Diffusion);
     assert_eq!(d.split_mode, SplitKind::Layer);
-    let ranges: Vec<_> = d
-        .split
-        .iter()
-        .map(|r| {
-            (
-                r.device.as_str(),
-                r.first_block,
-                r.last_block,
-                r.param_bytes,
-            )
-        })
-        .collect();
-    assert_eq!(
-        ranges,
-        vec![
-            ("CUDA0", 0, 30, 8_663_334_912 + 68_000_000),
-            ("CUDA1", 31, 56, 26 * 150_405_120)
-        ]
-    );
+    let ranges: Vec<_> =
+        d.split.iter().map(|r| (r.device.as_str(), r.first_block, r.last_block, r.param_bytes)).collect();
+    assert_eq!(ranges, vec![("CUDA0", 0, 30, 8_663_334_912 + 68_000_000), ("CUDA1", 31, 56, 26 * 150_405_120)]);
     assert_eq!(where_(&p, Module::Te), s("CUDA0", "CUDA0"));
-    assert_eq!(
-        device(&p, "CUDA0").param_bytes,
-        8_731_334_912 + 9_770_359_808 + 335_304_388
-    );
+    assert_eq!(device(&p, "CUDA0").param_bytes, 8_731_334_912 + 9_770_359_808 + 335_304_388);
 }
 
 #[test]
 fn cpu_only_sd15() {
     // No GPU: everything computes on the CPU; RAM 16 GiB keeps 2 GiB free: 1939 MiB of params
     // fit. CPU usage = params + 2 GiB compute. Memory check vs RAM: 3054 MiB <= 16 GiB.
-    let req = request(
-        vec![Device::cpu()],
-        Some(16 * GIB),
-        sd15_f16(),
-        Flags::default(),
-    );
+    let req = request(vec![Device::cpu()], Some(16 * GIB), sd15_f16(), Flags::default());
     let p = golden("cpu_only_sd15_16gib_ram", &req);
     assert!(p.auto_fit && p.fits);
     for m in [Module::Diffusion, Module::Te, Module::Vae] {
         assert_eq!(where_(&p, m), s("CPU", "CPU"), "{m}");
     }
-    assert_eq!(
-        device(&p, "CPU").used_bytes,
-        1_719_042_560 + 246_144_000 + 167_300_000 + 2 * GIB
-    );
+    assert_eq!(device(&p, "CPU").used_bytes, 1_719_042_560 + 246_144_000 + 167_300_000 + 2 * GIB);
     assert_eq!(p.memory_check.verdict, Verdict::Ok);
 }
 
@@ -183,12 +132,7 @@ fn cpu_only_sdxl_low_ram() {
     // vae's largest 125 MiB = 7070 <= 8192); te: 4897 + 1560 > 6144 -> disk; vae: 5057 <= 6144
     // and 5057 + 2048 + 120.6 (te on disk) = 7225 <= 8192 -> RAM. The memory check compares
     // 8783 MiB with 8192 MiB of RAM: refused, so the plan does not fit.
-    let req = request(
-        vec![Device::cpu()],
-        Some(8 * GIB),
-        sdxl_f16(),
-        Flags::default(),
-    );
+    let req = request(vec![Device::cpu()], Some(8 * GIB), sdxl_f16(), Flags::default());
     let p = golden("cpu_only_sdxl_8gib_ram", &req);
     assert!(p.auto_fit && !p.fits);
     assert_eq!(where_(&p, Module::Diffusion), s("CPU", "CPU"));
@@ -211,45 +155,18 @@ fn json_shape() {
             continue;
         }
         seen += 1;
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let name = path.display();
-        assert!(
-            v["auto_fit"].is_boolean() && v["fits"].is_boolean(),
-            "{name}"
-        );
-        assert!(
-            v["warnings"]
-                .as_array()
-                .is_some_and(|w| w.iter().all(|x| x.is_string())),
-            "{name}"
-        );
+        assert!(v["auto_fit"].is_boolean() && v["fits"].is_boolean(), "{name}");
+        assert!(v["warnings"].as_array().is_some_and(|w| w.iter().all(|x| x.is_string())), "{name}");
         assert!(v["memory_check"]["estimate_bytes"].is_u64(), "{name}");
         let verdict = v["memory_check"]["verdict"].as_str().unwrap();
-        assert!(
-            ["ok", "warn", "refuse", "skipped"].contains(&verdict),
-            "{name}"
-        );
+        assert!(["ok", "warn", "refuse", "skipped"].contains(&verdict), "{name}");
         for m in v["modules"].as_array().unwrap() {
-            assert!(
-                m["module"].is_string() && m["params"].is_string() && m["param_bytes"].is_u64(),
-                "{name}"
-            );
-            assert!(
-                m["runtime"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .all(|d| d.is_string()),
-                "{name}"
-            );
+            assert!(m["module"].is_string() && m["params"].is_string() && m["param_bytes"].is_u64(), "{name}");
+            assert!(m["runtime"].as_array().unwrap().iter().all(|d| d.is_string()), "{name}");
             for s in m["split"].as_array().unwrap() {
-                assert!(
-                    s["device"].is_string()
-                        && s["first_block"].is_u64()
-                        && s["last_block"].is_u64(),
-                    "{name}"
-                );
+                assert!(s["device"].is_string() && s["first_block"].is_u64() && s["last_block"].is_u64(), "{name}");
             }
         }
         // The plan reads back into the Rust type.

@@ -8,14 +8,8 @@ use sd_placement::*;
 /// A model whose files add up to `file_mib` (tensors tiny so that placement always fits).
 fn files(file_mib: &[u64]) -> ModelDescription {
     let mut m = simple_model(64 * MIB, 16 * MIB, 8 * MIB);
-    m.files = file_mib
-        .iter()
-        .enumerate()
-        .map(|(i, b)| SourceFile {
-            role: format!("<file {i}>"),
-            bytes: b * MIB,
-        })
-        .collect();
+    m.files =
+        file_mib.iter().enumerate().map(|(i, b)| SourceFile { role: format!("<file {i}>"), bytes: b * MIB }).collect();
     m
 }
 
@@ -30,8 +24,7 @@ struct Case {
 }
 
 fn gpu_mem(name: &str, free_mib: Option<u64>, total_mib: Option<u64>) -> Device {
-    Device::new(name, DeviceType::Gpu)
-        .with_memory(free_mib.map(|m| m * MIB), total_mib.map(|m| m * MIB))
+    Device::new(name, DeviceType::Gpu).with_memory(free_mib.map(|m| m * MIB), total_mib.map(|m| m * MIB))
 }
 
 #[test]
@@ -53,18 +46,9 @@ fn estimate_formula() {
     // No files: the tensor sizes stand in, with a warning.
     let mut m = files(&[]);
     m.files.clear();
-    let p = plan(&request(
-        vec![Device::cpu()],
-        Some(64 * GIB),
-        m,
-        Flags::default(),
-    ))
-    .unwrap();
+    let p = plan(&request(vec![Device::cpu()], Some(64 * GIB), m, Flags::default())).unwrap();
     assert_eq!(p.memory_check.estimate_bytes, memory_estimate(88 * MIB));
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("no source file sizes")));
+    assert!(p.warnings.iter().any(|w| w.contains("no source file sizes")));
 }
 
 #[test]
@@ -167,28 +151,13 @@ fn verdicts() {
         },
     ];
     for c in &cases {
-        let f = Flags {
-            backend: c.backend.map(Into::into),
-            ..Flags::default()
-        };
-        let p = plan(&request(
-            c.devices.clone(),
-            c.ram_mib.map(|r| r * MIB),
-            files(c.file_mib),
-            f,
-        ))
-        .unwrap();
+        let f = Flags { backend: c.backend.map(Into::into), ..Flags::default() };
+        let p = plan(&request(c.devices.clone(), c.ram_mib.map(|r| r * MIB), files(c.file_mib), f)).unwrap();
         let mc = &p.memory_check;
         assert_eq!(mc.verdict, c.verdict, "[{}] {}", c.rule, mc.message);
         assert_eq!(mc.device.as_deref(), Some(c.device), "[{}]", c.rule);
         let warned = p.warnings.iter().any(|w| w.starts_with("memory check:"));
-        assert_eq!(
-            warned,
-            matches!(c.verdict, Verdict::Warn | Verdict::Refuse),
-            "[{}] {:?}",
-            c.rule,
-            p.warnings
-        );
+        assert_eq!(warned, matches!(c.verdict, Verdict::Warn | Verdict::Refuse), "[{}] {:?}", c.rule, p.warnings);
         if c.verdict == Verdict::Warn {
             // "with both numbers and the device"
             assert!(
@@ -197,19 +166,10 @@ fn verdicts() {
                 c.rule,
                 mc.message
             );
-            assert!(
-                mc.message.contains("system memory") && mc.message.contains("slower"),
-                "[{}]",
-                c.rule
-            );
+            assert!(mc.message.contains("system memory") && mc.message.contains("slower"), "[{}]", c.rule);
         }
         // A refusal makes the plan not fit, and only a refusal stops a load.
-        assert_eq!(
-            p.ensure_loadable().is_err(),
-            c.verdict == Verdict::Refuse,
-            "[{}]",
-            c.rule
-        );
+        assert_eq!(p.ensure_loadable().is_err(), c.verdict == Verdict::Refuse, "[{}]", c.rule);
         if c.verdict == Verdict::Refuse {
             assert!(!p.fits, "[{}]", c.rule);
         }
@@ -220,22 +180,10 @@ fn verdicts() {
 fn refusal_error_names_estimate_figures_and_device() {
     // "A model that does not fit throws LlamaModelException naming the estimate and the figures"
     let devs = vec![Device::cpu(), gpu_mem("Vulkan0", Some(8192), Some(8192))];
-    let p = plan(&request(
-        devs,
-        Some(8 * GIB),
-        files(&[12800]),
-        Flags::default(),
-    ))
-    .unwrap();
+    let p = plan(&request(devs, Some(8 * GIB), files(&[12800]), Flags::default())).unwrap();
     let e = p.ensure_loadable().unwrap_err();
     let msg = e.to_string();
-    for part in [
-        "16.12 GiB",
-        "Vulkan0 8.00 GiB + RAM 8.00 GiB",
-        "16.00 GiB",
-        "on Vulkan0",
-        "--no-memory-check",
-    ] {
+    for part in ["16.12 GiB", "Vulkan0 8.00 GiB + RAM 8.00 GiB", "16.00 GiB", "on Vulkan0", "--no-memory-check"] {
         assert!(msg.contains(part), "{msg:?} lacks {part:?}");
     }
     assert!(
@@ -247,10 +195,7 @@ fn refusal_error_names_estimate_figures_and_device() {
 fn disabled_check() {
     // "Set ImageModelParams(checkMemory: false) to load anyway, without a check or a warning."
     let devs = vec![Device::cpu(), gpu_mem("Vulkan0", Some(8192), Some(8192))];
-    let f = Flags {
-        no_memory_check: true,
-        ..Flags::default()
-    };
+    let f = Flags { no_memory_check: true, ..Flags::default() };
     let p = plan(&request(devs, Some(8 * GIB), files(&[128_000]), f)).unwrap();
     assert_eq!(p.memory_check.verdict, Verdict::Skipped);
     assert!(p.memory_check.message.contains("--no-memory-check"));
@@ -261,9 +206,7 @@ fn disabled_check() {
 #[test]
 fn figure_rules() {
     // The GPU figure on its own (memory-check.md's three cases and "does not report").
-    let g = |f: Option<u64>, t: Option<u64>| {
-        gpu_figure(&Device::new("G", DeviceType::Gpu).with_memory(f, t))
-    };
+    let g = |f: Option<u64>, t: Option<u64>| gpu_figure(&Device::new("G", DeviceType::Gpu).with_memory(f, t));
     assert_eq!(g(Some(5), Some(10)), Some(5));
     assert_eq!(g(None, Some(10)), Some(10));
     assert_eq!(g(Some(0), Some(10)), Some(0));

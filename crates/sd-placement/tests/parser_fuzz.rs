@@ -22,21 +22,11 @@ fn model() -> ModelDescription {
         .map(|(k, m)| Component {
             module: m,
             tensors: (0..6u32)
-                .map(|i| Tensor {
-                    name: format!("{m}.{i}"),
-                    bytes: (k as u64 + 1) << 28,
-                    block: (i > 0).then_some(i),
-                })
+                .map(|i| Tensor { name: format!("{m}.{i}"), bytes: (k as u64 + 1) << 28, block: (i > 0).then_some(i) })
                 .collect(),
         })
         .collect();
-    ModelDescription {
-        components,
-        files: vec![SourceFile {
-            role: "<file>".into(),
-            bytes: 9 * GIB,
-        }],
-    }
+    ModelDescription { components, files: vec![SourceFile { role: "<file>".into(), bytes: 9 * GIB }] }
 }
 
 /// Strings made of the placement language's own characters and words, plus anything.
@@ -68,10 +58,7 @@ fn spec() -> impl Strategy<Value = String> {
         Just("é".to_string()),
         ".{0,6}",
     ];
-    prop_oneof![
-        prop::collection::vec(word, 0..12).prop_map(|w| w.concat()),
-        any::<String>()
-    ]
+    prop_oneof![prop::collection::vec(word, 0..12).prop_map(|w| w.concat()), any::<String>()]
 }
 
 proptest! {

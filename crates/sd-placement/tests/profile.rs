@@ -21,20 +21,10 @@ fn example_profile() {
     let p = DeviceProfile::from_toml_str(EXAMPLE).unwrap();
     assert_eq!(p.ram_available_bytes(), Some(32 * GIB));
     let d = p.devices();
-    assert_eq!(
-        d.len(),
-        3,
-        "a CPU device is added when the profile lists none"
-    );
-    assert_eq!(
-        d[0],
-        Device::gpu("CUDA0", 8 * GIB, 8 * GIB).with_row_split(true)
-    );
+    assert_eq!(d.len(), 3, "a CPU device is added when the profile lists none");
+    assert_eq!(d[0], Device::gpu("CUDA0", 8 * GIB, 8 * GIB).with_row_split(true));
     assert_eq!(d[0].registry_name(), "CUDA");
-    assert_eq!(
-        (d[1].kind, d[1].free_bytes, d[1].row_split),
-        (DeviceType::Igpu, None, false)
-    );
+    assert_eq!((d[1].kind, d[1].free_bytes, d[1].row_split), (DeviceType::Igpu, None, false));
     assert_eq!((d[2].name.as_str(), d[2].kind), ("CPU", DeviceType::Cpu));
     // A profile plans like real devices.
     let req = PlanRequest {
@@ -42,10 +32,7 @@ fn example_profile() {
         devices: d,
         ram_available_bytes: p.ram_available_bytes(),
         model: ModelDescription {
-            components: vec![Component {
-                module: Module::Vae,
-                tensors: vec![Tensor::new("v", MIB)],
-            }],
+            components: vec![Component { module: Module::Vae, tensors: vec![Tensor::new("v", MIB)] }],
             files: vec![],
         },
     };
@@ -67,42 +54,18 @@ fn explicit_cpu_and_registry() {
 #[test]
 fn invalid_profiles_are_errors() {
     let table: &[(&str, &str, &[&str])] = &[
-        (
-            "unknown device type",
-            "[[device]]\nname = \"X\"\ntype = \"tpu\"\n",
-            &["device profile", "tpu"],
-        ),
-        (
-            "unknown key",
-            "[[device]]\nname = \"X\"\ntype = \"gpu\"\nvram = 3\n",
-            &["device profile", "vram"],
-        ),
-        (
-            "negative MiB",
-            "ram_available_mib = -5\n",
-            &["device profile"],
-        ),
-        (
-            "missing type",
-            "[[device]]\nname = \"X\"\n",
-            &["device profile", "type"],
-        ),
+        ("unknown device type", "[[device]]\nname = \"X\"\ntype = \"tpu\"\n", &["device profile", "tpu"]),
+        ("unknown key", "[[device]]\nname = \"X\"\ntype = \"gpu\"\nvram = 3\n", &["device profile", "vram"]),
+        ("negative MiB", "ram_available_mib = -5\n", &["device profile"]),
+        ("missing type", "[[device]]\nname = \"X\"\n", &["device profile", "type"]),
         ("not TOML", "[[device]\n", &["device profile"]),
         (
             "duplicate names",
             "[[device]]\nname = \"A\"\ntype = \"gpu\"\n[[device]]\nname = \"a\"\ntype = \"gpu\"\n",
             &["'a' is listed twice"],
         ),
-        (
-            "empty name",
-            "[[device]]\nname = \"  \"\ntype = \"gpu\"\n",
-            &["empty name"],
-        ),
-        (
-            "reserved characters",
-            "[[device]]\nname = \"a&b\"\ntype = \"gpu\"\n",
-            &["'a&b'", "reserves"],
-        ),
+        ("empty name", "[[device]]\nname = \"  \"\ntype = \"gpu\"\n", &["empty name"]),
+        ("reserved characters", "[[device]]\nname = \"a&b\"\ntype = \"gpu\"\n", &["'a&b'", "reserves"]),
     ];
     for (why, text, parts) in table {
         let e = DeviceProfile::from_toml_str(text).unwrap_err().to_string();

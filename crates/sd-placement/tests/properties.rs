@@ -8,19 +8,14 @@ use proptest::prelude::*;
 use sd_placement::*;
 
 fn arb_gpu(i: usize) -> impl Strategy<Value = Device> {
-    (0u64..=48 * 1024, 0u64..=8192, 0u8..10, any::<bool>()).prop_map(
-        move |(free, extra, unknown, row)| {
-            let (f, t) = match unknown {
-                0 => (None, None),
-                1 => (None, Some((free + extra) * MIB)),
-                _ => (Some(free * MIB), Some((free + extra) * MIB)),
-            };
-            Device::new(format!("CUDA{i}"), DeviceType::Gpu)
-                .with_memory(f, t)
-                .with_row_split(row)
-                .with_registry("CUDA")
-        },
-    )
+    (0u64..=48 * 1024, 0u64..=8192, 0u8..10, any::<bool>()).prop_map(move |(free, extra, unknown, row)| {
+        let (f, t) = match unknown {
+            0 => (None, None),
+            1 => (None, Some((free + extra) * MIB)),
+            _ => (Some(free * MIB), Some((free + extra) * MIB)),
+        };
+        Device::new(format!("CUDA{i}"), DeviceType::Gpu).with_memory(f, t).with_row_split(row).with_registry("CUDA")
+    })
 }
 
 fn arb_devices() -> impl Strategy<Value = Vec<Device>> {
@@ -29,10 +24,7 @@ fn arb_devices() -> impl Strategy<Value = Vec<Device>> {
         gpus.prop_map(move |g| {
             let mut d = vec![Device::cpu()];
             if igpu {
-                d.push(
-                    Device::new("Intel0", DeviceType::Igpu)
-                        .with_memory(Some(igpu_mem * MIB), Some(igpu_mem * MIB)),
-                );
+                d.push(Device::new("Intel0", DeviceType::Igpu).with_memory(Some(igpu_mem * MIB), Some(igpu_mem * MIB)));
             }
             d.extend(g);
             d
@@ -50,11 +42,7 @@ fn arb_component(module: Module) -> impl Strategy<Value = Component> {
             .map(|(i, s)| Tensor {
                 name: format!("{}.{i}", module.name()),
                 bytes: s * MIB,
-                block: if nb > 0 && i > 0 {
-                    Some((i as u32) % nb)
-                } else {
-                    None
-                },
+                block: if nb > 0 && i > 0 { Some((i as u32) % nb) } else { None },
             })
             .collect(),
     })
@@ -65,21 +53,14 @@ fn arb_model() -> impl Strategy<Value = ModelDescription> {
         .iter()
         .map(|m| {
             prop::option::weighted(
-                if matches!(m, Module::Diffusion | Module::Te | Module::Vae) {
-                    0.9
-                } else {
-                    0.15
-                },
+                if matches!(m, Module::Diffusion | Module::Te | Module::Vae) { 0.9 } else { 0.15 },
                 arb_component(*m),
             )
         })
         .collect();
     (each, 0u64..=64 * 1024).prop_map(|(cs, file_mib)| ModelDescription {
         components: cs.into_iter().flatten().collect(),
-        files: vec![SourceFile {
-            role: "<file>".into(),
-            bytes: file_mib * MIB,
-        }],
+        files: vec![SourceFile { role: "<file>".into(), bytes: file_mib * MIB }],
     })
 }
 
@@ -92,28 +73,20 @@ fn arb_max_vram() -> impl Strategy<Value = Option<String>> {
 }
 
 fn arb_request() -> impl Strategy<Value = PlanRequest> {
-    (
-        arb_devices(),
-        prop::option::weighted(0.9, 0u64..=128 * 1024),
-        arb_model(),
-        arb_max_vram(),
-    )
-        .prop_map(|(devices, ram, model, max_vram)| {
+    (arb_devices(), prop::option::weighted(0.9, 0u64..=128 * 1024), arb_model(), arb_max_vram()).prop_map(
+        |(devices, ram, model, max_vram)| {
             let n_gpus = devices.iter().filter(|d| d.kind == DeviceType::Gpu).count();
             // a --max-vram key must name an existing device
-            let max_vram = max_vram.filter(|s| {
-                !s.starts_with("cuda") || s[4..5].parse::<usize>().unwrap_or(9) < n_gpus
-            });
+            let max_vram =
+                max_vram.filter(|s| !s.starts_with("cuda") || s[4..5].parse::<usize>().unwrap_or(9) < n_gpus);
             PlanRequest {
-                flags: Flags {
-                    max_vram,
-                    ..Flags::default()
-                },
+                flags: Flags { max_vram, ..Flags::default() },
                 devices,
                 ram_available_bytes: ram.map(|r| r * MIB),
                 model,
             }
-        })
+        },
+    )
 }
 
 fn module_of(p: &Plan, m: Module) -> Option<&ModulePlan> {

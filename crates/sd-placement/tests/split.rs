@@ -9,10 +9,7 @@ use sd_placement::*;
 /// A diffusion model of `nb` blocks of 100 MiB (4 tensors of 25 MiB each) plus 50 MiB of
 /// non-block tensors (largest 30 MiB), and a small te and vae.
 fn blocky(nb: u32) -> ModelDescription {
-    let mut d = vec![
-        Tensor::new("img_in.weight", 30 * MIB),
-        Tensor::new("final.weight", 20 * MIB),
-    ];
+    let mut d = vec![Tensor::new("img_in.weight", 30 * MIB), Tensor::new("final.weight", 20 * MIB)];
     for b in 0..nb {
         for i in 0..4 {
             d.push(Tensor::in_block(format!("blocks.{b}.w{i}"), 25 * MIB, b));
@@ -20,10 +17,7 @@ fn blocky(nb: u32) -> ModelDescription {
     }
     ModelDescription {
         components: vec![
-            Component {
-                module: Module::Diffusion,
-                tensors: d,
-            },
+            Component { module: Module::Diffusion, tensors: d },
             comp(Module::Te, 200 * MIB, 20 * MIB, Some(4)),
             comp(Module::Vae, 100 * MIB, 10 * MIB, None),
         ],
@@ -56,11 +50,7 @@ fn run(
 }
 
 fn ranges(p: &Plan, m: Module) -> Vec<(String, u32, u32)> {
-    module(p, m)
-        .split
-        .iter()
-        .map(|r| (r.device.clone(), r.first_block, r.last_block))
-        .collect()
+    module(p, m).split.iter().map(|r| (r.device.clone(), r.first_block, r.last_block)).collect()
 }
 
 fn r(d: &str, a: u32, b: u32) -> (String, u32, u32) {
@@ -122,11 +112,7 @@ fn layer_split_ranges() {
         let nblocks = (first.last_block - first.first_block + 1) as u64;
         assert_eq!(first.param_bytes, nblocks * 100 * MIB + 50 * MIB, "{why}");
         for s in &m.split[1..] {
-            assert_eq!(
-                s.param_bytes,
-                (s.last_block - s.first_block + 1) as u64 * 100 * MIB,
-                "{why}"
-            );
+            assert_eq!(s.param_bytes, (s.last_block - s.first_block + 1) as u64 * 100 * MIB, "{why}");
         }
         assert_eq!(m.runtime[0], want[0].0, "{why}: main device first");
     }
@@ -137,14 +123,7 @@ fn layer_split_params() {
     let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
     // "If the module has no explicit params assignment, each block range's parameters are loaded
     // directly to ... its own device"
-    let p = run(
-        devs(),
-        blocky(32),
-        "diffusion=cuda0&cuda1,te=cpu,vae=cpu",
-        None,
-        None,
-        None,
-    );
+    let p = run(devs(), blocky(32), "diffusion=cuda0&cuda1,te=cpu,vae=cpu", None, None, None);
     assert_eq!(module(&p, Module::Diffusion).params, "CUDA0&CUDA1");
     assert_eq!(device(&p, "CUDA0").param_bytes, 16 * 100 * MIB + 50 * MIB);
     assert_eq!(device(&p, "CUDA1").param_bytes, 16 * 100 * MIB);
@@ -152,45 +131,17 @@ fn layer_split_params() {
     assert_eq!(device(&p, "CUDA1").compute_bytes, 2 * GIB);
     // "an explicit assignment such as te=cpu keeps the parameters on that backend and stages
     // each range to its device on demand"
-    let p = run(
-        devs(),
-        blocky(32),
-        "diffusion=cuda0&cuda1,te=cpu,vae=cpu",
-        Some("diffusion=cpu"),
-        None,
-        None,
-    );
+    let p = run(devs(), blocky(32), "diffusion=cuda0&cuda1,te=cpu,vae=cpu", Some("diffusion=cpu"), None, None);
     let m = module(&p, Module::Diffusion);
-    assert_eq!(
-        (m.params.as_str(), m.runtime.join("&").as_str()),
-        ("CPU", "CUDA0&CUDA1")
-    );
+    assert_eq!((m.params.as_str(), m.runtime.join("&").as_str()), ("CPU", "CUDA0&CUDA1"));
     assert_eq!(device(&p, "CPU").param_bytes, (3200 + 50 + 200 + 100) * MIB);
     assert_eq!(device(&p, "CUDA0").param_bytes, 0);
-    assert_eq!(
-        device(&p, "CUDA1").staging_bytes,
-        25 * MIB,
-        "staging for the range's largest tensor"
-    );
-    assert_eq!(
-        device(&p, "CUDA0").staging_bytes,
-        30 * MIB,
-        "main range includes the non-block tensors"
-    );
+    assert_eq!(device(&p, "CUDA1").staging_bytes, 25 * MIB, "staging for the range's largest tensor");
+    assert_eq!(device(&p, "CUDA0").staging_bytes, 30 * MIB, "main range includes the non-block tensors");
     // "with --params-backend diffusion=disk, released directly from its own device"
-    let p = run(
-        devs(),
-        blocky(32),
-        "diffusion=cuda0&cuda1",
-        Some("diffusion=disk"),
-        None,
-        None,
-    );
+    let p = run(devs(), blocky(32), "diffusion=cuda0&cuda1", Some("diffusion=disk"), None, None);
     assert_eq!(module(&p, Module::Diffusion).params, "disk");
-    assert_eq!(
-        ranges(&p, Module::Diffusion),
-        vec![r("CUDA0", 0, 15), r("CUDA1", 16, 31)]
-    );
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 15), r("CUDA1", 16, 31)]);
     assert_eq!(device(&p, "CUDA1").param_bytes, 0);
 }
 
@@ -199,23 +150,10 @@ fn layer_split_fallbacks() {
     let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
     // "If the module has no recognizable transformer blocks, the assignment falls back to the
     // first listed device."
-    let p = run(
-        devs(),
-        sd15_f16(),
-        "diffusion=cuda1&cuda0",
-        None,
-        None,
-        None,
-    );
+    let p = run(devs(), sd15_f16(), "diffusion=cuda1&cuda0", None, None, None);
     let m = module(&p, Module::Diffusion);
-    assert_eq!(
-        (m.runtime.clone(), m.split_mode),
-        (vec!["CUDA1".to_string()], SplitKind::None)
-    );
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("no recognizable transformer blocks") && w.contains("CUDA1")));
+    assert_eq!((m.runtime.clone(), m.split_mode), (vec!["CUDA1".to_string()], SplitKind::None));
+    assert!(p.warnings.iter().any(|w| w.contains("no recognizable transformer blocks") && w.contains("CUDA1")));
     // "For te it applies to the dominant text encoder (t5xxl or the LLM)": only T5 tensors carry
     // blocks; CLIP-L and the shared embedding are non-block tensors on the main device.
     let p = run(
@@ -227,21 +165,12 @@ fn layer_split_fallbacks() {
         None,
     );
     let te = module(&p, Module::Te);
-    assert_eq!(
-        ranges(&p, Module::Te),
-        vec![r("CUDA0", 0, 11), r("CUDA1", 12, 23)]
-    );
-    assert_eq!(
-        te.split[0].param_bytes,
-        12 * 385_875_968 + 246_144_000 + 263_192_576
-    );
+    assert_eq!(ranges(&p, Module::Te), vec![r("CUDA0", 0, 11), r("CUDA1", 12, 23)]);
+    assert_eq!(te.split[0].param_bytes, 12 * 385_875_968 + 246_144_000 + 263_192_576);
     // A CPU device in the list: not supported by the reference scheduler; first device instead.
     let p = run(devs(), blocky(8), "diffusion=cuda0&cpu", None, None, None);
     assert_eq!(module(&p, Module::Diffusion).runtime, ["CUDA0"]);
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("split across the CPU")));
+    assert!(p.warnings.iter().any(|w| w.contains("split across the CPU")));
     // A device too small for any block is left out of the split, with a warning.
     let p = run(
         vec![Device::cpu(), gpu("CUDA0", 80.0), gpu("CUDA1", 0.5)],
@@ -252,56 +181,27 @@ fn layer_split_fallbacks() {
         None,
     );
     assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 3)]);
-    assert!(p
-        .warnings
-        .iter()
-        .any(|w| w.contains("CUDA1 receives no block")));
+    assert!(p.warnings.iter().any(|w| w.contains("CUDA1 receives no block")));
 }
 
 #[test]
 fn row_split() {
-    let cuda = || {
-        vec![
-            Device::cpu(),
-            gpu("CUDA0", 24.0).with_row_split(true),
-            gpu("CUDA1", 24.0).with_row_split(true),
-        ]
-    };
+    let cuda = || vec![Device::cpu(), gpu("CUDA0", 24.0).with_row_split(true), gpu("CUDA1", 24.0).with_row_split(true)];
     // "In row mode the module keeps executing on its main (first listed) device, but its
     // transformer-block matmul weights are allocated in the backend's row-split buffer type";
     // "Embeddings, normalization weights, biases and other non-block tensors stay in regular
     // buffers on the main device."; "the managed budget currently counts a split buffer's full
     // size on each participating device".
-    let p = run(
-        cuda(),
-        blocky(32),
-        "diffusion=cuda0&cuda1",
-        None,
-        Some("row"),
-        None,
-    );
+    let p = run(cuda(), blocky(32), "diffusion=cuda0&cuda1", None, Some("row"), None);
     let m = module(&p, Module::Diffusion);
     assert_eq!(m.split_mode, SplitKind::Row);
     assert_eq!(m.runtime, ["CUDA0", "CUDA1"]);
-    assert_eq!(
-        ranges(&p, Module::Diffusion),
-        vec![r("CUDA0", 0, 31), r("CUDA1", 0, 31)]
-    );
-    assert_eq!(
-        device(&p, "CUDA0").param_bytes,
-        3200 * MIB + 50 * MIB + 200 * MIB + 100 * MIB
-    );
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 31), r("CUDA1", 0, 31)]);
+    assert_eq!(device(&p, "CUDA0").param_bytes, 3200 * MIB + 50 * MIB + 200 * MIB + 100 * MIB);
     assert_eq!(device(&p, "CUDA1").param_bytes, 3200 * MIB);
     assert_eq!(p.split_mode, "diffusion=row");
     // "--split-mode diffusion=row,te=layer"
-    let p = run(
-        cuda(),
-        blocky(32),
-        "diffusion=cuda0&cuda1,te=cuda0&cuda1",
-        None,
-        Some("diffusion=row,te=layer"),
-        None,
-    );
+    let p = run(cuda(), blocky(32), "diffusion=cuda0&cuda1,te=cuda0&cuda1", None, Some("diffusion=row,te=layer"), None);
     assert_eq!(module(&p, Module::Diffusion).split_mode, SplitKind::Row);
     assert_eq!(module(&p, Module::Te).split_mode, SplitKind::Layer);
     // "Row split requires a compatible split-buffer export from the linked GGML backend. If it is
@@ -310,42 +210,21 @@ fn row_split() {
     let table: Vec<(&str, Vec<Device>, &str)> = vec![
         (
             "a device without row split",
-            vec![
-                Device::cpu(),
-                gpu("CUDA0", 24.0).with_row_split(true),
-                gpu("CUDA1", 24.0),
-            ],
+            vec![Device::cpu(), gpu("CUDA0", 24.0).with_row_split(true), gpu("CUDA1", 24.0)],
             "CUDA1 cannot split rows",
         ),
         (
             "different registries",
-            vec![
-                Device::cpu(),
-                gpu("CUDA0", 24.0).with_row_split(true),
-                gpu("Vulkan0", 24.0).with_row_split(true),
-            ],
+            vec![Device::cpu(), gpu("CUDA0", 24.0).with_row_split(true), gpu("Vulkan0", 24.0).with_row_split(true)],
             "different backend registries",
         ),
     ];
     for (why, devs, msg) in table {
         let second = devs[2].name.clone();
-        let p = run(
-            devs,
-            blocky(32),
-            &format!("diffusion=cuda0&{second}"),
-            None,
-            Some("row"),
-            None,
-        );
-        assert_eq!(
-            module(&p, Module::Diffusion).split_mode,
-            SplitKind::Layer,
-            "{why}"
-        );
+        let p = run(devs, blocky(32), &format!("diffusion=cuda0&{second}"), None, Some("row"), None);
+        assert_eq!(module(&p, Module::Diffusion).split_mode, SplitKind::Layer, "{why}");
         assert!(
-            p.warnings
-                .iter()
-                .any(|w| w.contains("falling back to layer split") && w.contains(msg)),
+            p.warnings.iter().any(|w| w.contains("falling back to layer split") && w.contains(msg)),
             "{why}: {:?}",
             p.warnings
         );
@@ -357,43 +236,17 @@ fn row_split_conservative_bound() {
     // "This is a conservative bound and can reject otherwise feasible layouts.": 2 x 8 GiB GPUs,
     // 10 GiB of block weights: a layer split holds ~5 GiB per device and fits, a row split counts
     // 10 GiB on each and does not.
-    let devs = || {
-        vec![
-            Device::cpu(),
-            gpu("CUDA0", 8.5).with_row_split(true),
-            gpu("CUDA1", 8.5).with_row_split(true),
-        ]
-    };
+    let devs = || vec![Device::cpu(), gpu("CUDA0", 8.5).with_row_split(true), gpu("CUDA1", 8.5).with_row_split(true)];
     let model = || {
         let mut d = vec![Tensor::new("in.weight", 10 * MIB)];
         for b in 0..40 {
             d.push(Tensor::in_block(format!("blocks.{b}.w"), 256 * MIB, b));
         }
-        ModelDescription {
-            components: vec![Component {
-                module: Module::Diffusion,
-                tensors: d,
-            }],
-            files: vec![],
-        }
+        ModelDescription { components: vec![Component { module: Module::Diffusion, tensors: d }], files: vec![] }
     };
-    let layer = run(
-        devs(),
-        model(),
-        "diffusion=cuda0&cuda1",
-        None,
-        Some("layer"),
-        None,
-    );
+    let layer = run(devs(), model(), "diffusion=cuda0&cuda1", None, Some("layer"), None);
     assert!(layer.fits, "{}", layer.render());
-    let row = run(
-        devs(),
-        model(),
-        "diffusion=cuda0&cuda1",
-        None,
-        Some("row"),
-        None,
-    );
+    let row = run(devs(), model(), "diffusion=cuda0&cuda1", None, Some("row"), None);
     assert!(!row.fits, "{}", row.render());
     assert_eq!(device(&row, "CUDA1").param_bytes, 10 * GIB);
 }
@@ -407,9 +260,6 @@ fn partition_properties() {
     let parts = layer_partition(&blocks, &[1.0, 1.0, 1.0]);
     assert_eq!(parts, vec![(0, 19), (19, 38), (38, 57)]);
     // Uneven block sizes are sized by bytes, not by count: one heavy block of 900 vs 9 of 100.
-    let parts = layer_partition(
-        &[900, 100, 100, 100, 100, 100, 100, 100, 100, 100],
-        &[1.0, 1.0],
-    );
+    let parts = layer_partition(&[900, 100, 100, 100, 100, 100, 100, 100, 100, 100], &[1.0, 1.0]);
     assert_eq!(parts, vec![(0, 1), (1, 10)]);
 }

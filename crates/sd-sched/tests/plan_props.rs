@@ -12,8 +12,8 @@ use std::collections::HashSet;
 
 use proptest::prelude::*;
 use sd_sched::plan::{
-    plan, DeviceState, Estimate, MergedWorkspace, Mode, ModuleGraph, Options, ParamGroup,
-    PlanError, Reason, Replica, Segment, Simulator, MIB,
+    plan, DeviceState, Estimate, MergedWorkspace, Mode, ModuleGraph, Options, ParamGroup, PlanError, Reason, Replica,
+    Segment, Simulator, MIB,
 };
 
 const M: u64 = MIB;
@@ -43,18 +43,8 @@ struct Case {
 }
 
 fn seg_spec() -> impl Strategy<Value = SegSpec> {
-    (
-        prop::collection::vec(0..300 * M, 0..4),
-        any::<bool>(),
-        0..150 * M,
-        prop::option::of((0..40 * M, 1usize..4)),
-    )
-        .prop_map(|(groups, share_previous, workspace, cut)| SegSpec {
-            groups,
-            share_previous,
-            workspace,
-            cut,
-        })
+    (prop::collection::vec(0..300 * M, 0..4), any::<bool>(), 0..150 * M, prop::option::of((0..40 * M, 1usize..4)))
+        .prop_map(|(groups, share_previous, workspace, cut)| SegSpec { groups, share_previous, workspace, cut })
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -64,29 +54,21 @@ fn case() -> impl Strategy<Value = Case> {
         prop::option::weighted(0.6, 50u64..1500),
         0..300 * M,
         prop::collection::vec((0..200 * M, any::<bool>()), 0..3),
-        prop::collection::vec(
-            prop_oneof![6 => Just(0u8), 3 => Just(1u8), 1 => Just(2u8)],
-            40,
-        ),
+        prop::collection::vec(prop_oneof![6 => Just(0u8), 3 => Just(1u8), 1 => Just(2u8)], 40),
         prop_oneof![Just(0), 0..200 * M],
         (prop::bool::weighted(0.15), any::<bool>(), any::<bool>()),
     )
-        .prop_map(
-            |(segs, budget, free, fixed, foreign, own, workspace, (a, b, c))| Case {
-                segs,
-                budget,
-                free,
-                fixed,
-                foreign,
-                own,
-                workspace,
-                opts: Options {
-                    disable_segmented_compute: a,
-                    disable_prefetch: b,
-                },
-                async_transfer: c,
-            },
-        )
+        .prop_map(|(segs, budget, free, fixed, foreign, own, workspace, (a, b, c))| Case {
+            segs,
+            budget,
+            free,
+            fixed,
+            foreign,
+            own,
+            workspace,
+            opts: Options { disable_segmented_compute: a, disable_prefetch: b },
+            async_transfer: c,
+        })
 }
 
 fn build(c: &Case) -> (ModuleGraph, DeviceState) {
@@ -94,12 +76,8 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
     let mut segments: Vec<Segment> = Vec::new();
     let mut last_group: Option<ParamGroup> = None;
     for (i, s) in c.segs.iter().enumerate() {
-        let mut groups: Vec<ParamGroup> = s
-            .groups
-            .iter()
-            .enumerate()
-            .map(|(k, b)| ParamGroup::new(format!("m/s{i}.g{k}"), *b))
-            .collect();
+        let mut groups: Vec<ParamGroup> =
+            s.groups.iter().enumerate().map(|(k, b)| ParamGroup::new(format!("m/s{i}.g{k}"), *b)).collect();
         if s.share_previous {
             if let Some(g) = &last_group {
                 groups.push(g.clone());
@@ -116,23 +94,13 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
         }
         segments.push(seg);
     }
-    let module = ModuleGraph {
-        name: "m".into(),
-        segments,
-    };
+    let module = ModuleGraph { name: "m".into(), segments };
     let size: u64 = {
         let mut seen = HashSet::new();
         let s = &module.segments;
-        s.iter()
-            .flat_map(|s| &s.groups)
-            .filter(|g| seen.insert(g.name.clone()))
-            .map(|g| g.bytes)
-            .sum::<u64>()
+        s.iter().flat_map(|s| &s.groups).filter(|g| seen.insert(g.name.clone())).map(|g| g.bytes).sum::<u64>()
             + s.iter().map(|s| s.workspace).max().unwrap_or(0)
-            + s.iter()
-                .flat_map(|s| &s.cut_outputs)
-                .map(|c| c.bytes)
-                .sum::<u64>()
+            + s.iter().flat_map(|s| &s.cut_outputs).map(|c| c.bytes).sum::<u64>()
     };
     let others = c.fixed + c.foreign.iter().map(|(b, _)| b).sum::<u64>();
     let budget = c.budget.map(|pm| others + size / 1000 * pm);
@@ -142,11 +110,7 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
     d.workspace = c.workspace;
     d.async_transfer = c.async_transfer;
     for (k, (bytes, pinned)) in c.foreign.iter().enumerate() {
-        d.replicas.push(Replica {
-            group: format!("other/g{k}"),
-            bytes: *bytes,
-            pinned: *pinned,
-        });
+        d.replicas.push(Replica { group: format!("other/g{k}"), bytes: *bytes, pinned: *pinned });
     }
     let mut seen = HashSet::new();
     let mut k = 0;
@@ -154,16 +118,8 @@ fn build(c: &Case) -> (ModuleGraph, DeviceState) {
         for g in &s.groups {
             if seen.insert(g.name.clone()) {
                 match c.own[k % c.own.len()] {
-                    1 => d.replicas.push(Replica {
-                        group: g.name.clone(),
-                        bytes: g.bytes,
-                        pinned: false,
-                    }),
-                    2 => d.replicas.push(Replica {
-                        group: g.name.clone(),
-                        bytes: g.bytes,
-                        pinned: true,
-                    }),
+                    1 => d.replicas.push(Replica { group: g.name.clone(), bytes: g.bytes, pinned: false }),
+                    2 => d.replicas.push(Replica { group: g.name.clone(), bytes: g.bytes, pinned: true }),
                     _ => {}
                 }
                 k += 1;
@@ -189,26 +145,13 @@ fn must_fail(m: &ModuleGraph, d: &DeviceState, opts: &Options) -> bool {
     }
     let has = |name: &str| d.replicas.iter().find(|r| r.group == name);
     let managed: u64 = d.fixed + d.workspace + d.replicas.iter().map(|r| r.bytes).sum::<u64>();
-    let reclaimable: u64 = d
-        .replicas
-        .iter()
-        .filter(|r| !r.pinned && !groups.iter().any(|g| g.name == r.group))
-        .map(|r| r.bytes)
-        .sum();
-    let full_ws = if n == 1 {
-        m.segments[0].workspace
-    } else {
-        Estimate.merged(&m.segments, 0..n)
-    };
-    let need: u64 = groups
-        .iter()
-        .filter(|g| has(&g.name).is_none())
-        .map(|g| g.bytes)
-        .sum::<u64>()
+    let reclaimable: u64 =
+        d.replicas.iter().filter(|r| !r.pinned && !groups.iter().any(|g| g.name == r.group)).map(|r| r.bytes).sum();
+    let full_ws = if n == 1 { m.segments[0].workspace } else { Estimate.merged(&m.segments, 0..n) };
+    let need: u64 = groups.iter().filter(|g| has(&g.name).is_none()).map(|g| g.bytes).sum::<u64>()
         + full_ws.saturating_sub(d.workspace);
     let avail = [
-        d.free
-            .map(|f| (f + reclaimable).saturating_sub(d.scratch_reserve)),
+        d.free.map(|f| (f + reclaimable).saturating_sub(d.scratch_reserve)),
         d.budget.map(|b| (b + reclaimable).saturating_sub(managed)),
     ]
     .into_iter()
@@ -221,21 +164,10 @@ fn must_fail(m: &ModuleGraph, d: &DeviceState, opts: &Options) -> bool {
     if n == 1 || opts.disable_segmented_compute {
         return need > avail;
     }
-    let pinned: u64 = d
-        .replicas
-        .iter()
-        .filter(|r| r.pinned)
-        .map(|r| r.bytes)
-        .sum();
-    let unpinned: u64 = d
-        .replicas
-        .iter()
-        .filter(|r| !r.pinned)
-        .map(|r| r.bytes)
-        .sum();
+    let pinned: u64 = d.replicas.iter().filter(|r| r.pinned).map(|r| r.bytes).sum();
+    let unpinned: u64 = d.replicas.iter().filter(|r| !r.pinned).map(|r| r.bytes).sum();
     let cap = [
-        d.free
-            .map(|f| (f + d.workspace + unpinned).saturating_sub(d.scratch_reserve)),
+        d.free.map(|f| (f + d.workspace + unpinned).saturating_sub(d.scratch_reserve)),
         d.budget.map(|b| b.saturating_sub(d.fixed + pinned)),
     ]
     .into_iter()
@@ -251,12 +183,8 @@ fn must_fail(m: &ModuleGraph, d: &DeviceState, opts: &Options) -> bool {
             .filter(|g| seen.insert(g.name.clone()) && !has(&g.name).is_some_and(|r| r.pinned))
             .map(|g| g.bytes)
             .sum();
-        let live_in: u64 = m.segments[..i]
-            .iter()
-            .flat_map(|p| &p.cut_outputs)
-            .filter(|c| c.last_reader >= i)
-            .map(|c| c.bytes)
-            .sum();
+        let live_in: u64 =
+            m.segments[..i].iter().flat_map(|p| &p.cut_outputs).filter(|c| c.last_reader >= i).map(|c| c.bytes).sum();
         let out: u64 = s.cut_outputs.iter().map(|c| c.bytes).sum();
         weights + s.workspace + live_in + out > cap
     })

@@ -7,8 +7,8 @@
 //! out by hand in each case's comment from the rule it quotes.
 
 use sd_sched::plan::{
-    plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup, PlanError,
-    PlannedSegment, Reason, Replica, Schedule, Segment, Simulator, Transfer, Violation, MIB,
+    plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup, PlanError, PlannedSegment, Reason,
+    Replica, Schedule, Segment, Simulator, Transfer, Violation, MIB,
 };
 
 const M: u64 = MIB;
@@ -19,28 +19,13 @@ fn g(name: &str) -> String {
 
 /// head, `n` blocks, tail.
 fn stack(n: usize) -> ModuleGraph {
-    let mut segments = vec![Segment::new(
-        "head",
-        vec![ParamGroup::new(g("head"), 30 * M)],
-        40 * M,
-    )];
+    let mut segments = vec![Segment::new("head", vec![ParamGroup::new(g("head"), 30 * M)], 40 * M)];
     for i in 0..n {
         let name = format!("block.{i}");
-        segments.push(Segment::new(
-            name.clone(),
-            vec![ParamGroup::new(g(&name), 100 * M)],
-            50 * M,
-        ));
+        segments.push(Segment::new(name.clone(), vec![ParamGroup::new(g(&name), 100 * M)], 50 * M));
     }
-    segments.push(Segment::new(
-        "tail",
-        vec![ParamGroup::new(g("tail"), 20 * M)],
-        60 * M,
-    ));
-    ModuleGraph {
-        name: "unet".into(),
-        segments,
-    }
+    segments.push(Segment::new("tail", vec![ParamGroup::new(g("tail"), 20 * M)], 60 * M));
+    ModuleGraph { name: "unet".into(), segments }
 }
 
 fn budget(bytes: u64) -> DeviceState {
@@ -52,10 +37,7 @@ fn free(bytes: u64) -> DeviceState {
 }
 
 fn no_prefetch() -> Options {
-    Options {
-        disable_prefetch: true,
-        ..Options::default()
-    }
+    Options { disable_prefetch: true, ..Options::default() }
 }
 
 fn run(module: &ModuleGraph, device: &DeviceState, opts: Options) -> Schedule {
@@ -71,11 +53,7 @@ fn names<'a>(it: impl Iterator<Item = &'a str>) -> Vec<String> {
 }
 
 fn replica(group: &str, bytes: u64, pinned: bool) -> Replica {
-    Replica {
-        group: group.to_string(),
-        bytes,
-        pinned,
-    }
+    Replica { group: group.to_string(), bytes, pinned }
 }
 
 /// Weights 850 MiB + workspace 60 MiB for 8 blocks: the monolithic need on an empty device.
@@ -111,7 +89,8 @@ fn monolithic_or_segmented() {
             reason: Reason::Fits,
         },
         ModeCase {
-            rule: "\"When a graph has cut markers and its missing weights plus incremental compute workspace exceed \
+            rule:
+                "\"When a graph has cut markers and its missing weights plus incremental compute workspace exceed \
                    the available device headroom, it runs its fixed segment list in order\": one byte less is segmented",
             device: budget(NEED8 + H - 1),
             opts: Options::default(),
@@ -148,7 +127,8 @@ fn monolithic_or_segmented() {
             reason: Reason::ExceedsHeadroom,
         },
         ModeCase {
-            rule: "\"A reusable monolithic compute buffer is not counted as a new allocation\": with the 60 MiB buffer \
+            rule:
+                "\"A reusable monolithic compute buffer is not counted as a new allocation\": with the 60 MiB buffer \
                    already allocated (and counted in the budget), need = 850 MiB of weights fits 910 + 128 MiB \
                    exactly; counting the buffer again would need 60 MiB more",
             device: reusable,
@@ -192,12 +172,7 @@ fn monolithic_or_segmented() {
     ];
     for c in cases {
         let s = run(&stack(8), &c.device, c.opts);
-        assert_eq!(
-            (s.mode, s.decision.reason),
-            (c.want, c.reason),
-            "{}",
-            c.rule
-        );
+        assert_eq!((s.mode, s.decision.reason), (c.want, c.reason), "{}", c.rule);
         if c.want == Mode::Monolithic {
             assert_eq!(s.segments.len(), 1, "{}", c.rule);
             assert_eq!(s.segments[0].base, 0..10, "{}", c.rule);
@@ -214,10 +189,7 @@ fn reusable_buffer_is_not_reallocated() {
     let mut d = budget(60 * M + 850 * M + H);
     d.workspace = 60 * M;
     let s = run(&stack(8), &d, Options::default());
-    assert!(!s.segments[0]
-        .actions
-        .iter()
-        .any(|a| matches!(a, Action::Workspace { .. })));
+    assert!(!s.segments[0].actions.iter().any(|a| matches!(a, Action::Workspace { .. })));
     assert_eq!(s.transfer_bytes(), 850 * M);
     assert_eq!(s.decision.new_workspace, 0);
 }
@@ -261,21 +233,13 @@ fn prefetch_order() {
     // 60 MiB of workspace) fits next to the following one, so only the first loads
     // synchronously and every other segment's groups are prefetched by its predecessor.
     let s = run(&stack(8), &budget(600 * M), Options::default());
-    let want: [&[&str]; 5] = [
-        &["block.1", "block.2"],
-        &["block.3", "block.4"],
-        &["block.5", "block.6"],
-        &["block.7", "tail"],
-        &[],
-    ];
+    let want: [&[&str]; 5] =
+        [&["block.1", "block.2"], &["block.3", "block.4"], &["block.5", "block.6"], &["block.7", "tail"], &[]];
     for (i, (p, w)) in s.segments.iter().zip(want).enumerate() {
         let w: Vec<String> = w.iter().map(|n| g(n)).collect();
         assert_eq!(names(p.prefetches()), w, "{}", p.name);
         for a in &p.actions {
-            if let Action::Prefetch {
-                for_segment, via, ..
-            } = a
-            {
+            if let Action::Prefetch { for_segment, via, .. } = a {
                 assert_eq!((*for_segment, *via), (i + 1, Transfer::Async));
             }
         }
@@ -305,18 +269,9 @@ fn prefetch_skipped_when_it_does_not_fit() {
     // merges (650 > 472), and the next block's 300 MiB cannot sit next to the current one
     // (300 + 50 + 300 = 650 > 600): nothing is prefetched, each block loads its own weights.
     let segments = (0..4)
-        .map(|i| {
-            Segment::new(
-                format!("b{i}"),
-                vec![ParamGroup::new(format!("m/b{i}"), 300 * M)],
-                50 * M,
-            )
-        })
+        .map(|i| Segment::new(format!("b{i}"), vec![ParamGroup::new(format!("m/b{i}"), 300 * M)], 50 * M))
         .collect();
-    let m = ModuleGraph {
-        name: "m".into(),
-        segments,
-    };
+    let m = ModuleGraph { name: "m".into(), segments };
     let s = run(&m, &budget(600 * M), Options::default());
     assert_eq!(ranges(&s), [0..1, 1..2, 2..3, 3..4]);
     assert_eq!(s.prefetches().count(), 0);
@@ -350,24 +305,17 @@ fn prefetch_targets_the_next_parameter_bearing_segment() {
     assert_eq!(ranges(&s), [0..1, 1..2, 2..3]);
     assert_eq!(names(s.segments[0].prefetches()), ["m/b"]);
     assert!(matches!(
-        s.segments[0]
-            .actions
-            .iter()
-            .find(|a| matches!(a, Action::Prefetch { .. })),
+        s.segments[0].actions.iter().find(|a| matches!(a, Action::Prefetch { .. })),
         Some(Action::Prefetch { for_segment: 2, .. })
     ));
     assert_eq!(s.segments[2].loads().count(), 0);
-    Simulator::new(budget(420 * M))
-        .replay(&m, &s, &mut Estimate)
-        .unwrap();
+    Simulator::new(budget(420 * M)).replay(&m, &s, &mut Estimate).unwrap();
 
     let s = run(&m, &budget(350 * M), Options::default());
     assert_eq!(s.prefetches().count(), 0);
     assert!(s.segments[0].prefetch_skipped);
     assert_eq!(names(s.segments[2].loads()), ["m/b"]);
-    Simulator::new(budget(350 * M))
-        .replay(&m, &s, &mut Estimate)
-        .unwrap();
+    Simulator::new(budget(350 * M)).replay(&m, &s, &mut Estimate).unwrap();
 }
 
 #[test]
@@ -378,10 +326,7 @@ fn eviction_goes_from_the_last_segment_backward() {
     // replica of another module (te/x, 50 MiB, not used by this graph: reclaimed first) and a
     // pinned one (vae/y, never evicted). Budget 600 + 50 + 40 MiB.
     let mut d = budget(690 * M);
-    d.replicas = vec![
-        replica("te/x", 50 * M, false),
-        replica("vae/y", 40 * M, true),
-    ];
+    d.replicas = vec![replica("te/x", 50 * M, false), replica("vae/y", 40 * M, true)];
     for n in ["block.3", "block.4", "block.5", "block.6", "block.7"] {
         d.replicas.push(replica(&g(n), 100 * M, false));
     }
@@ -395,28 +340,15 @@ fn eviction_goes_from_the_last_segment_backward() {
     // block.7 (250), block.6 (350), block.5 (450 >= 380).
     assert_eq!(
         names(s.segments[0].evictions()),
-        [
-            "te/x".to_string(),
-            g("tail"),
-            g("block.7"),
-            g("block.6"),
-            g("block.5")
-        ]
+        ["te/x".to_string(), g("tail"), g("block.7"), g("block.6"), g("block.5")]
     );
     // Segment 1 needs block.5..7 and the tail back (320 MiB; block.4 is resident and pinned)
     // and 10 MiB more workspace. Free: 690 - (40 + 430 + 100 + 50) = 70. From the last segment
     // backward, skipping its own groups: block.3 (170), block.2 (270), block.1 (370 >= 330).
-    assert_eq!(
-        names(s.segments[1].evictions()),
-        [g("block.3"), g("block.2"), g("block.1")]
-    );
+    assert_eq!(names(s.segments[1].evictions()), [g("block.3"), g("block.2"), g("block.1")]);
     for p in &s.segments {
         for e in p.evictions() {
-            assert!(
-                !p.groups.iter().any(|x| x == e),
-                "{} evicts its own {e}",
-                p.name
-            );
+            assert!(!p.groups.iter().any(|x| x == e), "{} evicts its own {e}", p.name);
             assert_ne!(e, "vae/y");
         }
     }
@@ -436,16 +368,11 @@ fn leading_segments_stay_resident_across_steps() {
     let mut sim = Simulator::new(budget(600 * M));
     let mut transfers = Vec::new();
     for step in 0..4 {
-        let (s, r) = sim
-            .run(&m, &Options::default(), &mut Estimate)
-            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let (s, r) = sim.run(&m, &Options::default(), &mut Estimate).unwrap_or_else(|e| panic!("step {step}: {e}"));
         assert_eq!(s.mode, Mode::Segmented);
         if step > 0 {
             for moved in r.loaded.iter().chain(&r.prefetched) {
-                assert!(
-                    moved != &g("head") && moved != &g("block.0"),
-                    "step {step} reloads {moved}"
-                );
+                assert!(moved != &g("head") && moved != &g("block.0"), "step {step} reloads {moved}");
             }
         }
         assert!(s.segments[0].stays_resident, "step {step}");
@@ -473,19 +400,13 @@ fn everything_fits_after_the_first_step() {
     assert!(s.segments.iter().all(|p| p.stays_resident));
     for _ in 0..3 {
         let (s, r) = sim.run(&m, &Options::default(), &mut Estimate).unwrap();
-        assert_eq!(
-            (s.mode, r.transferred(), r.evicted_bytes),
-            (Mode::Segmented, 0, 0)
-        );
+        assert_eq!((s.mode, r.transferred(), r.evicted_bytes), (Mode::Segmented, 0, 0));
     }
     // A budget with the headroom to spare runs whole from the start and then reuses everything.
     let mut sim = Simulator::new(budget(NEED8 + H));
     for step in 0..3 {
         let (s, r) = sim.run(&m, &Options::default(), &mut Estimate).unwrap();
-        assert_eq!(
-            (s.mode, r.transferred()),
-            (Mode::Monolithic, if step == 0 { 850 * M } else { 0 })
-        );
+        assert_eq!((s.mode, r.transferred()), (Mode::Monolithic, if step == 0 { 850 * M } else { 0 }));
     }
 }
 
@@ -498,18 +419,12 @@ fn monolithic_reclaims_unpinned_replicas_first() {
     // available = 1238 - 400 + 400 = 1238 >= 910 + 128, so monolithic; free now 838 < 910, so
     // te/a is evicted (1038 >= 910) and te/b stays.
     let mut d = budget(1238 * M);
-    d.replicas = vec![
-        replica("te/a", 200 * M, false),
-        replica("te/b", 200 * M, false),
-    ];
+    d.replicas = vec![replica("te/a", 200 * M, false), replica("te/b", 200 * M, false)];
     let s = run(&stack(8), &d, Options::default());
     assert_eq!(s.mode, Mode::Monolithic);
     let p: &PlannedSegment = &s.segments[0];
     assert_eq!(names(p.evictions()), ["te/a"]);
-    assert!(
-        matches!(p.actions[0], Action::Evict { .. }),
-        "reclaims before it allocates"
-    );
+    assert!(matches!(p.actions[0], Action::Evict { .. }), "reclaims before it allocates");
     // With 1038 MiB both go.
     d.budget = Some(1038 * M);
     let s = run(&stack(8), &d, Options::default());
@@ -521,31 +436,16 @@ fn monolithic_reclaims_unpinned_replicas_first() {
     d.budget = Some(1000 * M);
     let one = ModuleGraph {
         name: "vae".into(),
-        segments: vec![Segment::new(
-            "decoder",
-            vec![ParamGroup::new("vae/decoder", 800 * M)],
-            110 * M,
-        )],
+        segments: vec![Segment::new("decoder", vec![ParamGroup::new("vae/decoder", 800 * M)], 110 * M)],
     };
     let s = run(&one, &d, Options::default());
-    assert_eq!(
-        (s.mode, s.decision.reason),
-        (Mode::Monolithic, Reason::NoCuts)
-    );
+    assert_eq!((s.mode, s.decision.reason), (Mode::Monolithic, Reason::NoCuts));
     assert_eq!(names(s.segments[0].evictions()), ["te/a", "te/b"]);
-    let forced = Options {
-        disable_segmented_compute: true,
-        ..Options::default()
-    };
+    let forced = Options { disable_segmented_compute: true, ..Options::default() };
     let s = run(&stack(8), &d, forced);
-    assert_eq!(
-        (s.mode, s.decision.reason),
-        (Mode::Monolithic, Reason::Disabled)
-    );
+    assert_eq!((s.mode, s.decision.reason), (Mode::Monolithic, Reason::Disabled));
     assert_eq!(names(s.segments[0].evictions()), ["te/a", "te/b"]);
-    let report = Simulator::new(d)
-        .replay(&stack(8), &s, &mut Estimate)
-        .unwrap();
+    let report = Simulator::new(d).replay(&stack(8), &s, &mut Estimate).unwrap();
     assert_eq!(report.high_water, NEED8);
 }
 
@@ -556,10 +456,7 @@ fn forced_monolithic_fails_cleanly() {
     let err = plan(
         &stack(8),
         &budget(600 * M),
-        &Options {
-            disable_segmented_compute: true,
-            ..Options::default()
-        },
+        &Options { disable_segmented_compute: true, ..Options::default() },
         &mut Estimate,
     )
     .unwrap_err();
@@ -567,38 +464,21 @@ fn forced_monolithic_fails_cleanly() {
         PlanError::DoesNotFit(f) => {
             let (what, needed, available, budget) = (&f.what, &f.needed, &f.available, &f.budget);
             assert_eq!(what, "the whole graph");
-            assert_eq!(
-                (*needed, *available, *budget),
-                (NEED8, 600 * M, Some(600 * M))
-            );
+            assert_eq!((*needed, *available, *budget), (NEED8, 600 * M, Some(600 * M)));
         }
         e => panic!("{e}"),
     }
     let msg = err.to_string();
-    for part in [
-        "CUDA0",
-        "954204160 bytes",
-        "600.0 MiB",
-        "--disable-segmented-compute",
-    ] {
+    for part in ["CUDA0", "954204160 bytes", "600.0 MiB", "--disable-segmented-compute"] {
         assert!(msg.contains(part), "{part} not in: {msg}");
     }
     // A graph without cuts cannot fall back to segments either.
     let one = ModuleGraph {
         name: "vae".into(),
-        segments: vec![Segment::new(
-            "decoder",
-            vec![ParamGroup::new("vae/decoder", 800 * M)],
-            110 * M,
-        )],
+        segments: vec![Segment::new("decoder", vec![ParamGroup::new("vae/decoder", 800 * M)], 110 * M)],
     };
-    let msg = plan(&one, &budget(900 * M), &Options::default(), &mut Estimate)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        msg.contains("no cut markers") && msg.contains("954204160"),
-        "{msg}"
-    );
+    let msg = plan(&one, &budget(900 * M), &Options::default(), &mut Estimate).unwrap_err().to_string();
+    assert!(msg.contains("no cut markers") && msg.contains("954204160"), "{msg}");
     // 910 MiB in 910 MiB: the planning headroom is consumed, it runs.
     let s = run(&one, &budget(910 * M), Options::default());
     assert_eq!(s.mode, Mode::Monolithic);
@@ -613,23 +493,12 @@ fn a_segment_that_cannot_fit_names_device_bytes_and_budget() {
     m.segments[4].groups[0].bytes = 700 * M;
     let err = plan(&m, &budget(600 * M), &Options::default(), &mut Estimate).unwrap_err();
     let msg = err.to_string();
-    for part in [
-        "CUDA0",
-        "segment `block.3`",
-        "786432000 bytes",
-        "managed budget 600.0 MiB",
-        "unet",
-    ] {
+    for part in ["CUDA0", "segment `block.3`", "786432000 bytes", "managed budget 600.0 MiB", "unet"] {
         assert!(msg.contains(part), "{part} not in: {msg}");
     }
     // Free memory: the reserve is named too.
-    let msg = plan(&m, &free(1000 * M), &Options::default(), &mut Estimate)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        msg.contains("512.0 MiB scratch reserve") && msg.contains("488.0 MiB"),
-        "{msg}"
-    );
+    let msg = plan(&m, &free(1000 * M), &Options::default(), &mut Estimate).unwrap_err().to_string();
+    assert!(msg.contains("512.0 MiB scratch reserve") && msg.contains("488.0 MiB"), "{msg}");
 }
 
 #[test]
@@ -637,18 +506,13 @@ fn cut_buffers_count_while_they_live() {
     // A UNet-like list: in0, in1, mid, out1, out0, where in_k's output is read last by out_k
     // (a skip connection, 10 MiB each) and each segment's output feeds the next (8 MiB).
     let names = ["in0", "in1", "mid", "out1", "out0"];
-    let mut segments: Vec<Segment> = names
-        .iter()
-        .map(|n| Segment::new(*n, vec![ParamGroup::new(format!("u/{n}"), 100 * M)], 20 * M))
-        .collect();
+    let mut segments: Vec<Segment> =
+        names.iter().map(|n| Segment::new(*n, vec![ParamGroup::new(format!("u/{n}"), 100 * M)], 20 * M)).collect();
     segments[0] = segments[0].clone().with_cut_output(10 * M, 4);
     segments[1] = segments[1].clone().with_cut_output(10 * M, 3);
     segments[2] = segments[2].clone().with_cut_output(8 * M, 3);
     segments[3] = segments[3].clone().with_cut_output(8 * M, 4);
-    let m = ModuleGraph {
-        name: "u".into(),
-        segments,
-    };
+    let m = ModuleGraph { name: "u".into(), segments };
     // out1 alone: 100 weights + 20 workspace + 28 of cut buffers live (in0's and in1's skips,
     // mid's output) + 8 it writes for out0 = 156 MiB, the largest. With 155 MiB it cannot
     // run, and the message counts the cut buffers.
@@ -688,88 +552,43 @@ fn the_simulator_catches_broken_schedules() {
 
     // Dropping the evictions of the second segment overflows the budget.
     let mut bad = s.clone();
-    bad.segments[1]
-        .actions
-        .retain(|a| !matches!(a, Action::Evict { .. }));
-    assert!(
-        matches!(replay(&bad), Err(Violation::OverBudget { .. })),
-        "{:?}",
-        replay(&bad)
-    );
+    bad.segments[1].actions.retain(|a| !matches!(a, Action::Evict { .. }));
+    assert!(matches!(replay(&bad), Err(Violation::OverBudget { .. })), "{:?}", replay(&bad));
     // Dropping a load leaves a segment without its weights.
     let mut bad = s.clone();
-    let pos = bad.segments[2]
-        .actions
-        .iter()
-        .position(|a| matches!(a, Action::Load { .. }))
-        .unwrap();
+    let pos = bad.segments[2].actions.iter().position(|a| matches!(a, Action::Load { .. })).unwrap();
     bad.segments[2].actions.remove(pos);
     assert!(matches!(replay(&bad), Err(Violation::NotResident { .. })));
     // Evicting the current segment's own weights.
     let mut bad = s.clone();
     let first = bad.segments[1].groups[0].clone();
     let at = bad.segments[1].actions.len() - 1;
-    bad.segments[1].actions.insert(
-        at,
-        Action::Evict {
-            group: first,
-            bytes: 100 * M,
-        },
-    );
-    assert!(
-        matches!(replay(&bad), Err(Violation::EvictPinned { .. })),
-        "{:?}",
-        replay(&bad)
-    );
+    bad.segments[1].actions.insert(at, Action::Evict { group: first, bytes: 100 * M });
+    assert!(matches!(replay(&bad), Err(Violation::EvictPinned { .. })), "{:?}", replay(&bad));
     // A too-small workspace.
     let mut bad = s.clone();
-    bad.segments[0]
-        .actions
-        .retain(|a| !matches!(a, Action::Workspace { .. }));
-    assert!(matches!(
-        replay(&bad),
-        Err(Violation::WorkspaceTooSmall { .. })
-    ));
+    bad.segments[0].actions.retain(|a| !matches!(a, Action::Workspace { .. }));
+    assert!(matches!(replay(&bad), Err(Violation::WorkspaceTooSmall { .. })));
     // Free memory dipping into the scratch reserve.
     let f = free(600 * M + RESERVE);
     let s = run(&m, &f, no_prefetch());
-    assert!(Simulator::new(f.clone())
-        .replay(&m, &s, &mut Estimate)
-        .is_ok());
+    assert!(Simulator::new(f.clone()).replay(&m, &s, &mut Estimate).is_ok());
     let mut tight = Simulator::new(f);
     tight.take_free(100 * M);
-    assert!(matches!(
-        tight.replay(&m, &s, &mut Estimate),
-        Err(Violation::IntoReserve { .. })
-    ));
+    assert!(matches!(tight.replay(&m, &s, &mut Estimate), Err(Violation::IntoReserve { .. })));
 }
 
 #[test]
 fn invalid_input_is_an_error() {
     let mut m = stack(2);
-    m.segments[2]
-        .groups
-        .push(ParamGroup::new(g("head"), 31 * M));
-    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        msg.contains("unet/head") && msg.contains("one size"),
-        "{msg}"
-    );
+    m.segments[2].groups.push(ParamGroup::new(g("head"), 31 * M));
+    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate).unwrap_err().to_string();
+    assert!(msg.contains("unet/head") && msg.contains("one size"), "{msg}");
     let mut m = stack(2);
     m.segments[1] = m.segments[1].clone().with_cut_output(M, 1);
-    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        msg.contains("block.0") && msg.contains("read last by segment 1"),
-        "{msg}"
-    );
-    let empty = ModuleGraph {
-        name: "x".into(),
-        segments: vec![],
-    };
+    let msg = plan(&m, &budget(GIB_10), &Options::default(), &mut Estimate).unwrap_err().to_string();
+    assert!(msg.contains("block.0") && msg.contains("read last by segment 1"), "{msg}");
+    let empty = ModuleGraph { name: "x".into(), segments: vec![] };
     assert!(plan(&empty, &budget(GIB_10), &Options::default(), &mut Estimate).is_err());
 }
 

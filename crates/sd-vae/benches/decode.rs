@@ -65,7 +65,9 @@ fn main() {
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
     // SD_VAE_PLUGIN_DIR: load the CPU plugin from another build of the same ggml
     // (to compare build options such as GGML_LLAMAFILE).
-    let dir = std::env::var_os("SD_VAE_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
+    let dir = std::env::var_os("SD_VAE_PLUGIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
     let reg = PluginRegistry::discover(&PluginSearch::only(vec![dir]));
     let dev = reg.device("cpu").expect("cpu device");
     println!("cpu plugin: {}", reg.plugin_of(&dev).map(|p| p.path.display().to_string()).unwrap_or_default());
@@ -79,8 +81,12 @@ fn main() {
     let (vae, t) = time(|| AutoencoderKl::load(VaeConfig::sd(), VaeParts::DecoderOnly, &Source, buft).expect("load"));
     println!("vae: {size}x{size}, {threads} threads, weights generated and loaded in {t:.1} s");
     let mut images = Vec::new();
-    for (label, opts) in [("im2col", GraphOptions::default()), ("direct", GraphOptions { conv_direct: true, flash_attn: false })] {
-        let vae = AutoencoderKl::from_weights(VaeConfig::sd(), clone_weights(&vae, buft)).expect("weights").with_options(opts);
+    for (label, opts) in
+        [("im2col", GraphOptions::default()), ("direct", GraphOptions { conv_direct: true, flash_attn: false })]
+    {
+        let vae = AutoencoderKl::from_weights(VaeConfig::sd(), clone_weights(&vae, buft))
+            .expect("weights")
+            .with_options(opts);
         let mut runner = Runner::new("vae", backend.clone());
         let need = match vae.decode_graph(&mut runner, &latent, [l, l], 4, Some(0)) {
             Err(sd_vae::VaeError::Alloc { bytes, .. }) => bytes,
@@ -96,7 +102,10 @@ fn main() {
             best_cpu = best_cpu.min(cpu_seconds() - c0);
             img = r;
         }
-        println!("vae decode [{label}]: {best:.2} s wall, {best_cpu:.2} s cpu (best of 2), compute buffer {:.1} MiB", need as f64 / 1048576.0);
+        println!(
+            "vae decode [{label}]: {best:.2} s wall, {best_cpu:.2} s cpu (best of 2), compute buffer {:.1} MiB",
+            need as f64 / 1048576.0
+        );
         images.push(img);
     }
     if let Some(path) = std::env::var_os("SD_VAE_BENCH_DUMP") {

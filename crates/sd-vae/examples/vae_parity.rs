@@ -51,7 +51,10 @@ impl TensorSource for File {
 fn write_raw(path: &Path, shape: &[usize], data: &[f32]) {
     std::fs::write(path, data.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).expect("write");
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let side = format!("{{\"format\": \"sdref-f32\", \"dtype\": \"f32\", \"byte_order\": \"little\", \"shape\": [{}]}}\n", dims.join(", "));
+    let side = format!(
+        "{{\"format\": \"sdref-f32\", \"dtype\": \"f32\", \"byte_order\": \"little\", \"shape\": [{}]}}\n",
+        dims.join(", ")
+    );
     let mut p = path.as_os_str().to_owned();
     p.push(".json");
     std::fs::write(PathBuf::from(p), side).expect("write sidecar");
@@ -69,7 +72,9 @@ fn main() {
     std::fs::create_dir_all(&out).expect("out dir");
 
     // SD_VAE_PLUGIN_DIR: take the CPU plugin from another build of the same ggml.
-    let dir = std::env::var_os("SD_VAE_PLUGIN_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
+    let dir = std::env::var_os("SD_VAE_PLUGIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR));
     let reg = PluginRegistry::discover(&PluginSearch::only(vec![dir]));
     let dev = reg.device("cpu").expect("cpu");
     eprintln!("cpu plugin: {}", reg.plugin_of(&dev).map(|p| p.path.display().to_string()).unwrap_or_default());
@@ -93,13 +98,13 @@ fn main() {
 
     let file = File { bytes: std::fs::read(&a[0]).expect("model"), prefix: "" };
     let cfg = VaeConfig::sd();
-    let vae = AutoencoderKl::load(cfg.clone(), VaeParts::DecoderOnly, &file, backend.device().buffer_type()).expect("load").with_options(
-        match std::env::var("SD_VAE_CONV").as_deref() {
+    let vae = AutoencoderKl::load(cfg.clone(), VaeParts::DecoderOnly, &file, backend.device().buffer_type())
+        .expect("load")
+        .with_options(match std::env::var("SD_VAE_CONV").as_deref() {
             Ok("im2col") => GraphOptions::default(),
             Ok("direct") => GraphOptions { conv_direct: true, flash_attn: false },
             _ => GraphOptions::recommended(dev),
-        },
-    );
+        });
     let mut runner = Runner::new("vae", backend.clone());
     let mut zv = z.clone();
     vae.diffusion_to_vae(&mut zv);
@@ -110,7 +115,8 @@ fn main() {
 
     if let Some(taesd) = a.get(4) {
         let file = File { bytes: std::fs::read(taesd).expect("taesd"), prefix: "tae." };
-        let tae = Taesd::load(TaesdConfig::sd(), TaesdParts::DecoderOnly, &file, backend.device().buffer_type()).expect("taesd");
+        let tae = Taesd::load(TaesdConfig::sd(), TaesdParts::DecoderOnly, &file, backend.device().buffer_type())
+            .expect("taesd");
         let img = tae.decode(&mut runner, &z, (side, side), 4).expect("taesd decode");
         write_raw(&out.join("taesd.ours.f32"), &[1, 3, side * 8, side * 8], &img);
     }

@@ -254,7 +254,12 @@ impl Encoder {
     }
 
     /// `x` is `[W, H, 3, N]`; returns `[W/8, H/8, 2z, N]`, recording block outputs in `cuts`.
-    pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+    pub fn forward<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        x: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
         let mut h = self.conv_in.forward(f, x)?;
         cuts.push(("vae.encoder.prelude".into(), h));
         for (i, level) in self.down.iter().enumerate() {
@@ -336,7 +341,12 @@ impl Decoder {
     }
 
     /// `z` is `[w, h, z, N]`; returns `[8w, 8h, 3, N]`, recording block outputs in `cuts`.
-    pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+    pub fn forward<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        z: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
         let mut h = self.conv_in.forward(f, z)?;
         cuts.push(("vae.decoder.prelude".into(), h));
         h = self.mid.forward(f, h)?;
@@ -378,7 +388,12 @@ impl LatentDistribution {
         if !channels2.is_multiple_of(2) || moments.len() != plane * channels2 {
             return Err(VaeError::input(
                 MODULE,
-                format!("moments have {} values, expected an even channel count times {}x{}", moments.len(), dims.1, dims.0),
+                format!(
+                    "moments have {} values, expected an even channel count times {}x{}",
+                    moments.len(),
+                    dims.1,
+                    dims.0
+                ),
             ));
         }
         let half = plane * channels2 / 2;
@@ -390,7 +405,10 @@ impl LatentDistribution {
     /// RNG as stable-diffusion.cpp draws it with `randn_like(mean)`).
     pub fn sample(&self, noise: &[f32]) -> Result<Vec<f32>> {
         if noise.len() != self.mean.len() {
-            return Err(VaeError::input(MODULE, format!("noise has {} values, the latent {}", noise.len(), self.mean.len())));
+            return Err(VaeError::input(
+                MODULE,
+                format!("noise has {} values, the latent {}", noise.len(), self.mean.len()),
+            ));
         }
         Ok(self
             .mean
@@ -422,7 +440,11 @@ pub struct AutoencoderKl {
 
 impl std::fmt::Debug for AutoencoderKl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AutoencoderKl").field("cfg", &self.cfg).field("encoder", &self.encoder.is_some()).field("opts", &self.opts).finish()
+        f.debug_struct("AutoencoderKl")
+            .field("cfg", &self.cfg)
+            .field("encoder", &self.encoder.is_some())
+            .field("opts", &self.opts)
+            .finish()
     }
 }
 
@@ -481,15 +503,28 @@ impl AutoencoderKl {
 
     /// Builds the decode graph on `z` (`[w, h, z, 1]`, VAE latents): `post_quant_conv`
     /// then the decoder. Returns `[8w, 8h, 3, 1]`.
-    pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+    pub fn build_decode<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        z: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
         let z = self.post_quant_conv.forward(f, z)?;
         self.decoder.forward(f, z, cuts)
     }
 
     /// Builds the encode graph on `x` (`[W, H, 3, 1]` in [-1, 1]): the encoder then
     /// `quant_conv`. Returns the moments `[W/8, H/8, 2z, 1]`.
-    pub fn build_encode<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
-        let (enc, quant) = self.encoder.as_ref().ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (VaeParts::DecoderOnly)"))?;
+    pub fn build_encode<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        x: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
+        let (enc, quant) = self
+            .encoder
+            .as_ref()
+            .ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (VaeParts::DecoderOnly)"))?;
         let h = enc.forward(f, x, cuts)?;
         quant.forward(f, h)
     }
@@ -497,7 +532,13 @@ impl AutoencoderKl {
     /// Decodes one VAE latent (planar `[channels, h, w]`, already divided by the scale
     /// factor) to an image, planar `[3, 8h, 8w]` in [-1, 1] before clamping. One graph,
     /// no tiling (see [`crate::decode_tiled`] for the main decode path).
-    pub fn decode(&self, runner: &mut Runner, latent: &[f32], dims: (usize, usize), channels: usize) -> Result<Vec<f32>> {
+    pub fn decode(
+        &self,
+        runner: &mut Runner,
+        latent: &[f32],
+        dims: (usize, usize),
+        channels: usize,
+    ) -> Result<Vec<f32>> {
         self.decode_graph(runner, latent, [dims.0, dims.1], channels, None).map(|(v, _)| v)
     }
 
@@ -514,9 +555,16 @@ impl AutoencoderKl {
     /// `decoder.norm_out`, `post_quant_conv`, ...; names without the
     /// `first_stage_model.` prefix) on a planar `[c, h, w]` input. Returns the output
     /// and its `[w, h, c]`. For comparisons against the reference, block by block.
-    pub fn run_block(&self, runner: &mut Runner, name: &str, input: &[f32], dims: [usize; 3]) -> Result<(Vec<f32>, [usize; 3])> {
+    pub fn run_block(
+        &self,
+        runner: &mut Runner,
+        name: &str,
+        input: &[f32],
+        dims: [usize; 3],
+    ) -> Result<(Vec<f32>, [usize; 3])> {
         let full = format!("{PREFIX}.{name}");
-        let block = self.find_block(&full).ok_or_else(|| VaeError::input(MODULE, format!("no block named `{name}`")))?;
+        let block =
+            self.find_block(&full).ok_or_else(|| VaeError::input(MODULE, format!("no block named `{name}`")))?;
         run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| match block {
             Block::Conv(c) => c.forward(f, x),
             Block::Norm(n) => n.forward(f, x),
@@ -603,12 +651,24 @@ impl FirstStage for AutoencoderKl {
         max_compute_bytes: Option<usize>,
     ) -> Result<(Vec<f32>, usize)> {
         if channels != self.cfg.z_channels {
-            return Err(VaeError::input(MODULE, format!("the latent has {channels} channels, this VAE takes {}", self.cfg.z_channels)));
+            return Err(VaeError::input(
+                MODULE,
+                format!("the latent has {channels} channels, this VAE takes {}", self.cfg.z_channels),
+            ));
         }
-        let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, latent, [dims[0], dims[1], channels], max_compute_bytes, |f, z| {
-            let mut cuts = Vec::new();
-            self.build_decode(f, z, &mut cuts)
-        })?;
+        let (out, ne) = run_graph(
+            runner,
+            MODULE,
+            &self.weights,
+            self.opts,
+            latent,
+            [dims[0], dims[1], channels],
+            max_compute_bytes,
+            |f, z| {
+                let mut cuts = Vec::new();
+                self.build_decode(f, z, &mut cuts)
+            },
+        )?;
         Ok((out, ne[2]))
     }
 
@@ -630,10 +690,19 @@ impl FirstStage for AutoencoderKl {
                 ),
             ));
         }
-        let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, image, [dims[0], dims[1], channels], max_compute_bytes, |f, x| {
-            let mut cuts = Vec::new();
-            self.build_encode(f, x, &mut cuts)
-        })?;
+        let (out, ne) = run_graph(
+            runner,
+            MODULE,
+            &self.weights,
+            self.opts,
+            image,
+            [dims[0], dims[1], channels],
+            max_compute_bytes,
+            |f, x| {
+                let mut cuts = Vec::new();
+                self.build_encode(f, x, &mut cuts)
+            },
+        )?;
         Ok((out, ne[2]))
     }
 }

@@ -98,7 +98,11 @@ impl Conv2d {
 
     /// Weight `[k, k, in, out]` in f16, bias `[out]` in f32.
     pub fn specs(&self, out: &mut Vec<TensorSpec>) {
-        out.push(spec(format!("{}.weight", self.name), GgmlType::GGML_TYPE_F16, &[self.kernel, self.kernel, self.in_ch, self.out_ch]));
+        out.push(spec(
+            format!("{}.weight", self.name),
+            GgmlType::GGML_TYPE_F16,
+            &[self.kernel, self.kernel, self.in_ch, self.out_ch],
+        ));
         if self.bias {
             out.push(spec(format!("{}.bias", self.name), GgmlType::GGML_TYPE_F32, &[self.out_ch]));
         }
@@ -108,7 +112,11 @@ impl Conv2d {
     pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'_>) -> Result<Tensor<'g>> {
         let w = f.get(&format!("{}.weight", self.name))?;
         let (s, p) = (self.stride as i32, self.pad as i32);
-        let mut y = if f.opts.conv_direct { f.ctx.conv_2d_direct(w, x, s, s, p, p, 1, 1) } else { f.ctx.conv_2d(w, x, s, s, p, p, 1, 1) };
+        let mut y = if f.opts.conv_direct {
+            f.ctx.conv_2d_direct(w, x, s, s, p, p, 1, 1)
+        } else {
+            f.ctx.conv_2d(w, x, s, s, p, p, 1, 1)
+        };
         if self.bias {
             let b = f.get(&format!("{}.bias", self.name))?;
             y = f.ctx.add(y, f.ctx.reshape(b, &[1, 1, self.out_ch as i64, 1]));
@@ -204,7 +212,8 @@ impl ResnetBlock {
             conv1: Conv2d::new(format!("{name}.conv1"), in_ch, out_ch, 3, 1, 1),
             norm2: gn("norm2", out_ch),
             conv2: Conv2d::new(format!("{name}.conv2"), out_ch, out_ch, 3, 1, 1),
-            nin_shortcut: (in_ch != out_ch).then(|| Conv2d::new(format!("{name}.nin_shortcut"), in_ch, out_ch, 1, 1, 0)),
+            nin_shortcut: (in_ch != out_ch)
+                .then(|| Conv2d::new(format!("{name}.nin_shortcut"), in_ch, out_ch, 1, 1, 0)),
         }
     }
 

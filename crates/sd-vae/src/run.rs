@@ -90,7 +90,10 @@ where
 {
     let [w, h, c] = dims;
     if w == 0 || h == 0 || c == 0 || input.len() != w * h * c {
-        return Err(VaeError::input(module, format!("input has {} values, expected {c}x{h}x{w} (non-empty)", input.len())));
+        return Err(VaeError::input(
+            module,
+            format!("input has {} values, expected {c}x{h}x{w} (non-empty)", input.len()),
+        ));
     }
     let backend_err = |e| VaeError::Backend { module, source: e };
     let ctx = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE).map_err(backend_err)?;
@@ -149,7 +152,12 @@ pub fn decode_tiled(
                 let effective = tile.map_or(small, |t| tile_grid(small, t, overlap).tile);
                 match retry_tile_size(effective, small, scale, first_retry) {
                     Some(next) => {
-                        tracing::warn!("{}: {e}; retrying the decode with {}x{} pixel tiles", model.module(), next[0] * scale, next[1] * scale);
+                        tracing::warn!(
+                            "{}: {e}; retrying the decode with {}x{} pixel tiles",
+                            model.module(),
+                            next[0] * scale,
+                            next[1] * scale
+                        );
                         tile = Some(next);
                         first_retry = false;
                     }
@@ -186,7 +194,9 @@ fn decode_grid(
         model.module()
     );
     let scale = model.scale_factor();
-    run_tiled(&grid, latent, channels, scale, Direction::Decode, |piece, d| model.decode_graph(runner, piece, d, channels, max_compute_bytes))
+    run_tiled(&grid, latent, channels, scale, Direction::Decode, |piece, d| {
+        model.decode_graph(runner, piece, d, channels, max_compute_bytes)
+    })
 }
 
 /// Encodes a planar `[channels, H, W]` image (in the model's [`ImageRange`]); tiles when
@@ -207,7 +217,10 @@ pub fn encode_tiled(
         return model.encode_graph(runner, image, [dims.0, dims.1], channels, max_compute_bytes);
     }
     if !dims.0.is_multiple_of(scale) || !dims.1.is_multiple_of(scale) {
-        return Err(VaeError::input(model.module(), format!("cannot tile-encode a {}x{} image: sides must be multiples of {scale}", dims.0, dims.1)));
+        return Err(VaeError::input(
+            model.module(),
+            format!("cannot tile-encode a {}x{} image: sides must be multiples of {scale}", dims.0, dims.1),
+        ));
     }
     let small = [dims.0 / scale, dims.1 / scale];
     let grid = tiling.grid(small, scale)?;

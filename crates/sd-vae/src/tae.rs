@@ -209,7 +209,13 @@ impl Taesd {
                 return Err(VaeError::Weights { module: MODULE, source: sd_sched::SchedError::MissingTensor(s.name) });
             }
         }
-        Ok(Self { decoder: decoder_layers(&cfg), encoder: has_encoder.then(|| encoder_layers(&cfg)), cfg, weights, opts: GraphOptions::default() })
+        Ok(Self {
+            decoder: decoder_layers(&cfg),
+            encoder: has_encoder.then(|| encoder_layers(&cfg)),
+            cfg,
+            weights,
+            opts: GraphOptions::default(),
+        })
     }
 
     /// Sets the graph switches.
@@ -224,7 +230,12 @@ impl Taesd {
     }
 
     /// Builds the decode graph on `z` (`[w, h, 4, 1]`). Returns `[8w, 8h, 3, 1]` in about `[0, 1]`.
-    pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
+    pub fn build_decode<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        z: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
         let ctx = f.ctx;
         let mut h = ctx.scale(ctx.tanh(ctx.scale(z, 1.0 / 3.0)), 3.0);
         for (i, l) in self.decoder.iter().enumerate() {
@@ -237,8 +248,16 @@ impl Taesd {
     }
 
     /// Builds the encode graph on `x` (`[W, H, 3, 1]` in `[0, 1]`). Returns `[W/8, H/8, 4, 1]`.
-    pub fn build_encode<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>) -> Result<Tensor<'g>> {
-        let layers = self.encoder.as_ref().ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (TaesdParts::DecoderOnly)"))?;
+    pub fn build_encode<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        x: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
+        let layers = self
+            .encoder
+            .as_ref()
+            .ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (TaesdParts::DecoderOnly)"))?;
         let mut h = x;
         for (i, l) in layers.iter().enumerate() {
             h = layer_forward(l, f, h)?;
@@ -249,7 +268,13 @@ impl Taesd {
 
     /// Decodes a diffusion-space latent (planar `[4, h, w]`) to a planar `[3, 8h, 8w]`
     /// image in about `[0, 1]` (not clamped). One graph, no tiling.
-    pub fn decode(&self, runner: &mut Runner, latent: &[f32], dims: (usize, usize), channels: usize) -> Result<Vec<f32>> {
+    pub fn decode(
+        &self,
+        runner: &mut Runner,
+        latent: &[f32],
+        dims: (usize, usize),
+        channels: usize,
+    ) -> Result<Vec<f32>> {
         self.decode_graph(runner, latent, [dims.0, dims.1], channels, None).map(|(v, _)| v)
     }
 
@@ -260,14 +285,23 @@ impl Taesd {
 
     /// Runs one layer (`decoder.layers.7`, `encoder.layers.2`; names without the `tae.`
     /// prefix) on a planar `[c, h, w]` input; returns the output and its `[w, h, c]`.
-    pub fn run_block(&self, runner: &mut Runner, name: &str, input: &[f32], dims: [usize; 3]) -> Result<(Vec<f32>, [usize; 3])> {
+    pub fn run_block(
+        &self,
+        runner: &mut Runner,
+        name: &str,
+        input: &[f32],
+        dims: [usize; 3],
+    ) -> Result<(Vec<f32>, [usize; 3])> {
         let (side, index) = name
             .strip_prefix("decoder.layers.")
             .map(|i| (&self.decoder, i))
             .or_else(|| name.strip_prefix("encoder.layers.").and_then(|i| self.encoder.as_ref().map(|e| (e, i))))
             .ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
-        let layer =
-            index.parse::<usize>().ok().and_then(|i| side.get(i)).ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
+        let layer = index
+            .parse::<usize>()
+            .ok()
+            .and_then(|i| side.get(i))
+            .ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
         run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| layer_forward(layer, f, x))
     }
 }
@@ -304,12 +338,24 @@ impl FirstStage for Taesd {
         max_compute_bytes: Option<usize>,
     ) -> Result<(Vec<f32>, usize)> {
         if channels != self.cfg.z_channels {
-            return Err(VaeError::input(MODULE, format!("the latent has {channels} channels, TAESD takes {}", self.cfg.z_channels)));
+            return Err(VaeError::input(
+                MODULE,
+                format!("the latent has {channels} channels, TAESD takes {}", self.cfg.z_channels),
+            ));
         }
-        let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, latent, [dims[0], dims[1], channels], max_compute_bytes, |f, z| {
-            let mut cuts = Vec::new();
-            self.build_decode(f, z, &mut cuts)
-        })?;
+        let (out, ne) = run_graph(
+            runner,
+            MODULE,
+            &self.weights,
+            self.opts,
+            latent,
+            [dims[0], dims[1], channels],
+            max_compute_bytes,
+            |f, z| {
+                let mut cuts = Vec::new();
+                self.build_decode(f, z, &mut cuts)
+            },
+        )?;
         Ok((out, ne[2]))
     }
 
@@ -330,10 +376,19 @@ impl FirstStage for Taesd {
                 ),
             ));
         }
-        let (out, ne) = run_graph(runner, MODULE, &self.weights, self.opts, image, [dims[0], dims[1], channels], max_compute_bytes, |f, x| {
-            let mut cuts = Vec::new();
-            self.build_encode(f, x, &mut cuts)
-        })?;
+        let (out, ne) = run_graph(
+            runner,
+            MODULE,
+            &self.weights,
+            self.opts,
+            image,
+            [dims[0], dims[1], channels],
+            max_compute_bytes,
+            |f, x| {
+                let mut cuts = Vec::new();
+                self.build_encode(f, x, &mut cuts)
+            },
+        )?;
         Ok((out, ne[2]))
     }
 }

@@ -56,7 +56,12 @@ impl TilingParams {
     /// raw strings of `--vae-tile-size`, `--vae-tile-overlap` and `--vae-relative-tile-size`
     /// when given. "Size and overlap options require `--vae-tiling`": giving one without it
     /// is an error naming the flag.
-    pub fn from_cli(enabled: bool, tile_size: Option<&str>, overlap: Option<&str>, relative: Option<&str>) -> Result<Self> {
+    pub fn from_cli(
+        enabled: bool,
+        tile_size: Option<&str>,
+        overlap: Option<&str>,
+        relative: Option<&str>,
+    ) -> Result<Self> {
         for (flag, value) in [(TILE_SIZE_FLAG, tile_size), (OVERLAP_FLAG, overlap), (RELATIVE_FLAG, relative)] {
             if value.is_some() && !enabled {
                 return Err(VaeError::flag(flag, "requires --vae-tiling"));
@@ -72,12 +77,12 @@ impl TilingParams {
             })?;
         }
         if let Some(s) = overlap {
-            p.target_overlap = s
-                .trim()
-                .parse::<f32>()
-                .ok()
-                .filter(|v| v.is_finite())
-                .ok_or_else(|| VaeError::flag(OVERLAP_FLAG, format!("expected a fraction of the tile size (clamped to 0..0.5), got `{s}`")))?;
+            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| {
+                VaeError::flag(
+                    OVERLAP_FLAG,
+                    format!("expected a fraction of the tile size (clamped to 0..0.5), got `{s}`"),
+                )
+            })?;
         }
         if let Some(s) = relative {
             p.rel_size = parse_pair(s, |v| v.parse::<f32>().ok().filter(|f| f.is_finite() && *f >= 0.0)).ok_or_else(|| {
@@ -285,7 +290,11 @@ pub fn smootherstep(x: f32) -> f32 {
 /// over `overlap` at an edge shared with a neighbour, 1 at the image border.
 pub fn edge_factor(i: usize, size: usize, origin: usize, full: usize, overlap: usize, skip: usize) -> f32 {
     let rising = if overlap > 0 && origin > 0 { (i as i64 - skip as i64) as f32 / overlap as f32 } else { 1.0 };
-    let falling = if overlap > 0 && (origin as i64) < full as i64 - size as i64 { (size as i64 - i as i64) as f32 / overlap as f32 } else { 1.0 };
+    let falling = if overlap > 0 && (origin as i64) < full as i64 - size as i64 {
+        (size as i64 - i as i64) as f32 / overlap as f32
+    } else {
+        1.0
+    };
     rising.min(falling).min(1.0)
 }
 
@@ -319,9 +328,11 @@ pub fn merge_tile(
     let [w, h] = tile_dims;
     let blend = overlap[0] > 0 || overlap[1] > 0;
     for iy in skip[1]..h {
-        let sy = if blend { smootherstep(edge_factor(iy, h, origin[1], out_dims[1], overlap[1], skip[1])) } else { 1.0 };
+        let sy =
+            if blend { smootherstep(edge_factor(iy, h, origin[1], out_dims[1], overlap[1], skip[1])) } else { 1.0 };
         for ix in skip[0]..w {
-            let sx = if blend { smootherstep(edge_factor(ix, w, origin[0], out_dims[0], overlap[0], skip[0])) } else { 1.0 };
+            let sx =
+                if blend { smootherstep(edge_factor(ix, w, origin[0], out_dims[0], overlap[0], skip[0])) } else { 1.0 };
             let src = iy * w + ix;
             let dst = (origin[1] + iy) * out_dims[0] + origin[0] + ix;
             for p in 0..planes {
@@ -346,7 +357,14 @@ pub enum Direction {
 /// `planes` planes; on the decode side it has the grid's size, on the encode side
 /// `scale` times that. `f` gets a tile and its `[w, h]` and returns the processed tile
 /// and its plane count.
-pub fn run_tiled<F>(grid: &TileGrid, input: &[f32], planes: usize, scale: usize, dir: Direction, mut f: F) -> Result<Vec<f32>>
+pub fn run_tiled<F>(
+    grid: &TileGrid,
+    input: &[f32],
+    planes: usize,
+    scale: usize,
+    dir: Direction,
+    mut f: F,
+) -> Result<Vec<f32>>
 where
     F: FnMut(&[f32], [usize; 2]) -> Result<(Vec<f32>, usize)>,
 {
@@ -360,7 +378,10 @@ where
     let out_tile = [grid.tile[0] * out_mul, grid.tile[1] * out_mul];
     let overlap = [grid.overlap[0] * out_mul, grid.overlap[1] * out_mul];
     if input.len() != in_dims[0] * in_dims[1] * planes {
-        return Err(VaeError::input("tiling", format!("input has {} values, expected {planes}x{}x{}", input.len(), in_dims[1], in_dims[0])));
+        return Err(VaeError::input(
+            "tiling",
+            format!("input has {} values, expected {planes}x{}x{}", input.len(), in_dims[1], in_dims[0]),
+        ));
     }
     let mut out: Vec<f32> = Vec::new();
     let mut out_planes = 0;
@@ -370,14 +391,28 @@ where
         if processed.len() != p * out_tile[0] * out_tile[1] || (i > 0 && p != out_planes) {
             return Err(VaeError::input(
                 "tiling",
-                format!("tile {i} came back with {} values, expected {p}x{}x{}", processed.len(), out_tile[1], out_tile[0]),
+                format!(
+                    "tile {i} came back with {} values, expected {p}x{}x{}",
+                    processed.len(),
+                    out_tile[1],
+                    out_tile[0]
+                ),
             ));
         }
         if i == 0 {
             out_planes = p;
             out = vec![0.0; p * out_dims[0] * out_dims[1]];
         }
-        merge_tile(&mut out, out_dims, &processed, out_tile, p, [t.x * out_mul, t.y * out_mul], overlap, [t.skip_x * out_mul, t.skip_y * out_mul]);
+        merge_tile(
+            &mut out,
+            out_dims,
+            &processed,
+            out_tile,
+            p,
+            [t.x * out_mul, t.y * out_mul],
+            overlap,
+            [t.skip_x * out_mul, t.skip_y * out_mul],
+        );
         tracing::debug!(tile = i + 1, of = grid.tiles.len(), "vae tile done");
     }
     Ok(out)

@@ -17,8 +17,8 @@ use common::{cpu_runner, max_diff, uniform, RandomSource};
 use sd_backends::GgmlType;
 use sd_sched::Runner;
 use sd_vae::{
-    decode_tiled, encode_tiled, AutoencoderKl, FirstStage, GraphOptions, LatentDistribution, Taesd, TaesdConfig, TaesdParts, TilingParams, VaeConfig,
-    VaeParts,
+    decode_tiled, encode_tiled, AutoencoderKl, FirstStage, GraphOptions, LatentDistribution, Taesd, TaesdConfig,
+    TaesdParts, TilingParams, VaeConfig, VaeParts,
 };
 
 const SRC: RandomSource = RandomSource { seed: 42 };
@@ -129,7 +129,8 @@ fn tiny_decoder_matches_the_composed_reference() {
     let h = p.upsample(&format!("{d}.up.1.upsample"), &h);
     let h = p.resnet(&format!("{d}.up.0.block.0"), &h, 32);
     let h = p.resnet(&format!("{d}.up.0.block.1"), &h, 32);
-    let h = Act { data: p.group_norm(&format!("{d}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
+    let h =
+        Act { data: p.group_norm(&format!("{d}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
     let want = p.conv(&format!("{d}.conv_out"), &h, 3, 3, 1, 1, true);
     assert_eq!((want.w, want.h, want.c), (6, 4, 3));
     check("tiny decoder", &got, &want);
@@ -152,7 +153,8 @@ fn tiny_encoder_matches_the_composed_reference() {
     let h = p.resnet(&format!("{e}.mid.block_1"), &h, 64);
     let h = p.attn(&format!("{e}.mid.attn_1"), &h);
     let h = p.resnet(&format!("{e}.mid.block_2"), &h, 64);
-    let h = Act { data: p.group_norm(&format!("{e}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
+    let h =
+        Act { data: p.group_norm(&format!("{e}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
     let h = p.conv(&format!("{e}.conv_out"), &h, 8, 3, 1, 1, true);
     let want = p.conv("first_stage_model.quant_conv", &h, 8, 1, 1, 0, true);
     let got: Vec<f32> = dist.mean.iter().chain(&dist.logvar).copied().collect();
@@ -207,10 +209,13 @@ fn sd_vae_decodes_and_encodes_at_tiny_sizes() {
 #[test]
 fn decoder_only_weights_have_no_encoder() {
     let runner = cpu_runner("vae");
-    let vae = AutoencoderKl::load(tiny(), VaeParts::DecoderOnly, &SRC, runner.backend().device().buffer_type()).unwrap();
+    let vae =
+        AutoencoderKl::load(tiny(), VaeParts::DecoderOnly, &SRC, runner.backend().device().buffer_type()).unwrap();
     assert!(!vae.has_encoder());
     let specs = sd_vae::vae_specs(&tiny(), VaeParts::DecoderOnly);
-    assert!(specs.iter().all(|s| !s.name.contains(".encoder.") && !s.name.contains("quant_conv.") || s.name.contains("post_quant")));
+    assert!(specs
+        .iter()
+        .all(|s| !s.name.contains(".encoder.") && !s.name.contains("quant_conv.") || s.name.contains("post_quant")));
     let mut runner = runner;
     let e = vae.encode(&mut runner, &vec![0.0; 3 * 8 * 8], (8, 8)).unwrap_err();
     assert!(e.to_string().contains("encoder"), "{e}");
@@ -224,7 +229,10 @@ fn sd_spec_shapes_and_types() {
     let f32 = GgmlType::GGML_TYPE_F32;
     // ggml order, innermost first: [kw, kh, in, out].
     assert_eq!(
-        (find("first_stage_model.decoder.conv_in.weight").ne.clone(), find("first_stage_model.decoder.conv_in.weight").ty),
+        (
+            find("first_stage_model.decoder.conv_in.weight").ne.clone(),
+            find("first_stage_model.decoder.conv_in.weight").ty
+        ),
         (vec![3, 3, 4, 512], f16)
     );
     assert_eq!(find("first_stage_model.decoder.mid.attn_1.q.weight").ne, vec![1, 1, 512, 512]);
@@ -353,7 +361,12 @@ fn taesd_spec_names_follow_the_file() {
     ] {
         assert!(names.contains(&n), "{n}");
     }
-    for n in ["tae.decoder.layers.6.bias", "tae.encoder.layers.2.bias", "tae.decoder.layers.1.weight", "tae.decoder.layers.5.weight"] {
+    for n in [
+        "tae.decoder.layers.6.bias",
+        "tae.encoder.layers.2.bias",
+        "tae.decoder.layers.1.weight",
+        "tae.decoder.layers.5.weight",
+    ] {
         assert!(!names.contains(&n), "{n}");
     }
     assert_eq!(specs.iter().find(|s| s.name == "tae.decoder.layers.0.weight").unwrap().ne, vec![3, 3, 4, 64]);

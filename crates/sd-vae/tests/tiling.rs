@@ -331,7 +331,8 @@ fn execution_failures_and_encoding_are_not_retried() {
     assert_eq!(fake.calls.borrow().len(), 1);
 
     let fake = Fake::new(16 * 16);
-    let e = encode_tiled(&fake, &mut runner, &image(256, 256), (256, 256), 3, &TilingParams::default(), None).unwrap_err();
+    let e =
+        encode_tiled(&fake, &mut runner, &image(256, 256), (256, 256), 3, &TilingParams::default(), None).unwrap_err();
     assert!(e.is_alloc());
     assert_eq!(fake.calls.borrow().len(), 1);
 }
@@ -376,7 +377,12 @@ impl Fake {
         if self.fail_compute {
             return Some(VaeError::Compute { module: "fake", source: sd_sched::SchedError::MissingTensor("x".into()) });
         }
-        (area > self.limit).then(|| VaeError::Alloc { device: "CPU".into(), module: "fake", bytes: area, cap: Some(self.limit) })
+        (area > self.limit).then(|| VaeError::Alloc {
+            device: "CPU".into(),
+            module: "fake",
+            bytes: area,
+            cap: Some(self.limit),
+        })
     }
 }
 
@@ -397,14 +403,28 @@ impl FirstStage for Fake {
         ImageRange::MinusOneToOne
     }
     fn diffusion_to_vae(&self, _: &mut [f32]) {}
-    fn decode_graph(&self, _: &mut Runner, latent: &[f32], dims: [usize; 2], _: usize, _: Option<usize>) -> sd_vae::Result<(Vec<f32>, usize)> {
+    fn decode_graph(
+        &self,
+        _: &mut Runner,
+        latent: &[f32],
+        dims: [usize; 2],
+        _: usize,
+        _: Option<usize>,
+    ) -> sd_vae::Result<(Vec<f32>, usize)> {
         self.calls.borrow_mut().push(dims);
         if let Some(e) = self.failure(dims[0] * dims[1]) {
             return Err(e);
         }
         Ok(self.upsample(latent, dims))
     }
-    fn encode_graph(&self, _: &mut Runner, image: &[f32], dims: [usize; 2], _: usize, _: Option<usize>) -> sd_vae::Result<(Vec<f32>, usize)> {
+    fn encode_graph(
+        &self,
+        _: &mut Runner,
+        image: &[f32],
+        dims: [usize; 2],
+        _: usize,
+        _: Option<usize>,
+    ) -> sd_vae::Result<(Vec<f32>, usize)> {
         self.calls.borrow_mut().push(dims);
         if let Some(e) = self.failure(dims[0] * dims[1] / 64) {
             return Err(e);
@@ -428,7 +448,8 @@ fn tiled_encoding_of_a_pointwise_model_matches_untiled() {
     let mut runner = common::cpu_runner("fake");
     let img = image(512, 384);
     let (whole, c) = encode_tiled(&fake, &mut runner, &img, (512, 384), 3, &TilingParams::default(), None).unwrap();
-    let (tiled, c2) = encode_tiled(&fake, &mut runner, &img, (512, 384), 3, &params(Some("128"), Some("0.3"), None), None).unwrap();
+    let (tiled, c2) =
+        encode_tiled(&fake, &mut runner, &img, (512, 384), 3, &params(Some("128"), Some("0.3"), None), None).unwrap();
     assert_eq!((c, c2), (4, 4));
     assert!(fake.calls.borrow().len() > 2);
     let worst = whole.iter().zip(&tiled).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);

@@ -74,12 +74,7 @@ pub fn type_override_applies(name: &str, ne0: i64, ty: GgmlType) -> bool {
 /// The file's type (`file`, f32 when the file lacks the tensor), replaced by the `--type`
 /// override where [`type_override_applies`]; f32 when the row length is not a whole number
 /// of the resulting type's blocks.
-pub fn linear_weight_type(
-    name: &str,
-    in_features: i64,
-    file: Option<GgmlType>,
-    wtype: Option<GgmlType>,
-) -> GgmlType {
+pub fn linear_weight_type(name: &str, in_features: i64, file: Option<GgmlType>, wtype: Option<GgmlType>) -> GgmlType {
     let mut ty = file.unwrap_or(F32);
     if let (Some(_), Some(w)) = (file, wtype) {
         if type_override_applies(name, in_features, w) {
@@ -102,31 +97,18 @@ pub struct SpecSink<'a> {
 
 impl std::fmt::Debug for SpecSink<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "SpecSink({} specs, wtype {:?})",
-            self.specs.len(),
-            self.wtype
-        )
+        write!(f, "SpecSink({} specs, wtype {:?})", self.specs.len(), self.wtype)
     }
 }
 
 impl<'a> SpecSink<'a> {
     /// A sink asking `dtype_of` for the file's type of each tensor, with the `--type` override `wtype`.
     pub fn new(dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Self {
-        Self {
-            specs: Vec::new(),
-            dtype_of,
-            wtype,
-        }
+        Self { specs: Vec::new(), dtype_of, wtype }
     }
 
     fn push(&mut self, name: String, ty: GgmlType, ne: &[i64]) {
-        self.specs.push(TensorSpec {
-            name,
-            ty,
-            ne: ne.to_vec(),
-        });
+        self.specs.push(TensorSpec { name, ty, ne: ne.to_vec() });
     }
 
     /// `nn.Linear(inp, out)`: weight [inp, out] in the file's / override type, bias [out] f32.
@@ -161,30 +143,13 @@ fn param<'w>(w: &'w Weights, p: &str, leaf: &str) -> Result<Tensor<'w>> {
 }
 
 /// `x W^T + b` over ne[0]: x [inp, ...] -> [out, ...].
-pub fn linear<'g>(
-    g: &'g Context,
-    w: &Weights,
-    p: &str,
-    x: Tensor<'g>,
-    bias: bool,
-) -> Result<Tensor<'g>> {
+pub fn linear<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
     let y = g.mul_mat(param(w, p, "weight")?, x);
-    Ok(if bias {
-        g.add(y, param(w, p, "bias")?)
-    } else {
-        y
-    })
+    Ok(if bias { g.add(y, param(w, p, "bias")?) } else { y })
 }
 
 /// 2-D convolution with bias via im2col (`ggml_conv_2d`): x [W, H, IC, N] -> [OW, OH, OC, N].
-pub fn conv2d<'g>(
-    g: &'g Context,
-    w: &Weights,
-    p: &str,
-    x: Tensor<'g>,
-    stride: i32,
-    pad: i32,
-) -> Result<Tensor<'g>> {
+pub fn conv2d<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, stride: i32, pad: i32) -> Result<Tensor<'g>> {
     let k = param(w, p, "weight")?;
     let b = param(w, p, "bias")?;
     let y = g.conv_2d(k, x, stride, stride, pad, pad, 1, 1);
@@ -285,13 +250,7 @@ pub fn attention<'g>(
 }
 
 /// Declares `CrossAttention(query_dim, context_dim)`: bias-free q/k/v, `to_out.0` with bias.
-pub fn cross_attention_specs(
-    s: &mut SpecSink<'_>,
-    p: &str,
-    query_dim: i64,
-    context_dim: i64,
-    inner: i64,
-) {
+pub fn cross_attention_specs(s: &mut SpecSink<'_>, p: &str, query_dim: i64, context_dim: i64, inner: i64) {
     s.linear(&format!("{p}.to_q"), query_dim, inner, false);
     s.linear(&format!("{p}.to_k"), context_dim, inner, false);
     s.linear(&format!("{p}.to_v"), context_dim, inner, false);
@@ -353,15 +312,9 @@ pub fn transformer_block<'g>(
     kernel: AttnKernel,
 ) -> Result<Tensor<'g>> {
     let h = layer_norm(g, w, &format!("{p}.norm1"), x)?;
-    let x = g.add(
-        cross_attention(g, w, &format!("{p}.attn1"), h, h, n_head, kernel)?,
-        x,
-    );
+    let x = g.add(cross_attention(g, w, &format!("{p}.attn1"), h, h, n_head, kernel)?, x);
     let h = layer_norm(g, w, &format!("{p}.norm2"), x)?;
-    let x = g.add(
-        cross_attention(g, w, &format!("{p}.attn2"), h, context, n_head, kernel)?,
-        x,
-    );
+    let x = g.add(cross_attention(g, w, &format!("{p}.attn2"), h, context, n_head, kernel)?, x);
     let h = layer_norm(g, w, &format!("{p}.norm3"), x)?;
     Ok(g.add(feed_forward(g, w, &format!("{p}.ff"), h)?, x))
 }
@@ -417,8 +370,7 @@ pub fn spatial_transformer<'g>(
     let [wd, ht, c, n] = x.shape();
     // [W, H, C, N] -> [C, W*H, N]: token index = x + W * y.
     let to_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 2, 0, 3])), &[c, wd * ht, n]);
-    let from_tokens =
-        |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 0, 2, 3])), &[wd, ht, c, n]);
+    let from_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 0, 2, 3])), &[wd, ht, c, n]);
 
     let mut h = group_norm32(g, w, &format!("{p}.norm"), x)?;
     h = if t.linear_proj {
@@ -427,15 +379,7 @@ pub fn spatial_transformer<'g>(
         to_tokens(conv2d(g, w, &format!("{p}.proj_in"), h, 1, 0)?)
     };
     for d in 0..t.depth {
-        h = transformer_block(
-            g,
-            w,
-            &format!("{p}.transformer_blocks.{d}"),
-            h,
-            context,
-            t.n_head,
-            kernel,
-        )?;
+        h = transformer_block(g, w, &format!("{p}.transformer_blocks.{d}"), h, context, t.n_head, kernel)?;
     }
     h = if t.linear_proj {
         from_tokens(linear(g, w, &format!("{p}.proj_out"), h, true)?)
@@ -459,13 +403,7 @@ pub fn res_block_specs(s: &mut SpecSink<'_>, p: &str, inp: i64, out: i64, emb: i
 
 /// LDM `ResBlock`: x [W, H, IC, N], emb [E, N] -> [W, H, OC, N]. A 1x1 `skip_connection`
 /// maps x to OC channels when the weights have one (IC != OC).
-pub fn res_block<'g>(
-    g: &'g Context,
-    w: &Weights,
-    p: &str,
-    x: Tensor<'g>,
-    emb: Tensor<'g>,
-) -> Result<Tensor<'g>> {
+pub fn res_block<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, emb: Tensor<'g>) -> Result<Tensor<'g>> {
     let mut h = group_norm32(g, w, &format!("{p}.in_layers.0"), x)?;
     h = g.silu(h);
     h = conv2d(g, w, &format!("{p}.in_layers.2"), h, 1, 1)?;
@@ -476,11 +414,7 @@ pub fn res_block<'g>(
     h = g.silu(h);
     h = conv2d(g, w, &format!("{p}.out_layers.3"), h, 1, 1)?;
     let skip_name = format!("{p}.skip_connection");
-    let skip = if w.contains(&format!("{skip_name}.weight")) {
-        conv2d(g, w, &skip_name, x, 1, 0)?
-    } else {
-        x
-    };
+    let skip = if w.contains(&format!("{skip_name}.weight")) { conv2d(g, w, &skip_name, x, 1, 0)? } else { x };
     Ok(g.add(h, skip))
 }
 

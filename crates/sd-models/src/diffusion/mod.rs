@@ -41,10 +41,7 @@ pub use unet::{forward, unet_specs, validate_against_file, Heads, UNetConfig, UN
 pub enum DiffusionError {
     /// The file's tensors disagree with the architecture (missing tensors, wrong shapes).
     #[error("{model}: {} tensor(s) of the file disagree with the architecture: {}", problems.len(), summarize(problems))]
-    WeightsMismatch {
-        model: &'static str,
-        problems: Vec<TensorProblem>,
-    },
+    WeightsMismatch { model: &'static str, problems: Vec<TensorProblem> },
     /// A config that does not describe a buildable network.
     #[error("invalid {model} config: {reason}")]
     Config { model: &'static str, reason: String },
@@ -65,25 +62,16 @@ pub enum TensorProblem {
     /// The architecture needs `name` with shape `expected`; the file lacks it.
     Missing { name: String, expected: Vec<i64> },
     /// The file has `name` with shape `found`, the architecture needs `expected` (ggml order).
-    Shape {
-        name: String,
-        expected: Vec<i64>,
-        found: Vec<i64>,
-    },
+    Shape { name: String, expected: Vec<i64>, found: Vec<i64> },
 }
 
 impl std::fmt::Display for TensorProblem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TensorProblem::Missing { name, expected } => write!(
-                f,
-                "missing tensor '{name}' (expected shape {expected:?}, ggml order)"
-            ),
-            TensorProblem::Shape {
-                name,
-                expected,
-                found,
-            } => {
+            TensorProblem::Missing { name, expected } => {
+                write!(f, "missing tensor '{name}' (expected shape {expected:?}, ggml order)")
+            }
+            TensorProblem::Shape { name, expected, found } => {
                 write!(f, "tensor '{name}' has shape {found:?}, expected {expected:?} (ggml order, innermost first)")
             }
         }
@@ -92,12 +80,7 @@ impl std::fmt::Display for TensorProblem {
 
 fn summarize(problems: &[TensorProblem]) -> String {
     const SHOWN: usize = 5;
-    let mut s = problems
-        .iter()
-        .take(SHOWN)
-        .map(|p| p.to_string())
-        .collect::<Vec<_>>()
-        .join("; ");
+    let mut s = problems.iter().take(SHOWN).map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
     if problems.len() > SHOWN {
         s.push_str(&format!("; and {} more", problems.len() - SHOWN));
     }
@@ -129,10 +112,7 @@ where
         if n as usize != data.len() || ne.is_empty() || ne.len() > 4 {
             return Err(DiffusionError::Input {
                 model: "graph",
-                reason: format!(
-                    "input {i}: shape {ne:?} needs {n} values, got {}",
-                    data.len()
-                ),
+                reason: format!("input {i}: shape {ne:?} needs {n} values, got {}", data.len()),
             });
         }
         ts.push(g.new_f32(ne).set_name(&format!("input{i}")).set_input());

@@ -34,9 +34,7 @@ const Q4_K: GgmlType = GgmlType::GGML_TYPE_Q4_K;
 fn backend() -> Arc<Backend> {
     static B: OnceLock<(PluginRegistry, Arc<Backend>)> = OnceLock::new();
     let (_, b) = B.get_or_init(|| {
-        let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(
-            ggml_sys::BUILD_PLUGIN_DIR,
-        )]));
+        let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
         let dev = reg.device("cpu").expect("the CPU plugin is built");
         let b = Arc::new(Backend::new(dev).expect("CPU backend"));
         b.set_threads(2);
@@ -64,16 +62,12 @@ fn mix(mut z: u64) -> u64 {
 }
 
 fn name_seed(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// `n` uniform values in [-1, 1) from `seed`.
 fn uniform(seed: u64, n: usize) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| ((mix(seed ^ mix(i)) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        .collect()
+    (0..n as u64).map(|i| ((mix(seed ^ mix(i)) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect()
 }
 
 /// Values for a parameter: weights uniform with std 1/sqrt(fan_in), norm gains 1 +- 0.1,
@@ -99,14 +93,9 @@ struct MapSource(HashMap<String, Vec<f32>>);
 
 impl TensorSource for MapSource {
     fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-        let v = self
-            .0
-            .get(name)
-            .ok_or_else(|| SourceError(format!("no values for {name}")))?;
+        let v = self.0.get(name).ok_or_else(|| SourceError(format!("no values for {name}")))?;
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        sd_backends::convert::convert(F32, ty, &bytes, ne)
-            .map(Cow::Owned)
-            .map_err(|e| SourceError(e.to_string()))
+        sd_backends::convert::convert(F32, ty, &bytes, ne).map(Cow::Owned).map_err(|e| SourceError(e.to_string()))
     }
 }
 
@@ -130,13 +119,7 @@ fn make_weights(specs: Vec<TensorSpec>) -> (Weights, Ref) {
     let mut w = Weights::new(specs).unwrap();
     w.allocate(backend().device().buffer_type()).unwrap();
     w.load_from(&MapSource(vals)).unwrap();
-    (
-        w,
-        Ref {
-            vals: stored,
-            types,
-        },
-    )
+    (w, Ref { vals: stored, types })
 }
 
 fn input(seed: u64, n: usize, amp: f32) -> Vec<f32> {
@@ -150,27 +133,13 @@ fn rms(v: &[f64]) -> f64 {
 /// Asserts rms(got - want) <= tol * rms(want) and max |got - want| <= 10 * tol * rms(want).
 fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    assert!(
-        got.iter().all(|g| g.is_finite()),
-        "{what}: non-finite output"
-    );
+    assert!(got.iter().all(|g| g.is_finite()), "{what}: non-finite output");
     let scale = rms(want).max(1e-6);
     let err: Vec<f64> = got.iter().zip(want).map(|(&g, &w)| g as f64 - w).collect();
-    let (i, max) = err
-        .iter()
-        .map(|e| e.abs())
-        .enumerate()
-        .fold((0, 0.0), |m, (i, e)| if e > m.1 { (i, e) } else { m });
+    let (i, max) = err.iter().map(|e| e.abs()).enumerate().fold((0, 0.0), |m, (i, e)| if e > m.1 { (i, e) } else { m });
     let rms_err = rms(&err);
-    eprintln!(
-        "{what}: rms error {:.2e}, max error {:.2e} (relative to rms {scale:.3e})",
-        rms_err / scale,
-        max / scale
-    );
-    assert!(
-        rms_err <= tol * scale,
-        "{what}: rms error {rms_err:.3e} > {tol:e} x rms {scale:.3e}"
-    );
+    eprintln!("{what}: rms error {:.2e}, max error {:.2e} (relative to rms {scale:.3e})", rms_err / scale, max / scale);
+    assert!(rms_err <= tol * scale, "{what}: rms error {rms_err:.3e} > {tol:e} x rms {scale:.3e}");
     assert!(
         max <= 10.0 * tol * scale,
         "{what}: element {i}: got {}, want {} (error {max:.3e} > 10 x {tol:e} x rms {scale:.3e})",
@@ -203,10 +172,7 @@ impl T {
     }
     fn add(&self, o: &T) -> T {
         assert_eq!(self.ne, o.ne);
-        T::new(
-            self.ne,
-            self.v.iter().zip(&o.v).map(|(a, b)| a + b).collect(),
-        )
+        T::new(self.ne, self.v.iter().zip(&o.v).map(|(a, b)| a + b).collect())
     }
     fn map(&self, f: impl Fn(f64) -> f64) -> T {
         T::new(self.ne, self.v.iter().map(|&x| f(x)).collect())
@@ -229,11 +195,7 @@ fn gelu_table(x: f64) -> f64 {
         x
     } else {
         let x = round16(x);
-        round16(
-            0.5 * x
-                * (1.0
-                    + ((2.0 / std::f64::consts::PI).sqrt() * x * (1.0 + 0.044715 * x * x)).tanh()),
-        )
+        round16(0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * x * (1.0 + 0.044715 * x * x)).tanh()))
     }
 }
 
@@ -243,9 +205,8 @@ fn group_norm(x: &T, groups: usize, eps: f64, gamma: &[f64], beta: &[f64]) -> T 
     let mut out = x.clone();
     for b in 0..n {
         for g in 0..groups {
-            let idx: Vec<usize> = (g * cg..(g + 1) * cg)
-                .flat_map(|ch| (0..w * h).map(move |p| p + w * h * (ch + c * b)))
-                .collect();
+            let idx: Vec<usize> =
+                (g * cg..(g + 1) * cg).flat_map(|ch| (0..w * h).map(move |p| p + w * h * (ch + c * b))).collect();
             let mean = idx.iter().map(|&i| x.v[i]).sum::<f64>() / idx.len() as f64;
             let var = idx.iter().map(|&i| (x.v[i] - mean).powi(2)).sum::<f64>() / idx.len() as f64;
             for &i in &idx {
@@ -282,19 +243,13 @@ fn attention(q: &T, k: &T, v: &T, heads: usize) -> T {
         for h in 0..heads {
             for i in 0..lq {
                 let logits: Vec<f64> = (0..lk)
-                    .map(|j| {
-                        (0..d)
-                            .map(|e| q.at(h * d + e, i, b, 0) * k.at(h * d + e, j, b, 0))
-                            .sum::<f64>()
-                            * scale
-                    })
+                    .map(|j| (0..d).map(|e| q.at(h * d + e, i, b, 0) * k.at(h * d + e, j, b, 0)).sum::<f64>() * scale)
                     .collect();
                 let m = logits.iter().cloned().fold(f64::MIN, f64::max);
                 let p: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
                 let s: f64 = p.iter().sum();
                 for e in 0..d {
-                    out[(h * d + e) + c * (i + lq * b)] =
-                        (0..lk).map(|j| p[j] / s * v.at(h * d + e, j, b, 0)).sum();
+                    out[(h * d + e) + c * (i + lq * b)] = (0..lk).map(|j| p[j] / s * v.at(h * d + e, j, b, 0)).sum();
                 }
             }
         }
@@ -323,9 +278,7 @@ struct Ref {
 
 impl Ref {
     fn p(&self, name: &str) -> &[f64] {
-        self.vals
-            .get(name)
-            .unwrap_or_else(|| panic!("reference: no parameter {name}"))
+        self.vals.get(name).unwrap_or_else(|| panic!("reference: no parameter {name}"))
     }
 
     fn rounds_input(&self, weight: &str) -> bool {
@@ -343,13 +296,9 @@ impl Ref {
         let b = bias.then(|| self.p(&format!("{p}.bias")));
         let mut y = vec![0.0; out * rows];
         for r in 0..rows {
-            let xr: Vec<f64> = x.v[r * inp..(r + 1) * inp]
-                .iter()
-                .map(|&v| if r16 { round16(v) } else { v })
-                .collect();
+            let xr: Vec<f64> = x.v[r * inp..(r + 1) * inp].iter().map(|&v| if r16 { round16(v) } else { v }).collect();
             for o in 0..out {
-                y[r * out + o] =
-                    (0..inp).map(|i| w[i + inp * o] * xr[i]).sum::<f64>() + b.map_or(0.0, |b| b[o]);
+                y[r * out + o] = (0..inp).map(|i| w[i + inp * o] * xr[i]).sum::<f64>() + b.map_or(0.0, |b| b[o]);
             }
         }
         let mut ne = x.ne;
@@ -378,11 +327,7 @@ impl Ref {
                                 for kx in 0..k {
                                     let ix = (ox * stride + kx) as isize - pad as isize;
                                     let iy = (oy * stride + ky) as isize - pad as isize;
-                                    if ix >= 0
-                                        && iy >= 0
-                                        && (ix as usize) < iw
-                                        && (iy as usize) < ih
-                                    {
+                                    if ix >= 0 && iy >= 0 && (ix as usize) < iw && (iy as usize) < ih {
                                         s += w[kx + k * (ky + k * (i + ic * o))]
                                             * xr.at(ix as usize, iy as usize, i, bn);
                                     }
@@ -398,22 +343,11 @@ impl Ref {
     }
 
     fn gn(&self, p: &str, x: &T) -> T {
-        group_norm(
-            x,
-            32,
-            1e-6,
-            self.p(&format!("{p}.weight")),
-            self.p(&format!("{p}.bias")),
-        )
+        group_norm(x, 32, 1e-6, self.p(&format!("{p}.weight")), self.p(&format!("{p}.bias")))
     }
 
     fn ln(&self, p: &str, x: &T) -> T {
-        layer_norm(
-            x,
-            1e-5,
-            self.p(&format!("{p}.weight")),
-            self.p(&format!("{p}.bias")),
-        )
+        layer_norm(x, 1e-5, self.p(&format!("{p}.weight")), self.p(&format!("{p}.bias")))
     }
 
     fn res_block(&self, p: &str, x: &T, emb: &T) -> T {
@@ -430,10 +364,7 @@ impl Ref {
         }
         let h = self.gn(&format!("{p}.out_layers.0"), &h).map(silu);
         let h = self.conv(&format!("{p}.out_layers.3"), &h, 1, 1);
-        let skip = if self
-            .vals
-            .contains_key(&format!("{p}.skip_connection.weight"))
-        {
+        let skip = if self.vals.contains_key(&format!("{p}.skip_connection.weight")) {
             self.conv(&format!("{p}.skip_connection"), x, 1, 0)
         } else {
             x.clone()
@@ -446,16 +377,8 @@ impl Ref {
         let k = self.linear(&format!("{p}.to_k"), ctx, false);
         let v = self.linear(&format!("{p}.to_v"), ctx, false);
         // Flash attention on the CPU takes q, k, v in f16.
-        let (q, k, v) = if flash {
-            (q.map(round16), k.map(round16), v.map(round16))
-        } else {
-            (q, k, v)
-        };
-        self.linear(
-            &format!("{p}.to_out.0"),
-            &attention(&q, &k, &v, heads),
-            true,
-        )
+        let (q, k, v) = if flash { (q.map(round16), k.map(round16), v.map(round16)) } else { (q, k, v) };
+        self.linear(&format!("{p}.to_out.0"), &attention(&q, &k, &v, heads), true)
     }
 
     fn feed_forward(&self, p: &str, x: &T) -> T {
@@ -474,29 +397,16 @@ impl Ref {
 
     fn transformer_block(&self, p: &str, x: &T, ctx: &T, heads: usize, flash: bool) -> T {
         let h = self.ln(&format!("{p}.norm1"), x);
-        let x = self
-            .cross_attention(&format!("{p}.attn1"), &h, &h, heads, flash)
-            .add(x);
+        let x = self.cross_attention(&format!("{p}.attn1"), &h, &h, heads, flash).add(x);
         let h = self.ln(&format!("{p}.norm2"), &x);
-        let x = self
-            .cross_attention(&format!("{p}.attn2"), &h, ctx, heads, flash)
-            .add(&x);
+        let x = self.cross_attention(&format!("{p}.attn2"), &h, ctx, heads, flash).add(&x);
         let h = self.ln(&format!("{p}.norm3"), &x);
         self.feed_forward(&format!("{p}.ff"), &h).add(&x)
     }
 
     /// SpatialTransformer; tokens are pixels in row-major (y, x) order.
     #[allow(clippy::too_many_arguments)]
-    fn spatial_transformer(
-        &self,
-        p: &str,
-        x: &T,
-        ctx: &T,
-        heads: usize,
-        depth: usize,
-        linear: bool,
-        flash: bool,
-    ) -> T {
+    fn spatial_transformer(&self, p: &str, x: &T, ctx: &T, heads: usize, depth: usize, linear: bool, flash: bool) -> T {
         let [w, h, c, n] = x.ne;
         let to_tokens = |t: &T| {
             let mut v = vec![0.0; c * w * h * n];
@@ -529,13 +439,7 @@ impl Ref {
             to_tokens(&self.conv(&format!("{p}.proj_in"), &hn, 1, 0))
         };
         for d in 0..depth {
-            tok = self.transformer_block(
-                &format!("{p}.transformer_blocks.{d}"),
-                &tok,
-                ctx,
-                heads,
-                flash,
-            );
+            tok = self.transformer_block(&format!("{p}.transformer_blocks.{d}"), &tok, ctx, heads, flash);
         }
         let out = if linear {
             from_tokens(&self.linear(&format!("{p}.proj_out"), &tok, true))
@@ -568,24 +472,10 @@ impl Ref {
             Heads::Width(d) => ch / d as usize,
         };
         let mc = cfg.model_channels as usize;
-        let emb = self
-            .linear(
-                &pre("time_embed.0".into()),
-                &timestep_embedding(t, mc),
-                true,
-            )
-            .map(silu);
+        let emb = self.linear(&pre("time_embed.0".into()), &timestep_embedding(t, mc), true).map(silu);
         let emb = self.linear(&pre("time_embed.2".into()), &emb, true);
         let st = |p: String, h: &T, ch: usize| {
-            self.spatial_transformer(
-                &p,
-                h,
-                ctx,
-                heads(ch),
-                cfg.transformer_depth,
-                cfg.use_linear_projection,
-                flash,
-            )
+            self.spatial_transformer(&p, h, ctx, heads(ch), cfg.transformer_depth, cfg.use_linear_projection, flash)
         };
 
         let mut hs = Vec::new();
@@ -597,11 +487,7 @@ impl Ref {
             for _ in 0..cfg.num_res_blocks {
                 h = self.res_block(&pre(format!("input_blocks.{block}.0")), &h, &emb);
                 if cfg.attention_resolutions.contains(&ds) {
-                    h = st(
-                        pre(format!("input_blocks.{block}.1")),
-                        &h,
-                        mult as usize * mc,
-                    );
+                    h = st(pre(format!("input_blocks.{block}.1")), &h, mult as usize * mc);
                 }
                 hs.push(h.clone());
                 block += 1;
@@ -626,23 +512,13 @@ impl Ref {
                 let mut cat = vec![0.0; w * hh * (c1 + c2) * n];
                 for b in 0..n {
                     let dst = &mut cat[w * hh * (c1 + c2) * b..w * hh * (c1 + c2) * (b + 1)];
-                    dst[..w * hh * c1]
-                        .copy_from_slice(&h.v[w * hh * c1 * b..w * hh * c1 * (b + 1)]);
-                    dst[w * hh * c1..]
-                        .copy_from_slice(&skip.v[w * hh * c2 * b..w * hh * c2 * (b + 1)]);
+                    dst[..w * hh * c1].copy_from_slice(&h.v[w * hh * c1 * b..w * hh * c1 * (b + 1)]);
+                    dst[w * hh * c1..].copy_from_slice(&skip.v[w * hh * c2 * b..w * hh * c2 * (b + 1)]);
                 }
-                h = self.res_block(
-                    &pre(format!("output_blocks.{block}.0")),
-                    &T::new([w, hh, c1 + c2, n], cat),
-                    &emb,
-                );
+                h = self.res_block(&pre(format!("output_blocks.{block}.0")), &T::new([w, hh, c1 + c2, n], cat), &emb);
                 let mut sub = 1;
                 if cfg.attention_resolutions.contains(&ds) {
-                    h = st(
-                        pre(format!("output_blocks.{block}.1")),
-                        &h,
-                        mult as usize * mc,
-                    );
+                    h = st(pre(format!("output_blocks.{block}.1")), &h, mult as usize * mc);
                     sub = 2;
                 }
                 if level > 0 && i == cfg.num_res_blocks {
@@ -672,40 +548,21 @@ fn param_count(specs: &[TensorSpec]) -> i64 {
 #[test]
 fn parameter_counts_match_the_published_figures() {
     // Published UNet sizes: SD 1.5 859,520,964 and SD 2.1 865,910,724 parameters.
-    assert_eq!(
-        param_count(&unet::unet_specs(&UNetConfig::sd15(), &f16_file, None)),
-        859_520_964
-    );
-    assert_eq!(
-        param_count(&unet::unet_specs(&UNetConfig::sd21(), &f16_file, None)),
-        865_910_724
-    );
+    assert_eq!(param_count(&unet::unet_specs(&UNetConfig::sd15(), &f16_file, None)), 859_520_964);
+    assert_eq!(param_count(&unet::unet_specs(&UNetConfig::sd21(), &f16_file, None)), 865_910_724);
 }
 
 #[test]
 fn specs_match_the_fixture_tables_name_for_name() {
     // The fixture walks the PyTorch module tree independently (PyTorch order shapes).
-    for (arch, cfg) in [
-        (Architecture::sd15(), UNetConfig::sd15()),
-        (
-            Architecture::sd2(fixture::Prediction::V),
-            UNetConfig::sd21(),
-        ),
-    ] {
+    for (arch, cfg) in
+        [(Architecture::sd15(), UNetConfig::sd15()), (Architecture::sd2(fixture::Prediction::V), UNetConfig::sd21())]
+    {
         let table = fixture::tensor_table(&arch.only(&[Component::Unet])).unwrap();
-        let mut want: Vec<(String, Vec<i64>)> = table
-            .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    t.shape.iter().rev().map(|&d| d as i64).collect(),
-                )
-            })
-            .collect();
-        let mut got: Vec<(String, Vec<i64>)> = unet::unet_specs(&cfg, &f16_file, None)
-            .into_iter()
-            .map(|s| (s.name, s.ne))
-            .collect();
+        let mut want: Vec<(String, Vec<i64>)> =
+            table.iter().map(|t| (t.name.clone(), t.shape.iter().rev().map(|&d| d as i64).collect())).collect();
+        let mut got: Vec<(String, Vec<i64>)> =
+            unet::unet_specs(&cfg, &f16_file, None).into_iter().map(|s| (s.name, s.ne)).collect();
         want.sort();
         got.sort();
         assert_eq!(got.len(), want.len());
@@ -716,11 +573,7 @@ fn specs_match_the_fixture_tables_name_for_name() {
 }
 
 fn ty_of(specs: &[TensorSpec], name: &str) -> GgmlType {
-    specs
-        .iter()
-        .find(|s| s.name == format!("{PREFIX}.{name}"))
-        .unwrap_or_else(|| panic!("no {name}"))
-        .ty
+    specs.iter().find(|s| s.name == format!("{PREFIX}.{name}")).unwrap_or_else(|| panic!("no {name}")).ty
 }
 
 #[test]
@@ -735,12 +588,7 @@ fn storage_types_follow_the_reference_rules() {
         // Biases and norms are f32.
         (F16, None, "input_blocks.1.0.in_layers.2.bias", F32),
         (F16, Some(Q8_0), &format!("{attn}.to_out.0.bias"), F32),
-        (
-            F16,
-            Some(Q8_0),
-            "input_blocks.1.1.transformer_blocks.0.norm1.weight",
-            F32,
-        ),
+        (F16, Some(Q8_0), "input_blocks.1.1.transformer_blocks.0.norm1.weight", F32),
         (F16, None, "out.0.weight", F32),
         // Linear weights: the file's type, or --type where it applies.
         (F16, None, &format!("{attn}.to_q.weight"), F16),
@@ -753,75 +601,45 @@ fn storage_types_follow_the_reference_rules() {
         (F32, Some(F16), "time_embed.2.weight", F32),
         // q4_K blocks are 256 wide: 320-wide rows stay as in the file, 1280-wide rows convert.
         (F16, Some(Q4_K), &format!("{attn}.to_q.weight"), F16),
-        (
-            F16,
-            Some(Q4_K),
-            "input_blocks.1.0.emb_layers.1.weight",
-            Q4_K,
-        ),
+        (F16, Some(Q4_K), "input_blocks.1.0.emb_layers.1.weight", Q4_K),
     ];
     for (file, wtype, name, want) in cases {
         let file = *file;
         let specs = unet::unet_specs(&UNetConfig::sd15(), &move |_| Some(file), *wtype);
-        assert_eq!(
-            ty_of(&specs, name),
-            *want,
-            "{name} with file {file:?} and --type {wtype:?}"
-        );
+        assert_eq!(ty_of(&specs, name), *want, "{name} with file {file:?} and --type {wtype:?}");
     }
     // SD 2.x projections are linear layers and follow the linear rule.
     let specs = unet::unet_specs(&UNetConfig::sd21(), &f16_file, Some(Q8_0));
     assert_eq!(ty_of(&specs, "input_blocks.1.1.proj_in.weight"), Q8_0);
     // A tensor the file lacks is f32 and not overridden.
-    assert_eq!(
-        blocks::linear_weight_type("x.weight", 320, None, Some(Q8_0)),
-        F32
-    );
+    assert_eq!(blocks::linear_weight_type("x.weight", 320, None, Some(Q8_0)), F32);
 }
 
 #[test]
 fn config_adapts_to_the_file_like_the_reference() {
     let specs = unet::unet_specs(&UNetConfig::sd21(), &f16_file, None);
-    let shapes: HashMap<String, Vec<u64>> = specs
-        .iter()
-        .map(|s| (s.name.clone(), s.ne.iter().map(|&d| d as u64).collect()))
-        .collect();
+    let shapes: HashMap<String, Vec<u64>> =
+        specs.iter().map(|s| (s.name.clone(), s.ne.iter().map(|&d| d as u64).collect())).collect();
     // Starting from the SD 1.x preset, an SD 2.x file's shapes give the SD 2.x widths.
     let cfg = UNetConfig::sd15().adapted_to_file(&|n| shapes.get(n).cloned());
     assert_eq!(cfg.context_dim, 1024);
     assert!(cfg.use_linear_projection);
     // An inpainting-style stem with 9 input channels.
     let mut shapes9 = shapes.clone();
-    shapes9.insert(
-        format!("{PREFIX}.input_blocks.0.0.weight"),
-        vec![3, 3, 9, 320],
-    );
-    assert_eq!(
-        UNetConfig::sd21()
-            .adapted_to_file(&|n| shapes9.get(n).cloned())
-            .in_channels,
-        9
-    );
+    shapes9.insert(format!("{PREFIX}.input_blocks.0.0.weight"), vec![3, 3, 9, 320]);
+    assert_eq!(UNetConfig::sd21().adapted_to_file(&|n| shapes9.get(n).cloned()).in_channels, 9);
 }
 
 #[test]
 fn file_validation_names_missing_and_misshapen_tensors() {
     let specs = unet::unet_specs(&UNetConfig::sd15(), &f16_file, None);
-    let mut file: Vec<(String, Vec<u64>)> = specs
-        .iter()
-        .map(|s| (s.name.clone(), s.ne.iter().map(|&d| d as u64).collect()))
-        .collect();
+    let mut file: Vec<(String, Vec<u64>)> =
+        specs.iter().map(|s| (s.name.clone(), s.ne.iter().map(|&d| d as u64).collect())).collect();
     // A bias stored as [320, 1] still matches; an unknown tensor is reported as extra.
-    let bias = file
-        .iter_mut()
-        .find(|(n, _)| n.ends_with("input_blocks.1.0.in_layers.2.bias"))
-        .unwrap();
+    let bias = file.iter_mut().find(|(n, _)| n.ends_with("input_blocks.1.0.in_layers.2.bias")).unwrap();
     bias.1.push(1);
     file.push((format!("{PREFIX}.some.buffer"), vec![4]));
-    assert_eq!(
-        unet::validate_against_file(&specs, &file).unwrap(),
-        vec![format!("{PREFIX}.some.buffer")]
-    );
+    assert_eq!(unet::validate_against_file(&specs, &file).unwrap(), vec![format!("{PREFIX}.some.buffer")]);
 
     let missing = format!("{PREFIX}.middle_block.1.proj_out.weight");
     let wrong = format!("{PREFIX}.output_blocks.2.1.conv.weight");
@@ -830,20 +648,15 @@ fn file_validation_names_missing_and_misshapen_tensors() {
     match unet::validate_against_file(&specs, &file) {
         Err(DiffusionError::WeightsMismatch { problems, .. }) => {
             assert_eq!(problems.len(), 2);
-            assert!(problems.contains(&TensorProblem::Missing {
-                name: missing.clone(),
-                expected: vec![1, 1, 1280, 1280]
-            }));
+            assert!(
+                problems.contains(&TensorProblem::Missing { name: missing.clone(), expected: vec![1, 1, 1280, 1280] })
+            );
             assert!(problems.contains(&TensorProblem::Shape {
                 name: wrong.clone(),
                 expected: vec![3, 3, 1280, 1280],
                 found: vec![3, 3, 1280, 640]
             }));
-            let msg = DiffusionError::WeightsMismatch {
-                model: "UNet",
-                problems,
-            }
-            .to_string();
+            let msg = DiffusionError::WeightsMismatch { model: "UNet", problems }.to_string();
             assert!(msg.contains(&missing) && msg.contains(&wrong), "{msg}");
         }
         other => panic!("expected a mismatch, got {other:?}"),
@@ -852,20 +665,10 @@ fn file_validation_names_missing_and_misshapen_tensors() {
 
 #[test]
 fn invalid_configs_are_errors() {
-    let cfg = UNetConfig {
-        model_channels: 48,
-        ..UNetConfig::sd15()
-    };
+    let cfg = UNetConfig { model_channels: 48, ..UNetConfig::sd15() };
     assert!(matches!(cfg.validate(), Err(DiffusionError::Config { .. })));
-    let cfg = UNetConfig {
-        heads: Heads::Width(48),
-        ..UNetConfig::sd15()
-    };
-    assert!(cfg
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("does not divide"));
+    let cfg = UNetConfig { heads: Heads::Width(48), ..UNetConfig::sd15() };
+    assert!(cfg.validate().unwrap_err().to_string().contains("does not divide"));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -875,10 +678,8 @@ fn invalid_configs_are_errors() {
 #[test]
 fn timestep_embedding_matches() {
     let t = [999.0f32, 1.0, 500.5];
-    let (got, shape) = run_graph(&mut runner(), &[(&[3], &t)], 64, |g, i| {
-        Ok(g.timestep_embedding(i[0], 320, 10000))
-    })
-    .unwrap();
+    let (got, shape) =
+        run_graph(&mut runner(), &[(&[3], &t)], 64, |g, i| Ok(g.timestep_embedding(i[0], 320, 10000))).unwrap();
     assert_eq!(shape, [320, 3, 1, 1]);
     let want = timestep_embedding(&t.map(|v| v as f64), 320);
     // f32 arguments of up to ~1000 radians carry ~6e-5 absolute error into cos/sin.
@@ -906,10 +707,8 @@ fn linear_conv_and_group_norm_match() {
         );
         // Linear: rows of 64, 5 rows.
         let x = input(1, 64 * 5, 1.0);
-        let (got, _) = run_graph(&mut runner(), &[(&[64, 5], &x)], 64, |g, i| {
-            blocks::linear(g, &w, "lin", i[0], true)
-        })
-        .unwrap();
+        let (got, _) =
+            run_graph(&mut runner(), &[(&[64, 5], &x)], 64, |g, i| blocks::linear(g, &w, "lin", i[0], true)).unwrap();
         assert_close(
             &format!("linear ({file:?} weights)"),
             &got,
@@ -941,12 +740,7 @@ fn attention_matches_plain_and_flash() {
     let k = input(4, c * lk * n, 1.5);
     let v = input(5, c * lk * n, 1.0);
     let to_t = |ne: [usize; 4], d: &[f32]| T::from_f32(ne, d);
-    let want = attention(
-        &to_t([c, lq, n, 1], &q),
-        &to_t([c, lk, n, 1], &k),
-        &to_t([c, lk, n, 1], &v),
-        heads as usize,
-    );
+    let want = attention(&to_t([c, lq, n, 1], &q), &to_t([c, lk, n, 1], &k), &to_t([c, lk, n, 1], &v), heads as usize);
     let want16 = attention(
         &to_t([c, lq, n, 1], &q).map(round16),
         &to_t([c, lk, n, 1], &k).map(round16),
@@ -957,19 +751,11 @@ fn attention_matches_plain_and_flash() {
     for (kernel, want, tol) in [
         (AttnKernel::Plain, &want, 1e-5),
         (AttnKernel::Flash, &want16, 3e-3),
-        (
-            AttnKernel::FlashWhereSupported(backend().device()),
-            &want16,
-            3e-3,
-        ),
+        (AttnKernel::FlashWhereSupported(backend().device()), &want16, 3e-3),
     ] {
         let (got, shape) = run_graph(
             &mut runner(),
-            &[
-                (&[ci, lqi, ni], &q),
-                (&[ci, lki, ni], &k),
-                (&[ci, lki, ni], &v),
-            ],
+            &[(&[ci, lqi, ni], &q), (&[ci, lki, ni], &k), (&[ci, lki, ni], &v)],
             64,
             |g, i| Ok(blocks::attention(g, i[0], i[1], i[2], heads, kernel)),
         )
@@ -986,19 +772,12 @@ fn res_block_matches_with_and_without_skip_conv() {
         let (w, r) = block_weights(|s| blocks::res_block_specs(s, "rb", inp, out, 96), F16);
         let x = input(6, 6 * 4 * inp as usize * 2, 1.0);
         let emb = input(7, 96 * 2, 1.0);
-        let (got, shape) = run_graph(
-            &mut runner(),
-            &[(&[6, 4, inp, 2], &x), (&[96, 2], &emb)],
-            256,
-            |g, i| blocks::res_block(g, &w, "rb", i[0], i[1]),
-        )
+        let (got, shape) = run_graph(&mut runner(), &[(&[6, 4, inp, 2], &x), (&[96, 2], &emb)], 256, |g, i| {
+            blocks::res_block(g, &w, "rb", i[0], i[1])
+        })
         .unwrap();
         assert_eq!(shape, [6, 4, out, 2]);
-        let want = r.res_block(
-            "rb",
-            &T::from_f32([6, 4, inp as usize, 2], &x),
-            &T::from_f32([96, 2, 1, 1], &emb),
-        );
+        let want = r.res_block("rb", &T::from_f32([6, 4, inp as usize, 2], &x), &T::from_f32([96, 2, 1, 1], &emb));
         assert_close(&format!("ResBlock {inp}->{out}"), &got, &want.v, 1e-4);
     }
 }
@@ -1012,23 +791,15 @@ fn spatial_transformer_matches_conv_and_linear_projections() {
         (F16, true, AttnKernel::Plain, 1e-3),
         (F16, false, AttnKernel::Flash, 2e-3),
     ] {
-        let shape = TransformerShape {
-            channels: 64,
-            n_head: 2,
-            depth: 2,
-            context_dim: ctx_dim,
-            linear_proj,
-        };
+        let shape = TransformerShape { channels: 64, n_head: 2, depth: 2, context_dim: ctx_dim, linear_proj };
         let (w, r) = block_weights(|s| blocks::spatial_transformer_specs(s, "st", &shape), file);
         let x = input(8, 5 * 3 * 64 * 2, 1.0);
         let ctx = input(9, ctx_dim as usize * 7 * 2, 1.0);
-        let (got, out_shape) = run_graph(
-            &mut runner(),
-            &[(&[5, 3, 64, 2], &x), (&[ctx_dim, 7, 2], &ctx)],
-            1024,
-            |g, i| blocks::spatial_transformer(g, &w, "st", i[0], i[1], &shape, kernel),
-        )
-        .unwrap();
+        let (got, out_shape) =
+            run_graph(&mut runner(), &[(&[5, 3, 64, 2], &x), (&[ctx_dim, 7, 2], &ctx)], 1024, |g, i| {
+                blocks::spatial_transformer(g, &w, "st", i[0], i[1], &shape, kernel)
+            })
+            .unwrap();
         assert_eq!(out_shape, [5, 3, 64, 2]);
         let want = r.spatial_transformer(
             "st",
@@ -1039,12 +810,7 @@ fn spatial_transformer_matches_conv_and_linear_projections() {
             linear_proj,
             kernel == AttnKernel::Flash,
         );
-        assert_close(
-            &format!("SpatialTransformer {file:?} linear={linear_proj} {kernel:?}"),
-            &got,
-            &want.v,
-            tol,
-        );
+        assert_close(&format!("SpatialTransformer {file:?} linear={linear_proj} {kernel:?}"), &got, &want.v, tol);
     }
 }
 
@@ -1059,16 +825,12 @@ fn up_and_down_sampling_match() {
     );
     let x = input(10, 3 * 2 * 32, 1.0);
     let xt = T::from_f32([3, 2, 32, 1], &x);
-    let (got, shape) = run_graph(&mut runner(), &[(&[3, 2, 32, 1], &x)], 64, |g, i| {
-        blocks::upsample(g, &w, "up", i[0])
-    })
-    .unwrap();
+    let (got, shape) =
+        run_graph(&mut runner(), &[(&[3, 2, 32, 1], &x)], 64, |g, i| blocks::upsample(g, &w, "up", i[0])).unwrap();
     assert_eq!(shape, [6, 4, 32, 1]);
     assert_close("upsample", &got, &r.upsample("up", &xt).v, 1e-4);
-    let (got, shape) = run_graph(&mut runner(), &[(&[3, 2, 32, 1], &x)], 64, |g, i| {
-        blocks::downsample(g, &w, "down", i[0])
-    })
-    .unwrap();
+    let (got, shape) =
+        run_graph(&mut runner(), &[(&[3, 2, 32, 1], &x)], 64, |g, i| blocks::downsample(g, &w, "down", i[0])).unwrap();
     assert_eq!(shape, [2, 1, 32, 1]);
     assert_close("downsample", &got, &r.conv("down.op", &xt, 2, 1).v, 1e-4);
 }
@@ -1093,28 +855,16 @@ fn tiny_unet_matches_the_reference_end_to_end() {
     for (linear, flash) in [(false, false), (true, false), (true, true)] {
         let cfg = tiny(linear);
         let (w, r) = make_weights(unet::unet_specs(&cfg, &f16_file, None));
-        let model = UNetModel {
-            cfg: cfg.clone(),
-            weights: w,
-            flash_attn: flash,
-        };
+        let model = UNetModel { cfg: cfg.clone(), weights: w, flash_attn: flash };
         let (wd, ht, n, l) = (6usize, 4usize, 2usize, 5usize);
         let x = input(11, wd * ht * 4 * n, 1.0);
         let t = [999.0f32, 17.0];
         // One context for the whole batch: repeated per sample inside the graph.
         let ctx = input(12, 24 * l, 1.0);
-        let got = model
-            .eval(&mut runner(), &x, (wd, ht), &t, &ctx, l, n)
-            .unwrap();
+        let got = model.eval(&mut runner(), &x, (wd, ht), &t, &ctx, l, n).unwrap();
         let ctx_t = T::from_f32([24, l, 1, 1], &ctx);
         let ctx2 = T::new([24, l, n, 1], [ctx_t.v.clone(), ctx_t.v.clone()].concat());
-        let want = r.unet(
-            &cfg,
-            &T::from_f32([wd, ht, 4, n], &x),
-            &t.map(|v| v as f64),
-            &ctx2,
-            flash,
-        );
+        let want = r.unet(&cfg, &T::from_f32([wd, ht, 4, n], &x), &t.map(|v| v as f64), &ctx2, flash);
 
         // The noise floor: f16 rounding inside the network amplifies tiny differences (an
         // activation on the other side of an f16 rounding boundary moves by one f16 ulp,
@@ -1123,32 +873,13 @@ fn tiny_unet_matches_the_reference_end_to_end() {
         // reference, whose activations differ from ggml's f32 ones by such amounts, cannot
         // agree better. A real error (a dropped bias, a misordered skip or head) is 1e-2
         // or more.
-        let x2: Vec<f32> = x
-            .iter()
-            .enumerate()
-            .map(|(i, v)| v * (1.0 + 1e-6 * ((i % 7) as f32 - 3.0)))
-            .collect();
-        let moved = model
-            .eval(&mut runner(), &x2, (wd, ht), &t, &ctx, l, n)
-            .unwrap();
-        let noise = rms(&got
-            .iter()
-            .zip(&moved)
-            .map(|(a, b)| (a - b) as f64)
-            .collect::<Vec<_>>())
-            / rms(&want.v);
+        let x2: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * (1.0 + 1e-6 * ((i % 7) as f32 - 3.0))).collect();
+        let moved = model.eval(&mut runner(), &x2, (wd, ht), &t, &ctx, l, n).unwrap();
+        let noise = rms(&got.iter().zip(&moved).map(|(a, b)| (a - b) as f64).collect::<Vec<_>>()) / rms(&want.v);
         let what = format!("tiny UNet linear={linear} flash={flash} (noise floor {noise:.2e})");
         assert_close(&what, &got, &want.v, 3e-3);
-        let err = rms(&got
-            .iter()
-            .zip(&want.v)
-            .map(|(&a, b)| a as f64 - b)
-            .collect::<Vec<_>>())
-            / rms(&want.v);
-        assert!(
-            err <= 3.0 * noise.max(1e-4),
-            "{what}: error {err:.2e} is more than 3x the noise floor"
-        );
+        let err = rms(&got.iter().zip(&want.v).map(|(&a, b)| a as f64 - b).collect::<Vec<_>>()) / rms(&want.v);
+        assert!(err <= 3.0 * noise.max(1e-4), "{what}: error {err:.2e} is more than 3x the noise floor");
     }
 }
 
@@ -1180,61 +911,22 @@ fn graph_cuts_name_every_block_in_order() {
         ]
     );
     assert_eq!(cuts.last().unwrap().1, out);
-    assert_eq!(
-        cuts[4].1.shape(),
-        [2, 2, 64, 1],
-        "input_blocks.3 runs at half resolution"
-    );
+    assert_eq!(cuts[4].1.shape(), [2, 2, 64, 1], "input_blocks.3 runs at half resolution");
 }
 
 #[test]
 fn bad_inputs_are_errors_not_aborts() {
     let cfg = tiny(false);
     let (w, _) = make_weights(unet::unet_specs(&cfg, &f16_file, None));
-    let model = UNetModel {
-        cfg,
-        weights: w,
-        flash_attn: false,
-    };
+    let model = UNetModel { cfg, weights: w, flash_attn: false };
     let mut r = runner();
     let ctx = vec![0.0; 24 * 3];
     let cases: Vec<(&str, Result<Vec<f32>, DiffusionError>)> = vec![
-        (
-            "odd latent size",
-            model.eval(&mut r, &vec![0.0; 5 * 4 * 4], (5, 4), &[1.0], &ctx, 3, 1),
-        ),
-        (
-            "short latent",
-            model.eval(&mut r, &[0.0; 10], (4, 4), &[1.0], &ctx, 3, 1),
-        ),
-        (
-            "timesteps",
-            model.eval(&mut r, &vec![0.0; 64], (4, 4), &[1.0, 2.0], &ctx, 3, 1),
-        ),
-        (
-            "context width",
-            model.eval(
-                &mut r,
-                &vec![0.0; 64],
-                (4, 4),
-                &[1.0],
-                &vec![0.0; 25 * 3],
-                3,
-                1,
-            ),
-        ),
-        (
-            "context batch",
-            model.eval(
-                &mut r,
-                &vec![0.0; 128],
-                (4, 4),
-                &[1.0, 2.0],
-                &vec![0.0; 24 * 3 * 3],
-                3,
-                2,
-            ),
-        ),
+        ("odd latent size", model.eval(&mut r, &vec![0.0; 5 * 4 * 4], (5, 4), &[1.0], &ctx, 3, 1)),
+        ("short latent", model.eval(&mut r, &[0.0; 10], (4, 4), &[1.0], &ctx, 3, 1)),
+        ("timesteps", model.eval(&mut r, &vec![0.0; 64], (4, 4), &[1.0, 2.0], &ctx, 3, 1)),
+        ("context width", model.eval(&mut r, &vec![0.0; 64], (4, 4), &[1.0], &vec![0.0; 25 * 3], 3, 1)),
+        ("context batch", model.eval(&mut r, &vec![0.0; 128], (4, 4), &[1.0, 2.0], &vec![0.0; 24 * 3 * 3], 3, 2)),
         ("empty", model.eval(&mut r, &[], (4, 4), &[], &ctx, 3, 0)),
     ];
     for (what, res) in cases {
@@ -1279,11 +971,7 @@ impl TensorSource for PoolSource {
         let n: i64 = ne.iter().product();
         let is_bias = name.ends_with(".bias");
         let is_norm = !is_bias && ne.len() == 1;
-        let fan_in: i64 = if ne.len() > 1 {
-            ne[..ne.len() - 1].iter().product()
-        } else {
-            0
-        };
+        let fan_in: i64 = if ne.len() > 1 { ne[..ne.len() - 1].iter().product() } else { 0 };
         let key = (if is_norm { -1 } else { fan_in }, is_bias, ty.0 as i32);
         let pool = {
             let mut pools = self.pools.lock().unwrap();
@@ -1300,9 +988,7 @@ impl TensorSource for PoolSource {
                         u.iter().map(|x| x * a).collect()
                     };
                     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    Arc::new(
-                        sd_backends::convert::convert(F32, ty, &bytes, &[POOL as i64]).unwrap(),
-                    )
+                    Arc::new(sd_backends::convert::convert(F32, ty, &bytes, &[POOL as i64]).unwrap())
                 })
                 .clone()
         };
@@ -1326,9 +1012,7 @@ fn real_model(cfg: UNetConfig) -> UNetModel {
         &f16_file,
         None,
         backend().device().buffer_type(),
-        &PoolSource {
-            pools: Mutex::new(HashMap::new()),
-        },
+        &PoolSource { pools: Mutex::new(HashMap::new()) },
     )
     .unwrap()
 }
@@ -1350,36 +1034,15 @@ fn check_real(mut model: UNetModel) {
     let per = wd * ht * 4;
     for b in 0..2 {
         let one = model
-            .eval(
-                &mut r,
-                &x[b * per..(b + 1) * per],
-                (wd, ht),
-                &t[b..b + 1],
-                &ctx[b * cd * l..(b + 1) * cd * l],
-                l,
-                1,
-            )
+            .eval(&mut r, &x[b * per..(b + 1) * per], (wd, ht), &t[b..b + 1], &ctx[b * cd * l..(b + 1) * cd * l], l, 1)
             .unwrap();
-        let want: Vec<f64> = both[b * per..(b + 1) * per]
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
-        assert_close(
-            &format!("sample {b} alone vs in a batch"),
-            &one,
-            &want,
-            1e-5,
-        );
+        let want: Vec<f64> = both[b * per..(b + 1) * per].iter().map(|&v| v as f64).collect();
+        assert_close(&format!("sample {b} alone vs in a batch"), &one, &want, 1e-5);
     }
     // Flash attention agrees within its f16 accumulation.
     model.flash_attn = true;
     let fa = model.eval(&mut r, &x, (wd, ht), &t, &ctx, l, 2).unwrap();
-    assert_close(
-        "flash vs plain attention",
-        &fa,
-        &both.iter().map(|&v| v as f64).collect::<Vec<_>>(),
-        5e-2,
-    );
+    assert_close("flash vs plain attention", &fa, &both.iter().map(|&v| v as f64).collect::<Vec<_>>(), 5e-2);
 }
 
 #[test]
@@ -1416,15 +1079,8 @@ fn the_graph_fits_its_declared_size() {
         let graph = g.new_graph(unet::GRAPH_SIZE);
         graph.expand(out);
         let tensors = g.tensors().len();
-        eprintln!(
-            "SD 1.5 graph (flash {flash}): {} nodes, {tensors} tensors",
-            graph.n_nodes()
-        );
-        assert!(
-            graph.n_nodes() * 2 < unet::GRAPH_SIZE,
-            "{} nodes",
-            graph.n_nodes()
-        );
+        eprintln!("SD 1.5 graph (flash {flash}): {} nodes, {tensors} tensors", graph.n_nodes());
+        assert!(graph.n_nodes() * 2 < unet::GRAPH_SIZE, "{} nodes", graph.n_nodes());
         assert!(tensors * 3 / 2 < unet::GRAPH_SIZE, "{tensors} tensors");
     }
 }

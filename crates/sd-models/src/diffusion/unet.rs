@@ -89,12 +89,7 @@ impl UNetConfig {
 
     /// SD 2.x (v2-inference[-v].yaml; SD-Turbo too): head width 64, context 1024, linear projections.
     pub fn sd21() -> Self {
-        UNetConfig {
-            heads: Heads::Width(64),
-            context_dim: 1024,
-            use_linear_projection: true,
-            ..UNetConfig::sd15()
-        }
+        UNetConfig { heads: Heads::Width(64), context_dim: 1024, use_linear_projection: true, ..UNetConfig::sd15() }
     }
 
     /// This config with the widths a file's tensors show, as the reference detects them:
@@ -123,13 +118,8 @@ impl UNetConfig {
             .flat_map(|b| &b.layers)
             .find_map(|(p, l)| matches!(l, Layer::Transformer { .. }).then(|| p.clone()));
         if let Some(p) = first_transformer {
-            let rel = p
-                .strip_prefix(&format!("{PREFIX}."))
-                .unwrap_or(&p)
-                .to_string();
-            if let Some(ne) = get(&format!("{rel}.transformer_blocks.0.attn2.to_k.weight"))
-                .filter(|ne| ne.len() == 2)
-            {
+            let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap_or(&p).to_string();
+            if let Some(ne) = get(&format!("{rel}.transformer_blocks.0.attn2.to_k.weight")).filter(|ne| ne.len() == 2) {
                 self.context_dim = ne[0] as i64;
             }
             match get(&format!("{rel}.proj_out.weight")).map(|ne| ne.len()) {
@@ -143,23 +133,14 @@ impl UNetConfig {
 
     /// Checks the hyper-parameters; the error names the offending field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| {
-            Err(DiffusionError::Config {
-                model: MODEL,
-                reason,
-            })
-        };
+        let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
         if self.channel_mult.is_empty() || self.num_res_blocks == 0 || self.transformer_depth == 0 {
-            return bad(format!("channel_mult, num_res_blocks and transformer_depth must be non-empty / non-zero: {self:?}"));
-        }
-        if self.in_channels <= 0
-            || self.out_channels <= 0
-            || self.context_dim <= 0
-            || self.time_embed_dim <= 0
-        {
             return bad(format!(
-                "in/out channels, context_dim and time_embed_dim must be positive: {self:?}"
+                "channel_mult, num_res_blocks and transformer_depth must be non-empty / non-zero: {self:?}"
             ));
+        }
+        if self.in_channels <= 0 || self.out_channels <= 0 || self.context_dim <= 0 || self.time_embed_dim <= 0 {
+            return bad(format!("in/out channels, context_dim and time_embed_dim must be positive: {self:?}"));
         }
         if self.model_channels <= 0 || self.model_channels % 2 != 0 {
             return bad(format!(
@@ -170,7 +151,10 @@ impl UNetConfig {
         for &m in &self.channel_mult {
             let c = m * self.model_channels;
             if c <= 0 || c % blocks::GROUPS as i64 != 0 {
-                return bad(format!("level width {c} (model_channels {} x mult {m}) is not a positive multiple of 32 (GroupNorm32)", self.model_channels));
+                return bad(format!(
+                    "level width {c} (model_channels {} x mult {m}) is not a positive multiple of 32 (GroupNorm32)",
+                    self.model_channels
+                ));
             }
             let ok = match self.heads {
                 Heads::Count(n) => n > 0 && c % n == 0,
@@ -249,10 +233,7 @@ pub struct Layout {
 impl Layout {
     /// Every block, input to output.
     pub fn blocks(&self) -> impl Iterator<Item = &Block> {
-        self.input
-            .iter()
-            .chain(std::iter::once(&self.middle))
-            .chain(self.output.iter())
+        self.input.iter().chain(std::iter::once(&self.middle)).chain(self.output.iter())
     }
 }
 
@@ -263,13 +244,7 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
     let name = |s: String| format!("{PREFIX}.{s}");
     let mut input = vec![Block {
         name: "input_blocks.0".into(),
-        layers: vec![(
-            name("input_blocks.0.0".into()),
-            Layer::Stem {
-                inp: cfg.in_channels,
-                out: mc,
-            },
-        )],
+        layers: vec![(name("input_blocks.0.0".into()), Layer::Stem { inp: cfg.in_channels, out: mc })],
     }];
     let mut skip_chans = vec![mc];
     let mut ch = mc;
@@ -279,21 +254,12 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
         for _ in 0..cfg.num_res_blocks {
             idx += 1;
             let out = mult * mc;
-            let mut layers = vec![(
-                name(format!("input_blocks.{idx}.0")),
-                Layer::Res { inp: ch, out },
-            )];
+            let mut layers = vec![(name(format!("input_blocks.{idx}.0")), Layer::Res { inp: ch, out })];
             ch = out;
             if cfg.attention_resolutions.contains(&ds) {
-                layers.push((
-                    name(format!("input_blocks.{idx}.1")),
-                    Layer::Transformer(cfg.transformer(ch)),
-                ));
+                layers.push((name(format!("input_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
             }
-            input.push(Block {
-                name: format!("input_blocks.{idx}"),
-                layers,
-            });
+            input.push(Block { name: format!("input_blocks.{idx}"), layers });
             skip_chans.push(ch);
         }
         if level != levels - 1 {
@@ -310,18 +276,9 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
     let middle = Block {
         name: "middle_block".into(),
         layers: vec![
-            (
-                name("middle_block.0".into()),
-                Layer::Res { inp: ch, out: ch },
-            ),
-            (
-                name("middle_block.1".into()),
-                Layer::Transformer(cfg.transformer(ch)),
-            ),
-            (
-                name("middle_block.2".into()),
-                Layer::Res { inp: ch, out: ch },
-            ),
+            (name("middle_block.0".into()), Layer::Res { inp: ch, out: ch }),
+            (name("middle_block.1".into()), Layer::Transformer(cfg.transformer(ch))),
+            (name("middle_block.2".into()), Layer::Res { inp: ch, out: ch }),
         ],
     };
 
@@ -329,42 +286,24 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
     let mut idx = 0;
     for (level, &mult) in cfg.channel_mult.iter().enumerate().rev() {
         for j in 0..=cfg.num_res_blocks {
-            let skip = skip_chans
-                .pop()
-                .expect("one skip connection per output block");
+            let skip = skip_chans.pop().expect("one skip connection per output block");
             let out = mult * mc;
-            let mut layers = vec![(
-                name(format!("output_blocks.{idx}.0")),
-                Layer::Res {
-                    inp: ch + skip,
-                    out,
-                },
-            )];
+            let mut layers = vec![(name(format!("output_blocks.{idx}.0")), Layer::Res { inp: ch + skip, out })];
             ch = out;
             let mut sub = 1;
             if cfg.attention_resolutions.contains(&ds) {
-                layers.push((
-                    name(format!("output_blocks.{idx}.1")),
-                    Layer::Transformer(cfg.transformer(ch)),
-                ));
+                layers.push((name(format!("output_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
                 sub = 2;
             }
             if level > 0 && j == cfg.num_res_blocks {
                 layers.push((name(format!("output_blocks.{idx}.{sub}")), Layer::Up { ch }));
                 ds /= 2;
             }
-            output.push(Block {
-                name: format!("output_blocks.{idx}"),
-                layers,
-            });
+            output.push(Block { name: format!("output_blocks.{idx}"), layers });
             idx += 1;
         }
     }
-    Layout {
-        input,
-        middle,
-        output,
-    }
+    Layout { input, middle, output }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -408,10 +347,7 @@ pub fn unet_specs(
 /// `TensorEntry::ne` gives it); trailing dimensions of 1 are ignored on both sides. Every
 /// missing tensor and shape mismatch is reported in one error; on success the names under
 /// the UNet prefix that the architecture does not use are returned, for a warning.
-pub fn validate_against_file(
-    specs: &[TensorSpec],
-    file: &[(String, Vec<u64>)],
-) -> Result<Vec<String>> {
+pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) -> Result<Vec<String>> {
     fn trim(ne: &[i64]) -> Vec<i64> {
         let mut v = ne.to_vec();
         while v.len() > 1 && v.last() == Some(&1) {
@@ -419,30 +355,20 @@ pub fn validate_against_file(
         }
         v
     }
-    let found: std::collections::HashMap<&str, Vec<i64>> = file
-        .iter()
-        .map(|(n, ne)| (n.as_str(), ne.iter().map(|&d| d as i64).collect()))
-        .collect();
+    let found: std::collections::HashMap<&str, Vec<i64>> =
+        file.iter().map(|(n, ne)| (n.as_str(), ne.iter().map(|&d| d as i64).collect())).collect();
     let mut problems = Vec::new();
     for s in specs {
         match found.get(s.name.as_str()) {
-            None => problems.push(TensorProblem::Missing {
-                name: s.name.clone(),
-                expected: s.ne.clone(),
-            }),
-            Some(ne) if trim(ne) != trim(&s.ne) => problems.push(TensorProblem::Shape {
-                name: s.name.clone(),
-                expected: s.ne.clone(),
-                found: ne.clone(),
-            }),
+            None => problems.push(TensorProblem::Missing { name: s.name.clone(), expected: s.ne.clone() }),
+            Some(ne) if trim(ne) != trim(&s.ne) => {
+                problems.push(TensorProblem::Shape { name: s.name.clone(), expected: s.ne.clone(), found: ne.clone() })
+            }
             Some(_) => {}
         }
     }
     if !problems.is_empty() {
-        return Err(DiffusionError::WeightsMismatch {
-            model: MODEL,
-            problems,
-        });
+        return Err(DiffusionError::WeightsMismatch { model: MODEL, problems });
     }
     let known: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
     let prefix = format!("{PREFIX}.");
@@ -471,16 +397,7 @@ pub fn forward<'g>(
     flash_attn: bool,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    forward_with(
-        g,
-        w,
-        cfg,
-        x,
-        timesteps,
-        context,
-        AttnKernel::from_flag(flash_attn),
-        cuts,
-    )
+    forward_with(g, w, cfg, x, timesteps, context, AttnKernel::from_flag(flash_attn), cuts)
 }
 
 /// [`forward`] with an explicit attention kernel choice.
@@ -499,11 +416,7 @@ pub fn forward_with<'g>(
     let [_, _, _, n] = x.shape();
     let [cd, lc, cn, _] = context.shape();
     // A context shared by the whole batch is repeated per sample, as the reference does.
-    let context = if cn != n {
-        g.repeat(context, g.new_f32(&[cd, lc, n]))
-    } else {
-        context
-    };
+    let context = if cn != n { g.repeat(context, g.new_f32(&[cd, lc, n])) } else { context };
 
     let t_emb = g.timestep_embedding(timesteps, cfg.model_channels as i32, MAX_PERIOD); // [mc, N]
     let mut emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.0"), t_emb, true)?;
@@ -517,9 +430,7 @@ pub fn forward_with<'g>(
             h = match layer {
                 Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
                 Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
-                Layer::Transformer(t) => {
-                    blocks::spatial_transformer(g, w, p, h, context, t, kernel)?
-                }
+                Layer::Transformer(t) => blocks::spatial_transformer(g, w, p, h, context, t, kernel)?,
                 Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
                 Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
             };
@@ -537,9 +448,7 @@ pub fn forward_with<'g>(
     h = run_block(&layout.middle, h)?;
     cuts.push((layout.middle.name.clone(), h));
     for block in &layout.output {
-        let skip = skips
-            .pop()
-            .expect("the layout has one skip per output block");
+        let skip = skips.pop().expect("the layout has one skip per output block");
         h = g.concat(h, skip, 2);
         h = run_block(block, h)?;
         cuts.push((block.name.clone(), h));
@@ -553,12 +462,7 @@ pub fn forward_with<'g>(
 }
 
 fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Result<()> {
-    let bad = |reason: String| {
-        Err(DiffusionError::Input {
-            model: MODEL,
-            reason,
-        })
-    };
+    let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
     let m = cfg.size_multiple();
     if x[0] <= 0 || x[1] <= 0 || x[0] % m != 0 || x[1] % m != 0 {
         return bad(format!(
@@ -569,22 +473,20 @@ fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Resu
         ));
     }
     if x[2] != cfg.in_channels {
-        return bad(format!(
-            "latent has {} channels, the model takes {}",
-            x[2], cfg.in_channels
-        ));
+        return bad(format!("latent has {} channels, the model takes {}", x[2], cfg.in_channels));
     }
     if t[0] != x[3] || t[1..].iter().any(|&d| d != 1) {
         return bad(format!("{} timesteps for a batch of {}", t[0], x[3]));
     }
     if c[0] != cfg.context_dim {
-        return bad(format!(
-            "context width {} but the model's cross-attention takes {}",
-            c[0], cfg.context_dim
-        ));
+        return bad(format!("context width {} but the model's cross-attention takes {}", c[0], cfg.context_dim));
     }
     if c[1] <= 0 || (c[2] != x[3] && c[2] != 1) || c[3] != 1 {
-        return bad(format!("context shape {:?} does not fit a batch of {} (ggml order [width, tokens, batch or 1])", &c[..3], x[3]));
+        return bad(format!(
+            "context shape {:?} does not fit a batch of {} (ggml order [width, tokens, batch or 1])",
+            &c[..3],
+            x[3]
+        ));
     }
     Ok(())
 }
@@ -606,18 +508,10 @@ pub struct UNetModel {
 
 impl UNetModel {
     /// Declares the parameters of `cfg` (no storage yet); see [`unet_specs`] for the types.
-    pub fn new(
-        cfg: UNetConfig,
-        dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
-        wtype: Option<GgmlType>,
-    ) -> Result<Self> {
+    pub fn new(cfg: UNetConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Result<Self> {
         cfg.validate()?;
         let weights = Weights::new(unet_specs(&cfg, dtype_of, wtype))?;
-        Ok(Self {
-            cfg,
-            weights,
-            flash_attn: false,
-        })
+        Ok(Self { cfg, weights, flash_attn: false })
     }
 
     /// Declares, allocates on `buft` and fills the parameters from `src`.
@@ -631,11 +525,7 @@ impl UNetModel {
         let mut m = Self::new(cfg, dtype_of, wtype)?;
         m.weights.allocate(buft)?;
         m.weights.load_from(src)?;
-        tracing::debug!(
-            tensors = m.weights.specs().len(),
-            bytes = m.weights.nbytes(),
-            "UNet weights loaded"
-        );
+        tracing::debug!(tensors = m.weights.specs().len(), bytes = m.weights.nbytes(), "UNet weights loaded");
         Ok(m)
     }
 
@@ -654,18 +544,11 @@ impl UNetModel {
         batch: usize,
     ) -> Result<Vec<f32>> {
         let _span = tracing::trace_span!("unet", w, h, batch, n_ctx_tokens).entered();
-        let bad = |reason: String| {
-            Err(DiffusionError::Input {
-                model: MODEL,
-                reason,
-            })
-        };
+        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
         let cin = self.cfg.in_channels as usize;
         let cd = self.cfg.context_dim as usize;
         if batch == 0 || w == 0 || h == 0 || n_ctx_tokens == 0 {
-            return bad(format!(
-                "empty input: {w}x{h} latent, batch {batch}, {n_ctx_tokens} context tokens"
-            ));
+            return bad(format!("empty input: {w}x{h} latent, batch {batch}, {n_ctx_tokens} context tokens"));
         }
         if x.len() != w * h * cin * batch {
             return bad(format!(
@@ -675,15 +558,10 @@ impl UNetModel {
             ));
         }
         if timesteps.len() != batch {
-            return bad(format!(
-                "{} timesteps for a batch of {batch}",
-                timesteps.len()
-            ));
+            return bad(format!("{} timesteps for a batch of {batch}", timesteps.len()));
         }
         let ctx_batch = context.len() / (n_ctx_tokens * cd).max(1);
-        if !context.len().is_multiple_of(n_ctx_tokens * cd)
-            || (ctx_batch != batch && ctx_batch != 1)
-        {
+        if !context.len().is_multiple_of(n_ctx_tokens * cd) || (ctx_batch != batch && ctx_batch != 1) {
             return bad(format!(
                 "context has {} values, expected {batch} (or 1) x {n_ctx_tokens} x {cd}",
                 context.len()
@@ -691,23 +569,16 @@ impl UNetModel {
         }
 
         let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
-        let tx = g
-            .new_f32(&[w as i64, h as i64, cin as i64, batch as i64])
-            .set_name("x")
-            .set_input();
+        let tx = g.new_f32(&[w as i64, h as i64, cin as i64, batch as i64]).set_name("x").set_input();
         let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
-        let tc = g
-            .new_f32(&[cd as i64, n_ctx_tokens as i64, ctx_batch as i64])
-            .set_name("context")
-            .set_input();
+        let tc = g.new_f32(&[cd as i64, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
         let kernel = if self.flash_attn {
             AttnKernel::FlashWhereSupported(runner.backend().device())
         } else {
             AttnKernel::Plain
         };
         let mut cuts = Vec::new();
-        let out =
-            forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
+        let out = forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
         let graph = g.new_graph(GRAPH_SIZE);
         graph.expand(out);
         runner.alloc(&graph)?;

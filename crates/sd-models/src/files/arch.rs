@@ -103,12 +103,8 @@ pub fn registered() -> Vec<&'static ArchSpec> {
 
 /// Metadata keys read for the prediction type, in order. Values are parsed with
 /// [`Prediction::from_str`]; `ss_v_parameterization` (kohya) is a boolean string.
-pub const PREDICTION_KEYS: &[&str] = &[
-    "modelspec.prediction_type",
-    "prediction_type",
-    "diffusers.scheduler.prediction_type",
-    "ss_v_parameterization",
-];
+pub const PREDICTION_KEYS: &[&str] =
+    &["modelspec.prediction_type", "prediction_type", "diffusers.scheduler.prediction_type", "ss_v_parameterization"];
 
 /// The prediction type the files declare: a metadata key of [`PREDICTION_KEYS`], or a
 /// `v_pred` marker tensor (the convention sd.cpp reads for SDXL v-pred files).
@@ -131,7 +127,9 @@ pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, Stri
         match parsed {
             Some(p) => return Some((p, key.to_owned())),
             None if key == "ss_v_parameterization" => {}
-            None => tracing::warn!(key, value = s, file = %file.path.display(), "unknown prediction type in metadata; ignored"),
+            None => {
+                tracing::warn!(key, value = s, file = %file.path.display(), "unknown prediction type in metadata; ignored")
+            }
         }
     }
     index.contains("v_pred").then(|| (Prediction::V, "v_pred".to_owned()))
@@ -189,10 +187,8 @@ pub fn summarize(index: &TensorIndex) -> String {
         "model.diffusion_model.middle_block.1.norm.weight",
         "first_stage_model.decoder.conv_in.weight",
     ];
-    let shapes: Vec<String> = notable
-        .iter()
-        .filter_map(|n| index.get(n).map(|e| format!("{} {:?}", e.name, e.shape)))
-        .collect();
+    let shapes: Vec<String> =
+        notable.iter().filter_map(|n| index.get(n).map(|e| format!("{} {:?}", e.name, e.shape))).collect();
     if shapes.is_empty() {
         out += "; none of the SD tensors this build knows (";
         out += &notable[..3].join(", ");

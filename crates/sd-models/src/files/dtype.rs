@@ -235,8 +235,7 @@ impl DType {
     }
 
     /// The safetensors dtype strings [`DType::from_safetensors_name`] accepts, for messages.
-    pub const SAFETENSORS_ACCEPTED: &'static str =
-        "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2";
+    pub const SAFETENSORS_ACCEPTED: &'static str = "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, F8_E4M3, F8_E5M2";
 }
 
 impl fmt::Display for DType {

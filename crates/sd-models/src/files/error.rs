@@ -14,7 +14,9 @@ pub enum FormatError {
     Truncated { what: String, start: u64, end: u64, file_len: u64 },
 
     /// The safetensors header length is larger than the file or than any real header.
-    #[error("safetensors header length {len} is impossible (file has {file_len} bytes; headers are at most {limit} bytes)")]
+    #[error(
+        "safetensors header length {len} is impossible (file has {file_len} bytes; headers are at most {limit} bytes)"
+    )]
     HeaderLength { len: u64, file_len: u64, limit: u64 },
 
     /// The header contains bytes that are not UTF-8.

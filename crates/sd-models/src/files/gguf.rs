@@ -292,9 +292,17 @@ pub fn parse(file: &[u8]) -> Result<GgufHeader, FormatError> {
     let version = r.u32(&|| "the GGUF version".into())?;
     match version {
         2 | 3 => {}
-        1 => return Err(FormatError::UnsupportedVersion { version, hint: "; GGUF v1 files are obsolete, convert them again" }),
+        1 => {
+            return Err(FormatError::UnsupportedVersion {
+                version,
+                hint: "; GGUF v1 files are obsolete, convert them again",
+            })
+        }
         v if v & 0xFFFF == 0 => {
-            return Err(FormatError::UnsupportedVersion { version, hint: "; the file looks big-endian, only little-endian files are read" })
+            return Err(FormatError::UnsupportedVersion {
+                version,
+                hint: "; the file looks big-endian, only little-endian files are read",
+            })
         }
         _ => return Err(FormatError::UnsupportedVersion { version, hint: "" }),
     }
@@ -478,7 +486,11 @@ pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &[(String, GgufValue)]) 
             return Err(FormatError::DuplicateTensor { tensor: s.name.to_owned() });
         }
         if s.shape.len() as u64 > MAX_DIMS {
-            return Err(FormatError::TooManyDims { tensor: s.name.to_owned(), n_dims: s.shape.len() as u64, max: MAX_DIMS });
+            return Err(FormatError::TooManyDims {
+                tensor: s.name.to_owned(),
+                n_dims: s.shape.len() as u64,
+                max: MAX_DIMS,
+            });
         }
         let id = s.dtype.ggml_type_id().ok_or_else(|| FormatError::UnknownDType {
             tensor: s.name.to_owned(),

@@ -18,7 +18,10 @@ use super::DType;
 pub enum FileFormat {
     Safetensors,
     /// GGUF of this version (2 or 3) and data alignment.
-    Gguf { version: u32, alignment: u64 },
+    Gguf {
+        version: u32,
+        alignment: u64,
+    },
 }
 
 /// One file a model was read from.
@@ -305,7 +308,13 @@ mod tests {
     }
 
     fn file() -> SourceFile {
-        SourceFile { path: "m.safetensors".into(), format: FileFormat::Safetensors, role: FileRole::Checkpoint, len: 0, metadata: vec![] }
+        SourceFile {
+            path: "m.safetensors".into(),
+            format: FileFormat::Safetensors,
+            role: FileRole::Checkpoint,
+            len: 0,
+            metadata: vec![],
+        }
     }
 
     #[test]
@@ -332,7 +341,8 @@ mod tests {
 
     #[test]
     fn blocks_follow_execution_order() {
-        let mut names: Vec<String> = (0..12).map(|i| format!("model.diffusion_model.input_blocks.{i}.0.weight")).collect();
+        let mut names: Vec<String> =
+            (0..12).map(|i| format!("model.diffusion_model.input_blocks.{i}.0.weight")).collect();
         names.push("model.diffusion_model.middle_block.1.norm.weight".into());
         names.push("model.diffusion_model.output_blocks.0.0.in_layers.0.weight".into());
         names.push("model.diffusion_model.output_blocks.11.1.proj_out.weight".into());
@@ -360,6 +370,9 @@ mod tests {
         let mut b = entry("model.diffusion_model.out.2.weight");
         b.original_name = "diffusion_model.out.2.weight".into();
         let err = TensorIndex::new(vec![file()], vec![a, b]).unwrap_err().to_string();
-        assert!(err.contains("model.diffusion_model.out.2.weight") && err.contains("'diffusion_model.out.2.weight'"), "{err}");
+        assert!(
+            err.contains("model.diffusion_model.out.2.weight") && err.contains("'diffusion_model.out.2.weight'"),
+            "{err}"
+        );
     }
 }

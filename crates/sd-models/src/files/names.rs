@@ -340,7 +340,9 @@ fn open_clip(rest: &str, prefix: &str) -> Option<Normalized> {
 fn hf_clip(body: &str, prefix: &str) -> Normalized {
     let seg: Vec<&str> = body.split('.').collect();
     match seg.as_slice() {
-        ["text_model", "encoder", "layers", n, "self_attn", "in_proj", suffix @ ("weight" | "bias")] if small(n).is_some() => {
+        ["text_model", "encoder", "layers", n, "self_attn", "in_proj", suffix @ ("weight" | "bias")]
+            if small(n).is_some() =>
+        {
             split_names(prefix, n, suffix)
         }
         ["text_projection", "weight"] => Normalized::One(format!("{prefix}text_model.text_projection")),
@@ -393,7 +395,10 @@ mod tests {
                 "up_blocks.3.attentions.2.transformer_blocks.0.attn2.to_out.0.weight",
                 "output_blocks.11.1.transformer_blocks.0.attn2.to_out.0.weight",
             ),
-            ("up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.bias", "output_blocks.3.1.transformer_blocks.0.attn1.to_out.0.bias"),
+            (
+                "up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.bias",
+                "output_blocks.3.1.transformer_blocks.0.attn1.to_out.0.bias",
+            ),
         ];
         for (diffusers, ldm) in cases {
             assert_eq!(one(diffusers, FileRole::DiffusionModel), format!("model.diffusion_model.{ldm}"), "{diffusers}");
@@ -476,7 +481,10 @@ mod tests {
             ])
         );
         assert_eq!(
-            normalize("cond_stage_model.transformer.text_model.encoder.layers.2.self_attn.in_proj.bias", FileRole::Checkpoint),
+            normalize(
+                "cond_stage_model.transformer.text_model.encoder.layers.2.self_attn.in_proj.bias",
+                FileRole::Checkpoint
+            ),
             Normalized::Split([
                 format!("{t}encoder.layers.2.self_attn.q_proj.bias"),
                 format!("{t}encoder.layers.2.self_attn.k_proj.bias"),
@@ -484,15 +492,27 @@ mod tests {
             ])
         );
         // Unmapped OpenCLIP names stay visible under their original name.
-        assert_eq!(one("cond_stage_model.model.logit_scale", FileRole::Checkpoint), "cond_stage_model.model.logit_scale");
+        assert_eq!(
+            one("cond_stage_model.model.logit_scale", FileRole::Checkpoint),
+            "cond_stage_model.model.logit_scale"
+        );
     }
 
     #[test]
     fn component_files_get_their_prefix() {
-        assert_eq!(one("encoder.down.0.block.0.conv1.weight", FileRole::Vae), "first_stage_model.encoder.down.0.block.0.conv1.weight");
-        assert_eq!(one("first_stage_model.decoder.conv_in.bias", FileRole::Vae), "first_stage_model.decoder.conv_in.bias");
+        assert_eq!(
+            one("encoder.down.0.block.0.conv1.weight", FileRole::Vae),
+            "first_stage_model.encoder.down.0.block.0.conv1.weight"
+        );
+        assert_eq!(
+            one("first_stage_model.decoder.conv_in.bias", FileRole::Vae),
+            "first_stage_model.decoder.conv_in.bias"
+        );
         assert_eq!(one("vae.decoder.conv_out.bias", FileRole::Vae), "first_stage_model.decoder.conv_out.bias");
-        assert_eq!(one("input_blocks.0.0.weight", FileRole::DiffusionModel), "model.diffusion_model.input_blocks.0.0.weight");
+        assert_eq!(
+            one("input_blocks.0.0.weight", FileRole::DiffusionModel),
+            "model.diffusion_model.input_blocks.0.0.weight"
+        );
         assert_eq!(
             one("text_model.encoder.layers.0.mlp.fc1.weight", FileRole::TextEncoder(0)),
             "cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc1.weight"
@@ -501,7 +521,10 @@ mod tests {
             one("text_model.final_layer_norm.weight", FileRole::TextEncoder(1)),
             "cond_stage_model.1.transformer.text_model.final_layer_norm.weight"
         );
-        assert_eq!(one("text_projection.weight", FileRole::TextEncoder(0)), "cond_stage_model.transformer.text_model.text_projection");
+        assert_eq!(
+            one("text_projection.weight", FileRole::TextEncoder(0)),
+            "cond_stage_model.transformer.text_model.text_projection"
+        );
         assert_eq!(one("decoder.layers.3.conv.0.weight", FileRole::Taesd), "tae.decoder.layers.3.conv.0.weight");
         assert_eq!(one("tae.decoder.layers.3.conv.0.weight", FileRole::Taesd), "tae.decoder.layers.3.conv.0.weight");
     }

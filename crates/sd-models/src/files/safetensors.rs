@@ -42,12 +42,7 @@ pub struct SafetensorsHeader {
 pub fn parse(file: &[u8]) -> Result<SafetensorsHeader, FormatError> {
     let file_len = file.len() as u64;
     let Some(len_bytes) = file.get(..8) else {
-        return Err(FormatError::Truncated {
-            what: "the 8-byte header length".into(),
-            start: 0,
-            end: 8,
-            file_len,
-        });
+        return Err(FormatError::Truncated { what: "the 8-byte header length".into(), start: 0, end: 8, file_len });
     };
     let header_len = u64::from_le_bytes(len_bytes.try_into().unwrap_or([0; 8]));
     if header_len > MAX_HEADER_LEN || header_len > file_len - 8 {
@@ -154,10 +149,7 @@ fn parse_entry(name: &str, value: &Value, data_len: u64) -> Result<RawTensor, Fo
         Some(Value::Array(dims)) => dims
             .iter()
             .enumerate()
-            .map(|(i, d)| {
-                d.as_u64()
-                    .ok_or_else(|| bad(format!("shape[{i}] is {d}, not a non-negative integer")))
-            })
+            .map(|(i, d)| d.as_u64().ok_or_else(|| bad(format!("shape[{i}] is {d}, not a non-negative integer"))))
             .collect::<Result<Vec<u64>, _>>()?,
         Some(v) => return Err(bad(format!("\"shape\" is {}, not an array", json_kind(v)))),
         None => return Err(bad("\"shape\" is missing".into())),
@@ -165,7 +157,12 @@ fn parse_entry(name: &str, value: &Value, data_len: u64) -> Result<RawTensor, Fo
     let (begin, end) = match obj.get("data_offsets") {
         Some(Value::Array(o)) if o.len() == 2 => match (o[0].as_u64(), o[1].as_u64()) {
             (Some(b), Some(e)) => (b, e),
-            _ => return Err(bad(format!("data_offsets {value} are not two non-negative integers", value = obj["data_offsets"]))),
+            _ => {
+                return Err(bad(format!(
+                    "data_offsets {value} are not two non-negative integers",
+                    value = obj["data_offsets"]
+                )))
+            }
         },
         Some(v) => return Err(bad(format!("\"data_offsets\" is {v}, not [BEGIN, END]"))),
         None => return Err(bad("\"data_offsets\" is missing".into())),
@@ -208,12 +205,8 @@ pub(crate) fn expected_bytes(name: &str, dtype: DType, shape: &[u64]) -> Result<
 /// Fails when two non-empty tensors share a byte. Offsets in `tensors` are absolute; the
 /// error reports them relative to the data section, as the header writes them.
 pub(crate) fn check_overlaps(tensors: &[RawTensor], data_start: u64) -> Result<(), FormatError> {
-    let mut spans: Vec<(u64, u64, usize)> = tensors
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.len > 0)
-        .map(|(i, t)| (t.offset, t.offset + t.len, i))
-        .collect();
+    let mut spans: Vec<(u64, u64, usize)> =
+        tensors.iter().enumerate().filter(|(_, t)| t.len > 0).map(|(i, t)| (t.offset, t.offset + t.len, i)).collect();
     spans.sort_unstable();
     for w in spans.windows(2) {
         let (a, b) = (w[0], w[1]);
@@ -257,10 +250,9 @@ pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &BTreeMap<String, String
             return Err(FormatError::DuplicateTensor { tensor: s.name.to_owned() });
         }
         let len = expected_bytes(s.name, s.dtype, s.shape)?;
-        let end = offset.checked_add(len).ok_or_else(|| FormatError::ShapeOverflow {
-            tensor: s.name.to_owned(),
-            shape: s.shape.to_vec(),
-        })?;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| FormatError::ShapeOverflow { tensor: s.name.to_owned(), shape: s.shape.to_vec() })?;
         obj.insert(
             s.name.to_owned(),
             serde_json::json!({ "dtype": dtype, "shape": s.shape, "data_offsets": [offset, end] }),
@@ -278,7 +270,10 @@ pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &BTreeMap<String, String
 
 /// A whole safetensors file in memory: header, then each tensor's `data` in order.
 /// Each `data` must be exactly the tensor's size.
-pub fn to_bytes(tensors: &[(TensorSpec<'_>, &[u8])], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>, FormatError> {
+pub fn to_bytes(
+    tensors: &[(TensorSpec<'_>, &[u8])],
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, FormatError> {
     let specs: Vec<TensorSpec<'_>> = tensors.iter().map(|(s, _)| *s).collect();
     let mut out = header_bytes(&specs, metadata)?;
     for (s, data) in tensors {

@@ -327,8 +327,10 @@ fn read_json(root: &Path, rel: &str) -> Result<Option<serde_json::Value>, FilesE
         return Ok(None);
     }
     let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
-    let value: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| FilesError::Diffusers { path: root.to_owned(), problem: format!("{rel} is not valid JSON: {e}") })?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| FilesError::Diffusers {
+        path: root.to_owned(),
+        problem: format!("{rel} is not valid JSON: {e}"),
+    })?;
     if !value.is_object() {
         return Err(FilesError::Diffusers { path: root.to_owned(), problem: format!("{rel} is not a JSON object") });
     }
@@ -366,7 +368,9 @@ fn open_diffusers(root: &Path) -> Result<Vec<Parsed>, FilesError> {
         match diffusers_file(root, folder, stem) {
             Some(p) => out.push(open_file(&p, role)?),
             None if folder == "text_encoder_2" => {}
-            None => tracing::warn!(path = %root.display(), folder, "diffusers folder has no {folder}/{stem}.safetensors"),
+            None => {
+                tracing::warn!(path = %root.display(), folder, "diffusers folder has no {folder}/{stem}.safetensors")
+            }
         }
     }
     Ok(out)

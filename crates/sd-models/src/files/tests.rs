@@ -132,7 +132,11 @@ fn safetensors_non_utf8_and_bad_json() {
 #[test]
 fn safetensors_entry_errors_name_the_tensor() {
     let cases: &[(&str, usize, &str)] = &[
-        (r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#, 16, "appears twice"),
+        (
+            r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#,
+            16,
+            "appears twice",
+        ),
         (r#"{"w":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}"#, 8, "unknown dtype 'C64'"),
         (r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, 8, "past its end"),
         (r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}}"#, 8, "begin is after end"),
@@ -161,10 +165,7 @@ fn safetensors_entry_errors_name_the_tensor() {
 fn safetensors_overlap_names_both_tensors() {
     let json = r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#;
     let e = st_err(json, 16);
-    assert_eq!(
-        e,
-        FormatError::Overlap { first: "a".into(), second: "b".into(), overlap_start: 8, overlap_end: 16 }
-    );
+    assert_eq!(e, FormatError::Overlap { first: "a".into(), second: "b".into(), overlap_start: 8, overlap_end: 16 });
     // Adjacent is fine; a gap is fine.
     let ok = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}}"#;
     assert_eq!(safetensors::parse(&st_raw(ok, 20)).unwrap().tensors.len(), 2);
@@ -237,7 +238,10 @@ fn gguf_every_truncation_is_an_error() {
     for cut in 0..needed {
         let e = gg_err(&bytes[..cut]);
         assert!(
-            matches!(e, FormatError::Truncated { .. } | FormatError::OutOfBounds { .. } | FormatError::CountTooLarge { .. }),
+            matches!(
+                e,
+                FormatError::Truncated { .. } | FormatError::OutOfBounds { .. } | FormatError::CountTooLarge { .. }
+            ),
             "cut at {cut}: {e}"
         );
     }
@@ -353,7 +357,9 @@ fn gguf_tensor_errors_name_the_tensor() {
     assert!(matches!(gg_err(&g.data(32, 64)), FormatError::DuplicateTensor { ref tensor } if tensor == "a"));
     let mut g = G::new(3, 2, 0);
     g.tensor("a", &[16], 0, 0).tensor("b", &[4], 0, 32);
-    assert!(matches!(gg_err(&g.data(32, 64)), FormatError::Overlap { ref first, ref second, .. } if first == "a" && second == "b"));
+    assert!(
+        matches!(gg_err(&g.data(32, 64)), FormatError::Overlap { ref first, ref second, .. } if first == "a" && second == "b")
+    );
     let mut g = G::new(3, 1, 0);
     g.u64(2).bytes(&[0xff, 0xfe]).u32(1).i64(1).u32(0).u64(0);
     assert!(matches!(gg_err(&g.data(32, 8)), FormatError::NotUtf8 { .. }));
@@ -406,7 +412,12 @@ struct T {
 
 fn t(name: &'static str, dtype: DType, shape: &[u64], seed: u8) -> T {
     let len = safetensors::expected_bytes(name, dtype, shape).unwrap() as usize;
-    T { name, dtype, shape: shape.to_vec(), data: (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect() }
+    T {
+        name,
+        dtype,
+        shape: shape.to_vec(),
+        data: (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect(),
+    }
 }
 
 fn specs(ts: &[T]) -> Vec<(TensorSpec<'_>, &[u8])> {
@@ -443,7 +454,10 @@ fn round_trip_both_formats_through_model_files() {
         t("model.diffusion_model.input_blocks.1.1.x", DType::Q4_0, &[32], 10),
         t("model.diffusion_model.input_blocks.1.1.y", DType::F16, &[2, 3, 4, 5], 11),
     ];
-    let kv = vec![("general.alignment".to_owned(), GgufValue::U32(64)), ("general.name".to_owned(), GgufValue::String("g".into()))];
+    let kv = vec![
+        ("general.alignment".to_owned(), GgufValue::U32(64)),
+        ("general.name".to_owned(), GgufValue::String("g".into())),
+    ];
     let gg = write(dir.path(), "m.gguf", &gguf::to_bytes(&specs(&gg_tensors), &kv).unwrap());
 
     for (path, tensors) in [(&st, &st_tensors[..]), (&gg, &gg_tensors[..])] {
@@ -487,14 +501,23 @@ fn sd_unet(ctx: u64) -> Vec<T> {
 fn sd1_checkpoint() -> Vec<T> {
     let mut v = sd_unet(768);
     v.push(t("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", DType::F16, &[2, 768], 8));
-    v.push(t("cond_stage_model.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight", DType::F16, &[2, 2], 9));
+    v.push(t(
+        "cond_stage_model.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight",
+        DType::F16,
+        &[2, 2],
+        9,
+    ));
     v
 }
 
 #[test]
 fn sd1_checkpoint_is_detected_with_components_and_blocks() {
     let dir = tempfile::tempdir().unwrap();
-    let p = write(dir.path(), "sd15.safetensors", &safetensors::to_bytes(&specs(&sd1_checkpoint()), &BTreeMap::new()).unwrap());
+    let p = write(
+        dir.path(),
+        "sd15.safetensors",
+        &safetensors::to_bytes(&specs(&sd1_checkpoint()), &BTreeMap::new()).unwrap(),
+    );
     let files = ModelFiles::open_model(&p).unwrap();
     let d = files.detect(None).unwrap();
     assert_eq!((d.arch, d.context_dim, d.prediction), ("sd1", 768, Some(Prediction::Eps)));
@@ -542,13 +565,17 @@ fn sd2_open_clip_checkpoint_gets_hf_names_and_split_qkv_views() {
         assert_eq!(bytes, &b[k * 8..(k + 1) * 8]);
     }
     assert!(!files.index().entries().iter().any(|e| e.name.contains("in_proj")), "no fused name left");
-    assert_eq!(files.index().component(files.index().get("cond_stage_model.model.logit_scale").unwrap()), Component::Unused);
+    assert_eq!(
+        files.index().component(files.index().get("cond_stage_model.model.logit_scale").unwrap()),
+        Component::Unused
+    );
 }
 
 #[test]
 fn sd2_without_prediction_metadata_leaves_it_unknown() {
     let dir = tempfile::tempdir().unwrap();
-    let p = write(dir.path(), "u.safetensors", &safetensors::to_bytes(&specs(&sd_unet(1024)), &BTreeMap::new()).unwrap());
+    let p =
+        write(dir.path(), "u.safetensors", &safetensors::to_bytes(&specs(&sd_unet(1024)), &BTreeMap::new()).unwrap());
     let d = ModelFiles::open_model(&p).unwrap().detect(None).unwrap();
     assert_eq!((d.arch, d.prediction, d.prediction_source), ("sd2", None, PredictionSource::Unknown));
 }
@@ -559,7 +586,12 @@ fn fused_projection_that_cannot_be_split_is_an_error() {
     let ts = [t("cond_stage_model.model.transformer.resblocks.3.attn.in_proj_weight", DType::F32, &[4, 2], 1)];
     let p = write(dir.path(), "bad.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
     let msg = ModelFiles::open_model(&p).unwrap_err().to_string();
-    assert!(msg.contains("bad.safetensors") && msg.contains("resblocks.3.attn.in_proj_weight") && msg.contains("multiple of 3"), "{msg}");
+    assert!(
+        msg.contains("bad.safetensors")
+            && msg.contains("resblocks.3.attn.in_proj_weight")
+            && msg.contains("multiple of 3"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -585,7 +617,10 @@ fn unknown_architectures_list_what_was_found() {
     let ts = [t("transformer.blocks.0.weight", DType::F32, &[2], 1), t("lm_head.weight", DType::F32, &[2], 2)];
     let p = write(dir.path(), "llm.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
     let msg = ModelFiles::open_model(&p).unwrap().detect(None).unwrap_err().to_string();
-    assert!(msg.contains("2 tensors") && msg.contains("transformer.blocks.* (1)") && msg.contains("lm_head.weight"), "{msg}");
+    assert!(
+        msg.contains("2 tensors") && msg.contains("transformer.blocks.* (1)") && msg.contains("lm_head.weight"),
+        "{msg}"
+    );
     assert!(msg.contains("none of the SD tensors"), "{msg}");
 }
 
@@ -623,7 +658,10 @@ fn diffusers_folder_maps_to_ldm_names_and_reads_the_scheduler() {
         ("model.diffusion_model.output_blocks.5.2.conv.weight", "up_blocks.1.upsamplers.0.conv.weight"),
         ("first_stage_model.decoder.up.3.block.0.conv1.weight", "decoder.up_blocks.0.resnets.0.conv1.weight"),
         ("first_stage_model.decoder.mid.attn_1.q.weight", "decoder.mid_block.attentions.0.to_q.weight"),
-        ("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", "text_model.embeddings.token_embedding.weight"),
+        (
+            "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight",
+            "text_model.embeddings.token_embedding.weight",
+        ),
     ] {
         let e = idx.get(name).unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(e.original_name, original);
@@ -659,7 +697,13 @@ fn component_files_get_prefixes_and_replace_the_checkpoint_component() {
     ];
     let clip = write(dir.path(), "clip_l.safetensors", &safetensors::to_bytes(&specs(&clip), &none).unwrap());
 
-    let sources = ModelSources { model: Some(ckpt), vae: Some(vae.clone()), clip_l: Some(clip), taesd: Some(taesd), ..Default::default() };
+    let sources = ModelSources {
+        model: Some(ckpt),
+        vae: Some(vae.clone()),
+        clip_l: Some(clip),
+        taesd: Some(taesd),
+        ..Default::default()
+    };
     let files = ModelFiles::open(&sources).unwrap();
     let idx = files.index();
     let (e, bytes) = files.tensor("first_stage_model.decoder.conv_in.weight").unwrap();
@@ -669,13 +713,16 @@ fn component_files_get_prefixes_and_replace_the_checkpoint_component() {
     assert!(!idx.contains("first_stage_model.encoder.conv_in.weight"), "the checkpoint's VAE is replaced whole");
     assert!(!idx.contains("model.diffusion_model.out.2.bias"), "foreign tensors of a component file are skipped");
     assert!(idx.contains("tae.decoder.layers.0.weight"));
-    assert_eq!(idx.get("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight").unwrap().original_name,
-        "text_model.embeddings.token_embedding.weight");
+    assert_eq!(
+        idx.get("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight").unwrap().original_name,
+        "text_model.embeddings.token_embedding.weight"
+    );
     assert!(idx.contains("model.diffusion_model.input_blocks.0.0.weight"), "the UNet stays");
     assert_eq!(files.detect(None).unwrap().arch, "sd1");
 
     // --diffusion-model alone (no text encoder): detected from the UNet's cross-attention.
-    let unet = write(dir.path(), "unet.safetensors", &safetensors::to_bytes(&specs(&sd_unet(1024)[..4]), &none).unwrap());
+    let unet =
+        write(dir.path(), "unet.safetensors", &safetensors::to_bytes(&specs(&sd_unet(1024)[..4]), &none).unwrap());
     let files = ModelFiles::open(&ModelSources { diffusion_model: Some(unet), ..Default::default() }).unwrap();
     assert_eq!(files.detect(None).unwrap().arch, "sd2");
 }
@@ -700,7 +747,10 @@ fn open_errors_name_the_file_and_tensor() {
     let msg = ModelFiles::open_model(dir.path().join("nope.gguf")).unwrap_err().to_string();
     assert!(msg.contains("nope.gguf"), "{msg}");
     // Two stored names for one internal name.
-    let ts = [t("model.diffusion_model.out.2.bias", DType::F32, &[1], 1), t("diffusion_model.out.2.bias", DType::F32, &[1], 2)];
+    let ts = [
+        t("model.diffusion_model.out.2.bias", DType::F32, &[1], 1),
+        t("diffusion_model.out.2.bias", DType::F32, &[1], 2),
+    ];
     let p = write(dir.path(), "dup.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
     let msg = ModelFiles::open_model(&p).unwrap_err().to_string();
     assert!(msg.contains("dup.safetensors") && msg.contains("'diffusion_model.out.2.bias'"), "{msg}");
@@ -733,7 +783,8 @@ fn registry_names_are_unique_and_include_sd() {
 fn fuzz_corpus_replays_without_panic() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
     let mut n = 0;
-    for (target, parse) in [("safetensors_header", parse_safetensors_any as fn(&[u8])), ("gguf_header", parse_gguf_any)] {
+    for (target, parse) in [("safetensors_header", parse_safetensors_any as fn(&[u8])), ("gguf_header", parse_gguf_any)]
+    {
         for sub in ["seeds", "corpus", "artifacts"] {
             let Ok(rd) = std::fs::read_dir(root.join(sub).join(target)) else { continue };
             for f in rd.flatten() {
@@ -762,7 +813,10 @@ fn independently_written_seed_files_parse_as_intended() {
     let w = &h.tensors[0];
     assert_eq!((w.name.as_str(), w.dtype, w.shape.clone(), w.len), ("w", DType::F32, vec![3, 2], 24));
     let q = &h.tensors[1];
-    assert_eq!((q.name.as_str(), q.dtype, q.shape.clone(), q.offset - h.data_start, q.len), ("q", DType::Q8_0, vec![1, 32], 32, 34));
+    assert_eq!(
+        (q.name.as_str(), q.dtype, q.shape.clone(), q.offset - h.data_start, q.len),
+        ("q", DType::Q8_0, vec![1, 32], 32, 34)
+    );
     assert_eq!(h.data_start + 32 + 34, g.len() as u64);
 
     let s = std::fs::read(root.join("safetensors_header/seed-valid")).unwrap();

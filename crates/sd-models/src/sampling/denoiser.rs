@@ -46,16 +46,10 @@ impl Prediction {
         let var = sigma * sigma + SIGMA_DATA * SIGMA_DATA;
         let c_in = 1.0 / var.sqrt();
         match self {
-            Prediction::Eps => Scalings {
-                c_skip: 1.0,
-                c_out: -sigma,
-                c_in,
-            },
-            Prediction::V => Scalings {
-                c_skip: SIGMA_DATA * SIGMA_DATA / var,
-                c_out: -sigma * SIGMA_DATA / var.sqrt(),
-                c_in,
-            },
+            Prediction::Eps => Scalings { c_skip: 1.0, c_out: -sigma, c_in },
+            Prediction::V => {
+                Scalings { c_skip: SIGMA_DATA * SIGMA_DATA / var, c_out: -sigma * SIGMA_DATA / var.sqrt(), c_in }
+            }
         }
     }
 }
@@ -70,13 +64,7 @@ impl FromStr for Prediction {
     type Err = SamplingError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        parse_name(
-            "prediction",
-            s,
-            &Prediction::ALL,
-            |k| k.name(),
-            &Prediction::NOT_IMPLEMENTED,
-        )
+        parse_name("prediction", s, &Prediction::ALL, |k| k.name(), &Prediction::NOT_IMPLEMENTED)
     }
 }
 
@@ -135,18 +123,8 @@ impl<F> fmt::Debug for GuidedDenoiser<'_, F> {
 
 impl<'s, F> GuidedDenoiser<'s, F> {
     /// Wraps `model`; with `cfg_scale == 1` the unconditional pass is never requested.
-    pub fn new(
-        schedule: &'s DiscreteSchedule,
-        prediction: Prediction,
-        cfg_scale: f32,
-        model: F,
-    ) -> Self {
-        GuidedDenoiser {
-            schedule,
-            prediction,
-            cfg_scale,
-            model,
-        }
+    pub fn new(schedule: &'s DiscreteSchedule, prediction: Prediction, cfg_scale: f32, model: F) -> Self {
+        GuidedDenoiser { schedule, prediction, cfg_scale, model }
     }
 
     /// Whether each evaluation needs the unconditional output (the reference: `cfg != 1`).
@@ -160,21 +138,11 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         F: FnMut(ModelInput<'_>) -> Result<ModelOutput, E>,
         E: From<SamplingError>,
     {
-        let Scalings {
-            c_skip,
-            c_out,
-            c_in,
-        } = self.prediction.scalings(sigma);
+        let Scalings { c_skip, c_out, c_in } = self.prediction.scalings(sigma);
         let timestep = self.schedule.sigma_to_t(sigma);
         let x_in: Vec<f32> = x.iter().map(|&v| v * c_in).collect();
         let uncond = self.uses_uncond();
-        let out = (self.model)(ModelInput {
-            x: &x_in,
-            timestep,
-            sigma,
-            step,
-            uncond,
-        })?;
+        let out = (self.model)(ModelInput { x: &x_in, timestep, sigma, step, uncond })?;
         check_len("model output (cond)", x.len(), out.cond.len())?;
         let mut pred = out.cond;
         if uncond {
@@ -187,11 +155,7 @@ impl<'s, F> GuidedDenoiser<'s, F> {
                 *p = u + cfg * (*p - u);
             }
         }
-        Ok(pred
-            .iter()
-            .zip(x)
-            .map(|(&p, &xv)| p * c_out + xv * c_skip)
-            .collect())
+        Ok(pred.iter().zip(x).map(|(&p, &xv)| p * c_out + xv * c_skip).collect())
     }
 }
 
@@ -199,10 +163,6 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), Samp
     if expected == got {
         Ok(())
     } else {
-        Err(SamplingError::LengthMismatch {
-            what,
-            expected,
-            got,
-        })
+        Err(SamplingError::LengthMismatch { what, expected, got })
     }
 }

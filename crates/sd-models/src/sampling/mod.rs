@@ -47,8 +47,7 @@ pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
 pub use sampler::{sample, SampleMethod};
 pub use schedule::{
-    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule,
-    Scheduler, TIMESTEPS,
+    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, Scheduler, TIMESTEPS,
 };
 
 /// Where a denoiser evaluation sits in the sampling loop.
@@ -77,7 +76,9 @@ pub enum SamplingError {
         accepted: String,
     },
     /// A name the reference accepts that this runtime does not implement yet.
-    #[error("{what} '{name}' is accepted by stable-diffusion.cpp but not implemented here; implemented: {implemented}")]
+    #[error(
+        "{what} '{name}' is accepted by stable-diffusion.cpp but not implemented here; implemented: {implemented}"
+    )]
     NotImplemented {
         /// Which kind of name.
         what: &'static str,
@@ -136,9 +137,5 @@ fn parse_name<T: Copy>(
             implemented: implemented_names.join(", "),
         });
     }
-    Err(SamplingError::UnknownName {
-        what,
-        name: name.to_owned(),
-        accepted: implemented_names.join(", "),
-    })
+    Err(SamplingError::UnknownName { what, name: name.to_owned(), accepted: implemented_names.join(", ") })
 }

@@ -177,9 +177,7 @@ impl MinstdRand0 {
     /// Seeded as `engine.seed(s)`: s mod m, and 1 if that is 0.
     pub fn new(seed: u32) -> Self {
         let x = (u64::from(seed) % Self::MODULUS) as u32;
-        MinstdRand0 {
-            x: if x == 0 { 1 } else { x },
-        }
+        MinstdRand0 { x: if x == 0 { 1 } else { x } }
     }
 
     /// The next engine output, in `[1, 2^31 - 2]`.
@@ -211,9 +209,7 @@ pub struct StdDefaultRng {
 impl StdDefaultRng {
     /// The reference seeds with `(unsigned int)seed`: only the low 32 bits count.
     pub fn new(seed: u64) -> Self {
-        StdDefaultRng {
-            engine: MinstdRand0::new(seed as u32),
-        }
+        StdDefaultRng { engine: MinstdRand0::new(seed as u32) }
     }
 }
 
@@ -259,9 +255,7 @@ pub struct Mt19937 {
 
 impl fmt::Debug for Mt19937 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Mt19937")
-            .field("index", &self.index)
-            .finish_non_exhaustive()
+        f.debug_struct("Mt19937").field("index", &self.index).finish_non_exhaustive()
     }
 }
 
@@ -275,14 +269,9 @@ impl Mt19937 {
         state[0] = seed;
         for j in 1..Self::N {
             let prev = state[j - 1];
-            state[j] = 1_812_433_253_u32
-                .wrapping_mul(prev ^ (prev >> 30))
-                .wrapping_add(j as u32);
+            state[j] = 1_812_433_253_u32.wrapping_mul(prev ^ (prev >> 30)).wrapping_add(j as u32);
         }
-        Mt19937 {
-            state,
-            index: Self::N,
-        }
+        Mt19937 { state, index: Self::N }
     }
 
     fn twist(&mut self) {
@@ -322,10 +311,7 @@ pub struct TorchCpuRng {
 impl TorchCpuRng {
     /// Seeded with the low 32 bits of `seed`, as torch's `manual_seed` on the CPU generator.
     pub fn new(seed: u64) -> Self {
-        TorchCpuRng {
-            mt: Mt19937::new(seed as u32),
-            next_gauss: None,
-        }
+        TorchCpuRng { mt: Mt19937::new(seed as u32), next_gauss: None }
     }
 
     /// A float in [0, 1) from the low 24 bits of one output.

@@ -106,10 +106,7 @@ impl SampleMethod {
 
     /// Whether the method draws noise from the sampler RNG while sampling.
     pub fn is_stochastic(self) -> bool {
-        matches!(
-            self,
-            SampleMethod::EulerA | SampleMethod::DpmPp2sA | SampleMethod::Lcm
-        )
+        matches!(self, SampleMethod::EulerA | SampleMethod::DpmPp2sA | SampleMethod::Lcm)
     }
 }
 
@@ -123,13 +120,7 @@ impl FromStr for SampleMethod {
     type Err = SamplingError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        parse_name(
-            "sampling method",
-            s,
-            &SampleMethod::ALL,
-            |k| k.name(),
-            &SampleMethod::NOT_IMPLEMENTED,
-        )
+        parse_name("sampling method", s, &SampleMethod::ALL, |k| k.name(), &SampleMethod::NOT_IMPLEMENTED)
     }
 }
 
@@ -192,34 +183,16 @@ where
     let steps = sigmas.len() - 1;
     let n = x.len();
     let mut call = |x: &[f32], sigma: f32, index: usize, last_eval: bool| -> Result<Vec<f32>, E> {
-        let out = denoise(
-            x,
-            sigma,
-            Step {
-                index,
-                count: steps,
-                last_eval,
-            },
-        )?;
+        let out = denoise(x, sigma, Step { index, count: steps, last_eval })?;
         if out.len() != n {
-            return Err(SamplingError::LengthMismatch {
-                what: "denoiser output",
-                expected: n,
-                got: out.len(),
-            }
-            .into());
+            return Err(SamplingError::LengthMismatch { what: "denoiser output", expected: n, got: out.len() }.into());
         }
         Ok(out)
     };
     let noise = |rng: &mut dyn NoiseRng| -> Result<Vec<f32>, E> {
         let v = rng.randn(n);
         if v.len() != n {
-            return Err(SamplingError::LengthMismatch {
-                what: "sampler noise",
-                expected: n,
-                got: v.len(),
-            }
-            .into());
+            return Err(SamplingError::LengthMismatch { what: "sampler noise", expected: n, got: v.len() }.into());
         }
         Ok(v)
     };
@@ -298,8 +271,7 @@ where
                         *xv += dv * dt;
                     }
                 } else {
-                    let sigma_mid =
-                        (0.5 * (f64::from(s).ln() + f64::from(s_next).ln())).exp() as f32;
+                    let sigma_mid = (0.5 * (f64::from(s).ln() + f64::from(s_next).ln())).exp() as f32;
                     let dt_1 = sigma_mid - s;
                     let dt_2 = s_next - s;
                     let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt_1).collect();
@@ -325,11 +297,7 @@ where
                     let sigma_s = sigma_fn(s_mid);
                     let a = sigma_s / sigma_fn(t);
                     let b = expm1_ref(-h * 0.5);
-                    let x2: Vec<f32> = x
-                        .iter()
-                        .zip(&den)
-                        .map(|(&xv, &dv)| a * xv - b * dv)
-                        .collect();
+                    let x2: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| a * xv - b * dv).collect();
                     let den2 = call(&x2, sigma_s, i, true)?;
                     let a2 = sigma_fn(t_next) / sigma_fn(t);
                     let b2 = expm1_ref(-h);

@@ -83,10 +83,7 @@ impl Default for DiscreteSchedule {
 impl DiscreteSchedule {
     /// The SD 1.x/2.x schedule (scaled linear, 0.00085 .. 0.012, 1000 steps).
     pub fn sd() -> Self {
-        Self::from_valid_alphas_cumprod(&scaled_linear_alphas_cumprod(
-            SD_LINEAR_START,
-            SD_LINEAR_END,
-        ))
+        Self::from_valid_alphas_cumprod(&scaled_linear_alphas_cumprod(SD_LINEAR_START, SD_LINEAR_END))
     }
 
     /// A schedule from a checkpoint's own `alphas_cumprod` tensor (1000 values, each in (0, 1)).
@@ -97,23 +94,14 @@ impl DiscreteSchedule {
                 alphas_cumprod.len()
             )));
         }
-        if let Some((i, v)) = alphas_cumprod
-            .iter()
-            .enumerate()
-            .find(|(_, v)| !(**v > 0.0 && **v < 1.0))
-        {
-            return Err(SamplingError::InvalidAlphasCumprod(format!(
-                "value {v} at index {i} is not in (0, 1)"
-            )));
+        if let Some((i, v)) = alphas_cumprod.iter().enumerate().find(|(_, v)| !(**v > 0.0 && **v < 1.0)) {
+            return Err(SamplingError::InvalidAlphasCumprod(format!("value {v} at index {i} is not in (0, 1)")));
         }
         Ok(Self::from_valid_alphas_cumprod(alphas_cumprod))
     }
 
     fn from_valid_alphas_cumprod(alphas_cumprod: &[f32]) -> Self {
-        let sigmas: Vec<f32> = alphas_cumprod
-            .iter()
-            .map(|&a| ((1.0 - a) / a).sqrt())
-            .collect();
+        let sigmas: Vec<f32> = alphas_cumprod.iter().map(|&a| ((1.0 - a) / a).sqrt()).collect();
         let log_sigmas = sigmas.iter().map(|s| s.ln()).collect();
         DiscreteSchedule { sigmas, log_sigmas }
     }
@@ -150,11 +138,7 @@ impl DiscreteSchedule {
     /// neighbouring table entries, clamped to [0, 999]. This is what the UNet is given.
     pub fn sigma_to_t(&self, sigma: f32) -> f32 {
         let log_sigma = sigma.ln();
-        let count = self
-            .log_sigmas
-            .iter()
-            .filter(|&&ls| log_sigma - ls >= 0.0)
-            .count() as i64;
+        let count = self.log_sigmas.iter().filter(|&&ls| log_sigma - ls >= 0.0).count() as i64;
         let low_idx = (count - 1).clamp(0, TIMESTEPS as i64 - 2);
         let high_idx = low_idx + 1;
         let low = self.log_sigmas[low_idx as usize];
@@ -227,11 +211,7 @@ impl Scheduler {
     }
 
     /// The `steps + 1` sigmas (the last one 0) for `schedule`. Zero steps is an error.
-    pub fn sigmas(
-        self,
-        steps: usize,
-        schedule: &DiscreteSchedule,
-    ) -> Result<Vec<f32>, SamplingError> {
+    pub fn sigmas(self, steps: usize, schedule: &DiscreteSchedule) -> Result<Vec<f32>, SamplingError> {
         if steps == 0 {
             return Err(SamplingError::ZeroSteps);
         }
@@ -259,13 +239,7 @@ impl FromStr for Scheduler {
     type Err = SamplingError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        parse_name(
-            "scheduler",
-            s,
-            &Scheduler::ALL,
-            |k| k.name(),
-            &Scheduler::NOT_IMPLEMENTED,
-        )
+        parse_name("scheduler", s, &Scheduler::ALL, |k| k.name(), &Scheduler::NOT_IMPLEMENTED)
     }
 }
 
@@ -276,9 +250,7 @@ fn discrete(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
         return vec![schedule.t_to_sigma(T_MAX as f32), 0.0];
     }
     let step = T_MAX as f32 / (n - 1) as f32;
-    let mut out: Vec<f32> = (0..n)
-        .map(|i| schedule.t_to_sigma(T_MAX as f32 - step * i as f32))
-        .collect();
+    let mut out: Vec<f32> = (0..n).map(|i| schedule.t_to_sigma(T_MAX as f32 - step * i as f32)).collect();
     out.push(0.0);
     out
 }
@@ -292,11 +264,7 @@ fn karras(n: u32, sigma_min: f32, sigma_max: f32) -> Vec<f32> {
     let mut out: Vec<f32> = (0..n)
         .map(|i| {
             // One step: the reference computes 0 / 0 here; we take the first point of the ramp.
-            let ramp = if n == 1 {
-                0.0
-            } else {
-                i as f32 / (n as f32 - 1.0)
-            };
+            let ramp = if n == 1 { 0.0 } else { i as f32 / (n as f32 - 1.0) };
             let base = max_inv_rho + ramp * (min_inv_rho - max_inv_rho);
             f64::from(base).powf(f64::from(rho)) as f32
         })
@@ -309,14 +277,8 @@ fn exponential(n: u32, sigma_min: f32, sigma_max: f32) -> Vec<f32> {
     let log_sigma_min = sigma_min.ln();
     let log_sigma_max = sigma_max.ln();
     // One step: the reference divides by zero here (NaN); we keep the first point.
-    let step = if n == 1 {
-        0.0
-    } else {
-        (log_sigma_max - log_sigma_min) / (n - 1) as f32
-    };
-    let mut out: Vec<f32> = (0..n)
-        .map(|i| (log_sigma_max - step * i as f32).exp())
-        .collect();
+    let step = if n == 1 { 0.0 } else { (log_sigma_max - log_sigma_min) / (n - 1) as f32 };
+    let mut out: Vec<f32> = (0..n).map(|i| (log_sigma_max - step * i as f32).exp()).collect();
     out.push(0.0);
     out
 }
@@ -336,10 +298,7 @@ fn linear_space(start: f32, end: f32, num_points: usize) -> Vec<f32> {
 
 fn sgm_uniform(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
     let timesteps = linear_space(T_MAX as f32, 0.0, n as usize + 1);
-    let mut out: Vec<f32> = timesteps[..n as usize]
-        .iter()
-        .map(|&t| schedule.t_to_sigma(t))
-        .collect();
+    let mut out: Vec<f32> = timesteps[..n as usize].iter().map(|&t| schedule.t_to_sigma(t)).collect();
     out.push(0.0);
     out
 }
@@ -432,17 +391,9 @@ pub fn img2img_sigmas(sigmas: &[f32], strength: f32) -> Result<Vec<f32>, Samplin
 /// For text-to-image `init` is all zeros; for image-to-image it is the encoded image's latent.
 pub fn noised_latent(init: &[f32], noise: &[f32], sigma: f32) -> Result<Vec<f32>, SamplingError> {
     if init.len() != noise.len() {
-        return Err(SamplingError::LengthMismatch {
-            what: "noise",
-            expected: init.len(),
-            got: noise.len(),
-        });
+        return Err(SamplingError::LengthMismatch { what: "noise", expected: init.len(), got: noise.len() });
     }
-    Ok(init
-        .iter()
-        .zip(noise)
-        .map(|(&l, &n)| l + n * sigma)
-        .collect())
+    Ok(init.iter().zip(noise).map(|(&l, &n)| l + n * sigma).collect())
 }
 
 /// The text-to-image starting latent: `0 + noise * sigma`, as [`noised_latent`] on a zero latent.

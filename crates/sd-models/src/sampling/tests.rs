@@ -19,11 +19,7 @@ const REFERENCE: &str = include_str!("testdata/reference.txt");
 const STD_RNG: &str = include_str!("testdata/std_rng.txt");
 
 /// Bit-exact where the libm is the one the data was generated with.
-const MAX_ULPS: u32 = if cfg!(all(target_os = "linux", target_env = "gnu")) {
-    0
-} else {
-    4
-};
+const MAX_ULPS: u32 = if cfg!(all(target_os = "linux", target_env = "gnu")) { 0 } else { 4 };
 
 /// `head: v0 v1 ...` lines of a data file, by head.
 fn table(text: &str) -> HashMap<String, Vec<String>> {
@@ -31,10 +27,7 @@ fn table(text: &str) -> HashMap<String, Vec<String>> {
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
         .map(|l| {
             let (head, values) = l.split_once(':').expect("data line without ':'");
-            (
-                head.trim().to_owned(),
-                values.split_whitespace().map(str::to_owned).collect(),
-            )
+            (head.trim().to_owned(), values.split_whitespace().map(str::to_owned).collect())
         })
         .collect()
 }
@@ -43,10 +36,7 @@ fn floats(t: &HashMap<String, Vec<String>>, head: &str) -> Vec<f32> {
     t.get(head)
         .unwrap_or_else(|| panic!("no line '{head}' in test data"))
         .iter()
-        .map(|v| {
-            v.parse::<f32>()
-                .unwrap_or_else(|e| panic!("'{v}' in '{head}': {e}"))
-        })
+        .map(|v| v.parse::<f32>().unwrap_or_else(|e| panic!("'{v}' in '{head}': {e}")))
         .collect()
 }
 
@@ -77,10 +67,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], max_ulps: u32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let d = ulps(g, w);
-        assert!(
-            d <= max_ulps,
-            "{what}[{i}]: got {g:e}, reference {w:e} ({d} ulps apart)"
-        );
+        assert!(d <= max_ulps, "{what}[{i}]: got {g:e}, reference {w:e} ({d} ulps apart)");
     }
 }
 
@@ -99,11 +86,7 @@ fn assert_rel(what: &str, got: f64, want: f64, rel: f64) {
 #[test]
 fn philox_block_matches_random123_known_answers() {
     let cases: [([u32; 4], [u32; 2], [u32; 4]); 3] = [
-        (
-            [0, 0, 0, 0],
-            [0, 0],
-            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8],
-        ),
+        ([0, 0, 0, 0], [0, 0], [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]),
         (
             [0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff],
             [0xffffffff, 0xffffffff],
@@ -116,34 +99,21 @@ fn philox_block_matches_random123_known_answers() {
         ),
     ];
     for (ctr, key, want) in cases {
-        assert_eq!(
-            philox4x32_10(ctr, key),
-            want,
-            "counter {ctr:08x?} key {key:08x?}"
-        );
+        assert_eq!(philox4x32_10(ctr, key), want, "counter {ctr:08x?} key {key:08x?}");
     }
 }
 
 /// The normal transform against the Box-Muller formula evaluated independently in f64.
 #[test]
 fn philox_box_muller_is_the_sine_branch_of_box_muller() {
-    for (a, b) in [
-        (0u32, 0u32),
-        (1, 2),
-        (0x8000_0000, 0x4000_0000),
-        (123_456_789, 987_654_321),
-        (0xffff_0000, 7),
-    ] {
+    for (a, b) in [(0u32, 0u32), (1, 2), (0x8000_0000, 0x4000_0000), (123_456_789, 987_654_321), (0xffff_0000, 7)] {
         let (x, y) = (a as f32, b as f32);
         let u = (f64::from(x) + 0.5) / 4_294_967_296.0;
         let v = (f64::from(y) + 0.5) / 4_294_967_296.0 * std::f64::consts::TAU;
         let want = (-2.0 * u.ln()).sqrt() * v.sin();
         // Float uniforms and a float radius: a few float roundings from the exact value.
         let got = f64::from(philox_box_muller(x, y));
-        assert!(
-            (got - want).abs() <= 2e-6 * want.abs().max(1.0),
-            "({a}, {b}): got {got}, expected {want}"
-        );
+        assert!((got - want).abs() <= 2e-6 * want.abs().max(1.0), "({a}, {b}): got {got}, expected {want}");
     }
     // u32::MAX converts to 2^32 in float, so the float uniform rounds to exactly 1: radius 0.
     assert_eq!(philox_box_muller(u32::MAX as f32, 12_345.0), 0.0);
@@ -158,11 +128,7 @@ fn philox_counter_and_key_layout() {
     let second = rng.randn(4);
     for (i, &v) in second.iter().enumerate() {
         let g = philox4x32_10([1, 0, i as u32, 0], [0x89ab_cdef, 0x0123_4567]);
-        assert_eq!(
-            v.to_bits(),
-            philox_box_muller(g[0] as f32, g[1] as f32).to_bits(),
-            "element {i}"
-        );
+        assert_eq!(v.to_bits(), philox_box_muller(g[0] as f32, g[1] as f32).to_bits(), "element {i}");
     }
 }
 
@@ -194,13 +160,8 @@ fn minstd_engine_matches_libstdcxx() {
 #[test]
 fn std_default_noise_matches_libstdcxx() {
     let t = table(STD_RNG);
-    let cases: [(u64, &[usize]); 5] = [
-        (0, &[16]),
-        (42, &[16, 7, 9]),
-        (1, &[1, 1, 3]),
-        (12345, &[64]),
-        (4_294_967_338, &[10]),
-    ];
+    let cases: [(u64, &[usize]); 5] =
+        [(0, &[16]), (42, &[16, 7, 9]), (1, &[1, 1, 3]), (12345, &[64]), (4_294_967_338, &[10])];
     for (seed, sizes) in cases {
         let mut rng = RngKind::StdDefault.seeded(seed);
         for (r, &n) in sizes.iter().enumerate() {
@@ -219,10 +180,7 @@ fn std_default_drops_the_cached_value_between_requests() {
     let mut b = StdDefaultRng::new(1);
     let pair = b.randn(2);
     assert_eq!(one[0], pair[0]);
-    assert_ne!(
-        next[0], pair[1],
-        "the second request must not reuse the cached value"
-    );
+    assert_ne!(next[0], pair[1], "the second request must not reuse the cached value");
 }
 
 #[test]
@@ -256,11 +214,7 @@ fn noise_is_roughly_standard_normal() {
     for kind in RngKind::ALL {
         let v = kind.seeded(7).randn(20_000);
         let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64;
-        let var = v
-            .iter()
-            .map(|&x| (f64::from(x) - mean).powi(2))
-            .sum::<f64>()
-            / v.len() as f64;
+        let var = v.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / v.len() as f64;
         assert!(mean.abs() < 0.03, "{kind}: mean {mean}");
         assert!((var - 1.0).abs() < 0.05, "{kind}: variance {var}");
     }
@@ -285,21 +239,11 @@ fn sd_sigmas_f64() -> Vec<f64> {
 #[test]
 fn sigma_table_matches_reference_and_formula() {
     let s = DiscreteSchedule::sd();
-    assert_close(
-        "sigma_table",
-        s.sigmas(),
-        &floats(&reference(), "sigma_table"),
-        MAX_ULPS,
-    );
+    assert_close("sigma_table", s.sigmas(), &floats(&reference(), "sigma_table"), MAX_ULPS);
     let exact = sd_sigmas_f64();
     // The float running product drifts a little from the f64 one over 1000 factors.
     for i in [0, 1, 500, 998, 999] {
-        assert_rel(
-            &format!("sigma[{i}]"),
-            f64::from(s.sigmas()[i]),
-            exact[i],
-            1e-4,
-        );
+        assert_rel(&format!("sigma[{i}]"), f64::from(s.sigmas()[i]), exact[i], 1e-4);
     }
     assert_rel("sigma_min", f64::from(s.sigma_min()), 0.029_167_5, 1e-4);
     assert_rel("sigma_max", f64::from(s.sigma_max()), 14.614_6, 1e-4);
@@ -310,15 +254,10 @@ fn checkpoint_alphas_cumprod_is_validated() {
     let good = scaled_linear_alphas_cumprod(0.00085, 0.012);
     let from_file = DiscreteSchedule::from_alphas_cumprod(&good).unwrap();
     assert_eq!(from_file.sigmas(), DiscreteSchedule::sd().sigmas());
-    assert!(matches!(
-        DiscreteSchedule::from_alphas_cumprod(&good[..999]),
-        Err(SamplingError::InvalidAlphasCumprod(_))
-    ));
+    assert!(matches!(DiscreteSchedule::from_alphas_cumprod(&good[..999]), Err(SamplingError::InvalidAlphasCumprod(_))));
     let mut bad = good.clone();
     bad[10] = 1.0;
-    let err = DiscreteSchedule::from_alphas_cumprod(&bad)
-        .unwrap_err()
-        .to_string();
+    let err = DiscreteSchedule::from_alphas_cumprod(&bad).unwrap_err().to_string();
     assert!(err.contains("index 10"), "{err}");
     bad[10] = f32::NAN;
     assert!(DiscreteSchedule::from_alphas_cumprod(&bad).is_err());
@@ -328,15 +267,9 @@ fn checkpoint_alphas_cumprod_is_validated() {
 fn sigma_timestep_conversions_match_reference() {
     let t = reference();
     let s = DiscreteSchedule::sd();
-    let got: Vec<f32> = floats(&t, "sigma_to_t_in")
-        .iter()
-        .map(|&x| s.sigma_to_t(x))
-        .collect();
+    let got: Vec<f32> = floats(&t, "sigma_to_t_in").iter().map(|&x| s.sigma_to_t(x)).collect();
     assert_close("sigma_to_t", &got, &floats(&t, "sigma_to_t_out"), MAX_ULPS);
-    let got: Vec<f32> = floats(&t, "t_to_sigma_in")
-        .iter()
-        .map(|&x| s.t_to_sigma(x))
-        .collect();
+    let got: Vec<f32> = floats(&t, "t_to_sigma_in").iter().map(|&x| s.t_to_sigma(x)).collect();
     assert_close("t_to_sigma", &got, &floats(&t, "t_to_sigma_out"), MAX_ULPS);
 }
 
@@ -351,12 +284,7 @@ fn sigma_timestep_round_trip() {
     }
     for i in [0usize, 3, 500, 999] {
         let sigma = s.t_to_sigma(i as f32);
-        assert_rel(
-            &format!("t_to_sigma({i})"),
-            f64::from(sigma),
-            f64::from(s.sigmas()[i]),
-            2e-7,
-        );
+        assert_rel(&format!("t_to_sigma({i})"), f64::from(sigma), f64::from(s.sigmas()[i]), 2e-7);
     }
     assert_eq!(s.sigma_to_t(1e-3), 0.0, "below the table clamps to 0");
     assert_eq!(s.sigma_to_t(100.0), 999.0, "above the table clamps to 999");
@@ -373,12 +301,7 @@ fn schedulers_match_reference() {
             if !t.contains_key(&head) {
                 continue;
             }
-            assert_close(
-                &head,
-                &sched.sigmas(n, &s).unwrap(),
-                &floats(&t, &head),
-                MAX_ULPS,
-            );
+            assert_close(&head, &sched.sigmas(n, &s).unwrap(), &floats(&t, &head), MAX_ULPS);
             checked += 1;
         }
     }
@@ -394,10 +317,7 @@ fn every_schedule_descends_to_zero() {
             assert_eq!(sig.len(), n + 1, "{sched} {n}");
             assert_eq!(*sig.last().unwrap(), 0.0, "{sched} {n}");
             assert!(sig.windows(2).all(|w| w[0] > w[1]), "{sched} {n}: {sig:?}");
-            assert!(
-                sig[0] <= s.sigma_max() * 1.000_01,
-                "{sched} {n}: starts above sigma_max"
-            );
+            assert!(sig[0] <= s.sigma_max() * 1.000_01, "{sched} {n}: starts above sigma_max");
         }
     }
 }
@@ -408,9 +328,7 @@ fn karras_by_hand() {
     let s = DiscreteSchedule::sd();
     let (smin, smax) = (f64::from(s.sigma_min()), f64::from(s.sigma_max()));
     let (a, b) = (smax.powf(1.0 / 7.0), smin.powf(1.0 / 7.0));
-    let want: Vec<f64> = (0..4)
-        .map(|i| (a + i as f64 / 3.0 * (b - a)).powi(7))
-        .collect();
+    let want: Vec<f64> = (0..4).map(|i| (a + i as f64 / 3.0 * (b - a)).powi(7)).collect();
     let got = Scheduler::Karras.sigmas(4, &s).unwrap();
     for i in 0..4 {
         assert_rel(&format!("karras[{i}]"), f64::from(got[i]), want[i], 1e-5);
@@ -422,49 +340,23 @@ fn karras_by_hand() {
 #[test]
 fn discrete_by_hand() {
     let exact = sd_sigmas_f64();
-    let got = Scheduler::Discrete
-        .sigmas(4, &DiscreteSchedule::sd())
-        .unwrap();
+    let got = Scheduler::Discrete.sigmas(4, &DiscreteSchedule::sd()).unwrap();
     for (i, t) in [999usize, 666, 333, 0].into_iter().enumerate() {
-        assert_rel(
-            &format!("discrete[{i}] (t = {t})"),
-            f64::from(got[i]),
-            exact[t],
-            1e-4,
-        );
+        assert_rel(&format!("discrete[{i}] (t = {t})"), f64::from(got[i]), exact[t], 1e-4);
     }
     assert_eq!(got[4], 0.0);
     // Exponential: log-evenly spaced between the ends.
-    let e = Scheduler::Exponential
-        .sigmas(3, &DiscreteSchedule::sd())
-        .unwrap();
-    assert_rel(
-        "exponential middle",
-        f64::from(e[1]),
-        (exact[0] * exact[999]).sqrt(),
-        1e-5,
-    );
+    let e = Scheduler::Exponential.sigmas(3, &DiscreteSchedule::sd()).unwrap();
+    assert_rel("exponential middle", f64::from(e[1]), (exact[0] * exact[999]).sqrt(), 1e-5);
     // Simple with 4 steps: timesteps 999, 749, 499, 249.
-    let simple = Scheduler::Simple
-        .sigmas(4, &DiscreteSchedule::sd())
-        .unwrap();
+    let simple = Scheduler::Simple.sigmas(4, &DiscreteSchedule::sd()).unwrap();
     for (i, t) in [999usize, 749, 499, 249].into_iter().enumerate() {
-        assert_rel(
-            &format!("simple[{i}] (t = {t})"),
-            f64::from(simple[i]),
-            exact[t],
-            1e-4,
-        );
+        assert_rel(&format!("simple[{i}] (t = {t})"), f64::from(simple[i]), exact[t], 1e-4);
     }
     // LCM with 4 steps: timesteps 999, 759, 499, 259 ((50 - floor(50 i / 4)) * 20 - 1).
     let lcm = Scheduler::Lcm.sigmas(4, &DiscreteSchedule::sd()).unwrap();
     for (i, t) in [999usize, 759, 499, 259].into_iter().enumerate() {
-        assert_rel(
-            &format!("lcm[{i}] (t = {t})"),
-            f64::from(lcm[i]),
-            exact[t],
-            1e-4,
-        );
+        assert_rel(&format!("lcm[{i}] (t = {t})"), f64::from(lcm[i]), exact[t], 1e-4);
     }
 }
 
@@ -473,9 +365,7 @@ fn discrete_by_hand() {
 /// 0.0291999 instead of sigma_min. We reproduce that value.
 #[test]
 fn discrete_22_steps_reproduces_the_reference_edge_value() {
-    let sig = Scheduler::Discrete
-        .sigmas(22, &DiscreteSchedule::sd())
-        .unwrap();
+    let sig = Scheduler::Discrete.sigmas(22, &DiscreteSchedule::sd()).unwrap();
     assert_eq!(sig[21], 0.029_199_863);
     assert_ne!(sig[21], DiscreteSchedule::sd().sigma_min());
 }
@@ -486,21 +376,14 @@ fn single_step_karras_and_exponential_start_at_sigma_max() {
     for sched in [Scheduler::Karras, Scheduler::Exponential] {
         let sig = sched.sigmas(1, &s).unwrap();
         assert_eq!(sig.len(), 2);
-        assert_rel(
-            &format!("{sched}"),
-            f64::from(sig[0]),
-            f64::from(s.sigma_max()),
-            1e-6,
-        );
+        assert_rel(&format!("{sched}"), f64::from(sig[0]), f64::from(s.sigma_max()), 1e-6);
         assert_eq!(sig[1], 0.0);
     }
 }
 
 #[test]
 fn zero_steps_is_an_error() {
-    let err = Scheduler::Discrete
-        .sigmas(0, &DiscreteSchedule::sd())
-        .unwrap_err();
+    let err = Scheduler::Discrete.sigmas(0, &DiscreteSchedule::sd()).unwrap_err();
     assert!(matches!(err, SamplingError::ZeroSteps));
     assert!(err.to_string().contains("--steps"));
 }
@@ -529,21 +412,11 @@ fn img2img_strength_selects_the_schedule_tail() {
 fn initial_latents() {
     let noise = [1.0_f32, -2.0, -0.0];
     assert_eq!(txt2img_latent(&noise, 3.0), vec![3.0, -6.0, 0.0]);
-    assert!(
-        txt2img_latent(&noise, 3.0)[2].is_sign_positive(),
-        "0 + (-0) is +0 as in the reference"
-    );
-    assert_eq!(
-        noised_latent(&[0.5, 0.5, 0.5], &noise, 2.0).unwrap(),
-        vec![2.5, -3.5, 0.5]
-    );
+    assert!(txt2img_latent(&noise, 3.0)[2].is_sign_positive(), "0 + (-0) is +0 as in the reference");
+    assert_eq!(noised_latent(&[0.5, 0.5, 0.5], &noise, 2.0).unwrap(), vec![2.5, -3.5, 0.5]);
     assert!(matches!(
         noised_latent(&[0.0; 2], &noise, 1.0),
-        Err(SamplingError::LengthMismatch {
-            expected: 2,
-            got: 3,
-            ..
-        })
+        Err(SamplingError::LengthMismatch { expected: 2, got: 3, .. })
     ));
 }
 
@@ -558,12 +431,7 @@ fn scalings_match_reference() {
         let want = floats(&t, &head);
         let e = Prediction::Eps.scalings(sigma);
         let v = Prediction::V.scalings(sigma);
-        assert_close(
-            &head,
-            &[e.c_skip, e.c_out, e.c_in, v.c_skip, v.c_out, v.c_in],
-            &want,
-            MAX_ULPS,
-        );
+        assert_close(&head, &[e.c_skip, e.c_out, e.c_in, v.c_skip, v.c_out, v.c_in], &want, MAX_ULPS);
     }
 }
 
@@ -600,35 +468,16 @@ fn guided_denoiser_matches_reference_composition() {
     for prediction in Prediction::ALL {
         for cfg in [1.0_f32, 7.0] {
             let sigma = 3.7_f32;
-            let x: Vec<f32> = PhiloxRng::new(5)
-                .randn(12)
-                .iter()
-                .map(|v| v * 2.0)
-                .collect();
+            let x: Vec<f32> = PhiloxRng::new(5).randn(12).iter().map(|v| v * 2.0).collect();
             let mut asked_uncond = None;
             let mut den = GuidedDenoiser::new(&schedule, prediction, cfg, |m: ModelInput<'_>| {
                 asked_uncond = Some(m.uncond);
                 let t = m.timestep;
-                let cond =
-                    m.x.iter()
-                        .enumerate()
-                        .map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32)
-                        .collect();
-                let uncond =
-                    m.x.iter()
-                        .enumerate()
-                        .map(|(i, &v)| 0.2 * v - 0.01 * i as f32)
-                        .collect();
-                Ok::<_, SamplingError>(ModelOutput {
-                    cond,
-                    uncond: m.uncond.then_some(uncond),
-                })
+                let cond = m.x.iter().enumerate().map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32).collect();
+                let uncond = m.x.iter().enumerate().map(|(i, &v)| 0.2 * v - 0.01 * i as f32).collect();
+                Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond) })
             });
-            let step = Step {
-                index: 0,
-                count: 1,
-                last_eval: true,
-            };
+            let step = Step { index: 0, count: 1, last_eval: true };
             let got = den.denoise(&x, sigma, step).unwrap();
             assert_eq!(asked_uncond, Some(cfg != 1.0));
             let head = t
@@ -637,11 +486,7 @@ fn guided_denoiser_matches_reference_composition() {
                 .expect("guided line")
                 .clone();
             let want_t: f32 = head.split_whitespace().nth(4).unwrap().parse().unwrap();
-            assert_eq!(
-                schedule.sigma_to_t(sigma).to_bits(),
-                want_t.to_bits(),
-                "{head}: timestep"
-            );
+            assert_eq!(schedule.sigma_to_t(sigma).to_bits(), want_t.to_bits(), "{head}: timestep");
             assert_close(&head, &got, &floats(&t, &head), MAX_ULPS);
         }
     }
@@ -650,32 +495,15 @@ fn guided_denoiser_matches_reference_composition() {
 #[test]
 fn guided_denoiser_rejects_missing_uncond_and_wrong_lengths() {
     let schedule = DiscreteSchedule::sd();
-    let step = Step {
-        index: 0,
-        count: 1,
-        last_eval: true,
-    };
-    let mut no_uncond =
-        GuidedDenoiser::new(&schedule, Prediction::Eps, 5.0, |m: ModelInput<'_>| {
-            Ok::<_, SamplingError>(ModelOutput {
-                cond: m.x.to_vec(),
-                uncond: None,
-            })
-        });
-    assert!(matches!(
-        no_uncond.denoise(&[1.0, 2.0], 1.0, step),
-        Err(SamplingError::MissingUncond)
-    ));
-    let mut short = GuidedDenoiser::new(&schedule, Prediction::V, 1.0, |_: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput {
-            cond: vec![0.0],
-            uncond: None,
-        })
+    let step = Step { index: 0, count: 1, last_eval: true };
+    let mut no_uncond = GuidedDenoiser::new(&schedule, Prediction::Eps, 5.0, |m: ModelInput<'_>| {
+        Ok::<_, SamplingError>(ModelOutput { cond: m.x.to_vec(), uncond: None })
     });
-    assert!(matches!(
-        short.denoise(&[1.0, 2.0], 1.0, step),
-        Err(SamplingError::LengthMismatch { got: 1, .. })
-    ));
+    assert!(matches!(no_uncond.denoise(&[1.0, 2.0], 1.0, step), Err(SamplingError::MissingUncond)));
+    let mut short = GuidedDenoiser::new(&schedule, Prediction::V, 1.0, |_: ModelInput<'_>| {
+        Ok::<_, SamplingError>(ModelOutput { cond: vec![0.0], uncond: None })
+    });
+    assert!(matches!(short.denoise(&[1.0, 2.0], 1.0, step), Err(SamplingError::LengthMismatch { got: 1, .. })));
 }
 
 /// A model that predicts the true noise makes the eps denoiser return the clean latent.
@@ -685,28 +513,11 @@ fn eps_denoiser_recovers_the_clean_latent_from_the_true_noise() {
     let clean = [0.5_f32, -1.0, 2.0];
     let noise = [1.0_f32, 0.25, -0.5];
     let sigma = 2.0_f32;
-    let x: Vec<f32> = clean
-        .iter()
-        .zip(&noise)
-        .map(|(c, n)| c + n * sigma)
-        .collect();
+    let x: Vec<f32> = clean.iter().zip(&noise).map(|(c, n)| c + n * sigma).collect();
     let mut den = GuidedDenoiser::new(&schedule, Prediction::Eps, 1.0, |_: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput {
-            cond: noise.to_vec(),
-            uncond: None,
-        })
+        Ok::<_, SamplingError>(ModelOutput { cond: noise.to_vec(), uncond: None })
     });
-    let got = den
-        .denoise(
-            &x,
-            sigma,
-            Step {
-                index: 0,
-                count: 1,
-                last_eval: true,
-            },
-        )
-        .unwrap();
+    let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true }).unwrap();
     for (g, c) in got.iter().zip(&clean) {
         assert!((g - c).abs() < 1e-6, "{got:?}");
     }
@@ -719,10 +530,7 @@ fn eps_denoiser_recovers_the_clean_latent_from_the_true_noise() {
 fn analytic_denoise(x: &[f32], sigma: f32) -> Vec<f32> {
     let a = 0.5 * sigma / (sigma + 1.0);
     let b = 1.0 - a;
-    x.iter()
-        .enumerate()
-        .map(|(i, &v)| v * a + (0.25 * (i % 5) as f32 - 0.5) * b)
-        .collect()
+    x.iter().enumerate().map(|(i, &v)| v * a + (0.25 * (i % 5) as f32 - 0.5) * b).collect()
 }
 
 #[test]
@@ -741,11 +549,7 @@ fn samplers_match_reference() {
         ("dpm++2m", SampleMethod::DpmPp2m, 0.0),
         ("lcm", SampleMethod::Lcm, 0.0),
     ];
-    let runs = [
-        (Scheduler::Discrete, 4, 42u64, 16usize),
-        (Scheduler::Karras, 6, 7, 13),
-        (Scheduler::Lcm, 3, 1, 16),
-    ];
+    let runs = [(Scheduler::Discrete, 4, 42u64, 16usize), (Scheduler::Karras, 6, 7, 13), (Scheduler::Lcm, 3, 1, 16)];
     for (label, method, eta) in methods {
         for (sched, steps, seed, numel) in runs {
             let tail = format!("{label} {} {steps} {seed} {numel}", sched.name());
@@ -758,19 +562,9 @@ fn samplers_match_reference() {
                 Ok::<_, SamplingError>(analytic_denoise(x, sigma))
             };
             let out = sample(method, &mut den, x, &sigmas, rng.as_mut(), eta).unwrap();
-            assert_close(
-                &format!("sample {tail}"),
-                &out,
-                &floats(&t, &format!("sample {tail}")),
-                MAX_ULPS,
-            );
+            assert_close(&format!("sample {tail}"), &out, &floats(&t, &format!("sample {tail}")), MAX_ULPS);
             let got_sigmas: Vec<f32> = calls.iter().map(|c| c.0).collect();
-            assert_close(
-                &format!("calls {tail}"),
-                &got_sigmas,
-                &floats(&t, &format!("calls {tail}")),
-                MAX_ULPS,
-            );
+            assert_close(&format!("calls {tail}"), &got_sigmas, &floats(&t, &format!("calls {tail}")), MAX_ULPS);
             // The reference numbers steps from 1 and negates the number on a step's first of two
             // evaluations (and on the single evaluation of a second-order sampler's last step).
             let ref_steps = floats(&t, &format!("steps {tail}"));
@@ -780,16 +574,10 @@ fn samplers_match_reference() {
                 if r > 0.0 {
                     assert!(step.last_eval, "steps {tail}: call {k} completes its step");
                 } else if k + 1 < calls.len() {
-                    assert!(
-                        !step.last_eval,
-                        "steps {tail}: call {k} is followed by a second evaluation"
-                    );
+                    assert!(!step.last_eval, "steps {tail}: call {k} is followed by a second evaluation");
                 }
             }
-            assert!(
-                calls.last().unwrap().1.last_eval,
-                "steps {tail}: the final call completes the run"
-            );
+            assert!(calls.last().unwrap().1.last_eval, "steps {tail}: the final call completes the run");
         }
     }
 }
@@ -817,10 +605,7 @@ fn samplers_converge_to_a_fixed_target_with_expected_call_counts() {
     for steps in [1usize, 2, 5, 12] {
         let sigmas = Scheduler::Karras.sigmas(steps, &s).unwrap();
         for method in SampleMethod::ALL {
-            let mut rng = CountingRng {
-                inner: PhiloxRng::new(3),
-                draws: 0,
-            };
+            let mut rng = CountingRng { inner: PhiloxRng::new(3), draws: 0 };
             let x = txt2img_latent(&rng.randn(target.len()), sigmas[0]);
             rng.draws = 0;
             let mut calls = 0;
@@ -833,10 +618,7 @@ fn samplers_converge_to_a_fixed_target_with_expected_call_counts() {
             for (o, t) in out.iter().zip(&target) {
                 assert!((o - t).abs() < 1e-5, "{method} {steps} steps: {out:?}");
             }
-            let two_evals = matches!(
-                method,
-                SampleMethod::Heun | SampleMethod::Dpm2 | SampleMethod::DpmPp2sA
-            );
+            let two_evals = matches!(method, SampleMethod::Heun | SampleMethod::Dpm2 | SampleMethod::DpmPp2sA);
             let want_calls = if two_evals { 2 * steps - 1 } else { steps };
             assert_eq!(calls, want_calls, "{method} {steps} steps: model calls");
             let want_draws = if method.is_stochastic() { steps - 1 } else { 0 };
@@ -856,15 +638,7 @@ fn euler_follows_the_exact_ode_solution_for_a_constant_target() {
         seen.push((sigma, x.to_vec()));
         Ok::<_, SamplingError>(target.to_vec())
     };
-    let out = sample(
-        SampleMethod::Euler,
-        &mut den,
-        x0,
-        &sigmas,
-        &mut PhiloxRng::new(0),
-        0.0,
-    )
-    .unwrap();
+    let out = sample(SampleMethod::Euler, &mut den, x0, &sigmas, &mut PhiloxRng::new(0), 0.0).unwrap();
     assert_eq!(seen[1], (4.0, vec![5.0, 6.0]));
     assert_eq!(seen[2], (1.0, vec![2.0, 0.0]));
     assert_eq!(out, vec![1.0, -2.0]);
@@ -874,48 +648,14 @@ fn euler_follows_the_exact_ode_solution_for_a_constant_target() {
 fn sampler_errors() {
     let mut rng = PhiloxRng::new(0);
     let mut den = |x: &[f32], _: f32, _: Step| Ok::<_, SamplingError>(x.to_vec());
-    let err = sample(
-        SampleMethod::Euler,
-        &mut den,
-        vec![1.0],
-        &[1.0],
-        &mut rng,
-        0.0,
-    )
-    .unwrap_err();
+    let err = sample(SampleMethod::Euler, &mut den, vec![1.0], &[1.0], &mut rng, 0.0).unwrap_err();
     assert!(matches!(err, SamplingError::EmptySchedule(1)));
     let mut bad = |_: &[f32], _: f32, _: Step| Ok::<_, SamplingError>(vec![0.0; 3]);
-    let err = sample(
-        SampleMethod::Heun,
-        &mut bad,
-        vec![1.0, 2.0],
-        &[2.0, 1.0, 0.0],
-        &mut rng,
-        0.0,
-    )
-    .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            SamplingError::LengthMismatch {
-                expected: 2,
-                got: 3,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = sample(SampleMethod::Heun, &mut bad, vec![1.0, 2.0], &[2.0, 1.0, 0.0], &mut rng, 0.0).unwrap_err();
+    assert!(matches!(err, SamplingError::LengthMismatch { expected: 2, got: 3, .. }), "{err}");
     // The callback's own error comes back unchanged.
     let mut failing = |_: &[f32], _: f32, _: Step| Err::<Vec<f32>, _>(SamplingError::MissingUncond);
-    let err = sample(
-        SampleMethod::Lcm,
-        &mut failing,
-        vec![1.0],
-        &[2.0, 0.0],
-        &mut rng,
-        0.0,
-    )
-    .unwrap_err();
+    let err = sample(SampleMethod::Lcm, &mut failing, vec![1.0], &[2.0, 0.0], &mut rng, 0.0).unwrap_err();
     assert!(matches!(err, SamplingError::MissingUncond));
 }
 
@@ -925,31 +665,11 @@ fn sampler_errors() {
 #[test]
 fn names_round_trip_and_match_the_reference_cli() {
     let methods: Vec<&str> = SampleMethod::ALL.iter().map(|m| m.name()).collect();
-    assert_eq!(
-        methods,
-        [
-            "euler",
-            "euler_a",
-            "heun",
-            "dpm2",
-            "dpm++2s_a",
-            "dpm++2m",
-            "lcm"
-        ]
-    );
+    assert_eq!(methods, ["euler", "euler_a", "heun", "dpm2", "dpm++2s_a", "dpm++2m", "lcm"]);
     let schedulers: Vec<&str> = Scheduler::ALL.iter().map(|s| s.name()).collect();
     assert_eq!(
         schedulers,
-        [
-            "discrete",
-            "karras",
-            "exponential",
-            "sgm_uniform",
-            "simple",
-            "smoothstep",
-            "kl_optimal",
-            "lcm"
-        ]
+        ["discrete", "karras", "exponential", "sgm_uniform", "simple", "smoothstep", "kl_optimal", "lcm"]
     );
     for m in SampleMethod::ALL {
         assert_eq!(m.name().parse::<SampleMethod>().unwrap(), m);
@@ -971,22 +691,13 @@ fn names_round_trip_and_match_the_reference_cli() {
 fn unknown_and_unimplemented_names_are_errors() {
     let err = "euler_b".parse::<SampleMethod>().unwrap_err().to_string();
     assert!(err.contains("unknown sampling method 'euler_b'"), "{err}");
-    assert!(
-        err.contains("euler_a") && err.contains("dpm++2m") && err.contains("lcm"),
-        "{err}"
-    );
+    assert!(err.contains("euler_a") && err.contains("dpm++2m") && err.contains("lcm"), "{err}");
     let err = "Karras".parse::<Scheduler>().unwrap_err().to_string();
-    assert!(
-        err.contains("unknown scheduler 'Karras'") && err.contains("karras"),
-        "{err}"
-    );
+    assert!(err.contains("unknown scheduler 'Karras'") && err.contains("karras"), "{err}");
     let err = "mt19937".parse::<RngKind>().unwrap_err().to_string();
     assert!(err.contains("std_default, cuda, cpu"), "{err}");
     let err = "ipndm".parse::<SampleMethod>().unwrap_err();
     assert!(matches!(err, SamplingError::NotImplemented { .. }), "{err}");
     assert!("ays".parse::<Scheduler>().is_err());
-    assert!(matches!(
-        "flux_flow".parse::<Prediction>(),
-        Err(SamplingError::NotImplemented { .. })
-    ));
+    assert!(matches!("flux_flow".parse::<Prediction>(), Err(SamplingError::NotImplemented { .. })));
 }

@@ -15,19 +15,13 @@ pub struct ChunkConfig {
 impl ChunkConfig {
     /// CLIP ViT-L/14 of SD 1.x (and SDXL's first encoder): padding with EOS (49407).
     pub const fn sd1() -> Self {
-        Self {
-            chunk_len: 77,
-            pad_id: EOS_ID,
-        }
+        Self { chunk_len: 77, pad_id: EOS_ID }
     }
 
     /// OpenCLIP ViT-H/14 of SD 2.x: padding with id 0 (the reference builds this tokenizer
     /// with pad id 0 for SD 2.x versions only).
     pub const fn sd2() -> Self {
-        Self {
-            chunk_len: 77,
-            pad_id: 0,
-        }
+        Self { chunk_len: 77, pad_id: 0 }
     }
 
     /// Tokens a chunk holds besides BOS and EOS (75 for CLIP); also the `BREAK` period.
@@ -51,10 +45,7 @@ impl Chunk {
     /// is the pooled output (the reference's `max_token_idx`, used by SDXL).
     pub fn eos_index(&self) -> usize {
         let last = self.ids.len().saturating_sub(1);
-        self.ids
-            .iter()
-            .position(|&id| id == EOS_ID)
-            .map_or(last, |i| i.min(last))
+        self.ids.iter().position(|&id| id == EOS_ID).map_or(last, |i| i.min(last))
     }
 
     /// Whether every weight is 1, in which case the reference skips re-weighting.
@@ -68,18 +59,13 @@ impl Chunk {
 pub(crate) fn build_chunks(ids: &[u32], weights: &[f32], cfg: &ChunkConfig) -> Vec<Chunk> {
     debug_assert_eq!(ids.len(), weights.len());
     let body = cfg.chunk_len.saturating_sub(2).max(1);
-    let parts: Vec<(&[u32], &[f32])> = if ids.len() <= body {
-        vec![(ids, weights)]
-    } else {
-        ids.chunks(body).zip(weights.chunks(body)).collect()
-    };
+    let parts: Vec<(&[u32], &[f32])> =
+        if ids.len() <= body { vec![(ids, weights)] } else { ids.chunks(body).zip(weights.chunks(body)).collect() };
     parts
         .into_iter()
         .map(|(part_ids, part_weights)| {
-            let mut chunk = Chunk {
-                ids: Vec::with_capacity(cfg.chunk_len),
-                weights: Vec::with_capacity(cfg.chunk_len),
-            };
+            let mut chunk =
+                Chunk { ids: Vec::with_capacity(cfg.chunk_len), weights: Vec::with_capacity(cfg.chunk_len) };
             chunk.ids.push(BOS_ID);
             chunk.ids.extend_from_slice(part_ids);
             chunk.ids.push(EOS_ID);
@@ -115,9 +101,7 @@ mod tests {
         assert_eq!(chunks[0].ids[75], 75);
         assert_eq!(&chunks[1].ids[..4], &[BOS_ID, 76, EOS_ID, 0]);
         assert_eq!(&chunks[1].weights[..4], &[1.0, 2.0, 1.0, 1.0]);
-        assert!(chunks
-            .iter()
-            .all(|c| c.ids.len() == 77 && c.weights.len() == 77));
+        assert!(chunks.iter().all(|c| c.ids.len() == 77 && c.weights.len() == 77));
     }
 
     #[test]
@@ -125,10 +109,7 @@ mod tests {
         let chunk = build_chunks(&[5, 6], &[1.0, 1.0], &ChunkConfig::sd1()).remove(0);
         // SD 1.x pads with EOS, so the first EOS is the real end of text.
         assert_eq!(chunk.eos_index(), 3);
-        let no_eos = Chunk {
-            ids: vec![BOS_ID, 5, 6],
-            weights: vec![1.0; 3],
-        };
+        let no_eos = Chunk { ids: vec![BOS_ID, 5, 6], weights: vec![1.0; 3] };
         assert_eq!(no_eos.eos_index(), 2);
         assert!(chunk.is_unweighted());
     }
@@ -136,19 +117,9 @@ mod tests {
     #[test]
     fn too_short_chunks_are_rejected() {
         for len in [0, 1, 2] {
-            let cfg = ChunkConfig {
-                chunk_len: len,
-                pad_id: 0,
-            };
+            let cfg = ChunkConfig { chunk_len: len, pad_id: 0 };
             assert_eq!(cfg.body_len(), Err(TokenizeError::ChunkTooShort(len)));
         }
-        assert_eq!(
-            ChunkConfig {
-                chunk_len: 3,
-                pad_id: 0
-            }
-            .body_len(),
-            Ok(1)
-        );
+        assert_eq!(ChunkConfig { chunk_len: 3, pad_id: 0 }.body_len(), Ok(1));
     }
 }

@@ -66,42 +66,24 @@ pub enum ClipError {
         "--clip-skip {requested} is out of range for this text encoder of {layers} layers; \
          accepted: 1 to {layers} (1 = last layer, 2 = penultimate), or 0 / -1 for the model's default ({default})"
     )]
-    ClipSkip {
-        requested: i64,
-        layers: usize,
-        default: usize,
-    },
+    ClipSkip { requested: i64, layers: usize, default: usize },
     /// A token id the embedding table has no row for.
     #[error("token id {id} at position {position} is outside the text encoder's vocabulary of {vocab} ids")]
-    TokenId {
-        id: u32,
-        position: usize,
-        vocab: usize,
-    },
+    TokenId { id: u32, position: usize, vocab: usize },
     /// Token ids that are not whole sequences of the encoder's context length.
     #[error("{got} token ids do not form whole sequences of {n_positions} ids (the encoder's context length)")]
     IdsLength { got: usize, n_positions: usize },
     /// A graph input of the wrong type or shape (a bug in the caller).
     #[error("text encoder input `ids` must be i32 of shape [{n_positions}, N], got type {ty} shape {shape:?}")]
-    Input {
-        ty: String,
-        shape: [i64; 4],
-        n_positions: usize,
-    },
+    Input { ty: String, shape: [i64; 4], n_positions: usize },
     /// A parameter missing from the weight set given to the model.
     #[error("text encoder weight `{0}` is missing from the weight set")]
     MissingWeight(String),
     /// A parameter whose shape disagrees with the architecture.
     #[error("text encoder weight `{name}` has shape {got:?}, the architecture needs {expected:?}")]
-    WeightShape {
-        name: String,
-        expected: Vec<i64>,
-        got: Vec<i64>,
-    },
+    WeightShape { name: String, expected: Vec<i64>, got: Vec<i64> },
     /// Weights declared but not given storage.
-    #[error(
-        "the text encoder's weights have no storage yet: allocate and load them before encoding"
-    )]
+    #[error("the text encoder's weights have no storage yet: allocate and load them before encoding")]
     NotAllocated,
     /// Tokenizing the prompt failed.
     #[error(transparent)]
@@ -193,10 +175,7 @@ impl ClipConfig {
 
     /// How the tokenizer lays ids out for this encoder.
     pub fn chunk_config(&self) -> ChunkConfig {
-        ChunkConfig {
-            chunk_len: self.n_positions,
-            pad_id: self.pad_id,
-        }
+        ChunkConfig { chunk_len: self.n_positions, pad_id: self.pad_id }
     }
 
     /// Width of one attention head.
@@ -207,25 +186,14 @@ impl ClipConfig {
     /// Checks that the numbers describe a transformer the graph can be built for.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ClipError::Config(m));
-        if self.vocab_size == 0
-            || self.n_positions == 0
-            || self.hidden_size == 0
-            || self.intermediate_size == 0
-        {
-            return bad(format!(
-                "vocabulary, positions and widths must be non-zero: {self:?}"
-            ));
+        if self.vocab_size == 0 || self.n_positions == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {
+            return bad(format!("vocabulary, positions and widths must be non-zero: {self:?}"));
         }
         if self.n_layers == 0 || self.n_heads == 0 || !self.hidden_size.is_multiple_of(self.n_heads) {
-            return bad(format!(
-                "need at least one layer and a width divisible by the head count: {self:?}"
-            ));
+            return bad(format!("need at least one layer and a width divisible by the head count: {self:?}"));
         }
         if self.default_clip_skip == 0 || self.default_clip_skip > self.n_layers {
-            return bad(format!(
-                "default clip skip {} is not in 1..={}",
-                self.default_clip_skip, self.n_layers
-            ));
+            return bad(format!("default clip skip {} is not in 1..={}", self.default_clip_skip, self.n_layers));
         }
         if self.vocab_size > i32::MAX as usize || self.n_positions > i32::MAX as usize {
             return bad(format!("vocabulary and positions must fit i32: {self:?}"));
@@ -244,11 +212,7 @@ impl ClipConfig {
         }
         match usize::try_from(flag) {
             Ok(n) if n <= self.n_layers => Ok(n),
-            _ => Err(ClipError::ClipSkip {
-                requested: flag,
-                layers: self.n_layers,
-                default: self.default_clip_skip,
-            }),
+            _ => Err(ClipError::ClipSkip { requested: flag, layers: self.n_layers, default: self.default_clip_skip }),
         }
     }
 
@@ -282,11 +246,7 @@ impl SpecBuilder<'_> {
     }
 
     fn push(&mut self, name: String, ty: GgmlType, ne: &[usize]) {
-        self.out.push(TensorSpec {
-            name,
-            ty,
-            ne: ne.iter().map(|&n| n as i64).collect(),
-        });
+        self.out.push(TensorSpec { name, ty, ne: ne.iter().map(|&n| n as i64).collect() });
     }
 
     fn linear(&mut self, name: &str, in_features: usize, out_features: usize) {
@@ -296,11 +256,7 @@ impl SpecBuilder<'_> {
             ty = GgmlType::GGML_TYPE_F32;
         }
         self.push(w, ty, &[in_features, out_features]);
-        self.push(
-            format!("{name}.bias"),
-            GgmlType::GGML_TYPE_F32,
-            &[out_features],
-        );
+        self.push(format!("{name}.bias"), GgmlType::GGML_TYPE_F32, &[out_features]);
     }
 
     fn layer_norm(&mut self, name: &str, dim: usize) {
@@ -344,11 +300,7 @@ pub fn clip_specs(
     dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
     wtype: Option<GgmlType>,
 ) -> Vec<TensorSpec> {
-    let mut b = SpecBuilder {
-        out: Vec::new(),
-        dtype_of,
-        wtype,
-    };
+    let mut b = SpecBuilder { out: Vec::new(), dtype_of, wtype };
     let (h, m) = (cfg.hidden_size, cfg.intermediate_size);
 
     let tok = cfg.name("embeddings.token_embedding.weight");
@@ -357,11 +309,7 @@ pub fn clip_specs(
         tok_ty = GgmlType::GGML_TYPE_F32;
     }
     b.push(tok, tok_ty, &[h, cfg.vocab_size]);
-    b.push(
-        cfg.name("embeddings.position_embedding.weight"),
-        GgmlType::GGML_TYPE_F32,
-        &[h, cfg.n_positions],
-    );
+    b.push(cfg.name("embeddings.position_embedding.weight"), GgmlType::GGML_TYPE_F32, &[h, cfg.n_positions]);
 
     for i in 0..cfg.n_layers {
         let l = cfg.name(&format!("encoder.layers.{i}"));
@@ -382,8 +330,7 @@ pub fn clip_specs(
 // ---------------------------------------------------------------------------------------
 
 fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
-    w.get(name)
-        .map_err(|_| ClipError::MissingWeight(name.to_string()))
+    w.get(name).map_err(|_| ClipError::MissingWeight(name.to_string()))
 }
 
 /// `x W^T + b` (the reference's `Linear` for inputs of at most 1024 sequences).
@@ -394,10 +341,7 @@ struct Linear<'w> {
 
 impl<'w> Linear<'w> {
     fn load(w: &'w Weights, name: &str) -> Result<Self> {
-        Ok(Self {
-            weight: get(w, &format!("{name}.weight"))?,
-            bias: get(w, &format!("{name}.bias"))?,
-        })
+        Ok(Self { weight: get(w, &format!("{name}.weight"))?, bias: get(w, &format!("{name}.bias"))? })
     }
 
     fn forward<'g>(&self, g: &'g Context, x: Tensor<'_>) -> Tensor<'g> {
@@ -414,11 +358,7 @@ struct LayerNorm<'w> {
 
 impl<'w> LayerNorm<'w> {
     fn load(w: &'w Weights, name: &str, eps: f32) -> Result<Self> {
-        Ok(Self {
-            weight: get(w, &format!("{name}.weight"))?,
-            bias: get(w, &format!("{name}.bias"))?,
-            eps,
-        })
+        Ok(Self { weight: get(w, &format!("{name}.weight"))?, bias: get(w, &format!("{name}.bias"))?, eps })
     }
 
     fn forward<'g>(&self, g: &'g Context, x: Tensor<'_>) -> Tensor<'g> {
@@ -484,13 +424,7 @@ impl<'w> SelfAttention<'w> {
 
 /// The reference's default (non-flash) attention with a causal mask.
 /// q, k, v: [C, L, N] with C = heads * d_head; result [C, L, N].
-fn attention<'g>(
-    g: &'g Context,
-    q: Tensor<'_>,
-    k: Tensor<'_>,
-    v: Tensor<'_>,
-    n_heads: i64,
-) -> Tensor<'g> {
+fn attention<'g>(g: &'g Context, q: Tensor<'_>, k: Tensor<'_>, v: Tensor<'_>, n_heads: i64) -> Tensor<'g> {
     let [c, l, n, _] = q.shape();
     let d = c / n_heads;
     let scale = 1.0f32 / (d as f32).sqrt();
@@ -589,16 +523,8 @@ pub fn forward<'g>(
 ) -> Result<Tensor<'g>> {
     cfg.validate()?;
     let shape = ids.shape();
-    if ids.dtype() != GgmlType::GGML_TYPE_I32
-        || shape[0] != cfg.n_positions as i64
-        || shape[2] != 1
-        || shape[3] != 1
-    {
-        return Err(ClipError::Input {
-            ty: sd_backends::type_name(ids.dtype()),
-            shape,
-            n_positions: cfg.n_positions,
-        });
+    if ids.dtype() != GgmlType::GGML_TYPE_I32 || shape[0] != cfg.n_positions as i64 || shape[2] != 1 || shape[3] != 1 {
+        return Err(ClipError::Input { ty: sd_backends::type_name(ids.dtype()), shape, n_positions: cfg.n_positions });
     }
     if clip_skip == 0 || clip_skip > cfg.n_layers {
         return Err(ClipError::ClipSkip {
@@ -608,8 +534,7 @@ pub fn forward<'g>(
         });
     }
     let n_run = cfg.n_layers - clip_skip + 1;
-    let _span =
-        tracing::trace_span!("clip_text.forward", layers = n_run, sequences = shape[1]).entered();
+    let _span = tracing::trace_span!("clip_text.forward", layers = n_run, sequences = shape[1]).entered();
 
     let mut x = Embeddings::load(w, cfg)?.forward(g, ids);
     cuts.push(("clip_text.prelude".to_string(), x));
@@ -638,20 +563,13 @@ impl ClipTextModel {
         if !weights.is_allocated() {
             return Err(ClipError::NotAllocated);
         }
-        let have: std::collections::HashMap<&str, &TensorSpec> = weights
-            .specs()
-            .iter()
-            .map(|s| (s.name.as_str(), s))
-            .collect();
+        let have: std::collections::HashMap<&str, &TensorSpec> =
+            weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
         for want in clip_specs(&cfg, &|_| None, None) {
             match have.get(want.name.as_str()) {
                 None => return Err(ClipError::MissingWeight(want.name)),
                 Some(got) if got.ne != want.ne => {
-                    return Err(ClipError::WeightShape {
-                        name: want.name,
-                        expected: want.ne,
-                        got: got.ne.clone(),
-                    })
+                    return Err(ClipError::WeightShape { name: want.name, expected: want.ne, got: got.ne.clone() })
                 }
                 Some(_) => {}
             }
@@ -673,18 +591,10 @@ impl ClipTextModel {
     /// returns the hidden states, `hidden_size` values per token, tokens in order: the raw
     /// encoder output, before any prompt weighting. This is the component the parity harness
     /// compares with the reference's text-encoder output.
-    pub fn encode_ids(
-        &self,
-        runner: &mut Runner,
-        ids: &[u32],
-        clip_skip: usize,
-    ) -> Result<Vec<f32>> {
+    pub fn encode_ids(&self, runner: &mut Runner, ids: &[u32], clip_skip: usize) -> Result<Vec<f32>> {
         let len = self.cfg.n_positions;
         if ids.is_empty() || !ids.len().is_multiple_of(len) {
-            return Err(ClipError::IdsLength {
-                got: ids.len(),
-                n_positions: len,
-            });
+            return Err(ClipError::IdsLength { got: ids.len(), n_positions: len });
         }
         let mut out = self.run(runner, ids.len() / len, &[ids], clip_skip)?;
         Ok(out.remove(0))
@@ -692,18 +602,10 @@ impl ClipTextModel {
 
     /// Encodes each sequence of `n_positions` ids in its own run of one shared single-sequence
     /// graph, as the reference encodes prompt chunks.
-    pub fn encode_each(
-        &self,
-        runner: &mut Runner,
-        sequences: &[&[u32]],
-        clip_skip: usize,
-    ) -> Result<Vec<Vec<f32>>> {
+    pub fn encode_each(&self, runner: &mut Runner, sequences: &[&[u32]], clip_skip: usize) -> Result<Vec<Vec<f32>>> {
         let len = self.cfg.n_positions;
         if let Some(bad) = sequences.iter().find(|s| s.len() != len) {
-            return Err(ClipError::IdsLength {
-                got: bad.len(),
-                n_positions: len,
-            });
+            return Err(ClipError::IdsLength { got: bad.len(), n_positions: len });
         }
         if sequences.is_empty() {
             return Ok(Vec::new());
@@ -712,26 +614,14 @@ impl ClipTextModel {
     }
 
     /// Builds one graph for `batch` sequences and runs it once per input.
-    fn run(
-        &self,
-        runner: &mut Runner,
-        batch: usize,
-        inputs: &[&[u32]],
-        clip_skip: usize,
-    ) -> Result<Vec<Vec<f32>>> {
+    fn run(&self, runner: &mut Runner, batch: usize, inputs: &[&[u32]], clip_skip: usize) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.cfg;
-        let converted: Vec<Vec<i32>> = inputs
-            .iter()
-            .map(|ids| self.check_ids(ids))
-            .collect::<Result<_>>()?;
+        let converted: Vec<Vec<i32>> = inputs.iter().map(|ids| self.check_ids(ids)).collect::<Result<_>>()?;
 
         let graph_size = 64 * (cfg.n_layers + 2);
         let g = Context::for_graph(2 * graph_size, graph_size).map_err(ClipError::Backend)?;
         let ids = g
-            .new_tensor(
-                GgmlType::GGML_TYPE_I32,
-                &[cfg.n_positions as i64, batch as i64],
-            )
+            .new_tensor(GgmlType::GGML_TYPE_I32, &[cfg.n_positions as i64, batch as i64])
             .set_name("clip_ids")
             .set_input();
         let mut cuts = Vec::new();
@@ -753,17 +643,15 @@ impl ClipTextModel {
         let vocab = self.cfg.vocab_size;
         ids.iter()
             .enumerate()
-            .map(|(position, &id)| {
-                if (id as usize) < vocab {
-                    Ok(id as i32)
-                } else {
-                    Err(ClipError::TokenId {
-                        id,
-                        position,
-                        vocab,
-                    })
-                }
-            })
+            .map(
+                |(position, &id)| {
+                    if (id as usize) < vocab {
+                        Ok(id as i32)
+                    } else {
+                        Err(ClipError::TokenId { id, position, vocab })
+                    }
+                },
+            )
             .collect()
     }
 }
@@ -784,16 +672,9 @@ pub(crate) mod test_support {
     pub fn backend() -> Arc<Backend> {
         static REGISTRY: OnceLock<PluginRegistry> = OnceLock::new();
         let reg = REGISTRY.get_or_init(|| {
-            PluginRegistry::discover(&PluginSearch {
-                use_install_dir: true,
-                ..PluginSearch::default()
-            })
+            PluginRegistry::discover(&PluginSearch { use_install_dir: true, ..PluginSearch::default() })
         });
-        let backend = Backend::new(
-            reg.device("cpu")
-                .expect("the CPU plugin is built with ggml-sys"),
-        )
-        .unwrap();
+        let backend = Backend::new(reg.device("cpu").expect("the CPU plugin is built with ggml-sys")).unwrap();
         backend.set_threads(2);
         Arc::new(backend)
     }
@@ -845,11 +726,7 @@ pub(crate) mod test_support {
         } else if name.contains("position_embedding") {
             (0.1, 0.0)
         } else {
-            let gain = if name.contains("out_proj") || name.contains("fc2") {
-                0.5
-            } else {
-                1.0
-            };
+            let gain = if name.contains("out_proj") || name.contains("fc2") { 0.5 } else { 1.0 };
             (gain * (3.0 / ne[0] as f32).sqrt(), 0.0)
         };
         let mut v = uniform(name, n);
@@ -864,9 +741,7 @@ pub(crate) mod test_support {
 
     impl TensorSource for RandomSource {
         fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-            pack_f32(ty, &values(name, ne), ne[0])
-                .map(Cow::Owned)
-                .map_err(|e| SourceError(e.to_string()))
+            pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(|e| SourceError(e.to_string()))
         }
     }
 
@@ -911,10 +786,7 @@ pub(crate) mod test_support {
                 let mean = row.iter().sum::<f64>() / n;
                 let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
                 let inv = 1.0 / (var + eps).sqrt();
-                row.iter()
-                    .enumerate()
-                    .map(|(c, v)| (v - mean) * inv * w[c] + b[c])
-                    .collect()
+                row.iter().enumerate().map(|(c, v)| (v - mean) * inv * w[c] + b[c]).collect()
             })
             .collect()
     }
@@ -925,9 +797,7 @@ pub(crate) mod test_support {
         x.iter()
             .map(|row| {
                 let inp = row.len();
-                (0..out)
-                    .map(|o| (0..inp).map(|i| w[o * inp + i] * row[i]).sum::<f64>() + b[o])
-                    .collect()
+                (0..out).map(|o| (0..inp).map(|i| w[o * inp + i] * row[i]).sum::<f64>() + b[o]).collect()
             })
             .collect()
     }
@@ -941,14 +811,7 @@ pub(crate) mod test_support {
             let r = h * d..(h + 1) * d;
             for tq in 0..l {
                 let scores: Vec<f64> = (0..=tq)
-                    .map(|tk| {
-                        q[tq][r.clone()]
-                            .iter()
-                            .zip(&k[tk][r.clone()])
-                            .map(|(a, b)| a * b)
-                            .sum::<f64>()
-                            * scale
-                    })
+                    .map(|tk| q[tq][r.clone()].iter().zip(&k[tk][r.clone()]).map(|(a, b)| a * b).sum::<f64>() * scale)
                     .collect();
                 let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -964,10 +827,7 @@ pub(crate) mod test_support {
     }
 
     fn add(a: &Rows, b: &Rows) -> Rows {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| x.iter().zip(y).map(|(p, q)| p + q).collect())
-            .collect()
+        a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(p, q)| p + q).collect()).collect()
     }
 
     /// The text transformer in f64 on the weights [`values`] gives: hidden states of each
@@ -976,60 +836,34 @@ pub(crate) mod test_support {
         let specs = clip_specs(cfg, &|_| None, None);
         let p = |suffix: &str| -> Vec<f64> {
             let name = format!("{}.{suffix}", cfg.prefix);
-            let spec = specs
-                .iter()
-                .find(|s| s.name == name)
-                .unwrap_or_else(|| panic!("no {name}"));
+            let spec = specs.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}"));
             values(&name, &spec.ne).into_iter().map(f64::from).collect()
         };
         let eps = cfg.layer_norm_eps as f64;
         let h = cfg.hidden_size;
-        let (tok, pos) = (
-            p("embeddings.token_embedding.weight"),
-            p("embeddings.position_embedding.weight"),
-        );
+        let (tok, pos) = (p("embeddings.token_embedding.weight"), p("embeddings.position_embedding.weight"));
         let mut out = Vec::with_capacity(ids.len() * h);
         for seq in ids.chunks(cfg.n_positions) {
             let mut x: Rows = seq
                 .iter()
                 .enumerate()
-                .map(|(t, &id)| {
-                    (0..h)
-                        .map(|c| tok[id as usize * h + c] + pos[t * h + c])
-                        .collect()
-                })
+                .map(|(t, &id)| (0..h).map(|c| tok[id as usize * h + c] + pos[t * h + c]).collect())
                 .collect();
             for i in 0..cfg.n_layers - clip_skip + 1 {
                 let l = |s: &str| p(&format!("encoder.layers.{i}.{s}"));
                 let a = layer_norm(&x, &l("layer_norm1.weight"), &l("layer_norm1.bias"), eps);
                 let proj = |name: &str, t: &Rows| {
-                    linear(
-                        t,
-                        &l(&format!("self_attn.{name}.weight")),
-                        &l(&format!("self_attn.{name}.bias")),
-                    )
+                    linear(t, &l(&format!("self_attn.{name}.weight")), &l(&format!("self_attn.{name}.bias")))
                 };
-                let attn = causal_attention(
-                    &proj("q_proj", &a),
-                    &proj("k_proj", &a),
-                    &proj("v_proj", &a),
-                    cfg.n_heads,
-                );
+                let attn = causal_attention(&proj("q_proj", &a), &proj("k_proj", &a), &proj("v_proj", &a), cfg.n_heads);
                 x = add(&x, &proj("out_proj", &attn));
                 let m = layer_norm(&x, &l("layer_norm2.weight"), &l("layer_norm2.bias"), eps);
                 let mut m = linear(&m, &l("mlp.fc1.weight"), &l("mlp.fc1.bias"));
-                m.iter_mut()
-                    .flatten()
-                    .for_each(|v| *v = activation(cfg.activation, *v));
+                m.iter_mut().flatten().for_each(|v| *v = activation(cfg.activation, *v));
                 x = add(&x, &linear(&m, &l("mlp.fc2.weight"), &l("mlp.fc2.bias")));
             }
             if cfg.with_final_ln {
-                x = layer_norm(
-                    &x,
-                    &p("final_layer_norm.weight"),
-                    &p("final_layer_norm.bias"),
-                    eps,
-                );
+                x = layer_norm(&x, &p("final_layer_norm.weight"), &p("final_layer_norm.bias"), eps);
             }
             out.extend(x.into_iter().flatten());
         }
@@ -1039,15 +873,8 @@ pub(crate) mod test_support {
     /// (max, mean) absolute difference.
     pub fn diff(got: &[f32], want: &[f64]) -> (f64, f64) {
         assert_eq!(got.len(), want.len());
-        let d: Vec<f64> = got
-            .iter()
-            .zip(want)
-            .map(|(g, w)| (*g as f64 - w).abs())
-            .collect();
-        (
-            d.iter().cloned().fold(0.0, f64::max),
-            d.iter().sum::<f64>() / d.len() as f64,
-        )
+        let d: Vec<f64> = got.iter().zip(want).map(|(g, w)| (*g as f64 - w).abs()).collect();
+        (d.iter().cloned().fold(0.0, f64::max), d.iter().sum::<f64>() / d.len() as f64)
     }
 }
 
@@ -1074,10 +901,7 @@ mod tests {
     fn clip_l_text_model_has_the_published_parameter_count() {
         // OpenAI CLIP ViT-L/14 text tower (HF CLIPTextModel, `openai/clip-vit-large-patch14`):
         // 123,060,480 parameters.
-        assert_eq!(
-            count(&clip_specs(&ClipConfig::vit_l14(), &|_| None, None)),
-            123_060_480
-        );
+        assert_eq!(count(&clip_specs(&ClipConfig::vit_l14(), &|_| None, None)), 123_060_480);
     }
 
     #[test]
@@ -1091,10 +915,7 @@ mod tests {
         assert_eq!(want, 352_984_064);
         // open_clip's ViT-H-14 text tower with its projection (1024x1024) is 354,032,640.
         assert_eq!(want + d * d, 354_032_640);
-        assert_eq!(
-            count(&clip_specs(&ClipConfig::vit_h14(), &|_| None, None)),
-            want
-        );
+        assert_eq!(count(&clip_specs(&ClipConfig::vit_h14(), &|_| None, None)), want);
     }
 
     /// Internal name -> ggml shape of the fixture's text encoder, through the file reader's
@@ -1122,14 +943,11 @@ mod tests {
 
     #[test]
     fn specs_match_the_checkpoint_layout_of_both_families() {
-        for (cfg, arch) in [
-            (ClipConfig::vit_l14(), Architecture::sd15()),
-            (ClipConfig::vit_h14(), Architecture::sd2(Prediction::V)),
-        ] {
-            let ours: BTreeMap<String, Vec<i64>> = clip_specs(&cfg, &|_| None, None)
-                .into_iter()
-                .map(|s| (s.name, s.ne))
-                .collect();
+        for (cfg, arch) in
+            [(ClipConfig::vit_l14(), Architecture::sd15()), (ClipConfig::vit_h14(), Architecture::sd2(Prediction::V))]
+        {
+            let ours: BTreeMap<String, Vec<i64>> =
+                clip_specs(&cfg, &|_| None, None).into_iter().map(|s| (s.name, s.ne)).collect();
             assert_eq!(ours, fixture_layout(arch), "{cfg:?}");
         }
     }
@@ -1153,14 +971,7 @@ mod tests {
                 T::GGML_TYPE_F16,
                 None,
                 ClipConfig::vit_l14(),
-                [
-                    T::GGML_TYPE_F16,
-                    F32,
-                    T::GGML_TYPE_F16,
-                    F32,
-                    F32,
-                    T::GGML_TYPE_F16,
-                ],
+                [T::GGML_TYPE_F16, F32, T::GGML_TYPE_F16, F32, F32, T::GGML_TYPE_F16],
                 "f16 file",
             ),
             (F32, None, ClipConfig::vit_l14(), [F32; 6], "f32 file"),
@@ -1168,14 +979,7 @@ mod tests {
                 T::GGML_TYPE_F16,
                 Some(T::GGML_TYPE_Q8_0),
                 ClipConfig::vit_h14(),
-                [
-                    T::GGML_TYPE_F16,
-                    F32,
-                    T::GGML_TYPE_Q8_0,
-                    F32,
-                    F32,
-                    T::GGML_TYPE_Q8_0,
-                ],
+                [T::GGML_TYPE_F16, F32, T::GGML_TYPE_Q8_0, F32, F32, T::GGML_TYPE_Q8_0],
                 "--type converts linear weights, never embeddings or biases",
             ),
             (
@@ -1203,28 +1007,14 @@ mod tests {
                 T::GGML_TYPE_F16,
                 Some(T::GGML_TYPE_Q4_K),
                 tiny(Activation::QuickGelu, 1, EOS_ID),
-                [
-                    T::GGML_TYPE_F16,
-                    F32,
-                    T::GGML_TYPE_F16,
-                    F32,
-                    F32,
-                    T::GGML_TYPE_F16,
-                ],
+                [T::GGML_TYPE_F16, F32, T::GGML_TYPE_F16, F32, F32, T::GGML_TYPE_F16],
                 "--type skips tensors whose rows do not fit its blocks",
             ),
             (
                 T::GGML_TYPE_Q8_0,
                 None,
                 ClipConfig::vit_l14(),
-                [
-                    T::GGML_TYPE_Q8_0,
-                    F32,
-                    T::GGML_TYPE_Q8_0,
-                    F32,
-                    F32,
-                    T::GGML_TYPE_Q8_0,
-                ],
+                [T::GGML_TYPE_Q8_0, F32, T::GGML_TYPE_Q8_0, F32, F32, T::GGML_TYPE_Q8_0],
                 "q8_0 token table is gathered as is",
             ),
         ];
@@ -1235,11 +1025,7 @@ mod tests {
             assert_eq!(got, want, "{why}");
         }
         // A tensor the file lacks is declared f32 (the reference's default type).
-        let specs = clip_specs(
-            &ClipConfig::vit_l14(),
-            &|n| (n != q).then_some(T::GGML_TYPE_F16),
-            None,
-        );
+        let specs = clip_specs(&ClipConfig::vit_l14(), &|n| (n != q).then_some(T::GGML_TYPE_F16), None);
         assert_eq!(specs.iter().find(|s| s.name == q).unwrap().ty, F32);
     }
 
@@ -1254,17 +1040,17 @@ mod tests {
             (Activation::QuickGelu, false, 2),
             (Activation::GeluTanh, true, 3),
         ] {
-            let cfg = ClipConfig {
-                with_final_ln,
-                ..tiny(activation, 1, EOS_ID)
-            };
+            let cfg = ClipConfig { with_final_ln, ..tiny(activation, 1, EOS_ID) };
             let model = model(&cfg, F32, &backend);
             let got = model.encode_ids(&mut runner, &ids, clip_skip).unwrap();
             let want = reference_encode(&cfg, &ids, clip_skip);
             let (max, mean) = diff(&got, &want);
             // f32 accumulation against f64; the activation tables are emulated, so only inputs
             // within an f32 rounding of an f16 rounding boundary can differ by one f16 step.
-            assert!(max < 2e-3 && mean < 2e-5, "{activation:?} final_ln={with_final_ln} skip={clip_skip}: max {max:e}, mean {mean:e}");
+            assert!(
+                max < 2e-3 && mean < 2e-5,
+                "{activation:?} final_ln={with_final_ln} skip={clip_skip}: max {max:e}, mean {mean:e}"
+            );
         }
     }
 
@@ -1275,16 +1061,10 @@ mod tests {
         // to that many layers.
         let backend = backend();
         let mut runner = Runner::new("clip", backend.clone());
-        let cfg = ClipConfig {
-            with_final_ln: false,
-            ..tiny(Activation::QuickGelu, 1, EOS_ID)
-        };
+        let cfg = ClipConfig { with_final_ln: false, ..tiny(Activation::QuickGelu, 1, EOS_ID) };
         let ids: Vec<u32> = (0..77u32).map(|i| i * 31 + 5).collect();
         let full = model(&cfg, F32, &backend);
-        let cut_cfg = ClipConfig {
-            n_layers: 2,
-            ..cfg.clone()
-        };
+        let cut_cfg = ClipConfig { n_layers: 2, ..cfg.clone() };
         let cut = model(&cut_cfg, F32, &backend);
         let a = full.encode_ids(&mut runner, &ids, 2).unwrap();
         let b = cut.encode_ids(&mut runner, &ids, 1).unwrap();
@@ -1304,9 +1084,7 @@ mod tests {
         let model = model(&cfg, F16, &backend);
         let ids: Vec<u32> = (0..2 * 77u32).map(|i| (i * 104_729) % 49408).collect();
         let batched = model.encode_ids(&mut runner, &ids, 2).unwrap();
-        let each = model
-            .encode_each(&mut runner, &[&ids[..77], &ids[77..]], 2)
-            .unwrap();
+        let each = model.encode_each(&mut runner, &[&ids[..77], &ids[77..]], 2).unwrap();
         assert_eq!(each.len(), 2);
         let joined: Vec<f64> = each.concat().into_iter().map(f64::from).collect();
         assert!(diff(&batched, &joined).0 < 1e-5);
@@ -1328,43 +1106,23 @@ mod tests {
         let mut ids = vec![EOS_ID; 77];
         ids[3] = 49408;
         match model.encode_ids(&mut runner, &ids, 1) {
-            Err(ClipError::TokenId {
-                id: 49408,
-                position: 3,
-                vocab: 49408,
-            }) => {}
+            Err(ClipError::TokenId { id: 49408, position: 3, vocab: 49408 }) => {}
             other => panic!("{other:?}"),
         }
-        assert!(matches!(
-            model.encode_ids(&mut runner, &[1; 76], 1),
-            Err(ClipError::IdsLength { got: 76, .. })
-        ));
-        assert!(matches!(
-            model.encode_ids(&mut runner, &[], 1),
-            Err(ClipError::IdsLength { got: 0, .. })
-        ));
+        assert!(matches!(model.encode_ids(&mut runner, &[1; 76], 1), Err(ClipError::IdsLength { got: 76, .. })));
+        assert!(matches!(model.encode_ids(&mut runner, &[], 1), Err(ClipError::IdsLength { got: 0, .. })));
         assert!(matches!(
             model.encode_ids(&mut runner, &[1; 77], 4),
-            Err(ClipError::ClipSkip {
-                requested: 4,
-                layers: 3,
-                ..
-            })
+            Err(ClipError::ClipSkip { requested: 4, layers: 3, .. })
         ));
-        assert!(matches!(
-            model.encode_ids(&mut runner, &[1; 77], 0),
-            Err(ClipError::ClipSkip { .. })
-        ));
+        assert!(matches!(model.encode_ids(&mut runner, &[1; 77], 0), Err(ClipError::ClipSkip { .. })));
 
         assert_eq!(cfg.resolve_clip_skip(-1).unwrap(), 1);
         assert_eq!(cfg.resolve_clip_skip(0).unwrap(), 1);
         assert_eq!(ClipConfig::vit_h14().resolve_clip_skip(-1).unwrap(), 2);
         assert_eq!(ClipConfig::vit_h14().resolve_clip_skip(24).unwrap(), 24);
         let e = ClipConfig::vit_h14().resolve_clip_skip(25).unwrap_err();
-        assert!(
-            e.to_string().contains("--clip-skip 25") && e.to_string().contains("1 to 24"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("--clip-skip 25") && e.to_string().contains("1 to 24"), "{e}");
 
         // Weight sets that do not fit the architecture.
         let mut specs = clip_specs(&cfg, &|_| None, None);
@@ -1379,19 +1137,10 @@ mod tests {
         specs[0].ne = vec![32, 1000];
         let mut w = Weights::new(specs).unwrap();
         w.allocate(backend.device().buffer_type()).unwrap();
-        assert!(matches!(
-            ClipTextModel::new(cfg.clone(), w),
-            Err(ClipError::WeightShape { .. })
-        ));
+        assert!(matches!(ClipTextModel::new(cfg.clone(), w), Err(ClipError::WeightShape { .. })));
         let w = Weights::new(clip_specs(&cfg, &|_| None, None)).unwrap();
-        assert!(matches!(
-            ClipTextModel::new(cfg.clone(), w),
-            Err(ClipError::NotAllocated)
-        ));
-        let odd = ClipConfig {
-            n_heads: 5,
-            ..cfg.clone()
-        };
+        assert!(matches!(ClipTextModel::new(cfg.clone(), w), Err(ClipError::NotAllocated)));
+        let odd = ClipConfig { n_heads: 5, ..cfg.clone() };
         assert!(matches!(odd.validate(), Err(ClipError::Config(_))));
     }
 
@@ -1400,46 +1149,26 @@ mod tests {
         // SD 1.5's CLIP ViT-L/14 and SD 2.1's OpenCLIP ViT-H/14 at full size, random f16 weights.
         let backend = backend();
         let mut runner = Runner::new("clip", backend.clone());
-        let ids: Vec<u32> = [BOS_ID_FOR_TEST, 320, 2368, 539, 49407]
-            .iter()
-            .copied()
-            .chain(std::iter::repeat_n(49407, 72))
-            .collect();
+        let ids: Vec<u32> =
+            [BOS_ID_FOR_TEST, 320, 2368, 539, 49407].iter().copied().chain(std::iter::repeat_n(49407, 72)).collect();
         for cfg in [ClipConfig::vit_l14(), ClipConfig::vit_h14()] {
             let model = model(&cfg, F16, &backend);
             let mut cuts = Vec::new();
             let g = Context::for_graph(8192, 4096).unwrap();
             let t = g.new_tensor(GgmlType::GGML_TYPE_I32, &[77, 1]).set_input();
-            let out = forward(
-                &g,
-                model.weights(),
-                &cfg,
-                t,
-                cfg.default_clip_skip,
-                &mut cuts,
-            )
-            .unwrap();
+            let out = forward(&g, model.weights(), &cfg, t, cfg.default_clip_skip, &mut cuts).unwrap();
             assert_eq!(out.shape(), [cfg.hidden_size as i64, 77, 1, 1]);
             assert_eq!(cuts.len(), 1 + cfg.n_layers - cfg.default_clip_skip + 1);
-            assert_eq!(
-                cuts.last().unwrap().0,
-                format!("clip_text.layers.{}", cfg.n_layers - cfg.default_clip_skip)
-            );
+            assert_eq!(cuts.last().unwrap().0, format!("clip_text.layers.{}", cfg.n_layers - cfg.default_clip_skip));
             drop(g);
 
-            let got = model
-                .encode_ids(&mut runner, &ids, cfg.default_clip_skip)
-                .unwrap();
+            let got = model.encode_ids(&mut runner, &ids, cfg.default_clip_skip).unwrap();
             assert_eq!(got.len(), cfg.hidden_size * 77);
             assert!(got.iter().all(|v| v.is_finite()), "{cfg:?}");
             // After the final LayerNorm every token has spread (gain ~1): not collapsed, not blown up.
             for token in got.chunks(cfg.hidden_size) {
                 let mean = token.iter().map(|&v| v as f64).sum::<f64>() / token.len() as f64;
-                let var = token
-                    .iter()
-                    .map(|&v| (v as f64 - mean).powi(2))
-                    .sum::<f64>()
-                    / token.len() as f64;
+                let var = token.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / token.len() as f64;
                 assert!((0.5..2.0).contains(&var), "per-token variance {var}");
             }
         }

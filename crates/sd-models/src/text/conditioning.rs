@@ -68,11 +68,7 @@ pub fn encode_prompt(
     }
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, "prompt encoded");
-    Ok(Conditioning {
-        data,
-        hidden_size,
-        n_tokens,
-    })
+    Ok(Conditioning { data, hidden_size, n_tokens })
 }
 
 /// Applies prompt weights to one chunk's hidden states (`hidden_size` values per token, one
@@ -83,11 +79,7 @@ pub fn encode_prompt(
 /// # Panics
 /// When `hidden.len() != hidden_size * weights.len()` (a caller bug).
 pub fn apply_token_weights(hidden: &mut [f32], hidden_size: usize, weights: &[f32]) {
-    assert_eq!(
-        hidden.len(),
-        hidden_size * weights.len(),
-        "one weight per token"
-    );
+    assert_eq!(hidden.len(), hidden_size * weights.len(), "one weight per token");
     if weights.iter().all(|&w| w == 1.0) {
         return;
     }
@@ -178,16 +170,10 @@ mod tests {
         // Empty prompt: one chunk BOS, EOS, padding; default clip skip.
         let empty = encode_prompt(&model, &mut runner, &tok, "", -1).unwrap();
         assert_eq!(empty.shape(), [32, 77]);
-        assert_eq!(
-            empty.data,
-            model.encode_ids(&mut runner, &padded(&[], 0), 2).unwrap()
-        );
+        assert_eq!(empty.data, model.encode_ids(&mut runner, &padded(&[], 0), 2).unwrap());
         // An explicit clip skip is honoured.
         let skip1 = encode_prompt(&model, &mut runner, &tok, "", 1).unwrap();
-        assert_eq!(
-            skip1.data,
-            model.encode_ids(&mut runner, &padded(&[], 0), 1).unwrap()
-        );
+        assert_eq!(skip1.data, model.encode_ids(&mut runner, &padded(&[], 0), 1).unwrap());
         assert_ne!(skip1.data, empty.data);
 
         // 80 tokens: two chunks (75 + 5), concatenated along the token axis.
@@ -196,27 +182,13 @@ mod tests {
         assert_eq!(cat.len(), 1);
         let long = encode_prompt(&model, &mut runner, &tok, &prompt, 0).unwrap();
         assert_eq!(long.shape(), [32, 154]);
-        let first = model
-            .encode_ids(&mut runner, &padded(&[cat[0]; 75], 0), 2)
-            .unwrap();
-        let second = model
-            .encode_ids(&mut runner, &padded(&[cat[0]; 5], 0), 2)
-            .unwrap();
+        let first = model.encode_ids(&mut runner, &padded(&[cat[0]; 75], 0), 2).unwrap();
+        let second = model.encode_ids(&mut runner, &padded(&[cat[0]; 5], 0), 2).unwrap();
         assert_eq!(long.data[..32 * 77], first[..]);
         assert_eq!(long.data[32 * 77..], second[..]);
 
         let e = encode_prompt(&model, &mut runner, &tok, "a cat", 4).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                ClipError::ClipSkip {
-                    requested: 4,
-                    layers: 3,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert!(matches!(e, ClipError::ClipSkip { requested: 4, layers: 3, .. }), "{e}");
         let e = encode_prompt(&model, &mut runner, &tok, "(cat:.)", 0).unwrap_err();
         assert!(matches!(e, ClipError::Tokenize(_)), "{e}");
     }
@@ -231,14 +203,9 @@ mod tests {
 
         let weighted = encode_prompt(&model, &mut runner, &tok, "a (red:1.5) cat", 0).unwrap();
         let plain = encode_prompt(&model, &mut runner, &tok, "a red cat", 0).unwrap();
-        let body: Vec<u32> = ["a", "red", "cat"]
-            .iter()
-            .flat_map(|w| tok.tokenize(w))
-            .collect();
+        let body: Vec<u32> = ["a", "red", "cat"].iter().flat_map(|w| tok.tokenize(w)).collect();
         assert_eq!(body.len(), 3);
-        let raw = model
-            .encode_ids(&mut runner, &padded(&body, EOS_ID), 1)
-            .unwrap();
+        let raw = model.encode_ids(&mut runner, &padded(&body, EOS_ID), 1).unwrap();
         // Same ids, so the unweighted prompt is the raw encoder output.
         assert_eq!(plain.data, raw);
 
@@ -249,16 +216,8 @@ mod tests {
         let mut scaled = raw64.clone();
         scaled[2 * h..3 * h].iter_mut().for_each(|v| *v *= 1.5);
         let factor = mean(&raw64) / mean(&scaled);
-        for (i, (&got, want)) in weighted
-            .data
-            .iter()
-            .zip(scaled.iter().map(|v| v * factor))
-            .enumerate()
-        {
-            assert!(
-                (got as f64 - want).abs() < 1e-5 * (1.0 + want.abs()),
-                "value {i}: {got} vs {want}"
-            );
+        for (i, (&got, want)) in weighted.data.iter().zip(scaled.iter().map(|v| v * factor)).enumerate() {
+            assert!((got as f64 - want).abs() < 1e-5 * (1.0 + want.abs()), "value {i}: {got} vs {want}");
         }
         let got64: Vec<f64> = weighted.data.iter().map(|&v| v as f64).collect();
         assert!((mean(&got64) - mean(&raw64)).abs() < 1e-6);

@@ -18,9 +18,9 @@
 //! (see `crates/sd-models/data/README.md` for its origin and license) and parsed once per
 //! process. Textual-inversion embeddings and LoRA tags are not handled here.
 
+mod chunk;
 pub mod clip;
 pub mod conditioning;
-mod chunk;
 mod prompt;
 mod tokenizer;
 
@@ -44,9 +44,7 @@ pub enum TokenizeError {
     )]
     WeightOutOfRange { weight: String, offset: usize },
     /// A [`ChunkConfig`] whose chunks cannot hold BOS, EOS and one token.
-    #[error(
-        "chunk length {0} is too short: a chunk holds BOS, EOS and at least one token (3 or more)"
-    )]
+    #[error("chunk length {0} is too short: a chunk holds BOS, EOS and at least one token (3 or more)")]
     ChunkTooShort(usize),
 }
 

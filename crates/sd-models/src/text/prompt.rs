@@ -135,10 +135,7 @@ fn next_lexeme(text: &str, pos: usize) -> (Lexeme<'_>, usize) {
         b'[' => (Lexeme::OpenSquare, 1),
         b':' => {
             let sign = usize::from(matches!(bytes.get(1), Some(b'+' | b'-')));
-            let digits = bytes[1 + sign..]
-                .iter()
-                .take_while(|b| b.is_ascii_digit() || **b == b'.')
-                .count();
+            let digits = bytes[1 + sign..].iter().take_while(|b| b.is_ascii_digit() || **b == b'.').count();
             if digits > 0 && bytes.get(1 + sign + digits) == Some(&b')') {
                 let end = 1 + sign + digits;
                 (Lexeme::Weight(&rest[1..end], pos + 1), end + 1)
@@ -149,9 +146,7 @@ fn next_lexeme(text: &str, pos: usize) -> (Lexeme<'_>, usize) {
         b')' => (Lexeme::CloseRound, 1),
         b']' => (Lexeme::CloseSquare, 1),
         b'B' => {
-            let word_after = bytes
-                .get(BREAK.len())
-                .is_some_and(|b| b.is_ascii_alphanumeric() || *b == b'_');
+            let word_after = bytes.get(BREAK.len()).is_some_and(|b| b.is_ascii_alphanumeric() || *b == b'_');
             if rest.starts_with(BREAK) && !word_after {
                 (Lexeme::Break, BREAK.len())
             } else {
@@ -159,10 +154,8 @@ fn next_lexeme(text: &str, pos: usize) -> (Lexeme<'_>, usize) {
             }
         }
         _ => {
-            let len = bytes
-                .iter()
-                .take_while(|b| !matches!(b, b'\\' | b'(' | b')' | b'[' | b']' | b':' | b'B'))
-                .count();
+            let len =
+                bytes.iter().take_while(|b| !matches!(b, b'\\' | b'(' | b')' | b'[' | b']' | b':' | b'B')).count();
             (Lexeme::Text(&rest[..len]), len)
         }
     }
@@ -176,18 +169,12 @@ fn parse_weight(w: &str, offset: usize) -> Result<f32, TokenizeError> {
     let int = b[sign..].iter().take_while(|c| c.is_ascii_digit()).count();
     let mut end = sign + int;
     if b.get(end) == Some(&b'.') {
-        let frac = b[end + 1..]
-            .iter()
-            .take_while(|c| c.is_ascii_digit())
-            .count();
+        let frac = b[end + 1..].iter().take_while(|c| c.is_ascii_digit()).count();
         if int > 0 || frac > 0 {
             end += 1 + frac;
         }
     }
-    let invalid = || TokenizeError::InvalidWeight {
-        weight: w.to_string(),
-        offset,
-    };
+    let invalid = || TokenizeError::InvalidWeight { weight: w.to_string(), offset };
     if end == sign + int && int == 0 {
         return Err(invalid());
     }
@@ -196,10 +183,7 @@ fn parse_weight(w: &str, offset: usize) -> Result<f32, TokenizeError> {
     // strtof reports ERANGE (and the reference's stof throws) on overflow and on underflow.
     let nonzero_digits = prefix.bytes().any(|c| matches!(c, b'1'..=b'9'));
     if value.is_infinite() || (value.abs() < f32::MIN_POSITIVE && nonzero_digits) {
-        return Err(TokenizeError::WeightOutOfRange {
-            weight: w.to_string(),
-            offset,
-        });
+        return Err(TokenizeError::WeightOutOfRange { weight: w.to_string(), offset });
     }
     Ok(value)
 }
@@ -209,10 +193,7 @@ mod tests {
     use super::*;
 
     fn text(t: &str, weight: f32) -> PromptFragment {
-        PromptFragment::Text {
-            text: t.to_string(),
-            weight,
-        }
+        PromptFragment::Text { text: t.to_string(), weight }
     }
 
     fn check(prompt: &str, expected: &[PromptFragment], rule: &str) {
@@ -225,63 +206,23 @@ mod tests {
         let r = 1.1f32;
         let s = 1.0f32 / 1.1f32;
         let cases: Vec<(&str, Vec<PromptFragment>, &str)> = vec![
-            (
-                "normal text",
-                vec![text("normal text", 1.0)],
-                "A1111: plain text has weight 1",
-            ),
-            (
-                "",
-                vec![text("", 1.0)],
-                "A1111: an empty prompt is one empty fragment",
-            ),
+            ("normal text", vec![text("normal text", 1.0)], "A1111: plain text has weight 1"),
+            ("", vec![text("", 1.0)], "A1111: an empty prompt is one empty fragment"),
             (
                 "an (important) word",
                 vec![text("an ", 1.0), text("important", r), text(" word", 1.0)],
                 "A1111: (x) multiplies by 1.1",
             ),
-            (
-                "((x))",
-                vec![text("x", r * r)],
-                "A1111: nested brackets multiply, innermost first",
-            ),
+            ("((x))", vec![text("x", r * r)], "A1111: nested brackets multiply, innermost first"),
             ("[x]", vec![text("x", s)], "A1111: [x] multiplies by 1/1.1"),
             ("[[x]]", vec![text("x", s * s)], "A1111: nested [] multiply"),
-            (
-                "(x:1.3)",
-                vec![text("x", 1.3)],
-                "A1111: (x:w) multiplies by w",
-            ),
-            (
-                "((x:1.3))",
-                vec![text("x", 1.3f32 * r)],
-                "A1111: explicit weight inside (), factors multiply",
-            ),
-            (
-                "(x:0.5) y",
-                vec![text("x", 0.5), text(" y", 1.0)],
-                "A1111: weight below 1",
-            ),
-            (
-                "(unbalanced",
-                vec![text("unbalanced", r)],
-                "A1111: an open ( applies to the rest",
-            ),
-            (
-                "[a (b",
-                vec![text("a ", s), text("b", r * s)],
-                "A1111: open ( applied before open [",
-            ),
-            (
-                "a) b]",
-                vec![text("a) b]", 1.0)],
-                "A1111: ) and ] with nothing open are text",
-            ),
-            (
-                "(unnecessary)(parens)",
-                vec![text("unnecessaryparens", r)],
-                "A1111: equal weights merge",
-            ),
+            ("(x:1.3)", vec![text("x", 1.3)], "A1111: (x:w) multiplies by w"),
+            ("((x:1.3))", vec![text("x", 1.3f32 * r)], "A1111: explicit weight inside (), factors multiply"),
+            ("(x:0.5) y", vec![text("x", 0.5), text(" y", 1.0)], "A1111: weight below 1"),
+            ("(unbalanced", vec![text("unbalanced", r)], "A1111: an open ( applies to the rest"),
+            ("[a (b", vec![text("a ", s), text("b", r * s)], "A1111: open ( applied before open ["),
+            ("a) b]", vec![text("a) b]", 1.0)], "A1111: ) and ] with nothing open are text"),
+            ("(unnecessary)(parens)", vec![text("unnecessaryparens", r)], "A1111: equal weights merge"),
             (
                 "a (((house:1.3)) [on] a (hill:0.5), sun, (((sky))).",
                 vec![
@@ -297,87 +238,31 @@ mod tests {
                 ],
                 "A1111 docstring example; on = (1/1.1)*1.1 rounds to 1.0 in f32",
             ),
-            (
-                "[x:1.5]",
-                vec![text("x:1.5", s)],
-                "A1111: :w) needs a round bracket; inside [] it is text",
-            ),
-            (
-                "a BREAK b",
-                vec![text("a ", 1.0), PromptFragment::Break, text(" b", 1.0)],
-                "A1111: BREAK",
-            ),
-            (
-                "BREAKfast",
-                vec![text("BREAKfast", 1.0)],
-                "A1111: BREAK must end at a word boundary",
-            ),
-            (
-                "(BREAK)",
-                vec![text("BREAK", -r)],
-                "sd.cpp: a weighted BREAK is text (weight != -1)",
-            ),
-            (
-                "\\(x\\)",
-                vec![text("(x\\)", 1.0)],
-                "sd.cpp: only \\( drops its backslash",
-            ),
-            (
-                "a \\\\ b \\",
-                vec![text("a \\\\ b \\", 1.0)],
-                "sd.cpp: \\\\ and a lone \\ stay as written",
-            ),
-            (
-                "(x: 1.3)",
-                vec![text("x: 1.3", r)],
-                "sd.cpp: no space before the weight; (x) rule applies",
-            ),
-            (
-                "(x:1.3 )",
-                vec![text("x:1.3 ", r)],
-                "sd.cpp: no space after the weight",
-            ),
-            (
-                ":1.3) y",
-                vec![text(" y", 1.0)],
-                "sd.cpp: a weight with no open ( is dropped",
-            ),
-            (
-                "(x:1.2.3)",
-                vec![text("x", 1.2)],
-                "sd.cpp: strtof reads the longest number prefix",
-            ),
-            (
-                "(x:+.5)",
-                vec![text("x", 0.5)],
-                "sd.cpp: sign and leading dot",
-            ),
+            ("[x:1.5]", vec![text("x:1.5", s)], "A1111: :w) needs a round bracket; inside [] it is text"),
+            ("a BREAK b", vec![text("a ", 1.0), PromptFragment::Break, text(" b", 1.0)], "A1111: BREAK"),
+            ("BREAKfast", vec![text("BREAKfast", 1.0)], "A1111: BREAK must end at a word boundary"),
+            ("(BREAK)", vec![text("BREAK", -r)], "sd.cpp: a weighted BREAK is text (weight != -1)"),
+            ("\\(x\\)", vec![text("(x\\)", 1.0)], "sd.cpp: only \\( drops its backslash"),
+            ("a \\\\ b \\", vec![text("a \\\\ b \\", 1.0)], "sd.cpp: \\\\ and a lone \\ stay as written"),
+            ("(x: 1.3)", vec![text("x: 1.3", r)], "sd.cpp: no space before the weight; (x) rule applies"),
+            ("(x:1.3 )", vec![text("x:1.3 ", r)], "sd.cpp: no space after the weight"),
+            (":1.3) y", vec![text(" y", 1.0)], "sd.cpp: a weight with no open ( is dropped"),
+            ("(x:1.2.3)", vec![text("x", 1.2)], "sd.cpp: strtof reads the longest number prefix"),
+            ("(x:+.5)", vec![text("x", 0.5)], "sd.cpp: sign and leading dot"),
             ("(x:2.)", vec![text("x", 2.0)], "sd.cpp: trailing dot"),
-            (
-                "(x:-1)",
-                vec![text("x", -1.0)],
-                "sd.cpp: negative weights are accepted",
-            ),
+            ("(x:-1)", vec![text("x", -1.0)], "sd.cpp: negative weights are accepted"),
             (
                 "aBREAK b",
                 vec![text("a", 1.0), PromptFragment::Break, text(" b", 1.0)],
                 "sd.cpp: no boundary needed before BREAK",
             ),
-            (
-                "BREAKé",
-                vec![PromptFragment::Break, text("é", 1.0)],
-                "sd.cpp: non-ASCII is not a word byte",
-            ),
+            ("BREAKé", vec![PromptFragment::Break, text("é", 1.0)], "sd.cpp: non-ASCII is not a word byte"),
             (
                 "x BREAK[]BREAK y",
                 vec![text("x ", 1.0), text("BREAKBREAK", -1.0), text(" y", 1.0)],
                 "sd.cpp: adjacent BREAKs merge into text",
             ),
-            (
-                "Big aBc",
-                vec![text("Big aBc", 1.0)],
-                "sd.cpp: B is matched alone and merged back",
-            ),
+            ("Big aBc", vec![text("Big aBc", 1.0)], "sd.cpp: B is matched alone and merged back"),
         ];
         for (prompt, expected, rule) in cases {
             check(prompt, &expected, rule);
@@ -387,12 +272,7 @@ mod tests {
     #[test]
     fn bad_weights_are_errors_with_their_offset() {
         // The reference aborts (std::stof throws) on these; a weight with no open ( is never read.
-        for (prompt, offset) in [
-            ("(x:.)", 3),
-            ("ab (x:+.)", 6),
-            ("(x:..5)", 3),
-            ("(a:-.)", 3),
-        ] {
+        for (prompt, offset) in [("(x:.)", 3), ("ab (x:+.)", 6), ("(x:..5)", 3), ("(a:-.)", 3)] {
             match parse_prompt_attention(prompt) {
                 Err(TokenizeError::InvalidWeight { offset: o, .. }) => {
                     assert_eq!(o, offset, "{prompt}")
@@ -401,22 +281,10 @@ mod tests {
             }
         }
         let huge = format!("(x:{})", "9".repeat(40));
-        assert!(matches!(
-            parse_prompt_attention(&huge),
-            Err(TokenizeError::WeightOutOfRange { .. })
-        ));
+        assert!(matches!(parse_prompt_attention(&huge), Err(TokenizeError::WeightOutOfRange { .. })));
         let tiny = format!("(x:0.{}1)", "0".repeat(60));
-        assert!(matches!(
-            parse_prompt_attention(&tiny),
-            Err(TokenizeError::WeightOutOfRange { .. })
-        ));
-        assert!(
-            parse_prompt_attention(":.) x").is_ok(),
-            "no open (: the weight is dropped unread"
-        );
-        assert_eq!(
-            parse_prompt_attention("(x:0.0)").unwrap(),
-            vec![text("x", 0.0)]
-        );
+        assert!(matches!(parse_prompt_attention(&tiny), Err(TokenizeError::WeightOutOfRange { .. })));
+        assert!(parse_prompt_attention(":.) x").is_ok(), "no open (: the weight is dropped unread");
+        assert_eq!(parse_prompt_attention("(x:0.0)").unwrap(), vec![text("x", 0.0)]);
     }
 }

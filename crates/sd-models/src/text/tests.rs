@@ -49,14 +49,7 @@ fn token_ids_match_the_reference() {
     let cases = cases();
     assert!(cases.tokenize.len() >= 20);
     for case in &cases.tokenize {
-        assert_eq!(
-            tok.tokenize(&case.prompt),
-            case.ids,
-            "case {} ({}): {:?}",
-            case.name,
-            case.rule,
-            case.prompt
-        );
+        assert_eq!(tok.tokenize(&case.prompt), case.ids, "case {} ({}): {:?}", case.name, case.rule, case.prompt);
     }
 }
 
@@ -76,34 +69,17 @@ fn weighted_prompts_match_the_reference() {
                 PromptFragment::Break => ("BREAK".to_string(), -1.0),
             })
             .collect();
-        let expected: Vec<(String, f32)> = case
-            .parsed
-            .iter()
-            .map(|(t, w)| (t.clone(), *w as f32))
-            .collect();
+        let expected: Vec<(String, f32)> = case.parsed.iter().map(|(t, w)| (t.clone(), *w as f32)).collect();
         assert_eq!(parsed, expected, "{what}");
 
-        for (cfg, exp) in [
-            (ChunkConfig::sd1(), &case.sd1),
-            (ChunkConfig::sd2(), &case.sd2),
-        ] {
-            let chunks = tok
-                .tokenize_weighted(&case.prompt, &cfg)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        for (cfg, exp) in [(ChunkConfig::sd1(), &case.sd1), (ChunkConfig::sd2(), &case.sd2)] {
+            let chunks = tok.tokenize_weighted(&case.prompt, &cfg).unwrap_or_else(|e| panic!("{what}: {e}"));
             let ids: Vec<u32> = chunks.iter().flat_map(|c| c.ids.iter().copied()).collect();
-            let weights: Vec<f32> = chunks
-                .iter()
-                .flat_map(|c| c.weights.iter().copied())
-                .collect();
+            let weights: Vec<f32> = chunks.iter().flat_map(|c| c.weights.iter().copied()).collect();
             let exp_weights: Vec<f32> = exp.weights.iter().map(|&w| w as f32).collect();
             assert_eq!(ids, exp.ids, "{what}, pad {}", cfg.pad_id);
             assert_eq!(weights, exp_weights, "{what}, pad {}", cfg.pad_id);
-            assert!(
-                chunks
-                    .iter()
-                    .all(|c| c.ids.len() == 77 && c.weights.len() == 77),
-                "{what}"
-            );
+            assert!(chunks.iter().all(|c| c.ids.len() == 77 && c.weights.len() == 77), "{what}");
         }
     }
 }
@@ -113,10 +89,7 @@ fn vocabulary_layout() {
     // CLIP: 256 byte tokens, 256 byte+</w> tokens, 48894 merges, then the two special tokens.
     let tok = ClipTokenizer::new();
     assert_eq!(tok.vocab_size(), VOCAB_SIZE);
-    assert_eq!(
-        tok.tokenize("<|startoftext|><|endoftext|>"),
-        [BOS_ID, EOS_ID]
-    );
+    assert_eq!(tok.tokenize("<|startoftext|><|endoftext|>"), [BOS_ID, EOS_ID]);
     // '!' is byte token 0; "a" is byte token 64 ('a' - '!'), "a</w>" is 256 + 64.
     assert_eq!(tok.tokenize("!"), [256]);
     assert_eq!(tok.tokenize("a"), [320]);
@@ -129,15 +102,9 @@ fn embedded_vocabulary_is_the_documented_file() {
     // data/README.md names this sha256 for open_clip/bpe_simple_vocab_16e6.txt.gz.
     let digest = Sha256::digest(include_bytes!("../../data/bpe_simple_vocab_16e6.txt.gz"));
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-    assert_eq!(
-        hex,
-        "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
-    );
+    assert_eq!(hex, "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a");
     let readme = include_str!("../../data/README.md");
-    assert!(
-        readme.contains(&hex),
-        "data/README.md must state the vocabulary's sha256"
-    );
+    assert!(readme.contains(&hex), "data/README.md must state the vocabulary's sha256");
 }
 
 #[test]
@@ -150,11 +117,7 @@ fn tokenizers_share_one_vocabulary() {
 #[test]
 fn decode_inverts_tokenize_for_words() {
     let tok = ClipTokenizer::new();
-    for text in [
-        "a photo of a cat",
-        "supercalifragilisticexpialidocious",
-        "東京タワー",
-    ] {
+    for text in ["a photo of a cat", "supercalifragilisticexpialidocious", "東京タワー"] {
         assert_eq!(tok.decode(&tok.tokenize(text)), text);
     }
 }
@@ -162,18 +125,9 @@ fn decode_inverts_tokenize_for_words() {
 #[test]
 fn chunk_config_errors_reach_the_caller() {
     let tok = ClipTokenizer::new();
-    let cfg = ChunkConfig {
-        chunk_len: 2,
-        pad_id: 0,
-    };
-    assert_eq!(
-        tok.tokenize_weighted("a cat", &cfg),
-        Err(TokenizeError::ChunkTooShort(2))
-    );
-    assert!(matches!(
-        tok.tokenize_weighted("(a:.)", &ChunkConfig::sd1()),
-        Err(TokenizeError::InvalidWeight { .. })
-    ));
+    let cfg = ChunkConfig { chunk_len: 2, pad_id: 0 };
+    assert_eq!(tok.tokenize_weighted("a cat", &cfg), Err(TokenizeError::ChunkTooShort(2)));
+    assert!(matches!(tok.tokenize_weighted("(a:.)", &ChunkConfig::sd1()), Err(TokenizeError::InvalidWeight { .. })));
 }
 
 proptest! {

@@ -79,19 +79,12 @@ impl ClipTokenizer {
     pub fn new() -> Self {
         static SHARED: OnceLock<Arc<Vocab>> = OnceLock::new();
         let vocab = SHARED.get_or_init(|| {
-            let vocab = Vocab::from_bpe_gz(EMBEDDED_BPE_GZ).unwrap_or_else(|e| {
-                panic!("embedded CLIP vocabulary is corrupt (a build bug): {e}")
-            });
-            tracing::debug!(
-                ids = vocab.tokens.len(),
-                merges = vocab.merges.len(),
-                "CLIP vocabulary loaded"
-            );
+            let vocab = Vocab::from_bpe_gz(EMBEDDED_BPE_GZ)
+                .unwrap_or_else(|e| panic!("embedded CLIP vocabulary is corrupt (a build bug): {e}"));
+            tracing::debug!(ids = vocab.tokens.len(), merges = vocab.merges.len(), "CLIP vocabulary loaded");
             Arc::new(vocab)
         });
-        Self {
-            vocab: Arc::clone(vocab),
-        }
+        Self { vocab: Arc::clone(vocab) }
     }
 
     /// Number of token ids (49408).
@@ -122,11 +115,7 @@ impl ClipTokenizer {
     /// chunk with EOS up to `chunk_len - 2` tokens; a prompt that fits is one chunk, a longer
     /// one is split every `chunk_len - 2` tokens; each chunk is BOS, tokens, EOS and
     /// `pad_id` up to `chunk_len`, with weight 1.0 on BOS, EOS and padding.
-    pub fn tokenize_weighted(
-        &self,
-        prompt: &str,
-        cfg: &ChunkConfig,
-    ) -> Result<Vec<Chunk>, TokenizeError> {
+    pub fn tokenize_weighted(&self, prompt: &str, cfg: &ChunkConfig) -> Result<Vec<Chunk>, TokenizeError> {
         let body = cfg.body_len()?;
         let fragments = parse_prompt_attention(prompt)?;
         let mut ids = Vec::new();
@@ -146,12 +135,7 @@ impl ClipTokenizer {
             }
         }
         let chunks = chunk::build_chunks(&ids, &weights, cfg);
-        tracing::debug!(
-            tokens = ids.len(),
-            chunks = chunks.len(),
-            fragments = fragments.len(),
-            "prompt tokenized"
-        );
+        tracing::debug!(tokens = ids.len(), chunks = chunks.len(), fragments = fragments.len(), "prompt tokenized");
         Ok(chunks)
     }
 
@@ -170,10 +154,7 @@ impl ClipTokenizer {
                 Some(body) => (body, true),
                 None => (token.as_str(), false),
             };
-            bytes.extend(
-                body.chars()
-                    .filter_map(|c| self.vocab.char_to_byte.get(&c).copied()),
-            );
+            bytes.extend(body.chars().filter_map(|c| self.vocab.char_to_byte.get(&c).copied()));
             if eow {
                 bytes.push(b' ');
             }
@@ -194,21 +175,15 @@ impl Vocab {
     fn from_bpe_gz(gz: &[u8]) -> Result<Self, String> {
         let reader = BufReader::new(GzDecoder::new(gz));
         let mut lines = reader.split(b'\n');
-        lines
-            .next()
-            .ok_or("empty file")?
-            .map_err(|e| e.to_string())?; // version header
+        lines.next().ok_or("empty file")?.map_err(|e| e.to_string())?; // version header
         let mut merges = Vec::with_capacity(MERGE_COUNT);
         for n in 0..MERGE_COUNT {
             let line = lines
                 .next()
                 .ok_or_else(|| format!("{n} merges found, {MERGE_COUNT} needed"))?
                 .map_err(|e| e.to_string())?;
-            let line = String::from_utf8(line)
-                .map_err(|_| format!("merge line {} is not UTF-8", n + 1))?;
-            let (a, b) = line
-                .split_once(' ')
-                .ok_or_else(|| format!("merge line {} has no space: {line:?}", n + 1))?;
+            let line = String::from_utf8(line).map_err(|_| format!("merge line {} is not UTF-8", n + 1))?;
+            let (a, b) = line.split_once(' ').ok_or_else(|| format!("merge line {} has no space: {line:?}", n + 1))?;
             merges.push((a.to_string(), b.to_string()));
         }
 
@@ -252,13 +227,7 @@ impl Vocab {
             }
         }
 
-        Ok(Self {
-            tokens,
-            byte_id,
-            byte_eow_id,
-            char_to_byte,
-            merges: merge_map,
-        })
+        Ok(Self { tokens, byte_id, byte_eow_id, char_to_byte, merges: merge_map })
     }
 
     /// Appends the BPE ids of one pre-tokenized piece (non-empty bytes) to `out`.
@@ -273,11 +242,7 @@ impl Vocab {
         while word.len() > 1 {
             let best = word
                 .windows(2)
-                .filter_map(|w| {
-                    self.merges
-                        .get(&(w[0], w[1]))
-                        .map(|&(rank, merged)| (rank, w[0], w[1], merged))
-                })
+                .filter_map(|w| self.merges.get(&(w[0], w[1])).map(|&(rank, merged)| (rank, w[0], w[1], merged)))
                 .min_by_key(|&(rank, ..)| rank);
             let Some((_, left, right, merged)) = best else {
                 break;
@@ -304,10 +269,7 @@ impl Vocab {
 /// Latin-1 bytes map to themselves, the others to U+0100 onwards.
 fn bytes_to_unicode() -> Vec<(u8, char)> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut table: Vec<(u8, char)> = (0..=255u8)
-        .filter(|&b| printable(b))
-        .map(|b| (b, char::from(b)))
-        .collect();
+    let mut table: Vec<(u8, char)> = (0..=255u8).filter(|&b| printable(b)).map(|b| (b, char::from(b))).collect();
     for (n, b) in (0..=255u8).filter(|&b| !printable(b)).enumerate() {
         let c = char::from_u32(256 + n as u32).expect("U+0100..U+0143 are chars");
         table.push((b, c));
@@ -415,10 +377,7 @@ mod tests {
     fn pre_tokenize_follows_the_reference_pattern() {
         // Rule: contractions first, then [[:alpha:]]+, single [[:digit:]], other runs.
         let split = |s: &str| {
-            pre_tokenize(s.as_bytes())
-                .into_iter()
-                .map(|p| String::from_utf8_lossy(p).into_owned())
-                .collect::<Vec<_>>()
+            pre_tokenize(s.as_bytes()).into_iter().map(|p| String::from_utf8_lossy(p).into_owned()).collect::<Vec<_>>()
         };
         assert_eq!(split("it's 42!"), ["it", "'s", "4", "2", "!"]);
         assert_eq!(split("'sa '''s"), ["'s", "a", "'''", "s"]);
@@ -435,10 +394,7 @@ mod tests {
         bytes.dedup();
         assert_eq!(bytes.len(), 256);
         // Space (0x20) is the 33rd non-printable byte: U+0100 + 32.
-        assert_eq!(
-            table.iter().find(|&&(b, _)| b == b' ').map(|&(_, c)| c),
-            Some('\u{120}')
-        );
+        assert_eq!(table.iter().find(|&&(b, _)| b == b' ').map(|&(_, c)| c), Some('\u{120}'));
         assert_eq!(table[0], (b'!', '!'));
     }
 }

@@ -19,35 +19,20 @@ pub fn igpu(name: &str, free_gib: f64) -> Device {
 }
 
 fn registry_of(name: &str) -> String {
-    name.trim_end_matches(|c: char| c.is_ascii_digit())
-        .to_string()
+    name.trim_end_matches(|c: char| c.is_ascii_digit()).to_string()
 }
 
 /// `n` tensors of a module adding up to `total` bytes, the first one `largest` bytes.
 /// `blocks`: when `Some(nb)`, tensors 1.. are spread over blocks 0..nb in order.
-pub fn tensors(
-    prefix: &str,
-    n: usize,
-    total: u64,
-    largest: u64,
-    blocks: Option<u32>,
-) -> Vec<Tensor> {
+pub fn tensors(prefix: &str, n: usize, total: u64, largest: u64, blocks: Option<u32>) -> Vec<Tensor> {
     assert!(n >= 2 && total > largest);
     let rest = total - largest;
     let each = rest / (n as u64 - 1);
     let mut out = vec![Tensor::new(format!("{prefix}.largest.weight"), largest)];
     for i in 1..n {
-        let bytes = if i == n - 1 {
-            rest - each * (n as u64 - 2)
-        } else {
-            each
-        };
+        let bytes = if i == n - 1 { rest - each * (n as u64 - 2) } else { each };
         let block = blocks.map(|nb| ((i - 1) as u64 * nb as u64 / (n as u64 - 1)) as u32);
-        out.push(Tensor {
-            name: format!("{prefix}.t{i}.weight"),
-            bytes,
-            block,
-        });
+        out.push(Tensor { name: format!("{prefix}.t{i}.weight"), bytes, block });
     }
     out
 }
@@ -56,20 +41,10 @@ pub fn tensors(
 pub fn all_modules_model() -> ModelDescription {
     let mut components = Vec::new();
     for m in Module::ALL {
-        let blocks = if matches!(m, Module::Diffusion | Module::Te) {
-            Some(8)
-        } else {
-            None
-        };
-        components.push(Component {
-            module: m,
-            tensors: tensors(m.name(), 17, 64 * MIB, 8 * MIB, blocks),
-        });
+        let blocks = if matches!(m, Module::Diffusion | Module::Te) { Some(8) } else { None };
+        components.push(Component { module: m, tensors: tensors(m.name(), 17, 64 * MIB, 8 * MIB, blocks) });
     }
-    ModelDescription {
-        components,
-        files: vec![],
-    }
+    ModelDescription { components, files: vec![] }
 }
 
 pub fn simple_model(diffusion: u64, te: u64, vae: u64) -> ModelDescription {
@@ -81,61 +56,29 @@ pub fn simple_model(diffusion: u64, te: u64, vae: u64) -> ModelDescription {
         });
     }
     if te > 0 {
-        components.push(Component {
-            module: Module::Te,
-            tensors: tensors("te", 20, te, te / 10, Some(6)),
-        });
+        components.push(Component { module: Module::Te, tensors: tensors("te", 20, te, te / 10, Some(6)) });
     }
     if vae > 0 {
-        components.push(Component {
-            module: Module::Vae,
-            tensors: tensors("vae", 20, vae, vae / 20, None),
-        });
+        components.push(Component { module: Module::Vae, tensors: tensors("vae", 20, vae, vae / 20, None) });
     }
     let total = diffusion + te + vae;
-    ModelDescription {
-        components,
-        files: vec![SourceFile {
-            role: "<checkpoint file>".into(),
-            bytes: total,
-        }],
-    }
+    ModelDescription { components, files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: total }] }
 }
 
-pub fn request(
-    devices: Vec<Device>,
-    ram: Option<u64>,
-    model: ModelDescription,
-    flags: Flags,
-) -> PlanRequest {
-    PlanRequest {
-        flags,
-        devices,
-        ram_available_bytes: ram,
-        model,
-    }
+pub fn request(devices: Vec<Device>, ram: Option<u64>, model: ModelDescription, flags: Flags) -> PlanRequest {
+    PlanRequest { flags, devices, ram_available_bytes: ram, model }
 }
 
 pub fn flags(backend: Option<&str>, params: Option<&str>) -> Flags {
-    Flags {
-        backend: backend.map(Into::into),
-        params_backend: params.map(Into::into),
-        ..Flags::default()
-    }
+    Flags { backend: backend.map(Into::into), params_backend: params.map(Into::into), ..Flags::default() }
 }
 
 pub fn module(p: &Plan, m: Module) -> &ModulePlan {
-    p.modules
-        .iter()
-        .find(|x| x.module == m)
-        .unwrap_or_else(|| panic!("module {m} missing from plan"))
+    p.modules.iter().find(|x| x.module == m).unwrap_or_else(|| panic!("module {m} missing from plan"))
 }
 
 pub fn device<'a>(p: &'a Plan, name: &str) -> &'a DeviceUsage {
-    p.devices
-        .iter()
-        .find(|x| x.device == name)
-        .unwrap_or_else(|| panic!("device {name} missing"))
+    p.devices.iter().find(|x| x.device == name).unwrap_or_else(|| panic!("device {name} missing"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -152,33 +95,15 @@ pub fn sd15_f16() -> ModelDescription {
         components: vec![
             Component {
                 module: Module::Diffusion,
-                tensors: tensors(
-                    "model.diffusion_model",
-                    686,
-                    1_719_042_560,
-                    58_982_400,
-                    None,
-                ),
+                tensors: tensors("model.diffusion_model", 686, 1_719_042_560, 58_982_400, None),
             },
             Component {
                 module: Module::Te,
-                tensors: tensors(
-                    "cond_stage_model.transformer",
-                    196,
-                    246_144_000,
-                    75_890_688,
-                    None,
-                ),
+                tensors: tensors("cond_stage_model.transformer", 196, 246_144_000, 75_890_688, None),
             },
-            Component {
-                module: Module::Vae,
-                tensors: tensors("first_stage_model", 248, 167_300_000, 4_718_592, None),
-            },
+            Component { module: Module::Vae, tensors: tensors("first_stage_model", 248, 167_300_000, 4_718_592, None) },
         ],
-        files: vec![SourceFile {
-            role: "<checkpoint file>".into(),
-            bytes: 2_132_625_894,
-        }],
+        files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 2_132_625_894 }],
     }
 }
 
@@ -190,33 +115,15 @@ pub fn sdxl_f16() -> ModelDescription {
         components: vec![
             Component {
                 module: Module::Diffusion,
-                tensors: tensors(
-                    "model.diffusion_model",
-                    1680,
-                    5_135_000_000,
-                    58_982_400,
-                    None,
-                ),
+                tensors: tensors("model.diffusion_model", 1680, 5_135_000_000, 58_982_400, None),
             },
             Component {
                 module: Module::Te,
-                tensors: tensors(
-                    "conditioner.embedders",
-                    713,
-                    1_635_400_000,
-                    126_484_480,
-                    None,
-                ),
+                tensors: tensors("conditioner.embedders", 713, 1_635_400_000, 126_484_480, None),
             },
-            Component {
-                module: Module::Vae,
-                tensors: tensors("first_stage_model", 248, 167_300_000, 4_718_592, None),
-            },
+            Component { module: Module::Vae, tensors: tensors("first_stage_model", 248, 167_300_000, 4_718_592, None) },
         ],
-        files: vec![SourceFile {
-            role: "<checkpoint file>".into(),
-            bytes: 6_938_040_682,
-        }],
+        files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 6_938_040_682 }],
     }
 }
 
@@ -238,104 +145,46 @@ pub fn sdxl_f16() -> ModelDescription {
 /// VAE (AE, f32): 83.65M params = 335,304,388 B, 244 tensors, largest conv 9,437,184 B.
 pub fn flux_dev_q8() -> ModelDescription {
     let mut diff = Vec::new();
-    let double = [
-        60_162_048u64,
-        30_081_024,
-        10_027_008,
-        40_108_032,
-        40_108_032,
-    ];
+    let double = [60_162_048u64, 30_081_024, 10_027_008, 40_108_032, 40_108_032];
     for b in 0..19u32 {
         for stream in ["img", "txt"] {
             for (i, bytes) in double.iter().enumerate() {
-                diff.push(Tensor::in_block(
-                    format!("double_blocks.{b}.{stream}.w{i}"),
-                    *bytes,
-                    b,
-                ));
+                diff.push(Tensor::in_block(format!("double_blocks.{b}.{stream}.w{i}"), *bytes, b));
             }
         }
     }
     for s in 0..38u32 {
         for (i, bytes) in [70_189_056u64, 50_135_040, 30_081_024].iter().enumerate() {
-            diff.push(Tensor::in_block(
-                format!("single_blocks.{s}.w{i}"),
-                *bytes,
-                19 + s,
-            ));
+            diff.push(Tensor::in_block(format!("single_blocks.{s}.w{i}"), *bytes, 19 + s));
         }
     }
-    for name in [
-        "img_in",
-        "txt_in",
-        "time_in",
-        "vector_in",
-        "guidance_in",
-        "final_layer.adaLN",
-        "final_layer.linear",
-        "norm",
-    ] {
+    for name in
+        ["img_in", "txt_in", "time_in", "vector_in", "guidance_in", "final_layer.adaLN", "final_layer.linear", "norm"]
+    {
         diff.push(Tensor::new(format!("{name}.weight"), 8_500_000));
     }
     let mut te = tensors("text_encoders.clip_l", 196, 246_144_000, 75_890_688, None);
-    te.push(Tensor::new(
-        "text_encoders.t5xxl.shared.weight",
-        263_192_576,
-    ));
+    te.push(Tensor::new("text_encoders.t5xxl.shared.weight", 263_192_576));
     for b in 0..24u32 {
-        for (i, bytes) in [
-            33_554_432u64,
-            33_554_432,
-            33_554_432,
-            33_554_432,
-            83_886_080,
-            83_886_080,
-            83_886_080,
-        ]
-        .iter()
-        .enumerate()
+        for (i, bytes) in
+            [33_554_432u64, 33_554_432, 33_554_432, 33_554_432, 83_886_080, 83_886_080, 83_886_080].iter().enumerate()
         {
-            te.push(Tensor::in_block(
-                format!("text_encoders.t5xxl.encoder.block.{b}.w{i}"),
-                *bytes,
-                b,
-            ));
+            te.push(Tensor::in_block(format!("text_encoders.t5xxl.encoder.block.{b}.w{i}"), *bytes, b));
         }
     }
     let vae = tensors("vae", 244, 335_304_388, 9_437_184, None);
     let diff_bytes: u64 = diff.iter().map(|t| t.bytes).sum();
     ModelDescription {
         components: vec![
-            Component {
-                module: Module::Diffusion,
-                tensors: diff,
-            },
-            Component {
-                module: Module::Te,
-                tensors: te,
-            },
-            Component {
-                module: Module::Vae,
-                tensors: vae,
-            },
+            Component { module: Module::Diffusion, tensors: diff },
+            Component { module: Module::Te, tensors: te },
+            Component { module: Module::Vae, tensors: vae },
         ],
         files: vec![
-            SourceFile {
-                role: "<diffusion model file>".into(),
-                bytes: diff_bytes + 1_200_000,
-            },
-            SourceFile {
-                role: "<clip_l file>".into(),
-                bytes: 246_144_352,
-            },
-            SourceFile {
-                role: "<t5xxl file>".into(),
-                bytes: 9_787_841_024,
-            },
-            SourceFile {
-                role: "<vae file>".into(),
-                bytes: 335_304_388,
-            },
+            SourceFile { role: "<diffusion model file>".into(), bytes: diff_bytes + 1_200_000 },
+            SourceFile { role: "<clip_l file>".into(), bytes: 246_144_352 },
+            SourceFile { role: "<t5xxl file>".into(), bytes: 9_787_841_024 },
+            SourceFile { role: "<vae file>".into(), bytes: 335_304_388 },
         ],
     }
 }
@@ -346,10 +195,7 @@ pub fn comp(module: Module, total: u64, largest: u64, blocks: Option<u32>) -> Co
     let rest = total - largest;
     let n = (rest.div_ceil(largest) + 2) as usize;
     let t = tensors(module.name(), n, total, largest, blocks);
-    assert!(
-        t.iter().all(|x| x.bytes <= largest),
-        "test helper: largest tensor must be {largest}"
-    );
+    assert!(t.iter().all(|x| x.bytes <= largest), "test helper: largest tensor must be {largest}");
     Component { module, tensors: t }
 }
 
@@ -362,13 +208,7 @@ pub fn mib_model(d: (u64, u64), t: (u64, u64), v: (u64, u64)) -> ModelDescriptio
         }
     }
     let total = (d.0 + t.0 + v.0) * MIB;
-    ModelDescription {
-        components,
-        files: vec![SourceFile {
-            role: "<model file>".into(),
-            bytes: total,
-        }],
-    }
+    ModelDescription { components, files: vec![SourceFile { role: "<model file>".into(), bytes: total }] }
 }
 
 /// A GPU whose default budget (free - 512 MiB) is `budget_mib`.

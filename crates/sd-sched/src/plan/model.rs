@@ -18,10 +18,7 @@ pub struct ParamGroup {
 impl ParamGroup {
     /// A group named `name` of `bytes` bytes.
     pub fn new(name: impl Into<String>, bytes: u64) -> Self {
-        Self {
-            name: name.into(),
-            bytes,
-        }
+        Self { name: name.into(), bytes }
     }
 }
 
@@ -52,12 +49,7 @@ pub struct Segment {
 impl Segment {
     /// A segment with parameter groups and workspace, no cut outputs.
     pub fn new(name: impl Into<String>, groups: Vec<ParamGroup>, workspace: u64) -> Self {
-        Self {
-            name: name.into(),
-            groups,
-            workspace,
-            cut_outputs: Vec::new(),
-        }
+        Self { name: name.into(), groups, workspace, cut_outputs: Vec::new() }
     }
 
     /// Adds an output read last by segment `last_reader`.
@@ -136,11 +128,7 @@ impl DeviceState {
 
     /// Managed bytes on the device now: fixed bytes, replicas, this runner's workspace.
     pub fn managed(&self) -> u64 {
-        self.replicas
-            .iter()
-            .fold(self.fixed.saturating_add(self.workspace), |acc, r| {
-                acc.saturating_add(r.bytes)
-            })
+        self.replicas.iter().fold(self.fixed.saturating_add(self.workspace), |acc, r| acc.saturating_add(r.bytes))
     }
 }
 
@@ -170,14 +158,9 @@ impl Facts {
     /// Checks the module against itself and the device: a group has one size everywhere, a
     /// replica is listed once, a cut output is read after it is written and within the list.
     pub fn new(module: &ModuleGraph, device: &DeviceState) -> Result<Self, PlanError> {
-        let invalid = |reason: String| PlanError::InvalidInput {
-            module: module.name.clone(),
-            reason,
-        };
+        let invalid = |reason: String| PlanError::InvalidInput { module: module.name.clone(), reason };
         if module.segments.is_empty() {
-            return Err(invalid(
-                "the segment list is empty (a graph without cuts is one segment)".into(),
-            ));
+            return Err(invalid("the segment list is empty (a graph without cuts is one segment)".into()));
         }
         let n = module.segments.len();
         let mut bytes: HashMap<String, u64> = HashMap::new();
@@ -219,10 +202,7 @@ impl Facts {
         let mut device_pinned = HashSet::new();
         for r in &device.replicas {
             if !listed.insert(r.group.as_str()) {
-                return Err(invalid(format!(
-                    "device {} lists a replica of `{}` twice",
-                    device.name, r.group
-                )));
+                return Err(invalid(format!("device {} lists a replica of `{}` twice", device.name, r.group)));
             }
             if let Some(&b) = bytes.get(&r.group) {
                 if b != r.bytes {
@@ -236,12 +216,7 @@ impl Facts {
                 }
             }
         }
-        Ok(Self {
-            bytes,
-            seg_groups,
-            all_groups,
-            device_pinned,
-        })
+        Ok(Self { bytes, seg_groups, all_groups, device_pinned })
     }
 
     /// Unique groups of the base segments in `range`, in order of first appearance.
@@ -260,11 +235,7 @@ impl Facts {
 
     /// Bytes of `groups` that are not pinned on the device (what occupies the runner's capacity).
     pub fn unpinned_bytes(&self, groups: &[String]) -> u64 {
-        groups
-            .iter()
-            .filter(|g| !self.device_pinned.contains(*g))
-            .map(|g| self.bytes[g])
-            .fold(0, u64::saturating_add)
+        groups.iter().filter(|g| !self.device_pinned.contains(*g)).map(|g| self.bytes[g]).fold(0, u64::saturating_add)
     }
 }
 

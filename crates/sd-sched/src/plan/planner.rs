@@ -22,16 +22,9 @@ pub fn plan(
     workspace: &mut dyn MergedWorkspace,
 ) -> Result<Schedule, PlanError> {
     let facts = Facts::new(module, device)?;
-    let workspace = &mut Memo {
-        inner: workspace,
-        seen: HashMap::new(),
-    };
+    let workspace = &mut Memo { inner: workspace, seen: HashMap::new() };
     let n = module.segments.len();
-    let full_ws = if n == 1 {
-        module.segments[0].workspace
-    } else {
-        workspace.merged(&module.segments, 0..n)
-    };
+    let full_ws = if n == 1 { module.segments[0].workspace } else { workspace.merged(&module.segments, 0..n) };
 
     // Capacity: what this runner could hold at once after reclaiming every unpinned replica
     // and its own idle workspace.
@@ -43,14 +36,10 @@ pub fn plan(
             evictable = evictable.saturating_add(r.bytes);
         }
     }
-    let cap_free = device.free.map(|f| {
-        f.saturating_add(device.workspace)
-            .saturating_add(evictable)
-            .saturating_sub(device.scratch_reserve)
-    });
-    let cap_budget = device
-        .budget
-        .map(|b| b.saturating_sub(device.fixed.saturating_add(pinned)));
+    let cap_free = device
+        .free
+        .map(|f| f.saturating_add(device.workspace).saturating_add(evictable).saturating_sub(device.scratch_reserve));
+    let cap_budget = device.budget.map(|b| b.saturating_sub(device.fixed.saturating_add(pinned)));
     let capacity = min_opt(cap_free, cap_budget);
 
     // The monolithic/segmented choice, in performance.md's terms.
@@ -69,14 +58,8 @@ pub fn plan(
         .filter(|r| !r.pinned && !graph_groups.contains(r.group.as_str()))
         .map(|r| r.bytes)
         .fold(0, u64::saturating_add);
-    let avail_free = device.free.map(|f| {
-        f.saturating_add(reclaimable)
-            .saturating_sub(device.scratch_reserve)
-    });
-    let avail_budget = device.budget.map(|b| {
-        b.saturating_add(reclaimable)
-            .saturating_sub(device.managed())
-    });
+    let avail_free = device.free.map(|f| f.saturating_add(reclaimable).saturating_sub(device.scratch_reserve));
+    let avail_budget = device.budget.map(|b| b.saturating_add(reclaimable).saturating_sub(device.managed()));
     let available = min_opt(avail_free, avail_budget);
     let need = missing_weights.saturating_add(new_workspace);
     let reason = match available {
@@ -86,13 +69,8 @@ pub fn plan(
         Some(_) if opts.disable_segmented_compute => Reason::Disabled,
         Some(_) => Reason::ExceedsHeadroom,
     };
-    let decision = Decision {
-        reason,
-        missing_weights,
-        new_workspace,
-        available,
-        planning_headroom: device.planning_headroom,
-    };
+    let decision =
+        Decision { reason, missing_weights, new_workspace, available, planning_headroom: device.planning_headroom };
 
     let ctx = Ctx::new(module, device, opts, &facts);
     let mut dev = Ledger::new(device);
@@ -153,11 +131,7 @@ pub fn plan(
     let schedule = Schedule {
         module: module.name.clone(),
         device: device.name.clone(),
-        mode: if reason == Reason::ExceedsHeadroom {
-            Mode::Segmented
-        } else {
-            Mode::Monolithic
-        },
+        mode: if reason == Reason::ExceedsHeadroom { Mode::Segmented } else { Mode::Monolithic },
         decision,
         capacity,
         base_segments: n,
@@ -194,22 +168,14 @@ impl Ledger {
             reserve: device.scratch_reserve,
             free: device.free,
             managed: device.managed(),
-            resident: device
-                .replicas
-                .iter()
-                .map(|r| (r.group.clone(), r.bytes, r.pinned))
-                .collect(),
+            resident: device.replicas.iter().map(|r| (r.group.clone(), r.bytes, r.pinned)).collect(),
             workspace: device.workspace,
         }
     }
 
     fn room(&self) -> u64 {
-        let by_free = self
-            .free
-            .map_or(u64::MAX, |f| f.saturating_sub(self.reserve));
-        let by_budget = self
-            .budget
-            .map_or(u64::MAX, |b| b.saturating_sub(self.managed));
+        let by_free = self.free.map_or(u64::MAX, |f| f.saturating_sub(self.reserve));
+        let by_budget = self.budget.map_or(u64::MAX, |b| b.saturating_sub(self.managed));
         by_free.min(by_budget)
     }
 
@@ -228,11 +194,7 @@ impl Ledger {
     }
 
     fn evict(&mut self, group: &str) -> u64 {
-        let pos = self
-            .resident
-            .iter()
-            .position(|(g, _, _)| g == group)
-            .expect("evicting a resident replica");
+        let pos = self.resident.iter().position(|(g, _, _)| g == group).expect("evicting a resident replica");
         let (_, bytes, _) = self.resident.remove(pos);
         self.release(bytes);
         bytes
@@ -279,12 +241,7 @@ struct Ctx<'a> {
 }
 
 impl<'a> Ctx<'a> {
-    fn new(
-        module: &'a ModuleGraph,
-        device: &'a DeviceState,
-        opts: &Options,
-        facts: &'a Facts,
-    ) -> Self {
+    fn new(module: &'a ModuleGraph, device: &'a DeviceState, opts: &Options, facts: &'a Facts) -> Self {
         let mut seen = HashSet::new();
         let mut backward = Vec::new();
         for groups in facts.seg_groups.iter().rev() {
@@ -299,13 +256,7 @@ impl<'a> Ctx<'a> {
         } else {
             Transfer::WorkerThread
         });
-        Self {
-            module,
-            device,
-            facts,
-            prefetch,
-            backward,
-        }
+        Self { module, device, facts, prefetch, backward }
     }
 
     fn range_name(&self, range: &Range<usize>) -> String {
@@ -327,12 +278,9 @@ impl<'a> Ctx<'a> {
 
     /// (unpinned weights, workspace, cut buffers live while it runs) of base segments `range` merged.
     fn footprint(&self, ws: &mut dyn MergedWorkspace, range: Range<usize>) -> (u64, u64, u64) {
-        let weights = self
-            .facts
-            .unpinned_bytes(&self.facts.groups_of(range.clone()));
+        let weights = self.facts.unpinned_bytes(&self.facts.groups_of(range.clone()));
         let workspace = self.workspace_of(ws, range.clone());
-        let cuts = cuts_in(&self.module.segments, range.start)
-            .saturating_add(cuts_out(&self.module.segments, range));
+        let cuts = cuts_in(&self.module.segments, range.start).saturating_add(cuts_out(&self.module.segments, range));
         (weights, workspace, cuts)
     }
 
@@ -358,11 +306,7 @@ impl<'a> Ctx<'a> {
     /// Checks that every base segment fits the capacity, then merges adjacent ones greedily
     /// while the merged segment fits the capacity less the planning headroom (and, with
     /// prefetch, next to a prefetch of its own weight).
-    fn merge(
-        &self,
-        ws: &mut dyn MergedWorkspace,
-        capacity: u64,
-    ) -> Result<Vec<Range<usize>>, PlanError> {
+    fn merge(&self, ws: &mut dyn MergedWorkspace, capacity: u64) -> Result<Vec<Range<usize>>, PlanError> {
         let n = self.module.segments.len();
         for i in 0..n {
             let fp = self.footprint(ws, i..i + 1);
@@ -378,11 +322,7 @@ impl<'a> Ctx<'a> {
             while end < n {
                 let (w, s, c) = self.footprint(ws, start..end + 1);
                 let neighbour = if self.prefetch.is_some() { w } else { 0 };
-                if w.saturating_add(s)
-                    .saturating_add(c)
-                    .saturating_add(neighbour)
-                    <= limit
-                {
+                if w.saturating_add(s).saturating_add(c).saturating_add(neighbour) <= limit {
                     end += 1;
                 } else {
                     break;
@@ -396,12 +336,7 @@ impl<'a> Ctx<'a> {
 
     fn planned(&self, ws: &mut dyn MergedWorkspace, ranges: &[Range<usize>]) -> Vec<Seg> {
         let segs = &self.module.segments;
-        let owner = |base: usize| {
-            ranges
-                .iter()
-                .position(|r| r.contains(&base))
-                .expect("ranges cover the list")
-        };
+        let owner = |base: usize| ranges.iter().position(|r| r.contains(&base)).expect("ranges cover the list");
         let mut release = vec![0u64; ranges.len()];
         for r in ranges {
             for s in &segs[r.clone()] {
@@ -446,11 +381,7 @@ impl<'a> Ctx<'a> {
     }
 
     fn missing(&self, dev: &Ledger, groups: &[String]) -> Vec<(String, u64)> {
-        groups
-            .iter()
-            .filter(|g| !dev.is_resident(g))
-            .map(|g| (g.clone(), self.facts.bytes[g]))
-            .collect()
+        groups.iter().filter(|g| !dev.is_resident(g)).map(|g| (g.clone(), self.facts.bytes[g])).collect()
     }
 
     /// Plans segment `i` on `dev`, updating it; prefetches for a later segment when
@@ -472,9 +403,7 @@ impl<'a> Ctx<'a> {
         let missing = self.missing(dev, &seg.groups);
         let missing_bytes = missing.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
         let need = |dev: &Ledger| {
-            missing_bytes
-                .saturating_add(seg.workspace.saturating_sub(dev.workspace))
-                .saturating_add(seg.cuts_out)
+            missing_bytes.saturating_add(seg.workspace.saturating_sub(dev.workspace)).saturating_add(seg.cuts_out)
         };
 
         // Reclaim: an oversized idle workspace first (released now, allocated at its size
@@ -496,9 +425,7 @@ impl<'a> Ctx<'a> {
             return Err(self.does_not_fit(seg.base.clone(), (w, seg.workspace, c), capacity));
         }
         if seg.workspace > dev.workspace {
-            actions.push(Action::Workspace {
-                bytes: seg.workspace,
-            });
+            actions.push(Action::Workspace { bytes: seg.workspace });
             dev.set_workspace(seg.workspace);
         }
         for (g, bytes) in missing {
@@ -507,9 +434,7 @@ impl<'a> Ctx<'a> {
         }
         if seg.cuts_out > 0 {
             dev.alloc(seg.cuts_out);
-            actions.push(Action::AllocCut {
-                bytes: seg.cuts_out,
-            });
+            actions.push(Action::AllocCut { bytes: seg.cuts_out });
         }
 
         let mut prefetch_skipped = false;
@@ -517,9 +442,7 @@ impl<'a> Ctx<'a> {
             if let Some(j) = (i + 1..segs.len()).find(|&j| !segs[j].groups.is_empty()) {
                 let wanted = self.missing(dev, &segs[j].groups);
                 if !wanted.is_empty() {
-                    match self
-                        .try_prefetch(segs, dev, inflight, &pins, i, j, &wanted, via, capacity)
-                    {
+                    match self.try_prefetch(segs, dev, inflight, &pins, i, j, &wanted, via, capacity) {
                         Some((trial, trial_inflight, pf_actions)) => {
                             *dev = trial;
                             *inflight = trial_inflight;
@@ -534,15 +457,10 @@ impl<'a> Ctx<'a> {
         actions.push(Action::Compute);
         if seg.cuts_release > 0 {
             dev.release(seg.cuts_release);
-            actions.push(Action::ReleaseCut {
-                bytes: seg.cuts_release,
-            });
+            actions.push(Action::ReleaseCut { bytes: seg.cuts_release });
         }
         inflight.retain(|g| !seg.groups.contains(g));
-        Ok(StepOut {
-            actions,
-            prefetch_skipped,
-        })
+        Ok(StepOut { actions, prefetch_skipped })
     }
 
     /// The state after prefetching `wanted` (segment `j`'s missing groups) during segment
@@ -565,10 +483,7 @@ impl<'a> Ctx<'a> {
         let mut pins = pins.clone();
         pins.extend(segs[j].groups.iter().cloned());
         let candidates = self.candidates(dev, &pins);
-        let evictable = candidates
-            .iter()
-            .map(|(_, b)| *b)
-            .fold(0, u64::saturating_add);
+        let evictable = candidates.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
         if dev.room().saturating_add(evictable) < bytes_wanted {
             return None;
         }
@@ -585,12 +500,7 @@ impl<'a> Ctx<'a> {
         for (g, bytes) in wanted {
             trial.load(g, *bytes);
             trial_inflight.insert(g.clone());
-            actions.push(Action::Prefetch {
-                group: g.clone(),
-                bytes: *bytes,
-                for_segment: j,
-                via,
-            });
+            actions.push(Action::Prefetch { group: g.clone(), bytes: *bytes, for_segment: j, via });
         }
         // Every segment up to the target must still fit with the prefetched groups pinned.
         let mut check = trial.clone();
@@ -598,8 +508,7 @@ impl<'a> Ctx<'a> {
         check.release(segs[i].cuts_release);
         check_inflight.retain(|g| !segs[i].groups.contains(g));
         for k in i + 1..=j {
-            self.step(segs, &mut check, &mut check_inflight, k, false, capacity)
-                .ok()?;
+            self.step(segs, &mut check, &mut check_inflight, k, false, capacity).ok()?;
         }
         Some((trial, trial_inflight, actions))
     }
@@ -674,10 +583,7 @@ mod tests {
                 Segment::new(format!("s{i}"), gs, 0)
             })
             .collect();
-        ModuleGraph {
-            name: "m".into(),
-            segments,
-        }
+        ModuleGraph { name: "m".into(), segments }
     }
 
     #[test]
@@ -695,29 +601,14 @@ mod tests {
     fn candidates_put_foreign_replicas_first_and_skip_pins() {
         let m = module(&[&["a"], &["b"], &["c"]]);
         let mut d = DeviceState::new("D", Some(100), None);
-        for (g, pinned) in [
-            ("a", false),
-            ("x", false),
-            ("c", true),
-            ("b", false),
-            ("y", true),
-            ("z", false),
-        ] {
-            d.replicas.push(crate::plan::Replica {
-                group: g.into(),
-                bytes: 1,
-                pinned,
-            });
+        for (g, pinned) in [("a", false), ("x", false), ("c", true), ("b", false), ("y", true), ("z", false)] {
+            d.replicas.push(crate::plan::Replica { group: g.into(), bytes: 1, pinned });
         }
         let facts = Facts::new(&m, &d).unwrap();
         let ctx = Ctx::new(&m, &d, &Options::default(), &facts);
         let dev = Ledger::new(&d);
         let pins: HashSet<String> = ["b".to_string()].into();
-        let order: Vec<String> = ctx
-            .candidates(&dev, &pins)
-            .into_iter()
-            .map(|(g, _)| g)
-            .collect();
+        let order: Vec<String> = ctx.candidates(&dev, &pins).into_iter().map(|(g, _)| g).collect();
         // Foreign x and z in device order; y is pinned; then c (pinned on the device: skipped),
         // b (pinned by the segment: skipped), a.
         assert_eq!(order, ["x", "z", "a"]);
@@ -737,9 +628,6 @@ mod tests {
         assert_eq!((l.room(), l.managed), (0, 750));
         l.release(450);
         assert_eq!(l.room(), 400);
-        assert_eq!(
-            Ledger::new(&DeviceState::new("CPU", None, None)).room(),
-            u64::MAX
-        );
+        assert_eq!(Ledger::new(&DeviceState::new("CPU", None, None)).room(), u64::MAX);
     }
 }

@@ -196,10 +196,7 @@ impl Schedule {
 
     /// Bytes this run copies to the device.
     pub fn transfer_bytes(&self) -> u64 {
-        self.segments
-            .iter()
-            .map(PlannedSegment::transfer_bytes)
-            .fold(0, u64::saturating_add)
+        self.segments.iter().map(PlannedSegment::transfer_bytes).fold(0, u64::saturating_add)
     }
 
     /// Groups prefetched during the run, in order.
@@ -212,16 +209,9 @@ impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mode = match self.mode {
             Mode::Monolithic => "monolithic".to_string(),
-            Mode::Segmented => format!(
-                "{} segments (from {})",
-                self.segments.len(),
-                self.base_segments
-            ),
+            Mode::Segmented => format!("{} segments (from {})", self.segments.len(), self.base_segments),
         };
-        let avail = self
-            .decision
-            .available
-            .map_or_else(|| "unbounded".to_string(), fmt_bytes);
+        let avail = self.decision.available.map_or_else(|| "unbounded".to_string(), fmt_bytes);
         write!(
             f,
             "{} on {}: {mode} ({:?}; need {} of {avail} + {} planning headroom), peak workspace {}, transfers {}",

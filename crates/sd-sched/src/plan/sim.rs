@@ -48,21 +48,12 @@ impl RunReport {
 pub enum Violation {
     /// Managed bytes above the explicit budget.
     #[error("{device}: {action} brings managed bytes to {managed}, above the budget of {budget}")]
-    OverBudget {
-        device: String,
-        action: String,
-        managed: u64,
-        budget: u64,
-    },
+    OverBudget { device: String, action: String, managed: u64, budget: u64 },
     /// An allocation eating into the scratch reserve.
-    #[error("{device}: {action} allocates {bytes} bytes with {free} free, eating into the {reserve}-byte scratch reserve")]
-    IntoReserve {
-        device: String,
-        action: String,
-        bytes: u64,
-        free: u64,
-        reserve: u64,
-    },
+    #[error(
+        "{device}: {action} allocates {bytes} bytes with {free} free, eating into the {reserve}-byte scratch reserve"
+    )]
+    IntoReserve { device: String, action: String, bytes: u64, free: u64, reserve: u64 },
     /// Eviction of a replica that is not there.
     #[error("segment `{segment}` evicts `{group}`, which has no replica on the device")]
     EvictAbsent { segment: String, group: String },
@@ -73,39 +64,20 @@ pub enum Violation {
     #[error("segment `{segment}` loads `{group}`, which is already resident")]
     AlreadyResident { segment: String, group: String },
     /// A group the module does not have, or with the wrong size.
-    #[error(
-        "segment `{segment}` moves `{group}` as {bytes} bytes; the module has it as {expected:?}"
-    )]
-    WrongGroup {
-        segment: String,
-        group: String,
-        bytes: u64,
-        expected: Option<u64>,
-    },
+    #[error("segment `{segment}` moves `{group}` as {bytes} bytes; the module has it as {expected:?}")]
+    WrongGroup { segment: String, group: String, bytes: u64, expected: Option<u64> },
     /// A prefetch for a segment that does not need the group or is not later.
     #[error("segment `{segment}` prefetches `{group}` for segment {for_segment}, which does not need it later")]
-    StrayPrefetch {
-        segment: String,
-        group: String,
-        for_segment: usize,
-    },
+    StrayPrefetch { segment: String, group: String, for_segment: usize },
     /// A segment computing without one of its groups.
     #[error("segment `{segment}` computes without `{group}` resident")]
     NotResident { segment: String, group: String },
     /// A segment computing with a smaller workspace than it needs.
     #[error("segment `{segment}` computes with a {have}-byte workspace; it needs {need}")]
-    WorkspaceTooSmall {
-        segment: String,
-        have: u64,
-        need: u64,
-    },
+    WorkspaceTooSmall { segment: String, have: u64, need: u64 },
     /// A segment computing without its cut buffers allocated.
     #[error("segment `{segment}` computes with {have} bytes of cut buffers; it needs {need}")]
-    CutsMissing {
-        segment: String,
-        have: u64,
-        need: u64,
-    },
+    CutsMissing { segment: String, have: u64, need: u64 },
     /// More cut buffers released than allocated, or some left at the end.
     #[error("cut buffers unbalanced: {0}")]
     Cuts(String),
@@ -176,9 +148,7 @@ impl Simulator {
             .workspaces
             .iter()
             .filter(|(m, _)| m != module)
-            .fold(self.fixed.saturating_add(self.cuts), |acc, (_, b)| {
-                acc.saturating_add(*b)
-            });
+            .fold(self.fixed.saturating_add(self.cuts), |acc, (_, b)| acc.saturating_add(*b));
         s
     }
 
@@ -222,10 +192,7 @@ impl Simulator {
     }
 
     fn workspace_of(&self, module: &str) -> u64 {
-        self.workspaces
-            .iter()
-            .find(|(m, _)| m == module)
-            .map_or(0, |(_, b)| *b)
+        self.workspaces.iter().find(|(m, _)| m == module).map_or(0, |(_, b)| *b)
     }
 
     fn release(&mut self, bytes: u64) {
@@ -292,9 +259,7 @@ impl Simulator {
             next = p.base.end;
         }
         if next != n {
-            return Err(Violation::Coverage(format!(
-                "the schedule ends at {next}, the module has {n} segments"
-            )));
+            return Err(Violation::Coverage(format!("the schedule ends at {next}, the module has {n} segments")));
         }
         let needs = |p: usize| -> HashSet<&str> {
             segs[schedule.segments[p].base.clone()]
@@ -303,11 +268,7 @@ impl Simulator {
                 .collect()
         };
 
-        let mut report = RunReport {
-            mode: Some(schedule.mode),
-            high_water: self.managed,
-            ..RunReport::default()
-        };
+        let mut report = RunReport { mode: Some(schedule.mode), high_water: self.managed, ..RunReport::default() };
         let mut inflight: HashMap<String, usize> = HashMap::new();
         let mut own_ws = self.workspace_of(&module.name);
         let start_hw = self.high_water;
@@ -320,22 +281,12 @@ impl Simulator {
                 for action in &planned.actions {
                     match action {
                         Action::Evict { group, bytes } => {
-                            let Some(pos) = self.replicas.iter().position(|r| &r.group == group)
-                            else {
-                                return Err(Violation::EvictAbsent {
-                                    segment: name,
-                                    group: group.clone(),
-                                });
+                            let Some(pos) = self.replicas.iter().position(|r| &r.group == group) else {
+                                return Err(Violation::EvictAbsent { segment: name, group: group.clone() });
                             };
                             let r = &self.replicas[pos];
-                            if r.pinned
-                                || needed.contains(group.as_str())
-                                || inflight.contains_key(group)
-                            {
-                                return Err(Violation::EvictPinned {
-                                    segment: name,
-                                    group: group.clone(),
-                                });
+                            if r.pinned || needed.contains(group.as_str()) || inflight.contains_key(group) {
+                                return Err(Violation::EvictPinned { segment: name, group: group.clone() });
                             }
                             if r.bytes != *bytes {
                                 return Err(Violation::WrongGroup {
@@ -353,9 +304,7 @@ impl Simulator {
                         Action::Workspace { bytes } => {
                             self.release(own_ws);
                             own_ws = 0;
-                            self.alloc(*bytes, || {
-                                format!("the workspace of `{name}` ({bytes} bytes)")
-                            })?;
+                            self.alloc(*bytes, || format!("the workspace of `{name}` ({bytes} bytes)"))?;
                             own_ws = *bytes;
                         }
                         Action::Load { group, bytes } | Action::Prefetch { group, bytes, .. } => {
@@ -368,10 +317,7 @@ impl Simulator {
                                 });
                             }
                             if self.replicas.iter().any(|r| &r.group == group) {
-                                return Err(Violation::AlreadyResident {
-                                    segment: name,
-                                    group: group.clone(),
-                                });
+                                return Err(Violation::AlreadyResident { segment: name, group: group.clone() });
                             }
                             if let Action::Prefetch { for_segment, .. } = action {
                                 if *for_segment <= p
@@ -391,27 +337,16 @@ impl Simulator {
                                 report.loaded.push(group.clone());
                                 report.loaded_bytes += bytes;
                             }
-                            self.alloc(*bytes, || {
-                                format!("`{name}` copying `{group}` ({bytes} bytes)")
-                            })?;
-                            self.replicas.push(Replica {
-                                group: group.clone(),
-                                bytes: *bytes,
-                                pinned: false,
-                            });
+                            self.alloc(*bytes, || format!("`{name}` copying `{group}` ({bytes} bytes)"))?;
+                            self.replicas.push(Replica { group: group.clone(), bytes: *bytes, pinned: false });
                         }
                         Action::AllocCut { bytes } => {
-                            self.alloc(*bytes, || {
-                                format!("the cut buffers of `{name}` ({bytes} bytes)")
-                            })?;
+                            self.alloc(*bytes, || format!("the cut buffers of `{name}` ({bytes} bytes)"))?;
                             self.cuts += bytes;
                         }
                         Action::ReleaseCut { bytes } => {
                             if *bytes > self.cuts {
-                                return Err(Violation::Cuts(format!(
-                                    "`{name}` releases {bytes} of {}",
-                                    self.cuts
-                                )));
+                                return Err(Violation::Cuts(format!("`{name}` releases {bytes} of {}", self.cuts)));
                             }
                             self.cuts -= bytes;
                             self.release(*bytes);
@@ -420,10 +355,7 @@ impl Simulator {
                             computed += 1;
                             for g in &needed {
                                 if !self.replicas.iter().any(|r| r.group == *g) {
-                                    return Err(Violation::NotResident {
-                                        segment: name,
-                                        group: g.to_string(),
-                                    });
+                                    return Err(Violation::NotResident { segment: name, group: g.to_string() });
                                 }
                             }
                             let range = planned.base.clone();
@@ -452,28 +384,19 @@ impl Simulator {
                                 .map(|(_, c)| c.bytes)
                                 .sum();
                             if self.cuts < need_cuts {
-                                return Err(Violation::CutsMissing {
-                                    segment: name,
-                                    have: self.cuts,
-                                    need: need_cuts,
-                                });
+                                return Err(Violation::CutsMissing { segment: name, have: self.cuts, need: need_cuts });
                             }
                             report.computed.push(name.clone());
                         }
                     }
                 }
                 if computed != 1 {
-                    return Err(Violation::Coverage(format!(
-                        "segment `{name}` computes {computed} times"
-                    )));
+                    return Err(Violation::Coverage(format!("segment `{name}` computes {computed} times")));
                 }
                 inflight.retain(|_, t| *t != p);
             }
             if self.cuts != 0 {
-                return Err(Violation::Cuts(format!(
-                    "{} bytes still held after the run",
-                    self.cuts
-                )));
+                return Err(Violation::Cuts(format!("{} bytes still held after the run", self.cuts)));
             }
             Ok(())
         })();

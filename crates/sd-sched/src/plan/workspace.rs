@@ -63,11 +63,7 @@ mod tests {
     #[test]
     fn merged_peak_adds_outputs_live_across_parts() {
         // 0 writes 5 bytes read last by 2; 1 writes 7 bytes read by 2 only.
-        let segs = [
-            seg(10).with_cut_output(5, 2),
-            seg(30).with_cut_output(7, 2),
-            seg(20),
-        ];
+        let segs = [seg(10).with_cut_output(5, 2), seg(30).with_cut_output(7, 2), seg(20)];
         // Part 1: 30 + 5 (from part 0, still needed by 2) = 35; part 2: 20 + 5 + 7 = 32.
         assert_eq!(Estimate.merged(&segs, 0..3), 35);
         // Starting at 1: part 1 alone 30, part 2: 20 + 7 = 27 (part 0's output lives outside).

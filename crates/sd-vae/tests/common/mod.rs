@@ -160,8 +160,16 @@ pub mod reference {
         /// A convolution as ggml's im2col path computes it: input rounded to f16, f16 kernel.
         #[allow(clippy::too_many_arguments)]
         pub fn conv(&self, name: &str, x: &Act, out_ch: usize, k: usize, stride: usize, pad: usize, bias: bool) -> Act {
-            let kernel = self.get(&format!("{name}.weight"), GgmlType::GGML_TYPE_F16, &[k as i64, k as i64, x.c as i64, out_ch as i64]);
-            let b = if bias { self.get(&format!("{name}.bias"), GgmlType::GGML_TYPE_F32, &[out_ch as i64]) } else { vec![0.0; out_ch] };
+            let kernel = self.get(
+                &format!("{name}.weight"),
+                GgmlType::GGML_TYPE_F16,
+                &[k as i64, k as i64, x.c as i64, out_ch as i64],
+            );
+            let b = if bias {
+                self.get(&format!("{name}.bias"), GgmlType::GGML_TYPE_F32, &[out_ch as i64])
+            } else {
+                vec![0.0; out_ch]
+            };
             let xr = x.map(|v| f16::from_f64(v).to_f64());
             let ow = (x.w + 2 * pad - k) / stride + 1;
             let oh = (x.h + 2 * pad - k) / stride + 1;
@@ -178,7 +186,8 @@ pub mod reference {
                                     if iy < 0 || ix < 0 || iy >= x.h as i64 || ix >= x.w as i64 {
                                         continue;
                                     }
-                                    s += xr.at(ic, iy as usize, ix as usize) * kernel[((oc * x.c + ic) * k + ky) * k + kx];
+                                    s += xr.at(ic, iy as usize, ix as usize)
+                                        * kernel[((oc * x.c + ic) * k + ky) * k + kx];
                                 }
                             }
                         }
@@ -216,7 +225,11 @@ pub mod reference {
             let h = self.conv(&format!("{name}.conv1"), &h, out_ch, 3, 1, 1, true);
             let h = self.group_norm(&format!("{name}.norm2"), &h, 32, 1e-6).map(silu);
             let h = self.conv(&format!("{name}.conv2"), &h, out_ch, 3, 1, 1, true);
-            let skip = if out_ch != x.c { self.conv(&format!("{name}.nin_shortcut"), x, out_ch, 1, 1, 0, true) } else { x.clone() };
+            let skip = if out_ch != x.c {
+                self.conv(&format!("{name}.nin_shortcut"), x, out_ch, 1, 1, 0, true)
+            } else {
+                x.clone()
+            };
             h.add(&skip)
         }
 
@@ -230,7 +243,9 @@ pub mod reference {
             let scale = 1.0 / (x.c as f64).sqrt();
             let mut a = vec![0.0; l * x.c];
             for i in 0..l {
-                let logits: Vec<f64> = (0..l).map(|j| (0..x.c).map(|c| q.data[c * l + i] * k.data[c * l + j]).sum::<f64>() * scale).collect();
+                let logits: Vec<f64> = (0..l)
+                    .map(|j| (0..x.c).map(|c| q.data[c * l + i] * k.data[c * l + j]).sum::<f64>() * scale)
+                    .collect();
                 let m = logits.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = logits.iter().map(|z| (z - m).exp()).collect();
                 let s: f64 = e.iter().sum();

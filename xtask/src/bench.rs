@@ -37,8 +37,9 @@ use std::time::Instant;
 use anyhow::{bail, Context as _, Result};
 use sd_models::fixture::Family;
 
-use crate::parity::{build_sd_cli, ensure_fixture, workspace_root};
+use crate::parity::{build_sd_cli, ensure_fixture};
 use crate::reference;
+use crate::workspace_root;
 
 const USAGE: &str = "usage: cargo xtask bench [--size 256|512|both] [--runs N] [--threads N]";
 

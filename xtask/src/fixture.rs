@@ -11,7 +11,7 @@
 //! (file metadata unchanged), for small files in tests. The generation itself lives in
 //! `sd_models::fixture`; this is only argument handling.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -72,8 +72,9 @@ fn parse(args: &[String]) -> Result<Args> {
     Ok(Args { family, seed, wtype, output, only })
 }
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+/// Where `cargo xtask fixture` writes by default: `target/fixtures/<family>-<type>.<ext>`.
+pub fn default_path(family: Family, wtype: WeightType, format: FileFormat) -> PathBuf {
+    crate::workspace_root().join("target/fixtures").join(format!("{}-{}.{}", family.name(), wtype, format.extension()))
 }
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
@@ -83,9 +84,10 @@ pub fn run(args: &[String]) -> Result<()> {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
             let format = if args.wtype.is_quantized() { FileFormat::Gguf } else { FileFormat::Safetensors };
-            let dir = workspace_root().join("target").join("fixtures");
-            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (dir.join(format!("{}-{}.{}", args.family.name(), args.wtype, format.extension())), format)
+            let path = default_path(args.family, args.wtype, format);
+            let dir = path.parent().context("fixture path has no parent")?;
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (path, format)
         }
     };
     let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);

@@ -6,6 +6,8 @@ mod parity;
 mod plugins;
 mod reference;
 
+use std::path::{Path, PathBuf};
+
 use anyhow::{bail, Result};
 
 const USAGE: &str = "usage: cargo xtask <command> [args]
@@ -20,6 +22,11 @@ commands:
                       compare text encoder, UNet, VAE and 256x256 generations with the reference
   bench [--size 256|512|both] [--runs N] [--threads N]
                       time sd-cli against the reference, alternating runs, with ratios";
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

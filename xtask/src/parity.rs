@@ -105,14 +105,9 @@ const LATENT_SIDE: usize = 32;
 /// f16's unit roundoff, 2^-11.
 const F16_U: f64 = 1.0 / 2048.0;
 
-/// The workspace root (xtask's parent directory).
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-}
-
 /// Where the fixture of `family` lives: `target/fixtures/<family>-f16.safetensors`.
 pub fn fixture_path(family: Family) -> PathBuf {
-    workspace_root().join("target/fixtures").join(format!("{}-f16.safetensors", family.name()))
+    crate::fixture::default_path(family, WeightType::F16, FileFormat::Safetensors)
 }
 
 /// The fixture of `family` (seed 42, f16, safetensors), written first if missing.
@@ -143,7 +138,7 @@ fn cargo() -> String {
 pub fn build_sd_cli() -> Result<PathBuf> {
     let out = Command::new(cargo())
         .args(["build", "--release", "-p", "sd-cli", "--bin", "sd-cli", "--message-format=json-render-diagnostics"])
-        .current_dir(workspace_root())
+        .current_dir(crate::workspace_root())
         .stderr(std::process::Stdio::inherit())
         .output()
         .context("running cargo build for sd-cli")?;
@@ -172,7 +167,7 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut families = None;
     let mut threads = 2u32;
     let mut write_test_data = false;
-    let mut test_data_dir = workspace_root().join("tests/data");
+    let mut test_data_dir = crate::workspace_root().join("tests/data");
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
@@ -605,7 +600,7 @@ fn gen_flags(prompt: &str, side: u32, steps: u32, threads: u32) -> Vec<String> {
 fn check_family(family: Family, threads: u32, sdref_exe: &Path, ours_exe: &Path, cpu: &Cpu) -> Result<Vec<Row>> {
     let name = family.name();
     let model = ensure_fixture(family)?;
-    let dir = workspace_root().join("target/parity").join(name);
+    let dir = crate::workspace_root().join("target/parity").join(name);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let files = ModelFiles::open_model(&model)?;
     let (clip, unet_cfg, clip_points) = configs(&files)?;
@@ -726,7 +721,7 @@ fn write_test_data(family: Family, threads: u32, sdref_exe: &Path, ours_exe: &Pa
     run_ok(c, "sdref txt2img")?;
     std::fs::rename(&tmp, &file).with_context(|| format!("renaming {} to {}", tmp.display(), file.display()))?;
     println!("wrote {}", file.display());
-    let work = workspace_root().join("target/parity").join(name);
+    let work = crate::workspace_root().join("target/parity").join(name);
     std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
     let ours_png = work.join("test-data.ours.png");
     let mut c = Command::new(ours_exe);

@@ -10,7 +10,7 @@
 //! (`target/ggml/build-<name>`), so enabling one never reconfigures the default
 //! build. A backend whose toolkit is missing fails with one message naming it.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -32,16 +32,12 @@ struct Manifest {
     toolkit: Option<String>,
 }
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
 fn which(p: &str) -> bool {
     std::env::var_os("PATH").map(|ps| std::env::split_paths(&ps).any(|d| d.join(p).is_file())).unwrap_or(false)
 }
 
 fn manifests() -> Result<Vec<Manifest>> {
-    let dir = workspace().join("plugins");
+    let dir = crate::workspace_root().join("plugins");
     let mut out = Vec::new();
     for e in std::fs::read_dir(&dir).with_context(|| dir.display().to_string())? {
         let p = e?.path().join("plugin.toml");
@@ -117,9 +113,9 @@ pub fn run(args: &[String]) -> Result<()> {
     run_cmd(
         Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
             .args(["build", "--release", "-p", "ggml-sys"])
-            .current_dir(workspace()),
+            .current_dir(crate::workspace_root()),
     )?;
-    let root = workspace().join("target/ggml");
+    let root = crate::workspace_root().join("target/ggml");
     let info: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root.join("build-info.json"))?)?;
     let src = PathBuf::from(info["source_dir"].as_str().context("build-info.json: source_dir")?);
     let default_plugins = root.join("plugins");
@@ -134,7 +130,7 @@ pub fn run(args: &[String]) -> Result<()> {
         } else {
             let build = root.join(format!("build-{}", m.name));
             let mut cfg = Command::new("cmake");
-            cfg.arg("-S").arg(workspace().join("crates/ggml-sys/cmake")).arg("-B").arg(&build);
+            cfg.arg("-S").arg(crate::workspace_root().join("crates/ggml-sys/cmake")).arg("-B").arg(&build);
             cfg.arg(format!("-DGGML_SOURCE_DIR={}", src.display()));
             cfg.args([
                 "-DCMAKE_BUILD_TYPE=Release",

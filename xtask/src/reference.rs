@@ -16,18 +16,14 @@ use anyhow::{bail, Context as _};
 /// The crates.io package whose bundled sd.cpp source we build.
 pub const SYS_PACKAGE: &str = "diffusion-rs-sys";
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives inside the workspace").to_path_buf()
-}
-
 /// The reference project's directory, xtask/reference.
 pub fn project_dir() -> PathBuf {
-    workspace_root().join("xtask/reference")
+    crate::workspace_root().join("xtask/reference")
 }
 
 /// Where the reference builds: its own target dir, so neither build blocks the other.
 pub fn target_dir() -> PathBuf {
-    workspace_root().join("target/reference")
+    crate::workspace_root().join("target/reference")
 }
 
 /// The path `build` produces (whether or not it exists yet).

@@ -436,12 +436,9 @@ fn open_library(path: &Path) -> std::result::Result<Library, SkipReason> {
     // the trust model of ggml's own loader.
     unsafe { Library::new(path) }.map_err(|e| {
         let detail = e.to_string();
-        // dlopen names the missing dependency when one is absent.
-        let file = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
-        if detail.contains("cannot open shared object file")
-            && !detail.starts_with(&format!("{}:", path.display()))
-            && !detail.contains(&format!("{file}: cannot open"))
-        {
+        // The file itself exists (checked above), so "cannot open shared object
+        // file" names a dependency that dlopen could not find.
+        if detail.contains("cannot open shared object file") {
             SkipReason::MissingDependency { detail }
         } else {
             SkipReason::NotAPlugin { detail }

@@ -303,9 +303,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // Placement.
     let reg = crate::devices::open(dev)?;
     let devices = crate::plan::machine_devices_from(&reg);
-    let files_for_plan = sd_models::files::ModelFiles::open(&model_args.sources())?;
-    let description = sd_models::describe::describe(&files_for_plan, &model_args.extra())?;
-    drop(files_for_plan);
+    let files = sd_models::files::ModelFiles::open(&model_args.sources())?;
+    let description = sd_models::describe::describe(&files, &model_args.extra())?;
     let request = sd_placement::PlanRequest {
         flags: a.placement.flags(),
         devices,
@@ -358,13 +357,10 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         tracing::debug!("--disable-prefetch / --disable-segmented-compute: graphs run monolithic in this version");
     }
 
-    let pipeline = Pipeline::open(LoadOptions {
-        sources: model_args.sources(),
-        prediction,
-        wtype: wt,
-        devices,
-        flash_attn: a.diffusion_fa,
-    })?;
+    let pipeline = Pipeline::from_files(
+        files,
+        LoadOptions { sources: model_args.sources(), prediction, wtype: wt, devices, flash_attn: a.diffusion_fa },
+    )?;
     let params = GenerateParams {
         prompt: a.prompt.clone(),
         negative_prompt: a.negative_prompt.clone(),

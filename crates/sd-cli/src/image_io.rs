@@ -60,10 +60,3 @@ pub fn read_png(path: &Path) -> Result<Rgb8> {
     };
     Ok(Rgb8 { width: info.width, height: info.height, data })
 }
-
-/// The text chunk of a PNG, if present.
-pub fn read_text_chunk(path: &Path, key: &str) -> Result<Option<String>> {
-    let file = std::fs::File::open(path)?;
-    let reader = png::Decoder::new(std::io::BufReader::new(file)).read_info()?;
-    Ok(reader.info().uncompressed_latin1_text.iter().find(|t| t.keyword == key).map(|t| t.text.clone()))
-}

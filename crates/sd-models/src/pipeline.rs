@@ -177,6 +177,11 @@ impl Pipeline {
     /// Opens the files, detects the architecture and checks the tensors against it.
     pub fn open(opts: LoadOptions) -> Result<Self> {
         let files = ModelFiles::open(&opts.sources)?;
+        Self::from_files(files, opts)
+    }
+
+    /// Like [`Pipeline::open`], for files the caller has already opened (e.g. to plan).
+    pub fn from_files(files: ModelFiles, opts: LoadOptions) -> Result<Self> {
         let detected = files.detect(opts.prediction)?;
         let (clip, unet) = match detected.arch {
             "sd1" => (ClipConfig::vit_l14(), UNetConfig::sd15()),
@@ -436,19 +441,8 @@ fn encode_latent(
     } else {
         out
     };
-    vae_to_diffusion(vae, &mut latent);
+    vae.vae_to_diffusion(&mut latent);
     Ok(latent)
-}
-
-fn vae_to_diffusion(vae: &dyn FirstStage, latent: &mut [f32]) {
-    // diffusion_to_vae divides by the scale factor (AutoencoderKL) or does nothing
-    // (TAESD); the inverse multiplies. Probe it on 1.0 to stay agnostic.
-    let mut probe = [1.0f32];
-    vae.diffusion_to_vae(&mut probe);
-    if probe[0] != 1.0 && probe[0] != 0.0 {
-        let k = 1.0 / probe[0];
-        latent.iter_mut().for_each(|v| *v *= k);
-    }
 }
 
 fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {

@@ -49,6 +49,9 @@ pub trait FirstStage {
     /// Diffusion-space latents to what the decoder takes, in place (AutoencoderKL divides
     /// by its scale factor; TAESD takes them unchanged).
     fn diffusion_to_vae(&self, latents: &mut [f32]);
+    /// Diffusion-space latents from what the encoder produces, in place (the inverse
+    /// of [`FirstStage::diffusion_to_vae`]).
+    fn vae_to_diffusion(&self, latents: &mut [f32]);
     /// One decode graph on a planar `[channels, h, w]` latent. Returns the planar image
     /// and its channel count.
     fn decode_graph(
@@ -69,6 +72,84 @@ pub trait FirstStage {
         channels: usize,
         max_compute_bytes: Option<usize>,
     ) -> Result<(Vec<f32>, usize)>;
+}
+
+/// What a ggml autoencoder provides so that [`decode_graph`] and [`encode_graph`] can run
+/// it: the one implementation of input checks and graph execution shared by
+/// AutoencoderKL and TAESD.
+pub(crate) trait GraphModel: FirstStage {
+    /// The parameters the graphs read.
+    fn weights(&self) -> &Weights;
+    /// Graph construction options.
+    fn graph_options(&self) -> GraphOptions;
+    /// Builds the decode graph on a `[w, h, c, 1]` latent tensor.
+    fn build_decode_graph<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        z: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>>;
+    /// Builds the encode graph on a `[W, H, c, 1]` image tensor.
+    fn build_encode_graph<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        x: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>>;
+}
+
+/// [`FirstStage::decode_graph`] of a ggml autoencoder.
+pub(crate) fn decode_graph<M: GraphModel>(
+    m: &M,
+    runner: &mut Runner,
+    latent: &[f32],
+    dims: [usize; 2],
+    channels: usize,
+    max_compute_bytes: Option<usize>,
+) -> Result<(Vec<f32>, usize)> {
+    let module = m.module();
+    if channels != m.latent_channels() {
+        return Err(VaeError::input(
+            module,
+            format!("the latent has {channels} channels, {module} takes {}", m.latent_channels()),
+        ));
+    }
+    let input = [dims[0], dims[1], channels];
+    let (out, ne) =
+        run_graph(runner, module, m.weights(), m.graph_options(), latent, input, max_compute_bytes, |f, z| {
+            m.build_decode_graph(f, z, &mut Vec::new())
+        })?;
+    Ok((out, ne[2]))
+}
+
+/// [`FirstStage::encode_graph`] of a ggml autoencoder.
+pub(crate) fn encode_graph<M: GraphModel>(
+    m: &M,
+    runner: &mut Runner,
+    image: &[f32],
+    dims: [usize; 2],
+    channels: usize,
+    max_compute_bytes: Option<usize>,
+) -> Result<(Vec<f32>, usize)> {
+    let module = m.module();
+    let s = m.scale_factor();
+    if channels != m.image_channels() || !dims[0].is_multiple_of(s) || !dims[1].is_multiple_of(s) {
+        return Err(VaeError::input(
+            module,
+            format!(
+                "cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of {s}",
+                dims[0],
+                dims[1],
+                m.image_channels()
+            ),
+        ));
+    }
+    let input = [dims[0], dims[1], channels];
+    let (out, ne) =
+        run_graph(runner, module, m.weights(), m.graph_options(), image, input, max_compute_bytes, |f, x| {
+            m.build_encode_graph(f, x, &mut Vec::new())
+        })?;
+    Ok((out, ne[2]))
 }
 
 /// Builds a graph on an input of `dims` (`[w, h, c]`, batch 1) with `build`, checks the

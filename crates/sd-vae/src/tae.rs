@@ -21,7 +21,7 @@ use sd_sched::{Runner, TensorSource, TensorSpec, Weights};
 
 use crate::error::{Result, VaeError};
 use crate::nn::{Conv2d, Fwd, GraphOptions};
-use crate::run::{run_graph, FirstStage, ImageRange};
+use crate::run::{decode_graph, encode_graph, run_graph, FirstStage, GraphModel, ImageRange};
 
 const MODULE: &str = "taesd";
 const PREFIX: &str = "tae";
@@ -329,6 +329,8 @@ impl FirstStage for Taesd {
 
     fn diffusion_to_vae(&self, _latents: &mut [f32]) {}
 
+    fn vae_to_diffusion(&self, _latents: &mut [f32]) {}
+
     fn decode_graph(
         &self,
         runner: &mut Runner,
@@ -337,26 +339,7 @@ impl FirstStage for Taesd {
         channels: usize,
         max_compute_bytes: Option<usize>,
     ) -> Result<(Vec<f32>, usize)> {
-        if channels != self.cfg.z_channels {
-            return Err(VaeError::input(
-                MODULE,
-                format!("the latent has {channels} channels, TAESD takes {}", self.cfg.z_channels),
-            ));
-        }
-        let (out, ne) = run_graph(
-            runner,
-            MODULE,
-            &self.weights,
-            self.opts,
-            latent,
-            [dims[0], dims[1], channels],
-            max_compute_bytes,
-            |f, z| {
-                let mut cuts = Vec::new();
-                self.build_decode(f, z, &mut cuts)
-            },
-        )?;
-        Ok((out, ne[2]))
+        decode_graph(self, runner, latent, dims, channels, max_compute_bytes)
     }
 
     fn encode_graph(
@@ -367,28 +350,34 @@ impl FirstStage for Taesd {
         channels: usize,
         max_compute_bytes: Option<usize>,
     ) -> Result<(Vec<f32>, usize)> {
-        if channels != self.cfg.image_channels || !dims[0].is_multiple_of(8) || !dims[1].is_multiple_of(8) {
-            return Err(VaeError::input(
-                MODULE,
-                format!(
-                    "cannot encode a {channels}-channel {}x{} image: expected {} channels and sides that are multiples of 8",
-                    dims[0], dims[1], self.cfg.image_channels
-                ),
-            ));
-        }
-        let (out, ne) = run_graph(
-            runner,
-            MODULE,
-            &self.weights,
-            self.opts,
-            image,
-            [dims[0], dims[1], channels],
-            max_compute_bytes,
-            |f, x| {
-                let mut cuts = Vec::new();
-                self.build_encode(f, x, &mut cuts)
-            },
-        )?;
-        Ok((out, ne[2]))
+        encode_graph(self, runner, image, dims, channels, max_compute_bytes)
+    }
+}
+
+impl GraphModel for Taesd {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn graph_options(&self) -> GraphOptions {
+        self.opts
+    }
+
+    fn build_decode_graph<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        z: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
+        self.build_decode(f, z, cuts)
+    }
+
+    fn build_encode_graph<'g>(
+        &self,
+        f: &Fwd<'_, 'g>,
+        x: Tensor<'g>,
+        cuts: &mut Vec<(String, Tensor<'g>)>,
+    ) -> Result<Tensor<'g>> {
+        self.build_encode(f, x, cuts)
     }
 }

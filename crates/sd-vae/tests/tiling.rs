@@ -403,6 +403,7 @@ impl FirstStage for Fake {
         ImageRange::MinusOneToOne
     }
     fn diffusion_to_vae(&self, _: &mut [f32]) {}
+    fn vae_to_diffusion(&self, _: &mut [f32]) {}
     fn decode_graph(
         &self,
         _: &mut Runner,

@@ -54,3 +54,37 @@ pub unsafe fn backend_reg_api_version(reg: ggml_backend_reg_t) -> c_int {
     // whose first member is an `int` in every ggml since API version 1.
     unsafe { *(reg as *const c_int) }
 }
+
+/// The layout of `struct ggml_cgraph` in the pinned ggml (private header `ggml-impl.h`),
+/// needed because `ggml_graph_view` returns it by value. Checked against the public
+/// accessors by the tests of `sd-backends` (`graph_view_matches_ggml`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ggml_cgraph_layout {
+    pub size: c_int,
+    pub n_nodes: c_int,
+    pub n_leafs: c_int,
+    pub nodes: *mut *mut ggml_tensor,
+    pub grads: *mut *mut ggml_tensor,
+    pub grad_accs: *mut *mut ggml_tensor,
+    pub leafs: *mut *mut ggml_tensor,
+    pub use_counts: *mut i32,
+    pub visited_hash_set: ggml_hash_set_layout,
+    pub order: c_int,
+    pub uid: u64,
+}
+
+/// The layout of `struct ggml_hash_set` in the pinned ggml (private header).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ggml_hash_set_layout {
+    pub size: usize,
+    pub used: *mut u32,
+    pub keys: *mut *mut ggml_tensor,
+}
+
+extern "C" {
+    /// Nodes `[i0, i1)` of `cgraph` as a graph sharing its nodes, use counts and hash set
+    /// (exported by libggml-base, declared in the private `ggml-impl.h`).
+    pub fn ggml_graph_view(cgraph: *mut ggml_cgraph, i0: c_int, i1: c_int) -> ggml_cgraph_layout;
+}

@@ -61,6 +61,18 @@ impl BufferType {
         Ok(Buffer { raw })
     }
 
+    /// Alignment of tensor addresses in buffers of this type.
+    pub fn alignment(self) -> usize {
+        // SAFETY: a live buffer type.
+        unsafe { sys::ggml_backend_buft_get_alignment(self.raw) }
+    }
+
+    /// Bytes `t` occupies in a buffer of this type (may exceed its data size: padding).
+    pub fn alloc_size(self, t: crate::Tensor<'_>) -> usize {
+        // SAFETY: live buffer type and tensor.
+        unsafe { sys::ggml_backend_buft_get_alloc_size(self.raw, t.as_raw()) }
+    }
+
     /// Bytes needed to allocate every tensor of `ctx` in this buffer type.
     pub fn ctx_tensors_size(self, ctx: &Context) -> usize {
         // SAFETY: live context and buffer type.

@@ -19,6 +19,9 @@ pub use sys::ggml_type as GgmlType;
 /// The raw ggml tensor struct, for handles stored outside a borrow.
 pub type RawTensor = sys::ggml_tensor;
 
+/// Most source operands a ggml operation has.
+pub const MAX_SRC: usize = sys::GGML_MAX_SRC as usize;
+
 /// An owned ggml context.
 pub struct Context {
     raw: NonNull<sys::ggml_context>,
@@ -212,6 +215,100 @@ impl<'c> Tensor<'c> {
     /// Whether the tensor lives in a backend buffer.
     pub fn has_buffer(self) -> bool {
         !self.r().buffer.is_null()
+    }
+
+    /// The `i`-th source operand of an operation node.
+    pub fn src(self, i: usize) -> Option<Tensor<'c>> {
+        self.r().src.get(i).and_then(|p| NonNull::new(*p)).map(|raw| Self { raw, _ctx: PhantomData })
+    }
+
+    /// The tensor this one is a view of.
+    pub fn view_src(self) -> Option<Tensor<'c>> {
+        NonNull::new(self.r().view_src).map(|raw| Self { raw, _ctx: PhantomData })
+    }
+
+    /// The tensor whose storage this one uses: itself, or the end of its view chain.
+    pub fn storage_root(self) -> Tensor<'c> {
+        let mut t = self;
+        while let Some(v) = t.view_src() {
+            t = v;
+        }
+        t
+    }
+
+    /// Places a tensor without storage at `offset` inside `buffer`. Checks what ggml would
+    /// abort on: existing storage, a view, and a range past the buffer's end.
+    pub fn place_in(self, buffer: &crate::Buffer, offset: usize) -> Result<()> {
+        let r = self.r();
+        if !r.buffer.is_null() || !r.data.is_null() || !r.view_src.is_null() {
+            return Err(BackendError::Placement {
+                name: self.name(),
+                reason: "it already has storage or is a view".into(),
+            });
+        }
+        // SAFETY: live buffer and tensor.
+        let need = unsafe { sys::ggml_backend_buffer_get_alloc_size(buffer.as_raw(), self.as_raw()) };
+        if offset.checked_add(need).is_none_or(|end| end > buffer.size()) {
+            return Err(BackendError::Placement {
+                name: self.name(),
+                reason: format!("{need} bytes at offset {offset} do not fit a buffer of {} bytes", buffer.size()),
+            });
+        }
+        // SAFETY: checked above: no storage, not a view, inside the buffer.
+        let status = unsafe {
+            let base = sys::ggml_backend_buffer_get_base(buffer.as_raw()).cast::<u8>();
+            sys::ggml_backend_tensor_alloc(buffer.as_raw(), self.as_raw(), base.add(offset).cast())
+        };
+        if status != sys::ggml_status::GGML_STATUS_SUCCESS {
+            return Err(BackendError::Placement { name: self.name(), reason: format!("ggml status {}", status.0) });
+        }
+        Ok(())
+    }
+
+    /// Forgets the tensor's storage (buffer and data pointer), so it can be placed again.
+    ///
+    /// # Safety
+    /// No graph about to run may use the tensor's old storage, and the caller keeps the
+    /// buffer alive or frees it separately; views made of the tensor keep the old pointer.
+    pub unsafe fn detach_storage(self) {
+        // SAFETY: live tensor struct; the caller upholds the rest.
+        unsafe {
+            (*self.as_raw()).buffer = std::ptr::null_mut();
+            (*self.as_raw()).data = std::ptr::null_mut();
+        }
+    }
+
+    /// Forgets the operands of a tensor already computed, so that a later graph reading it
+    /// sees a leaf (backends that walk operands, like RPC's serialiser, stop here).
+    ///
+    /// # Safety
+    /// The tensor must not be computed again by any graph.
+    pub unsafe fn sever_operands(self) {
+        // SAFETY: live tensor struct; the caller upholds the rest.
+        unsafe { (*self.as_raw()).src = [std::ptr::null_mut(); MAX_SRC] }
+    }
+
+    /// Marks a tensor without storage as "stored elsewhere" for a measurement with ggml's
+    /// measure-only allocator (which then does not count it), using a pointer that is never
+    /// dereferenced. Undo with [`detach_storage`](Self::detach_storage).
+    ///
+    /// # Safety
+    /// Nothing may read or write the tensor, compute with it or allocate a graph holding
+    /// it until the marker is removed.
+    pub unsafe fn mark_stored_elsewhere(self) {
+        // SAFETY: live tensor struct; the pointer is the tensor's own address, unique and
+        // never dereferenced while marked (caller contract).
+        unsafe { (*self.as_raw()).data = self.as_raw().cast() }
+    }
+
+    /// Copies the data of `src` (same type and shape, any device) into this tensor.
+    pub fn copy_from(self, src: Tensor<'_>) -> Result<()> {
+        if src.nbytes() != self.nbytes() || src.dtype() != self.dtype() || !src.is_allocated() || !self.is_allocated() {
+            return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: src.nbytes() });
+        }
+        // SAFETY: both allocated with identical layout (checked).
+        unsafe { sys::ggml_backend_tensor_copy(src.as_raw(), self.as_raw()) };
+        Ok(())
     }
 
     /// Copies raw bytes into the tensor's storage.

@@ -26,6 +26,9 @@ pub enum BackendError {
     /// A buffer allocation failed on a device.
     #[error("allocating {bytes} bytes on {device} failed")]
     Alloc { device: String, bytes: usize },
+    /// A tensor could not be placed in a buffer.
+    #[error("cannot place tensor `{name}`: {reason}")]
+    Placement { name: String, reason: String },
     /// A graph computation failed.
     #[error("graph computation on {device} failed with status {status}")]
     Compute { device: String, status: i32 },

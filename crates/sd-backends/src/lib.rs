@@ -37,7 +37,7 @@ pub use context::{row_size, type_name, Context, GgmlType, Tensor};
 pub use device::{Device, DeviceCaps, DeviceInfo, DeviceKind};
 pub use error::{BackendError, Result};
 pub use event::Event;
-pub use graph::Graph;
+pub use graph::{Graph, GraphView};
 pub use log::install_log_bridge;
 pub use ops::ScaleMode;
 pub use registry::{LoadedPlugin, PluginRegistry, PluginSearch, SkipReason, SkippedPlugin};

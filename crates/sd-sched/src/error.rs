@@ -12,6 +12,18 @@ pub enum SchedError {
     /// Allocation failed on a device.
     #[error("{device}: cannot allocate {bytes} bytes for {what}")]
     Alloc { device: String, bytes: usize, what: String },
+    /// An allocation would exceed the device's managed budget (`--max-vram`).
+    #[error(
+        "{device}: {what} needs {bytes} more bytes, but {managed} of the {budget}-byte budget are in use \
+         (raise --max-vram for {device} or move parameters off it with --params-backend)"
+    )]
+    OverBudget { device: String, bytes: u64, what: String, managed: u64, budget: u64 },
+    /// The segment planner refused the run.
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+    /// A call that cannot work in the current state.
+    #[error("{0}")]
+    Invalid(String),
     /// A lower-level failure.
     #[error(transparent)]
     Backend(#[from] sd_backends::BackendError),

@@ -13,10 +13,12 @@
 //! uses no ggml type; the execution half uses `sd-backends`.
 
 pub mod error;
+pub mod ledger;
 pub mod plan;
 pub mod runner;
 pub mod weights;
 
 pub use error::{Result, SchedError};
-pub use runner::Runner;
-pub use weights::{short_name, SourceError, TensorSource, TensorSpec, Weights};
+pub use ledger::{Ledger, Ledgers, ReplicaEntry};
+pub use runner::{RunStats, Runner};
+pub use weights::{short_name, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights};

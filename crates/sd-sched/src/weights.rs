@@ -8,10 +8,14 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use sd_backends::{Buffer, BufferType, BufferUsage, Context, GgmlType, Tensor};
+use sd_backends::{Backend, Buffer, BufferType, BufferUsage, Context, GgmlType, Tensor};
 
 use crate::error::{Result, SchedError};
+use crate::ledger::{Ledger, Ledgers};
 
 /// One parameter: internal name, storage type, shape (ggml order, innermost first).
 #[derive(Clone, Debug, PartialEq)]
@@ -33,6 +37,11 @@ pub struct SourceError(pub String);
 pub trait TensorSource: Sync {
     /// The bytes of `name` as `ty` with shape `ne` (row-major ggml layout).
     fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> std::result::Result<Cow<'_, [u8]>, SourceError>;
+
+    /// The caller has copied `name`'s bytes where they belong and will not read them again
+    /// soon: a source backed by a memory map may drop those pages from the process (they are
+    /// read again from the file on the next [`load`](Self::load)). The default does nothing.
+    fn release(&self, _name: &str) {}
 }
 
 /// A ggml-safe name: the full name if it fits in 63 bytes, else a prefix hash plus its tail.
@@ -55,12 +64,91 @@ pub fn short_name(name: &str) -> String {
 }
 
 /// A set of parameter tensors with their storage.
+///
+/// Two ways to give it storage: [`allocate`](Self::allocate) + [`load_from`](Self::load_from)
+/// (everything in one buffer, for tests and simple tools), or [`place`](Self::place), which
+/// gives the set a [`ParamHome`] and splits it into groups that the [`crate::Runner`]
+/// stages to the computing device, evicts and prefetches, with every device byte charged to
+/// the device's [`Ledger`].
 pub struct Weights {
     ctx: Context,
     buffer: Option<Buffer>,
     specs: Vec<TensorSpec>,
     index: HashMap<String, usize>,
     raw: Vec<*mut sd_backends::context::RawTensor>,
+    by_raw: HashMap<usize, usize>,
+    residency: Option<Residency>,
+}
+
+/// Where a module's parameters live between uses (`--params-backend`).
+#[derive(Clone, Debug)]
+pub enum ParamHome {
+    /// On the computing device: loaded once, pinned, never evicted.
+    Compute,
+    /// On another device (its weights buffer), copied to the computing device as needed.
+    Device(Arc<Backend>),
+    /// In CPU RAM (plain host memory), copied to the computing device as needed.
+    Host,
+    /// Nowhere: read again from the model file each time they are needed; no RAM copy kept.
+    Disk,
+}
+
+impl ParamHome {
+    /// A short description for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            ParamHome::Compute => "on the computing device".into(),
+            ParamHome::Device(b) => format!("on {}", b.device().name()),
+            ParamHome::Host => "in CPU RAM".into(),
+            ParamHome::Disk => "on disk (read from the model file on demand)".into(),
+        }
+    }
+}
+
+/// A group of tensors staged, pinned and evicted as a unit (one block's parameters).
+#[derive(Debug)]
+struct Group {
+    /// Qualified name (`unet/input_blocks.1`).
+    name: String,
+    tensors: Vec<usize>,
+    /// Offsets of the tensors in the group's replica buffer.
+    offsets: Vec<usize>,
+    /// Bytes of the replica buffer on the computing device.
+    bytes: u64,
+}
+
+enum Home {
+    /// One buffer on the computing device (every group pinned).
+    Compute { _buffer: Option<Buffer> },
+    /// A mirror set on another device, charged to that device's ledger under a name.
+    Device(Box<Weights>, Ledger, String),
+    /// Per-tensor bytes in RAM.
+    Host(Vec<Vec<u8>>),
+    /// Re-read from the source.
+    Disk,
+}
+
+struct Residency {
+    module: String,
+    compute: Arc<Backend>,
+    ledger: Ledger,
+    home: Home,
+    home_desc: String,
+    src: Arc<dyn TensorSource + Send + Sync>,
+    groups: Vec<Group>,
+    group_of_tensor: Vec<usize>,
+    replicas: Mutex<Vec<Option<Buffer>>>,
+    copied_bytes: AtomicU64,
+    copy_nanos: AtomicU64,
+}
+
+/// Counters of a placed weight set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ResidencyStats {
+    /// Bytes copied to the computing device so far.
+    pub copied_bytes: u64,
+    /// Time spent copying, in nanoseconds (summed over threads).
+    pub copy_nanos: u64,
 }
 
 // SAFETY: the raw pointers point into `ctx`, which this value owns and moves with it.
@@ -85,7 +173,8 @@ impl Weights {
             raw.push(ctx.new_tensor(s.ty, &s.ne).set_name(&short_name(&s.name)).as_raw());
             index.insert(s.name.clone(), i);
         }
-        Ok(Self { ctx, buffer: None, specs, index, raw })
+        let by_raw = raw.iter().enumerate().map(|(i, r)| (*r as usize, i)).collect();
+        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None })
     }
 
     /// The declared tensors.
@@ -113,9 +202,9 @@ impl Weights {
         Ok(())
     }
 
-    /// Whether storage has been allocated.
+    /// Whether storage has been allocated (by [`allocate`](Self::allocate) or [`place`](Self::place)).
     pub fn is_allocated(&self) -> bool {
-        self.buffer.is_some() || self.specs.is_empty()
+        self.buffer.is_some() || self.specs.is_empty() || self.residency.is_some()
     }
 
     /// Copies every tensor's bytes from `src`.
@@ -126,6 +215,8 @@ impl Weights {
                 .load(&spec.name, spec.ty, &spec.ne)
                 .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?;
             t.set_bytes(&bytes)?;
+            drop(bytes);
+            src.release(&spec.name);
         }
         Ok(())
     }
@@ -141,8 +232,314 @@ impl Weights {
         self.index.contains_key(name)
     }
 
+    /// Index of the tensor whose ggml struct is `t`, if it belongs to this set.
+    pub(crate) fn index_of(&self, t: Tensor<'_>) -> Option<usize> {
+        self.by_raw.get(&(t.as_raw() as usize)).copied()
+    }
+
     fn nth(&self, i: usize) -> Tensor<'_> {
         // SAFETY: raw[i] was created in self.ctx, which lives as long as &self.
         unsafe { Tensor::from_raw_unchecked(self.raw[i]) }
+    }
+}
+
+fn align_up(n: usize, a: usize) -> usize {
+    n.div_ceil(a.max(1)) * a.max(1)
+}
+
+impl Weights {
+    /// Gives the set its home and groups: `group_of` maps an internal tensor name to its
+    /// group (a block), qualified here with `module`. With [`ParamHome::Compute`] every
+    /// group is loaded now and pinned; otherwise the home copy is made now (another
+    /// device's buffer, or RAM) or nothing is (disk), and groups are staged on demand by
+    /// the runner. Device bytes are charged to the ledgers of `ledgers`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn place(
+        &mut self,
+        module: &str,
+        home: ParamHome,
+        compute: Arc<Backend>,
+        ledgers: &Ledgers,
+        group_of: &dyn Fn(&str) -> String,
+        src: Arc<dyn TensorSource + Send + Sync>,
+    ) -> Result<()> {
+        if self.is_allocated() && !self.specs.is_empty() {
+            return Err(SchedError::Invalid(format!("{module}: the weights already have storage")));
+        }
+        let buft = compute.device().buffer_type();
+        let align = buft.alignment();
+        let mut groups: Vec<Group> = Vec::new();
+        let mut by_name: HashMap<String, usize> = HashMap::new();
+        let mut group_of_tensor = Vec::with_capacity(self.specs.len());
+        for (i, spec) in self.specs.iter().enumerate() {
+            let name = format!("{module}/{}", group_of(&spec.name));
+            let gi = *by_name.entry(name.clone()).or_insert_with(|| {
+                groups.push(Group { name, tensors: Vec::new(), offsets: Vec::new(), bytes: 0 });
+                groups.len() - 1
+            });
+            let g = &mut groups[gi];
+            let off = align_up(g.bytes as usize, align);
+            g.tensors.push(i);
+            g.offsets.push(off);
+            g.bytes = (off + buft.alloc_size(self.nth(i))) as u64;
+            group_of_tensor.push(gi);
+        }
+        for g in &mut groups {
+            g.bytes = align_up(g.bytes as usize, align) as u64;
+        }
+        let ledger = ledgers.get(&compute.device().name());
+        let n_groups = groups.len();
+        let t0 = Instant::now();
+        let home_desc = home.describe();
+        let home = match home {
+            ParamHome::Compute => {
+                for g in &groups {
+                    ledger.add_replica(&g.name, g.bytes, true)?;
+                }
+                let placed = (|| -> Result<()> {
+                    self.allocate(buft)?;
+                    self.load_from(src.as_ref())
+                })();
+                if let Err(e) = placed {
+                    for g in &groups {
+                        ledger.remove_replica(&g.name);
+                    }
+                    self.buffer = None;
+                    return Err(e);
+                }
+                Home::Compute { _buffer: self.buffer.take() }
+            }
+            ParamHome::Device(dev) => {
+                let mut mirror = Weights::new(self.specs.clone())?;
+                let mirror_ledger = ledgers.get(&dev.device().name());
+                let bytes = dev.device().buffer_type().ctx_tensors_size(&mirror.ctx) as u64;
+                mirror_ledger.add_replica(&format!("{module} (home)"), bytes, true)?;
+                let placed = (|| -> Result<()> {
+                    mirror.allocate(dev.device().buffer_type())?;
+                    mirror.load_from(src.as_ref())
+                })();
+                if let Err(e) = placed {
+                    mirror_ledger.remove_replica(&format!("{module} (home)"));
+                    return Err(e);
+                }
+                Home::Device(Box::new(mirror), mirror_ledger, format!("{module} (home)"))
+            }
+            ParamHome::Host => {
+                let mut bytes = Vec::with_capacity(self.specs.len());
+                for spec in &self.specs {
+                    let b = src
+                        .load(&spec.name, spec.ty, &spec.ne)
+                        .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?
+                        .into_owned();
+                    src.release(&spec.name);
+                    bytes.push(b);
+                }
+                Home::Host(bytes)
+            }
+            ParamHome::Disk => Home::Disk,
+        };
+        tracing::debug!(
+            "{module}: {} parameter tensors in {n_groups} groups, params {home_desc}, placed in {:.2} s",
+            self.specs.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        let pinned = matches!(home, Home::Compute { .. });
+        self.residency = Some(Residency {
+            module: module.to_string(),
+            compute,
+            ledger,
+            home,
+            home_desc,
+            src,
+            replicas: Mutex::new((0..n_groups).map(|_| None).collect()),
+            groups,
+            group_of_tensor,
+            copied_bytes: AtomicU64::new(0),
+            copy_nanos: AtomicU64::new(0),
+        });
+        if pinned {
+            let r = self.residency.as_ref().expect("just set");
+            r.copied_bytes.store(r.groups.iter().map(|g| g.bytes).sum(), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Whether [`place`](Self::place) gave the set a home.
+    pub fn is_placed(&self) -> bool {
+        self.residency.is_some()
+    }
+
+    /// Whether every group is pinned on the computing device (unplaced sets count as pinned).
+    pub fn is_pinned(&self) -> bool {
+        self.residency.as_ref().is_none_or(|r| matches!(r.home, Home::Compute { .. }))
+    }
+
+    /// Where the parameters live, for logs.
+    pub fn home_description(&self) -> String {
+        self.residency.as_ref().map_or_else(|| "on the computing device".into(), |r| r.home_desc.clone())
+    }
+
+    /// Copy counters.
+    pub fn stats(&self) -> ResidencyStats {
+        self.residency.as_ref().map_or_else(ResidencyStats::default, |r| ResidencyStats {
+            copied_bytes: r.copied_bytes.load(Ordering::Relaxed),
+            copy_nanos: r.copy_nanos.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Qualified group names and bytes, in declaration order (empty when not placed).
+    pub(crate) fn groups(&self) -> Vec<(String, u64)> {
+        self.residency.as_ref().map_or_else(Vec::new, |r| r.groups.iter().map(|g| (g.name.clone(), g.bytes)).collect())
+    }
+
+    /// The group of tensor `i`.
+    pub(crate) fn group_of_tensor(&self, i: usize) -> Option<usize> {
+        self.residency.as_ref().map(|r| r.group_of_tensor[i])
+    }
+
+    /// Index of the group named `name`.
+    pub(crate) fn group_index(&self, name: &str) -> Option<usize> {
+        self.residency.as_ref().and_then(|r| r.groups.iter().position(|g| g.name == name))
+    }
+
+    /// Whether group `g` is on the computing device.
+    pub(crate) fn is_resident(&self, g: usize) -> bool {
+        match &self.residency {
+            None => true,
+            Some(r) => matches!(r.home, Home::Compute { .. }) || r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g].is_some(),
+        }
+    }
+
+    /// Allocates group `g`'s replica on the computing device (charged to the ledger) and
+    /// places its tensors; the data is copied by [`fill_group`](Self::fill_group).
+    pub(crate) fn alloc_group(&self, g: usize) -> Result<()> {
+        let Some(r) = &self.residency else { return Ok(()) };
+        if self.is_resident(g) {
+            return Ok(());
+        }
+        let group = &r.groups[g];
+        r.ledger.add_replica(&group.name, group.bytes, false)?;
+        let buft = r.compute.device().buffer_type();
+        let placed = (|| -> Result<Buffer> {
+            let buf = buft.alloc(group.bytes as usize).map_err(|_| SchedError::Alloc {
+                device: r.compute.device().name(),
+                bytes: group.bytes as usize,
+                what: format!("the weights of {}", group.name),
+            })?;
+            buf.set_usage(BufferUsage::Weights);
+            for (&t, &off) in group.tensors.iter().zip(&group.offsets) {
+                self.nth(t).place_in(&buf, off)?;
+            }
+            Ok(buf)
+        })();
+        match placed {
+            Ok(buf) => {
+                r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g] = Some(buf);
+                Ok(())
+            }
+            Err(e) => {
+                for &t in &group.tensors {
+                    // SAFETY: the tensors were never used with this (failed) placement.
+                    unsafe { self.nth(t).detach_storage() };
+                }
+                r.ledger.remove_replica(&group.name);
+                Err(e)
+            }
+        }
+    }
+
+    /// Copies group `g`'s data from its home into its replica (any thread).
+    pub(crate) fn fill_group(&self, g: usize) -> Result<()> {
+        let Some(r) = &self.residency else { return Ok(()) };
+        if matches!(r.home, Home::Compute { .. }) {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let group = &r.groups[g];
+        for &i in &group.tensors {
+            let t = self.nth(i);
+            let spec = &self.specs[i];
+            match &r.home {
+                Home::Compute { .. } => {}
+                Home::Device(mirror, _, _) => t.copy_from(mirror.nth(i))?,
+                Home::Host(bytes) => t.set_bytes(&bytes[i])?,
+                Home::Disk => {
+                    let b = r
+                        .src
+                        .load(&spec.name, spec.ty, &spec.ne)
+                        .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?;
+                    t.set_bytes(&b)?;
+                    drop(b);
+                    r.src.release(&spec.name);
+                }
+            }
+        }
+        r.copied_bytes.fetch_add(group.bytes, Ordering::Relaxed);
+        r.copy_nanos.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Frees group `g`'s replica (no-op for pinned or absent ones).
+    pub(crate) fn evict_group(&self, g: usize) {
+        let Some(r) = &self.residency else { return };
+        if matches!(r.home, Home::Compute { .. }) {
+            return;
+        }
+        let buf = r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g].take();
+        if let Some(buf) = buf {
+            for &t in &r.groups[g].tensors {
+                // SAFETY: the runner evicts only groups no graph about to run uses; graphs
+                // are rebuilt for every run, and views of the old storage are re-made.
+                unsafe { self.nth(t).detach_storage() };
+            }
+            drop(buf);
+            r.ledger.remove_replica(&r.groups[g].name);
+        }
+    }
+
+    /// Stages every group (for modules that run whole, e.g. a VAE): after this the set can be
+    /// used like an allocated one until [`release_all`](Self::release_all).
+    pub fn make_resident(&self) -> Result<()> {
+        let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
+        for g in 0..n {
+            if !self.is_resident(g) {
+                self.alloc_group(g)?;
+                if let Err(e) = self.fill_group(g) {
+                    self.evict_group(g);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Evicts every unpinned group.
+    pub fn release_all(&self) {
+        let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
+        for g in 0..n {
+            self.evict_group(g);
+        }
+    }
+
+    /// The module name given to [`place`](Self::place).
+    pub fn module(&self) -> Option<&str> {
+        self.residency.as_ref().map(|r| r.module.as_str())
+    }
+}
+
+impl Drop for Weights {
+    fn drop(&mut self) {
+        self.release_all();
+        if let Some(r) = &self.residency {
+            match &r.home {
+                Home::Compute { .. } => {
+                    for g in &r.groups {
+                        r.ledger.remove_replica(&g.name);
+                    }
+                }
+                Home::Device(_, ledger, name) => ledger.remove_replica(name),
+                Home::Host(_) | Home::Disk => {}
+            }
+        }
     }
 }

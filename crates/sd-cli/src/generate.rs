@@ -10,7 +10,8 @@ use clap::Args;
 use sd_backends::{BackendManager, GgmlType};
 use sd_models::files::Prediction as FilePrediction;
 use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
-use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, Pipeline, Progress};
+use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, ModuleHomes, Pipeline, Placement, Progress};
+use sd_sched::ParamHome;
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
 use sd_vae::TilingParams;
 
@@ -325,41 +326,82 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         a.threads as usize
     };
     let manager = BackendManager::new(Some(threads));
+    let module_plan = |module: sd_placement::Module| plan.modules.iter().find(|m| m.module == module);
     let backend_of = |module: sd_placement::Module| -> Result<Arc<sd_backends::Backend>> {
-        let m = plan.modules.iter().find(|m| m.module == module);
+        let m = module_plan(module);
         let name = m.and_then(|m| m.runtime.first()).cloned().unwrap_or_else(|| plan.main_device.clone());
-        if let Some(m) = m {
-            if m.runtime.len() > 1 {
-                tracing::warn!("{}: multi-device split is not implemented yet; running on {name}", module.name());
-            }
-            if m.params != name && !m.params.is_empty() {
-                tracing::warn!(
-                    "{}: parameters on `{}` are not implemented yet; loading them on {name}",
-                    module.name(),
-                    m.params
-                );
-            }
-            tracing::info!(
-                "{}: runs on {name}, params {} ({})",
-                module.name(),
-                m.params,
-                sd_placement::fmt_bytes(m.param_bytes)
-            );
+        if m.is_some_and(|m| m.runtime.len() > 1) {
+            tracing::warn!("{}: multi-device split is not implemented yet; running on {name}", module.name());
         }
         Ok(manager.get(reg.device(&name)?)?)
+    };
+    // Where each module's parameters live, as the plan says.
+    let home_of = |module: sd_placement::Module, compute: &Arc<sd_backends::Backend>| -> Result<ParamHome> {
+        let Some(m) = module_plan(module) else { return Ok(ParamHome::Compute) };
+        let runtime = compute.device().name();
+        let home = if m.params.is_empty() || m.params == runtime {
+            ParamHome::Compute
+        } else if m.params.eq_ignore_ascii_case("disk") {
+            ParamHome::Disk
+        } else if m.params.contains('&') {
+            tracing::warn!("{}: split parameters are not implemented yet; keeping them on {runtime}", module.name());
+            ParamHome::Compute
+        } else {
+            let dev = reg.device(&m.params)?;
+            if dev.kind() == sd_backends::DeviceKind::Cpu {
+                ParamHome::Host
+            } else {
+                ParamHome::Device(manager.get(dev)?)
+            }
+        };
+        tracing::info!(
+            "{}: runs on {runtime}, params {} ({})",
+            module.name(),
+            home.describe(),
+            sd_placement::fmt_bytes(m.param_bytes)
+        );
+        Ok(home)
     };
     let devices = ModuleDevices {
         te: backend_of(sd_placement::Module::Te)?,
         diffusion: backend_of(sd_placement::Module::Diffusion)?,
         vae: backend_of(sd_placement::Module::Vae)?,
     };
-    if a.disable_prefetch || a.disable_segmented_compute {
-        tracing::debug!("--disable-prefetch / --disable-segmented-compute: graphs run monolithic in this version");
-    }
+    let homes = ModuleHomes {
+        te: home_of(sd_placement::Module::Te, &devices.te)?,
+        diffusion: home_of(sd_placement::Module::Diffusion, &devices.diffusion)?,
+        vae: home_of(sd_placement::Module::Vae, &devices.vae)?,
+    };
+    // Managed budgets: a positive --max-vram, or the startup snapshot a negative one gives.
+    let budgets = plan
+        .devices
+        .iter()
+        .filter_map(|d| match d.budget_rule {
+            sd_placement::BudgetRule::Managed(_) | sd_placement::BudgetRule::FreeMinus(_) | sd_placement::BudgetRule::Free => {
+                d.budget_bytes.map(|b| (d.device.clone(), b))
+            }
+            _ => None,
+        })
+        .collect();
+    let placement = Placement {
+        homes,
+        ledgers: sd_sched::Ledgers::with_budgets(budgets),
+        sched: sd_sched::plan::Options {
+            disable_prefetch: a.disable_prefetch,
+            disable_segmented_compute: a.disable_segmented_compute,
+        },
+    };
 
     let pipeline = Pipeline::from_files(
         files,
-        LoadOptions { sources: model_args.sources(), prediction, wtype: wt, devices, flash_attn: a.diffusion_fa },
+        LoadOptions {
+            sources: model_args.sources(),
+            prediction,
+            wtype: wt,
+            devices,
+            flash_attn: a.diffusion_fa,
+            placement,
+        },
     )?;
     let params = GenerateParams {
         prompt: a.prompt.clone(),
@@ -399,6 +441,9 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         }
     };
     let images = pipeline.generate(&params, &mut on_progress)?;
+    for line in pipeline.device_report() {
+        tracing::debug!("{line}");
+    }
     let text = a1111_parameters(a, seed, method, scheduler, &model_name);
     for (i, img) in images.iter().enumerate() {
         let path = output_path(&a.output, i, images.len());

@@ -3,9 +3,12 @@
 //! `RUST_LOG` overrides the level. ggml's own messages arrive under the target
 //! `ggml` (see sd-backends' log bridge).
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
-/// Installs the subscriber; logs go to stderr so stdout stays for data (JSON).
+/// Installs the subscriber; logs go to stderr so stdout stays for data (JSON). Colours only
+/// on a terminal, and never with `NO_COLOR` set.
 pub fn init(verbose: u8) {
     let level = match verbose {
         0 => "info",
@@ -16,6 +19,7 @@ pub fn init(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .with_target(verbose > 0)
         .without_time()
         .try_init();

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sd_backends::{Backend, GgmlType};
-use sd_sched::Runner;
+use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeConfig, VaeParts};
 
 use crate::diffusion::unet::{UNetConfig, UNetModel};
@@ -86,6 +86,60 @@ pub struct LoadOptions {
     pub devices: ModuleDevices,
     /// `--diffusion-fa`.
     pub flash_attn: bool,
+    /// Where parameters live, device budgets, segmented-execution flags.
+    pub placement: Placement,
+}
+
+/// Where each module's parameters live (`--params-backend`).
+#[derive(Clone, Debug)]
+pub struct ModuleHomes {
+    /// Text encoder.
+    pub te: ParamHome,
+    /// UNet.
+    pub diffusion: ParamHome,
+    /// VAE / TAESD.
+    pub vae: ParamHome,
+}
+
+impl Default for ModuleHomes {
+    fn default() -> Self {
+        Self { te: ParamHome::Compute, diffusion: ParamHome::Compute, vae: ParamHome::Compute }
+    }
+}
+
+/// Run-time placement: parameter homes, one managed-memory ledger per device (with the
+/// `--max-vram` budgets), and the segmented-execution flags.
+#[derive(Clone, Debug, Default)]
+pub struct Placement {
+    /// Parameter homes.
+    pub homes: ModuleHomes,
+    /// Device ledgers.
+    pub ledgers: Ledgers,
+    /// `--disable-prefetch`, `--disable-segmented-compute`.
+    pub sched: sd_sched::plan::Options,
+}
+
+/// The model files as a shared [`TensorSource`], for parameters re-read on demand.
+struct SharedFiles(Arc<ModelFiles>);
+
+impl TensorSource for SharedFiles {
+    fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> std::result::Result<std::borrow::Cow<'_, [u8]>, SourceError> {
+        FileSource::new(&self.0).load_tensor(name, ty, ne)
+    }
+
+    fn release(&self, name: &str) {
+        FileSource::new(&self.0).release(name)
+    }
+}
+
+/// The staging group of a text-encoder or VAE tensor: its name up to the first block index
+/// (`...encoder.layers.3`, `...decoder.up.1`), or without its last part.
+fn block_group(name: &str) -> String {
+    let parts: Vec<&str> = name.split('.').collect();
+    match parts.iter().position(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+        Some(i) => parts[..=i].join("."),
+        None => parts[..parts.len().saturating_sub(1).max(1)].join("."),
+    }
 }
 
 /// One generation request (the reference's flags).
@@ -147,7 +201,7 @@ pub enum Progress {
 
 /// The loaded model family and its settings; weights are loaded per phase.
 pub struct Pipeline {
-    files: ModelFiles,
+    files: Arc<ModelFiles>,
     arch: &'static str,
     prediction: Prediction,
     clip: ClipConfig,
@@ -200,6 +254,7 @@ impl Pipeline {
             tracing::info!("prediction {} (from `{key}`)", prediction.name());
         }
         tracing::info!("model: {} ({} tensors), prediction {}", detected.arch, files.index().len(), prediction.name());
+        let files = Arc::new(files);
         Ok(Self { files, arch: detected.arch, prediction, clip, unet, opts, tokenizer: ClipTokenizer::new() })
     }
 
@@ -213,38 +268,70 @@ impl Pipeline {
         &self.files
     }
 
+    fn source(&self) -> Arc<dyn TensorSource + Send + Sync> {
+        Arc::new(SharedFiles(self.files.clone()))
+    }
+
+    /// Gives `w` its home and stages it whole on `compute` (modules that run whole).
+    fn place(&self, w: &mut Weights, module: &str, home: &ParamHome, compute: &Arc<Backend>) -> Result<()> {
+        let p = &self.opts.placement;
+        w.place(module, home.clone(), compute.clone(), &p.ledgers, &block_group, self.source())?;
+        w.make_resident()?;
+        Ok(())
+    }
+
+    fn runner(&self, name: &str, backend: &Arc<Backend>) -> Runner {
+        let p = &self.opts.placement;
+        Runner::with_ledger(name, backend.clone(), p.ledgers.get(&backend.device().name()), p.sched)
+    }
+
     fn load_clip(&self) -> Result<ClipTextModel> {
-        let src = FileSource::new(&self.files);
         let dtype = dtype_of(&self.files);
-        let mut w = sd_sched::Weights::new(clip_specs(&self.clip, &dtype, self.opts.wtype))?;
-        w.allocate(self.opts.devices.te.device().buffer_type())?;
-        w.load_from(&src)?;
+        let mut w = Weights::new(clip_specs(&self.clip, &dtype, self.opts.wtype))?;
+        self.place(&mut w, "te", &self.opts.placement.homes.te, &self.opts.devices.te)?;
         Ok(ClipTextModel::new(self.clip.clone(), w)?)
     }
 
     fn load_unet(&self) -> Result<UNetModel> {
-        let src = FileSource::new(&self.files);
         let dtype = dtype_of(&self.files);
-        let mut m = UNetModel::load(
-            self.unet.clone(),
-            &dtype,
-            self.opts.wtype,
-            self.opts.devices.diffusion.device().buffer_type(),
-            &src,
-        )?;
+        let mut m = UNetModel::new(self.unet.clone(), &dtype, self.opts.wtype)?;
+        let p = &self.opts.placement;
+        let home = p.homes.diffusion.clone();
+        let backend = self.opts.devices.diffusion.clone();
+        m.weights.place("unet", home, backend, &p.ledgers, &crate::diffusion::unet::group_of, self.source())?;
         m.flash_attn = self.opts.flash_attn;
         Ok(m)
     }
 
     fn load_first_stage(&self, need_encoder: bool) -> Result<Box<dyn FirstStage>> {
-        let src = FileSource::new(&self.files);
-        let buft = self.opts.devices.vae.device().buffer_type();
+        let home = &self.opts.placement.homes.vae;
+        let backend = &self.opts.devices.vae;
+        let vae_err = |e| sd_vae::VaeError::Weights { module: "VAE", source: e };
         if self.opts.sources.taesd.is_some() {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-            return Ok(Box::new(Taesd::load(sd_vae::TaesdConfig::sd(), parts, &src, buft)?));
+            let cfg = sd_vae::TaesdConfig::sd();
+            let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
+            self.place(&mut w, "vae", home, backend)?;
+            return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
-        Ok(Box::new(AutoencoderKl::load(VaeConfig::sd(), parts, &src, buft)?))
+        let mut w = Weights::new(sd_vae::vae_specs(&VaeConfig::sd(), parts)).map_err(vae_err)?;
+        self.place(&mut w, "vae", home, backend)?;
+        Ok(Box::new(AutoencoderKl::from_weights(VaeConfig::sd(), w)?))
+    }
+
+    /// One line per device for `-v`: managed high-water mark and budget.
+    pub fn device_report(&self) -> Vec<String> {
+        self.opts
+            .placement
+            .ledgers
+            .all()
+            .iter()
+            .map(|l| {
+                let budget = l.budget().map_or_else(|| "no budget".to_string(), |b| format!("budget {:.1} MiB", b as f64 / 1048576.0));
+                format!("{}: managed high-water {:.1} MiB ({budget})", l.device(), l.high_water() as f64 / 1048576.0)
+            })
+            .collect()
     }
 
     /// Generates `params.batch_count` images.
@@ -272,13 +359,14 @@ impl Pipeline {
         let t = Instant::now();
         let (cond, uncond) = {
             let model = self.load_clip()?;
-            let mut runner = Runner::new("te", self.opts.devices.te.clone());
+            let mut runner = self.runner("te", &self.opts.devices.te);
             let cond = encode_prompt(&model, &mut runner, &self.tokenizer, &p.prompt, p.clip_skip)?;
             let uncond = if guided {
                 Some(encode_prompt(&model, &mut runner, &self.tokenizer, &p.negative_prompt, p.clip_skip)?)
             } else {
                 None
             };
+            tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());
             (cond, uncond)
         };
         let secs = t.elapsed().as_secs_f64();
@@ -294,7 +382,7 @@ impl Pipeline {
             Some((image, strength)) => {
                 let t = Instant::now();
                 let vae = self.load_first_stage(true)?;
-                let mut runner = Runner::new("vae", self.opts.devices.vae.clone());
+                let mut runner = self.runner("vae", &self.opts.devices.vae);
                 let px: Vec<f32> = match vae.image_range() {
                     sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
                     sd_vae::ImageRange::ZeroToOne => image.clone(),
@@ -317,7 +405,7 @@ impl Pipeline {
         let mut latents = Vec::with_capacity(p.batch_count);
         {
             let unet = self.load_unet()?;
-            let mut runner = Runner::new("unet", self.opts.devices.diffusion.clone());
+            let mut runner = self.runner("unet", &self.opts.devices.diffusion);
             for b in 0..p.batch_count {
                 let mut rng = p.rng.seeded(p.seed.wrapping_add(b as u64));
                 let noise = rng.randn(channels * lh * lw);
@@ -359,12 +447,21 @@ impl Pipeline {
                 let out = sample(p.method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
                 latents.push(out);
             }
+            let moved = unet.weights.stats();
+            tracing::debug!(
+                "unet params {}; {}; copied {:.1} MiB to {} in {:.2} s",
+                unet.weights.home_description(),
+                runner.summary(),
+                moved.copied_bytes as f64 / 1048576.0,
+                runner.backend().device().name(),
+                moved.copy_nanos as f64 * 1e-9
+            );
         }
 
         // 4. Decoding.
         let t = Instant::now();
         let vae = self.load_first_stage(false)?;
-        let mut runner = Runner::new("vae", self.opts.devices.vae.clone());
+        let mut runner = self.runner("vae", &self.opts.devices.vae);
         let mut images = Vec::with_capacity(latents.len());
         for mut latent in latents {
             vae.diffusion_to_vae(&mut latent);
@@ -379,6 +476,7 @@ impl Pipeline {
             )?;
             images.push(planar_to_rgb8(&img, p.width, p.height, vae.image_range()));
         }
+        tracing::debug!("vae; {}", runner.summary());
         let secs = t.elapsed().as_secs_f64();
         tracing::info!("decoding took {secs:.2} s");
         progress(Progress::Stage { name: "decode", seconds: secs });

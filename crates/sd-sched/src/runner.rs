@@ -127,12 +127,16 @@ impl Runner {
 
     /// Measures and allocates the compute buffer for `graph`.
     pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
+        self.stats.runs += 1;
+        self.stats.segments += 1;
+        self.stats.max_segments = self.stats.max_segments.max(1);
         let need = self.alloc.measure(graph);
         self.alloc_measured(graph, need as u64, 1)
     }
 
     fn alloc_measured(&mut self, graph: &Graph<'_>, need: u64, segments: usize) -> Result<()> {
-        if need as usize != self.last_logged {
+        // Logged when it changes for whole graphs, when the peak grows for segments.
+        if (segments == 1 && need as usize != self.last_logged) || (segments > 1 && need as usize > self.last_logged) {
             tracing::debug!(
                 "{} compute buffer size: {:.2} MB on {} (peak across {segments} segment{})",
                 self.name,
@@ -214,17 +218,13 @@ impl Runner {
         if n > start {
             ranges.push(("output".into(), start..n));
         }
-        self.stats.runs += 1;
-
         if w.is_pinned() {
             // Everything is on the device and stays there: one graph, as allocated.
             self.alloc(&graph)?;
             set_inputs()?;
-            self.compute(&graph)?;
-            self.stats.segments += 1;
-            self.stats.max_segments = self.stats.max_segments.max(1);
-            return Ok(());
+            return self.compute(&graph);
         }
+        self.stats.runs += 1;
 
         let a = analyse(w, &graph, &ranges);
         let groups = w.groups();
@@ -267,7 +267,6 @@ impl Runner {
             unsafe { t.detach_storage() };
         }
         let schedule = schedule?;
-        tracing::debug!("{schedule}");
 
         let n_segments = schedule.segments.len();
         if schedule.mode == Mode::Segmented {
@@ -336,7 +335,8 @@ impl Runner {
                     Action::AllocCut { .. } | Action::ReleaseCut { .. } => {}
                     Action::Compute => {
                         if schedule.mode == Mode::Monolithic {
-                            self.alloc(&graph)?;
+                            let need = self.alloc.measure(&graph) as u64;
+                            self.alloc_measured(&graph, need, 1)?;
                             set_inputs()?;
                             self.compute_with_prefetch(w, &graph, &mut pending)?;
                         } else {

@@ -192,6 +192,11 @@ where
     }
     runner.alloc(&graph).map_err(|e| match e {
         SchedError::Alloc { device, bytes, .. } => VaeError::Alloc { device, module, bytes, cap: None },
+        // The device's managed budget (`--max-vram`) refuses it: as an allocation failure,
+        // so the decode retries with smaller tiles.
+        SchedError::OverBudget { device, bytes, budget, .. } => {
+            VaeError::Alloc { device, module, bytes: bytes as usize, cap: Some(budget as usize) }
+        }
         other => VaeError::Compute { module, source: other },
     })?;
     x.set_f32(input).map_err(backend_err)?;

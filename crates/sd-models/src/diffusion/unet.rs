@@ -495,6 +495,19 @@ fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Resu
 // Model
 // ---------------------------------------------------------------------------------------
 
+/// The parameter group (block) of an internal UNet tensor name, for staging: `time_embed`,
+/// `input_blocks.N`, `middle_block`, `output_blocks.N` or `out` (the order the graph uses
+/// them), matching the cut markers of [`forward`].
+pub fn group_of(name: &str) -> String {
+    let rest = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('.')).unwrap_or(name);
+    let mut parts = rest.split('.');
+    match (parts.next(), parts.next()) {
+        (Some(b @ ("input_blocks" | "output_blocks")), Some(i)) => format!("{b}.{i}"),
+        (Some(b), _) => b.to_string(),
+        (None, _) => rest.to_string(),
+    }
+}
+
 /// A UNet with its weights: what the sampler calls once per step.
 #[derive(Debug)]
 pub struct UNetModel {
@@ -579,13 +592,14 @@ impl UNetModel {
         };
         let mut cuts = Vec::new();
         let out = forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
-        let graph = g.new_graph(GRAPH_SIZE);
-        graph.expand(out);
-        runner.alloc(&graph)?;
-        tx.set_f32(x)?;
-        tt.set_f32(timesteps)?;
-        tc.set_f32(context)?;
-        runner.compute(&graph)?;
+        // The last cut is the output itself.
+        cuts.pop();
+        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || {
+            tx.set_f32(x)?;
+            tt.set_f32(timesteps)?;
+            tc.set_f32(context)?;
+            Ok(())
+        })?;
         Ok(out.get_f32()?)
     }
 }

@@ -346,6 +346,20 @@ impl<'c> Tensor<'c> {
         Ok(out)
     }
 
+    /// Reads `len` bytes from `offset` of the tensor's data (clamped to its size).
+    pub fn read_range(self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        if !self.is_allocated() {
+            return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
+        }
+        let offset = offset.min(self.nbytes());
+        let mut out = vec![0u8; len.min(self.nbytes() - offset)];
+        if !out.is_empty() {
+            // SAFETY: allocated tensor; the range lies inside its data.
+            unsafe { sys::ggml_backend_tensor_get(self.as_raw(), out.as_mut_ptr().cast(), offset, out.len()) };
+        }
+        Ok(out)
+    }
+
     /// Reads an f32 (or f16, converted) tensor.
     pub fn get_f32(self) -> Result<Vec<f32>> {
         let bytes = self.get_bytes()?;

@@ -11,8 +11,8 @@ use sd_backends::{BackendManager, GgmlType};
 use sd_models::files::Prediction as FilePrediction;
 use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
 use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, ModuleHomes, Pipeline, Placement, Progress};
-use sd_sched::ParamHome;
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
+use sd_sched::ParamHome;
 use sd_vae::TilingParams;
 
 use crate::image_io::{read_png, write_png, Rgb8};
@@ -210,7 +210,7 @@ fn output_path(base: &Path, i: usize, n: usize) -> PathBuf {
 /// Runs a generation.
 pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // Validate cheap things before loading anything.
-    if a.width == 0 || a.height == 0 || a.width % 8 != 0 || a.height % 8 != 0 {
+    if a.width == 0 || a.height == 0 || !a.width.is_multiple_of(8) || !a.height.is_multiple_of(8) {
         bail!("-W {} -H {}: width and height must be positive multiples of 8", a.width, a.height);
     }
     if a.steps == 0 {
@@ -377,9 +377,9 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         .devices
         .iter()
         .filter_map(|d| match d.budget_rule {
-            sd_placement::BudgetRule::Managed(_) | sd_placement::BudgetRule::FreeMinus(_) | sd_placement::BudgetRule::Free => {
-                d.budget_bytes.map(|b| (d.device.clone(), b))
-            }
+            sd_placement::BudgetRule::Managed(_)
+            | sd_placement::BudgetRule::FreeMinus(_)
+            | sd_placement::BudgetRule::Free => d.budget_bytes.map(|b| (d.device.clone(), b)),
             _ => None,
         })
         .collect();

@@ -86,7 +86,7 @@ fn main() -> ExitCode {
             Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
             // Any error of `plan` is bad input (files, flags, profile): exit status 2.
             Some(Command::Plan(args)) => plan::run(&args, &cli.devices).or_else(|e| {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", report(&e));
                 Ok(ExitCode::from(2))
             }),
             None if cli.list_devices => devices::list(&cli.devices, cli.json),
@@ -96,8 +96,39 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The error and its causes, joined with `: `, leaving out a cause whose text the message
+/// already holds (wrappers that print their source in their own message).
+fn report(e: &anyhow::Error) -> String {
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if msg.contains(&text) {
+            continue;
+        }
+        if !msg.is_empty() {
+            msg.push_str(": ");
+        }
+        msg.push_str(&text);
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::report;
+
+    #[test]
+    fn causes_already_in_the_message_are_not_repeated() {
+        let inner = std::io::Error::other("disk on fire");
+        let e = anyhow::Error::new(inner).context("reading model.safetensors: disk on fire").context("loading");
+        assert_eq!(report(&e), "loading: reading model.safetensors: disk on fire");
+        let e = anyhow::anyhow!("root cause").context("while planning");
+        assert_eq!(report(&e), "while planning: root cause");
     }
 }

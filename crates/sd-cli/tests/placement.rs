@@ -122,6 +122,7 @@ fn every_placement_gives_the_all_cpu_image() {
         ("params on the device", vec!["--backend", "RPC0"]),
         ("params in RAM", vec!["--backend", "RPC0", "--params-backend", "cpu"]),
         ("params on disk", vec!["--backend", "RPC0", "--params-backend", "disk"]),
+        ("params on another device", vec!["--backend", "cpu", "--params-backend", "RPC0"]),
         ("segmented", vec!["--backend", "RPC0", "--params-backend", "cpu", "--max-vram", budget]),
         (
             "segmented, no prefetch",
@@ -158,6 +159,10 @@ fn every_placement_gives_the_all_cpu_image() {
         }
         if *what == "params on disk" {
             assert!(log.contains("unet params on disk"), "{what}: {log}");
+        }
+        if *what == "params on another device" {
+            assert!(log.contains("unet params on RPC0") && unet.contains("unet on CPU"), "{what}: {unet}");
+            assert!(hw > 1600.0, "the UNet's home copy is managed on RPC0: {hw} MiB");
         }
     }
 }

@@ -3,6 +3,11 @@
 //! Checks done here, each an error naming the tensor and its file: missing
 //! tensor, element count that disagrees with the architecture, NaN or infinite
 //! values in float weights, an impossible type conversion.
+//!
+//! Once a tensor's bytes have been copied to its device, [`FileSource::release`] drops the
+//! map's pages holding them from the process (Linux `madvise(MADV_DONTNEED)`): they stay in
+//! the page cache, but no longer count in our resident set, so loading a model does not
+//! leave a second, mapped copy of every weight resident next to the device copy.
 
 use std::borrow::Cow;
 
@@ -63,6 +68,20 @@ fn first_non_finite(ty: GgmlType, data: &[u8]) -> Option<usize> {
 
 impl TensorSource for FileSource<'_> {
     fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
+        self.load_tensor(name, ty, ne)
+    }
+
+    fn release(&self, name: &str) {
+        if let Some(e) = self.files.index().get(name) {
+            release_pages(self.files, e);
+        }
+    }
+}
+
+impl<'a> FileSource<'a> {
+    /// [`TensorSource::load`] with the bytes borrowed from the files rather than the source.
+    pub fn load_tensor(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'a, [u8]>, SourceError> {
+        let files: &'a ModelFiles = self.files;
         let e = self
             .files
             .index()
@@ -88,7 +107,7 @@ impl TensorSource for FileSource<'_> {
                 e.dtype.name()
             ))
         })?;
-        let bytes = self.files.bytes(e);
+        let bytes = files.bytes(e);
         if let Some(i) = first_non_finite(from, bytes) {
             return Err(SourceError(format!(
                 "tensor `{}` in {} holds a NaN or infinite value (element {i})",
@@ -102,5 +121,124 @@ impl TensorSource for FileSource<'_> {
         convert::convert(from, ty, bytes, ne)
             .map(Cow::Owned)
             .map_err(|err| SourceError(format!("tensor `{}` in {}: {err}", e.original_name, self.path_of(e))))
+    }
+}
+
+/// The page-aligned byte range `(offset, len)` lying wholly inside `offset..offset + len`,
+/// if it holds at least one whole page. Pages a tensor shares with its neighbours stay
+/// resident: a neighbour may be loaded next.
+fn inner_pages(offset: u64, len: u64, page: u64) -> Option<(usize, usize)> {
+    let start = offset.div_ceil(page) * page;
+    let end = (offset + len) / page * page;
+    (end > start).then(|| (start as usize, (end - start) as usize))
+}
+
+/// Drops the pages wholly inside `e`'s bytes from this process's resident set.
+#[cfg(target_os = "linux")]
+fn release_pages(files: &ModelFiles, e: &TensorEntry) {
+    use memmap2::UncheckedAdvice;
+
+    let Some(map) = files.mmap(e.file) else { return };
+    // SAFETY: sysconf has no preconditions; it only reads a system constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let Some((offset, len)) = u64::try_from(page).ok().filter(|&p| p > 0).and_then(|p| inner_pages(e.offset, e.len, p))
+    else {
+        return;
+    };
+    // SAFETY: `map` is a read-only shared mapping of a file (`Mmap::map`: PROT_READ,
+    // MAP_SHARED), and `offset..offset + len` lies inside it (inside this entry's range,
+    // checked at open). On such a mapping MADV_DONTNEED only removes this process's page-table
+    // entries: the next read of those addresses faults the same bytes back in from the page
+    // cache, so no value seen through a slice of the map changes. (memmap2 flags the advice
+    // unsafe because on private or anonymous mappings the pages come back zeroed or lose
+    // writes; neither applies here, and a concurrent rewrite of the file is excluded as for
+    // the map itself, see `store::map_file`.) Besides, by the `release` contract the caller
+    // has dropped the slice it borrowed for this tensor. The map's start is page-aligned
+    // (file offset 0) and so is `offset`, so memmap2 does not widen the range.
+    if let Err(err) = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, offset, len) } {
+        tracing::debug!(tensor = %e.name, %err, "madvise(MADV_DONTNEED) failed; the pages stay resident");
+    }
+}
+
+/// Other systems keep the pages (the advice's semantics differ there).
+#[cfg(not(target_os = "linux"))]
+fn release_pages(_files: &ModelFiles, _e: &TensorEntry) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inner_pages_keeps_only_whole_pages_inside_the_tensor() {
+        // (offset, len, page) -> range; the range may never leave offset..offset + len.
+        let cases = [
+            ((0, 8192, 4096), Some((0, 8192))),
+            ((100, 8192, 4096), Some((4096, 4096))),
+            ((4096, 4095, 4096), None),
+            ((4000, 4192, 4096), Some((4096, 4096))),
+            ((4001, 4190, 4096), None),
+            ((4001, 4191, 4096), Some((4096, 4096))),
+            ((10, 20, 4096), None),
+            ((0, 0, 4096), None),
+            ((70_000, 200_000, 65_536), Some((131_072, 131_072))),
+        ];
+        for ((offset, len, page), want) in cases {
+            let got = inner_pages(offset, len, page);
+            assert_eq!(got, want, "offset {offset}, len {len}, page {page}");
+            if let Some((o, l)) = got {
+                assert!(o as u64 >= offset && (o + l) as u64 <= offset + len);
+                assert!(o as u64 % page == 0 && l as u64 % page == 0);
+            }
+        }
+    }
+
+    /// Resident kB of this process's mapping of `path`, from /proc/self/smaps.
+    #[cfg(target_os = "linux")]
+    fn mapped_rss_kb(path: &std::path::Path) -> u64 {
+        let path = path.canonicalize().unwrap();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let mut total = 0;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+                inside = line.ends_with(path.to_str().unwrap());
+            } else if inside && first == "Rss:" {
+                total += line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap();
+            }
+        }
+        total
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn release_drops_the_copied_pages_and_the_bytes_read_back_unchanged() {
+        const N: usize = 1 << 20; // 4 MiB of f32
+        let data: Vec<u8> = (0..N).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let json = format!(r#"{{"w":{{"dtype":"F32","shape":[{N}],"data_offsets":[0,{}]}}}}"#, data.len());
+        let mut file = (json.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(json.as_bytes());
+        file.extend_from_slice(&data);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        std::fs::write(&path, &file).unwrap();
+
+        let files = ModelFiles::open_model(&path).unwrap();
+        let name = files.index().entries()[0].name.clone();
+        let src = FileSource::new(&files);
+        let ne = [N as i64];
+        assert_eq!(&src.load(&name, GgmlType::GGML_TYPE_F32, &ne).unwrap()[..], &data[..]);
+        let before = mapped_rss_kb(&path);
+        assert!(before >= 3 * 1024, "reading the tensor should fault it in: {before} kB resident");
+
+        src.release(&name);
+        let after = mapped_rss_kb(&path);
+        // SAFETY: sysconf has no preconditions.
+        let page_kb = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64 / 1024;
+        // At most the two pages the tensor shares with the header and the file's end.
+        assert!(after <= 2 * page_kb, "{after} kB still resident after release (was {before} kB)");
+
+        assert_eq!(&src.load(&name, GgmlType::GGML_TYPE_F32, &ne).unwrap()[..], &data[..]);
+        src.release("not.a.tensor");
     }
 }

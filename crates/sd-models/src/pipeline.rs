@@ -123,7 +123,12 @@ pub struct Placement {
 struct SharedFiles(Arc<ModelFiles>);
 
 impl TensorSource for SharedFiles {
-    fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> std::result::Result<std::borrow::Cow<'_, [u8]>, SourceError> {
+    fn load(
+        &self,
+        name: &str,
+        ty: GgmlType,
+        ne: &[i64],
+    ) -> std::result::Result<std::borrow::Cow<'_, [u8]>, SourceError> {
         FileSource::new(&self.0).load_tensor(name, ty, ne)
     }
 
@@ -272,11 +277,10 @@ impl Pipeline {
         Arc::new(SharedFiles(self.files.clone()))
     }
 
-    /// Gives `w` its home and stages it whole on `compute` (modules that run whole).
+    /// Gives `w` its home (groups: one per layer or stage); the runner stages them.
     fn place(&self, w: &mut Weights, module: &str, home: &ParamHome, compute: &Arc<Backend>) -> Result<()> {
         let p = &self.opts.placement;
         w.place(module, home.clone(), compute.clone(), &p.ledgers, &block_group, self.source())?;
-        w.make_resident()?;
         Ok(())
     }
 
@@ -328,7 +332,9 @@ impl Pipeline {
             .all()
             .iter()
             .map(|l| {
-                let budget = l.budget().map_or_else(|| "no budget".to_string(), |b| format!("budget {:.1} MiB", b as f64 / 1048576.0));
+                let budget = l
+                    .budget()
+                    .map_or_else(|| "no budget".to_string(), |b| format!("budget {:.1} MiB", b as f64 / 1048576.0));
                 format!("{}: managed high-water {:.1} MiB ({budget})", l.device(), l.high_water() as f64 / 1048576.0)
             })
             .collect()
@@ -336,7 +342,7 @@ impl Pipeline {
 
     /// Generates `params.batch_count` images.
     pub fn generate(&self, p: &GenerateParams, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
-        if p.width == 0 || p.height == 0 || p.width % 8 != 0 || p.height % 8 != 0 {
+        if p.width == 0 || p.height == 0 || !p.width.is_multiple_of(8) || !p.height.is_multiple_of(8) {
             return Err(PipelineError::Invalid(format!(
                 "-W {} -H {}: width and height must be positive multiples of 8",
                 p.width, p.height

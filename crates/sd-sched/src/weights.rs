@@ -406,7 +406,10 @@ impl Weights {
     pub(crate) fn is_resident(&self, g: usize) -> bool {
         match &self.residency {
             None => true,
-            Some(r) => matches!(r.home, Home::Compute { .. }) || r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g].is_some(),
+            Some(r) => {
+                matches!(r.home, Home::Compute { .. })
+                    || r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g].is_some()
+            }
         }
     }
 

@@ -117,7 +117,13 @@ fn input() -> Vec<f32> {
 
 /// Runs the model `steps` times with params at `home`, computing on `backend` with the
 /// given budget; returns the outputs, the runner and the ledgers.
-fn run(backend: Arc<Backend>, home: ParamHome, budget: Option<u64>, opts: Options, steps: usize) -> (Vec<Vec<f32>>, Runner, Ledgers, Weights) {
+fn run(
+    backend: Arc<Backend>,
+    home: ParamHome,
+    budget: Option<u64>,
+    opts: Options,
+    steps: usize,
+) -> (Vec<Vec<f32>>, Runner, Ledgers, Weights) {
     let dev = backend.device().name();
     let ledgers = Ledgers::with_budgets(budget.map(|b| HashMap::from([(dev.clone(), b)])).unwrap_or_default());
     let mut w = Weights::new(specs()).unwrap();

@@ -117,7 +117,9 @@ pub(crate) fn decode_graph<M: GraphModel>(
     let input = [dims[0], dims[1], channels];
     let (out, ne) =
         run_graph(runner, module, m.weights(), m.graph_options(), latent, input, max_compute_bytes, |f, z| {
-            m.build_decode_graph(f, z, &mut Vec::new())
+            let mut cuts = Vec::new();
+            let out = m.build_decode_graph(f, z, &mut cuts)?;
+            Ok((out, cuts))
         })?;
     Ok((out, ne[2]))
 }
@@ -147,7 +149,9 @@ pub(crate) fn encode_graph<M: GraphModel>(
     let input = [dims[0], dims[1], channels];
     let (out, ne) =
         run_graph(runner, module, m.weights(), m.graph_options(), image, input, max_compute_bytes, |f, x| {
-            m.build_encode_graph(f, x, &mut Vec::new())
+            let mut cuts = Vec::new();
+            let out = m.build_encode_graph(f, x, &mut cuts)?;
+            Ok((out, cuts))
         })?;
     Ok((out, ne[2]))
 }
@@ -167,7 +171,7 @@ pub(crate) fn run_graph<F>(
     build: F,
 ) -> Result<(Vec<f32>, [usize; 3])>
 where
-    F: for<'w, 'g> FnOnce(&Fwd<'w, 'g>, Tensor<'g>) -> Result<Tensor<'g>>,
+    F: for<'w, 'g> FnOnce(&Fwd<'w, 'g>, Tensor<'g>) -> Result<(Tensor<'g>, Vec<(String, Tensor<'g>)>)>,
 {
     let [w, h, c] = dims;
     if w == 0 || h == 0 || c == 0 || input.len() != w * h * c {
@@ -181,26 +185,35 @@ where
     let x = ctx.new_f32(&[w as i64, h as i64, c as i64, 1]).set_name("vae.input").set_input();
     let device = runner.backend().device();
     let fwd = Fwd { ctx: &ctx, weights, opts, device, module };
-    let out = build(&fwd, x)?.set_output();
-    let graph = ctx.new_graph(GRAPH_SIZE);
-    graph.expand(out);
+    let (out, mut cuts) = build(&fwd, x)?;
+    let out = out.set_output();
+    if cuts.last().is_some_and(|(_, t)| *t == out) {
+        cuts.pop();
+    }
     if let Some(cap) = max_compute_bytes {
+        let graph = ctx.new_graph(GRAPH_SIZE);
+        graph.expand(out);
         let need = measure(device.buffer_type(), &graph);
         if need > cap {
             return Err(VaeError::Alloc { device: device.name(), module, bytes: need, cap: Some(cap) });
         }
     }
-    runner.alloc(&graph).map_err(|e| match e {
-        SchedError::Alloc { device, bytes, .. } => VaeError::Alloc { device, module, bytes, cap: None },
-        // The device's managed budget (`--max-vram`) refuses it: as an allocation failure,
-        // so the decode retries with smaller tiles.
-        SchedError::OverBudget { device, bytes, budget, .. } => {
-            VaeError::Alloc { device, module, bytes: bytes as usize, cap: Some(budget as usize) }
-        }
-        other => VaeError::Compute { module, source: other },
-    })?;
-    x.set_f32(input).map_err(backend_err)?;
-    runner.compute(&graph).map_err(|e| VaeError::Compute { module, source: e })?;
+    // The runner runs the graph whole or in segments at the recorded stage cuts, staging the
+    // weights as their home requires.
+    runner
+        .run(weights, &ctx, GRAPH_SIZE, &cuts, out, &mut || {
+            x.set_f32(input)?;
+            Ok(())
+        })
+        .map_err(|e| match e {
+            SchedError::Alloc { device, bytes, .. } => VaeError::Alloc { device, module, bytes, cap: None },
+            // The device's managed budget (`--max-vram`) refuses it: as an allocation failure,
+            // so the decode retries with smaller tiles.
+            SchedError::OverBudget { device, bytes, budget, .. } => {
+                VaeError::Alloc { device, module, bytes: bytes as usize, cap: Some(budget as usize) }
+            }
+            other => VaeError::Compute { module, source: other },
+        })?;
     let [ow, oh, oc, on] = out.shape();
     if on != 1 {
         return Err(VaeError::input(module, format!("the graph produced a batch of {on}")));

@@ -423,3 +423,29 @@ fn memory_cap_triggers_the_retry_with_real_graphs() {
     let e = encode_tiled(&vae, &mut runner, &img, (32, 32), 3, &TilingParams::default(), Some(1024)).unwrap_err();
     assert!(e.is_alloc(), "{e}");
 }
+
+/// A device budget (`--max-vram`) that holds 16-pixel tiles but not the whole decode: the
+/// runner refuses the whole graph's compute buffer before allocating, and the decode retries
+/// with tiles exactly as for an allocation failure.
+#[test]
+fn a_device_budget_triggers_the_same_retry() {
+    let probe = cpu_runner("vae");
+    let vae = load(tiny(), &probe);
+    let (z, _) = input(4, 16, 16, 61);
+    let mut p = cpu_runner("vae");
+    let need = |runner: &mut Runner, d: usize| match vae.decode_graph(runner, &z[..4 * d * d], [d, d], 4, Some(0)) {
+        Err(sd_vae::VaeError::Alloc { bytes, .. }) => bytes as u64,
+        other => panic!("expected a capped allocation failure, got {other:?}"),
+    };
+    let (whole, tile8) = (need(&mut p, 16), need(&mut p, 8));
+    let budget = (tile8 + whole) / 2;
+    assert!(tile8 < budget && budget < whole);
+    let ledger = sd_sched::Ledger::new("CPU", Some(budget));
+    let mut runner =
+        Runner::with_ledger("vae", probe.backend().clone(), ledger.clone(), sd_sched::plan::Options::default());
+    let retried = decode_tiled(&vae, &mut runner, &z, (16, 16), 4, &TilingParams::default(), None).unwrap();
+    let tiled = TilingParams::from_cli(true, Some("16"), None, None).unwrap();
+    let want = decode_tiled(&vae, &mut cpu_runner("vae"), &z, (16, 16), 4, &tiled, None).unwrap();
+    assert!(retried == want, "the budget-driven retry differs from the 16-pixel tiled decode");
+    assert!(ledger.high_water() <= budget, "{} > {budget}", ledger.high_water());
+}

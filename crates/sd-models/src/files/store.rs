@@ -154,6 +154,16 @@ impl ModelFiles {
         map.get(start..end).expect("TensorEntry byte range was validated at open")
     }
 
+    /// The memory map of source file `file` (an index into [`TensorIndex::files`]), so the
+    /// loader can release pages it has copied; `None` for an empty (unmapped) file.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    pub(crate) fn mmap(&self, file: usize) -> Option<&Mmap> {
+        match self.maps.get(file)? {
+            Mapping::Map(m) => Some(m),
+            Mapping::Empty => None,
+        }
+    }
+
     /// The entry and bytes of the tensor with this internal name.
     pub fn tensor(&self, name: &str) -> Option<(&TensorEntry, &[u8])> {
         self.index.get(name).map(|e| (e, self.bytes(e)))

@@ -619,21 +619,23 @@ impl ClipTextModel {
         let converted: Vec<Vec<i32>> = inputs.iter().map(|ids| self.check_ids(ids)).collect::<Result<_>>()?;
 
         let graph_size = 64 * (cfg.n_layers + 2);
-        let g = Context::for_graph(2 * graph_size, graph_size).map_err(ClipError::Backend)?;
-        let ids = g
-            .new_tensor(GgmlType::GGML_TYPE_I32, &[cfg.n_positions as i64, batch as i64])
-            .set_name("clip_ids")
-            .set_input();
-        let mut cuts = Vec::new();
-        let out = forward(&g, &self.weights, cfg, ids, clip_skip, &mut cuts)?.set_output();
-        let graph = g.new_graph(graph_size);
-        graph.expand(out);
-        runner.alloc(&graph)?;
-
         let mut results = Vec::with_capacity(converted.len());
         for input in &converted {
-            ids.set_i32(input)?;
-            runner.compute(&graph)?;
+            let g = Context::for_graph(2 * graph_size, graph_size).map_err(ClipError::Backend)?;
+            let ids = g
+                .new_tensor(GgmlType::GGML_TYPE_I32, &[cfg.n_positions as i64, batch as i64])
+                .set_name("clip_ids")
+                .set_input();
+            let mut cuts = Vec::new();
+            let out = forward(&g, &self.weights, cfg, ids, clip_skip, &mut cuts)?.set_output();
+            if cuts.last().is_some_and(|(_, t)| *t == out) {
+                cuts.pop();
+            }
+            // Whole or in segments at the layer cuts, staging weights as their home requires.
+            runner.run(&self.weights, &g, graph_size, &cuts, out, &mut || {
+                ids.set_i32(input)?;
+                Ok(())
+            })?;
             results.push(out.get_f32()?);
         }
         Ok(results)

@@ -48,13 +48,13 @@ pub const PROMPT: &str = "a photo of a cat";
 
 /// One benchmark setting: image side and sampling steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Setting {
-    side: u32,
-    steps: u32,
+pub(crate) struct Setting {
+    pub(crate) side: u32,
+    pub(crate) steps: u32,
 }
 
-const SETTING_256: Setting = Setting { side: 256, steps: 4 };
-const SETTING_512: Setting = Setting { side: 512, steps: 2 };
+pub(crate) const SETTING_256: Setting = Setting { side: 256, steps: 4 };
+pub(crate) const SETTING_512: Setting = Setting { side: 512, steps: 2 };
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -178,7 +178,7 @@ pub fn run_measured(cmd: &mut Command) -> Result<Measured> {
 }
 
 /// Removes ANSI escape sequences (colours) from log text.
-fn strip_ansi(s: &str) -> String {
+pub(crate) fn strip_ansi(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     let mut chars = s.chars().peekable();
     while let Some(c) = chars.next() {
@@ -298,7 +298,7 @@ impl Side {
     }
 }
 
-fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+pub(crate) fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
     let mut c = Command::new(exe);
     c.args(["-m"]).arg(model);
     c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
@@ -308,7 +308,7 @@ fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -
     c
 }
 
-fn ref_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+pub(crate) fn ref_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
     let mut c = Command::new(exe);
     c.arg("txt2img").args(["-m"]).arg(model);
     c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
@@ -317,11 +317,11 @@ fn ref_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -
     c
 }
 
-fn fmt_s(v: Option<f64>) -> String {
+pub(crate) fn fmt_s(v: Option<f64>) -> String {
     v.map_or_else(|| "?".to_owned(), |v| format!("{v:.2} s"))
 }
 
-fn fmt_ratio(a: Option<f64>, b: Option<f64>) -> String {
+pub(crate) fn fmt_ratio(a: Option<f64>, b: Option<f64>) -> String {
     match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
         _ => "?".to_owned(),

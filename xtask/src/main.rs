@@ -1,6 +1,7 @@
 //! Project automation (`cargo xtask <command>`): plugins, fixtures, the reference, parity, benchmarks.
 
 mod bench;
+mod bench_placement;
 mod fixture;
 mod parity;
 mod plugins;
@@ -21,7 +22,10 @@ commands:
   parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]
                       compare text encoder, UNet, VAE and 256x256 generations with the reference
   bench [--size 256|512|both] [--runs N] [--threads N]
-                      time sd-cli against the reference, alternating runs, with ratios";
+                      time sd-cli against the reference, alternating runs, with ratios
+  bench-placement [--runs N] [--threads N] [--size 256|512]
+                      parameter homes over a loopback RPC device: client RSS (device/RAM/disk),
+                      segmented UNet with and without prefetch, --offload-to-cpu beside the reference";
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
@@ -39,6 +43,7 @@ fn main() -> Result<()> {
         "fixture" => fixture::run(rest),
         "parity" => parity::run(rest),
         "bench" => bench::run(rest),
+        "bench-placement" => bench_placement::run(rest),
         "reference" => {
             let exe = reference::build()?;
             println!("{}", exe.display());

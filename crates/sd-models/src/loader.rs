@@ -187,7 +187,7 @@ mod tests {
             assert_eq!(got, want, "offset {offset}, len {len}, page {page}");
             if let Some((o, l)) = got {
                 assert!(o as u64 >= offset && (o + l) as u64 <= offset + len);
-                assert!(o as u64 % page == 0 && l as u64 % page == 0);
+                assert!((o as u64).is_multiple_of(page) && (l as u64).is_multiple_of(page));
             }
         }
     }

@@ -185,11 +185,12 @@ where
     let x = ctx.new_f32(&[w as i64, h as i64, c as i64, 1]).set_name("vae.input").set_input();
     let device = runner.backend().device();
     let fwd = Fwd { ctx: &ctx, weights, opts, device, module };
-    let (out, mut cuts) = build(&fwd, x)?;
+    // The stage cuts are recorded but not used: VAE activations are large and each stage's
+    // output feeds the next, so segments would hold little but cut buffers; under a tight
+    // budget the VAE's answer is tiling (performance.md), which the caller retries with. The
+    // graph runs whole, its weights staged from their home.
+    let (out, _cuts) = build(&fwd, x)?;
     let out = out.set_output();
-    if cuts.last().is_some_and(|(_, t)| *t == out) {
-        cuts.pop();
-    }
     if let Some(cap) = max_compute_bytes {
         let graph = ctx.new_graph(GRAPH_SIZE);
         graph.expand(out);
@@ -201,7 +202,7 @@ where
     // The runner runs the graph whole or in segments at the recorded stage cuts, staging the
     // weights as their home requires.
     runner
-        .run(weights, &ctx, GRAPH_SIZE, &cuts, out, &mut || {
+        .run(weights, &ctx, GRAPH_SIZE, &[], out, &mut || {
             x.set_f32(input)?;
             Ok(())
         })
@@ -211,6 +212,10 @@ where
             // so the decode retries with smaller tiles.
             SchedError::OverBudget { device, bytes, budget, .. } => {
                 VaeError::Alloc { device, module, bytes: bytes as usize, cap: Some(budget as usize) }
+            }
+            // The planner found no room for the whole graph next to what the device holds.
+            SchedError::Plan(sd_sched::plan::PlanError::DoesNotFit(s)) => {
+                VaeError::Alloc { device: s.device, module, bytes: s.needed as usize, cap: Some(s.available as usize) }
             }
             other => VaeError::Compute { module, source: other },
         })?;

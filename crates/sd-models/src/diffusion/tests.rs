@@ -1030,14 +1030,16 @@ fn check_real(mut model: UNetModel) {
     assert!(both.iter().all(|v| v.is_finite()), "finite outputs");
     let spread = rms(&both.iter().map(|&v| v as f64).collect::<Vec<_>>());
     assert!(spread > 1e-3 && spread < 1e3, "output rms {spread}");
-    // Batching is numerically the same as the reference's separate cond / uncond calls.
+    // Batching agrees with the reference's separate cond / uncond calls to a few f16 ulps:
+    // the CPU plugin's LLAMAFILE GEMM tiles by the batch's column count, so a batch of 2
+    // sums in another order than a batch of 1 (observed rms 8.3e-4 relative, u = 4.9e-4).
     let per = wd * ht * 4;
     for b in 0..2 {
         let one = model
             .eval(&mut r, &x[b * per..(b + 1) * per], (wd, ht), &t[b..b + 1], &ctx[b * cd * l..(b + 1) * cd * l], l, 1)
             .unwrap();
         let want: Vec<f64> = both[b * per..(b + 1) * per].iter().map(|&v| v as f64).collect();
-        assert_close(&format!("sample {b} alone vs in a batch"), &one, &want, 1e-5);
+        assert_close(&format!("sample {b} alone vs in a batch"), &one, &want, 4e-3);
     }
     // Flash attention agrees within its f16 accumulation.
     model.flash_attn = true;

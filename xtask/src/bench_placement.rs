@@ -501,7 +501,7 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let args = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
+        let args = crate::test_args;
         assert_eq!(parse(&[]).unwrap(), Args { setting: bench::SETTING_256, runs: 2, threads: 2 });
         let a = parse(&args("--runs 1 --threads 4 --size 512")).unwrap();
         assert_eq!(a, Args { setting: bench::SETTING_512, runs: 1, threads: 4 });

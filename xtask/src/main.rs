@@ -27,6 +27,12 @@ commands:
                       parameter homes over a loopback RPC device: client RSS (device/RAM/disk),
                       segmented UNet with and without prefetch, --offload-to-cpu beside the reference";
 
+/// A command line written as one string, split at whitespace (for the parsers' tests).
+#[cfg(test)]
+pub(crate) fn test_args(s: &str) -> Vec<String> {
+    s.split_whitespace().map(String::from).collect()
+}
+
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)

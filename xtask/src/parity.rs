@@ -766,10 +766,7 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
+    use crate::test_args as args;
 
     #[test]
     fn parses_the_documented_command_line() {

@@ -29,5 +29,36 @@ pub enum SchedError {
     Backend(#[from] sd_backends::BackendError),
 }
 
+/// What did not fit: the device, the bytes asked for, and the limit when one is known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NoRoom {
+    /// Device name.
+    pub device: String,
+    /// Bytes needed.
+    pub bytes: u64,
+    /// The budget or available bytes that refused them, if known.
+    pub cap: Option<u64>,
+}
+
+impl SchedError {
+    /// Whether this is the device running out of room (an allocation failing, the managed
+    /// budget refusing a charge, or the planner finding no room), with the figures: callers
+    /// that can retry smaller (VAE tiling) treat all three alike.
+    pub fn no_room(&self) -> Option<NoRoom> {
+        match self {
+            SchedError::Alloc { device, bytes, .. } => {
+                Some(NoRoom { device: device.clone(), bytes: *bytes as u64, cap: None })
+            }
+            SchedError::OverBudget { device, bytes, budget, .. } => {
+                Some(NoRoom { device: device.clone(), bytes: *bytes, cap: Some(*budget) })
+            }
+            SchedError::Plan(crate::plan::PlanError::DoesNotFit(s)) => {
+                Some(NoRoom { device: s.device.clone(), bytes: s.needed, cap: Some(s.available) })
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Result alias.
 pub type Result<T, E = SchedError> = std::result::Result<T, E>;

@@ -18,7 +18,7 @@ pub mod plan;
 pub mod runner;
 pub mod weights;
 
-pub use error::{Result, SchedError};
+pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers, ReplicaEntry};
 pub use runner::{RunStats, Runner};
 pub use weights::{short_name, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights};

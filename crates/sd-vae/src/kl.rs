@@ -565,16 +565,13 @@ impl AutoencoderKl {
         let full = format!("{PREFIX}.{name}");
         let block =
             self.find_block(&full).ok_or_else(|| VaeError::input(MODULE, format!("no block named `{name}`")))?;
-        run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| {
-            let out = match block {
-                Block::Conv(c) => c.forward(f, x),
-                Block::Norm(n) => n.forward(f, x),
-                Block::Resnet(r) => r.forward(f, x),
-                Block::Attn(a) => a.forward(f, x),
-                Block::Up(u) => u.forward(f, x),
-                Block::Down(d) => d.forward(f, x),
-            }?;
-            Ok((out, Vec::new()))
+        run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| match block {
+            Block::Conv(c) => c.forward(f, x),
+            Block::Norm(n) => n.forward(f, x),
+            Block::Resnet(r) => r.forward(f, x),
+            Block::Attn(a) => a.forward(f, x),
+            Block::Up(u) => u.forward(f, x),
+            Block::Down(d) => d.forward(f, x),
         })
     }
 

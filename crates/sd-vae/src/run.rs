@@ -15,7 +15,7 @@
 //! allocating), so the retry can be exercised on any machine.
 
 use sd_backends::{alloc::measure, Context, Tensor};
-use sd_sched::{Runner, SchedError, Weights};
+use sd_sched::{Runner, Weights};
 
 use crate::error::{Result, VaeError};
 use crate::nn::{Fwd, GraphOptions};
@@ -117,9 +117,7 @@ pub(crate) fn decode_graph<M: GraphModel>(
     let input = [dims[0], dims[1], channels];
     let (out, ne) =
         run_graph(runner, module, m.weights(), m.graph_options(), latent, input, max_compute_bytes, |f, z| {
-            let mut cuts = Vec::new();
-            let out = m.build_decode_graph(f, z, &mut cuts)?;
-            Ok((out, cuts))
+            m.build_decode_graph(f, z, &mut Vec::new())
         })?;
     Ok((out, ne[2]))
 }
@@ -149,9 +147,7 @@ pub(crate) fn encode_graph<M: GraphModel>(
     let input = [dims[0], dims[1], channels];
     let (out, ne) =
         run_graph(runner, module, m.weights(), m.graph_options(), image, input, max_compute_bytes, |f, x| {
-            let mut cuts = Vec::new();
-            let out = m.build_encode_graph(f, x, &mut cuts)?;
-            Ok((out, cuts))
+            m.build_encode_graph(f, x, &mut Vec::new())
         })?;
     Ok((out, ne[2]))
 }
@@ -171,7 +167,7 @@ pub(crate) fn run_graph<F>(
     build: F,
 ) -> Result<(Vec<f32>, [usize; 3])>
 where
-    F: for<'w, 'g> FnOnce(&Fwd<'w, 'g>, Tensor<'g>) -> Result<(Tensor<'g>, Vec<(String, Tensor<'g>)>)>,
+    F: for<'w, 'g> FnOnce(&Fwd<'w, 'g>, Tensor<'g>) -> Result<Tensor<'g>>,
 {
     let [w, h, c] = dims;
     if w == 0 || h == 0 || c == 0 || input.len() != w * h * c {
@@ -185,12 +181,7 @@ where
     let x = ctx.new_f32(&[w as i64, h as i64, c as i64, 1]).set_name("vae.input").set_input();
     let device = runner.backend().device();
     let fwd = Fwd { ctx: &ctx, weights, opts, device, module };
-    // The stage cuts are recorded but not used: VAE activations are large and each stage's
-    // output feeds the next, so segments would hold little but cut buffers; under a tight
-    // budget the VAE's answer is tiling (performance.md), which the caller retries with. The
-    // graph runs whole, its weights staged from their home.
-    let (out, _cuts) = build(&fwd, x)?;
-    let out = out.set_output();
+    let out = build(&fwd, x)?.set_output();
     if let Some(cap) = max_compute_bytes {
         let graph = ctx.new_graph(GRAPH_SIZE);
         graph.expand(out);
@@ -199,25 +190,20 @@ where
             return Err(VaeError::Alloc { device: device.name(), module, bytes: need, cap: Some(cap) });
         }
     }
-    // The runner runs the graph whole or in segments at the recorded stage cuts, staging the
-    // weights as their home requires.
+    // The graph runs whole (no cuts: VAE activations are large and each stage feeds the
+    // next, so segments would hold little but cut buffers; under a tight budget the VAE
+    // tiles instead, performance.md), its weights staged from their home. Running out of
+    // room, whatever refused it, is an allocation failure: the caller retries with tiles.
     runner
         .run(weights, &ctx, GRAPH_SIZE, &[], out, &mut || {
             x.set_f32(input)?;
             Ok(())
         })
-        .map_err(|e| match e {
-            SchedError::Alloc { device, bytes, .. } => VaeError::Alloc { device, module, bytes, cap: None },
-            // The device's managed budget (`--max-vram`) refuses it: as an allocation failure,
-            // so the decode retries with smaller tiles.
-            SchedError::OverBudget { device, bytes, budget, .. } => {
-                VaeError::Alloc { device, module, bytes: bytes as usize, cap: Some(budget as usize) }
+        .map_err(|e| match e.no_room() {
+            Some(r) => {
+                VaeError::Alloc { device: r.device, module, bytes: r.bytes as usize, cap: r.cap.map(|c| c as usize) }
             }
-            // The planner found no room for the whole graph next to what the device holds.
-            SchedError::Plan(sd_sched::plan::PlanError::DoesNotFit(s)) => {
-                VaeError::Alloc { device: s.device, module, bytes: s.needed as usize, cap: Some(s.available as usize) }
-            }
-            other => VaeError::Compute { module, source: other },
+            None => VaeError::Compute { module, source: e },
         })?;
     let [ow, oh, oc, on] = out.shape();
     if on != 1 {

@@ -302,9 +302,7 @@ impl Taesd {
             .ok()
             .and_then(|i| side.get(i))
             .ok_or_else(|| VaeError::input(MODULE, format!("no layer named `{name}`")))?;
-        run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| {
-            Ok((layer_forward(layer, f, x)?, Vec::new()))
-        })
+        run_graph(runner, MODULE, &self.weights, self.opts, input, dims, None, |f, x| layer_forward(layer, f, x))
     }
 }
 

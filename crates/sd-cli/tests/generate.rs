@@ -149,7 +149,10 @@ fn sd21_v_prediction_matches_the_reference() {
 
 /// Runs sd-cli expecting failure; returns stderr. No output file may be left behind.
 fn fails(args: &[&str], model: Option<&Path>) -> String {
-    let dir = out_dir(&format!("bad-{}", args.join("_").replace(['/', ' '], "")));
+    // One directory per call: tests run in parallel and may fail with the same arguments.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = out_dir(&format!("bad-{n}"));
     let out_png = dir.join("x.png");
     let mut cmd = sd_cli();
     if let Some(m) = model {

@@ -195,54 +195,89 @@ proptest! {
 
     #[test]
     fn budgets_hold_and_weights_are_resident(c in case()) {
-        let (m, d) = build(&c);
-        let first = plan(&m, &d, &c.opts, &mut Estimate);
-        // Deterministic.
-        prop_assert_eq!(&first, &plan(&m, &d, &c.opts, &mut Estimate));
-        prop_assert_eq!(first.is_err(), must_fail(&m, &d, &c.opts), "{:?}", first);
-        match first {
-            Err(PlanError::DoesNotFit(f)) => {
-                prop_assert!(f.needed > f.available);
-                prop_assert!(f.available <= f.budget.unwrap_or(u64::MAX));
+        check(c)?;
+    }
+}
+
+/// The property of `budgets_hold_and_weights_are_resident` for one case.
+fn check(c: Case) -> Result<(), TestCaseError> {
+    let (m, d) = build(&c);
+    let first = plan(&m, &d, &c.opts, &mut Estimate);
+    // Deterministic.
+    prop_assert_eq!(&first, &plan(&m, &d, &c.opts, &mut Estimate));
+    prop_assert_eq!(first.is_err(), must_fail(&m, &d, &c.opts), "{:?}", first);
+    match first {
+        Err(PlanError::DoesNotFit(f)) => {
+            prop_assert!(f.needed > f.available);
+            prop_assert!(f.available <= f.budget.unwrap_or(u64::MAX));
+        }
+        Err(e) => prop_assert!(false, "unexpected error {}", e),
+        Ok(s) => {
+            let dec = s.decision;
+            match s.mode {
+                Mode::Segmented => {
+                    prop_assert_eq!(dec.reason, Reason::ExceedsHeadroom);
+                    prop_assert!(dec.need() + dec.planning_headroom > dec.available.unwrap());
+                    prop_assert!(!c.opts.disable_segmented_compute && m.segments.len() > 1);
+                    if c.opts.disable_prefetch {
+                        prop_assert_eq!(s.prefetches().count(), 0);
+                    }
+                }
+                Mode::Monolithic => {
+                    if dec.reason == Reason::Fits {
+                        prop_assert!(dec.need() + dec.planning_headroom <= dec.available.unwrap());
+                    }
+                    prop_assert_eq!(s.segments.len(), 1);
+                }
             }
-            Err(e) => prop_assert!(false, "unexpected error {}", e),
-            Ok(s) => {
-                let dec = s.decision;
-                match s.mode {
-                    Mode::Segmented => {
-                        prop_assert_eq!(dec.reason, Reason::ExceedsHeadroom);
-                        prop_assert!(dec.need() + dec.planning_headroom > dec.available.unwrap());
-                        prop_assert!(!c.opts.disable_segmented_compute && m.segments.len() > 1);
-                        if c.opts.disable_prefetch {
-                            prop_assert_eq!(s.prefetches().count(), 0);
-                        }
-                    }
-                    Mode::Monolithic => {
-                        if dec.reason == Reason::Fits {
-                            prop_assert!(dec.need() + dec.planning_headroom <= dec.available.unwrap());
-                        }
-                        prop_assert_eq!(s.segments.len(), 1);
-                    }
-                }
-                // Replay this schedule, then two more runs planned on the resulting state (as
-                // sampling steps do); the simulator checks budget, reserve, pins, residency at
-                // compute, workspace and cut buffers.
-                let mut sim = Simulator::new(d.clone()).with_workspace_owner("m");
-                prop_assert_eq!(sim.state_for("m"), d.clone());
-                let r = sim.replay(&m, &s, &mut Estimate);
-                prop_assert!(r.is_ok(), "{:?}\n{:#?}", r, s);
-                for step in 1..3 {
-                    let r = sim.run(&m, &c.opts, &mut Estimate);
-                    prop_assert!(r.is_ok(), "step {}: {:?}", step, r);
-                }
-                if let Some(b) = c.budget {
-                    // A device that starts above its budget (other runners' bytes) cannot be
-                    // judged; otherwise the high-water mark stays within it.
-                    if d.managed() <= b {
-                        prop_assert!(sim.high_water() <= b, "{} > {}", sim.high_water(), b);
-                    }
+            // Replay this schedule, then two more runs planned on the resulting state (as
+            // sampling steps do); the simulator checks budget, reserve, pins, residency at
+            // compute, workspace and cut buffers.
+            let mut sim = Simulator::new(d.clone()).with_workspace_owner("m");
+            prop_assert_eq!(sim.state_for("m"), d.clone());
+            let r = sim.replay(&m, &s, &mut Estimate);
+            prop_assert!(r.is_ok(), "{:?}\n{:#?}", r, s);
+            for step in 1..3 {
+                let r = sim.run(&m, &c.opts, &mut Estimate);
+                prop_assert!(r.is_ok(), "step {}: {:?}", step, r);
+            }
+            if let Some(b) = c.budget {
+                // A device that starts above its budget (other runners' bytes) cannot be
+                // judged; otherwise the high-water mark stays within it.
+                if d.managed() <= b {
+                    prop_assert!(sim.high_water() <= b, "{} > {}", sim.high_water(), b);
                 }
             }
         }
     }
+    Ok(())
+}
+
+/// Found by the property in CI: a device that starts 1 byte above its budget (a foreign
+/// replica and a reusable buffer) made a prefetch look like it fitted after evictions.
+#[test]
+fn prefetch_on_a_device_starting_over_its_budget_stays_within_it() {
+    let seg = |groups: Vec<u64>, workspace: u64| SegSpec { groups, share_previous: false, workspace, cut: None };
+    let mut own = vec![0u8; 40];
+    own[0] = 1;
+    own[2] = 1;
+    own[4] = 1;
+    let c = Case {
+        segs: vec![
+            seg(vec![], 0),
+            seg(vec![71483668, 292617868, 844659], 0),
+            seg(vec![0], 0),
+            seg(vec![195837828, 0], 0),
+            seg(vec![105955576], 19107401),
+        ],
+        budget: Some(391),
+        free: None,
+        fixed: 0,
+        foreign: vec![(96780040, false)],
+        own,
+        workspace: 23,
+        opts: Options::default(),
+        async_transfer: false,
+    };
+    check(c).unwrap();
 }

@@ -496,6 +496,11 @@ impl<'a> Ctx<'a> {
             let bytes = trial.evict(&g);
             actions.push(Action::Evict { group: g, bytes });
         }
+        // The estimate above adds evictable bytes to the room, which overstates it when the
+        // device starts above its budget (the room saturates at 0): check what is left.
+        if trial.room() < bytes_wanted {
+            return None;
+        }
         let mut trial_inflight = inflight.clone();
         for (g, bytes) in wanted {
             trial.load(g, *bytes);

@@ -1,22 +1,32 @@
-//! Build script: fetch the pinned ggml source, build it with CMake, generate bindings.
+//! Build script: fetch the pinned ggml source and compile it without CMake.
 //!
 //! 1. `ggml-source.toml` names one crates.io package and its sha256. We ask cargo
 //!    to download it (`cargo metadata` on a manifest generated in OUT_DIR), then
 //!    compare the checksum cargo recorded in that lockfile with the pin.
-//! 2. CMake builds `libggml-base` (linked by us) and the default plugins
-//!    (`plugins/*/plugin.toml` with `default = true`) as module libraries into a
-//!    build directory shared by every profile: `<target>/ggml/`. A file lock
-//!    serialises concurrent builds of that directory.
-//! 3. bindgen turns the public headers into `bindings.rs`; nothing generated is
-//!    committed.
+//! 2. The C/C++ compiler that the `cc` crate finds compiles `libggml-base` (linked
+//!    by us) and the default plugins (the RPC module and the CPU variants named in
+//!    `plugins/cpu/plugin.toml`) as shared libraries, with the definitions and ISA
+//!    flags of ggml's own CMake files as recorded in `ggml-build.toml`, into a
+//!    directory shared by every profile: `<target>/ggml/`. A file lock serialises
+//!    concurrent builds of that directory; a cache key per library skips work
+//!    already done.
+//! 3. The bindings are committed (`src/bindings.rs`, made by `cargo xtask
+//!    bindings`, which needs libclang); this script only hashes the headers they
+//!    came from, so a test can tell when they are stale.
 //!
 //! Overrides: `SD_GGML_SOURCE_DIR` (use a local ggml tree; the pin is then not
-//! checked and a warning says so), `SD_GGML_BUILD_DIR` (where to build).
+//! checked and a warning says so), `SD_GGML_BUILD_DIR` (where to build),
+//! `SD_GGML_CPU_VARIANTS` (`all`, or a comma-separated list of the variants in
+//! `ggml-build.toml`, instead of the defaults).
 
-use std::collections::BTreeMap;
+#[path = "build/compile.rs"]
+mod compile;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use sha2::{Digest, Sha256};
 
 #[derive(serde::Deserialize)]
 struct Pin {
@@ -28,15 +38,13 @@ struct Pin {
 }
 
 #[derive(serde::Deserialize)]
-struct PluginManifest {
-    name: String,
-    #[serde(default)]
-    default: bool,
-    #[serde(default)]
-    cmake: Vec<String>,
-    #[serde(default)]
-    targets: Vec<String>,
+struct CpuPlugin {
+    variants: Vec<String>,
 }
+
+/// The public headers the bindings are generated from (besides `wrapper.h`), in
+/// hashing order. `cargo xtask bindings` records their hash in `src/bindings.rs`.
+const BOUND_HEADERS: &[&str] = &["ggml.h", "ggml-alloc.h", "ggml-backend.h", "gguf.h"];
 
 fn main() {
     if let Err(e) = run() {
@@ -50,20 +58,26 @@ fn run() -> Result<(), String> {
     let out_dir = PathBuf::from(env("OUT_DIR")?);
     let workspace = manifest_dir.parent().and_then(Path::parent).ok_or("cannot find the workspace root")?.to_path_buf();
     let pin_path = manifest_dir.join("ggml-source.toml");
-    println!("cargo:rerun-if-changed={}", pin_path.display());
-    println!("cargo:rerun-if-changed=cmake/CMakeLists.txt");
+    let spec_path = manifest_dir.join("ggml-build.toml");
+    let cpu_path = workspace.join("plugins/cpu/plugin.toml");
+    for p in [&pin_path, &spec_path, &cpu_path] {
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=build/compile.rs");
     println!("cargo:rerun-if-changed=wrapper.h");
-    println!("cargo:rerun-if-env-changed=SD_GGML_SOURCE_DIR");
-    println!("cargo:rerun-if-env-changed=SD_GGML_BUILD_DIR");
-    let pin: Pin = toml::from_str(&fs::read_to_string(&pin_path).map_err(|e| format!("{}: {e}", pin_path.display()))?)
-        .map_err(|e| format!("{}: {e}", pin_path.display()))?;
+    for v in ["SD_GGML_SOURCE_DIR", "SD_GGML_BUILD_DIR", "SD_GGML_CPU_VARIANTS"] {
+        println!("cargo:rerun-if-env-changed={v}");
+    }
+    let pin: Pin = read_toml(&pin_path)?;
+    let spec: compile::Spec = read_toml(&spec_path)?;
 
-    let ggml_src = match std::env::var_os("SD_GGML_SOURCE_DIR") {
+    let local = std::env::var_os("SD_GGML_SOURCE_DIR");
+    let ggml_src = match &local {
         Some(dir) => {
             println!(
                 "cargo:warning=SD_GGML_SOURCE_DIR is set: building ggml from {} (the pin in ggml-source.toml is not checked)",
-                PathBuf::from(&dir).display()
+                PathBuf::from(dir).display()
             );
             PathBuf::from(dir)
         }
@@ -71,61 +85,176 @@ fn run() -> Result<(), String> {
     };
     check_version(&ggml_src, &pin)?;
 
+    let cpu_variants = cpu_variants(&spec, &read_toml::<CpuPlugin>(&cpu_path)?)?;
     let build_root = match std::env::var_os("SD_GGML_BUILD_DIR") {
         Some(d) => PathBuf::from(d),
         None => target_dir(&out_dir)?.join("ggml"),
     };
-    fs::create_dir_all(&build_root).map_err(|e| format!("{}: {e}", build_root.display()))?;
+    let cc_root = build_root.join("cc");
+    let built_lib_dir = cc_root.join("lib");
+    let gen_include = cc_root.join("include");
+    for d in [&built_lib_dir, &gen_include] {
+        fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+    }
+    write_if_changed(
+        &gen_include.join("ggml-version.h"),
+        &format!("#pragma once\n\n#define GGML_VERSION \"{}\"\n#define GGML_COMMIT  \"unknown\"\n", pin.ggml_version),
+    )?;
 
-    let plugins = default_plugins(&workspace.join("plugins"))?;
     let lock_path = build_root.join(".lock");
     let lock = fs::File::create(&lock_path).map_err(|e| format!("{}: {e}", lock_path.display()))?;
     lock.lock().map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
-    let (lib_dir, plugin_dir) = cmake_build(&workspace, &ggml_src, &build_root, &plugins)?;
+    let tc = compile::Toolchain::detect(&out_dir)?;
+    let libs =
+        compile::plan(&spec, &tc, &ggml_src, &gen_include, &cc_root.join("obj"), &cpu_variants, &pin.ggml_version)?;
+    let plugin_files: Vec<String> =
+        libs.iter().map(|l| l.file.clone()).filter(|f| !f.starts_with("libggml-base")).collect();
+    // The registry package is immutable; a local tree is identified by its files' times.
+    let salt = match &local {
+        Some(_) => tree_stamp(&ggml_src),
+        None => format!("{} {} {}", pin.package, pin.version, pin.sha256),
+    };
+    let t = std::time::Instant::now();
+    // the names the plugins link by (-lggml-base) and load by (the soname)
+    let aliases = || -> Result<(), String> {
+        let core = format!("libggml-base.so.{}", pin.ggml_version);
+        let major = pin.ggml_version.split('.').next().unwrap_or("0");
+        for alias in [format!("libggml-base.so.{major}"), "libggml-base.so".to_string()] {
+            install(&built_lib_dir.join(&core), &built_lib_dir.join(alias))?;
+        }
+        Ok(())
+    };
+    let built = compile::build(&tc, libs, &built_lib_dir, &salt, &aliases)?;
+    if !built.is_empty() {
+        println!("cargo:warning=ggml-sys: compiled {} in {:.0} s", built.join(", "), t.elapsed().as_secs_f64());
+    }
+    let plugin_dir = build_root.join("plugins");
+    fs::create_dir_all(&plugin_dir).map_err(|e| e.to_string())?;
+    for f in &plugin_files {
+        install(&built_lib_dir.join(f), &plugin_dir.join(f))?;
+    }
     drop(lock);
 
     // Cargo puts link-search directories on the library path of `cargo run` and
     // `cargo test` only when they lie inside the profile's output directory, so
     // the core library is copied there (the build itself is shared by profiles).
     let profile_dir = out_dir.ancestors().nth(3).ok_or("unexpected OUT_DIR layout")?;
-    let lib_dir = copy_core_libs(&lib_dir, &profile_dir.join("ggml-lib"))?;
+    let lib_dir = copy_core_libs(&built_lib_dir, &profile_dir.join("ggml-lib"))?;
 
     let api_version = backend_api_version(&ggml_src)?;
-    generate_bindings(&manifest_dir, &ggml_src, &out_dir)?;
+    let headers_sha256 = headers_sha256(&manifest_dir, &ggml_src)?;
 
-    fs::write(
-        out_dir.join("build_info.rs"),
-        format!(
+    write_if_changed(
+        &out_dir.join("build_info.rs"),
+        &format!(
             "/// ggml version of the pinned source.\npub const GGML_VERSION: &str = {:?};\n\
              /// `GGML_BACKEND_API_VERSION` of the pinned source (from its private ggml-backend-impl.h).\npub const GGML_BACKEND_API_VERSION: i32 = {api_version};\n\
              /// The registry package the source comes from, as `name version`.\npub const GGML_SOURCE_PACKAGE: &str = {:?};\n\
              /// Where the build placed the default plugins (the compile-time install directory).\npub const BUILD_PLUGIN_DIR: &str = {:?};\n\
              /// Where `libggml-base` was built.\npub const BUILD_LIB_DIR: &str = {:?};\n\
-             /// The ggml source tree the bindings were generated from.\npub const GGML_SOURCE_DIR: &str = {:?};\n",
+             /// The ggml source tree the library was compiled from.\npub const GGML_SOURCE_DIR: &str = {:?};\n\
+             /// sha256 of `wrapper.h` and the public headers it includes, in the source compiled.\npub const SOURCE_HEADERS_SHA256: &str = {:?};\n\
+             /// The CPU variants this build compiled.\npub const BUILD_CPU_VARIANTS: &[&str] = &{:?};\n",
             pin.ggml_version,
             format!("{} {}", pin.package, pin.version),
             plugin_dir.display().to_string(),
             lib_dir.display().to_string(),
             ggml_src.display().to_string(),
+            headers_sha256,
+            cpu_variants,
         ),
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
 
-    // Facts for xtask (which builds optional plugins against the same source).
+    // Facts for xtask (which builds optional plugins against the same source and
+    // regenerates the bindings).
     let info = serde_json::json!({
         "ggml_version": pin.ggml_version,
         "source_dir": ggml_src,
         "lib_dir": lib_dir,
         "plugin_dir": plugin_dir,
         "package": format!("{} {}", pin.package, pin.version),
+        "headers_sha256": headers_sha256,
+        "cpu_variants": cpu_variants,
     });
-    fs::write(build_root.join("build-info.json"), info.to_string()).map_err(|e| e.to_string())?;
+    write_if_changed(&build_root.join("build-info.json"), &info.to_string())?;
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     println!("cargo:rustc-link-lib=dylib=ggml-base");
     println!("cargo:lib_dir={}", lib_dir.display());
     println!("cargo:plugin_dir={}", plugin_dir.display());
     Ok(())
+}
+
+fn read_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, String> {
+    let text = fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
+    if fs::read_to_string(path).map(|old| old == text).unwrap_or(false) {
+        return Ok(());
+    }
+    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The CPU variants to compile: plugins/cpu/plugin.toml's list, or SD_GGML_CPU_VARIANTS.
+fn cpu_variants(spec: &compile::Spec, plugin: &CpuPlugin) -> Result<Vec<String>, String> {
+    let chosen: Vec<String> = match std::env::var("SD_GGML_CPU_VARIANTS") {
+        Ok(v) if v.trim() == "all" => spec.cpu.variants.keys().cloned().collect(),
+        Ok(v) => v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
+        Err(_) => plugin.variants.clone(),
+    };
+    if chosen.is_empty() {
+        return Err("no CPU variant to build (SD_GGML_CPU_VARIANTS is empty)".into());
+    }
+    for v in &chosen {
+        if !spec.cpu.variants.contains_key(v) {
+            return Err(format!(
+                "unknown CPU variant `{v}`; ggml-build.toml offers: {}",
+                spec.cpu.variants.keys().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+    Ok(chosen)
+}
+
+/// sha256 over `wrapper.h` and [`BOUND_HEADERS`] (name, NUL, length, NUL, bytes each).
+fn headers_sha256(manifest_dir: &Path, src: &Path) -> Result<String, String> {
+    let mut h = Sha256::new();
+    let mut files = vec![("wrapper.h".to_string(), manifest_dir.join("wrapper.h"))];
+    files.extend(BOUND_HEADERS.iter().map(|n| (n.to_string(), src.join("include").join(n))));
+    for (name, path) in files {
+        println!("cargo:rerun-if-changed={}", path.display());
+        let bytes = fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(bytes.len().to_string().as_bytes());
+        h.update([0]);
+        h.update(&bytes);
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// Identity of a local source tree: every file's path, size and modification time.
+fn tree_stamp(root: &Path) -> String {
+    let mut h = Sha256::new();
+    let mut stack = vec![root.join("src"), root.join("include")];
+    while let Some(dir) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&dir) else { continue };
+        let mut entries: Vec<_> = rd.flatten().collect();
+        entries.sort_by_key(|e| e.path());
+        for e in entries {
+            let p = e.path();
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                stack.push(p);
+            } else {
+                let mtime = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+                h.update(format!("{}|{}|{:?}\n", p.display(), m.len(), mtime).as_bytes());
+            }
+        }
+    }
+    format!("{:x}", h.finalize())
 }
 
 fn env(key: &str) -> Result<String, String> {
@@ -234,88 +363,13 @@ fn target_dir(out_dir: &Path) -> Result<PathBuf, String> {
         .ok_or_else(|| format!("cannot find the target directory above {}", out_dir.display()))
 }
 
-fn default_plugins(dir: &Path) -> Result<Vec<PluginManifest>, String> {
-    println!("cargo:rerun-if-changed={}", dir.display());
-    let mut found = BTreeMap::new();
-    for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
-        let path = entry.map_err(|e| e.to_string())?.path().join("plugin.toml");
-        if !path.exists() {
-            continue;
-        }
-        println!("cargo:rerun-if-changed={}", path.display());
-        let m: PluginManifest = toml::from_str(&fs::read_to_string(&path).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        if m.default {
-            found.insert(m.name.clone(), m);
-        }
-    }
-    Ok(found.into_values().collect())
-}
-
-fn which(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .map(|paths| std::env::split_paths(&paths).any(|p| p.join(program).is_file()))
-        .unwrap_or(false)
-}
-
-/// Configures and builds ggml; returns (lib dir, plugin dir).
-fn cmake_build(
-    workspace: &Path,
-    src: &Path,
-    root: &Path,
-    plugins: &[PluginManifest],
-) -> Result<(PathBuf, PathBuf), String> {
-    if !which("cmake") {
-        return Err("cmake not found on PATH. Install the prerequisites: \
-             `apt-get install cmake ninja-build g++ libclang-dev` (see README.md)"
-            .into());
-    }
-    let build = root.join("build");
-    let mut args: Vec<String> = vec![
-        "-S".into(),
-        workspace.join("crates/ggml-sys/cmake").display().to_string(),
-        "-B".into(),
-        build.display().to_string(),
-        format!("-DGGML_SOURCE_DIR={}", src.display()),
-        "-DCMAKE_BUILD_TYPE=Release".into(),
-        "-DBUILD_SHARED_LIBS=ON".into(),
-        "-DGGML_BACKEND_DL=ON".into(),
-        "-DGGML_BUILD_TESTS=OFF".into(),
-        "-DGGML_BUILD_EXAMPLES=OFF".into(),
-        "-DGGML_CCACHE=OFF".into(),
-    ];
-    if which("ninja") && !build.join("CMakeCache.txt").exists() {
-        args.push("-GNinja".into());
-    }
-    let mut targets = vec!["ggml-base".to_string()];
-    for p in plugins {
-        args.extend(p.cmake.iter().cloned());
-        targets.extend(p.targets.iter().cloned());
-    }
-    run_cmd(Command::new("cmake").args(&args), "configuring ggml")?;
-    let jobs = std::env::var("NUM_JOBS").unwrap_or_else(|_| "2".into());
-    let mut cmd = Command::new("cmake");
-    cmd.arg("--build").arg(&build).args(["--parallel", &jobs, "--target"]).args(&targets);
-    run_cmd(&mut cmd, "building ggml")?;
-
-    let lib_dir = build.join("ggml/src");
-    let bin_dir = build.join("bin");
-    let plugin_dir = root.join("plugins");
-    fs::create_dir_all(&plugin_dir).map_err(|e| e.to_string())?;
-    for t in targets.iter().filter(|t| *t != "ggml-base") {
-        let name = format!("lib{t}.so");
-        install(&bin_dir.join(&name), &plugin_dir.join(&name))?;
-    }
-    Ok((lib_dir, plugin_dir))
-}
-
 /// Copies `libggml-base.so*` (keeping the soname link) into `dest`.
 fn copy_core_libs(from: &Path, dest: &Path) -> Result<PathBuf, String> {
     fs::create_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?;
     for entry in fs::read_dir(from).map_err(|e| format!("{}: {e}", from.display()))? {
         let path = entry.map_err(|e| e.to_string())?.path();
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        if name.starts_with("libggml-base.so") {
+        if name.starts_with("libggml-base.so") && !name.ends_with(".tmp") {
             // Copy the real file under each name: symlinks are resolved by fs::read.
             install(&path, &dest.join(name))?;
         }
@@ -335,19 +389,6 @@ fn install(from: &Path, to: &Path) -> Result<(), String> {
     fs::rename(&tmp, to).map_err(|e| format!("{}: {e}", to.display()))
 }
 
-fn run_cmd(cmd: &mut Command, what: &str) -> Result<(), String> {
-    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{what} failed ({:?}):\n{}\n{}",
-            cmd,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(())
-}
-
 fn backend_api_version(src: &Path) -> Result<i32, String> {
     let path = src.join("src/ggml-backend-impl.h");
     let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -355,49 +396,4 @@ fn backend_api_version(src: &Path) -> Result<i32, String> {
         .find_map(|l| l.trim().strip_prefix("#define GGML_BACKEND_API_VERSION"))
         .and_then(|v| v.trim().parse().ok())
         .ok_or_else(|| format!("no GGML_BACKEND_API_VERSION in {}", path.display()))
-}
-
-/// Functions declared in ggml-backend.h but defined in libggml (the upstream
-/// loader/registry), which we do not link: our registry is sd-backends.
-const LOADER_FUNCTIONS: &[&str] = &[
-    "ggml_backend_register",
-    "ggml_backend_device_register",
-    "ggml_backend_reg_count",
-    "ggml_backend_reg_get",
-    "ggml_backend_reg_by_name",
-    "ggml_backend_dev_count",
-    "ggml_backend_dev_get",
-    "ggml_backend_dev_by_name",
-    "ggml_backend_dev_by_type",
-    "ggml_backend_init_by_name",
-    "ggml_backend_init_by_type",
-    "ggml_backend_init_best",
-    "ggml_backend_load",
-    "ggml_backend_unload",
-    "ggml_backend_load_all",
-    "ggml_backend_load_all_from_path",
-    // clashes with the enum of the same name in Rust's value namespace; the
-    // device type is read from `ggml_backend_dev_get_props` instead
-    "ggml_backend_dev_type",
-];
-
-fn generate_bindings(manifest_dir: &Path, src: &Path, out_dir: &Path) -> Result<(), String> {
-    let mut b = bindgen::Builder::default()
-        .header(manifest_dir.join("wrapper.h").display().to_string())
-        .clang_arg(format!("-I{}", src.join("include").display()))
-        .allowlist_function("ggml_.*|gguf_.*")
-        .allowlist_type("ggml_.*|gguf_.*")
-        .allowlist_var("GGML_.*|GGUF_.*")
-        .default_enum_style(bindgen::EnumVariation::NewType { is_bitfield: false, is_global: false })
-        .derive_default(true)
-        .layout_tests(true)
-        .generate_comments(false)
-        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()));
-    for f in LOADER_FUNCTIONS {
-        b = b.blocklist_function(f);
-    }
-    let bindings = b
-        .generate()
-        .map_err(|e| format!("bindgen failed: {e} (is libclang installed? apt-get install libclang-dev)"))?;
-    bindings.write_to_file(out_dir.join("bindings.rs")).map_err(|e| e.to_string())
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_placement;
+mod bindings;
 mod fixture;
 mod parity;
 mod plugins;
@@ -16,6 +17,8 @@ const USAGE: &str = "usage: cargo xtask <command> [args]
 commands:
   plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]
                       build backend plugins from the pinned ggml and install them
+  bindings            regenerate crates/ggml-sys/src/bindings.rs from the pinned headers
+                      (needs libclang; the default build never does)
   fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE]
                       write a checkpoint with the real layout and random weights
   reference           build the stable-diffusion.cpp reference harness (sdref)
@@ -46,6 +49,7 @@ fn main() -> Result<()> {
     };
     match cmd.as_str() {
         "plugins" => plugins::run(rest),
+        "bindings" => bindings::run(rest),
         "fixture" => fixture::run(rest),
         "parity" => parity::run(rest),
         "bench" => bench::run(rest),

@@ -4,11 +4,13 @@
 //! cargo xtask plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]
 //! ```
 //!
-//! Each `plugins/<name>/plugin.toml` lists CMake options and module targets.
-//! The default plugins (cpu, rpc) are built by `ggml-sys`'s build script into
-//! `target/ggml/build`; other backends get their own build directory
-//! (`target/ggml/build-<name>`), so enabling one never reconfigures the default
-//! build. A backend whose toolkit is missing fails with one message naming it.
+//! The default plugins (cpu, rpc: `build = "ggml-sys"` in their plugin.toml) are
+//! compiled by `ggml-sys`'s build script without CMake; `--cpu-variants all`
+//! asks it for every CPU variant (`SD_GGML_CPU_VARIANTS=all`). The vendor
+//! backends list CMake options and module targets in their plugin.toml and are
+//! configured with CMake (their toolkits need it anyway) in their own build
+//! directory (`target/ggml/build-<name>`). A backend whose toolkit is missing
+//! fails with one message naming it.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,13 +21,11 @@ use anyhow::{bail, Context, Result};
 struct Manifest {
     name: String,
     #[serde(default)]
-    default: bool,
-    #[serde(default)]
     cmake: Vec<String>,
     #[serde(default)]
     targets: Vec<String>,
-    #[serde(default)]
-    all_targets: Vec<String>,
+    /// `ggml-sys`: compiled by ggml-sys's build script, not CMake.
+    build: Option<String>,
     #[serde(default)]
     requires_programs: Vec<String>,
     requires_os: Option<String>,
@@ -110,11 +110,12 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     // The default build (ggml-base, cpu, rpc) comes from ggml-sys's build script.
     let t = std::time::Instant::now();
-    run_cmd(
-        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["build", "--release", "-p", "ggml-sys"])
-            .current_dir(crate::workspace_root()),
-    )?;
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cargo.args(["build", "--release", "-p", "ggml-sys"]).current_dir(crate::workspace_root());
+    if all_variants && backends.iter().any(|b| b == "cpu") {
+        cargo.env("SD_GGML_CPU_VARIANTS", "all");
+    }
+    run_cmd(&mut cargo)?;
     let root = crate::workspace_root().join("target/ggml");
     let info: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root.join("build-info.json"))?)?;
     let src = PathBuf::from(info["source_dir"].as_str().context("build-info.json: source_dir")?);
@@ -124,36 +125,46 @@ pub fn run(args: &[String]) -> Result<()> {
     let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).to_string();
     let mut installed = Vec::new();
     for m in all.iter().filter(|m| backends.contains(&m.name)) {
-        let (build, targets) = if m.default {
-            let targets = if m.name == "cpu" && all_variants { m.all_targets.clone() } else { m.targets.clone() };
-            (root.join("build"), targets)
-        } else {
-            let build = root.join(format!("build-{}", m.name));
-            let mut cfg = Command::new("cmake");
-            cfg.arg("-S").arg(crate::workspace_root().join("crates/ggml-sys/cmake")).arg("-B").arg(&build);
-            cfg.arg(format!("-DGGML_SOURCE_DIR={}", src.display()));
-            cfg.args([
-                "-DCMAKE_BUILD_TYPE=Release",
-                "-DBUILD_SHARED_LIBS=ON",
-                "-DGGML_BACKEND_DL=ON",
-                "-DGGML_CPU=OFF",
-                "-DGGML_BUILD_TESTS=OFF",
-                "-DGGML_BUILD_EXAMPLES=OFF",
-            ]);
-            cfg.args(&m.cmake);
-            run_cmd(&mut cfg)?;
-            (build, m.targets.clone())
-        };
+        if m.build.as_deref() == Some("ggml-sys") {
+            // already compiled above; copy them when --out names another directory
+            let prefix = format!("libggml-{}", m.name);
+            for e in std::fs::read_dir(&default_plugins)? {
+                let from = e?.path();
+                let name = from.file_name().unwrap_or_default().to_string_lossy().into_owned();
+                if name.starts_with(&prefix) && name.ends_with(".so") {
+                    let to = dest.join(&name);
+                    if to != from {
+                        install(&from, &to)?;
+                    }
+                    installed.push(to);
+                }
+            }
+            continue;
+        }
+        if !which("cmake") {
+            bail!("the {} plugin is built with CMake (its toolkit's build needs it): install cmake", m.name);
+        }
+        let build = root.join(format!("build-{}", m.name));
+        let mut cfg = Command::new("cmake");
+        cfg.arg("-S").arg(crate::workspace_root().join("plugins/cmake")).arg("-B").arg(&build);
+        cfg.arg(format!("-DGGML_SOURCE_DIR={}", src.display()));
+        cfg.args([
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DBUILD_SHARED_LIBS=ON",
+            "-DGGML_BACKEND_DL=ON",
+            "-DGGML_CPU=OFF",
+            "-DGGML_BUILD_TESTS=OFF",
+            "-DGGML_BUILD_EXAMPLES=OFF",
+        ]);
+        cfg.args(&m.cmake);
+        run_cmd(&mut cfg)?;
         let mut b = Command::new("cmake");
-        b.arg("--build").arg(&build).args(["--parallel", &jobs, "--target"]).args(&targets);
+        b.arg("--build").arg(&build).args(["--parallel", &jobs, "--target"]).args(&m.targets);
         run_cmd(&mut b)?;
-        for t in &targets {
+        for t in &m.targets {
             let name = format!("lib{t}.so");
-            let from = build.join("bin").join(&name);
             let to = dest.join(&name);
-            let tmp = dest.join(format!("{name}.tmp"));
-            std::fs::copy(&from, &tmp).with_context(|| from.display().to_string())?;
-            std::fs::rename(&tmp, &to)?;
+            install(&build.join("bin").join(&name), &to)?;
             installed.push(to);
         }
     }
@@ -161,5 +172,14 @@ pub fn run(args: &[String]) -> Result<()> {
     for p in installed {
         println!("  {}", p.file_name().unwrap().to_string_lossy());
     }
+    Ok(())
+}
+
+/// Copies a plugin into place through a temporary name, so a running process
+/// that has the old file mapped is unaffected.
+fn install(from: &std::path::Path, to: &std::path::Path) -> Result<()> {
+    let tmp = to.with_extension("so.tmp");
+    std::fs::copy(from, &tmp).with_context(|| from.display().to_string())?;
+    std::fs::rename(&tmp, to).with_context(|| to.display().to_string())?;
     Ok(())
 }

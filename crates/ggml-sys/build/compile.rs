@@ -1,0 +1,406 @@
+//! Compiling and linking the default ggml libraries with the C/C++ compiler that
+//! the `cc` crate finds (CC/CXX/CFLAGS/CXXFLAGS honoured), following
+//! `ggml-build.toml`: no CMake, no generator, one job pool over every object.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+use sha2::{Digest, Sha256};
+
+#[derive(serde::Deserialize)]
+pub struct Spec {
+    pub defines: Vec<String>,
+    #[serde(default)]
+    pub linux_defines: Vec<String>,
+    pub base: BaseSpec,
+    pub backend: BackendSpec,
+    pub rpc: RpcSpec,
+    pub cpu: CpuSpec,
+}
+
+#[derive(serde::Deserialize)]
+pub struct BaseSpec {
+    pub sources: Vec<String>,
+    pub public_defines: Vec<String>,
+    pub private_defines: Vec<String>,
+    pub includes: Vec<String>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct BackendSpec {
+    pub defines: Vec<String>,
+    pub includes: Vec<String>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct RpcSpec {
+    pub target: String,
+    pub sources: Vec<String>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct FeatureSpec {
+    pub flags: Vec<String>,
+    pub define: String,
+}
+
+#[derive(serde::Deserialize)]
+pub struct CpuSpec {
+    pub sources: Vec<String>,
+    pub defines: Vec<String>,
+    pub includes: Vec<String>,
+    pub feats_source: String,
+    pub feats_includes: Vec<String>,
+    pub features: BTreeMap<String, FeatureSpec>,
+    pub variants: BTreeMap<String, Vec<String>>,
+}
+
+/// One object file to compile.
+struct Job {
+    src: PathBuf,
+    obj: PathBuf,
+    cpp: bool,
+    args: Vec<String>,
+}
+
+/// One shared library: its objects and how to link them.
+pub struct Library {
+    /// File name of the output (`libggml-cpu-x64.so`).
+    pub file: String,
+    /// `-Wl,-soname` value, for the core library.
+    soname: Option<String>,
+    jobs: Vec<Job>,
+    /// Links libggml-base.
+    links_base: bool,
+}
+
+/// What the build needs to know about the toolchain and the tree.
+pub struct Toolchain {
+    c: cc::Tool,
+    cxx: cc::Tool,
+    openmp: bool,
+    jobs: usize,
+    linux: bool,
+}
+
+impl Toolchain {
+    pub fn detect(out_dir: &Path) -> Result<Self, String> {
+        let base = || {
+            let mut b = cc::Build::new();
+            b.opt_level(3).debug(false).pic(true).warnings(false).cargo_metadata(false);
+            b
+        };
+        let c = base().try_get_compiler().map_err(|e| format!("no C compiler found: {e}"))?;
+        let cxx = base()
+            .cpp(true)
+            .try_get_compiler()
+            .map_err(|e| format!("no C++ compiler found (ggml needs one, e.g. g++ or clang++): {e}"))?;
+        let linux = std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux");
+        let jobs = std::env::var("NUM_JOBS").ok().and_then(|j| j.parse().ok()).unwrap_or(2).max(1);
+        let mut tc = Toolchain { c, cxx, openmp: false, jobs, linux };
+        tc.openmp = tc.probe_openmp(out_dir);
+        if !tc.openmp {
+            println!("cargo:warning=OpenMP not usable with this compiler: the CPU backend uses ggml's own thread pool");
+        }
+        Ok(tc)
+    }
+
+    /// ggml's CMake uses OpenMP when `find_package(OpenMP)` succeeds; we ask the
+    /// compiler to build and link a program with `-fopenmp`.
+    fn probe_openmp(&self, out_dir: &Path) -> bool {
+        let dir = out_dir.join("probe");
+        if fs::create_dir_all(&dir).is_err() {
+            return false;
+        }
+        let src = dir.join("omp.c");
+        let prog = "#include <omp.h>\nint main(void) { int n = 0;\n#pragma omp parallel\n{ n = omp_get_num_threads(); }\nreturn n > 0 ? 0 : 1; }\n";
+        if fs::write(&src, prog).is_err() {
+            return false;
+        }
+        let mut cmd = self.c.to_command();
+        cmd.arg("-fopenmp").arg(&src).arg("-o").arg(dir.join("omp"));
+        cmd.output().map(|o| o.status.success()).unwrap_or(false)
+    }
+
+    /// A description of the compilers, part of every library's cache key.
+    fn identity(&self) -> String {
+        let version = |t: &cc::Tool| {
+            Command::new(t.path())
+                .arg("--version")
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").to_string())
+                .unwrap_or_default()
+        };
+        format!(
+            "{:?} {:?} {} | {:?} {:?} {} | omp={}",
+            self.c.path(),
+            self.c.args(),
+            version(&self.c),
+            self.cxx.path(),
+            self.cxx.args(),
+            version(&self.cxx),
+            self.openmp
+        )
+    }
+}
+
+fn is_cpp(src: &str) -> bool {
+    src.ends_with(".cpp")
+}
+
+fn defines(list: &[String]) -> impl Iterator<Item = String> + '_ {
+    list.iter().map(|d| format!("-D{d}"))
+}
+
+fn includes<'a>(src: &'a Path, list: &'a [String]) -> impl Iterator<Item = String> + 'a {
+    list.iter().map(move |i| format!("-I{}", src.join(i).display()))
+}
+
+/// Builds the job lists of the core library, the RPC plugin and the chosen CPU variants.
+pub fn plan(
+    spec: &Spec,
+    tc: &Toolchain,
+    src: &Path,
+    gen_include: &Path,
+    obj_root: &Path,
+    cpu_variants: &[String],
+    version: &str,
+) -> Result<Vec<Library>, String> {
+    let mut global: Vec<String> = defines(&spec.defines).collect();
+    if tc.linux {
+        global.extend(defines(&spec.linux_defines));
+    }
+    global.push("-DNDEBUG".into());
+    let omp: Vec<String> = if tc.openmp { vec!["-fopenmp".into(), "-DGGML_USE_OPENMP".into()] } else { vec![] };
+    let std_flag = |cpp: bool| if cpp { "-std=gnu++17" } else { "-std=gnu11" }.to_string();
+    let job = |lib: &str, file: &str, extra: &[String]| -> Job {
+        let cpp = is_cpp(file);
+        let mut args = vec![std_flag(cpp)];
+        args.extend(global.iter().cloned());
+        args.extend(extra.iter().cloned());
+        let stem = file.replace('/', "_");
+        Job { src: src.join(file), obj: obj_root.join(lib).join(format!("{stem}.o")), cpp, args }
+    };
+    let mut libs = Vec::new();
+
+    // libggml-base
+    let mut extra: Vec<String> = defines(&spec.base.public_defines).collect();
+    extra.extend(defines(&spec.base.private_defines));
+    extra.extend(omp.iter().cloned());
+    extra.extend(includes(src, &spec.base.includes));
+    extra.push(format!("-I{}", gen_include.display()));
+    libs.push(Library {
+        file: format!("libggml-base.so.{version}"),
+        soname: Some(format!("libggml-base.so.{}", version.split('.').next().unwrap_or("0"))),
+        jobs: spec.base.sources.iter().map(|s| job("ggml-base", s, &extra)).collect(),
+        links_base: false,
+    });
+
+    // what every backend module gets from ggml-base (PUBLIC) and ggml_add_backend_library
+    let mut backend: Vec<String> = defines(&spec.base.public_defines).collect();
+    backend.extend(defines(&spec.backend.defines));
+    backend.extend(includes(src, &spec.backend.includes));
+
+    // libggml-rpc
+    libs.push(Library {
+        file: format!("lib{}.so", spec.rpc.target),
+        soname: None,
+        jobs: spec.rpc.sources.iter().map(|s| job(&spec.rpc.target, s, &backend)).collect(),
+        links_base: true,
+    });
+
+    // libggml-cpu-<variant>
+    for v in cpu_variants {
+        let feats = spec.cpu.variants.get(v).ok_or_else(|| {
+            format!(
+                "unknown CPU variant `{v}`; ggml-build.toml has: {}",
+                spec.cpu.variants.keys().cloned().collect::<Vec<_>>().join(", ")
+            )
+        })?;
+        let mut isa = Vec::new();
+        let mut arch_defs = Vec::new();
+        // Upstream adds flags in a fixed order of features, not the variant's order.
+        for (name, f) in &spec.cpu.features {
+            if feats.contains(name) {
+                isa.extend(f.flags.iter().cloned());
+                arch_defs.push(f.define.clone());
+            }
+        }
+        for f in feats {
+            if !spec.cpu.features.contains_key(f) {
+                return Err(format!("CPU variant `{v}` names unknown feature `{f}` (ggml-build.toml)"));
+            }
+        }
+        let target = format!("ggml-cpu-{v}");
+        let mut extra = backend.clone();
+        extra.extend(defines(&spec.cpu.defines));
+        extra.extend(omp.iter().cloned());
+        extra.extend(defines(&arch_defs));
+        extra.extend(includes(src, &spec.cpu.includes));
+        extra.extend(isa);
+        let mut jobs: Vec<Job> = spec.cpu.sources.iter().map(|s| job(&target, s, &extra)).collect();
+        // the feature-check object: definitions, no ISA flags
+        let mut fe: Vec<String> = defines(&spec.backend.defines).collect();
+        fe.extend(defines(&arch_defs));
+        fe.extend(includes(src, &spec.cpu.feats_includes));
+        jobs.push(job(&target, &spec.cpu.feats_source, &fe));
+        libs.push(Library { file: format!("lib{target}.so"), soname: None, jobs, links_base: true });
+    }
+    Ok(libs)
+}
+
+fn key(tc_id: &str, salt: &str, lib: &Library) -> String {
+    let mut h = Sha256::new();
+    h.update(tc_id.as_bytes());
+    h.update(salt.as_bytes());
+    h.update(lib.file.as_bytes());
+    for j in &lib.jobs {
+        h.update(j.src.display().to_string().as_bytes());
+        for a in &j.args {
+            h.update(a.as_bytes());
+            h.update([0]);
+        }
+    }
+    format!("{:x}", h.finalize())
+}
+
+/// Compiles and links every library whose output or cache key is out of date.
+/// `salt` covers what the compile commands do not show (the source tree's identity).
+/// Returns the libraries that were (re)built.
+/// `after_core` runs once the core library exists (it makes the names the others link by).
+pub fn build(
+    tc: &Toolchain,
+    libs: Vec<Library>,
+    lib_dir: &Path,
+    salt: &str,
+    after_core: &dyn Fn() -> Result<(), String>,
+) -> Result<Vec<String>, String> {
+    let tc_id = tc.identity();
+    let stamp_dir = lib_dir.join(".stamps");
+    fs::create_dir_all(&stamp_dir).map_err(|e| format!("{}: {e}", stamp_dir.display()))?;
+    let mut todo = Vec::new();
+    for lib in libs {
+        let k = key(&tc_id, salt, &lib);
+        let stamp = stamp_dir.join(&lib.file);
+        let fresh = lib_dir.join(&lib.file).exists() && fs::read_to_string(&stamp).map(|s| s == k).unwrap_or(false);
+        if !fresh {
+            todo.push((lib, k));
+        }
+    }
+    if todo.is_empty() {
+        after_core()?;
+        return Ok(Vec::new());
+    }
+    // The core library first (the others link it), then everything else; within a
+    // pass the largest sources start first so the two cores finish together.
+    let (base, rest): (Vec<_>, Vec<_>) = todo.into_iter().partition(|(l, _)| !l.links_base);
+    let mut built = Vec::new();
+    for (i, pass) in [base, rest].into_iter().enumerate() {
+        if i == 1 {
+            after_core()?;
+        }
+        if pass.is_empty() {
+            continue;
+        }
+        let mut jobs: Vec<&Job> = pass.iter().flat_map(|(l, _)| l.jobs.iter()).collect();
+        jobs.sort_by_key(|j| std::cmp::Reverse(fs::metadata(&j.src).map(|m| m.len()).unwrap_or(0)));
+        compile_all(tc, &jobs)?;
+        for (lib, k) in &pass {
+            link(tc, lib, lib_dir)?;
+            fs::write(stamp_dir.join(&lib.file), k).map_err(|e| e.to_string())?;
+            built.push(lib.file.clone());
+        }
+    }
+    Ok(built)
+}
+
+fn compile_all(tc: &Toolchain, jobs: &[&Job]) -> Result<(), String> {
+    let next = Mutex::new(0usize);
+    let failures = Mutex::new(Vec::<String>::new());
+    std::thread::scope(|s| {
+        for _ in 0..tc.jobs.min(jobs.len()) {
+            s.spawn(|| loop {
+                let i = {
+                    let mut n = next.lock().unwrap();
+                    if *n >= jobs.len() || !failures.lock().unwrap().is_empty() {
+                        return;
+                    }
+                    *n += 1;
+                    *n - 1
+                };
+                if let Err(e) = compile_one(tc, jobs[i]) {
+                    failures.lock().unwrap().push(e);
+                }
+            });
+        }
+    });
+    let f = failures.into_inner().unwrap();
+    if f.is_empty() {
+        Ok(())
+    } else {
+        Err(f.join("\n"))
+    }
+}
+
+fn compile_one(tc: &Toolchain, job: &Job) -> Result<(), String> {
+    if let Some(dir) = job.obj.parent() {
+        fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let mut cmd = if job.cpp { tc.cxx.to_command() } else { tc.c.to_command() };
+    cmd.args(&job.args).arg("-c").arg(&job.src).arg("-o").arg(&job.obj);
+    run(&mut cmd, &format!("compiling {}", job.src.display()))
+}
+
+fn link(tc: &Toolchain, lib: &Library, lib_dir: &Path) -> Result<(), String> {
+    let out = lib_dir.join(&lib.file);
+    let tmp = lib_dir.join(format!("{}.tmp", lib.file));
+    let mut cmd = tc.cxx.to_command();
+    cmd.arg(if tc.linux { "-shared" } else { "-dynamiclib" });
+    cmd.arg("-o").arg(&tmp);
+    for j in &lib.jobs {
+        cmd.arg(&j.obj);
+    }
+    if let Some(so) = &lib.soname {
+        if tc.linux {
+            cmd.arg(format!("-Wl,-soname,{so}"));
+        } else {
+            cmd.arg(format!("-Wl,-install_name,@rpath/{so}"));
+        }
+    }
+    if lib.links_base {
+        cmd.arg(format!("-L{}", lib_dir.display())).arg("-lggml-base");
+        if !tc.linux {
+            // MODULE libraries on macOS resolve ggml-base from the host process.
+            cmd.arg("-Wl,-undefined,dynamic_lookup");
+        }
+    }
+    if tc.openmp {
+        cmd.arg("-fopenmp");
+    }
+    cmd.arg("-pthread").arg("-lm");
+    run(&mut cmd, &format!("linking {}", lib.file))?;
+    fs::rename(&tmp, &out).map_err(|e| format!("{}: {e}", out.display()))
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{what}: cannot run the compiler: {e}"))?;
+    if !out.status.success() {
+        let mut msg = Vec::new();
+        let argv: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let _ = writeln!(
+            msg,
+            "{what} failed ({}):\n{} {}",
+            out.status,
+            cmd.get_program().to_string_lossy(),
+            argv.join(" ")
+        );
+        msg.extend_from_slice(&out.stdout);
+        msg.extend_from_slice(&out.stderr);
+        return Err(String::from_utf8_lossy(&msg).into_owned());
+    }
+    Ok(())
+}

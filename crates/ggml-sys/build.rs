@@ -90,6 +90,9 @@ fn run() -> Result<(), String> {
         Some(d) => PathBuf::from(d),
         None => target_dir(&out_dir)?.join("ggml"),
     };
+    fs::create_dir_all(&build_root).map_err(|e| format!("{}: {e}", build_root.display()))?;
+    // One name for one directory, so that checkouts sharing it (a symlink) share its cache keys.
+    let build_root = build_root.canonicalize().map_err(|e| format!("{}: {e}", build_root.display()))?;
     let cc_root = build_root.join("cc");
     let built_lib_dir = cc_root.join("lib");
     let gen_include = cc_root.join("include");

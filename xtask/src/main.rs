@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_placement;
+mod bench_variants;
 mod bindings;
 mod fixture;
 mod parity;
@@ -26,6 +27,8 @@ commands:
                       compare text encoder, UNet, VAE and 256x256 generations with the reference
   bench [--size 256|512|both] [--runs N] [--threads N]
                       time sd-cli against the reference, alternating runs, with ratios
+  bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]
+                      every CPU variant this CPU can run, forced one at a time, beside the reference
   bench-placement [--runs N] [--threads N] [--size 256|512]
                       parameter homes over a loopback RPC device: client RSS (device/RAM/disk),
                       segmented UNet with and without prefetch, --offload-to-cpu beside the reference";
@@ -54,6 +57,7 @@ fn main() -> Result<()> {
         "parity" => parity::run(rest),
         "bench" => bench::run(rest),
         "bench-placement" => bench_placement::run(rest),
+        "bench-variants" => bench_variants::run(rest),
         "reference" => {
             let exe = reference::build()?;
             println!("{}", exe.display());

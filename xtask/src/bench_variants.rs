@@ -1,0 +1,261 @@
+//! `cargo xtask bench-variants`: each CPU variant the build offers, beside the reference, as ratios.
+//!
+//! ```text
+//! cargo xtask bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]
+//! ```
+//!
+//! For every CPU variant in `target/ggml/plugins` that this CPU can run (ggml's
+//! score is not 0), `sd-cli` runs the SD 1.5 fixture with `--plugin-dir` pointing
+//! at a directory that holds only that variant, so the registry cannot pick
+//! another one (checked: `--list-devices --json` must name that file). For
+//! each weight type, the reference runs the same generation in the same
+//! alternation, so load drift falls on every column. Reported per variant and
+//! type: the median UNet step, the VAE decode and the whole run, and each as a
+//! ratio to the reference.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _, Result};
+use sd_models::fixture::Family;
+
+use crate::bench::{fmt_ratio, fmt_s, median, our_command, parse_ours, parse_ref, ref_command, run_measured, Setting};
+use crate::parity::{build_sd_cli, ensure_fixture};
+use crate::reference;
+use crate::workspace_root;
+
+const USAGE: &str = "usage: cargo xtask bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]";
+
+#[derive(Debug, PartialEq)]
+struct Args {
+    variants: Option<Vec<String>>,
+    types: Vec<String>,
+    runs: usize,
+    threads: u32,
+    setting: Setting,
+}
+
+fn parse(args: &[String]) -> Result<Args> {
+    let mut a = Args {
+        variants: None,
+        types: vec!["f16".into(), "q8_0".into()],
+        runs: 1,
+        threads: 2,
+        setting: crate::bench::SETTING_256,
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
+        let list = |v: String| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect::<Vec<_>>();
+        match arg.as_str() {
+            "--variants" => {
+                let v = value(arg)?;
+                a.variants = if v == "all" { None } else { Some(list(v)) };
+            }
+            "--type" => a.types = list(value(arg)?),
+            "--runs" => {
+                let v = value(arg)?;
+                a.runs =
+                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--runs {v}: a positive integer"))?;
+            }
+            "--threads" | "-t" => {
+                let v = value(arg)?;
+                a.threads =
+                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--threads {v}: a positive integer"))?;
+            }
+            "--size" => {
+                a.setting = match value(arg)?.as_str() {
+                    "256" => crate::bench::SETTING_256,
+                    "512" => crate::bench::SETTING_512,
+                    other => bail!("--size {other}: accepted are 256 and 512"),
+                }
+            }
+            "-h" | "--help" => bail!("{USAGE}"),
+            other => bail!("unknown argument `{other}`\n{USAGE}"),
+        }
+    }
+    if a.types.is_empty() {
+        bail!("--type needs at least one weight type");
+    }
+    Ok(a)
+}
+
+/// The CPU variant libraries of the build, by variant name.
+fn built_variants(plugin_dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(plugin_dir).with_context(|| plugin_dir.display().to_string())? {
+        let p = e?.path();
+        let name = p.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        if let Some(v) = name.strip_prefix("libggml-cpu-").and_then(|n| n.strip_suffix(".so")) {
+            out.push((v.to_string(), p));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The plugin file sd-cli uses for the CPU device when searching only `dir`.
+fn cpu_plugin_used(exe: &Path, dir: &Path) -> Result<Option<PathBuf>> {
+    let m =
+        run_measured(std::process::Command::new(exe).arg("--list-devices").arg("--json").arg("--plugin-dir").arg(dir))?;
+    m.check("sd-cli --list-devices")?;
+    let v: serde_json::Value = serde_json::from_str(&m.stdout).context("sd-cli --list-devices --json output")?;
+    let devices = v["devices"].as_array().or_else(|| v.as_array()).cloned().unwrap_or_default();
+    Ok(devices.iter().find(|d| d["name"] == "CPU").and_then(|d| d["plugin"].as_str().map(PathBuf::from)))
+}
+
+#[derive(Default)]
+struct Cell {
+    steps: Vec<f64>,
+    decode: Vec<f64>,
+    wall: Vec<f64>,
+}
+
+impl Cell {
+    fn step(&self) -> Option<f64> {
+        median(&self.steps)
+    }
+    fn dec(&self) -> Option<f64> {
+        median(&self.decode)
+    }
+    fn whole(&self) -> Option<f64> {
+        median(&self.wall)
+    }
+}
+
+/// Entry point of `cargo xtask bench-variants ...`.
+pub fn run(args: &[String]) -> Result<()> {
+    let args = parse(args)?;
+    let root = workspace_root();
+    let ours_exe = build_sd_cli()?;
+    let ref_exe = reference::build()?;
+    let model = ensure_fixture(Family::Sd15)?;
+    let plugin_dir = PathBuf::from(ggml_plugin_dir()?);
+    let dir = root.join("target/bench-variants");
+    std::fs::create_dir_all(&dir)?;
+
+    // one directory per usable variant, holding only that variant
+    let mut variants = Vec::new();
+    for (name, lib) in built_variants(&plugin_dir)? {
+        if args.variants.as_ref().is_some_and(|w| !w.contains(&name)) {
+            continue;
+        }
+        let only = dir.join(format!("plugins-{name}"));
+        let _ = std::fs::remove_dir_all(&only);
+        std::fs::create_dir_all(&only)?;
+        let link = only.join(lib.file_name().context("plugin file name")?);
+        std::os::unix::fs::symlink(&lib, &link)?;
+        match cpu_plugin_used(&ours_exe, &only)? {
+            Some(p) if p == link || p == lib => variants.push((name, only)),
+            Some(p) => bail!("with --plugin-dir {} sd-cli used {} for the CPU", only.display(), p.display()),
+            None => eprintln!("bench-variants: {name}: not usable on this CPU (score 0), skipped"),
+        }
+    }
+    if variants.is_empty() {
+        bail!("no CPU variant to measure in {}", plugin_dir.display());
+    }
+    let s = args.setting;
+    let mut table: Vec<(String, String, Cell)> = Vec::new();
+    for ty in &args.types {
+        let mut refc = Cell::default();
+        let mut cells: Vec<Cell> = variants.iter().map(|_| Cell::default()).collect();
+        for run in 0..args.runs {
+            // the reference first on even runs, last on odd ones
+            let mut order: Vec<Option<usize>> = (0..variants.len()).map(Some).collect();
+            if run % 2 == 0 {
+                order.insert(0, None);
+            } else {
+                order.push(None);
+            }
+            for who in order {
+                let out =
+                    dir.join(format!("{}-{ty}-{run}.png", who.map_or("ref".to_string(), |i| variants[i].0.clone())));
+                let (mut cmd, label) = match who {
+                    Some(i) => {
+                        let mut c = our_command(&ours_exe, &model, s, args.threads, &out);
+                        c.arg("--plugin-dir").arg(&variants[i].1).args(["--type", ty]);
+                        (c, variants[i].0.clone())
+                    }
+                    None => {
+                        let mut c = ref_command(&ref_exe, &model, s, args.threads, &out);
+                        c.args(["--type", ty]);
+                        (c, "reference".to_string())
+                    }
+                };
+                eprintln!("bench-variants: {ty} run {}/{}: {label}", run + 1, args.runs);
+                let m = run_measured(&mut cmd)?;
+                m.check(&label)?;
+                let (t, cell) = match who {
+                    Some(i) => (parse_ours(&m.stderr), &mut cells[i]),
+                    None => (parse_ref(&m.stderr), &mut refc),
+                };
+                cell.steps.extend(t.steps_s.iter().copied());
+                cell.decode.extend(t.decode_s);
+                cell.wall.push(m.wall_s);
+            }
+        }
+        table.push((ty.clone(), "reference".into(), refc));
+        for ((name, _), c) in variants.iter().zip(cells) {
+            table.push((ty.clone(), name.clone(), c));
+        }
+    }
+    println!(
+        "\nsd15 fixture, {0}x{0}, {1} steps euler, cfg 7, -t {2}, {3} run(s) each; ratios are ours/reference of the same type",
+        s.side, s.steps, args.threads, args.runs
+    );
+    println!(
+        "{:<6} {:<16} {:>10} {:>7} {:>10} {:>7} {:>10} {:>7}",
+        "type", "CPU variant", "step", "ratio", "decode", "ratio", "whole", "ratio"
+    );
+    for (ty, name, c) in &table {
+        let r = table.iter().find(|(t, n, _)| t == ty && n == "reference").map(|(_, _, c)| c);
+        let ratio = |a: Option<f64>, f: fn(&Cell) -> Option<f64>| fmt_ratio(a, r.and_then(f));
+        println!(
+            "{ty:<6} {name:<16} {:>10} {:>7} {:>10} {:>7} {:>10} {:>7}",
+            fmt_s(c.step()),
+            ratio(c.step(), Cell::step),
+            fmt_s(c.dec()),
+            ratio(c.dec(), Cell::dec),
+            fmt_s(c.whole()),
+            ratio(c.whole(), Cell::whole)
+        );
+    }
+    Ok(())
+}
+
+/// The build's plugin directory, from `target/ggml/build-info.json`.
+fn ggml_plugin_dir() -> Result<String> {
+    let p = workspace_root().join("target/ggml/build-info.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).with_context(|| p.display().to_string())?)?;
+    v["plugin_dir"].as_str().map(str::to_string).with_context(|| format!("{}: no plugin_dir", p.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_args as args;
+
+    #[test]
+    fn parses_the_documented_command_line() {
+        let a = parse(&args("--variants x64,zen4 --type q8_0 --runs 2 -t 1 --size 512")).unwrap();
+        assert_eq!(a.variants, Some(vec!["x64".to_string(), "zen4".to_string()]));
+        assert_eq!(a.types, vec!["q8_0".to_string()]);
+        assert_eq!((a.runs, a.threads, a.setting), (2, 1, crate::bench::SETTING_512));
+        assert_eq!(parse(&args("--variants all")).unwrap().variants, None);
+        for bad in ["--runs 0", "--size 300", "--type ,", "--bogus"] {
+            assert!(parse(&args(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn variant_files_are_recognised() {
+        let d = std::env::temp_dir().join(format!("bench-variants-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["libggml-cpu-x64.so", "libggml-cpu-zen4.so", "libggml-rpc.so", "libggml-cpu-x64.so.tmp"] {
+            std::fs::write(d.join(f), b"").unwrap();
+        }
+        let names: Vec<String> = built_variants(&d).unwrap().into_iter().map(|(n, _)| n).collect();
+        std::fs::remove_dir_all(&d).unwrap();
+        assert_eq!(names, ["x64", "zen4"]);
+    }
+}

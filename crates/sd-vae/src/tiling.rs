@@ -77,11 +77,10 @@ impl TilingParams {
             })?;
         }
         if let Some(s) = overlap {
-            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| {
-                VaeError::flag(
-                    OVERLAP_FLAG,
-                    format!("expected a fraction of the tile size (clamped to 0..0.5), got `{s}`"),
-                )
+            // Out-of-range values are refused rather than clamped: `5` is a typo for `0.5`
+            // (or a percentage), not a request for half a tile.
+            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| (0.0..=0.5).contains(v)).ok_or_else(|| {
+                VaeError::flag(OVERLAP_FLAG, format!("expected a fraction of the tile size from 0 to 0.5, got `{s}`"))
             })?;
         }
         if let Some(s) = relative {

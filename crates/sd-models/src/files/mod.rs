@@ -30,8 +30,11 @@ pub mod arch;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
+#[cfg(unix)]
+pub mod guard;
 pub mod index;
 pub mod names;
+pub mod open;
 mod raw;
 pub mod safetensors;
 pub mod store;

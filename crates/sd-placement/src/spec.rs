@@ -209,7 +209,7 @@ fn check_no_empty_part(flag: Flag, spec: &str) -> Result<(), PlanError> {
 }
 
 /// Splits `spec` into entries; checks keys. An empty spec has no entries; an empty entry in
-/// a non-empty one, or one key given twice, is an error (later entries override only the
+/// a non-empty one, or one key given two different values, is an error (later entries override only the
 /// entries the compatibility flags prepend, see [`Flags::backend_assignment`]).
 fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
     check_no_empty_part(flag, spec)?;
@@ -256,7 +256,9 @@ fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
         out.push(RawEntry { key, value: value.to_string(), entry: part.to_string() });
     }
     for (i, later) in out.iter().enumerate() {
-        if let Some(first) = out[..i].iter().find(|e| e.key == later.key) {
+        // The same value twice (`clip=cpu,t5xxl=cpu`: two aliases of te) is redundant, not a conflict.
+        let conflict = |e: &&RawEntry| e.key == later.key && !e.value.eq_ignore_ascii_case(&later.value);
+        if let Some(first) = out[..i].iter().find(conflict) {
             let what = match later.key {
                 Key::Default => "the default (a bare device, all=, default= or *=)".to_string(),
                 Key::Module(m) => format!("module {m}"),
@@ -313,11 +315,6 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
                 return Err(list_error(
                     "it has an empty device name (a '&' at either end or two in a row); write e.g. cuda0&cuda1".into(),
                 ));
-            }
-            for (i, n) in names.iter().enumerate() {
-                if names[..i].iter().any(|m| m.eq_ignore_ascii_case(n)) {
-                    return Err(list_error(format!("device '{}' is listed twice", clip(n))));
-                }
             }
             for n in &names {
                 if is_disk_token(n) {
@@ -406,13 +403,19 @@ pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
             entry: clip(part),
             reason: format!("the same budget is already given by '{}'; give each device once", clip(first)),
         };
-        let key = part.split_once('=').map(|(k, _)| k.trim());
+        // A key given twice with different values is a conflict (the same value is redundant).
+        let (key, value) = match part.split_once('=') {
+            Some((k, v)) => (Some(k.trim()), v.trim()),
+            None => (None, part),
+        };
+        let same = |entry: &str| entry.split_once('=').map_or(entry, |(_, v)| v.trim()) == value;
         if key.is_none_or(is_default_key) {
-            if let Some(first) = &default_entry {
+            if let Some(first) = default_entry.as_deref().filter(|f| !same(f)) {
                 return Err(twice(first));
             }
             default_entry = Some(part.to_string());
-        } else if let Some(first) = out.devices.iter().find(|e| key.is_some_and(|k| e.value.0.eq_ignore_ascii_case(k)))
+        } else if let Some(first) =
+            out.devices.iter().find(|e| key.is_some_and(|k| e.value.0.eq_ignore_ascii_case(k)) && !same(&e.entry))
         {
             return Err(twice(&first.entry));
         }

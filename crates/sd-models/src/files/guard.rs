@@ -154,6 +154,41 @@ mod tests {
         assert_eq!(decimal(usize::MAX, &mut b), usize::MAX.to_string().as_bytes());
     }
 
+    /// Runs in two roles: as the test, it starts this test binary again on itself with
+    /// `SD_GUARD_CHILD` set; as the child, it maps a file, truncates it and reads past the new
+    /// end, which must end the child with [`EXIT_FILE_CHANGED`] and a message naming the file,
+    /// not a SIGBUS death.
+    #[test]
+    fn a_fault_inside_a_map_ends_the_run_with_a_message_naming_the_file() {
+        if let Some(path) = std::env::var_os("SD_GUARD_CHILD") {
+            let files = crate::files::ModelFiles::open_model(&path).unwrap();
+            let e = files.index().entries()[0].clone();
+            std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
+            let sum: u64 = files.bytes(&e).iter().map(|&b| u64::from(b)).sum();
+            println!("read {sum} without a fault");
+            std::process::exit(0);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("victim.safetensors");
+        let n = 1 << 18;
+        let json = format!(r#"{{"w":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#, 4 * n);
+        let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(json.as_bytes());
+        bytes.resize(bytes.len() + 4 * n, 1);
+        std::fs::write(&path, &bytes).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "files::guard::tests::a_fault_inside_a_map_ends_the_run_with_a_message_naming_the_file"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env("SD_GUARD_CHILD", &path)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), None, "died by a signal: {stderr}");
+        assert_eq!(out.status.code(), Some(EXIT_FILE_CHANGED), "{stderr}");
+        assert!(stderr.contains("victim.safetensors") && stderr.contains("truncated while in use"), "{stderr}");
+    }
+
     #[test]
     fn slots_are_reused_after_drop() {
         let p = std::path::Path::new("/x.safetensors");

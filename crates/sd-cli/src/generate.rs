@@ -275,6 +275,29 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         a.seed as u64
     };
 
+    let params = GenerateParams {
+        prompt: a.prompt.clone(),
+        negative_prompt: a.negative_prompt.clone(),
+        width: a.width,
+        height: a.height,
+        steps: a.steps,
+        cfg_scale: a.cfg_scale,
+        method,
+        scheduler,
+        seed,
+        batch_count: a.batch_count,
+        rng,
+        clip_skip: a.clip_skip,
+        eta: a.eta,
+        init_image: init,
+        tiling,
+        vae_max_compute_bytes: None,
+    };
+    params.validate()?;
+    if !(0.0..=1.0).contains(&a.strength) {
+        bail!("--strength {}: must be between 0 and 1", a.strength);
+    }
+
     let mut model_args = a.model.clone();
     if model_args.model.is_none() && model_args.diffusion_model.is_none() {
         model_args.model = Some(ensure_fixture()?);
@@ -389,24 +412,6 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
             placement,
         },
     )?;
-    let params = GenerateParams {
-        prompt: a.prompt.clone(),
-        negative_prompt: a.negative_prompt.clone(),
-        width: a.width,
-        height: a.height,
-        steps: a.steps,
-        cfg_scale: a.cfg_scale,
-        method,
-        scheduler,
-        seed,
-        batch_count: a.batch_count,
-        rng,
-        clip_skip: a.clip_skip,
-        eta: a.eta,
-        init_image: init,
-        tiling,
-        vae_max_compute_bytes: None,
-    };
     pipeline.check_request(&params)?;
     let outputs: Vec<OutputTarget> = (0..a.batch_count)
         .map(|i| OutputTarget::resolve(&output_path(&a.output, i, a.batch_count)))

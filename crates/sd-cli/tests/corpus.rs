@@ -137,6 +137,18 @@ fn sd15_with(path: &Path, change: Option<(&str, DType)>) {
     write_sparse(path, &t);
 }
 
+/// Writes an f16 NaN over the first element of tensor `name` (as stored) of `path`.
+fn poke_f16_nan(path: &Path, name: &str) {
+    use std::io::{Seek, SeekFrom, Write};
+    let offset = {
+        let files = sd_models::files::ModelFiles::open_model(path).unwrap();
+        files.index().entries().iter().find(|e| e.original_name == name).expect("tensor").offset
+    };
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(&0x7e00u16.to_le_bytes()).unwrap();
+}
+
 /// A safetensors file from a JSON header and `data_len` bytes of data.
 fn st(json: &str, data_len: usize) -> Vec<u8> {
     let mut v = (json.len() as u64).to_le_bytes().to_vec();
@@ -501,6 +513,37 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             });
         }
     }
+    // A checkpoint without its VAE, and one whose VAE holds a NaN: found before sampling.
+    let no_vae = dir.join("sd15-no-vae.safetensors");
+    let t: Vec<(String, Vec<u64>, DType)> = sd15_specs()
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with("first_stage_model."))
+        .map(|(n, s)| (n, s, DType::F16))
+        .collect();
+    write_sparse(&no_vae, &t);
+    let nan_vae = dir.join("sd15-nan-vae.safetensors");
+    sd15_with(&nan_vae, None);
+    poke_f16_nan(&nan_vae, "first_stage_model.decoder.conv_in.weight");
+    for (path, needles) in [
+        (&no_vae, vec!["VAE", "missing", "--vae", "sd15-no-vae.safetensors"]),
+        (&nan_vae, vec!["VAE", "NaN", "conv_in.weight", "sd15-nan-vae.safetensors"]),
+    ] {
+        cases.push(Case {
+            name: format!("generate {}", path.display()),
+            args: vec![
+                "-m".into(),
+                path.display().to_string(),
+                "-W".into(),
+                "64".into(),
+                "-H".into(),
+                "64".into(),
+                "-o".into(),
+                d("out.png"),
+            ],
+            status: 1,
+            needles: needles.into_iter().map(String::from).collect(),
+        });
+    }
     for (what, path, needle) in [
         ("FIFO model", d("fifo"), "FIFO"),
         ("device model", "/dev/zero".to_string(), "character device"),
@@ -638,6 +681,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
         std::thread::sleep(Duration::from_millis(10));
     };
     stderr.push_str(&reader.join().unwrap_or_default());
+    eprintln!("truncated model case:\n{stderr}");
     match status {
         None => failures.push("truncated model: no exit within 120 s".into()),
         Some(s) if s.signal().is_some() => failures.push(format!("truncated model: signal {:?}: {stderr}", s.signal())),
@@ -652,6 +696,50 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     }
     if fault.join("out.png").exists() {
         failures.push("truncated model: an image was written".into());
+    }
+
+    // 5. A whole run on zero weights through a symbolic link: the link is followed (it stays a
+    // link, its target gets the image) and every stage's numeric health is reported.
+    let run_dir = root.join("run");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    std::fs::write(run_dir.join("target.png"), b"old").unwrap();
+    std::os::unix::fs::symlink("target.png", run_dir.join("link.png")).unwrap();
+    let case = Case {
+        name: "zero-weight run through a symlink".into(),
+        args: [
+            "-m",
+            &d("good.safetensors"),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1",
+            "--cfg-scale",
+            "1",
+            "-t",
+            "2",
+            "-o",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([run_dir.join("link.png").display().to_string()])
+        .collect(),
+        status: 0,
+        needles: vec![
+            "text encoder (prompt): every value is zero".into(),
+            "diffusion model output at timestep".into(),
+            "of image 1: every value is zero".into(),
+            "VAE decoder (image 1)".into(),
+        ],
+    };
+    let o = run(&case.args, Duration::from_secs(300));
+    failures.extend(judge(&case, &o));
+    if !std::fs::symlink_metadata(run_dir.join("link.png")).unwrap().file_type().is_symlink() {
+        failures.push("the -o symlink was replaced instead of followed".into());
+    }
+    if !std::fs::read(run_dir.join("target.png")).unwrap().starts_with(b"\x89PNG") {
+        failures.push("the symlink's target did not get the image".into());
     }
 
     let _ = std::fs::set_permissions(dir.join("ro.png"), std::fs::Permissions::from_mode(0o644));

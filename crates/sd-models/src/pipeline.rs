@@ -198,6 +198,43 @@ pub struct GenerateParams {
     pub vae_max_compute_bytes: Option<usize>,
 }
 
+impl GenerateParams {
+    /// Checks what needs no model: counts, finite numbers, sizes that are multiples of the
+    /// VAE's 8 (the model's own multiple is checked by [`Pipeline::check_request`]), tiling.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(PipelineError::Invalid(m));
+        for (flag, v) in [("-W", self.width), ("-H", self.height)] {
+            if v == 0 || !v.is_multiple_of(VAE_SCALE) {
+                return bad(format!(
+                    "{flag} {v}: image sides must be positive multiples of 8 (and of the model's multiple: 64 for SD 1.x/2.x)"
+                ));
+            }
+        }
+        if self.steps == 0 {
+            return bad("--steps 0: at least one sampling step is needed".into());
+        }
+        if self.steps > MAX_STEPS {
+            return bad(format!("--steps {}: at most {MAX_STEPS} steps are accepted", self.steps));
+        }
+        if self.batch_count == 0 {
+            return bad("-b 0: the batch count must be at least 1".into());
+        }
+        if !self.cfg_scale.is_finite() {
+            return bad(format!("--cfg-scale {}: not a finite number", self.cfg_scale));
+        }
+        if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
+            return bad(format!("--eta {eta}: must be a finite number >= 0"));
+        }
+        if let Some((_, strength)) = &self.init_image {
+            if !(0.0..=1.0).contains(strength) {
+                return bad(format!("--strength {strength}: must be between 0 and 1"));
+            }
+        }
+        self.tiling.validate([self.width, self.height], VAE_SCALE)?;
+        Ok(())
+    }
+}
+
 /// An 8-bit RGB image, row-major, interleaved.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Image {
@@ -388,6 +425,7 @@ impl Pipeline {
     /// (the real multiple), working memory against the devices, VAE tiling, the tensors every
     /// stage will need (so a missing or broken VAE is found before sampling, not after).
     pub fn check_request(&self, p: &GenerateParams) -> Result<()> {
+        p.validate()?;
         let bad = |m: String| Err(PipelineError::Invalid(m));
         let m = self.size_multiple();
         for (flag, v) in [("-W", p.width), ("-H", p.height)] {
@@ -400,28 +438,7 @@ impl Pipeline {
                 ));
             }
         }
-        if p.steps == 0 {
-            return bad("--steps 0: at least one sampling step is needed".into());
-        }
-        if p.steps > MAX_STEPS {
-            return bad(format!("--steps {}: at most {MAX_STEPS} steps are accepted", p.steps));
-        }
-        if p.batch_count == 0 {
-            return bad("-b 0: the batch count must be at least 1".into());
-        }
-        if !p.cfg_scale.is_finite() {
-            return bad(format!("--cfg-scale {}: not a finite number", p.cfg_scale));
-        }
-        if let Some(eta) = p.eta.filter(|e| !e.is_finite() || *e < 0.0) {
-            return bad(format!("--eta {eta}: must be a finite number >= 0"));
-        }
-        if let Some((_, strength)) = &p.init_image {
-            if !(0.0..=1.0).contains(strength) {
-                return bad(format!("--strength {strength}: must be between 0 and 1"));
-            }
-        }
         self.clip.resolve_clip_skip(p.clip_skip)?;
-        p.tiling.validate([p.width, p.height], VAE_SCALE)?;
         let (need, stage) = self.working_memory_estimate(p);
         for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
             let device = backend.device();
@@ -575,7 +592,7 @@ impl Pipeline {
                     Some(init) => noised_latent(init, &noise, sigmas[0])?,
                 };
                 let mut step_start = Instant::now();
-                let mut warned = false;
+                let warned = std::cell::Cell::new(false);
                 let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
                     let out = eval_guided(
                         &unet,
@@ -586,16 +603,17 @@ impl Pipeline {
                         &cond,
                         uncond.as_ref().filter(|_| inp.uncond),
                     )?;
+                    // One warning per image: a broken model is broken at every step.
+                    if !warned.get() {
+                        let stage =
+                            format!("diffusion model output at timestep {:.0} of image {}", inp.timestep, b + 1);
+                        warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
+                    }
                     Ok(out)
                 };
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Vec<f32>> {
                     let out = denoiser.denoise::<PipelineError>(x, sigma, step)?;
-                    if !warned {
-                        let stage =
-                            format!("diffusion model at step {}/{} of image {}", step.index + 1, step.count, b + 1);
-                        warned = health::check(&stage, &out, ACTIVATIONS);
-                    }
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
                         tracing::info!(

@@ -77,10 +77,13 @@ impl TilingParams {
             })?;
         }
         if let Some(s) = overlap {
-            // Out-of-range values are refused rather than clamped: `5` is a typo for `0.5`
-            // (or a percentage), not a request for half a tile.
-            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| (0.0..=0.5).contains(v)).ok_or_else(|| {
-                VaeError::flag(OVERLAP_FLAG, format!("expected a fraction of the tile size from 0 to 0.5, got `{s}`"))
+            // A fraction above 0.5 is clamped as documented; a value that is no fraction of a
+            // tile at all (`5`, a typo for 0.5 or a percentage; negative; NaN) is refused (issue 11).
+            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| (0.0..=1.0).contains(v)).ok_or_else(|| {
+                VaeError::flag(
+                    OVERLAP_FLAG,
+                    format!("expected a fraction of the tile size from 0 to 1 (clamped to 0.5), got `{s}`"),
+                )
             })?;
         }
         if let Some(s) = relative {

@@ -209,7 +209,7 @@ impl Gguf {
         v.extend_from_slice(&self.n_kv_written.unwrap_or(self.n_kv).to_le_bytes());
         v.extend_from_slice(&self.kv);
         v.extend_from_slice(&self.infos);
-        while v.len() % 32 != 0 {
+        while !v.len().is_multiple_of(32) {
             v.push(0);
         }
         v.extend_from_slice(&self.data);
@@ -624,6 +624,10 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             s.spawn(|| loop {
                 let Some(case) = queue.lock().unwrap().next() else { break };
                 let o = run(&case.args, FAIL_DEADLINE);
+                if std::env::var_os("SD_CORPUS_SHOW").is_some() {
+                    // Every case's message, for reading them all at once.
+                    eprintln!("{} => {}", case.name, o.stderr.lines().last().unwrap_or_default());
+                }
                 if let Some(f) = judge(&case, &o) {
                     failures.lock().unwrap().push(f);
                 }

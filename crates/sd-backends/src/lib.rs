@@ -31,7 +31,7 @@ pub mod rpc;
 pub mod sched;
 
 pub use alloc::GraphAllocator;
-pub use backend::{Backend, BackendManager};
+pub use backend::{usable_threads, Backend, BackendManager};
 pub use buffer::{Buffer, BufferType, BufferUsage};
 pub use context::{row_size, type_name, Context, GgmlType, Tensor};
 pub use device::{Device, DeviceCaps, DeviceInfo, DeviceKind};

@@ -29,7 +29,7 @@ pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
         );
     }
     if let Some(list) = &args.rpc {
-        for endpoint in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        for endpoint in rpc_endpoints(list)? {
             let devs = reg.add_rpc_server(endpoint).with_context(|| format!("--rpc {endpoint}"))?;
             tracing::info!(
                 "added {} remote device(s) from {endpoint}: {}",
@@ -39,6 +39,23 @@ pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
         }
     }
     Ok(reg)
+}
+
+/// The endpoints of `--rpc`: none empty, none twice (`--rpc ""` and `a,,b` are errors).
+fn rpc_endpoints(list: &str) -> Result<Vec<&str>> {
+    let endpoints: Vec<&str> = list.split(',').map(str::trim).collect();
+    if endpoints.iter().any(|e| e.is_empty()) {
+        anyhow::bail!(
+            "--rpc '{}': an endpoint is empty; write HOST:PORT[,HOST:PORT...]",
+            crate::generate::clip_text(list)
+        );
+    }
+    for (i, e) in endpoints.iter().enumerate() {
+        if endpoints[..i].contains(e) {
+            anyhow::bail!("--rpc: endpoint '{}' is given twice", crate::generate::clip_text(e));
+        }
+    }
+    Ok(endpoints)
 }
 
 fn mib(b: u64) -> String {

@@ -10,6 +10,7 @@ use clap::Args;
 use sd_backends::{BackendManager, GgmlType};
 use sd_models::files::Prediction as FilePrediction;
 use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::output::OutputTarget;
 use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, ModuleHomes, Pipeline, Placement, Progress};
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
 use sd_sched::ParamHome;
@@ -32,11 +33,11 @@ pub struct GenerateArgs {
     /// The negative prompt.
     #[arg(short = 'n', long = "negative-prompt", default_value = "")]
     pub negative_prompt: String,
-    /// Image width in pixels (a multiple of 8).
-    #[arg(short = 'W', long = "width", default_value_t = 512)]
+    /// Image width in pixels: a multiple of 64 for SD 1.x/2.x (the VAE's 8 times the UNet's three halvings).
+    #[arg(short = 'W', long = "width", default_value_t = 512, value_parser = image_side, allow_negative_numbers = true)]
     pub width: usize,
-    /// Image height in pixels (a multiple of 8).
-    #[arg(short = 'H', long = "height", default_value_t = 512)]
+    /// Image height in pixels: a multiple of 64 for SD 1.x/2.x.
+    #[arg(short = 'H', long = "height", default_value_t = 512, value_parser = image_side, allow_negative_numbers = true)]
     pub height: usize,
     /// Sampling steps.
     #[arg(long = "steps", default_value_t = 20)]
@@ -92,9 +93,9 @@ pub struct GenerateArgs {
     /// VAE tile size in image pixels: N or WxH.
     #[arg(long = "vae-tile-size")]
     pub vae_tile_size: Option<String>,
-    /// VAE tile overlap (fraction of a tile).
-    #[arg(long = "vae-tile-overlap")]
-    pub vae_tile_overlap: Option<f32>,
+    /// VAE tile overlap: a fraction of the tile, 0 to 0.5.
+    #[arg(long = "vae-tile-overlap", allow_negative_numbers = true)]
+    pub vae_tile_overlap: Option<String>,
     /// Relative VAE tile size: <=1 fraction of the image, >1 tiles per axis; N or WxH.
     #[arg(long = "vae-relative-tile-size")]
     pub vae_relative_tile_size: Option<String>,
@@ -106,16 +107,24 @@ pub struct GenerateArgs {
     pub disable_segmented_compute: bool,
 }
 
-fn parse_pair<T: std::str::FromStr + Copy>(s: &str, flag: &str) -> Result<[T; 2]> {
-    let bad = || anyhow::anyhow!("{flag} '{s}': expected N or WxH");
-    let parts: Vec<&str> = s.split(['x', 'X']).collect();
-    match parts.as_slice() {
-        [a] => {
-            let v: T = a.trim().parse().map_err(|_| bad())?;
-            Ok([v, v])
+/// `-W`/`-H`: a positive whole number of pixels (the model's multiple is checked once the
+/// model is known).
+fn image_side(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<i64>() {
+        Ok(v) if v > 0 => usize::try_from(v).map_err(|_| format!("{v} pixels is too large")),
+        Ok(v) => {
+            Err(format!("{v}: the image side must be a positive number of pixels (a multiple of 64 for SD 1.x/2.x)"))
         }
-        [a, b] => Ok([a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?]),
-        _ => Err(bad()),
+        Err(_) => Err(format!("'{}' is not a whole number of pixels", clip_text(s))),
+    }
+}
+
+/// `s` cut to 60 characters for an error message (a 100 KB argument is not echoed whole).
+pub fn clip_text(s: &str) -> String {
+    const MAX: usize = 60;
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}... ({} bytes)", &s[..i], s.len()),
+        None => s.to_string(),
     }
 }
 
@@ -209,19 +218,8 @@ fn output_path(base: &Path, i: usize, n: usize) -> PathBuf {
 
 /// Runs a generation.
 pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
-    // Validate cheap things before loading anything.
-    if a.width == 0 || a.height == 0 || !a.width.is_multiple_of(8) || !a.height.is_multiple_of(8) {
-        bail!("-W {} -H {}: width and height must be positive multiples of 8", a.width, a.height);
-    }
-    if a.steps == 0 {
-        bail!("--steps 0: at least one sampling step is needed");
-    }
-    if a.batch_count == 0 {
-        bail!("-b 0: the batch count must be at least 1");
-    }
-    if !(0.0..=1.0).contains(&a.strength) {
-        bail!("--strength {}: must be between 0 and 1", a.strength);
-    }
+    // Flags are checked here, against the model in `Pipeline::check_request`, and the outputs
+    // once those pass: all before the first weight is read.
     let method: SampleMethod = a.sampling_method.parse().with_context(|| "--sampling-method".to_string())?;
     let scheduler: Scheduler = match &a.scheduler {
         Some(s) => s.parse().with_context(|| "--scheduler".to_string())?,
@@ -235,24 +233,12 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         Some("v") => Some(FilePrediction::V),
         Some(o) => bail!("--prediction '{o}': accepted: eps, v"),
     };
-    let mut tiling = TilingParams { enabled: a.vae_tiling, ..TilingParams::default() };
-    if let Some(s) = &a.vae_tile_size {
-        tiling.tile_size = parse_pair::<usize>(s, "--vae-tile-size")?;
-    }
-    if let Some(o) = a.vae_tile_overlap {
-        tiling.target_overlap = o;
-    }
-    if let Some(s) = &a.vae_relative_tile_size {
-        tiling.rel_size = parse_pair::<f32>(s, "--vae-relative-tile-size")?;
-    }
-    if !a.vae_tiling
-        && (a.vae_tile_size.is_some() || a.vae_tile_overlap.is_some() || a.vae_relative_tile_size.is_some())
-    {
-        bail!("--vae-tile-size, --vae-tile-overlap and --vae-relative-tile-size require --vae-tiling");
-    }
-    if a.output.is_dir() {
-        bail!("-o {}: is a directory", a.output.display());
-    }
+    let tiling = TilingParams::from_cli(
+        a.vae_tiling,
+        a.vae_tile_size.as_deref(),
+        a.vae_tile_overlap.as_deref(),
+        a.vae_relative_tile_size.as_deref(),
+    )?;
     let init = match &a.init_img {
         None => None,
         Some(p) => {
@@ -289,6 +275,29 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         a.seed as u64
     };
 
+    let params = GenerateParams {
+        prompt: a.prompt.clone(),
+        negative_prompt: a.negative_prompt.clone(),
+        width: a.width,
+        height: a.height,
+        steps: a.steps,
+        cfg_scale: a.cfg_scale,
+        method,
+        scheduler,
+        seed,
+        batch_count: a.batch_count,
+        rng,
+        clip_skip: a.clip_skip,
+        eta: a.eta,
+        init_image: init,
+        tiling,
+        vae_max_compute_bytes: None,
+    };
+    params.validate()?;
+    if !(0.0..=1.0).contains(&a.strength) {
+        bail!("--strength {}: must be between 0 and 1", a.strength);
+    }
+
     let mut model_args = a.model.clone();
     if model_args.model.is_none() && model_args.diffusion_model.is_none() {
         model_args.model = Some(ensure_fixture()?);
@@ -323,7 +332,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     let threads = if a.threads <= 0 {
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     } else {
-        a.threads as usize
+        usize::try_from(a.threads).unwrap_or(usize::MAX)
     };
     let manager = BackendManager::new(Some(threads));
     let module_plan = |module: sd_placement::Module| plan.modules.iter().find(|m| m.module == module);
@@ -403,24 +412,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
             placement,
         },
     )?;
-    let params = GenerateParams {
-        prompt: a.prompt.clone(),
-        negative_prompt: a.negative_prompt.clone(),
-        width: a.width,
-        height: a.height,
-        steps: a.steps,
-        cfg_scale: a.cfg_scale,
-        method,
-        scheduler,
-        seed,
-        batch_count: a.batch_count,
-        rng,
-        clip_skip: a.clip_skip,
-        eta: a.eta,
-        init_image: init,
-        tiling,
-        vae_max_compute_bytes: None,
-    };
+    pipeline.check_request(&params)?;
+    let outputs: Vec<OutputTarget> = (0..a.batch_count)
+        .map(|i| OutputTarget::resolve(&output_path(&a.output, i, a.batch_count)))
+        .collect::<std::result::Result<_, _>>()
+        .context("-o")?;
     let tty = std::io::stderr().is_terminal();
     let start = std::time::Instant::now();
     let mut on_progress = |p: Progress| {
@@ -445,10 +441,10 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         tracing::debug!("{line}");
     }
     let text = a1111_parameters(a, seed, method, scheduler, &model_name);
-    for (i, img) in images.iter().enumerate() {
-        let path = output_path(&a.output, i, images.len());
-        write_png(&path, &Rgb8 { width: img.width as u32, height: img.height as u32, data: img.rgb.clone() }, &text)?;
-        tracing::info!("saved {}", path.display());
+    for (img, target) in images.iter().zip(&outputs) {
+        let rgb = Rgb8 { width: img.width as u32, height: img.height as u32, data: img.rgb.clone() };
+        write_png(target, &rgb, &text)?;
+        tracing::info!("saved {}", target.path().display());
     }
     tracing::info!("generation took {:.2} s", start.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)

@@ -2,12 +2,15 @@
 //!
 //! The output carries a `parameters` tEXt chunk in the format A1111 writes and
 //! image browsers read (prompt, `Negative prompt:` line, then `Key: value`
-//! pairs). Files are written to a temporary name next to the target and
-//! renamed, so a failure never leaves a partial image behind.
+//! pairs). Files are written through [`OutputTarget`] (a temporary name next to the real
+//! target, then a rename), so a failure never leaves a partial image behind and a link or
+//! device node is never replaced.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context as _, Result};
+use sd_models::files::open::open_regular;
+use sd_models::output::OutputTarget;
 
 /// An 8-bit RGB image.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,34 +20,24 @@ pub struct Rgb8 {
     pub data: Vec<u8>,
 }
 
-/// Writes `img` as PNG with a `parameters` text chunk, atomically.
-pub fn write_png(path: &Path, img: &Rgb8, parameters: &str) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp: PathBuf = dir.join(format!(
-        ".{}.tmp-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("out.png"),
-        std::process::id()
-    ));
-    let result = (|| -> Result<()> {
-        let file = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        let mut enc = png::Encoder::new(std::io::BufWriter::new(file), img.width, img.height);
-        enc.set_color(png::ColorType::Rgb);
-        enc.set_depth(png::BitDepth::Eight);
-        enc.add_text_chunk("parameters".into(), parameters.into())?;
-        let mut w = enc.write_header()?;
-        w.write_image_data(&img.data)?;
-        w.finish()?;
-        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+/// Writes `img` as PNG with a `parameters` text chunk to `target` (atomically, see
+/// [`OutputTarget`]); errors name the output path.
+pub fn write_png(target: &OutputTarget, img: &Rgb8, parameters: &str) -> Result<()> {
+    let mut bytes = Vec::new();
+    let mut enc = png::Encoder::new(&mut bytes, img.width, img.height);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.add_text_chunk("parameters".into(), parameters.into())?;
+    let mut w = enc.write_header()?;
+    w.write_image_data(&img.data)?;
+    w.finish().with_context(|| format!("encoding {}", target.path().display()))?;
+    target.write(&bytes)?;
+    Ok(())
 }
 
 /// Reads a PNG as 8-bit RGB (grey and alpha are converted).
 pub fn read_png(path: &Path) -> Result<Rgb8> {
-    let file = std::fs::File::open(path).with_context(|| format!("opening init image {}", path.display()))?;
+    let (file, _) = open_regular(path).context("the init image (-i)")?;
     let mut dec = png::Decoder::new(std::io::BufReader::new(file));
     dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
     let mut reader = dec.read_info().with_context(|| format!("{} is not a readable PNG", path.display()))?;

@@ -139,6 +139,9 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
+/// Largest device profile read (real ones are a few hundred bytes).
+const MAX_PROFILE_BYTES: u64 = 1 << 20;
+
 /// MemAvailable from /proc/meminfo, in bytes.
 pub fn ram_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -177,7 +180,7 @@ pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
 pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (devices, profile_ram) = match &args.devices {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading device profile {}", p.display()))?;
+            let text = sd_models::files::open::read_text(p, MAX_PROFILE_BYTES).context("--devices")?;
             let prof =
                 DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
             (prof.devices(), prof.ram_available_mib.map(|m| m * MIB))

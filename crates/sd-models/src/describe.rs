@@ -65,6 +65,10 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
             push(Module::Te, Tensor { name, bytes, block });
         }
     }
+    if comps.is_empty() {
+        let files: Vec<String> = index.files().iter().map(|f| format!("'{}'", f.path.display())).collect();
+        return Err(FilesError::NoModelTensors { files: files.join(", "), tensors: index.len() });
+    }
     Ok(ModelDescription { components: comps, files: sources })
 }
 
@@ -82,16 +86,16 @@ fn layer_index(name: &str) -> Option<u32> {
 /// (file size, [(tensor name, bytes)]) of a safetensors or GGUF file, header only.
 fn header_tensors(path: &Path) -> Result<(u64, Vec<(String, u64)>), FilesError> {
     let io = |e: std::io::Error| FilesError::Io { path: path.to_owned(), error: e };
-    let file = std::fs::File::open(path).map_err(io)?;
-    let len = file.metadata().map_err(io)?.len();
+    let (file, meta) = files::open::open_regular(path)?;
+    let len = meta.len();
     if len == 0 {
         return Err(FilesError::Malformed {
             path: path.to_owned(),
             problem: FormatError::Truncated { what: "the header".into(), start: 0, end: 8, file_len: 0 },
         });
     }
-    // SAFETY: the map is read-only and private; a concurrent truncation of the file by
-    // another process could fault, the same contract every model loader has.
+    // SAFETY: the map is read-only and only its header pages are read here, once, right after
+    // the open; a concurrent truncation could fault them, the window every mmap reader has.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
     let malformed = |problem| FilesError::Malformed { path: path.to_owned(), problem };
     let raw = if map.starts_with(b"GGUF") {

@@ -6,12 +6,16 @@
 //! - [`fixture`]: checkpoints with the real tensor layout and small random weights.
 //! - [`text`]: the CLIP BPE tokenizer and prompt weighting.
 //! - [`sampling`]: noise generators (Philox, mt19937), schedulers and samplers.
+//! - [`output`]: output paths checked before any work and written without destroying
+//!   what is there; [`health`]: numeric health of stage outputs.
 
 pub mod describe;
 pub mod diffusion;
 pub mod files;
 pub mod fixture;
+pub mod health;
 pub mod loader;
+pub mod output;
 pub mod pipeline;
 pub mod sampling;
 pub mod text;

@@ -2,7 +2,8 @@
 //!
 //! Checks done here, each an error naming the tensor and its file: missing
 //! tensor, element count that disagrees with the architecture, NaN or infinite
-//! values in float weights, an impossible type conversion.
+//! values in float weights, an impossible type conversion, and a file that changed
+//! size or modification time since it was opened (`ModelFiles::check_unchanged`).
 //!
 //! Once a tensor's bytes have been copied to its device, [`FileSource::release`] drops the
 //! map's pages holding them from the process (Linux `madvise(MADV_DONTNEED)`): they stay in
@@ -107,6 +108,7 @@ impl<'a> FileSource<'a> {
                 e.dtype.name()
             ))
         })?;
+        files.check_unchanged(e.file).map_err(|err| SourceError(err.to_string()))?;
         let bytes = files.bytes(e);
         if let Some(i) = first_non_finite(from, bytes) {
             return Err(SourceError(format!(

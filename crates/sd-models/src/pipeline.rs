@@ -24,6 +24,7 @@ use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeConfig, VaeParts
 
 use crate::diffusion::unet::{UNetConfig, UNetModel};
 use crate::files::{ModelFiles, ModelSources, Prediction as FilePrediction, PredictionSource};
+use crate::health;
 use crate::loader::{dtype_of, FileSource};
 use crate::sampling::{
     img2img_sigmas, noised_latent, sample, txt2img_latent, DiscreteSchedule, GuidedDenoiser, ModelInput, ModelOutput,
@@ -57,6 +58,19 @@ pub enum PipelineError {
     /// Weights or execution.
     #[error(transparent)]
     Sched(#[from] sd_sched::SchedError),
+}
+
+/// The VAE's downscaling factor (8 for every SD 1.x / 2.x autoencoder and TAESD).
+const VAE_SCALE: usize = 8;
+
+/// Most sampling steps accepted (far beyond any useful schedule).
+const MAX_STEPS: usize = 10_000;
+
+/// What text-encoder hidden states and UNet outputs should look like.
+const ACTIVATIONS: health::Expect = health::Expect::Activations { limit: health::F16_OVERFLOW };
+
+fn fmt_gib(bytes: f64) -> String {
+    format!("{:.1} GiB", bytes / (1u64 << 30) as f64)
 }
 
 /// Result alias.
@@ -182,6 +196,43 @@ pub struct GenerateParams {
     pub tiling: TilingParams,
     /// Cap on one VAE graph's compute buffer (triggers the tiled retry).
     pub vae_max_compute_bytes: Option<usize>,
+}
+
+impl GenerateParams {
+    /// Checks what needs no model: counts, finite numbers, sizes that are multiples of the
+    /// VAE's 8 (the model's own multiple is checked by [`Pipeline::check_request`]), tiling.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(PipelineError::Invalid(m));
+        for (flag, v) in [("-W", self.width), ("-H", self.height)] {
+            if v == 0 || !v.is_multiple_of(VAE_SCALE) {
+                return bad(format!(
+                    "{flag} {v}: image sides must be positive multiples of 8 (and of the model's multiple: 64 for SD 1.x/2.x)"
+                ));
+            }
+        }
+        if self.steps == 0 {
+            return bad("--steps 0: at least one sampling step is needed".into());
+        }
+        if self.steps > MAX_STEPS {
+            return bad(format!("--steps {}: at most {MAX_STEPS} steps are accepted", self.steps));
+        }
+        if self.batch_count == 0 {
+            return bad("-b 0: the batch count must be at least 1".into());
+        }
+        if !self.cfg_scale.is_finite() {
+            return bad(format!("--cfg-scale {}: not a finite number", self.cfg_scale));
+        }
+        if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
+            return bad(format!("--eta {eta}: must be a finite number >= 0"));
+        }
+        if let Some((_, strength)) = &self.init_image {
+            if !(0.0..=1.0).contains(strength) {
+                return bad(format!("--strength {strength}: must be between 0 and 1"));
+            }
+        }
+        self.tiling.validate([self.width, self.height], VAE_SCALE)?;
+        Ok(())
+    }
 }
 
 /// An 8-bit RGB image, row-major, interleaved.
@@ -340,24 +391,141 @@ impl Pipeline {
             .collect()
     }
 
+    /// The image width and height must be multiples of this: the VAE's 8 times the UNet's
+    /// latent multiple (one halving per level but the last: 64 for SD 1.x / 2.x).
+    pub fn size_multiple(&self) -> usize {
+        VAE_SCALE * self.unet.size_multiple() as usize
+    }
+
+    /// A lower bound of the largest working memory one stage needs for `p`, in bytes, and
+    /// the stage: the UNet's attention scores at its first level (`heads x tokens^2` f32 per
+    /// sample, unless flash attention), the VAE's mid-block attention and last-level
+    /// activations (unless tiled). Real use is higher; this is for refusing at once what can
+    /// never fit.
+    pub fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
+        let tokens = (p.width / VAE_SCALE) as f64 * (p.height / VAE_SCALE) as f64;
+        let batch = if p.cfg_scale != 1.0 { 2.0 } else { 1.0 };
+        let heads = self.unet.n_head(self.unet.model_channels) as f64;
+        let unet = if self.opts.flash_attn { 0.0 } else { batch * heads * tokens * tokens * 4.0 };
+        let (vae_attn, vae_act) = if p.tiling.enabled {
+            (0.0, 0.0)
+        } else {
+            (tokens * tokens * 4.0, 3.0 * 128.0 * p.width as f64 * p.height as f64 * 4.0)
+        };
+        let mut best = (unet, "the diffusion model's attention");
+        for c in [(vae_attn, "the VAE's attention"), (vae_act, "the VAE decoder's activations")] {
+            if c.0 > best.0 {
+                best = c;
+            }
+        }
+        best
+    }
+
+    /// Checks a request against this model before any weight is read: settings, image size
+    /// (the real multiple), working memory against the devices, VAE tiling, the tensors every
+    /// stage will need (so a missing or broken VAE is found before sampling, not after).
+    pub fn check_request(&self, p: &GenerateParams) -> Result<()> {
+        p.validate()?;
+        let bad = |m: String| Err(PipelineError::Invalid(m));
+        let m = self.size_multiple();
+        for (flag, v) in [("-W", p.width), ("-H", p.height)] {
+            if v == 0 || !v.is_multiple_of(m) {
+                let down = (v / m * m).max(m);
+                return bad(format!(
+                    "{flag} {v}: the {} model needs image sides that are positive multiples of {m} (try {down} or {})",
+                    self.arch,
+                    down + m
+                ));
+            }
+        }
+        self.clip.resolve_clip_skip(p.clip_skip)?;
+        let (need, stage) = self.working_memory_estimate(p);
+        for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
+            let device = backend.device();
+            let (_, total) = device.memory();
+            if total > 0 && need > total as f64 {
+                return bad(format!(
+                    "-W {} -H {}: {stage} alone needs about {} at this size, more than {} has ({}); use a smaller size{}",
+                    p.width,
+                    p.height,
+                    fmt_gib(need),
+                    device.name(),
+                    fmt_gib(total as f64),
+                    if self.opts.flash_attn { "" } else { ", --diffusion-fa or --vae-tiling" }
+                ));
+            }
+        }
+        // Every image's latent is kept until decoding: refuse a batch that cannot be held.
+        let latents = p.batch_count as f64 * (p.width * p.height) as f64 / 64.0 * self.unet.in_channels as f64 * 4.0;
+        let (_, host) = self.opts.devices.te.device().memory();
+        if host > 0 && latents > host as f64 {
+            return bad(format!("-b {}: the batch's latents alone need {}", p.batch_count, fmt_gib(latents)));
+        }
+        self.check_tensors(p.init_image.is_some())
+    }
+
+    /// Every tensor the text encoder, the UNet and the first stage will load exists with the
+    /// expected number of elements; the first stage's weights hold no NaN or infinity (they
+    /// are small and read last, so a broken VAE would otherwise waste a whole sampling run).
+    fn check_tensors(&self, need_encoder: bool) -> Result<()> {
+        let dtype = dtype_of(&self.files);
+        let te = clip_specs(&self.clip, &dtype, self.opts.wtype);
+        let unet = crate::diffusion::unet::unet_specs(&self.unet, &dtype, self.opts.wtype);
+        let (first_name, first) = if self.opts.sources.taesd.is_some() {
+            let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
+            ("TAESD", sd_vae::taesd_specs(&sd_vae::TaesdConfig::sd(), parts))
+        } else {
+            let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
+            ("VAE", sd_vae::vae_specs(&VaeConfig::sd(), parts))
+        };
+        let index = self.files.index();
+        let files = || index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", ");
+        for (module, specs) in [("text encoder", &te), ("diffusion model", &unet), (first_name, &first)] {
+            let missing: Vec<&str> =
+                specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
+            if !missing.is_empty() {
+                let hint = match module {
+                    "VAE" => "; give one with --vae (or --taesd)",
+                    "TAESD" => "; is the --taesd file a TAESD?",
+                    _ => "",
+                };
+                return Err(PipelineError::Invalid(format!(
+                    "{module}: {} of its {} tensors are missing from {} (first: {}){hint}",
+                    missing.len(),
+                    specs.len(),
+                    files(),
+                    missing[..missing.len().min(3)].join(", ")
+                )));
+            }
+            for s in specs.iter() {
+                let e = index.get(&s.name).expect("checked above");
+                let want: i64 = s.ne.iter().product();
+                if e.n_elements() as i64 != want {
+                    return Err(PipelineError::Invalid(format!(
+                        "{module}: tensor '{}' in '{}' has shape {:?}; the {} model expects ne {:?}",
+                        e.original_name,
+                        index.files()[e.file].path.display(),
+                        e.shape,
+                        self.arch,
+                        s.ne
+                    )));
+                }
+            }
+        }
+        let src = FileSource::new(&self.files);
+        for s in &first {
+            if let Err(e) = src.load_tensor(&s.name, s.ty, &s.ne) {
+                return Err(PipelineError::Invalid(format!("{first_name}: {e}")));
+            }
+            src.release(&s.name);
+        }
+        Ok(())
+    }
+
     /// Generates `params.batch_count` images.
     pub fn generate(&self, p: &GenerateParams, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
-        if p.width == 0 || p.height == 0 || !p.width.is_multiple_of(8) || !p.height.is_multiple_of(8) {
-            return Err(PipelineError::Invalid(format!(
-                "-W {} -H {}: width and height must be positive multiples of 8",
-                p.width, p.height
-            )));
-        }
-        if p.steps == 0 {
-            return Err(PipelineError::Invalid("--steps 0: at least one sampling step is needed".into()));
-        }
-        if p.batch_count == 0 {
-            return Err(PipelineError::Invalid("-b 0: the batch count must be at least 1".into()));
-        }
-        if !p.cfg_scale.is_finite() {
-            return Err(PipelineError::Invalid(format!("--cfg-scale {}: not a number", p.cfg_scale)));
-        }
-        let (lw, lh) = (p.width / 8, p.height / 8);
+        self.check_request(p)?;
+        let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let channels = self.unet.in_channels as usize;
         let guided = p.cfg_scale != 1.0;
 
@@ -372,6 +540,10 @@ impl Pipeline {
             } else {
                 None
             };
+            health::check("text encoder (prompt)", &cond.data, ACTIVATIONS);
+            if let Some(u) = &uncond {
+                health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
+            }
             tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());
             (cond, uncond)
         };
@@ -420,6 +592,7 @@ impl Pipeline {
                     Some(init) => noised_latent(init, &noise, sigmas[0])?,
                 };
                 let mut step_start = Instant::now();
+                let warned = std::cell::Cell::new(false);
                 let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
                     let out = eval_guided(
                         &unet,
@@ -430,6 +603,12 @@ impl Pipeline {
                         &cond,
                         uncond.as_ref().filter(|_| inp.uncond),
                     )?;
+                    // One warning per image: a broken model is broken at every step.
+                    if !warned.get() {
+                        let stage =
+                            format!("diffusion model output at timestep {:.0} of image {}", inp.timestep, b + 1);
+                        warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
+                    }
                     Ok(out)
                 };
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
@@ -480,6 +659,11 @@ impl Pipeline {
                 &p.tiling,
                 p.vae_max_compute_bytes,
             )?;
+            let (lo, hi) = match vae.image_range() {
+                sd_vae::ImageRange::MinusOneToOne => (-1.0, 1.0),
+                sd_vae::ImageRange::ZeroToOne => (0.0, 1.0),
+            };
+            health::check(&format!("VAE decoder (image {})", images.len() + 1), &img, health::Expect::Image { lo, hi });
             images.push(planar_to_rgb8(&img, p.width, p.height, vae.image_range()));
         }
         tracing::debug!("vae; {}", runner.summary());

@@ -1,5 +1,6 @@
 //! The crate's one error type: every message names the offending token and what is accepted.
 
+use crate::spec::clip;
 use crate::units::fmt_bytes;
 
 /// The flag an error comes from.
@@ -33,7 +34,7 @@ impl std::fmt::Display for Flag {
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum PlanError {
     /// A module key that is not in backend.md's alias table.
-    #[error("{flag}: unknown module '{token}' in '{entry}'; accepted modules: {accepted}")]
+    #[error("{flag}: unknown module '{}' in '{}'; accepted modules: {accepted}", clip(token), clip(entry))]
     UnknownModule {
         /// Flag.
         flag: Flag,
@@ -46,8 +47,9 @@ pub enum PlanError {
     },
     /// A device name matching no device.
     #[error(
-        "{flag}: unknown device '{token}' in '{entry}'; available devices: {available}; \
-         special values: auto, default, gpu (and disk for --params-backend)"
+        "{flag}: unknown device '{}'{}; available devices: {available}; \
+         special values: auto, default, gpu (and disk for --params-backend)",
+        clip(token), if token == entry { String::new() } else { format!(" in '{}'", clip(entry)) }
     )]
     UnknownDevice {
         /// Flag.

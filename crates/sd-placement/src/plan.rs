@@ -12,7 +12,7 @@ use crate::explicit::explicit;
 use crate::memcheck::{check, MemoryCheck, Verdict};
 use crate::model::{ComponentSummary, ModelDescription, Module};
 use crate::placement::{account, names, Layout, Params, Placement};
-use crate::spec::{parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Flags};
+use crate::spec::{parse_auto_fit, parse_max_vram, parse_split_mode, Flags};
 use crate::units::{fmt_bytes, fmt_opt};
 
 /// Everything [`plan`] needs: raw flag strings, devices, RAM and the model.
@@ -154,8 +154,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let flags = &req.flags;
     let backend_spec = flags.effective_backend();
     let params_spec = flags.effective_params_backend();
-    let backend = parse_backend(&backend_spec)?;
-    let params = parse_params_backend(&params_spec)?;
+    let backend = flags.backend_assignment()?;
+    let params = flags.params_assignment()?;
     let split = parse_split_mode(flags.split_mode.as_deref().unwrap_or(""))?;
     let max_vram = parse_max_vram(flags.max_vram.as_deref().unwrap_or(""))?;
     let auto_fit_flag = parse_auto_fit(flags.auto_fit.as_deref())?;

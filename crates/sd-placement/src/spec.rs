@@ -69,6 +69,25 @@ impl Flags {
     }
 }
 
+impl Flags {
+    /// `--backend` parsed: the compatibility flags' entries, overridden by the user's own
+    /// string, in which each module may appear once ([`parse_backend`]).
+    pub fn backend_assignment(&self) -> Result<Assignment<RuntimeValue>, PlanError> {
+        let prefix = Flags { backend: None, ..self.clone() }.effective_backend();
+        let mut a = parse_backend(&prefix)?;
+        a.overlay(parse_backend(self.backend.as_deref().unwrap_or(""))?);
+        Ok(a)
+    }
+
+    /// `--params-backend` parsed likewise (`--offload-to-cpu`'s `*=cpu`, then the user's).
+    pub fn params_assignment(&self) -> Result<Assignment<ParamsValue>, PlanError> {
+        let prefix = Flags { params_backend: None, ..self.clone() }.effective_params_backend();
+        let mut a = parse_params_backend(&prefix)?;
+        a.overlay(parse_params_backend(self.params_backend.as_deref().unwrap_or(""))?);
+        Ok(a)
+    }
+}
+
 fn join_prepended<'a>(mut parts: Vec<&'a str>, user: Option<&'a str>) -> String {
     if let Some(u) = user {
         if !u.trim().is_empty() {
@@ -106,6 +125,14 @@ impl<T> Assignment<T> {
     /// The value for `module`: its own entry, else the default.
     pub fn get(&self, module: Module) -> Option<&Entry<T>> {
         self.modules.get(&module).or(self.default.as_ref())
+    }
+
+    /// Entries of `later` replace those of `self` for the same key.
+    pub fn overlay(&mut self, later: Assignment<T>) {
+        if later.default.is_some() {
+            self.default = later.default;
+        }
+        self.modules.extend(later.modules);
     }
 
     /// Whether nothing was assigned.
@@ -160,9 +187,33 @@ fn is_default_key(key: &str) -> bool {
     k == "all" || k == "default" || k == "*"
 }
 
-/// Splits `spec` into entries; checks keys. Empty parts are skipped.
+/// `s` cut to 60 characters for a message (a 100 KB flag value is not echoed whole).
+pub(crate) fn clip(s: &str) -> String {
+    const MAX: usize = 60;
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}... ({} bytes)", &s[..i], s.len()),
+        None => s.to_string(),
+    }
+}
+
+/// Fails on an empty part of a non-empty comma list (`a,,b`, `a,`, `,a`).
+fn check_no_empty_part(flag: Flag, spec: &str) -> Result<(), PlanError> {
+    if spec.trim().is_empty() || spec.split(',').all(|p| !p.trim().is_empty()) {
+        return Ok(());
+    }
+    Err(PlanError::InvalidAssignment {
+        flag,
+        entry: clip(spec),
+        reason: "it has an empty entry (two commas in a row, or a comma at either end)".into(),
+    })
+}
+
+/// Splits `spec` into entries; checks keys. An empty spec has no entries; an empty entry in
+/// a non-empty one, or one key given two different values, is an error (later entries override only the
+/// entries the compatibility flags prepend, see [`Flags::backend_assignment`]).
 fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
-    let mut out = Vec::new();
+    check_no_empty_part(flag, spec)?;
+    let mut out: Vec<RawEntry> = Vec::new();
     for part in spec.split(',') {
         let part = part.trim();
         if part.is_empty() {
@@ -204,6 +255,21 @@ fn parse_entries(flag: Flag, spec: &str) -> Result<Vec<RawEntry>, PlanError> {
         };
         out.push(RawEntry { key, value: value.to_string(), entry: part.to_string() });
     }
+    for (i, later) in out.iter().enumerate() {
+        // The same value twice (`clip=cpu,t5xxl=cpu`: two aliases of te) is redundant, not a conflict.
+        let conflict = |e: &&RawEntry| e.key == later.key && !e.value.eq_ignore_ascii_case(&later.value);
+        if let Some(first) = out[..i].iter().find(conflict) {
+            let what = match later.key {
+                Key::Default => "the default (a bare device, all=, default= or *=)".to_string(),
+                Key::Module(m) => format!("module {m}"),
+            };
+            return Err(PlanError::InvalidAssignment {
+                flag,
+                entry: clip(&later.entry),
+                reason: format!("{what} is already assigned by '{}'; give each module once", clip(&first.entry)),
+            });
+        }
+    }
     Ok(out)
 }
 
@@ -238,15 +304,17 @@ pub fn parse_backend(spec: &str) -> Result<Assignment<RuntimeValue>, PlanError> 
                     reason,
                 });
             }
-            let names: Vec<String> =
-                raw.value.split('&').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
-            if names.is_empty() {
-                return Err(PlanError::InvalidDeviceList {
-                    flag,
-                    token: raw.value.clone(),
-                    entry: raw.entry.clone(),
-                    reason: "it names no device; write e.g. cuda0&cuda1".into(),
-                });
+            let names: Vec<String> = raw.value.split('&').map(str::trim).map(str::to_string).collect();
+            let list_error = |reason: String| PlanError::InvalidDeviceList {
+                flag,
+                token: clip(&raw.value),
+                entry: clip(&raw.entry),
+                reason,
+            };
+            if names.iter().any(String::is_empty) {
+                return Err(list_error(
+                    "it has an empty device name (a '&' at either end or two in a row); write e.g. cuda0&cuda1".into(),
+                ));
             }
             for n in &names {
                 if is_disk_token(n) {
@@ -322,11 +390,34 @@ pub struct MaxVram {
 /// Parses `--max-vram` (`6`, `-1`, `0`, `cuda0=6,vulkan0=2`, `all=4,cuda1=-1`).
 pub fn parse_max_vram(spec: &str) -> Result<MaxVram, PlanError> {
     let flag = Flag::MaxVram;
+    check_no_empty_part(flag, spec)?;
     let mut out = MaxVram::default();
+    let mut default_entry: Option<String> = None;
     for part in spec.split(',') {
         let part = part.trim();
         if part.is_empty() {
             continue;
+        }
+        let twice = |first: &str| PlanError::InvalidAssignment {
+            flag,
+            entry: clip(part),
+            reason: format!("the same budget is already given by '{}'; give each device once", clip(first)),
+        };
+        // A key given twice with different values is a conflict (the same value is redundant).
+        let (key, value) = match part.split_once('=') {
+            Some((k, v)) => (Some(k.trim()), v.trim()),
+            None => (None, part),
+        };
+        let same = |entry: &str| entry.split_once('=').map_or(entry, |(_, v)| v.trim()) == value;
+        if key.is_none_or(is_default_key) {
+            if let Some(first) = default_entry.as_deref().filter(|f| !same(f)) {
+                return Err(twice(first));
+            }
+            default_entry = Some(part.to_string());
+        } else if let Some(first) =
+            out.devices.iter().find(|e| key.is_some_and(|k| e.value.0.eq_ignore_ascii_case(k)) && !same(&e.entry))
+        {
+            return Err(twice(&first.entry));
         }
         match part.split_once('=') {
             None => out.default = Some(parse_gib(part, part)?),

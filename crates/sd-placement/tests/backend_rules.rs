@@ -163,14 +163,29 @@ fn syntax() {
             expect: Places(&[("diffusion", "CUDA0", "disk"), ("te", "CUDA0", "CPU"), ("vae", "CUDA0", "CPU"), ("controlnet", "CUDA0", "CUDA0")]),
         },
         Case {
-            rule: "later entries override earlier ones for the same module (what lets explicit entries override prepended compatibility entries)",
-            backend: Some("te=cpu,te=cuda1,cuda0,vulkan0"), params: None, compat: NONE,
-            expect: Places(&[("te", "CUDA1", "CUDA1"), ("diffusion", "Vulkan0", "Vulkan0")]),
+            rule: "issue 11: a module given twice in one string is an error naming both entries (only prepended compatibility entries are overridden)",
+            backend: Some("te=disk,te=cpu"), params: None, compat: NONE,
+            expect: Fails(&["--backend", "'te=cpu'", "already assigned by 'te=disk'"]),
         },
         Case {
-            rule: "empty parts between commas are ignored",
+            rule: "issue 11: two defaults in one string are an error",
+            backend: Some("cuda0,vulkan0"), params: None, compat: NONE,
+            expect: Fails(&["--backend", "'vulkan0'", "the default", "'cuda0'"]),
+        },
+        Case {
+            rule: "issue 11: an empty entry between commas is an error, not skipped",
             backend: Some(" , te = cpu ,, "), params: None, compat: NONE,
-            expect: Places(&[("te", "CPU", "CPU"), ("diffusion", "CUDA0", "CUDA0")]),
+            expect: Fails(&["--backend", "empty entry"]),
+        },
+        Case {
+            rule: "issue 11: an empty device in an & list is an error",
+            backend: Some("diffusion=cpu&"), params: None, compat: NONE,
+            expect: Fails(&["--backend", "'cpu&'", "empty device name"]),
+        },
+        Case {
+            rule: "issue 11: the same checks in --params-backend",
+            backend: None, params: Some("te=disk,,vae=cpu"), compat: NONE,
+            expect: Fails(&["--params-backend", "empty entry"]),
         },
         Case {
             rule: "an entry with an empty module name is an error naming the entry",
@@ -386,7 +401,7 @@ fn device_lists() {
             backend: Some("diffusion=&&"),
             params: None,
             compat: NONE,
-            expect: Fails(&["invalid device list '&&'", "names no device"]),
+            expect: Fails(&["invalid device list '&&'", "empty device name"]),
         },
         Case {
             rule: "a list whose devices resolve to one device is a single device",

@@ -55,8 +55,8 @@ fn budget_semantics() {
             max_vram: Some("cuda0=3,all=5"), cuda0: (Some(8192), Some(8192)), want: (Some(3072), Some(5120)),
         },
         Case {
-            rule: "*= default, later default wins",
-            max_vram: Some("*=1,default=2"), cuda0: (Some(8192), Some(8192)), want: (Some(2048), Some(2048)),
+            rule: "*= and default= set the default; the same value twice is redundant (issue 11: different values are an error)",
+            max_vram: Some("*=2,default=2"), cuda0: (Some(8192), Some(8192)), want: (Some(2048), Some(2048)),
         },
         Case {
             rule: "device keys resolve like --backend names (case-insensitive, unique prefix)",

@@ -77,10 +77,12 @@ impl TilingParams {
             })?;
         }
         if let Some(s) = overlap {
-            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| v.is_finite()).ok_or_else(|| {
+            // A fraction above 0.5 is clamped as documented; a value that is no fraction of a
+            // tile at all (`5`, a typo for 0.5 or a percentage; negative; NaN) is refused (issue 11).
+            p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| (0.0..=1.0).contains(v)).ok_or_else(|| {
                 VaeError::flag(
                     OVERLAP_FLAG,
-                    format!("expected a fraction of the tile size (clamped to 0..0.5), got `{s}`"),
+                    format!("expected a fraction of the tile size from 0 to 1 (clamped to 0.5), got `{s}`"),
                 )
             })?;
         }

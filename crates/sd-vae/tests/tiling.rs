@@ -143,7 +143,11 @@ fn relative_sizes_fraction_or_tile_count() {
 fn overlap_is_clamped_and_adjusted_to_fit() {
     // "The target overlap is clamped to 0 through 0.5 and the actual overlap is adjusted to fit the image."
     assert_eq!(params(None, Some("0.9"), None).overlap(), 0.5);
-    assert_eq!(params(None, Some("-1"), None).overlap(), 0.0);
+    assert_eq!(params(None, Some("1"), None).overlap(), 0.5);
+    // Issue 11: what is no fraction of a tile is refused, not clamped.
+    for bad in ["-1", "5", "NaN", "inf"] {
+        assert_eq!(flag_of(TilingParams::from_cli(true, None, Some(bad), None).unwrap_err()), "--vae-tile-overlap");
+    }
     // 70 latent pixels, 32-pixel tiles, target 0.5: 3 tiles with (32*3 - 70) / (32*2) = 0.40625.
     let (n, f) = calc_tiles(70, 32, 0.5);
     assert_eq!((n, f), (3, 0.40625));

@@ -189,6 +189,13 @@ impl DType {
         self.block_size() > 1
     }
 
+    /// Whether model weights of this type can be computed with: f32, f16, bf16 and ggml's
+    /// block-quantized types (every one has a dot product for `mul_mat`). Integer types, f64
+    /// and the safetensors-only types have none (ggml's CPU `mul_mat` on an I8 weight crashes).
+    pub fn is_compute_type(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16) || (self.is_quantized() && self.ggml_type_id().is_some())
+    }
+
     /// Bytes of one row of `n` elements; `None` when `n` is not a whole number of blocks or
     /// the size overflows `u64`.
     pub fn row_bytes(self, n: u64) -> Option<u64> {

@@ -123,6 +123,26 @@ pub enum FilesError {
     #[error("cannot read '{}': {error}", path.display())]
     Io { path: PathBuf, error: std::io::Error },
 
+    /// The path names a FIFO, device, socket or directory where a file is expected.
+    #[error("'{}' is {kind}, not a regular file", path.display())]
+    NotRegular { path: PathBuf, kind: &'static str },
+
+    /// A text file over the size this reader accepts.
+    #[error("'{}' is {len} bytes; at most {limit} bytes are read from such a file", path.display())]
+    TooLarge { path: PathBuf, len: u64, limit: u64 },
+
+    /// A model file that changed size or modification time after it was opened.
+    #[error("'{}' changed while in use ({what}); do not modify or truncate a model file during a run", path.display())]
+    Changed { path: PathBuf, what: String },
+
+    /// A tensor whose element type no model computation accepts (integers, f64, 8-bit floats).
+    #[error("'{}': tensor '{tensor}' has dtype {dtype}, which the {component} cannot compute with (accepted: f32, f16, bf16 and ggml's quantized types)", path.display())]
+    UnsupportedDType { path: PathBuf, tensor: String, dtype: &'static str, component: &'static str },
+
+    /// Files that hold no tensor of any module.
+    #[error("{files}: no tensor of a text encoder, diffusion model, VAE or TAESD was found (the headers list {tensors} tensors)")]
+    NoModelTensors { files: String, tensors: usize },
+
     /// The file's contents are malformed.
     #[error("'{}': {problem}", path.display())]
     Malformed { path: PathBuf, problem: FormatError },

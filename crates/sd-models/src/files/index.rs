@@ -262,6 +262,30 @@ impl TensorIndex {
         rest.split('.').next()?.parse().ok()
     }
 
+    /// Fails on the first tensor of a model component (text encoder, UNet, VAE, TAESD) whose
+    /// dtype no computation accepts ([`DType::is_compute_type`]), naming the file and tensor.
+    /// Unused buffers (`position_ids` is often I64) and unknown tensors are not checked.
+    pub fn check_weight_dtypes(&self) -> Result<(), FilesError> {
+        for e in &self.entries {
+            let component = match component_of(&e.name) {
+                Component::Diffusion => "diffusion model",
+                Component::TextEncoder(_) => "text encoder",
+                Component::Vae => "VAE",
+                Component::Taesd => "TAESD",
+                Component::Unused | Component::Other => continue,
+            };
+            if !e.dtype.is_compute_type() {
+                return Err(FilesError::UnsupportedDType {
+                    path: self.files[e.file].path.clone(),
+                    tensor: e.original_name.clone(),
+                    dtype: e.dtype.name(),
+                    component,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Total bytes of the entries of `component`.
     pub fn component_bytes(&self, component: Component) -> u64 {
         self.entries.iter().filter(|e| component_of(&e.name) == component).map(|e| e.len).sum()

@@ -62,10 +62,21 @@ impl Mapping {
     }
 }
 
+/// One opened file: its map, the open handle and what it looked like at open, so that a
+/// truncation or rewrite during the run is seen before bytes are read (see [`super::guard`]).
+struct Opened {
+    map: Mapping,
+    file: File,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    #[cfg(unix)]
+    _guard: Option<super::guard::Registration>,
+}
+
 /// The opened model: a [`TensorIndex`] plus the memory maps its byte ranges point into.
 pub struct ModelFiles {
     index: TensorIndex,
-    maps: Vec<Mapping>,
+    maps: Vec<Opened>,
 }
 
 impl std::fmt::Debug for ModelFiles {
@@ -77,7 +88,7 @@ impl std::fmt::Debug for ModelFiles {
 /// One parsed file, before its names are normalized.
 struct Parsed {
     file: SourceFile,
-    map: Mapping,
+    map: Opened,
     raw: Vec<RawTensor>,
 }
 
@@ -129,6 +140,7 @@ impl ModelFiles {
             maps.push(p.map);
         }
         let index = TensorIndex::new(files, entries)?;
+        index.check_weight_dtypes()?;
         tracing::debug!(tensors = index.len(), files = index.files().len(), "model files indexed");
         Ok(ModelFiles { index, maps })
     }
@@ -149,7 +161,7 @@ impl ModelFiles {
     /// If `entry` does not come from this `ModelFiles` (its file index or byte range does not
     /// fit): that is a bug of the caller, since every range was checked at open.
     pub fn bytes(&self, entry: &TensorEntry) -> &[u8] {
-        let map = self.maps.get(entry.file).expect("TensorEntry from another ModelFiles").bytes();
+        let map = self.maps.get(entry.file).expect("TensorEntry from another ModelFiles").map.bytes();
         let (start, end) = (entry.offset as usize, (entry.offset + entry.len) as usize);
         map.get(start..end).expect("TensorEntry byte range was validated at open")
     }
@@ -158,10 +170,32 @@ impl ModelFiles {
     /// loader can release pages it has copied; `None` for an empty (unmapped) file.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     pub(crate) fn mmap(&self, file: usize) -> Option<&Mmap> {
-        match self.maps.get(file)? {
+        match &self.maps.get(file)?.map {
             Mapping::Map(m) => Some(m),
             Mapping::Empty => None,
         }
+    }
+
+    /// Fails when source file `file` no longer has the size and modification time it had at
+    /// open (truncated, grown or rewritten in place by another process): its mapped bytes can
+    /// no longer be trusted, and reading past a new end would fault.
+    pub fn check_unchanged(&self, file: usize) -> Result<(), FilesError> {
+        let Some(o) = self.maps.get(file) else { return Ok(()) };
+        let path = &self.index.files()[file].path;
+        let meta = o.file.metadata().map_err(|e| io_err(path, e))?;
+        if meta.len() != o.len {
+            return Err(FilesError::Changed {
+                path: path.clone(),
+                what: format!("it was {} bytes when opened and is {} now", o.len, meta.len()),
+            });
+        }
+        if meta.modified().ok() != o.modified {
+            return Err(FilesError::Changed {
+                path: path.clone(),
+                what: "it was rewritten after it was opened".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The entry and bytes of the tensor with this internal name.
@@ -190,18 +224,35 @@ fn io_err(path: &Path, error: std::io::Error) -> FilesError {
     FilesError::Io { path: path.to_owned(), error }
 }
 
-fn map_file(path: &Path) -> Result<(Mapping, u64), FilesError> {
-    let file = File::open(path).map_err(|e| io_err(path, e))?;
-    let len = file.metadata().map_err(|e| io_err(path, e))?.len();
+fn map_file(path: &Path) -> Result<Opened, FilesError> {
+    let (file, meta) = super::open::open_regular(path)?;
+    let (len, modified) = (meta.len(), meta.modified().ok());
     if len == 0 {
-        return Ok((Mapping::Empty, 0));
+        return Ok(Opened {
+            map: Mapping::Empty,
+            file,
+            len,
+            modified,
+            #[cfg(unix)]
+            _guard: None,
+        });
     }
     // SAFETY: the map is read-only and lives as long as the slices borrowed from it. Another
-    // process truncating or rewriting the file while it is mapped would change or fault
-    // those bytes; like every mmap-based model loader (and ripgrep's mmap searcher), we accept
-    // that a model file is not modified while it is in use.
+    // process truncating or rewriting the file while it is mapped would change or fault those
+    // bytes: the loader checks size and modification time before each read
+    // (`check_unchanged`), and a fault during a read ends the run with a message naming the
+    // file instead of a bare SIGBUS (`guard`).
     let map = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
-    Ok((Mapping::Map(map), len))
+    #[cfg(unix)]
+    let guard = Some(super::guard::register(map.as_ptr(), map.len(), path));
+    Ok(Opened {
+        map: Mapping::Map(map),
+        file,
+        len,
+        modified,
+        #[cfg(unix)]
+        _guard: guard,
+    })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,8 +276,9 @@ fn sniff(path: &Path, bytes: &[u8]) -> Option<Sniffed> {
 
 /// Maps and parses one file.
 fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
-    let (map, len) = map_file(path)?;
-    let bytes = map.bytes();
+    let map = map_file(path)?;
+    let len = map.len;
+    let bytes = map.map.bytes();
     let malformed = |problem: FormatError| FilesError::Malformed { path: path.to_owned(), problem };
     let (format, metadata, raw) = match sniff(path, bytes) {
         Some(Sniffed::Safetensors) => {
@@ -331,12 +383,15 @@ fn diffusers_file(root: &Path, folder: &str, stem: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Largest diffusers JSON file read (real ones are a few kB).
+const MAX_JSON_BYTES: u64 = 16 << 20;
+
 fn read_json(root: &Path, rel: &str) -> Result<Option<serde_json::Value>, FilesError> {
     let path = root.join(rel);
-    if !path.is_file() {
+    if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
+    let text = super::open::read_text(&path, MAX_JSON_BYTES)?;
     let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| FilesError::Diffusers {
         path: root.to_owned(),
         problem: format!("{rel} is not valid JSON: {e}"),

@@ -3,87 +3,19 @@
 //! naming the endpoint (exit status 3, no signal, no hang), and malformed client
 //! messages close only the offending connection while the server serves the next one.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::{sd15_fixture, sd_cli, Server};
 use sd_backends::rpc_wire::{cmd, WireClient, WireTensor};
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
 
 /// The exit status of a run whose RPC device was lost (distinct from 2, bad input).
 const EXIT_DEVICE_LOST: i32 = 3;
-
-fn sd_cli() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sd-cli"))
-}
-
-/// The SD 1.5 fixture shared with placement.rs (seed 42, f16).
-fn fixture() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures-test");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sd15-f16-seed42.safetensors");
-    if !path.exists() {
-        let tmp = dir.join(format!("sd15-f16-seed42.{}.tmp", std::process::id()));
-        let req = FixtureRequest::family(Family::Sd15, 42, WeightType::F16, FileFormat::Safetensors);
-        fixture::write_fixture(&tmp, &req).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
-    }
-    path
-}
-
-/// A server process on a free loopback port; continued (if stopped) and killed on drop.
-struct Server {
-    child: Child,
-    endpoint: String,
-}
-
-impl Server {
-    fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        // its own process group: signals reach the supervisor and its worker alike
-        let child = sd_cli()
-            .args(["rpc-server", "--host", "127.0.0.1", "--port", &port.to_string(), "--threads", "2"])
-            .args(std::env::var_os("RPC_FAULTS_SERVER_LOG").map(|_| "-v"))
-            .process_group(0)
-            .stdout(Stdio::null())
-            .stderr(if std::env::var_os("RPC_FAULTS_SERVER_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
-            .spawn()
-            .unwrap();
-        let endpoint = format!("127.0.0.1:{port}");
-        let t = Instant::now();
-        // ready once it answers the handshake (a bare connect may reach the backlog first)
-        while WireClient::connect(&endpoint, Duration::from_secs(2)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "rpc-server did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self { child, endpoint }
-    }
-
-    /// Sends `sig` to the server's process group (supervisor and worker).
-    fn signal(&self, sig: &str) {
-        assert!(self.try_signal(sig), "kill {sig} failed");
-    }
-
-    fn try_signal(&self, sig: &str) -> bool {
-        let group = format!("-{}", self.child.id());
-        Command::new("kill").args([sig, "--", &group]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-    }
-
-    fn is_running(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.try_signal("-CONT");
-        self.try_signal("-KILL");
-        let _ = self.child.wait();
-    }
-}
 
 /// What a client run ended with.
 struct Ended {
@@ -105,7 +37,7 @@ fn run_and_fault(server: &Server, extra: &[&str], fault: impl FnOnce()) -> Ended
     std::fs::create_dir_all(&dir).unwrap();
     let mut child = sd_cli()
         .arg("-m")
-        .arg(fixture())
+        .arg(sd15_fixture())
         .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "40", "--sampling-method", "euler"])
         .args(["-s", "42", "--cfg-scale", "1", "-t", "2", "--rpc", &server.endpoint, "--backend", "RPC0"])
         .args(extra)

@@ -117,9 +117,10 @@ pub(crate) fn prepare_client(rpc: &crate::registry::LoadedPlugin) -> Result<()> 
     let set =
         rpc.reg.proc(c"ggml_backend_rpc_set_timeout_ms").ok_or_else(|| missing("ggml_backend_rpc_set_timeout_ms"))?;
     let lost = rpc.reg.proc(c"ggml_backend_rpc_lost").ok_or_else(|| missing("ggml_backend_rpc_lost"))?;
-    // SAFETY: the patched plugin exports these with the RpcSetTimeoutFn / RpcLostFn signatures.
-    let (set, lost): (sys::RpcSetTimeoutFn, sys::RpcLostFn) =
-        unsafe { (std::mem::transmute(set), std::mem::transmute(lost)) };
+    // SAFETY: the patched plugin exports this with the RpcSetTimeoutFn signature.
+    let set: sys::RpcSetTimeoutFn = unsafe { std::mem::transmute(set) };
+    // SAFETY: the patched plugin exports this with the RpcLostFn signature.
+    let lost: sys::RpcLostFn = unsafe { std::mem::transmute(lost) };
     // SAFETY: a plain setter of an atomic in the plugin.
     unsafe { set(TIMEOUT_MS.load(Ordering::Relaxed) as i32) };
     let _ = LOST_FN.set(lost);

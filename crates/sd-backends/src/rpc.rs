@@ -37,7 +37,8 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Default deadline of one RPC send or receive: a server that moves no byte for this
 /// long is declared lost. Short enough that a dead or stopped server ends a run within
-/// 10 s; a server that computes one graph for longer needs a longer deadline.
+/// 10 s. Servers built with sd-rs's patch send keepalives while they compute; another
+/// server that computes one graph for longer needs a longer deadline.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(8);
 
 static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);

@@ -38,7 +38,8 @@ pub struct DeviceArgs {
     pub rpc: Option<String>,
     /// Deadline of each RPC send or receive, in seconds (default 8): a server that moves
     /// no byte for this long is declared lost and the run stops with exit status 3.
-    /// Raise it for servers that compute one graph for longer; 0 waits forever.
+    /// `sd-cli rpc-server` sends keepalives while it computes; raise it for other servers
+    /// that compute one graph for longer. 0 waits forever.
     #[arg(long = "rpc-timeout", value_name = "SECONDS", value_parser = devices::parse_rpc_timeout)]
     pub rpc_timeout: Option<std::time::Duration>,
 }

@@ -10,6 +10,10 @@
 //!    directory shared by every profile: `<target>/ggml/`. A file lock serialises
 //!    concurrent builds of that directory; a cache key per library skips work
 //!    already done.
+//!    The RPC module is compiled from a copy of its directory with
+//!    `patches/rpc-faults.toml` applied (`build/patch.rs`: exact find/replace hunks,
+//!    each anchor required exactly once, so a moved pin stops the build with the
+//!    hunk's name instead of compiling a half-patched file).
 //! 3. The bindings are committed (`src/bindings.rs`, made by `cargo xtask
 //!    bindings`, which needs libclang); this script only hashes the headers they
 //!    came from, so a test can tell when they are stale.
@@ -21,6 +25,8 @@
 
 #[path = "build/compile.rs"]
 mod compile;
+#[path = "build/patch.rs"]
+mod patch;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -58,13 +64,15 @@ fn run() -> Result<(), String> {
     let out_dir = PathBuf::from(env("OUT_DIR")?);
     let workspace = manifest_dir.parent().and_then(Path::parent).ok_or("cannot find the workspace root")?.to_path_buf();
     let pin_path = manifest_dir.join("ggml-source.toml");
+    let rpc_patch = manifest_dir.join("patches/rpc-faults.toml");
     let spec_path = manifest_dir.join("ggml-build.toml");
     let cpu_path = workspace.join("plugins/cpu/plugin.toml");
-    for p in [&pin_path, &spec_path, &cpu_path] {
+    for p in [&pin_path, &spec_path, &cpu_path, &rpc_patch] {
         println!("cargo:rerun-if-changed={}", p.display());
     }
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=build/compile.rs");
+    println!("cargo:rerun-if-changed=build/patch.rs");
     println!("cargo:rerun-if-changed=wrapper.h");
     for v in ["SD_GGML_SOURCE_DIR", "SD_GGML_BUILD_DIR", "SD_GGML_CPU_VARIANTS"] {
         println!("cargo:rerun-if-env-changed={v}");
@@ -108,8 +116,21 @@ fn run() -> Result<(), String> {
     let lock = fs::File::create(&lock_path).map_err(|e| format!("{}: {e}", lock_path.display()))?;
     lock.lock().map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
     let tc = compile::Toolchain::detect(&out_dir)?;
-    let libs =
-        compile::plan(&spec, &tc, &ggml_src, &gen_include, &cc_root.join("obj"), &cpu_variants, &pin.ggml_version)?;
+    // The RPC module is compiled from a patched copy (patches/rpc-faults.toml: deadlines,
+    // no abort on a lost server, no assert on a malformed message).
+    let rpc_dir = patch::apply(&rpc_patch, &ggml_src.join("src/ggml-rpc"), &cc_root.join("patched/ggml-rpc"))?;
+    let rpc_key = format!("{:x}", Sha256::digest(fs::read(&rpc_patch).map_err(|e| e.to_string())?));
+    let libs = compile::plan(
+        &spec,
+        &tc,
+        &ggml_src,
+        &gen_include,
+        &cc_root.join("obj"),
+        &cpu_variants,
+        &pin.ggml_version,
+        &rpc_dir,
+        &rpc_key,
+    )?;
     let plugin_files: Vec<String> =
         libs.iter().map(|l| l.file.clone()).filter(|f| !f.starts_with("libggml-base")).collect();
     // The registry package is immutable; a local tree is identified by its files' times.

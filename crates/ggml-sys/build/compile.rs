@@ -76,6 +76,8 @@ pub struct Library {
     jobs: Vec<Job>,
     /// Links libggml-base.
     links_base: bool,
+    /// What else the objects depend on (the hash of a patch applied to the sources).
+    extra_key: String,
 }
 
 /// What the build needs to know about the toolchain and the tree.
@@ -161,6 +163,9 @@ fn includes<'a>(src: &'a Path, list: &'a [String]) -> impl Iterator<Item = Strin
 }
 
 /// Builds the job lists of the core library, the RPC plugin and the chosen CPU variants.
+/// `rpc_sources` is the directory holding the (patched) RPC sources, `rpc_key` the
+/// identity of that patch.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     spec: &Spec,
     tc: &Toolchain,
@@ -169,6 +174,8 @@ pub fn plan(
     obj_root: &Path,
     cpu_variants: &[String],
     version: &str,
+    rpc_sources: &Path,
+    rpc_key: &str,
 ) -> Result<Vec<Library>, String> {
     let mut global: Vec<String> = defines(&spec.defines).collect();
     if tc.linux {
@@ -198,6 +205,7 @@ pub fn plan(
         soname: Some(format!("libggml-base.so.{}", version.split('.').next().unwrap_or("0"))),
         jobs: spec.base.sources.iter().map(|s| job("ggml-base", s, &extra)).collect(),
         links_base: false,
+        extra_key: String::new(),
     });
 
     // what every backend module gets from ggml-base (PUBLIC) and ggml_add_backend_library
@@ -205,12 +213,20 @@ pub fn plan(
     backend.extend(defines(&spec.backend.defines));
     backend.extend(includes(src, &spec.backend.includes));
 
-    // libggml-rpc
+    // libggml-rpc, compiled from the patched copy of its directory
+    let mut rpc_jobs = Vec::new();
+    for s in &spec.rpc.sources {
+        let mut j = job(&spec.rpc.target, s, &backend);
+        let name = Path::new(s).file_name().ok_or_else(|| format!("bad RPC source path `{s}`"))?;
+        j.src = rpc_sources.join(name);
+        rpc_jobs.push(j);
+    }
     libs.push(Library {
         file: format!("lib{}.so", spec.rpc.target),
         soname: None,
-        jobs: spec.rpc.sources.iter().map(|s| job(&spec.rpc.target, s, &backend)).collect(),
+        jobs: rpc_jobs,
         links_base: true,
+        extra_key: rpc_key.to_string(),
     });
 
     // libggml-cpu-<variant>
@@ -248,7 +264,13 @@ pub fn plan(
         fe.extend(defines(&arch_defs));
         fe.extend(includes(src, &spec.cpu.feats_includes));
         jobs.push(job(&target, &spec.cpu.feats_source, &fe));
-        libs.push(Library { file: format!("lib{target}.so"), soname: None, jobs, links_base: true });
+        libs.push(Library {
+            file: format!("lib{target}.so"),
+            soname: None,
+            jobs,
+            links_base: true,
+            extra_key: String::new(),
+        });
     }
     Ok(libs)
 }
@@ -258,6 +280,7 @@ fn key(tc_id: &str, salt: &str, lib: &Library) -> String {
     h.update(tc_id.as_bytes());
     h.update(salt.as_bytes());
     h.update(lib.file.as_bytes());
+    h.update(lib.extra_key.as_bytes());
     for j in &lib.jobs {
         h.update(j.src.display().to_string().as_bytes());
         for a in &j.args {

@@ -44,6 +44,13 @@ pub type RpcStartServerFn = unsafe extern "C" fn(
     n_devices: usize,
     devices: *mut ggml_backend_dev_t,
 );
+/// `ggml_backend_rpc_lost` (added by sd-rs's patch, `patches/rpc-faults.toml`): how many
+/// RPC servers were lost; copies the first one's endpoint and reason (NUL-terminated).
+pub type RpcLostFn =
+    unsafe extern "C" fn(endpoint: *mut c_char, endpoint_len: usize, reason: *mut c_char, reason_len: usize) -> c_int;
+/// `ggml_backend_rpc_set_timeout_ms` (sd-rs's patch): the send/receive deadline of every
+/// client connection made from now on (0 = none).
+pub type RpcSetTimeoutFn = unsafe extern "C" fn(ms: c_int);
 /// `RPC_PROTO_MAJOR_VERSION` of ggml-rpc.h; checked against the header in tests.
 pub const RPC_PROTO_MAJOR_VERSION: u8 = 7;
 /// `RPC_CONN_CAPS_SIZE` of the RPC transport (ggml-rpc/transport.h).

@@ -49,6 +49,7 @@ impl GraphAllocator {
         if unsafe { sys::ggml_gallocr_alloc_graph(self.raw, graph.as_raw()) } {
             Ok(())
         } else {
+            crate::rpc::check_lost()?;
             Err(BackendError::Alloc { device: self.buft.name(), bytes: self.measure(graph) })
         }
     }

@@ -77,6 +77,7 @@ impl Backend {
         // of every allocator in this crate).
         let status = unsafe { sys::ggml_backend_graph_compute(self.raw, graph.as_raw()) };
         if status != sys::ggml_status::GGML_STATUS_SUCCESS {
+            crate::rpc::check_lost()?;
             return Err(BackendError::Compute { device: self.device.name(), status: status.0 });
         }
         // Some backends (RPC) return once the work is queued, even from this synchronous
@@ -85,7 +86,7 @@ impl Backend {
         if let Some(last) = graph.n_nodes().checked_sub(1) {
             graph.node(last).read_range(0, 4)?;
         }
-        Ok(())
+        crate::rpc::check_lost()
     }
 
     /// Waits for queued asynchronous work.

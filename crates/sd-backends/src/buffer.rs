@@ -56,6 +56,7 @@ impl BufferType {
         // SAFETY: a live buffer type; ggml returns null on failure.
         let raw = unsafe { sys::ggml_backend_buft_alloc_buffer(self.raw, size) };
         if raw.is_null() {
+            crate::rpc::check_lost()?;
             return Err(BackendError::Alloc { device: self.name(), bytes: size });
         }
         Ok(Buffer { raw })
@@ -89,6 +90,7 @@ impl BufferType {
         // SAFETY: live context and buffer type; null means failure.
         let raw = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx.as_raw(), self.raw) };
         if raw.is_null() {
+            crate::rpc::check_lost()?;
             return Err(BackendError::Alloc { device: self.name(), bytes: size });
         }
         Ok(Some(Buffer { raw }))

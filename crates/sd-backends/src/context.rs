@@ -308,7 +308,7 @@ impl<'c> Tensor<'c> {
         }
         // SAFETY: both allocated with identical layout (checked).
         unsafe { sys::ggml_backend_tensor_copy(src.as_raw(), self.as_raw()) };
-        Ok(())
+        crate::rpc::check_lost()
     }
 
     /// Copies raw bytes into the tensor's storage.
@@ -316,7 +316,7 @@ impl<'c> Tensor<'c> {
         self.check_size(data.len())?;
         // SAFETY: allocated tensor (checked) and exactly nbytes of data.
         unsafe { sys::ggml_backend_tensor_set(self.as_raw(), data.as_ptr().cast(), 0, data.len()) };
-        Ok(())
+        crate::rpc::check_lost()
     }
 
     /// Copies f32 values into an f32 tensor.
@@ -343,6 +343,7 @@ impl<'c> Tensor<'c> {
         let mut out = vec![0u8; self.nbytes()];
         // SAFETY: allocated tensor; out has nbytes.
         unsafe { sys::ggml_backend_tensor_get(self.as_raw(), out.as_mut_ptr().cast(), 0, out.len()) };
+        crate::rpc::check_lost()?;
         Ok(out)
     }
 
@@ -357,6 +358,7 @@ impl<'c> Tensor<'c> {
             // SAFETY: allocated tensor; the range lies inside its data.
             unsafe { sys::ggml_backend_tensor_get(self.as_raw(), out.as_mut_ptr().cast(), offset, out.len()) };
         }
+        crate::rpc::check_lost()?;
         Ok(out)
     }
 

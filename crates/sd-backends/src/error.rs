@@ -23,6 +23,12 @@ pub enum BackendError {
     /// An RPC server could not be reached or did not speak the protocol.
     #[error("RPC server {endpoint} is unusable: {reason}")]
     RpcUnreachable { endpoint: String, reason: String },
+    /// An RPC server stopped answering or went away during the run.
+    #[error(
+        "lost RPC server {endpoint} ({devices}): {reason}; what it held for this run (weights, \
+         activations) is gone, so the run stopped"
+    )]
+    RpcLost { endpoint: String, devices: String, reason: String },
     /// A buffer allocation failed on a device.
     #[error("allocating {bytes} bytes on {device} failed")]
     Alloc { device: String, bytes: usize },

@@ -12,7 +12,9 @@
 //!
 //! What it refuses to do: it never calls upstream's loader (`ggml_backend_load*`),
 //! never searches the working directory, never unloads a plugin, and never
-//! hands an RPC endpoint to ggml before probing it (ggml aborts on a dead one).
+//! hands an RPC endpoint to ggml before probing it, and never lets a lost RPC
+//! server abort or block the process (the RPC plugin is patched for that; a loss
+//! is [`BackendError::RpcLost`] at the next operation).
 //! It knows nothing about models or placement policy.
 
 pub mod alloc;
@@ -28,6 +30,7 @@ mod log;
 pub mod ops;
 pub mod registry;
 pub mod rpc;
+pub mod rpc_wire;
 pub mod sched;
 
 pub use alloc::GraphAllocator;

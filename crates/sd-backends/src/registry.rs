@@ -385,6 +385,7 @@ impl PluginRegistry {
             return Ok(p.reg.devices());
         }
         rpc::probe(endpoint, rpc::PROBE_TIMEOUT)?;
+        rpc::prepare_client(&rpc_plugin)?;
         let add = rpc_plugin.reg.proc(c"ggml_backend_rpc_add_server").ok_or_else(|| BackendError::MissingProc {
             plugin: rpc_plugin.path.display().to_string(),
             symbol: "ggml_backend_rpc_add_server".into(),
@@ -396,6 +397,7 @@ impl PluginRegistry {
         // copies the string.
         let raw = unsafe { add(c_endpoint.as_ptr()) };
         if raw.is_null() {
+            rpc::check_lost()?;
             return Err(BackendError::RpcUnreachable {
                 endpoint: endpoint.into(),
                 reason: "the server reports no devices".into(),
@@ -403,6 +405,8 @@ impl PluginRegistry {
         }
         let handle = RegHandle(raw);
         let devices = handle.devices();
+        rpc::check_lost()?;
+        rpc::remember_devices(endpoint, devices.iter().map(|d| d.name()).collect());
         self.plugins.push(LoadedPlugin {
             name: handle.name(),
             path: rpc_plugin.path.clone(),

@@ -7,12 +7,23 @@
 //! `| size u64 | major u8 | minor u8 | patch u8 | pad u8 | caps [u8; 24] |`.
 //! Only an endpoint that answers with our major version reaches ggml.
 //!
+//! Faults during a run: the RPC plugin is compiled with sd-rs's patch
+//! (`ggml-sys/patches/rpc-faults.toml`), so every call has a send/receive
+//! deadline ([`set_timeout`], default [`DEFAULT_TIMEOUT`]) and a dead or silent
+//! server is recorded instead of aborting the process; later calls to it
+//! return at once with zeroed results. [`check_lost`] turns a recorded loss
+//! into [`BackendError::RpcLost`]; the wrappers of this crate call it after
+//! every operation that can reach a server (compute, tensor reads and writes,
+//! allocations), so a loss surfaces as an error at the next one.
+//!
 //! The protocol has no authentication: the server binds loopback by default
 //! and warns when asked to bind anything else.
 
-use std::ffi::CString;
+use std::ffi::{c_char, CString};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use ggml_sys as sys;
@@ -23,6 +34,104 @@ use crate::registry::PluginRegistry;
 
 /// How long the probe waits for connect and for each read/write.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Default deadline of one RPC send or receive: a server that moves no byte for this
+/// long is declared lost. Short enough that a dead or stopped server ends a run within
+/// 10 s. Servers built with sd-rs's patch send keepalives while they compute; another
+/// server that computes one graph for longer needs a longer deadline.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(8);
+
+static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
+/// The RPC plugin's loss registry, once a server has been connected.
+static LOST_FN: OnceLock<sys::RpcLostFn> = OnceLock::new();
+/// Device names of each connected endpoint, for the loss message.
+static ENDPOINT_DEVICES: Mutex<Vec<(String, Vec<String>)>> = Mutex::new(Vec::new());
+
+/// Sets the deadline of RPC calls on connections made from now on (call it before
+/// adding servers). Zero means no deadline (a stopped server then blocks the run).
+pub fn set_timeout(timeout: Duration) {
+    TIMEOUT_MS.store(timeout.as_millis().min(i32::MAX as u128) as u64, Ordering::Relaxed);
+}
+
+/// The deadline of RPC calls.
+pub fn timeout() -> Duration {
+    Duration::from_millis(TIMEOUT_MS.load(Ordering::Relaxed))
+}
+
+/// A server whose connection was lost during the run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RpcLoss {
+    /// `HOST:PORT` of the server.
+    pub endpoint: String,
+    /// What failed (the cause and the command in flight).
+    pub reason: String,
+    /// The devices that server provided.
+    pub devices: Vec<String>,
+}
+
+/// The first server lost in this process, if any.
+pub fn lost() -> Option<RpcLoss> {
+    let f = LOST_FN.get()?;
+    let mut endpoint = [0 as c_char; 256];
+    let mut reason = [0 as c_char; 512];
+    // SAFETY: the function of the patched RPC plugin (RpcLostFn); the buffers are as
+    // long as we say and it NUL-terminates what it copies.
+    let n = unsafe { f(endpoint.as_mut_ptr(), endpoint.len(), reason.as_mut_ptr(), reason.len()) };
+    if n <= 0 {
+        return None;
+    }
+    // SAFETY: NUL-terminated by the callee (n > 0 means both were written).
+    let text = |b: &[c_char]| unsafe { std::ffi::CStr::from_ptr(b.as_ptr()) }.to_string_lossy().into_owned();
+    let endpoint = text(&endpoint);
+    let devices = ENDPOINT_DEVICES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(e, _)| *e == endpoint)
+        .map(|(_, d)| d.clone())
+        .unwrap_or_default();
+    Some(RpcLoss { endpoint, reason: text(&reason), devices })
+}
+
+/// `Err(RpcLost)` once any RPC server of this process has been lost.
+pub fn check_lost() -> Result<()> {
+    match lost() {
+        None => Ok(()),
+        Some(l) => Err(BackendError::RpcLost {
+            devices: if l.devices.is_empty() { "its devices".into() } else { l.devices.join(", ") },
+            endpoint: l.endpoint,
+            reason: l.reason,
+        }),
+    }
+}
+
+/// Makes the patched plugin's fault handling ready before the first connection to a
+/// server: the deadline, and the loss registry [`check_lost`] reads.
+pub(crate) fn prepare_client(rpc: &crate::registry::LoadedPlugin) -> Result<()> {
+    let missing = |symbol: &str| BackendError::MissingProc {
+        plugin: format!(
+            "{} (not built with sd-rs's RPC patch: a lost server would abort the process)",
+            rpc.path.display()
+        ),
+        symbol: symbol.into(),
+    };
+    let set =
+        rpc.reg.proc(c"ggml_backend_rpc_set_timeout_ms").ok_or_else(|| missing("ggml_backend_rpc_set_timeout_ms"))?;
+    let lost = rpc.reg.proc(c"ggml_backend_rpc_lost").ok_or_else(|| missing("ggml_backend_rpc_lost"))?;
+    // SAFETY: the patched plugin exports this with the RpcSetTimeoutFn signature.
+    let set: sys::RpcSetTimeoutFn = unsafe { std::mem::transmute(set) };
+    // SAFETY: the patched plugin exports this with the RpcLostFn signature.
+    let lost: sys::RpcLostFn = unsafe { std::mem::transmute(lost) };
+    // SAFETY: a plain setter of an atomic in the plugin.
+    unsafe { set(TIMEOUT_MS.load(Ordering::Relaxed) as i32) };
+    let _ = LOST_FN.set(lost);
+    Ok(())
+}
+
+/// Records which devices an endpoint provides (named in a loss).
+pub(crate) fn remember_devices(endpoint: &str, devices: Vec<String>) {
+    ENDPOINT_DEVICES.lock().unwrap_or_else(|e| e.into_inner()).push((endpoint.to_string(), devices));
+}
 
 /// Parses `HOST:PORT` (IPv4 address or a host name resolving to IPv4).
 pub fn parse_endpoint(endpoint: &str) -> Result<SocketAddr> {
@@ -130,6 +239,70 @@ pub fn serve(
     };
     Ok(())
 }
+
+/// Runs an RPC server as a supervised worker process: `spawn` starts the worker (a
+/// process that calls [`serve`]); when it dies by a signal (a client's message
+/// reached a ggml assert the server's checks did not foresee) only that client's
+/// connection is lost, so it is started again and the service goes on. Returns
+/// the worker's exit status once it exits on its own (a failure to start, such as a
+/// port in use, ends supervision).
+/// A worker that fails to start right after a crash is retried for this long (the
+/// port may still be held by what the dead worker left behind).
+const RESTART_GRACE: Duration = Duration::from_secs(10);
+
+pub fn supervise(
+    mut spawn: impl FnMut() -> std::io::Result<std::process::Child>,
+) -> std::io::Result<std::process::ExitStatus> {
+    let mut last_crash: Option<std::time::Instant> = None;
+    loop {
+        let started = std::time::Instant::now();
+        let status = spawn()?.wait()?;
+        match killed_by(&status) {
+            Some(signal) => {
+                tracing::warn!(
+                    "the RPC server worker died by signal {signal} while serving a client (that client lost \
+                     its connection); starting it again"
+                );
+                last_crash = Some(std::time::Instant::now());
+            }
+            None if !status.success() && last_crash.is_some_and(|t| t.elapsed() < RESTART_GRACE) => {
+                tracing::info!("the restarted RPC server worker could not start yet; retrying");
+            }
+            None => return Ok(status),
+        }
+        // a worker that dies at once every time must not spin
+        if started.elapsed() < Duration::from_secs(1) {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+#[cfg(unix)]
+fn killed_by(status: &std::process::ExitStatus) -> Option<i32> {
+    std::os::unix::process::ExitStatusExt::signal(status)
+}
+
+#[cfg(not(unix))]
+fn killed_by(_: &std::process::ExitStatus) -> Option<i32> {
+    None
+}
+
+/// In a supervised worker: exits this process when its supervisor goes away, so a
+/// killed supervisor leaves no server behind.
+#[cfg(unix)]
+pub fn exit_with_supervisor() {
+    let supervisor = std::os::unix::process::parent_id();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(200));
+        if std::os::unix::process::parent_id() != supervisor {
+            std::process::exit(0);
+        }
+    });
+}
+
+/// In a supervised worker (no-op where the parent cannot be watched).
+#[cfg(not(unix))]
+pub fn exit_with_supervisor() {}
 
 #[cfg(test)]
 mod tests {

@@ -68,6 +68,7 @@ impl Scheduler {
         if unsafe { sys::ggml_backend_sched_alloc_graph(self.raw, graph.as_raw()) } {
             Ok(())
         } else {
+            crate::rpc::check_lost()?;
             Err(BackendError::Alloc { device: "scheduler".into(), bytes: 0 })
         }
     }
@@ -77,9 +78,10 @@ impl Scheduler {
         // SAFETY: live scheduler and graph.
         let status = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.as_raw()) };
         if status != sys::ggml_status::GGML_STATUS_SUCCESS {
+            crate::rpc::check_lost()?;
             return Err(BackendError::Compute { device: "scheduler".into(), status: status.0 });
         }
-        Ok(())
+        crate::rpc::check_lost()
     }
 
     /// Frees the previous graph's allocation.

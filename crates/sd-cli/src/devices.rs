@@ -7,8 +7,18 @@ use sd_backends::{DeviceInfo, PluginRegistry, PluginSearch};
 
 use crate::DeviceArgs;
 
+/// `--rpc-timeout`: seconds, finite, at most an hour (0 = no deadline).
+pub fn parse_rpc_timeout(s: &str) -> std::result::Result<std::time::Duration, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !secs.is_finite() || !(0.0..=3600.0).contains(&secs) {
+        return Err(format!("`{s}`: the RPC deadline must be between 0 and 3600 seconds"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
 /// Loads the plugins and connects the `--rpc` servers.
 pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
+    sd_backends::rpc::set_timeout(args.rpc_timeout.unwrap_or(sd_backends::rpc::DEFAULT_TIMEOUT));
     let mut reg = PluginRegistry::discover(&PluginSearch::standard(args.plugin_dir.clone()));
     if reg.plugins().is_empty() {
         anyhow::bail!(

@@ -36,7 +36,17 @@ pub struct DeviceArgs {
     /// Remote devices: comma-separated `host:port` of `sd-cli rpc-server` instances.
     #[arg(long = "rpc", value_name = "HOST:PORT[,...]")]
     pub rpc: Option<String>,
+    /// Deadline of each RPC send or receive, in seconds (default 8): a server that moves
+    /// no byte for this long is declared lost and the run stops with exit status 3.
+    /// `sd-cli rpc-server` sends keepalives while it computes; raise it for other servers
+    /// that compute one graph for longer. 0 waits forever.
+    #[arg(long = "rpc-timeout", value_name = "SECONDS", value_parser = devices::parse_rpc_timeout)]
+    pub rpc_timeout: Option<std::time::Duration>,
 }
+
+/// Exit status when a remote (RPC) device was lost during the run (1 is any other
+/// failure, 2 bad input).
+const EXIT_DEVICE_LOST: u8 = 3;
 
 #[derive(Parser, Debug)]
 #[command(name = "sd-cli", about = "Diffusion models on ggml, placed across devices", disable_version_flag = true)]
@@ -93,12 +103,30 @@ fn main() -> ExitCode {
             None => generate::run(&cli.generate, &cli.devices),
         }
     };
+    let printed = match &result {
+        Ok(_) => String::new(),
+        Err(e) => {
+            let msg = report(e);
+            eprintln!("error: {msg}");
+            msg
+        }
+    };
+    // A lost server decides the exit status, whatever error it caused on its way out.
+    if let Some(loss) = sd_backends::rpc::lost() {
+        if !printed.contains(&loss.endpoint) {
+            eprintln!("error: lost RPC server {}: {}", loss.endpoint, loss.reason);
+        }
+        if loss.reason.contains("deadline") {
+            eprintln!(
+                "hint: --rpc-timeout SECONDS raises the deadline (now {} s) for a server that is only slow",
+                sd_backends::rpc::timeout().as_secs_f64()
+            );
+        }
+        return ExitCode::from(EXIT_DEVICE_LOST);
+    }
     match result {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {}", report(&e));
-            ExitCode::FAILURE
-        }
+        Err(_) => ExitCode::FAILURE,
     }
 }
 

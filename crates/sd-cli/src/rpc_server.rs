@@ -27,10 +27,34 @@ pub struct RpcServerArgs {
     /// Directory for the server's tensor cache (optional).
     #[arg(long = "cache-dir", value_name = "DIR")]
     pub cache_dir: Option<std::path::PathBuf>,
+    /// Internal: serve in this process. Without it, this process supervises such a
+    /// worker and starts it again if a client's message kills it.
+    #[arg(long = "worker", hide = true)]
+    pub worker: bool,
 }
 
 /// Runs the server until the process is stopped.
 pub fn run(args: &RpcServerArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
+    if !args.worker {
+        let exe = std::env::current_exe().context("locating sd-cli to start the server worker")?;
+        let status = sd_backends::rpc::supervise(|| {
+            let mut worker = std::process::Command::new(&exe);
+            worker.args(std::env::args_os().skip(1)).arg("--worker");
+            // ggml prints an abort's backtrace through a debugger child that inherits the
+            // listening socket and outlives the worker: the restart could not bind
+            if std::env::var_os("GGML_NO_BACKTRACE").is_none() {
+                worker.env("GGML_NO_BACKTRACE", "1");
+            }
+            worker.spawn()
+        })
+        .context("running the RPC server worker")?;
+        return Ok(match status.code() {
+            Some(0) => ExitCode::SUCCESS,
+            Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
+            None => ExitCode::FAILURE,
+        });
+    }
+    sd_backends::rpc::exit_with_supervisor();
     let reg = crate::devices::open(dev_args)?;
     let devices = reg.devices();
     let device = match &args.device {

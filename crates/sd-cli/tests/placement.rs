@@ -4,65 +4,11 @@
 //! be bit-identical to the all-CPU run; `-v` output is checked for what the runtime says it
 //! did (segments, prefetches, each device's high-water mark within its budget).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use std::path::Path;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The SD 1.5 fixture (seed 42, f16), shared with the other end-to-end tests.
-fn fixture() -> PathBuf {
-    let dir = workspace().join("target/fixtures-test");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sd15-f16-seed42.safetensors");
-    if !path.exists() {
-        let tmp = dir.join(format!("sd15-f16-seed42.{}.tmp", std::process::id()));
-        let req = FixtureRequest::family(Family::Sd15, 42, WeightType::F16, FileFormat::Safetensors);
-        fixture::write_fixture(&tmp, &req).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
-    }
-    path
-}
-
-fn sd_cli() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sd-cli"))
-}
-
-/// An `sd-cli rpc-server` child process on a free loopback port, killed on drop.
-struct Server {
-    child: Child,
-    endpoint: String,
-}
-
-impl Server {
-    fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = sd_cli()
-            .args(["rpc-server", "--host", "127.0.0.1", "--port", &port.to_string(), "--threads", "2"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "rpc-server did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-        Self { child, endpoint: format!("127.0.0.1:{port}") }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{sd15_fixture as fixture, sd_cli, Server};
 
 fn pixels(path: &Path) -> Vec<u8> {
     let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));

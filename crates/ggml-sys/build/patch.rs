@@ -1,0 +1,108 @@
+//! Applying a reviewed patch (`patches/*.toml`: exact find/replace hunks) to a copy of
+//! one directory of the pinned ggml source; every anchor must occur exactly once.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+#[derive(serde::Deserialize)]
+pub struct Patch {
+    #[serde(rename = "file")]
+    pub files: Vec<FileRule>,
+    #[serde(rename = "hunk")]
+    pub hunks: Vec<Hunk>,
+}
+
+/// A file the patch touches, and strings that must be gone once it is applied.
+#[derive(serde::Deserialize)]
+pub struct FileRule {
+    pub name: String,
+    #[serde(default)]
+    pub absent: Vec<String>,
+}
+
+#[derive(serde::Deserialize)]
+pub struct Hunk {
+    pub file: String,
+    pub why: String,
+    pub find: String,
+    pub replace: String,
+}
+
+impl Patch {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// The patched text of `name`, given its pinned text. `label` names the patch in errors.
+    pub fn apply_to(&self, label: &str, name: &str, original: &str) -> Result<String, String> {
+        let rule = self
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| format!("{label}: `{name}` is not listed as a [[file]]"))?;
+        let mut text = original.to_string();
+        for (i, h) in self.hunks.iter().enumerate().filter(|(_, h)| h.file == name) {
+            let n = text.matches(h.find.as_str()).count();
+            if n != 1 {
+                return Err(format!(
+                    "{label}: hunk {} ({name}: {}) expects its anchor exactly once in the pinned source, found it {n} times. \
+                     The pinned ggml no longer matches this patch: re-read upstream's {name} and update the patch.",
+                    i + 1,
+                    h.why
+                ));
+            }
+            text = text.replacen(h.find.as_str(), &h.replace, 1);
+        }
+        for s in &rule.absent {
+            if text.contains(s.as_str()) {
+                return Err(format!(
+                    "{label}: `{s}` is still in the patched {name}: upstream added a site the patch must also cover"
+                ));
+            }
+        }
+        Ok(text)
+    }
+
+    fn check_hunk_files(&self, label: &str) -> Result<(), String> {
+        for (i, h) in self.hunks.iter().enumerate() {
+            if !self.files.iter().any(|f| f.name == h.file) {
+                return Err(format!("{label}: hunk {} names `{}`, which is not listed as a [[file]]", i + 1, h.file));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies every file of `src_dir` into `out_dir`, applying `patch_path` to the files it
+/// lists. Files are rewritten only when their text changes.
+/// Returns the patched directory.
+pub fn apply(patch_path: &Path, src_dir: &Path, out_dir: &Path) -> Result<PathBuf, String> {
+    let label = patch_path.display().to_string();
+    let text = fs::read_to_string(patch_path).map_err(|e| format!("{label}: {e}"))?;
+    let patch = Patch::parse(&text).map_err(|e| format!("{label}: {e}"))?;
+    patch.check_hunk_files(&label)?;
+    fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    for f in &patch.files {
+        if !src_dir.join(&f.name).is_file() {
+            return Err(format!("{label}: the pinned source has no {}", src_dir.join(&f.name).display()));
+        }
+    }
+    for entry in fs::read_dir(src_dir).map_err(|e| format!("{}: {e}", src_dir.display()))? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        if !path.is_file() {
+            continue;
+        }
+        let name = path.file_name().and_then(|n| n.to_str()).ok_or("non-UTF-8 file name")?.to_string();
+        let original = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let out = if patch.files.iter().any(|f| f.name == name) {
+            patch.apply_to(&label, &name, &original)?
+        } else {
+            original
+        };
+        let dest = out_dir.join(&name);
+        if fs::read_to_string(&dest).map(|old| old != out).unwrap_or(true) {
+            fs::write(&dest, out).map_err(|e| format!("{}: {e}", dest.display()))?;
+        }
+    }
+    Ok(out_dir.to_path_buf())
+}

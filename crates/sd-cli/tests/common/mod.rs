@@ -1,0 +1,83 @@
+//! Helpers shared by the end-to-end tests that use the SD 1.5 fixture and RPC servers.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sd_backends::rpc_wire::WireClient;
+use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+
+pub fn sd_cli() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sd-cli"))
+}
+
+/// The SD 1.5 fixture (seed 42, f16), shared by the end-to-end tests.
+pub fn sd15_fixture() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sd15-f16-seed42.safetensors");
+    if !path.exists() {
+        let tmp = dir.join(format!("sd15-f16-seed42.{}.tmp", std::process::id()));
+        let req = FixtureRequest::family(Family::Sd15, 42, WeightType::F16, FileFormat::Safetensors);
+        fixture::write_fixture(&tmp, &req).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+    path
+}
+
+/// An `sd-cli rpc-server` on a free loopback port, in its own process group (signals
+/// reach the supervisor and its worker alike); continued and killed on drop.
+/// `RPC_FAULTS_SERVER_LOG=1` shows its log (`-v`).
+pub struct Server {
+    pub child: Child,
+    pub endpoint: String,
+}
+
+impl Server {
+    pub fn start() -> Self {
+        use std::os::unix::process::CommandExt;
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let log = std::env::var_os("RPC_FAULTS_SERVER_LOG").is_some();
+        let child = sd_cli()
+            .args(["rpc-server", "--host", "127.0.0.1", "--port", &port.to_string(), "--threads", "2"])
+            .args(log.then_some("-v"))
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(if log { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .unwrap();
+        let endpoint = format!("127.0.0.1:{port}");
+        let t = Instant::now();
+        // ready once it answers the handshake (a bare connect may reach the backlog first)
+        while WireClient::connect(&endpoint, Duration::from_secs(2)).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "rpc-server did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, endpoint }
+    }
+
+    /// Sends `sig` to the server's process group.
+    pub fn signal(&self, sig: &str) {
+        assert!(self.try_signal(sig), "kill {sig} failed");
+    }
+
+    fn try_signal(&self, sig: &str) -> bool {
+        let group = format!("-{}", self.child.id());
+        Command::new("kill").args([sig, "--", &group]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    }
+
+    /// Whether the supervisor still runs.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.try_signal("-CONT");
+        self.try_signal("-KILL");
+        let _ = self.child.wait();
+    }
+}

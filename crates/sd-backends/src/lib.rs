@@ -29,6 +29,7 @@ pub mod ops;
 pub mod registry;
 pub mod rpc;
 pub mod sched;
+pub mod threads;
 
 pub use alloc::GraphAllocator;
 pub use backend::{Backend, BackendManager};

@@ -30,7 +30,7 @@ pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
     }
     if let Some(list) = &args.rpc {
         for endpoint in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let devs = reg.add_rpc_server(endpoint).with_context(|| format!("--rpc {endpoint}"))?;
+            let devs = reg.add_rpc_server(endpoint).with_context(|| format!("--rpc-servers {endpoint}"))?;
             tracing::info!(
                 "added {} remote device(s) from {endpoint}: {}",
                 devs.len(),

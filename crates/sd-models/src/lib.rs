@@ -6,11 +6,14 @@
 //! - [`fixture`]: checkpoints with the real tensor layout and small random weights.
 //! - [`text`]: the CLIP BPE tokenizer and prompt weighting.
 //! - [`sampling`]: noise generators (Philox, mt19937), schedulers and samplers.
+//! - [`image_io`]: image files in and out (PNG, JPEG, WebP, BMP), init-image fitting,
+//!   generation parameters in the files, output names.
 
 pub mod describe;
 pub mod diffusion;
 pub mod files;
 pub mod fixture;
+pub mod image_io;
 pub mod loader;
 pub mod pipeline;
 pub mod sampling;

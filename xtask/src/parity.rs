@@ -439,7 +439,7 @@ fn read_png_rgb(path: &Path) -> Result<(u32, u32, Vec<u8>)> {
     let mut dec = png::Decoder::new(std::io::BufReader::new(file));
     dec.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
     let mut reader = dec.read_info().with_context(|| format!("reading {}", path.display()))?;
-    let mut buf = vec![0; reader.output_buffer_size()];
+    let mut buf = vec![0; reader.output_buffer_size().context("PNG too large")?];
     let info = reader.next_frame(&mut buf).with_context(|| format!("decoding {}", path.display()))?;
     let px = info.width as usize * info.height as usize;
     let rgb = match info.color_type {

@@ -32,6 +32,7 @@ pub mod registry;
 pub mod rpc;
 pub mod rpc_wire;
 pub mod sched;
+pub mod threads;
 
 pub use alloc::GraphAllocator;
 pub use backend::{usable_threads, Backend, BackendManager};

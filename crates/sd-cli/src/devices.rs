@@ -40,7 +40,7 @@ pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
     }
     if let Some(list) = &args.rpc {
         for endpoint in rpc_endpoints(list)? {
-            let devs = reg.add_rpc_server(endpoint).with_context(|| format!("--rpc {endpoint}"))?;
+            let devs = reg.add_rpc_server(endpoint).with_context(|| format!("--rpc-servers {endpoint}"))?;
             tracing::info!(
                 "added {} remote device(s) from {endpoint}: {}",
                 devs.len(),
@@ -56,13 +56,13 @@ fn rpc_endpoints(list: &str) -> Result<Vec<&str>> {
     let endpoints: Vec<&str> = list.split(',').map(str::trim).collect();
     if endpoints.iter().any(|e| e.is_empty()) {
         anyhow::bail!(
-            "--rpc '{}': an endpoint is empty; write HOST:PORT[,HOST:PORT...]",
+            "--rpc-servers '{}': an endpoint is empty; write HOST:PORT[,HOST:PORT...]",
             crate::generate::clip_text(list)
         );
     }
     for (i, e) in endpoints.iter().enumerate() {
         if endpoints[..i].contains(e) {
-            anyhow::bail!("--rpc: endpoint '{}' is given twice", crate::generate::clip_text(e));
+            anyhow::bail!("--rpc-servers: endpoint '{}' is given twice", crate::generate::clip_text(e));
         }
     }
     Ok(endpoints)

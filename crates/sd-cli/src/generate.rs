@@ -1,7 +1,7 @@
-//! Image generation: the reference's flags, placement, progress, PNG output.
+//! Image generation: the reference's flags, placement, progress, image output.
 
-use std::io::{IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -10,13 +10,12 @@ use clap::Args;
 use sd_backends::{BackendManager, GgmlType};
 use sd_models::files::Prediction as FilePrediction;
 use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
-use sd_models::output::OutputTarget;
 use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, ModuleHomes, Pipeline, Placement, Progress};
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
 use sd_sched::ParamHome;
 use sd_vae::TilingParams;
 
-use crate::image_io::{read_png, write_png, Rgb8};
+use crate::inputs::RunArgs;
 use crate::plan::{ModelArgs, PlacementArgs};
 use crate::DeviceArgs;
 
@@ -27,18 +26,21 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub placement: PlacementArgs,
+    #[command(flatten)]
+    pub run: RunArgs,
     /// The prompt.
     #[arg(short = 'p', long = "prompt", default_value = "")]
     pub prompt: String,
     /// The negative prompt.
     #[arg(short = 'n', long = "negative-prompt", default_value = "")]
     pub negative_prompt: String,
-    /// Image width in pixels: a multiple of 64 for SD 1.x/2.x (the VAE's 8 times the UNet's three halvings).
-    #[arg(short = 'W', long = "width", default_value_t = 512, value_parser = image_side, allow_negative_numbers = true)]
-    pub width: usize,
-    /// Image height in pixels: a multiple of 64 for SD 1.x/2.x.
-    #[arg(short = 'H', long = "height", default_value_t = 512, value_parser = image_side, allow_negative_numbers = true)]
-    pub height: usize,
+    /// Image width in pixels (default: 512, or the init image's; rounded up to the model's
+    /// multiple, 64 for SD).
+    #[arg(short = 'W', long = "width", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true)]
+    pub width: i64,
+    /// Image height in pixels (default: 512, or the init image's; rounded up likewise).
+    #[arg(short = 'H', long = "height", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true)]
+    pub height: i64,
     /// Sampling steps.
     #[arg(long = "steps", default_value_t = 20)]
     pub steps: usize,
@@ -57,16 +59,18 @@ pub struct GenerateArgs {
     /// Number of images.
     #[arg(short = 'b', long = "batch-count", default_value_t = 1)]
     pub batch_count: usize,
-    /// Output PNG (with several images: name_2.png, ...).
+    /// Output image: .png, .jpg or .webp; printf-style %d (e.g. out_%03d.png) numbers the
+    /// images, else a batch is name_0.png, name_1.png, ...
     #[arg(short = 'o', long = "output", default_value = "output.png")]
     pub output: PathBuf,
-    /// CPU threads (<= 0: all cores).
+    /// CPU threads (<= 0: the number of physical cores).
     #[arg(short = 't', long = "threads", default_value_t = -1, allow_hyphen_values = true)]
     pub threads: i64,
     /// Noise generator: cuda (Philox, the default), std_default, cpu.
     #[arg(long = "rng", default_value = "cuda")]
     pub rng: String,
-    /// img2img: the init image (PNG).
+    /// img2img: the init image (PNG, JPEG, WebP or BMP), centre-cropped and resized to
+    /// -W x -H when both are given.
     #[arg(short = 'i', long = "init-img")]
     pub init_img: Option<PathBuf>,
     /// img2img: how much to change the init image (0..1).
@@ -99,24 +103,12 @@ pub struct GenerateArgs {
     /// Relative VAE tile size: <=1 fraction of the image, >1 tiles per axis; N or WxH.
     #[arg(long = "vae-relative-tile-size")]
     pub vae_relative_tile_size: Option<String>,
-    /// Disable asynchronous next-segment prefetch (segmented execution).
+    /// [sd-rs] Disable asynchronous next-segment prefetch (segmented execution).
     #[arg(long = "disable-prefetch")]
     pub disable_prefetch: bool,
-    /// Force monolithic graph execution.
+    /// [sd-rs] Force monolithic graph execution.
     #[arg(long = "disable-segmented-compute")]
     pub disable_segmented_compute: bool,
-}
-
-/// `-W`/`-H`: a positive whole number of pixels (the model's multiple is checked once the
-/// model is known).
-fn image_side(s: &str) -> std::result::Result<usize, String> {
-    match s.trim().parse::<i64>() {
-        Ok(v) if v > 0 => usize::try_from(v).map_err(|_| format!("{v} pixels is too large")),
-        Ok(v) => {
-            Err(format!("{v}: the image side must be a positive number of pixels (a multiple of 64 for SD 1.x/2.x)"))
-        }
-        Err(_) => Err(format!("'{}' is not a whole number of pixels", clip_text(s))),
-    }
 }
 
 /// `s` cut to 60 characters for an error message (a 100 KB argument is not echoed whole).
@@ -180,10 +172,12 @@ fn ensure_fixture() -> Result<PathBuf> {
     Ok(path)
 }
 
-fn a1111_parameters(a: &GenerateArgs, seed: u64, method: SampleMethod, scheduler: Scheduler, model: &str) -> String {
-    let mut s = a.prompt.clone();
-    if !a.negative_prompt.is_empty() {
-        s.push_str(&format!("\nNegative prompt: {}", a.negative_prompt));
+/// The parameters text of an image (A1111's layout).
+fn a1111_parameters(a: &GenerateArgs, p: &GenerateParams, seed: u64, model: &str) -> String {
+    let (method, scheduler) = (p.method, p.scheduler);
+    let mut s = p.prompt.clone();
+    if !p.negative_prompt.is_empty() {
+        s.push_str(&format!("\nNegative prompt: {}", p.negative_prompt));
     }
     s.push_str(&format!(
         "\nSteps: {}, Sampler: {}, Schedule type: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Model: {}, RNG: {}",
@@ -192,8 +186,8 @@ fn a1111_parameters(a: &GenerateArgs, seed: u64, method: SampleMethod, scheduler
         scheduler.name(),
         a.cfg_scale,
         seed,
-        a.width,
-        a.height,
+        p.width,
+        p.height,
         model,
         a.rng
     ));
@@ -207,19 +201,11 @@ fn a1111_parameters(a: &GenerateArgs, seed: u64, method: SampleMethod, scheduler
     s
 }
 
-fn output_path(base: &Path, i: usize, n: usize) -> PathBuf {
-    if n == 1 || i == 0 {
-        return base.to_path_buf();
-    }
-    let stem = base.file_stem().and_then(|s| s.to_str()).unwrap_or("output");
-    let ext = base.extension().and_then(|s| s.to_str()).unwrap_or("png");
-    base.with_file_name(format!("{stem}_{}.{ext}", i + 1))
-}
-
 /// Runs a generation.
 pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // Flags are checked here, against the model in `Pipeline::check_request`, and the outputs
     // once those pass: all before the first weight is read.
+    a.run.check_mode()?;
     let method: SampleMethod = a.sampling_method.parse().with_context(|| "--sampling-method".to_string())?;
     let scheduler: Scheduler = match &a.scheduler {
         Some(s) => s.parse().with_context(|| "--scheduler".to_string())?,
@@ -239,31 +225,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         a.vae_tile_overlap.as_deref(),
         a.vae_relative_tile_size.as_deref(),
     )?;
-    let init = match &a.init_img {
-        None => None,
-        Some(p) => {
-            let img = read_png(p)?;
-            if img.width as usize != a.width || img.height as usize != a.height {
-                bail!(
-                    "-i {}: the image is {}x{}, but -W/-H ask for {}x{}",
-                    p.display(),
-                    img.width,
-                    img.height,
-                    a.width,
-                    a.height
-                );
-            }
-            let plane = (img.width * img.height) as usize;
-            let mut planar = vec![0f32; plane * 3];
-            for i in 0..plane {
-                for c in 0..3 {
-                    planar[c * plane + i] = img.data[i * 3 + c] as f32 / 255.0;
-                }
-            }
-            Some((planar, a.strength))
-        }
-    };
-    if a.prompt.is_empty() {
+    let (prompt, negative_prompt) = a.run.prompts(&a.prompt, &a.negative_prompt)?;
+    // -W/-H and the init image, as the reference's CLI resolves them; the pipeline aligns
+    // the size to the model below.
+    let (width, height, init_image) = crate::inputs::resolve_size(a.width, a.height, a.init_img.as_deref())?;
+    if prompt.is_empty() {
         tracing::warn!("the prompt is empty (-p): generating unconditioned");
     }
     let seed = if a.seed < 0 {
@@ -275,11 +241,13 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         a.seed as u64
     };
 
-    let params = GenerateParams {
-        prompt: a.prompt.clone(),
-        negative_prompt: a.negative_prompt.clone(),
-        width: a.width,
-        height: a.height,
+    // Model-independent checks before anything is opened or written; the size is checked
+    // again, aligned to the model's multiple, once the model is known.
+    let early = GenerateParams {
+        prompt: String::new(),
+        negative_prompt: String::new(),
+        width: width.div_ceil(8) * 8,
+        height: height.div_ceil(8) * 8,
         steps: a.steps,
         cfg_scale: a.cfg_scale,
         method,
@@ -289,11 +257,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         rng,
         clip_skip: a.clip_skip,
         eta: a.eta,
-        init_image: init,
-        tiling,
+        init_image: None,
+        tiling: tiling.clone(),
         vae_max_compute_bytes: None,
     };
-    params.validate()?;
+    early.validate()?;
     if !(0.0..=1.0).contains(&a.strength) {
         bail!("--strength {}: must be between 0 and 1", a.strength);
     }
@@ -329,11 +297,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     if plan.auto_fit {
         tracing::info!("auto-fit: --backend \"{}\" --params-backend \"{}\"", plan.backend, plan.params_backend);
     }
-    let threads = if a.threads <= 0 {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-    } else {
-        usize::try_from(a.threads).unwrap_or(usize::MAX)
-    };
+    let threads = sd_backends::threads::resolve_threads(a.threads);
+    tracing::debug!("{threads} CPU threads");
     let manager = BackendManager::new(Some(threads));
     let module_plan = |module: sd_placement::Module| plan.modules.iter().find(|m| m.module == module);
     let backend_of = |module: sd_placement::Module| -> Result<Arc<sd_backends::Backend>> {
@@ -381,20 +346,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         diffusion: home_of(sd_placement::Module::Diffusion, &devices.diffusion)?,
         vae: home_of(sd_placement::Module::Vae, &devices.vae)?,
     };
-    // Managed budgets: a positive --max-vram, or the startup snapshot a negative one gives.
-    let budgets = plan
-        .devices
-        .iter()
-        .filter_map(|d| match d.budget_rule {
-            sd_placement::BudgetRule::Managed(_)
-            | sd_placement::BudgetRule::FreeMinus(_)
-            | sd_placement::BudgetRule::Free => d.budget_bytes.map(|b| (d.device.clone(), b)),
-            _ => None,
-        })
-        .collect();
+    // Managed budgets: a positive --max-vram, or the startup snapshot a negative one gives
+    // (0, like no --max-vram, sets none: live free memory is the limit).
     let placement = Placement {
         homes,
-        ledgers: sd_sched::Ledgers::with_budgets(budgets),
+        ledgers: sd_sched::Ledgers::with_budgets(plan.runtime_budgets().into_iter().collect()),
         sched: sd_sched::plan::Options {
             disable_prefetch: a.disable_prefetch,
             disable_segmented_compute: a.disable_segmented_compute,
@@ -412,40 +368,46 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
             placement,
         },
     )?;
-    pipeline.check_request(&params)?;
-    let outputs: Vec<OutputTarget> = (0..a.batch_count)
-        .map(|i| OutputTarget::resolve(&output_path(&a.output, i, a.batch_count)))
-        .collect::<std::result::Result<_, _>>()
-        .context("-o")?;
-    let tty = std::io::stderr().is_terminal();
-    let start = std::time::Instant::now();
-    let mut on_progress = |p: Progress| {
-        if let Progress::Step { image, step, steps, seconds } = p {
-            if tty {
-                let done = step + 1;
-                let bar: String = (0..30).map(|i| if i * steps < done * 30 { '=' } else { ' ' }).collect();
-                let _ = write!(
-                    std::io::stderr(),
-                    "\r  [{bar}] {done}/{steps} image {} {:.2} it/s ",
-                    image + 1,
-                    1.0 / seconds.max(1e-9)
-                );
-                if done == steps {
-                    let _ = writeln!(std::io::stderr());
-                }
-            }
-        }
+    let (width, height) = pipeline.aligned_size(width, height);
+    let init = init_image.map(|img| {
+        // The library's rule for an init image of another size than the (aligned) request.
+        let img = sd_models::image_io::resize_nearest(&img, width, height);
+        (sd_models::image_io::to_planar(&img), a.strength)
+    });
+    let params = GenerateParams {
+        prompt,
+        negative_prompt,
+        width,
+        height,
+        steps: a.steps,
+        cfg_scale: a.cfg_scale,
+        method,
+        scheduler,
+        seed,
+        batch_count: a.batch_count,
+        rng,
+        clip_skip: a.clip_skip,
+        eta: a.eta,
+        init_image: init,
+        tiling,
+        vae_max_compute_bytes: None,
     };
-    let images = pipeline.generate(&params, &mut on_progress)?;
+    params.validate()?;
+    pipeline.check_request(&params)?;
+    // Every output is checked (and named) before the first weight is read.
+    let outputs = crate::output::plan_outputs(&a.output, a.batch_count, a.run.output_begin_idx)?;
+    let start = std::time::Instant::now();
+    let mut reporter = crate::progress::Reporter::new(std::io::stderr().is_terminal());
+    let images = pipeline.generate(&params, &mut |p: Progress| reporter.event(&p));
+    reporter.finish();
+    let images = images?;
     for line in pipeline.device_report() {
         tracing::debug!("{line}");
     }
-    let text = a1111_parameters(a, seed, method, scheduler, &model_name);
-    for (img, target) in images.iter().zip(&outputs) {
-        let rgb = Rgb8 { width: img.width as u32, height: img.height as u32, data: img.rgb.clone() };
-        write_png(target, &rgb, &text)?;
-        tracing::info!("saved {}", target.path().display());
-    }
+    let metadata = !a.run.disable_image_metadata;
+    // Image i was sampled from seed + i.
+    let text = |i: usize| metadata.then(|| a1111_parameters(a, &params, seed.wrapping_add(i as u64), &model_name));
+    crate::output::save_images(&images, &outputs, text)?;
     tracing::info!("generation took {:.2} s", start.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
 }

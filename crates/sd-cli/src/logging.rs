@@ -18,9 +18,26 @@ pub fn init(verbose: u8) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| AboveBars)
         .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .with_target(verbose > 0)
         .without_time()
         .try_init();
+}
+
+/// Stderr, with any progress bars lifted while a log line is written so the line lands
+/// above them (see [`crate::progress`]).
+struct AboveBars;
+
+impl std::io::Write for AboveBars {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match crate::progress::active() {
+            Some(bars) => bars.suspend(|| std::io::stderr().write(buf)),
+            None => std::io::stderr().write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
 }

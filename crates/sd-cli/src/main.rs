@@ -4,7 +4,8 @@
 //! working. Subcommands: `plan` (print a placement plan without loading
 //! weights) and `rpc-server` (serve a local device to other machines); without
 //! a subcommand, `--list-devices` lists devices and otherwise an image is
-//! generated.
+//! generated. Flags and commands that are ours, not the reference's, say so in
+//! `--help` (`[sd-rs]`).
 
 /// Prints a line to stdout, ignoring a closed pipe (`sd-cli ... | head`).
 #[macro_export]
@@ -17,9 +18,11 @@ macro_rules! out {
 
 mod devices;
 mod generate;
-mod image_io;
+mod inputs;
 mod logging;
+mod output;
 mod plan;
+mod progress;
 mod rpc_server;
 
 use std::path::PathBuf;
@@ -30,11 +33,12 @@ use clap::{Args, Parser, Subcommand};
 /// Options shared by every command that touches devices.
 #[derive(Args, Debug, Clone, Default)]
 pub struct DeviceArgs {
-    /// Directory to search for backend plugins first (repeatable).
+    /// [sd-rs] Directory to search for backend plugins first (repeatable).
     #[arg(long = "plugin-dir", value_name = "DIR")]
     pub plugin_dir: Vec<PathBuf>,
-    /// Remote devices: comma-separated `host:port` of `sd-cli rpc-server` instances.
-    #[arg(long = "rpc", value_name = "HOST:PORT[,...]")]
+    /// RPC servers to offload to: comma-separated `host:port` (e.g. localhost:50052), such as
+    /// `sd-cli rpc-server` instances. `--rpc` is our older name for it.
+    #[arg(long = "rpc-servers", visible_alias = "rpc", value_name = "HOST:PORT[,...]")]
     pub rpc: Option<String>,
     /// Deadline of each RPC send or receive, in seconds (default 8): a server that moves
     /// no byte for this long is declared lost and the run stops with exit status 3.
@@ -49,7 +53,13 @@ pub struct DeviceArgs {
 const EXIT_DEVICE_LOST: u8 = 3;
 
 #[derive(Parser, Debug)]
-#[command(name = "sd-cli", about = "Diffusion models on ggml, placed across devices", disable_version_flag = true)]
+#[command(
+    name = "sd-cli",
+    about = "Diffusion models on ggml, placed across devices",
+    long_about = "Diffusion models on ggml, placed across devices.\n\nFlags follow stable-diffusion.cpp's sd-cli; \
+                  those marked [sd-rs] and the commands are this program's own.",
+    disable_version_flag = true
+)]
 #[command(args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
@@ -65,7 +75,7 @@ struct Cli {
     /// List the available devices and exit.
     #[arg(long = "list-devices")]
     list_devices: bool,
-    /// With --list-devices: print JSON.
+    /// [sd-rs] With --list-devices: print JSON.
     #[arg(long = "json")]
     json: bool,
     #[command(flatten)]
@@ -74,9 +84,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Print a placement plan from the model files' headers (no weights are read).
+    /// [sd-rs] Print a placement plan from the model files' headers (no weights are read).
     Plan(plan::PlanArgs),
-    /// Serve a local device to other machines over ggml's RPC protocol.
+    /// [sd-rs] Serve a local device to other machines over ggml's RPC protocol.
     RpcServer(rpc_server::RpcServerArgs),
 }
 

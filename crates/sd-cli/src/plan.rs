@@ -25,7 +25,9 @@ pub struct PlacementArgs {
     /// `layer` or `row`, or per module (`diffusion=row,te=layer`).
     #[arg(long = "split-mode", value_name = "SPEC")]
     pub split_mode: Option<String>,
-    /// Per-device budget in GiB (`6`, `-1`, `cuda0=6,vulkan0=2`).
+    /// Per-device budget in GiB (`6`, `-1`, `cuda0=6,vulkan0=2`): positive: a managed budget;
+    /// negative: free memory at startup less that many GiB; 0 (as without it): no managed
+    /// budget, only live free memory limits segmented execution.
     #[arg(long = "max-vram", value_name = "SPEC", allow_hyphen_values = true)]
     pub max_vram: Option<String>,
     /// Automatic placement: `on` (default unless --backend/--params-backend are given) or `off`.
@@ -43,7 +45,7 @@ pub struct PlacementArgs {
     /// Parameters in RAM: `*=cpu` in front of --params-backend.
     #[arg(long = "offload-to-cpu")]
     pub offload_to_cpu: bool,
-    /// Skip the pre-load memory check.
+    /// [sd-rs] Skip the pre-load memory check.
     #[arg(long = "no-memory-check")]
     pub no_memory_check: bool,
 }
@@ -91,7 +93,7 @@ pub struct ModelArgs {
     #[arg(long = "llm", value_name = "PATH")]
     pub llm: Option<PathBuf>,
     /// The tiny autoencoder (TAESD) used instead of the VAE.
-    #[arg(long = "taesd", value_name = "PATH")]
+    #[arg(long = "taesd", visible_alias = "tae", value_name = "PATH")]
     pub taesd: Option<PathBuf>,
 }
 

@@ -70,13 +70,16 @@ fn rpc_server_devices_join_the_list() {
     let port = free_port();
     let _server = start_server(port);
     let endpoint = format!("127.0.0.1:{port}");
-    let devices = devices_json(&["--rpc", &endpoint]);
-    let rpc = devices.iter().find(|d| d["name"].as_str().unwrap().starts_with("RPC")).expect("an RPC device");
-    assert_eq!(rpc["description"], endpoint.as_str());
-    assert!(rpc["memory_total"].as_u64().unwrap() > 0);
-    assert!(rpc["plugin"].as_str().unwrap().contains(&endpoint));
-    // The local CPU is still listed.
-    assert!(devices.iter().any(|d| d["type"] == "cpu" && d["name"] == "CPU"));
+    // `--rpc-servers` is the reference's name, `--rpc` ours: the same flag.
+    for flag in ["--rpc-servers", "--rpc"] {
+        let devices = devices_json(&[flag, &endpoint]);
+        let rpc = devices.iter().find(|d| d["name"].as_str().unwrap().starts_with("RPC")).expect("an RPC device");
+        assert_eq!(rpc["description"], endpoint.as_str(), "{flag}");
+        assert!(rpc["memory_total"].as_u64().unwrap() > 0);
+        assert!(rpc["plugin"].as_str().unwrap().contains(&endpoint));
+        // The local CPU is still listed.
+        assert!(devices.iter().any(|d| d["type"] == "cpu" && d["name"] == "CPU"));
+    }
 }
 
 #[test]

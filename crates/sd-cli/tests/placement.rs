@@ -13,7 +13,7 @@ use common::{sd15_fixture as fixture, sd_cli, Server};
 fn pixels(path: &Path) -> Vec<u8> {
     let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
     let mut r = dec.read_info().unwrap();
-    let mut buf = vec![0; r.output_buffer_size()];
+    let mut buf = vec![0; r.output_buffer_size().unwrap()];
     let info = r.next_frame(&mut buf).unwrap();
     buf.truncate(info.buffer_size());
     buf
@@ -74,6 +74,8 @@ fn every_placement_gives_the_all_cpu_image() {
             "segmented, no prefetch",
             vec!["--backend", "RPC0", "--params-backend", "cpu", "--max-vram", budget, "--disable-prefetch"],
         ),
+        // performance.md: "0 uses the device's current free memory without an explicit budget".
+        ("--max-vram 0", vec!["--backend", "RPC0", "--params-backend", "cpu", "--max-vram", "RPC0=0"]),
         (
             "monolithic forced with room",
             vec!["--backend", "RPC0", "--params-backend", "cpu", "--max-vram", "RPC0=4", "--disable-segmented-compute"],
@@ -102,6 +104,9 @@ fn every_placement_gives_the_all_cpu_image() {
                 assert!(hw > 1600.0, "the UNet's weights are managed on RPC0: {hw} MiB");
             }
             _ => assert!(unet.contains("0 segmented"), "{what}: {unet}"),
+        }
+        if *what == "--max-vram 0" {
+            assert_eq!(budget_mib, None, "{what}: RPC0 must have no managed budget");
         }
         if *what == "params on disk" {
             assert!(log.contains("unet params on disk"), "{what}: {log}");

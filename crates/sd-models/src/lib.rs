@@ -8,12 +8,15 @@
 //! - [`sampling`]: noise generators (Philox, mt19937), schedulers and samplers.
 //! - [`output`]: output paths checked before any work and written without destroying
 //!   what is there; [`health`]: numeric health of stage outputs.
+//! - [`image_io`]: image files in and out (PNG, JPEG, WebP, BMP), init-image fitting,
+//!   generation parameters in the files, output names.
 
 pub mod describe;
 pub mod diffusion;
 pub mod files;
 pub mod fixture;
 pub mod health;
+pub mod image_io;
 pub mod loader;
 pub mod output;
 pub mod pipeline;

@@ -246,13 +246,33 @@ pub struct Image {
     pub rgb: Vec<u8>,
 }
 
-/// What the pipeline reports while it runs.
-#[derive(Clone, Debug)]
+/// What the pipeline reports while it runs, in order: the observer passed to
+/// [`Pipeline::generate`] gets every event (a front end draws progress from them).
+#[derive(Clone, Debug, PartialEq)]
 pub enum Progress {
-    /// A stage finished, with its duration.
+    /// A stage finished (`text encode`, `image encode`, `decode`), with its duration.
     Stage { name: &'static str, seconds: f64 },
-    /// A sampling step finished.
-    Step { image: usize, step: usize, steps: usize, seconds: f64 },
+    /// Sampling step `step` (0-based) of `steps` finished for image `image` (0-based) of
+    /// the `images` of the batch, taking `seconds`.
+    Step { image: usize, images: usize, step: usize, steps: usize, seconds: f64 },
+    /// `done` of the `tiles` VAE tiles of image `image` (0-based, of `images`) are finished,
+    /// in `stage` (`decode` or `image encode`). Only a tiled VAE run reports tiles; a retry
+    /// with smaller tiles starts counting again with the new total.
+    Tile { stage: &'static str, image: usize, images: usize, done: usize, tiles: usize },
+}
+
+/// Image pixels per latent pixel of the SD VAE (the reference's `get_vae_scale_factor`).
+pub const VAE_SCALE_FACTOR: usize = 8;
+
+/// Latent pixels per pixel of a UNet's deepest level (the reference's
+/// `get_diffusion_model_down_factor`: 8 for every UNet).
+pub const UNET_DOWN_FACTOR: usize = 8;
+
+/// `width x height` rounded up to multiples of `multiple`, as the reference aligns a
+/// generation request (it warns and generates at the aligned size).
+pub fn align_up(width: usize, height: usize, multiple: usize) -> (usize, usize) {
+    let up = |v: usize| v.div_ceil(multiple.max(1)) * multiple.max(1);
+    (up(width), up(height))
 }
 
 /// The loaded model family and its settings; weights are loaded per phase.
@@ -312,6 +332,23 @@ impl Pipeline {
         tracing::info!("model: {} ({} tensors), prediction {}", detected.arch, files.index().len(), prediction.name());
         let files = Arc::new(files);
         Ok(Self { files, arch: detected.arch, prediction, clip, unet, opts, tokenizer: ClipTokenizer::new() })
+    }
+
+    /// The multiple image sides must have for this model: VAE scale times the diffusion
+    /// model's down factor (64 for SD 1.x / 2.x).
+    pub fn spatial_multiple(&self) -> usize {
+        VAE_SCALE_FACTOR * UNET_DOWN_FACTOR
+    }
+
+    /// The size a request of `width x height` is generated at ([`align_up`] to
+    /// [`Pipeline::spatial_multiple`]), with the reference's warning when it changes.
+    pub fn aligned_size(&self, width: usize, height: usize) -> (usize, usize) {
+        let multiple = self.spatial_multiple();
+        let (w, h) = align_up(width, height, multiple);
+        if (w, h) != (width, height) {
+            tracing::warn!("align generation request up {width}x{height} to {w}x{h} (multiple={multiple})");
+        }
+        (w, h)
     }
 
     /// The detected architecture (`sd1`, `sd2`).
@@ -566,8 +603,18 @@ impl Pipeline {
                     sd_vae::ImageRange::ZeroToOne => image.clone(),
                 };
                 let mut rng = p.rng.seeded(p.seed);
-                let latent =
-                    encode_latent(vae.as_ref(), &mut runner, &px, (p.width, p.height), &p.tiling, rng.as_mut())?;
+                let mut on_tile = |done: usize, tiles: usize| {
+                    progress(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
+                };
+                let latent = encode_latent(
+                    vae.as_ref(),
+                    &mut runner,
+                    &px,
+                    (p.width, p.height),
+                    &p.tiling,
+                    rng.as_mut(),
+                    &mut on_tile,
+                )?;
                 init_latent = Some(latent);
                 let secs = t.elapsed().as_secs_f64();
                 tracing::info!("init image encoded in {secs:.2} s");
@@ -616,14 +663,14 @@ impl Pipeline {
                     let out = denoiser.denoise::<PipelineError>(x, sigma, step)?;
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
-                        tracing::info!(
-                            "image {}/{} step {}/{} took {secs:.2} s",
-                            b + 1,
-                            p.batch_count,
-                            step.index + 1,
-                            step.count
-                        );
-                        progress(Progress::Step { image: b, step: step.index, steps: step.count, seconds: secs });
+                        // The front end shows it (sd-cli: a bar, or an info line).
+                        progress(Progress::Step {
+                            image: b,
+                            images: p.batch_count,
+                            step: step.index,
+                            steps: step.count,
+                            seconds: secs,
+                        });
                         step_start = Instant::now();
                     }
                     Ok(out)
@@ -648,9 +695,13 @@ impl Pipeline {
         let vae = self.load_first_stage(false)?;
         let mut runner = self.runner("vae", &self.opts.devices.vae);
         let mut images = Vec::with_capacity(latents.len());
-        for mut latent in latents {
+        let images_n = latents.len();
+        for (image, mut latent) in latents.into_iter().enumerate() {
             vae.diffusion_to_vae(&mut latent);
-            let img = sd_vae::decode_tiled(
+            let mut on_tile = |done: usize, tiles: usize| {
+                progress(Progress::Tile { stage: "decode", image, images: images_n, done, tiles })
+            };
+            let img = sd_vae::decode_tiled_observed(
                 vae.as_ref(),
                 &mut runner,
                 &latent,
@@ -658,6 +709,7 @@ impl Pipeline {
                 channels,
                 &p.tiling,
                 p.vae_max_compute_bytes,
+                &mut on_tile,
             )?;
             let (lo, hi) = match vae.image_range() {
                 sd_vae::ImageRange::MinusOneToOne => (-1.0, 1.0),
@@ -717,8 +769,9 @@ fn encode_latent(
     (w, h): (usize, usize),
     tiling: &TilingParams,
     rng: &mut dyn crate::sampling::NoiseRng,
+    on_tile: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<f32>> {
-    let (out, c) = sd_vae::encode_tiled(vae, runner, px, (w, h), 3, tiling, None)?;
+    let (out, c) = sd_vae::encode_tiled_observed(vae, runner, px, (w, h), 3, tiling, None, on_tile)?;
     let s = vae.scale_factor();
     let (lw, lh) = (w / s, h / s);
     let latent_c = vae.latent_channels();

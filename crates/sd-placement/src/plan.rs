@@ -341,6 +341,21 @@ fn equivalent_flags(placements: &[Placement], devices: &[Device]) -> (String, St
 }
 
 impl Plan {
+    /// The managed per-device budgets the runtime's ledgers enforce, as `(device, bytes)`:
+    /// a positive `--max-vram` (the managed budget, capped by free memory) and a negative
+    /// one (the startup free-memory snapshot less the reserve). `--max-vram 0` and no
+    /// `--max-vram` set no managed budget: "0 uses the device's current free memory
+    /// without an explicit budget" (performance.md; in the reference's code, 0 is its
+    /// default and sets no graph budget), so only live free memory limits the runtime.
+    /// The CPU never has one (its planning budget is available RAM).
+    pub fn runtime_budgets(&self) -> Vec<(String, u64)> {
+        self.devices
+            .iter()
+            .filter(|d| matches!(d.budget_rule, BudgetRule::Managed(_) | BudgetRule::FreeMinus(_)))
+            .filter_map(|d| d.budget_bytes.map(|b| (d.device.clone(), b)))
+            .collect()
+    }
+
     /// `Err(PlanError::MemoryRefused)` when the memory check refuses the model: a loader calls
     /// this before loading.
     pub fn ensure_loadable(&self) -> Result<(), PlanError> {

@@ -95,6 +95,28 @@ fn budget_semantics() {
 }
 
 #[test]
+fn runtime_budgets_are_managed_only_for_positive_and_negative_values() {
+    // performance.md: "A positive value is a managed per-device budget, `0` uses the device's
+    // current free memory without an explicit budget, and a negative value snapshots free
+    // memory at startup while reserving that many GiB". No --max-vram: no managed budget.
+    type Case = (Option<&'static str>, &'static [(&'static str, u64)]);
+    let cases: [Case; 5] = [
+        (None, &[]),
+        (Some("0"), &[]),
+        (Some("6"), &[("CUDA0", 6 * GIB), ("CUDA1", 6 * GIB)]),
+        (Some("-1"), &[("CUDA0", 7 * GIB), ("CUDA1", 7 * GIB)]),
+        (Some("cuda0=0,cuda1=2"), &[("CUDA1", 2 * GIB)]),
+    ];
+    for (spec, want) in cases {
+        let devs = vec![Device::cpu(), gpu("CUDA0", 8.0), gpu("CUDA1", 8.0)];
+        let f = Flags { max_vram: spec.map(Into::into), ..Flags::default() };
+        let p = plan(&request(devs, Some(16 * GIB), simple_model(GIB, GIB / 4, 100 * MIB), f)).unwrap();
+        let want: Vec<(String, u64)> = want.iter().map(|(d, b)| (d.to_string(), *b)).collect();
+        assert_eq!(p.runtime_budgets(), want, "--max-vram {spec:?}");
+    }
+}
+
+#[test]
 fn max_vram_on_cpu_is_ignored_with_warning() {
     let p = plan(&request(
         vec![Device::cpu(), gpu("CUDA0", 8.0)],

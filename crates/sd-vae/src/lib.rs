@@ -42,6 +42,8 @@ pub mod tiling;
 pub use error::{Result, VaeError};
 pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, VaeConfig, VaeParts};
 pub use nn::GraphOptions;
-pub use run::{decode_tiled, encode_tiled, FirstStage, ImageRange, GRAPH_SIZE};
+pub use run::{
+    decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, GRAPH_SIZE,
+};
 pub use tae::{taesd_specs, Taesd, TaesdConfig, TaesdParts};
 pub use tiling::{TileGrid, TilingParams};

@@ -226,6 +226,23 @@ pub fn decode_tiled(
     tiling: &TilingParams,
     max_compute_bytes: Option<usize>,
 ) -> Result<Vec<f32>> {
+    decode_tiled_observed(model, runner, latent, dims, channels, tiling, max_compute_bytes, &mut |_, _| {})
+}
+
+/// [`decode_tiled`], calling `on_tile(done, tiles)` after each tile of a tiled run (a
+/// retry with smaller tiles counts again from 1 with its own total; an untiled run
+/// reports nothing).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_tiled_observed(
+    model: &dyn FirstStage,
+    runner: &mut Runner,
+    latent: &[f32],
+    dims: (usize, usize),
+    channels: usize,
+    tiling: &TilingParams,
+    max_compute_bytes: Option<usize>,
+    on_tile: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<f32>> {
     let small = [dims.0, dims.1];
     let scale = model.scale_factor();
     let overlap = tiling.overlap();
@@ -235,7 +252,7 @@ pub fn decode_tiled(
     loop {
         let attempt = match tile {
             None => model.decode_graph(runner, latent, small, channels, max_compute_bytes).map(|(v, _)| v),
-            Some(t) => decode_grid(model, runner, latent, small, channels, t, overlap, max_compute_bytes),
+            Some(t) => decode_grid(model, runner, latent, small, channels, t, overlap, max_compute_bytes, on_tile),
         };
         match attempt {
             Err(e) if e.is_alloc() => {
@@ -269,6 +286,7 @@ fn decode_grid(
     tile: [usize; 2],
     overlap: f32,
     max_compute_bytes: Option<usize>,
+    on_tile: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<f32>> {
     let grid = tile_grid(small, tile, overlap);
     if grid.is_single() {
@@ -284,8 +302,12 @@ fn decode_grid(
         model.module()
     );
     let scale = model.scale_factor();
+    let (tiles, mut done) = (grid.tiles.len(), 0);
     run_tiled(&grid, latent, channels, scale, Direction::Decode, |piece, d| {
-        model.decode_graph(runner, piece, d, channels, max_compute_bytes)
+        let out = model.decode_graph(runner, piece, d, channels, max_compute_bytes)?;
+        done += 1;
+        on_tile(done, tiles);
+        Ok(out)
     })
 }
 
@@ -301,6 +323,21 @@ pub fn encode_tiled(
     channels: usize,
     tiling: &TilingParams,
     max_compute_bytes: Option<usize>,
+) -> Result<(Vec<f32>, usize)> {
+    encode_tiled_observed(model, runner, image, dims, channels, tiling, max_compute_bytes, &mut |_, _| {})
+}
+
+/// [`encode_tiled`], calling `on_tile(done, tiles)` after each tile of a tiled run.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_tiled_observed(
+    model: &dyn FirstStage,
+    runner: &mut Runner,
+    image: &[f32],
+    dims: (usize, usize),
+    channels: usize,
+    tiling: &TilingParams,
+    max_compute_bytes: Option<usize>,
+    on_tile: &mut dyn FnMut(usize, usize),
 ) -> Result<(Vec<f32>, usize)> {
     let scale = model.scale_factor();
     if !tiling.enabled {
@@ -318,9 +355,12 @@ pub fn encode_tiled(
         return model.encode_graph(runner, image, [dims.0, dims.1], channels, max_compute_bytes);
     }
     let mut out_channels = 0;
+    let (tiles, mut done) = (grid.tiles.len(), 0);
     let out = run_tiled(&grid, image, channels, scale, Direction::Encode, |piece, d| {
         let r = model.encode_graph(runner, piece, d, channels, max_compute_bytes)?;
         out_channels = r.1;
+        done += 1;
+        on_tile(done, tiles);
         Ok(r)
     })?;
     Ok((out, out_channels))

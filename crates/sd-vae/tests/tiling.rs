@@ -7,7 +7,10 @@ use std::cell::RefCell;
 
 use sd_sched::Runner;
 use sd_vae::tiling::{calc_tiles, edge_factor, merge_tile, retry_tile_size, smootherstep, tile_grid, Tile};
-use sd_vae::{decode_tiled, encode_tiled, FirstStage, ImageRange, TilingParams, VaeError};
+use sd_vae::{
+    decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, TilingParams,
+    VaeError,
+};
 
 fn params(size: Option<&str>, overlap: Option<&str>, rel: Option<&str>) -> TilingParams {
     TilingParams::from_cli(true, size, overlap, rel).unwrap()
@@ -339,6 +342,36 @@ fn execution_failures_and_encoding_are_not_retried() {
         encode_tiled(&fake, &mut runner, &image(256, 256), (256, 256), 3, &TilingParams::default(), None).unwrap_err();
     assert!(e.is_alloc());
     assert_eq!(fake.calls.borrow().len(), 1);
+}
+
+#[test]
+fn tiled_runs_report_each_tile_and_retries_count_again() {
+    let mut runner = common::cpu_runner("fake");
+    // The (done, tiles) reports of one decode of a `w x h` latent.
+    let mut decode = |fake: &Fake, (w, h): (usize, usize), p: &TilingParams| {
+        let mut seen = Vec::new();
+        decode_tiled_observed(fake, &mut runner, &latent(w, h), (w, h), 4, p, None, &mut |d, n| seen.push((d, n)))
+            .unwrap();
+        seen
+    };
+    let count_to = |n: usize| (1..=n).map(|d| (d, n)).collect::<Vec<_>>();
+    // 512x512 with the default tiles: 3x3 tiles, reported 1..=9 of 9, in both directions.
+    let p = params(None, None, None);
+    assert_eq!(decode(&Fake::new(usize::MAX), (64, 64), &p), count_to(9));
+    // Untiled: nothing to report.
+    assert_eq!(decode(&Fake::new(usize::MAX), (32, 24), &TilingParams::default()), vec![]);
+    // An allocation retry reports its own grid's tiles: the whole latent and one 32x32
+    // tile failed, then every 16x16 tile succeeded.
+    let retried = Fake::new(16 * 16);
+    let seen = decode(&retried, (64, 48), &TilingParams::default());
+    let n = retried.calls.borrow().iter().filter(|c| **c == [16, 16]).count();
+    assert!(n > 1);
+    assert_eq!(seen, count_to(n));
+    let mut seen = Vec::new();
+    let enc = Fake::new(usize::MAX);
+    encode_tiled_observed(&enc, &mut runner, &image(512, 512), (512, 512), 3, &p, None, &mut |d, n| seen.push((d, n)))
+        .unwrap();
+    assert_eq!(seen, count_to(9));
 }
 
 // ---------------------------------------------------------------- stand-in model

@@ -1,0 +1,171 @@
+//! Reference flags about what is generated and how it is saved: `-M/--mode`, prompt files,
+//! `--disable-image-metadata`, `--output-begin-idx`, and the size rules of `-W/-H` with `-i`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _, Result};
+use clap::Args;
+use sd_models::image_io;
+use sd_models::pipeline::Image;
+
+/// The reference's run modes (`-M`), in its order.
+pub const MODES: [&str; 5] = ["img_gen", "vid_gen", "convert", "upscale", "metadata"];
+
+/// The default size when neither `-W/-H` nor an init image gives one.
+pub const DEFAULT_SIDE: usize = 512;
+
+/// Flags of stable-diffusion.cpp's CLI that choose the mode, read prompts from files and
+/// name the outputs.
+#[derive(Args, Debug, Clone, Default)]
+pub struct RunArgs {
+    /// Run mode: img_gen (the default). The reference's other modes (vid_gen, convert,
+    /// upscale, metadata) are not implemented here and are refused.
+    #[arg(short = 'M', long = "mode", value_name = "MODE")]
+    pub mode: Option<String>,
+    /// Read the prompt from this file (its whole contents, as the reference reads it).
+    #[arg(long = "prompt-file", value_name = "PATH", conflicts_with = "prompt")]
+    pub prompt_file: Option<PathBuf>,
+    /// Read the negative prompt from this file.
+    #[arg(long = "negative-prompt-file", value_name = "PATH", conflicts_with = "negative_prompt")]
+    pub negative_prompt_file: Option<PathBuf>,
+    /// Do not embed the generation parameters in the image files.
+    #[arg(long = "disable-image-metadata")]
+    pub disable_image_metadata: bool,
+    /// First index of the output names (`-o out_%03d.png`, or `out_<idx>.png` for a batch;
+    /// default 0, negative: 0).
+    #[arg(long = "output-begin-idx", value_name = "N", allow_hyphen_values = true)]
+    pub output_begin_idx: Option<i64>,
+}
+
+impl RunArgs {
+    /// Refuses modes other than `img_gen` with a message naming them.
+    pub fn check_mode(&self) -> Result<()> {
+        match self.mode.as_deref() {
+            None | Some("img_gen") => Ok(()),
+            Some(m) if MODES.contains(&m) => {
+                bail!("-M {m}: only img_gen is implemented by sd-rs (the reference's modes: {})", MODES.join(", "))
+            }
+            Some(m) => bail!("-M {m}: invalid mode, must be one of [{}]", MODES.join(", ")),
+        }
+    }
+
+    /// The prompt and negative prompt: the files' contents where given, else the flags'.
+    pub fn prompts(&self, prompt: &str, negative: &str) -> Result<(String, String)> {
+        // A prompt file is a regular file of at most 1 MiB (never a FIFO or a device).
+        const MAX: u64 = 1 << 20;
+        let read = |p: &Path, what: &str| -> Result<String> {
+            use std::io::Read as _;
+            let (file, meta) = sd_models::files::open::open_regular(p).with_context(|| format!("the {what} file"))?;
+            if meta.len() > MAX {
+                bail!(
+                    "the {what} file '{}' is {} bytes; a prompt file may have at most {MAX}",
+                    p.display(),
+                    meta.len()
+                );
+            }
+            let mut bytes = Vec::new();
+            file.take(MAX)
+                .read_to_end(&mut bytes)
+                .with_context(|| format!("failed to read {what} file '{}'", p.display()))?;
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        let prompt = match &self.prompt_file {
+            Some(p) => read(p, "prompt")?,
+            None => prompt.to_string(),
+        };
+        let negative = match &self.negative_prompt_file {
+            Some(p) => read(p, "negative prompt")?,
+            None => negative.to_string(),
+        };
+        Ok((prompt, negative))
+    }
+}
+
+/// The requested size and the init image, resolved as the reference's CLI does: `-W`/`-H`
+/// count as given only when both are positive; then an init image is fitted to them
+/// ([`image_io::fit_image`]). Otherwise the init image's size is used, or 512x512 (each
+/// positive side kept) without one. The pipeline then aligns the size to the model.
+pub fn resolve_size(width: i64, height: i64, init_img: Option<&Path>) -> Result<(usize, usize, Option<Image>)> {
+    let given = width > 0 && height > 0;
+    let side = |v: i64| if v > 0 { v as usize } else { DEFAULT_SIDE };
+    let Some(path) = init_img else {
+        return Ok((side(width), side(height), None));
+    };
+    let img = image_io::read_image(path).context("-i")?;
+    if given {
+        let (w, h) = (width as usize, height as usize);
+        let fitted = image_io::fit_image(&img, w, h).with_context(|| format!("-i {}", path.display()))?;
+        Ok((w, h, Some(fitted)))
+    } else {
+        tracing::info!("set width x height to {} x {} (the init image's size)", img.width, img.height);
+        Ok((img.width, img.height, Some(img)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_other_than_img_gen_are_refused_by_name() {
+        let args = |m: Option<&str>| RunArgs { mode: m.map(Into::into), ..RunArgs::default() };
+        assert!(args(None).check_mode().is_ok());
+        assert!(args(Some("img_gen")).check_mode().is_ok());
+        let e = args(Some("vid_gen")).check_mode().unwrap_err().to_string();
+        assert!(e.contains("-M vid_gen") && e.contains("only img_gen"), "{e}");
+        let e = args(Some("paint")).check_mode().unwrap_err().to_string();
+        assert!(e.contains("invalid mode") && e.contains("metadata"), "{e}");
+    }
+
+    #[test]
+    fn sizes_follow_the_reference_without_an_init_image() {
+        let (w, h, _) = resolve_size(-1, -1, None).unwrap();
+        assert_eq!((w, h), (512, 512));
+        let (w, h, img) = resolve_size(64, -1, None).unwrap();
+        assert_eq!((w, h), (64, 512));
+        assert!(img.is_none());
+        assert_eq!(resolve_size(0, 96, None).unwrap().0, 512);
+    }
+
+    #[test]
+    fn an_init_image_is_fitted_to_both_sides_or_gives_the_size() {
+        let dir = std::env::temp_dir().join(format!("sd-cli-init-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("init.png");
+        let img = Image { width: 100, height: 60, rgb: vec![77; 100 * 60 * 3] };
+        image_io::write_image(
+            &sd_models::output::OutputTarget::resolve(&p).unwrap(),
+            &img,
+            image_io::OutputFormat::Png,
+            None,
+        )
+        .unwrap();
+        let (w, h, fitted) = resolve_size(64, 64, Some(&p)).unwrap();
+        let fitted = fitted.unwrap();
+        assert_eq!((w, h, fitted.width, fitted.height), (64, 64, 64, 64));
+        assert!(fitted.rgb.iter().all(|&v| v == 77));
+        // Only one side given: both come from the image, as in the reference.
+        for (w, h) in [(64, -1), (-1, -1), (0, 64)] {
+            let (rw, rh, got) = resolve_size(w, h, Some(&p)).unwrap();
+            assert_eq!((rw, rh), (100, 60), "-W {w} -H {h}");
+            assert_eq!(got.unwrap(), img);
+        }
+        let e = format!("{:#}", resolve_size(64, 64, Some(&dir.join("missing.webp"))).unwrap_err());
+        assert!(e.contains("-i") && e.contains("missing.webp"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn prompt_files_are_read_whole() {
+        let dir = std::env::temp_dir().join(format!("sd-cli-prompts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("p.txt");
+        std::fs::write(&p, "a cat,\nsitting\n").unwrap();
+        let args = RunArgs { prompt_file: Some(p), ..RunArgs::default() };
+        assert_eq!(args.prompts("", "bad").unwrap(), ("a cat,\nsitting\n".to_string(), "bad".to_string()));
+        let missing = RunArgs { negative_prompt_file: Some(dir.join("none.txt")), ..RunArgs::default() };
+        let e = format!("{:#}", missing.prompts("x", "").unwrap_err());
+        assert!(e.contains("negative prompt file") && e.contains("none.txt"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -85,7 +85,15 @@ impl RunArgs {
 /// count as given only when both are positive; then an init image is fitted to them
 /// ([`image_io::fit_image`]). Otherwise the init image's size is used, or 512x512 (each
 /// positive side kept) without one. The pipeline then aligns the size to the model.
+///
+/// `-1` (the default) means "not given"; `0` and other negative values are refused, as they
+/// can only be typos.
 pub fn resolve_size(width: i64, height: i64, init_img: Option<&Path>) -> Result<(usize, usize, Option<Image>)> {
+    for (flag, v) in [("-W", width), ("-H", height)] {
+        if v == 0 || v < -1 {
+            bail!("{flag} {v}: the image side must be a positive number of pixels (or -1: from the init image, else 512)");
+        }
+    }
     let given = width > 0 && height > 0;
     let side = |v: i64| if v > 0 { v as usize } else { DEFAULT_SIDE };
     let Some(path) = init_img else {

@@ -4,6 +4,7 @@ mod bench;
 mod bench_placement;
 mod bindings;
 mod fixture;
+mod fuzz;
 mod parity;
 mod plugins;
 mod reference;
@@ -24,6 +25,9 @@ commands:
   reference           build the stable-diffusion.cpp reference harness (sdref)
   parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]
                       compare text encoder, UNet, VAE and 256x256 generations with the reference
+  parity --fuzz N --model PATH [--seed S] [--threads N] [--max-steps K]
+                      N random cases (prompt syntax, sizes, samplers, cfg, clip skip, img2img) on
+                      any checkpoint, each disagreement with the first stage where it appears
   bench [--size 256|512|both] [--runs N] [--threads N]
                       time sd-cli against the reference, alternating runs, with ratios
   bench-placement [--runs N] [--threads N] [--size 256|512]

@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
-//!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae]
+//!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! ```
 //!
 //! Defaults: seed 42, type f16, output `target/fixtures/<family>-<type>.<ext>` in the
 //! workspace, where the extension is `gguf` for quantized types and `safetensors`
 //! otherwise; with `-o` the extension chooses the format. `--only` keeps some components
-//! (file metadata unchanged), for small files in tests. The generation itself lives in
+//! (file metadata unchanged), for small files in tests. `--std S` draws every weight and
+//! embedding N(0, S) instead of the scaled initialisation (a checkpoint as a naive generator
+//! writes it, for parity runs on weights this project's fixtures do not have). The generation itself lives in
 //! `sd_models::fixture`; this is only argument handling.
 
 use std::path::PathBuf;
@@ -17,7 +19,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
 
-const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae]";
+const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]";
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -27,6 +29,7 @@ struct Args {
     wtype: WeightType,
     output: Option<PathBuf>,
     only: Option<Vec<Component>>,
+    std: Option<f64>,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -35,6 +38,7 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut wtype = WeightType::F16;
     let mut output = None;
     let mut only = None;
+    let mut std = None;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
@@ -59,6 +63,15 @@ fn parse(args: &[String]) -> Result<Args> {
                     .collect::<Result<Vec<_>>>()?;
                 only = Some(list);
             }
+            "--std" => {
+                let v = value(arg)?;
+                let s: f64 = v
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                    .with_context(|| format!("--std '{v}': a positive standard deviation such as 0.02"))?;
+                std = Some(s);
+            }
             "-h" | "--help" => bail!("{USAGE}"),
             s if s.starts_with('-') => bail!("unknown option '{s}'\n{USAGE}"),
             s if family.is_none() => family = Some(Family::parse(s)?),
@@ -69,7 +82,7 @@ fn parse(args: &[String]) -> Result<Args> {
         }
     }
     let family = family.with_context(|| format!("no family given\n{USAGE}"))?;
-    Ok(Args { family, seed, wtype, output, only })
+    Ok(Args { family, seed, wtype, output, only, std })
 }
 
 /// Where `cargo xtask fixture` writes by default: `target/fixtures/<family>-<type>.<ext>`.
@@ -94,14 +107,16 @@ pub fn run(args: &[String]) -> Result<()> {
     if let Some(only) = &args.only {
         req.arch = req.arch.only(only);
     }
+    req.weight_std = args.std;
     let start = Instant::now();
     let report = fixture::write_fixture(&path, &req)?;
     println!(
-        "wrote {} ({} fixture, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        "wrote {} ({} fixture, seed {}, {}{}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
         report.path.display(),
         args.family.name(),
         args.seed,
         args.wtype,
+        args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default(),
         report.tensors,
         report.params as f64 / 1e6,
         report.bytes as f64 / (1024.0 * 1024.0),
@@ -117,7 +132,7 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae")).unwrap();
+        let a = parse(&args("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae --std 0.05")).unwrap();
         assert_eq!(
             a,
             Args {
@@ -125,11 +140,12 @@ mod tests {
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
-                only: Some(vec![Component::Unet, Component::Vae])
+                only: Some(vec![Component::Unet, Component::Vae]),
+                std: Some(0.05),
             }
         );
         let d = parse(&args("sd-turbo")).unwrap();
-        assert_eq!((d.seed, d.wtype, d.output, d.only), (42, WeightType::F16, None, None));
+        assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
 
     #[test]
@@ -143,6 +159,8 @@ mod tests {
             ("sd15 --only unet,clip", "clip"),
             ("sd15 sd21", "unexpected argument"),
             ("sd15 --fast", "--fast"),
+            ("sd15 --std 0", "--std"),
+            ("sd15 --std x", "--std"),
         ] {
             let e = parse(&args(line)).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");

@@ -20,7 +20,7 @@ commands:
                       build backend plugins from the pinned ggml and install them
   bindings            regenerate crates/ggml-sys/src/bindings.rs from the pinned headers
                       (needs libclang; the default build never does)
-  fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE]
+  fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE] [--std S]
                       write a checkpoint with the real layout and random weights
   reference           build the stable-diffusion.cpp reference harness (sdref)
   parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]

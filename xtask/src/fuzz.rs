@@ -24,12 +24,14 @@
 //!    prompt): ours in process (`encode_prompt`) against `sdref encode-text`. Tolerance:
 //!    the f16 rounding bound of the parity module (`Tolerance::rounding_points`), reported
 //!    with the token whose hidden state is furthest off.
-//! 3. `image`: `sd-cli` against `sdref txt2img` with the same flags, in 8-bit levels, the
+//! 3. `unet`: one UNet evaluation on identical inputs (a latent of the case's size, the
+//!    reference's conditioning, a timestep drawn from the case), ours in process against
+//!    `sdref unet`: the kernels' drift alone, with the UNet bound of the parity module.
+//! 4. `image`: `sd-cli` against `sdref txt2img` with the same flags, in 8-bit levels, the
 //!    issue's bound (mean <= 1, max <= 8).
 //!
-//! Deeper stages (UNet on identical inputs, each sampler step, VAE) are compared by
-//! `cargo xtask parity` on the fixtures; a case whose conditioning agrees but whose image does
-//! not points there.
+//! Sampler steps and the VAE are not compared per case (`cargo xtask parity` compares the VAE
+//! on the fixtures); a case whose UNet stage agrees but whose image does not points there.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -38,6 +40,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
+use sd_models::diffusion::unet::{UNetConfig, UNetModel};
 use sd_models::files::ModelFiles;
 use sd_models::loader::{dtype_of, FileSource};
 use sd_models::sampling::{SampleMethod, Scheduler};
@@ -505,6 +508,20 @@ impl OurText {
     }
 }
 
+/// Our UNet, loaded once, for the stage on identical inputs.
+struct OurUnet {
+    model: UNetModel,
+    runner: Runner,
+}
+
+impl OurUnet {
+    fn load(cpu: &parity::Cpu, files: &ModelFiles, cfg: &UNetConfig) -> Result<OurUnet> {
+        let src = FileSource::new(files);
+        let model = UNetModel::load(cfg.clone(), &dtype_of(files), None, cpu.backend.device().buffer_type(), &src)?;
+        Ok(OurUnet { model, runner: Runner::new("unet", cpu.backend.clone()) })
+    }
+}
+
 /// The context every case needs.
 struct Harness {
     sdref: PathBuf,
@@ -513,6 +530,7 @@ struct Harness {
     threads: u32,
     dir: PathBuf,
     text: OurText,
+    unet: OurUnet,
 }
 
 impl Harness {
@@ -628,6 +646,40 @@ impl Harness {
         Ok(stages)
     }
 
+    /// One UNet evaluation on identical inputs: a latent of the case's size (standard
+    /// normal, seeded by the case), the reference's conditioning of the case's prompt, and
+    /// a timestep drawn from the case; kernel drift without text or sampler differences.
+    fn unet_stage(&mut self, case: &Case) -> Result<Stage> {
+        let ctx_path = self.dir.join(format!("case{}.cond.ref.f32", case.index));
+        let (ctx_shape, ctx) = parity::read_raw(&ctx_path)?;
+        let n_ctx = ctx_shape.get(1).copied().context("the reference's conditioning has no token axis")?;
+        let (lw, lh) = (case.width as usize / 8, case.height as usize / 8);
+        let shape = [1, 4, lh, lw];
+        let x = parity::normal_values(0x5eed_f000 ^ case.index, shape.iter().product());
+        let timestep = [999.0f32, 750.0, 400.0, 1.0][(case.seed % 4) as usize];
+        let x_path = self.dir.join(format!("case{}.unet_x.f32", case.index));
+        parity::write_raw(&x_path, &shape, &x, "UNet input x, standard normal (splitmix64, seeded by the case)")?;
+        let out = self.dir.join(format!("case{}.unet.ref.f32", case.index));
+        let mut c = self.sdref("unet");
+        c.arg("--latent").arg(&x_path).arg(format!("--timestep={timestep}")).arg("--context").arg(&ctx_path);
+        c.arg("-o").arg(&out);
+        run_measured(&mut c)?.check("sdref unet")?;
+        let (_, r) = parity::read_raw(&out)?;
+        let o = self.unet.model.eval(&mut self.unet.runner, &x, (lw, lh), &[timestep], &ctx, n_ctx, 1)?;
+        let diff = Diff::of(&parity::to_f64(&o), &parity::to_f64(&r))?;
+        let tol = Tolerance::rounding_points(parity::UNET_POINTS);
+        let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+        let detail = format!(
+            "t={timestep} {}x{}: rel_rms {:.2e} rel_max {:.2e} [{}]",
+            lw,
+            lh,
+            diff.rel_rms(),
+            diff.rel_max(),
+            tol.describe()
+        );
+        Ok(Stage::new("unet", verdict, detail, Some(diff)))
+    }
+
     fn image_stage(&self, case: &Case) -> Result<Stage> {
         let flags = case.flags(self.threads);
         let stem = self.dir.join(format!("case{}", case.index));
@@ -671,6 +723,9 @@ impl Harness {
         if case.cfg != 1.0 {
             stages.extend(self.text_stages(case, &case.negative, "uncond")?);
         }
+        if self.dir.join(format!("case{}.cond.ref.f32", case.index)).is_file() {
+            stages.push(self.unet_stage(case)?);
+        }
         stages.push(self.image_stage(case)?);
         Ok(stages)
     }
@@ -703,7 +758,7 @@ pub fn first_divergence(stages: &[Stage]) -> Option<&Stage> {
 /// mean/max absolute differences.
 fn summary(all: &[(Case, Vec<Stage>)]) -> String {
     let mut out = String::new();
-    for name in ["tokens", "neg tokens", "cond", "uncond", "image"] {
+    for name in ["tokens", "neg tokens", "cond", "uncond", "unet", "image"] {
         let rows: Vec<&Stage> = all.iter().flat_map(|(_, s)| s.iter()).filter(|s| s.name == name).collect();
         let compared = rows.iter().filter(|s| !matches!(s.verdict, Verdict::NotAvailable(_))).count();
         let agree = rows.iter().filter(|s| s.verdict == Verdict::Agree).count();
@@ -758,9 +813,10 @@ pub fn run(args: &[String]) -> Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let cpu = parity::Cpu::new(a.threads)?;
     let files = ModelFiles::open_model(&model)?;
-    let (clip, _, clip_points) = parity::configs(&files)?;
+    let (clip, unet_cfg, clip_points) = parity::configs(&files)?;
     let text = OurText::load(&cpu, &files, &clip, clip_points)?;
-    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text };
+    let unet = OurUnet::load(&cpu, &files, &unet_cfg)?;
+    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet };
 
     let start = Instant::now();
     let mut all = Vec::new();

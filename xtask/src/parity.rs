@@ -325,7 +325,7 @@ impl Tolerance {
 /// Rounding points per module (counted in the module doc).
 const CLIP_L_POINTS: u32 = 48;
 const CLIP_H_POINTS: u32 = 92;
-const UNET_POINTS: u32 = 202;
+pub(crate) const UNET_POINTS: u32 = 202;
 const VAE_POINTS: u32 = 36;
 
 /// One line of the report.

@@ -10,7 +10,9 @@
 //! otherwise; with `-o` the extension chooses the format. `--only` keeps some components
 //! (file metadata unchanged), for small files in tests. `--std S` draws every weight and
 //! embedding N(0, S) instead of the scaled initialisation (a checkpoint as a naive generator
-//! writes it, for parity runs on weights this project's fixtures do not have). The generation itself lives in
+//! writes it, for parity runs on weights this project's fixtures do not have);
+//! `--std-everywhere` does the same to biases and norms; `--plain-norms` makes biases 0 and
+//! norm gains 1, as PyTorch initialises them. The generation itself lives in
 //! `sd_models::fixture`; this is only argument handling.
 
 use std::path::PathBuf;
@@ -19,7 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
 
-const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]";
+const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S [--std-everywhere]] [--plain-norms]";
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -30,6 +32,8 @@ struct Args {
     output: Option<PathBuf>,
     only: Option<Vec<Component>>,
     std: Option<f64>,
+    std_everywhere: bool,
+    plain_norms: bool,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -39,6 +43,8 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut output = None;
     let mut only = None;
     let mut std = None;
+    let mut std_everywhere = false;
+    let mut plain_norms = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
@@ -72,6 +78,8 @@ fn parse(args: &[String]) -> Result<Args> {
                     .with_context(|| format!("--std '{v}': a positive standard deviation such as 0.02"))?;
                 std = Some(s);
             }
+            "--std-everywhere" => std_everywhere = true,
+            "--plain-norms" => plain_norms = true,
             "-h" | "--help" => bail!("{USAGE}"),
             s if s.starts_with('-') => bail!("unknown option '{s}'\n{USAGE}"),
             s if family.is_none() => family = Some(Family::parse(s)?),
@@ -82,7 +90,13 @@ fn parse(args: &[String]) -> Result<Args> {
         }
     }
     let family = family.with_context(|| format!("no family given\n{USAGE}"))?;
-    Ok(Args { family, seed, wtype, output, only, std })
+    if std_everywhere && std.is_none() {
+        bail!("--std-everywhere needs --std S\n{USAGE}");
+    }
+    if std_everywhere && plain_norms {
+        bail!("--std-everywhere and --plain-norms contradict each other\n{USAGE}");
+    }
+    Ok(Args { family, seed, wtype, output, only, std, std_everywhere, plain_norms })
 }
 
 /// Where `cargo xtask fixture` writes by default: `target/fixtures/<family>-<type>.<ext>`.
@@ -108,6 +122,8 @@ pub fn run(args: &[String]) -> Result<()> {
         req.arch = req.arch.only(only);
     }
     req.weight_std = args.std;
+    req.std_everywhere = args.std_everywhere;
+    req.plain_norms = args.plain_norms;
     let start = Instant::now();
     let report = fixture::write_fixture(&path, &req)?;
     println!(
@@ -142,6 +158,8 @@ mod tests {
                 output: Some("m.gguf".into()),
                 only: Some(vec![Component::Unet, Component::Vae]),
                 std: Some(0.05),
+                std_everywhere: false,
+                plain_norms: false,
             }
         );
         let d = parse(&args("sd-turbo")).unwrap();
@@ -161,6 +179,7 @@ mod tests {
             ("sd15 --fast", "--fast"),
             ("sd15 --std 0", "--std"),
             ("sd15 --std x", "--std"),
+            ("sd15 --std-everywhere", "needs --std"),
         ] {
             let e = parse(&args(line)).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR]
+//!                    [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE]
 //! cargo xtask parity --fuzz-prompts N [--seed S]      # print the grammar's prompts, NUL-separated
 //! ```
 //!
@@ -53,7 +54,7 @@ use crate::bench::run_measured;
 use crate::parity::{self, Diff, Tolerance};
 use crate::reference;
 
-const USAGE: &str = "usage: cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR]\n       cargo xtask parity --fuzz-prompts N [--seed S]";
+const USAGE: &str = "usage: cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR] [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE]\n       cargo xtask parity --fuzz-prompts N [--seed S]";
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -65,6 +66,14 @@ struct Args {
     max_steps: u32,
     out: PathBuf,
     prompts_only: bool,
+    /// Compare tokens and conditioning only (seconds per case instead of minutes).
+    text_only: bool,
+    /// Prebuilt executables (otherwise both are built first).
+    sdref: Option<PathBuf>,
+    sd_cli: Option<PathBuf>,
+    /// Fixed prompts instead of the grammar's (to chase one disagreement).
+    prompt: Option<String>,
+    negative: Option<String>,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -76,6 +85,11 @@ fn parse(args: &[String]) -> Result<Args> {
         max_steps: 4,
         out: crate::workspace_root().join("target/parity/fuzz"),
         prompts_only: false,
+        text_only: false,
+        sdref: None,
+        sd_cli: None,
+        prompt: None,
+        negative: None,
     };
     let mut cases = None;
     let mut it = args.iter();
@@ -97,6 +111,11 @@ fn parse(args: &[String]) -> Result<Args> {
             "--threads" | "-t" => a.threads = positive(arg, value(arg)?)? as u32,
             "--max-steps" => a.max_steps = positive(arg, value(arg)?)? as u32,
             "--out" => a.out = PathBuf::from(value(arg)?),
+            "--text-only" => a.text_only = true,
+            "--sdref" => a.sdref = Some(PathBuf::from(value(arg)?)),
+            "--sd-cli" => a.sd_cli = Some(PathBuf::from(value(arg)?)),
+            "--prompt" | "-p" => a.prompt = Some(value(arg)?),
+            "--negative-prompt" | "-n" => a.negative = Some(value(arg)?),
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument `{other}` for the fuzz harness\n{USAGE}"),
         }
@@ -530,7 +549,9 @@ struct Harness {
     threads: u32,
     dir: PathBuf,
     text: OurText,
-    unet: OurUnet,
+    /// `None` with `--text-only`.
+    unet: Option<OurUnet>,
+    text_only: bool,
 }
 
 impl Harness {
@@ -564,7 +585,7 @@ impl Harness {
             ));
             return Ok(stages);
         }
-        let (ours_ids, _) = match ours_tok {
+        let (ours_ids, ours_tok_weights) = match ours_tok {
             Ok(t) => t,
             Err(e) => {
                 stages.push(Stage::new(tok_name, Verdict::Differ, format!("ours rejects it: {e}"), None));
@@ -623,6 +644,8 @@ impl Harness {
             ));
             return Ok(stages);
         }
+        let ours_path = self.dir.join(format!("case{}.{which}.ours.f32", case.index));
+        parity::write_raw(&ours_path, &shape, &ours.data, "our conditioning")?;
         let diff = Diff::of(&parity::to_f64(&ours.data), &parity::to_f64(&r))?;
         // The token whose hidden state is furthest off, relative to the reference's scale.
         let h = ours.hidden_size;
@@ -634,7 +657,7 @@ impl Harness {
             .enumerate()
             .fold((0, 0.0), |acc, (i, d)| if d > acc.1 { (i, d) } else { acc });
         let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
-        let detail = format!(
+        let mut detail = format!(
             "rel_rms {:.2e} rel_max {:.2e} [{}], worst token {} (max|d| {:.3e})",
             diff.rel_rms(),
             diff.rel_max(),
@@ -642,6 +665,10 @@ impl Harness {
             worst.0,
             worst.1
         );
+        if verdict == Verdict::Differ {
+            let weighted = ours_tok_weights.iter().any(|&w| w != 1.0);
+            detail.push_str(&scale_note(&ours.data, &r, h * 77, weighted));
+        }
         stages.push(Stage::new(which, verdict, detail, Some(diff)));
         Ok(stages)
     }
@@ -665,7 +692,8 @@ impl Harness {
         c.arg("-o").arg(&out);
         run_measured(&mut c)?.check("sdref unet")?;
         let (_, r) = parity::read_raw(&out)?;
-        let o = self.unet.model.eval(&mut self.unet.runner, &x, (lw, lh), &[timestep], &ctx, n_ctx, 1)?;
+        let unet = self.unet.as_mut().context("the UNet is not loaded with --text-only")?;
+        let o = unet.model.eval(&mut unet.runner, &x, (lw, lh), &[timestep], &ctx, n_ctx, 1)?;
         let diff = Diff::of(&parity::to_f64(&o), &parity::to_f64(&r))?;
         let tol = Tolerance::rounding_points(parity::UNET_POINTS);
         let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
@@ -723,12 +751,46 @@ impl Harness {
         if case.cfg != 1.0 {
             stages.extend(self.text_stages(case, &case.negative, "uncond")?);
         }
+        if self.text_only {
+            return Ok(stages);
+        }
         if self.dir.join(format!("case{}.cond.ref.f32", case.index)).is_file() {
             stages.push(self.unet_stage(case)?);
         }
         stages.push(self.image_stage(case)?);
         Ok(stages)
     }
+}
+
+/// Whether two conditionings differ by one scale factor per chunk, the signature of the
+/// weighting's mean renormalisation (`mean_before / mean_after`, applied to the whole chunk):
+/// for each chunk of `chunk` values, the least-squares factor `s` with `s * ours ~ ref`, the
+/// residual after it, and the reference's `|mean| / rms` after weighting (the
+/// factor's condition: a mean near 0 next to the values' scale makes it a ratio of rounding
+/// noise, so uncorrelated kernel drift decides it).
+pub fn scale_note(ours: &[f32], reference: &[f32], chunk: usize, weighted: bool) -> String {
+    let mut parts = Vec::new();
+    for (k, (o, r)) in ours.chunks(chunk).zip(reference.chunks(chunk)).enumerate() {
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
+        let (or, oo, rr) = (dot(o, r), dot(o, o), dot(r, r));
+        if oo == 0.0 || rr == 0.0 {
+            continue;
+        }
+        let s = or / oo;
+        let resid = o.iter().zip(r).map(|(x, y)| (s * f64::from(*x) - f64::from(*y)).powi(2)).sum::<f64>();
+        let rel = (resid / rr).sqrt();
+        let n = r.len() as f64;
+        let mean_over_rms = (r.iter().map(|&v| f64::from(v)).sum::<f64>() / n).abs() / (rr / n).sqrt();
+        parts.push(format!(
+            "chunk {k}: ref = {s:.4} x ours, residual rel_rms {rel:.1e}, ref |mean|/rms {mean_over_rms:.1e}"
+        ));
+    }
+    let what = if weighted {
+        "weighted prompt: a scale-only difference is the mean renormalisation's factor"
+    } else {
+        "unweighted prompt"
+    };
+    format!("; {what}; {}", parts.join("; "))
 }
 
 /// A deterministic RGB pattern for img2img (gradients and a checker).
@@ -805,9 +867,21 @@ pub fn run(args: &[String]) -> Result<()> {
     if !model.is_file() {
         bail!("--model {}: no such file", model.display());
     }
-    eprintln!("fuzz: building the reference and sd-cli (release)");
-    let sdref = reference::build()?;
-    let sd_cli = parity::build_sd_cli()?;
+    let sdref = match &a.sdref {
+        Some(p) => p.clone(),
+        None => {
+            eprintln!("fuzz: building the reference (release)");
+            reference::build()?
+        }
+    };
+    let sd_cli = match (&a.sd_cli, a.text_only) {
+        (Some(p), _) => p.clone(),
+        (None, true) => PathBuf::from("sd-cli (not used with --text-only)"),
+        (None, false) => {
+            eprintln!("fuzz: building sd-cli (release)");
+            parity::build_sd_cli()?
+        }
+    };
     let stem = model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
     let dir = a.out.join(format!("{stem}-seed{}", a.seed));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -815,13 +889,19 @@ pub fn run(args: &[String]) -> Result<()> {
     let files = ModelFiles::open_model(&model)?;
     let (clip, unet_cfg, clip_points) = parity::configs(&files)?;
     let text = OurText::load(&cpu, &files, &clip, clip_points)?;
-    let unet = OurUnet::load(&cpu, &files, &unet_cfg)?;
-    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet };
+    let unet = if a.text_only { None } else { Some(OurUnet::load(&cpu, &files, &unet_cfg)?) };
+    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet, text_only: a.text_only };
 
     let start = Instant::now();
     let mut all = Vec::new();
     for i in 0..a.cases as u64 {
-        let case = Case::draw(a.seed, i, a.max_steps);
+        let mut case = Case::draw(a.seed, i, a.max_steps);
+        if let Some(p) = &a.prompt {
+            case.prompt = p.clone();
+        }
+        if let Some(n) = &a.negative {
+            case.negative = n.clone();
+        }
         let t = Instant::now();
         let stages = h.run_case(&case).with_context(|| format!("case {i}: {}", case.describe()))?;
         println!("case {i}: {} ({:.0} s)", case.describe(), t.elapsed().as_secs_f64());
@@ -868,7 +948,10 @@ mod tests {
     #[test]
     fn parses_the_documented_command_line() {
         let a = parse(&args("--fuzz 5 --model m.safetensors --seed 9 --threads 4 --max-steps 2")).unwrap();
-        assert_eq!((a.cases, a.seed, a.threads, a.max_steps, a.prompts_only), (5, 9, 4, 2, false));
+        assert_eq!((a.cases, a.seed, a.threads, a.max_steps, a.prompts_only, a.text_only), (5, 9, 4, 2, false, false));
+        let t = parse(&args("--fuzz 2 --model m --text-only --sdref /x/sdref --sd-cli /y/sd-cli")).unwrap();
+        assert!(t.text_only);
+        assert_eq!((t.sdref, t.sd_cli), (Some(PathBuf::from("/x/sdref")), Some(PathBuf::from("/y/sd-cli"))));
         assert_eq!(a.model, Some(PathBuf::from("m.safetensors")));
         assert!(parse(&args("--fuzz-prompts 3")).unwrap().prompts_only);
         for (line, needle) in [
@@ -966,6 +1049,18 @@ mod tests {
         assert!(reference_tokens("no tokenizer lines", &id_of, 0).unwrap_err().contains("-v"));
         let unknown = "split prompt \"a\" to tokens [\"zz\u{2603}</w>\", ]\n";
         assert!(reference_tokens(unknown, &id_of, 0).unwrap_err().contains("vocabulary"));
+    }
+
+    #[test]
+    fn scale_only_differences_are_named() {
+        // Chunk 0 differs by a factor 1.5 exactly, chunk 1 by noise.
+        let ours: Vec<f32> = (0..8).map(|i| (i as f32 - 3.5) * 0.25 + 0.1).collect();
+        let mut r: Vec<f32> = ours[..4].iter().map(|v| v * 1.5).collect();
+        r.extend([1.0, -2.0, 0.5, 3.0]);
+        let note = scale_note(&ours, &r, 4, true);
+        assert!(note.contains("chunk 0: ref = 1.5000 x ours, residual rel_rms 0.0e0"), "{note}");
+        assert!(note.contains("chunk 1:") && note.contains("mean renormalisation"), "{note}");
+        assert!(scale_note(&ours, &r, 4, false).contains("unweighted"));
     }
 
     #[test]

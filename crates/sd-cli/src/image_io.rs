@@ -1,6 +1,6 @@
 //! PNG output with the generation parameters, and PNG input for img2img.
 //!
-//! The output carries a `parameters` tEXt chunk in the format A1111 writes and
+//! The output carries a `parameters` tEXt chunk (iTXt when the text is not Latin-1) in the format A1111 writes and
 //! image browsers read (prompt, `Negative prompt:` line, then `Key: value`
 //! pairs). Files are written to a temporary name next to the target and
 //! renamed, so a failure never leaves a partial image behind.
@@ -30,7 +30,13 @@ pub fn write_png(path: &Path, img: &Rgb8, parameters: &str) -> Result<()> {
         let mut enc = png::Encoder::new(std::io::BufWriter::new(file), img.width, img.height);
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);
-        enc.add_text_chunk("parameters".into(), parameters.into())?;
+        // tEXt holds Latin-1 only; a prompt with other characters (emoji, CJK, dashes)
+        // goes into an iTXt chunk, which is UTF-8, under the same keyword.
+        if parameters.chars().all(|c| (c as u32) < 256) {
+            enc.add_text_chunk("parameters".into(), parameters.into())?;
+        } else {
+            enc.add_itxt_chunk("parameters".into(), parameters.into())?;
+        }
         let mut w = enc.write_header()?;
         w.write_image_data(&img.data)?;
         w.finish()?;
@@ -59,4 +65,34 @@ pub fn read_png(path: &Path) -> Result<Rgb8> {
         other => bail!("{}: unsupported PNG color type {other:?}", path.display()),
     };
     Ok(Rgb8 { width: info.width, height: info.height, data })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parameters_of(path: &Path) -> String {
+        let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
+        let reader = dec.read_info().unwrap();
+        let info = reader.info();
+        let latin = info.uncompressed_latin1_text.iter().find(|t| t.keyword == "parameters").map(|t| t.text.clone());
+        let utf8 = info.utf8_text.iter().find(|t| t.keyword == "parameters").map(|t| t.get_text().unwrap());
+        latin.or(utf8).expect("a parameters chunk")
+    }
+
+    #[test]
+    fn parameters_of_any_prompt_are_written() {
+        // Found by `cargo xtask parity --fuzz`: a prompt with an em dash made the PNG encoder
+        // refuse the tEXt chunk after the whole generation had run.
+        let dir = std::env::temp_dir().join(format!("sd-cli-image-io-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = Rgb8 { width: 2, height: 1, data: vec![0, 1, 2, 3, 4, 5] };
+        for text in ["a naïve café", "a dog — 東京 🐱\nNegative prompt: ✨"] {
+            let path = dir.join("p.png");
+            write_png(&path, &img, text).unwrap();
+            assert_eq!(parameters_of(&path), text);
+            assert_eq!(read_png(&path).unwrap(), img);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR]
-//!                    [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE]
+//!                    [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE] [--clip-skip K]
 //! cargo xtask parity --fuzz-prompts N [--seed S]      # print the grammar's prompts, NUL-separated
 //! ```
 //!
@@ -54,7 +54,7 @@ use crate::bench::run_measured;
 use crate::parity::{self, Diff, Tolerance};
 use crate::reference;
 
-const USAGE: &str = "usage: cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR] [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE]\n       cargo xtask parity --fuzz-prompts N [--seed S]";
+const USAGE: &str = "usage: cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR] [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE] [--clip-skip K]\n       cargo xtask parity --fuzz-prompts N [--seed S]";
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -74,6 +74,7 @@ struct Args {
     /// Fixed prompts instead of the grammar's (to chase one disagreement).
     prompt: Option<String>,
     negative: Option<String>,
+    clip_skip: Option<i32>,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -90,6 +91,7 @@ fn parse(args: &[String]) -> Result<Args> {
         sd_cli: None,
         prompt: None,
         negative: None,
+        clip_skip: None,
     };
     let mut cases = None;
     let mut it = args.iter();
@@ -116,6 +118,10 @@ fn parse(args: &[String]) -> Result<Args> {
             "--sd-cli" => a.sd_cli = Some(PathBuf::from(value(arg)?)),
             "--prompt" | "-p" => a.prompt = Some(value(arg)?),
             "--negative-prompt" | "-n" => a.negative = Some(value(arg)?),
+            "--clip-skip" => {
+                let v = value(arg)?;
+                a.clip_skip = Some(v.parse().with_context(|| format!("--clip-skip {v}: an integer"))?);
+            }
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument `{other}` for the fuzz harness\n{USAGE}"),
         }
@@ -901,6 +907,9 @@ pub fn run(args: &[String]) -> Result<()> {
         }
         if let Some(n) = &a.negative {
             case.negative = n.clone();
+        }
+        if let Some(c) = a.clip_skip {
+            case.clip_skip = c;
         }
         let t = Instant::now();
         let stages = h.run_case(&case).with_context(|| format!("case {i}: {}", case.describe()))?;

@@ -2,13 +2,17 @@
 //!
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
-//!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae]
+//!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! ```
 //!
 //! Defaults: seed 42, type f16, output `target/fixtures/<family>-<type>.<ext>` in the
 //! workspace, where the extension is `gguf` for quantized types and `safetensors`
 //! otherwise; with `-o` the extension chooses the format. `--only` keeps some components
-//! (file metadata unchanged), for small files in tests. The generation itself lives in
+//! (file metadata unchanged), for small files in tests. `--std S` draws every weight and
+//! embedding N(0, S) instead of the scaled initialisation (a checkpoint as a naive generator
+//! writes it, for parity runs on weights this project's fixtures do not have);
+//! `--std-everywhere` does the same to biases and norms; `--plain-norms` makes biases 0 and
+//! norm gains 1, as PyTorch initialises them. The generation itself lives in
 //! `sd_models::fixture`; this is only argument handling.
 
 use std::path::PathBuf;
@@ -17,7 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
 
-const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae]";
+const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S [--std-everywhere]] [--plain-norms]";
 
 /// Parsed command line.
 #[derive(Debug, PartialEq)]
@@ -27,6 +31,9 @@ struct Args {
     wtype: WeightType,
     output: Option<PathBuf>,
     only: Option<Vec<Component>>,
+    std: Option<f64>,
+    std_everywhere: bool,
+    plain_norms: bool,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -35,6 +42,9 @@ fn parse(args: &[String]) -> Result<Args> {
     let mut wtype = WeightType::F16;
     let mut output = None;
     let mut only = None;
+    let mut std = None;
+    let mut std_everywhere = false;
+    let mut plain_norms = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
@@ -59,6 +69,17 @@ fn parse(args: &[String]) -> Result<Args> {
                     .collect::<Result<Vec<_>>>()?;
                 only = Some(list);
             }
+            "--std" => {
+                let v = value(arg)?;
+                let s: f64 = v
+                    .parse()
+                    .ok()
+                    .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                    .with_context(|| format!("--std '{v}': a positive standard deviation such as 0.02"))?;
+                std = Some(s);
+            }
+            "--std-everywhere" => std_everywhere = true,
+            "--plain-norms" => plain_norms = true,
             "-h" | "--help" => bail!("{USAGE}"),
             s if s.starts_with('-') => bail!("unknown option '{s}'\n{USAGE}"),
             s if family.is_none() => family = Some(Family::parse(s)?),
@@ -69,7 +90,13 @@ fn parse(args: &[String]) -> Result<Args> {
         }
     }
     let family = family.with_context(|| format!("no family given\n{USAGE}"))?;
-    Ok(Args { family, seed, wtype, output, only })
+    if std_everywhere && std.is_none() {
+        bail!("--std-everywhere needs --std S\n{USAGE}");
+    }
+    if std_everywhere && plain_norms {
+        bail!("--std-everywhere and --plain-norms contradict each other\n{USAGE}");
+    }
+    Ok(Args { family, seed, wtype, output, only, std, std_everywhere, plain_norms })
 }
 
 /// Where `cargo xtask fixture` writes by default: `target/fixtures/<family>-<type>.<ext>`.
@@ -94,14 +121,18 @@ pub fn run(args: &[String]) -> Result<()> {
     if let Some(only) = &args.only {
         req.arch = req.arch.only(only);
     }
+    req.weight_std = args.std;
+    req.std_everywhere = args.std_everywhere;
+    req.plain_norms = args.plain_norms;
     let start = Instant::now();
     let report = fixture::write_fixture(&path, &req)?;
     println!(
-        "wrote {} ({} fixture, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        "wrote {} ({} fixture, seed {}, {}{}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
         report.path.display(),
         args.family.name(),
         args.seed,
         args.wtype,
+        args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default(),
         report.tensors,
         report.params as f64 / 1e6,
         report.bytes as f64 / (1024.0 * 1024.0),
@@ -117,7 +148,7 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae")).unwrap();
+        let a = parse(&args("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae --std 0.05")).unwrap();
         assert_eq!(
             a,
             Args {
@@ -125,11 +156,14 @@ mod tests {
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
-                only: Some(vec![Component::Unet, Component::Vae])
+                only: Some(vec![Component::Unet, Component::Vae]),
+                std: Some(0.05),
+                std_everywhere: false,
+                plain_norms: false,
             }
         );
         let d = parse(&args("sd-turbo")).unwrap();
-        assert_eq!((d.seed, d.wtype, d.output, d.only), (42, WeightType::F16, None, None));
+        assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
 
     #[test]
@@ -143,6 +177,9 @@ mod tests {
             ("sd15 --only unet,clip", "clip"),
             ("sd15 sd21", "unexpected argument"),
             ("sd15 --fast", "--fast"),
+            ("sd15 --std 0", "--std"),
+            ("sd15 --std x", "--std"),
+            ("sd15 --std-everywhere", "needs --std"),
         ] {
             let e = parse(&args(line)).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");

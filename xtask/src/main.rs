@@ -5,6 +5,7 @@ mod bench_placement;
 mod bench_variants;
 mod bindings;
 mod fixture;
+mod fuzz;
 mod parity;
 mod plugins;
 mod reference;
@@ -20,11 +21,14 @@ commands:
                       build backend plugins from the pinned ggml and install them
   bindings            regenerate crates/ggml-sys/src/bindings.rs from the pinned headers
                       (needs libclang; the default build never does)
-  fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE]
+  fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE] [--std S]
                       write a checkpoint with the real layout and random weights
   reference           build the stable-diffusion.cpp reference harness (sdref)
   parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]
                       compare text encoder, UNet, VAE and 256x256 generations with the reference
+  parity --fuzz N --model PATH [--seed S] [--threads N] [--max-steps K]
+                      N random cases (prompt syntax, sizes, samplers, cfg, clip skip, img2img) on
+                      any checkpoint, each disagreement with the first stage where it appears
   bench [--size 256|512|both] [--runs N] [--threads N]
                       time sd-cli against the reference, alternating runs, with ratios
   bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]

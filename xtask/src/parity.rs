@@ -3,6 +3,7 @@
 //! ```text
 //! cargo xtask parity [sd15|sd21|all] [--threads N]
 //! cargo xtask parity [sd15|sd21|all] --write-test-data [--test-data-dir DIR]
+//! cargo xtask parity --fuzz N --model PATH [--seed S]   (random cases: xtask/src/fuzz.rs)
 //! ```
 //!
 //! For each family, on the fixture `target/fixtures/<family>-f16.safetensors`
@@ -311,7 +312,7 @@ impl Tolerance {
         }
     }
 
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match *self {
             Tolerance::Relative { rel_rms, rel_max } => {
                 format!("rel_rms<={rel_rms:.1e} rel_max<={rel_max:.1e}")
@@ -324,7 +325,7 @@ impl Tolerance {
 /// Rounding points per module (counted in the module doc).
 const CLIP_L_POINTS: u32 = 48;
 const CLIP_H_POINTS: u32 = 92;
-const UNET_POINTS: u32 = 202;
+pub(crate) const UNET_POINTS: u32 = 202;
 const VAE_POINTS: u32 = 36;
 
 /// One line of the report.
@@ -453,7 +454,7 @@ fn read_png_rgb(path: &Path) -> Result<(u32, u32, Vec<u8>)> {
 }
 
 /// Compares two PNGs in 8-bit levels.
-fn png_diff(ours: &Path, reference: &Path) -> Result<(Diff, String)> {
+pub(crate) fn png_diff(ours: &Path, reference: &Path) -> Result<(Diff, String)> {
     let (w1, h1, a) = read_png_rgb(ours)?;
     let (w2, h2, b) = read_png_rgb(reference)?;
     if (w1, h1) != (w2, h2) {
@@ -463,7 +464,7 @@ fn png_diff(ours: &Path, reference: &Path) -> Result<(Diff, String)> {
     Ok((Diff::of(&to(&a), &to(&b))?, format!("{w1}x{h1}x3")))
 }
 
-fn to_f64(v: &[f32]) -> Vec<f64> {
+pub(crate) fn to_f64(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| f64::from(x)).collect()
 }
 
@@ -476,13 +477,13 @@ fn shape_str(s: &[usize]) -> String {
 // ---------------------------------------------------------------------------------------
 
 /// A CPU backend with `threads` threads; the registry stays alive with it.
-struct Cpu {
+pub(crate) struct Cpu {
     _registry: PluginRegistry,
-    backend: Arc<Backend>,
+    pub(crate) backend: Arc<Backend>,
 }
 
 impl Cpu {
-    fn new(threads: u32) -> Result<Cpu> {
+    pub(crate) fn new(threads: u32) -> Result<Cpu> {
         let registry = PluginRegistry::discover(&PluginSearch::standard(Vec::new()));
         let device = registry
             .device("cpu")
@@ -493,7 +494,7 @@ impl Cpu {
 }
 
 /// The module configurations of the detected architecture.
-fn configs(files: &ModelFiles) -> Result<(ClipConfig, UNetConfig, u32)> {
+pub(crate) fn configs(files: &ModelFiles) -> Result<(ClipConfig, UNetConfig, u32)> {
     let detected = files.detect(None)?;
     Ok(match detected.arch {
         "sd1" => (ClipConfig::vit_l14(), UNetConfig::sd15(), CLIP_L_POINTS),
@@ -733,6 +734,9 @@ fn write_test_data(family: Family, threads: u32, sdref_exe: &Path, ours_exe: &Pa
 
 /// Entry point of `cargo xtask parity ...` (`args` excludes the subcommand name).
 pub fn run(args: &[String]) -> Result<()> {
+    if args.iter().any(|a| a == "--fuzz" || a == "--fuzz-prompts") {
+        return crate::fuzz::run(args);
+    }
     let args = parse(args)?;
     eprintln!("parity: building the reference and sd-cli (release)");
     let sdref_exe = reference::build()?;

@@ -102,11 +102,13 @@ def split_special(text):
 
 def sdcpp_encode(tok, text):
     ids = []
-    for part in split_special(sdcpp_normalize(text)):
+    # The pinned sd.cpp (5db680c) cuts special tokens out of the raw text, case-sensitively,
+    # and cleans up each remaining part (later versions lowercase first).
+    for part in split_special(text):
         if part in SPECIAL:
             ids.append(SPECIAL[part])
             continue
-        for piece in PRETOK.findall(part):
+        for piece in PRETOK.findall(sdcpp_normalize(part)):
             word = "".join(tok.byte_encoder[b] for b in piece.encode("utf-8"))
             ids.extend(tok.encoder[t] for t in tok.bpe(word).split(" "))
     return ids
@@ -264,7 +266,7 @@ PLAIN = [
     ("special_tokens", "<|startoftext|>hello world<|endoftext|>", False,
      "literal special tokens map to 49406/49407 (open_clip spells them <start_of_text>)"),
     ("special_tokens_upper", "<|STARTOFTEXT|> upper <|EndOfText|>", False,
-     "special tokens are found after lowercasing (sd.cpp since 2026-06-17)"),
+     "special tokens are cut out before lowercasing: in capitals they are text (the pinned sd.cpp, 5db680c)"),
     ("latin_accents", "café naïve résumé", False, "sd.cpp: non-ASCII bytes are not letters, split from ASCII letters"),
     ("latin_upper", "CAFÉ ÜBER Straße", False, "sd.cpp: only ASCII is lowercased"),
     ("cjk", "東京タワー 日本語の夜景", False, "sd.cpp: a CJK run is one punctuation-class piece"),

@@ -30,7 +30,8 @@
 //!   the erf form; we follow the reference, not upstream).
 //! * **Clip skip** (`--clip-skip N`, N >= 1): the first `n_layers - N + 1` layers run, so
 //!   N = 1 is the last layer and N = 2 the penultimate. The reference's defaults are 1 for
-//!   SD 1.x and 2 for SD 2.x. The final LayerNorm is applied after the last layer that ran
+//!   SD 1.x and 2 for SD 2.x; for SD 2.x the reference never fills the last layer's weights,
+//!   so `--clip-skip 1` gives what 2 gives ([`ClipConfig::min_clip_skip`]). The final LayerNorm is applied after the last layer that ran
 //!   whenever [`ClipConfig::with_final_ln`] is set, which the reference does for both SD 1.x
 //!   and SD 2.x (only SDXL's encoders skip it).
 //! * **Fused q/k/v**: OpenCLIP files store `in_proj` fused; the file reader splits it into
@@ -133,6 +134,11 @@ pub struct ClipConfig {
     pub with_final_ln: bool,
     /// Clip skip used when the user gives none (`--clip-skip` <= 0).
     pub default_clip_skip: usize,
+    /// Smallest clip skip that selects a layer the reference really computes: 2 for
+    /// OpenCLIP ViT-H, whose last layer (`encoder.layers.23`) stable-diffusion.cpp treats as
+    /// optional and never fills (its output with `--clip-skip 1` is bit-identical to
+    /// `--clip-skip 2`; found by `cargo xtask parity --fuzz`); 1 otherwise.
+    pub min_clip_skip: usize,
     /// Id that pads a chunk after its EOS.
     pub pad_id: u32,
 }
@@ -153,6 +159,7 @@ impl ClipConfig {
             layer_norm_eps: 1e-5,
             with_final_ln: true,
             default_clip_skip: 1,
+            min_clip_skip: 1,
             pad_id: EOS_ID,
         }
     }
@@ -168,6 +175,7 @@ impl ClipConfig {
             n_layers: 24,
             activation: Activation::GeluTanh,
             default_clip_skip: 2,
+            min_clip_skip: 2,
             pad_id: 0,
             ..Self::vit_l14()
         }
@@ -202,7 +210,7 @@ impl ClipConfig {
     }
 
     /// The clip skip for a `--clip-skip` value: <= 0 means the model's default; otherwise
-    /// 1 (last layer) up to the number of layers.
+    /// 1 (last layer) up to the number of layers, raised to [`ClipConfig::min_clip_skip`].
     ///
     /// The reference accepts larger values with odd results (`n_layers + 1` runs no layer at
     /// all, anything larger runs every layer); we refuse them instead.
@@ -211,7 +219,7 @@ impl ClipConfig {
             return Ok(self.default_clip_skip);
         }
         match usize::try_from(flag) {
-            Ok(n) if n <= self.n_layers => Ok(n),
+            Ok(n) if n <= self.n_layers => Ok(n.max(self.min_clip_skip)),
             _ => Err(ClipError::ClipSkip { requested: flag, layers: self.n_layers, default: self.default_clip_skip }),
         }
     }
@@ -1123,6 +1131,9 @@ mod tests {
         assert_eq!(cfg.resolve_clip_skip(0).unwrap(), 1);
         assert_eq!(ClipConfig::vit_h14().resolve_clip_skip(-1).unwrap(), 2);
         assert_eq!(ClipConfig::vit_h14().resolve_clip_skip(24).unwrap(), 24);
+        // The reference never computes ViT-H's last layer: --clip-skip 1 is 2 there.
+        assert_eq!(ClipConfig::vit_h14().resolve_clip_skip(1).unwrap(), 2);
+        assert_eq!(ClipConfig::vit_l14().resolve_clip_skip(1).unwrap(), 1);
         let e = ClipConfig::vit_h14().resolve_clip_skip(25).unwrap_err();
         assert!(e.to_string().contains("--clip-skip 25") && e.to_string().contains("1 to 24"), "{e}");
 

@@ -154,3 +154,38 @@ proptest! {
         }
     }
 }
+
+/// One prompt of data/reference_prompt_tokens.json: the reference's ids and weights.
+#[derive(Deserialize)]
+struct ReferenceCase {
+    prompt: String,
+    sd1: Expected,
+    sd2: Expected,
+}
+
+#[test]
+fn prompts_match_the_reference_tokenizer_table() {
+    // data/reference_prompt_tokens.json: the cases of issue 10 (a weighted span of several
+    // words after a comma, nested weights with [x] and escapes, BREAK, weighted negative
+    // prompts, special tokens in capitals) and 56 prompts of the fuzz grammar
+    // (`cargo xtask parity --fuzz-prompts 40 --seed 1`), run through stable-diffusion.cpp's
+    // own parser, tokenizer and conditioner loop (data/README.md).
+    let table: Vec<ReferenceCase> =
+        serde_json::from_str(include_str!("../../data/reference_prompt_tokens.json")).expect("table parses");
+    assert!(table.len() >= 60);
+    let tok = ClipTokenizer::new();
+    let mut failures = Vec::new();
+    for case in &table {
+        for (cfg, exp) in [(ChunkConfig::sd1(), &case.sd1), (ChunkConfig::sd2(), &case.sd2)] {
+            let chunks = tok.tokenize_weighted(&case.prompt, &cfg).unwrap_or_else(|e| panic!("{:?}: {e}", case.prompt));
+            let ids: Vec<u32> = chunks.iter().flat_map(|c| c.ids.iter().copied()).collect();
+            let weights: Vec<f32> = chunks.iter().flat_map(|c| c.weights.iter().copied()).collect();
+            let exp_weights: Vec<f32> = exp.weights.iter().map(|&w| w as f32).collect();
+            if ids != exp.ids || weights != exp_weights {
+                let at = ids.iter().zip(&exp.ids).position(|(a, b)| a != b);
+                failures.push(format!("{:?} (pad {}): first id difference at {at:?}", case.prompt, cfg.pad_id));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} prompts differ:\n{}", failures.len(), 2 * table.len(), failures.join("\n"));
+}

@@ -1,10 +1,11 @@
 //! CLIP byte-level BPE tokenizer with stable-diffusion.cpp's text cleanup.
 //!
 //! Pipeline for one piece of text, each step as the reference does it:
-//! 1. cleanup: runs of ASCII whitespace (space, `\t \n \v \f \r`) become one space, the ends
-//!    are stripped, ASCII letters are lowercased (other characters are left alone);
-//! 2. the literal special tokens `<|startoftext|>` and `<|endoftext|>` are cut out and map to
-//!    their ids;
+//! 1. the literal special tokens `<|startoftext|>` and `<|endoftext|>` are cut out of the raw
+//!    text (case-sensitive: `<|ENDOFTEXT|>` is text) and map to their ids;
+//! 2. cleanup of the rest: runs of ASCII whitespace (space, `\t \n \v \f \r`) become one
+//!    space, the ends are stripped, ASCII letters are lowercased (other characters are left
+//!    alone);
 //! 3. pre-tokenization into contractions (`'s 't 're 've 'm 'll 'd`), runs of ASCII letters,
 //!    single ASCII digits and runs of anything else that is not a space (so a non-ASCII
 //!    character never joins an ASCII word);
@@ -95,12 +96,14 @@ impl ClipTokenizer {
     /// Token ids of `text`, without BOS/EOS and with no prompt-weighting syntax: brackets and
     /// `BREAK` are ordinary text here.
     pub fn tokenize(&self, text: &str) -> Vec<u32> {
-        let text = normalize(text);
         let mut ids = Vec::new();
-        for segment in split_special(&text) {
+        // The reference cuts out the special tokens before it lowercases anything, so
+        // `<|ENDOFTEXT|>` is ordinary text.
+        for segment in split_special(text) {
             match segment {
                 Segment::Special(id) => ids.push(id),
                 Segment::Text(t) => {
+                    let t = normalize(t);
                     for piece in pre_tokenize(t.as_bytes()) {
                         self.vocab.bpe(piece, &mut ids);
                     }
@@ -116,6 +119,16 @@ impl ClipTokenizer {
     /// one is split every `chunk_len - 2` tokens; each chunk is BOS, tokens, EOS and
     /// `pad_id` up to `chunk_len`, with weight 1.0 on BOS, EOS and padding.
     pub fn tokenize_weighted(&self, prompt: &str, cfg: &ChunkConfig) -> Result<Vec<Chunk>, TokenizeError> {
+        let (ids, weights) = self.weighted_tokens(prompt, cfg)?;
+        let chunks = chunk::build_chunks(&ids, &weights, cfg);
+        tracing::debug!(tokens = ids.len(), chunks = chunks.len(), "prompt tokenized");
+        Ok(chunks)
+    }
+
+    /// The ids and weights of `prompt` before they are cut into chunks: each fragment's
+    /// tokens in order, a `BREAK` as EOS padding up to a multiple of `chunk_len - 2` (the
+    /// reference's token list before `pad_tokens`).
+    pub fn weighted_tokens(&self, prompt: &str, cfg: &ChunkConfig) -> Result<(Vec<u32>, Vec<f32>), TokenizeError> {
         let body = cfg.body_len()?;
         let fragments = parse_prompt_attention(prompt)?;
         let mut ids = Vec::new();
@@ -134,9 +147,13 @@ impl ClipTokenizer {
                 }
             }
         }
-        let chunks = chunk::build_chunks(&ids, &weights, cfg);
-        tracing::debug!(tokens = ids.len(), chunks = chunks.len(), fragments = fragments.len(), "prompt tokenized");
-        Ok(chunks)
+        Ok((ids, weights))
+    }
+
+    /// The vocabulary string of `id` in CLIP's byte-to-unicode form, `</w>` included (what
+    /// the reference's debug log prints for a token); `None` for an unknown id.
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.vocab.tokens.get(id as usize).map(String::as_str)
     }
 
     /// Text of `ids` for logs and tests: BOS and EOS are skipped, `</w>` becomes a space, and

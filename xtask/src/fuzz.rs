@@ -1,0 +1,1088 @@
+//! `cargo xtask parity --fuzz N --model PATH`: random cases against the reference, each disagreement with its first stage.
+//!
+//! ```text
+//! cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR]
+//!                    [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE] [--clip-skip K]
+//! cargo xtask parity --fuzz-prompts N [--seed S]      # print the grammar's prompts, NUL-separated
+//! ```
+//!
+//! Each case is drawn from `--seed` and its index, so `--seed S` reproduces a run and case
+//! `k` of a run is the same whatever `N` is. A case is a prompt and a negative prompt from
+//! [`prompt`] (the whole weighting syntax: nested `()`/`[]`, `(several words:w)`, commas,
+//! escapes, `BREAK`, unicode, emoji, over-long prompts of several 77-token chunks, empty
+//! prompts), a size (multiples of 64, often not square), a sampler and scheduler among
+//! those we implement, a seed, `--clip-skip`, cfg 1 or more, and sometimes img2img with a
+//! strength. It runs on any checkpoint: the reference (`sdref`) and ours load the same file.
+//!
+//! Stages, in pipeline order; the first that disagrees is the case's verdict:
+//!
+//! 1. `tokens`: our ids before chunking ([`ClipTokenizer::weighted_tokens`]) against the
+//!    reference's, read from `sdref encode-text -v` (its tokenizer logs every fragment's
+//!    tokens and every `BREAK` padding; token strings map to ids through the vocabulary).
+//!    Exact match required. The reference's log lines are cut at 4096 bytes; a prompt whose
+//!    fragment does not fit is reported as `n/a` here (the conditioning still compares it).
+//! 2. `cond` / `uncond`: the conditioning of the prompt (and, with cfg != 1, of the negative
+//!    prompt): ours in process (`encode_prompt`) against `sdref encode-text`. Tolerance:
+//!    the f16 rounding bound of the parity module (`Tolerance::rounding_points`), reported
+//!    with the token whose hidden state is furthest off.
+//! 3. `unet`: one UNet evaluation on identical inputs (a latent of the case's size, the
+//!    reference's conditioning, a timestep drawn from the case), ours in process against
+//!    `sdref unet`: the kernels' drift alone, with the UNet bound of the parity module.
+//! 4. `image`: `sd-cli` against `sdref txt2img` with the same flags, in 8-bit levels, the
+//!    issue's bound (mean <= 1, max <= 8).
+//!
+//! Sampler steps and the VAE are not compared per case (`cargo xtask parity` compares the VAE
+//! on the fixtures); a case whose UNet stage agrees but whose image does not points there.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use sd_models::diffusion::unet::{UNetConfig, UNetModel};
+use sd_models::files::ModelFiles;
+use sd_models::loader::{dtype_of, FileSource};
+use sd_models::sampling::{SampleMethod, Scheduler};
+use sd_models::text::clip::{clip_specs, ClipConfig, ClipTextModel};
+use sd_models::text::conditioning::encode_prompt;
+use sd_models::text::{ChunkConfig, ClipTokenizer};
+use sd_sched::{Runner, Weights};
+
+use crate::bench::run_measured;
+use crate::parity::{self, Diff, Tolerance};
+use crate::reference;
+
+const USAGE: &str = "usage: cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR] [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE] [--clip-skip K]\n       cargo xtask parity --fuzz-prompts N [--seed S]";
+
+/// Parsed command line.
+#[derive(Debug, PartialEq)]
+struct Args {
+    cases: usize,
+    model: Option<PathBuf>,
+    seed: u64,
+    threads: u32,
+    max_steps: u32,
+    out: PathBuf,
+    prompts_only: bool,
+    /// Compare tokens and conditioning only (seconds per case instead of minutes).
+    text_only: bool,
+    /// Prebuilt executables (otherwise both are built first).
+    sdref: Option<PathBuf>,
+    sd_cli: Option<PathBuf>,
+    /// Fixed prompts instead of the grammar's (to chase one disagreement).
+    prompt: Option<String>,
+    negative: Option<String>,
+    clip_skip: Option<i32>,
+}
+
+fn parse(args: &[String]) -> Result<Args> {
+    let mut a = Args {
+        cases: 0,
+        model: None,
+        seed: 1,
+        threads: 2,
+        max_steps: 4,
+        out: crate::workspace_root().join("target/parity/fuzz"),
+        prompts_only: false,
+        text_only: false,
+        sdref: None,
+        sd_cli: None,
+        prompt: None,
+        negative: None,
+        clip_skip: None,
+    };
+    let mut cases = None;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
+        let positive = |flag: &str, v: String| -> Result<u64> {
+            v.parse::<u64>().ok().filter(|&n| n > 0).with_context(|| format!("{flag} {v}: a positive integer"))
+        };
+        match arg.as_str() {
+            "--fuzz" | "--fuzz-prompts" => {
+                a.prompts_only = arg == "--fuzz-prompts";
+                cases = Some(positive(arg, value(arg)?)? as usize);
+            }
+            "--model" | "-m" => a.model = Some(PathBuf::from(value(arg)?)),
+            "--seed" | "-s" => {
+                let v = value(arg)?;
+                a.seed = v.parse().with_context(|| format!("--seed {v}: a non-negative integer"))?;
+            }
+            "--threads" | "-t" => a.threads = positive(arg, value(arg)?)? as u32,
+            "--max-steps" => a.max_steps = positive(arg, value(arg)?)? as u32,
+            "--out" => a.out = PathBuf::from(value(arg)?),
+            "--text-only" => a.text_only = true,
+            "--sdref" => a.sdref = Some(PathBuf::from(value(arg)?)),
+            "--sd-cli" => a.sd_cli = Some(PathBuf::from(value(arg)?)),
+            "--prompt" | "-p" => a.prompt = Some(value(arg)?),
+            "--negative-prompt" | "-n" => a.negative = Some(value(arg)?),
+            "--clip-skip" => {
+                let v = value(arg)?;
+                a.clip_skip = Some(v.parse().with_context(|| format!("--clip-skip {v}: an integer"))?);
+            }
+            "-h" | "--help" => bail!("{USAGE}"),
+            other => bail!("unknown argument `{other}` for the fuzz harness\n{USAGE}"),
+        }
+    }
+    a.cases = cases.with_context(|| format!("no --fuzz N given\n{USAGE}"))?;
+    if !a.prompts_only && a.model.is_none() {
+        bail!("--fuzz needs --model PATH (any SD 1.x / 2.x checkpoint)\n{USAGE}");
+    }
+    Ok(a)
+}
+
+// ---------------------------------------------------------------------------------------
+// Random cases
+// ---------------------------------------------------------------------------------------
+
+/// SplitMix64: small, seedable, the same on every platform.
+#[derive(Clone, Debug)]
+pub struct CaseRng(u64);
+
+impl CaseRng {
+    /// The stream of case `index` of a run with `seed`.
+    pub fn for_case(seed: u64, index: u64) -> Self {
+        let mut r = CaseRng(seed ^ index.wrapping_mul(0xA076_1D64_78BD_642F));
+        r.next_u64();
+        r
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// True with probability `p`.
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+/// Words: plain, capitalised (the reference matches `B` alone), digits, contractions,
+/// non-ASCII letters and emoji (the reference's classes are ASCII-only), punctuation.
+const WORDS: &[&str] = &[
+    "a",
+    "photo",
+    "of",
+    "cat",
+    "dog",
+    "lighthouse",
+    "portrait",
+    "masterpiece",
+    "best",
+    "quality",
+    "studio",
+    "lighting",
+    "sunset",
+    "over",
+    "the",
+    "sea",
+    "red",
+    "blue",
+    "old",
+    "man",
+    "woman",
+    "castle",
+    "forest",
+    "highly",
+    "detailed",
+    "sharp",
+    "focus",
+    "bokeh",
+    "cinematic",
+    "Big",
+    "BOLD",
+    "Bb",
+    "aBc",
+    "Boat",
+    "B",
+    "BREAKfast",
+    "35mm",
+    "8k",
+    "400",
+    "1girl",
+    "it's",
+    "don't",
+    "we're",
+    "I'LL",
+    "café",
+    "naïve",
+    "東京",
+    "Ünïcode",
+    "São",
+    "Paulo",
+    "🐱",
+    "🌅",
+    "👍🏽",
+    "✨",
+    "—",
+    "...",
+    "!",
+    "?",
+    "-",
+    "'",
+    "\"",
+    "&",
+    "#1",
+    "hdr",
+    "uhd",
+    "trending",
+    "artstation",
+    "<|endoftext|>",
+    "<|ENDOFTEXT|>",
+    "16:9",
+    "x:y",
+];
+
+/// Weights as users write them (the reference reads `[+-]?[.\d]+` with `strtof`).
+const WEIGHTS: &[&str] =
+    &["1.3", "0.8", "1.2", "0.5", "1.5", ".9", "1", "1.25", "2.", "+1.1", "0", "-0.5", "1.05", "0.95"];
+
+/// Separators between items: spaces, commas, odd whitespace.
+const SEPARATORS: &[&str] = &[" ", " ", " ", ", ", ", ", ",", " , ", "  ", "\t", "\n", ". "];
+
+fn words(rng: &mut CaseRng, n: usize) -> String {
+    let mut s = String::new();
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(*rng.pick(WORDS));
+    }
+    s
+}
+
+/// One item of a prompt: words, a bracketed span, an escape or `BREAK`.
+fn item(rng: &mut CaseRng, depth: u32) -> String {
+    let roll = rng.below(if depth >= 3 { 4 } else { 12 });
+    match roll {
+        0..=3 => {
+            let n = 1 + rng.below(3);
+            words(rng, n)
+        }
+        4 => format!("({})", span(rng, depth + 1)),
+        5 => format!("[{}]", span(rng, depth + 1)),
+        6 | 7 => format!("({}:{})", span(rng, depth + 1), rng.pick(WEIGHTS)),
+        8 => format!("(({}))", words(rng, 1)),
+        9 => {
+            let esc = *rng.pick(&["\\(", "\\)", "\\[", "\\]", "\\\\", "\\"]);
+            let close = *rng.pick(&["", "\\)", "\\]"]);
+            format!("{esc}{}{close}", words(rng, 1))
+        }
+        10 => "BREAK".to_string(),
+        _ => {
+            // An unbalanced bracket, or a closing one with nothing open.
+            let b = *rng.pick(&["(", "[", ")", "]"]);
+            format!("{b}{}", words(rng, 1))
+        }
+    }
+}
+
+fn span(rng: &mut CaseRng, depth: u32) -> String {
+    let n = 1 + rng.below(3);
+    let mut s = String::new();
+    for i in 0..n {
+        if i > 0 {
+            s.push_str(*rng.pick(SEPARATORS));
+        }
+        s.push_str(&item(rng, depth));
+    }
+    s
+}
+
+/// A prompt from the grammar: empty (1 in 12), over-long (several 77-token chunks, 1 in
+/// 8), or 1 to 8 items.
+pub fn prompt(rng: &mut CaseRng) -> String {
+    if rng.chance(1.0 / 12.0) {
+        return String::new();
+    }
+    let n = if rng.chance(1.0 / 8.0) { 40 + rng.below(80) } else { 1 + rng.below(8) };
+    let mut s = String::new();
+    for i in 0..n {
+        if i > 0 {
+            s.push_str(*rng.pick(SEPARATORS));
+        }
+        s.push_str(&item(rng, 0));
+    }
+    s
+}
+
+/// One generation, with the flags both programs share.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    pub index: u64,
+    pub prompt: String,
+    pub negative: String,
+    pub width: u32,
+    pub height: u32,
+    pub method: &'static str,
+    pub scheduler: Option<&'static str>,
+    pub steps: u32,
+    pub cfg: f32,
+    pub seed: i64,
+    pub clip_skip: i32,
+    /// img2img strength; the init image is a pattern the harness writes.
+    pub strength: Option<f32>,
+}
+
+impl Case {
+    /// Case `index` of a run with `seed`; at most `max_steps` steps.
+    pub fn draw(seed: u64, index: u64, max_steps: u32) -> Case {
+        let mut rng = CaseRng::for_case(seed, index);
+        let prompt = prompt(&mut rng);
+        let negative = if rng.chance(0.5) { String::new() } else { self::prompt(&mut rng) };
+        let sides = [64u32, 128, 192, 256, 320];
+        let width = *rng.pick(&sides[1..]);
+        let height = if rng.chance(0.4) { width } else { *rng.pick(&sides) };
+        let method = rng.pick(&SampleMethod::ALL).name();
+        let scheduler = if rng.chance(0.5) { None } else { Some(rng.pick(&Scheduler::ALL).name()) };
+        let steps = 1 + rng.below(max_steps.max(1) as usize) as u32;
+        let cfg = if rng.chance(0.3) { 1.0 } else { *rng.pick(&[3.0f32, 5.0, 7.0, 7.5]) };
+        let seed = rng.below(1 << 31) as i64;
+        let clip_skip = *rng.pick(&[-1, -1, 1, 2]);
+        let strength = if rng.chance(0.2) { Some(*rng.pick(&[0.5f32, 0.75, 0.9])) } else { None };
+        Case { index, prompt, negative, width, height, method, scheduler, steps, cfg, seed, clip_skip, strength }
+    }
+
+    /// `txt2img` flags understood by both `sd-cli` and `sdref txt2img` (prompts as
+    /// `--flag=value`, so that one starting with `-` stays a value).
+    pub fn flags(&self, threads: u32) -> Vec<String> {
+        let mut f = vec![
+            format!("--prompt={}", self.prompt),
+            format!("--negative-prompt={}", self.negative),
+            format!("--width={}", self.width),
+            format!("--height={}", self.height),
+            format!("--steps={}", self.steps),
+            format!("--sampling-method={}", self.method),
+            format!("--cfg-scale={}", self.cfg),
+            format!("--seed={}", self.seed),
+            format!("--clip-skip={}", self.clip_skip),
+            format!("--threads={threads}"),
+        ];
+        if let Some(s) = self.scheduler {
+            f.push(format!("--scheduler={s}"));
+        }
+        if let Some(s) = self.strength {
+            f.push(format!("--strength={s}"));
+        }
+        f
+    }
+
+    /// A one-line description for the report.
+    pub fn describe(&self) -> String {
+        format!(
+            "{}x{} {}{} steps {} cfg {} seed {} clip-skip {}{} prompt {:?} negative {:?}",
+            self.width,
+            self.height,
+            self.method,
+            self.scheduler.map(|s| format!("/{s}")).unwrap_or_default(),
+            self.steps,
+            self.cfg,
+            self.seed,
+            self.clip_skip,
+            self.strength.map(|s| format!(" img2img {s}")).unwrap_or_default(),
+            self.prompt,
+            self.negative
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The reference's token ids, from its debug log
+// ---------------------------------------------------------------------------------------
+
+const SPLIT_MARK: &str = "split prompt \"";
+const SPLIT_TOKENS: &str = "\" to tokens [";
+const BREAK_MARK: &str = "BREAK token encountered, padding current chunk by ";
+
+/// The token list (before chunking) the reference's tokenizer logged: each fragment's
+/// tokens (`split prompt "TEXT" to tokens ["t1", "t2", ]`) and each `BREAK` padding, in
+/// order. `id_of` maps a vocabulary string to its id. An error names what could not be read
+/// (a line cut at the reference's 4096-byte log buffer, an unknown token).
+pub fn reference_tokens(log: &str, id_of: &HashMap<String, u32>, eos: u32) -> Result<Vec<u32>, String> {
+    let mut ids = Vec::new();
+    let mut pos = 0;
+    let mut fragments = 0;
+    loop {
+        let split = log[pos..].find(SPLIT_MARK).map(|i| pos + i);
+        let brk = log[pos..].find(BREAK_MARK).map(|i| pos + i);
+        match (split, brk) {
+            (Some(s), b) if b.is_none_or(|b| s < b) => {
+                let head = s + SPLIT_MARK.len();
+                let list = log[head..]
+                    .find(SPLIT_TOKENS)
+                    .map(|i| head + i + SPLIT_TOKENS.len())
+                    .ok_or("a `split prompt` line without its token list")?;
+                let end = log[list..]
+                    .find("]\n")
+                    .map(|i| list + i)
+                    .ok_or("a token list without its closing `]` (the log line was cut)")?;
+                let body = &log[list..end];
+                if !body.is_empty() {
+                    let body = body
+                        .strip_suffix(", ")
+                        .and_then(|b| b.strip_prefix('"'))
+                        .and_then(|b| b.strip_suffix('"'))
+                        .ok_or_else(|| format!("token list `{}` is not quoted strings", short(body)))?;
+                    // Tokens never hold a space (CLIP's byte table moves it to U+0120).
+                    for t in body.split("\", \"") {
+                        ids.push(*id_of.get(t).ok_or_else(|| format!("token `{t}` is not in the vocabulary"))?);
+                    }
+                }
+                fragments += 1;
+                pos = end + 2;
+            }
+            (_, Some(b)) => {
+                let head = b + BREAK_MARK.len();
+                let digits: String = log[head..].chars().take_while(char::is_ascii_digit).collect();
+                let n: usize = digits.parse().map_err(|_| "a BREAK line without its padding count".to_string())?;
+                ids.resize(ids.len() + n, eos);
+                pos = head + digits.len();
+            }
+            (None, None) => break,
+            (Some(_), None) => unreachable!("handled by the first arm"),
+        }
+    }
+    if fragments == 0 {
+        return Err("the reference logged no tokens (was `-v` given?)".into());
+    }
+    Ok(ids)
+}
+
+fn short(s: &str) -> String {
+    let cut: String = s.chars().take(60).collect();
+    if cut.len() < s.len() {
+        format!("{cut}...")
+    } else {
+        cut
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Running a case
+// ---------------------------------------------------------------------------------------
+
+/// How one stage of one case came out.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Verdict {
+    Agree,
+    Differ,
+    /// Not compared, and why.
+    NotAvailable(String),
+}
+
+/// One stage of one case: its verdict and figures.
+#[derive(Clone, Debug)]
+pub struct Stage {
+    pub name: &'static str,
+    pub verdict: Verdict,
+    pub detail: String,
+    pub diff: Option<Diff>,
+}
+
+impl Stage {
+    fn new(name: &'static str, verdict: Verdict, detail: String, diff: Option<Diff>) -> Stage {
+        Stage { name, verdict, detail, diff }
+    }
+}
+
+/// Our text side, loaded once for every case.
+struct OurText {
+    model: ClipTextModel,
+    runner: Runner,
+    tokenizer: ClipTokenizer,
+    chunks: ChunkConfig,
+    clip_points: u32,
+    id_of: HashMap<String, u32>,
+}
+
+impl OurText {
+    fn load(cpu: &parity::Cpu, files: &ModelFiles, clip: &ClipConfig, clip_points: u32) -> Result<OurText> {
+        let src = FileSource::new(files);
+        let dtype = dtype_of(files);
+        let mut w = Weights::new(clip_specs(clip, &dtype, None))?;
+        w.allocate(cpu.backend.device().buffer_type())?;
+        w.load_from(&src)?;
+        let model = ClipTextModel::new(clip.clone(), w)?;
+        let tokenizer = ClipTokenizer::new();
+        let id_of = (0..tokenizer.vocab_size() as u32)
+            .filter_map(|id| tokenizer.token_text(id).map(|t| (t.to_owned(), id)))
+            .collect();
+        Ok(OurText {
+            chunks: model.config().chunk_config(),
+            model,
+            runner: Runner::new("te", cpu.backend.clone()),
+            tokenizer,
+            clip_points,
+            id_of,
+        })
+    }
+}
+
+/// Our UNet, loaded once, for the stage on identical inputs.
+struct OurUnet {
+    model: UNetModel,
+    runner: Runner,
+}
+
+impl OurUnet {
+    fn load(cpu: &parity::Cpu, files: &ModelFiles, cfg: &UNetConfig) -> Result<OurUnet> {
+        let src = FileSource::new(files);
+        let model = UNetModel::load(cfg.clone(), &dtype_of(files), None, cpu.backend.device().buffer_type(), &src)?;
+        Ok(OurUnet { model, runner: Runner::new("unet", cpu.backend.clone()) })
+    }
+}
+
+/// The context every case needs.
+struct Harness {
+    sdref: PathBuf,
+    sd_cli: PathBuf,
+    model: PathBuf,
+    threads: u32,
+    dir: PathBuf,
+    text: OurText,
+    /// `None` with `--text-only`.
+    unet: Option<OurUnet>,
+    text_only: bool,
+}
+
+impl Harness {
+    fn sdref(&self, sub: &str) -> Command {
+        let mut c = Command::new(&self.sdref);
+        c.arg(sub).arg("-m").arg(&self.model).arg(format!("--threads={}", self.threads));
+        c
+    }
+
+    /// Tokens and conditioning of one prompt (`which` is "cond" or "uncond").
+    fn text_stages(&mut self, case: &Case, prompt: &str, which: &'static str) -> Result<Vec<Stage>> {
+        let out = self.dir.join(format!("case{}.{which}.ref.f32", case.index));
+        let mut c = self.sdref("encode-text");
+        c.arg(format!("--prompt={prompt}"))
+            .arg(format!("--clip-skip={}", case.clip_skip))
+            .arg("-v")
+            .arg("-o")
+            .arg(&out);
+        let m = run_measured(&mut c)?;
+        let ours_tok = self.text.tokenizer.weighted_tokens(prompt, &self.text.chunks);
+        let mut stages = Vec::new();
+        let tok_name = if which == "cond" { "tokens" } else { "neg tokens" };
+        if !m.success() {
+            let tail = m.stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+            let verdict = if ours_tok.is_err() { Verdict::Agree } else { Verdict::Differ };
+            stages.push(Stage::new(
+                tok_name,
+                verdict,
+                format!("the reference failed: {tail}; ours: {ours_tok:?}"),
+                None,
+            ));
+            return Ok(stages);
+        }
+        let (ours_ids, ours_tok_weights) = match ours_tok {
+            Ok(t) => t,
+            Err(e) => {
+                stages.push(Stage::new(tok_name, Verdict::Differ, format!("ours rejects it: {e}"), None));
+                return Ok(stages);
+            }
+        };
+        match reference_tokens(&m.stderr, &self.text.id_of, sd_models::text::EOS_ID) {
+            Ok(ref_ids) => {
+                let first = ours_ids.iter().zip(&ref_ids).position(|(a, b)| a != b);
+                let (verdict, detail) = match first {
+                    None if ours_ids.len() == ref_ids.len() => {
+                        (Verdict::Agree, format!("{} ids equal", ours_ids.len()))
+                    }
+                    _ => {
+                        let at = first.unwrap_or(ours_ids.len().min(ref_ids.len()));
+                        let show = |ids: &[u32]| {
+                            ids.iter()
+                                .skip(at.saturating_sub(2))
+                                .take(6)
+                                .map(|&i| format!("{i}:{}", self.text.tokenizer.token_text(i).unwrap_or("?")))
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        };
+                        (
+                            Verdict::Differ,
+                            format!(
+                                "first difference at token {at} ({} ours, {} ref): ours [{}] ref [{}]",
+                                ours_ids.len(),
+                                ref_ids.len(),
+                                show(&ours_ids),
+                                show(&ref_ids)
+                            ),
+                        )
+                    }
+                };
+                stages.push(Stage::new(tok_name, verdict, detail, None));
+            }
+            Err(why) => stages.push(Stage::new(tok_name, Verdict::NotAvailable(why), String::new(), None)),
+        }
+
+        let (shape, r) = parity::read_raw(&out)?;
+        let ours = encode_prompt(
+            &self.text.model,
+            &mut self.text.runner,
+            &self.text.tokenizer,
+            prompt,
+            case.clip_skip.into(),
+        )?;
+        let tol = Tolerance::rounding_points(self.text.clip_points);
+        if shape.iter().product::<usize>() != ours.data.len() {
+            stages.push(Stage::new(
+                which,
+                Verdict::Differ,
+                format!("shapes differ: ref {shape:?}, ours [1, {}, {}]", ours.n_tokens, ours.hidden_size),
+                None,
+            ));
+            return Ok(stages);
+        }
+        let ours_path = self.dir.join(format!("case{}.{which}.ours.f32", case.index));
+        parity::write_raw(&ours_path, &shape, &ours.data, "our conditioning")?;
+        let diff = Diff::of(&parity::to_f64(&ours.data), &parity::to_f64(&r))?;
+        // The token whose hidden state is furthest off, relative to the reference's scale.
+        let h = ours.hidden_size;
+        let worst = ours
+            .data
+            .chunks_exact(h)
+            .zip(r.chunks_exact(h))
+            .map(|(a, b)| a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).fold(0.0, f64::max))
+            .enumerate()
+            .fold((0, 0.0), |acc, (i, d)| if d > acc.1 { (i, d) } else { acc });
+        let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+        let mut detail = format!(
+            "rel_rms {:.2e} rel_max {:.2e} [{}], worst token {} (max|d| {:.3e})",
+            diff.rel_rms(),
+            diff.rel_max(),
+            tol.describe(),
+            worst.0,
+            worst.1
+        );
+        if verdict == Verdict::Differ {
+            let weighted = ours_tok_weights.iter().any(|&w| w != 1.0);
+            detail.push_str(&scale_note(&ours.data, &r, h * 77, weighted));
+        }
+        stages.push(Stage::new(which, verdict, detail, Some(diff)));
+        Ok(stages)
+    }
+
+    /// One UNet evaluation on identical inputs: a latent of the case's size (standard
+    /// normal, seeded by the case), the reference's conditioning of the case's prompt, and
+    /// a timestep drawn from the case; kernel drift without text or sampler differences.
+    fn unet_stage(&mut self, case: &Case) -> Result<Stage> {
+        let ctx_path = self.dir.join(format!("case{}.cond.ref.f32", case.index));
+        let (ctx_shape, ctx) = parity::read_raw(&ctx_path)?;
+        let n_ctx = ctx_shape.get(1).copied().context("the reference's conditioning has no token axis")?;
+        let (lw, lh) = (case.width as usize / 8, case.height as usize / 8);
+        let shape = [1, 4, lh, lw];
+        let x = parity::normal_values(0x5eed_f000 ^ case.index, shape.iter().product());
+        let timestep = [999.0f32, 750.0, 400.0, 1.0][(case.seed % 4) as usize];
+        let x_path = self.dir.join(format!("case{}.unet_x.f32", case.index));
+        parity::write_raw(&x_path, &shape, &x, "UNet input x, standard normal (splitmix64, seeded by the case)")?;
+        let out = self.dir.join(format!("case{}.unet.ref.f32", case.index));
+        let mut c = self.sdref("unet");
+        c.arg("--latent").arg(&x_path).arg(format!("--timestep={timestep}")).arg("--context").arg(&ctx_path);
+        c.arg("-o").arg(&out);
+        run_measured(&mut c)?.check("sdref unet")?;
+        let (_, r) = parity::read_raw(&out)?;
+        let unet = self.unet.as_mut().context("the UNet is not loaded with --text-only")?;
+        let o = unet.model.eval(&mut unet.runner, &x, (lw, lh), &[timestep], &ctx, n_ctx, 1)?;
+        let diff = Diff::of(&parity::to_f64(&o), &parity::to_f64(&r))?;
+        let tol = Tolerance::rounding_points(parity::UNET_POINTS);
+        let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+        let detail = format!(
+            "t={timestep} {}x{}: rel_rms {:.2e} rel_max {:.2e} [{}]",
+            lw,
+            lh,
+            diff.rel_rms(),
+            diff.rel_max(),
+            tol.describe()
+        );
+        Ok(Stage::new("unet", verdict, detail, Some(diff)))
+    }
+
+    fn image_stage(&self, case: &Case) -> Result<Stage> {
+        let flags = case.flags(self.threads);
+        let stem = self.dir.join(format!("case{}", case.index));
+        let mut extra: Vec<String> = Vec::new();
+        if case.strength.is_some() {
+            let init = stem.with_extension("init.png");
+            write_init_png(&init, case.width, case.height, case.index)?;
+            extra.push(format!("--init-img={}", init.display()));
+        }
+        let ref_png = stem.with_extension("ref.png");
+        let ours_png = stem.with_extension("ours.png");
+        let mut c = Command::new(&self.sdref);
+        c.arg("txt2img").arg("-m").arg(&self.model).args(&flags).args(&extra).arg("-o").arg(&ref_png);
+        let r = run_measured(&mut c)?;
+        let mut c = Command::new(&self.sd_cli);
+        c.arg("-m").arg(&self.model).args(&flags).args(&extra).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
+        let o = run_measured(&mut c)?;
+        let tail = |m: &crate::bench::Measured| m.stderr.lines().rev().take(2).collect::<Vec<_>>().join(" | ");
+        match (r.success(), o.success()) {
+            (true, true) => {
+                let (diff, _) = parity::png_diff(&ours_png, &ref_png)?;
+                let verdict = if Tolerance::PNG.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+                let detail = format!("mean {:.2} max {:.0} levels", diff.mean_abs, diff.max_abs);
+                Ok(Stage::new("image", verdict, detail, Some(diff)))
+            }
+            (false, false) => Ok(Stage::new(
+                "image",
+                Verdict::Agree,
+                format!("both fail: ref {} | ours {}", tail(&r), tail(&o)),
+                None,
+            )),
+            (false, true) => {
+                Ok(Stage::new("image", Verdict::Differ, format!("only the reference fails: {}", tail(&r)), None))
+            }
+            (true, false) => Ok(Stage::new("image", Verdict::Differ, format!("only ours fails: {}", tail(&o)), None)),
+        }
+    }
+
+    fn run_case(&mut self, case: &Case) -> Result<Vec<Stage>> {
+        let mut stages = self.text_stages(case, &case.prompt, "cond")?;
+        if case.cfg != 1.0 {
+            stages.extend(self.text_stages(case, &case.negative, "uncond")?);
+        }
+        if self.text_only {
+            return Ok(stages);
+        }
+        if self.dir.join(format!("case{}.cond.ref.f32", case.index)).is_file() {
+            stages.push(self.unet_stage(case)?);
+        }
+        stages.push(self.image_stage(case)?);
+        Ok(stages)
+    }
+}
+
+/// Whether two conditionings differ by one scale factor per chunk, the signature of the
+/// weighting's mean renormalisation (`mean_before / mean_after`, applied to the whole chunk):
+/// for each chunk of `chunk` values, the least-squares factor `s` with `s * ours ~ ref`, the
+/// residual after it, and the reference's `|mean| / rms` after weighting (the
+/// factor's condition: a mean near 0 next to the values' scale makes it a ratio of rounding
+/// noise, so uncorrelated kernel drift decides it).
+pub fn scale_note(ours: &[f32], reference: &[f32], chunk: usize, weighted: bool) -> String {
+    let mut parts = Vec::new();
+    for (k, (o, r)) in ours.chunks(chunk).zip(reference.chunks(chunk)).enumerate() {
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
+        let (or, oo, rr) = (dot(o, r), dot(o, o), dot(r, r));
+        if oo == 0.0 || rr == 0.0 {
+            continue;
+        }
+        let s = or / oo;
+        let resid = o.iter().zip(r).map(|(x, y)| (s * f64::from(*x) - f64::from(*y)).powi(2)).sum::<f64>();
+        let rel = (resid / rr).sqrt();
+        let n = r.len() as f64;
+        let mean_over_rms = (r.iter().map(|&v| f64::from(v)).sum::<f64>() / n).abs() / (rr / n).sqrt();
+        parts.push(format!(
+            "chunk {k}: ref = {s:.4} x ours, residual rel_rms {rel:.1e}, ref |mean|/rms {mean_over_rms:.1e}"
+        ));
+    }
+    let what = if weighted {
+        "weighted prompt: a scale-only difference is the mean renormalisation's factor"
+    } else {
+        "unweighted prompt"
+    };
+    format!("; {what}; {}", parts.join("; "))
+}
+
+/// A deterministic RGB pattern for img2img (gradients and a checker).
+fn write_init_png(path: &Path, w: u32, h: u32, salt: u64) -> Result<()> {
+    let mut px = Vec::with_capacity((w * h * 3) as usize);
+    for y in 0..h {
+        for x in 0..w {
+            let checker = if ((x / 16) + (y / 16) + salt as u32) % 2 == 0 { 40 } else { 0 };
+            px.push(((x * 255) / w.max(1)) as u8);
+            px.push(((y * 255) / h.max(1)) as u8);
+            px.push((128 + checker) as u8);
+        }
+    }
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w, h);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header()?.write_image_data(&px).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The first stage of `stages` that disagrees.
+pub fn first_divergence(stages: &[Stage]) -> Option<&Stage> {
+    stages.iter().find(|s| s.verdict == Verdict::Differ)
+}
+
+/// Per-stage figures over all cases: compared, agreeing, and the worst and mean of the
+/// mean/max absolute differences.
+fn summary(all: &[(Case, Vec<Stage>)]) -> String {
+    let mut out = String::new();
+    for name in ["tokens", "neg tokens", "cond", "uncond", "unet", "image"] {
+        let rows: Vec<&Stage> = all.iter().flat_map(|(_, s)| s.iter()).filter(|s| s.name == name).collect();
+        let compared = rows.iter().filter(|s| !matches!(s.verdict, Verdict::NotAvailable(_))).count();
+        let agree = rows.iter().filter(|s| s.verdict == Verdict::Agree).count();
+        let diffs: Vec<&Diff> = rows.iter().filter_map(|s| s.diff.as_ref()).collect();
+        let _ = write!(out, "  {name:<10} {agree}/{compared} agree ({} not available)", rows.len() - compared);
+        if !diffs.is_empty() {
+            let n = diffs.len() as f64;
+            let worst_mean = diffs.iter().map(|d| d.mean_abs).fold(0.0, f64::max);
+            let worst_max = diffs.iter().map(|d| d.max_abs).fold(0.0, f64::max);
+            let avg_mean = diffs.iter().map(|d| d.mean_abs).sum::<f64>() / n;
+            let avg_max = diffs.iter().map(|d| d.max_abs).sum::<f64>() / n;
+            if name == "image" {
+                let _ = write!(
+                    out,
+                    "; levels: mean|d| avg {avg_mean:.2} worst {worst_mean:.2}, max|d| avg {avg_max:.1} worst {worst_max:.0}"
+                );
+            } else {
+                let worst_rel = diffs.iter().map(|d| d.rel_rms()).fold(0.0, f64::max);
+                let avg_rel = diffs.iter().map(|d| d.rel_rms()).sum::<f64>() / n;
+                let _ = write!(out, "; rel_rms avg {avg_rel:.2e} worst {worst_rel:.2e}, max|d| worst {worst_max:.2e}");
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Entry point of `cargo xtask parity --fuzz ...`.
+pub fn run(args: &[String]) -> Result<()> {
+    let a = parse(args)?;
+    if a.prompts_only {
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        for i in 0..a.cases as u64 {
+            let c = Case::draw(a.seed, i, a.max_steps);
+            stdout.write_all(c.prompt.as_bytes())?;
+            stdout.write_all(b"\0")?;
+            stdout.write_all(c.negative.as_bytes())?;
+            stdout.write_all(b"\0")?;
+        }
+        return Ok(());
+    }
+    let model = a.model.clone().context("--model")?;
+    if !model.is_file() {
+        bail!("--model {}: no such file", model.display());
+    }
+    let sdref = match &a.sdref {
+        Some(p) => p.clone(),
+        None => {
+            eprintln!("fuzz: building the reference (release)");
+            reference::build()?
+        }
+    };
+    let sd_cli = match (&a.sd_cli, a.text_only) {
+        (Some(p), _) => p.clone(),
+        (None, true) => PathBuf::from("sd-cli (not used with --text-only)"),
+        (None, false) => {
+            eprintln!("fuzz: building sd-cli (release)");
+            parity::build_sd_cli()?
+        }
+    };
+    let stem = model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+    let dir = a.out.join(format!("{stem}-seed{}", a.seed));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let cpu = parity::Cpu::new(a.threads)?;
+    let files = ModelFiles::open_model(&model)?;
+    let (clip, unet_cfg, clip_points) = parity::configs(&files)?;
+    let text = OurText::load(&cpu, &files, &clip, clip_points)?;
+    let unet = if a.text_only { None } else { Some(OurUnet::load(&cpu, &files, &unet_cfg)?) };
+    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet, text_only: a.text_only };
+
+    let start = Instant::now();
+    let mut all = Vec::new();
+    for i in 0..a.cases as u64 {
+        let mut case = Case::draw(a.seed, i, a.max_steps);
+        if let Some(p) = &a.prompt {
+            case.prompt = p.clone();
+        }
+        if let Some(n) = &a.negative {
+            case.negative = n.clone();
+        }
+        if let Some(c) = a.clip_skip {
+            case.clip_skip = c;
+        }
+        let t = Instant::now();
+        let stages = h.run_case(&case).with_context(|| format!("case {i}: {}", case.describe()))?;
+        println!("case {i}: {} ({:.0} s)", case.describe(), t.elapsed().as_secs_f64());
+        for s in &stages {
+            let v = match &s.verdict {
+                Verdict::Agree => "agree".to_string(),
+                Verdict::Differ => "DIFFER".to_string(),
+                Verdict::NotAvailable(why) => format!("n/a ({why})"),
+            };
+            println!("    {:<10} {v:<8} {}", s.name, s.detail);
+        }
+        match first_divergence(&stages) {
+            Some(s) => println!("    => first divergence: {}", s.name),
+            None => println!("    => agree"),
+        }
+        all.push((case, stages));
+    }
+    let diverged: Vec<String> = all
+        .iter()
+        .filter_map(|(c, s)| first_divergence(s).map(|st| format!("case {} at {}", c.index, st.name)))
+        .collect();
+    println!(
+        "\nfuzz summary: {} cases on {} (seed {}, {} threads, {:.0} s)\n{}",
+        all.len(),
+        h.model.display(),
+        a.seed,
+        a.threads,
+        start.elapsed().as_secs_f64(),
+        summary(&all)
+    );
+    if diverged.is_empty() {
+        println!("every case agrees");
+        Ok(())
+    } else {
+        bail!("{} of {} cases disagree: {}", diverged.len(), all.len(), diverged.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_args as args;
+
+    #[test]
+    fn parses_the_documented_command_line() {
+        let a = parse(&args("--fuzz 5 --model m.safetensors --seed 9 --threads 4 --max-steps 2")).unwrap();
+        assert_eq!((a.cases, a.seed, a.threads, a.max_steps, a.prompts_only, a.text_only), (5, 9, 4, 2, false, false));
+        let t = parse(&args("--fuzz 2 --model m --text-only --sdref /x/sdref --sd-cli /y/sd-cli")).unwrap();
+        assert!(t.text_only);
+        assert_eq!((t.sdref, t.sd_cli), (Some(PathBuf::from("/x/sdref")), Some(PathBuf::from("/y/sd-cli"))));
+        assert_eq!(a.model, Some(PathBuf::from("m.safetensors")));
+        assert!(parse(&args("--fuzz-prompts 3")).unwrap().prompts_only);
+        for (line, needle) in [
+            ("--fuzz 3", "--model"),
+            ("--fuzz 0 --model m", "positive"),
+            ("--model m", "--fuzz N"),
+            ("--fuzz 2 --model m --bogus", "--bogus"),
+        ] {
+            let e = parse(&args(line)).unwrap_err();
+            assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
+        }
+    }
+
+    #[test]
+    fn cases_are_reproducible_and_independent_of_the_count() {
+        assert_eq!(Case::draw(7, 3, 4), Case::draw(7, 3, 4));
+        assert_ne!(Case::draw(7, 3, 4), Case::draw(8, 3, 4));
+        let c = Case::draw(7, 3, 4);
+        assert!(c.width % 64 == 0 && c.height % 64 == 0 && (1..=4).contains(&c.steps));
+    }
+
+    #[test]
+    fn the_grammar_reaches_every_part_of_the_syntax() {
+        // Over 300 cases, each feature of the prompt syntax appears (the generator's
+        // probabilities make a miss astronomically unlikely; the seed makes it certain).
+        let prompts: Vec<String> = (0..300)
+            .flat_map(|i| {
+                let c = Case::draw(1, i, 4);
+                [c.prompt, c.negative]
+            })
+            .collect();
+        let tok = ClipTokenizer::new();
+        let has = |f: &dyn Fn(&str) -> bool| prompts.iter().any(|p| f(p));
+        assert!(has(&|p| p.is_empty()), "empty prompt");
+        assert!(has(&|p| p.contains("BREAK") && !p.contains("BREAKfast")), "BREAK");
+        assert!(has(&|p| p.contains("\\(")), "escaped bracket");
+        assert!(has(&|p| p.contains("((")), "nested brackets");
+        assert!(has(&|p| p.contains('[')), "square brackets");
+        assert!(has(&|p| p.contains(", (") && p.contains(":1.3)")), "weighted span after a comma");
+        assert!(has(&|p| p.chars().any(|c| c as u32 > 0x1F000)), "emoji");
+        assert!(has(&|p| p.contains("東京") || p.contains("café")), "non-ASCII letters");
+        assert!(
+            has(&|p| { tok.weighted_tokens(p, &ChunkConfig::sd1()).map_or(false, |(ids, _)| ids.len() > 150) }),
+            "prompts of three or more chunks"
+        );
+        // Several words inside one weighted span.
+        assert!(has(&|p| p
+            .split('(')
+            .skip(1)
+            .any(|s| s.split(':').next().is_some_and(|w| w.trim().contains(' ') && s.contains(':')))));
+        let cases: Vec<Case> = (0..300).map(|i| Case::draw(1, i, 4)).collect();
+        assert!(cases.iter().any(|c| c.cfg == 1.0) && cases.iter().any(|c| c.cfg > 1.0));
+        assert!(cases.iter().any(|c| c.width != c.height) && cases.iter().any(|c| c.strength.is_some()));
+        for m in SampleMethod::ALL {
+            assert!(cases.iter().any(|c| c.method == m.name()), "sampler {}", m.name());
+        }
+    }
+
+    #[test]
+    fn flags_keep_dashed_prompts_as_values() {
+        let mut c = Case::draw(1, 0, 2);
+        c.prompt = "-looks like a flag".into();
+        let f = c.flags(2);
+        assert_eq!(f[0], "--prompt=-looks like a flag");
+        assert!(f.contains(&format!("--width={}", c.width)) && f.contains(&format!("--height={}", c.height)));
+    }
+
+    fn vocab() -> (ClipTokenizer, HashMap<String, u32>) {
+        let tok = ClipTokenizer::new();
+        let id_of = (0..tok.vocab_size() as u32).map(|i| (tok.token_text(i).unwrap().to_owned(), i)).collect();
+        (tok, id_of)
+    }
+
+    #[test]
+    fn reference_log_lines_give_the_token_ids() {
+        // What sd.cpp's tokenizer logs (bpe_tokenizer.cpp and the conditioner) for
+        // `a "cat" BREAK (dog:1.2)`, among other lines.
+        let (tok, id_of) = vocab();
+        let log = "[sd.cpp DEBUG] conditioner.hpp:315  - parse 'a \"cat\" BREAK (dog:1.2)' to [['a \"cat\" ', 1], ]\n\
+                   [sd.cpp DEBUG] bpe_tokenizer.cpp:210  - split prompt \"a \"cat\" \" to tokens [\"a</w>\", \"\"</w>\", \"cat</w>\", \"\"</w>\", ]\n\
+                   [sd.cpp DEBUG] conditioner.hpp:343  - BREAK token encountered, padding current chunk by 71 tokens.\n\
+                   [sd.cpp DEBUG] bpe_tokenizer.cpp:210  - split prompt \"\" to tokens []\n\
+                   [sd.cpp DEBUG] bpe_tokenizer.cpp:210  - split prompt \"dog\" to tokens [\"dog</w>\", ]\n";
+        let ids = reference_tokens(log, &id_of, sd_models::text::EOS_ID).unwrap();
+        let mut want = tok.tokenize("a \"cat\"");
+        want.resize(75, sd_models::text::EOS_ID);
+        want.extend(tok.tokenize("dog"));
+        assert_eq!(ids, want);
+        // What the same prompt gives through our own tokenizer.
+        let (ours, _) = tok.weighted_tokens("a \"cat\" BREAK (dog:1.2)", &ChunkConfig::sd1()).unwrap();
+        assert_eq!(ours, want);
+
+        let cut = "split prompt \"a\" to tokens [\"a</w>\", \"ca";
+        assert!(reference_tokens(cut, &id_of, 0).unwrap_err().contains("cut"));
+        assert!(reference_tokens("no tokenizer lines", &id_of, 0).unwrap_err().contains("-v"));
+        let unknown = "split prompt \"a\" to tokens [\"zz\u{2603}</w>\", ]\n";
+        assert!(reference_tokens(unknown, &id_of, 0).unwrap_err().contains("vocabulary"));
+    }
+
+    #[test]
+    fn scale_only_differences_are_named() {
+        // Chunk 0 differs by a factor 1.5 exactly, chunk 1 by noise.
+        let ours: Vec<f32> = (0..8).map(|i| (i as f32 - 3.5) * 0.25 + 0.1).collect();
+        let mut r: Vec<f32> = ours[..4].iter().map(|v| v * 1.5).collect();
+        r.extend([1.0, -2.0, 0.5, 3.0]);
+        let note = scale_note(&ours, &r, 4, true);
+        assert!(note.contains("chunk 0: ref = 1.5000 x ours, residual rel_rms 3.0e-8"), "{note}");
+        assert!(note.contains("chunk 1: ref = 1.4622 x ours, residual rel_rms 8.6e-1"), "{note}");
+        assert!(note.contains("chunk 1:") && note.contains("mean renormalisation"), "{note}");
+        assert!(scale_note(&ours, &r, 4, false).contains("unweighted"));
+    }
+
+    #[test]
+    fn first_divergence_is_the_earliest_differing_stage() {
+        let s = |name, verdict| Stage::new(name, verdict, String::new(), None);
+        let stages = vec![
+            s("tokens", Verdict::NotAvailable("cut".into())),
+            s("cond", Verdict::Agree),
+            s("uncond", Verdict::Differ),
+            s("image", Verdict::Differ),
+        ];
+        assert_eq!(first_divergence(&stages).map(|s| s.name), Some("uncond"));
+        assert!(first_divergence(&stages[..2]).is_none());
+    }
+}

@@ -8,7 +8,7 @@
 //!   block boundaries (in execution order) and the output, and the runner takes three steps:
 //!   1. *analyse* (the module graph): expand the graph cut by cut, so that base segment *k*
 //!      is the nodes added by cut *k*; find, per segment, the weight groups it reads (as
-//!      [`GroupId`]s) and the tensors crossing cuts;
+//!      `GroupId`s) and the tensors crossing cuts;
 //!   2. *plan*: measure every segment (and merged ranges on request) with ggml's
 //!      measure-only allocator and ask the pure planner ([`crate::plan::plan`]) for a
 //!      [`Schedule`] against the device's live state and its [`Ledger`];
@@ -210,9 +210,9 @@ impl Runner {
     /// storage and before anything computes. `out` can be read afterwards, until this
     /// runner runs or allocates another graph, or is dropped.
     ///
-    /// Three steps: [`analyse`] the module graph (segments, their weight groups, the tensors
-    /// crossing cuts), [`plan`](Self::plan) it (measure, describe the device, ask the pure
-    /// planner), [`replay`](Self::replay) exactly the schedule it returned.
+    /// Three steps (module docs): `analyse` the module graph (segments, their weight groups,
+    /// the tensors crossing cuts), `plan` it (measure, describe the device, ask the pure
+    /// planner), `replay` exactly the schedule it returned.
     pub fn run<'g>(
         &mut self,
         w: &Weights,

@@ -9,7 +9,7 @@
 //! Threads: a [`Weights`] set is `Send` but not `Sync`. Its tensors are ggml structs
 //! that staging and eviction rewrite through `&self` (like a `Cell`), so shared access
 //! stays on one thread; the one cross-thread use, the runner's prefetch worker, gets a
-//! narrow job ([`Weights::fill_on_worker`]) whose safety argument is local to it.
+//! narrow job (`Weights::fill_on_worker`) whose safety argument is local to it.
 //!
 //! ```compile_fail,E0277
 //! fn f(w: &sd_sched::Weights) {

@@ -2,7 +2,9 @@
 //!
 //! Ownership: a [`GraphAllocator`] owns a `ggml_gallocr_t` and the compute
 //! buffer it allocates; tensors it placed become invalid when it is dropped or
-//! allocates the next graph.
+//! allocates the next graph (which may free and replace the buffer). Nothing in
+//! a tensor handle ties it to the allocator, so [`GraphAllocator::alloc_graph`]
+//! is `unsafe` with that contract.
 
 use ggml_sys as sys;
 
@@ -44,7 +46,21 @@ impl GraphAllocator {
     }
 
     /// Allocates the compute buffer for `graph` and places its tensors.
-    pub fn alloc_graph(&mut self, graph: &Graph<'_>) -> Result<()> {
+    ///
+    /// # Safety
+    /// The tensors of `graph` placed here point into the allocator's buffer, which they
+    /// do not keep alive: their data must not be read, written or computed with after this
+    /// allocator is dropped or allocates another graph (that may free the buffer).
+    ///
+    /// ```compile_fail,E0133
+    /// fn f(graph: &sd_backends::Graph<'_>, out: sd_backends::Tensor<'_>, buft: sd_backends::BufferType) {
+    ///     let mut alloc = sd_backends::GraphAllocator::new(buft);
+    ///     alloc.alloc_graph(graph).unwrap(); // error: call to unsafe function
+    ///     drop(alloc);
+    ///     let _ = out.get_f32();
+    /// }
+    /// ```
+    pub unsafe fn alloc_graph(&mut self, graph: &Graph<'_>) -> Result<()> {
         // SAFETY: live allocator and graph.
         if unsafe { sys::ggml_gallocr_alloc_graph(self.raw, graph.as_raw()) } {
             Ok(())

@@ -2,9 +2,15 @@
 //!
 //! Ownership: a [`BufferType`] is a non-owning, copyable handle that lives as
 //! long as its device (forever). A [`Buffer`] owns a `ggml_backend_buffer_t`
-//! and frees it on drop; tensors placed in it must not be used after that,
-//! which the model code guarantees by keeping the buffer next to the context
-//! that describes its tensors.
+//! and frees it on drop; tensors placed in it must not be used after that.
+//! Nothing in a tensor handle keeps its buffer alive, so both ways of giving
+//! tensors storage in a buffer are `unsafe` with that contract:
+//! [`crate::Tensor::place_in`] and [`BufferType::alloc_ctx_tensors`] (callers
+//! keep the buffer next to the context that describes its tensors, or detach
+//! the tensors before dropping it).
+//!
+//! Threads: a buffer is `Send` but not `Sync` ([`Buffer::clear`] and
+//! [`Buffer::set_usage`] write through `&self`).
 
 use ggml_sys as sys;
 
@@ -82,7 +88,22 @@ impl BufferType {
 
     /// Allocates one buffer holding every not-yet-allocated tensor of `ctx`.
     /// Returns `Ok(None)` when the context has nothing to allocate.
-    pub fn alloc_ctx_tensors(self, ctx: &Context) -> Result<Option<Buffer>> {
+    ///
+    /// # Safety
+    /// The tensors of `ctx` then point into the returned buffer, which they do not keep
+    /// alive: the caller must not drop it while any tensor of `ctx` (or a view or graph of
+    /// them) reads, writes or computes with that data; keeping the buffer next to `ctx`
+    /// and dropping both together satisfies this.
+    ///
+    /// ```compile_fail,E0133
+    /// fn f(ctx: &sd_backends::Context, buft: sd_backends::BufferType) -> sd_backends::Result<()> {
+    ///     let t = ctx.new_f32(&[4]);
+    ///     let buf = buft.alloc_ctx_tensors(ctx)?; // error: call to unsafe function
+    ///     drop(buf);
+    ///     t.set_f32(&[1.0; 4])
+    /// }
+    /// ```
+    pub unsafe fn alloc_ctx_tensors(self, ctx: &Context) -> Result<Option<Buffer>> {
         let size = self.ctx_tensors_size(ctx);
         if size == 0 {
             return Ok(None);
@@ -113,13 +134,10 @@ pub struct Buffer {
     raw: sys::ggml_backend_buffer_t,
 }
 
-// SAFETY: a buffer is a handle to memory; ggml's buffer functions may be called
-// from any thread as long as calls on one buffer are not concurrent, which
-// `&mut`/ownership rules give us for mutation.
+// SAFETY: a buffer is a handle to memory that this value owns; ggml's buffer
+// functions may be called from any thread as long as calls on one buffer are not
+// concurrent. Not Sync: `clear` and `set_usage` write through `&self`.
 unsafe impl Send for Buffer {}
-// SAFETY: shared access only reads metadata (size, name) or tensor data through
-// ggml's thread-safe copy functions.
-unsafe impl Sync for Buffer {}
 
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

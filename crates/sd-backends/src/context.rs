@@ -5,7 +5,40 @@
 //! copyable handle borrowed from its context (`Tensor<'ctx>`), so the borrow
 //! checker keeps it from outliving the metadata. Tensor *data* lives in a
 //! [`crate::Buffer`] (or in the context's own memory when it was created with
-//! `no_alloc = false`); see the buffer module for that rule.
+//! `no_alloc = false`); giving a tensor storage in a buffer is `unsafe`
+//! ([`Tensor::place_in`], [`crate::BufferType::alloc_ctx_tensors`]) because the
+//! caller must keep the buffer alive while the tensor's data is used.
+//!
+//! Threads: a context is `Send` (it can move to another thread with everything
+//! borrowed from it) but not `Sync`, and a [`Tensor`] is neither: handles are
+//! shared copies whose setters write the ggml struct through a raw pointer (like a
+//! `Cell`), so they stay on the thread that owns the context. No reference to a
+//! tensor struct outlives a single field read.
+//!
+//! A tensor handle cannot cross threads:
+//!
+//! ```compile_fail,E0277
+//! fn send<T: Send>(_: T) {}
+//! fn f(ctx: &sd_backends::Context) {
+//!     send(ctx.new_f32(&[4]));
+//! }
+//! ```
+//!
+//! nor be shared between them:
+//!
+//! ```compile_fail,E0277
+//! fn share<T: Sync>(_: &T) {}
+//! fn f(ctx: &sd_backends::Context) {
+//!     share(&ctx.new_f32(&[4]));
+//! }
+//! ```
+//!
+//! while the context that owns it can move (with nothing borrowed from it):
+//!
+//! ```
+//! fn send<T: Send>(_: T) {}
+//! send(sd_backends::Context::for_tensors(1).unwrap());
+//! ```
 
 use std::ffi::CStr;
 use std::marker::PhantomData;
@@ -115,11 +148,8 @@ pub struct Tensor<'c> {
     _ctx: PhantomData<&'c Context>,
 }
 
-// SAFETY: the handle is a pointer into a context; data access goes through
-// ggml's backend copy functions, which are thread-safe per tensor.
-unsafe impl Send for Tensor<'_> {}
-// SAFETY: as above.
-unsafe impl Sync for Tensor<'_> {}
+// Not Send, not Sync (the raw pointer makes it neither): the context it borrows is
+// not Sync, and its setters write the ggml struct through a shared handle.
 
 impl std::fmt::Debug for Tensor<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -147,24 +177,43 @@ impl<'c> Tensor<'c> {
         self.raw.as_ptr()
     }
 
-    fn r(&self) -> &sys::ggml_tensor {
-        // SAFETY: the context outlives 'c and with it the tensor struct.
-        unsafe { self.raw.as_ref() }
+    /// Reads one field of the tensor struct by value, without keeping a reference to the
+    /// struct (other handles may write it between two reads).
+    fn field<T: Copy>(self, read: impl FnOnce(*const sys::ggml_tensor) -> T) -> T {
+        read(self.raw.as_ptr())
     }
 
     /// Dimensions (ggml `ne`), innermost first.
     pub fn shape(self) -> [i64; 4] {
-        self.r().ne
+        // SAFETY: the context outlives 'c and with it the tensor struct; a by-value read.
+        self.field(|p| unsafe { (*p).ne })
     }
 
     /// Strides in bytes.
     pub fn nb(self) -> [usize; 4] {
-        self.r().nb
+        // SAFETY: as in `shape`.
+        self.field(|p| unsafe { (*p).nb })
     }
 
     /// Element type.
     pub fn dtype(self) -> GgmlType {
-        self.r().type_
+        // SAFETY: as in `shape`.
+        self.field(|p| unsafe { (*p).type_ })
+    }
+
+    fn buffer_ptr(self) -> sys::ggml_backend_buffer_t {
+        // SAFETY: as in `shape`.
+        self.field(|p| unsafe { (*p).buffer })
+    }
+
+    fn data_ptr(self) -> *mut std::ffi::c_void {
+        // SAFETY: as in `shape`.
+        self.field(|p| unsafe { (*p).data })
+    }
+
+    fn view_src_ptr(self) -> *mut sys::ggml_tensor {
+        // SAFETY: as in `shape`.
+        self.field(|p| unsafe { (*p).view_src })
     }
 
     /// Number of elements.
@@ -180,8 +229,9 @@ impl<'c> Tensor<'c> {
 
     /// The ggml name.
     pub fn name(self) -> String {
-        // SAFETY: name is a NUL-terminated array inside the struct.
-        unsafe { CStr::from_ptr(self.r().name.as_ptr()) }.to_string_lossy().into_owned()
+        // SAFETY: name is a NUL-terminated array inside the live struct; the CStr is copied
+        // out before anything can write the struct again (handles stay on one thread).
+        unsafe { CStr::from_ptr(std::ptr::addr_of!((*self.raw.as_ptr()).name).cast()) }.to_string_lossy().into_owned()
     }
 
     /// Sets the ggml name (truncated by ggml to `GGML_MAX_NAME - 1` bytes; callers
@@ -209,22 +259,31 @@ impl<'c> Tensor<'c> {
 
     /// Whether the tensor has storage (a buffer or context memory).
     pub fn is_allocated(self) -> bool {
-        !self.r().data.is_null() || !self.r().buffer.is_null()
+        !self.data_ptr().is_null() || !self.buffer_ptr().is_null()
     }
 
     /// Whether the tensor lives in a backend buffer.
     pub fn has_buffer(self) -> bool {
-        !self.r().buffer.is_null()
+        !self.buffer_ptr().is_null()
+    }
+
+    /// Whether the data can be read or written: the tensor has storage, and so does the
+    /// tensor its view chain ends at (a view keeps the pointer it was made with after its
+    /// source's storage is detached).
+    fn has_live_storage(self) -> bool {
+        self.is_allocated() && self.storage_root().is_allocated()
     }
 
     /// The `i`-th source operand of an operation node.
     pub fn src(self, i: usize) -> Option<Tensor<'c>> {
-        self.r().src.get(i).and_then(|p| NonNull::new(*p)).map(|raw| Self { raw, _ctx: PhantomData })
+        // SAFETY: as in `shape`.
+        let src = self.field(|p| unsafe { (*p).src });
+        src.get(i).and_then(|p| NonNull::new(*p)).map(|raw| Self { raw, _ctx: PhantomData })
     }
 
     /// The tensor this one is a view of.
     pub fn view_src(self) -> Option<Tensor<'c>> {
-        NonNull::new(self.r().view_src).map(|raw| Self { raw, _ctx: PhantomData })
+        NonNull::new(self.view_src_ptr()).map(|raw| Self { raw, _ctx: PhantomData })
     }
 
     /// The tensor whose storage this one uses: itself, or the end of its view chain.
@@ -238,9 +297,46 @@ impl<'c> Tensor<'c> {
 
     /// Places a tensor without storage at `offset` inside `buffer`. Checks what ggml would
     /// abort on: existing storage, a view, and a range past the buffer's end.
-    pub fn place_in(self, buffer: &crate::Buffer, offset: usize) -> Result<()> {
-        let r = self.r();
-        if !r.buffer.is_null() || !r.data.is_null() || !r.view_src.is_null() {
+    ///
+    /// # Safety
+    /// The tensor then points into `buffer`, which this call does not keep alive. Until the
+    /// caller removes the placement with [`detach_storage`](Self::detach_storage) (or the
+    /// tensor's context is freed):
+    /// * `buffer` must not be dropped while any handle of the tensor, any view of it, or any
+    ///   graph holding it reads or writes its data, or computes;
+    /// * the range `offset..offset + alloc size` must not be handed to another tensor whose
+    ///   data is used at the same time (the buffer belongs to this placement).
+    ///
+    /// Without this contract safe code could write freed memory:
+    ///
+    /// ```compile_fail,E0133
+    /// fn f(ctx: &sd_backends::Context, buft: sd_backends::BufferType) -> sd_backends::Result<()> {
+    ///     let t = ctx.new_f32(&[4]);
+    ///     let buf = buft.alloc(1024)?;
+    ///     t.place_in(&buf, 0)?; // error: call to unsafe function
+    ///     drop(buf);
+    ///     t.set_f32(&[1.0; 4])
+    /// }
+    /// ```
+    ///
+    /// The sound use keeps the buffer until the placement is gone:
+    ///
+    /// ```no_run
+    /// fn f(ctx: &sd_backends::Context, buft: sd_backends::BufferType) -> sd_backends::Result<()> {
+    ///     let t = ctx.new_f32(&[4]);
+    ///     let buf = buft.alloc(1024)?;
+    ///     // SAFETY: `buf` outlives every use of `t`'s data below; the placement is removed
+    ///     // before `buf` is dropped.
+    ///     unsafe { t.place_in(&buf, 0)? };
+    ///     t.set_f32(&[1.0; 4])?;
+    ///     // SAFETY: nothing uses the old storage after this.
+    ///     unsafe { t.detach_storage() };
+    ///     drop(buf);
+    ///     Ok(())
+    /// }
+    /// ```
+    pub unsafe fn place_in(self, buffer: &crate::Buffer, offset: usize) -> Result<()> {
+        if self.is_allocated() || !self.view_src_ptr().is_null() {
             return Err(BackendError::Placement {
                 name: self.name(),
                 reason: "it already has storage or is a view".into(),
@@ -303,7 +399,11 @@ impl<'c> Tensor<'c> {
 
     /// Copies the data of `src` (same type and shape, any device) into this tensor.
     pub fn copy_from(self, src: Tensor<'_>) -> Result<()> {
-        if src.nbytes() != self.nbytes() || src.dtype() != self.dtype() || !src.is_allocated() || !self.is_allocated() {
+        if src.nbytes() != self.nbytes()
+            || src.dtype() != self.dtype()
+            || !src.has_live_storage()
+            || !self.has_live_storage()
+        {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: src.nbytes() });
         }
         // SAFETY: both allocated with identical layout (checked).
@@ -337,7 +437,7 @@ impl<'c> Tensor<'c> {
 
     /// Reads the raw bytes.
     pub fn get_bytes(self) -> Result<Vec<u8>> {
-        if !self.is_allocated() {
+        if !self.has_live_storage() {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
         }
         let mut out = vec![0u8; self.nbytes()];
@@ -349,7 +449,7 @@ impl<'c> Tensor<'c> {
 
     /// Reads `len` bytes from `offset` of the tensor's data (clamped to its size).
     pub fn read_range(self, offset: usize, len: usize) -> Result<Vec<u8>> {
-        if !self.is_allocated() {
+        if !self.has_live_storage() {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
         }
         let offset = offset.min(self.nbytes());
@@ -394,7 +494,7 @@ impl<'c> Tensor<'c> {
     }
 
     fn check_size(self, len: usize) -> Result<()> {
-        if len != self.nbytes() || !self.is_allocated() {
+        if len != self.nbytes() || !self.has_live_storage() {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: len });
         }
         Ok(())

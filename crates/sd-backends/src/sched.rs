@@ -63,7 +63,11 @@ impl Scheduler {
     }
 
     /// Allocates the graph across backends.
-    pub fn alloc_graph(&self, graph: &Graph<'_>) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`crate::GraphAllocator::alloc_graph`]: the graph's tensors must not be used
+    /// after the scheduler is dropped, reset or allocates another graph.
+    pub unsafe fn alloc_graph(&self, graph: &Graph<'_>) -> Result<()> {
         // SAFETY: live scheduler and graph.
         if unsafe { sys::ggml_backend_sched_alloc_graph(self.raw, graph.as_raw()) } {
             Ok(())

@@ -54,7 +54,8 @@ fn compute_on(backend: &Backend) -> Vec<f32> {
     let tx = params.new_f32(&[k as i64, n as i64]).set_name("x");
     let tb = params.new_f32(&[m as i64, n as i64]).set_name("b");
     let buft = backend.device().buffer_type();
-    let _buf = buft.alloc_ctx_tensors(&params).unwrap().unwrap();
+    // SAFETY: `_buf` lives to the end of the function, past every use of the tensors.
+    let _buf = unsafe { buft.alloc_ctx_tensors(&params) }.unwrap().unwrap();
     tw.set_f32(&w).unwrap();
     tx.set_f32(&x).unwrap();
     tb.set_f32(&b).unwrap();
@@ -66,7 +67,8 @@ fn compute_on(backend: &Backend) -> Vec<f32> {
     graph.expand(y);
     let mut alloc = GraphAllocator::new(buft);
     assert!(alloc.measure(&graph) > 0);
-    alloc.alloc_graph(&graph).unwrap();
+    // SAFETY: `alloc` lives to the end of the function, past every use of the graph's data.
+    unsafe { alloc.alloc_graph(&graph) }.unwrap();
     backend.compute(&graph).unwrap();
     assert_eq!(y.shape(), [m as i64, n as i64, 1, 1]);
     let out = y.get_f32().unwrap();

@@ -5,25 +5,36 @@
 //! * [`Runner::alloc`] + [`Runner::compute`]: the graph runs whole; its weights must have
 //!   storage (allocated, or staged with [`Weights::make_resident`]).
 //! * [`Runner::run`]: the module hands over its graph context, the cut tensors it marked at
-//!   block boundaries (in execution order) and the output. The runner expands the graph cut
-//!   by cut, so that base segment *k* is the nodes added by cut *k*; finds, per segment, the
-//!   weight groups it reads and the tensors it reads from earlier segments; measures every
-//!   segment (and merged ranges on request) with ggml's measure-only allocator; asks the pure
-//!   planner ([`crate::plan::plan`]) for a [`Schedule`] against the device's live state and
-//!   its [`Ledger`]; and replays the schedule: evictions, synchronous loads, prefetches on a
-//!   worker thread that overlap the segment's compute, compute of a graph *view* of the
-//!   segment's nodes.
+//!   block boundaries (in execution order) and the output, and the runner takes three steps:
+//!   1. *analyse* (the module graph): expand the graph cut by cut, so that base segment *k*
+//!      is the nodes added by cut *k*; find, per segment, the weight groups it reads (as
+//!      `GroupId`s) and the tensors crossing cuts;
+//!   2. *plan*: measure every segment (and merged ranges on request) with ggml's
+//!      measure-only allocator and ask the pure planner ([`crate::plan::plan`]) for a
+//!      [`Schedule`] against the device's live state and its [`Ledger`];
+//!   3. *replay*: translate the schedule into steps on this runner's groups (an action the
+//!      runner cannot perform is refused before anything runs, never skipped), then perform
+//!      them in order: evictions, compute-buffer charges, synchronous loads, prefetches on a
+//!      worker thread that overlap the segment's compute, compute of a graph *view* of the
+//!      segment's nodes. A prefetch allocated but not filled is evicted on any early return.
 //!
-//! Cut tensors (and graph inputs) live in one cut buffer on the device for the whole run,
-//! allocated before the first segment and charged to the ledger; the planner sees it as
-//! fixed managed memory. A segment's compute buffer is ggml's graph allocator, reused across
-//! segments and runs (it grows to the largest segment: "peak across N segments").
+//! What the runner offers the planner, and so what a schedule can ask of it: no per-segment
+//! cut outputs (cut tensors and graph inputs live in one cut buffer on the device for the
+//! whole run, allocated before the first segment and charged to the ledger; the planner
+//! sees it as fixed managed memory, so it never plans `AllocCut`/`ReleaseCut`), and no
+//! asynchronous transfer (prefetches are `Transfer::WorkerThread`). A segment's compute
+//! buffer is ggml's graph allocator, reused across segments and runs (it grows to the
+//! largest segment: "peak across N segments"); `Workspace` actions charge the ledger where
+//! the plan puts them and the allocator allocates within that charge. Evictions of another
+//! runner's replicas are left to that runner (logged), so the device may hold more than the
+//! plan assumed; the ledger still refuses any charge beyond the budget.
 //!
 //! Every device allocation is charged to the device's ledger before it is made, so the
 //! managed bytes never exceed the budget; a charge that would exceed it fails with the
 //! device, the bytes and the budget.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,8 +42,10 @@ use sd_backends::{alloc, Backend, Buffer, BufferType, Context, Graph, GraphAlloc
 
 use crate::error::{Result, SchedError};
 use crate::ledger::Ledger;
-use crate::plan::{self, Action, DeviceState, Mode, ModuleGraph, ParamGroup, Replica, Segment};
-use crate::weights::Weights;
+use crate::plan::{
+    self, Action, DeviceState, Mode, ModuleGraph, ParamGroup, PlannedSegment, Replica, Schedule, Segment, Transfer,
+};
+use crate::weights::{GroupId, Weights};
 
 /// What a runner did, summed over its runs.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -125,7 +138,8 @@ impl Runner {
         self.alloc.buffer_size()
     }
 
-    /// Measures and allocates the compute buffer for `graph`.
+    /// Measures and allocates the compute buffer for `graph`. Its tensors' data stays valid
+    /// until this runner allocates another graph or is dropped.
     pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.stats.runs += 1;
         self.stats.segments += 1;
@@ -152,7 +166,9 @@ impl Runner {
             self.ledger.charge(target - self.charged, &format!("the {} compute buffer", self.name))?;
             self.charged = target;
         }
-        self.alloc.alloc_graph(graph).map_err(|_| SchedError::Alloc {
+        // SAFETY: the graph's tensors are used only until this runner allocates the next
+        // graph or is dropped (the contract of `run` and `alloc`).
+        unsafe { self.alloc.alloc_graph(graph) }.map_err(|_| SchedError::Alloc {
             device: self.backend.device().name(),
             bytes: need as usize,
             what: format!("the {} compute buffer", self.name),
@@ -191,7 +207,12 @@ impl Runner {
     /// Runs the graph of `out` built in `g` (room for `graph_size` nodes), whose weights are
     /// `w`, cut at `cuts` (block outputs in execution order, with names for logs), whole or
     /// in segments as the planner decides. `set_inputs` is called once the inputs have
-    /// storage and before anything computes. `out` can be read afterwards.
+    /// storage and before anything computes. `out` can be read afterwards, until this
+    /// runner runs or allocates another graph, or is dropped.
+    ///
+    /// Three steps (module docs): `analyse` the module graph (segments, their weight groups,
+    /// the tensors crossing cuts), `plan` it (measure, describe the device, ask the pure
+    /// planner), `replay` exactly the schedule it returned.
     pub fn run<'g>(
         &mut self,
         w: &Weights,
@@ -203,21 +224,7 @@ impl Runner {
     ) -> Result<()> {
         self.release_cut_buffer();
         let graph = g.new_graph(graph_size);
-        let mut ranges: Vec<(String, std::ops::Range<usize>)> = Vec::new();
-        let mut start = 0;
-        for (name, t) in cuts {
-            graph.expand(*t);
-            let end = graph.n_nodes();
-            if end > start {
-                ranges.push((name.clone(), start..end));
-                start = end;
-            }
-        }
-        graph.expand(out);
-        let n = graph.n_nodes();
-        if n > start {
-            ranges.push(("output".into(), start..n));
-        }
+        let segments = expand(&graph, cuts, out);
         if w.is_pinned() {
             // Everything is on the device and stays there: one graph, as allocated.
             self.alloc(&graph)?;
@@ -225,16 +232,22 @@ impl Runner {
             return self.compute(&graph);
         }
         self.stats.runs += 1;
+        let a = analyse(w, &graph, segments, self.buft);
+        let schedule = self.plan(w, &graph, &a)?;
+        let steps = resolve(&self.name, w, &schedule)?;
+        self.replay(w, &graph, &a, &schedule, &steps, set_inputs)
+    }
 
-        let a = analyse(w, &graph, &ranges);
+    /// Measures every segment (and merged ranges on request) with the weights and cut
+    /// tensors that will live elsewhere marked as such, describes the device, and asks the
+    /// pure planner for a schedule.
+    fn plan(&self, w: &Weights, graph: &Graph<'_>, a: &Analysis<'_>) -> Result<Schedule> {
         let groups = w.groups();
-        let cut_bytes: u64 = a.bound.iter().map(|t| self.slot(*t) as u64).sum();
-
         // Measure with every missing weight and every cut tensor marked as stored elsewhere.
         let mut marked: Vec<Tensor<'_>> = Vec::new();
-        for (gi, _) in groups.iter().enumerate() {
-            if !w.is_resident(gi) {
-                marked.extend(a.tensors_of_group.get(&gi).into_iter().flatten().copied());
+        for (gi, ts) in &a.tensors_of_group {
+            if !w.is_resident(*gi) {
+                marked.extend(ts.iter().copied());
             }
         }
         marked.extend(a.bound.iter().copied().filter(|t| !t.is_allocated()));
@@ -243,79 +256,64 @@ impl Runner {
             unsafe { t.mark_stored_elsewhere() };
         }
         let buft = self.buft;
-        let seg_ranges: Vec<std::ops::Range<usize>> = ranges.iter().map(|(_, r)| r.clone()).collect();
-        let measure_range = |r: std::ops::Range<usize>| -> u64 {
-            let first = seg_ranges[r.start].start;
-            let last = seg_ranges[r.end - 1].end;
-            let view = graph.view(first..last);
+        let measure_range = |r: Range<usize>| -> u64 {
+            let view = graph.view(a.nodes_of(r));
             alloc::measure(buft, &view.graph()) as u64
         };
-        let segments: Vec<Segment> = ranges
+        let segments: Vec<Segment> = a
+            .segments
             .iter()
             .enumerate()
             .map(|(s, (name, _))| {
-                let gs =
-                    a.groups_of_seg[s].iter().map(|&gi| ParamGroup::new(groups[gi].0.clone(), groups[gi].1)).collect();
+                let gs = a.groups_of_seg[s]
+                    .iter()
+                    .map(|gi| ParamGroup::new(groups[gi.0].0.clone(), groups[gi.0].1))
+                    .collect();
                 Segment::new(name.clone(), gs, measure_range(s..s + 1))
             })
             .collect();
         let module = ModuleGraph { name: self.name.clone(), segments };
-        let state = self.device_state(cut_bytes);
-        let mut merged = |_: &[Segment], r: std::ops::Range<usize>| measure_range(r);
+        let state = self.device_state(a.cut_bytes);
+        let mut merged = |_: &[Segment], r: Range<usize>| measure_range(r);
         let schedule = plan::plan(&module, &state, &self.opts, &mut merged);
         for t in &marked {
             // SAFETY: removes the marker set above; the tensors had no storage before.
             unsafe { t.detach_storage() };
         }
-        let schedule = schedule?;
+        Ok(schedule?)
+    }
 
+    /// Performs the schedule's steps in order. A prefetch allocated but not yet filled is
+    /// undone (evicted) on any early return, so no group stays marked resident and unfilled.
+    fn replay(
+        &mut self,
+        w: &Weights,
+        graph: &Graph<'_>,
+        a: &Analysis<'_>,
+        schedule: &Schedule,
+        steps: &[Vec<Step>],
+        set_inputs: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
         let n_segments = schedule.segments.len();
         if schedule.mode == Mode::Segmented {
             self.stats.segmented_runs += 1;
-            // The cut buffer: cut tensors and inputs, for the whole run.
-            self.ledger.charge(cut_bytes, &format!("the {} cut buffers", self.name))?;
-            let buf = match self.buft.alloc(cut_bytes.max(1) as usize) {
-                Ok(b) => b,
-                Err(_) => {
-                    self.ledger.credit(cut_bytes);
-                    return Err(SchedError::Alloc {
-                        device: self.backend.device().name(),
-                        bytes: cut_bytes as usize,
-                        what: format!("the {} cut buffers", self.name),
-                    });
-                }
-            };
-            self.cut_buffer = Some((buf, cut_bytes));
-            let buf = &self.cut_buffer.as_ref().expect("just set").0;
-            let mut off = 0usize;
-            for t in &a.bound {
-                if !t.is_allocated() {
-                    t.place_in(buf, off)?;
-                }
-                off += self.slot(*t);
-            }
+            self.alloc_cut_buffer(a)?;
             set_inputs()?;
         }
-
-        let mut pending: Vec<usize> = Vec::new();
-        for seg in &schedule.segments {
-            for action in &seg.actions {
-                match action {
-                    Action::Evict { group, .. } => {
-                        if let Some(gi) = w.group_index(group) {
-                            w.evict_group(gi);
-                            self.stats.evictions += 1;
-                        } else {
-                            tracing::debug!("{}: {group} belongs to another runner; left resident", self.name);
-                        }
+        let mut inflight = InFlight { w, groups: Vec::new() };
+        for (seg, steps) in schedule.segments.iter().zip(steps) {
+            for step in steps {
+                match *step {
+                    Step::Evict(gi) => {
+                        w.evict_group(gi);
+                        self.stats.evictions += 1;
                     }
-                    Action::Workspace { bytes } => {
-                        if *bytes == 0 {
-                            self.release_workspace();
-                        }
+                    Step::EvictForeign(ref group) => {
+                        tracing::debug!("{}: {group} belongs to another runner; left resident", self.name);
                     }
-                    Action::Load { group, bytes } => {
-                        let gi = w.group_index(group).ok_or_else(|| SchedError::MissingTensor(group.clone()))?;
+                    Step::ReleaseWorkspace => self.release_workspace(),
+                    Step::Workspace(bytes) => self.reserve_workspace(bytes)?,
+                    Step::Load(gi, bytes) => {
                         let t0 = Instant::now();
                         w.alloc_group(gi)?;
                         if let Err(e) = w.fill_group(gi) {
@@ -325,39 +323,21 @@ impl Runner {
                         self.stats.load_secs += t0.elapsed().as_secs_f64();
                         self.stats.loaded_bytes += bytes;
                     }
-                    Action::Prefetch { group, bytes, .. } => {
-                        let gi = w.group_index(group).ok_or_else(|| SchedError::MissingTensor(group.clone()))?;
+                    Step::Prefetch(gi, bytes) => {
                         w.alloc_group(gi)?;
-                        pending.push(gi);
+                        inflight.groups.push(gi);
                         self.stats.prefetched_bytes += bytes;
                         self.stats.prefetched_groups += 1;
-                        tracing::trace!("{}: prefetching {group} during {}", self.name, seg.name);
+                        tracing::trace!("{}: prefetching group {} during {}", self.name, gi.0, seg.name);
                     }
-                    Action::AllocCut { .. } | Action::ReleaseCut { .. } => {}
-                    Action::Compute => {
+                    Step::Compute => {
                         if schedule.mode == Mode::Monolithic {
-                            let need = self.alloc.measure(&graph) as u64;
-                            self.alloc_measured(&graph, need, 1)?;
+                            let need = self.alloc.measure(graph) as u64;
+                            self.alloc_measured(graph, need, 1)?;
                             set_inputs()?;
-                            self.compute_with_prefetch(w, &graph, &mut pending)?;
+                            self.compute_with_prefetch(graph, &mut inflight)?;
                         } else {
-                            let first = seg_ranges[seg.base.start].start;
-                            let last = seg_ranges[seg.base.end - 1].end;
-                            for t in a.stale_views.iter().filter(|(s, _)| seg.base.contains(s)).map(|(_, t)| t) {
-                                // SAFETY: a view of a weight made in an earlier segment: its
-                                // storage may have moved; the allocator re-makes it.
-                                unsafe { t.detach_storage() };
-                            }
-                            let view = graph.view(first..last);
-                            let vg = view.graph();
-                            // Measured by the planner, with the same tensors outside the view.
-                            self.alloc_measured(&vg, seg.workspace, n_segments)?;
-                            self.compute_with_prefetch(w, &vg, &mut pending)?;
-                            for t in a.bound.iter().filter(|t| a.produced_in(**t).is_some_and(|p| p < seg.base.end)) {
-                                // SAFETY: computed by this or an earlier segment; later
-                                // segments only read it.
-                                unsafe { t.sever_operands() };
-                            }
+                            self.compute_segment(graph, a, seg, n_segments, &mut inflight)?;
                         }
                         self.stats.segments += 1;
                     }
@@ -368,15 +348,90 @@ impl Runner {
         Ok(())
     }
 
-    fn compute_with_prefetch(&mut self, w: &Weights, graph: &Graph<'_>, pending: &mut Vec<usize>) -> Result<()> {
-        if pending.is_empty() {
+    /// The cut buffer: cut tensors and inputs, for the whole run (the planner counts it as
+    /// fixed memory, [`DeviceState::fixed`]).
+    fn alloc_cut_buffer(&mut self, a: &Analysis<'_>) -> Result<()> {
+        let bytes = a.cut_bytes;
+        self.ledger.charge(bytes, &format!("the {} cut buffers", self.name))?;
+        let buf = match self.buft.alloc(bytes.max(1) as usize) {
+            Ok(b) => b,
+            Err(_) => {
+                self.ledger.credit(bytes);
+                return Err(SchedError::Alloc {
+                    device: self.backend.device().name(),
+                    bytes: bytes as usize,
+                    what: format!("the {} cut buffers", self.name),
+                });
+            }
+        };
+        let buf = &self.cut_buffer.insert((buf, bytes)).0;
+        let mut off = 0usize;
+        for t in &a.bound {
+            if !t.is_allocated() {
+                // SAFETY: the buffer stays in `self.cut_buffer` until the next run or the
+                // runner's drop, past every use this run makes of the tensors (the caller
+                // reads the output before either, `run`'s contract); slots are disjoint
+                // (`slot` bytes each, in order) and sum to its size.
+                unsafe { t.place_in(buf, off)? };
+            }
+            off += slot(self.buft, *t);
+        }
+        Ok(())
+    }
+
+    /// Computes one segment of a segmented run: a graph view of its nodes, in the compute
+    /// buffer the planner measured for it.
+    fn compute_segment(
+        &mut self,
+        graph: &Graph<'_>,
+        a: &Analysis<'_>,
+        seg: &PlannedSegment,
+        n_segments: usize,
+        inflight: &mut InFlight<'_>,
+    ) -> Result<()> {
+        for t in a.stale_views.iter().filter(|(s, _)| seg.base.contains(s)).map(|(_, t)| t) {
+            // SAFETY: a view of a weight made in an earlier segment: its storage may have
+            // moved; the allocator re-makes it.
+            unsafe { t.detach_storage() };
+        }
+        let view = graph.view(a.nodes_of(seg.base.clone()));
+        let vg = view.graph();
+        // Measured by the planner, with the same tensors outside the view.
+        self.alloc_measured(&vg, seg.workspace, n_segments)?;
+        self.compute_with_prefetch(&vg, inflight)?;
+        for t in a.bound.iter().filter(|t| a.produced_in(**t).is_some_and(|p| p < seg.base.end)) {
+            // SAFETY: computed by this or an earlier segment; later segments only read it.
+            unsafe { t.sever_operands() };
+        }
+        Ok(())
+    }
+
+    /// Charges the compute buffer up to `bytes` where the plan puts it (before the segment's
+    /// loads); ggml's allocator allocates the buffer when the segment's graph is allocated,
+    /// within that charge (more is charged then if it needs more).
+    fn reserve_workspace(&mut self, bytes: u64) -> Result<()> {
+        if bytes > self.charged {
+            self.ledger.charge(bytes - self.charged, &format!("the {} compute buffer", self.name))?;
+            self.charged = bytes;
+        }
+        Ok(())
+    }
+
+    /// Computes `graph` while the worker thread fills the in-flight prefetches; they are
+    /// filled (and no longer in flight) only when both succeed.
+    fn compute_with_prefetch(&mut self, graph: &Graph<'_>, inflight: &mut InFlight<'_>) -> Result<()> {
+        if inflight.groups.is_empty() {
             return self.compute(graph);
         }
-        let groups = std::mem::take(pending);
+        // SAFETY: the in-flight groups are prefetched for a later segment, never for the one
+        // computing now (`resolve` rejects a schedule that prefetches a segment's own group),
+        // so the graph computed below holds none of their tensors; nothing else touches the
+        // weight set until the scope below has joined the worker, which ends the job.
+        let job = unsafe { inflight.w.fill_on_worker(&inflight.groups) };
         let t0 = Instant::now();
         let backend = self.backend.clone();
         let (computed, fetched, compute_secs) = std::thread::scope(|s| {
-            let worker = s.spawn(|| groups.iter().try_for_each(|&gi| w.fill_group(gi)));
+            let worker = s.spawn(move || job.map_or(Ok(()), |j| j.run()));
             let c0 = Instant::now();
             let computed = backend.compute(graph).map_err(SchedError::from);
             let compute_secs = c0.elapsed().as_secs_f64();
@@ -386,20 +441,12 @@ impl Runner {
         });
         self.stats.compute_secs += compute_secs;
         self.stats.prefetch_wait_secs += (t0.elapsed().as_secs_f64() - compute_secs).max(0.0);
-        if computed.is_err() || fetched.is_err() {
-            // A replica whose copy did not finish must not count as resident.
-            for &gi in &groups {
-                w.evict_group(gi);
-            }
-        }
         computed?;
-        fetched
-    }
-
-    /// Bytes a tensor takes in the cut buffer.
-    fn slot(&self, t: Tensor<'_>) -> usize {
-        let a = self.buft.alignment().max(1);
-        self.buft.alloc_size(t).div_ceil(a) * a
+        fetched?;
+        // Filled: resident for good. On an error above, the guard evicts them (a replica
+        // whose copy did not finish must not count as resident).
+        inflight.groups.clear();
+        Ok(())
     }
 
     fn device_state(&self, cut_bytes: u64) -> DeviceState {
@@ -412,6 +459,8 @@ impl Runner {
         state.workspace = self.charged;
         state.replicas =
             replicas.into_iter().map(|r| Replica { group: r.group, bytes: r.bytes, pinned: r.pinned }).collect();
+        // Prefetches are copied on a worker thread while the segment computes; the executor
+        // has no asynchronous-transfer path, so it never offers one.
         state.async_transfer = false;
         state
     }
@@ -447,17 +496,50 @@ impl Drop for Runner {
     }
 }
 
-/// What the graph reads, per base segment.
+/// Bytes a tensor takes in the cut buffer.
+fn slot(buft: BufferType, t: Tensor<'_>) -> usize {
+    let a = buft.alignment().max(1);
+    buft.alloc_size(t).div_ceil(a) * a
+}
+
+/// Expands the graph cut by cut, so that base segment *k* is the nodes cut *k* added (cuts
+/// that add no node are skipped), then the output; returns the segments' names and node
+/// ranges in execution order.
+fn expand<'g>(graph: &Graph<'g>, cuts: &[(String, Tensor<'g>)], out: Tensor<'g>) -> Vec<(String, Range<usize>)> {
+    let mut segments = Vec::new();
+    let mut start = 0;
+    for (name, t) in cuts {
+        graph.expand(*t);
+        let end = graph.n_nodes();
+        if end > start {
+            segments.push((name.clone(), start..end));
+            start = end;
+        }
+    }
+    graph.expand(out);
+    let n = graph.n_nodes();
+    if n > start {
+        segments.push(("output".into(), start..n));
+    }
+    segments
+}
+
+/// The module graph as the runner sees it: its base segments, what each reads, and the
+/// tensors crossing cuts.
 struct Analysis<'g> {
-    /// Group indices each segment reads, in order of first use.
-    groups_of_seg: Vec<Vec<usize>>,
+    /// Name and node range of each base segment, in execution order.
+    segments: Vec<(String, Range<usize>)>,
+    /// Groups each segment reads, in order of first use.
+    groups_of_seg: Vec<Vec<GroupId>>,
     /// Tensors that need storage outside the segments' compute buffers: outputs of a segment
     /// read by a later one, and graph inputs (leaves without storage that are not weights).
     bound: Vec<Tensor<'g>>,
+    /// Bytes of the cut buffer holding `bound`.
+    cut_bytes: u64,
     /// Views of weights made in an earlier segment and read by segment `.0`.
     stale_views: Vec<(usize, Tensor<'g>)>,
     /// The weight tensors of each group the graph reads.
-    tensors_of_group: HashMap<usize, Vec<Tensor<'g>>>,
+    tensors_of_group: HashMap<GroupId, Vec<Tensor<'g>>>,
     /// The base segment that computes each bound tensor (absent for inputs).
     producer: HashMap<usize, usize>,
 }
@@ -466,27 +548,37 @@ impl Analysis<'_> {
     fn produced_in(&self, t: Tensor<'_>) -> Option<usize> {
         self.producer.get(&(t.as_raw() as usize)).copied()
     }
+
+    /// The graph nodes of base segments `r`.
+    fn nodes_of(&self, r: Range<usize>) -> Range<usize> {
+        self.segments[r.start].1.start..self.segments[r.end - 1].1.end
+    }
 }
 
-fn analyse<'g>(w: &Weights, graph: &Graph<'g>, ranges: &[(String, std::ops::Range<usize>)]) -> Analysis<'g> {
+fn analyse<'g>(
+    w: &Weights,
+    graph: &Graph<'g>,
+    segments: Vec<(String, Range<usize>)>,
+    buft: BufferType,
+) -> Analysis<'g> {
     let n = graph.n_nodes();
     let mut node_index: HashMap<usize, usize> = HashMap::with_capacity(n);
     for i in 0..n {
         node_index.insert(graph.node(i).as_raw() as usize, i);
     }
-    let mut groups_of_seg = vec![Vec::new(); ranges.len()];
+    let mut groups_of_seg = vec![Vec::new(); segments.len()];
     let mut bound = Vec::new();
     let mut bound_set = HashSet::new();
     let mut stale_views = Vec::new();
-    let mut tensors_of_group: HashMap<usize, Vec<Tensor<'g>>> = HashMap::new();
+    let mut tensors_of_group: HashMap<GroupId, Vec<Tensor<'g>>> = HashMap::new();
     let mut seen_weight = HashSet::new();
     let mut seg_of_node = vec![0usize; n];
-    for (s, (_, range)) in ranges.iter().enumerate() {
+    for (s, (_, range)) in segments.iter().enumerate() {
         for i in range.clone() {
             seg_of_node[i] = s;
         }
     }
-    for (s, (_, range)) in ranges.iter().enumerate() {
+    for (s, (_, range)) in segments.iter().enumerate() {
         let mut seen_group = HashSet::new();
         for i in range.clone() {
             let node = graph.node(i);
@@ -521,5 +613,200 @@ fn analyse<'g>(w: &Weights, graph: &Graph<'g>, ranges: &[(String, std::ops::Rang
         .iter()
         .filter_map(|t| node_index.get(&(t.as_raw() as usize)).map(|&i| (t.as_raw() as usize, seg_of_node[i])))
         .collect();
-    Analysis { groups_of_seg, bound, stale_views, tensors_of_group, producer }
+    let cut_bytes = bound.iter().map(|t| slot(buft, *t) as u64).sum();
+    Analysis { segments, groups_of_seg, bound, cut_bytes, stale_views, tensors_of_group, producer }
+}
+
+/// One step of the replay: a schedule action with its group resolved to this runner's id.
+#[derive(Debug, PartialEq)]
+enum Step {
+    /// Free this runner's replica of the group.
+    Evict(GroupId),
+    /// The planner would evict another runner's replica: left resident (a runner frees only
+    /// its own replicas; the other runner's next plan sees the device as it is).
+    EvictForeign(String),
+    /// Release an oversized idle compute buffer (`Action::Workspace { bytes: 0 }`).
+    ReleaseWorkspace,
+    /// Charge the compute buffer up to this size (`Action::Workspace`).
+    Workspace(u64),
+    /// Allocate and fill the group now.
+    Load(GroupId, u64),
+    /// Allocate the group now and fill it on the worker thread while this segment computes;
+    /// it is filled before any later segment starts, so before the one that needs it.
+    Prefetch(GroupId, u64),
+    /// Compute the segment.
+    Compute,
+}
+
+/// Translates a schedule into steps on `w`'s groups before anything runs: every action is
+/// either performed or refused here, never skipped.
+fn resolve(runner: &str, w: &Weights, schedule: &Schedule) -> Result<Vec<Vec<Step>>> {
+    let ids = w.group_ids();
+    let own = |group: &str| {
+        ids.get(group).copied().ok_or_else(|| {
+            SchedError::Invalid(format!(
+                "{runner}: the schedule loads group `{group}`, which is not one of its weights"
+            ))
+        })
+    };
+    let refuse = |what: &str| {
+        Err(SchedError::Invalid(format!(
+            "{runner}: the schedule asks for {what}, which this runner never offers the planner"
+        )))
+    };
+    let mut out = Vec::with_capacity(schedule.segments.len());
+    for seg in &schedule.segments {
+        let mut steps = Vec::with_capacity(seg.actions.len());
+        for action in &seg.actions {
+            steps.push(match action {
+                Action::Evict { group, .. } => match ids.get(group.as_str()) {
+                    Some(&gi) => Step::Evict(gi),
+                    None => Step::EvictForeign(group.clone()),
+                },
+                Action::Workspace { bytes: 0 } => Step::ReleaseWorkspace,
+                Action::Workspace { bytes } => Step::Workspace(*bytes),
+                Action::Load { group, bytes } => Step::Load(own(group)?, *bytes),
+                Action::Prefetch { group, bytes, for_segment, via } => {
+                    if *via != Transfer::WorkerThread {
+                        return refuse(
+                            "an asynchronous transfer (it declares none: prefetches run on a worker thread)",
+                        );
+                    }
+                    if seg.groups.contains(group) || schedule.segments.get(*for_segment).is_none() {
+                        return Err(SchedError::Invalid(format!(
+                            "{runner}: segment `{}` prefetches `{group}` for segment {for_segment}; a prefetch is \
+                             for a later segment",
+                            seg.name
+                        )));
+                    }
+                    Step::Prefetch(own(group)?, *bytes)
+                }
+                Action::AllocCut { .. } | Action::ReleaseCut { .. } => {
+                    return refuse(
+                        "per-segment cut buffers (it declares no cut outputs: its cut tensors live in one buffer \
+                         for the run, counted as fixed memory)",
+                    )
+                }
+                Action::Compute => Step::Compute,
+            });
+        }
+        out.push(steps);
+    }
+    Ok(out)
+}
+
+/// Prefetched groups allocated but not yet filled; evicted when dropped (any early return of
+/// the replay), so that none stays marked resident with unfilled storage.
+struct InFlight<'w> {
+    w: &'w Weights,
+    groups: Vec<GroupId>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        for gi in self.groups.drain(..) {
+            self.w.evict_group(gi);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    use sd_backends::{GgmlType, PluginRegistry, PluginSearch};
+
+    use super::*;
+    use crate::ledger::Ledgers;
+    use crate::plan::{DeviceState, ModuleGraph, Options, ParamGroup, Segment, MIB};
+    use crate::weights::{ParamHome, SourceError, TensorSource, TensorSpec};
+
+    const N: i64 = 64;
+
+    struct Ones;
+
+    impl TensorSource for Ones {
+        fn load(&self, _: &str, _: GgmlType, ne: &[i64]) -> std::result::Result<Cow<'_, [u8]>, SourceError> {
+            let n: i64 = ne.iter().product();
+            Ok(Cow::Owned((0..n).flat_map(|_| 1f32.to_le_bytes()).collect()))
+        }
+    }
+
+    fn cpu() -> Arc<Backend> {
+        static CPU: OnceLock<Arc<Backend>> = OnceLock::new();
+        CPU.get_or_init(|| {
+            let search = PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]);
+            let reg: &'static PluginRegistry = Box::leak(Box::new(PluginRegistry::discover(&search)));
+            Arc::new(Backend::new(reg.device("cpu").unwrap()).unwrap())
+        })
+        .clone()
+    }
+
+    /// Two groups (`m/b0`, `m/b1`) of one f32 N×N tensor each, homed in RAM.
+    fn placed(ledgers: &Ledgers) -> Weights {
+        let specs = (0..2)
+            .map(|i| TensorSpec { name: format!("b{i}.w"), ty: GgmlType::GGML_TYPE_F32, ne: vec![N, N] })
+            .collect();
+        let mut w = Weights::new(specs).unwrap();
+        let group_of = |name: &str| name[..2].to_string();
+        w.place("m", ParamHome::Host, cpu(), ledgers, &group_of, Arc::new(Ones)).unwrap();
+        w
+    }
+
+    /// A schedule of two one-group segments on a device whose budget forces segments.
+    fn schedule(w: &Weights, cut_output: bool, async_transfer: bool) -> Schedule {
+        let groups = w.groups();
+        let mut segments: Vec<Segment> = groups
+            .iter()
+            .map(|(name, bytes)| Segment::new(name.clone(), vec![ParamGroup::new(name, *bytes)], 0))
+            .collect();
+        if cut_output {
+            segments[0] = segments[0].clone().with_cut_output(1024, 1);
+        }
+        let module = ModuleGraph { name: "m".into(), segments };
+        let mut device = DeviceState::new(cpu().device().name(), Some(groups[0].1 * 2 + 2048), None);
+        device.async_transfer = async_transfer;
+        let s = plan::plan(&module, &device, &Options::default(), &mut plan::Estimate).unwrap();
+        assert_eq!(s.mode, Mode::Segmented);
+        s
+    }
+
+    #[test]
+    fn a_schedule_asking_for_what_the_runner_does_not_offer_is_refused_before_anything_runs() {
+        let ledgers = Ledgers::default();
+        let w = placed(&ledgers);
+        let ok = resolve("m", &w, &schedule(&w, false, false)).unwrap();
+        let ids = w.group_ids();
+        assert_eq!(ok[0][0], Step::Load(ids["m/b0"], w.groups()[0].1));
+        assert!(ok[0].contains(&Step::Prefetch(ids["m/b1"], w.groups()[1].1)), "{ok:?}");
+        let cut = resolve("m", &w, &schedule(&w, true, false)).unwrap_err().to_string();
+        assert!(cut.contains("per-segment cut buffers"), "{cut}");
+        let via = resolve("m", &w, &schedule(&w, false, true)).unwrap_err().to_string();
+        assert!(via.contains("asynchronous transfer"), "{via}");
+        assert_eq!(ledgers.get(&cpu().device().name()).managed(), 0, "nothing was allocated");
+    }
+
+    #[test]
+    fn a_prefetch_allocated_before_a_failing_charge_is_undone() {
+        let dev = cpu().device().name();
+        let ledgers = Ledgers::with_budgets(HashMap::from([(dev.clone(), 64 * MIB)]));
+        let w = placed(&ledgers);
+        let g = Context::for_graph(8, 8).unwrap();
+        let x = g.new_f32(&[N, 1]).set_input();
+        let out = g.mul_mat(w.get("b0.w").unwrap(), x);
+        let graph = g.new_graph(8);
+        let a = analyse(&w, &graph, expand(&graph, &[], out), cpu().device().buffer_type());
+        let mut runner = Runner::with_ledger("m", cpu(), ledgers.get(&dev), Options::default());
+        let b1 = w.group_ids()["m/b1"];
+        // A plan whose first segment prefetches b1, then charges a workspace the budget refuses.
+        let mut s = schedule(&w, false, false);
+        s.mode = Mode::Monolithic;
+        let steps = vec![vec![Step::Prefetch(b1, w.groups()[1].1), Step::Workspace(128 * MIB), Step::Compute]];
+        let err = runner.replay(&w, &graph, &a, &s, &steps, &mut || Ok(())).unwrap_err();
+        assert!(matches!(err, SchedError::OverBudget { .. }), "{err}");
+        assert!(!w.is_resident(b1), "the unfilled prefetch was evicted");
+        assert_eq!(ledgers.get(&dev).managed(), 0, "and its replica released");
+    }
 }

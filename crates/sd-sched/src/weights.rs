@@ -5,6 +5,24 @@
 //! to 63 bytes, which long UNet names exceed, so the ggml name is a shortened
 //! form ([`short_name`]) used only for logs and debugging; lookups use the full
 //! name through our own index.
+//!
+//! Threads: a [`Weights`] set is `Send` but not `Sync`. Its tensors are ggml structs
+//! that staging and eviction rewrite through `&self` (like a `Cell`), so shared access
+//! stays on one thread; the one cross-thread use, the runner's prefetch worker, gets a
+//! narrow job (`Weights::fill_on_worker`) whose safety argument is local to it.
+//!
+//! ```compile_fail,E0277
+//! fn f(w: &sd_sched::Weights) {
+//!     std::thread::scope(|s| {
+//!         s.spawn(|| w.nbytes()); // error: `Weights` cannot be shared between threads
+//!     });
+//! }
+//! ```
+//!
+//! ```
+//! fn send<T: Send>(_: T) {}
+//! send(sd_sched::Weights::new(Vec::new()).unwrap());
+//! ```
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -105,6 +123,11 @@ impl ParamHome {
     }
 }
 
+/// A group of a placed weight set: its index in declaration order. Groups cross from the
+/// runner's analysis to its replay as these, never as names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct GroupId(pub(crate) usize);
+
 /// A group of tensors staged, pinned and evicted as a unit (one block's parameters).
 #[derive(Debug)]
 struct Group {
@@ -151,11 +174,10 @@ pub struct ResidencyStats {
     pub copy_nanos: u64,
 }
 
-// SAFETY: the raw pointers point into `ctx`, which this value owns and moves with it.
+// SAFETY: the raw pointers point into `ctx`, which this value owns and moves with it;
+// every other field (buffers, the mirror set, the source) is Send. Not Sync: staging and
+// eviction rewrite tensor structs through `&self` (module docs).
 unsafe impl Send for Weights {}
-// SAFETY: shared access only reads tensor metadata and copies data through ggml's
-// thread-safe backend functions.
-unsafe impl Sync for Weights {}
 
 impl std::fmt::Debug for Weights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -190,7 +212,10 @@ impl Weights {
     /// Allocates storage for every tensor in one buffer of `buft`.
     pub fn allocate(&mut self, buft: BufferType) -> Result<()> {
         let need = buft.ctx_tensors_size(&self.ctx);
-        let buf = buft.alloc_ctx_tensors(&self.ctx).map_err(|_| SchedError::Alloc {
+        // SAFETY: the buffer is kept in `self.buffer` (or moved into the residency's
+        // `Home::Compute`), next to `self.ctx`, until the set is dropped: no tensor of the
+        // context outlives it.
+        let buf = unsafe { buft.alloc_ctx_tensors(&self.ctx) }.map_err(|_| SchedError::Alloc {
             device: buft.name(),
             bytes: need,
             what: format!("{} weight tensors", self.specs.len()),
@@ -393,34 +418,36 @@ impl Weights {
     }
 
     /// The group of tensor `i`.
-    pub(crate) fn group_of_tensor(&self, i: usize) -> Option<usize> {
-        self.residency.as_ref().map(|r| r.group_of_tensor[i])
+    pub(crate) fn group_of_tensor(&self, i: usize) -> Option<GroupId> {
+        self.residency.as_ref().map(|r| GroupId(r.group_of_tensor[i]))
     }
 
-    /// Index of the group named `name`.
-    pub(crate) fn group_index(&self, name: &str) -> Option<usize> {
-        self.residency.as_ref().and_then(|r| r.groups.iter().position(|g| g.name == name))
+    /// Every group by its qualified name (the planner's vocabulary), built once per schedule.
+    pub(crate) fn group_ids(&self) -> HashMap<&str, GroupId> {
+        self.residency.as_ref().map_or_else(HashMap::new, |r| {
+            r.groups.iter().enumerate().map(|(i, g)| (g.name.as_str(), GroupId(i))).collect()
+        })
     }
 
     /// Whether group `g` is on the computing device.
-    pub(crate) fn is_resident(&self, g: usize) -> bool {
+    pub(crate) fn is_resident(&self, g: GroupId) -> bool {
         match &self.residency {
             None => true,
             Some(r) => {
                 matches!(r.home, Home::Compute { .. })
-                    || r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g].is_some()
+                    || r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0].is_some()
             }
         }
     }
 
     /// Allocates group `g`'s replica on the computing device (charged to the ledger) and
     /// places its tensors; the data is copied by [`fill_group`](Self::fill_group).
-    pub(crate) fn alloc_group(&self, g: usize) -> Result<()> {
+    pub(crate) fn alloc_group(&self, g: GroupId) -> Result<()> {
         let Some(r) = &self.residency else { return Ok(()) };
         if self.is_resident(g) {
             return Ok(());
         }
-        let group = &r.groups[g];
+        let group = &r.groups[g.0];
         r.ledger.add_replica(&group.name, group.bytes, false)?;
         let buft = r.compute.device().buffer_type();
         let placed = (|| -> Result<Buffer> {
@@ -431,80 +458,169 @@ impl Weights {
             })?;
             buf.set_usage(BufferUsage::Weights);
             for (&t, &off) in group.tensors.iter().zip(&group.offsets) {
-                self.nth(t).place_in(&buf, off)?;
+                // SAFETY: `buf` goes into `replicas[g]` below and is freed only by
+                // `evict_group`, which detaches these tensors first (as the error path here
+                // does before `buf` drops); the offsets are `place`'s layout of the group,
+                // disjoint aligned ranges inside `group.bytes`.
+                if let Err(e) = unsafe { self.nth(t).place_in(&buf, off) } {
+                    self.detach_group(g);
+                    return Err(e.into());
+                }
             }
             Ok(buf)
         })();
         match placed {
             Ok(buf) => {
-                r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g] = Some(buf);
+                r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0] = Some(buf);
                 Ok(())
             }
             Err(e) => {
-                for &t in &group.tensors {
-                    // SAFETY: the tensors were never used with this (failed) placement.
-                    unsafe { self.nth(t).detach_storage() };
-                }
                 r.ledger.remove_replica(&group.name);
                 Err(e)
             }
         }
     }
 
-    /// Copies group `g`'s data from its home into its replica (any thread).
-    pub(crate) fn fill_group(&self, g: usize) -> Result<()> {
-        let Some(r) = &self.residency else { return Ok(()) };
-        if matches!(r.home, Home::Compute { .. }) {
-            return Ok(());
+    /// Forgets the storage of group `g`'s tensors.
+    fn detach_group(&self, g: GroupId) {
+        let Some(r) = &self.residency else { return };
+        for &t in &r.groups[g.0].tensors {
+            // SAFETY: callers detach only groups no graph about to run uses (eviction, or a
+            // placement that failed before anything used it); graphs are rebuilt for every
+            // run, and views of the old storage are re-made.
+            unsafe { self.nth(t).detach_storage() };
         }
-        let t0 = Instant::now();
-        let group = &r.groups[g];
-        for &i in &group.tensors {
-            let t = self.nth(i);
-            let spec = &self.specs[i];
-            match &r.home {
-                Home::Compute { .. } => {}
-                Home::Device(mirror, _, _) => t.copy_from(mirror.nth(i))?,
-                Home::Host(bytes) => t.set_bytes(&bytes[i])?,
-                Home::Disk => {
-                    let b = r
-                        .src
-                        .load(&spec.name, spec.ty, &spec.ne)
-                        .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?;
-                    t.set_bytes(&b)?;
-                    drop(b);
-                    r.src.release(&spec.name);
-                }
-            }
+    }
+
+    /// Copies group `g`'s data from its home into its replica, on this thread.
+    pub(crate) fn fill_group(&self, g: GroupId) -> Result<()> {
+        match self.fill_job(&[g]) {
+            Some(job) => job.run(),
+            None => Ok(()),
         }
-        r.copied_bytes.fetch_add(group.bytes, Ordering::Relaxed);
-        r.copy_nanos.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(())
+    }
+
+    /// The copy of `groups` from their home into their replicas, as a job for the runner's
+    /// prefetch worker (`None` when there is nothing to copy: unplaced or pinned sets).
+    ///
+    /// # Safety
+    /// Until the job is dropped, nothing but the job may read or write the data of the
+    /// tensors of `groups` or rewrite their structs: no graph being computed may hold them,
+    /// and none of them may be allocated, evicted or filled (`alloc_group`, `evict_group`,
+    /// `fill_group`, `make_resident`, `release_all`, dropping the set). Their replicas must
+    /// be allocated. The job reads only those tensors, their home copies (mirror tensors of
+    /// the same indices, RAM bytes, or the `Send + Sync` source) and atomic counters.
+    pub(crate) unsafe fn fill_on_worker(&self, groups: &[GroupId]) -> Option<WorkerFill<'_>> {
+        self.fill_job(groups).map(WorkerFill)
+    }
+
+    fn fill_job(&self, groups: &[GroupId]) -> Option<FillJob<'_>> {
+        let r = self.residency.as_ref()?;
+        let home = match &r.home {
+            Home::Compute { .. } => return None,
+            Home::Device(mirror, _, _) => HomeCopy::Device(mirror.raw.as_slice()),
+            Home::Host(bytes) => HomeCopy::Host(bytes.as_slice()),
+            Home::Disk => HomeCopy::Disk(r.src.as_ref()),
+        };
+        let tensors = groups.iter().flat_map(|g| r.groups[g.0].tensors.iter().copied()).collect();
+        Some(FillJob {
+            raw: &self.raw,
+            specs: &self.specs,
+            tensors,
+            home,
+            bytes: groups.iter().map(|g| r.groups[g.0].bytes).sum(),
+            copied_bytes: &r.copied_bytes,
+            copy_nanos: &r.copy_nanos,
+        })
     }
 
     /// Frees group `g`'s replica (no-op for pinned or absent ones).
-    pub(crate) fn evict_group(&self, g: usize) {
+    pub(crate) fn evict_group(&self, g: GroupId) {
         let Some(r) = &self.residency else { return };
         if matches!(r.home, Home::Compute { .. }) {
             return;
         }
-        let buf = r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g].take();
+        let buf = r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0].take();
         if let Some(buf) = buf {
-            for &t in &r.groups[g].tensors {
-                // SAFETY: the runner evicts only groups no graph about to run uses; graphs
-                // are rebuilt for every run, and views of the old storage are re-made.
-                unsafe { self.nth(t).detach_storage() };
-            }
+            self.detach_group(g);
             drop(buf);
-            r.ledger.remove_replica(&r.groups[g].name);
+            r.ledger.remove_replica(&r.groups[g.0].name);
         }
     }
+}
 
+/// Where a fill copies from, borrowed from the residency.
+enum HomeCopy<'w> {
+    /// The mirror set's tensors (same indices).
+    Device(&'w [*mut sd_backends::context::RawTensor]),
+    /// Per-tensor bytes in RAM.
+    Host(&'w [Vec<u8>]),
+    /// Re-read from the source.
+    Disk(&'w (dyn TensorSource + Send + Sync)),
+}
+
+/// The copy of some groups' data from their home into their allocated replicas.
+struct FillJob<'w> {
+    raw: &'w [*mut sd_backends::context::RawTensor],
+    specs: &'w [TensorSpec],
+    /// Indices of the tensors to fill.
+    tensors: Vec<usize>,
+    home: HomeCopy<'w>,
+    /// Replica bytes of the groups (for the counters).
+    bytes: u64,
+    copied_bytes: &'w AtomicU64,
+    copy_nanos: &'w AtomicU64,
+}
+
+impl FillJob<'_> {
+    fn run(self) -> Result<()> {
+        let t0 = Instant::now();
+        for &i in &self.tensors {
+            // SAFETY: raw[i] lives in the set's context, which outlives 'w.
+            let t = unsafe { Tensor::from_raw_unchecked(self.raw[i]) };
+            let spec = &self.specs[i];
+            match &self.home {
+                // SAFETY: the mirror's tensor i lives in the mirror set, which outlives 'w.
+                HomeCopy::Device(mirror) => t.copy_from(unsafe { Tensor::from_raw_unchecked(mirror[i]) })?,
+                HomeCopy::Host(bytes) => t.set_bytes(&bytes[i])?,
+                HomeCopy::Disk(src) => {
+                    let b = src
+                        .load(&spec.name, spec.ty, &spec.ne)
+                        .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?;
+                    t.set_bytes(&b)?;
+                    drop(b);
+                    src.release(&spec.name);
+                }
+            }
+        }
+        self.copied_bytes.fetch_add(self.bytes, Ordering::Relaxed);
+        self.copy_nanos.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// A [`FillJob`] that may run on another thread ([`Weights::fill_on_worker`]).
+pub(crate) struct WorkerFill<'w>(FillJob<'w>);
+
+// SAFETY: the job holds shared borrows of `Sync` data (specs, RAM bytes, the `Send + Sync`
+// source, atomics) and raw pointers to tensor structs; the contract of `fill_on_worker`
+// gives the job exclusive use of the tensors it fills (and of their mirror copies) for its
+// whole life, so touching them from another thread races with nothing.
+unsafe impl Send for WorkerFill<'_> {}
+
+impl WorkerFill<'_> {
+    /// Copies the data; run it on the worker thread.
+    pub(crate) fn run(self) -> Result<()> {
+        self.0.run()
+    }
+}
+
+impl Weights {
     /// Stages every group (for modules that run whole, e.g. a VAE): after this the set can be
     /// used like an allocated one until [`release_all`](Self::release_all).
     pub fn make_resident(&self) -> Result<()> {
         let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
-        for g in 0..n {
+        for g in (0..n).map(GroupId) {
             if !self.is_resident(g) {
                 self.alloc_group(g)?;
                 if let Err(e) = self.fill_group(g) {
@@ -519,7 +635,7 @@ impl Weights {
     /// Evicts every unpinned group.
     pub fn release_all(&self) {
         let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
-        for g in 0..n {
+        for g in (0..n).map(GroupId) {
             self.evict_group(g);
         }
     }

@@ -64,11 +64,12 @@
 //!    replicas the graph does not use first, in the order the device lists them, then the
 //!    graph's own *from the last segment backward*; the current segment's weights and
 //!    groups being prefetched for a later segment are pinned), allocate the workspace,
-//!    load the missing groups, allocate the cut buffers it writes, then prefetch the next
-//!    parameter-bearing segment's missing groups (asynchronously where the device
-//!    supports it, on a worker thread otherwise) only if they fit next to the current
-//!    segment after evicting what may be evicted — and only if every segment up to the
-//!    target still fits with them pinned — then compute, then release the cut buffers
+//!    load the missing groups, allocate the cut buffers it writes (segments that declare
+//!    [`CutOutput`]s), then prefetch the next parameter-bearing segment's missing groups
+//!    ([`Transfer::Async`] when [`DeviceState::async_transfer`] says the device copies
+//!    while it computes, [`Transfer::WorkerThread`] otherwise) only if they fit next to the
+//!    current segment after evicting what may be evicted — and only if every segment up to
+//!    the target still fits with them pinned — then compute, then release the cut buffers
 //!    whose last reader it was. Replicas stay resident after use ("Unpinned replicas
 //!    remain resident for reuse"): they are evicted lazily, when an allocation needs the
 //!    space. Evicting from the last segment backward keeps a stable run of *leading*
@@ -83,6 +84,17 @@
 //! resident (an oversized reusable buffer aside): "later graph runs remain segmented when
 //! the full graph exceeds the budget", even once all its weights happen to be resident (such
 //! runs transfer nothing).
+//!
+//! # What the executor asks of it
+//!
+//! The planner's vocabulary is wider than what [`crate::Runner`] uses today: the runner
+//! declares no [`CutOutput`]s (its cut tensors and graph inputs share one buffer for the
+//! whole run, passed as [`DeviceState::fixed`]), so its schedules contain no
+//! [`Action::AllocCut`]/[`Action::ReleaseCut`]; it sets [`DeviceState::async_transfer`] to
+//! false, so its prefetches are [`Transfer::WorkerThread`], copied while the segment that
+//! issues them computes and finished before the next segment starts. It refuses a
+//! schedule asking for either before running anything. Cut outputs and asynchronous
+//! transfer are planned and simulated here (and tested) for executors that offer them.
 //!
 //! The [`Simulator`] replays schedules on an independent ledger, checks every action (an
 //! eviction of a pinned replica, a load that does not fit, a segment computing without its
@@ -104,9 +116,9 @@
 //! let device = DeviceState::new("CUDA0", Some(600 * MIB), None);
 //! let schedule = plan(&unet, &device, &Options::default(), &mut Estimate).unwrap();
 //! assert_eq!(schedule.mode, Mode::Segmented);
-//! // The executor performs each segment's actions in order: evictions, workspace, loads, cut
-//! // buffers, prefetches (issued before computing, awaited by the segment that needs them),
-//! // compute, cut-buffer releases.
+//! // An executor performs each segment's actions in order: evictions, workspace, loads, cut
+//! // buffers, prefetches (issued before computing, awaited at the latest by the segment that
+//! // needs them), compute, cut-buffer releases.
 //! assert!(matches!(schedule.segments[0].actions.last(), Some(Action::Compute)));
 //! // Four sampling steps on a simulated device: the budget holds, and the steps after the first
 //! // copy less because the leading blocks stay resident.

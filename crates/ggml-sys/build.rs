@@ -378,13 +378,22 @@ fn check_version(src: &Path, pin: &Pin) -> Result<(), String> {
     Ok(())
 }
 
-/// The cargo target directory: the nearest ancestor of OUT_DIR holding CACHEDIR.TAG.
+/// The cargo target directory: the nearest ancestor of OUT_DIR holding CACHEDIR.TAG, else
+/// the directory above the profile's.
 fn target_dir(out_dir: &Path) -> Result<PathBuf, String> {
-    out_dir
-        .ancestors()
-        .find(|p| p.join("CACHEDIR.TAG").exists())
-        .map(Path::to_path_buf)
-        .ok_or_else(|| format!("cannot find the target directory above {}", out_dir.display()))
+    // Cargo writes CACHEDIR.TAG only into a target directory it created itself; in one that
+    // existed before, OUT_DIR's layout (<target>[/<triple>]/<profile>/build/<pkg>/out) tells.
+    if let Some(p) = out_dir.ancestors().find(|p| p.join("CACHEDIR.TAG").exists()) {
+        return Ok(p.to_path_buf());
+    }
+    let profile = out_dir.ancestors().nth(3).ok_or_else(|| format!("unexpected OUT_DIR {}", out_dir.display()))?;
+    let above = profile.parent().ok_or_else(|| format!("unexpected OUT_DIR {}", out_dir.display()))?;
+    let triple = std::env::var("TARGET").unwrap_or_default();
+    Ok(if above.file_name().is_some_and(|n| n == triple.as_str()) {
+        above.parent().unwrap_or(above).to_path_buf()
+    } else {
+        above.to_path_buf()
+    })
 }
 
 /// Copies `libggml-base.so*` (keeping the soname link) into `dest`.

@@ -91,7 +91,9 @@ impl RunArgs {
 pub fn resolve_size(width: i64, height: i64, init_img: Option<&Path>) -> Result<(usize, usize, Option<Image>)> {
     for (flag, v) in [("-W", width), ("-H", height)] {
         if v == 0 || v < -1 {
-            bail!("{flag} {v}: the image side must be a positive number of pixels (or -1: from the init image, else 512)");
+            bail!(
+                "{flag} {v}: the image side must be a positive number of pixels (or -1: from the init image, else 512)"
+            );
         }
     }
     let given = width > 0 && height > 0;
@@ -141,13 +143,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("init.png");
         let img = Image { width: 100, height: 60, rgb: vec![77; 100 * 60 * 3] };
-        image_io::write_image(
-            &sd_models::output::OutputTarget::resolve(&p).unwrap(),
-            &img,
-            image_io::OutputFormat::Png,
-            None,
-        )
-        .unwrap();
+        image_io::save_image(&p, &img, image_io::OutputFormat::Png, None).unwrap();
         let (w, h, fitted) = resolve_size(64, 64, Some(&p)).unwrap();
         let fitted = fitted.unwrap();
         assert_eq!((w, h, fitted.width, fitted.height), (64, 64, 64, 64));

@@ -166,14 +166,14 @@ fn init_images_in_other_formats_are_fitted_and_sized_as_the_reference_does() {
     let dir = scratch("init");
     let (centre, wide) = init_images();
     let centre_png = dir.join("centre.png");
-    image_io::write_image(&centre_png, &centre, OutputFormat::Png, None).unwrap();
+    image_io::save_image(&centre_png, &centre, OutputFormat::Png, None).unwrap();
     let wide_bmp = dir.join("wide.bmp");
     image::RgbImage::from_raw(128, 48, wide.rgb.clone())
         .unwrap()
         .save_with_format(&wide_bmp, image::ImageFormat::Bmp)
         .unwrap();
     let centre_jpg = dir.join("centre.jpg");
-    image_io::write_image(&centre_jpg, &centre, OutputFormat::Jpeg, None).unwrap();
+    image_io::save_image(&centre_jpg, &centre, OutputFormat::Jpeg, None).unwrap();
 
     // -W/-H both given: the 128x48 BMP is centre-cropped to 64x48 (then not resized), so the
     // result is exactly that of the centre PNG. The size 64x48 is aligned up to 64x64.
@@ -203,7 +203,7 @@ fn init_images_in_other_formats_are_fitted_and_sized_as_the_reference_does() {
     let unrelated = dir.join("unrelated.png");
     let flipped = Image { rgb: centre.rgb.chunks(3).rev().flatten().copied().collect(), ..centre.clone() };
     let flipped_png = dir.join("flipped.png");
-    image_io::write_image(&flipped_png, &flipped, OutputFormat::Png, None).unwrap();
+    image_io::save_image(&flipped_png, &flipped, OutputFormat::Png, None).unwrap();
     run(&args(&flipped_png, &unrelated, false));
     let (near, far) = (mean_diff(&z, &y), mean_diff(&read(&unrelated), &y));
     assert!(near < far / 2.0, "JPEG init vs PNG init: {near:.2} levels; another init: {far:.2}");

@@ -421,6 +421,11 @@ pub fn write_image(target: &OutputTarget, img: &Image, format: OutputFormat, par
     Ok(target.write(&bytes)?)
 }
 
+/// [`write_image`] to a path, checked as an output first ([`OutputTarget::resolve`]).
+pub fn save_image(path: &Path, img: &Image, format: OutputFormat, parameters: Option<&str>) -> Result<()> {
+    write_image(&OutputTarget::resolve(path)?, img, format, parameters)
+}
+
 /// The most bytes an input image file may have (a 16k x 16k RGBA PNG stored raw is 1 GiB).
 pub const MAX_INPUT_BYTES: u64 = 1 << 30;
 

@@ -105,7 +105,7 @@ fn every_format_round_trips_with_its_parameters() {
         let path = temp(name);
         assert_eq!(OutputFormat::from_path(&path), Some(format));
         for params in [text, unicode] {
-            write_image(&crate::output::OutputTarget::resolve(&path).unwrap(), &img, format, Some(params)).unwrap();
+            save_image(&path, &img, format, Some(params)).unwrap();
             assert_eq!(read_parameters(&path).unwrap().as_deref(), Some(params), "{name}");
             let back = read_image(&path).unwrap();
             assert_eq!((back.width, back.height), (64, 48), "{name}");
@@ -116,7 +116,7 @@ fn every_format_round_trips_with_its_parameters() {
                 _ => assert_eq!(back.rgb, img.rgb, "{name}: lossless"),
             }
         }
-        write_image(&crate::output::OutputTarget::resolve(&path).unwrap(), &img, format, None).unwrap();
+        save_image(&path, &img, format, None).unwrap();
         assert_eq!(read_parameters(&path).unwrap(), None, "{name}: --disable-image-metadata");
         let _ = std::fs::remove_file(&path);
     }

@@ -134,7 +134,11 @@ mod tests {
         let (w, h, img) = resolve_size(64, -1, None).unwrap();
         assert_eq!((w, h), (64, 512));
         assert!(img.is_none());
-        assert_eq!(resolve_size(0, 96, None).unwrap().0, 512);
+        // 0 and negative sides other than -1 are typos, refused by name
+        for (w, h) in [(0, 96), (64, -64)] {
+            let e = resolve_size(w, h, None).unwrap_err().to_string();
+            assert!(e.contains("positive number of pixels"), "{e}");
+        }
     }
 
     #[test]
@@ -149,7 +153,7 @@ mod tests {
         assert_eq!((w, h, fitted.width, fitted.height), (64, 64, 64, 64));
         assert!(fitted.rgb.iter().all(|&v| v == 77));
         // Only one side given: both come from the image, as in the reference.
-        for (w, h) in [(64, -1), (-1, -1), (0, 64)] {
+        for (w, h) in [(64, -1), (-1, -1), (-1, 64)] {
             let (rw, rh, got) = resolve_size(w, h, Some(&p)).unwrap();
             assert_eq!((rw, rh), (100, 60), "-W {w} -H {h}");
             assert_eq!(got.unwrap(), img);

@@ -36,6 +36,7 @@
 //! i.e. the row-major order of a `[C, H, W]` latent.
 
 pub mod denoiser;
+mod methods;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
@@ -45,9 +46,10 @@ mod tests;
 
 pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings};
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
-pub use sampler::{sample, SampleMethod};
+pub use sampler::{sample, Denoised, SampleMethod};
 pub use schedule::{
-    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, Scheduler, TIMESTEPS,
+    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, ModelVersion,
+    ScheduleContext, Scheduler, TIMESTEPS,
 };
 
 /// Where a denoiser evaluation sits in the sampling loop.
@@ -86,6 +88,14 @@ pub enum SamplingError {
         name: String,
         /// The implemented names, comma separated.
         implemented: String,
+    },
+    /// A scheduler that has no sigmas for this model or step count.
+    #[error("--scheduler {name}: {reason}")]
+    UnsupportedSchedule {
+        /// The scheduler's name.
+        name: &'static str,
+        /// Why.
+        reason: String,
     },
     /// `--steps 0`.
     #[error("--steps must be at least 1, got 0")]

@@ -5,6 +5,7 @@ mod bench_placement;
 mod bindings;
 mod fixture;
 mod parity;
+mod parity_samplers;
 mod plugins;
 mod reference;
 
@@ -24,6 +25,8 @@ commands:
   reference           build the stable-diffusion.cpp reference harness (sdref)
   parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]
                       compare text encoder, UNet, VAE and 256x256 generations with the reference
+  parity samplers [--steps N] [--side PX] [--only NAME,...] [--write-test-data]
+                      every sampling method and scheduler: sd-cli against the reference, per case
   bench [--size 256|512|both] [--runs N] [--threads N]
                       time sd-cli against the reference, alternating runs, with ratios
   bench-placement [--runs N] [--threads N] [--size 256|512]

@@ -44,10 +44,14 @@ pub struct GenerateArgs {
     /// Classifier-free guidance scale (1 disables the negative prompt).
     #[arg(long = "cfg-scale", default_value_t = 7.0, allow_hyphen_values = true)]
     pub cfg_scale: f32,
-    /// euler, euler_a, heun, dpm2, dpm++2m, dpm++2s_a, lcm.
-    #[arg(long = "sampling-method", default_value = "euler_a")]
-    pub sampling_method: String,
-    /// discrete, karras, exponential, sgm_uniform, simple (default: the sampler's).
+    /// Sampling method: euler, euler_a, heun, dpm2, dpm++2s_a, dpm++2m, dpm++2mv2, ipndm, ipndm_v,
+    /// lcm, ddim_trailing, tcd, res_multistep, res_2s, er_sde, euler_cfg_pp, euler_a_cfg_pp,
+    /// euler_ge (default: the model's, euler_a for SD 1.x/2.x).
+    #[arg(long = "sampling-method")]
+    pub sampling_method: Option<String>,
+    /// Scheduler: discrete, karras, exponential, ays, gits, sgm_uniform, simple, smoothstep,
+    /// kl_optimal, lcm, bong_tangent, ltx2 (default: the sampler's: lcm for lcm and tcd, simple
+    /// for ddim_trailing, else discrete).
     #[arg(long = "scheduler")]
     pub scheduler: Option<String>,
     /// Seed (negative: random).
@@ -222,11 +226,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     if !(0.0..=1.0).contains(&a.strength) {
         bail!("--strength {}: must be between 0 and 1", a.strength);
     }
-    let method: SampleMethod = a.sampling_method.parse().with_context(|| "--sampling-method".to_string())?;
-    let scheduler: Scheduler = match &a.scheduler {
-        Some(s) => s.parse().with_context(|| "--scheduler".to_string())?,
-        None => method.default_scheduler(),
-    };
+    // The defaults depend on the model: resolved once it is opened.
+    let method: Option<SampleMethod> =
+        a.sampling_method.as_deref().map(str::parse).transpose().with_context(|| "--sampling-method".to_string())?;
+    let scheduler: Option<Scheduler> =
+        a.scheduler.as_deref().map(str::parse).transpose().with_context(|| "--scheduler".to_string())?;
     let rng: RngKind = a.rng.parse().with_context(|| "--rng".to_string())?;
     let wt = a.wtype.as_deref().map(wtype).transpose()?;
     let prediction = match a.prediction.as_deref() {
@@ -403,6 +407,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
             placement,
         },
     )?;
+    let method = method.unwrap_or_else(|| pipeline.default_sample_method());
+    let scheduler = scheduler.unwrap_or_else(|| method.default_scheduler());
     let params = GenerateParams {
         prompt: a.prompt.clone(),
         negative_prompt: a.negative_prompt.clone(),

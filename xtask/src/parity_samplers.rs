@@ -1,7 +1,7 @@
 //! `cargo xtask parity samplers`: every sampling method and scheduler, ours against the reference.
 //!
 //! ```text
-//! cargo xtask parity samplers [--steps N] [--side PX] [--threads N] [--only NAME,...]
+//! cargo xtask parity samplers [--steps N] [--side PX] [--threads N] [--only NAME|METHOD/SCHEDULER,...]
 //!                             [--write-test-data [--test-data-dir DIR]]
 //! ```
 //!
@@ -106,8 +106,12 @@ fn parse(args: &[String]) -> Result<Args> {
     }
     if let Some(only) = &a.only {
         for name in only {
-            if name.parse::<SampleMethod>().is_err() && name.parse::<Scheduler>().is_err() {
-                bail!("--only {name}: neither a sampling method nor a scheduler");
+            let known = match name.split_once('/') {
+                Some((m, s)) => m.parse::<SampleMethod>().is_ok() && s.parse::<Scheduler>().is_ok(),
+                None => name.parse::<SampleMethod>().is_ok() || name.parse::<Scheduler>().is_ok(),
+            };
+            if !known {
+                bail!("--only {name}: neither a sampling method, a scheduler nor METHOD/SCHEDULER");
             }
         }
     }
@@ -191,7 +195,9 @@ pub fn run(args: &[String]) -> Result<()> {
     } else {
         let selected = |m: SampleMethod, s: Scheduler| match &a.only {
             None => true,
-            Some(names) => names.iter().any(|n| n == m.name() || n == s.name()),
+            Some(names) => {
+                names.iter().any(|n| n == m.name() || n == s.name() || *n == format!("{}/{}", m.name(), s.name()))
+            }
         };
         for (m, s) in cases().into_iter().filter(|&(m, s)| selected(m, s)) {
             let f = flags(m, s, a.side, a.steps, a.threads);
@@ -246,9 +252,10 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("--steps 3 --side 128 -t 4 --only ipndm,ays")).unwrap();
+        let a = parse(&args("--steps 3 --side 128 -t 4 --only ipndm,ays,tcd/karras")).unwrap();
         assert_eq!((a.steps, a.side, a.threads), (3, 128, 4));
-        assert_eq!(a.only, Some(vec!["ipndm".to_owned(), "ays".to_owned()]));
+        assert_eq!(a.only, Some(vec!["ipndm".to_owned(), "ays".to_owned(), "tcd/karras".to_owned()]));
+        assert!(parse(&args("--only tcd/nope")).is_err());
         assert!(parse(&args("--side 100")).unwrap_err().to_string().contains("multiple of 8"));
         assert!(parse(&args("--only nope")).unwrap_err().to_string().contains("--only nope"));
         assert!(parse(&args("--steps 0")).is_err());

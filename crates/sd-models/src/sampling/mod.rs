@@ -16,7 +16,8 @@
 //!   latent ([`txt2img_latent`], [`noised_latent`]).
 //! - [`denoiser`]: eps / v [`Prediction`] scalings and [`GuidedDenoiser`], which wraps a raw UNet
 //!   callback with classifier-free guidance into the denoiser the samplers call.
-//! - [`sampler`]: [`SampleMethod`] and [`sample`].
+//! - [`sampler`]: [`SampleMethod`] (all 18 of the reference's methods; the newer ones' loops are in
+//!   `methods.rs`) and [`sample`].
 //!
 //! A text-to-image run, as the reference does it per image (seed `s + batch_index`):
 //! ```

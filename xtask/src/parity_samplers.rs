@@ -92,7 +92,7 @@ fn parse(args: &[String]) -> Result<Args> {
             "--steps" => a.steps = positive(arg, value(arg)?)?,
             "--side" => {
                 a.side = positive(arg, value(arg)?)?;
-                if a.side % 8 != 0 {
+                if !a.side.is_multiple_of(8) {
                     bail!("--side {}: a multiple of 8", a.side);
                 }
             }

@@ -7,6 +7,7 @@ mod bindings;
 mod fixture;
 mod fuzz;
 mod parity;
+mod parity_samplers;
 mod plugins;
 mod reference;
 
@@ -29,6 +30,8 @@ commands:
   parity --fuzz N --model PATH [--seed S] [--threads N] [--max-steps K]
                       N random cases (prompt syntax, sizes, samplers, cfg, clip skip, img2img) on
                       any checkpoint, each disagreement with the first stage where it appears
+  parity samplers [--steps N] [--side PX] [--only NAME,...] [--write-test-data]
+                      every sampling method and scheduler: sd-cli against the reference, per case
   bench [--size 256|512|both] [--runs N] [--threads N]
                       time sd-cli against the reference, alternating runs, with ratios
   bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]

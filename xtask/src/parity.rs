@@ -4,6 +4,7 @@
 //! cargo xtask parity [sd15|sd21|all] [--threads N]
 //! cargo xtask parity [sd15|sd21|all] --write-test-data [--test-data-dir DIR]
 //! cargo xtask parity --fuzz N --model PATH [--seed S]   (random cases: xtask/src/fuzz.rs)
+//! cargo xtask parity samplers ...   (every sampler and scheduler: see parity_samplers.rs)
 //! ```
 //!
 //! For each family, on the fixture `target/fixtures/<family>-f16.safetensors`
@@ -330,17 +331,32 @@ const VAE_POINTS: u32 = 36;
 
 /// One line of the report.
 #[derive(Debug)]
-struct Row {
-    family: &'static str,
-    what: String,
-    shape: String,
-    diff: Diff,
-    tol: Tolerance,
+pub(crate) struct Row {
+    pub family: &'static str,
+    pub what: String,
+    pub shape: String,
+    pub diff: Diff,
+    pub tol: Tolerance,
 }
 
 impl Row {
-    fn pass(&self) -> bool {
+    pub fn pass(&self) -> bool {
         self.tol.accepts(&self.diff)
+    }
+
+    /// An image row with both programs' wall times.
+    pub fn print_timed(&self, ref_s: f64, ours_s: f64) {
+        let d = &self.diff;
+        println!(
+            "{:<30} mean|d| {:<7.3} max|d| {:<4} (levels){}  sdref {:>5.1} s  sd-cli {:>5.1} s  {}",
+            self.what,
+            d.mean_abs,
+            d.max_abs,
+            if d.non_finite > 0 { format!(" NON-FINITE {}", d.non_finite) } else { String::new() },
+            ref_s,
+            ours_s,
+            if self.pass() { "PASS" } else { "FAIL" }
+        );
     }
 
     fn print(&self) {
@@ -562,7 +578,7 @@ fn sdref(exe: &Path, sub: &str, model: &Path, threads: u32) -> Command {
     c
 }
 
-fn run_ok(mut cmd: Command, what: &str) -> Result<f64> {
+pub(crate) fn run_ok(mut cmd: Command, what: &str) -> Result<f64> {
     let m = run_measured(&mut cmd)?;
     m.check(what)?;
     Ok(m.wall_s)
@@ -734,6 +750,9 @@ fn write_test_data(family: Family, threads: u32, sdref_exe: &Path, ours_exe: &Pa
 
 /// Entry point of `cargo xtask parity ...` (`args` excludes the subcommand name).
 pub fn run(args: &[String]) -> Result<()> {
+    if args.first().map(String::as_str) == Some("samplers") {
+        return crate::parity_samplers::run(&args[1..]);
+    }
     if args.iter().any(|a| a == "--fuzz" || a == "--fuzz-prompts") {
         return crate::fuzz::run(args);
     }

@@ -47,10 +47,14 @@ pub struct GenerateArgs {
     /// Classifier-free guidance scale (1 disables the negative prompt).
     #[arg(long = "cfg-scale", default_value_t = 7.0, allow_hyphen_values = true)]
     pub cfg_scale: f32,
-    /// euler, euler_a, heun, dpm2, dpm++2m, dpm++2s_a, lcm.
-    #[arg(long = "sampling-method", default_value = "euler_a")]
-    pub sampling_method: String,
-    /// discrete, karras, exponential, sgm_uniform, simple (default: the sampler's).
+    /// Sampling method: euler, euler_a, heun, dpm2, dpm++2s_a, dpm++2m, dpm++2mv2, ipndm, ipndm_v,
+    /// lcm, ddim_trailing, tcd, res_multistep, res_2s, er_sde, euler_cfg_pp, euler_a_cfg_pp,
+    /// euler_ge (default: the model's, euler_a for SD 1.x/2.x).
+    #[arg(long = "sampling-method")]
+    pub sampling_method: Option<String>,
+    /// Scheduler: discrete, karras, exponential, ays, gits, sgm_uniform, simple, smoothstep,
+    /// kl_optimal, lcm, bong_tangent, ltx2 (default: the sampler's: lcm for lcm and tcd, simple
+    /// for ddim_trailing, else discrete).
     #[arg(long = "scheduler")]
     pub scheduler: Option<String>,
     /// Seed (negative: random).
@@ -206,11 +210,11 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // Flags are checked here, against the model in `Pipeline::check_request`, and the outputs
     // once those pass: all before the first weight is read.
     a.run.check_mode()?;
-    let method: SampleMethod = a.sampling_method.parse().with_context(|| "--sampling-method".to_string())?;
-    let scheduler: Scheduler = match &a.scheduler {
-        Some(s) => s.parse().with_context(|| "--scheduler".to_string())?,
-        None => method.default_scheduler(),
-    };
+    // The defaults depend on the model: resolved once it is opened.
+    let method: Option<SampleMethod> =
+        a.sampling_method.as_deref().map(str::parse).transpose().with_context(|| "--sampling-method".to_string())?;
+    let scheduler: Option<Scheduler> =
+        a.scheduler.as_deref().map(str::parse).transpose().with_context(|| "--scheduler".to_string())?;
     let rng: RngKind = a.rng.parse().with_context(|| "--rng".to_string())?;
     let wt = a.wtype.as_deref().map(wtype).transpose()?;
     let prediction = match a.prediction.as_deref() {
@@ -250,8 +254,9 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         height: height.div_ceil(8) * 8,
         steps: a.steps,
         cfg_scale: a.cfg_scale,
-        method,
-        scheduler,
+        // validate() does not depend on the sampler; the model picks the defaults later
+        method: method.unwrap_or_default(),
+        scheduler: scheduler.unwrap_or_default(),
         seed,
         batch_count: a.batch_count,
         rng,
@@ -368,6 +373,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
             placement,
         },
     )?;
+    let method = method.unwrap_or_else(|| pipeline.default_sample_method());
+    let scheduler = scheduler.unwrap_or_else(|| method.default_scheduler());
     let (width, height) = pipeline.aligned_size(width, height);
     let init = init_image.map(|img| {
         // The library's rule for an init image of another size than the (aligned) request.

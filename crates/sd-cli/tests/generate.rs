@@ -291,3 +291,91 @@ fn strength_outside_zero_to_one_is_a_clear_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The samplers and schedulers beyond euler/discrete. The reference PNGs
+// `tests/data/ref-sd15-f16-seed42-64x64-<method>-<scheduler>3-cfg7.png` were written by
+// `cargo xtask parity samplers --write-test-data` (sdref txt2img, "a cat", 64x64, 3 steps, cfg 7,
+// seed 42, default eta); see tests/data/README.md.
+
+/// Must match the cases `cargo xtask parity samplers --write-test-data` writes.
+const CASES: [(&str, &str); 5] =
+    [("ipndm", "karras"), ("res_2s", "discrete"), ("er_sde", "ays"), ("euler_a_cfg_pp", "gits"), ("tcd", "lcm")];
+
+#[test]
+fn new_samplers_and_schedulers_match_the_reference() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("samplers");
+    let mut failures = Vec::new();
+    let mut previous: Option<Vec<u8>> = None;
+    for (method, scheduler) in CASES {
+        let out = dir.join(format!("{method}-{scheduler}.png"));
+        let run = sd_cli()
+            .arg("-m")
+            .arg(&model)
+            .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "3", "--cfg-scale", "7", "-s", "42", "-t", "2"])
+            .args(["--sampling-method", method, "--scheduler", scheduler])
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{method} {scheduler}: {}", String::from_utf8_lossy(&run.stderr));
+        let reference =
+            workspace().join(format!("tests/data/ref-sd15-f16-seed42-64x64-{method}-{scheduler}3-cfg7.png"));
+        let (mean, max) = diff(&out, &reference);
+        let ours = pixels(&out).2;
+        eprintln!("{method} {scheduler}: mean {mean:.3} max {max} levels");
+        if mean > MEAN_TOL || max > MAX_TOL {
+            failures.push(format!("{method} {scheduler}: mean {mean:.3}, max {max}"));
+        }
+        // The cases must differ from each other, or the comparison would not tell samplers apart.
+        if let Some(p) = &previous {
+            assert_ne!(p, &ours, "{method} {scheduler} gave the same image as the case before");
+        }
+        previous = Some(ours);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "vs stable-diffusion.cpp: {failures:?}");
+}
+
+#[test]
+fn help_lists_every_sampler_and_scheduler() {
+    let out = sd_cli().arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    // The flag's line and its description, up to the next flag.
+    let line_of = |flag: &str| -> String {
+        let lines: Vec<&str> = help.lines().collect();
+        let start = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with(flag))
+            .unwrap_or_else(|| panic!("{flag} not in --help"));
+        let end = lines[start + 1..]
+            .iter()
+            .position(|l| l.trim_start().starts_with('-'))
+            .map_or(lines.len(), |i| start + 1 + i);
+        format!("{} ", lines[start..end].join(" ").split_whitespace().collect::<Vec<_>>().join(" "))
+    };
+    let methods = line_of("--sampling-method");
+    for m in sd_models::sampling::SampleMethod::ALL {
+        let listed = methods.contains(&format!(" {},", m.name())) || methods.contains(&format!(" {} ", m.name()));
+        assert!(listed, "{m}: {methods}");
+    }
+    let schedulers = line_of("--scheduler");
+    for s in sd_models::sampling::Scheduler::ALL {
+        assert!(
+            schedulers.contains(&format!(" {},", s.name())) || schedulers.contains(&format!(" {} ", s.name())),
+            "{s}: {schedulers}"
+        );
+    }
+}
+
+#[test]
+fn unknown_sampler_and_scheduler_names_are_errors_naming_the_flag() {
+    for (flag, bad) in [("--sampling-method", "euler_b"), ("--scheduler", "Karras")] {
+        let out = sd_cli().args(["-m", "/nonexistent/model.safetensors", "-p", "x", flag, bad]).output().unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag) && err.contains(bad), "{err}");
+    }
+}

@@ -27,8 +27,8 @@ use crate::files::{ModelFiles, ModelSources, Prediction as FilePrediction, Predi
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
 use crate::sampling::{
-    img2img_sigmas, noised_latent, sample, txt2img_latent, DiscreteSchedule, GuidedDenoiser, ModelInput, ModelOutput,
-    Prediction, RngKind, SampleMethod, Scheduler,
+    img2img_sigmas, noised_latent, sample, txt2img_latent, Denoised, DiscreteSchedule, GuidedDenoiser, ModelInput,
+    ModelOutput, ModelVersion, Prediction, RngKind, SampleMethod, ScheduleContext, Scheduler,
 };
 use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
 use crate::text::conditioning::{encode_prompt, Conditioning};
@@ -356,6 +356,11 @@ impl Pipeline {
         self.arch
     }
 
+    /// The sampling method the reference uses for this model when none is given.
+    pub fn default_sample_method(&self) -> SampleMethod {
+        SampleMethod::default_for(ModelVersion::from_arch(self.arch).unwrap_or_default())
+    }
+
     /// The opened files.
     pub fn files(&self) -> &ModelFiles {
         &self.files
@@ -590,7 +595,9 @@ impl Pipeline {
 
         // 2. Schedule and, for img2img, the init latent.
         let schedule = DiscreteSchedule::sd();
-        let full = p.scheduler.sigmas(p.steps, &schedule)?;
+        let model = ModelVersion::from_arch(self.arch).unwrap_or_default();
+        let ctx = ScheduleContext { model, image_seq_len: lw * lh };
+        let full = p.scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
         let sigmas = match &p.init_image {
             None => full,
@@ -659,8 +666,9 @@ impl Pipeline {
                     Ok(out)
                 };
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
-                let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Vec<f32>> {
-                    let out = denoiser.denoise::<PipelineError>(x, sigma, step)?;
+                let with_uncond = p.method.needs_uncond_denoised();
+                let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
+                    let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
                         // The front end shows it (sd-cli: a bar, or an info line).

@@ -13,6 +13,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::sampler::Denoised;
 use super::schedule::DiscreteSchedule;
 use super::{parse_name, SamplingError, Step};
 
@@ -138,24 +139,46 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         F: FnMut(ModelInput<'_>) -> Result<ModelOutput, E>,
         E: From<SamplingError>,
     {
+        Ok(self.denoise_full(x, sigma, step, false)?.pred)
+    }
+
+    /// Like [`GuidedDenoiser::denoise`]; with `with_uncond` (the CFG++ samplers, see
+    /// [`SampleMethod::needs_uncond_denoised`](super::SampleMethod::needs_uncond_denoised)) also
+    /// the unconditional output turned into a denoised estimate, or the conditional one when
+    /// guidance is off, as the reference does.
+    pub fn denoise_full<E>(&mut self, x: &[f32], sigma: f32, step: Step, with_uncond: bool) -> Result<Denoised, E>
+    where
+        F: FnMut(ModelInput<'_>) -> Result<ModelOutput, E>,
+        E: From<SamplingError>,
+    {
         let Scalings { c_skip, c_out, c_in } = self.prediction.scalings(sigma);
         let timestep = self.schedule.sigma_to_t(sigma);
         let x_in: Vec<f32> = x.iter().map(|&v| v * c_in).collect();
         let uncond = self.uses_uncond();
         let out = (self.model)(ModelInput { x: &x_in, timestep, sigma, step, uncond })?;
         check_len("model output (cond)", x.len(), out.cond.len())?;
+        let denoised =
+            |pred: &[f32]| -> Vec<f32> { pred.iter().zip(x).map(|(&p, &xv)| p * c_out + xv * c_skip).collect() };
         let mut pred = out.cond;
+        let mut uncond_denoised = None;
         if uncond {
             let Some(u) = out.uncond else {
                 return Err(SamplingError::MissingUncond.into());
             };
             check_len("model output (uncond)", x.len(), u.len())?;
+            if with_uncond {
+                uncond_denoised = Some(denoised(&u));
+            }
             let cfg = self.cfg_scale;
             for (p, &u) in pred.iter_mut().zip(&u) {
                 *p = u + cfg * (*p - u);
             }
         }
-        Ok(pred.iter().zip(x).map(|(&p, &xv)| p * c_out + xv * c_skip).collect())
+        let pred = denoised(&pred);
+        if with_uncond && uncond_denoised.is_none() {
+            uncond_denoised = Some(pred.clone());
+        }
+        Ok(Denoised { pred, uncond: uncond_denoised })
     }
 }
 

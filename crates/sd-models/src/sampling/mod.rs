@@ -16,7 +16,8 @@
 //!   latent ([`txt2img_latent`], [`noised_latent`]).
 //! - [`denoiser`]: eps / v [`Prediction`] scalings and [`GuidedDenoiser`], which wraps a raw UNet
 //!   callback with classifier-free guidance into the denoiser the samplers call.
-//! - [`sampler`]: [`SampleMethod`] and [`sample`].
+//! - [`sampler`]: [`SampleMethod`] (all 18 of the reference's methods; the newer ones' loops are in
+//!   `methods.rs`) and [`sample`].
 //!
 //! A text-to-image run, as the reference does it per image (seed `s + batch_index`):
 //! ```
@@ -36,6 +37,7 @@
 //! i.e. the row-major order of a `[C, H, W]` latent.
 
 pub mod denoiser;
+mod methods;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
@@ -45,9 +47,10 @@ mod tests;
 
 pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings};
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
-pub use sampler::{sample, SampleMethod};
+pub use sampler::{sample, Denoised, SampleMethod};
 pub use schedule::{
-    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, Scheduler, TIMESTEPS,
+    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, ModelVersion,
+    ScheduleContext, Scheduler, TIMESTEPS,
 };
 
 /// Where a denoiser evaluation sits in the sampling loop.
@@ -86,6 +89,14 @@ pub enum SamplingError {
         name: String,
         /// The implemented names, comma separated.
         implemented: String,
+    },
+    /// A scheduler that has no sigmas for this model or step count.
+    #[error("--scheduler {name}: {reason}")]
+    UnsupportedSchedule {
+        /// The scheduler's name.
+        name: &'static str,
+        /// Why.
+        reason: String,
     },
     /// `--steps 0`.
     #[error("--steps must be at least 1, got 0")]

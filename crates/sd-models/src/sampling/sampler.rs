@@ -10,16 +10,17 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::methods;
 use super::rng::NoiseRng;
-use super::schedule::Scheduler;
+use super::schedule::{ModelVersion, Scheduler};
 use super::{parse_name, SamplingError, Step};
 
-/// A sampling method (`--sampling-method`).
+/// A sampling method (`--sampling-method`), in the reference's enum order.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum SampleMethod {
     /// Euler (first order, one model call per step).
     Euler,
-    /// Euler ancestral (adds fresh noise each step; the reference's default sampler).
+    /// Euler ancestral (adds fresh noise each step; the reference's default sampler for UNet models).
     #[default]
     EulerA,
     /// Heun (second order, two calls per step except the last).
@@ -30,36 +31,57 @@ pub enum SampleMethod {
     DpmPp2sA,
     /// DPM-Solver++(2M) (multistep, one call per step).
     DpmPp2m,
+    /// DPM-Solver++(2M) with the step size taken as the mean of the last two (`dpm++2mv2`).
+    DpmPp2mV2,
+    /// Improved pseudo-numerical (Adams-Bashforth up to 4th order on the ODE derivative).
+    Ipndm,
+    /// iPNDM with variable step sizes in its second-order step.
+    IpndmV,
     /// Latent consistency model sampling (the model's x0 re-noised to the next sigma).
     Lcm,
+    /// DDIM with trailing timesteps: Euler ancestral (eta 0 by default) on the `simple` schedule.
+    DdimTrailing,
+    /// Trajectory consistency distillation sampling (DDIM-like, with its own alphas).
+    Tcd,
+    /// RES multistep (exponential integrator with a second-order history term).
+    ResMultistep,
+    /// RES 2s (two-stage exponential integrator, two calls per step except the last).
+    Res2s,
+    /// Extended-reverse-time SDE solver (up to third order; adds noise).
+    ErSde,
+    /// Euler with CFG++ (steps along the unconditional prediction).
+    EulerCfgPp,
+    /// Euler ancestral with CFG++ (adds noise).
+    EulerACfgPp,
+    /// Euler with gradient estimation (a weighted blend of this and the last derivative).
+    EulerGe,
 }
 
 impl SampleMethod {
-    /// The methods implemented here, in the reference's enum order.
-    pub const ALL: [SampleMethod; 7] = [
+    /// Every method of the reference, in its enum order.
+    pub const ALL: [SampleMethod; 18] = [
         SampleMethod::Euler,
         SampleMethod::EulerA,
         SampleMethod::Heun,
         SampleMethod::Dpm2,
         SampleMethod::DpmPp2sA,
         SampleMethod::DpmPp2m,
+        SampleMethod::DpmPp2mV2,
+        SampleMethod::Ipndm,
+        SampleMethod::IpndmV,
         SampleMethod::Lcm,
+        SampleMethod::DdimTrailing,
+        SampleMethod::Tcd,
+        SampleMethod::ResMultistep,
+        SampleMethod::Res2s,
+        SampleMethod::ErSde,
+        SampleMethod::EulerCfgPp,
+        SampleMethod::EulerACfgPp,
+        SampleMethod::EulerGe,
     ];
 
-    /// Names the reference accepts that are not implemented here.
-    pub const NOT_IMPLEMENTED: [&'static str; 11] = [
-        "dpm++2mv2",
-        "ipndm",
-        "ipndm_v",
-        "ddim_trailing",
-        "tcd",
-        "res_multistep",
-        "res_2s",
-        "er_sde",
-        "euler_cfg_pp",
-        "euler_a_cfg_pp",
-        "euler_ge",
-    ];
+    /// Names the reference accepts that are not implemented here (none).
+    pub const NOT_IMPLEMENTED: [&'static str; 0] = [];
 
     /// The name the reference's CLI accepts.
     pub fn name(self) -> &'static str {
@@ -70,7 +92,18 @@ impl SampleMethod {
             SampleMethod::Dpm2 => "dpm2",
             SampleMethod::DpmPp2sA => "dpm++2s_a",
             SampleMethod::DpmPp2m => "dpm++2m",
+            SampleMethod::DpmPp2mV2 => "dpm++2mv2",
+            SampleMethod::Ipndm => "ipndm",
+            SampleMethod::IpndmV => "ipndm_v",
             SampleMethod::Lcm => "lcm",
+            SampleMethod::DdimTrailing => "ddim_trailing",
+            SampleMethod::Tcd => "tcd",
+            SampleMethod::ResMultistep => "res_multistep",
+            SampleMethod::Res2s => "res_2s",
+            SampleMethod::ErSde => "er_sde",
+            SampleMethod::EulerCfgPp => "euler_cfg_pp",
+            SampleMethod::EulerACfgPp => "euler_a_cfg_pp",
+            SampleMethod::EulerGe => "euler_ge",
         }
     }
 
@@ -83,30 +116,56 @@ impl SampleMethod {
             SampleMethod::Dpm2 => "DPM2",
             SampleMethod::DpmPp2sA => "DPM++ (2s)",
             SampleMethod::DpmPp2m => "DPM++ (2M)",
+            SampleMethod::DpmPp2mV2 => "modified DPM++ (2M)",
+            SampleMethod::Ipndm => "iPNDM",
+            SampleMethod::IpndmV => "iPNDM_v",
             SampleMethod::Lcm => "LCM",
+            SampleMethod::DdimTrailing => "DDIM \"trailing\"",
+            SampleMethod::Tcd => "TCD",
+            SampleMethod::ResMultistep => "Res Multistep",
+            SampleMethod::Res2s => "Res 2s",
+            SampleMethod::ErSde => "ER-SDE",
+            SampleMethod::EulerCfgPp => "Euler CFG++",
+            SampleMethod::EulerACfgPp => "Euler A CFG++",
+            SampleMethod::EulerGe => "Euler GE",
         }
     }
 
-    /// The noise multiplier used when `--eta` is not given: 1 for the ancestral samplers, else 0.
+    /// The reference's default method for a model: `euler_a` for the UNet models (SD 1.x/2.x;
+    /// the reference picks `euler` for DiT and `lcm` for PID models, which are not run here).
+    pub fn default_for(model: ModelVersion) -> SampleMethod {
+        match model {
+            ModelVersion::Sd1 | ModelVersion::Sd2 => SampleMethod::EulerA,
+        }
+    }
+
+    /// The noise multiplier used when `--eta` is not given, as the reference resolves it: 1 for
+    /// `euler_a`, `dpm++2s_a`, `er_sde` and `euler_a_cfg_pp`, else 0.
     pub fn default_eta(self) -> f32 {
         match self {
-            SampleMethod::EulerA | SampleMethod::DpmPp2sA => 1.0,
+            SampleMethod::EulerA | SampleMethod::DpmPp2sA | SampleMethod::ErSde | SampleMethod::EulerACfgPp => 1.0,
             _ => 0.0,
         }
     }
 
-    /// The scheduler used when `--scheduler` is not given (SD 1.x/2.x): `lcm` for LCM, else
-    /// `discrete`.
+    /// The scheduler used when `--scheduler` is not given (SD 1.x/2.x): `lcm` for LCM and TCD,
+    /// `simple` for DDIM trailing, else `discrete`.
     pub fn default_scheduler(self) -> Scheduler {
         match self {
-            SampleMethod::Lcm => Scheduler::Lcm,
+            SampleMethod::Lcm | SampleMethod::Tcd => Scheduler::Lcm,
+            SampleMethod::DdimTrailing => Scheduler::Simple,
             _ => Scheduler::Discrete,
         }
     }
 
-    /// Whether the method draws noise from the sampler RNG while sampling.
+    /// Whether the method draws noise from the sampler RNG with its default eta.
     pub fn is_stochastic(self) -> bool {
-        matches!(self, SampleMethod::EulerA | SampleMethod::DpmPp2sA | SampleMethod::Lcm)
+        self.default_eta() > 0.0 || self == SampleMethod::Lcm
+    }
+
+    /// Whether the method needs the unconditional denoised estimate too (the CFG++ samplers).
+    pub fn needs_uncond_denoised(self) -> bool {
+        matches!(self, SampleMethod::EulerCfgPp | SampleMethod::EulerACfgPp)
     }
 }
 
@@ -124,8 +183,26 @@ impl FromStr for SampleMethod {
     }
 }
 
+/// What a denoiser evaluation returns: the (guided) denoised estimate and, for the CFG++
+/// samplers, the unconditional one. A plain `Vec<f32>` converts to a `Denoised` without an
+/// unconditional estimate; the CFG++ samplers then use the denoised estimate in its place,
+/// which is what the reference does when it runs without guidance.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Denoised {
+    /// The denoised estimate.
+    pub pred: Vec<f32>,
+    /// The unconditional model output turned into a denoised estimate (same scalings).
+    pub uncond: Option<Vec<f32>>,
+}
+
+impl From<Vec<f32>> for Denoised {
+    fn from(pred: Vec<f32>) -> Self {
+        Denoised { pred, uncond: None }
+    }
+}
+
 /// `(sigma_down, sigma_up)` of an ancestral step from `sigma_from` to `sigma_to` with noise `eta`.
-fn ancestral_step(sigma_from: f32, sigma_to: f32, eta: f32) -> (f32, f32) {
+pub(super) fn ancestral_step(sigma_from: f32, sigma_to: f32, eta: f32) -> (f32, f32) {
     if eta <= 0.0 {
         return (sigma_to, 0.0);
     }
@@ -158,14 +235,74 @@ fn expm1_ref(v: f32) -> f32 {
     (f64::from(v).exp() - 1.0) as f32
 }
 
+/// The denoiser as the step loops call it: checks lengths and fills in [`Step`].
+pub(super) struct Evals<'d, D> {
+    denoise: &'d mut D,
+    /// Number of steps of the run.
+    pub steps: usize,
+    /// Latent length.
+    pub n: usize,
+}
+
+impl<D> Evals<'_, D> {
+    /// One evaluation at `sigma` for step `index`; `last_eval` when it completes the step.
+    pub fn full<R, E>(&mut self, x: &[f32], sigma: f32, index: usize, last_eval: bool) -> Result<Denoised, E>
+    where
+        D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+        R: Into<Denoised>,
+        E: From<SamplingError>,
+    {
+        let out: Denoised = (self.denoise)(x, sigma, Step { index, count: self.steps, last_eval })?.into();
+        if out.pred.len() != self.n {
+            return Err(SamplingError::LengthMismatch {
+                what: "denoiser output",
+                expected: self.n,
+                got: out.pred.len(),
+            }
+            .into());
+        }
+        if let Some(u) = &out.uncond {
+            if u.len() != self.n {
+                return Err(SamplingError::LengthMismatch {
+                    what: "unconditional denoiser output",
+                    expected: self.n,
+                    got: u.len(),
+                }
+                .into());
+            }
+        }
+        Ok(out)
+    }
+
+    /// The denoised estimate only.
+    pub fn pred<R, E>(&mut self, x: &[f32], sigma: f32, index: usize, last_eval: bool) -> Result<Vec<f32>, E>
+    where
+        D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+        R: Into<Denoised>,
+        E: From<SamplingError>,
+    {
+        Ok(self.full(x, sigma, index, last_eval)?.pred)
+    }
+}
+
+/// One latent's worth of sampler noise.
+pub(super) fn draw<E: From<SamplingError>>(rng: &mut dyn NoiseRng, n: usize) -> Result<Vec<f32>, E> {
+    let v = rng.randn(n);
+    if v.len() != n {
+        return Err(SamplingError::LengthMismatch { what: "sampler noise", expected: n, got: v.len() }.into());
+    }
+    Ok(v)
+}
+
 /// Runs `method` from the latent `x` (already noised to `sigmas[0]`) down the `sigmas` (whose last
 /// entry is normally 0) and returns the final latent.
 ///
-/// `denoise(x, sigma, step)` must return the denoised estimate (same length as `x`); see
+/// `denoise(x, sigma, step)` must return the denoised estimate (same length as `x`), as a
+/// `Vec<f32>` or a [`Denoised`] (the CFG++ samplers use its unconditional estimate); see
 /// [`GuidedDenoiser`](super::GuidedDenoiser) for building one from a UNet. `rng` is the sampler
 /// RNG: in the reference it is the same generator that drew the initial noise, continuing its
 /// stream. `eta` scales the ancestral noise (use [`SampleMethod::default_eta`] when not set).
-pub fn sample<E, D>(
+pub fn sample<E, D, R>(
     method: SampleMethod,
     denoise: &mut D,
     x: Vec<f32>,
@@ -174,7 +311,8 @@ pub fn sample<E, D>(
     eta: f32,
 ) -> Result<Vec<f32>, E>
 where
-    D: FnMut(&[f32], f32, Step) -> Result<Vec<f32>, E>,
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
     E: From<SamplingError>,
 {
     if sigmas.len() < 2 {
@@ -182,27 +320,15 @@ where
     }
     let steps = sigmas.len() - 1;
     let n = x.len();
-    let mut call = |x: &[f32], sigma: f32, index: usize, last_eval: bool| -> Result<Vec<f32>, E> {
-        let out = denoise(x, sigma, Step { index, count: steps, last_eval })?;
-        if out.len() != n {
-            return Err(SamplingError::LengthMismatch { what: "denoiser output", expected: n, got: out.len() }.into());
-        }
-        Ok(out)
-    };
-    let noise = |rng: &mut dyn NoiseRng| -> Result<Vec<f32>, E> {
-        let v = rng.randn(n);
-        if v.len() != n {
-            return Err(SamplingError::LengthMismatch { what: "sampler noise", expected: n, got: v.len() }.into());
-        }
-        Ok(v)
-    };
+    let mut ev = Evals { denoise, steps, n };
+    let noise = |rng: &mut dyn NoiseRng| draw::<E>(rng, n);
     let mut x = x;
 
     match method {
         SampleMethod::Euler => {
             for i in 0..steps {
                 let sigma = sigmas[i];
-                let den = call(&x, sigma, i, true)?;
+                let den = ev.pred(&x, sigma, i, true)?;
                 let dt = sigmas[i + 1] - sigma;
                 for (xv, &dv) in x.iter_mut().zip(&den) {
                     let d = (*xv - dv) / sigma;
@@ -210,11 +336,12 @@ where
                 }
             }
         }
-        SampleMethod::EulerA => {
+        SampleMethod::EulerA | SampleMethod::DdimTrailing => {
+            // DDIM is Euler ancestral on the simple schedule (the reference runs the same loop).
             for i in 0..steps {
                 let sigma = sigmas[i];
                 let sigma_to = sigmas[i + 1];
-                let den = call(&x, sigma, i, true)?;
+                let den = ev.pred(&x, sigma, i, true)?;
                 if sigma_to == 0.0 {
                     x = den;
                 } else if eta == 0.0 {
@@ -243,7 +370,7 @@ where
         SampleMethod::Heun => {
             for i in 0..steps {
                 let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let den = call(&x, s, i, s_next == 0.0)?;
+                let den = ev.pred(&x, s, i, s_next == 0.0)?;
                 let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
                 let dt = s_next - s;
                 if s_next == 0.0 {
@@ -252,7 +379,7 @@ where
                     }
                 } else {
                     let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt).collect();
-                    let den2 = call(&x2, s_next, i, true)?;
+                    let den2 = ev.pred(&x2, s_next, i, true)?;
                     for (((xv, &dv), &x2v), &d2v) in x.iter_mut().zip(&d).zip(&x2).zip(&den2) {
                         let d_avg = (dv + (x2v - d2v) / s_next) / 2.0;
                         *xv += d_avg * dt;
@@ -263,7 +390,7 @@ where
         SampleMethod::Dpm2 => {
             for i in 0..steps {
                 let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let den = call(&x, s, i, s_next == 0.0)?;
+                let den = ev.pred(&x, s, i, s_next == 0.0)?;
                 let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
                 if s_next == 0.0 {
                     let dt = s_next - s;
@@ -275,7 +402,7 @@ where
                     let dt_1 = sigma_mid - s;
                     let dt_2 = s_next - s;
                     let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt_1).collect();
-                    let den2 = call(&x2, sigma_mid, i, true)?;
+                    let den2 = ev.pred(&x2, sigma_mid, i, true)?;
                     for ((xv, &x2v), &d2v) in x.iter_mut().zip(&x2).zip(&den2) {
                         *xv += ((x2v - d2v) / sigma_mid) * dt_2;
                     }
@@ -286,7 +413,7 @@ where
             for i in 0..steps {
                 let (s, s_next) = (sigmas[i], sigmas[i + 1]);
                 let (sigma_down, sigma_up) = ancestral_step(s, s_next, eta);
-                let den = call(&x, s, i, sigma_down == 0.0)?;
+                let den = ev.pred(&x, s, i, sigma_down == 0.0)?;
                 if sigma_down == 0.0 {
                     x = den;
                 } else {
@@ -298,7 +425,7 @@ where
                     let a = sigma_s / sigma_fn(t);
                     let b = expm1_ref(-h * 0.5);
                     let x2: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| a * xv - b * dv).collect();
-                    let den2 = call(&x2, sigma_s, i, true)?;
+                    let den2 = ev.pred(&x2, sigma_s, i, true)?;
                     let a2 = sigma_fn(t_next) / sigma_fn(t);
                     let b2 = expm1_ref(-h);
                     for (xv, &dv) in x.iter_mut().zip(&den2) {
@@ -318,7 +445,7 @@ where
             let mut old_denoised = x.clone();
             for i in 0..steps {
                 let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let den = call(&x, s, i, true)?;
+                let den = ev.pred(&x, s, i, true)?;
                 let t = t_fn(s);
                 let t_next = t_fn(s_next);
                 let h = t_next - t;
@@ -344,7 +471,7 @@ where
         SampleMethod::Lcm => {
             for i in 0..steps {
                 let s_next = sigmas[i + 1];
-                x = call(&x, sigmas[i], i, true)?;
+                x = ev.pred(&x, sigmas[i], i, true)?;
                 if s_next > 0.0 {
                     // The reference's default noise_scale is exactly 1.
                     let z = noise(rng)?;
@@ -354,6 +481,16 @@ where
                 }
             }
         }
+        SampleMethod::DpmPp2mV2 => x = methods::dpmpp_2m_v2(&mut ev, x, sigmas)?,
+        SampleMethod::Ipndm => x = methods::ipndm(&mut ev, x, sigmas, false)?,
+        SampleMethod::IpndmV => x = methods::ipndm(&mut ev, x, sigmas, true)?,
+        SampleMethod::Tcd => x = methods::tcd(&mut ev, x, sigmas, rng, eta)?,
+        SampleMethod::ResMultistep => x = methods::res_multistep(&mut ev, x, sigmas, rng, eta)?,
+        SampleMethod::Res2s => x = methods::res_2s(&mut ev, x, sigmas, rng, eta)?,
+        SampleMethod::ErSde => x = methods::er_sde(&mut ev, x, sigmas, rng, eta)?,
+        SampleMethod::EulerCfgPp => x = methods::euler_cfg_pp(&mut ev, x, sigmas, None)?,
+        SampleMethod::EulerACfgPp => x = methods::euler_cfg_pp(&mut ev, x, sigmas, Some((rng, eta)))?,
+        SampleMethod::EulerGe => x = methods::euler_ge(&mut ev, x, sigmas, rng, eta)?,
     }
     Ok(x)
 }

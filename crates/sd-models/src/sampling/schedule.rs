@@ -158,6 +158,37 @@ impl DiscreteSchedule {
     }
 }
 
+/// The model family, where a default or a scheduler depends on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ModelVersion {
+    /// Stable Diffusion 1.x (and SD 1.x-shaped models such as SD-Turbo's base).
+    #[default]
+    Sd1,
+    /// Stable Diffusion 2.x.
+    Sd2,
+}
+
+impl ModelVersion {
+    /// From an architecture name as the file detection reports it (`sd1`, `sd2`).
+    pub fn from_arch(arch: &str) -> Option<ModelVersion> {
+        match arch {
+            "sd1" => Some(ModelVersion::Sd1),
+            "sd2" => Some(ModelVersion::Sd2),
+            _ => None,
+        }
+    }
+}
+
+/// What a scheduler may depend on besides the step count and the noise schedule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ScheduleContext {
+    /// The model family (`ays` has per-family noise levels).
+    pub model: ModelVersion,
+    /// Latent positions of the image, `(H / 8) * (W / 8)` (`ltx2` shifts by it; 0 means the
+    /// reference's fallback of 4096).
+    pub image_seq_len: usize,
+}
+
 /// How the sampling sigmas are spaced (`--scheduler`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Scheduler {
@@ -168,6 +199,10 @@ pub enum Scheduler {
     Karras,
     /// Evenly spaced in log sigma between sigma_max and sigma_min.
     Exponential,
+    /// Align Your Steps: NVIDIA's 10-step SD 1.5 noise levels, log-linearly resampled to `n`.
+    Ays,
+    /// GITS (coefficient 1.20): searched SD 1.5 sigma tables for 2-20 steps, resampled beyond.
+    Gits,
     /// `n + 1` timesteps evenly spaced from 999 to 0; the last one replaced by sigma 0.
     SgmUniform,
     /// Every `1000 / n`-th timestep from the top (integer truncation), as ComfyUI's "simple".
@@ -178,23 +213,32 @@ pub enum Scheduler {
     KlOptimal,
     /// The LCM training timesteps (50 original steps, every 20th timestep).
     Lcm,
+    /// Two arctangent ramps (sigma_max to the midpoint, then to sigma_min), pivots at 60%.
+    BongTangent,
+    /// LTX-2's flow schedule: `1 - i/n` shifted by the image's token count and stretched so the
+    /// last non-zero sigma is 0.1. Sigmas stay in (0, 1], which for an SD model is low noise.
+    Ltx2,
 }
 
 impl Scheduler {
-    /// The schedulers implemented here, in the reference's enum order.
-    pub const ALL: [Scheduler; 8] = [
+    /// Every scheduler of the reference, in its enum order.
+    pub const ALL: [Scheduler; 12] = [
         Scheduler::Discrete,
         Scheduler::Karras,
         Scheduler::Exponential,
+        Scheduler::Ays,
+        Scheduler::Gits,
         Scheduler::SgmUniform,
         Scheduler::Simple,
         Scheduler::Smoothstep,
         Scheduler::KlOptimal,
         Scheduler::Lcm,
+        Scheduler::BongTangent,
+        Scheduler::Ltx2,
     ];
 
-    /// Names the reference accepts that are not implemented here.
-    pub const NOT_IMPLEMENTED: [&'static str; 4] = ["ays", "gits", "bong_tangent", "ltx2"];
+    /// Names the reference accepts that are not implemented here (none).
+    pub const NOT_IMPLEMENTED: [&'static str; 0] = [];
 
     /// The name the reference's CLI accepts.
     pub fn name(self) -> &'static str {
@@ -202,29 +246,62 @@ impl Scheduler {
             Scheduler::Discrete => "discrete",
             Scheduler::Karras => "karras",
             Scheduler::Exponential => "exponential",
+            Scheduler::Ays => "ays",
+            Scheduler::Gits => "gits",
             Scheduler::SgmUniform => "sgm_uniform",
             Scheduler::Simple => "simple",
             Scheduler::Smoothstep => "smoothstep",
             Scheduler::KlOptimal => "kl_optimal",
             Scheduler::Lcm => "lcm",
+            Scheduler::BongTangent => "bong_tangent",
+            Scheduler::Ltx2 => "ltx2",
         }
     }
 
-    /// The `steps + 1` sigmas (the last one 0) for `schedule`. Zero steps is an error.
+    /// The `steps + 1` sigmas (the last one 0) for `schedule`, for an SD 1.x model of the
+    /// reference's fallback size (see [`Scheduler::sigmas_for`]). Zero steps is an error.
     pub fn sigmas(self, steps: usize, schedule: &DiscreteSchedule) -> Result<Vec<f32>, SamplingError> {
+        self.sigmas_for(steps, schedule, &ScheduleContext::default())
+    }
+
+    /// The `steps + 1` sigmas (the last one 0) for `schedule` and the model and image in `ctx`.
+    /// Zero steps is an error, and so are the cases where the reference reads outside its
+    /// tables (`gits` with one step, `ays` on SD 2.x).
+    pub fn sigmas_for(
+        self,
+        steps: usize,
+        schedule: &DiscreteSchedule,
+        ctx: &ScheduleContext,
+    ) -> Result<Vec<f32>, SamplingError> {
         if steps == 0 {
             return Err(SamplingError::ZeroSteps);
         }
         let n = u32::try_from(steps).map_err(|_| SamplingError::TooManySteps(steps))?;
+        let unsupported =
+            |reason: &str| SamplingError::UnsupportedSchedule { name: self.name(), reason: reason.into() };
         Ok(match self {
             Scheduler::Discrete => discrete(n, schedule),
             Scheduler::Karras => karras(n, schedule.sigma_min(), schedule.sigma_max()),
             Scheduler::Exponential => exponential(n, schedule.sigma_min(), schedule.sigma_max()),
+            Scheduler::Ays => match ctx.model {
+                ModelVersion::Sd1 => ays(n, &AYS_SD15),
+                ModelVersion::Sd2 => {
+                    return Err(unsupported("Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not SD 2.x"))
+                }
+            },
+            Scheduler::Gits => {
+                if n < 2 {
+                    return Err(unsupported("its tables start at 2 steps"));
+                }
+                gits(n)
+            }
             Scheduler::SgmUniform => sgm_uniform(n, schedule),
             Scheduler::Simple => simple(n, schedule),
             Scheduler::Smoothstep => smoothstep(n, schedule),
             Scheduler::KlOptimal => kl_optimal(n, schedule.sigma_min(), schedule.sigma_max()),
             Scheduler::Lcm => lcm(n, schedule),
+            Scheduler::BongTangent => bong_tangent(n, schedule.sigma_min(), schedule.sigma_max()),
+            Scheduler::Ltx2 => ltx2(n, ctx.image_seq_len),
         })
     }
 }
@@ -360,6 +437,364 @@ fn lcm(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
         })
         .collect();
     out.push(0.0);
+    out
+}
+
+/// GITS sigmas for coefficient 1.20 (the reference's fixed choice), for 2 to 20 steps: row
+/// `steps - 2` has `steps + 1` entries. Data from the GITS paper's SD 1.5 search, as the reference ships it.
+#[allow(clippy::excessive_precision)]
+const GITS_1_20: [&[f32]; 19] = [
+    &[14.61464119, 0.803307, 0.02916753],
+    &[14.61464119, 1.56271636, 0.52423614, 0.02916753],
+    &[14.61464119, 2.36326075, 0.92192322, 0.36617002, 0.02916753],
+    &[14.61464119, 2.84484982, 1.24153244, 0.59516323, 0.25053367, 0.02916753],
+    &[14.61464119, 5.85520077, 2.05039096, 0.95350921, 0.45573691, 0.17026083, 0.02916753],
+    &[14.61464119, 5.85520077, 2.45070267, 1.24153244, 0.64427125, 0.29807833, 0.09824532, 0.02916753],
+    &[14.61464119, 5.85520077, 2.45070267, 1.36964464, 0.803307, 0.45573691, 0.25053367, 0.09824532, 0.02916753],
+    &[
+        14.61464119,
+        5.85520077,
+        2.84484982,
+        1.61558151,
+        0.95350921,
+        0.59516323,
+        0.36617002,
+        0.19894916,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        5.85520077,
+        2.84484982,
+        1.67050016,
+        1.08895338,
+        0.74807048,
+        0.50118381,
+        0.32104823,
+        0.19894916,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        5.85520077,
+        2.95596409,
+        1.84880662,
+        1.24153244,
+        0.83188516,
+        0.59516323,
+        0.41087446,
+        0.27464288,
+        0.17026083,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        5.85520077,
+        3.07277966,
+        1.98035145,
+        1.36964464,
+        0.95350921,
+        0.69515091,
+        0.50118381,
+        0.36617002,
+        0.25053367,
+        0.17026083,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        6.77309084,
+        3.46139455,
+        2.36326075,
+        1.56271636,
+        1.08895338,
+        0.803307,
+        0.59516323,
+        0.45573691,
+        0.34370604,
+        0.25053367,
+        0.17026083,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        6.77309084,
+        3.46139455,
+        2.45070267,
+        1.61558151,
+        1.162866,
+        0.86115354,
+        0.64427125,
+        0.50118381,
+        0.38853383,
+        0.29807833,
+        0.22545385,
+        0.17026083,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        7.49001646,
+        4.65472794,
+        3.07277966,
+        2.12350607,
+        1.51179266,
+        1.08895338,
+        0.83188516,
+        0.64427125,
+        0.50118381,
+        0.38853383,
+        0.29807833,
+        0.22545385,
+        0.17026083,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        7.49001646,
+        4.65472794,
+        3.07277966,
+        2.12350607,
+        1.51179266,
+        1.08895338,
+        0.83188516,
+        0.64427125,
+        0.50118381,
+        0.41087446,
+        0.32104823,
+        0.25053367,
+        0.19894916,
+        0.13792117,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        7.49001646,
+        4.65472794,
+        3.07277966,
+        2.12350607,
+        1.51179266,
+        1.08895338,
+        0.83188516,
+        0.64427125,
+        0.50118381,
+        0.41087446,
+        0.34370604,
+        0.27464288,
+        0.22545385,
+        0.17026083,
+        0.13792117,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        7.49001646,
+        4.65472794,
+        3.07277966,
+        2.19988537,
+        1.61558151,
+        1.20157266,
+        0.92192322,
+        0.72133851,
+        0.57119018,
+        0.45573691,
+        0.36617002,
+        0.29807833,
+        0.25053367,
+        0.19894916,
+        0.17026083,
+        0.13792117,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        7.49001646,
+        4.65472794,
+        3.07277966,
+        2.19988537,
+        1.61558151,
+        1.24153244,
+        0.95350921,
+        0.74807048,
+        0.59516323,
+        0.4783645,
+        0.38853383,
+        0.32104823,
+        0.27464288,
+        0.22545385,
+        0.19894916,
+        0.17026083,
+        0.13792117,
+        0.09824532,
+        0.02916753,
+    ],
+    &[
+        14.61464119,
+        7.49001646,
+        4.65472794,
+        3.07277966,
+        2.19988537,
+        1.61558151,
+        1.24153244,
+        0.95350921,
+        0.74807048,
+        0.59516323,
+        0.50118381,
+        0.41087446,
+        0.34370604,
+        0.29807833,
+        0.25053367,
+        0.22545385,
+        0.19894916,
+        0.17026083,
+        0.13792117,
+        0.09824532,
+        0.02916753,
+    ],
+];
+
+/// Align Your Steps' 10-step noise levels for SD 1.5 (NVIDIA's published table).
+#[allow(clippy::excessive_precision)]
+const AYS_SD15: [f32; 11] = [
+    14.6146412293,
+    6.4745760956,
+    3.8636745985,
+    2.6946151520,
+    1.8841921177,
+    1.3943805092,
+    0.9642583904,
+    0.6523686016,
+    0.3977456272,
+    0.1515232662,
+    0.0291671582,
+];
+
+/// Resamples a descending sigma table to `new_len` points, linearly in log sigma over an evenly
+/// spaced [0, 1] (float grids by repeated addition, interpolation in double).
+fn log_linear_interpolation(sigmas: &[f32], new_len: usize) -> Vec<f32> {
+    let len = sigmas.len();
+    let xs = linear_space(0.0, 1.0, len);
+    let ys: Vec<f32> = sigmas.iter().rev().map(|s| s.ln()).collect();
+    let mut new_xs = linear_space(0.0, 1.0, new_len);
+    // Keep the new grid inside the old one at both ends.
+    if new_xs[0] < xs[0] {
+        new_xs[0] = xs[0];
+    }
+    if new_xs[new_len - 1] > xs[len - 1] {
+        new_xs[new_len - 1] = xs[len - 1];
+    }
+    let mut new_ys = vec![0.0_f64; new_len];
+    let mut j = 0;
+    let mut i = 0;
+    while i < new_len {
+        if xs[j] > new_xs[i] || new_xs[i] > xs[j + 1] {
+            j += 1;
+            continue;
+        }
+        let perc = f64::from(new_xs[i] - xs[j]) / f64::from(xs[j + 1] - xs[j]);
+        new_ys[i] = f64::from(ys[j]) * (1.0 - perc) + f64::from(ys[j + 1]) * perc;
+        i += 1;
+    }
+    (0..new_len).map(|i| new_ys[new_len - 1 - i].exp() as f32).collect()
+}
+
+fn ays(n: u32, levels: &[f32]) -> Vec<f32> {
+    let n = n as usize;
+    let mut out = if n + 1 == levels.len() { levels.to_vec() } else { log_linear_interpolation(levels, n + 1) };
+    out[n] = 0.0;
+    out
+}
+
+fn gits(n: u32) -> Vec<f32> {
+    let n = n as usize;
+    let mut out = if n <= 20 {
+        GITS_1_20[n - 2].to_vec()
+    } else {
+        log_linear_interpolation(GITS_1_20[GITS_1_20.len() - 1], n + 1)
+    };
+    out[n] = 0.0;
+    out
+}
+
+/// `steps` points of a normalised arctangent ramp from `start` to `end` around `pivot`.
+fn bong_ramp(steps: i32, slope: f32, pivot: f32, start: f32, end: f32) -> Vec<f32> {
+    const PI: f32 = std::f32::consts::PI;
+    if steps <= 0 {
+        return Vec::new();
+    }
+    let ramp = |x: f32| ((2.0 / PI) * (-slope * (x - pivot)).atan() + 1.0) * 0.5;
+    let smax = ramp(0.0);
+    let smin = ramp((steps - 1) as f32);
+    let srange = smax - smin;
+    let sscale = start - end;
+    if srange.abs() < 1e-8 {
+        if steps == 1 {
+            return vec![start];
+        }
+        return (0..steps).map(|i| start + (end - start) * (i as f32 / (steps - 1) as f32)).collect();
+    }
+    let inv_srange = 1.0 / srange;
+    (0..steps).map(|x| ((ramp(x as f32) - smin) * inv_srange) * sscale + end).collect()
+}
+
+fn bong_tangent(n: u32, sigma_min: f32, sigma_max: f32) -> Vec<f32> {
+    const PIVOT: f32 = 0.6;
+    const SLOPE: f32 = 0.2;
+    let (start, end) = (sigma_max, sigma_min);
+    let middle = sigma_min + (sigma_max - sigma_min) * 0.5;
+    let steps = n as i32 + 2;
+    let midpoint = ((steps as f32 * PIVOT + steps as f32 * PIVOT) * 0.5) as i32;
+    let pivot_i = (steps as f32 * PIVOT) as i32;
+    let slope = SLOPE / (steps as f32 / 40.0);
+    let stage_2_len = steps - midpoint;
+    let stage_1_len = steps - stage_2_len;
+    let mut out = bong_ramp(stage_1_len, slope, pivot_i as f32, start, middle);
+    out.pop();
+    out.extend(bong_ramp(stage_2_len, slope, (pivot_i - stage_1_len) as f32, middle, end));
+    let n = n as usize;
+    out.resize(n + 1, end);
+    out[n] = 0.0;
+    out
+}
+
+fn ltx2(n: u32, image_seq_len: usize) -> Vec<f32> {
+    const MAX_SHIFT: f32 = 2.05;
+    const BASE_SHIFT: f32 = 0.95;
+    const TERMINAL: f32 = 0.1;
+    let tokens = if image_seq_len == 0 { 4096 } else { image_seq_len.min(i32::MAX as usize) as i32 };
+    let m = (MAX_SHIFT - BASE_SHIFT) / (4096.0 - 1024.0);
+    let b = BASE_SHIFT - m * 1024.0;
+    let exp_shift = (tokens as f32 * m + b).exp();
+    let mut out: Vec<f32> = (0..=n)
+        .map(|i| {
+            let sigma = 1.0 - i as f32 / n as f32;
+            if sigma != 0.0 {
+                exp_shift / (exp_shift + (1.0 / sigma - 1.0))
+            } else {
+                sigma
+            }
+        })
+        .collect();
+    let n = n as usize;
+    if out.len() > 2 {
+        let scale = (1.0 - out[n - 1]) / (1.0 - TERMINAL);
+        if scale > 1e-8 {
+            for v in &mut out[..n] {
+                *v = 1.0 - (1.0 - *v) / scale;
+            }
+        }
+    }
+    out[n] = 0.0;
     out
 }
 

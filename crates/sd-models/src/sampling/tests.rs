@@ -305,7 +305,14 @@ fn schedulers_match_reference() {
             checked += 1;
         }
     }
-    assert!(checked >= 80, "only {checked} schedules compared");
+    assert!(checked >= 120, "only {checked} schedules compared");
+    for seq in [64usize, 256, 1024] {
+        for n in [1usize, 2, 3, 4, 10] {
+            let head = format!("schedule ltx2@{seq} {n}");
+            let ctx = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: seq };
+            assert_close(&head, &Scheduler::Ltx2.sigmas_for(n, &s, &ctx).unwrap(), &floats(&t, &head), MAX_ULPS);
+        }
+    }
 }
 
 #[test]
@@ -313,6 +320,9 @@ fn every_schedule_descends_to_zero() {
     let s = DiscreteSchedule::sd();
     for sched in Scheduler::ALL {
         for n in [1usize, 2, 5, 30] {
+            if sched == Scheduler::Gits && n == 1 {
+                continue; // an error, see `schedulers_reject_what_the_reference_cannot_compute`
+            }
             let sig = sched.sigmas(n, &s).unwrap();
             assert_eq!(sig.len(), n + 1, "{sched} {n}");
             assert_eq!(*sig.last().unwrap(), 0.0, "{sched} {n}");
@@ -320,6 +330,45 @@ fn every_schedule_descends_to_zero() {
             assert!(sig[0] <= s.sigma_max() * 1.000_01, "{sched} {n}: starts above sigma_max");
         }
     }
+}
+
+/// Where the reference reads outside its tables (GITS row `n - 2` for one step, AYS's levels on
+/// SD 2.x, which it has none of), we return an error naming the scheduler.
+#[test]
+fn schedulers_reject_what_the_reference_cannot_compute() {
+    let s = DiscreteSchedule::sd();
+    let err = Scheduler::Gits.sigmas(1, &s).unwrap_err().to_string();
+    assert!(err.contains("--scheduler gits") && err.contains("2 steps"), "{err}");
+    let sd2 = ScheduleContext { model: ModelVersion::Sd2, image_seq_len: 64 };
+    let err = Scheduler::Ays.sigmas_for(10, &s, &sd2).unwrap_err().to_string();
+    assert!(err.contains("--scheduler ays") && err.contains("SD 2"), "{err}");
+    // Everything else works on SD 2.x.
+    for sched in Scheduler::ALL.into_iter().filter(|&k| k != Scheduler::Ays) {
+        assert_eq!(sched.sigmas_for(4, &s, &sd2).unwrap().len(), 5, "{sched}");
+    }
+}
+
+/// AYS with 10 steps is NVIDIA's published SD 1.5 table itself; the LTX-2 schedule without
+/// stretching would be `e^s / (e^s + 1/t - 1)`, and its stretched second-to-last sigma is the
+/// terminal 0.1.
+#[test]
+fn ays_and_ltx2_by_hand() {
+    let s = DiscreteSchedule::sd();
+    let ays = Scheduler::Ays.sigmas(10, &s).unwrap();
+    assert_eq!(ays[0], 14.614_641);
+    assert_eq!(ays[5], 1.394_380_5);
+    assert_eq!(ays[10], 0.0);
+    for seq in [64usize, 4096] {
+        let ctx = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: seq };
+        let l = Scheduler::Ltx2.sigmas_for(4, &s, &ctx).unwrap();
+        assert_eq!(l[0], 1.0, "ltx2 starts at 1");
+        assert!((l[3] - 0.1).abs() < 1e-6, "ltx2 {seq}: {l:?}");
+        assert!(l.windows(2).all(|w| w[0] > w[1]), "{l:?}");
+    }
+    // More tokens shift the schedule up (more time at high noise).
+    let small = Scheduler::Ltx2.sigmas_for(4, &s, &ScheduleContext { image_seq_len: 64, ..Default::default() });
+    let large = Scheduler::Ltx2.sigmas_for(4, &s, &ScheduleContext { image_seq_len: 4096, ..Default::default() });
+    assert!(small.unwrap()[1] < large.unwrap()[1]);
 }
 
 /// Karras et al. 2022 eq. 5 for 4 steps, evaluated by hand in f64.
@@ -533,6 +582,13 @@ fn analytic_denoise(x: &[f32], sigma: f32) -> Vec<f32> {
     x.iter().enumerate().map(|(i, &v)| v * a + (0.25 * (i % 5) as f32 - 0.5) * b).collect()
 }
 
+/// The generator's unconditional estimate for the CFG++ samplers.
+fn analytic_denoise_uncond(x: &[f32], sigma: f32) -> Vec<f32> {
+    let a = 0.7 * sigma / (sigma + 1.0);
+    let b = 1.0 - a;
+    x.iter().enumerate().map(|(i, &v)| v * a + (0.25 * (i % 5) as f32 - 0.5 + 0.125) * b).collect()
+}
+
 #[test]
 fn samplers_match_reference() {
     let t = reference();
@@ -548,7 +604,26 @@ fn samplers_match_reference() {
         ("dpm++2s_a_eta0", SampleMethod::DpmPp2sA, 0.0),
         ("dpm++2m", SampleMethod::DpmPp2m, 0.0),
         ("lcm", SampleMethod::Lcm, 0.0),
+        ("dpm++2mv2", SampleMethod::DpmPp2mV2, 0.0),
+        ("ipndm", SampleMethod::Ipndm, 0.0),
+        ("ipndm_v", SampleMethod::IpndmV, 0.0),
+        ("ddim_trailing", SampleMethod::DdimTrailing, 0.0),
+        ("tcd", SampleMethod::Tcd, 0.0),
+        ("tcd_eta03", SampleMethod::Tcd, 0.3),
+        ("res_multistep", SampleMethod::ResMultistep, 0.0),
+        ("res_multistep_eta1", SampleMethod::ResMultistep, 1.0),
+        ("res_2s", SampleMethod::Res2s, 0.0),
+        ("res_2s_eta1", SampleMethod::Res2s, 1.0),
+        ("er_sde", SampleMethod::ErSde, 1.0),
+        ("er_sde_eta0", SampleMethod::ErSde, 0.0),
+        ("euler_cfg_pp", SampleMethod::EulerCfgPp, 0.0),
+        ("euler_a_cfg_pp", SampleMethod::EulerACfgPp, 1.0),
+        ("euler_ge", SampleMethod::EulerGe, 0.0),
+        ("euler_ge_eta1", SampleMethod::EulerGe, 1.0),
     ];
+    for m in SampleMethod::ALL {
+        assert!(methods.iter().any(|c| c.1 == m), "{m} is not compared with the reference");
+    }
     let runs = [(Scheduler::Discrete, 4, 42u64, 16usize), (Scheduler::Karras, 6, 7, 13), (Scheduler::Lcm, 3, 1, 16)];
     for (label, method, eta) in methods {
         for (sched, steps, seed, numel) in runs {
@@ -559,7 +634,8 @@ fn samplers_match_reference() {
             let mut calls: Vec<(f32, Step)> = Vec::new();
             let mut den = |x: &[f32], sigma: f32, step: Step| {
                 calls.push((sigma, step));
-                Ok::<_, SamplingError>(analytic_denoise(x, sigma))
+                let uncond = method.needs_uncond_denoised().then(|| analytic_denoise_uncond(x, sigma));
+                Ok::<_, SamplingError>(Denoised { pred: analytic_denoise(x, sigma), uncond })
             };
             let out = sample(method, &mut den, x, &sigmas, rng.as_mut(), eta).unwrap();
             assert_close(&format!("sample {tail}"), &out, &floats(&t, &format!("sample {tail}")), MAX_ULPS);
@@ -615,16 +691,83 @@ fn samplers_converge_to_a_fixed_target_with_expected_call_counts() {
                 Ok::<_, SamplingError>(target.clone())
             };
             let out = sample(method, &mut den, x, &sigmas, &mut rng, method.default_eta()).unwrap();
-            for (o, t) in out.iter().zip(&target) {
-                assert!((o - t).abs() < 1e-5, "{method} {steps} steps: {out:?}");
+            // TCD's last step lands on timestep 0's alpha, not on the clean latent (see
+            // `tcd_single_step_by_hand`).
+            if method != SampleMethod::Tcd {
+                for (o, t) in out.iter().zip(&target) {
+                    assert!((o - t).abs() < 1e-5, "{method} {steps} steps: {out:?}");
+                }
             }
-            let two_evals = matches!(method, SampleMethod::Heun | SampleMethod::Dpm2 | SampleMethod::DpmPp2sA);
+            let two_evals = matches!(
+                method,
+                SampleMethod::Heun | SampleMethod::Dpm2 | SampleMethod::DpmPp2sA | SampleMethod::Res2s
+            );
             let want_calls = if two_evals { 2 * steps - 1 } else { steps };
             assert_eq!(calls, want_calls, "{method} {steps} steps: model calls");
             let want_draws = if method.is_stochastic() { steps - 1 } else { 0 };
             assert_eq!(rng.draws, want_draws, "{method} {steps} steps: noise draws");
         }
     }
+}
+
+/// TCD's one step to sigma 0 with eta 0: timestep 0, so `x = sqrt(a0) D + sqrt(1 - a0) (x - D) / sigma`
+/// with `a0 = 1 - beta_0 = 1 - 0.00085`; starting from `D + sigma z` that is `sqrt(a0) D + sqrt(1 - a0) z`.
+#[test]
+fn tcd_single_step_by_hand() {
+    let target = [0.5_f32, -1.0, 2.0];
+    let z = [1.0_f32, -0.5, 0.25];
+    let sigma = 3.0_f32;
+    let x: Vec<f32> = target.iter().zip(&z).map(|(t, z)| t + sigma * z).collect();
+    let mut den = |_: &[f32], _: f32, _: Step| Ok::<_, SamplingError>(target.to_vec());
+    let out = sample(SampleMethod::Tcd, &mut den, x, &[sigma, 0.0], &mut PhiloxRng::new(0), 0.0).unwrap();
+    let a0 = 1.0 - 0.00085_f64;
+    for i in 0..3 {
+        let want = a0.sqrt() * f64::from(target[i]) + (1.0 - a0).sqrt() * f64::from(z[i]);
+        assert!((f64::from(out[i]) - want).abs() < 1e-5, "tcd[{i}]: got {}, expected {want}", out[i]);
+    }
+}
+
+/// iPNDM on a linear-in-sigma trajectory (constant derivative) is exact, like Euler, at every
+/// order: the Adams-Bashforth weights sum to 1. RES multistep and Euler GE follow it exactly too
+/// (their second-order terms vanish when D does not change; DPM++(2M)v2 does not: its
+/// exponential factor uses the mean of two step sizes).
+#[test]
+fn multistep_samplers_are_exact_for_a_constant_target() {
+    let sigmas = [10.0_f32, 6.0, 3.0, 2.0, 1.0, 0.5, 0.0];
+    let target = [1.0_f32, -2.0];
+    let x0 = vec![11.0_f32, 18.0];
+    for method in [SampleMethod::Ipndm, SampleMethod::IpndmV, SampleMethod::ResMultistep, SampleMethod::EulerGe] {
+        let mut seen = Vec::new();
+        let mut den = |x: &[f32], sigma: f32, _: Step| {
+            seen.push((sigma, x.to_vec()));
+            Ok::<_, SamplingError>(target.to_vec())
+        };
+        let out = sample(method, &mut den, x0.clone(), &sigmas, &mut PhiloxRng::new(0), 0.0).unwrap();
+        for (sigma, x) in &seen {
+            // On the exact ODE solution x = D + (x0 - D) sigma / sigma0.
+            for k in 0..2 {
+                let want = target[k] + (x0[k] - target[k]) * sigma / 10.0;
+                assert!((x[k] - want).abs() < 1e-4, "{method} at sigma {sigma}: {x:?}");
+            }
+        }
+        assert_eq!(out, target.to_vec(), "{method}");
+    }
+}
+
+/// Euler CFG++ steps along the unconditional estimate: from x at sigma, `x' = D + (x - U) s' / s`.
+#[test]
+fn euler_cfg_pp_uses_the_unconditional_direction() {
+    let x0 = vec![4.0_f32, -4.0];
+    let (d, u) = (vec![1.0_f32, 1.0], vec![0.0_f32, 2.0]);
+    let mut calls = 0;
+    let mut den = |_: &[f32], _: f32, _: Step| {
+        calls += 1;
+        Ok::<_, SamplingError>(Denoised { pred: d.clone(), uncond: Some(u.clone()) })
+    };
+    let out = sample(SampleMethod::EulerCfgPp, &mut den, x0, &[2.0, 1.0], &mut PhiloxRng::new(0), 0.0).unwrap();
+    // 1 + (4 - 0) / 2 = 3; 1 + (-4 - 2) / 2 = -2.
+    assert_eq!(out, vec![3.0, -2.0]);
+    assert_eq!(calls, 1);
 }
 
 /// Euler on a constant target is exactly linear interpolation: x_i = T + (x_0 - T) sigma_i / sigma_0.
@@ -665,11 +808,47 @@ fn sampler_errors() {
 #[test]
 fn names_round_trip_and_match_the_reference_cli() {
     let methods: Vec<&str> = SampleMethod::ALL.iter().map(|m| m.name()).collect();
-    assert_eq!(methods, ["euler", "euler_a", "heun", "dpm2", "dpm++2s_a", "dpm++2m", "lcm"]);
+    // The reference's sample_method_to_str and scheduler_to_str, in order.
+    assert_eq!(
+        methods,
+        [
+            "euler",
+            "euler_a",
+            "heun",
+            "dpm2",
+            "dpm++2s_a",
+            "dpm++2m",
+            "dpm++2mv2",
+            "ipndm",
+            "ipndm_v",
+            "lcm",
+            "ddim_trailing",
+            "tcd",
+            "res_multistep",
+            "res_2s",
+            "er_sde",
+            "euler_cfg_pp",
+            "euler_a_cfg_pp",
+            "euler_ge"
+        ]
+    );
     let schedulers: Vec<&str> = Scheduler::ALL.iter().map(|s| s.name()).collect();
     assert_eq!(
         schedulers,
-        ["discrete", "karras", "exponential", "sgm_uniform", "simple", "smoothstep", "kl_optimal", "lcm"]
+        [
+            "discrete",
+            "karras",
+            "exponential",
+            "ays",
+            "gits",
+            "sgm_uniform",
+            "simple",
+            "smoothstep",
+            "kl_optimal",
+            "lcm",
+            "bong_tangent",
+            "ltx2"
+        ]
     );
     for m in SampleMethod::ALL {
         assert_eq!(m.name().parse::<SampleMethod>().unwrap(), m);
@@ -685,6 +864,12 @@ fn names_round_trip_and_match_the_reference_cli() {
     assert_eq!(SampleMethod::default(), SampleMethod::EulerA);
     assert_eq!(SampleMethod::Lcm.default_scheduler(), Scheduler::Lcm);
     assert_eq!(SampleMethod::Heun.default_scheduler(), Scheduler::Discrete);
+    assert_eq!(SampleMethod::Tcd.default_scheduler(), Scheduler::Lcm);
+    assert_eq!(SampleMethod::DdimTrailing.default_scheduler(), Scheduler::Simple);
+    assert_eq!(SampleMethod::default_for(ModelVersion::Sd1), SampleMethod::EulerA);
+    assert_eq!(SampleMethod::default_for(ModelVersion::Sd2), SampleMethod::EulerA);
+    let eta_one: Vec<SampleMethod> = SampleMethod::ALL.into_iter().filter(|m| m.default_eta() == 1.0).collect();
+    assert_eq!(eta_one, [SampleMethod::EulerA, SampleMethod::DpmPp2sA, SampleMethod::ErSde, SampleMethod::EulerACfgPp]);
 }
 
 #[test]
@@ -696,8 +881,6 @@ fn unknown_and_unimplemented_names_are_errors() {
     assert!(err.contains("unknown scheduler 'Karras'") && err.contains("karras"), "{err}");
     let err = "mt19937".parse::<RngKind>().unwrap_err().to_string();
     assert!(err.contains("std_default, cuda, cpu"), "{err}");
-    let err = "ipndm".parse::<SampleMethod>().unwrap_err();
-    assert!(matches!(err, SamplingError::NotImplemented { .. }), "{err}");
-    assert!("ays".parse::<Scheduler>().is_err());
+    assert!("EULER".parse::<SampleMethod>().is_err(), "names are case-sensitive, as in the reference");
     assert!(matches!("flux_flow".parse::<Prediction>(), Err(SamplingError::NotImplemented { .. })));
 }

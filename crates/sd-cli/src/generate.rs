@@ -36,10 +36,10 @@ pub struct GenerateArgs {
     pub negative_prompt: String,
     /// Image width in pixels (default: 512, or the init image's; rounded up to the model's
     /// multiple, 64 for SD).
-    #[arg(short = 'W', long = "width", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true)]
+    #[arg(short = 'W', long = "width", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true, value_parser = image_side)]
     pub width: i64,
     /// Image height in pixels (default: 512, or the init image's; rounded up likewise).
-    #[arg(short = 'H', long = "height", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true)]
+    #[arg(short = 'H', long = "height", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true, value_parser = image_side)]
     pub height: i64,
     /// Sampling steps.
     #[arg(long = "steps", default_value_t = 20)]
@@ -113,6 +113,12 @@ pub struct GenerateArgs {
     /// [sd-rs] Force monolithic graph execution.
     #[arg(long = "disable-segmented-compute")]
     pub disable_segmented_compute: bool,
+}
+
+/// `-W`/`-H`: a whole number of pixels (its range is checked with the init image, and its
+/// multiple once the model is known).
+fn image_side(s: &str) -> std::result::Result<i64, String> {
+    s.trim().parse::<i64>().map_err(|_| format!("'{}' is not a whole number of pixels", clip_text(s)))
 }
 
 /// `s` cut to 60 characters for an error message (a 100 KB argument is not echoed whole).

@@ -465,7 +465,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     mkfifo(&dir.join("fifo"));
     std::fs::write(dir.join("ro.png"), b"read-only image").unwrap();
     std::fs::set_permissions(dir.join("ro.png"), std::fs::Permissions::from_mode(0o444)).unwrap();
-    std::fs::create_dir(dir.join("batch_2.png")).unwrap();
+    std::fs::create_dir(dir.join("batch_1.png")).unwrap();
     std::fs::create_dir(dir.join("adir")).unwrap();
     std::os::unix::fs::symlink("adir", dir.join("link-to-dir.png")).unwrap();
     std::os::unix::fs::symlink("fifo", dir.join("link-to-fifo.png")).unwrap();

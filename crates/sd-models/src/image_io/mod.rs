@@ -558,10 +558,17 @@ pub fn output_paths(output: &Path, count: usize, begin_idx: Option<i64>) -> Vec<
         _ => (text.to_string(), String::new()),
     };
     let format = known.unwrap_or(OutputFormat::Png);
+    // The reference appends `.png` to a name without a known extension. A single output that
+    // names something that exists (a directory, a device, a FIFO, a file without extension)
+    // is taken as written, so the checks of the output target refuse or replace that thing
+    // instead of writing a new file beside it (`-o /dev/full` must not create /dev/full.png).
+    if known.is_none() && count == 1 && !has_index_pattern(&text) && std::fs::symlink_metadata(output).is_ok() {
+        return vec![(output.to_path_buf(), format)];
+    }
     let ext = if known.is_some() { format!(".{ext}") } else { ".png".to_string() };
     let begin = begin_idx.unwrap_or(0).max(0) as u64;
     let pattern = format!("{base}{ext}");
-    let has_pattern = format_index(&text, 0).is_some();
+    let has_pattern = has_index_pattern(&text);
     (0..count)
         .map(|i| {
             let idx = begin + i as u64;
@@ -575,6 +582,11 @@ pub fn output_paths(output: &Path, count: usize, begin_idx: Option<i64>) -> Vec<
             (PathBuf::from(name), format)
         })
         .collect()
+}
+
+/// Whether an output name holds a `%d`-style index.
+fn has_index_pattern(text: &str) -> bool {
+    format_index(text, 0).is_some()
 }
 
 #[cfg(test)]

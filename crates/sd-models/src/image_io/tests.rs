@@ -195,3 +195,17 @@ fn outputs_are_named_as_the_reference_names_them() {
         ["a.jpeg", "a.webp", "a.png", "a.gif"].iter().map(|o| output_paths(Path::new(o), 1, None)[0].1).collect();
     assert_eq!(formats, [OutputFormat::Jpeg, OutputFormat::WebP, OutputFormat::Png, OutputFormat::Png]);
 }
+
+#[test]
+fn an_existing_output_without_extension_is_taken_as_written() {
+    let dir = std::env::temp_dir().join(format!("sd-io-existing-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    // a directory (or a device, a FIFO) is named as given, for the target checks to refuse
+    let got = output_paths(&dir.join("sub"), 1, None);
+    assert_eq!(got[0].0, dir.join("sub"));
+    // a name that does not exist gets the reference's `.png`
+    assert_eq!(output_paths(&dir.join("new"), 1, None)[0].0, dir.join("new.png"));
+    // a batch is always numbered
+    assert_eq!(output_paths(&dir.join("sub"), 2, None)[1].0, dir.join("sub_1.png"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -188,6 +188,13 @@ pub fn run(args: &[String]) -> Result<()> {
                     Some(i) => (parse_ours(&m.stderr), &mut cells[i]),
                     None => (parse_ref(&m.stderr), &mut refc),
                 };
+                // each run's figures as they come, so an interrupted benchmark keeps them
+                eprintln!(
+                    "bench-variants: {ty} {label}: step median {}, decode {}, whole {:.2} s",
+                    fmt_s(median(&t.steps_s)),
+                    fmt_s(t.decode_s),
+                    m.wall_s
+                );
                 cell.steps.extend(t.steps_s.iter().copied());
                 cell.decode.extend(t.decode_s);
                 cell.wall.push(m.wall_s);

@@ -14,14 +14,7 @@ const FORBIDDEN: &[(&str, &str)] = &[
 ];
 
 fn resolved_packages() -> BTreeSet<String> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = std::process::Command::new(cargo)
-        .args(["metadata", "--format-version", "1"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run cargo metadata");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let meta = sd_tests::cargo_metadata();
     let ids: BTreeSet<&str> =
         meta["resolve"]["nodes"].as_array().unwrap().iter().map(|n| n["id"].as_str().unwrap()).collect();
     meta["packages"]

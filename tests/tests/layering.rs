@@ -26,14 +26,7 @@ type Graph = BTreeMap<String, BTreeSet<String>>;
 
 /// Normal (non-dev, non-build) dependencies of every package in the resolve graph.
 fn dependency_graph() -> (Graph, BTreeSet<String>) {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = std::process::Command::new(cargo)
-        .args(["metadata", "--format-version", "1"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run cargo metadata");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let meta = sd_tests::cargo_metadata();
     let names: BTreeMap<String, String> = meta["packages"]
         .as_array()
         .unwrap()

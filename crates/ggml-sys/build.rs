@@ -21,7 +21,10 @@
 //! Overrides: `SD_GGML_SOURCE_DIR` (use a local ggml tree; the pin is then not
 //! checked and a warning says so), `SD_GGML_BUILD_DIR` (where to build),
 //! `SD_GGML_CPU_VARIANTS` (`all`, or a comma-separated list of the variants in
-//! `ggml-build.toml`, instead of the defaults).
+//! `ggml-build.toml`, instead of the defaults), `SD_GGML_CPU_LLAMAFILE=off` (the CPU
+//! plugins without ggml's LLAMAFILE GEMM, the reference's kernel order, for parity
+//! work; built into `target/ggml-nollamafile` unless `SD_GGML_BUILD_DIR` says where, so
+//! it never replaces the default plugins).
 
 #[path = "build/compile.rs"]
 mod compile;
@@ -74,11 +77,20 @@ fn run() -> Result<(), String> {
     println!("cargo:rerun-if-changed=build/compile.rs");
     println!("cargo:rerun-if-changed=build/patch.rs");
     println!("cargo:rerun-if-changed=wrapper.h");
-    for v in ["SD_GGML_SOURCE_DIR", "SD_GGML_BUILD_DIR", "SD_GGML_CPU_VARIANTS"] {
+    for v in ["SD_GGML_SOURCE_DIR", "SD_GGML_BUILD_DIR", "SD_GGML_CPU_VARIANTS", "SD_GGML_CPU_LLAMAFILE"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let pin: Pin = read_toml(&pin_path)?;
-    let spec: compile::Spec = read_toml(&spec_path)?;
+    let mut spec: compile::Spec = read_toml(&spec_path)?;
+    let llamafile = match std::env::var("SD_GGML_CPU_LLAMAFILE").as_deref() {
+        Err(_) | Ok("on") | Ok("1") => true,
+        Ok("off") | Ok("0") => false,
+        Ok(v) => return Err(format!("SD_GGML_CPU_LLAMAFILE={v}: expected on or off")),
+    };
+    if !llamafile {
+        spec.cpu.defines.retain(|d| d != "GGML_USE_LLAMAFILE");
+        spec.cpu.sources.retain(|s| !s.contains("/llamafile/"));
+    }
 
     let local = std::env::var_os("SD_GGML_SOURCE_DIR");
     let ggml_src = match &local {
@@ -96,7 +108,7 @@ fn run() -> Result<(), String> {
     let cpu_variants = cpu_variants(&spec, &read_toml::<CpuPlugin>(&cpu_path)?)?;
     let build_root = match std::env::var_os("SD_GGML_BUILD_DIR") {
         Some(d) => PathBuf::from(d),
-        None => target_dir(&out_dir)?.join("ggml"),
+        None => target_dir(&out_dir)?.join(if llamafile { "ggml" } else { "ggml-nollamafile" }),
     };
     fs::create_dir_all(&build_root).map_err(|e| format!("{}: {e}", build_root.display()))?;
     // One name for one directory, so that checkouts sharing it (a symlink) share its cache keys.

@@ -28,11 +28,19 @@
 //! 3. `unet`: one UNet evaluation on identical inputs (a latent of the case's size, the
 //!    reference's conditioning, a timestep drawn from the case), ours in process against
 //!    `sdref unet`: the kernels' drift alone, with the UNet bound of the parity module.
-//! 4. `image`: `sd-cli` against `sdref txt2img` with the same flags, in 8-bit levels, the
+//! 4. `vae`: one VAE decode on identical inputs (a standard-normal latent of 16x16, seeded
+//!    by the case), ours in process against `sdref vae-decode`, with the VAE bound.
+//! 5. `image`: `sd-cli` against `sdref txt2img` with the same flags, in 8-bit levels, the
 //!    issue's bound (mean <= 1, max <= 8).
 //!
-//! Sampler steps and the VAE are not compared per case (`cargo xtask parity` compares the VAE
-//! on the fixtures); a case whose UNet stage agrees but whose image does not points there.
+//! Sampler steps are not compared per case (the reference exposes no latent between steps);
+//! a case whose UNet and VAE stages agree but whose image does not points there, or at the
+//! amplification of the UNet's drift through the steps.
+//!
+//! Our own outputs are kept (`caseN.*.ours.f32`, `caseN.ours.png`), so two runs of the same
+//! cases with different kernels (`SD_PLUGIN_PATH` pointing at another CPU plugin build, e.g.
+//! `SD_GGML_CPU_LLAMAFILE=off`) can be compared stage by stage:
+//! `cargo xtask parity --compare-runs DIR_A DIR_B` gives our kernel-order floor per stage.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -49,6 +57,7 @@ use sd_models::text::clip::{clip_specs, ClipConfig, ClipTextModel};
 use sd_models::text::conditioning::encode_prompt;
 use sd_models::text::{ChunkConfig, ClipTokenizer};
 use sd_sched::{Runner, Weights};
+use sd_vae::{AutoencoderKl, VaeConfig, VaeParts};
 
 use crate::bench::run_measured;
 use crate::parity::{self, Diff, Tolerance};
@@ -547,6 +556,25 @@ impl OurUnet {
     }
 }
 
+/// Our VAE decoder, loaded once, for the stage on identical inputs.
+struct OurVae {
+    model: AutoencoderKl,
+    cfg: VaeConfig,
+    runner: Runner,
+}
+
+impl OurVae {
+    fn load(cpu: &parity::Cpu, files: &ModelFiles) -> Result<OurVae> {
+        let src = FileSource::new(files);
+        let cfg = VaeConfig::sd();
+        let model = AutoencoderKl::load(cfg.clone(), VaeParts::DecoderOnly, &src, cpu.backend.device().buffer_type())?;
+        Ok(OurVae { model, cfg, runner: Runner::new("vae", cpu.backend.clone()) })
+    }
+}
+
+/// The latent side of the VAE stage (a 128x128 image: the decoder's every op, cheaply).
+const VAE_STAGE_SIDE: usize = 16;
+
 /// The context every case needs.
 struct Harness {
     sdref: PathBuf,
@@ -557,6 +585,8 @@ struct Harness {
     text: OurText,
     /// `None` with `--text-only`.
     unet: Option<OurUnet>,
+    /// `None` with `--text-only`.
+    vae: Option<OurVae>,
     text_only: bool,
 }
 
@@ -700,6 +730,7 @@ impl Harness {
         let (_, r) = parity::read_raw(&out)?;
         let unet = self.unet.as_mut().context("the UNet is not loaded with --text-only")?;
         let o = unet.model.eval(&mut unet.runner, &x, (lw, lh), &[timestep], &ctx, n_ctx, 1)?;
+        parity::write_raw(&self.dir.join(format!("case{}.unet.ours.f32", case.index)), &shape, &o, "our UNet output")?;
         let diff = Diff::of(&parity::to_f64(&o), &parity::to_f64(&r))?;
         let tol = Tolerance::rounding_points(parity::UNET_POINTS);
         let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
@@ -712,6 +743,45 @@ impl Harness {
             tol.describe()
         );
         Ok(Stage::new("unet", verdict, detail, Some(diff)))
+    }
+
+    /// One VAE decode on identical inputs: a standard-normal diffusion-space latent of
+    /// [`VAE_STAGE_SIDE`]², seeded by the case; the decoder's drift alone.
+    fn vae_stage(&mut self, case: &Case) -> Result<Stage> {
+        let shape = [1, 4, VAE_STAGE_SIDE, VAE_STAGE_SIDE];
+        let z = parity::normal_values(0x5eed_7ae0 ^ case.index, shape.iter().product());
+        let z_path = self.dir.join(format!("case{}.vae_z.f32", case.index));
+        parity::write_raw(
+            &z_path,
+            &shape,
+            &z,
+            "diffusion-space latent, standard normal (splitmix64, seeded by the case)",
+        )?;
+        let out = self.dir.join(format!("case{}.vae.ref.f32", case.index));
+        let mut c = self.sdref("vae-decode");
+        c.arg("--latent").arg(&z_path).arg("-o").arg(&out);
+        run_measured(&mut c)?.check("sdref vae-decode")?;
+        let (ref_shape, r) = parity::read_raw(&out)?;
+        let vae = self.vae.as_mut().context("the VAE is not loaded with --text-only")?;
+        let mut zv = z.clone();
+        vae.cfg.diffusion_to_vae(&mut zv);
+        let o = vae.model.decode(&mut vae.runner, &zv, (VAE_STAGE_SIDE, VAE_STAGE_SIDE), vae.cfg.z_channels)?;
+        parity::write_raw(
+            &self.dir.join(format!("case{}.vae.ours.f32", case.index)),
+            &ref_shape,
+            &o,
+            "our VAE output",
+        )?;
+        let diff = Diff::of(&parity::to_f64(&o), &parity::to_f64(&r))?;
+        let tol = Tolerance::rounding_points(parity::VAE_POINTS);
+        let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+        let detail = format!(
+            "{VAE_STAGE_SIDE}x{VAE_STAGE_SIDE} latent: rel_rms {:.2e} rel_max {:.2e} [{}]",
+            diff.rel_rms(),
+            diff.rel_max(),
+            tol.describe()
+        );
+        Ok(Stage::new("vae", verdict, detail, Some(diff)))
     }
 
     fn image_stage(&self, case: &Case) -> Result<Stage> {
@@ -763,6 +833,7 @@ impl Harness {
         if self.dir.join(format!("case{}.cond.ref.f32", case.index)).is_file() {
             stages.push(self.unet_stage(case)?);
         }
+        stages.push(self.vae_stage(case)?);
         stages.push(self.image_stage(case)?);
         Ok(stages)
     }
@@ -826,7 +897,7 @@ pub fn first_divergence(stages: &[Stage]) -> Option<&Stage> {
 /// mean/max absolute differences.
 fn summary(all: &[(Case, Vec<Stage>)]) -> String {
     let mut out = String::new();
-    for name in ["tokens", "neg tokens", "cond", "uncond", "unet", "image"] {
+    for name in ["tokens", "neg tokens", "cond", "uncond", "unet", "vae", "image"] {
         let rows: Vec<&Stage> = all.iter().flat_map(|(_, s)| s.iter()).filter(|s| s.name == name).collect();
         let compared = rows.iter().filter(|s| !matches!(s.verdict, Verdict::NotAvailable(_))).count();
         let agree = rows.iter().filter(|s| s.verdict == Verdict::Agree).count();
@@ -854,8 +925,86 @@ fn summary(all: &[(Case, Vec<Stage>)]) -> String {
     out
 }
 
+/// Our outputs a fuzz run keeps per case, by stage: (stage, file suffix).
+const OUR_OUTPUTS: &[(&str, &str)] = &[
+    ("cond", "cond.ours.f32"),
+    ("uncond", "uncond.ours.f32"),
+    ("unet", "unet.ours.f32"),
+    ("vae", "vae.ours.f32"),
+    ("image", "ours.png"),
+];
+
+/// `cargo xtask parity --compare-runs DIR_A DIR_B`: our outputs of two fuzz runs of the same
+/// cases (the same seed; e.g. two CPU plugin builds), stage by stage; the kernel-order floor
+/// the cross-program figures are read against. Returns the table it prints.
+pub fn compare_runs(a: &Path, b: &Path) -> Result<String> {
+    let mut out = String::new();
+    let _ = writeln!(out, "our outputs, {} against {}:", a.display(), b.display());
+    let mut cases = 0;
+    for &(stage, suffix) in OUR_OUTPUTS {
+        let mut diffs = Vec::new();
+        for entry in std::fs::read_dir(a).with_context(|| format!("reading {}", a.display()))? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            let Some(case) = name.strip_prefix("case").and_then(|r| r.strip_suffix(&format!(".{suffix}"))) else {
+                continue;
+            };
+            if case.parse::<u64>().is_err() || !b.join(&name).is_file() {
+                continue;
+            }
+            let d = if suffix.ends_with(".png") {
+                parity::png_diff(&a.join(&name), &b.join(&name))?.0
+            } else {
+                let (sa, va) = parity::read_raw(&a.join(&name))?;
+                let (sb, vb) = parity::read_raw(&b.join(&name))?;
+                if sa != sb {
+                    bail!("{name}: shape {sa:?} in {} but {sb:?} in {}", a.display(), b.display());
+                }
+                Diff::of(&parity::to_f64(&va), &parity::to_f64(&vb))?
+            };
+            diffs.push(d);
+        }
+        if diffs.is_empty() {
+            continue;
+        }
+        cases = cases.max(diffs.len());
+        let n = diffs.len() as f64;
+        let worst = |f: &dyn Fn(&Diff) -> f64| diffs.iter().map(f).fold(0.0, f64::max);
+        let avg = |f: &dyn Fn(&Diff) -> f64| diffs.iter().map(f).sum::<f64>() / n;
+        if stage == "image" {
+            let _ = writeln!(
+                out,
+                "  {stage:<7} {} cases; levels: mean|d| avg {:.2} worst {:.2}, max|d| avg {:.1} worst {:.0}",
+                diffs.len(),
+                avg(&|d| d.mean_abs),
+                worst(&|d| d.mean_abs),
+                avg(&|d| d.max_abs),
+                worst(&|d| d.max_abs)
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "  {stage:<7} {} cases; rel_rms avg {:.2e} worst {:.2e}, rel_max worst {:.2e}",
+                diffs.len(),
+                avg(&|d| d.rel_rms()),
+                worst(&|d| d.rel_rms()),
+                worst(&|d| d.rel_max())
+            );
+        }
+    }
+    if cases == 0 {
+        bail!("no case output is in both {} and {} (runs of the same seed?)", a.display(), b.display());
+    }
+    Ok(out)
+}
+
 /// Entry point of `cargo xtask parity --fuzz ...`.
 pub fn run(args: &[String]) -> Result<()> {
+    if let [flag, a, b] = args {
+        if flag == "--compare-runs" {
+            print!("{}", compare_runs(Path::new(a), Path::new(b))?);
+            return Ok(());
+        }
+    }
     let a = parse(args)?;
     if a.prompts_only {
         use std::io::Write as _;
@@ -896,7 +1045,8 @@ pub fn run(args: &[String]) -> Result<()> {
     let (clip, unet_cfg, clip_points) = parity::configs(&files)?;
     let text = OurText::load(&cpu, &files, &clip, clip_points)?;
     let unet = if a.text_only { None } else { Some(OurUnet::load(&cpu, &files, &unet_cfg)?) };
-    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet, text_only: a.text_only };
+    let vae = if a.text_only { None } else { Some(OurVae::load(&cpu, &files)?) };
+    let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet, vae, text_only: a.text_only };
 
     let start = Instant::now();
     let mut all = Vec::new();
@@ -972,6 +1122,27 @@ mod tests {
             let e = parse(&args(line)).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
+    }
+
+    #[test]
+    fn compare_runs_pairs_the_same_case_and_stage() {
+        let root = std::env::temp_dir().join(format!("fuzz-compare-{}", std::process::id()));
+        let (a, b) = (root.join("a"), root.join("b"));
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        parity::write_raw(&a.join("case0.unet.ours.f32"), &[2], &[1.0, 2.0], "t").unwrap();
+        parity::write_raw(&b.join("case0.unet.ours.f32"), &[2], &[1.0, 2.5], "t").unwrap();
+        // only in one run: not compared
+        parity::write_raw(&a.join("case1.vae.ours.f32"), &[1], &[1.0], "t").unwrap();
+        let table = compare_runs(&a, &b).unwrap();
+        assert!(table.contains("unet    1 cases"), "{table}");
+        assert!(!table.contains("vae"), "{table}");
+        parity::write_raw(&b.join("case1.vae.ours.f32"), &[2], &[1.0, 1.0], "t").unwrap();
+        assert!(format!("{:#}", compare_runs(&a, &b).unwrap_err()).contains("shape"));
+        let empty = root.join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        assert!(compare_runs(&a, &empty).is_err());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

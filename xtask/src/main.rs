@@ -7,6 +7,7 @@ mod bindings;
 mod fixture;
 mod fuzz;
 mod parity;
+mod parity_ops;
 mod parity_samplers;
 mod plugins;
 mod reference;
@@ -30,6 +31,11 @@ commands:
   parity --fuzz N --model PATH [--seed S] [--threads N] [--max-steps K]
                       N random cases (prompt syntax, sizes, samplers, cfg, clip skip, img2img) on
                       any checkpoint, each disagreement with the first stage where it appears
+  parity --compare-runs DIR_A DIR_B
+                      our outputs of two fuzz runs of the same cases (e.g. two CPU plugin builds,
+                      SD_PLUGIN_PATH), stage by stage: our kernel-order floor
+  parity ops [--ref-lib DIR] [--plugin FILE]
+                      each ggml op our models use, ours against the reference's ggml, bit for bit
   parity samplers [--steps N] [--side PX] [--only NAME,...] [--write-test-data]
                       every sampling method and scheduler: sd-cli against the reference, per case
   bench [--size 256|512|both] [--runs N] [--threads N]

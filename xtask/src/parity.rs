@@ -5,6 +5,7 @@
 //! cargo xtask parity [sd15|sd21|all] --write-test-data [--test-data-dir DIR]
 //! cargo xtask parity --fuzz N --model PATH [--seed S]   (random cases: xtask/src/fuzz.rs)
 //! cargo xtask parity samplers ...   (every sampler and scheduler: see parity_samplers.rs)
+//! cargo xtask parity ops ...        (each ggml op, ours against the reference's: parity_ops.rs)
 //! ```
 //!
 //! For each family, on the fixture `target/fixtures/<family>-f16.safetensors`
@@ -327,7 +328,7 @@ impl Tolerance {
 const CLIP_L_POINTS: u32 = 48;
 const CLIP_H_POINTS: u32 = 92;
 pub(crate) const UNET_POINTS: u32 = 202;
-const VAE_POINTS: u32 = 36;
+pub(crate) const VAE_POINTS: u32 = 36;
 
 /// One line of the report.
 #[derive(Debug)]
@@ -753,7 +754,10 @@ pub fn run(args: &[String]) -> Result<()> {
     if args.first().map(String::as_str) == Some("samplers") {
         return crate::parity_samplers::run(&args[1..]);
     }
-    if args.iter().any(|a| a == "--fuzz" || a == "--fuzz-prompts") {
+    if args.first().map(String::as_str) == Some("ops") {
+        return crate::parity_ops::run(&args[1..]);
+    }
+    if args.iter().any(|a| a == "--fuzz" || a == "--fuzz-prompts" || a == "--compare-runs") {
         return crate::fuzz::run(args);
     }
     let args = parse(args)?;

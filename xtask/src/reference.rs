@@ -26,6 +26,12 @@ pub fn target_dir() -> PathBuf {
     crate::workspace_root().join("target/reference")
 }
 
+/// Where the reference's build leaves its static libraries (ggml's among them), for
+/// `parity ops`.
+pub fn static_lib_dir() -> PathBuf {
+    target_dir().join("sdref-cmake/lib")
+}
+
 /// The path `build` produces (whether or not it exists yet).
 pub fn exe_path() -> PathBuf {
     target_dir().join("release/sdref")

@@ -5,7 +5,7 @@
 //! ```
 //!
 //! Both programs run as child processes on the SD 1.5 f16 fixture
-//! (`target/fixtures/sd15-f16.safetensors`, written if missing) with the same
+//! (the cached `sd15-fixture-seed42-f16.safetensors`, written if missing) with the same
 //! flags: euler, cfg 7, seed 42, the prompt "a photo of a cat", 256x256 with 4
 //! steps and 512x512 with 2 steps. Runs alternate (ours, ref, then ref, ours,
 //! ...) so that a drift in machine load falls on both sides.

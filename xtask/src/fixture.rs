@@ -5,9 +5,11 @@
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! ```
 //!
-//! Defaults: seed 42, type f16, output `target/fixtures/<family>-<type>.<ext>` in the
-//! workspace, where the extension is `gguf` for quantized types and `safetensors`
-//! otherwise; with `-o` the extension chooses the format. `--only` keeps some components
+//! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
+//! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
+//! extension is `gguf` for quantized types and `safetensors` otherwise; with `-o` the
+//! extension chooses the format. A modified fixture (`--only`, `--std`, `--std-everywhere`,
+//! `--plain-norms`) needs `-o`, so that it never takes a plain fixture's cache entry. `--only` keeps some components
 //! (file metadata unchanged), for small files in tests. `--std S` draws every weight and
 //! embedding N(0, S) instead of the scaled initialisation (a checkpoint as a naive generator
 //! writes it, for parity runs on weights this project's fixtures do not have);
@@ -63,7 +65,7 @@ fn parse(args: &[String]) -> Result<Args> {
                 let list = v
                     .split(',')
                     .map(|c| {
-                        Component::parse(c.trim())
+                        Component::from_short_name(c.trim())
                             .with_context(|| format!("--only: unknown component '{c}' (accepted: unet, text, vae)"))
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -99,22 +101,18 @@ fn parse(args: &[String]) -> Result<Args> {
     Ok(Args { family, seed, wtype, output, only, std, std_everywhere, plain_norms })
 }
 
-/// Where `cargo xtask fixture` writes by default: `target/fixtures/<family>-<type>.<ext>`.
-pub fn default_path(family: Family, wtype: WeightType, format: FileFormat) -> PathBuf {
-    crate::workspace_root().join("target/fixtures").join(format!("{}-{}.{}", family.name(), wtype, format.extension()))
-}
-
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
 pub fn run(args: &[String]) -> Result<()> {
     let args = parse(args)?;
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
-            let format = if args.wtype.is_quantized() { FileFormat::Gguf } else { FileFormat::Safetensors };
-            let path = default_path(args.family, args.wtype, format);
-            let dir = path.parent().context("fixture path has no parent")?;
-            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (path, format)
+            if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms {
+                bail!("a modified fixture (--only, --std, --std-everywhere, --plain-norms) needs -o FILE\n{USAGE}");
+            }
+            let dir = fixture::cache_dir();
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (fixture::cached_path(args.family, args.seed, args.wtype), FileFormat::for_type(args.wtype))
         }
     };
     let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);
@@ -156,7 +154,7 @@ mod tests {
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
-                only: Some(vec![Component::Unet, Component::Vae]),
+                only: Some(vec![Component::Diffusion, Component::Vae]),
                 std: Some(0.05),
                 std_everywhere: false,
                 plain_norms: false,

@@ -148,11 +148,11 @@ fn parse(args: &[String]) -> Result<Args> {
 
 /// SplitMix64: small, seedable, the same on every platform.
 #[derive(Clone, Debug)]
-pub struct CaseRng(u64);
+pub(crate) struct CaseRng(u64);
 
 impl CaseRng {
     /// The stream of case `index` of a run with `seed`.
-    pub fn for_case(seed: u64, index: u64) -> Self {
+    fn for_case(seed: u64, index: u64) -> Self {
         let mut r = CaseRng(seed ^ index.wrapping_mul(0xA076_1D64_78BD_642F));
         r.next_u64();
         r
@@ -422,7 +422,7 @@ const BREAK_MARK: &str = "BREAK token encountered, padding current chunk by ";
 /// tokens (`split prompt "TEXT" to tokens ["t1", "t2", ]`) and each `BREAK` padding, in
 /// order. `id_of` maps a vocabulary string to its id. An error names what could not be read
 /// (a line cut at the reference's 4096-byte log buffer, an unknown token).
-pub fn reference_tokens(log: &str, id_of: &HashMap<String, u32>, eos: u32) -> Result<Vec<u32>, String> {
+fn reference_tokens(log: &str, id_of: &HashMap<String, u32>, eos: u32) -> Result<Vec<u32>, String> {
     let mut ids = Vec::new();
     let mut pos = 0;
     let mut fragments = 0;
@@ -845,7 +845,7 @@ impl Harness {
 /// residual after it, and the reference's `|mean| / rms` after weighting (the
 /// factor's condition: a mean near 0 next to the values' scale makes it a ratio of rounding
 /// noise, so uncorrelated kernel drift decides it).
-pub fn scale_note(ours: &[f32], reference: &[f32], chunk: usize, weighted: bool) -> String {
+fn scale_note(ours: &[f32], reference: &[f32], chunk: usize, weighted: bool) -> String {
     let mut parts = Vec::new();
     for (k, (o, r)) in ours.chunks(chunk).zip(reference.chunks(chunk)).enumerate() {
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
@@ -889,7 +889,7 @@ fn write_init_png(path: &Path, w: u32, h: u32, salt: u64) -> Result<()> {
 }
 
 /// The first stage of `stages` that disagrees.
-pub fn first_divergence(stages: &[Stage]) -> Option<&Stage> {
+fn first_divergence(stages: &[Stage]) -> Option<&Stage> {
     stages.iter().find(|s| s.verdict == Verdict::Differ)
 }
 

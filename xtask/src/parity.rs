@@ -8,8 +8,8 @@
 //! cargo xtask parity ops ...        (each ggml op, ours against the reference's: parity_ops.rs)
 //! ```
 //!
-//! For each family, on the fixture `target/fixtures/<family>-f16.safetensors`
-//! (seed 42, f16; written if missing, as `cargo xtask fixture <family>` would),
+//! For each family, on the cached fixture (`sd_models::fixture::cached_path`, seed 42,
+//! f16; written if missing, as `cargo xtask fixture <family>` would),
 //! the reference runs as its own process (`sdref`, xtask/reference) and ours in
 //! this process (components) or as `sd-cli` (whole generations):
 //!
@@ -84,7 +84,7 @@ use anyhow::{bail, Context as _, Result};
 use sd_backends::{Backend, BackendManager, PluginRegistry, PluginSearch};
 use sd_models::diffusion::unet::{UNetConfig, UNetModel};
 use sd_models::files::ModelFiles;
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, Family, WeightType};
 use sd_models::loader::{dtype_of, FileSource};
 use sd_models::text::clip::{clip_specs, ClipConfig, ClipTextModel};
 use sd_models::text::conditioning::encode_prompt;
@@ -100,7 +100,7 @@ const USAGE: &str = "usage: cargo xtask parity [sd15|sd21|all] [--threads N] [--
 /// The prompt of the text check (a) and the whole generation (d).
 pub const PROMPT: &str = "a photo of a cat";
 /// A prompt with attention weights and two chunks, for the tokenizer and weighting path.
-pub const WEIGHTED_PROMPT: &str = "a (photo:1.3) of a [cat], ((masterpiece)) BREAK studio lighting";
+const WEIGHTED_PROMPT: &str = "a (photo:1.3) of a [cat], ((masterpiece)) BREAK studio lighting";
 /// The UNet's timestep in (b): the first step of a 1000-step discrete schedule.
 const TIMESTEP: f32 = 999.0;
 /// Latent size of (b) and (c): a 256x256 image.
@@ -108,27 +108,18 @@ const LATENT_SIDE: usize = 32;
 /// f16's unit roundoff, 2^-11.
 const F16_U: f64 = 1.0 / 2048.0;
 
-/// Where the fixture of `family` lives: `target/fixtures/<family>-f16.safetensors`.
-pub fn fixture_path(family: Family) -> PathBuf {
-    crate::fixture::default_path(family, WeightType::F16, FileFormat::Safetensors)
-}
-
-/// The fixture of `family` (seed 42, f16, safetensors), written first if missing.
+/// The fixture of `family` (seed 42, f16, safetensors) from the fixture cache, written
+/// first if missing.
 pub fn ensure_fixture(family: Family) -> Result<PathBuf> {
-    let path = fixture_path(family);
-    if path.is_file() {
-        return Ok(path);
+    let path = fixture::cached_path(family, 42, WeightType::F16);
+    if !path.is_file() {
+        eprintln!("parity: writing the {} fixture to {} (full size, takes a while)", family.name(), path.display());
     }
-    let dir = path.parent().context("fixture path has no parent")?;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    eprintln!("parity: writing the {} fixture to {} (full size, takes a while)", family.name(), path.display());
     let t = Instant::now();
-    // Write under a temporary name so that an interrupted run leaves no truncated fixture.
-    let tmp = path.with_extension("safetensors.partial");
-    let req = FixtureRequest::family(family, 42, WeightType::F16, FileFormat::Safetensors);
-    fixture::write_fixture(&tmp, &req).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    eprintln!("parity: fixture written in {:.0} s", t.elapsed().as_secs_f64());
+    let (path, written) = fixture::ensure_cached(family, 42, WeightType::F16)?;
+    if written {
+        eprintln!("parity: fixture written in {:.0} s", t.elapsed().as_secs_f64());
+    }
     Ok(path)
 }
 

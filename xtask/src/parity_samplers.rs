@@ -19,7 +19,7 @@
 //!
 //! `--write-test-data` writes the reference PNGs of [`TEST_DATA_CASES`] (64x64, 3 steps) to
 //! `tests/data/ref-sd15-f16-seed42-64x64-<method>-<scheduler>3-cfg7.png` for
-//! `crates/sd-cli/tests/samplers.rs`, then checks ours against them.
+//! `crates/sd-cli/tests/generate.rs`, then checks ours against them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,7 +37,7 @@ const USAGE: &str = "usage: cargo xtask parity samplers [--steps N] [--side PX] 
 
 /// The (method, scheduler) pairs the CI test checks with committed reference PNGs: new methods
 /// of different kinds (multistep, two-stage, SDE, CFG++, TCD) and new schedulers.
-pub const TEST_DATA_CASES: [(SampleMethod, Scheduler); 5] = [
+const TEST_DATA_CASES: [(SampleMethod, Scheduler); 5] = [
     (SampleMethod::Ipndm, Scheduler::Karras),
     (SampleMethod::Res2s, Scheduler::Discrete),
     (SampleMethod::ErSde, Scheduler::Ays),
@@ -46,7 +46,7 @@ pub const TEST_DATA_CASES: [(SampleMethod, Scheduler); 5] = [
 ];
 
 /// The file name of a test-data PNG.
-pub fn test_data_name(method: SampleMethod, scheduler: Scheduler, steps: u32) -> String {
+fn test_data_name(method: SampleMethod, scheduler: Scheduler, steps: u32) -> String {
     format!("ref-sd15-f16-seed42-64x64-{}-{}{steps}-cfg7.png", method.name(), scheduler.name())
 }
 

@@ -17,7 +17,7 @@ use anyhow::{bail, Context as _};
 pub const SYS_PACKAGE: &str = "diffusion-rs-sys";
 
 /// The reference project's directory, xtask/reference.
-pub fn project_dir() -> PathBuf {
+fn project_dir() -> PathBuf {
     crate::workspace_root().join("xtask/reference")
 }
 
@@ -43,7 +43,7 @@ fn cargo() -> String {
 
 /// Finds sd.cpp's source inside the pinned `diffusion-rs-sys` package,
 /// downloading the package through cargo if needed.
-pub fn sdcpp_source_dir() -> anyhow::Result<PathBuf> {
+fn sdcpp_source_dir() -> anyhow::Result<PathBuf> {
     let manifest = project_dir().join("Cargo.toml");
     let output = Command::new(cargo())
         .args(["metadata", "--format-version", "1", "--manifest-path"])

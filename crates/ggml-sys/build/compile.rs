@@ -23,7 +23,7 @@ pub struct Spec {
 }
 
 #[derive(serde::Deserialize)]
-pub struct BaseSpec {
+pub(crate) struct BaseSpec {
     pub sources: Vec<String>,
     pub public_defines: Vec<String>,
     pub private_defines: Vec<String>,
@@ -31,25 +31,25 @@ pub struct BaseSpec {
 }
 
 #[derive(serde::Deserialize)]
-pub struct BackendSpec {
+pub(crate) struct BackendSpec {
     pub defines: Vec<String>,
     pub includes: Vec<String>,
 }
 
 #[derive(serde::Deserialize)]
-pub struct RpcSpec {
+pub(crate) struct RpcSpec {
     pub target: String,
     pub sources: Vec<String>,
 }
 
 #[derive(serde::Deserialize)]
-pub struct FeatureSpec {
+pub(crate) struct FeatureSpec {
     pub flags: Vec<String>,
     pub define: String,
 }
 
 #[derive(serde::Deserialize)]
-pub struct CpuSpec {
+pub(crate) struct CpuSpec {
     pub sources: Vec<String>,
     pub defines: Vec<String>,
     pub includes: Vec<String>,

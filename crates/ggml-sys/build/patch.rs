@@ -14,14 +14,14 @@ pub struct Patch {
 
 /// A file the patch touches, and strings that must be gone once it is applied.
 #[derive(serde::Deserialize)]
-pub struct FileRule {
+pub(crate) struct FileRule {
     pub name: String,
     #[serde(default)]
     pub absent: Vec<String>,
 }
 
 #[derive(serde::Deserialize)]
-pub struct Hunk {
+pub(crate) struct Hunk {
     pub file: String,
     pub why: String,
     pub find: String,

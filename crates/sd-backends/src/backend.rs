@@ -3,7 +3,7 @@
 //! Ownership: a [`Backend`] owns its `ggml_backend_t` and frees it on drop.
 //! The [`BackendManager`] keeps one instance per resolved device name and hands
 //! out `Arc<Backend>`: modules that ask for the same device share one instance
-//! (backend.md, "Backend sharing and lifetime"); runtime and parameter
+//! (stable-diffusion.cpp's `docs/backend.md`, "Backend sharing and lifetime"); runtime and parameter
 //! assignments share the same cache; the last `Arc` frees the instance.
 
 use std::collections::HashMap;
@@ -87,12 +87,6 @@ impl Backend {
             graph.node(last).read_range(0, 4)?;
         }
         crate::rpc::check_lost()
-    }
-
-    /// Waits for queued asynchronous work.
-    pub fn synchronize(&self) {
-        // SAFETY: a live backend.
-        unsafe { sys::ggml_backend_synchronize(self.raw) }
     }
 }
 

@@ -51,12 +51,6 @@ impl BufferType {
         unsafe { cstr(sys::ggml_backend_buft_name(self.raw)) }
     }
 
-    /// Whether its memory is host memory.
-    pub fn is_host(self) -> bool {
-        // SAFETY: a live buffer type.
-        unsafe { sys::ggml_backend_buft_is_host(self.raw) }
-    }
-
     /// Allocates a buffer of `size` bytes.
     pub fn alloc(self, size: usize) -> Result<Buffer> {
         // SAFETY: a live buffer type; ggml returns null on failure.

@@ -262,11 +262,6 @@ impl<'c> Tensor<'c> {
         !self.data_ptr().is_null() || !self.buffer_ptr().is_null()
     }
 
-    /// Whether the tensor lives in a backend buffer.
-    pub fn has_buffer(self) -> bool {
-        !self.buffer_ptr().is_null()
-    }
-
     /// Whether the data can be read or written: the tensor has storage, and so does the
     /// tensor its view chain ends at (a view keeps the pointer it was made with after its
     /// source's storage is detached).
@@ -436,7 +431,7 @@ impl<'c> Tensor<'c> {
     }
 
     /// Reads the raw bytes.
-    pub fn get_bytes(self) -> Result<Vec<u8>> {
+    fn get_bytes(self) -> Result<Vec<u8>> {
         if !self.has_live_storage() {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
         }

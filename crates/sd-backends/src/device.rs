@@ -141,13 +141,6 @@ impl Device {
         BufferType::from_raw(unsafe { sys::ggml_backend_dev_buffer_type(self.raw) })
     }
 
-    /// The device's pinned host buffer type, if it has one.
-    pub fn host_buffer_type(self) -> Option<BufferType> {
-        // SAFETY: a live device.
-        let raw = unsafe { sys::ggml_backend_dev_host_buffer_type(self.raw) };
-        (!raw.is_null()).then(|| BufferType::from_raw(raw))
-    }
-
     /// Whether this device can run the operation that produces `t`.
     pub fn supports_op(self, t: crate::Tensor<'_>) -> bool {
         // SAFETY: a live device and a live tensor.

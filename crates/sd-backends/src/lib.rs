@@ -6,8 +6,8 @@
 //! device ([`BackendManager`]), adding remote devices over ggml's RPC protocol
 //! ([`rpc`]), routing ggml's logs into `tracing` ([`install_log_bridge`]), and
 //! safe wrappers over the ggml objects model code needs: [`Context`],
-//! [`Tensor`], [`Graph`], [`Buffer`], [`BufferType`], [`Backend`], [`Event`],
-//! [`Scheduler`], [`GraphAllocator`]. Each wrapper's module states its
+//! [`Tensor`], [`Graph`], [`Buffer`], [`BufferType`], [`Backend`],
+//! [`GraphAllocator`]. Each wrapper's module states its
 //! ownership rule.
 //!
 //! What it refuses to do: it never calls upstream's loader (`ggml_backend_load*`),
@@ -24,14 +24,12 @@ pub mod context;
 pub mod convert;
 pub mod device;
 pub mod error;
-pub mod event;
 pub mod graph;
 mod log;
 pub mod ops;
 pub mod registry;
 pub mod rpc;
 pub mod rpc_wire;
-pub mod sched;
 pub mod threads;
 
 pub use alloc::GraphAllocator;
@@ -40,12 +38,10 @@ pub use buffer::{Buffer, BufferType, BufferUsage};
 pub use context::{row_size, type_name, Context, GgmlType, Tensor};
 pub use device::{Device, DeviceCaps, DeviceInfo, DeviceKind};
 pub use error::{BackendError, Result};
-pub use event::Event;
 pub use graph::{Graph, GraphView};
 pub use log::install_log_bridge;
 pub use ops::ScaleMode;
 pub use registry::{LoadedPlugin, PluginRegistry, PluginSearch, SkipReason, SkippedPlugin};
-pub use sched::Scheduler;
 
 /// The ggml version this build uses and where its source came from.
 pub fn ggml_version() -> (&'static str, &'static str) {

@@ -111,12 +111,6 @@ impl Context {
         Tensor::from_raw(unsafe { sys::ggml_scale(self.as_raw(), a.as_raw(), s) })
     }
 
-    /// a * s + b.
-    pub fn scale_bias<'c>(&'c self, a: Tensor<'_>, s: f32, b: f32) -> Tensor<'c> {
-        // SAFETY: live context and operand.
-        Tensor::from_raw(unsafe { sys::ggml_scale_bias(self.as_raw(), a.as_raw(), s, b) })
-    }
-
     /// Clamps to [min, max].
     pub fn clamp<'c>(&'c self, a: Tensor<'_>, min: f32, max: f32) -> Tensor<'c> {
         // SAFETY: live context and operand.
@@ -127,12 +121,6 @@ impl Context {
     pub fn norm<'c>(&'c self, a: Tensor<'_>, eps: f32) -> Tensor<'c> {
         // SAFETY: live context and operand.
         Tensor::from_raw(unsafe { sys::ggml_norm(self.as_raw(), a.as_raw(), eps) })
-    }
-
-    /// RMS normalisation over ne[0].
-    pub fn rms_norm<'c>(&'c self, a: Tensor<'_>, eps: f32) -> Tensor<'c> {
-        // SAFETY: live context and operand.
-        Tensor::from_raw(unsafe { sys::ggml_rms_norm(self.as_raw(), a.as_raw(), eps) })
     }
 
     /// Group normalisation over (ne[0], ne[1], ne[2]/groups) without affine parameters.
@@ -283,12 +271,6 @@ impl Context {
         Tensor::from_raw(t)
     }
 
-    /// Contiguous copy with a new shape.
-    pub fn cont_shape<'c>(&'c self, a: Tensor<'_>, ne: [i64; 4]) -> Tensor<'c> {
-        // SAFETY: live context and operand.
-        Tensor::from_raw(unsafe { sys::ggml_cont_4d(self.as_raw(), a.as_raw(), ne[0], ne[1], ne[2], ne[3]) })
-    }
-
     /// A view of `a` with shape `ne`, byte strides `nb[1..]` and byte offset.
     pub fn view<'c>(&'c self, a: Tensor<'_>, ne: [i64; 4], nb: [usize; 3], offset: usize) -> Tensor<'c> {
         // SAFETY: live context and operand; ggml checks the view lies within a.
@@ -301,20 +283,6 @@ impl Context {
     pub fn cast<'c>(&'c self, a: Tensor<'_>, ty: GgmlType) -> Tensor<'c> {
         // SAFETY: live context and operand.
         Tensor::from_raw(unsafe { sys::ggml_cast(self.as_raw(), a.as_raw(), ty) })
-    }
-
-    /// Average pooling over ne[0], ne[1].
-    pub fn avg_pool_2d<'c>(&'c self, a: Tensor<'_>, k: i32, s: i32, p: f32) -> Tensor<'c> {
-        // SAFETY: live context and operand.
-        Tensor::from_raw(unsafe {
-            sys::ggml_pool_2d(self.as_raw(), a.as_raw(), sys::ggml_op_pool::GGML_OP_POOL_AVG, k, k, s, s, p, p)
-        })
-    }
-
-    /// [start, stop) in steps.
-    pub fn arange(&self, start: f32, stop: f32, step: f32) -> Tensor<'_> {
-        // SAFETY: live context.
-        Tensor::from_raw(unsafe { sys::ggml_arange(self.as_raw(), start, stop, step) })
     }
 
     /// Sets every element above the diagonal shifted by `n_past` (ne[0] index > n_past +

@@ -134,7 +134,7 @@ pub(crate) fn remember_devices(endpoint: &str, devices: Vec<String>) {
 }
 
 /// Parses `HOST:PORT` (IPv4 address or a host name resolving to IPv4).
-pub fn parse_endpoint(endpoint: &str) -> Result<SocketAddr> {
+fn parse_endpoint(endpoint: &str) -> Result<SocketAddr> {
     let bad = || BackendError::BadEndpoint(endpoint.to_string());
     let (host, port) = endpoint.rsplit_once(':').ok_or_else(bad)?;
     if host.is_empty() || host.contains(':') {
@@ -180,7 +180,7 @@ pub fn probe(endpoint: &str, timeout: Duration) -> Result<()> {
 }
 
 /// Whether an address is loopback (the only safe place for this protocol).
-pub fn is_loopback(host: &str) -> bool {
+fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<std::net::IpAddr>().map(|ip| ip.is_loopback()).unwrap_or(false)
 }
 

@@ -154,7 +154,7 @@ impl WireClient {
     }
 
     /// Reads one response, skipping keepalive frames. A closed connection is `UnexpectedEof`.
-    pub fn recv(&mut self) -> io::Result<Vec<u8>> {
+    fn recv(&mut self) -> io::Result<Vec<u8>> {
         let mut size = [0u8; 8];
         let size = loop {
             self.stream.read_exact(&mut size)?;

@@ -14,7 +14,7 @@ use std::path::Path;
 
 /// The reference's fallback when the topology is unknown: `n <= 4 ? n : n / 2` of the
 /// logical CPUs (`n` = 0 gives 4).
-pub fn fallback_physical_cores(logical: usize) -> usize {
+fn fallback_physical_cores(logical: usize) -> usize {
     match logical {
         0 => 4,
         n if n <= 4 => n,
@@ -25,7 +25,7 @@ pub fn fallback_physical_cores(logical: usize) -> usize {
 /// Physical cores from a sysfs CPU directory (`/sys/devices/system/cpu`): the number of
 /// distinct `cpuN/topology/thread_siblings` masks, reading `cpu0`, `cpu1`, ... until one
 /// is missing. `None` when there is none.
-pub fn physical_cores_from_sysfs(cpu_dir: &Path) -> Option<usize> {
+fn physical_cores_from_sysfs(cpu_dir: &Path) -> Option<usize> {
     let mut siblings = HashSet::new();
     for cpu in 0.. {
         let path = cpu_dir.join(format!("cpu{cpu}")).join("topology/thread_siblings");
@@ -40,7 +40,7 @@ pub fn physical_cores_from_sysfs(cpu_dir: &Path) -> Option<usize> {
 }
 
 /// The number of physical CPU cores (see the module doc), at least 1.
-pub fn physical_cores() -> usize {
+fn physical_cores() -> usize {
     let logical = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let physical =
         if cfg!(target_os = "linux") { physical_cores_from_sysfs(Path::new("/sys/devices/system/cpu")) } else { None }

@@ -9,7 +9,7 @@ use anyhow::{bail, Context as _, Result};
 use clap::Args;
 use sd_backends::{BackendManager, GgmlType};
 use sd_models::files::Prediction as FilePrediction;
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, Family, WeightType};
 use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, ModuleHomes, Pipeline, Placement, Progress};
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
 use sd_sched::ParamHome;
@@ -151,34 +151,19 @@ fn wtype(s: &str) -> Result<GgmlType> {
     })
 }
 
-/// Where a generated fixture is cached when no model is given.
-fn fixture_cache() -> PathBuf {
-    if let Some(d) = std::env::var_os("SD_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("sd-rs");
-    }
-    std::env::var_os("HOME")
-        .map(|h| PathBuf::from(h).join(".cache/sd-rs"))
-        .unwrap_or_else(|| std::env::temp_dir().join("sd-rs"))
-}
-
 fn ensure_fixture() -> Result<PathBuf> {
-    let dir = fixture_cache();
-    let path = dir.join("sd15-fixture-seed42-f16.safetensors");
-    if !path.exists() {
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = fixture::cached_path(Family::Sd15, 42, WeightType::F16);
+    if !path.is_file() {
         tracing::warn!(
             "no model given (-m): writing an SD 1.5 checkpoint with random weights to {} (once); \
              the image will be noise-like. Pass -m to use a real model.",
             path.display()
         );
-        let req = FixtureRequest::family(Family::Sd15, 42, WeightType::F16, FileFormat::Safetensors);
-        fixture::write_fixture(&path, &req).context("writing the fixture checkpoint")?;
     } else {
         tracing::warn!("no model given (-m): using the random-weight SD 1.5 fixture {}", path.display());
     }
+    let (path, _) =
+        fixture::ensure_cached(Family::Sd15, 42, WeightType::F16).context("writing the fixture checkpoint")?;
     Ok(path)
 }
 

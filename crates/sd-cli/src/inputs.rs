@@ -9,10 +9,10 @@ use sd_models::image_io;
 use sd_models::pipeline::Image;
 
 /// The reference's run modes (`-M`), in its order.
-pub const MODES: [&str; 5] = ["img_gen", "vid_gen", "convert", "upscale", "metadata"];
+const MODES: [&str; 5] = ["img_gen", "vid_gen", "convert", "upscale", "metadata"];
 
 /// The default size when neither `-W/-H` nor an init image gives one.
-pub const DEFAULT_SIDE: usize = 512;
+const DEFAULT_SIDE: usize = 512;
 
 /// Flags of stable-diffusion.cpp's CLI that choose the mode, read prompts from files and
 /// name the outputs.

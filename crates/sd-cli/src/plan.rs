@@ -152,7 +152,7 @@ pub fn ram_available() -> Option<u64> {
 }
 
 /// This machine's devices as the planner sees them.
-pub fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
+fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
     let reg = crate::devices::open(args)?;
     Ok(machine_devices_from(&reg))
 }

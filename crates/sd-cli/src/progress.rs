@@ -44,7 +44,7 @@ fn style(template: &str) -> ProgressStyle {
 }
 
 /// `2.50 it/s` or `1.25 s/it`, from steps done and the seconds they took.
-pub fn rate(done: u64, seconds: f64) -> String {
+fn rate(done: u64, seconds: f64) -> String {
     if done == 0 || seconds <= 0.0 {
         return "-- it/s".into();
     }

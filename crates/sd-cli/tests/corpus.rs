@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sd_models::files::safetensors::{header_bytes, TensorSpec};
+use sd_models::files::safetensors::{header_bytes, HeaderEntry};
 use sd_models::files::DType;
 use sd_models::fixture::{tensor_table, Architecture};
 
@@ -111,8 +111,8 @@ fn sd15_specs() -> Vec<(String, Vec<u64>)> {
 
 /// A sparse safetensors file: the header of `tensors`, then zeros to the data's full length.
 fn write_sparse(path: &Path, tensors: &[(String, Vec<u64>, DType)]) {
-    let specs: Vec<TensorSpec<'_>> =
-        tensors.iter().map(|(n, s, d)| TensorSpec { name: n, dtype: *d, shape: s }).collect();
+    let specs: Vec<HeaderEntry<'_>> =
+        tensors.iter().map(|(n, s, d)| HeaderEntry { name: n, dtype: *d, shape: s }).collect();
     let header = header_bytes(&specs, &BTreeMap::new()).expect("header");
     let data: u64 = tensors
         .iter()

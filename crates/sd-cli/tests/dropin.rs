@@ -6,28 +6,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, Family, WeightType};
 use sd_models::image_io::{self, OutputFormat};
 use sd_models::pipeline::Image;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// The SD 1.5 fixture (seed 42, f16), shared with the other end-to-end tests.
 fn fixture() -> PathBuf {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = workspace().join("target/fixtures-test");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sd15-f16-seed42.safetensors");
-    if !path.exists() {
-        let tmp = dir.join(format!("sd15-f16-seed42.{}.dropin.tmp", std::process::id()));
-        let req = FixtureRequest::family(Family::Sd15, 42, WeightType::F16, FileFormat::Safetensors);
-        fixture::write_fixture(&tmp, &req).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
-    }
-    path
+    fixture::ensure_cached(Family::Sd15, 42, WeightType::F16).unwrap().0
 }
 
 fn scratch(name: &str) -> PathBuf {

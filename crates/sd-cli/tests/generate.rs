@@ -6,31 +6,20 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, Family, WeightType};
 
 /// Tolerances for agreement with the reference (issue: mean <= 1/255, max <= 8/255).
 const MEAN_TOL: f64 = 1.0;
 const MAX_TOL: u8 = 8;
 
-static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
-
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The fixture checkpoint of `family` (seed 42, f16), written once per target directory.
+/// The fixture checkpoint of `family` (seed 42, f16), written once into the fixture cache.
 fn fixture(family: Family) -> PathBuf {
-    let _g = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = workspace().join("target/fixtures-test");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{}-f16-seed42.safetensors", family.name()));
-    if !path.exists() {
-        let req = FixtureRequest::family(family, 42, WeightType::F16, FileFormat::Safetensors);
-        fixture::write_fixture(&path, &req).unwrap();
-    }
-    path
+    fixture::ensure_cached(family, 42, WeightType::F16).unwrap().0
 }
 
 fn sd_cli() -> Command {

@@ -22,3 +22,4 @@ pub mod output;
 pub mod pipeline;
 pub mod sampling;
 pub mod text;
+pub mod wtype;

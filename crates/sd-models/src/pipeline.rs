@@ -23,7 +23,7 @@ use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeConfig, VaeParts};
 
 use crate::diffusion::unet::{UNetConfig, UNetModel};
-use crate::files::{ModelFiles, ModelSources, Prediction as FilePrediction, PredictionSource};
+use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
 use crate::sampling::{
@@ -93,7 +93,7 @@ pub struct LoadOptions {
     /// The files.
     pub sources: ModelSources,
     /// `--prediction`.
-    pub prediction: Option<FilePrediction>,
+    pub prediction: Option<Prediction>,
     /// `--type`: store weights in this type.
     pub wtype: Option<GgmlType>,
     /// Where each module runs.
@@ -262,11 +262,11 @@ pub enum Progress {
 }
 
 /// Image pixels per latent pixel of the SD VAE (the reference's `get_vae_scale_factor`).
-pub const VAE_SCALE_FACTOR: usize = 8;
+const VAE_SCALE_FACTOR: usize = 8;
 
 /// Latent pixels per pixel of a UNet's deepest level (the reference's
 /// `get_diffusion_model_down_factor`: 8 for every UNet).
-pub const UNET_DOWN_FACTOR: usize = 8;
+const UNET_DOWN_FACTOR: usize = 8;
 
 /// `width x height` rounded up to multiples of `multiple`, as the reference aligns a
 /// generation request (it warns and generates at the aligned size).
@@ -304,13 +304,8 @@ fn to_u8(v: f32) -> u8 {
 }
 
 impl Pipeline {
-    /// Opens the files, detects the architecture and checks the tensors against it.
-    pub fn open(opts: LoadOptions) -> Result<Self> {
-        let files = ModelFiles::open(&opts.sources)?;
-        Self::from_files(files, opts)
-    }
-
-    /// Like [`Pipeline::open`], for files the caller has already opened (e.g. to plan).
+    /// Detects the architecture of files the caller has opened (e.g. to plan them first) and
+    /// checks the tensors against it.
     pub fn from_files(files: ModelFiles, opts: LoadOptions) -> Result<Self> {
         let detected = files.detect(opts.prediction)?;
         let (clip, unet) = match detected.arch {
@@ -318,14 +313,10 @@ impl Pipeline {
             "sd2" => (ClipConfig::vit_h14(), UNetConfig::sd21()),
             other => return Err(PipelineError::Invalid(format!("architecture `{other}` has no runtime yet"))),
         };
-        let prediction = match detected.prediction {
-            Some(FilePrediction::V) => Prediction::V,
-            Some(FilePrediction::Eps) => Prediction::Eps,
-            None => {
-                tracing::warn!("the model files do not say whether the model predicts eps or v; assuming eps (use --prediction v for 768-v models)");
-                Prediction::Eps
-            }
-        };
+        let prediction = detected.prediction.unwrap_or_else(|| {
+            tracing::warn!("the model files do not say whether the model predicts eps or v; assuming eps (use --prediction v for 768-v models)");
+            Prediction::Eps
+        });
         if let PredictionSource::Metadata { key } = &detected.prediction_source {
             tracing::info!("prediction {} (from `{key}`)", prediction.name());
         }
@@ -336,7 +327,7 @@ impl Pipeline {
 
     /// The multiple image sides must have for this model: VAE scale times the diffusion
     /// model's down factor (64 for SD 1.x / 2.x).
-    pub fn spatial_multiple(&self) -> usize {
+    fn spatial_multiple(&self) -> usize {
         VAE_SCALE_FACTOR * UNET_DOWN_FACTOR
     }
 
@@ -444,7 +435,7 @@ impl Pipeline {
     /// sample, unless flash attention), the VAE's mid-block attention and last-level
     /// activations (unless tiled). Real use is higher; this is for refusing at once what can
     /// never fit.
-    pub fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
+    fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
         let tokens = (p.width / VAE_SCALE) as f64 * (p.height / VAE_SCALE) as f64;
         let batch = if p.cfg_scale != 1.0 { 2.0 } else { 1.0 };
         let heads = self.unet.n_head(self.unet.model_channels) as f64;

@@ -1,4 +1,4 @@
-//! Auto-fit: backend.md "Automatic placement", as a sequential first-fit over components.
+//! Auto-fit: stable-diffusion.cpp's `docs/backend.md` "Automatic placement", as a sequential first-fit over components.
 //!
 //! One GPU computes everything: the discrete GPU with the largest budget (the first on a tie).
 //! Components are taken in priority order (diffusion, te, vae, then the other modules) and each

@@ -1,4 +1,4 @@
-//! Per-device planning budgets from `--max-vram` (performance.md and backend.md semantics).
+//! Per-device planning budgets from `--max-vram` (stable-diffusion.cpp's `docs/performance.md` and `docs/backend.md` semantics).
 //!
 //! A positive value is a managed budget in GiB (capped by free memory, since "live free memory
 //! can lower the effective limit"); `0` is the device's current free memory; a negative value is

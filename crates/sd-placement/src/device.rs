@@ -1,6 +1,6 @@
 //! Devices as plain data, device profiles parsed from TOML text, and device-name resolution.
 //!
-//! Resolution follows backend.md "Backend names": case-insensitive exact name, else a unique
+//! Resolution follows stable-diffusion.cpp's `docs/backend.md` "Backend names": case-insensitive exact name, else a unique
 //! prefix; `auto`/`default`/empty select the default device (GPU, then integrated GPU, then CPU);
 //! `gpu` selects the first GPU, else the first integrated GPU. As a last resort before "unknown
 //! device", a token equal to a backend registry name (`metal` also matching `MTL`) selects that

@@ -33,7 +33,7 @@ impl std::fmt::Display for Flag {
 /// Why a plan could not be made (bad input), or why a model must not be loaded (memory check).
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum PlanError {
-    /// A module key that is not in backend.md's alias table.
+    /// A module key that is not in the alias table of stable-diffusion.cpp's `docs/backend.md`.
     #[error("{flag}: unknown module '{}' in '{}'; accepted modules: {accepted}", clip(token), clip(entry))]
     UnknownModule {
         /// Flag.

@@ -5,7 +5,7 @@
 //! module runtime backend"; with a layer split each block range's params stay on its own
 //! device). A `&` list becomes a layer split, or a row split when `--split-mode` asks for it and
 //! every listed device can split rows within one backend registry; otherwise the module falls
-//! back (with a warning) as backend.md says. Every entry is resolved, even for modules the model
+//! back (with a warning) as stable-diffusion.cpp's `docs/backend.md` says. Every entry is resolved, even for modules the model
 //! lacks, so a misspelt device is reported whatever the model.
 
 use crate::budget::Budget;

@@ -6,7 +6,7 @@
 //! The crate implements the placement rules of stable-diffusion.cpp's `backend.md` (the
 //! `--backend` / `--params-backend` / `--split-mode` / `--max-vram` / `--auto-fit` language,
 //! the compatibility flags, automatic placement, layer and row split), the `--max-vram` budget
-//! semantics of `performance.md`, and the pre-load memory check of `memory-check.md`.
+//! semantics of stable-diffusion.cpp's `docs/performance.md`, and the pre-load memory check of `memory-check.md` (the guide "Image generation memory, logs and limits").
 //!
 //! # What it refuses to do
 //!

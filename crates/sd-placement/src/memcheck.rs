@@ -1,4 +1,4 @@
-//! The pre-load memory check of memory-check.md.
+//! The pre-load memory check of `memory-check.md` (the guide "Image generation memory, logs and limits").
 //!
 //! estimate = sum of the model files' sizes x 1.25 + 512 MiB. A discrete GPU's figure is its
 //! free memory, its total when it reports no free figure, and none when it reports 0 free

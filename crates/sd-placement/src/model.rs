@@ -1,4 +1,4 @@
-//! Modules (with the alias table of backend.md) and the plain-data model description the planner reads.
+//! Modules (with the alias table of stable-diffusion.cpp's `docs/backend.md`) and the plain-data model description the planner reads.
 //!
 //! A model is described by what a file header tells without reading tensor data: per component
 //! (module) the tensors' names, byte sizes and, where it has them, the index of the transformer

@@ -8,7 +8,7 @@
 //! running there whose params live elsewhere (CPU, disk, another GPU): its largest tensor, summed
 //! over those modules ("staging space for the largest weight tensor of each ... offloaded
 //! component"). Row split counts the split tensors' full size on every participating device
-//! (backend.md's conservative bound).
+//! (the conservative bound of stable-diffusion.cpp's `docs/backend.md`).
 
 use crate::device::Device;
 use crate::model::{ComponentSummary, Module};

@@ -127,7 +127,7 @@ pub struct Plan {
     pub ram_reserve_bytes: Option<u64>,
     /// Per-device usage, in listing order.
     pub devices: Vec<DeviceUsage>,
-    /// Per-module placement, in backend.md's table order; only modules the model has.
+    /// Per-module placement, in the table order of stable-diffusion.cpp's `docs/backend.md`; only modules the model has.
     pub modules: Vec<ModulePlan>,
     /// The pre-load memory check.
     pub memory_check: MemoryCheck,

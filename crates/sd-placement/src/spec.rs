@@ -2,7 +2,7 @@
 //! `--auto-fit` and the compatibility flags, parsed into plain values.
 //!
 //! Parsing is in two steps so that it can be fuzzed and reused without devices: the functions
-//! here check syntax, module names (backend.md's alias table) and the structural rules (`&`
+//! here check syntax, module names (the alias table of stable-diffusion.cpp's `docs/backend.md`) and the structural rules (`&`
 //! lists only for diffusion and te, none in `--params-backend`, `disk` only for params); device
 //! tokens stay strings until [`crate::plan`] resolves them against the device list.
 //!
@@ -128,7 +128,7 @@ impl<T> Assignment<T> {
     }
 
     /// Entries of `later` replace those of `self` for the same key.
-    pub fn overlay(&mut self, later: Assignment<T>) {
+    fn overlay(&mut self, later: Assignment<T>) {
         if later.default.is_some() {
             self.default = later.default;
         }

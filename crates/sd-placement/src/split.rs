@@ -1,6 +1,6 @@
 //! Layer split: contiguous block ranges sized in proportion to each device's memory.
 //!
-//! backend.md: "The module's transformer blocks are then distributed across the listed devices
+//! stable-diffusion.cpp's `docs/backend.md`: "The module's transformer blocks are then distributed across the listed devices
 //! in contiguous ranges sized proportionally to each device's free memory (minus a compute-buffer
 //! headroom of about 2 GiB per device)". A device's basis is its `--max-vram` budget when one is
 //! given for it ("--max-vram can still provide the per-device limits used by layer split"), else

@@ -1,4 +1,4 @@
-//! backend.md "Automatic placement (--auto-fit on|off)": one table of hand-computed cases, each
+//! stable-diffusion.cpp's `docs/backend.md` "Automatic placement (--auto-fit on|off)": one table of hand-computed cases, each
 //! quoting the sentence it checks. Sizes are in MiB; a GPU's budget is free - 512 MiB unless
 //! --max-vram says otherwise. The derivation of each expectation is written next to it, using
 //! the accounting of src/autofit.rs: a component goes to the main GPU when

@@ -1,4 +1,4 @@
-//! backend.md rules of the placement language (explicit placement), one table per section; each
+//! The rules of stable-diffusion.cpp's `docs/backend.md` for the placement language (explicit placement), one table per section; each
 //! case quotes the sentence it checks.
 
 mod common;

@@ -1,4 +1,4 @@
-//! `--max-vram` budget semantics (performance.md and backend.md), one table; each case quotes
+//! `--max-vram` budget semantics (stable-diffusion.cpp's `docs/performance.md` and `docs/backend.md`), one table; each case quotes
 //! the sentence it checks.
 
 mod common;

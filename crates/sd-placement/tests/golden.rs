@@ -1,6 +1,6 @@
 //! Golden plans for realistic cases: rendered text and JSON under tests/golden/. Regenerate
 //! with `UPDATE_GOLDEN=1 cargo test -p sd-placement --test golden`, then review every diff by
-//! hand against backend.md / performance.md / memory-check.md. Each case also asserts its key
+//! hand against stable-diffusion.cpp's `docs/backend.md` / `docs/performance.md` and `memory-check.md` (the guide "Image generation memory, logs and limits"). Each case also asserts its key
 //! decisions, derived by hand in the comments, so a golden is never only "what the code said".
 
 mod common;

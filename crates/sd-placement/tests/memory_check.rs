@@ -1,4 +1,4 @@
-//! memory-check.md's pre-load memory check: one table; each case quotes the sentence it checks.
+//! The pre-load memory check of `memory-check.md` (the guide "Image generation memory, logs and limits"): one table; each case quotes the sentence it checks.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! backend.md "Multiple devices per module (layer split)" and "Row split (--split-mode row)":
+//! stable-diffusion.cpp's `docs/backend.md` "Multiple devices per module (layer split)" and "Row split (--split-mode row)":
 //! each case quotes the sentence it checks; expected ranges are derived by hand next to them.
 
 mod common;

@@ -14,23 +14,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Result, SchedError};
-
-/// A resident weight replica as the ledger knows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReplicaEntry {
-    /// Qualified group name (`unet/input_blocks.1`).
-    pub group: String,
-    /// Bytes charged.
-    pub bytes: u64,
-    /// Never evicted (the group's parameters live on this device).
-    pub pinned: bool,
-}
+use crate::plan::Replica;
 
 #[derive(Debug, Default)]
 struct State {
     managed: u64,
     high_water: u64,
-    replicas: Vec<ReplicaEntry>,
+    replicas: Vec<Replica>,
 }
 
 /// The managed-memory account of one device (cheap to clone; clones share the account).
@@ -72,7 +62,7 @@ impl Ledger {
     }
 
     /// Resident replicas, oldest first.
-    pub fn replicas(&self) -> Vec<ReplicaEntry> {
+    pub fn replicas(&self) -> Vec<Replica> {
         self.lock().replicas.clone()
     }
 
@@ -106,7 +96,7 @@ impl Ledger {
     /// Charges a replica of `group` and lists it.
     pub fn add_replica(&self, group: &str, bytes: u64, pinned: bool) -> Result<()> {
         self.charge(bytes, &format!("the weights of {group}"))?;
-        self.lock().replicas.push(ReplicaEntry { group: group.to_string(), bytes, pinned });
+        self.lock().replicas.push(Replica { group: group.to_string(), bytes, pinned });
         Ok(())
     }
 

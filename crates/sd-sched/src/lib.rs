@@ -19,6 +19,6 @@ pub mod runner;
 pub mod weights;
 
 pub use error::{NoRoom, Result, SchedError};
-pub use ledger::{Ledger, Ledgers, ReplicaEntry};
+pub use ledger::{Ledger, Ledgers};
 pub use runner::{RunStats, Runner};
 pub use weights::{short_name, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights};

@@ -3,7 +3,7 @@
 //!
 //! Two ways in:
 //! * [`Runner::alloc`] + [`Runner::compute`]: the graph runs whole; its weights must have
-//!   storage (allocated, or staged with [`Weights::make_resident`]).
+//!   storage ([`Weights::allocate`], or placed and pinned on the computing device).
 //! * [`Runner::run`]: the module hands over its graph context, the cut tensors it marked at
 //!   block boundaries (in execution order) and the output, and the runner takes three steps:
 //!   1. *analyse* (the module graph): expand the graph cut by cut, so that base segment *k*
@@ -43,7 +43,7 @@ use sd_backends::{alloc, Backend, Buffer, BufferType, Context, Graph, GraphAlloc
 use crate::error::{Result, SchedError};
 use crate::ledger::Ledger;
 use crate::plan::{
-    self, Action, DeviceState, Mode, ModuleGraph, ParamGroup, PlannedSegment, Replica, Schedule, Segment, Transfer,
+    self, Action, DeviceState, Mode, ModuleGraph, ParamGroup, PlannedSegment, Schedule, Segment, Transfer,
 };
 use crate::weights::{GroupId, Weights};
 
@@ -131,11 +131,6 @@ impl Runner {
     /// The ledger it charges.
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
-    }
-
-    /// Bytes of the current compute buffer.
-    pub fn compute_buffer_size(&self) -> usize {
-        self.alloc.buffer_size()
     }
 
     /// Measures and allocates the compute buffer for `graph`. Its tensors' data stays valid
@@ -457,8 +452,7 @@ impl Runner {
         let replica_bytes: u64 = replicas.iter().map(|r| r.bytes).sum();
         state.fixed = self.ledger.managed().saturating_sub(replica_bytes).saturating_sub(self.charged) + cut_bytes;
         state.workspace = self.charged;
-        state.replicas =
-            replicas.into_iter().map(|r| Replica { group: r.group, bytes: r.bytes, pinned: r.pinned }).collect();
+        state.replicas = replicas;
         // Prefetches are copied on a worker thread while the segment computes; the executor
         // has no asynchronous-transfer path, so it never offers one.
         state.async_transfer = false;

@@ -389,11 +389,6 @@ impl Weights {
         Ok(())
     }
 
-    /// Whether [`place`](Self::place) gave the set a home.
-    pub fn is_placed(&self) -> bool {
-        self.residency.is_some()
-    }
-
     /// Whether every group is pinned on the computing device (unplaced sets count as pinned).
     pub fn is_pinned(&self) -> bool {
         self.residency.as_ref().is_none_or(|r| matches!(r.home, Home::Compute { .. }))
@@ -507,7 +502,7 @@ impl Weights {
     /// Until the job is dropped, nothing but the job may read or write the data of the
     /// tensors of `groups` or rewrite their structs: no graph being computed may hold them,
     /// and none of them may be allocated, evicted or filled (`alloc_group`, `evict_group`,
-    /// `fill_group`, `make_resident`, `release_all`, dropping the set). Their replicas must
+    /// `fill_group`, dropping the set). Their replicas must
     /// be allocated. The job reads only those tensors, their home copies (mirror tensors of
     /// the same indices, RAM bytes, or the `Send + Sync` source) and atomic counters.
     pub(crate) unsafe fn fill_on_worker(&self, groups: &[GroupId]) -> Option<WorkerFill<'_>> {
@@ -616,24 +611,8 @@ impl WorkerFill<'_> {
 }
 
 impl Weights {
-    /// Stages every group (for modules that run whole, e.g. a VAE): after this the set can be
-    /// used like an allocated one until [`release_all`](Self::release_all).
-    pub fn make_resident(&self) -> Result<()> {
-        let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
-        for g in (0..n).map(GroupId) {
-            if !self.is_resident(g) {
-                self.alloc_group(g)?;
-                if let Err(e) = self.fill_group(g) {
-                    self.evict_group(g);
-                    return Err(e);
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Evicts every unpinned group.
-    pub fn release_all(&self) {
+    fn release_all(&self) {
         let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
         for g in (0..n).map(GroupId) {
             self.evict_group(g);

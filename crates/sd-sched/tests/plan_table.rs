@@ -1,4 +1,4 @@
-//! Segment planning rules of performance.md on a synthetic model, one case per sentence.
+//! Segment planning rules of stable-diffusion.cpp's `docs/performance.md` on a synthetic model, one case per sentence.
 //!
 //! The synthetic model is a stack of N identical blocks (100 MiB of weights, 50 MiB of
 //! workspace each) between a head (30 MiB, 40 MiB workspace) and a tail (20 MiB, 60 MiB
@@ -196,8 +196,9 @@ fn reusable_buffer_is_not_reallocated() {
 
 #[test]
 fn merging_without_prefetch() {
-    // "adjacent segments are merged while they fit" (issue 5, performance.md's fixed segment
-    // list). Budget 600 MiB, so merged segments must fit 600 - 128 = 472 MiB:
+    // "adjacent segments are merged while they fit" (issue 5 of this project's tracker, on
+    // the fixed segment list of stable-diffusion.cpp's `docs/performance.md`). Budget 600 MiB,
+    // so merged segments must fit 600 - 128 = 472 MiB:
     //   head+b0+b1+b2 = 330 weights + 50 workspace = 380; adding b3 gives 480 > 472.
     //   b3..b6 = 400 + 50 = 450; adding b7 gives 550.
     //   b7+tail = 120 + 60 = 180, the end.
@@ -252,7 +253,8 @@ fn prefetch_order() {
     assert_eq!(names(s.segments[0].loads()), [g("head"), g("block.0")]);
     assert!(s.segments[1..].iter().all(|p| p.loads().count() == 0));
 
-    // "asynchronously where the device supports it, on a worker thread otherwise" (issue 5).
+    // "asynchronously where the device supports it, on a worker thread otherwise" (issue 5 of
+    // this project's tracker).
     let mut d = budget(600 * M);
     d.async_transfer = false;
     let s = run(&stack(8), &d, Options::default());
@@ -486,9 +488,10 @@ fn forced_monolithic_fails_cleanly() {
 
 #[test]
 fn a_segment_that_cannot_fit_names_device_bytes_and_budget() {
-    // Issue 5: "an allocation that still does not fit after reclaiming fails with a message
-    // naming the device, the bytes needed and the budget". block.3 is 700 MiB: with its 50 MiB
-    // workspace it needs 786432000 bytes; the budget is 600 MiB.
+    // Issue 5 of this project's tracker: "an allocation that still does not fit after
+    // reclaiming fails with a message naming the device, the bytes needed and the budget".
+    // block.3 is 700 MiB: with its 50 MiB workspace it needs 786432000 bytes; the budget is
+    // 600 MiB.
     let mut m = stack(8);
     m.segments[4].groups[0].bytes = 700 * M;
     let err = plan(&m, &budget(600 * M), &Options::default(), &mut Estimate).unwrap_err();

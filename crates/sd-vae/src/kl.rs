@@ -78,12 +78,12 @@ impl VaeConfig {
     }
 
     /// Pixels per latent pixel: 2^(levels - 1).
-    pub fn downscale(&self) -> usize {
+    fn downscale(&self) -> usize {
         1 << self.ch_mult.len().saturating_sub(1)
     }
 
     /// Channels of the encoder's output (the moments).
-    pub fn moment_channels(&self) -> usize {
+    fn moment_channels(&self) -> usize {
         self.z_channels * if self.double_z { 2 } else { 1 }
     }
 
@@ -253,27 +253,18 @@ impl Encoder {
         self.conv_out.specs(out);
     }
 
-    /// `x` is `[W, H, 3, N]`; returns `[W/8, H/8, 2z, N]`, recording block outputs in `cuts`.
-    pub fn forward<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        x: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
+    /// `x` is `[W, H, 3, N]`; returns `[W/8, H/8, 2z, N]`.
+    pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
         let mut h = self.conv_in.forward(f, x)?;
-        cuts.push(("vae.encoder.prelude".into(), h));
-        for (i, level) in self.down.iter().enumerate() {
-            for (j, b) in level.blocks.iter().enumerate() {
+        for level in &self.down {
+            for b in &level.blocks {
                 h = b.forward(f, h)?;
-                cuts.push((format!("vae.encoder.down.{i}.block.{j}"), h));
             }
             if let Some(d) = &level.downsample {
                 h = d.forward(f, h)?;
-                cuts.push((format!("vae.encoder.down.{i}.downsample"), h));
             }
         }
         h = self.mid.forward(f, h)?;
-        cuts.push(("vae.encoder.mid".into(), h));
         let h = self.norm_out.forward(f, h)?;
         let h = f.ctx.silu(h);
         self.conv_out.forward(f, h)
@@ -340,25 +331,16 @@ impl Decoder {
         self.conv_out.specs(out);
     }
 
-    /// `z` is `[w, h, z, N]`; returns `[8w, 8h, 3, N]`, recording block outputs in `cuts`.
-    pub fn forward<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        z: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
+    /// `z` is `[w, h, z, N]`; returns `[8w, 8h, 3, N]`.
+    pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
         let mut h = self.conv_in.forward(f, z)?;
-        cuts.push(("vae.decoder.prelude".into(), h));
         h = self.mid.forward(f, h)?;
-        cuts.push(("vae.decoder.mid".into(), h));
-        for (i, level) in self.up.iter().enumerate().rev() {
-            for (j, b) in level.blocks.iter().enumerate() {
+        for level in self.up.iter().rev() {
+            for b in &level.blocks {
                 h = b.forward(f, h)?;
-                cuts.push((format!("vae.decoder.up.{i}.block.{j}"), h));
             }
             if let Some(u) = &level.upsample {
                 h = u.forward(f, h)?;
-                cuts.push((format!("vae.decoder.up.{i}.upsample"), h));
             }
         }
         let h = self.norm_out.forward(f, h)?;
@@ -503,29 +485,19 @@ impl AutoencoderKl {
 
     /// Builds the decode graph on `z` (`[w, h, z, 1]`, VAE latents): `post_quant_conv`
     /// then the decoder. Returns `[8w, 8h, 3, 1]`.
-    pub fn build_decode<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        z: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
+    pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
         let z = self.post_quant_conv.forward(f, z)?;
-        self.decoder.forward(f, z, cuts)
+        self.decoder.forward(f, z)
     }
 
     /// Builds the encode graph on `x` (`[W, H, 3, 1]` in [-1, 1]): the encoder then
     /// `quant_conv`. Returns the moments `[W/8, H/8, 2z, 1]`.
-    pub fn build_encode<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        x: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
+    pub fn build_encode<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
         let (enc, quant) = self
             .encoder
             .as_ref()
             .ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (VaeParts::DecoderOnly)"))?;
-        let h = enc.forward(f, x, cuts)?;
+        let h = enc.forward(f, x)?;
         quant.forward(f, h)
     }
 
@@ -678,21 +650,11 @@ impl GraphModel for AutoencoderKl {
         self.opts
     }
 
-    fn build_decode_graph<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        z: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
-        self.build_decode(f, z, cuts)
+    fn build_decode_graph<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
+        self.build_decode(f, z)
     }
 
-    fn build_encode_graph<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        x: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
-        self.build_encode(f, x, cuts)
+    fn build_encode_graph<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
+        self.build_encode(f, x)
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! A model ([`FirstStage`]) knows how to build and run one decode or encode graph on
 //! a planar buffer. [`decode_tiled`] and [`encode_tiled`] put the tiling rules of
-//! `performance.md` on top:
+//! stable-diffusion.cpp's `docs/performance.md` on top:
 //! * with `--vae-tiling`, both directions split the input into the grid of
 //!   [`crate::tiling`] and blend the tiles as stable-diffusion.cpp blends them;
 //! * the decode path retries an allocation failure with smaller tiles, even without
@@ -83,19 +83,9 @@ pub(crate) trait GraphModel: FirstStage {
     /// Graph construction options.
     fn graph_options(&self) -> GraphOptions;
     /// Builds the decode graph on a `[w, h, c, 1]` latent tensor.
-    fn build_decode_graph<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        z: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>>;
+    fn build_decode_graph<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>>;
     /// Builds the encode graph on a `[W, H, c, 1]` image tensor.
-    fn build_encode_graph<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        x: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>>;
+    fn build_encode_graph<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>>;
 }
 
 /// [`FirstStage::decode_graph`] of a ggml autoencoder.
@@ -117,7 +107,7 @@ pub(crate) fn decode_graph<M: GraphModel>(
     let input = [dims[0], dims[1], channels];
     let (out, ne) =
         run_graph(runner, module, m.weights(), m.graph_options(), latent, input, max_compute_bytes, |f, z| {
-            m.build_decode_graph(f, z, &mut Vec::new())
+            m.build_decode_graph(f, z)
         })?;
     Ok((out, ne[2]))
 }
@@ -147,7 +137,7 @@ pub(crate) fn encode_graph<M: GraphModel>(
     let input = [dims[0], dims[1], channels];
     let (out, ne) =
         run_graph(runner, module, m.weights(), m.graph_options(), image, input, max_compute_bytes, |f, x| {
-            m.build_encode_graph(f, x, &mut Vec::new())
+            m.build_encode_graph(f, x)
         })?;
     Ok((out, ne[2]))
 }

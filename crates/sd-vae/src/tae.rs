@@ -133,7 +133,7 @@ fn layer_forward<'g>(l: &Layer, f: &Fwd<'_, 'g>, h: Tensor<'g>) -> Result<Tensor
 }
 
 /// The decoder's layers.
-pub fn decoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
+fn decoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
     let p = |i: usize| format!("{PREFIX}.decoder.layers.{i}");
     let ch = cfg.channels;
     let mut layers = vec![Layer::Conv(Conv2d::new(p(0), cfg.z_channels, ch, 3, 1, 1)), Layer::Relu];
@@ -150,7 +150,7 @@ pub fn decoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
 }
 
 /// The encoder's layers.
-pub fn encoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
+fn encoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
     let p = |i: usize| format!("{PREFIX}.encoder.layers.{i}");
     let ch = cfg.channels;
     let mut layers = vec![Layer::Conv(Conv2d::new(p(0), cfg.image_channels, ch, 3, 1, 1))];
@@ -230,38 +230,24 @@ impl Taesd {
     }
 
     /// Builds the decode graph on `z` (`[w, h, 4, 1]`). Returns `[8w, 8h, 3, 1]` in about `[0, 1]`.
-    pub fn build_decode<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        z: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
+    pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
         let ctx = f.ctx;
         let mut h = ctx.scale(ctx.tanh(ctx.scale(z, 1.0 / 3.0)), 3.0);
-        for (i, l) in self.decoder.iter().enumerate() {
+        for l in &self.decoder {
             h = layer_forward(l, f, h)?;
-            if matches!(l, Layer::Block(_) | Layer::Conv(_)) {
-                cuts.push((format!("taesd.decoder.layers.{i}"), h));
-            }
         }
         Ok(h)
     }
 
     /// Builds the encode graph on `x` (`[W, H, 3, 1]` in `[0, 1]`). Returns `[W/8, H/8, 4, 1]`.
-    pub fn build_encode<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        x: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
+    pub fn build_encode<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
         let layers = self
             .encoder
             .as_ref()
             .ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (TaesdParts::DecoderOnly)"))?;
         let mut h = x;
-        for (i, l) in layers.iter().enumerate() {
+        for l in layers {
             h = layer_forward(l, f, h)?;
-            cuts.push((format!("taesd.encoder.layers.{i}"), h));
         }
         Ok(h)
     }
@@ -363,21 +349,11 @@ impl GraphModel for Taesd {
         self.opts
     }
 
-    fn build_decode_graph<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        z: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
-        self.build_decode(f, z, cuts)
+    fn build_decode_graph<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
+        self.build_decode(f, z)
     }
 
-    fn build_encode_graph<'g>(
-        &self,
-        f: &Fwd<'_, 'g>,
-        x: Tensor<'g>,
-        cuts: &mut Vec<(String, Tensor<'g>)>,
-    ) -> Result<Tensor<'g>> {
-        self.build_encode(f, x, cuts)
+    fn build_encode_graph<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
+        self.build_encode(f, x)
     }
 }

@@ -17,11 +17,11 @@
 use crate::error::{Result, VaeError};
 
 /// Default tile edge in image pixels ("The default tile size is 256x256 image pixels").
-pub const DEFAULT_TILE_PIXELS: usize = 256;
+const DEFAULT_TILE_PIXELS: usize = 256;
 /// Smallest explicit tile edge in latent pixels ("below four latent pixels per axis ... are rejected").
-pub const MIN_TILE_LATENT: usize = 4;
+const MIN_TILE_LATENT: usize = 4;
 /// Default target overlap, as a fraction of the tile (`--vae-tile-overlap 0.5`).
-pub const DEFAULT_OVERLAP: f32 = 0.5;
+const DEFAULT_OVERLAP: f32 = 0.5;
 
 /// The tiling flags, as the user gave them.
 ///
@@ -301,7 +301,7 @@ pub fn edge_factor(i: usize, size: usize, origin: usize, full: usize, overlap: u
 }
 
 /// Copies the `size` window at `origin` out of a planar buffer of `dims`.
-pub fn split_tile(input: &[f32], dims: [usize; 2], planes: usize, origin: [usize; 2], size: [usize; 2]) -> Vec<f32> {
+fn split_tile(input: &[f32], dims: [usize; 2], planes: usize, origin: [usize; 2], size: [usize; 2]) -> Vec<f32> {
     let mut out = Vec::with_capacity(size[0] * size[1] * planes);
     for p in 0..planes {
         for iy in 0..size[1] {

@@ -1,4 +1,4 @@
-//! The tiling rules of `performance.md` ("Use VAE tiling ..."), one sentence per case,
+//! The tiling rules of stable-diffusion.cpp's `docs/performance.md` ("Use VAE tiling ..."), one sentence per case,
 //! on the pure logic and on the decode/encode drivers with a stand-in model.
 
 mod common;

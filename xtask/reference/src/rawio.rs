@@ -12,9 +12,9 @@ use serde_json::{json, Map, Value};
 
 use crate::ffi::Tensor;
 
-pub const FORMAT: &str = "sdref-f32";
+const FORMAT: &str = "sdref-f32";
 
-pub fn sidecar_path(path: &Path) -> PathBuf {
+fn sidecar_path(path: &Path) -> PathBuf {
     let mut s = path.as_os_str().to_owned();
     s.push(".json");
     PathBuf::from(s)

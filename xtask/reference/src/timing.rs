@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use crate::ffi::{Observer, LOG_DEBUG};
 
 #[derive(Debug, Default, Clone)]
-pub struct StageTimes {
+pub(crate) struct StageTimes {
     pub text_encode_s: Option<f64>,
     pub sampling_s: Vec<f64>,
     pub decode_s: Option<f64>,

@@ -2,12 +2,12 @@
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sd_backends::rpc_wire::WireClient;
-use sd_models::fixture::{self, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, Family, WeightType};
 
 pub fn sd_cli() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sd-cli"))
@@ -15,16 +15,7 @@ pub fn sd_cli() -> Command {
 
 /// The SD 1.5 fixture (seed 42, f16), shared by the end-to-end tests.
 pub fn sd15_fixture() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures-test");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sd15-f16-seed42.safetensors");
-    if !path.exists() {
-        let tmp = dir.join(format!("sd15-f16-seed42.{}.tmp", std::process::id()));
-        let req = FixtureRequest::family(Family::Sd15, 42, WeightType::F16, FileFormat::Safetensors);
-        fixture::write_fixture(&tmp, &req).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
-    }
-    path
+    fixture::ensure_cached(Family::Sd15, 42, WeightType::F16).unwrap().0
 }
 
 /// An `sd-cli rpc-server` on a free loopback port, in its own process group (signals

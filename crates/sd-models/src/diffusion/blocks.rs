@@ -10,7 +10,7 @@
 //!
 //! * Storage types: convolution kernels are always f16, biases and norm parameters
 //!   always f32, linear weights take the file's type or the `--type` override
-//!   ([`linear_weight_type`]). The storage type decides the precision of ggml's product:
+//!   ([`crate::wtype::linear_weight_type`]). The storage type decides the precision of ggml's product:
 //!   with an f16 (or quantized) weight the CPU backend rounds the activation to the
 //!   weight's dot type first; convolutions run as im2col in f16.
 //! * GroupNorm: 32 groups, eps 1e-6 (the reference hard-codes it for every GroupNorm);
@@ -18,121 +18,24 @@
 //! * Attention: `softmax(k·q / sqrt(d))` with f32 products, or
 //!   `ggml_flash_attn_ext` with k and v cast to f16 (`--diffusion-fa`).
 
-use sd_backends::convert::fits_blocks;
 use sd_backends::{Context, Device, GgmlType, ScaleMode, Tensor};
-use sd_sched::{TensorSpec, Weights};
+use sd_sched::Weights;
 
 use super::Result;
+pub use crate::wtype::SpecSink;
 
-const F32: GgmlType = GgmlType::GGML_TYPE_F32;
 const F16: GgmlType = GgmlType::GGML_TYPE_F16;
 
 /// Groups of every GroupNorm in the UNet.
 pub const GROUPS: i32 = 32;
 /// GroupNorm epsilon (the reference uses 1e-6 for every GroupNorm it builds).
-pub const GROUP_NORM_EPS: f32 = 1e-6;
+const GROUP_NORM_EPS: f32 = 1e-6;
 /// LayerNorm epsilon of the transformer blocks.
-pub const LAYER_NORM_EPS: f32 = 1e-5;
+const LAYER_NORM_EPS: f32 = 1e-5;
 
 // ---------------------------------------------------------------------------------------
 // Storage types
 // ---------------------------------------------------------------------------------------
-
-/// Whether `--type ty` converts the tensor `name` whose rows have `ne0` elements.
-///
-/// The reference's rule (`tensor_should_be_converted`): never biases and scales, never
-/// the embedding-like inputs of the various families (UNet: `time_embed.`, `label_emb.`),
-/// and never a row length that is not a whole number of `ty`'s blocks.
-pub fn type_override_applies(name: &str, ne0: i64, ty: GgmlType) -> bool {
-    const KEPT: [&str; 14] = [
-        "img_in.",
-        "txt_in.",
-        "time_in.",
-        "vector_in.",
-        "guidance_in.",
-        "final_layer.",
-        "x_embedder.",
-        "t_embedder.",
-        "y_embedder.",
-        "pos_embed",
-        "context_embedder.",
-        "time_embed.",
-        "label_emb.",
-        "embedding",
-    ];
-    if !fits_blocks(ty, ne0) {
-        return false;
-    }
-    if name.ends_with(".bias") || name.ends_with(".scale") || name.ends_with(".weight_scale") {
-        return false;
-    }
-    !KEPT.iter().any(|k| name.contains(k))
-}
-
-/// Storage type of a linear layer's weight `name` with `in_features` inputs.
-///
-/// The file's type (`file`, f32 when the file lacks the tensor), replaced by the `--type`
-/// override where [`type_override_applies`]; f32 when the row length is not a whole number
-/// of the resulting type's blocks.
-pub fn linear_weight_type(name: &str, in_features: i64, file: Option<GgmlType>, wtype: Option<GgmlType>) -> GgmlType {
-    let mut ty = file.unwrap_or(F32);
-    if let (Some(_), Some(w)) = (file, wtype) {
-        if type_override_applies(name, in_features, w) {
-            ty = w;
-        }
-    }
-    if !fits_blocks(ty, in_features) {
-        ty = F32;
-    }
-    ty
-}
-
-/// Collects parameter specs with the storage-type rules applied.
-pub struct SpecSink<'a> {
-    /// The specs so far, in declaration order.
-    pub specs: Vec<TensorSpec>,
-    dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>,
-    wtype: Option<GgmlType>,
-}
-
-impl std::fmt::Debug for SpecSink<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SpecSink({} specs, wtype {:?})", self.specs.len(), self.wtype)
-    }
-}
-
-impl<'a> SpecSink<'a> {
-    /// A sink asking `dtype_of` for the file's type of each tensor, with the `--type` override `wtype`.
-    pub fn new(dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Self {
-        Self { specs: Vec::new(), dtype_of, wtype }
-    }
-
-    fn push(&mut self, name: String, ty: GgmlType, ne: &[i64]) {
-        self.specs.push(TensorSpec { name, ty, ne: ne.to_vec() });
-    }
-
-    /// `nn.Linear(inp, out)`: weight [inp, out] in the file's / override type, bias [out] f32.
-    pub fn linear(&mut self, p: &str, inp: i64, out: i64, bias: bool) {
-        let name = format!("{p}.weight");
-        let ty = linear_weight_type(&name, inp, (self.dtype_of)(&name), self.wtype);
-        self.push(name, ty, &[inp, out]);
-        if bias {
-            self.push(format!("{p}.bias"), F32, &[out]);
-        }
-    }
-
-    /// `nn.Conv2d(inp, out, k)` with bias: kernel [k, k, inp, out] f16, bias [out] f32.
-    pub fn conv2d(&mut self, p: &str, inp: i64, out: i64, k: i64) {
-        self.push(format!("{p}.weight"), F16, &[k, k, inp, out]);
-        self.push(format!("{p}.bias"), F32, &[out]);
-    }
-
-    /// GroupNorm / LayerNorm affine parameters, f32.
-    pub fn norm(&mut self, p: &str, c: i64) {
-        self.push(format!("{p}.weight"), F32, &[c]);
-        self.push(format!("{p}.bias"), F32, &[c]);
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // Primitive layers
@@ -250,7 +153,7 @@ pub fn attention<'g>(
 }
 
 /// Declares `CrossAttention(query_dim, context_dim)`: bias-free q/k/v, `to_out.0` with bias.
-pub fn cross_attention_specs(s: &mut SpecSink<'_>, p: &str, query_dim: i64, context_dim: i64, inner: i64) {
+fn cross_attention_specs(s: &mut SpecSink<'_>, p: &str, query_dim: i64, context_dim: i64, inner: i64) {
     s.linear(&format!("{p}.to_q"), query_dim, inner, false);
     s.linear(&format!("{p}.to_k"), context_dim, inner, false);
     s.linear(&format!("{p}.to_v"), context_dim, inner, false);
@@ -275,7 +178,7 @@ pub fn cross_attention<'g>(
 }
 
 /// Declares the GEGLU `FeedForward(dim, mult 4)`.
-pub fn feed_forward_specs(s: &mut SpecSink<'_>, p: &str, dim: i64) {
+fn feed_forward_specs(s: &mut SpecSink<'_>, p: &str, dim: i64) {
     let inner = 4 * dim;
     s.linear(&format!("{p}.net.0.proj"), dim, 2 * inner, true);
     s.linear(&format!("{p}.net.2"), inner, dim, true);
@@ -291,7 +194,7 @@ pub fn feed_forward<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> 
 }
 
 /// Declares a `BasicTransformerBlock(dim, context_dim)`.
-pub fn transformer_block_specs(s: &mut SpecSink<'_>, p: &str, dim: i64, context_dim: i64) {
+fn transformer_block_specs(s: &mut SpecSink<'_>, p: &str, dim: i64, context_dim: i64) {
     cross_attention_specs(s, &format!("{p}.attn1"), dim, dim, dim);
     cross_attention_specs(s, &format!("{p}.attn2"), dim, context_dim, dim);
     feed_forward_specs(s, &format!("{p}.ff"), dim);

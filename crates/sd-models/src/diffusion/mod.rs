@@ -6,7 +6,7 @@
 //!   rounding error, so every block builds the same ggml operations on the same storage
 //!   types as the reference does (`common/block.hpp`, `ggml_extend.hpp`, `unet.hpp`): where
 //!   weights are f16 the ggml CPU backend rounds activations to f16 before the product, so
-//!   the storage type of each parameter is part of the model math ([`blocks::linear_weight_type`]).
+//!   the storage type of each parameter is part of the model math ([`crate::wtype::linear_weight_type`]).
 //!   Deviations are allowed only where they are exactly equivalent on ggml's kernels (a
 //!   fused `soft_max_ext` scale instead of a separate scale node, the fused swapped GEGLU
 //!   instead of `cont` + `gelu` + `mul`, casting a permuted view instead of copying it
@@ -17,8 +17,9 @@
 //! * **Blocks are plain functions** over a [`sd_sched::Weights`] set and a name prefix
 //!   ([`blocks`]), so a parity harness can run one ResBlock or one transformer on given
 //!   inputs ([`run_graph`]) and compare it with the reference's dump of the same block.
-//! * **Graph cuts are recorded, not used yet:** every forward pushes `(block name,
-//!   activation)` after each block, for the segmenting scheduler to come.
+//! * **Graph cuts at block boundaries:** every forward pushes `(block name, activation)`
+//!   after each block; [`sd_sched::Runner::run`] executes the graph segment by segment
+//!   between them when the module's weights do not fit on the device at once.
 //!
 //! What it refuses to do: read files (the loader hands a [`sd_sched::TensorSource`]),
 //! choose devices, or sample. Prediction type (eps / v) is the sampler's business: the

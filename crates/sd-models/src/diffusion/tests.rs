@@ -558,7 +558,7 @@ fn specs_match_the_fixture_tables_name_for_name() {
     for (arch, cfg) in
         [(Architecture::sd15(), UNetConfig::sd15()), (Architecture::sd2(fixture::Prediction::V), UNetConfig::sd21())]
     {
-        let table = fixture::tensor_table(&arch.only(&[Component::Unet])).unwrap();
+        let table = fixture::tensor_table(&arch.only(&[Component::Diffusion])).unwrap();
         let mut want: Vec<(String, Vec<i64>)> =
             table.iter().map(|t| (t.name.clone(), t.shape.iter().rev().map(|&d| d as i64).collect())).collect();
         let mut got: Vec<(String, Vec<i64>)> =
@@ -612,7 +612,7 @@ fn storage_types_follow_the_reference_rules() {
     let specs = unet::unet_specs(&UNetConfig::sd21(), &f16_file, Some(Q8_0));
     assert_eq!(ty_of(&specs, "input_blocks.1.1.proj_in.weight"), Q8_0);
     // A tensor the file lacks is f32 and not overridden.
-    assert_eq!(blocks::linear_weight_type("x.weight", 320, None, Some(Q8_0)), F32);
+    assert_eq!(crate::wtype::linear_weight_type("x.weight", 320, None, Some(Q8_0)), F32);
 }
 
 #[test]

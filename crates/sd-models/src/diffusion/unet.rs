@@ -315,7 +315,7 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
 /// `dtype_of` gives the file's type of a tensor by internal name (None when absent);
 /// `wtype` is the `--type` override. Storage follows the reference: convolution kernels
 /// f16, biases and norms f32, linear weights the file's type or the override (except
-/// `time_embed.*`, which `--type` leaves alone); see [`blocks::linear_weight_type`].
+/// `time_embed.*`, which `--type` leaves alone); see [`crate::wtype::linear_weight_type`].
 pub fn unet_specs(
     cfg: &UNetConfig,
     dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
@@ -402,7 +402,7 @@ pub fn forward<'g>(
 
 /// [`forward`] with an explicit attention kernel choice.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_with<'g>(
+fn forward_with<'g>(
     g: &'g Context,
     w: &Weights,
     cfg: &UNetConfig,

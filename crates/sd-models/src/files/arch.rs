@@ -12,8 +12,6 @@
 //! model graph, so here it is reported as unknown and left to the caller.
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
 use super::error::FilesError;
 use super::index::TensorIndex;
@@ -31,44 +29,7 @@ pub struct ArchSpec {
 
 inventory::collect!(ArchSpec);
 
-/// What the noise predictor predicts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Prediction {
-    /// ε-prediction (SD 1.x, SD 2.x base).
-    Eps,
-    /// v-prediction (SD 2.x 768-v).
-    V,
-}
-
-impl fmt::Display for Prediction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Prediction::Eps => "eps",
-            Prediction::V => "v",
-        })
-    }
-}
-
-/// A prediction name no [`Prediction`] has.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown prediction type '{given}' (accepted: eps, v)")]
-pub struct UnknownPrediction {
-    pub given: String,
-}
-
-impl FromStr for Prediction {
-    type Err = UnknownPrediction;
-
-    /// Accepts sd.cpp's `eps` / `v` and the spellings found in metadata (`epsilon`,
-    /// `v_prediction`, `v-prediction`), ignoring ASCII case.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "eps" | "epsilon" => Ok(Prediction::Eps),
-            "v" | "v_prediction" | "v-prediction" | "vpred" | "v_pred" => Ok(Prediction::V),
-            _ => Err(UnknownPrediction { given: s.to_owned() }),
-        }
-    }
-}
+pub use crate::sampling::Prediction;
 
 /// Where the prediction type came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,13 +63,13 @@ pub fn registered() -> Vec<&'static ArchSpec> {
 }
 
 /// Metadata keys read for the prediction type, in order. Values are parsed with
-/// [`Prediction::from_str`]; `ss_v_parameterization` (kohya) is a boolean string.
-pub const PREDICTION_KEYS: &[&str] =
+/// [`Prediction::from_metadata`]; `ss_v_parameterization` (kohya) is a boolean string.
+const PREDICTION_KEYS: &[&str] =
     &["modelspec.prediction_type", "prediction_type", "diffusers.scheduler.prediction_type", "ss_v_parameterization"];
 
 /// The prediction type the files declare: a metadata key of [`PREDICTION_KEYS`], or a
 /// `v_pred` marker tensor (the convention sd.cpp reads for SDXL v-pred files).
-pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
+fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
     for &key in PREDICTION_KEYS {
         let Some((file, value)) = index.metadata(key) else { continue };
         let Some(s) = value.as_str() else {
@@ -122,7 +83,7 @@ pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, Stri
                 _ => None,
             }
         } else {
-            s.parse().ok()
+            Prediction::from_metadata(s)
         };
         match parsed {
             Some(p) => return Some((p, key.to_owned())),
@@ -207,18 +168,20 @@ pub mod sd {
     use super::*;
 
     /// The text encoder's token embedding, `[vocab, width]`.
-    pub const TOKEN_EMBEDDING: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
+    pub(super) const TOKEN_EMBEDDING: &str =
+        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
     /// The UNet's input convolution, `[320, in_channels, 3, 3]`.
-    pub const UNET_CONV_IN: &str = "model.diffusion_model.input_blocks.0.0.weight";
+    pub(super) const UNET_CONV_IN: &str = "model.diffusion_model.input_blocks.0.0.weight";
     /// The first cross-attention key projection, `[320, context_dim]`.
-    pub const UNET_CROSS_ATTN_K: &str = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight";
+    pub(super) const UNET_CROSS_ATTN_K: &str =
+        "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight";
 
     /// The facts both SD 1.x and 2.x detection read, as sd.cpp's `get_sd_version` does:
     /// a UNet with a middle block and 4 latent input channels (9 is inpainting, 8 is
     /// instruct-pix2pix; both other architectures), one text encoder (a second is SDXL),
     /// and the context width from the text encoder's token embedding, or from the UNet's
     /// cross-attention when only the UNet is given. When both are present they must agree.
-    pub fn context_width(index: &TensorIndex) -> Option<u64> {
+    fn context_width(index: &TensorIndex) -> Option<u64> {
         let conv_in = index.get(UNET_CONV_IN)?;
         if conv_in.shape.len() != 4 || conv_in.shape[1] != 4 {
             return None;

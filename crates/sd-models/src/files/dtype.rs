@@ -198,7 +198,7 @@ impl DType {
 
     /// Bytes of one row of `n` elements; `None` when `n` is not a whole number of blocks or
     /// the size overflows `u64`.
-    pub fn row_bytes(self, n: u64) -> Option<u64> {
+    fn row_bytes(self, n: u64) -> Option<u64> {
         let t = self.traits();
         if !n.is_multiple_of(t.block) {
             return None;

@@ -19,17 +19,17 @@ use std::collections::HashSet;
 
 use super::dtype::DType;
 use super::error::FormatError;
-use super::safetensors::{check_overlaps, expected_bytes, TensorSpec};
+use super::safetensors::{check_overlaps, expected_bytes, HeaderEntry};
 use super::RawTensor;
 
 /// The four bytes every GGUF file starts with.
 pub const MAGIC: [u8; 4] = *b"GGUF";
 /// Alignment of the data section and of each tensor when `general.alignment` is absent.
-pub const DEFAULT_ALIGNMENT: u64 = 32;
+const DEFAULT_ALIGNMENT: u64 = 32;
 /// The key that sets the alignment.
-pub const ALIGNMENT_KEY: &str = "general.alignment";
+const ALIGNMENT_KEY: &str = "general.alignment";
 /// Most dimensions a ggml tensor has (`GGML_MAX_DIMS`).
-pub const MAX_DIMS: u64 = 4;
+const MAX_DIMS: u64 = 4;
 
 /// Smallest encoding of one tensor info: empty name (8), n_dims (4), type (4), offset (8).
 const MIN_TENSOR_INFO_BYTES: u64 = 24;
@@ -463,7 +463,7 @@ fn alignment_of(metadata: &[(String, GgufValue)]) -> Result<u64, FormatError> {
 /// The bytes before the data section of a GGUF v3 file holding `specs` in order, padded to
 /// the alignment (`general.alignment` in `metadata`, else 32). In the data section each
 /// tensor's bytes follow in order, each padded with zeros to the alignment.
-pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &[(String, GgufValue)]) -> Result<Vec<u8>, FormatError> {
+pub fn header_bytes(specs: &[HeaderEntry<'_>], metadata: &[(String, GgufValue)]) -> Result<Vec<u8>, FormatError> {
     let alignment = alignment_of(metadata)?;
     let mut out = Vec::new();
     out.extend_from_slice(&MAGIC);
@@ -515,8 +515,11 @@ pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &[(String, GgufValue)]) 
 
 /// A whole GGUF v3 file in memory: header, then each tensor's `data`, padded.
 /// Each `data` must be exactly the tensor's size.
-pub fn to_bytes(tensors: &[(TensorSpec<'_>, &[u8])], metadata: &[(String, GgufValue)]) -> Result<Vec<u8>, FormatError> {
-    let specs: Vec<TensorSpec<'_>> = tensors.iter().map(|(s, _)| *s).collect();
+pub fn to_bytes(
+    tensors: &[(HeaderEntry<'_>, &[u8])],
+    metadata: &[(String, GgufValue)],
+) -> Result<Vec<u8>, FormatError> {
+    let specs: Vec<HeaderEntry<'_>> = tensors.iter().map(|(s, _)| *s).collect();
     let alignment = alignment_of(metadata)? as usize;
     let mut out = header_bytes(&specs, metadata)?;
     for (s, data) in tensors {

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Exit status of a run ended because a mapped model file was truncated under it.
-pub const EXIT_FILE_CHANGED: i32 = 74;
+const EXIT_FILE_CHANGED: i32 = 74;
 
 const SLOTS: usize = 64;
 

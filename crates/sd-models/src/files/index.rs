@@ -5,7 +5,6 @@
 //! plain data ([`TensorIndex::new`]). [`super::ModelFiles`] pairs it with the memory maps.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::path::PathBuf;
 
 use super::error::FilesError;
@@ -69,11 +68,6 @@ impl TensorEntry {
         // Checked at parse time: the product fits.
         self.shape.iter().product()
     }
-
-    /// Byte range in the source file.
-    pub fn byte_range(&self) -> Range<u64> {
-        self.offset..self.offset + self.len
-    }
 }
 
 /// Which model component a tensor belongs to, by its internal-name prefix.
@@ -93,6 +87,18 @@ pub enum Component {
     Unused,
     /// Anything else: an extra tensor the architecture does not know.
     Other,
+}
+
+impl Component {
+    /// The components a checkpoint file holds, by their short names on command lines
+    /// (`cargo xtask fixture --only`).
+    const NAMED: [(Component, &'static str); 3] =
+        [(Component::Diffusion, "unet"), (Component::TextEncoder(0), "text"), (Component::Vae, "vae")];
+
+    /// The component a short name (`unet`, `text`, `vae`) names.
+    pub fn from_short_name(s: &str) -> Option<Component> {
+        Self::NAMED.into_iter().find(|(_, n)| *n == s).map(|(c, _)| c)
+    }
 }
 
 /// Prefixes of the internal names of tensors that inference never reads (sd.cpp matches
@@ -120,7 +126,7 @@ const UNUSED: &[&str] = &[
 ];
 
 /// Whether inference never reads the tensor with this internal name.
-pub fn is_unused(name: &str) -> bool {
+fn is_unused(name: &str) -> bool {
     name.ends_with(".position_ids") || UNUSED.iter().any(|u| name.starts_with(u))
 }
 
@@ -249,7 +255,7 @@ impl TensorIndex {
     }
 
     /// [`TensorIndex::block`] by internal name.
-    pub fn block_of(&self, name: &str) -> Option<u32> {
+    fn block_of(&self, name: &str) -> Option<u32> {
         if let Some((part, n)) = unet_block(name) {
             return Some(match part {
                 UnetPart::Input => n,
@@ -284,11 +290,6 @@ impl TensorIndex {
             }
         }
         Ok(())
-    }
-
-    /// Total bytes of the entries of `component`.
-    pub fn component_bytes(&self, component: Component) -> u64 {
-        self.entries.iter().filter(|e| component_of(&e.name) == component).map(|e| e.len).sum()
     }
 }
 

@@ -51,5 +51,5 @@ pub use error::{FilesError, FormatError};
 pub use index::{Component, FileFormat, SourceFile, TensorEntry, TensorIndex};
 pub use names::{FileRole, QkvPart};
 pub use raw::RawTensor;
-pub use safetensors::TensorSpec;
+pub use safetensors::HeaderEntry;
 pub use store::{ModelFiles, ModelSources};

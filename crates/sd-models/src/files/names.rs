@@ -1,7 +1,7 @@
 //! Tensor-name normalization: every file layout is mapped to ONE internal naming.
 //!
 //! The internal naming is the one stable-diffusion.cpp uses after its own conversion
-//! (`name_conversion.cpp`), i.e. the original LDM single-file names with HF-CLIP text
+//! (stable-diffusion.cpp's `name_conversion.cpp`), i.e. the original LDM single-file names with HF-CLIP text
 //! encoders. For SD 1.x / 2.x:
 //!
 //! | component      | internal prefix                                   | body                       |

@@ -24,7 +24,7 @@ use super::RawTensor;
 
 /// Largest header we accept. The safetensors crate refuses headers over 100 MB; real
 /// checkpoints have headers well under 1 MB.
-pub const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
+const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
 
 /// The parsed header of a safetensors file.
 #[derive(Debug, Clone, PartialEq)]
@@ -222,9 +222,10 @@ pub(crate) fn check_overlaps(tensors: &[RawTensor], data_start: u64) -> Result<(
     Ok(())
 }
 
-/// One tensor to write: its name, type and row-major shape.
+/// One tensor of a header to write: its name, type and row-major shape (the parameter
+/// declarations of a model are `sd_sched::TensorSpec`, a fixture's tensors `FixtureTensor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TensorSpec<'a> {
+pub struct HeaderEntry<'a> {
     pub name: &'a str,
     pub dtype: DType,
     pub shape: &'a [u64],
@@ -233,7 +234,7 @@ pub struct TensorSpec<'a> {
 /// The bytes before the data section of a safetensors file holding `specs` in order (length
 /// prefix and JSON, padded with spaces to a multiple of 8). The data section is then the
 /// tensors' bytes concatenated in the same order, without padding.
-pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>, FormatError> {
+pub fn header_bytes(specs: &[HeaderEntry<'_>], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>, FormatError> {
     let mut obj = serde_json::Map::new();
     if !metadata.is_empty() {
         let m = metadata.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
@@ -271,10 +272,10 @@ pub fn header_bytes(specs: &[TensorSpec<'_>], metadata: &BTreeMap<String, String
 /// A whole safetensors file in memory: header, then each tensor's `data` in order.
 /// Each `data` must be exactly the tensor's size.
 pub fn to_bytes(
-    tensors: &[(TensorSpec<'_>, &[u8])],
+    tensors: &[(HeaderEntry<'_>, &[u8])],
     metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>, FormatError> {
-    let specs: Vec<TensorSpec<'_>> = tensors.iter().map(|(s, _)| *s).collect();
+    let specs: Vec<HeaderEntry<'_>> = tensors.iter().map(|(s, _)| *s).collect();
     let mut out = header_bytes(&specs, metadata)?;
     for (s, data) in tensors {
         let expected = expected_bytes(s.name, s.dtype, s.shape)?;

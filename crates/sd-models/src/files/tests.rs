@@ -25,7 +25,7 @@ fn st_err(json: &str, data_len: usize) -> FormatError {
     safetensors::parse(&st_raw(json, data_len)).expect_err("header should be rejected")
 }
 
-/// GGUF fields, little-endian, per gguf.h.
+/// GGUF fields, little-endian, per ggml's gguf.h.
 struct G(Vec<u8>);
 
 impl G {
@@ -420,8 +420,8 @@ fn t(name: &'static str, dtype: DType, shape: &[u64], seed: u8) -> T {
     }
 }
 
-fn specs(ts: &[T]) -> Vec<(TensorSpec<'_>, &[u8])> {
-    ts.iter().map(|t| (TensorSpec { name: t.name, dtype: t.dtype, shape: &t.shape }, &t.data[..])).collect()
+fn specs(ts: &[T]) -> Vec<(HeaderEntry<'_>, &[u8])> {
+    ts.iter().map(|t| (HeaderEntry { name: t.name, dtype: t.dtype, shape: &t.shape }, &t.data[..])).collect()
 }
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {

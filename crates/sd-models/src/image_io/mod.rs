@@ -30,7 +30,7 @@ use crate::pipeline::Image;
 pub const JPEG_QUALITY: u8 = 90;
 
 /// The keyword under which the parameters are stored (PNG text chunk, JPEG COM prefix).
-pub const PARAMETERS_KEY: &str = "parameters";
+const PARAMETERS_KEY: &str = "parameters";
 
 /// Errors of image reading and writing, each naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -427,7 +427,7 @@ pub fn save_image(path: &Path, img: &Image, format: OutputFormat, parameters: Op
 }
 
 /// The most bytes an input image file may have (a 16k x 16k RGBA PNG stored raw is 1 GiB).
-pub const MAX_INPUT_BYTES: u64 = 1 << 30;
+const MAX_INPUT_BYTES: u64 = 1 << 30;
 
 /// Reads a regular file of at most [`MAX_INPUT_BYTES`] (never blocks on a FIFO or device).
 fn read_bounded(path: &Path) -> Result<Vec<u8>> {

@@ -41,6 +41,17 @@ impl Prediction {
         }
     }
 
+    /// The prediction a metadata value names: sd.cpp's `eps` / `v` and the spellings found in
+    /// model files (`epsilon`, `v_prediction`, `v-prediction`, `vpred`, `v_pred`), ignoring
+    /// ASCII case; `None` for anything else.
+    pub fn from_metadata(s: &str) -> Option<Prediction> {
+        match s.to_ascii_lowercase().as_str() {
+            "eps" | "epsilon" => Some(Prediction::Eps),
+            "v" | "v_prediction" | "v-prediction" | "vpred" | "v_pred" => Some(Prediction::V),
+            _ => None,
+        }
+    }
+
     /// The k-diffusion scalings at `sigma` (sigma_data = 1), in the reference's operation order.
     pub fn scalings(self, sigma: f32) -> Scalings {
         const SIGMA_DATA: f32 = 1.0;
@@ -129,7 +140,7 @@ impl<'s, F> GuidedDenoiser<'s, F> {
     }
 
     /// Whether each evaluation needs the unconditional output (the reference: `cfg != 1`).
-    pub fn uses_uncond(&self) -> bool {
+    fn uses_uncond(&self) -> bool {
         self.cfg_scale != 1.0
     }
 

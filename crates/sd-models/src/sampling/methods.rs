@@ -9,7 +9,7 @@
 
 use super::rng::NoiseRng;
 use super::sampler::{ancestral_step, draw, Denoised, Evals};
-use super::schedule::{SD_LINEAR_END, SD_LINEAR_START, TIMESTEPS};
+use super::schedule::{cpp_max, cpp_min, SD_LINEAR_END, SD_LINEAR_START, TIMESTEPS};
 use super::{SamplingError, Step};
 
 /// `-log(sigma)` in double, rounded to float (the reference's lambda with unqualified `log`).
@@ -53,24 +53,6 @@ where
         old_denoised = den;
     }
     Ok(x)
-}
-
-/// `std::min(a, b)`.
-fn cpp_min(a: f32, b: f32) -> f32 {
-    if b < a {
-        b
-    } else {
-        a
-    }
-}
-
-/// `std::max(a, b)`.
-fn cpp_max(a: f32, b: f32) -> f32 {
-    if a < b {
-        b
-    } else {
-        a
-    }
 }
 
 /// iPNDM: Adams-Bashforth of order `min(4, step + 1)` on the derivatives `(x - D) / sigma`.

@@ -188,7 +188,7 @@ impl MinstdRand0 {
 
     /// `std::generate_canonical<float, 24>` as libstdc++ 12 computes it: one engine call (its
     /// range holds 30 bits), `(x - min) as f32 / (range rounded to float)`, clamped below 1.
-    pub fn canonical_f32(&mut self) -> f32 {
+    fn canonical_f32(&mut self) -> f32 {
         let sample = (self.next_u32() - 1) as f32;
         let range = Self::RANGE as f32; // (float)(long double)2147483646 == 2^31
         let r = sample / range;

@@ -41,7 +41,7 @@ pub fn scaled_linear_alphas_cumprod(linear_start: f32, linear_end: f32) -> Vec<f
 }
 
 /// `std::min(a, b)`: returns `a` unless `b < a` (so a NaN `b` yields `a`).
-fn cpp_min(a: f32, b: f32) -> f32 {
+pub(super) fn cpp_min(a: f32, b: f32) -> f32 {
     if b < a {
         b
     } else {
@@ -50,7 +50,7 @@ fn cpp_min(a: f32, b: f32) -> f32 {
 }
 
 /// `std::max(a, b)`: returns `a` unless `a < b`.
-fn cpp_max(a: f32, b: f32) -> f32 {
+pub(super) fn cpp_max(a: f32, b: f32) -> f32 {
     if a < b {
         b
     } else {

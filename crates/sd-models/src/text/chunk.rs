@@ -40,20 +40,6 @@ pub struct Chunk {
     pub weights: Vec<f32>,
 }
 
-impl Chunk {
-    /// Position of the first EOS, clamped to the last position: the token whose hidden state
-    /// is the pooled output (the reference's `max_token_idx`, used by SDXL).
-    pub fn eos_index(&self) -> usize {
-        let last = self.ids.len().saturating_sub(1);
-        self.ids.iter().position(|&id| id == EOS_ID).map_or(last, |i| i.min(last))
-    }
-
-    /// Whether every weight is 1, in which case the reference skips re-weighting.
-    pub fn is_unweighted(&self) -> bool {
-        self.weights.iter().all(|&w| w == 1.0)
-    }
-}
-
 /// Lays `ids` (with `weights`, same length) out in chunks: one chunk when they fit, otherwise
 /// one per `chunk_len - 2` tokens. `cfg` must have passed [`ChunkConfig::body_len`].
 pub(crate) fn build_chunks(ids: &[u32], weights: &[f32], cfg: &ChunkConfig) -> Vec<Chunk> {
@@ -102,16 +88,6 @@ mod tests {
         assert_eq!(&chunks[1].ids[..4], &[BOS_ID, 76, EOS_ID, 0]);
         assert_eq!(&chunks[1].weights[..4], &[1.0, 2.0, 1.0, 1.0]);
         assert!(chunks.iter().all(|c| c.ids.len() == 77 && c.weights.len() == 77));
-    }
-
-    #[test]
-    fn eos_index_is_the_first_eos() {
-        let chunk = build_chunks(&[5, 6], &[1.0, 1.0], &ChunkConfig::sd1()).remove(0);
-        // SD 1.x pads with EOS, so the first EOS is the real end of text.
-        assert_eq!(chunk.eos_index(), 3);
-        let no_eos = Chunk { ids: vec![BOS_ID, 5, 6], weights: vec![1.0; 3] };
-        assert_eq!(no_eos.eos_index(), 2);
-        assert!(chunk.is_unweighted());
     }
 
     #[test]

@@ -48,13 +48,14 @@
 //! Graph cuts are recorded as the reference marks them: `clip_text.prelude` after the
 //! embeddings and `clip_text.layers.N` after each layer.
 
-use sd_backends::{convert::fits_blocks, BackendError, Context, GgmlType, Tensor};
+use sd_backends::{BackendError, Context, GgmlType, Tensor};
 use sd_sched::{Runner, SchedError, TensorSpec, Weights};
 
 use super::{ChunkConfig, TokenizeError, EOS_ID};
+use crate::wtype::SpecSink;
 
 /// Where the text model's tensors live in the internal naming.
-pub const TEXT_MODEL_PREFIX: &str = "cond_stage_model.transformer.text_model";
+const TEXT_MODEL_PREFIX: &str = "cond_stage_model.transformer.text_model";
 
 /// Errors of the text encoders.
 #[derive(Debug, thiserror::Error)]
@@ -186,11 +187,6 @@ impl ClipConfig {
         ChunkConfig { chunk_len: self.n_positions, pad_id: self.pad_id }
     }
 
-    /// Width of one attention head.
-    pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.n_heads.max(1)
-    }
-
     /// Checks that the numbers describe a transformer the graph can be built for.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ClipError::Config(m));
@@ -233,59 +229,6 @@ impl ClipConfig {
 // Storage types
 // ---------------------------------------------------------------------------------------
 
-/// Declares tensors with the reference's storage-type rules.
-struct SpecBuilder<'a> {
-    out: Vec<TensorSpec>,
-    dtype_of: &'a dyn Fn(&str) -> Option<GgmlType>,
-    wtype: Option<GgmlType>,
-}
-
-impl SpecBuilder<'_> {
-    /// The reference's `get_type`: the `--type` override when its converter would convert
-    /// this tensor, else the file's type; f32 for a tensor the file does not have.
-    fn loaded_type(&self, name: &str, ne0: i64) -> GgmlType {
-        match (self.dtype_of)(name) {
-            None => GgmlType::GGML_TYPE_F32,
-            Some(file) => match self.wtype {
-                Some(w) if converted_by_type_flag(name, ne0, w) => w,
-                _ => file,
-            },
-        }
-    }
-
-    fn push(&mut self, name: String, ty: GgmlType, ne: &[usize]) {
-        self.out.push(TensorSpec { name, ty, ne: ne.iter().map(|&n| n as i64).collect() });
-    }
-
-    fn linear(&mut self, name: &str, in_features: usize, out_features: usize) {
-        let w = format!("{name}.weight");
-        let mut ty = self.loaded_type(&w, in_features as i64);
-        if !fits_blocks(ty, in_features as i64) {
-            ty = GgmlType::GGML_TYPE_F32;
-        }
-        self.push(w, ty, &[in_features, out_features]);
-        self.push(format!("{name}.bias"), GgmlType::GGML_TYPE_F32, &[out_features]);
-    }
-
-    fn layer_norm(&mut self, name: &str, dim: usize) {
-        self.push(format!("{name}.weight"), GgmlType::GGML_TYPE_F32, &[dim]);
-        self.push(format!("{name}.bias"), GgmlType::GGML_TYPE_F32, &[dim]);
-    }
-}
-
-/// Whether the reference's `--type` conversion touches a tensor (its
-/// `tensor_should_be_converted`): never biases, scales or embeddings, never rows that do not
-/// fit a quantized type's blocks. (Its other exclusions name FLUX/MMDiT/UNet tensors that no
-/// text-encoder name contains.)
-fn converted_by_type_flag(name: &str, ne0: i64, ty: GgmlType) -> bool {
-    let excluded = !fits_blocks(ty, ne0)
-        || name.ends_with(".bias")
-        || name.ends_with(".scale")
-        || name.ends_with(".weight_scale")
-        || name.contains("embedding");
-    !excluded
-}
-
 /// Types ggml's `get_rows` reads that the reference keeps for embedding tables.
 fn gathers_rows(ty: GgmlType) -> bool {
     [
@@ -308,29 +251,29 @@ pub fn clip_specs(
     dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
     wtype: Option<GgmlType>,
 ) -> Vec<TensorSpec> {
-    let mut b = SpecBuilder { out: Vec::new(), dtype_of, wtype };
-    let (h, m) = (cfg.hidden_size, cfg.intermediate_size);
+    let mut b = SpecSink::new(dtype_of, wtype);
+    let (h, m) = (cfg.hidden_size as i64, cfg.intermediate_size as i64);
 
     let tok = cfg.name("embeddings.token_embedding.weight");
-    let mut tok_ty = b.loaded_type(&tok, h as i64);
+    let mut tok_ty = crate::wtype::loaded_type(&tok, h, dtype_of(&tok), wtype);
     if !gathers_rows(tok_ty) {
         tok_ty = GgmlType::GGML_TYPE_F32;
     }
-    b.push(tok, tok_ty, &[h, cfg.vocab_size]);
-    b.push(cfg.name("embeddings.position_embedding.weight"), GgmlType::GGML_TYPE_F32, &[h, cfg.n_positions]);
+    b.push(tok, tok_ty, &[h, cfg.vocab_size as i64]);
+    b.push(cfg.name("embeddings.position_embedding.weight"), GgmlType::GGML_TYPE_F32, &[h, cfg.n_positions as i64]);
 
     for i in 0..cfg.n_layers {
         let l = cfg.name(&format!("encoder.layers.{i}"));
         for proj in ["q_proj", "k_proj", "v_proj", "out_proj"] {
-            b.linear(&format!("{l}.self_attn.{proj}"), h, h);
+            b.linear(&format!("{l}.self_attn.{proj}"), h, h, true);
         }
-        b.layer_norm(&format!("{l}.layer_norm1"), h);
-        b.linear(&format!("{l}.mlp.fc1"), h, m);
-        b.linear(&format!("{l}.mlp.fc2"), m, h);
-        b.layer_norm(&format!("{l}.layer_norm2"), h);
+        b.norm(&format!("{l}.layer_norm1"), h);
+        b.linear(&format!("{l}.mlp.fc1"), h, m, true);
+        b.linear(&format!("{l}.mlp.fc2"), m, h, true);
+        b.norm(&format!("{l}.layer_norm2"), h);
     }
-    b.layer_norm(&cfg.name("final_layer_norm"), h);
-    b.out
+    b.norm(&cfg.name("final_layer_norm"), h);
+    b.specs
 }
 
 // ---------------------------------------------------------------------------------------
@@ -842,7 +785,7 @@ pub(crate) mod test_support {
 
     /// The text transformer in f64 on the weights [`values`] gives: hidden states of each
     /// sequence of `ids`, token-major like the graph's output.
-    pub fn reference_encode(cfg: &ClipConfig, ids: &[u32], clip_skip: usize) -> Vec<f64> {
+    pub(crate) fn reference_encode(cfg: &ClipConfig, ids: &[u32], clip_skip: usize) -> Vec<f64> {
         let specs = clip_specs(cfg, &|_| None, None);
         let p = |suffix: &str| -> Vec<f64> {
             let name = format!("{}.{suffix}", cfg.prefix);
@@ -932,7 +875,7 @@ mod tests {
     /// name normalisation, keeping what the reference loads for SD 1.x / 2.x.
     fn fixture_layout(arch: Architecture) -> BTreeMap<String, Vec<i64>> {
         let mut out = BTreeMap::new();
-        for t in tensor_table(&arch.only(&[Component::TextEncoder])).unwrap() {
+        for t in tensor_table(&arch.only(&[Component::TextEncoder(0)])).unwrap() {
             let mut ne: Vec<i64> = t.shape.iter().rev().map(|&n| n as i64).collect();
             match normalize(&t.name, FileRole::Checkpoint) {
                 Normalized::One(name) => {

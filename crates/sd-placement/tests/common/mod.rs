@@ -4,8 +4,6 @@
 
 use sd_placement::*;
 
-pub const KIB: u64 = 1024;
-
 pub fn gib(x: f64) -> u64 {
     (x * GIB as f64) as u64
 }

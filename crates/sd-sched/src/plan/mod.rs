@@ -9,8 +9,8 @@
 //! segment the exact actions to take — which unpinned replicas to evict and in what order,
 //! which parameter groups to load, how large the compute workspace must be, which cut
 //! buffers to hold, which groups to prefetch while it computes. The rules are
-//! `performance.md` ("Run models that don't fit in VRAM", "Use params backend") and
-//! `backend.md` ("Runtime backend vs. parameter backend").
+//! stable-diffusion.cpp's `docs/performance.md` ("Run models that don't fit in VRAM", "Use params backend")
+//! and `docs/backend.md` ("Runtime backend vs. parameter backend").
 //!
 //! # What it refuses to do
 //!

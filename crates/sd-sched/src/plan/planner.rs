@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use super::error::{PlanError, Shortfall};
-use super::model::{cuts_in, cuts_out, DeviceState, Facts, ModuleGraph, Options};
+use super::model::{cuts_in, cuts_out, DeviceState, Facts, ModuleGraph, Options, Replica};
 use super::schedule::{Action, Decision, Mode, PlannedSegment, Reason, Schedule, Transfer};
 use super::workspace::MergedWorkspace;
 
@@ -73,7 +73,7 @@ pub fn plan(
         Decision { reason, missing_weights, new_workspace, available, planning_headroom: device.planning_headroom };
 
     let ctx = Ctx::new(module, device, opts, &facts);
-    let mut dev = Ledger::new(device);
+    let mut dev = DeviceModel::new(device);
     let segments = if reason == Reason::ExceedsHeadroom {
         let capacity = capacity.unwrap_or(u64::MAX);
         let ranges = ctx.merge(workspace, capacity)?;
@@ -149,26 +149,27 @@ fn min_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
     }
 }
 
-/// The planner's model of the device during the run.
+/// The planner's model of the device during the run (the executor's account is
+/// [`crate::Ledger`]).
 #[derive(Clone, Debug)]
-struct Ledger {
+struct DeviceModel {
     budget: Option<u64>,
     reserve: u64,
     free: Option<u64>,
     managed: u64,
-    /// Replicas in eviction-preference order for foreign groups: (group, bytes, pinned).
-    resident: Vec<(String, u64, bool)>,
+    /// Replicas in eviction-preference order for foreign groups.
+    resident: Vec<Replica>,
     workspace: u64,
 }
 
-impl Ledger {
+impl DeviceModel {
     fn new(device: &DeviceState) -> Self {
         Self {
             budget: device.budget,
             reserve: device.scratch_reserve,
             free: device.free,
             managed: device.managed(),
-            resident: device.replicas.iter().map(|r| (r.group.clone(), r.bytes, r.pinned)).collect(),
+            resident: device.replicas.clone(),
             workspace: device.workspace,
         }
     }
@@ -190,19 +191,19 @@ impl Ledger {
     }
 
     fn is_resident(&self, group: &str) -> bool {
-        self.resident.iter().any(|(g, _, _)| g == group)
+        self.resident.iter().any(|r| r.group == group)
     }
 
     fn evict(&mut self, group: &str) -> u64 {
-        let pos = self.resident.iter().position(|(g, _, _)| g == group).expect("evicting a resident replica");
-        let (_, bytes, _) = self.resident.remove(pos);
+        let pos = self.resident.iter().position(|r| r.group == group).expect("evicting a resident replica");
+        let bytes = self.resident.remove(pos).bytes;
         self.release(bytes);
         bytes
     }
 
     fn load(&mut self, group: &str, bytes: u64) {
         self.alloc(bytes);
-        self.resident.push((group.to_string(), bytes, false));
+        self.resident.push(Replica { group: group.to_string(), bytes, pinned: false });
     }
 
     fn set_workspace(&mut self, bytes: u64) {
@@ -362,25 +363,25 @@ impl<'a> Ctx<'a> {
 
     /// Unpinned replicas that may be evicted, in eviction order: replicas the graph does not
     /// use (device order), then the graph's from the last segment backward; `pins` excluded.
-    fn candidates(&self, dev: &Ledger, pins: &HashSet<String>) -> Vec<(String, u64)> {
+    fn candidates(&self, dev: &DeviceModel, pins: &HashSet<String>) -> Vec<(String, u64)> {
         let mut out: Vec<(String, u64)> = dev
             .resident
             .iter()
-            .filter(|(g, _, pinned)| !pinned && !self.facts.bytes.contains_key(g))
-            .map(|(g, b, _)| (g.clone(), *b))
+            .filter(|r| !r.pinned && !self.facts.bytes.contains_key(&r.group))
+            .map(|r| (r.group.clone(), r.bytes))
             .collect();
         for g in &self.backward {
             if pins.contains(g) || self.facts.device_pinned.contains(g) {
                 continue;
             }
-            if let Some((_, b, false)) = dev.resident.iter().find(|(r, _, _)| r == g) {
-                out.push((g.clone(), *b));
+            if let Some(r) = dev.resident.iter().find(|r| r.group == *g).filter(|r| !r.pinned) {
+                out.push((g.clone(), r.bytes));
             }
         }
         out
     }
 
-    fn missing(&self, dev: &Ledger, groups: &[String]) -> Vec<(String, u64)> {
+    fn missing(&self, dev: &DeviceModel, groups: &[String]) -> Vec<(String, u64)> {
         groups.iter().filter(|g| !dev.is_resident(g)).map(|g| (g.clone(), self.facts.bytes[g])).collect()
     }
 
@@ -390,7 +391,7 @@ impl<'a> Ctx<'a> {
     fn step(
         &self,
         segs: &[Seg],
-        dev: &mut Ledger,
+        dev: &mut DeviceModel,
         inflight: &mut HashSet<String>,
         i: usize,
         allow_prefetch: bool,
@@ -402,7 +403,7 @@ impl<'a> Ctx<'a> {
         pins.extend(inflight.iter().cloned());
         let missing = self.missing(dev, &seg.groups);
         let missing_bytes = missing.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
-        let need = |dev: &Ledger| {
+        let need = |dev: &DeviceModel| {
             missing_bytes.saturating_add(seg.workspace.saturating_sub(dev.workspace)).saturating_add(seg.cuts_out)
         };
 
@@ -470,7 +471,7 @@ impl<'a> Ctx<'a> {
     fn try_prefetch(
         &self,
         segs: &[Seg],
-        dev: &Ledger,
+        dev: &DeviceModel,
         inflight: &HashSet<String>,
         pins: &HashSet<String>,
         i: usize,
@@ -478,7 +479,7 @@ impl<'a> Ctx<'a> {
         wanted: &[(String, u64)],
         via: Transfer,
         capacity: u64,
-    ) -> Option<(Ledger, HashSet<String>, Vec<Action>)> {
+    ) -> Option<(DeviceModel, HashSet<String>, Vec<Action>)> {
         let bytes_wanted = wanted.iter().map(|(_, b)| *b).fold(0, u64::saturating_add);
         let mut pins = pins.clone();
         pins.extend(segs[j].groups.iter().cloned());
@@ -520,7 +521,7 @@ impl<'a> Ctx<'a> {
 
     /// The single segment of a monolithic run: reclaim replicas the graph does not use (only
     /// as many as needed), grow the workspace, load the missing groups, compute.
-    fn monolithic(&self, dev: &mut Ledger, full_ws: u64) -> PlannedSegment {
+    fn monolithic(&self, dev: &mut DeviceModel, full_ws: u64) -> PlannedSegment {
         let n = self.module.segments.len();
         let groups = self.facts.all_groups.clone();
         let missing = self.missing(dev, &groups);
@@ -611,7 +612,7 @@ mod tests {
         }
         let facts = Facts::new(&m, &d).unwrap();
         let ctx = Ctx::new(&m, &d, &Options::default(), &facts);
-        let dev = Ledger::new(&d);
+        let dev = DeviceModel::new(&d);
         let pins: HashSet<String> = ["b".to_string()].into();
         let order: Vec<String> = ctx.candidates(&dev, &pins).into_iter().map(|(g, _)| g).collect();
         // Foreign x and z in device order; y is pinned; then c (pinned on the device: skipped),
@@ -624,7 +625,7 @@ mod tests {
         let mut d = DeviceState::new("D", Some(1000), Some(2000));
         d.scratch_reserve = 100;
         d.fixed = 300;
-        let mut l = Ledger::new(&d);
+        let mut l = DeviceModel::new(&d);
         // Budget: 1000 - 300 = 700; free: 2000 - 100 = 1900.
         assert_eq!(l.room(), 700);
         l.free = Some(500);
@@ -633,6 +634,6 @@ mod tests {
         assert_eq!((l.room(), l.managed), (0, 750));
         l.release(450);
         assert_eq!(l.room(), 400);
-        assert_eq!(Ledger::new(&DeviceState::new("CPU", None, None)).room(), u64::MAX);
+        assert_eq!(DeviceModel::new(&DeviceState::new("CPU", None, None)).room(), u64::MAX);
     }
 }

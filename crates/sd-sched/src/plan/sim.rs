@@ -172,13 +172,6 @@ impl Simulator {
         self.free = self.free.map(|f| f.saturating_sub(bytes));
     }
 
-    /// Runner `module` completes: its compute buffer is freed.
-    pub fn finish_runner(&mut self, module: &str) {
-        let ws = self.workspace_of(module);
-        self.workspaces.retain(|(m, _)| m != module);
-        self.release(ws);
-    }
-
     /// Plans a run of `module` on the current state and replays it.
     pub fn run(
         &mut self,

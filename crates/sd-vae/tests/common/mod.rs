@@ -11,7 +11,7 @@ use sd_backends::{Backend, GgmlType, PluginRegistry, PluginSearch};
 use sd_sched::{Runner, SourceError, TensorSource};
 
 /// A CPU backend with two threads.
-pub fn cpu_backend() -> Arc<Backend> {
+fn cpu_backend() -> Arc<Backend> {
     let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
     let dev = reg.device("cpu").expect("the CPU plugin is built with ggml-sys");
     let b = Backend::new(dev).expect("CPU backend");

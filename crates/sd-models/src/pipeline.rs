@@ -44,16 +44,16 @@ pub enum PipelineError {
     #[error("{0}")]
     Invalid(String),
     /// Loading or running the text encoder.
-    #[error("text encoder: {0}")]
+    #[error("text encoder")]
     Text(#[from] crate::text::clip::ClipError),
     /// Loading or running the UNet.
-    #[error("diffusion model: {0}")]
+    #[error("diffusion model")]
     Diffusion(#[from] crate::diffusion::DiffusionError),
     /// Loading or running the VAE.
-    #[error("VAE: {0}")]
+    #[error("VAE")]
     Vae(#[from] sd_vae::VaeError),
     /// Sampling.
-    #[error("sampling: {0}")]
+    #[error("sampling")]
     Sampling(#[from] crate::sampling::SamplingError),
     /// Weights or execution.
     #[error(transparent)]
@@ -161,7 +161,9 @@ fn block_group(name: &str) -> String {
     }
 }
 
-/// One generation request (the reference's flags).
+/// One generation request (the reference's flags), as asked. [`GenerateParams::validate`]
+/// checks what needs no model; [`Pipeline::check_request`] fills in the model's defaults,
+/// checks the rest and gives the [`Request`] that [`Pipeline::generate`] runs.
 #[derive(Clone, Debug)]
 pub struct GenerateParams {
     /// `-p`.
@@ -176,10 +178,10 @@ pub struct GenerateParams {
     pub steps: usize,
     /// `--cfg-scale`.
     pub cfg_scale: f32,
-    /// `--sampling-method`.
-    pub method: SampleMethod,
-    /// `--scheduler`.
-    pub scheduler: Scheduler,
+    /// `--sampling-method` (None: the model's default).
+    pub method: Option<SampleMethod>,
+    /// `--scheduler` (None: the sampler's default).
+    pub scheduler: Option<Scheduler>,
     /// `-s`.
     pub seed: u64,
     /// `-b`.
@@ -190,8 +192,11 @@ pub struct GenerateParams {
     pub clip_skip: i64,
     /// `--eta` (None: the sampler's default).
     pub eta: Option<f32>,
-    /// img2img: the init image, planar `[3, H, W]` in `[0, 1]`, and `--strength`.
-    pub init_image: Option<(Vec<f32>, f32)>,
+    /// img2img: the init image, of any size ([`Pipeline::check_request`] fits it to the
+    /// generated size).
+    pub init_image: Option<Image>,
+    /// img2img: `--strength`, how much to change the init image (0..1).
+    pub strength: f32,
     /// VAE tiling.
     pub tiling: TilingParams,
     /// Cap on one VAE graph's compute buffer (triggers the tiled retry).
@@ -199,15 +204,14 @@ pub struct GenerateParams {
 }
 
 impl GenerateParams {
-    /// Checks what needs no model: counts, finite numbers, sizes that are multiples of the
-    /// VAE's 8 (the model's own multiple is checked by [`Pipeline::check_request`]), tiling.
-    pub fn validate(&self) -> Result<()> {
+    /// Checks what needs no model: a size, counts, finite numbers. What depends on the model
+    /// or on the size it generates at (tiling, memory) is checked by
+    /// [`Pipeline::check_request`], which takes the [`ValidParams`] this gives.
+    pub fn validate(self) -> Result<ValidParams> {
         let bad = |m: String| Err(PipelineError::Invalid(m));
         for (flag, v) in [("-W", self.width), ("-H", self.height)] {
-            if v == 0 || !v.is_multiple_of(VAE_SCALE) {
-                return bad(format!(
-                    "{flag} {v}: image sides must be positive multiples of 8 (and of the model's multiple: 64 for SD 1.x/2.x)"
-                ));
+            if v == 0 {
+                return bad(format!("{flag} {v}: image sides must be positive"));
             }
         }
         if self.steps == 0 {
@@ -225,13 +229,48 @@ impl GenerateParams {
         if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
             return bad(format!("--eta {eta}: must be a finite number >= 0"));
         }
-        if let Some((_, strength)) = &self.init_image {
-            if !(0.0..=1.0).contains(strength) {
-                return bad(format!("--strength {strength}: must be between 0 and 1"));
-            }
+        if !(0.0..=1.0).contains(&self.strength) {
+            return bad(format!("--strength {}: must be between 0 and 1", self.strength));
         }
-        self.tiling.validate([self.width, self.height], VAE_SCALE)?;
-        Ok(())
+        Ok(ValidParams(self))
+    }
+}
+
+/// A [`GenerateParams`] that passed [`GenerateParams::validate`].
+#[derive(Clone, Debug)]
+pub struct ValidParams(GenerateParams);
+
+impl ValidParams {
+    /// The parameters.
+    pub fn params(&self) -> &GenerateParams {
+        &self.0
+    }
+}
+
+/// A [`GenerateParams`] completed for one model and checked against it by
+/// [`Pipeline::check_request`] (the only way to make one): the sampler and scheduler resolved,
+/// the size aligned to the model's multiple, the init image fitted to it.
+#[derive(Clone, Debug)]
+pub struct Request {
+    params: GenerateParams,
+    method: SampleMethod,
+    scheduler: Scheduler,
+}
+
+impl Request {
+    /// The completed parameters (`width`/`height` are the generated size).
+    pub fn params(&self) -> &GenerateParams {
+        &self.params
+    }
+
+    /// The sampling method used.
+    pub fn method(&self) -> SampleMethod {
+        self.method
+    }
+
+    /// The scheduler used.
+    pub fn scheduler(&self) -> Scheduler {
+        self.scheduler
     }
 }
 
@@ -463,23 +502,30 @@ impl Pipeline {
         best
     }
 
-    /// Checks a request against this model before any weight is read: settings, image size
-    /// (the real multiple), working memory against the devices, VAE tiling, the tensors every
-    /// stage will need (so a missing or broken VAE is found before sampling, not after).
-    pub fn check_request(&self, p: &GenerateParams) -> Result<()> {
-        p.validate()?;
-        let bad = |m: String| Err(PipelineError::Invalid(m));
-        let m = self.size_multiple();
-        for (flag, v) in [("-W", p.width), ("-H", p.height)] {
-            if v == 0 || !v.is_multiple_of(m) {
-                let down = (v / m * m).max(m);
-                return bad(format!(
-                    "{flag} {v}: the {} model needs image sides that are positive multiples of {m} (try {down} or {})",
-                    self.arch,
-                    down + m
-                ));
-            }
+    /// Completes `p` for this model and checks it before any weight is read: the model's
+    /// sampler (and the sampler's scheduler) where none is given, the size aligned to
+    /// [`Pipeline::spatial_multiple`] ([`Pipeline::aligned_size`]) with the init image fitted to
+    /// it; then what `validate` could not check: VAE tiling at that size, `clip_skip`, working
+    /// memory against the devices, the tensors every stage will need (so a missing or broken
+    /// VAE is found before sampling, not after).
+    pub fn check_request(&self, p: ValidParams) -> Result<Request> {
+        let mut p = p.0;
+        let method = p.method.unwrap_or_else(|| self.default_sample_method());
+        let scheduler = p.scheduler.unwrap_or_else(|| method.default_scheduler());
+        (p.method, p.scheduler) = (Some(method), Some(scheduler));
+        (p.width, p.height) = self.aligned_size(p.width, p.height);
+        if let Some(image) = &mut p.init_image {
+            // The library's rule for an init image of another size than the (aligned) request.
+            *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
+        self.check_model_limits(&p)?;
+        Ok(Request { params: p, method, scheduler })
+    }
+
+    /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
+    fn check_model_limits(&self, p: &GenerateParams) -> Result<()> {
+        let bad = |m: String| Err(PipelineError::Invalid(m));
+        p.tiling.validate([p.width, p.height], VAE_SCALE)?;
         self.clip.resolve_clip_skip(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
         for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
@@ -564,9 +610,9 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Generates `params.batch_count` images.
-    pub fn generate(&self, p: &GenerateParams, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
-        self.check_request(p)?;
+    /// Generates the request's `batch_count` images.
+    pub fn generate(&self, request: &Request, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
+        let (p, method, scheduler) = (&request.params, request.method, request.scheduler);
         let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let channels = self.unet.in_channels as usize;
         let guided = p.cfg_scale != 1.0;
@@ -597,17 +643,18 @@ impl Pipeline {
         let schedule = DiscreteSchedule::sd();
         let model = ModelVersion::from_arch(self.arch).unwrap_or_default();
         let ctx = ScheduleContext { model, image_seq_len: lw * lh };
-        let full = p.scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
+        let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
         let sigmas = match &p.init_image {
             None => full,
-            Some((image, strength)) => {
+            Some(image) => {
+                let image = crate::image_io::to_planar(image);
                 let t = Instant::now();
                 let vae = self.load_first_stage(true)?;
                 let mut runner = self.runner("vae", &self.opts.devices.vae);
                 let px: Vec<f32> = match vae.image_range() {
                     sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
-                    sd_vae::ImageRange::ZeroToOne => image.clone(),
+                    sd_vae::ImageRange::ZeroToOne => image,
                 };
                 let mut rng = p.rng.seeded(p.seed);
                 let mut on_tile = |done: usize, tiles: usize| {
@@ -626,7 +673,7 @@ impl Pipeline {
                 let secs = t.elapsed().as_secs_f64();
                 tracing::info!("init image encoded in {secs:.2} s");
                 progress(Progress::Stage { name: "image encode", seconds: secs });
-                img2img_sigmas(&full, *strength)?
+                img2img_sigmas(&full, p.strength)?
             }
         };
         if sigmas.len() < 2 {
@@ -666,7 +713,7 @@ impl Pipeline {
                     Ok(out)
                 };
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
-                let with_uncond = p.method.needs_uncond_denoised();
+                let with_uncond = method.needs_uncond_denoised();
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
                     let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
                     if step.last_eval {
@@ -683,8 +730,8 @@ impl Pipeline {
                     }
                     Ok(out)
                 };
-                let eta = p.eta.unwrap_or_else(|| p.method.default_eta());
-                let out = sample(p.method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
+                let eta = p.eta.unwrap_or_else(|| method.default_eta());
+                let out = sample(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
                 latents.push(out);
             }
             let moved = unet.weights.stats();

@@ -7,7 +7,7 @@ pub enum SchedError {
     #[error("tensor `{0}` is not in this module's weights")]
     MissingTensor(String),
     /// The source could not provide a tensor.
-    #[error("loading tensor `{name}`: {source}")]
+    #[error("loading tensor `{name}`")]
     Source { name: String, source: crate::weights::SourceError },
     /// Allocation failed on a device.
     #[error("{device}: cannot allocate {bytes} bytes for {what}")]

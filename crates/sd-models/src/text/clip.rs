@@ -751,7 +751,7 @@ pub(crate) mod test_support {
 
     impl TensorSource for RandomSource {
         fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-            pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(|e| SourceError(e.to_string()))
+            pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(|e| SourceError::new(e))
         }
     }
 

@@ -103,15 +103,15 @@ fn judge(case: &Case, o: &Outcome) -> Option<String> {
     None
 }
 
-/// A segment of an `error:` line's cause chain (`a: b: c`) that appears twice, or inside
-/// another segment: each error describes its own layer and leaves its cause to `source`, so
-/// no cause may be printed twice.
+/// A segment of an `error:` line's cause chain (`a: b: c`) that appears twice: each error
+/// describes its own layer and leaves its cause to `source`, so no cause is printed twice
+/// (a wrapper that also formats its source into its message gives `a: b: b`).
 fn repeated_cause(stderr: &str) -> Option<String> {
     for line in stderr.lines() {
         let Some(chain) = line.strip_prefix("error: ") else { continue };
         let segments: Vec<&str> = chain.split(": ").map(str::trim).filter(|s| s.len() > 3).collect();
         for (i, a) in segments.iter().enumerate() {
-            if segments.iter().enumerate().any(|(j, b)| i != j && b.contains(a)) {
+            if segments[i + 1..].contains(a) {
                 return Some((*a).to_string());
             }
         }
@@ -122,6 +122,7 @@ fn repeated_cause(stderr: &str) -> Option<String> {
 #[test]
 fn a_repeated_cause_is_found() {
     assert_eq!(repeated_cause("error: loading: disk on fire: disk on fire\n"), Some("disk on fire".into()));
+    assert_eq!(repeated_cause("error: a tensor: x.st: truncated: a tensor: x.st\n"), Some("a tensor".into()));
     assert_eq!(repeated_cause("error: VAE: reading 'a.st': file changed\n"), None);
     assert_eq!(repeated_cause("warn: x: x\nerror: a b c: d e f\n"), None);
 }

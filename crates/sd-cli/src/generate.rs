@@ -231,7 +231,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         placement,
     };
     let pipeline = Pipeline::from_files(files, options)?;
-    let request = pipeline.check_request(params)?;
+    let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
     let outputs = ImageOutput::plan(&a.output, request.params().batch_count, a.run.output_begin_idx).context("-o")?;
 
     let start = std::time::Instant::now();
@@ -294,6 +294,6 @@ impl GenerateArgs {
             tiling,
             vae_max_compute_bytes: None,
         };
-        Ok(params.validate()?)
+        params.validate().map_err(crate::errors::with_flag)
     }
 }

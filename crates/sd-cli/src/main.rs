@@ -17,6 +17,7 @@ macro_rules! out {
 }
 
 mod devices;
+mod errors;
 mod generate;
 mod inputs;
 mod logging;
@@ -106,7 +107,7 @@ fn main() -> ExitCode {
             Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
             // Any error of `plan` is bad input (files, flags, profile): exit status 2.
             Some(Command::Plan(args)) => plan::run(&args, &cli.devices).or_else(|e| {
-                eprintln!("error: {}", report(&e));
+                print_error(&e);
                 Ok(ExitCode::from(2))
             }),
             None if cli.list_devices => devices::list(&cli.devices, cli.json),
@@ -115,11 +116,7 @@ fn main() -> ExitCode {
     };
     let printed = match &result {
         Ok(_) => String::new(),
-        Err(e) => {
-            let msg = report(e);
-            eprintln!("error: {msg}");
-            msg
-        }
+        Err(e) => print_error(e),
     };
     // A lost server decides the exit status, whatever error it caused on its way out.
     if let Some(loss) = sd_backends::rpc::lost() {
@@ -138,6 +135,16 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(_) => ExitCode::FAILURE,
     }
+}
+
+/// Prints `e` and the hints that name flags for it; returns the printed message.
+fn print_error(e: &anyhow::Error) -> String {
+    let msg = report(e);
+    eprintln!("error: {msg}");
+    for hint in errors::hints(e) {
+        eprintln!("hint: {hint}");
+    }
+    msg
 }
 
 /// The error and its causes, joined with `: ` (each error describes its own layer only, so

@@ -43,6 +43,63 @@ pub enum PipelineError {
     /// A setting that cannot work.
     #[error("{0}")]
     Invalid(String),
+    /// A setting of the request that cannot work, by the name this library gives it (a front
+    /// end names its own flag: [`Setting`]).
+    #[error("{} {value}: {problem}", setting.name())]
+    Setting {
+        /// Which setting.
+        setting: Setting,
+        /// Its value as given.
+        value: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// One stage's working memory at the requested size exceeds a device.
+    #[error(
+        "{stage} alone needs about {} at {width}x{height}, more than {device} has ({}); use a smaller size{}",
+        fmt_gib(*need),
+        fmt_gib(*total),
+        if *flash_attn { "" } else { ", flash attention or VAE tiling" }
+    )]
+    WorkingMemory {
+        /// Image width.
+        width: usize,
+        /// Image height.
+        height: usize,
+        /// The stage.
+        stage: &'static str,
+        /// Bytes it needs at least.
+        need: f64,
+        /// The device.
+        device: String,
+        /// The device's total bytes.
+        total: f64,
+        /// Whether flash attention is already on.
+        flash_attn: bool,
+    },
+    /// Tensors a module loads are not in the model files.
+    #[error("{module}: {missing} of its {total} tensors are missing from {files} (first: {first})")]
+    MissingTensors {
+        /// `text encoder`, `diffusion model`, `VAE` or `TAESD`.
+        module: &'static str,
+        /// How many are missing.
+        missing: usize,
+        /// How many the module has.
+        total: usize,
+        /// The files searched.
+        files: String,
+        /// The first missing names.
+        first: String,
+    },
+    /// The first stage's weights cannot be read (checked before sampling).
+    #[error("{module}")]
+    FirstStage {
+        /// `VAE` or `TAESD`.
+        module: &'static str,
+        /// The tensor and why.
+        #[source]
+        source: SourceError,
+    },
     /// Loading or running the text encoder.
     #[error("text encoder")]
     Text(#[from] crate::text::clip::ClipError),
@@ -58,6 +115,45 @@ pub enum PipelineError {
     /// Weights or execution.
     #[error(transparent)]
     Sched(#[from] sd_sched::SchedError),
+}
+
+/// A setting of [`GenerateParams`], for errors: front ends map it to their own flag names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    /// [`GenerateParams::width`].
+    Width,
+    /// [`GenerateParams::height`].
+    Height,
+    /// [`GenerateParams::steps`].
+    Steps,
+    /// [`GenerateParams::batch_count`].
+    BatchCount,
+    /// [`GenerateParams::cfg_scale`].
+    CfgScale,
+    /// [`GenerateParams::eta`].
+    Eta,
+    /// [`GenerateParams::strength`].
+    Strength,
+}
+
+impl Setting {
+    /// The setting's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::Width => "width",
+            Setting::Height => "height",
+            Setting::Steps => "steps",
+            Setting::BatchCount => "batch count",
+            Setting::CfgScale => "cfg scale",
+            Setting::Eta => "eta",
+            Setting::Strength => "strength",
+        }
+    }
+}
+
+/// A [`PipelineError::Setting`].
+fn bad_setting<T>(setting: Setting, value: impl std::fmt::Display, problem: impl Into<String>) -> Result<T> {
+    Err(PipelineError::Setting { setting, value: value.to_string(), problem: problem.into() })
 }
 
 /// The VAE's downscaling factor (8 for every SD 1.x / 2.x autoencoder and TAESD).
@@ -208,29 +304,28 @@ impl GenerateParams {
     /// or on the size it generates at (tiling, memory) is checked by
     /// [`Pipeline::check_request`], which takes the [`ValidParams`] this gives.
     pub fn validate(self) -> Result<ValidParams> {
-        let bad = |m: String| Err(PipelineError::Invalid(m));
-        for (flag, v) in [("-W", self.width), ("-H", self.height)] {
+        for (setting, v) in [(Setting::Width, self.width), (Setting::Height, self.height)] {
             if v == 0 {
-                return bad(format!("{flag} {v}: image sides must be positive"));
+                return bad_setting(setting, v, "image sides must be positive");
             }
         }
         if self.steps == 0 {
-            return bad("--steps 0: at least one sampling step is needed".into());
+            return bad_setting(Setting::Steps, 0, "at least one sampling step is needed");
         }
         if self.steps > MAX_STEPS {
-            return bad(format!("--steps {}: at most {MAX_STEPS} steps are accepted", self.steps));
+            return bad_setting(Setting::Steps, self.steps, format!("at most {MAX_STEPS} steps are accepted"));
         }
         if self.batch_count == 0 {
-            return bad("-b 0: the batch count must be at least 1".into());
+            return bad_setting(Setting::BatchCount, 0, "the batch count must be at least 1");
         }
         if !self.cfg_scale.is_finite() {
-            return bad(format!("--cfg-scale {}: not a finite number", self.cfg_scale));
+            return bad_setting(Setting::CfgScale, self.cfg_scale, "not a finite number");
         }
         if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
-            return bad(format!("--eta {eta}: must be a finite number >= 0"));
+            return bad_setting(Setting::Eta, eta, "must be a finite number >= 0");
         }
         if !(0.0..=1.0).contains(&self.strength) {
-            return bad(format!("--strength {}: must be between 0 and 1", self.strength));
+            return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
         }
         Ok(ValidParams(self))
     }
@@ -524,7 +619,6 @@ impl Pipeline {
 
     /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
     fn check_model_limits(&self, p: &GenerateParams) -> Result<()> {
-        let bad = |m: String| Err(PipelineError::Invalid(m));
         p.tiling.validate([p.width, p.height], VAE_SCALE)?;
         self.clip.resolve_clip_skip(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
@@ -532,22 +626,23 @@ impl Pipeline {
             let device = backend.device();
             let (_, total) = device.memory();
             if total > 0 && need > total as f64 {
-                return bad(format!(
-                    "-W {} -H {}: {stage} alone needs about {} at this size, more than {} has ({}); use a smaller size{}",
-                    p.width,
-                    p.height,
-                    fmt_gib(need),
-                    device.name(),
-                    fmt_gib(total as f64),
-                    if self.opts.flash_attn { "" } else { ", --diffusion-fa or --vae-tiling" }
-                ));
+                return Err(PipelineError::WorkingMemory {
+                    width: p.width,
+                    height: p.height,
+                    stage,
+                    need,
+                    device: device.name(),
+                    total: total as f64,
+                    flash_attn: self.opts.flash_attn,
+                });
             }
         }
         // Every image's latent is kept until decoding: refuse a batch that cannot be held.
         let latents = p.batch_count as f64 * (p.width * p.height) as f64 / 64.0 * self.unet.in_channels as f64 * 4.0;
         let (_, host) = self.opts.devices.te.device().memory();
         if host > 0 && latents > host as f64 {
-            return bad(format!("-b {}: the batch's latents alone need {}", p.batch_count, fmt_gib(latents)));
+            let problem = format!("the batch's latents alone need {}", fmt_gib(latents));
+            return bad_setting(Setting::BatchCount, p.batch_count, problem);
         }
         self.check_tensors(p.init_image.is_some())
     }
@@ -572,18 +667,13 @@ impl Pipeline {
             let missing: Vec<&str> =
                 specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
             if !missing.is_empty() {
-                let hint = match module {
-                    "VAE" => "; give one with --vae (or --taesd)",
-                    "TAESD" => "; is the --taesd file a TAESD?",
-                    _ => "",
-                };
-                return Err(PipelineError::Invalid(format!(
-                    "{module}: {} of its {} tensors are missing from {} (first: {}){hint}",
-                    missing.len(),
-                    specs.len(),
-                    files(),
-                    missing[..missing.len().min(3)].join(", ")
-                )));
+                return Err(PipelineError::MissingTensors {
+                    module,
+                    missing: missing.len(),
+                    total: specs.len(),
+                    files: files(),
+                    first: missing[..missing.len().min(3)].join(", "),
+                });
             }
             for s in specs.iter() {
                 let e = index.get(&s.name).expect("checked above");
@@ -602,8 +692,8 @@ impl Pipeline {
         }
         let src = FileSource::new(&self.files);
         for s in &first {
-            if let Err(e) = src.load_tensor(&s.name, s.ty, &s.ne) {
-                return Err(PipelineError::Invalid(format!("{first_name}: {e}")));
+            if let Err(source) = src.load_tensor(&s.name, s.ty, &s.ne) {
+                return Err(PipelineError::FirstStage { module: first_name, source });
             }
             src.release(&s.name);
         }
@@ -677,7 +767,7 @@ impl Pipeline {
             }
         };
         if sigmas.len() < 2 {
-            return Err(PipelineError::Invalid("--strength too low: no sampling step remains".into()));
+            return bad_setting(Setting::Strength, p.strength, "too low: no sampling step remains");
         }
 
         // 3. Sampling.

@@ -12,10 +12,10 @@ pub enum SchedError {
     /// Allocation failed on a device.
     #[error("{device}: cannot allocate {bytes} bytes for {what}")]
     Alloc { device: String, bytes: usize, what: String },
-    /// An allocation would exceed the device's managed budget (`--max-vram`).
+    /// An allocation would exceed the device's managed budget.
     #[error(
         "{device}: {what} needs {bytes} more bytes, but {managed} of the {budget}-byte budget are in use \
-         (raise --max-vram for {device} or move parameters off it with --params-backend)"
+         (raise the device's budget or move parameters off it)"
     )]
     OverBudget { device: String, bytes: u64, what: String, managed: u64, budget: u64 },
     /// The segment planner refused the run.

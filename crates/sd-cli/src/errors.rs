@@ -5,6 +5,7 @@
 
 use sd_models::pipeline::{PipelineError, Setting};
 use sd_models::text::clip::ClipError;
+use sd_vae::{TilingOption, VaeError};
 
 /// The flag that sets `s`.
 fn flag(s: Setting) -> &'static str {
@@ -19,9 +20,28 @@ fn flag(s: Setting) -> &'static str {
     }
 }
 
+/// The flag that sets `o`.
+fn tiling_flag(o: TilingOption) -> &'static str {
+    match o {
+        TilingOption::TileSize => "--vae-tile-size",
+        TilingOption::Overlap => "--vae-tile-overlap",
+        TilingOption::RelativeSize => "--vae-relative-tile-size",
+    }
+}
+
+/// A tiling error, saying which flag it is about.
+pub fn tiling_with_flag(e: VaeError) -> anyhow::Error {
+    match e {
+        VaeError::Tiling { option, message } => anyhow::anyhow!("{}: {message}", tiling_flag(option)),
+        VaeError::TilingOff { option } => anyhow::anyhow!("{}: requires --vae-tiling", tiling_flag(option)),
+        e => e.into(),
+    }
+}
+
 /// `e`, saying which flag it is about where it is about one.
 pub fn with_flag(e: PipelineError) -> anyhow::Error {
     match e {
+        PipelineError::Vae(e @ (VaeError::Tiling { .. } | VaeError::TilingOff { .. })) => tiling_with_flag(e),
         PipelineError::Setting { setting, value, problem } => anyhow::anyhow!("{} {value}: {problem}", flag(setting)),
         PipelineError::WorkingMemory { width, height, .. } => {
             anyhow::Error::new(e).context(format!("-W {width} -H {height}"))
@@ -48,6 +68,9 @@ pub fn hints(e: &anyhow::Error) -> Vec<String> {
                 }
                 _ => {}
             }
+        }
+        if let Some(sd_models::files::FilesError::NoModel) = cause.downcast_ref() {
+            out.push("pass -m/--model, or --diffusion-model with its components".into());
         }
         if let Some(s) = cause.downcast_ref::<sd_sched::SchedError>() {
             if matches!(s, sd_sched::SchedError::OverBudget { .. } | sd_sched::SchedError::Plan(_)) {

@@ -258,7 +258,8 @@ impl GenerateArgs {
             self.vae_tile_size.as_deref(),
             self.vae_tile_overlap.as_deref(),
             self.vae_relative_tile_size.as_deref(),
-        )?;
+        )
+        .map_err(crate::errors::tiling_with_flag)?;
         let (prompt, negative_prompt) = self.run.prompts(&self.prompt, &self.negative_prompt)?;
         // -W/-H and the init image, as the reference's CLI resolves them; the pipeline aligns
         // the size to the model.

@@ -946,3 +946,59 @@ fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) ->
     }
     Image { width: w, height: h, rgb }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> GenerateParams {
+        GenerateParams {
+            prompt: String::new(),
+            negative_prompt: String::new(),
+            width: 64,
+            height: 64,
+            steps: 1,
+            cfg_scale: 7.0,
+            method: None,
+            scheduler: None,
+            seed: 42,
+            batch_count: 1,
+            rng: RngKind::Cuda,
+            clip_skip: -1,
+            eta: None,
+            init_image: None,
+            strength: 0.75,
+            tiling: TilingParams::default(),
+            vae_max_compute_bytes: None,
+        }
+    }
+
+    #[test]
+    fn validate_names_the_setting_and_no_flag() {
+        assert!(params().validate().is_ok());
+        let cases: [(fn(&mut GenerateParams), Setting); 7] = [
+            (|p| p.width = 0, Setting::Width),
+            (|p| p.height = 0, Setting::Height),
+            (|p| p.steps = 0, Setting::Steps),
+            (|p| p.steps = MAX_STEPS + 1, Setting::Steps),
+            (|p| p.batch_count = 0, Setting::BatchCount),
+            (|p| p.cfg_scale = f32::NAN, Setting::CfgScale),
+            (|p| p.strength = 1.5, Setting::Strength),
+        ];
+        for (change, want) in cases {
+            let mut p = params();
+            change(&mut p);
+            match p.validate() {
+                Err(e @ PipelineError::Setting { setting, .. }) => {
+                    assert_eq!(setting, want, "{e}");
+                    let msg = e.to_string();
+                    assert!(msg.starts_with(want.name()) && !msg.contains("--"), "{msg}");
+                }
+                other => panic!("{want:?}: expected a setting error, got {other:?}"),
+            }
+        }
+        let mut p = params();
+        p.eta = Some(-1.0);
+        assert!(matches!(p.validate(), Err(PipelineError::Setting { setting: Setting::Eta, .. })));
+    }
+}

@@ -567,12 +567,6 @@ impl Pipeline {
             .collect()
     }
 
-    /// The image width and height must be multiples of this: the VAE's 8 times the UNet's
-    /// latent multiple (one halving per level but the last: 64 for SD 1.x / 2.x).
-    pub fn size_multiple(&self) -> usize {
-        VAE_SCALE * self.unet.size_multiple() as usize
-    }
-
     /// A lower bound of the largest working memory one stage needs for `p`, in bytes, and
     /// the stage: the UNet's attention scores at its first level (`heads x tokens^2` f32 per
     /// sample, unless flash attention), the VAE's mid-block attention and last-level

@@ -937,7 +937,7 @@ const OUR_OUTPUTS: &[(&str, &str)] = &[
 /// `cargo xtask parity --compare-runs DIR_A DIR_B`: our outputs of two fuzz runs of the same
 /// cases (the same seed; e.g. two CPU plugin builds), stage by stage; the kernel-order floor
 /// the cross-program figures are read against. Returns the table it prints.
-pub fn compare_runs(a: &Path, b: &Path) -> Result<String> {
+fn compare_runs(a: &Path, b: &Path) -> Result<String> {
     let mut out = String::new();
     let _ = writeln!(out, "our outputs, {} against {}:", a.display(), b.display());
     let mut cases = 0;

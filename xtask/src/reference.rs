@@ -28,7 +28,7 @@ pub fn target_dir() -> PathBuf {
 
 /// Where the reference's build leaves its static libraries (ggml's among them), for
 /// `parity ops`.
-pub fn static_lib_dir() -> PathBuf {
+pub(crate) fn static_lib_dir() -> PathBuf {
     target_dir().join("sdref-cmake/lib")
 }
 
@@ -43,7 +43,7 @@ fn cargo() -> String {
 
 /// Finds sd.cpp's source inside the pinned `diffusion-rs-sys` package,
 /// downloading the package through cargo if needed.
-fn sdcpp_source_dir() -> anyhow::Result<PathBuf> {
+pub(crate) fn sdcpp_source_dir() -> anyhow::Result<PathBuf> {
     let manifest = project_dir().join("Cargo.toml");
     let output = Command::new(cargo())
         .args(["metadata", "--format-version", "1", "--manifest-path"])

@@ -469,20 +469,20 @@ impl<'c> Tensor<'c> {
                 // SAFETY: pure conversion function.
                 .map(|c| unsafe { sys::ggml_fp16_to_fp32(u16::from_le_bytes([c[0], c[1]])) })
                 .collect()),
-            other => Err(BackendError::DataSize {
-                name: format!("{} (type {})", self.name(), other.0),
-                expected: 0,
-                got: bytes.len(),
+            other => Err(BackendError::TypeMismatch {
+                name: self.name(),
+                expected: "f32 or f16".into(),
+                actual: type_name(other),
             }),
         }
     }
 
     fn check_type(self, ty: GgmlType) -> Result<()> {
         if self.dtype() != ty {
-            return Err(BackendError::DataSize {
-                name: format!("{} (type {} not {})", self.name(), self.dtype().0, ty.0),
-                expected: self.nbytes(),
-                got: 0,
+            return Err(BackendError::TypeMismatch {
+                name: self.name(),
+                expected: type_name(ty),
+                actual: type_name(self.dtype()),
             });
         }
         Ok(())

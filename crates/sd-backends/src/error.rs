@@ -44,8 +44,11 @@ pub enum BackendError {
     /// Tensor data of the wrong size.
     #[error("tensor `{name}` holds {expected} bytes, got {got}")]
     DataSize { name: String, expected: usize, got: usize },
+    /// A tensor of another type than the operation needs.
+    #[error("tensor `{name}` has type {actual}, not {expected}")]
+    TypeMismatch { name: String, expected: String, actual: String },
     /// An I/O error with the path involved.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io { path: PathBuf, source: std::io::Error },
 }
 

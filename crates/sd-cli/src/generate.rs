@@ -3,16 +3,17 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{Context as _, Result};
 use clap::Args;
-use sd_backends::{BackendManager, GgmlType};
+use sd_backends::BackendManager;
 use sd_models::files::Prediction as FilePrediction;
 use sd_models::fixture::{self, Family, WeightType};
-use sd_models::pipeline::{GenerateParams, LoadOptions, ModuleDevices, ModuleHomes, Pipeline, Placement, Progress};
+use sd_models::loader::LoadType;
+use sd_models::output::ImageOutput;
+use sd_models::pipeline::{GenerateParams, LoadOptions, Pipeline, Progress, Request, ValidParams};
+use sd_models::placement::RuntimePlacement;
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
-use sd_sched::ParamHome;
 use sd_vae::TilingParams;
 
 use crate::inputs::RunArgs;
@@ -51,12 +52,12 @@ pub struct GenerateArgs {
     /// lcm, ddim_trailing, tcd, res_multistep, res_2s, er_sde, euler_cfg_pp, euler_a_cfg_pp,
     /// euler_ge (default: the model's, euler_a for SD 1.x/2.x).
     #[arg(long = "sampling-method")]
-    pub sampling_method: Option<String>,
+    pub sampling_method: Option<SampleMethod>,
     /// Scheduler: discrete, karras, exponential, ays, gits, sgm_uniform, simple, smoothstep,
     /// kl_optimal, lcm, bong_tangent, ltx2 (default: the sampler's: lcm for lcm and tcd, simple
     /// for ddim_trailing, else discrete).
     #[arg(long = "scheduler")]
-    pub scheduler: Option<String>,
+    pub scheduler: Option<Scheduler>,
     /// Seed (negative: random).
     #[arg(short = 's', long = "seed", default_value_t = 42, allow_hyphen_values = true)]
     pub seed: i64,
@@ -72,7 +73,7 @@ pub struct GenerateArgs {
     pub threads: i64,
     /// Noise generator: cuda (Philox, the default), std_default, cpu.
     #[arg(long = "rng", default_value = "cuda")]
-    pub rng: String,
+    pub rng: RngKind,
     /// img2img: the init image (PNG, JPEG, WebP or BMP), centre-cropped and resized to
     /// -W x -H when both are given.
     #[arg(short = 'i', long = "init-img")]
@@ -88,10 +89,10 @@ pub struct GenerateArgs {
     pub eta: Option<f32>,
     /// Weight type at load: f32, f16, q8_0, q5_0, q4_0, ...
     #[arg(long = "type")]
-    pub wtype: Option<String>,
+    pub wtype: Option<LoadType>,
     /// eps or v (overrides what the file says).
-    #[arg(long = "prediction")]
-    pub prediction: Option<String>,
+    #[arg(long = "prediction", value_parser = prediction)]
+    pub prediction: Option<FilePrediction>,
     /// Flash attention in the diffusion model.
     #[arg(long = "diffusion-fa")]
     pub diffusion_fa: bool,
@@ -130,25 +131,10 @@ pub fn clip_text(s: &str) -> String {
     }
 }
 
-fn wtype(s: &str) -> Result<GgmlType> {
-    Ok(match s.to_ascii_lowercase().as_str() {
-        "f32" => GgmlType::GGML_TYPE_F32,
-        "f16" => GgmlType::GGML_TYPE_F16,
-        "bf16" => GgmlType::GGML_TYPE_BF16,
-        "q8_0" => GgmlType::GGML_TYPE_Q8_0,
-        "q5_0" => GgmlType::GGML_TYPE_Q5_0,
-        "q5_1" => GgmlType::GGML_TYPE_Q5_1,
-        "q4_0" => GgmlType::GGML_TYPE_Q4_0,
-        "q4_1" => GgmlType::GGML_TYPE_Q4_1,
-        "q4_k" => GgmlType::GGML_TYPE_Q4_K,
-        "q5_k" => GgmlType::GGML_TYPE_Q5_K,
-        "q6_k" => GgmlType::GGML_TYPE_Q6_K,
-        "q3_k" => GgmlType::GGML_TYPE_Q3_K,
-        "q2_k" => GgmlType::GGML_TYPE_Q2_K,
-        other => bail!(
-            "--type '{other}': accepted: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_k, q3_k, q4_k, q5_k, q6_k"
-        ),
-    })
+/// `--prediction`: the library's prediction types by their own names only (`eps`, `v`; the
+/// spellings found in model metadata, such as `v_prediction`, are not flag values).
+fn prediction(s: &str) -> std::result::Result<FilePrediction, sd_models::sampling::SamplingError> {
+    s.parse()
 }
 
 fn ensure_fixture() -> Result<PathBuf> {
@@ -167,9 +153,11 @@ fn ensure_fixture() -> Result<PathBuf> {
     Ok(path)
 }
 
-/// The parameters text of an image (A1111's layout).
-fn a1111_parameters(a: &GenerateArgs, p: &GenerateParams, seed: u64, model: &str) -> String {
-    let (method, scheduler) = (p.method, p.scheduler);
+/// The parameters text of image `i` of a request (A1111's layout): it was sampled from seed
+/// `seed + i`.
+fn a1111_parameters(a: &GenerateArgs, r: &Request, i: usize, model: &str) -> String {
+    let (p, method, scheduler) = (r.params(), r.method(), r.scheduler());
+    let seed = p.seed.wrapping_add(i as u64);
     let mut s = p.prompt.clone();
     if !p.negative_prompt.is_empty() {
         s.push_str(&format!("\nNegative prompt: {}", p.negative_prompt));
@@ -184,9 +172,9 @@ fn a1111_parameters(a: &GenerateArgs, p: &GenerateParams, seed: u64, model: &str
         p.width,
         p.height,
         model,
-        a.rng
+        p.rng
     ));
-    if a.init_img.is_some() {
+    if p.init_image.is_some() {
         s.push_str(&format!(", Denoising strength: {}", a.strength));
     }
     if a.clip_skip > 0 {
@@ -196,216 +184,98 @@ fn a1111_parameters(a: &GenerateArgs, p: &GenerateParams, seed: u64, model: &str
     s
 }
 
-/// Runs a generation.
+/// Runs a generation: flags -> request -> plan -> pipeline -> images.
 pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
-    // Flags are checked here, against the model in `Pipeline::check_request`, and the outputs
-    // once those pass: all before the first weight is read.
-    a.run.check_mode()?;
-    // The defaults depend on the model: resolved once it is opened.
-    let method: Option<SampleMethod> =
-        a.sampling_method.as_deref().map(str::parse).transpose().with_context(|| "--sampling-method".to_string())?;
-    let scheduler: Option<Scheduler> =
-        a.scheduler.as_deref().map(str::parse).transpose().with_context(|| "--scheduler".to_string())?;
-    let rng: RngKind = a.rng.parse().with_context(|| "--rng".to_string())?;
-    let wt = a.wtype.as_deref().map(wtype).transpose()?;
-    let prediction = match a.prediction.as_deref() {
-        None => None,
-        Some("eps") => Some(FilePrediction::Eps),
-        Some("v") => Some(FilePrediction::V),
-        Some(o) => bail!("--prediction '{o}': accepted: eps, v"),
-    };
-    let tiling = TilingParams::from_cli(
-        a.vae_tiling,
-        a.vae_tile_size.as_deref(),
-        a.vae_tile_overlap.as_deref(),
-        a.vae_relative_tile_size.as_deref(),
-    )?;
-    let (prompt, negative_prompt) = a.run.prompts(&a.prompt, &a.negative_prompt)?;
-    // -W/-H and the init image, as the reference's CLI resolves them; the pipeline aligns
-    // the size to the model below.
-    let (width, height, init_image) = crate::inputs::resolve_size(a.width, a.height, a.init_img.as_deref())?;
-    if prompt.is_empty() {
-        tracing::warn!("the prompt is empty (-p): generating unconditioned");
-    }
-    let seed = if a.seed < 0 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64 & 0x7fff_ffff)
-            .unwrap_or(0)
-    } else {
-        a.seed as u64
-    };
-
-    // Model-independent checks before anything is opened or written; the size is checked
-    // again, aligned to the model's multiple, once the model is known.
-    let early = GenerateParams {
-        prompt: String::new(),
-        negative_prompt: String::new(),
-        width: width.div_ceil(8) * 8,
-        height: height.div_ceil(8) * 8,
-        steps: a.steps,
-        cfg_scale: a.cfg_scale,
-        // validate() does not depend on the sampler; the model picks the defaults later
-        method: method.unwrap_or_default(),
-        scheduler: scheduler.unwrap_or_default(),
-        seed,
-        batch_count: a.batch_count,
-        rng,
-        clip_skip: a.clip_skip,
-        eta: a.eta,
-        init_image: None,
-        tiling: tiling.clone(),
-        vae_max_compute_bytes: None,
-    };
-    early.validate()?;
-    if !(0.0..=1.0).contains(&a.strength) {
-        bail!("--strength {}: must be between 0 and 1", a.strength);
-    }
-
-    let mut model_args = a.model.clone();
-    if model_args.model.is_none() && model_args.diffusion_model.is_none() {
-        model_args.model = Some(ensure_fixture()?);
-    }
-    let model_name = model_args
-        .model
-        .as_ref()
-        .or(model_args.diffusion_model.as_ref())
-        .and_then(|p| p.file_stem())
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-
-    // Placement.
+    // What needs no model is checked before anything is opened or written; the rest once the
+    // model is known (`Pipeline::check_request`), with the outputs: all before the first
+    // weight is read.
+    let params = a.params()?;
+    let model = a.model.or_fixture(ensure_fixture)?;
     let reg = crate::devices::open(dev)?;
-    let devices = crate::plan::machine_devices_from(&reg);
-    let files = sd_models::files::ModelFiles::open(&model_args.sources())?;
-    let description = sd_models::describe::describe(&files, &model_args.extra())?;
-    let request = sd_placement::PlanRequest {
-        flags: a.placement.flags(),
-        devices,
-        ram_available_bytes: crate::plan::ram_available(),
-        model: description,
-    };
-    let plan = sd_placement::plan(&request)?;
+    let files = sd_models::files::ModelFiles::open(&model.sources())?;
+    let plan = crate::plan::plan_for(&model, &files, &a.placement, crate::plan::machine_devices_from(&reg))?;
     plan.ensure_loadable()?;
-    for w in &plan.warnings {
-        tracing::warn!("{w}");
-    }
-    if plan.auto_fit {
-        tracing::info!("auto-fit: --backend \"{}\" --params-backend \"{}\"", plan.backend, plan.params_backend);
-    }
     let threads = sd_backends::threads::resolve_threads(a.threads);
     tracing::debug!("{threads} CPU threads");
     let manager = BackendManager::new(Some(threads));
-    let module_plan = |module: sd_placement::Module| plan.modules.iter().find(|m| m.module == module);
-    let backend_of = |module: sd_placement::Module| -> Result<Arc<sd_backends::Backend>> {
-        let m = module_plan(module);
-        let name = m.and_then(|m| m.runtime.first()).cloned().unwrap_or_else(|| plan.main_device.clone());
-        if m.is_some_and(|m| m.runtime.len() > 1) {
-            tracing::warn!("{}: multi-device split is not implemented yet; running on {name}", module.name());
-        }
-        Ok(manager.get(reg.device(&name)?)?)
+    let sched = sd_sched::plan::Options {
+        disable_prefetch: a.disable_prefetch,
+        disable_segmented_compute: a.disable_segmented_compute,
     };
-    // Where each module's parameters live, as the plan says.
-    let home_of = |module: sd_placement::Module, compute: &Arc<sd_backends::Backend>| -> Result<ParamHome> {
-        let Some(m) = module_plan(module) else { return Ok(ParamHome::Compute) };
-        let runtime = compute.device().name();
-        let home = if m.params.is_empty() || m.params == runtime {
-            ParamHome::Compute
-        } else if m.params.eq_ignore_ascii_case("disk") {
-            ParamHome::Disk
-        } else if m.params.contains('&') {
-            tracing::warn!("{}: split parameters are not implemented yet; keeping them on {runtime}", module.name());
-            ParamHome::Compute
-        } else {
-            let dev = reg.device(&m.params)?;
-            if dev.kind() == sd_backends::DeviceKind::Cpu {
-                ParamHome::Host
-            } else {
-                ParamHome::Device(manager.get(dev)?)
-            }
-        };
-        tracing::info!(
-            "{}: runs on {runtime}, params {} ({})",
-            module.name(),
-            home.describe(),
-            sd_placement::fmt_bytes(m.param_bytes)
-        );
-        Ok(home)
+    let RuntimePlacement { devices, placement } = RuntimePlacement::from_plan(&plan, &reg, &manager, sched)?;
+    let options = LoadOptions {
+        sources: model.sources(),
+        prediction: a.prediction,
+        wtype: a.wtype.map(|t| t.0),
+        devices,
+        flash_attn: a.diffusion_fa,
+        placement,
     };
-    let devices = ModuleDevices {
-        te: backend_of(sd_placement::Module::Te)?,
-        diffusion: backend_of(sd_placement::Module::Diffusion)?,
-        vae: backend_of(sd_placement::Module::Vae)?,
-    };
-    let homes = ModuleHomes {
-        te: home_of(sd_placement::Module::Te, &devices.te)?,
-        diffusion: home_of(sd_placement::Module::Diffusion, &devices.diffusion)?,
-        vae: home_of(sd_placement::Module::Vae, &devices.vae)?,
-    };
-    // Managed budgets: a positive --max-vram, or the startup snapshot a negative one gives
-    // (0, like no --max-vram, sets none: live free memory is the limit).
-    let placement = Placement {
-        homes,
-        ledgers: sd_sched::Ledgers::with_budgets(plan.runtime_budgets().into_iter().collect()),
-        sched: sd_sched::plan::Options {
-            disable_prefetch: a.disable_prefetch,
-            disable_segmented_compute: a.disable_segmented_compute,
-        },
-    };
+    let pipeline = Pipeline::from_files(files, options)?;
+    let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
+    let outputs = ImageOutput::plan(&a.output, request.params().batch_count, a.run.output_begin_idx).context("-o")?;
 
-    let pipeline = Pipeline::from_files(
-        files,
-        LoadOptions {
-            sources: model_args.sources(),
-            prediction,
-            wtype: wt,
-            devices,
-            flash_attn: a.diffusion_fa,
-            placement,
-        },
-    )?;
-    let method = method.unwrap_or_else(|| pipeline.default_sample_method());
-    let scheduler = scheduler.unwrap_or_else(|| method.default_scheduler());
-    let (width, height) = pipeline.aligned_size(width, height);
-    let init = init_image.map(|img| {
-        // The library's rule for an init image of another size than the (aligned) request.
-        let img = sd_models::image_io::resize_nearest(&img, width, height);
-        (sd_models::image_io::to_planar(&img), a.strength)
-    });
-    let params = GenerateParams {
-        prompt,
-        negative_prompt,
-        width,
-        height,
-        steps: a.steps,
-        cfg_scale: a.cfg_scale,
-        method,
-        scheduler,
-        seed,
-        batch_count: a.batch_count,
-        rng,
-        clip_skip: a.clip_skip,
-        eta: a.eta,
-        init_image: init,
-        tiling,
-        vae_max_compute_bytes: None,
-    };
-    params.validate()?;
-    pipeline.check_request(&params)?;
-    // Every output is checked (and named) before the first weight is read.
-    let outputs = crate::output::plan_outputs(&a.output, a.batch_count, a.run.output_begin_idx)?;
     let start = std::time::Instant::now();
     let mut reporter = crate::progress::Reporter::new(std::io::stderr().is_terminal());
-    let images = pipeline.generate(&params, &mut |p: Progress| reporter.event(&p));
+    let images = pipeline.generate(&request, &mut |p: Progress| reporter.event(&p));
     reporter.finish();
     let images = images?;
     for line in pipeline.device_report() {
         tracing::debug!("{line}");
     }
-    let metadata = !a.run.disable_image_metadata;
-    // Image i was sampled from seed + i.
-    let text = |i: usize| metadata.then(|| a1111_parameters(a, &params, seed.wrapping_add(i as u64), &model_name));
+    let name = model.name();
+    let text = |i: usize| (!a.run.disable_image_metadata).then(|| a1111_parameters(a, &request, i, &name));
     crate::output::save_images(&images, &outputs, text)?;
     tracing::info!("generation took {:.2} s", start.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
+}
+
+impl GenerateArgs {
+    /// The request the flags make, checked as far as it can be without a model.
+    fn params(&self) -> Result<ValidParams> {
+        self.run.check_mode()?;
+        let tiling = TilingParams::from_cli(
+            self.vae_tiling,
+            self.vae_tile_size.as_deref(),
+            self.vae_tile_overlap.as_deref(),
+            self.vae_relative_tile_size.as_deref(),
+        )
+        .map_err(crate::errors::tiling_with_flag)?;
+        let (prompt, negative_prompt) = self.run.prompts(&self.prompt, &self.negative_prompt)?;
+        // -W/-H and the init image, as the reference's CLI resolves them; the pipeline aligns
+        // the size to the model.
+        let (width, height, init_image) =
+            crate::inputs::resolve_size(self.width, self.height, self.init_img.as_deref())?;
+        if prompt.is_empty() {
+            tracing::warn!("the prompt is empty (-p): generating unconditioned");
+        }
+        let seed = if self.seed < 0 {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64 & 0x7fff_ffff)
+                .unwrap_or(0)
+        } else {
+            self.seed as u64
+        };
+        let params = GenerateParams {
+            prompt,
+            negative_prompt,
+            width,
+            height,
+            steps: self.steps,
+            cfg_scale: self.cfg_scale,
+            method: self.sampling_method,
+            scheduler: self.scheduler,
+            seed,
+            batch_count: self.batch_count,
+            rng: self.rng,
+            clip_skip: self.clip_skip,
+            eta: self.eta,
+            init_image,
+            strength: self.strength,
+            tiling,
+            vae_max_compute_bytes: None,
+        };
+        params.validate().map_err(crate::errors::with_flag)
+    }
 }

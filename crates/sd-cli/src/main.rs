@@ -17,6 +17,7 @@ macro_rules! out {
 }
 
 mod devices;
+mod errors;
 mod generate;
 mod inputs;
 mod logging;
@@ -106,7 +107,7 @@ fn main() -> ExitCode {
             Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
             // Any error of `plan` is bad input (files, flags, profile): exit status 2.
             Some(Command::Plan(args)) => plan::run(&args, &cli.devices).or_else(|e| {
-                eprintln!("error: {}", report(&e));
+                print_error(&e);
                 Ok(ExitCode::from(2))
             }),
             None if cli.list_devices => devices::list(&cli.devices, cli.json),
@@ -115,11 +116,7 @@ fn main() -> ExitCode {
     };
     let printed = match &result {
         Ok(_) => String::new(),
-        Err(e) => {
-            let msg = report(e);
-            eprintln!("error: {msg}");
-            msg
-        }
+        Err(e) => print_error(e),
     };
     // A lost server decides the exit status, whatever error it caused on its way out.
     if let Some(loss) = sd_backends::rpc::lost() {
@@ -140,21 +137,20 @@ fn main() -> ExitCode {
     }
 }
 
-/// The error and its causes, joined with `: `, leaving out a cause whose text the message
-/// already holds (wrappers that print their source in their own message).
-fn report(e: &anyhow::Error) -> String {
-    let mut msg = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if msg.contains(&text) {
-            continue;
-        }
-        if !msg.is_empty() {
-            msg.push_str(": ");
-        }
-        msg.push_str(&text);
+/// Prints `e` and the hints that name flags for it; returns the printed message.
+fn print_error(e: &anyhow::Error) -> String {
+    let msg = report(e);
+    eprintln!("error: {msg}");
+    for hint in errors::hints(e) {
+        eprintln!("hint: {hint}");
     }
     msg
+}
+
+/// The error and its causes, joined with `: ` (each error describes its own layer only, so
+/// nothing repeats).
+fn report(e: &anyhow::Error) -> String {
+    e.chain().map(|cause| cause.to_string()).collect::<Vec<_>>().join(": ")
 }
 
 #[cfg(test)]
@@ -162,11 +158,9 @@ mod tests {
     use super::report;
 
     #[test]
-    fn causes_already_in_the_message_are_not_repeated() {
+    fn the_chain_is_printed_outermost_first() {
         let inner = std::io::Error::other("disk on fire");
-        let e = anyhow::Error::new(inner).context("reading model.safetensors: disk on fire").context("loading");
+        let e = anyhow::Error::new(inner).context("reading model.safetensors").context("loading");
         assert_eq!(report(&e), "loading: reading model.safetensors: disk on fire");
-        let e = anyhow::anyhow!("root cause").context("while planning");
-        assert_eq!(report(&e), "while planning: root cause");
     }
 }

@@ -1,33 +1,19 @@
-//! Saving the generated images: names from `-o` and `--output-begin-idx`, the format from
-//! the extension, the parameters text unless `--disable-image-metadata`.
+//! Saving the generated images, each with its parameters text unless `--disable-image-metadata`.
 
-use std::path::Path;
-
-use anyhow::{Context as _, Result};
-use sd_models::image_io::{self, OutputFormat};
-use sd_models::output::OutputTarget;
+use anyhow::Result;
+use sd_models::output::ImageOutput;
 use sd_models::pipeline::Image;
 
-/// The files a batch of `n` images will be written to, named as the reference names them
-/// ([`image_io::output_paths`]) and each checked as a target ([`OutputTarget::resolve`]:
-/// no directory, device, FIFO or read-only file, an existing parent directory) before any
-/// work is done.
-pub fn plan_outputs(output: &Path, n: usize, begin_idx: Option<i64>) -> Result<Vec<(OutputTarget, OutputFormat)>> {
-    image_io::output_paths(output, n, begin_idx)
-        .into_iter()
-        .map(|(path, format)| Ok((OutputTarget::resolve(&path).context("-o")?, format)))
-        .collect()
-}
-
-/// Writes image `i` to `targets[i]`, carrying `parameters(i)` when that is `Some`.
+/// Writes image `i` to `outputs[i]` (checked and named by [`ImageOutput::plan`]), carrying
+/// `parameters(i)` when that is `Some`.
 pub fn save_images(
     images: &[Image],
-    targets: &[(OutputTarget, OutputFormat)],
+    outputs: &[ImageOutput],
     parameters: impl Fn(usize) -> Option<String>,
 ) -> Result<()> {
-    for (i, (img, (target, format))) in images.iter().zip(targets).enumerate() {
-        image_io::write_image(target, img, *format, parameters(i).as_deref())?;
-        tracing::info!("saved {} ({})", target.path().display(), format.name());
+    for (i, (img, out)) in images.iter().zip(outputs).enumerate() {
+        out.write(img, parameters(i).as_deref())?;
+        tracing::info!("saved {} ({})", out.target.path().display(), out.format.name());
     }
     Ok(())
 }

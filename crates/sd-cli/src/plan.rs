@@ -9,7 +9,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 use sd_models::describe::{describe, ExtraFile};
 use sd_models::files::{ModelFiles, ModelSources};
-use sd_placement::{plan, Device, DeviceProfile, DeviceType, Flags, PlanRequest, MIB};
+use sd_placement::{plan, Device, DeviceProfile, DeviceType, Flags, Plan, PlanRequest, MIB};
 
 use crate::DeviceArgs;
 
@@ -98,6 +98,25 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// These flags, with `fixture()`'s checkpoint as `-m` when no model is given.
+    pub fn or_fixture(&self, fixture: impl FnOnce() -> Result<PathBuf>) -> Result<ModelArgs> {
+        let mut m = self.clone();
+        if m.model.is_none() && m.diffusion_model.is_none() {
+            m.model = Some(fixture()?);
+        }
+        Ok(m)
+    }
+
+    /// The model's name for image metadata: the file stem of `-m` (or `--diffusion-model`).
+    pub fn name(&self) -> String {
+        self.model
+            .as_ref()
+            .or(self.diffusion_model.as_ref())
+            .and_then(|p| p.file_stem())
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+
     /// The sources the runtime loads.
     pub fn sources(&self) -> ModelSources {
         ModelSources {
@@ -145,7 +164,7 @@ pub struct PlanArgs {
 const MAX_PROFILE_BYTES: u64 = 1 << 20;
 
 /// MemAvailable from /proc/meminfo, in bytes.
-pub fn ram_available() -> Option<u64> {
+pub(crate) fn ram_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb: u64 = text.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
@@ -176,6 +195,29 @@ pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
             Some(Device::new(i.name, kind).with_memory(mem(i.memory_free), mem(i.memory_total)).with_registry(registry))
         })
         .collect()
+}
+
+/// The placement plan of a generation on this machine's `devices`, its warnings logged.
+pub fn plan_for(
+    model: &ModelArgs,
+    files: &ModelFiles,
+    placement: &PlacementArgs,
+    devices: Vec<Device>,
+) -> Result<Plan> {
+    let request = PlanRequest {
+        flags: placement.flags(),
+        devices,
+        ram_available_bytes: ram_available(),
+        model: describe(files, &model.extra())?,
+    };
+    let plan = plan(&request)?;
+    for w in &plan.warnings {
+        tracing::warn!("{w}");
+    }
+    if plan.auto_fit {
+        tracing::info!("auto-fit: --backend \"{}\" --params-backend \"{}\"", plan.backend, plan.params_backend);
+    }
+    Ok(plan)
 }
 
 /// Runs `plan`.

@@ -91,6 +91,9 @@ fn judge(case: &Case, o: &Outcome) -> Option<String> {
             return Some(format!("{}: stderr lacks {n:?}: {tail}", case.name));
         }
     }
+    if let Some(repeat) = repeated_cause(&o.stderr) {
+        return Some(format!("{}: the error repeats {repeat:?}: {tail}", case.name));
+    }
     if o.stderr.contains("panicked") || o.stderr.contains("RUST_BACKTRACE") {
         return Some(format!("{}: a panic: {tail}", case.name));
     }
@@ -98,6 +101,30 @@ fn judge(case: &Case, o: &Outcome) -> Option<String> {
         return Some(format!("{}: {} bytes of stderr (an input echoed whole?)", case.name, o.stderr.len()));
     }
     None
+}
+
+/// A segment of an `error:` line's cause chain (`a: b: c`) that appears twice: each error
+/// describes its own layer and leaves its cause to `source`, so no cause is printed twice
+/// (a wrapper that also formats its source into its message gives `a: b: b`).
+fn repeated_cause(stderr: &str) -> Option<String> {
+    for line in stderr.lines() {
+        let Some(chain) = line.strip_prefix("error: ") else { continue };
+        let segments: Vec<&str> = chain.split(": ").map(str::trim).filter(|s| s.len() > 3).collect();
+        for (i, a) in segments.iter().enumerate() {
+            if segments[i + 1..].contains(a) {
+                return Some((*a).to_string());
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn a_repeated_cause_is_found() {
+    assert_eq!(repeated_cause("error: loading: disk on fire: disk on fire\n"), Some("disk on fire".into()));
+    assert_eq!(repeated_cause("error: a tensor: x.st: truncated: a tensor: x.st\n"), Some("a tensor".into()));
+    assert_eq!(repeated_cause("error: VAE: reading 'a.st': file changed\n"), None);
+    assert_eq!(repeated_cause("warn: x: x\nerror: a b c: d e f\n"), None);
 }
 
 // ---------------------------------------------------------------------------------------

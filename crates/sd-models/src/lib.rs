@@ -20,6 +20,7 @@ pub mod image_io;
 pub mod loader;
 pub mod output;
 pub mod pipeline;
+pub mod placement;
 pub mod sampling;
 pub mod text;
 pub mod wtype;

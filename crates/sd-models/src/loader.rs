@@ -82,48 +82,71 @@ impl TensorSource for FileSource<'_> {
 impl<'a> FileSource<'a> {
     /// [`TensorSource::load`] with the bytes borrowed from the files rather than the source.
     pub fn load_tensor(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'a, [u8]>, SourceError> {
+        self.load_checked(name, ty, ne).map_err(SourceError::new)
+    }
+
+    fn load_checked(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'a, [u8]>, LoadError> {
         let files: &'a ModelFiles = self.files;
-        let e = self
-            .files
-            .index()
-            .get(name)
-            .ok_or_else(|| SourceError(format!("tensor `{name}` is missing from the model files")))?;
+        let e = self.files.index().get(name).ok_or_else(|| LoadError::Missing { tensor: name.to_string() })?;
+        let tensor = || (e.original_name.clone(), self.path_of(e));
         let want: i64 = ne.iter().product();
         if e.n_elements() as i64 != want {
-            return Err(SourceError(format!(
-                "tensor `{}` in {} has shape {:?} ({} elements); the architecture expects {} elements (ggml ne {:?})",
-                e.original_name,
-                self.path_of(e),
-                e.shape,
-                e.n_elements(),
+            let (tensor, path) = tensor();
+            return Err(LoadError::Shape {
+                tensor,
+                path,
+                shape: e.shape.clone(),
+                elements: e.n_elements(),
                 want,
-                ne
-            )));
+                ne: ne.to_vec(),
+            });
         }
         let from = ggml_type(e.dtype).ok_or_else(|| {
-            SourceError(format!(
-                "tensor `{}` in {}: dtype {} cannot be loaded",
-                e.original_name,
-                self.path_of(e),
-                e.dtype.name()
-            ))
+            let (tensor, path) = tensor();
+            LoadError::DType { tensor, path, dtype: e.dtype.name() }
         })?;
-        files.check_unchanged(e.file).map_err(|err| SourceError(err.to_string()))?;
+        files.check_unchanged(e.file)?;
         let bytes = files.bytes(e);
-        if let Some(i) = first_non_finite(from, bytes) {
-            return Err(SourceError(format!(
-                "tensor `{}` in {} holds a NaN or infinite value (element {i})",
-                e.original_name,
-                self.path_of(e)
-            )));
+        if let Some(element) = first_non_finite(from, bytes) {
+            let (tensor, path) = tensor();
+            return Err(LoadError::NonFinite { tensor, path, element });
         }
         if from == ty {
             return Ok(Cow::Borrowed(bytes));
         }
-        convert::convert(from, ty, bytes, ne)
-            .map(Cow::Owned)
-            .map_err(|err| SourceError(format!("tensor `{}` in {}: {err}", e.original_name, self.path_of(e))))
+        convert::convert(from, ty, bytes, ne).map(Cow::Owned).map_err(|source| {
+            let (tensor, path) = tensor();
+            LoadError::Convert { tensor, path, source }
+        })
     }
+}
+
+/// Why [`FileSource`] could not deliver a tensor, naming the tensor and its file.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// No file holds the tensor.
+    #[error("tensor `{tensor}` is missing from the model files")]
+    Missing { tensor: String },
+    /// The element count disagrees with the architecture.
+    #[error("tensor `{tensor}` in {path} has shape {shape:?} ({elements} elements); the architecture expects {want} elements (ggml ne {ne:?})")]
+    Shape { tensor: String, path: String, shape: Vec<u64>, elements: u64, want: i64, ne: Vec<i64> },
+    /// A stored type with no ggml type.
+    #[error("tensor `{tensor}` in {path}: dtype {dtype} cannot be loaded")]
+    DType { tensor: String, path: String, dtype: &'static str },
+    /// The file changed since it was opened.
+    #[error(transparent)]
+    Changed(#[from] crate::files::FilesError),
+    /// A float weight holds a NaN or an infinity.
+    #[error("tensor `{tensor}` in {path} holds a NaN or infinite value (element {element})")]
+    NonFinite { tensor: String, path: String, element: usize },
+    /// The conversion to the requested type failed.
+    #[error("tensor `{tensor}` in {path}")]
+    Convert {
+        tensor: String,
+        path: String,
+        #[source]
+        source: convert::ConvertError,
+    },
 }
 
 /// The page-aligned byte range `(offset, len)` lying wholly inside `offset..offset + len`,
@@ -166,9 +189,63 @@ fn release_pages(files: &ModelFiles, e: &TensorEntry) {
 #[cfg(not(target_os = "linux"))]
 fn release_pages(_files: &ModelFiles, _e: &TensorEntry) {}
 
+/// A type weights are converted to at load (`--type`): the ggml types a model's weights may
+/// be stored in. Parsed from ggml's type name, ignoring ASCII case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadType(pub GgmlType);
+
+impl LoadType {
+    /// Every accepted type, by name, in the order messages list them.
+    pub(crate) const ACCEPTED: [(&'static str, GgmlType); 13] = [
+        ("f32", GgmlType::GGML_TYPE_F32),
+        ("f16", GgmlType::GGML_TYPE_F16),
+        ("bf16", GgmlType::GGML_TYPE_BF16),
+        ("q8_0", GgmlType::GGML_TYPE_Q8_0),
+        ("q5_0", GgmlType::GGML_TYPE_Q5_0),
+        ("q5_1", GgmlType::GGML_TYPE_Q5_1),
+        ("q4_0", GgmlType::GGML_TYPE_Q4_0),
+        ("q4_1", GgmlType::GGML_TYPE_Q4_1),
+        ("q2_k", GgmlType::GGML_TYPE_Q2_K),
+        ("q3_k", GgmlType::GGML_TYPE_Q3_K),
+        ("q4_k", GgmlType::GGML_TYPE_Q4_K),
+        ("q5_k", GgmlType::GGML_TYPE_Q5_K),
+        ("q6_k", GgmlType::GGML_TYPE_Q6_K),
+    ];
+}
+
+/// A weight type name [`LoadType`] does not accept.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown weight type '{given}' (accepted: {})", LoadType::ACCEPTED.map(|(n, _)| n).join(", "))]
+pub struct UnknownLoadType {
+    /// The name given.
+    pub given: String,
+}
+
+impl std::str::FromStr for LoadType {
+    type Err = UnknownLoadType;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        LoadType::ACCEPTED
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(s))
+            .map(|&(_, ty)| LoadType(ty))
+            .ok_or_else(|| UnknownLoadType { given: s.to_owned() })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn load_types_parse_ignoring_case_and_refusals_list_the_accepted() {
+        assert_eq!("Q4_K".parse::<LoadType>(), Ok(LoadType(GgmlType::GGML_TYPE_Q4_K)));
+        assert_eq!("f16".parse::<LoadType>(), Ok(LoadType(GgmlType::GGML_TYPE_F16)));
+        for bad in ["q9_9", "", "iq2_xxs"] {
+            let e = bad.parse::<LoadType>().unwrap_err().to_string();
+            assert!(e.contains(&format!("'{bad}'")) && e.contains("f32, f16, bf16") && e.contains("q6_k"), "{e}");
+        }
+    }
 
     #[test]
     fn inner_pages_keeps_only_whole_pages_inside_the_tensor() {

@@ -230,3 +230,30 @@ mod tests {
         assert!(!err.contains(".tmp-"), "{err}");
     }
 }
+
+/// One image's output: a checked target and the format its name chose.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageOutput {
+    /// Where the image goes.
+    pub target: OutputTarget,
+    /// How it is encoded.
+    pub format: crate::image_io::OutputFormat,
+}
+
+impl ImageOutput {
+    /// The outputs of a batch of `count` images for `output` and `begin_idx`: named as the
+    /// reference names them (the extension picks the format, `%d` numbers the images, a
+    /// batch is `<stem>_<i>.<ext>`; an existing path without a known extension is taken as
+    /// written), each checked as a target ([`OutputTarget::resolve`]) before any work is done.
+    pub fn plan(output: &Path, count: usize, begin_idx: Option<i64>) -> Result<Vec<Self>, OutputError> {
+        crate::image_io::output_paths(output, count, begin_idx)
+            .into_iter()
+            .map(|(path, format)| Ok(ImageOutput { target: OutputTarget::resolve(&path)?, format }))
+            .collect()
+    }
+
+    /// Encodes `img` with `parameters` (None: no metadata) and writes it.
+    pub fn write(&self, img: &crate::pipeline::Image, parameters: Option<&str>) -> crate::image_io::Result<()> {
+        crate::image_io::write_image(&self.target, img, self.format, parameters)
+    }
+}

@@ -43,21 +43,117 @@ pub enum PipelineError {
     /// A setting that cannot work.
     #[error("{0}")]
     Invalid(String),
+    /// A setting of the request that cannot work, by the name this library gives it (a front
+    /// end names its own flag: [`Setting`]).
+    #[error("{} {value}: {problem}", setting.name())]
+    Setting {
+        /// Which setting.
+        setting: Setting,
+        /// Its value as given.
+        value: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// One stage's working memory at the requested size exceeds a device.
+    #[error(
+        "{stage} alone needs about {} at {width}x{height}, more than {device} has ({}); use a smaller size{}",
+        fmt_gib(*need),
+        fmt_gib(*total),
+        if *flash_attn { "" } else { ", flash attention or VAE tiling" }
+    )]
+    WorkingMemory {
+        /// Image width.
+        width: usize,
+        /// Image height.
+        height: usize,
+        /// The stage.
+        stage: &'static str,
+        /// Bytes it needs at least.
+        need: f64,
+        /// The device.
+        device: String,
+        /// The device's total bytes.
+        total: f64,
+        /// Whether flash attention is already on.
+        flash_attn: bool,
+    },
+    /// Tensors a module loads are not in the model files.
+    #[error("{module}: {missing} of its {total} tensors are missing from {files} (first: {first})")]
+    MissingTensors {
+        /// `text encoder`, `diffusion model`, `VAE` or `TAESD`.
+        module: &'static str,
+        /// How many are missing.
+        missing: usize,
+        /// How many the module has.
+        total: usize,
+        /// The files searched.
+        files: String,
+        /// The first missing names.
+        first: String,
+    },
+    /// The first stage's weights cannot be read (checked before sampling).
+    #[error("{module}")]
+    FirstStage {
+        /// `VAE` or `TAESD`.
+        module: &'static str,
+        /// The tensor and why.
+        #[source]
+        source: SourceError,
+    },
     /// Loading or running the text encoder.
-    #[error("text encoder: {0}")]
+    #[error("text encoder")]
     Text(#[from] crate::text::clip::ClipError),
     /// Loading or running the UNet.
-    #[error("diffusion model: {0}")]
+    #[error("diffusion model")]
     Diffusion(#[from] crate::diffusion::DiffusionError),
     /// Loading or running the VAE.
-    #[error("VAE: {0}")]
+    #[error("VAE")]
     Vae(#[from] sd_vae::VaeError),
     /// Sampling.
-    #[error("sampling: {0}")]
+    #[error("sampling")]
     Sampling(#[from] crate::sampling::SamplingError),
     /// Weights or execution.
     #[error(transparent)]
     Sched(#[from] sd_sched::SchedError),
+}
+
+/// A setting of [`GenerateParams`], for errors: front ends map it to their own flag names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    /// [`GenerateParams::width`].
+    Width,
+    /// [`GenerateParams::height`].
+    Height,
+    /// [`GenerateParams::steps`].
+    Steps,
+    /// [`GenerateParams::batch_count`].
+    BatchCount,
+    /// [`GenerateParams::cfg_scale`].
+    CfgScale,
+    /// [`GenerateParams::eta`].
+    Eta,
+    /// [`GenerateParams::strength`].
+    Strength,
+}
+
+impl Setting {
+    /// The setting's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::Width => "width",
+            Setting::Height => "height",
+            Setting::Steps => "steps",
+            Setting::BatchCount => "batch count",
+            Setting::CfgScale => "cfg scale",
+            Setting::Eta => "eta",
+            Setting::Strength => "strength",
+        }
+    }
+}
+
+/// A [`PipelineError::Setting`].
+fn bad_setting<T>(setting: Setting, value: impl std::fmt::Display, problem: impl Into<String>) -> Result<T> {
+    Err(PipelineError::Setting { setting, value: value.to_string(), problem: problem.into() })
 }
 
 /// The VAE's downscaling factor (8 for every SD 1.x / 2.x autoencoder and TAESD).
@@ -161,7 +257,9 @@ fn block_group(name: &str) -> String {
     }
 }
 
-/// One generation request (the reference's flags).
+/// One generation request (the reference's flags), as asked. [`GenerateParams::validate`]
+/// checks what needs no model; [`Pipeline::check_request`] fills in the model's defaults,
+/// checks the rest and gives the [`Request`] that [`Pipeline::generate`] runs.
 #[derive(Clone, Debug)]
 pub struct GenerateParams {
     /// `-p`.
@@ -176,10 +274,10 @@ pub struct GenerateParams {
     pub steps: usize,
     /// `--cfg-scale`.
     pub cfg_scale: f32,
-    /// `--sampling-method`.
-    pub method: SampleMethod,
-    /// `--scheduler`.
-    pub scheduler: Scheduler,
+    /// `--sampling-method` (None: the model's default).
+    pub method: Option<SampleMethod>,
+    /// `--scheduler` (None: the sampler's default).
+    pub scheduler: Option<Scheduler>,
     /// `-s`.
     pub seed: u64,
     /// `-b`.
@@ -190,8 +288,11 @@ pub struct GenerateParams {
     pub clip_skip: i64,
     /// `--eta` (None: the sampler's default).
     pub eta: Option<f32>,
-    /// img2img: the init image, planar `[3, H, W]` in `[0, 1]`, and `--strength`.
-    pub init_image: Option<(Vec<f32>, f32)>,
+    /// img2img: the init image, of any size ([`Pipeline::check_request`] fits it to the
+    /// generated size).
+    pub init_image: Option<Image>,
+    /// img2img: `--strength`, how much to change the init image (0..1).
+    pub strength: f32,
     /// VAE tiling.
     pub tiling: TilingParams,
     /// Cap on one VAE graph's compute buffer (triggers the tiled retry).
@@ -199,39 +300,72 @@ pub struct GenerateParams {
 }
 
 impl GenerateParams {
-    /// Checks what needs no model: counts, finite numbers, sizes that are multiples of the
-    /// VAE's 8 (the model's own multiple is checked by [`Pipeline::check_request`]), tiling.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(PipelineError::Invalid(m));
-        for (flag, v) in [("-W", self.width), ("-H", self.height)] {
-            if v == 0 || !v.is_multiple_of(VAE_SCALE) {
-                return bad(format!(
-                    "{flag} {v}: image sides must be positive multiples of 8 (and of the model's multiple: 64 for SD 1.x/2.x)"
-                ));
+    /// Checks what needs no model: a size, counts, finite numbers. What depends on the model
+    /// or on the size it generates at (tiling, memory) is checked by
+    /// [`Pipeline::check_request`], which takes the [`ValidParams`] this gives.
+    pub fn validate(self) -> Result<ValidParams> {
+        for (setting, v) in [(Setting::Width, self.width), (Setting::Height, self.height)] {
+            if v == 0 {
+                return bad_setting(setting, v, "image sides must be positive");
             }
         }
         if self.steps == 0 {
-            return bad("--steps 0: at least one sampling step is needed".into());
+            return bad_setting(Setting::Steps, 0, "at least one sampling step is needed");
         }
         if self.steps > MAX_STEPS {
-            return bad(format!("--steps {}: at most {MAX_STEPS} steps are accepted", self.steps));
+            return bad_setting(Setting::Steps, self.steps, format!("at most {MAX_STEPS} steps are accepted"));
         }
         if self.batch_count == 0 {
-            return bad("-b 0: the batch count must be at least 1".into());
+            return bad_setting(Setting::BatchCount, 0, "the batch count must be at least 1");
         }
         if !self.cfg_scale.is_finite() {
-            return bad(format!("--cfg-scale {}: not a finite number", self.cfg_scale));
+            return bad_setting(Setting::CfgScale, self.cfg_scale, "not a finite number");
         }
         if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
-            return bad(format!("--eta {eta}: must be a finite number >= 0"));
+            return bad_setting(Setting::Eta, eta, "must be a finite number >= 0");
         }
-        if let Some((_, strength)) = &self.init_image {
-            if !(0.0..=1.0).contains(strength) {
-                return bad(format!("--strength {strength}: must be between 0 and 1"));
-            }
+        if !(0.0..=1.0).contains(&self.strength) {
+            return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
         }
-        self.tiling.validate([self.width, self.height], VAE_SCALE)?;
-        Ok(())
+        Ok(ValidParams(self))
+    }
+}
+
+/// A [`GenerateParams`] that passed [`GenerateParams::validate`].
+#[derive(Clone, Debug)]
+pub struct ValidParams(GenerateParams);
+
+impl ValidParams {
+    /// The parameters.
+    pub fn params(&self) -> &GenerateParams {
+        &self.0
+    }
+}
+
+/// A [`GenerateParams`] completed for one model and checked against it by
+/// [`Pipeline::check_request`] (the only way to make one): the sampler and scheduler resolved,
+/// the size aligned to the model's multiple, the init image fitted to it.
+#[derive(Clone, Debug)]
+pub struct Request {
+    params: GenerateParams,
+    method: SampleMethod,
+    scheduler: Scheduler,
+}
+
+impl Request {
+    /// The completed parameters (`width`/`height` are the generated size).
+    pub fn params(&self) -> &GenerateParams {
+        &self.params
+    }
+
+    /// The sampling method used.
+    pub fn method(&self) -> SampleMethod {
+        self.method
+    }
+
+    /// The scheduler used.
+    pub fn scheduler(&self) -> Scheduler {
+        self.scheduler
     }
 }
 
@@ -333,7 +467,7 @@ impl Pipeline {
 
     /// The size a request of `width x height` is generated at ([`align_up`] to
     /// [`Pipeline::spatial_multiple`]), with the reference's warning when it changes.
-    pub fn aligned_size(&self, width: usize, height: usize) -> (usize, usize) {
+    pub(crate) fn aligned_size(&self, width: usize, height: usize) -> (usize, usize) {
         let multiple = self.spatial_multiple();
         let (w, h) = align_up(width, height, multiple);
         if (w, h) != (width, height) {
@@ -348,7 +482,7 @@ impl Pipeline {
     }
 
     /// The sampling method the reference uses for this model when none is given.
-    pub fn default_sample_method(&self) -> SampleMethod {
+    pub(crate) fn default_sample_method(&self) -> SampleMethod {
         SampleMethod::default_for(ModelVersion::from_arch(self.arch).unwrap_or_default())
     }
 
@@ -424,12 +558,6 @@ impl Pipeline {
             .collect()
     }
 
-    /// The image width and height must be multiples of this: the VAE's 8 times the UNet's
-    /// latent multiple (one halving per level but the last: 64 for SD 1.x / 2.x).
-    pub fn size_multiple(&self) -> usize {
-        VAE_SCALE * self.unet.size_multiple() as usize
-    }
-
     /// A lower bound of the largest working memory one stage needs for `p`, in bytes, and
     /// the stage: the UNet's attention scores at its first level (`heads x tokens^2` f32 per
     /// sample, unless flash attention), the VAE's mid-block attention and last-level
@@ -454,45 +582,52 @@ impl Pipeline {
         best
     }
 
-    /// Checks a request against this model before any weight is read: settings, image size
-    /// (the real multiple), working memory against the devices, VAE tiling, the tensors every
-    /// stage will need (so a missing or broken VAE is found before sampling, not after).
-    pub fn check_request(&self, p: &GenerateParams) -> Result<()> {
-        p.validate()?;
-        let bad = |m: String| Err(PipelineError::Invalid(m));
-        let m = self.size_multiple();
-        for (flag, v) in [("-W", p.width), ("-H", p.height)] {
-            if v == 0 || !v.is_multiple_of(m) {
-                let down = (v / m * m).max(m);
-                return bad(format!(
-                    "{flag} {v}: the {} model needs image sides that are positive multiples of {m} (try {down} or {})",
-                    self.arch,
-                    down + m
-                ));
-            }
+    /// Completes `p` for this model and checks it before any weight is read: the model's
+    /// sampler (and the sampler's scheduler) where none is given, the size aligned to
+    /// [`Pipeline::spatial_multiple`] ([`Pipeline::aligned_size`]) with the init image fitted to
+    /// it; then what `validate` could not check: VAE tiling at that size, `clip_skip`, working
+    /// memory against the devices, the tensors every stage will need (so a missing or broken
+    /// VAE is found before sampling, not after).
+    pub fn check_request(&self, p: ValidParams) -> Result<Request> {
+        let mut p = p.0;
+        let method = p.method.unwrap_or_else(|| self.default_sample_method());
+        let scheduler = p.scheduler.unwrap_or_else(|| method.default_scheduler());
+        (p.method, p.scheduler) = (Some(method), Some(scheduler));
+        (p.width, p.height) = self.aligned_size(p.width, p.height);
+        if let Some(image) = &mut p.init_image {
+            // The library's rule for an init image of another size than the (aligned) request.
+            *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
+        self.check_model_limits(&p)?;
+        Ok(Request { params: p, method, scheduler })
+    }
+
+    /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
+    fn check_model_limits(&self, p: &GenerateParams) -> Result<()> {
+        p.tiling.validate([p.width, p.height], VAE_SCALE)?;
         self.clip.resolve_clip_skip(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
         for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
             let device = backend.device();
             let (_, total) = device.memory();
             if total > 0 && need > total as f64 {
-                return bad(format!(
-                    "-W {} -H {}: {stage} alone needs about {} at this size, more than {} has ({}); use a smaller size{}",
-                    p.width,
-                    p.height,
-                    fmt_gib(need),
-                    device.name(),
-                    fmt_gib(total as f64),
-                    if self.opts.flash_attn { "" } else { ", --diffusion-fa or --vae-tiling" }
-                ));
+                return Err(PipelineError::WorkingMemory {
+                    width: p.width,
+                    height: p.height,
+                    stage,
+                    need,
+                    device: device.name(),
+                    total: total as f64,
+                    flash_attn: self.opts.flash_attn,
+                });
             }
         }
         // Every image's latent is kept until decoding: refuse a batch that cannot be held.
         let latents = p.batch_count as f64 * (p.width * p.height) as f64 / 64.0 * self.unet.in_channels as f64 * 4.0;
         let (_, host) = self.opts.devices.te.device().memory();
         if host > 0 && latents > host as f64 {
-            return bad(format!("-b {}: the batch's latents alone need {}", p.batch_count, fmt_gib(latents)));
+            let problem = format!("the batch's latents alone need {}", fmt_gib(latents));
+            return bad_setting(Setting::BatchCount, p.batch_count, problem);
         }
         self.check_tensors(p.init_image.is_some())
     }
@@ -517,18 +652,13 @@ impl Pipeline {
             let missing: Vec<&str> =
                 specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
             if !missing.is_empty() {
-                let hint = match module {
-                    "VAE" => "; give one with --vae (or --taesd)",
-                    "TAESD" => "; is the --taesd file a TAESD?",
-                    _ => "",
-                };
-                return Err(PipelineError::Invalid(format!(
-                    "{module}: {} of its {} tensors are missing from {} (first: {}){hint}",
-                    missing.len(),
-                    specs.len(),
-                    files(),
-                    missing[..missing.len().min(3)].join(", ")
-                )));
+                return Err(PipelineError::MissingTensors {
+                    module,
+                    missing: missing.len(),
+                    total: specs.len(),
+                    files: files(),
+                    first: missing[..missing.len().min(3)].join(", "),
+                });
             }
             for s in specs.iter() {
                 let e = index.get(&s.name).expect("checked above");
@@ -547,17 +677,17 @@ impl Pipeline {
         }
         let src = FileSource::new(&self.files);
         for s in &first {
-            if let Err(e) = src.load_tensor(&s.name, s.ty, &s.ne) {
-                return Err(PipelineError::Invalid(format!("{first_name}: {e}")));
+            if let Err(source) = src.load_tensor(&s.name, s.ty, &s.ne) {
+                return Err(PipelineError::FirstStage { module: first_name, source });
             }
             src.release(&s.name);
         }
         Ok(())
     }
 
-    /// Generates `params.batch_count` images.
-    pub fn generate(&self, p: &GenerateParams, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
-        self.check_request(p)?;
+    /// Generates the request's `batch_count` images.
+    pub fn generate(&self, request: &Request, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
+        let (p, method, scheduler) = (&request.params, request.method, request.scheduler);
         let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let channels = self.unet.in_channels as usize;
         let guided = p.cfg_scale != 1.0;
@@ -588,17 +718,18 @@ impl Pipeline {
         let schedule = DiscreteSchedule::sd();
         let model = ModelVersion::from_arch(self.arch).unwrap_or_default();
         let ctx = ScheduleContext { model, image_seq_len: lw * lh };
-        let full = p.scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
+        let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
         let sigmas = match &p.init_image {
             None => full,
-            Some((image, strength)) => {
+            Some(image) => {
+                let image = crate::image_io::to_planar(image);
                 let t = Instant::now();
                 let vae = self.load_first_stage(true)?;
                 let mut runner = self.runner("vae", &self.opts.devices.vae);
                 let px: Vec<f32> = match vae.image_range() {
                     sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
-                    sd_vae::ImageRange::ZeroToOne => image.clone(),
+                    sd_vae::ImageRange::ZeroToOne => image,
                 };
                 let mut rng = p.rng.seeded(p.seed);
                 let mut on_tile = |done: usize, tiles: usize| {
@@ -617,11 +748,11 @@ impl Pipeline {
                 let secs = t.elapsed().as_secs_f64();
                 tracing::info!("init image encoded in {secs:.2} s");
                 progress(Progress::Stage { name: "image encode", seconds: secs });
-                img2img_sigmas(&full, *strength)?
+                img2img_sigmas(&full, p.strength)?
             }
         };
         if sigmas.len() < 2 {
-            return Err(PipelineError::Invalid("--strength too low: no sampling step remains".into()));
+            return bad_setting(Setting::Strength, p.strength, "too low: no sampling step remains");
         }
 
         // 3. Sampling.
@@ -657,7 +788,7 @@ impl Pipeline {
                     Ok(out)
                 };
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
-                let with_uncond = p.method.needs_uncond_denoised();
+                let with_uncond = method.needs_uncond_denoised();
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
                     let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
                     if step.last_eval {
@@ -674,8 +805,8 @@ impl Pipeline {
                     }
                     Ok(out)
                 };
-                let eta = p.eta.unwrap_or_else(|| p.method.default_eta());
-                let out = sample(p.method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
+                let eta = p.eta.unwrap_or_else(|| method.default_eta());
+                let out = sample(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
                 latents.push(out);
             }
             let moved = unet.weights.stats();
@@ -799,4 +930,60 @@ fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) ->
         }
     }
     Image { width: w, height: h, rgb }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> GenerateParams {
+        GenerateParams {
+            prompt: String::new(),
+            negative_prompt: String::new(),
+            width: 64,
+            height: 64,
+            steps: 1,
+            cfg_scale: 7.0,
+            method: None,
+            scheduler: None,
+            seed: 42,
+            batch_count: 1,
+            rng: RngKind::Cuda,
+            clip_skip: -1,
+            eta: None,
+            init_image: None,
+            strength: 0.75,
+            tiling: TilingParams::default(),
+            vae_max_compute_bytes: None,
+        }
+    }
+
+    #[test]
+    fn validate_names_the_setting_and_no_flag() {
+        assert!(params().validate().is_ok());
+        let cases: [(fn(&mut GenerateParams), Setting); 7] = [
+            (|p| p.width = 0, Setting::Width),
+            (|p| p.height = 0, Setting::Height),
+            (|p| p.steps = 0, Setting::Steps),
+            (|p| p.steps = MAX_STEPS + 1, Setting::Steps),
+            (|p| p.batch_count = 0, Setting::BatchCount),
+            (|p| p.cfg_scale = f32::NAN, Setting::CfgScale),
+            (|p| p.strength = 1.5, Setting::Strength),
+        ];
+        for (change, want) in cases {
+            let mut p = params();
+            change(&mut p);
+            match p.validate() {
+                Err(e @ PipelineError::Setting { setting, .. }) => {
+                    assert_eq!(setting, want, "{e}");
+                    let msg = e.to_string();
+                    assert!(msg.starts_with(want.name()) && !msg.contains("--"), "{msg}");
+                }
+                other => panic!("{want:?}: expected a setting error, got {other:?}"),
+            }
+        }
+        let mut p = params();
+        p.eta = Some(-1.0);
+        assert!(matches!(p.validate(), Err(PipelineError::Setting { setting: Setting::Eta, .. })));
+    }
 }

@@ -92,7 +92,7 @@ pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceTy
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
-pub use plan::{plan, DeviceUsage, ModulePlan, Plan, PlanRequest, SplitKind, SplitRange};
+pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, SplitKind, SplitRange};
 pub use spec::{
     parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Assignment, Entry, Flags,
     MaxVram, ParamsValue, RuntimeValue, SplitMode,

@@ -63,9 +63,9 @@ pub struct ModulePlan {
     pub module: Module,
     /// Runtime device names; the first is the main device.
     pub runtime: Vec<String>,
-    /// Where params live: a device name, `disk`, or for a split whose params follow its ranges
-    /// the runtime devices joined by `&`.
-    pub params: String,
+    /// Where params live (written as a device name, `disk`, or the runtime devices of a split
+    /// joined by `&`).
+    pub params: ParamsHome,
     /// Total params bytes.
     pub param_bytes: u64,
     /// Estimated compute reserve on the runtime device(s).
@@ -76,6 +76,65 @@ pub struct ModulePlan {
     pub split_mode: SplitKind,
     /// Per-device block ranges; empty without a split.
     pub split: Vec<SplitRange>,
+}
+
+/// Where a module's params live. In text and JSON it is written as `--params-backend` values
+/// are: a device name, `disk`, or a split's runtime devices joined by `&`. Host RAM is the CPU
+/// device's memory: [`ParamsHome::Device`] naming the CPU device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum ParamsHome {
+    /// On one device (by name): the runtime device, another device, or the CPU (host RAM).
+    Device(String),
+    /// Re-read from the model files on demand.
+    Disk,
+    /// Each runtime device of a split keeps its own part (names in split order, main first).
+    Split(Vec<String>),
+}
+
+impl ParamsHome {
+    /// The device holding every parameter, if one does.
+    pub fn device(&self) -> Option<&str> {
+        match self {
+            ParamsHome::Device(d) => Some(d),
+            ParamsHome::Disk | ParamsHome::Split(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ParamsHome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ParamsHome::Device(d) => f.write_str(d),
+            ParamsHome::Disk => f.write_str("disk"),
+            ParamsHome::Split(devs) => f.write_str(&devs.join("&")),
+        }
+    }
+}
+
+impl From<ParamsHome> for String {
+    fn from(h: ParamsHome) -> String {
+        h.to_string()
+    }
+}
+
+impl From<String> for ParamsHome {
+    /// Reads the written form back (`disk` in any case, `A&B`, else a device name).
+    fn from(s: String) -> Self {
+        if s.eq_ignore_ascii_case("disk") {
+            ParamsHome::Disk
+        } else if s.contains('&') {
+            ParamsHome::Split(s.split('&').map(str::to_string).collect())
+        } else {
+            ParamsHome::Device(s)
+        }
+    }
+}
+
+impl PartialEq<&str> for ParamsHome {
+    fn eq(&self, other: &&str) -> bool {
+        self.to_string() == *other
+    }
 }
 
 /// What one device holds and may hold.
@@ -249,9 +308,10 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
 fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> ModulePlan {
     let runtime = names(devices, &p.layout.devices());
     let params = match p.params {
-        Params::Disk => "disk".to_string(),
-        Params::Device(d) => devices[d].name.trim().to_string(),
-        Params::Follow => runtime.join("&"),
+        Params::Disk => ParamsHome::Disk,
+        Params::Device(d) => ParamsHome::Device(devices[d].name.trim().to_string()),
+        Params::Follow if runtime.len() == 1 => ParamsHome::Device(runtime[0].clone()),
+        Params::Follow => ParamsHome::Split(runtime.clone()),
     };
     let offloaded = match (&p.layout, p.params) {
         (Layout::Single(r), Params::Device(d)) => d != *r,
@@ -413,7 +473,7 @@ impl Plan {
                 "  {:<11} runtime {:<12} params {:<12} {:>11}  reserve {}",
                 m.module.name(),
                 m.runtime.join("&"),
-                m.params,
+                m.params.to_string(),
                 fmt_bytes(m.param_bytes),
                 fmt_bytes(m.compute_reserve_bytes)
             );

@@ -167,7 +167,7 @@ fn recommended_biggest_model_shape() {
     assert!(!p.auto_fit);
     assert_eq!(device(&p, "CUDA0").budget_bytes, Some(11 * GIB));
     for m in &p.modules {
-        assert_eq!((m.runtime.join("&").as_str(), m.params.as_str()), ("CUDA0", "CPU"), "{}", m.module);
+        assert_eq!((m.runtime.join("&").as_str(), m.params.to_string().as_str()), ("CUDA0", "CPU"), "{}", m.module);
     }
     assert!(p.fits, "{}", p.render());
 }

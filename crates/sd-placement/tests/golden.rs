@@ -34,7 +34,7 @@ fn golden(name: &str, req: &PlanRequest) -> Plan {
 
 fn where_(p: &Plan, m: Module) -> (String, String) {
     let mp = module(p, m);
-    (mp.runtime.join("&"), mp.params.clone())
+    (mp.runtime.join("&"), mp.params.to_string())
 }
 
 fn s(a: &str, b: &str) -> (String, String) {

@@ -140,8 +140,8 @@ proptest! {
         let order: Vec<&ModulePlan> = Module::PRIORITY.iter().filter_map(|m| module_of(&p, *m)).collect();
         for (i, higher) in order.iter().enumerate() {
             for lower in &order[i + 1..] {
-                let lower_resident = lower.params == p.main_device;
-                let higher_resident = higher.params == p.main_device;
+                let lower_resident = lower.params.device() == Some(p.main_device.as_str());
+                let higher_resident = higher.params.device() == Some(p.main_device.as_str());
                 if lower_resident && !higher_resident {
                     // A lower-priority component is resident only if room is left for the full
                     // weights and compute of the higher-priority offloaded one.

@@ -133,7 +133,7 @@ fn layer_split_params() {
     // each range to its device on demand"
     let p = run(devs(), blocky(32), "diffusion=cuda0&cuda1,te=cpu,vae=cpu", Some("diffusion=cpu"), None, None);
     let m = module(&p, Module::Diffusion);
-    assert_eq!((m.params.as_str(), m.runtime.join("&").as_str()), ("CPU", "CUDA0&CUDA1"));
+    assert_eq!((m.params.to_string().as_str(), m.runtime.join("&").as_str()), ("CPU", "CUDA0&CUDA1"));
     assert_eq!(device(&p, "CPU").param_bytes, (3200 + 50 + 200 + 100) * MIB);
     assert_eq!(device(&p, "CUDA0").param_bytes, 0);
     assert_eq!(device(&p, "CUDA1").staging_bytes, 25 * MIB, "staging for the range's largest tensor");

@@ -7,15 +7,15 @@ pub enum SchedError {
     #[error("tensor `{0}` is not in this module's weights")]
     MissingTensor(String),
     /// The source could not provide a tensor.
-    #[error("loading tensor `{name}`: {source}")]
+    #[error("loading tensor `{name}`")]
     Source { name: String, source: crate::weights::SourceError },
     /// Allocation failed on a device.
     #[error("{device}: cannot allocate {bytes} bytes for {what}")]
     Alloc { device: String, bytes: usize, what: String },
-    /// An allocation would exceed the device's managed budget (`--max-vram`).
+    /// An allocation would exceed the device's managed budget.
     #[error(
         "{device}: {what} needs {bytes} more bytes, but {managed} of the {budget}-byte budget are in use \
-         (raise --max-vram for {device} or move parameters off it with --params-backend)"
+         (raise the device's budget or move parameters off it)"
     )]
     OverBudget { device: String, bytes: u64, what: String, managed: u64, budget: u64 },
     /// The segment planner refused the run.

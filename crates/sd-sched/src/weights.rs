@@ -46,10 +46,18 @@ pub struct TensorSpec {
     pub ne: Vec<i64>,
 }
 
-/// Why a source could not deliver a tensor.
+/// Why a source could not deliver a tensor: the source's own error (shown as it is, with its
+/// causes).
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct SourceError(pub String);
+#[error(transparent)]
+pub struct SourceError(Box<dyn std::error::Error + Send + Sync>);
+
+impl SourceError {
+    /// A source's error, or a message (`String` and `&str` convert).
+    pub fn new(cause: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        SourceError(cause.into())
+    }
+}
 
 /// Provides tensor bytes converted to the requested type and shape.
 pub trait TensorSource: Sync {

@@ -57,7 +57,7 @@ struct Source(HashMap<String, Vec<u8>>);
 
 impl TensorSource for Source {
     fn load(&self, name: &str, _ty: GgmlType, _ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-        self.0.get(name).map(|b| Cow::Borrowed(b.as_slice())).ok_or_else(|| SourceError(format!("no `{name}`")))
+        self.0.get(name).map(|b| Cow::Borrowed(b.as_slice())).ok_or_else(|| SourceError::new(format!("no `{name}`")))
     }
 }
 

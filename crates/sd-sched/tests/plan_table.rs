@@ -471,7 +471,7 @@ fn forced_monolithic_fails_cleanly() {
         e => panic!("{e}"),
     }
     let msg = err.to_string();
-    for part in ["CUDA0", "954204160 bytes", "600.0 MiB", "--disable-segmented-compute"] {
+    for part in ["CUDA0", "954204160 bytes", "600.0 MiB", "segmented execution is disabled"] {
         assert!(msg.contains(part), "{part} not in: {msg}");
     }
     // A graph without cuts cannot fall back to segments either.

@@ -27,19 +27,19 @@ struct File {
 
 impl TensorSource for File {
     fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-        let st = SafeTensors::deserialize(&self.bytes).map_err(|e| SourceError(e.to_string()))?;
+        let st = SafeTensors::deserialize(&self.bytes).map_err(|e| SourceError::new(e))?;
         let key = name.strip_prefix(self.prefix).unwrap_or(name);
-        let t = st.tensor(key).map_err(|e| SourceError(format!("{key}: {e}")))?;
+        let t = st.tensor(key).map_err(|e| SourceError::new(format!("{key}: {e}")))?;
         let n: i64 = ne.iter().product();
         let d = t.data();
         let vals: Vec<f32> = match t.dtype() {
             Dtype::F32 => d.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             Dtype::F16 => d.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             Dtype::BF16 => d.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => return Err(SourceError(format!("{key}: dtype {other:?}"))),
+            other => return Err(SourceError::new(format!("{key}: dtype {other:?}"))),
         };
         if vals.len() as i64 != n {
-            return Err(SourceError(format!("{key}: {} values, expected {n}", vals.len())));
+            return Err(SourceError::new(format!("{key}: {} values, expected {n}", vals.len())));
         }
         Ok(Cow::Owned(match ty {
             GgmlType::GGML_TYPE_F16 => vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),

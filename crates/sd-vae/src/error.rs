@@ -5,13 +5,19 @@ use sd_sched::SchedError;
 /// Errors of VAE loading, tiling and graph execution.
 #[derive(Debug, thiserror::Error)]
 pub enum VaeError {
-    /// A command-line value that cannot be used; names the flag.
-    #[error("{flag}: {message}")]
-    Flag {
-        /// The flag, as the user typed it (`--vae-tile-size`, ...).
-        flag: &'static str,
+    /// A tiling option that cannot be used (a front end names its own flag for it).
+    #[error("{}: {message}", option.name())]
+    Tiling {
+        /// The option.
+        option: crate::tiling::TilingOption,
         /// What is wrong and what is accepted.
         message: String,
+    },
+    /// A tiling option given while tiling is off.
+    #[error("{} is given but tiling is off", option.name())]
+    TilingOff {
+        /// The option.
+        option: crate::tiling::TilingOption,
     },
     /// An input buffer whose size or channel count does not fit the model.
     #[error("{module}: {message}")]
@@ -70,8 +76,8 @@ impl VaeError {
         matches!(self, VaeError::Alloc { .. })
     }
 
-    pub(crate) fn flag(flag: &'static str, message: impl Into<String>) -> Self {
-        VaeError::Flag { flag, message: message.into() }
+    pub(crate) fn tiling(option: crate::tiling::TilingOption, message: impl Into<String>) -> Self {
+        VaeError::Tiling { option, message: message.into() }
     }
 
     pub(crate) fn input(module: &'static str, message: impl Into<String>) -> Self {

@@ -46,4 +46,4 @@ pub use run::{
     decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, GRAPH_SIZE,
 };
 pub use tae::{taesd_specs, Taesd, TaesdConfig, TaesdParts};
-pub use tiling::{TileGrid, TilingParams};
+pub use tiling::{TileGrid, TilingOption, TilingParams};

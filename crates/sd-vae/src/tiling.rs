@@ -47,31 +47,54 @@ impl Default for TilingParams {
     }
 }
 
-const TILE_SIZE_FLAG: &str = "--vae-tile-size";
-const OVERLAP_FLAG: &str = "--vae-tile-overlap";
-const RELATIVE_FLAG: &str = "--vae-relative-tile-size";
+/// A tiling option, for errors (the reference's flags: `--vae-tile-size`,
+/// `--vae-tile-overlap`, `--vae-relative-tile-size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TilingOption {
+    /// The tile size in image pixels.
+    TileSize,
+    /// The overlap, a fraction of the tile.
+    Overlap,
+    /// The tile size relative to the input.
+    RelativeSize,
+}
+
+impl TilingOption {
+    /// The option's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            TilingOption::TileSize => "VAE tile size",
+            TilingOption::Overlap => "VAE tile overlap",
+            TilingOption::RelativeSize => "relative VAE tile size",
+        }
+    }
+}
 
 impl TilingParams {
     /// Parses the command-line values. `enabled` is `--vae-tiling`; the others are the
     /// raw strings of `--vae-tile-size`, `--vae-tile-overlap` and `--vae-relative-tile-size`
     /// when given. "Size and overlap options require `--vae-tiling`": giving one without it
-    /// is an error naming the flag.
+    /// is an error naming the option ([`VaeError::TilingOff`]).
     pub fn from_cli(
         enabled: bool,
         tile_size: Option<&str>,
         overlap: Option<&str>,
         relative: Option<&str>,
     ) -> Result<Self> {
-        for (flag, value) in [(TILE_SIZE_FLAG, tile_size), (OVERLAP_FLAG, overlap), (RELATIVE_FLAG, relative)] {
+        for (option, value) in [
+            (TilingOption::TileSize, tile_size),
+            (TilingOption::Overlap, overlap),
+            (TilingOption::RelativeSize, relative),
+        ] {
             if value.is_some() && !enabled {
-                return Err(VaeError::flag(flag, "requires --vae-tiling"));
+                return Err(VaeError::TilingOff { option });
             }
         }
         let mut p = TilingParams { enabled, ..Default::default() };
         if let Some(s) = tile_size {
             p.tile_size = parse_pair(s, |v| v.parse::<usize>().ok()).ok_or_else(|| {
-                VaeError::flag(
-                    TILE_SIZE_FLAG,
+                VaeError::tiling(
+                    TilingOption::TileSize,
                     format!("expected one size or WIDTHxHEIGHT in image pixels (whole numbers, 0 = {DEFAULT_TILE_PIXELS}), got `{s}`"),
                 )
             })?;
@@ -80,16 +103,16 @@ impl TilingParams {
             // A fraction above 0.5 is clamped as documented; a value that is no fraction of a
             // tile at all (`5`, a typo for 0.5 or a percentage; negative; NaN) is refused (issue 11).
             p.target_overlap = s.trim().parse::<f32>().ok().filter(|v| (0.0..=1.0).contains(v)).ok_or_else(|| {
-                VaeError::flag(
-                    OVERLAP_FLAG,
+                VaeError::tiling(
+                    TilingOption::Overlap,
                     format!("expected a fraction of the tile size from 0 to 1 (clamped to 0.5), got `{s}`"),
                 )
             })?;
         }
         if let Some(s) = relative {
             p.rel_size = parse_pair(s, |v| v.parse::<f32>().ok().filter(|f| f.is_finite() && *f >= 0.0)).ok_or_else(|| {
-                VaeError::flag(
-                    RELATIVE_FLAG,
+                VaeError::tiling(
+                    TilingOption::RelativeSize,
                     format!("expected one positive value or WIDTHxHEIGHT (up to 1: fraction of the input; above 1: tiles per axis), got `{s}`"),
                 )
             })?;
@@ -162,8 +185,8 @@ fn axis_tile(requested_px: usize, rel: f32, len: usize, scale: usize, overlap: f
     // "Sizes are rounded down to a multiple of the VAE scale factor"
     let tile = px / scale;
     if explicit && tile < min {
-        return Err(VaeError::flag(
-            TILE_SIZE_FLAG,
+        return Err(VaeError::tiling(
+            TilingOption::TileSize,
             format!(
                 "{requested_px} pixels on the {axis} axis is below the minimum tile of {min} latent pixels ({} image pixels) for this input",
                 min * scale

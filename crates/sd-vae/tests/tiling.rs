@@ -8,18 +8,18 @@ use std::cell::RefCell;
 use sd_sched::Runner;
 use sd_vae::tiling::{calc_tiles, edge_factor, merge_tile, retry_tile_size, smootherstep, tile_grid, Tile};
 use sd_vae::{
-    decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, TilingParams,
-    VaeError,
+    decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, TilingOption,
+    TilingParams, VaeError,
 };
 
 fn params(size: Option<&str>, overlap: Option<&str>, rel: Option<&str>) -> TilingParams {
     TilingParams::from_cli(true, size, overlap, rel).unwrap()
 }
 
-fn flag_of(e: VaeError) -> &'static str {
+fn flag_of(e: VaeError) -> TilingOption {
     match e {
-        VaeError::Flag { flag, .. } => flag,
-        other => panic!("expected a flag error, got {other}"),
+        VaeError::Tiling { option, .. } | VaeError::TilingOff { option } => option,
+        other => panic!("expected a tiling option error, got {other}"),
     }
 }
 
@@ -64,14 +64,17 @@ fn explicit_sizes_below_four_latent_pixels_are_rejected() {
     // "Explicit sizes below four latent pixels per axis (or the full axis when it is smaller) are rejected."
     for s in ["24", "31", "8x256", "256x16"] {
         let e = params(Some(s), None, None).tile_size_latent([64, 64], 8).unwrap_err();
-        assert_eq!(flag_of(e), "--vae-tile-size", "{s}");
+        assert_eq!(flag_of(e), TilingOption::TileSize, "{s}");
     }
     assert_eq!(params(Some("32"), None, None).tile_size_latent([64, 64], 8).unwrap(), [4, 4]);
     // A 3-latent-pixel axis accepts a 3-pixel tile (the full axis) but not 2.
     assert_eq!(params(Some("24"), None, None).tile_size_latent([3, 3], 8).unwrap(), [3, 3]);
-    assert_eq!(flag_of(params(Some("16"), None, None).tile_size_latent([3, 3], 8).unwrap_err()), "--vae-tile-size");
+    assert_eq!(
+        flag_of(params(Some("16"), None, None).tile_size_latent([3, 3], 8).unwrap_err()),
+        TilingOption::TileSize
+    );
     // The check can run before any work, on the image size.
-    assert_eq!(flag_of(params(Some("24"), None, None).validate([512, 512], 8).unwrap_err()), "--vae-tile-size");
+    assert_eq!(flag_of(params(Some("24"), None, None).validate([512, 512], 8).unwrap_err()), TilingOption::TileSize);
     assert!(params(Some("24"), None, None).validate([24, 24], 8).is_ok());
     assert!(TilingParams::default().validate([512, 512], 8).is_ok());
 }
@@ -149,7 +152,7 @@ fn overlap_is_clamped_and_adjusted_to_fit() {
     assert_eq!(params(None, Some("1"), None).overlap(), 0.5);
     // Issue 11: what is no fraction of a tile is refused, not clamped.
     for bad in ["-1", "5", "NaN", "inf"] {
-        assert_eq!(flag_of(TilingParams::from_cli(true, None, Some(bad), None).unwrap_err()), "--vae-tile-overlap");
+        assert_eq!(flag_of(TilingParams::from_cli(true, None, Some(bad), None).unwrap_err()), TilingOption::Overlap);
     }
     // 70 latent pixels, 32-pixel tiles, target 0.5: 3 tiles with (32*3 - 70) / (32*2) = 0.40625.
     let (n, f) = calc_tiles(70, 32, 0.5);
@@ -164,31 +167,31 @@ fn overlap_is_clamped_and_adjusted_to_fit() {
 fn size_and_overlap_options_require_vae_tiling() {
     // "Size and overlap options require `--vae-tiling`."
     let e = TilingParams::from_cli(false, Some("256"), None, None).unwrap_err();
-    assert_eq!(flag_of(e), "--vae-tile-size");
+    assert_eq!(flag_of(e), TilingOption::TileSize);
     let e = TilingParams::from_cli(false, None, Some("0.25"), None).unwrap_err();
-    assert_eq!(flag_of(e), "--vae-tile-overlap");
+    assert_eq!(flag_of(e), TilingOption::Overlap);
     let e = TilingParams::from_cli(false, None, None, Some("0.5")).unwrap_err();
-    assert_eq!(flag_of(e), "--vae-relative-tile-size");
+    assert_eq!(flag_of(e), TilingOption::RelativeSize);
     assert_eq!(TilingParams::from_cli(false, None, None, None).unwrap(), TilingParams::default());
 }
 
 #[test]
 fn bad_values_name_their_flag() {
     for (size, overlap, rel, flag) in [
-        (Some("abc"), None, None, "--vae-tile-size"),
-        (Some("-32"), None, None, "--vae-tile-size"),
-        (Some("32x"), None, None, "--vae-tile-size"),
-        (Some("32x32x32"), None, None, "--vae-tile-size"),
-        (None, Some("half"), None, "--vae-tile-overlap"),
-        (None, Some("nan"), None, "--vae-tile-overlap"),
-        (None, None, Some("-0.5"), "--vae-relative-tile-size"),
-        (None, None, Some("inf"), "--vae-relative-tile-size"),
-        (None, None, Some("x"), "--vae-relative-tile-size"),
+        (Some("abc"), None, None, TilingOption::TileSize),
+        (Some("-32"), None, None, TilingOption::TileSize),
+        (Some("32x"), None, None, TilingOption::TileSize),
+        (Some("32x32x32"), None, None, TilingOption::TileSize),
+        (None, Some("half"), None, TilingOption::Overlap),
+        (None, Some("nan"), None, TilingOption::Overlap),
+        (None, None, Some("-0.5"), TilingOption::RelativeSize),
+        (None, None, Some("inf"), TilingOption::RelativeSize),
+        (None, None, Some("x"), TilingOption::RelativeSize),
     ] {
         let e = TilingParams::from_cli(true, size, overlap, rel).unwrap_err();
         let msg = e.to_string();
         assert_eq!(flag_of(e), flag, "{msg}");
-        assert!(msg.starts_with(flag), "{msg}");
+        assert!(msg.starts_with(flag.name()), "{msg}");
     }
 }
 

@@ -176,7 +176,7 @@ impl UNetConfig {
     }
 
     /// The latent width and height must be multiples of this (one halving per level but the last).
-    pub fn size_multiple(&self) -> i64 {
+    pub(crate) fn size_multiple(&self) -> i64 {
         1 << (self.channel_mult.len().saturating_sub(1))
     }
 

@@ -170,7 +170,7 @@ pub enum FilesError {
     BadFusedProjection { path: PathBuf, tensor: String, shape: Vec<u64>, dtype: String, problem: &'static str },
 
     /// No model was given.
-    #[error("no model file given: pass -m/--model, or --diffusion-model with its components")]
+    #[error("no model file given: a checkpoint, or a diffusion model with its components, is needed")]
     NoModel,
 
     /// No registered architecture recognises the tensors.

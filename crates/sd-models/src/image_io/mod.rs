@@ -13,7 +13,7 @@
 //!   when the text is not Latin-1); JPEG a COM segment holding `parameters\0<text>\0`;
 //!   WebP an XMP packet with the text in `sdcpp:parameters`: the three places the
 //!   reference writes. [`read_parameters`] reads them back.
-//! * **Names** ([`output_paths`]): printf-style `%d` / `%03d` in `-o` numbers the images
+//! * **Names** ([`crate::output::ImageOutput::plan`]): printf-style `%d` / `%03d` in `-o` numbers the images
 //!   from `--output-begin-idx` (default 0); without a pattern a single image keeps the
 //!   name and a batch gets `name_<idx>.ext`; an unknown or missing extension gets `.png`.
 //!
@@ -36,7 +36,7 @@ const PARAMETERS_KEY: &str = "parameters";
 #[derive(Debug, thiserror::Error)]
 pub enum ImageIoError {
     /// The file could not be opened or read.
-    #[error("reading image {path}: {source}")]
+    #[error("reading image {path}")]
     Read {
         /// The file.
         path: PathBuf,
@@ -44,7 +44,7 @@ pub enum ImageIoError {
         source: std::io::Error,
     },
     /// The bytes are not an image we decode.
-    #[error("{path} is not a readable PNG, JPEG, WebP or BMP image: {source}")]
+    #[error("{path} is not a readable PNG, JPEG, WebP or BMP image")]
     Decode {
         /// The file.
         path: PathBuf,
@@ -547,7 +547,7 @@ pub fn format_index(pattern: &str, idx: u64) -> Option<String> {
 ///   extension, or none, keeps the name and appends `.png`;
 /// * with a `%d`-style pattern ([`format_index`]), image `i` is the pattern at `begin + i`;
 /// * otherwise one image keeps the name, and a batch is `<stem>_<begin + i>.<ext>`.
-pub fn output_paths(output: &Path, count: usize, begin_idx: Option<i64>) -> Vec<(PathBuf, OutputFormat)> {
+pub(crate) fn output_paths(output: &Path, count: usize, begin_idx: Option<i64>) -> Vec<(PathBuf, OutputFormat)> {
     let text = output.to_string_lossy();
     let ext = output.extension().map(|e| e.to_string_lossy().into_owned());
     let known = OutputFormat::from_path(output);

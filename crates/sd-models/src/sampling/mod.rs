@@ -91,7 +91,7 @@ pub enum SamplingError {
         implemented: String,
     },
     /// A scheduler that has no sigmas for this model or step count.
-    #[error("--scheduler {name}: {reason}")]
+    #[error("scheduler {name}: {reason}")]
     UnsupportedSchedule {
         /// The scheduler's name.
         name: &'static str,
@@ -99,16 +99,16 @@ pub enum SamplingError {
         reason: String,
     },
     /// `--steps 0`.
-    #[error("--steps must be at least 1, got 0")]
+    #[error("the number of steps must be at least 1, got 0")]
     ZeroSteps,
     /// More steps than the schedulers' 32-bit arithmetic supports.
-    #[error("--steps {0} is too large (at most {max})", max = u32::MAX)]
+    #[error("{0} steps are too many (at most {max})", max = u32::MAX)]
     TooManySteps(usize),
     /// A sigma schedule without a single step.
     #[error("a sampling schedule needs at least 2 sigmas (one step), got {0}")]
     EmptySchedule(usize),
     /// `--strength` outside [0, 1] (or NaN).
-    #[error("--strength must be between 0 and 1, got {0}")]
+    #[error("the img2img strength must be between 0 and 1, got {0}")]
     InvalidStrength(f32),
     /// A checkpoint's `alphas_cumprod` tensor that cannot be a noise schedule.
     #[error("invalid alphas_cumprod: {0}")]

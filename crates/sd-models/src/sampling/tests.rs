@@ -338,10 +338,10 @@ fn every_schedule_descends_to_zero() {
 fn schedulers_reject_what_the_reference_cannot_compute() {
     let s = DiscreteSchedule::sd();
     let err = Scheduler::Gits.sigmas(1, &s).unwrap_err().to_string();
-    assert!(err.contains("--scheduler gits") && err.contains("2 steps"), "{err}");
+    assert!(err.contains("scheduler gits") && err.contains("2 steps"), "{err}");
     let sd2 = ScheduleContext { model: ModelVersion::Sd2, image_seq_len: 64 };
     let err = Scheduler::Ays.sigmas_for(10, &s, &sd2).unwrap_err().to_string();
-    assert!(err.contains("--scheduler ays") && err.contains("SD 2"), "{err}");
+    assert!(err.contains("scheduler ays") && err.contains("SD 2"), "{err}");
     // Everything else works on SD 2.x.
     for sched in Scheduler::ALL.into_iter().filter(|&k| k != Scheduler::Ays) {
         assert_eq!(sched.sigmas_for(4, &s, &sd2).unwrap().len(), 5, "{sched}");
@@ -434,7 +434,7 @@ fn single_step_karras_and_exponential_start_at_sigma_max() {
 fn zero_steps_is_an_error() {
     let err = Scheduler::Discrete.sigmas(0, &DiscreteSchedule::sd()).unwrap_err();
     assert!(matches!(err, SamplingError::ZeroSteps));
-    assert!(err.to_string().contains("--steps"));
+    assert!(err.to_string().contains("must be at least 1, got 0"));
 }
 
 #[test]
@@ -452,7 +452,7 @@ fn img2img_strength_selects_the_schedule_tail() {
     assert_eq!(img2img_sigmas(&twenty, 0.5).unwrap().len(), 12);
     for bad in [-0.1_f32, 1.5, f32::NAN] {
         let err = img2img_sigmas(&sigmas, bad).unwrap_err();
-        assert!(err.to_string().contains("--strength"), "{err}");
+        assert!(err.to_string().contains("strength must be between 0 and 1"), "{err}");
     }
     assert!(img2img_sigmas(&[1.0], 0.5).is_err());
 }

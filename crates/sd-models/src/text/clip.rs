@@ -65,7 +65,7 @@ pub enum ClipError {
     Config(String),
     /// `--clip-skip` beyond the number of layers.
     #[error(
-        "--clip-skip {requested} is out of range for this text encoder of {layers} layers; \
+        "clip skip {requested} is out of range for this text encoder of {layers} layers; \
          accepted: 1 to {layers} (1 = last layer, 2 = penultimate), or 0 / -1 for the model's default ({default})"
     )]
     ClipSkip { requested: i64, layers: usize, default: usize },
@@ -694,7 +694,7 @@ pub(crate) mod test_support {
 
     impl TensorSource for RandomSource {
         fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-            pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(|e| SourceError(e.to_string()))
+            pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(|e| SourceError::new(e))
         }
     }
 
@@ -1078,7 +1078,7 @@ mod tests {
         assert_eq!(ClipConfig::vit_h14().resolve_clip_skip(1).unwrap(), 2);
         assert_eq!(ClipConfig::vit_l14().resolve_clip_skip(1).unwrap(), 1);
         let e = ClipConfig::vit_h14().resolve_clip_skip(25).unwrap_err();
-        assert!(e.to_string().contains("--clip-skip 25") && e.to_string().contains("1 to 24"), "{e}");
+        assert!(e.to_string().contains("clip skip 25") && e.to_string().contains("1 to 24"), "{e}");
 
         // Weight sets that do not fit the architecture.
         let mut specs = clip_specs(&cfg, &|_| None, None);

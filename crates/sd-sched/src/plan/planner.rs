@@ -98,10 +98,10 @@ pub fn plan(
             if need > a {
                 let hint = match reason {
                     Reason::Disabled => {
-                        "--disable-segmented-compute forces the whole graph at once; drop it to run in segments"
+                        "segmented execution is disabled, so the whole graph runs at once; enable it to run in segments"
                     }
                     _ => {
-                        "this graph has no cut markers, so it cannot run in segments; raise --max-vram, free \
+                        "this graph has no cut markers, so it cannot run in segments; raise the device's budget, free \
                          device memory, or run the module on another device"
                     }
                 };
@@ -299,7 +299,7 @@ impl<'a> Ctx<'a> {
             budget: self.device.budget,
             free: self.device.free,
             reserve: self.device.scratch_reserve,
-            hint: "every segment must fit on its own: raise --max-vram or free device memory, lower the \
+            hint: "every segment must fit on its own: raise the device's budget or free device memory, lower the \
                    resolution or batch size, or run the module on another device",
         }))
     }

@@ -97,7 +97,7 @@ impl TensorSource for RandomSource {
         let bytes = match ty {
             GgmlType::GGML_TYPE_F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             GgmlType::GGML_TYPE_F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
-            other => return Err(SourceError(format!("{name}: test source has no type {}", other.0))),
+            other => return Err(SourceError::new(format!("{name}: test source has no type {}", other.0))),
         };
         Ok(Cow::Owned(bytes))
     }

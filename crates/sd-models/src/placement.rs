@@ -1,0 +1,129 @@
+//! A placement plan made real: the backend each module computes on and the home of its parameters.
+//!
+//! [`sd_placement::plan`] decides where each module runs and where its parameters live, by
+//! device name, without touching a device. [`RuntimePlacement::from_plan`] turns that plan into
+//! what [`crate::pipeline::Pipeline`] loads with: one shared backend per computing device
+//! ([`ModuleDevices`]), one [`ParamHome`] per module ([`ModuleHomes`]) and the device ledgers
+//! carrying the plan's managed budgets ([`Placement`]).
+//!
+//! What the runtime cannot do yet is said once here, as a warning, and never silently
+//! dropped: a module split across several devices runs on its main device, with its
+//! parameters there.
+
+use std::sync::Arc;
+
+use sd_backends::{Backend, BackendError, BackendManager, DeviceKind, PluginRegistry};
+use sd_placement::{Module, ModulePlan, ParamsHome, Plan};
+use sd_sched::ParamHome;
+
+use crate::pipeline::{ModuleDevices, ModuleHomes, Placement};
+
+/// A device of the plan that the registry cannot give.
+#[derive(Debug, thiserror::Error)]
+#[error("placing the {module}")]
+pub struct PlacementError {
+    /// The module being placed.
+    pub module: &'static str,
+    /// The registry's or backend's error.
+    #[source]
+    pub source: BackendError,
+}
+
+/// The run-time side of a [`Plan`]: computing backends and parameter homes per module.
+#[derive(Clone, Debug)]
+pub struct RuntimePlacement {
+    /// Where each module computes.
+    pub devices: ModuleDevices,
+    /// Where each module's parameters live, the ledgers and the segmented-execution options.
+    pub placement: Placement,
+}
+
+impl RuntimePlacement {
+    /// Opens the backends `plan` names (through `manager`, one per device) and gives each
+    /// module its parameter home; `sched` are the segmented-execution options. Managed budgets
+    /// are the plan's (a positive `--max-vram`, or the startup snapshot a negative one gives; 0
+    /// sets none: live free memory is the limit).
+    pub fn from_plan(
+        plan: &Plan,
+        registry: &PluginRegistry,
+        manager: &BackendManager,
+        sched: sd_sched::plan::Options,
+    ) -> Result<Self, PlacementError> {
+        let wiring = Wiring { plan, registry, manager };
+        let devices = ModuleDevices {
+            te: wiring.backend(Module::Te)?,
+            diffusion: wiring.backend(Module::Diffusion)?,
+            vae: wiring.backend(Module::Vae)?,
+        };
+        let homes = ModuleHomes {
+            te: wiring.home(Module::Te, &devices.te)?,
+            diffusion: wiring.home(Module::Diffusion, &devices.diffusion)?,
+            vae: wiring.home(Module::Vae, &devices.vae)?,
+        };
+        let placement = Placement {
+            homes,
+            ledgers: sd_sched::Ledgers::with_budgets(plan.runtime_budgets().into_iter().collect()),
+            sched,
+        };
+        Ok(Self { devices, placement })
+    }
+}
+
+struct Wiring<'a> {
+    plan: &'a Plan,
+    registry: &'a PluginRegistry,
+    manager: &'a BackendManager,
+}
+
+impl Wiring<'_> {
+    fn module_plan(&self, module: Module) -> Option<&ModulePlan> {
+        self.plan.modules.iter().find(|m| m.module == module)
+    }
+
+    fn backend_named(&self, module: Module, name: &str) -> Result<Arc<Backend>, PlacementError> {
+        let err = |source| PlacementError { module: module.name(), source };
+        self.manager.get(self.registry.device(name).map_err(err)?).map_err(err)
+    }
+
+    /// The module's main runtime device (the plan's main device for a module it does not list).
+    fn backend(&self, module: Module) -> Result<Arc<Backend>, PlacementError> {
+        let m = self.module_plan(module);
+        let name = m.and_then(|m| m.runtime.first()).cloned().unwrap_or_else(|| self.plan.main_device.clone());
+        if m.is_some_and(|m| m.runtime.len() > 1) {
+            tracing::warn!("{}: multi-device split is not implemented yet; running on {name}", module.name());
+        }
+        self.backend_named(module, &name)
+    }
+
+    /// Where the module's parameters live, as the plan says.
+    fn home(&self, module: Module, compute: &Arc<Backend>) -> Result<ParamHome, PlacementError> {
+        let Some(m) = self.module_plan(module) else { return Ok(ParamHome::Compute) };
+        let runtime = compute.device().name();
+        let home = match &m.params {
+            ParamsHome::Device(d) if d.is_empty() || *d == runtime => ParamHome::Compute,
+            ParamsHome::Disk => ParamHome::Disk,
+            ParamsHome::Split(_) => {
+                tracing::warn!(
+                    "{}: split parameters are not implemented yet; keeping them on {runtime}",
+                    module.name()
+                );
+                ParamHome::Compute
+            }
+            ParamsHome::Device(d) => {
+                let dev = self.registry.device(d).map_err(|source| PlacementError { module: module.name(), source })?;
+                if dev.kind() == DeviceKind::Cpu {
+                    ParamHome::Host
+                } else {
+                    ParamHome::Device(self.backend_named(module, d)?)
+                }
+            }
+        };
+        tracing::info!(
+            "{}: runs on {runtime}, params {} ({})",
+            module.name(),
+            home.describe(),
+            sd_placement::fmt_bytes(m.param_bytes)
+        );
+        Ok(home)
+    }
+}

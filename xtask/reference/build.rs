@@ -56,7 +56,10 @@ struct Target {
     objects_into: Option<String>,
     #[serde(default = "sdcpp_root")]
     root: String,
+    #[serde(default)]
     sources: Vec<String>,
+    #[serde(default)]
+    glob: Vec<String>,
     #[serde(default)]
     exclude: Vec<String>,
     defines: Vec<String>,
@@ -253,17 +256,22 @@ fn plan(
     let mut pending: Vec<(String, Vec<usize>)> = Vec::new();
     for t in &spec.target {
         let root = PathBuf::from(expand(&t.root, dirs));
+        // `sources` in their order (CMake keeps a target's list as written), then the
+        // union of the `glob` patterns sorted (as CMake's file(GLOB) returns it)
         let mut files = Vec::new();
-        for pattern in &t.sources {
-            let found = glob(&root, pattern)?;
-            // a glob may match nothing (CMake's file(GLOB) does not mind); a file must exist
-            if found.is_empty() && !pattern.contains('*') {
-                return Err(format!("{SPEC}: target {}: `{pattern}` is not a file in {}", t.name, root.display()));
+        for file in &t.sources {
+            if !root.join(file).is_file() {
+                return Err(format!("{SPEC}: target {}: `{file}` is not a file in {}", t.name, root.display()));
             }
-            files.extend(found);
+            files.push(file.clone());
         }
-        files.sort();
-        files.dedup();
+        let mut globbed = Vec::new();
+        for pattern in &t.glob {
+            globbed.extend(glob(&root, pattern)?);
+        }
+        globbed.sort();
+        globbed.dedup();
+        files.extend(globbed);
         files.retain(|f| !t.exclude.contains(f));
         let warnings = |name: &Option<String>| -> Result<Vec<String>, String> {
             match name {

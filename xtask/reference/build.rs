@@ -20,8 +20,10 @@
 //! clippy) gets its own OUT_DIR, and each would otherwise recompile sd.cpp,
 //! which takes many minutes on two cores. Each object keeps the hash of its
 //! command line, compiler and inputs beside it, so a second build compiles
-//! nothing and a change to `driver/` recompiles only the driver. A file lock
-//! keeps two builds from using the directory at once.
+//! nothing and a change to `driver/` recompiles only the driver; the hash does
+//! not depend on where the checkout is, so clones sharing `SDREF_CC_DIR` (CI)
+//! share the objects. A file lock keeps two builds from using the directory at
+//! once.
 
 use std::collections::BTreeMap;
 use std::env;
@@ -251,6 +253,7 @@ fn plan(
     driver_key: &str,
     obj_root: &Path,
 ) -> Result<(Vec<Job>, BTreeMap<String, Vec<usize>>), String> {
+    let driver_dir = expand("{driver}", dirs);
     let mut jobs = Vec::new();
     let mut archives: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     let mut pending: Vec<(String, Vec<usize>)> = Vec::new();
@@ -304,12 +307,16 @@ fn plan(
             args.extend(t.options.iter().cloned());
             args.push(if cpp { spec.cxx_std.clone() } else { spec.c_std.clone() });
             let obj = obj_root.join(&t.name).join(format!("{file}.o"));
+            // The key names the driver's directory by its placeholder, so that checkouts
+            // sharing SDREF_CC_DIR (CI's clones) share the objects: its path reaches the
+            // compiler only as an include directory, and its files are hashed below.
+            let checkout = |a: &str| a.replace(&driver_dir, "{driver}");
             let mut h = Sha256::new();
             h.update(tc.identity.as_bytes());
-            h.update(src.display().to_string().as_bytes());
+            h.update(checkout(&src.display().to_string()).as_bytes());
             for a in &args {
                 h.update([0]);
-                h.update(a.as_bytes());
+                h.update(checkout(a).as_bytes());
             }
             h.update(fs::read(&src).map_err(|e| format!("{}: {e}", src.display()))?);
             if t.root == "{driver}" {
@@ -368,7 +375,8 @@ fn glob(root: &Path, pattern: &str) -> Result<Vec<String>, String> {
     Ok(found)
 }
 
-/// The hash of every file directly in `dir` (the driver's sources and header).
+/// The hash of every file directly in `dir` (the driver's sources and header), by name
+/// and contents.
 fn tree_hash(dir: &Path) -> Result<String, String> {
     let mut names: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
@@ -378,7 +386,7 @@ fn tree_hash(dir: &Path) -> Result<String, String> {
     names.sort();
     let mut h = Sha256::new();
     for p in names {
-        h.update(p.display().to_string().as_bytes());
+        h.update(p.file_name().unwrap_or_default().to_string_lossy().as_bytes());
         h.update(fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?);
     }
     Ok(format!("{:x}", h.finalize()))

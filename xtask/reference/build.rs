@@ -245,6 +245,9 @@ fn expand(s: &str, dirs: &[(&str, &Path)]) -> String {
     out
 }
 
+/// For each archive, the indexes of its objects (in `Job`s) in archive order.
+type Archives = BTreeMap<String, Vec<usize>>;
+
 /// Every object to compile, and for each archive the indexes of its objects in link order.
 fn plan(
     spec: &Spec,
@@ -252,10 +255,10 @@ fn plan(
     dirs: &[(&str, &Path)],
     driver_key: &str,
     obj_root: &Path,
-) -> Result<(Vec<Job>, BTreeMap<String, Vec<usize>>), String> {
+) -> Result<(Vec<Job>, Archives), String> {
     let driver_dir = expand("{driver}", dirs);
     let mut jobs = Vec::new();
-    let mut archives: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    let mut archives = Archives::new();
     let mut pending: Vec<(String, Vec<usize>)> = Vec::new();
     for t in &spec.target {
         let root = PathBuf::from(expand(&t.root, dirs));

@@ -1,11 +1,15 @@
 //! Builds and drives `sdref`, the stable-diffusion.cpp reference executable (xtask/reference).
 //!
-//! The reference is a standalone cargo project, outside the workspace and CI:
-//! it compiles sd.cpp and a second ggml from the crates.io package
-//! `diffusion-rs-sys` (pinned) with CMake, natively and with OpenMP, which
-//! takes many minutes on two cores. Its build never runs as part of the
-//! workspace's. It runs as its own process; we compare through files and read
-//! its machine-readable stderr lines (`SDREF_TIMING ...`, `SDREF_RSS ...`).
+//! The reference is a standalone cargo project, outside the workspace: it
+//! compiles sd.cpp and a second ggml from the crates.io package
+//! `diffusion-rs-sys` (pinned) without CMake, with the C/C++ compiler the `cc`
+//! crate finds, natively and with OpenMP, as `xtask/reference/sdref-build.toml`
+//! says (the flags of sd.cpp's own CMake build, entry by entry). That takes many
+//! minutes on two cores the first time and nothing afterwards (the objects are
+//! cached in `target/reference/sdref-cc`). Its build never runs as part of the
+//! workspace's; CI runs it for a few seeded harness cases. It runs as its own
+//! process; we compare through files and read its machine-readable stderr lines
+//! (`SDREF_TIMING ...`, `SDREF_RSS ...`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,7 +73,7 @@ pub(crate) fn sdcpp_source_dir() -> anyhow::Result<PathBuf> {
 /// Builds the reference executable (release, native, OpenMP) and returns its path.
 ///
 /// The first build compiles sd.cpp and its ggml (many minutes on two cores);
-/// later ones are incremental.
+/// later ones compile nothing unless `xtask/reference/driver` changed.
 pub fn build() -> anyhow::Result<PathBuf> {
     let sdcpp = sdcpp_source_dir()?;
     let status = Command::new(cargo())

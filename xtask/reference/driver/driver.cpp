@@ -6,7 +6,7 @@
 // sd.cpp loaded, with its own settings. Those objects are public members of
 // StableDiffusionGGML, a class defined in that .cpp file (no header declares
 // it). Compiling the unmodified file inside this translation unit, and leaving
-// it out of the static library (driver/CMakeLists.txt), gives us the class
+// it out of the static library (sdref-build.toml), gives us the class
 // definition without copying or patching any sd.cpp source. Generation itself
 // goes through the public C API only (new_sd_ctx, generate_image).
 

@@ -113,6 +113,10 @@ pub struct GenerateArgs {
     /// [sd-rs] Force monolithic graph execution.
     #[arg(long = "disable-segmented-compute")]
     pub disable_segmented_compute: bool,
+    /// [sd-rs] Write a JSON report of the run to PATH: placement, each module's residency,
+    /// each runner's work, each device's managed high-water mark and budget, stage times.
+    #[arg(long = "report-json", value_name = "PATH")]
+    pub report_json: Option<PathBuf>,
 }
 
 /// `-W`/`-H`: a whole number of pixels (its range is checked with the init image, and its
@@ -409,18 +413,27 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     pipeline.check_request(&params)?;
     // Every output is checked (and named) before the first weight is read.
     let outputs = crate::output::plan_outputs(&a.output, a.batch_count, a.run.output_begin_idx)?;
+    let report_to = crate::output::report_target(a.report_json.as_deref())?;
+    let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
+    report.plan = Some(plan.clone());
     let start = std::time::Instant::now();
     let mut reporter = crate::progress::Reporter::new(std::io::stderr().is_terminal());
-    let images = pipeline.generate(&params, &mut |p: Progress| reporter.event(&p));
+    let images = pipeline.generate_reported(&params, &mut |p: Progress| reporter.event(&p), &mut report);
     reporter.finish();
-    let images = images?;
+    let images = images.inspect_err(|_| {
+        // What ran before the error, for whoever asked; the error is what gets reported.
+        let _ = crate::output::write_report(report_to.as_ref(), &report);
+    })?;
     for line in pipeline.device_report() {
         tracing::debug!("{line}");
     }
     let metadata = !a.run.disable_image_metadata;
     // Image i was sampled from seed + i.
     let text = |i: usize| metadata.then(|| a1111_parameters(a, &params, seed.wrapping_add(i as u64), &model_name));
+    let t = std::time::Instant::now();
     crate::output::save_images(&images, &outputs, text)?;
+    report.stage("write", t.elapsed().as_secs_f64());
+    crate::output::write_report(report_to.as_ref(), &report)?;
     tracing::info!("generation took {:.2} s", start.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
 }

@@ -20,5 +20,6 @@ pub mod image_io;
 pub mod loader;
 pub mod output;
 pub mod pipeline;
+pub mod report;
 pub mod sampling;
 pub mod text;

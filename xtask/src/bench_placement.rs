@@ -327,7 +327,7 @@ pub fn run(args: Args) -> Result<()> {
     let s = args.size.setting();
     eprintln!("bench-placement: building sd-cli (release) and the reference");
     let ours_exe = build_sd_cli()?;
-    let ref_exe = reference::build()?;
+    let ref_exe = reference::existing_or_build()?;
     let model = ensure_fixture(Family::Sd15)?;
     let dir = workspace_root().join("target/bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;

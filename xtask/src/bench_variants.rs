@@ -108,7 +108,7 @@ impl Cell {
 pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
     let ours_exe = build_sd_cli()?;
-    let ref_exe = reference::build()?;
+    let ref_exe = reference::existing_or_build()?;
     let model = ensure_fixture(Family::Sd15)?;
     let plugin_dir = PathBuf::from(ggml_plugin_dir()?);
     let dir = root.join("target/bench-variants");

@@ -160,8 +160,7 @@ fn run_case(
 /// Entry point of `cargo xtask parity samplers ...` (`args` excludes `parity samplers`).
 pub fn run(a: Args) -> Result<()> {
     let test_data_dir = a.test_data_dir.clone().unwrap_or_else(|| crate::workspace_root().join("tests/data"));
-    // Use an existing reference build as is (it is shared and slow to build); build otherwise.
-    let sdref = if reference::exe_path().is_file() { reference::exe_path() } else { reference::build()? };
+    let sdref = reference::existing_or_build()?;
     let ours = build_sd_cli()?;
     let model = ensure_fixture(Family::Sd15)?;
     let work = crate::workspace_root().join("target/parity/samplers");

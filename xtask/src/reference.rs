@@ -84,6 +84,16 @@ pub fn build() -> anyhow::Result<PathBuf> {
     Ok(exe)
 }
 
+/// The reference executable as it is when one was built (it is shared between worktrees,
+/// slow to build and needs CMake), else [`build`]'s.
+pub fn existing_or_build() -> anyhow::Result<PathBuf> {
+    let exe = exe_path();
+    if exe.is_file() {
+        return Ok(exe);
+    }
+    build()
+}
+
 /// The `key=value` fields of the last stderr line starting with `tag`
 /// (e.g. "SDREF_TIMING" or "SDREF_RSS"); `None` when no such line exists.
 pub fn parse_tagged_line(stderr: &str, tag: &str) -> Option<BTreeMap<String, String>> {

@@ -113,7 +113,7 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    for v in ["SDREF_SDCPP_DIR", "SDREF_CC_DIR", "CC", "CXX", "CFLAGS", "CXXFLAGS", "AR", "RANLIB"] {
+    for v in ["SDREF_SDCPP_DIR", "SDREF_CC_DIR", "SDREF_LAST_FLAGS", "CC", "CXX", "CFLAGS", "CXXFLAGS", "AR", "RANLIB"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     println!("cargo:rerun-if-changed=driver");
@@ -256,6 +256,11 @@ fn plan(
     driver_key: &str,
     obj_root: &Path,
 ) -> Result<(Vec<Job>, Archives), String> {
+    // SDREF_LAST_FLAGS: flags after the own flags of each target built with -march=native
+    // (ggml-cpu), so they can undo one of its extensions (`cargo xtask reference
+    // --f32-accumulation`); the other targets' objects stay those of the default build.
+    let last_flags: Vec<String> =
+        env::var("SDREF_LAST_FLAGS").unwrap_or_default().split_whitespace().map(str::to_owned).collect();
     let driver_dir = expand("{driver}", dirs);
     let mut jobs = Vec::new();
     let mut archives = Archives::new();
@@ -308,6 +313,9 @@ fn plan(
             args.extend(spec.pic.iter().cloned());
             args.extend(if cpp { cxx_warn.iter() } else { c_warn.iter() }.cloned());
             args.extend(t.options.iter().cloned());
+            if t.options.iter().any(|o| o == "-march=native") {
+                args.extend(last_flags.iter().cloned());
+            }
             args.push(if cpp { spec.cxx_std.clone() } else { spec.c_std.clone() });
             let obj = obj_root.join(&t.name).join(format!("{file}.o"));
             // The key names the driver's directory by its placeholder, so that checkouts
@@ -453,7 +461,7 @@ fn compile(tc: &Toolchain, job: &Job) -> Result<(), String> {
     fs::write(stamp(&job.obj), &job.key).map_err(|e| format!("{}: {e}", job.obj.display()))
 }
 
-/// `ar qc` + `ranlib`, as CMake's link.txt did, unless the archive already holds these objects.
+/// `ar qc` + `ranlib`, as the archive rules CMake generated for sd.cpp's build did, unless the archive already holds these objects.
 fn archive(lib_dir: &Path, name: &str, objs: &[&Job]) -> Result<(), String> {
     let lib = lib_dir.join(format!("lib{name}.a"));
     let mut h = Sha256::new();

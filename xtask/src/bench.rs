@@ -14,19 +14,14 @@
 //! - whole run and peak RSS: measured here around the child process, the
 //!   wall clock from spawn to reap and `ru_maxrss` from `wait4(2)` (the
 //!   child's own high-water mark, exact, no polling);
-//! - stage times: each program's own report. Ours come from `sd-cli`'s info
-//!   log lines (`text encoding took X s`, `image 1/1 step K/N took X s`,
-//!   `decoding took X s`, `generation took X s`), the reference's from its
-//!   `SDREF_TIMING` line. Both have 10 ms resolution. Our text-encode and
-//!   decode times include loading that module's weights (the pipeline loads
-//!   per phase); the reference loads every weight once before encoding, so
-//!   its stage times exclude loading, which is shown apart (`load_ms`, its
-//!   `new_sd_ctx`, plus `tensor_load_ms`, sd.cpp's "loading tensors" time).
-//!
-//! Parsing log lines is the fragile part: a reworded message silently loses a
-//! column (shown as `?`, with a warning). A machine-readable line from
-//! `sd-cli` (like `SDREF_TIMING`, or a `--timings-json FILE` flag) would remove
-//! that fragility.
+//! - stage times: each program's own report. Ours come from `sd-cli`'s run
+//!   report (`--report-json`, `sd_models::report::RunReport`: its stage and step
+//!   times), the reference's from its `SDREF_TIMING` line (10 ms resolution).
+//!   Our text-encode and decode columns add the load of that module's weights
+//!   to the stage (the pipeline loads per phase; the report times both apart);
+//!   the reference loads every weight once before encoding, so its stage times
+//!   exclude loading, which is shown apart (`load_ms`, its `new_sd_ctx`, plus
+//!   `tensor_load_ms`, sd.cpp's "loading tensors" time).
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -36,12 +31,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
 use sd_models::fixture::Family;
+use sd_models::report::RunReport;
 
 use crate::parity::{build_sd_cli, ensure_fixture};
 use crate::reference;
 use crate::workspace_root;
-
-const USAGE: &str = "usage: cargo xtask bench [--size 256|512|both] [--runs N] [--threads N]";
 
 /// The prompt of every benchmark run.
 pub const PROMPT: &str = "a photo of a cat";
@@ -56,44 +50,61 @@ pub(crate) struct Setting {
 pub(crate) const SETTING_256: Setting = Setting { side: 256, steps: 4 };
 pub(crate) const SETTING_512: Setting = Setting { side: 512, steps: 2 };
 
-/// Parsed command line.
-#[derive(Debug, PartialEq)]
-struct Args {
-    settings: Vec<Setting>,
-    runs: usize,
+/// `--size` of the benchmarks that run one setting.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Size {
+    /// 256x256, 4 steps.
+    #[value(name = "256")]
+    S256,
+    /// 512x512, 2 steps.
+    #[value(name = "512")]
+    S512,
+}
+
+impl Size {
+    pub(crate) fn setting(self) -> Setting {
+        match self {
+            Size::S256 => SETTING_256,
+            Size::S512 => SETTING_512,
+        }
+    }
+}
+
+/// `cargo xtask bench`'s `--size`: one setting or both.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Sizes {
+    /// 256x256, 4 steps.
+    #[value(name = "256")]
+    S256,
+    /// 512x512, 2 steps.
+    #[value(name = "512")]
+    S512,
+    /// Both, 256 first.
+    Both,
+}
+
+/// `cargo xtask bench` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// Image side (256: 4 steps, 512: 2 steps) or both.
+    #[arg(long = "size", value_enum, default_value_t = Sizes::Both)]
+    size: Sizes,
+    /// Runs of each program per setting.
+    #[arg(long = "runs", value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// CPU threads of each program.
+    #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
 }
 
-fn parse(args: &[String]) -> Result<Args> {
-    let mut settings = vec![SETTING_256, SETTING_512];
-    let mut runs = 2usize;
-    let mut threads = 2u32;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
-        match arg.as_str() {
-            "--size" => {
-                settings = match value(arg)?.as_str() {
-                    "256" => vec![SETTING_256],
-                    "512" => vec![SETTING_512],
-                    "both" => vec![SETTING_256, SETTING_512],
-                    other => bail!("--size {other}: accepted are 256, 512 and both"),
-                }
-            }
-            "--runs" => {
-                let v = value(arg)?;
-                runs = v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--runs {v}: a positive integer"))?;
-            }
-            "--threads" | "-t" => {
-                let v = value(arg)?;
-                threads =
-                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--threads {v}: a positive integer"))?;
-            }
-            "-h" | "--help" => bail!("{USAGE}"),
-            other => bail!("unknown argument `{other}`\n{USAGE}"),
+impl Args {
+    fn settings(&self) -> Vec<Setting> {
+        match self.size {
+            Sizes::S256 => vec![SETTING_256],
+            Sizes::S512 => vec![SETTING_512],
+            Sizes::Both => vec![SETTING_256, SETTING_512],
         }
     }
-    Ok(Args { settings, runs, threads })
 }
 
 /// A finished child process with what it printed and what it cost.
@@ -177,35 +188,6 @@ pub fn run_measured(cmd: &mut Command) -> Result<Measured> {
     Ok(Measured { stdout, stderr, code, wall_s, max_rss_kib })
 }
 
-/// Removes ANSI escape sequences (colours) from log text.
-pub(crate) fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            if chars.peek() == Some(&'[') {
-                chars.next();
-                // Parameters and intermediates up to the final byte in @..~.
-                for d in chars.by_ref() {
-                    if ('@'..='~').contains(&d) {
-                        break;
-                    }
-                }
-            }
-            continue;
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// The number of seconds in "... `key` X s" on `line`, if the line holds `key`.
-fn seconds_after(line: &str, key: &str) -> Option<f64> {
-    let rest = &line[line.find(key)? + key.len()..];
-    let num = rest.split_whitespace().next()?;
-    num.parse().ok()
-}
-
 /// Stage times of one run, seconds; `None` where the program did not report it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Timings {
@@ -215,29 +197,38 @@ pub struct Timings {
     pub steps_s: Vec<f64>,
     /// VAE decoding.
     pub decode_s: Option<f64>,
-    /// The program's own generation time (ours: after opening the files; ref: `generate_image`).
+    /// The program's own generation time (ours: the sum of its report's stages; ref: `generate_image`).
     pub generation_s: Option<f64>,
     /// Model loading timed apart (ref only: `new_sd_ctx` plus sd.cpp's tensor loading).
     pub load_s: Option<f64>,
 }
 
-/// Parses our `sd-cli` info lines.
-pub fn parse_ours(stderr: &str) -> Timings {
-    let mut t = Timings::default();
-    for line in strip_ansi(stderr).lines() {
-        if let Some(v) = seconds_after(line, "text encoding took") {
-            t.text_encode_s = Some(t.text_encode_s.unwrap_or(0.0) + v);
-        } else if line.contains(" step ") && line.contains("image ") {
-            if let Some(v) = line.rfind(" took ").and_then(|i| seconds_after(&line[i..], " took")) {
-                t.steps_s.push(v);
-            }
-        } else if let Some(v) = seconds_after(line, "decoding took") {
-            t.decode_s = Some(t.decode_s.unwrap_or(0.0) + v);
-        } else if let Some(v) = seconds_after(line, "generation took") {
-            t.generation_s = Some(v);
-        }
+/// Our stage times from a run report: text encode and decode each with the load of their
+/// module, generation as the sum of every stage (from the first load to the images written).
+pub fn ours_timings(r: &RunReport) -> Timings {
+    let sum = |names: &[&str]| -> Option<f64> {
+        let v: Vec<f64> = r.stages.iter().filter(|s| names.contains(&s.name.as_str())).map(|s| s.seconds).collect();
+        (!v.is_empty()).then(|| v.iter().sum())
+    };
+    Timings {
+        text_encode_s: sum(&["te load", "text encode"]),
+        steps_s: r.steps.iter().map(|s| s.seconds).collect(),
+        decode_s: sum(&["vae load", "decode"]),
+        generation_s: (!r.stages.is_empty()).then(|| r.stages.iter().map(|s| s.seconds).sum()),
+        load_s: None,
     }
-    t
+}
+
+/// The run report `sd-cli` wrote to `path` (`--report-json`, see [`our_command`]).
+pub fn read_report(path: &Path) -> Result<RunReport> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read the run report {}", path.display()))?;
+    RunReport::from_json(&text).with_context(|| format!("run report {}", path.display()))
+}
+
+/// Where [`our_command`] asks `sd-cli` to write the run report of the image `out`.
+pub fn report_path(out: &Path) -> PathBuf {
+    out.with_extension("json")
 }
 
 /// Parses the reference's `SDREF_TIMING` line.
@@ -304,6 +295,7 @@ pub(crate) fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, ou
     c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
     c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
     c.args(["-t", &threads.to_string(), "-o"]).arg(out);
+    c.arg("--report-json").arg(report_path(out));
     c.env("NO_COLOR", "1");
     c
 }
@@ -356,12 +348,11 @@ fn print_table(s: Setting, threads: u32, runs: usize, ours: &Side, refr: &Side) 
     println!("  all steps, ours: {:?}", ours.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
     println!("  all steps, ref:  {:?}", refr.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
     println!("  (1) ours includes loading that module's weights; the reference's excludes it (above).");
-    println!("  (2) ours: from opening the files to the PNG written; reference: generate_image only.");
+    println!("  (2) ours: the stages of its run report, first weight load to the PNG written; reference: generate_image only.");
 }
 
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
-pub fn run(args: &[String]) -> Result<()> {
-    let args = parse(args)?;
+pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
     eprintln!("bench: building sd-cli (release) and the reference");
     let ours_exe = build_sd_cli()?;
@@ -370,7 +361,7 @@ pub fn run(args: &[String]) -> Result<()> {
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut results: Vec<(Setting, Side, Side)> = Vec::new();
-    for &s in &args.settings {
+    for s in args.settings() {
         let (mut ours, mut refr) = (Side::default(), Side::default());
         for i in 0..args.runs {
             let order: [bool; 2] = if i % 2 == 0 { [true, false] } else { [false, true] };
@@ -386,16 +377,16 @@ pub fn run(args: &[String]) -> Result<()> {
                 let m = run_measured(&mut cmd)?;
                 m.check(&format!("{who} at {0}x{0}", s.side))?;
                 let side = if is_ours { &mut ours } else { &mut refr };
-                let t = if is_ours { parse_ours(&m.stderr) } else { parse_ref(&m.stderr) };
+                let t = if is_ours { ours_timings(&read_report(&report_path(&out))?) } else { parse_ref(&m.stderr) };
                 if t.steps_s.len() != s.steps as usize {
                     eprintln!(
-                        "bench: warning: found {} step times in {who}'s log, expected {} (did a log line change?)",
+                        "bench: warning: found {} step times in {who}'s report, expected {}",
                         t.steps_s.len(),
                         s.steps
                     );
                 }
                 if t.text_encode_s.is_none() || t.decode_s.is_none() {
-                    eprintln!("bench: warning: {who}'s text-encode or decode time is missing from its log");
+                    eprintln!("bench: warning: {who}'s text-encode or decode time is missing from its report");
                 }
                 if !is_ours {
                     if let Some(k) = reference::parse_tagged_line(&m.stderr, "SDREF_RSS")
@@ -416,7 +407,7 @@ pub fn run(args: &[String]) -> Result<()> {
         load = l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     }
     for (s, ours, refr) in &results {
-        print_table(*s, args.threads, args.runs, ours, refr);
+        print_table(*s, args.threads, args.runs as usize, ours, refr);
     }
     println!("\nload average at the end (1, 5, 15 min): {load}");
     let summary: BTreeMap<String, String> = results
@@ -439,37 +430,41 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_args as args;
+    use sd_models::report::StepTime;
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("--size 512 --runs 3 --threads 4")).unwrap();
-        assert_eq!(a, Args { settings: vec![SETTING_512], runs: 3, threads: 4 });
-        let d = parse(&[]).unwrap();
-        assert_eq!(d, Args { settings: vec![SETTING_256, SETTING_512], runs: 2, threads: 2 });
+        let a: Args = crate::parse_test("--size 512 --runs 3 --threads 4").unwrap();
+        assert_eq!((a.settings(), a.runs, a.threads), (vec![SETTING_512], 3, 4));
+        let d: Args = crate::parse_test("").unwrap();
+        assert_eq!((d.settings(), d.runs, d.threads), (vec![SETTING_256, SETTING_512], 2, 2));
         for (line, needle) in
             [("--size 128", "128"), ("--runs 0", "--runs"), ("--threads x", "--threads"), ("--fast", "--fast")]
         {
-            let e = parse(&args(line)).unwrap_err();
+            let e = crate::parse_test::<Args>(line).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
     }
 
     #[test]
-    fn our_log_lines_give_the_stage_times_with_or_without_colours() {
-        let log = "\u{1b}[32m INFO\u{1b}[0m model: sd1 (1130 tensors), prediction eps\n\
-                   \u{1b}[32m INFO\u{1b}[0m text encoding took 1.25 s\n\
-                    INFO image 1/1 step 1/2 took 3.50 s\n\
-                    INFO image 1/1 step 2/2 took 3.25 s\n\
-                    INFO decoding took 2.00 s\n\
-                    INFO saved out.png\n\
-                    INFO generation took 10.50 s\n";
-        let t = parse_ours(log);
+    fn our_report_gives_the_stage_times_with_each_load_in_its_stage() {
+        let mut r = RunReport::new("generate", Vec::new());
+        for (name, secs) in [("te load", 0.25), ("text encode", 1.0), ("unet load", 0.5), ("sampling", 6.75)] {
+            r.stage(name, secs);
+        }
+        for (name, secs) in [("vae load", 0.5), ("decode", 1.5), ("write", 0.25)] {
+            r.stage(name, secs);
+        }
+        r.steps = [3.5, 3.25].iter().enumerate().map(|(step, &seconds)| StepTime { image: 0, step, seconds }).collect();
+        let text = r.to_json();
+        let t = ours_timings(&RunReport::from_json(&text).unwrap());
         assert_eq!(t.text_encode_s, Some(1.25));
         assert_eq!(t.steps_s, vec![3.5, 3.25]);
         assert_eq!(t.decode_s, Some(2.0));
-        assert_eq!(t.generation_s, Some(10.5));
+        assert_eq!(t.generation_s, Some(10.75));
         assert_eq!(t.load_s, None);
+        // A report without stages (a failed run) has no times rather than zeros.
+        assert_eq!(ours_timings(&RunReport::new("generate", Vec::new())), Timings::default());
     }
 
     #[test]

@@ -16,12 +16,12 @@
 //!   at most 1.1 x the baseline (the largest resident set plus compute).
 //! - B. The UNet segmented under `--max-vram RPC0=0.5`, with and without
 //!   `--disable-prefetch`: step time against max(transfer, compute) per UNet run,
-//!   from the pipeline's `-v` summary line. The target: within 15%.
+//!   from the UNet runner's figures in the run report. The target: within 15%.
 //! - C. `--offload-to-cpu` (CPU compute) beside the reference's `--offload-to-cpu`,
 //!   the one placement configuration the reference runs too (it has no RPC).
 //!
-//! Peak RSS is each client's `wait4` `ru_maxrss`; times are the programs' own log
-//! lines. A reworded `-v` line shows as `?` in the tables, with a warning.
+//! Peak RSS is each client's `wait4` `ru_maxrss`; times are the programs' own: ours
+//! from `sd-cli`'s run report (`--report-json`), the reference's from its log line.
 
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -32,43 +32,24 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use sd_models::fixture::Family;
+use sd_models::report::RunReport;
 
-use crate::bench::{self, fmt_ratio, fmt_s, median, Setting, Timings};
+use crate::bench::{self, fmt_ratio, fmt_s, median, Size, Timings};
 use crate::parity::{build_sd_cli, ensure_fixture};
 use crate::{reference, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask bench-placement [--runs N] [--threads N] [--size 256|512]";
-
-/// Parsed command line.
-#[derive(Debug, PartialEq)]
-struct Args {
-    setting: Setting,
-    runs: usize,
+/// `cargo xtask bench-placement` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// Image side: 256 (4 steps) or 512 (2 steps).
+    #[arg(long = "size", value_enum, default_value_t = Size::S256)]
+    size: Size,
+    /// Rounds (each runs every configuration once).
+    #[arg(long = "runs", value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// CPU threads of the client and of the rpc-server.
+    #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
-}
-
-fn parse(args: &[String]) -> Result<Args> {
-    let mut a = Args { setting: bench::SETTING_256, runs: 2, threads: 2 };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let v = it.next().with_context(|| format!("{arg} needs a value\n{USAGE}"))?;
-        let positive = |v: &str| v.parse::<u32>().ok().filter(|&n| n > 0);
-        match arg.as_str() {
-            "--size" => {
-                a.setting = match v.as_str() {
-                    "256" => bench::SETTING_256,
-                    "512" => bench::SETTING_512,
-                    other => bail!("--size {other}: accepted are 256 and 512"),
-                }
-            }
-            "--runs" => a.runs = positive(v).with_context(|| format!("--runs {v}: a positive integer"))? as usize,
-            "--threads" | "-t" => {
-                a.threads = positive(v).with_context(|| format!("--threads {v}: a positive integer"))?
-            }
-            other => bail!("unknown argument `{other}`\n{USAGE}"),
-        }
-    }
-    Ok(a)
 }
 
 /// One measured configuration: its name and the flags added to `bench::our_command`
@@ -102,7 +83,7 @@ const CONFIGS: [Config; 7] = [
 /// Index of the reference's configuration in `CONFIGS`.
 const REF: usize = 6;
 
-/// The pipeline's `-v` line about the UNet runs (`unet params ...; unet on DEV: ...; copied ...`).
+/// The UNet runner's figures in a run report, in the units the tables print.
 #[derive(Clone, Debug, Default, PartialEq)]
 struct UnetSummary {
     runs: f64,
@@ -113,53 +94,30 @@ struct UnetSummary {
     copy_s: f64,
 }
 
-/// The number in the first token after `key` on `line`.
-fn num_after(line: &str, key: &str) -> Option<f64> {
-    line[line.find(key)? + key.len()..].split_whitespace().next()?.parse().ok()
-}
+const MIB: f64 = 1048576.0;
 
-/// The number in the last token before `key` on `line`.
-fn num_before(line: &str, key: &str) -> Option<f64> {
-    line[..line.find(key)?].split_whitespace().last()?.parse().ok()
-}
-
-fn parse_unet_summary(log: &str) -> Option<UnetSummary> {
-    let clean = bench::strip_ansi(log);
-    let line = clean.lines().find(|l| l.contains("unet params ") && l.contains(" runs ("))?;
-    let copied = &line[line.find("; copied ")?..];
+fn unet_summary(r: &RunReport) -> Option<UnetSummary> {
+    let u = r.runner("unet")?;
     Some(UnetSummary {
-        runs: num_before(line, " runs (")?,
-        compute_s: num_after(line, " compute ")?,
-        blocking_s: num_after(line, " blocking loads ")?,
-        waits_s: num_after(line, " prefetch waits ")?,
-        copied_mib: num_after(copied, " copied ")?,
-        copy_s: num_after(copied, " in ")?,
+        runs: u.stats.runs as f64,
+        compute_s: u.stats.compute_secs,
+        blocking_s: u.stats.load_secs,
+        waits_s: u.stats.prefetch_wait_secs,
+        copied_mib: u.uploaded_bytes as f64 / MIB,
+        copy_s: u.upload_seconds,
     })
 }
 
-/// `(high-water MiB, budget MiB)` from `DEV: managed high-water X MiB (budget Y MiB)`.
-fn parse_high_water(log: &str, device: &str) -> Option<(f64, Option<f64>)> {
-    let clean = bench::strip_ansi(log);
-    let key = format!("{device}: managed high-water ");
-    let line = clean.lines().find(|l| l.contains(&key))?;
-    Some((num_after(line, &key)?, num_after(line, "(budget ")))
+/// `(high-water MiB, budget MiB)` of `device`'s managed memory.
+fn high_water(r: &RunReport, device: &str) -> Option<(f64, Option<f64>)> {
+    let d = r.device(device)?;
+    Some((d.high_water_bytes as f64 / MIB, d.budget_bytes.map(|b| b as f64 / MIB)))
 }
 
-/// `(module, parameter MiB)` from the `MODULE: runs on DEV, params HOME (1.60 GiB)` lines.
-fn parse_module_params(log: &str) -> Vec<(String, f64)> {
-    // sd_placement::fmt_bytes writes MiB or GiB.
-    let unit = |u: &str| ["MiB", "GiB"].iter().position(|&x| x == u).map(|p| 1024f64.powi(p as i32));
-    let clean = bench::strip_ansi(log);
-    clean
-        .lines()
-        .filter(|l| l.contains(": runs on ") && l.contains(", params "))
-        .filter_map(|l| {
-            let module = l[..l.find(": runs on ")?].split_whitespace().last()?;
-            let size = l[l.rfind('(')? + 1..].strip_suffix(')')?;
-            let (num, u) = size.split_once(' ')?;
-            Some((module.to_owned(), num.parse::<f64>().ok()? * unit(u)?))
-        })
-        .collect()
+/// `(module, parameter MiB)` of each module the plan placed.
+fn module_params(r: &RunReport) -> Vec<(String, f64)> {
+    let modules = r.plan.as_ref().map_or(&[][..], |p| &p.modules[..]);
+    modules.iter().map(|m| (m.module.name().to_owned(), m.param_bytes as f64 / MIB)).collect()
 }
 
 /// One configuration's runs.
@@ -365,9 +323,8 @@ fn print_c(r: &[Runs; 7]) {
 }
 
 /// Entry point of `cargo xtask bench-placement ...` (`args` excludes the subcommand name).
-pub fn run(args: &[String]) -> Result<()> {
-    let args = parse(args)?;
-    let s = args.setting;
+pub fn run(args: Args) -> Result<()> {
+    let s = args.size.setting();
     eprintln!("bench-placement: building sd-cli (release) and the reference");
     let ours_exe = build_sd_cli()?;
     let ref_exe = reference::build()?;
@@ -389,9 +346,7 @@ pub fn run(args: &[String]) -> Result<()> {
             let mut cmd = if k == REF {
                 bench::ref_command(&ref_exe, &model, s, args.threads, &out)
             } else {
-                let mut cmd = bench::our_command(&ours_exe, &model, s, args.threads, &out);
-                cmd.arg("-v");
-                cmd
+                bench::our_command(&ours_exe, &model, s, args.threads, &out)
             };
             cmd.args(c.args(&addr));
             eprintln!("bench-placement: {0}x{0} round {1}/{2}: {3}", s.side, i + 1, args.runs, c.name);
@@ -405,17 +360,29 @@ pub fn run(args: &[String]) -> Result<()> {
             }
             server.check_alive()?;
             let r = &mut results[k];
-            let t = if k == REF { bench::parse_ref(&m.stderr) } else { bench::parse_ours(&m.stderr) };
+            // A failed run may have left no report: its figures are missing, with a warning.
+            let report = if k == REF {
+                None
+            } else {
+                bench::read_report(&bench::report_path(&out))
+                    .inspect_err(|e| eprintln!("bench-placement: warning: {e:#}"))
+                    .ok()
+            };
+            let t = match &report {
+                _ if k == REF => bench::parse_ref(&m.stderr),
+                Some(report) => bench::ours_timings(report),
+                None => Timings::default(),
+            };
             if t.steps_s.len() != s.steps as usize {
-                eprintln!("bench-placement: warning: {} step times in {}'s log", t.steps_s.len(), c.name);
+                eprintln!("bench-placement: warning: {} step times in {}'s report", t.steps_s.len(), c.name);
             }
-            if c.rpc {
-                match parse_unet_summary(&m.stderr) {
+            if let (true, Some(report)) = (c.rpc, &report) {
+                match unet_summary(report) {
                     Some(u) => r.unet.push(u),
-                    None => eprintln!("bench-placement: warning: no UNet summary line in {}'s -v log", c.name),
+                    None => eprintln!("bench-placement: warning: no UNet runner in {}'s report", c.name),
                 }
-                r.high_water_mib.extend(parse_high_water(&m.stderr, "RPC0").map(|(h, _)| h));
-                r.modules = parse_module_params(&m.stderr);
+                r.high_water_mib.extend(high_water(report, "RPC0").map(|(h, _)| h));
+                r.modules = module_params(report);
             }
             r.timings.push(t);
             r.wall_s.push(m.wall_s);
@@ -445,31 +412,44 @@ pub fn run(args: &[String]) -> Result<()> {
 mod tests {
     use super::*;
 
-    const UNET: &str =
-        "DEBUG sd_models::pipeline: unet params in CPU RAM; unet on RPC0: 8 runs (8 segmented, up to 11 \
-        segments), loaded 12.0 MiB, prefetched 1500.0 MiB in 19 groups, 3 evictions, compute 5.20 s, blocking loads \
-        0.40 s, prefetch waits 1.30 s, peak compute buffer 3.6 MiB; copied 3300.0 MiB to RPC0 in 2.10 s";
+    use sd_models::report::{DeviceReport, RunnerReport};
+    use sd_sched::RunStats;
+
+    fn report() -> RunReport {
+        let mut r = RunReport::new("generate", Vec::new());
+        let stats = |runs, compute_secs| RunStats { runs, compute_secs, ..RunStats::default() };
+        let runner = |name: &str, stats, uploaded_bytes, upload_seconds| RunnerReport {
+            name: name.into(),
+            device: "RPC0".into(),
+            stats,
+            uploaded_bytes,
+            upload_seconds,
+        };
+        let unet = RunStats { load_secs: 0.4, prefetch_wait_secs: 1.3, segmented_runs: 8, ..stats(8, 5.2) };
+        r.runners = vec![runner("te", stats(2, 0.5), 0, 0.0), runner("unet", unet, 3300 << 20, 2.1)];
+        let device = |device: &str, high: u64, budget| DeviceReport {
+            device: device.into(),
+            budget_bytes: budget,
+            high_water_bytes: high,
+            managed_bytes: 0,
+        };
+        r.devices = vec![device("CPU", 10 << 20, None), device("RPC0", 500 << 20, Some(512 << 20))];
+        // Through JSON, as the benchmark reads it.
+        RunReport::from_json(&r.to_json()).unwrap()
+    }
 
     #[test]
-    fn the_unet_summary_line_gives_each_counter() {
-        // Among other lines, and the text encoder's own summary (no `copied`) must not be taken for it.
-        let log = format!(
-            " INFO sd_models::pipeline: image 1/1 step 2/4 took 1.23 s\n\
-             DEBUG sd_models::pipeline: te params on RPC0; te on RPC0: 2 runs (0 segmented, up to 1 segments), \
-             loaded 0.0 MiB, prefetched 0.0 MiB in 0 groups, 0 evictions, compute 0.50 s, blocking loads 0.00 s, \
-             prefetch waits 0.00 s, peak compute buffer 1.4 MiB\n\u{1b}[34m{UNET}\u{1b}[0m\n"
-        );
-        let u = parse_unet_summary(&log).unwrap();
+    fn the_unet_runner_gives_each_counter() {
+        // The text encoder's runner, also on RPC0, must not be taken for it.
+        let u = unet_summary(&report()).unwrap();
         let (runs, compute_s, blocking_s, waits_s, copied_mib, copy_s) = (8.0, 5.2, 0.4, 1.3, 3300.0, 2.1);
         assert_eq!(u, UnetSummary { runs, compute_s, blocking_s, waits_s, copied_mib, copy_s });
-        assert_eq!(parse_unet_summary("nothing here"), None);
-        // A line cut before the copy counters is not half-parsed.
-        assert_eq!(parse_unet_summary(&UNET[..UNET.find("; copied").unwrap()]), None);
+        assert_eq!(unet_summary(&RunReport::new("generate", Vec::new())), None);
     }
 
     #[test]
     fn per_run_values_divide_by_the_runs_of_each_generation() {
-        let mut u = parse_unet_summary(UNET).unwrap();
+        let mut u = unet_summary(&report()).unwrap();
         let mut r = Runs { unet: vec![u.clone()], ..Runs::default() };
         u.runs = 4.0; // a generation with half the runs and the same totals: twice the per-run time
         r.unet.push(u);
@@ -477,38 +457,23 @@ mod tests {
     }
 
     #[test]
-    fn the_high_water_line_gives_mark_and_budget() {
-        let log = "DEBUG sd_cli::generate: CPU: managed high-water 10.0 MiB (no budget)\n\
-                   DEBUG sd_cli::generate: RPC0: managed high-water 500.1 MiB (budget 512.0 MiB)\n";
-        assert_eq!(parse_high_water(log, "RPC0"), Some((500.1, Some(512.0))));
-        assert_eq!(parse_high_water(log, "CPU"), Some((10.0, None)));
-        assert_eq!(parse_high_water(log, "RPC1"), None);
-    }
-
-    #[test]
-    fn module_lines_give_parameter_mib() {
-        let log = " INFO sd_cli::generate: te: runs on RPC0, params in CPU RAM (234.7 MiB)\n\
-                    INFO sd_cli::generate: diffusion: runs on RPC0, params in CPU RAM (1.60 GiB)\n\
-                    INFO sd_cli::generate: vae: runs on RPC0, params on disk (read from the model file on demand) \
-                   (159.6 MiB)\n INFO sd_cli::generate: saved out.png\n";
-        let m = parse_module_params(log);
-        assert_eq!(m.len(), 3, "{m:?}");
-        assert_eq!(m[0], ("te".to_owned(), 234.7));
-        assert_eq!(m[1].0, "diffusion");
-        assert!((m[1].1 - 1.6 * 1024.0).abs() < 1e-9, "{}", m[1].1);
-        assert_eq!(m[2], ("vae".to_owned(), 159.6));
+    fn the_device_report_gives_mark_and_budget() {
+        let r = report();
+        assert_eq!(high_water(&r, "RPC0"), Some((500.0, Some(512.0))));
+        assert_eq!(high_water(&r, "CPU"), Some((10.0, None)));
+        assert_eq!(high_water(&r, "RPC1"), None);
     }
 
     #[test]
     fn parses_the_documented_command_line() {
-        let args = crate::test_args;
-        assert_eq!(parse(&[]).unwrap(), Args { setting: bench::SETTING_256, runs: 2, threads: 2 });
-        let a = parse(&args("--runs 1 --threads 4 --size 512")).unwrap();
-        assert_eq!(a, Args { setting: bench::SETTING_512, runs: 1, threads: 4 });
+        let parse = crate::parse_test::<Args>;
+        assert_eq!(parse("").unwrap(), Args { size: Size::S256, runs: 2, threads: 2 });
+        assert_eq!(parse("--runs 1 --threads 4 --size 512").unwrap(), Args { size: Size::S512, runs: 1, threads: 4 });
+        assert_eq!(parse("--size 512").unwrap().size.setting(), bench::SETTING_512);
         for (line, needle) in
-            [("--size 1024", "1024"), ("--runs 0", "--runs"), ("--runs", "needs a value"), ("--x 1", "--x")]
+            [("--size 1024", "1024"), ("--runs 0", "--runs"), ("--runs", "a value is required"), ("--x 1", "--x")]
         {
-            let e = parse(&args(line)).unwrap_err();
+            let e = parse(line).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
     }

@@ -18,65 +18,47 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context as _, Result};
 use sd_models::fixture::Family;
 
-use crate::bench::{fmt_ratio, fmt_s, median, our_command, parse_ours, parse_ref, ref_command, run_measured, Setting};
+use crate::bench::{
+    fmt_ratio, fmt_s, median, our_command, ours_timings, parse_ref, read_report, ref_command, report_path,
+    run_measured, Size,
+};
 use crate::parity::{build_sd_cli, ensure_fixture};
 use crate::reference;
 use crate::workspace_root;
 
-const USAGE: &str = "usage: cargo xtask bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]";
-
-#[derive(Debug, PartialEq)]
-struct Args {
-    variants: Option<Vec<String>>,
+/// `cargo xtask bench-variants` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// CPU variants to run: `all` (every one this CPU can run) or a list.
+    #[arg(long = "variants", value_name = "all|v1,v2", default_value = "all", value_parser = variants)]
+    variants: Variants,
+    /// Weight types (`--type` of both programs).
+    #[arg(long = "type", value_name = "f16,q8_0", value_delimiter = ',', default_value = "f16,q8_0", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     types: Vec<String>,
-    runs: usize,
+    /// Runs of each program per type.
+    #[arg(long = "runs", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// CPU threads of each program.
+    #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
-    setting: Setting,
+    /// Image side: 256 (4 steps) or 512 (2 steps).
+    #[arg(long = "size", value_enum, default_value_t = Size::S256)]
+    size: Size,
 }
 
-fn parse(args: &[String]) -> Result<Args> {
-    let mut a = Args {
-        variants: None,
-        types: vec!["f16".into(), "q8_0".into()],
-        runs: 1,
-        threads: 2,
-        setting: crate::bench::SETTING_256,
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
-        let list = |v: String| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect::<Vec<_>>();
-        match arg.as_str() {
-            "--variants" => {
-                let v = value(arg)?;
-                a.variants = if v == "all" { None } else { Some(list(v)) };
-            }
-            "--type" => a.types = list(value(arg)?),
-            "--runs" => {
-                let v = value(arg)?;
-                a.runs =
-                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--runs {v}: a positive integer"))?;
-            }
-            "--threads" | "-t" => {
-                let v = value(arg)?;
-                a.threads =
-                    v.parse().ok().filter(|&n| n > 0).with_context(|| format!("--threads {v}: a positive integer"))?;
-            }
-            "--size" => {
-                a.setting = match value(arg)?.as_str() {
-                    "256" => crate::bench::SETTING_256,
-                    "512" => crate::bench::SETTING_512,
-                    other => bail!("--size {other}: accepted are 256 and 512"),
-                }
-            }
-            "-h" | "--help" => bail!("{USAGE}"),
-            other => bail!("unknown argument `{other}`\n{USAGE}"),
-        }
+/// `--variants`: `None` for all.
+#[derive(Clone, Debug, PartialEq)]
+struct Variants(Option<Vec<String>>);
+
+fn variants(v: &str) -> Result<Variants, String> {
+    if v == "all" {
+        return Ok(Variants(None));
     }
-    if a.types.is_empty() {
-        bail!("--type needs at least one weight type");
+    let list: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if list.is_empty() {
+        return Err("no variant named".into());
     }
-    Ok(a)
+    Ok(Variants(Some(list)))
 }
 
 /// The CPU variant libraries of the build, by variant name.
@@ -123,8 +105,7 @@ impl Cell {
 }
 
 /// Entry point of `cargo xtask bench-variants ...`.
-pub fn run(args: &[String]) -> Result<()> {
-    let args = parse(args)?;
+pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
     let ours_exe = build_sd_cli()?;
     let ref_exe = reference::build()?;
@@ -136,7 +117,7 @@ pub fn run(args: &[String]) -> Result<()> {
     // one directory per usable variant, holding only that variant
     let mut variants = Vec::new();
     for (name, lib) in built_variants(&plugin_dir)? {
-        if args.variants.as_ref().is_some_and(|w| !w.contains(&name)) {
+        if args.variants.0.as_ref().is_some_and(|w| !w.contains(&name)) {
             continue;
         }
         let only = dir.join(format!("plugins-{name}"));
@@ -153,7 +134,7 @@ pub fn run(args: &[String]) -> Result<()> {
     if variants.is_empty() {
         bail!("no CPU variant to measure in {}", plugin_dir.display());
     }
-    let s = args.setting;
+    let s = args.size.setting();
     let mut table: Vec<(String, String, Cell)> = Vec::new();
     for ty in &args.types {
         let mut refc = Cell::default();
@@ -185,7 +166,7 @@ pub fn run(args: &[String]) -> Result<()> {
                 let m = run_measured(&mut cmd)?;
                 m.check(&label)?;
                 let (t, cell) = match who {
-                    Some(i) => (parse_ours(&m.stderr), &mut cells[i]),
+                    Some(i) => (ours_timings(&read_report(&report_path(&out))?), &mut cells[i]),
                     None => (parse_ref(&m.stderr), &mut refc),
                 };
                 // each run's figures as they come, so an interrupted benchmark keeps them
@@ -240,17 +221,18 @@ fn ggml_plugin_dir() -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_args as args;
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("--variants x64,zen4 --type q8_0 --runs 2 -t 1 --size 512")).unwrap();
-        assert_eq!(a.variants, Some(vec!["x64".to_string(), "zen4".to_string()]));
+        let parse = crate::parse_test::<Args>;
+        let a = parse("--variants x64,zen4 --type q8_0 --runs 2 -t 1 --size 512").unwrap();
+        assert_eq!(a.variants, Variants(Some(vec!["x64".to_string(), "zen4".to_string()])));
         assert_eq!(a.types, vec!["q8_0".to_string()]);
-        assert_eq!((a.runs, a.threads, a.setting), (2, 1, crate::bench::SETTING_512));
-        assert_eq!(parse(&args("--variants all")).unwrap().variants, None);
+        assert_eq!((a.runs, a.threads, a.size.setting()), (2, 1, crate::bench::SETTING_512));
+        assert_eq!(parse("--variants all").unwrap().variants, Variants(None));
+        assert_eq!(parse("").unwrap().types, vec!["f16".to_string(), "q8_0".to_string()]);
         for bad in ["--runs 0", "--size 300", "--type ,", "--bogus"] {
-            assert!(parse(&args(bad)).is_err(), "{bad}");
+            assert!(parse(bad).is_err(), "{bad}");
         }
     }
 

@@ -12,10 +12,7 @@ use std::process::Command;
 use anyhow::{bail, Result};
 
 /// Entry point.
-pub fn run(args: &[String]) -> Result<()> {
-    if let Some(a) = args.first() {
-        bail!("unknown argument `{a}`\nusage: cargo xtask bindings");
-    }
+pub fn run() -> Result<()> {
     let root = crate::workspace_root();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let st = Command::new(&cargo)

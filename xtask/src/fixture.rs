@@ -23,92 +23,61 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
 
-const USAGE: &str = "usage: cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0] [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S [--std-everywhere]] [--plain-norms]";
-
-/// Parsed command line.
-#[derive(Debug, PartialEq)]
-struct Args {
+/// `cargo xtask fixture` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// The family: sd15, sd21 or sd-turbo.
+    #[arg(value_name = "sd15|sd21|sd-turbo", value_parser = family)]
     family: Family,
+    /// Seed of the random weights.
+    #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
+    /// Weight type: f32, f16, q8_0, q5_0, q4_0.
+    #[arg(long = "type", value_name = "TYPE", default_value = "f16", value_parser = weight_type)]
     wtype: WeightType,
+    /// Output file (`.safetensors` or `.gguf`: the extension chooses the format).
+    #[arg(long = "output", short = 'o', value_name = "FILE")]
     output: Option<PathBuf>,
+    /// Keep only these components (file metadata unchanged).
+    #[arg(long = "only", value_name = "unet,text,vae", value_delimiter = ',', value_parser = component)]
     only: Option<Vec<Component>>,
+    /// Draw every weight and embedding N(0, S) instead of the scaled initialisation.
+    #[arg(long = "std", value_name = "S", value_parser = std_dev)]
     std: Option<f64>,
+    /// With --std: biases and norms too.
+    #[arg(long = "std-everywhere", requires = "std", conflicts_with = "plain_norms")]
     std_everywhere: bool,
+    /// Biases 0 and norm gains 1, as PyTorch initialises them.
+    #[arg(long = "plain-norms")]
     plain_norms: bool,
 }
 
-fn parse(args: &[String]) -> Result<Args> {
-    let mut family = None;
-    let mut seed = 42u64;
-    let mut wtype = WeightType::F16;
-    let mut output = None;
-    let mut only = None;
-    let mut std = None;
-    let mut std_everywhere = false;
-    let mut plain_norms = false;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
-        match arg.as_str() {
-            "--seed" | "-s" => {
-                let v = value(arg)?;
-                seed = v.parse().with_context(|| format!("--seed '{v}' is not a non-negative integer"))?;
-            }
-            "--type" => {
-                let v = value(arg)?;
-                wtype = WeightType::parse(&v).ok_or_else(|| fixture::FixtureError::UnknownType(v.clone()))?;
-            }
-            "-o" | "--output" => output = Some(PathBuf::from(value(arg)?)),
-            "--only" => {
-                let v = value(arg)?;
-                let list = v
-                    .split(',')
-                    .map(|c| {
-                        Component::from_short_name(c.trim())
-                            .with_context(|| format!("--only: unknown component '{c}' (accepted: unet, text, vae)"))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                only = Some(list);
-            }
-            "--std" => {
-                let v = value(arg)?;
-                let s: f64 = v
-                    .parse()
-                    .ok()
-                    .filter(|s: &f64| s.is_finite() && *s > 0.0)
-                    .with_context(|| format!("--std '{v}': a positive standard deviation such as 0.02"))?;
-                std = Some(s);
-            }
-            "--std-everywhere" => std_everywhere = true,
-            "--plain-norms" => plain_norms = true,
-            "-h" | "--help" => bail!("{USAGE}"),
-            s if s.starts_with('-') => bail!("unknown option '{s}'\n{USAGE}"),
-            s if family.is_none() => family = Some(Family::parse(s)?),
-            s => bail!(
-                "unexpected argument '{s}' (the family is already '{}')\n{USAGE}",
-                family.map_or("", Family::name)
-            ),
-        }
-    }
-    let family = family.with_context(|| format!("no family given\n{USAGE}"))?;
-    if std_everywhere && std.is_none() {
-        bail!("--std-everywhere needs --std S\n{USAGE}");
-    }
-    if std_everywhere && plain_norms {
-        bail!("--std-everywhere and --plain-norms contradict each other\n{USAGE}");
-    }
-    Ok(Args { family, seed, wtype, output, only, std, std_everywhere, plain_norms })
+fn family(s: &str) -> Result<Family, String> {
+    Family::parse(s).map_err(|e| e.to_string())
+}
+
+fn weight_type(s: &str) -> Result<WeightType, String> {
+    WeightType::parse(s).ok_or_else(|| fixture::FixtureError::UnknownType(s.to_owned()).to_string())
+}
+
+fn component(s: &str) -> Result<Component, String> {
+    Component::from_short_name(s.trim()).ok_or_else(|| format!("unknown component '{s}' (accepted: unet, text, vae)"))
+}
+
+fn std_dev(s: &str) -> Result<f64, String> {
+    s.parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v > 0.0)
+        .ok_or_else(|| "a positive standard deviation such as 0.02".into())
 }
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
-pub fn run(args: &[String]) -> Result<()> {
-    let args = parse(args)?;
+pub fn run(args: Args) -> Result<()> {
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
             if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms {
-                bail!("a modified fixture (--only, --std, --std-everywhere, --plain-norms) needs -o FILE\n{USAGE}");
+                bail!("a modified fixture (--only, --std, --std-everywhere, --plain-norms) needs -o FILE");
             }
             let dir = fixture::cache_dir();
             std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -142,11 +111,14 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_args as args;
+
+    fn parse(line: &str) -> Result<Args> {
+        crate::parse_test(line)
+    }
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae --std 0.05")).unwrap();
+        let a = parse("sd21 --seed 7 --type q8_0 -o m.gguf --only unet,vae --std 0.05").unwrap();
         assert_eq!(
             a,
             Args {
@@ -160,26 +132,27 @@ mod tests {
                 plain_norms: false,
             }
         );
-        let d = parse(&args("sd-turbo")).unwrap();
+        let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
 
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "no family"),
+            ("", "<sd15|sd21|sd-turbo>"),
             ("sdxl", "sdxl"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),
-            ("sd15 --seed", "needs a value"),
+            ("sd15 --seed", "a value is required"),
             ("sd15 --only unet,clip", "clip"),
             ("sd15 sd21", "unexpected argument"),
             ("sd15 --fast", "--fast"),
             ("sd15 --std 0", "--std"),
             ("sd15 --std x", "--std"),
-            ("sd15 --std-everywhere", "needs --std"),
+            ("sd15 --std-everywhere", "--std <S>"),
+            ("sd15 --std 0.1 --std-everywhere --plain-norms", "--plain-norms"),
         ] {
-            let e = parse(&args(line)).unwrap_err();
+            let e = parse(line).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
     }

@@ -63,9 +63,67 @@ use crate::bench::run_measured;
 use crate::parity::{self, Diff, Tolerance};
 use crate::reference;
 
-const USAGE: &str = "usage: cargo xtask parity --fuzz N --model PATH [--seed S] [--threads T] [--max-steps K] [--out DIR] [--text-only] [--sdref EXE] [--sd-cli EXE] [-p PROMPT] [-n NEGATIVE] [--clip-skip K]\n       cargo xtask parity --fuzz-prompts N [--seed S]";
+/// The fuzz harness's flags, parsed with `cargo xtask parity`'s (whose `--threads` it uses).
+#[derive(clap::Args, Debug, PartialEq)]
+#[command(group(clap::ArgGroup::new("fuzz_mode").multiple(false)))]
+pub struct Flags {
+    /// Run N random cases on --model.
+    #[arg(long = "fuzz", value_name = "N", group = "fuzz_mode", value_parser = positive)]
+    fuzz: Option<u64>,
+    /// Print the prompts of N random cases (NUL-separated) and stop.
+    #[arg(long = "fuzz-prompts", value_name = "N", group = "fuzz_mode", value_parser = positive)]
+    fuzz_prompts: Option<u64>,
+    /// The checkpoint (any SD 1.x / 2.x).
+    #[arg(long = "model", short = 'm', value_name = "PATH", requires = "fuzz_mode")]
+    model: Option<PathBuf>,
+    /// Seed of the cases.
+    #[arg(long = "seed", short = 's', default_value_t = 1, requires = "fuzz_mode")]
+    seed: u64,
+    /// Most sampling steps of a case.
+    #[arg(long = "max-steps", value_name = "K", default_value_t = 4, value_parser = positive_u32, requires = "fuzz_mode")]
+    max_steps: u32,
+    /// Where the cases' files go (default: target/parity/fuzz).
+    #[arg(long = "out", value_name = "DIR", requires = "fuzz_mode")]
+    out: Option<PathBuf>,
+    /// Compare tokens and conditioning only (seconds per case instead of minutes).
+    #[arg(long = "text-only", requires = "fuzz_mode")]
+    text_only: bool,
+    /// A prebuilt reference executable (otherwise it is built first).
+    #[arg(long = "sdref", value_name = "EXE", requires = "fuzz_mode")]
+    sdref: Option<PathBuf>,
+    /// A prebuilt sd-cli (otherwise it is built first).
+    #[arg(long = "sd-cli", value_name = "EXE", requires = "fuzz_mode")]
+    sd_cli: Option<PathBuf>,
+    /// A fixed prompt instead of the grammar's (to chase one disagreement).
+    #[arg(long = "prompt", short = 'p', requires = "fuzz_mode")]
+    prompt: Option<String>,
+    /// A fixed negative prompt.
+    #[arg(long = "negative-prompt", short = 'n', requires = "fuzz_mode")]
+    negative: Option<String>,
+    /// A fixed clip skip.
+    #[arg(long = "clip-skip", value_name = "K", allow_negative_numbers = true, requires = "fuzz_mode")]
+    clip_skip: Option<i32>,
+    /// Compare our outputs of two runs of the same cases (e.g. two CPU plugin builds) and stop.
+    #[arg(long = "compare-runs", num_args = 2, value_names = ["DIR_A", "DIR_B"], group = "fuzz_mode")]
+    compare_runs: Option<Vec<PathBuf>>,
+}
 
-/// Parsed command line.
+fn positive(v: &str) -> Result<u64, String> {
+    v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| format!("{v}: a positive integer"))
+}
+
+fn positive_u32(v: &str) -> Result<u32, String> {
+    v.parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(|| format!("{v}: a positive integer"))
+}
+
+impl Flags {
+    /// Whether the fuzz harness was asked for (`--fuzz` or `--fuzz-prompts`).
+    pub fn active(&self) -> bool {
+        self.fuzz.is_some() || self.fuzz_prompts.is_some() || self.compare_runs.is_some()
+    }
+}
+
+/// What a fuzz run does, from its flags.
 #[derive(Debug, PartialEq)]
 struct Args {
     cases: usize,
@@ -75,71 +133,37 @@ struct Args {
     max_steps: u32,
     out: PathBuf,
     prompts_only: bool,
-    /// Compare tokens and conditioning only (seconds per case instead of minutes).
     text_only: bool,
-    /// Prebuilt executables (otherwise both are built first).
     sdref: Option<PathBuf>,
     sd_cli: Option<PathBuf>,
-    /// Fixed prompts instead of the grammar's (to chase one disagreement).
     prompt: Option<String>,
     negative: Option<String>,
     clip_skip: Option<i32>,
 }
 
-fn parse(args: &[String]) -> Result<Args> {
-    let mut a = Args {
-        cases: 0,
-        model: None,
-        seed: 1,
-        threads: 2,
-        max_steps: 4,
-        out: crate::workspace_root().join("target/parity/fuzz"),
-        prompts_only: false,
-        text_only: false,
-        sdref: None,
-        sd_cli: None,
-        prompt: None,
-        negative: None,
-        clip_skip: None,
-    };
-    let mut cases = None;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
-        let positive = |flag: &str, v: String| -> Result<u64> {
-            v.parse::<u64>().ok().filter(|&n| n > 0).with_context(|| format!("{flag} {v}: a positive integer"))
-        };
-        match arg.as_str() {
-            "--fuzz" | "--fuzz-prompts" => {
-                a.prompts_only = arg == "--fuzz-prompts";
-                cases = Some(positive(arg, value(arg)?)? as usize);
-            }
-            "--model" | "-m" => a.model = Some(PathBuf::from(value(arg)?)),
-            "--seed" | "-s" => {
-                let v = value(arg)?;
-                a.seed = v.parse().with_context(|| format!("--seed {v}: a non-negative integer"))?;
-            }
-            "--threads" | "-t" => a.threads = positive(arg, value(arg)?)? as u32,
-            "--max-steps" => a.max_steps = positive(arg, value(arg)?)? as u32,
-            "--out" => a.out = PathBuf::from(value(arg)?),
-            "--text-only" => a.text_only = true,
-            "--sdref" => a.sdref = Some(PathBuf::from(value(arg)?)),
-            "--sd-cli" => a.sd_cli = Some(PathBuf::from(value(arg)?)),
-            "--prompt" | "-p" => a.prompt = Some(value(arg)?),
-            "--negative-prompt" | "-n" => a.negative = Some(value(arg)?),
-            "--clip-skip" => {
-                let v = value(arg)?;
-                a.clip_skip = Some(v.parse().with_context(|| format!("--clip-skip {v}: an integer"))?);
-            }
-            "-h" | "--help" => bail!("{USAGE}"),
-            other => bail!("unknown argument `{other}` for the fuzz harness\n{USAGE}"),
+impl Args {
+    fn from_flags(f: &Flags, threads: u32) -> Result<Self> {
+        let prompts_only = f.fuzz_prompts.is_some();
+        let cases = f.fuzz.or(f.fuzz_prompts).context("no --fuzz N given")? as usize;
+        if !prompts_only && f.model.is_none() {
+            bail!("--fuzz needs --model PATH (any SD 1.x / 2.x checkpoint)");
         }
+        Ok(Args {
+            cases,
+            model: f.model.clone(),
+            seed: f.seed,
+            threads,
+            max_steps: f.max_steps,
+            out: f.out.clone().unwrap_or_else(|| crate::workspace_root().join("target/parity/fuzz")),
+            prompts_only,
+            text_only: f.text_only,
+            sdref: f.sdref.clone(),
+            sd_cli: f.sd_cli.clone(),
+            prompt: f.prompt.clone(),
+            negative: f.negative.clone(),
+            clip_skip: f.clip_skip,
+        })
     }
-    a.cases = cases.with_context(|| format!("no --fuzz N given\n{USAGE}"))?;
-    if !a.prompts_only && a.model.is_none() {
-        bail!("--fuzz needs --model PATH (any SD 1.x / 2.x checkpoint)\n{USAGE}");
-    }
-    Ok(a)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -998,14 +1022,12 @@ fn compare_runs(a: &Path, b: &Path) -> Result<String> {
 }
 
 /// Entry point of `cargo xtask parity --fuzz ...`.
-pub fn run(args: &[String]) -> Result<()> {
-    if let [flag, a, b] = args {
-        if flag == "--compare-runs" {
-            print!("{}", compare_runs(Path::new(a), Path::new(b))?);
-            return Ok(());
-        }
+pub fn run(flags: &Flags, threads: u32) -> Result<()> {
+    if let Some([a, b]) = flags.compare_runs.as_deref() {
+        print!("{}", compare_runs(a, b)?);
+        return Ok(());
     }
-    let a = parse(args)?;
+    let a = Args::from_flags(flags, threads)?;
     if a.prompts_only {
         use std::io::Write as _;
         let mut stdout = std::io::stdout().lock();
@@ -1102,24 +1124,28 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_args as args;
+
+    fn parse(line: &str) -> Result<Args> {
+        let p: crate::parity::Args = crate::parse_test(line)?;
+        Args::from_flags(p.fuzz_flags(), p.threads())
+    }
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("--fuzz 5 --model m.safetensors --seed 9 --threads 4 --max-steps 2")).unwrap();
+        let a = parse("--fuzz 5 --model m.safetensors --seed 9 --threads 4 --max-steps 2").unwrap();
         assert_eq!((a.cases, a.seed, a.threads, a.max_steps, a.prompts_only, a.text_only), (5, 9, 4, 2, false, false));
-        let t = parse(&args("--fuzz 2 --model m --text-only --sdref /x/sdref --sd-cli /y/sd-cli")).unwrap();
+        let t = parse("--fuzz 2 --model m --text-only --sdref /x/sdref --sd-cli /y/sd-cli").unwrap();
         assert!(t.text_only);
         assert_eq!((t.sdref, t.sd_cli), (Some(PathBuf::from("/x/sdref")), Some(PathBuf::from("/y/sd-cli"))));
         assert_eq!(a.model, Some(PathBuf::from("m.safetensors")));
-        assert!(parse(&args("--fuzz-prompts 3")).unwrap().prompts_only);
+        assert!(parse("--fuzz-prompts 3").unwrap().prompts_only);
         for (line, needle) in [
             ("--fuzz 3", "--model"),
             ("--fuzz 0 --model m", "positive"),
-            ("--model m", "--fuzz N"),
+            ("--model m", "--fuzz"),
             ("--fuzz 2 --model m --bogus", "--bogus"),
         ] {
-            let e = parse(&args(line)).unwrap_err();
+            let e = parse(line).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }
     }

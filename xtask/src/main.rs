@@ -14,42 +14,61 @@ mod reference;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
+use clap::{Parser, Subcommand};
 
-const USAGE: &str = "usage: cargo xtask <command> [args]
+/// `cargo xtask <command>`: one parser for every command (clap), each command's flags
+/// declared beside the code that runs it.
+#[derive(Parser, Debug)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "Project automation: plugins, fixtures, the reference, parity, benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
 
-commands:
-  plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]
-                      build backend plugins from the pinned ggml and install them
-  bindings            regenerate crates/ggml-sys/src/bindings.rs from the pinned headers
-                      (needs libclang; the default build never does)
-  fixture sd15|sd21|sd-turbo [--seed N] [--type f16|q8_0|...] [-o FILE] [--std S]
-                      write a checkpoint with the real layout and random weights
-  reference           build the stable-diffusion.cpp reference harness (sdref)
-  parity [sd15|sd21|all] [--threads N] [--write-test-data [--test-data-dir DIR]]
-                      compare text encoder, UNet, VAE and 256x256 generations with the reference
-  parity --fuzz N --model PATH [--seed S] [--threads N] [--max-steps K]
-                      N random cases (prompt syntax, sizes, samplers, cfg, clip skip, img2img) on
-                      any checkpoint, each disagreement with the first stage where it appears
-  parity --compare-runs DIR_A DIR_B
-                      our outputs of two fuzz runs of the same cases (e.g. two CPU plugin builds,
-                      SD_PLUGIN_PATH), stage by stage: our kernel-order floor
-  parity ops [--ref-lib DIR] [--plugin FILE]
-                      each ggml op our models use, ours against the reference's ggml, bit for bit
-  parity samplers [--steps N] [--side PX] [--only NAME,...] [--write-test-data]
-                      every sampling method and scheduler: sd-cli against the reference, per case
-  bench [--size 256|512|both] [--runs N] [--threads N]
-                      time sd-cli against the reference, alternating runs, with ratios
-  bench-variants [--variants all|v1,v2] [--type f16,q8_0] [--runs N] [--threads N] [--size 256|512]
-                      every CPU variant this CPU can run, forced one at a time, beside the reference
-  bench-placement [--runs N] [--threads N] [--size 256|512]
-                      parameter homes over a loopback RPC device: client RSS (device/RAM/disk),
-                      segmented UNet with and without prefetch, --offload-to-cpu beside the reference";
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Build backend plugins from the pinned ggml and install them.
+    Plugins(plugins::Args),
+    /// Regenerate crates/ggml-sys/src/bindings.rs from the pinned headers (needs libclang; the
+    /// default build never does).
+    Bindings,
+    /// Write a checkpoint with the real layout and random weights.
+    Fixture(fixture::Args),
+    /// Build the stable-diffusion.cpp reference harness (sdref) and print its path.
+    Reference {
+        /// Build it without AVX512-FP16, into target/reference-f32acc: f32 accumulation of
+        /// f16 dot products, our kernels' order (`parity ops` shows why).
+        #[arg(long = "f32-accumulation")]
+        f32_accumulation: bool,
+    },
+    /// Compare text encoder, UNet, VAE and 256x256 generations with the reference; `parity
+    /// --fuzz N --model PATH`: random cases on any checkpoint; `parity samplers`: every
+    /// sampling method and scheduler; `parity ops`: each ggml op against the reference's.
+    Parity(parity::Args),
+    /// Time sd-cli against the reference, alternating runs, with ratios.
+    Bench(bench::Args),
+    /// Every CPU variant this CPU can run, forced one at a time, beside the reference.
+    BenchVariants(bench_variants::Args),
+    /// Parameter homes over a loopback RPC device: client RSS (device/RAM/disk), segmented
+    /// UNet with and without prefetch, --offload-to-cpu beside the reference.
+    BenchPlacement(bench_placement::Args),
+}
 
-/// A command line written as one string, split at whitespace (for the parsers' tests).
+/// Parses `line` (split at whitespace) as the flags of one command, for the parsers' tests.
 #[cfg(test)]
-pub(crate) fn test_args(s: &str) -> Vec<String> {
-    s.split_whitespace().map(String::from).collect()
+pub(crate) fn parse_test<T: clap::Args>(line: &str) -> Result<T> {
+    #[derive(Parser)]
+    struct One<A: clap::Args> {
+        #[command(flatten)]
+        args: A,
+    }
+    let argv = std::iter::once("xtask").chain(line.split_whitespace());
+    One::<T>::try_parse_from(argv).map(|o| o.args).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// The workspace root (xtask lives one level below it).
@@ -58,28 +77,55 @@ pub fn workspace_root() -> PathBuf {
 }
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some((cmd, rest)) = args.split_first() else {
-        println!("{USAGE}");
+    let Some(command) = Cli::parse().command else {
+        use clap::CommandFactory as _;
+        Cli::command().print_help()?;
         return Ok(());
     };
-    match cmd.as_str() {
-        "plugins" => plugins::run(rest),
-        "bindings" => bindings::run(rest),
-        "fixture" => fixture::run(rest),
-        "parity" => parity::run(rest),
-        "bench" => bench::run(rest),
-        "bench-placement" => bench_placement::run(rest),
-        "bench-variants" => bench_variants::run(rest),
-        "reference" => {
-            let exe = reference::build()?;
+    match command {
+        Command::Plugins(a) => plugins::run(a),
+        Command::Bindings => bindings::run(),
+        Command::Fixture(a) => fixture::run(a),
+        Command::Parity(a) => parity::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::BenchPlacement(a) => bench_placement::run(a),
+        Command::BenchVariants(a) => bench_variants::run(a),
+        Command::Reference { f32_accumulation } => {
+            let kernels =
+                if f32_accumulation { reference::Kernels::F32Accumulation } else { reference::Kernels::Native };
+            let exe = reference::build_kernels(kernels)?;
             println!("{}", exe.display());
             Ok(())
         }
-        "help" | "--help" | "-h" => {
-            println!("{USAGE}");
-            Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_command_and_its_spelling_parses() {
+        for line in [
+            "plugins --backend cpu,rpc --cpu-variants all --out /tmp/p",
+            "bindings",
+            "fixture sd15 --seed 1",
+            "reference",
+            "reference --f32-accumulation",
+            "parity sd15 --threads 4",
+            "parity ops --ref-lib /r --plugin /p.so",
+            "parity --compare-runs /a /b",
+            "parity samplers --steps 3",
+            "parity --fuzz 2 --model m.safetensors",
+            "bench --size both --runs 1",
+            "bench-variants --variants all",
+            "bench-placement --runs 1 --size 256",
+        ] {
+            let argv = std::iter::once("xtask").chain(line.split_whitespace());
+            if let Err(e) = Cli::try_parse_from(argv) {
+                panic!("{line}: {e}");
+            }
         }
-        other => bail!("unknown command `{other}`\n{USAGE}"),
+        assert!(Cli::try_parse_from(["xtask", "bench-everything"]).is_err());
     }
 }

@@ -36,28 +36,19 @@ use sd_backends::{PluginRegistry, PluginSearch};
 use crate::parity::{Diff, Tolerance};
 use crate::{reference, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask parity ops [--ref-lib DIR] [--plugin FILE] [--out DIR]";
-
-#[derive(Debug, PartialEq)]
-struct Args {
+/// `cargo xtask parity ops` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// The reference's static ggml libraries (default: the reference build's; e.g.
+    /// target/reference-f32acc/sdref-cc/lib for `cargo xtask reference --f32-accumulation`).
+    #[arg(long = "ref-lib", value_name = "DIR")]
     ref_lib: Option<PathBuf>,
+    /// Our CPU plugin (default: the one our registry picks on this machine).
+    #[arg(long = "plugin", value_name = "FILE")]
     plugin: Option<PathBuf>,
-    out: PathBuf,
-}
-
-fn parse(args: &[String]) -> Result<Args> {
-    let mut a = Args { ref_lib: None, plugin: None, out: workspace_root().join("target/parity/ops") };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().map(PathBuf::from).with_context(|| format!("{arg} needs a value\n{USAGE}"));
-        match arg.as_str() {
-            "--ref-lib" => a.ref_lib = Some(value()?),
-            "--plugin" => a.plugin = Some(value()?),
-            "--out" => a.out = value()?,
-            other => bail!("unknown argument `{other}`\n{USAGE}"),
-        }
-    }
-    Ok(a)
+    /// Where the probes and their outputs go (default: target/parity/ops).
+    #[arg(long = "out", value_name = "DIR")]
+    out: Option<PathBuf>,
 }
 
 /// The C compiler: `$CC`, else `cc`.
@@ -110,12 +101,12 @@ fn describe(d: &Diff) -> String {
     }
 }
 
-pub fn run(args: &[String]) -> Result<()> {
-    let a = parse(args)?;
+pub fn run(a: Args) -> Result<()> {
+    let out = a.out.unwrap_or_else(|| workspace_root().join("target/parity/ops"));
     let probe = workspace_root().join("xtask/opprobe/probe.c");
     let ref_lib = match a.ref_lib {
         Some(d) => d,
-        None => reference::static_lib_dir(),
+        None => reference::Kernels::Native.static_lib_dir(),
     };
     for lib in ["libggml.a", "libggml-cpu.a", "libggml-base.a"] {
         if !ref_lib.join(lib).is_file() {
@@ -132,9 +123,9 @@ pub fn run(args: &[String]) -> Result<()> {
         None => our_cpu_plugin()?,
     };
     let plugin_dir = plugin.parent().context("--plugin has no directory")?.to_path_buf();
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
 
-    let ref_exe = a.out.join("probe-ref");
+    let ref_exe = out.join("probe-ref");
     let mut c = compiler();
     c.args(["-O2", "-w", "-DGGML_MAX_NAME=128"]).arg("-I").arg(&ref_include).arg(&probe);
     for lib in ["libggml.a", "libggml-cpu.a", "libggml-base.a"] {
@@ -143,7 +134,7 @@ pub fn run(args: &[String]) -> Result<()> {
     c.args(["-fopenmp", "-lstdc++", "-lm", "-lpthread", "-o"]).arg(&ref_exe);
     run_ok(c, "compiling the probe against the reference's ggml")?;
 
-    let our_exe = a.out.join("probe-ours");
+    let our_exe = out.join("probe-ours");
     let mut c = compiler();
     c.args(["-O2", "-w"]).arg("-I").arg(&our_include).arg(&probe);
     c.arg(format!("-L{}", our_lib.display())).arg("-lggml-base").arg(&plugin);
@@ -151,7 +142,7 @@ pub fn run(args: &[String]) -> Result<()> {
     c.args(["-lm", "-o"]).arg(&our_exe);
     run_ok(c, "compiling the probe against our ggml")?;
 
-    let (ref_out, our_out) = (a.out.join("ref"), a.out.join("ours"));
+    let (ref_out, our_out) = (out.join("ref"), out.join("ours"));
     for (exe, dir) in [(&ref_exe, &ref_out), (&our_exe, &our_out)] {
         std::fs::create_dir_all(dir)?;
         let mut c = Command::new(exe);
@@ -201,15 +192,23 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_args as args;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
 
     #[test]
     fn parses_its_flags_and_refuses_others() {
-        let a = parse(&args("--ref-lib /r --plugin /p/libggml-cpu-x64.so --out /o")).unwrap();
+        let a = Cli::try_parse_from(["ops", "--ref-lib", "/r", "--plugin", "/p/libggml-cpu-x64.so", "--out", "/o"])
+            .unwrap()
+            .args;
         assert_eq!(a.ref_lib, Some(PathBuf::from("/r")));
         assert_eq!(a.plugin, Some(PathBuf::from("/p/libggml-cpu-x64.so")));
-        assert_eq!(a.out, PathBuf::from("/o"));
-        assert!(parse(&args("--bogus")).is_err());
-        assert!(format!("{:#}", parse(&args("--plugin")).unwrap_err()).contains("needs a value"));
+        assert_eq!(a.out, Some(PathBuf::from("/o")));
+        assert!(Cli::try_parse_from(["ops", "--bogus"]).is_err());
+        assert!(Cli::try_parse_from(["ops", "--plugin"]).is_err());
     }
 }

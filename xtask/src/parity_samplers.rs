@@ -9,7 +9,7 @@
 //! image (prompt "a cat", cfg 7, seed 42, rng cuda, default eta) for each case of [`cases`]:
 //! every method with its default scheduler and with `karras`, and every scheduler not covered
 //! that way with `euler`. Each PNG pair must agree within the project's bound (mean |diff| <= 1,
-//! max <= 8 levels, see `parity.rs`). Per case it prints the differences and the two
+//! max <= 8 levels, see `parity/mod.rs`). Per case it prints the differences and the two
 //! programs' wall times; it exits non-zero if any case fails.
 //!
 //! Measured when this was written (all 44 cases, 64x64, 4 steps, 2 threads): every case PASS,
@@ -31,9 +31,6 @@ use sd_models::sampling::{SampleMethod, Scheduler};
 
 use crate::parity::{build_sd_cli, ensure_fixture, png_diff, run_ok, Row, Tolerance};
 use crate::reference;
-
-const USAGE: &str = "usage: cargo xtask parity samplers [--steps N] [--side PX] [--threads N] [--only NAME,...] \
-                     [--write-test-data [--test-data-dir DIR]]";
 
 /// The (method, scheduler) pairs the CI test checks with committed reference PNGs: new methods
 /// of different kinds (multistep, two-stage, SDE, CFG++, TCD) and new schedulers.
@@ -68,59 +65,47 @@ pub fn cases() -> Vec<(SampleMethod, Scheduler)> {
     out
 }
 
-#[derive(Debug, PartialEq)]
-struct Args {
+/// `cargo xtask parity samplers` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// Sampling steps.
+    #[arg(long = "steps", value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     steps: u32,
+    /// Image side in pixels, a multiple of 8.
+    #[arg(long = "side", value_name = "PX", default_value_t = 64, value_parser = side)]
     side: u32,
+    /// CPU threads of both programs.
+    #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+    /// Only these cases: sampling methods, schedulers or METHOD/SCHEDULER pairs.
+    #[arg(long = "only", value_name = "NAME,...", value_delimiter = ',', value_parser = case_filter)]
     only: Option<Vec<String>>,
+    /// Write the reference PNGs of the CI test, then check ours against them.
+    #[arg(long = "write-test-data")]
     write_test_data: bool,
-    test_data_dir: PathBuf,
+    /// Where --write-test-data writes (default: tests/data).
+    #[arg(long = "test-data-dir", value_name = "DIR")]
+    test_data_dir: Option<PathBuf>,
 }
 
-fn parse(args: &[String]) -> Result<Args> {
-    let mut a = Args {
-        steps: 4,
-        side: 64,
-        threads: 2,
-        only: None,
-        write_test_data: false,
-        test_data_dir: crate::workspace_root().join("tests/data"),
+fn side(v: &str) -> Result<u32, String> {
+    let n: u32 = v.parse().ok().filter(|&n| n > 0).ok_or_else(|| format!("{v}: a positive integer"))?;
+    if !n.is_multiple_of(8) {
+        return Err(format!("{n}: a multiple of 8"));
+    }
+    Ok(n)
+}
+
+/// One `--only` entry, checked: a method, a scheduler or METHOD/SCHEDULER.
+fn case_filter(name: &str) -> Result<String, String> {
+    let known = match name.split_once('/') {
+        Some((m, s)) => m.parse::<SampleMethod>().is_ok() && s.parse::<Scheduler>().is_ok(),
+        None => name.parse::<SampleMethod>().is_ok() || name.parse::<Scheduler>().is_ok(),
     };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = |flag: &str| it.next().with_context(|| format!("{flag} needs a value\n{USAGE}")).cloned();
-        let positive = |flag: &str, v: String| -> Result<u32> {
-            v.parse().ok().filter(|&n| n > 0).with_context(|| format!("{flag} {v}: a positive integer"))
-        };
-        match arg.as_str() {
-            "--steps" => a.steps = positive(arg, value(arg)?)?,
-            "--side" => {
-                a.side = positive(arg, value(arg)?)?;
-                if !a.side.is_multiple_of(8) {
-                    bail!("--side {}: a multiple of 8", a.side);
-                }
-            }
-            "--threads" | "-t" => a.threads = positive(arg, value(arg)?)?,
-            "--only" => a.only = Some(value(arg)?.split(',').map(str::to_owned).collect()),
-            "--write-test-data" => a.write_test_data = true,
-            "--test-data-dir" => a.test_data_dir = PathBuf::from(value(arg)?),
-            "-h" | "--help" => bail!("{USAGE}"),
-            s => bail!("unknown argument `{s}`\n{USAGE}"),
-        }
+    if !known {
+        return Err(format!("--only {name}: neither a sampling method, a scheduler nor METHOD/SCHEDULER"));
     }
-    if let Some(only) = &a.only {
-        for name in only {
-            let known = match name.split_once('/') {
-                Some((m, s)) => m.parse::<SampleMethod>().is_ok() && s.parse::<Scheduler>().is_ok(),
-                None => name.parse::<SampleMethod>().is_ok() || name.parse::<Scheduler>().is_ok(),
-            };
-            if !known {
-                bail!("--only {name}: neither a sampling method, a scheduler nor METHOD/SCHEDULER");
-            }
-        }
-    }
-    Ok(a)
+    Ok(name.to_owned())
 }
 
 /// `txt2img` flags shared by both programs for one case.
@@ -173,10 +158,9 @@ fn run_case(
 }
 
 /// Entry point of `cargo xtask parity samplers ...` (`args` excludes `parity samplers`).
-pub fn run(args: &[String]) -> Result<()> {
-    let a = parse(args)?;
-    // Use an existing reference build as is (it is shared and slow to build); build otherwise.
-    let sdref = if reference::exe_path().is_file() { reference::exe_path() } else { reference::build()? };
+pub fn run(a: Args) -> Result<()> {
+    let test_data_dir = a.test_data_dir.clone().unwrap_or_else(|| crate::workspace_root().join("tests/data"));
+    let sdref = reference::build()?;
     let ours = build_sd_cli()?;
     let model = ensure_fixture(Family::Sd15)?;
     let work = crate::workspace_root().join("target/parity/samplers");
@@ -184,11 +168,11 @@ pub fn run(args: &[String]) -> Result<()> {
     let start = Instant::now();
     let mut rows: Vec<(Row, f64, f64)> = Vec::new();
     if a.write_test_data {
-        std::fs::create_dir_all(&a.test_data_dir)
-            .with_context(|| format!("cannot create {}", a.test_data_dir.display()))?;
+        std::fs::create_dir_all(&test_data_dir)
+            .with_context(|| format!("cannot create {}", test_data_dir.display()))?;
         const STEPS: u32 = 3;
         for (m, s) in TEST_DATA_CASES {
-            let file = a.test_data_dir.join(test_data_name(m, s, STEPS));
+            let file = test_data_dir.join(test_data_name(m, s, STEPS));
             let f = flags(m, s, 64, STEPS, a.threads);
             let ours_png = work.join(format!("test-data-{}-{}.ours.png", m.name(), s.name()));
             let (mut row, tr, to) = run_case(&sdref, &ours, &model, &f, &file, &ours_png)?;
@@ -238,7 +222,6 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_args as args;
 
     #[test]
     fn cases_cover_every_method_and_scheduler() {
@@ -257,13 +240,14 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a = parse(&args("--steps 3 --side 128 -t 4 --only ipndm,ays,tcd/karras")).unwrap();
+        let parse = crate::parse_test::<Args>;
+        let a = parse("--steps 3 --side 128 -t 4 --only ipndm,ays,tcd/karras").unwrap();
         assert_eq!((a.steps, a.side, a.threads), (3, 128, 4));
         assert_eq!(a.only, Some(vec!["ipndm".to_owned(), "ays".to_owned(), "tcd/karras".to_owned()]));
-        assert!(parse(&args("--only tcd/nope")).is_err());
-        assert!(parse(&args("--side 100")).unwrap_err().to_string().contains("multiple of 8"));
-        assert!(parse(&args("--only nope")).unwrap_err().to_string().contains("--only nope"));
-        assert!(parse(&args("--steps 0")).is_err());
-        assert!(parse(&args("--write-test-data")).unwrap().write_test_data);
+        assert!(parse("--only tcd/nope").is_err());
+        assert!(parse("--side 100").unwrap_err().to_string().contains("multiple of 8"));
+        assert!(parse("--only nope").unwrap_err().to_string().contains("--only nope"));
+        assert!(parse("--steps 0").is_err());
+        assert!(parse("--write-test-data").unwrap().write_test_data);
     }
 }

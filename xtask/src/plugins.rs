@@ -57,28 +57,37 @@ fn run_cmd(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask plugins` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// Backends to build (the names of plugins/*/plugin.toml).
+    #[arg(
+        long = "backend",
+        value_name = "cpu,rpc,cuda,vulkan,metal",
+        value_delimiter = ',',
+        default_value = "cpu,rpc"
+    )]
+    backends: Vec<String>,
+    /// CPU variants: the default list of plugins/cpu/plugin.toml, or every one.
+    #[arg(long = "cpu-variants", value_enum, default_value_t = CpuVariants::Default)]
+    cpu_variants: CpuVariants,
+    /// Install into DIR instead of target/ggml/plugins.
+    #[arg(long = "out", value_name = "DIR")]
+    out: Option<PathBuf>,
+}
+
+/// `--cpu-variants`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum CpuVariants {
+    Default,
+    All,
+}
+
 /// Entry point.
-pub fn run(args: &[String]) -> Result<()> {
-    let mut backends: Vec<String> = vec!["cpu".into(), "rpc".into()];
-    let mut all_variants = false;
-    let mut out: Option<PathBuf> = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--backend" => {
-                backends = it.next().context("--backend needs a list")?.split(',').map(|s| s.trim().to_ascii_lowercase()).collect()
-            }
-            "--cpu-variants" => {
-                all_variants = match it.next().map(String::as_str) {
-                    Some("all") => true,
-                    Some("default") => false,
-                    other => bail!("--cpu-variants takes `default` or `all`, not {other:?}"),
-                }
-            }
-            "--out" => out = Some(PathBuf::from(it.next().context("--out needs a directory")?)),
-            other => bail!("unknown argument `{other}`\nusage: cargo xtask plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]"),
-        }
-    }
+pub fn run(args: Args) -> Result<()> {
+    let backends: Vec<String> = args.backends.iter().map(|s| s.trim().to_ascii_lowercase()).collect();
+    let all_variants = args.cpu_variants == CpuVariants::All;
+    let out = args.out;
     let all = manifests()?;
     for b in &backends {
         if !all.iter().any(|m| &m.name == b) {

@@ -30,15 +30,43 @@ pub fn target_dir() -> PathBuf {
     crate::workspace_root().join("target/reference")
 }
 
-/// Where the reference's build leaves its static libraries (ggml's among them), for
-/// `parity ops`.
-pub(crate) fn static_lib_dir() -> PathBuf {
-    target_dir().join("sdref-cmake/lib")
+/// Which build of the reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// As a user builds it: sd.cpp's default CPU build (`-march=native`).
+    Native,
+    /// `-march=native` without AVX512-FP16 (`--f32-accumulation`): on a CPU with that
+    /// extension, ggml 0.12 accumulates f16 dot products in f16 (see `parity ops`); this
+    /// build accumulates in f32, as ours does, so that both run the same kernels.
+    F32Accumulation,
 }
 
-/// The path `build` produces (whether or not it exists yet).
-pub fn exe_path() -> PathBuf {
-    target_dir().join("release/sdref")
+impl Kernels {
+    fn dir(self) -> PathBuf {
+        match self {
+            Kernels::Native => target_dir(),
+            Kernels::F32Accumulation => crate::workspace_root().join("target/reference-f32acc"),
+        }
+    }
+
+    /// The object and archive cache of this build (`SDREF_CC_DIR` for the native one, as
+    /// `.ci/run` sets it).
+    fn cc_dir(self) -> PathBuf {
+        match (self, std::env::var_os("SDREF_CC_DIR")) {
+            (Kernels::Native, Some(d)) => PathBuf::from(d),
+            _ => self.dir().join("sdref-cc"),
+        }
+    }
+
+    /// The executable this build produces.
+    pub fn exe(self) -> PathBuf {
+        self.dir().join("release/sdref")
+    }
+
+    /// Where this build leaves its static libraries (ggml's among them), for `parity ops`.
+    pub fn static_lib_dir(self) -> PathBuf {
+        self.cc_dir().join("lib")
+    }
 }
 
 fn cargo() -> String {
@@ -75,19 +103,27 @@ pub(crate) fn sdcpp_source_dir() -> anyhow::Result<PathBuf> {
 /// The first build compiles sd.cpp and its ggml (many minutes on two cores);
 /// later ones compile nothing unless `xtask/reference/driver` changed.
 pub fn build() -> anyhow::Result<PathBuf> {
+    build_kernels(Kernels::Native)
+}
+
+/// Builds one of the reference's builds and returns its executable.
+pub fn build_kernels(kernels: Kernels) -> anyhow::Result<PathBuf> {
     let sdcpp = sdcpp_source_dir()?;
-    let status = Command::new(cargo())
-        .args(["build", "--release", "--manifest-path"])
+    let mut c = Command::new(cargo());
+    c.args(["build", "--release", "--manifest-path"])
         .arg(project_dir().join("Cargo.toml"))
         .arg("--target-dir")
-        .arg(target_dir())
+        .arg(kernels.dir())
         .env("SDREF_SDCPP_DIR", &sdcpp)
-        .status()
-        .context("running cargo build for the reference")?;
+        .env("SDREF_CC_DIR", kernels.cc_dir());
+    if kernels == Kernels::F32Accumulation {
+        c.env("SDREF_LAST_FLAGS", "-mno-avx512fp16");
+    }
+    let status = c.status().context("running cargo build for the reference")?;
     if !status.success() {
         bail!("building the reference (xtask/reference) failed: {status}");
     }
-    let exe = exe_path();
+    let exe = kernels.exe();
     if !exe.is_file() {
         bail!("the reference build succeeded but {} is missing", exe.display());
     }

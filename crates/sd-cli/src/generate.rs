@@ -114,6 +114,10 @@ pub struct GenerateArgs {
     /// [sd-rs] Force monolithic graph execution.
     #[arg(long = "disable-segmented-compute")]
     pub disable_segmented_compute: bool,
+    /// [sd-rs] Write a JSON report of the run to PATH: placement, each module's residency,
+    /// each runner's work, each device's managed high-water mark and budget, stage times.
+    #[arg(long = "report-json", value_name = "PATH")]
+    pub report_json: Option<PathBuf>,
 }
 
 /// `-W`/`-H`: a whole number of pixels (its range is checked with the init image, and its
@@ -190,6 +194,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // model is known (`Pipeline::check_request`), with the outputs: all before the first
     // weight is read.
     let params = a.params()?;
+    let report_to = crate::output::report_target(a.report_json.as_deref())?;
     let model = a.model.or_fixture(ensure_fixture)?;
     let reg = crate::devices::open(dev)?;
     let files = sd_models::files::ModelFiles::open(&model.sources())?;
@@ -215,17 +220,25 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
     let outputs = ImageOutput::plan(&a.output, request.params().batch_count, a.run.output_begin_idx).context("-o")?;
 
+    let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
+    report.plan = Some(plan.clone());
     let start = std::time::Instant::now();
     let mut reporter = crate::progress::Reporter::new(std::io::stderr().is_terminal());
-    let images = pipeline.generate(&request, &mut |p: Progress| reporter.event(&p));
+    let images = pipeline.generate_reported(&request, &mut |p: Progress| reporter.event(&p), &mut report);
     reporter.finish();
-    let images = images?;
+    let images = images.inspect_err(|_| {
+        // What ran before the error, for whoever asked; the error is what gets reported.
+        let _ = crate::output::write_report(report_to.as_ref(), &report);
+    })?;
     for line in pipeline.device_report() {
         tracing::debug!("{line}");
     }
     let name = model.name();
     let text = |i: usize| (!a.run.disable_image_metadata).then(|| a1111_parameters(a, &request, i, &name));
+    let t = std::time::Instant::now();
     crate::output::save_images(&images, &outputs, text)?;
+    report.stage("write", t.elapsed().as_secs_f64());
+    crate::output::write_report(report_to.as_ref(), &report)?;
     tracing::info!("generation took {:.2} s", start.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
 }

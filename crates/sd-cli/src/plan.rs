@@ -158,6 +158,9 @@ pub struct PlanArgs {
     /// Print the plan as JSON.
     #[arg(long = "json")]
     pub json: bool,
+    /// [sd-rs] Also write a JSON run report (the plan part) to PATH.
+    #[arg(long = "report-json", value_name = "PATH")]
+    pub report_json: Option<PathBuf>,
 }
 
 /// Largest device profile read (real ones are a few hundred bytes).
@@ -236,7 +239,11 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let files = ModelFiles::open(&sources)?;
     let model = describe(&files, &args.model.extra())?;
     let request = PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model };
+    let report_to = crate::output::report_target(args.report_json.as_deref())?;
     let p = plan(&request)?;
+    let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());
+    report.plan = Some(p.clone());
+    crate::output::write_report(report_to.as_ref(), &report)?;
     if args.json {
         crate::out!("{}", p.to_json());
     } else {

@@ -1,14 +1,18 @@
 //! Placement at run time, end to end: the same fixture generation (fixed seed) under many
 //! placements must give the same image. The remote device is a real RPC server (`sd-cli
 //! rpc-server`) on loopback running the same CPU kernels, so every placement is required to
-//! be bit-identical to the all-CPU run; `-v` output is checked for what the runtime says it
-//! did (segments, prefetches, each device's high-water mark within its budget).
+//! be bit-identical to the all-CPU run; the run report (`--report-json`) is checked for what
+//! the runtime says it did (residency, segments, prefetches, each device's high-water mark
+//! within its budget).
 
 mod common;
 
 use std::path::Path;
 
 use common::{sd15_fixture as fixture, sd_cli, Server};
+use sd_models::report::{HomeReport, Residency, RunReport};
+
+const MIB: u64 = 1 << 20;
 
 fn pixels(path: &Path) -> Vec<u8> {
     let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
@@ -19,38 +23,36 @@ fn pixels(path: &Path) -> Vec<u8> {
     buf
 }
 
-/// Generates with `extra` flags; returns the pixels and the `-v` log.
-fn generate(model: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, String) {
+/// Generates with `extra` flags; returns the pixels and the run report.
+fn generate(model: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, RunReport) {
+    let report = out.with_extension("json");
     let o = sd_cli()
         .arg("-m")
         .arg(model)
         .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
-        .args(["-s", "42", "--cfg-scale", "1", "-t", "2", "-v", "-o"])
+        .args(["-s", "42", "--cfg-scale", "1", "-t", "2", "-o"])
         .arg(out)
+        .arg("--report-json")
+        .arg(&report)
         .args(extra)
         .output()
         .unwrap();
     let log = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "sd-cli {extra:?} failed:\n{log}");
-    (pixels(out), log)
-}
-
-/// `(high-water MiB, budget MiB)` of `device` from the `-v` report.
-fn high_water(log: &str, device: &str) -> (f64, Option<f64>) {
-    let line = log
-        .lines()
-        .find(|l| l.contains(&format!("{device}: managed high-water")))
-        .unwrap_or_else(|| panic!("no high-water line for {device} in:\n{log}"));
-    let num_after = |key: &str| -> Option<f64> {
-        let rest = &line[line.find(key)? + key.len()..];
-        rest.trim_start().split(' ').next()?.parse().ok()
-    };
-    (num_after("high-water").unwrap(), num_after("budget"))
-}
-
-/// The UNet runner's summary line.
-fn unet_summary(log: &str) -> &str {
-    log.lines().find(|l| l.contains("unet params ")).unwrap_or_else(|| panic!("no unet summary in:\n{log}"))
+    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("{}: {e}", report.display()));
+    let report = RunReport::from_json(&text).unwrap_or_else(|e| panic!("{extra:?}: {e}:\n{text}"));
+    assert_eq!(report.steps.len(), 2, "{extra:?}: one time per sampling step");
+    for d in &report.devices {
+        if let Some(b) = d.budget_bytes {
+            assert!(
+                d.high_water_bytes <= b,
+                "{extra:?}: {} high-water {} above its budget {b}",
+                d.device,
+                d.high_water_bytes
+            );
+        }
+    }
+    (pixels(out), report)
 }
 
 #[test]
@@ -58,8 +60,10 @@ fn every_placement_gives_the_all_cpu_image() {
     let model = fixture();
     let dir = std::env::temp_dir().join(format!("sd-cli-placement-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (base, log) = generate(&model, &dir.join("cpu.png"), &["--backend", "cpu"]);
-    assert!(unet_summary(&log).contains("0 segmented"), "{}", unet_summary(&log));
+    let (base, report) = generate(&model, &dir.join("cpu.png"), &["--backend", "cpu"]);
+    let unet = report.runner("unet").expect("a unet runner");
+    assert_eq!(unet.stats.segmented_runs, 0, "{unet:?}");
+    assert_eq!(report.module("unet").map(|m| m.residency), Some(Residency::Resident));
 
     let server = Server::start();
     let rpc = ["--rpc", server.endpoint.as_str()];
@@ -83,37 +87,46 @@ fn every_placement_gives_the_all_cpu_image() {
     ];
     for (i, (what, flags)) in cases.iter().enumerate() {
         let args: Vec<&str> = rpc.iter().copied().chain(flags.iter().copied()).collect();
-        let (px, log) = generate(&model, &dir.join(format!("{i}.png")), &args);
+        let (px, report) = generate(&model, &dir.join(format!("{i}.png")), &args);
         assert!(px == base, "{what}: the image differs from the all-CPU one");
-        let unet = unet_summary(&log);
-        let (hw, budget_mib) = high_water(&log, "RPC0");
-        if let Some(b) = budget_mib {
-            assert!(hw <= b, "{what}: RPC0 high-water {hw} MiB above its budget {b} MiB");
-        }
+        let unet = report.runner("unet").unwrap_or_else(|| panic!("{what}: no unet runner"));
+        let s = &unet.stats;
+        let module = report.module("unet").unwrap_or_else(|| panic!("{what}: no unet module"));
+        let rpc0 = report.device("RPC0").unwrap_or_else(|| panic!("{what}: no RPC0 ledger: {:?}", report.devices));
+        let hw = rpc0.high_water_bytes;
         match *what {
             "segmented" => {
-                assert!(unet.contains("2 segmented") && !unet.contains("up to 1 segments"), "{what}: {unet}");
-                assert!(!unet.contains(" 0 groups"), "{what}: prefetch is on by default: {unet}");
+                assert!(s.segmented_runs == 2 && s.max_segments > 1, "{what}: {s:?}");
+                assert!(s.prefetched_groups > 0, "{what}: prefetch is on by default: {s:?}");
+                assert_eq!(s.prefetches_used, s.prefetched_groups, "{what}: every prefetch is used: {s:?}");
+                assert_eq!(module.residency, Residency::Segmented, "{what}");
             }
             "segmented, no prefetch" => {
-                assert!(unet.contains("2 segmented"), "{what}: {unet}");
-                assert!(unet.contains("prefetched 0.0 MiB in 0 groups"), "{what}: {unet}");
+                assert_eq!(s.segmented_runs, 2, "{what}: {s:?}");
+                assert!(s.prefetched_bytes == 0 && s.prefetched_groups == 0, "{what}: {s:?}");
+                assert_eq!(module.residency, Residency::Segmented, "{what}");
             }
             "params on the device" => {
-                assert!(unet.contains("0 segmented") && log.contains("unet params on the computing device"), "{unet}");
-                assert!(hw > 1600.0, "the UNet's weights are managed on RPC0: {hw} MiB");
+                assert_eq!(s.segmented_runs, 0, "{s:?}");
+                assert_eq!(module.params, HomeReport::Compute, "{what}");
+                assert_eq!(module.residency, Residency::Resident, "{what}");
+                assert!(hw > 1600 * MIB, "the UNet's weights are managed on RPC0: {hw} bytes");
             }
-            _ => assert!(unet.contains("0 segmented"), "{what}: {unet}"),
+            _ => assert_eq!(s.segmented_runs, 0, "{what}: {s:?}"),
         }
         if *what == "--max-vram 0" {
-            assert_eq!(budget_mib, None, "{what}: RPC0 must have no managed budget");
+            assert_eq!(rpc0.budget_bytes, None, "{what}: RPC0 must have no managed budget");
+        }
+        if *what == "params in RAM" {
+            assert_eq!((&module.params, module.residency), (&HomeReport::Host, Residency::Staged), "{what}");
         }
         if *what == "params on disk" {
-            assert!(log.contains("unet params on disk"), "{what}: {log}");
+            assert_eq!(module.params, HomeReport::Disk, "{what}");
         }
         if *what == "params on another device" {
-            assert!(log.contains("unet params on RPC0") && unet.contains("unet on CPU"), "{what}: {unet}");
-            assert!(hw > 1600.0, "the UNet's home copy is managed on RPC0: {hw} MiB");
+            assert_eq!(module.params, HomeReport::Device { device: "RPC0".into() }, "{what}");
+            assert_eq!(unet.device, "CPU", "{what}: {unet:?}");
+            assert!(hw > 1600 * MIB, "the UNet's home copy is managed on RPC0: {hw} bytes");
         }
     }
 }
@@ -137,4 +150,27 @@ fn a_budget_too_small_for_one_block_fails_cleanly() {
     assert!(err.contains("RPC0"), "the error names the device: {err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(!out.exists(), "no output file left behind");
+}
+
+#[test]
+fn plan_writes_the_plan_part_of_the_report() {
+    let model = fixture();
+    let report = std::env::temp_dir().join(format!("sd-cli-plan-report-{}.json", std::process::id()));
+    let o = sd_cli()
+        .arg("plan")
+        .arg("-m")
+        .arg(&model)
+        .args(["--backend", "cpu", "--params-backend", "te=disk", "--report-json"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    std::fs::remove_file(&report).unwrap();
+    assert_eq!(r.command, "plan");
+    assert!(r.settings.is_none() && r.modules.is_empty() && r.runners.is_empty(), "nothing ran: {r:?}");
+    let plan = r.plan.expect("the plan");
+    let te = plan.modules.iter().find(|m| m.module.name() == "te").expect("a te module");
+    assert_eq!((te.runtime.as_slice(), &te.params), (&["CPU".to_string()][..], &sd_placement::ParamsHome::Disk));
+    assert!(r.args.iter().any(|a| a == "--report-json"), "{:?}", r.args);
 }

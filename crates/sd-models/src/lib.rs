@@ -21,6 +21,7 @@ pub mod loader;
 pub mod output;
 pub mod pipeline;
 pub mod placement;
+pub mod report;
 pub mod sampling;
 pub mod text;
 pub mod wtype;

@@ -26,6 +26,7 @@ use crate::diffusion::unet::{UNetConfig, UNetModel};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
+use crate::report::{DeviceReport, ModuleReport, RunReport, RunnerReport, Settings, StepTime};
 use crate::sampling::{
     img2img_sigmas, noised_latent, sample, txt2img_latent, Denoised, DiscreteSchedule, GuidedDenoiser, ModelInput,
     ModelOutput, ModelVersion, Prediction, RngKind, SampleMethod, ScheduleContext, Scheduler,
@@ -544,16 +545,13 @@ impl Pipeline {
 
     /// One line per device for `-v`: managed high-water mark and budget.
     pub fn device_report(&self) -> Vec<String> {
-        self.opts
-            .placement
-            .ledgers
-            .all()
+        DeviceReport::all(&self.opts.placement.ledgers)
             .iter()
-            .map(|l| {
-                let budget = l
-                    .budget()
-                    .map_or_else(|| "no budget".to_string(), |b| format!("budget {:.1} MiB", b as f64 / 1048576.0));
-                format!("{}: managed high-water {:.1} MiB ({budget})", l.device(), l.high_water() as f64 / 1048576.0)
+            .map(|d| {
+                let mib = |b: u64| b as f64 / 1048576.0;
+                let budget =
+                    d.budget_bytes.map_or_else(|| "no budget".to_string(), |b| format!("budget {:.1} MiB", mib(b)));
+                format!("{}: managed high-water {:.1} MiB ({budget})", d.device, mib(d.high_water_bytes))
             })
             .collect()
     }
@@ -687,6 +685,30 @@ impl Pipeline {
 
     /// Generates the request's `batch_count` images.
     pub fn generate(&self, request: &Request, progress: &mut dyn FnMut(Progress)) -> Result<Vec<Image>> {
+        self.generate_reported(request, progress, &mut RunReport::new("generate", Vec::new()))
+    }
+
+    /// [`Pipeline::generate`], recording into `report` the settings, each module's
+    /// residency and runner work, the stage and step times and, at the end, each device's
+    /// managed memory (what was done before an error stays recorded).
+    pub fn generate_reported(
+        &self,
+        request: &Request,
+        progress: &mut dyn FnMut(Progress),
+        report: &mut RunReport,
+    ) -> Result<Vec<Image>> {
+        report.settings = Some(Settings::of(request));
+        let images = self.generate_into(request, progress, report);
+        report.devices = DeviceReport::all(&self.opts.placement.ledgers);
+        images
+    }
+
+    fn generate_into(
+        &self,
+        request: &Request,
+        progress: &mut dyn FnMut(Progress),
+        report: &mut RunReport,
+    ) -> Result<Vec<Image>> {
         let (p, method, scheduler) = (&request.params, request.method, request.scheduler);
         let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let channels = self.unet.in_channels as usize;
@@ -696,6 +718,8 @@ impl Pipeline {
         let t = Instant::now();
         let (cond, uncond) = {
             let model = self.load_clip()?;
+            report.stage("te load", t.elapsed().as_secs_f64());
+            let t_encode = Instant::now();
             let mut runner = self.runner("te", &self.opts.devices.te);
             let cond = encode_prompt(&model, &mut runner, &self.tokenizer, &p.prompt, p.clip_skip)?;
             let uncond = if guided {
@@ -708,6 +732,8 @@ impl Pipeline {
                 health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
             }
             tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());
+            record_module(report, "te", model.weights(), &runner);
+            report.stage("text encode", t_encode.elapsed().as_secs_f64());
             (cond, uncond)
         };
         let secs = t.elapsed().as_secs_f64();
@@ -726,6 +752,8 @@ impl Pipeline {
                 let image = crate::image_io::to_planar(image);
                 let t = Instant::now();
                 let vae = self.load_first_stage(true)?;
+                report.stage("vae load (encode)", t.elapsed().as_secs_f64());
+                let t_encode = Instant::now();
                 let mut runner = self.runner("vae", &self.opts.devices.vae);
                 let px: Vec<f32> = match vae.image_range() {
                     sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
@@ -745,6 +773,10 @@ impl Pipeline {
                     &mut on_tile,
                 )?;
                 init_latent = Some(latent);
+                if let Some(w) = vae.params() {
+                    record_module(report, "vae", w, &runner);
+                }
+                report.stage("image encode", t_encode.elapsed().as_secs_f64());
                 let secs = t.elapsed().as_secs_f64();
                 tracing::info!("init image encoded in {secs:.2} s");
                 progress(Progress::Stage { name: "image encode", seconds: secs });
@@ -758,7 +790,10 @@ impl Pipeline {
         // 3. Sampling.
         let mut latents = Vec::with_capacity(p.batch_count);
         {
+            let t = Instant::now();
             let unet = self.load_unet()?;
+            report.stage("unet load", t.elapsed().as_secs_f64());
+            let t = Instant::now();
             let mut runner = self.runner("unet", &self.opts.devices.diffusion);
             for b in 0..p.batch_count {
                 let mut rng = p.rng.seeded(p.seed.wrapping_add(b as u64));
@@ -787,12 +822,14 @@ impl Pipeline {
                     }
                     Ok(out)
                 };
+                let steps = &mut report.steps;
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
                 let with_uncond = method.needs_uncond_denoised();
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
                     let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
+                        steps.push(StepTime { image: b, step: step.index, seconds: secs });
                         // The front end shows it (sd-cli: a bar, or an info line).
                         progress(Progress::Step {
                             image: b,
@@ -818,11 +855,15 @@ impl Pipeline {
                 runner.backend().device().name(),
                 moved.copy_nanos as f64 * 1e-9
             );
+            record_module(report, "unet", &unet.weights, &runner);
+            report.stage("sampling", t.elapsed().as_secs_f64());
         }
 
         // 4. Decoding.
         let t = Instant::now();
         let vae = self.load_first_stage(false)?;
+        report.stage("vae load", t.elapsed().as_secs_f64());
+        let t_decode = Instant::now();
         let mut runner = self.runner("vae", &self.opts.devices.vae);
         let mut images = Vec::with_capacity(latents.len());
         let images_n = latents.len();
@@ -849,11 +890,21 @@ impl Pipeline {
             images.push(planar_to_rgb8(&img, p.width, p.height, vae.image_range()));
         }
         tracing::debug!("vae; {}", runner.summary());
+        if let Some(w) = vae.params() {
+            record_module(report, "vae", w, &runner);
+        }
+        report.stage("decode", t_decode.elapsed().as_secs_f64());
         let secs = t.elapsed().as_secs_f64();
         tracing::info!("decoding took {secs:.2} s");
         progress(Progress::Stage { name: "decode", seconds: secs });
         Ok(images)
     }
+}
+
+/// Adds `module`'s residency and its runner's work to `report`.
+fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Runner) {
+    report.modules.push(ModuleReport::of(module, w, runner));
+    report.runners.push(RunnerReport::of(runner, w));
 }
 
 /// One guided model evaluation: cond and uncond as one batch of 2 when their token

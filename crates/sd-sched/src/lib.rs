@@ -15,10 +15,12 @@
 pub mod error;
 pub mod ledger;
 pub mod plan;
+pub mod report;
 pub mod runner;
 pub mod weights;
 
 pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};
+pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport};
 pub use runner::{RunStats, Runner};
 pub use weights::{short_name, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights};

@@ -47,8 +47,9 @@ use crate::plan::{
 };
 use crate::weights::{GroupId, Weights};
 
-/// What a runner did, summed over its runs.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// What a runner did, summed over its runs (serialised as is in a run report: byte counts
+/// in bytes, times in seconds).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RunStats {
     /// Graph runs.
     pub runs: usize,
@@ -62,8 +63,11 @@ pub struct RunStats {
     pub loaded_bytes: u64,
     /// Bytes prefetched while a segment computed.
     pub prefetched_bytes: u64,
-    /// Groups prefetched.
+    /// Groups prefetched (prefetches issued).
     pub prefetched_groups: usize,
+    /// Prefetched groups whose copy finished while a segment computed, so that the later
+    /// segment reading them found them resident (prefetches used).
+    pub prefetches_used: usize,
     /// Replicas evicted.
     pub evictions: usize,
     /// Wall time of graph computations.
@@ -116,6 +120,11 @@ impl Runner {
             stats: RunStats::default(),
             cut_buffer: None,
         }
+    }
+
+    /// The name it was given (for logs and reports).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The backend.
@@ -440,6 +449,7 @@ impl Runner {
         fetched?;
         // Filled: resident for good. On an error above, the guard evicts them (a replica
         // whose copy did not finish must not count as resident).
+        self.stats.prefetches_used += inflight.groups.len();
         inflight.groups.clear();
         Ok(())
     }

@@ -407,6 +407,25 @@ impl Weights {
         self.residency.as_ref().map_or_else(|| "on the computing device".into(), |r| r.home_desc.clone())
     }
 
+    /// Where the parameters live, for a run report (unplaced sets are on the computing device).
+    pub fn home_report(&self) -> crate::report::HomeReport {
+        use crate::report::HomeReport;
+        match self.residency.as_ref().map(|r| &r.home) {
+            None | Some(Home::Compute { .. }) => HomeReport::Compute,
+            Some(Home::Device(_, ledger, _)) => HomeReport::Device { device: ledger.device().to_string() },
+            Some(Home::Host(_)) => HomeReport::Host,
+            Some(Home::Disk) => HomeReport::Disk,
+        }
+    }
+
+    /// Bytes of every staging group together and the number of groups (the whole set and 1
+    /// when not placed).
+    pub fn group_totals(&self) -> (u64, usize) {
+        self.residency
+            .as_ref()
+            .map_or_else(|| (self.nbytes() as u64, 1), |r| (r.groups.iter().map(|g| g.bytes).sum(), r.groups.len()))
+    }
+
     /// Copy counters.
     pub fn stats(&self) -> ResidencyStats {
         self.residency.as_ref().map_or_else(ResidencyStats::default, |r| ResidencyStats {

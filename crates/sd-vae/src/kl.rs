@@ -590,6 +590,10 @@ enum Block<'a> {
 }
 
 impl FirstStage for AutoencoderKl {
+    fn params(&self) -> Option<&Weights> {
+        Some(GraphModel::weights(self))
+    }
+
     fn module(&self) -> &'static str {
         MODULE
     }

@@ -52,6 +52,10 @@ pub trait FirstStage {
     /// Diffusion-space latents from what the encoder produces, in place (the inverse
     /// of [`FirstStage::diffusion_to_vae`]).
     fn vae_to_diffusion(&self, latents: &mut [f32]);
+    /// The ggml parameters its graphs read, for run reports (`None`: it has none).
+    fn params(&self) -> Option<&Weights> {
+        None
+    }
     /// One decode graph on a planar `[channels, h, w]` latent. Returns the planar image
     /// and its channel count.
     fn decode_graph(

@@ -293,6 +293,10 @@ impl Taesd {
 }
 
 impl FirstStage for Taesd {
+    fn params(&self) -> Option<&Weights> {
+        Some(GraphModel::weights(self))
+    }
+
     fn module(&self) -> &'static str {
         MODULE
     }

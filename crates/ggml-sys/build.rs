@@ -28,6 +28,8 @@
 
 #[path = "build/compile.rs"]
 mod compile;
+#[path = "../../plugins/manifest.rs"]
+mod manifest;
 #[path = "build/patch.rs"]
 mod patch;
 
@@ -44,11 +46,6 @@ struct Pin {
     sha256: String,
     subdir: String,
     ggml_version: String,
-}
-
-#[derive(serde::Deserialize)]
-struct CpuPlugin {
-    variants: Vec<String>,
 }
 
 /// The public headers the bindings are generated from (besides `wrapper.h`), in
@@ -70,7 +67,8 @@ fn run() -> Result<(), String> {
     let rpc_patch = manifest_dir.join("patches/rpc-faults.toml");
     let spec_path = manifest_dir.join("ggml-build.toml");
     let cpu_path = workspace.join("plugins/cpu/plugin.toml");
-    for p in [&pin_path, &spec_path, &cpu_path, &rpc_patch] {
+    let manifest_rs = workspace.join("plugins/manifest.rs");
+    for p in [&pin_path, &spec_path, &cpu_path, &rpc_patch, &manifest_rs] {
         println!("cargo:rerun-if-changed={}", p.display());
     }
     println!("cargo:rerun-if-changed=build.rs");
@@ -105,7 +103,7 @@ fn run() -> Result<(), String> {
     };
     check_version(&ggml_src, &pin)?;
 
-    let cpu_variants = cpu_variants(&spec, &read_toml::<CpuPlugin>(&cpu_path)?)?;
+    let cpu_variants = cpu_variants(&spec, &manifest::Manifest::read(&cpu_path)?)?;
     let build_root = match std::env::var_os("SD_GGML_BUILD_DIR") {
         Some(d) => PathBuf::from(d),
         None => target_dir(&out_dir)?.join(if llamafile { "ggml" } else { "ggml-nollamafile" }),
@@ -234,7 +232,7 @@ fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
 }
 
 /// The CPU variants to compile: plugins/cpu/plugin.toml's list, or SD_GGML_CPU_VARIANTS.
-fn cpu_variants(spec: &compile::Spec, plugin: &CpuPlugin) -> Result<Vec<String>, String> {
+fn cpu_variants(spec: &compile::Spec, plugin: &manifest::Manifest) -> Result<Vec<String>, String> {
     let chosen: Vec<String> = match std::env::var("SD_GGML_CPU_VARIANTS") {
         Ok(v) if v.trim() == "all" => spec.cpu.variants.keys().cloned().collect(),
         Ok(v) => v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),

@@ -17,20 +17,9 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-#[derive(serde::Deserialize)]
-struct Manifest {
-    name: String,
-    #[serde(default)]
-    cmake: Vec<String>,
-    #[serde(default)]
-    targets: Vec<String>,
-    /// `ggml-sys`: compiled by ggml-sys's build script, not CMake.
-    build: Option<String>,
-    #[serde(default)]
-    requires_programs: Vec<String>,
-    requires_os: Option<String>,
-    toolkit: Option<String>,
-}
+#[path = "../../plugins/manifest.rs"]
+mod manifest;
+use manifest::Manifest;
 
 fn which(p: &str) -> bool {
     std::env::var_os("PATH").map(|ps| std::env::split_paths(&ps).any(|d| d.join(p).is_file())).unwrap_or(false)
@@ -42,7 +31,7 @@ fn manifests() -> Result<Vec<Manifest>> {
     for e in std::fs::read_dir(&dir).with_context(|| dir.display().to_string())? {
         let p = e?.path().join("plugin.toml");
         if p.exists() {
-            out.push(toml::from_str(&std::fs::read_to_string(&p)?).with_context(|| p.display().to_string())?);
+            out.push(Manifest::read(&p).map_err(anyhow::Error::msg)?);
         }
     }
     out.sort_by(|a: &Manifest, b| a.name.cmp(&b.name));

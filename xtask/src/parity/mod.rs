@@ -8,8 +8,8 @@
 //! cargo xtask parity ops ...        (each ggml op, ours against the reference's: xtask/src/parity_ops.rs)
 //! ```
 //!
-//! For each family, on the fixture `target/fixtures/<family>-f16.safetensors`
-//! (seed 42, f16; written if missing, as `cargo xtask fixture <family>` would),
+//! For each family, on the cached fixture (`sd_models::fixture::cached_path`, seed 42,
+//! f16; written if missing, as `cargo xtask fixture <family>` would),
 //! the reference runs as its own process (`sdref`, xtask/reference) and ours in
 //! this process (components) or as `sd-cli` (whole generations):
 //!

@@ -1,0 +1,45 @@
+//! The `plugins/*/plugin.toml` manifest: one reader for ggml-sys's build script and for `cargo xtask plugins`.
+//!
+//! Both include this file with `#[path]` (a build script cannot depend on a workspace
+//! crate), so the fields a manifest may have are declared once.
+
+use std::path::Path;
+
+/// One vendor backend's `plugin.toml`.
+// Each includer reads the fields it needs (the build script only the CPU variants).
+#[allow(dead_code)]
+#[derive(serde::Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// The backend's name (`cpu`, `rpc`, `cuda`, ...), as in its folder's name.
+    pub name: String,
+    /// Built and installed by default.
+    #[serde(default)]
+    pub default: bool,
+    /// `ggml-sys`: compiled by ggml-sys's build script (no CMake); otherwise by CMake.
+    pub build: Option<String>,
+    /// The CPU backend's default variants (names of `crates/ggml-sys/ggml-build.toml`).
+    #[serde(default)]
+    pub variants: Vec<String>,
+    /// CMake options for `cargo xtask plugins`.
+    #[serde(default)]
+    pub cmake: Vec<String>,
+    /// The CMake module targets to build.
+    #[serde(default)]
+    pub targets: Vec<String>,
+    /// Programs the toolkit puts on PATH (e.g. `nvcc`).
+    #[serde(default)]
+    pub requires_programs: Vec<String>,
+    /// The only OS it builds on.
+    pub requires_os: Option<String>,
+    /// What to install when a required program is missing.
+    pub toolkit: Option<String>,
+}
+
+impl Manifest {
+    /// Reads and parses `path`.
+    pub fn read(path: &Path) -> Result<Manifest, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}

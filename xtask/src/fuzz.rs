@@ -53,10 +53,10 @@ use sd_models::diffusion::unet::{UNetConfig, UNetModel};
 use sd_models::files::ModelFiles;
 use sd_models::loader::{dtype_of, FileSource};
 use sd_models::sampling::{SampleMethod, Scheduler};
-use sd_models::text::clip::{clip_specs, ClipConfig, ClipTextModel};
+use sd_models::text::clip::{ClipConfig, ClipTextModel};
 use sd_models::text::conditioning::encode_prompt;
 use sd_models::text::{ChunkConfig, ClipTokenizer};
-use sd_sched::{Runner, Weights};
+use sd_sched::Runner;
 use sd_vae::{AutoencoderKl, VaeConfig, VaeParts};
 
 use crate::bench::run_measured;
@@ -545,12 +545,7 @@ struct OurText {
 
 impl OurText {
     fn load(cpu: &parity::Cpu, files: &ModelFiles, clip: &ClipConfig, clip_points: u32) -> Result<OurText> {
-        let src = FileSource::new(files);
-        let dtype = dtype_of(files);
-        let mut w = Weights::new(clip_specs(clip, &dtype, None))?;
-        w.allocate(cpu.backend.device().buffer_type())?;
-        w.load_from(&src)?;
-        let model = ClipTextModel::new(clip.clone(), w)?;
+        let model = parity::load_clip(cpu, files, clip)?;
         let tokenizer = ClipTokenizer::new();
         let id_of = (0..tokenizer.vocab_size() as u32)
             .filter_map(|id| tokenizer.token_text(id).map(|t| (t.to_owned(), id)))

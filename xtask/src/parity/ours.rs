@@ -42,6 +42,16 @@ pub(crate) fn configs(files: &ModelFiles) -> Result<(ClipConfig, UNetConfig, u32
     })
 }
 
+/// Our text encoder of `files`, its weights in the CPU's memory.
+pub(crate) fn load_clip(cpu: &Cpu, files: &ModelFiles, clip: &ClipConfig) -> Result<ClipTextModel> {
+    let src = FileSource::new(files);
+    let dtype = dtype_of(files);
+    let mut w = Weights::new(clip_specs(clip, &dtype, None))?;
+    w.allocate(cpu.backend.device().buffer_type())?;
+    w.load_from(&src)?;
+    Ok(ClipTextModel::new(clip.clone(), w)?)
+}
+
 /// Our conditioning of each prompt, `(data, n_tokens, hidden)`.
 pub(super) fn our_text(
     cpu: &Cpu,
@@ -49,12 +59,7 @@ pub(super) fn our_text(
     clip: &ClipConfig,
     prompts: &[&str],
 ) -> Result<Vec<(Vec<f32>, usize, usize)>> {
-    let src = FileSource::new(files);
-    let dtype = dtype_of(files);
-    let mut w = Weights::new(clip_specs(clip, &dtype, None))?;
-    w.allocate(cpu.backend.device().buffer_type())?;
-    w.load_from(&src)?;
-    let model = ClipTextModel::new(clip.clone(), w)?;
+    let model = load_clip(cpu, files, clip)?;
     let mut runner = Runner::new("te", cpu.backend.clone());
     let tokenizer = ClipTokenizer::new();
     prompts

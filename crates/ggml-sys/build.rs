@@ -234,7 +234,7 @@ fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
 /// The CPU variants to compile: plugins/cpu/plugin.toml's list, or SD_GGML_CPU_VARIANTS.
 fn cpu_variants(spec: &compile::Spec, plugin: &manifest::Manifest) -> Result<Vec<String>, String> {
     let chosen: Vec<String> = match std::env::var("SD_GGML_CPU_VARIANTS") {
-        Ok(v) if v.trim() == "all" => spec.cpu.variants.keys().cloned().collect(),
+        Ok(v) if v.trim() == "all" => spec.cpu.variants.keys().filter(|k| !k.starts_with("native")).cloned().collect(),
         Ok(v) => v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
         Err(_) => plugin.variants.clone(),
     };

@@ -89,6 +89,9 @@ int main(int argc, char **argv) {
     // attention products, f32 x f32
     { struct ggml_tensor *kq = ggml_mul_mat(c, rnd(c, F32, 64, 77, 12, 1, 1.0f, 7), rnd(c, F32, 64, 77, 12, 1, 1.0f, 8));
       ggml_mul_mat_set_prec(kq, GGML_PREC_F32); run(c, "mul_mat_f32_kq_64_77x77x12", kq, dir); }
+    // the cross-attention's second product: a sum over the 77 context tokens (not a
+    // multiple of 8: the scalar tail of the dot product, where compile flags matter)
+    run(c, "mul_mat_f32_kqv_77x40x8", ggml_mul_mat(c, rnd(c, F32, 77, 40, 8, 1, 1.0f, 39), rnd(c, F32, 77, 640, 8, 1, 0.1f, 40)), dir);
     run(c, "mul_mat_f32_kqv_1024x40x8", ggml_mul_mat(c, rnd(c, F32, 1024, 40, 8, 1, 1.0f, 9), rnd(c, F32, 1024, 1024, 8, 1, 0.03f, 10)), dir);
     // softmax: scale, then with a causal mask
     run(c, "soft_max_scale", ggml_soft_max_ext(c, rnd(c, F32, 77, 77, 12, 1, 3.0f, 11), NULL, 0.125f, 0.0f), dir);

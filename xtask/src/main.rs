@@ -108,6 +108,7 @@ mod tests {
     fn every_command_and_its_spelling_parses() {
         for line in [
             "plugins --backend cpu,rpc --cpu-variants all --out /tmp/p",
+            "plugins --parity",
             "bindings",
             "fixture sd15 --seed 1",
             "reference",

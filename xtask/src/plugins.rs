@@ -2,7 +2,11 @@
 //!
 //! ```text
 //! cargo xtask plugins [--backend cpu,rpc,cuda,vulkan,metal] [--cpu-variants default|all] [--out DIR]
+//! cargo xtask plugins --parity
 //! ```
+//!
+//! `--parity` builds one CPU plugin with the reference's kernels into
+//! `target/ggml-parity/plugins` (see ARCHITECTURE.md, "Parity").
 //!
 //! The default plugins (cpu, rpc: `build = "ggml-sys"` in their plugin.toml) are
 //! compiled by `ggml-sys`'s build script without CMake; `--cpu-variants all`
@@ -63,6 +67,28 @@ pub struct Args {
     /// Install into DIR instead of target/ggml/plugins.
     #[arg(long = "out", value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Build only the parity CPU plugin (the reference's kernels: -march=native without
+    /// AVX512-FP16, no LLAMAFILE) into target/ggml-parity/plugins, for `SD_PLUGIN_PATH`.
+    #[arg(long = "parity", conflicts_with_all = ["backends", "cpu_variants", "out"])]
+    parity: bool,
+}
+
+/// `--parity`: ggml-sys built once more, with the parity variant only, in its own target
+/// directory (so that the workspace's build keeps its environment and is not redone).
+fn build_parity_plugin() -> Result<()> {
+    let root = crate::workspace_root();
+    let dir = root.join("target/ggml-parity");
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cargo
+        .args(["build", "--release", "-p", "ggml-sys", "--target-dir"])
+        .arg(root.join("target/parity-build"))
+        .current_dir(&root)
+        .env("SD_GGML_CPU_VARIANTS", "native-f32acc")
+        .env("SD_GGML_CPU_LLAMAFILE", "off")
+        .env("SD_GGML_BUILD_DIR", &dir);
+    run_cmd(&mut cargo)?;
+    println!("{}", dir.join("plugins").display());
+    Ok(())
 }
 
 /// `--cpu-variants`.
@@ -74,6 +100,9 @@ enum CpuVariants {
 
 /// Entry point.
 pub fn run(args: Args) -> Result<()> {
+    if args.parity {
+        return build_parity_plugin();
+    }
     let backends: Vec<String> = args.backends.iter().map(|s| s.trim().to_ascii_lowercase()).collect();
     let all_variants = args.cpu_variants == CpuVariants::All;
     let out = args.out;

@@ -45,7 +45,10 @@ pub(crate) struct RpcSpec {
 #[derive(serde::Deserialize)]
 pub(crate) struct FeatureSpec {
     pub flags: Vec<String>,
-    pub define: String,
+    /// The `GGML_<feature>` definition upstream adds with the flags (none for the
+    /// parity-only features).
+    #[serde(default)]
+    pub define: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -243,7 +246,7 @@ pub fn plan(
         for (name, f) in &spec.cpu.features {
             if feats.contains(name) {
                 isa.extend(f.flags.iter().cloned());
-                arch_defs.push(f.define.clone());
+                arch_defs.extend(f.define.clone());
             }
         }
         for f in feats {

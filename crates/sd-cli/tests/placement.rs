@@ -174,3 +174,108 @@ fn plan_writes_the_plan_part_of_the_report() {
     assert_eq!((te.runtime.as_slice(), &te.params), (&["CPU".to_string()][..], &sd_placement::ParamsHome::Disk));
     assert!(r.args.iter().any(|a| a == "--report-json"), "{:?}", r.args);
 }
+
+/// The block index the planner gives a segment (cut) name of the UNet or the text encoder,
+/// or `None` for a non-block segment (SD 1.x: 12 input blocks, the middle block is 12).
+fn block_of_segment(name: &str) -> Option<u32> {
+    let num = |s: &str| s.parse::<u32>().ok();
+    if let Some(n) = name.strip_prefix("input_blocks.") {
+        num(n)
+    } else if name == "middle_block" {
+        Some(12)
+    } else if let Some(n) = name.strip_prefix("output_blocks.") {
+        num(n).map(|n| 13 + n)
+    } else {
+        name.strip_prefix("clip_text.layers.").and_then(num)
+    }
+}
+
+/// Checks that `module`'s runner ran each block on the device the plan's range gave it, the
+/// non-block parts on the main device, and copied activations between them.
+fn assert_ran_as_planned(report: &RunReport, module: &str, runner: &str, what: &str) {
+    let plan = report.plan.as_ref().expect("the plan");
+    let m = plan.modules.iter().find(|m| m.module.name() == module).unwrap_or_else(|| panic!("{what}: {module}"));
+    assert!(m.split.len() >= 2, "{what}: the plan splits {module}: {m:?}");
+    let r = report.runner(runner).unwrap_or_else(|| panic!("{what}: no {runner} runner"));
+    assert!(r.stages.len() >= 2, "{what}: {runner} ran in stages: {r:?}");
+    let mut seen = std::collections::BTreeSet::new();
+    for st in &r.stages {
+        for seg in &st.segments {
+            match block_of_segment(seg) {
+                Some(b) => {
+                    let range = m.split.iter().find(|s| s.first_block <= b && b <= s.last_block);
+                    let range = range.unwrap_or_else(|| panic!("{what}: block {b} ({seg}) is in no range: {m:?}"));
+                    assert_eq!(st.device, range.device, "{what}: {seg} ran on the device of its range");
+                    seen.insert(st.device.clone());
+                }
+                None => assert_eq!(st.device, m.runtime[0], "{what}: {seg} runs on the main device"),
+            }
+        }
+    }
+    assert_eq!(seen.len(), m.split.len(), "{what}: every listed device ran blocks: {:?}", r.stages);
+    assert!(r.stats.cross_device_copies > 0 && r.stats.cross_device_bytes > 0, "{what}: {:?}", r.stats);
+    let module_report = report.module(runner).unwrap_or_else(|| panic!("{what}: no {runner} module"));
+    let listed: Vec<&str> = m.split.iter().map(|s| s.device.as_str()).collect();
+    assert_eq!(module_report.devices, listed, "{what}");
+}
+
+#[test]
+fn layer_splits_give_the_all_cpu_image() {
+    let model = fixture();
+    let dir = std::env::temp_dir().join(format!("sd-cli-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (base, _) = generate(&model, &dir.join("cpu.png"), &["--backend", "cpu"]);
+    let (a, b) = (Server::start(), Server::start());
+    let rpc = format!("{},{}", a.endpoint, b.endpoint);
+    // Each budget is below the 1.6 GiB UNet: only a split fits it with its weights on the devices.
+    let budgets = "RPC0=1.25,RPC1=1.25";
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        ("unet and te split, weights on the devices", vec!["--backend", "diffusion=RPC0&RPC1,te=RPC1&RPC0,vae=cpu"]),
+        (
+            "unet split, params in RAM",
+            vec!["--backend", "diffusion=RPC1&RPC0,te=cpu,vae=cpu", "--params-backend", "diffusion=cpu"],
+        ),
+        (
+            "unet split under budgets, params on disk",
+            vec![
+                "--backend",
+                "diffusion=RPC0&RPC1,te=cpu,vae=cpu",
+                "--params-backend",
+                "diffusion=disk",
+                "--max-vram",
+                budgets,
+            ],
+        ),
+        ("unet split under budgets", vec!["--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu", "--max-vram", budgets]),
+    ];
+    for (i, (what, flags)) in cases.iter().enumerate() {
+        let args: Vec<&str> = ["--rpc", rpc.as_str()].into_iter().chain(flags.iter().copied()).collect();
+        let (px, report) = generate(&model, &dir.join(format!("{i}.png")), &args);
+        assert!(px == base, "{what}: the image differs from the all-CPU one");
+        assert_ran_as_planned(&report, "diffusion", "unet", what);
+        let unet = report.module("unet").unwrap();
+        let stats = &report.runner("unet").unwrap().stats;
+        match i {
+            0 => {
+                assert_ran_as_planned(&report, "te", "te", what);
+                assert_eq!(unet.params, HomeReport::Compute, "{what}");
+                assert_eq!(stats.loaded_bytes, 0, "{what}: pinned on their devices: {stats:?}");
+            }
+            1 => {
+                assert_eq!(unet.params, HomeReport::Host, "{what}");
+                assert!(stats.loaded_bytes > 1500 * MIB, "{what}: staged once: {stats:?}");
+                assert_eq!(stats.evictions, 0, "{what}: kept while they fit: {stats:?}");
+            }
+            2 => {
+                assert_eq!(unet.params, HomeReport::Disk, "{what}");
+                assert!(stats.loaded_bytes > 3000 * MIB, "{what}: staged at every step: {stats:?}");
+            }
+            _ => assert_eq!(unet.params, HomeReport::Compute, "{what}"),
+        }
+        for dev in ["RPC0", "RPC1"] {
+            let d = report.device(dev).unwrap_or_else(|| panic!("{what}: no {dev} ledger"));
+            assert!(d.high_water_bytes > 0, "{what}: {dev} held part of the split: {d:?}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -26,6 +26,7 @@ use crate::diffusion::unet::{UNetConfig, UNetModel};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
+use crate::placement::LayerSplit;
 use crate::report::{DeviceReport, ModuleReport, RunReport, RunnerReport, Settings, StepTime};
 use crate::sampling::{
     img2img_sigmas, noised_latent, sample, txt2img_latent, Denoised, DiscreteSchedule, GuidedDenoiser, ModelInput,
@@ -173,7 +174,8 @@ fn fmt_gib(bytes: f64) -> String {
 /// Result alias.
 pub type Result<T, E = PipelineError> = std::result::Result<T, E>;
 
-/// The device (backend) each module computes on.
+/// The device (backend) each module computes on: the main one, and the layer split of a
+/// module that has one.
 #[derive(Clone, Debug)]
 pub struct ModuleDevices {
     /// Text encoder.
@@ -182,6 +184,10 @@ pub struct ModuleDevices {
     pub diffusion: Arc<Backend>,
     /// VAE / TAESD.
     pub vae: Arc<Backend>,
+    /// The text encoder's layer split (its main device is `te`).
+    pub te_split: Option<LayerSplit>,
+    /// The UNet's layer split (its main device is `diffusion`).
+    pub diffusion_split: Option<LayerSplit>,
 }
 
 /// How to load the model.
@@ -496,32 +502,56 @@ impl Pipeline {
         Arc::new(SharedFiles(self.files.clone()))
     }
 
-    /// Gives `w` its home (groups: one per layer or stage); the runner stages them.
-    fn place(&self, w: &mut Weights, module: &str, home: &ParamHome, compute: &Arc<Backend>) -> Result<()> {
+    /// Gives `w` its home (groups from `group_of`: one per layer, block or stage), on
+    /// `compute` or over `split`; the runner stages them.
+    fn place(
+        &self,
+        w: &mut Weights,
+        module: &str,
+        home: &ParamHome,
+        compute: &Arc<Backend>,
+        split: Option<&LayerSplit>,
+        group_of: &dyn Fn(&str) -> String,
+    ) -> Result<()> {
         let p = &self.opts.placement;
-        w.place(module, home.clone(), compute.clone(), &p.ledgers, &block_group, self.source())?;
+        match split {
+            None => w.place(module, home.clone(), compute.clone(), &p.ledgers, group_of, self.source())?,
+            Some(s) => {
+                let index = self.files.index();
+                let device_of = |name: &str| s.device_of_block(index.block_of(name));
+                w.place_split(module, home.clone(), &s.devices, &device_of, &p.ledgers, group_of, self.source())?
+            }
+        }
         Ok(())
     }
 
-    fn runner(&self, name: &str, backend: &Arc<Backend>) -> Runner {
+    fn runner(&self, name: &str, backend: &Arc<Backend>, split: Option<&LayerSplit>) -> Runner {
         let p = &self.opts.placement;
-        Runner::with_ledger(name, backend.clone(), p.ledgers.get(&backend.device().name()), p.sched)
+        match split {
+            None => Runner::with_ledger(name, backend.clone(), p.ledgers.get(&backend.device().name()), p.sched),
+            Some(s) => Runner::with_devices(
+                name,
+                s.devices.iter().map(|b| (b.clone(), p.ledgers.get(&b.device().name()))).collect(),
+                p.sched,
+            ),
+        }
     }
 
     fn load_clip(&self) -> Result<ClipTextModel> {
         let dtype = dtype_of(&self.files);
         let mut w = Weights::new(clip_specs(&self.clip, &dtype, self.opts.wtype))?;
-        self.place(&mut w, "te", &self.opts.placement.homes.te, &self.opts.devices.te)?;
+        let d = &self.opts.devices;
+        self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &block_group)?;
         Ok(ClipTextModel::new(self.clip.clone(), w)?)
     }
 
     fn load_unet(&self) -> Result<UNetModel> {
         let dtype = dtype_of(&self.files);
         let mut m = UNetModel::new(self.unet.clone(), &dtype, self.opts.wtype)?;
-        let p = &self.opts.placement;
-        let home = p.homes.diffusion.clone();
-        let backend = self.opts.devices.diffusion.clone();
-        m.weights.place("unet", home, backend, &p.ledgers, &crate::diffusion::unet::group_of, self.source())?;
+        let d = &self.opts.devices;
+        let home = &self.opts.placement.homes.diffusion;
+        let group_of = &crate::diffusion::unet::group_of;
+        self.place(&mut m.weights, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), group_of)?;
         m.flash_attn = self.opts.flash_attn;
         Ok(m)
     }
@@ -534,12 +564,12 @@ impl Pipeline {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
             let cfg = sd_vae::TaesdConfig::sd();
             let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
-            self.place(&mut w, "vae", home, backend)?;
+            self.place(&mut w, "vae", home, backend, None, &block_group)?;
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
         let mut w = Weights::new(sd_vae::vae_specs(&VaeConfig::sd(), parts)).map_err(vae_err)?;
-        self.place(&mut w, "vae", home, backend)?;
+        self.place(&mut w, "vae", home, backend, None, &block_group)?;
         Ok(Box::new(AutoencoderKl::from_weights(VaeConfig::sd(), w)?))
     }
 
@@ -720,7 +750,7 @@ impl Pipeline {
             let model = self.load_clip()?;
             report.stage("te load", t.elapsed().as_secs_f64());
             let t_encode = Instant::now();
-            let mut runner = self.runner("te", &self.opts.devices.te);
+            let mut runner = self.runner("te", &self.opts.devices.te, self.opts.devices.te_split.as_ref());
             let cond = encode_prompt(&model, &mut runner, &self.tokenizer, &p.prompt, p.clip_skip)?;
             let uncond = if guided {
                 Some(encode_prompt(&model, &mut runner, &self.tokenizer, &p.negative_prompt, p.clip_skip)?)
@@ -754,7 +784,7 @@ impl Pipeline {
                 let vae = self.load_first_stage(true)?;
                 report.stage("vae load (encode)", t.elapsed().as_secs_f64());
                 let t_encode = Instant::now();
-                let mut runner = self.runner("vae", &self.opts.devices.vae);
+                let mut runner = self.runner("vae", &self.opts.devices.vae, None);
                 let px: Vec<f32> = match vae.image_range() {
                     sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
                     sd_vae::ImageRange::ZeroToOne => image,
@@ -794,7 +824,8 @@ impl Pipeline {
             let unet = self.load_unet()?;
             report.stage("unet load", t.elapsed().as_secs_f64());
             let t = Instant::now();
-            let mut runner = self.runner("unet", &self.opts.devices.diffusion);
+            let mut runner =
+                self.runner("unet", &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
             for b in 0..p.batch_count {
                 let mut rng = p.rng.seeded(p.seed.wrapping_add(b as u64));
                 let noise = rng.randn(channels * lh * lw);
@@ -852,7 +883,7 @@ impl Pipeline {
                 unet.weights.home_description(),
                 runner.summary(),
                 moved.copied_bytes as f64 / 1048576.0,
-                runner.backend().device().name(),
+                runner.backends().iter().map(|b| b.device().name()).collect::<Vec<_>>().join("&"),
                 moved.copy_nanos as f64 * 1e-9
             );
             record_module(report, "unet", &unet.weights, &runner);
@@ -864,7 +895,7 @@ impl Pipeline {
         let vae = self.load_first_stage(false)?;
         report.stage("vae load", t.elapsed().as_secs_f64());
         let t_decode = Instant::now();
-        let mut runner = self.runner("vae", &self.opts.devices.vae);
+        let mut runner = self.runner("vae", &self.opts.devices.vae, None);
         let mut images = Vec::with_capacity(latents.len());
         let images_n = latents.len();
         for (image, mut latent) in latents.into_iter().enumerate() {

@@ -6,14 +6,16 @@
 //! ([`ModuleDevices`]), one [`ParamHome`] per module ([`ModuleHomes`]) and the device ledgers
 //! carrying the plan's managed budgets ([`Placement`]).
 //!
-//! What the runtime cannot do yet is said once here, as a warning, and never silently
-//! dropped: a module split across several devices runs on its main device, with its
-//! parameters there.
+//! A module with a layer split ([`SplitKind::Layer`]) gets a [`LayerSplit`]: every listed
+//! device's backend and the block range the plan gave it; the pipeline places each block's
+//! parameters on its range's device and runs the module with a runner over all of them
+//! (`sd_sched`'s split execution). What the runtime cannot do yet is said once here, as a
+//! warning, and never silently dropped: a row split runs on its main device.
 
 use std::sync::Arc;
 
 use sd_backends::{Backend, BackendError, BackendManager, DeviceKind, PluginRegistry};
-use sd_placement::{Module, ModulePlan, ParamsHome, Plan};
+use sd_placement::{Module, ModulePlan, ParamsHome, Plan, SplitKind};
 use sd_sched::ParamHome;
 
 use crate::pipeline::{ModuleDevices, ModuleHomes, Placement};
@@ -27,6 +29,29 @@ pub struct PlacementError {
     /// The registry's or backend's error.
     #[source]
     pub source: BackendError,
+}
+
+/// A module's layer split: its devices (main first) and the blocks each one runs.
+#[derive(Clone, Debug)]
+pub struct LayerSplit {
+    /// The computing devices, main first.
+    pub devices: Vec<Arc<Backend>>,
+    /// Each device's blocks, first and last (inclusive), in the plan's block numbering
+    /// ([`crate::files::TensorIndex::block_of`]).
+    pub ranges: Vec<(u32, u32)>,
+}
+
+impl LayerSplit {
+    /// The index of the device that runs block `block`; non-block tensors (`None`) and
+    /// blocks outside every range run on the main device.
+    pub fn device_of_block(&self, block: Option<u32>) -> usize {
+        block.and_then(|b| self.ranges.iter().position(|&(first, last)| first <= b && b <= last)).unwrap_or(0)
+    }
+
+    /// The device names joined as `--backend` lists them.
+    fn describe(&self) -> String {
+        self.devices.iter().map(|b| b.device().name()).collect::<Vec<_>>().join("&")
+    }
 }
 
 /// The run-time side of a [`Plan`]: computing backends and parameter homes per module.
@@ -54,6 +79,8 @@ impl RuntimePlacement {
             te: wiring.backend(Module::Te)?,
             diffusion: wiring.backend(Module::Diffusion)?,
             vae: wiring.backend(Module::Vae)?,
+            te_split: wiring.split(Module::Te)?,
+            diffusion_split: wiring.split(Module::Diffusion)?,
         };
         let homes = ModuleHomes {
             te: wiring.home(Module::Te, &devices.te)?,
@@ -89,10 +116,35 @@ impl Wiring<'_> {
     fn backend(&self, module: Module) -> Result<Arc<Backend>, PlacementError> {
         let m = self.module_plan(module);
         let name = m.and_then(|m| m.runtime.first()).cloned().unwrap_or_else(|| self.plan.main_device.clone());
-        if m.is_some_and(|m| m.runtime.len() > 1) {
-            tracing::warn!("{}: multi-device split is not implemented yet; running on {name}", module.name());
+        if m.is_some_and(|m| m.runtime.len() > 1 && m.split_mode == SplitKind::Row) {
+            tracing::warn!(
+                "{}: row split needs a device plugin that exports a split buffer type; running on {name}",
+                module.name()
+            );
         }
         self.backend_named(module, &name)
+    }
+
+    /// The module's layer split, when the plan gives it one over two or more devices.
+    fn split(&self, module: Module) -> Result<Option<LayerSplit>, PlacementError> {
+        let Some(m) = self.module_plan(module) else { return Ok(None) };
+        if m.split_mode != SplitKind::Layer || m.split.len() < 2 {
+            return Ok(None);
+        }
+        let mut devices = Vec::with_capacity(m.split.len());
+        let mut ranges = Vec::with_capacity(m.split.len());
+        for r in &m.split {
+            devices.push(self.backend_named(module, &r.device)?);
+            ranges.push((r.first_block, r.last_block));
+        }
+        let split = LayerSplit { devices, ranges };
+        tracing::info!(
+            "{}: layer split over {} (blocks {})",
+            module.name(),
+            split.describe(),
+            split.ranges.iter().map(|(a, b)| format!("{a}-{b}")).collect::<Vec<_>>().join(", ")
+        );
+        Ok(Some(split))
     }
 
     /// Where the module's parameters live, as the plan says.
@@ -102,13 +154,8 @@ impl Wiring<'_> {
         let home = match &m.params {
             ParamsHome::Device(d) if d.is_empty() || *d == runtime => ParamHome::Compute,
             ParamsHome::Disk => ParamHome::Disk,
-            ParamsHome::Split(_) => {
-                tracing::warn!(
-                    "{}: split parameters are not implemented yet; keeping them on {runtime}",
-                    module.name()
-                );
-                ParamHome::Compute
-            }
+            // Each range's parameters on its own device (a layer split), or on the main one.
+            ParamsHome::Split(_) => ParamHome::Compute,
             ParamsHome::Device(d) => {
                 let dev = self.registry.device(d).map_err(|source| PlacementError { module: module.name(), source })?;
                 if dev.kind() == DeviceKind::Cpu {

@@ -17,10 +17,11 @@ pub mod ledger;
 pub mod plan;
 pub mod report;
 pub mod runner;
+mod split;
 pub mod weights;
 
 pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};
-pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport};
+pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport, StageReport};
 pub use runner::{RunStats, Runner};
 pub use weights::{short_name, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights};

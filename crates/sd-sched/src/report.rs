@@ -72,6 +72,20 @@ pub struct RunnerReport {
     pub uploaded_bytes: u64,
     /// Time spent on those copies, summed over threads.
     pub upload_seconds: f64,
+    /// A layer-split module's stages in its last run, in execution order (empty without a
+    /// split).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageReport>,
+}
+
+/// One stage of a layer-split run: the device and the graph segments (block cuts) it ran.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageReport {
+    /// The device.
+    pub device: String,
+    /// The segments, by cut name (`input_blocks.4`, `clip_text.layers.7`, `output` for the
+    /// part after the last cut).
+    pub segments: Vec<String>,
 }
 
 /// One device's managed memory (`--max-vram`).
@@ -100,7 +114,7 @@ impl ModuleReport {
         let (param_bytes, groups) = w.group_totals();
         Self {
             module: module.to_string(),
-            devices: vec![runner.backend().device().name()],
+            devices: runner.backends().iter().map(|b| b.device().name()).collect(),
             params: w.home_report(),
             residency,
             param_bytes,
@@ -118,6 +132,7 @@ impl RunnerReport {
             stats: runner.stats().clone(),
             uploaded_bytes: w.stats().copied_bytes,
             upload_seconds: w.stats().copy_nanos as f64 * 1e-9,
+            stages: runner.last_stages().to_vec(),
         }
     }
 }

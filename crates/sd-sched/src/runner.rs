@@ -78,86 +78,61 @@ pub struct RunStats {
     pub prefetch_wait_secs: f64,
     /// Largest compute buffer.
     pub peak_workspace: u64,
+    /// Bytes of activations copied between the devices of a layer split.
+    #[serde(default)]
+    pub cross_device_bytes: u64,
+    /// Activation copies between the devices of a layer split.
+    #[serde(default)]
+    pub cross_device_copies: usize,
 }
 
-/// Graph execution on one backend.
+/// Graph execution on one backend, or on several for a layer-split module (main first).
 #[derive(Debug)]
 pub struct Runner {
-    name: String,
-    backend: Arc<Backend>,
-    buft: BufferType,
-    alloc: GraphAllocator,
-    ledger: Ledger,
-    /// Bytes of the compute buffer charged to the ledger.
-    charged: u64,
-    opts: plan::Options,
-    last_logged: usize,
-    stats: RunStats,
-    /// The cut buffer of the last run, kept while its output may still be read.
-    cut_buffer: Option<(Buffer, u64)>,
+    pub(crate) name: String,
+    /// The computing devices; `devs[0]` is the main one (the only one without a split).
+    pub(crate) devs: Vec<Dev>,
+    pub(crate) opts: plan::Options,
+    pub(crate) stats: RunStats,
+    /// The stages of the last split run.
+    pub(crate) stages: Vec<crate::report::StageReport>,
 }
 
-impl Runner {
-    /// A runner named `name` (for logs) on `backend`, with an account of its own and no budget.
-    pub fn new(name: impl Into<String>, backend: Arc<Backend>) -> Self {
-        let ledger = Ledger::new(backend.device().name(), None);
-        Self::with_ledger(name, backend, ledger, plan::Options::default())
-    }
+/// A runner's state on one computing device.
+#[derive(Debug)]
+pub(crate) struct Dev {
+    pub(crate) backend: Arc<Backend>,
+    pub(crate) buft: BufferType,
+    pub(crate) alloc: GraphAllocator,
+    pub(crate) ledger: Ledger,
+    /// Bytes of the compute buffer charged to the ledger.
+    pub(crate) charged: u64,
+    pub(crate) last_logged: usize,
+    /// The cut buffer of the last run, kept while its output may still be read.
+    pub(crate) cut_buffer: Option<(Buffer, u64)>,
+}
 
-    /// A runner charging the device's shared `ledger`, with the segmented-execution flags.
-    pub fn with_ledger(name: impl Into<String>, backend: Arc<Backend>, ledger: Ledger, opts: plan::Options) -> Self {
+impl Dev {
+    fn new(backend: Arc<Backend>, ledger: Ledger) -> Self {
         let buft = backend.device().buffer_type();
         let alloc = GraphAllocator::new(buft);
-        Self {
-            name: name.into(),
-            backend,
-            buft,
-            alloc,
-            ledger,
-            charged: 0,
-            opts,
-            last_logged: 0,
-            stats: RunStats::default(),
-            cut_buffer: None,
-        }
+        Dev { backend, buft, alloc, ledger, charged: 0, last_logged: 0, cut_buffer: None }
     }
 
-    /// The name it was given (for logs and reports).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The backend.
-    pub fn backend(&self) -> &Arc<Backend> {
-        &self.backend
-    }
-
-    /// What the runner did so far.
-    pub fn stats(&self) -> &RunStats {
-        &self.stats
-    }
-
-    /// The ledger it charges.
-    pub fn ledger(&self) -> &Ledger {
-        &self.ledger
-    }
-
-    /// Measures and allocates the compute buffer for `graph`. Its tensors' data stays valid
-    /// until this runner allocates another graph or is dropped.
-    pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
-        self.stats.runs += 1;
-        self.stats.segments += 1;
-        self.stats.max_segments = self.stats.max_segments.max(1);
-        let need = self.alloc.measure(graph);
-        self.alloc_measured(graph, need as u64, 1)
-    }
-
-    fn alloc_measured(&mut self, graph: &Graph<'_>, need: u64, segments: usize) -> Result<()> {
+    /// Charges and allocates the compute buffer of `module` for `graph` (measured: `need`
+    /// bytes; one of `segments` segments or stages).
+    pub(crate) fn alloc_measured(
+        &mut self,
+        module: &str,
+        graph: &Graph<'_>,
+        need: u64,
+        segments: usize,
+        stats: &mut RunStats,
+    ) -> Result<()> {
         // Logged when it changes for whole graphs, when the peak grows for segments.
         if (segments == 1 && need as usize != self.last_logged) || (segments > 1 && need as usize > self.last_logged) {
             tracing::debug!(
-                "{} compute buffer size: {:.2} MB on {} (peak across {segments} segment{})",
-                self.name,
+                "{module} compute buffer size: {:.2} MB on {} (peak across {segments} segment{})",
                 need as f64 / (1024.0 * 1024.0),
                 self.backend.device().name(),
                 if segments == 1 { "" } else { "s" }
@@ -167,7 +142,7 @@ impl Runner {
         // The allocator grows its buffer to the largest graph it has seen.
         let target = need.max(self.alloc.buffer_size() as u64);
         if target > self.charged {
-            self.ledger.charge(target - self.charged, &format!("the {} compute buffer", self.name))?;
+            self.ledger.charge(target - self.charged, &format!("the {module} compute buffer"))?;
             self.charged = target;
         }
         // SAFETY: the graph's tensors are used only until this runner allocates the next
@@ -175,14 +150,14 @@ impl Runner {
         unsafe { self.alloc.alloc_graph(graph) }.map_err(|_| SchedError::Alloc {
             device: self.backend.device().name(),
             bytes: need as usize,
-            what: format!("the {} compute buffer", self.name),
+            what: format!("the {module} compute buffer"),
         })?;
         let actual = self.alloc.buffer_size() as u64;
         if actual > self.charged {
-            self.ledger.charge(actual - self.charged, &format!("the {} compute buffer", self.name))?;
+            self.ledger.charge(actual - self.charged, &format!("the {module} compute buffer"))?;
             self.charged = actual;
         }
-        self.stats.peak_workspace = self.stats.peak_workspace.max(actual);
+        stats.peak_workspace = stats.peak_workspace.max(actual);
         Ok(())
     }
 
@@ -199,11 +174,110 @@ impl Runner {
         }
     }
 
+    /// Charges and allocates a cut buffer of `bytes` (kept until the next run).
+    pub(crate) fn alloc_cut_buffer(&mut self, module: &str, bytes: u64) -> Result<&Buffer> {
+        self.ledger.charge(bytes, &format!("the {module} cut buffers"))?;
+        let buf = match self.buft.alloc(bytes.max(1) as usize) {
+            Ok(b) => b,
+            Err(_) => {
+                self.ledger.credit(bytes);
+                return Err(SchedError::Alloc {
+                    device: self.backend.device().name(),
+                    bytes: bytes as usize,
+                    what: format!("the {module} cut buffers"),
+                });
+            }
+        };
+        Ok(&self.cut_buffer.insert((buf, bytes)).0)
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        self.release_cut_buffer();
+        self.ledger.credit(self.charged);
+    }
+}
+
+impl Runner {
+    /// A runner named `name` (for logs) on `backend`, with an account of its own and no budget.
+    pub fn new(name: impl Into<String>, backend: Arc<Backend>) -> Self {
+        let ledger = Ledger::new(backend.device().name(), None);
+        Self::with_ledger(name, backend, ledger, plan::Options::default())
+    }
+
+    /// A runner charging the device's shared `ledger`, with the segmented-execution flags.
+    pub fn with_ledger(name: impl Into<String>, backend: Arc<Backend>, ledger: Ledger, opts: plan::Options) -> Self {
+        Self {
+            name: name.into(),
+            devs: vec![Dev::new(backend, ledger)],
+            opts,
+            stats: RunStats::default(),
+            stages: Vec::new(),
+        }
+    }
+
+    /// A runner for a module split over `devices` (main first, each with its device's shared
+    /// ledger), whose weights were placed with [`Weights::place_split`] on the same devices in
+    /// the same order. With one device it is [`with_ledger`](Self::with_ledger).
+    pub fn with_devices(name: impl Into<String>, devices: Vec<(Arc<Backend>, Ledger)>, opts: plan::Options) -> Self {
+        let devs = devices.into_iter().map(|(b, l)| Dev::new(b, l)).collect();
+        Self { name: name.into(), devs, opts, stats: RunStats::default(), stages: Vec::new() }
+    }
+
+    /// The name it was given (for logs and reports).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The backend (the main one of a split).
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.devs[0].backend
+    }
+
+    /// Every computing device's backend, main first.
+    pub fn backends(&self) -> Vec<Arc<Backend>> {
+        self.devs.iter().map(|d| d.backend.clone()).collect()
+    }
+
+    /// The stages of its last layer-split run (device and segments, in execution order).
+    pub fn last_stages(&self) -> &[crate::report::StageReport] {
+        &self.stages
+    }
+
+    /// What the runner did so far.
+    pub fn stats(&self) -> &RunStats {
+        &self.stats
+    }
+
+    /// The ledger it charges (the main device's).
+    pub fn ledger(&self) -> &Ledger {
+        &self.devs[0].ledger
+    }
+
+    /// Measures and allocates the compute buffer for `graph`. Its tensors' data stays valid
+    /// until this runner allocates another graph or is dropped.
+    pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
+        self.stats.runs += 1;
+        self.stats.segments += 1;
+        self.stats.max_segments = self.stats.max_segments.max(1);
+        let need = self.devs[0].alloc.measure(graph);
+        self.alloc_measured(graph, need as u64, 1)
+    }
+
+    fn alloc_measured(&mut self, graph: &Graph<'_>, need: u64, segments: usize) -> Result<()> {
+        self.devs[0].alloc_measured(&self.name, graph, need, segments, &mut self.stats)
+    }
+
+    fn release_workspace(&mut self) {
+        self.devs[0].release_workspace();
+    }
+
     /// Runs an allocated graph.
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
         let _span = tracing::trace_span!("compute", module = %self.name).entered();
         let t0 = Instant::now();
-        self.backend.compute(graph)?;
+        self.devs[0].backend.compute(graph)?;
         self.stats.compute_secs += t0.elapsed().as_secs_f64();
         Ok(())
     }
@@ -226,9 +300,14 @@ impl Runner {
         out: Tensor<'g>,
         set_inputs: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
-        self.release_cut_buffer();
+        for d in &mut self.devs {
+            d.release_cut_buffer();
+        }
         let graph = g.new_graph(graph_size);
         let segments = expand(&graph, cuts, out);
+        if self.devs.len() > 1 || w.device_names().len() > 1 {
+            return self.run_split(w, &graph, segments, set_inputs);
+        }
         if w.is_pinned() {
             // Everything is on the device and stays there: one graph, as allocated.
             self.alloc(&graph)?;
@@ -236,7 +315,7 @@ impl Runner {
             return self.compute(&graph);
         }
         self.stats.runs += 1;
-        let a = analyse(w, &graph, segments, self.buft);
+        let a = analyse(w, &graph, segments, self.devs[0].buft);
         let schedule = self.plan(w, &graph, &a)?;
         let steps = resolve(&self.name, w, &schedule)?;
         self.replay(w, &graph, &a, &schedule, &steps, set_inputs)
@@ -259,7 +338,7 @@ impl Runner {
             // SAFETY: unmarked below before anything allocates or computes.
             unsafe { t.mark_stored_elsewhere() };
         }
-        let buft = self.buft;
+        let buft = self.devs[0].buft;
         let measure_range = |r: Range<usize>| -> u64 {
             let view = graph.view(a.nodes_of(r));
             alloc::measure(buft, &view.graph()) as u64
@@ -336,7 +415,7 @@ impl Runner {
                     }
                     Step::Compute => {
                         if schedule.mode == Mode::Monolithic {
-                            let need = self.alloc.measure(graph) as u64;
+                            let need = self.devs[0].alloc.measure(graph) as u64;
                             self.alloc_measured(graph, need, 1)?;
                             set_inputs()?;
                             self.compute_with_prefetch(graph, &mut inflight)?;
@@ -355,20 +434,9 @@ impl Runner {
     /// The cut buffer: cut tensors and inputs, for the whole run (the planner counts it as
     /// fixed memory, [`DeviceState::fixed`]).
     fn alloc_cut_buffer(&mut self, a: &Analysis<'_>) -> Result<()> {
-        let bytes = a.cut_bytes;
-        self.ledger.charge(bytes, &format!("the {} cut buffers", self.name))?;
-        let buf = match self.buft.alloc(bytes.max(1) as usize) {
-            Ok(b) => b,
-            Err(_) => {
-                self.ledger.credit(bytes);
-                return Err(SchedError::Alloc {
-                    device: self.backend.device().name(),
-                    bytes: bytes as usize,
-                    what: format!("the {} cut buffers", self.name),
-                });
-            }
-        };
-        let buf = &self.cut_buffer.insert((buf, bytes)).0;
+        let dev = &mut self.devs[0];
+        let buft = dev.buft;
+        let buf = dev.alloc_cut_buffer(&self.name, a.cut_bytes)?;
         let mut off = 0usize;
         for t in &a.bound {
             if !t.is_allocated() {
@@ -378,7 +446,7 @@ impl Runner {
                 // (`slot` bytes each, in order) and sum to its size.
                 unsafe { t.place_in(buf, off)? };
             }
-            off += slot(self.buft, *t);
+            off += slot(buft, *t);
         }
         Ok(())
     }
@@ -414,9 +482,10 @@ impl Runner {
     /// loads); ggml's allocator allocates the buffer when the segment's graph is allocated,
     /// within that charge (more is charged then if it needs more).
     fn reserve_workspace(&mut self, bytes: u64) -> Result<()> {
-        if bytes > self.charged {
-            self.ledger.charge(bytes - self.charged, &format!("the {} compute buffer", self.name))?;
-            self.charged = bytes;
+        let dev = &mut self.devs[0];
+        if bytes > dev.charged {
+            dev.ledger.charge(bytes - dev.charged, &format!("the {} compute buffer", self.name))?;
+            dev.charged = bytes;
         }
         Ok(())
     }
@@ -433,7 +502,7 @@ impl Runner {
         // weight set until the scope below has joined the worker, which ends the job.
         let job = unsafe { inflight.w.fill_on_worker(&inflight.groups) };
         let t0 = Instant::now();
-        let backend = self.backend.clone();
+        let backend = self.devs[0].backend.clone();
         let (computed, fetched, compute_secs) = std::thread::scope(|s| {
             let worker = s.spawn(move || job.map_or(Ok(()), |j| j.run()));
             let c0 = Instant::now();
@@ -455,13 +524,14 @@ impl Runner {
     }
 
     fn device_state(&self, cut_bytes: u64) -> DeviceState {
-        let dev = self.backend.device();
+        let main = &self.devs[0];
+        let dev = main.backend.device();
         let (free, total) = dev.memory();
-        let mut state = DeviceState::new(dev.name(), self.ledger.budget(), (total > 0).then_some(free));
-        let replicas = self.ledger.replicas();
+        let mut state = DeviceState::new(dev.name(), main.ledger.budget(), (total > 0).then_some(free));
+        let replicas = main.ledger.replicas();
         let replica_bytes: u64 = replicas.iter().map(|r| r.bytes).sum();
-        state.fixed = self.ledger.managed().saturating_sub(replica_bytes).saturating_sub(self.charged) + cut_bytes;
-        state.workspace = self.charged;
+        state.fixed = main.ledger.managed().saturating_sub(replica_bytes).saturating_sub(main.charged) + cut_bytes;
+        state.workspace = main.charged;
         state.replicas = replicas;
         // Prefetches are copied on a worker thread while the segment computes; the executor
         // has no asynchronous-transfer path, so it never offers one.
@@ -477,7 +547,7 @@ impl Runner {
              groups, {} evictions, compute {:.2} s, blocking loads {:.2} s, prefetch waits {:.2} s, peak compute \
              buffer {:.1} MiB",
             self.name,
-            self.backend.device().name(),
+            self.devs.iter().map(|d| d.backend.device().name()).collect::<Vec<_>>().join("&"),
             s.runs,
             s.segmented_runs,
             s.max_segments,
@@ -493,15 +563,8 @@ impl Runner {
     }
 }
 
-impl Drop for Runner {
-    fn drop(&mut self) {
-        self.release_cut_buffer();
-        self.ledger.credit(self.charged);
-    }
-}
-
 /// Bytes a tensor takes in the cut buffer.
-fn slot(buft: BufferType, t: Tensor<'_>) -> usize {
+pub(crate) fn slot(buft: BufferType, t: Tensor<'_>) -> usize {
     let a = buft.alignment().max(1);
     buft.alloc_size(t).div_ceil(a) * a
 }
@@ -509,7 +572,11 @@ fn slot(buft: BufferType, t: Tensor<'_>) -> usize {
 /// Expands the graph cut by cut, so that base segment *k* is the nodes cut *k* added (cuts
 /// that add no node are skipped), then the output; returns the segments' names and node
 /// ranges in execution order.
-fn expand<'g>(graph: &Graph<'g>, cuts: &[(String, Tensor<'g>)], out: Tensor<'g>) -> Vec<(String, Range<usize>)> {
+pub(crate) fn expand<'g>(
+    graph: &Graph<'g>,
+    cuts: &[(String, Tensor<'g>)],
+    out: Tensor<'g>,
+) -> Vec<(String, Range<usize>)> {
     let mut segments = Vec::new();
     let mut start = 0;
     for (name, t) in cuts {
@@ -530,36 +597,36 @@ fn expand<'g>(graph: &Graph<'g>, cuts: &[(String, Tensor<'g>)], out: Tensor<'g>)
 
 /// The module graph as the runner sees it: its base segments, what each reads, and the
 /// tensors crossing cuts.
-struct Analysis<'g> {
+pub(crate) struct Analysis<'g> {
     /// Name and node range of each base segment, in execution order.
-    segments: Vec<(String, Range<usize>)>,
+    pub(crate) segments: Vec<(String, Range<usize>)>,
     /// Groups each segment reads, in order of first use.
-    groups_of_seg: Vec<Vec<GroupId>>,
+    pub(crate) groups_of_seg: Vec<Vec<GroupId>>,
     /// Tensors that need storage outside the segments' compute buffers: outputs of a segment
     /// read by a later one, and graph inputs (leaves without storage that are not weights).
-    bound: Vec<Tensor<'g>>,
+    pub(crate) bound: Vec<Tensor<'g>>,
     /// Bytes of the cut buffer holding `bound`.
-    cut_bytes: u64,
+    pub(crate) cut_bytes: u64,
     /// Views of weights made in an earlier segment and read by segment `.0`.
-    stale_views: Vec<(usize, Tensor<'g>)>,
+    pub(crate) stale_views: Vec<(usize, Tensor<'g>)>,
     /// The weight tensors of each group the graph reads.
-    tensors_of_group: HashMap<GroupId, Vec<Tensor<'g>>>,
+    pub(crate) tensors_of_group: HashMap<GroupId, Vec<Tensor<'g>>>,
     /// The base segment that computes each bound tensor (absent for inputs).
-    producer: HashMap<usize, usize>,
+    pub(crate) producer: HashMap<usize, usize>,
 }
 
 impl Analysis<'_> {
-    fn produced_in(&self, t: Tensor<'_>) -> Option<usize> {
+    pub(crate) fn produced_in(&self, t: Tensor<'_>) -> Option<usize> {
         self.producer.get(&(t.as_raw() as usize)).copied()
     }
 
     /// The graph nodes of base segments `r`.
-    fn nodes_of(&self, r: Range<usize>) -> Range<usize> {
+    pub(crate) fn nodes_of(&self, r: Range<usize>) -> Range<usize> {
         self.segments[r.start].1.start..self.segments[r.end - 1].1.end
     }
 }
 
-fn analyse<'g>(
+pub(crate) fn analyse<'g>(
     w: &Weights,
     graph: &Graph<'g>,
     segments: Vec<(String, Range<usize>)>,

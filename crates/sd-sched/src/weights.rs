@@ -141,6 +141,8 @@ pub(crate) struct GroupId(pub(crate) usize);
 struct Group {
     /// Qualified name (`unet/input_blocks.1`).
     name: String,
+    /// The computing device it runs on (an index into the residency's devices; 0 = main).
+    device: usize,
     tensors: Vec<usize>,
     /// Offsets of the tensors in the group's replica buffer.
     offsets: Vec<usize>,
@@ -151,6 +153,9 @@ struct Group {
 enum Home {
     /// One buffer on the computing device (every group pinned).
     Compute { _buffer: Option<Buffer> },
+    /// A layer split with parameters on the computing devices: each group was loaded into a
+    /// replica of its own on its own device at placement, pinned there, never evicted.
+    Pinned,
     /// A mirror set on another device, charged to that device's ledger under a name.
     Device(Box<Weights>, Ledger, String),
     /// Per-tensor bytes in RAM.
@@ -161,8 +166,8 @@ enum Home {
 
 struct Residency {
     module: String,
-    compute: Arc<Backend>,
-    ledger: Ledger,
+    /// The computing devices, main first, each with its ledger (one for a module on one device).
+    devices: Vec<(Arc<Backend>, Ledger)>,
     home: Home,
     home_desc: String,
     src: Arc<dyn TensorSource + Send + Sync>,
@@ -286,7 +291,6 @@ impl Weights {
     /// group is loaded now and pinned; otherwise the home copy is made now (another
     /// device's buffer, or RAM) or nothing is (disk), and groups are staged on demand by
     /// the runner. Device bytes are charged to the ledgers of `ledgers`.
-    #[allow(clippy::too_many_arguments)]
     pub fn place(
         &mut self,
         module: &str,
@@ -296,36 +300,80 @@ impl Weights {
         group_of: &dyn Fn(&str) -> String,
         src: Arc<dyn TensorSource + Send + Sync>,
     ) -> Result<()> {
+        self.place_split(module, home, &[compute], &|_: &str| 0, ledgers, group_of, src)
+    }
+
+    /// [`place`](Self::place) for a module split over several computing devices (a layer
+    /// split): `device_of` maps an internal tensor name to an index into `devices` (main
+    /// first), and every tensor of a group must map to the same device. Each group is staged
+    /// to (or, with [`ParamHome::Compute`], loaded and pinned on) its own device, charged to
+    /// that device's ledger. The [`Runner`](crate::Runner) running the set must have the same
+    /// devices in the same order ([`Runner::with_devices`](crate::Runner::with_devices)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn place_split(
+        &mut self,
+        module: &str,
+        home: ParamHome,
+        devices: &[Arc<Backend>],
+        device_of: &dyn Fn(&str) -> usize,
+        ledgers: &Ledgers,
+        group_of: &dyn Fn(&str) -> String,
+        src: Arc<dyn TensorSource + Send + Sync>,
+    ) -> Result<()> {
         if self.is_allocated() && !self.specs.is_empty() {
             return Err(SchedError::Invalid(format!("{module}: the weights already have storage")));
         }
-        let buft = compute.device().buffer_type();
-        let align = buft.alignment();
+        if devices.is_empty() {
+            return Err(SchedError::Invalid(format!("{module}: no computing device to place the weights for")));
+        }
         let mut groups: Vec<Group> = Vec::new();
         let mut by_name: HashMap<String, usize> = HashMap::new();
         let mut group_of_tensor = Vec::with_capacity(self.specs.len());
         for (i, spec) in self.specs.iter().enumerate() {
             let name = format!("{module}/{}", group_of(&spec.name));
+            let device = device_of(&spec.name);
+            if device >= devices.len() {
+                return Err(SchedError::Invalid(format!(
+                    "{module}: tensor `{}` is assigned device {device} of {}",
+                    spec.name,
+                    devices.len()
+                )));
+            }
             let gi = *by_name.entry(name.clone()).or_insert_with(|| {
-                groups.push(Group { name, tensors: Vec::new(), offsets: Vec::new(), bytes: 0 });
+                groups.push(Group { name, device, tensors: Vec::new(), offsets: Vec::new(), bytes: 0 });
                 groups.len() - 1
             });
             let g = &mut groups[gi];
-            let off = align_up(g.bytes as usize, align);
+            if g.device != device {
+                return Err(SchedError::Invalid(format!(
+                    "{module}: group `{}` has tensors on {} and on {} (`{}`); a group runs on one device",
+                    g.name,
+                    devices[g.device].device().name(),
+                    devices[device].device().name(),
+                    spec.name
+                )));
+            }
+            let buft = devices[device].device().buffer_type();
+            let off = align_up(g.bytes as usize, buft.alignment());
             g.tensors.push(i);
             g.offsets.push(off);
             g.bytes = (off + buft.alloc_size(self.nth(i))) as u64;
             group_of_tensor.push(gi);
         }
         for g in &mut groups {
-            g.bytes = align_up(g.bytes as usize, align) as u64;
+            g.bytes = align_up(g.bytes as usize, devices[g.device].device().buffer_type().alignment()) as u64;
         }
-        let ledger = ledgers.get(&compute.device().name());
+        let devices: Vec<(Arc<Backend>, Ledger)> =
+            devices.iter().map(|b| (b.clone(), ledgers.get(&b.device().name()))).collect();
+        let ledger = devices[0].1.clone();
+        let split = devices.len() > 1;
         let n_groups = groups.len();
         let t0 = Instant::now();
         let home_desc = home.describe();
         let home = match home {
+            ParamHome::Compute if split => Home::Pinned,
             ParamHome::Compute => {
+                let buft = devices[0].0.device().buffer_type();
                 for g in &groups {
                     ledger.add_replica(&g.name, g.bytes, true)?;
                 }
@@ -371,18 +419,13 @@ impl Weights {
             }
             ParamHome::Disk => Home::Disk,
         };
-        tracing::debug!(
-            "{module}: {} parameter tensors in {n_groups} groups, params {home_desc}, placed in {:.2} s",
-            self.specs.len(),
-            t0.elapsed().as_secs_f64()
-        );
         let pinned = matches!(home, Home::Compute { .. });
+        let pin_each = matches!(home, Home::Pinned);
         self.residency = Some(Residency {
             module: module.to_string(),
-            compute,
-            ledger,
+            devices,
             home,
-            home_desc,
+            home_desc: home_desc.clone(),
             src,
             replicas: Mutex::new((0..n_groups).map(|_| None).collect()),
             groups,
@@ -390,6 +433,25 @@ impl Weights {
             copied_bytes: AtomicU64::new(0),
             copy_nanos: AtomicU64::new(0),
         });
+        if pin_each {
+            // Every group loaded on its own device now, as one pinned replica each.
+            let loaded = (0..n_groups).map(GroupId).try_for_each(|g| {
+                self.alloc_replica(g, true)?;
+                let r = self.residency.as_ref().expect("just set");
+                let job = FillJob::new(self, r, &[g], HomeCopy::Disk(r.src.as_ref()));
+                job.run()
+            });
+            if let Err(e) = loaded {
+                self.release_all_forced();
+                self.residency = None;
+                return Err(e);
+            }
+        }
+        tracing::debug!(
+            "{module}: {} parameter tensors in {n_groups} groups, params {home_desc}, placed in {:.2} s",
+            self.specs.len(),
+            t0.elapsed().as_secs_f64()
+        );
         if pinned {
             let r = self.residency.as_ref().expect("just set");
             r.copied_bytes.store(r.groups.iter().map(|g| g.bytes).sum(), Ordering::Relaxed);
@@ -399,7 +461,7 @@ impl Weights {
 
     /// Whether every group is pinned on the computing device (unplaced sets count as pinned).
     pub fn is_pinned(&self) -> bool {
-        self.residency.as_ref().is_none_or(|r| matches!(r.home, Home::Compute { .. }))
+        self.residency.as_ref().is_none_or(|r| matches!(r.home, Home::Compute { .. } | Home::Pinned))
     }
 
     /// Where the parameters live, for logs.
@@ -411,7 +473,7 @@ impl Weights {
     pub fn home_report(&self) -> crate::report::HomeReport {
         use crate::report::HomeReport;
         match self.residency.as_ref().map(|r| &r.home) {
-            None | Some(Home::Compute { .. }) => HomeReport::Compute,
+            None | Some(Home::Compute { .. } | Home::Pinned) => HomeReport::Compute,
             Some(Home::Device(_, ledger, _)) => HomeReport::Device { device: ledger.device().to_string() },
             Some(Home::Host(_)) => HomeReport::Host,
             Some(Home::Disk) => HomeReport::Disk,
@@ -462,19 +524,25 @@ impl Weights {
         }
     }
 
-    /// Allocates group `g`'s replica on the computing device (charged to the ledger) and
+    /// Allocates group `g`'s replica on its computing device (charged to the ledger) and
     /// places its tensors; the data is copied by [`fill_group`](Self::fill_group).
     pub(crate) fn alloc_group(&self, g: GroupId) -> Result<()> {
+        self.alloc_replica(g, false)
+    }
+
+    /// [`alloc_group`](Self::alloc_group), the replica charged as pinned or not.
+    fn alloc_replica(&self, g: GroupId, pinned: bool) -> Result<()> {
         let Some(r) = &self.residency else { return Ok(()) };
         if self.is_resident(g) {
             return Ok(());
         }
         let group = &r.groups[g.0];
-        r.ledger.add_replica(&group.name, group.bytes, false)?;
-        let buft = r.compute.device().buffer_type();
+        let (backend, ledger) = &r.devices[group.device];
+        ledger.add_replica(&group.name, group.bytes, pinned)?;
+        let buft = backend.device().buffer_type();
         let placed = (|| -> Result<Buffer> {
             let buf = buft.alloc(group.bytes as usize).map_err(|_| SchedError::Alloc {
-                device: r.compute.device().name(),
+                device: backend.device().name(),
                 bytes: group.bytes as usize,
                 what: format!("the weights of {}", group.name),
             })?;
@@ -497,7 +565,7 @@ impl Weights {
                 Ok(())
             }
             Err(e) => {
-                r.ledger.remove_replica(&group.name);
+                ledger.remove_replica(&group.name);
                 Err(e)
             }
         }
@@ -539,35 +607,66 @@ impl Weights {
     fn fill_job(&self, groups: &[GroupId]) -> Option<FillJob<'_>> {
         let r = self.residency.as_ref()?;
         let home = match &r.home {
-            Home::Compute { .. } => return None,
+            Home::Compute { .. } | Home::Pinned => return None,
             Home::Device(mirror, _, _) => HomeCopy::Device(mirror.raw.as_slice()),
             Home::Host(bytes) => HomeCopy::Host(bytes.as_slice()),
             Home::Disk => HomeCopy::Disk(r.src.as_ref()),
         };
-        let tensors = groups.iter().flat_map(|g| r.groups[g.0].tensors.iter().copied()).collect();
-        Some(FillJob {
-            raw: &self.raw,
-            specs: &self.specs,
-            tensors,
-            home,
-            bytes: groups.iter().map(|g| r.groups[g.0].bytes).sum(),
-            copied_bytes: &r.copied_bytes,
-            copy_nanos: &r.copy_nanos,
-        })
+        Some(FillJob::new(self, r, groups, home))
     }
 
     /// Frees group `g`'s replica (no-op for pinned or absent ones).
     pub(crate) fn evict_group(&self, g: GroupId) {
         let Some(r) = &self.residency else { return };
-        if matches!(r.home, Home::Compute { .. }) {
+        if matches!(r.home, Home::Compute { .. } | Home::Pinned) {
             return;
         }
+        self.free_replica(r, g);
+    }
+
+    fn free_replica(&self, r: &Residency, g: GroupId) {
         let buf = r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0].take();
         if let Some(buf) = buf {
             self.detach_group(g);
             drop(buf);
-            r.ledger.remove_replica(&r.groups[g.0].name);
+            r.devices[r.groups[g.0].device].1.remove_replica(&r.groups[g.0].name);
         }
+    }
+
+    /// Frees every replica, pinned ones included (the set is being dropped or unplaced).
+    fn release_all_forced(&self) {
+        let Some(r) = &self.residency else { return };
+        for g in (0..r.groups.len()).map(GroupId) {
+            self.free_replica(r, g);
+        }
+    }
+
+    /// The computing devices' names, main first (one when not placed over a split; none when
+    /// not placed).
+    pub(crate) fn device_names(&self) -> Vec<String> {
+        self.residency.as_ref().map_or_else(Vec::new, |r| r.devices.iter().map(|(b, _)| b.device().name()).collect())
+    }
+
+    /// Bytes of group `g`'s replica.
+    pub(crate) fn group_bytes(&self, g: GroupId) -> u64 {
+        self.residency.as_ref().map_or(0, |r| r.groups[g.0].bytes)
+    }
+
+    /// The index of group `g`'s computing device.
+    pub(crate) fn device_of_group(&self, g: GroupId) -> usize {
+        self.residency.as_ref().map_or(0, |r| r.groups[g.0].device)
+    }
+
+    /// Whether the parameters are re-read from the source at each staging (a disk home).
+    pub(crate) fn is_disk_home(&self) -> bool {
+        self.residency.as_ref().is_some_and(|r| matches!(r.home, Home::Disk))
+    }
+
+    /// The groups with a replica on device `d` (staged, not pinned).
+    pub(crate) fn staged_on(&self, d: usize) -> Vec<GroupId> {
+        let Some(r) = &self.residency else { return Vec::new() };
+        let replicas = r.replicas.lock().unwrap_or_else(|e| e.into_inner());
+        (0..r.groups.len()).filter(|&g| r.groups[g].device == d && replicas[g].is_some()).map(GroupId).collect()
     }
 }
 
@@ -594,7 +693,20 @@ struct FillJob<'w> {
     copy_nanos: &'w AtomicU64,
 }
 
-impl FillJob<'_> {
+impl<'w> FillJob<'w> {
+    /// The copy of `groups` of `w` (placed as `r`) from `home`.
+    fn new(w: &'w Weights, r: &'w Residency, groups: &[GroupId], home: HomeCopy<'w>) -> Self {
+        FillJob {
+            raw: &w.raw,
+            specs: &w.specs,
+            tensors: groups.iter().flat_map(|g| r.groups[g.0].tensors.iter().copied()).collect(),
+            home,
+            bytes: groups.iter().map(|g| r.groups[g.0].bytes).sum(),
+            copied_bytes: &r.copied_bytes,
+            copy_nanos: &r.copy_nanos,
+        }
+    }
+
     fn run(self) -> Result<()> {
         let t0 = Instant::now();
         for &i in &self.tensors {
@@ -638,14 +750,6 @@ impl WorkerFill<'_> {
 }
 
 impl Weights {
-    /// Evicts every unpinned group.
-    fn release_all(&self) {
-        let n = self.residency.as_ref().map_or(0, |r| r.groups.len());
-        for g in (0..n).map(GroupId) {
-            self.evict_group(g);
-        }
-    }
-
     /// The module name given to [`place`](Self::place).
     pub fn module(&self) -> Option<&str> {
         self.residency.as_ref().map(|r| r.module.as_str())
@@ -654,14 +758,15 @@ impl Weights {
 
 impl Drop for Weights {
     fn drop(&mut self) {
-        self.release_all();
+        self.release_all_forced();
         if let Some(r) = &self.residency {
             match &r.home {
                 Home::Compute { .. } => {
                     for g in &r.groups {
-                        r.ledger.remove_replica(&g.name);
+                        r.devices[0].1.remove_replica(&g.name);
                     }
                 }
+                Home::Pinned => {}
                 Home::Device(_, ledger, name) => ledger.remove_replica(name),
                 Home::Host(_) | Home::Disk => {}
             }

@@ -254,8 +254,8 @@ impl TensorIndex {
         self.block_of(&entry.name)
     }
 
-    /// [`TensorIndex::block`] by internal name.
-    fn block_of(&self, name: &str) -> Option<u32> {
+    /// [`TensorIndex::block`] by internal name (a layer split's device of a tensor).
+    pub fn block_of(&self, name: &str) -> Option<u32> {
         if let Some((part, n)) = unet_block(name) {
             return Some(match part {
                 UnetPart::Input => n,

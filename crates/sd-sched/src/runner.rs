@@ -84,6 +84,16 @@ pub struct RunStats {
     /// Activation copies between the devices of a layer split.
     #[serde(default)]
     pub cross_device_copies: usize,
+    /// Split runs whose micro-batches were overlapped across devices (`--pipeline-copies`).
+    #[serde(default)]
+    pub pipelined_runs: usize,
+    /// Wall time of those runs.
+    #[serde(default)]
+    pub pipeline_wall_secs: f64,
+    /// Compute time of every device during those runs, summed: divided by the wall time, the
+    /// overlap achieved (1 = none; up to the number of devices).
+    #[serde(default)]
+    pub pipeline_busy_secs: f64,
 }
 
 /// Graph execution on one backend, or on several for a layer-split module (main first).
@@ -96,6 +106,10 @@ pub struct Runner {
     pub(crate) stats: RunStats,
     /// The stages of the last split run.
     pub(crate) stages: Vec<crate::report::StageReport>,
+    /// `--pipeline-copies`: micro-batches a split run may overlap across its devices.
+    pub(crate) copies: usize,
+    /// Whether the pipelining line was logged.
+    pub(crate) logged_pipeline: bool,
 }
 
 /// A runner's state on one computing device.
@@ -108,15 +122,16 @@ pub(crate) struct Dev {
     /// Bytes of the compute buffer charged to the ledger.
     pub(crate) charged: u64,
     pub(crate) last_logged: usize,
-    /// The cut buffer of the last run, kept while its output may still be read.
-    pub(crate) cut_buffer: Option<(Buffer, u64)>,
+    /// The cut buffers of the last run (one; one per micro-batch of a pipelined split run),
+    /// kept while its output may still be read.
+    pub(crate) cut_buffers: Vec<(Buffer, u64)>,
 }
 
 impl Dev {
     fn new(backend: Arc<Backend>, ledger: Ledger) -> Self {
         let buft = backend.device().buffer_type();
         let alloc = GraphAllocator::new(buft);
-        Dev { backend, buft, alloc, ledger, charged: 0, last_logged: 0, cut_buffer: None }
+        Dev { backend, buft, alloc, ledger, charged: 0, last_logged: 0, cut_buffers: Vec::new() }
     }
 
     /// Charges and allocates the compute buffer of `module` for `graph` (measured: `need`
@@ -167,15 +182,16 @@ impl Dev {
         self.charged = 0;
     }
 
-    fn release_cut_buffer(&mut self) {
-        if let Some((buf, bytes)) = self.cut_buffer.take() {
+    pub(crate) fn release_cut_buffer(&mut self) {
+        for (buf, bytes) in self.cut_buffers.drain(..) {
             drop(buf);
             self.ledger.credit(bytes);
         }
     }
 
-    /// Charges and allocates a cut buffer of `bytes` (kept until the next run).
-    pub(crate) fn alloc_cut_buffer(&mut self, module: &str, bytes: u64) -> Result<&Buffer> {
+    /// Charges and allocates a cut buffer of `bytes` (kept until the next run); its index in
+    /// `cut_buffers`.
+    pub(crate) fn alloc_cut_buffer(&mut self, module: &str, bytes: u64) -> Result<usize> {
         self.ledger.charge(bytes, &format!("the {module} cut buffers"))?;
         let buf = match self.buft.alloc(bytes.max(1) as usize) {
             Ok(b) => b,
@@ -188,7 +204,8 @@ impl Dev {
                 });
             }
         };
-        Ok(&self.cut_buffer.insert((buf, bytes)).0)
+        self.cut_buffers.push((buf, bytes));
+        Ok(self.cut_buffers.len() - 1)
     }
 }
 
@@ -214,6 +231,8 @@ impl Runner {
             opts,
             stats: RunStats::default(),
             stages: Vec::new(),
+            copies: 1,
+            logged_pipeline: false,
         }
     }
 
@@ -222,7 +241,15 @@ impl Runner {
     /// the same order. With one device it is [`with_ledger`](Self::with_ledger).
     pub fn with_devices(name: impl Into<String>, devices: Vec<(Arc<Backend>, Ledger)>, opts: plan::Options) -> Self {
         let devs = devices.into_iter().map(|(b, l)| Dev::new(b, l)).collect();
-        Self { name: name.into(), devs, opts, stats: RunStats::default(), stages: Vec::new() }
+        Self {
+            name: name.into(),
+            devs,
+            opts,
+            stats: RunStats::default(),
+            stages: Vec::new(),
+            copies: 1,
+            logged_pipeline: false,
+        }
     }
 
     /// The name it was given (for logs and reports).
@@ -303,11 +330,12 @@ impl Runner {
         for d in &mut self.devs {
             d.release_cut_buffer();
         }
+        if self.devs.len() > 1 || w.device_names().len() > 1 {
+            let job = crate::split::BatchJob { ctx: g, graph_size, cuts: cuts.to_vec(), out };
+            return self.run_batches(w, std::slice::from_ref(&job), set_inputs);
+        }
         let graph = g.new_graph(graph_size);
         let segments = expand(&graph, cuts, out);
-        if self.devs.len() > 1 || w.device_names().len() > 1 {
-            return self.run_split(w, &graph, segments, set_inputs);
-        }
         if w.is_pinned() {
             // Everything is on the device and stays there: one graph, as allocated.
             self.alloc(&graph)?;
@@ -436,11 +464,12 @@ impl Runner {
     fn alloc_cut_buffer(&mut self, a: &Analysis<'_>) -> Result<()> {
         let dev = &mut self.devs[0];
         let buft = dev.buft;
-        let buf = dev.alloc_cut_buffer(&self.name, a.cut_bytes)?;
+        let at = dev.alloc_cut_buffer(&self.name, a.cut_bytes)?;
+        let buf = &dev.cut_buffers[at].0;
         let mut off = 0usize;
         for t in &a.bound {
             if !t.is_allocated() {
-                // SAFETY: the buffer stays in `self.cut_buffer` until the next run or the
+                // SAFETY: the buffer stays in `cut_buffers` until the next run or the
                 // runner's drop, past every use this run makes of the tensors (the caller
                 // reads the output before either, `run`'s contract); slots are disjoint
                 // (`slot` bytes each, in order) and sum to its size.

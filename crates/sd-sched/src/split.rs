@@ -29,11 +29,11 @@ use std::collections::HashSet;
 use std::ops::Range;
 use std::time::Instant;
 
-use sd_backends::{Graph, Tensor};
+use sd_backends::{Context, Graph, Tensor};
 
 use crate::error::{Result, SchedError};
 use crate::report::StageReport;
-use crate::runner::{analyse, slot, Analysis, Runner};
+use crate::runner::{analyse, slot, Analysis, Dev, RunStats, Runner};
 use crate::weights::{GroupId, Weights};
 
 /// Consecutive base segments on one device.
@@ -79,25 +79,79 @@ pub(crate) fn stages(
     Ok(out)
 }
 
+/// One graph of a split run: a micro-batch when a batch is pipelined ([`Runner::run_batches`]).
+#[derive(Clone, Debug)]
+pub struct BatchJob<'g> {
+    /// The context the graph was built in.
+    pub ctx: &'g Context,
+    /// Room for this many nodes.
+    pub graph_size: usize,
+    /// Block outputs in execution order, with names ([`Runner::run`]'s cuts).
+    pub cuts: Vec<(String, Tensor<'g>)>,
+    /// The output; readable after the run until the runner runs again.
+    pub out: Tensor<'g>,
+}
+
 /// Where each bound tensor is, during a split run.
 struct Bound {
     /// The device whose slot it points at now.
     at: usize,
     /// The devices holding its current bytes.
     valid: Vec<bool>,
-    /// Its slot offset in each device's cut buffer (`None`: no slot there).
+    /// Its slot offset in each device's cut buffer of its job (`None`: no slot there).
     slot: Vec<Option<usize>>,
 }
 
+/// One job's graph and its analysis, during a split run.
+struct JobRun<'g> {
+    graph: Graph<'g>,
+    a: Analysis<'g>,
+    stages: Vec<Stage>,
+    reads: Vec<Vec<usize>>,
+    bound: Vec<Bound>,
+    /// The job's cut buffer on each device (an index into that device's `cut_buffers`).
+    bufs: Vec<Option<usize>>,
+}
+
+/// A value moved to a device's compute thread. Sound where it is built: every thread gets
+/// one device's state and graphs no other thread touches (see `compute_items`).
+struct OnThread<T>(T);
+
+// SAFETY: only built in `compute_items`, whose comment states the exclusivity argument.
+unsafe impl<T> Send for OnThread<T> {}
+
 impl Runner {
-    /// [`Runner::run`] for a module split over this runner's devices (module docs).
-    pub(crate) fn run_split<'g>(
+    /// Sets how many micro-batches a split run may overlap across its devices
+    /// (`--pipeline-copies`; at least 1). Each one keeps its own copy of the activations that
+    /// cross devices (its own cut buffers); the devices' compute buffers are shared.
+    pub fn set_pipeline_copies(&mut self, copies: usize) {
+        self.copies = copies.max(1);
+    }
+
+    /// How many micro-batches a batch of `batch` samples should be split into for this
+    /// runner: the pipeline copies, at most `batch`, for a split runner; 1 otherwise.
+    pub fn micro_batches(&self, batch: usize) -> usize {
+        if self.devs.len() > 1 {
+            self.copies.min(batch).max(1)
+        } else {
+            1
+        }
+    }
+
+    /// Runs the graphs of `jobs` (micro-batches of one evaluation, built alike) over this
+    /// runner's split devices: with several jobs, device *k* computes stage *k* of job *i*
+    /// while device *k+1* computes stage *k+1* of job *i-1* (module docs). `set_inputs` is
+    /// called once every job's inputs have storage. Every job's output can be read afterwards,
+    /// until this runner runs again or is dropped.
+    pub fn run_batches<'g>(
         &mut self,
         w: &Weights,
-        graph: &Graph<'g>,
-        segments: Vec<(String, Range<usize>)>,
+        jobs: &[BatchJob<'g>],
         set_inputs: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
+        for d in &mut self.devs {
+            d.release_cut_buffer();
+        }
         let names: Vec<String> = self.devs.iter().map(|d| d.backend.device().name()).collect();
         if w.device_names() != names {
             return Err(SchedError::Invalid(format!(
@@ -107,76 +161,181 @@ impl Runner {
                 names.join(", ")
             )));
         }
-        self.stats.runs += 1;
-        self.stats.segmented_runs += 1;
-        let a = analyse(w, graph, segments, self.devs[0].buft);
-        let seg_names: Vec<String> = a.segments.iter().map(|(n, _)| n.clone()).collect();
-        let devs_of_seg: Vec<Vec<usize>> =
-            a.groups_of_seg.iter().map(|gs| gs.iter().map(|g| w.device_of_group(*g)).collect()).collect();
-        let stages = stages(&self.name, &names, &seg_names, &devs_of_seg)?;
-        let reads = stage_reads(graph, &a, &stages);
-        self.stages = stages
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let mut runs = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let graph = job.ctx.new_graph(job.graph_size);
+            let segments = crate::runner::expand(&graph, &job.cuts, job.out);
+            let mut a = analyse(w, &graph, segments, self.devs[0].buft);
+            keep_output(&mut a, job.out);
+            let seg_names: Vec<String> = a.segments.iter().map(|(n, _)| n.clone()).collect();
+            let devs_of_seg: Vec<Vec<usize>> =
+                a.groups_of_seg.iter().map(|gs| gs.iter().map(|g| w.device_of_group(*g)).collect()).collect();
+            let stages = stages(&self.name, &names, &seg_names, &devs_of_seg)?;
+            let reads = stage_reads(&graph, &a, &stages);
+            runs.push(JobRun { graph, a, stages, reads, bound: Vec::new(), bufs: Vec::new() });
+        }
+        let pattern: Vec<usize> = runs[0].stages.iter().map(|s| s.device).collect();
+        if runs.iter().any(|r| r.stages.iter().map(|s| s.device).collect::<Vec<_>>() != pattern) {
+            return Err(SchedError::Invalid(format!("{}: the micro-batches' graphs are not alike", self.name)));
+        }
+        self.stages = runs[0]
+            .stages
             .iter()
             .map(|st| StageReport {
                 device: names[st.device].clone(),
-                segments: seg_names[st.segments.clone()].to_vec(),
+                segments: runs[0].a.segments[st.segments.clone()].iter().map(|(n, _)| n.clone()).collect(),
             })
             .collect();
-        let mut bound = self.bind(&a, &stages, &reads)?;
+        for r in &mut runs {
+            self.bind(r)?;
+        }
         set_inputs()?;
-        let n_stages = stages.len();
-        for (k, st) in stages.iter().enumerate() {
-            let d = st.device;
-            self.move_inputs(&a, &reads[k], d, &mut bound)?;
-            let nodes = a.nodes_of(st.segments.clone());
-            let moved_views = earlier_views(graph, &a, nodes.clone());
-            let own: HashSet<GroupId> = st.segments.clone().flat_map(|s| a.groups_of_seg[s].iter().copied()).collect();
-            let mut loaded = Vec::new();
-            for &gi in own.iter() {
-                if !w.is_resident(gi) {
-                    self.stage_group(w, gi, d, &own)?;
-                    loaded.push(gi);
+        let n_stages = pattern.len();
+        let m = runs.len();
+        if m > 1 && !self.logged_pipeline {
+            tracing::debug!("{}: pipeline parallelism enabled (n_copies={m})", self.name);
+            self.logged_pipeline = true;
+        }
+        self.stats.runs += m;
+        self.stats.segmented_runs += m;
+        let t_run = Instant::now();
+        let mut busy = 0.0f64;
+        let mut loaded: Vec<Vec<GroupId>> = vec![Vec::new(); n_stages];
+        for t in 0..n_stages + m - 1 {
+            // Stage k of job t - k, for every k that has one.
+            let items: Vec<(usize, usize)> =
+                (0..n_stages).filter_map(|k| t.checked_sub(k).filter(|&i| i < m).map(|i| (k, i))).collect();
+            for &(k, i) in &items {
+                let d = pattern[k];
+                self.move_inputs(&mut runs[i], k, d)?;
+                let r = &runs[i];
+                let segs = r.stages[k].segments.clone();
+                let own: HashSet<GroupId> = segs.clone().flat_map(|s| r.a.groups_of_seg[s].iter().copied()).collect();
+                for &gi in &own {
+                    if !w.is_resident(gi) {
+                        self.stage_group(w, gi, d, &own)?;
+                        loaded[k].push(gi);
+                    }
+                }
+                let moved = earlier_views(&r.graph, &r.a, r.a.nodes_of(segs.clone()));
+                for (s, t) in r.a.stale_views.iter().chain(moved.iter()) {
+                    if segs.contains(s) {
+                        // SAFETY: a view made in an earlier segment of storage that may have
+                        // moved (a restaged weight, a bound tensor now on this device); the
+                        // allocator re-makes it from its source.
+                        unsafe { t.detach_storage() };
+                    }
                 }
             }
-            for (s, t) in a.stale_views.iter().chain(moved_views.iter()) {
-                if st.segments.contains(s) {
-                    // SAFETY: a view made in an earlier segment of storage that may have moved
-                    // (a restaged weight, a bound tensor now on this device); the allocator
-                    // re-makes it from its source.
-                    unsafe { t.detach_storage() };
+            busy += self.compute_items(&runs, &items, n_stages)?;
+            for &(k, i) in &items {
+                let r = &mut runs[i];
+                let d = pattern[k];
+                for (bi, t) in r.a.bound.iter().enumerate() {
+                    if r.a.produced_in(*t).is_some_and(|p| r.stages[k].segments.contains(&p)) {
+                        r.bound[bi].valid[d] = true;
+                        // SAFETY: computed by this stage; later stages only read it.
+                        unsafe { t.sever_operands() };
+                    }
                 }
-            }
-            let view = graph.view(nodes);
-            let vg = view.graph();
-            let dev = &mut self.devs[d];
-            let need = dev.alloc.measure(&vg) as u64;
-            dev.alloc_measured(&self.name, &vg, need, n_stages, &mut self.stats)?;
-            let t0 = Instant::now();
-            dev.backend.compute(&vg)?;
-            self.stats.compute_secs += t0.elapsed().as_secs_f64();
-            self.stats.segments += 1;
-            for (i, t) in a.bound.iter().enumerate() {
-                if a.produced_in(*t).is_some_and(|p| st.segments.contains(&p)) {
-                    bound[i].valid[d] = true;
-                    // SAFETY: computed by this stage; later stages only read it.
-                    unsafe { t.sever_operands() };
-                }
-            }
-            if w.is_disk_home() {
-                for gi in loaded {
-                    w.evict_group(gi);
-                    self.stats.evictions += 1;
+                if i + 1 == m && w.is_disk_home() {
+                    // Released once the stage's last micro-batch has run.
+                    for gi in loaded[k].drain(..) {
+                        w.evict_group(gi);
+                        self.stats.evictions += 1;
+                    }
                 }
             }
         }
+        self.stats.segments += n_stages * m;
         self.stats.max_segments = self.stats.max_segments.max(n_stages);
+        if m > 1 {
+            self.stats.pipelined_runs += 1;
+            self.stats.pipeline_wall_secs += t_run.elapsed().as_secs_f64();
+            self.stats.pipeline_busy_secs += busy;
+        }
         Ok(())
     }
 
-    /// Allocates each device's cut buffer (a slot for every bound tensor a stage on it produces
-    /// or reads; graph inputs on the device of their first reader) and points every bound
-    /// tensor at the slot on the device that writes it first.
-    fn bind(&mut self, a: &Analysis<'_>, stages: &[Stage], reads: &[Vec<usize>]) -> Result<Vec<Bound>> {
+    /// Computes the work items `(stage, job)` of one time slot: each device's items in order
+    /// on a thread of its own, the devices in parallel. Returns the devices' compute time,
+    /// summed.
+    fn compute_items(&mut self, runs: &[JobRun<'_>], items: &[(usize, usize)], n_stages: usize) -> Result<f64> {
+        let name = self.name.clone();
+        let mut per_dev: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.devs.len()];
+        for &(k, i) in items {
+            per_dev[runs[i].stages[k].device].push((k, i));
+        }
+        let work = |dev: &mut Dev, mine: &[(usize, usize)], stats: &mut RunStats| -> Result<f64> {
+            let mut secs = 0.0;
+            for &(k, i) in mine {
+                let r = &runs[i];
+                let view = r.graph.view(r.a.nodes_of(r.stages[k].segments.clone()));
+                let vg = view.graph();
+                let need = dev.alloc.measure(&vg) as u64;
+                dev.alloc_measured(&name, &vg, need, n_stages, stats)?;
+                let t0 = Instant::now();
+                dev.backend.compute(&vg)?;
+                secs += t0.elapsed().as_secs_f64();
+            }
+            Ok(secs)
+        };
+        let active = per_dev.iter().filter(|v| !v.is_empty()).count();
+        let mut total = 0.0;
+        if active <= 1 {
+            for (d, mine) in per_dev.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                total += work(&mut self.devs[d], mine, &mut self.stats)?;
+            }
+        } else {
+            // SAFETY (of every `OnThread` below): each thread gets one device's state (`&mut`
+            // to a distinct element of `devs`), and the graphs of its items; the items of one
+            // slot belong to distinct jobs (job = slot - stage), whose graphs, contexts and cut
+            // buffers are disjoint, and a graph's views are made and allocated only by the
+            // thread computing it. The weights the graphs read are neither staged nor evicted
+            // while the threads run (that happens before and after this call), and each
+            // backend serialises its own calls.
+            let results: Vec<(Result<f64>, RunStats)> = std::thread::scope(|s| {
+                let handles: Vec<_> = self
+                    .devs
+                    .iter_mut()
+                    .zip(&per_dev)
+                    .filter(|(_, mine)| !mine.is_empty())
+                    .map(|(dev, mine)| {
+                        let job = OnThread((dev, mine.as_slice(), &work));
+                        s.spawn(move || {
+                            let job = job;
+                            let OnThread((dev, mine, work)) = job;
+                            let mut stats = RunStats::default();
+                            let r = work(dev, mine, &mut stats);
+                            OnThread((r, stats))
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| match h.join() {
+                        Ok(OnThread(v)) => v,
+                        Err(_) => (Err(SchedError::Invalid("a device's compute thread panicked".into())), RunStats::default()),
+                    })
+                    .collect()
+            });
+            for (r, st) in results {
+                self.stats.peak_workspace = self.stats.peak_workspace.max(st.peak_workspace);
+                total += r?;
+            }
+        }
+        self.stats.compute_secs += total;
+        Ok(total)
+    }
+
+    /// Allocates the job's cut buffer on each device (a slot for every bound tensor a stage
+    /// on it produces or reads; graph inputs on the device of their first reader) and points
+    /// every bound tensor at the slot on the device that writes it first.
+    fn bind(&mut self, r: &mut JobRun<'_>) -> Result<()> {
+        let (a, stages, reads) = (&r.a, &r.stages, &r.reads);
         let n_dev = self.devs.len();
         let stage_of_seg = |s: usize| stages.iter().position(|st| st.segments.contains(&s)).unwrap_or(0);
         let mut first_at = Vec::with_capacity(a.bound.len());
@@ -189,14 +348,15 @@ impl Runner {
             first_at.push(first);
             needs[i][first] = true;
         }
-        for (k, r) in reads.iter().enumerate() {
-            for &i in r {
+        for (k, rd) in reads.iter().enumerate() {
+            for &i in rd {
                 needs[i][stages[k].device] = true;
             }
         }
         let mut bound: Vec<Bound> = (0..a.bound.len())
             .map(|i| Bound { at: first_at[i], valid: vec![false; n_dev], slot: vec![None; n_dev] })
             .collect();
+        let mut bufs = vec![None; n_dev];
         for (d, dev) in self.devs.iter_mut().enumerate() {
             let mut off = 0usize;
             for (i, t) in a.bound.iter().enumerate() {
@@ -206,47 +366,46 @@ impl Runner {
                 }
             }
             if off > 0 {
-                dev.alloc_cut_buffer(&self.name, off as u64)?;
+                bufs[d] = Some(dev.alloc_cut_buffer(&self.name, off as u64)?);
             }
         }
         for (i, t) in a.bound.iter().enumerate() {
             let d = bound[i].at;
-            if let (Some(off), Some((buf, _))) = (bound[i].slot[d], self.devs[d].cut_buffer.as_ref()) {
+            if let (Some(off), Some(b)) = (bound[i].slot[d], bufs[d]) {
                 if !t.is_allocated() {
-                    // SAFETY: the cut buffer stays in `devs[d]` until the next run or the
-                    // runner's drop, past every use this run makes of the tensor (`run`'s
-                    // contract); slots are disjoint and inside it.
-                    unsafe { t.place_in(buf, off)? };
+                    // SAFETY: the cut buffer stays in `devs[d].cut_buffers` until the next
+                    // run or the runner's drop, past every use this run makes of the tensor
+                    // (`run`'s contract); slots are disjoint and inside it.
+                    unsafe { t.place_in(&self.devs[d].cut_buffers[b].0, off)? };
                 }
             }
             // Inputs are written by `set_inputs` where they point now; outputs where computed.
             bound[i].valid[d] = a.produced_in(*t).is_none();
         }
-        Ok(bound)
+        r.bound = bound;
+        r.bufs = bufs;
+        Ok(())
     }
 
-    /// Points the bound tensors stage `d` reads at device `d`'s slots, copying the bytes of
-    /// those it does not hold yet.
-    fn move_inputs(&mut self, a: &Analysis<'_>, reads: &[usize], d: usize, bound: &mut [Bound]) -> Result<()> {
-        for &i in reads {
-            let b = &mut bound[i];
+    /// Points the bound tensors stage `k` of job `r` reads at device `d`'s slots, copying the
+    /// bytes of those it does not hold yet.
+    fn move_inputs(&mut self, r: &mut JobRun<'_>, k: usize, d: usize) -> Result<()> {
+        for &i in &r.reads[k] {
+            let b = &mut r.bound[i];
             if b.at == d {
                 continue;
             }
-            let t = a.bound[i];
-            let Some(off) = b.slot[d] else {
+            let t = r.a.bound[i];
+            let (Some(off), Some(at)) = (b.slot[d], r.bufs[d]) else {
                 return Err(SchedError::Invalid(format!("{}: no slot for `{}` on device {d}", self.name, t.name())));
-            };
-            let Some((buf, _)) = self.devs[d].cut_buffer.as_ref() else {
-                return Err(SchedError::Invalid(format!("{}: no cut buffer on device {d}", self.name)));
             };
             let bytes = if b.valid[d] { None } else { Some(t.read_range(0, t.nbytes())?) };
             // SAFETY: the tensor's bytes were read above (or are already in the new slot);
-            // no graph holds the old storage any more (stages run one after another), and
-            // the new slot lives in the cut buffer for the rest of the run (`bind`).
+            // no graph holds the old storage any more (the stage reading it runs after this),
+            // and the new slot lives in the cut buffer for the rest of the run (`bind`).
             unsafe {
                 t.detach_storage();
-                t.place_in(buf, off)?;
+                t.place_in(&self.devs[d].cut_buffers[at].0, off)?;
             }
             if let Some(bytes) = bytes {
                 t.set_bytes(&bytes)?;
@@ -280,6 +439,15 @@ impl Runner {
         self.stats.load_secs += t0.elapsed().as_secs_f64();
         self.stats.loaded_bytes += w.group_bytes(gi);
         Ok(())
+    }
+}
+
+/// Makes the output a bound tensor of the last segment, so that it lives in a cut buffer
+/// (outside the compute buffer the device reuses for its next stage or micro-batch).
+fn keep_output<'g>(a: &mut Analysis<'g>, out: Tensor<'g>) {
+    if a.produced_in(out).is_none() && !a.segments.is_empty() {
+        a.producer.insert(out.as_raw() as usize, a.segments.len() - 1);
+        a.bound.push(out);
     }
 }
 

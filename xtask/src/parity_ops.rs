@@ -65,6 +65,12 @@ fn run_ok(mut c: Command, what: &str) -> Result<()> {
 }
 
 /// The CPU plugin our registry loads on this machine.
+///
+/// A discovery, not a path built from the plugin directory and a variant's file name:
+/// which variant wins is decided at run time by each variant's `ggml_backend_score` on
+/// this CPU (only loading them tells), and `SD_PLUGIN_PATH` may put another build first
+/// (the parity plugin of `cargo xtask plugins --parity`). The probe must run the kernels
+/// sd-cli runs, so it asks the registry sd-cli uses.
 fn our_cpu_plugin() -> Result<PathBuf> {
     let reg = PluginRegistry::discover(&PluginSearch::standard(Vec::new()));
     reg.plugins()

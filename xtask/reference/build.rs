@@ -13,7 +13,9 @@
 //! `cmake` crate passed them to CMake before); every object is compiled with
 //! the command line CMake's Makefile generator wrote, from a pool of NUM_JOBS
 //! workers, the driver first (it compiles all of sd.cpp's main file), then the
-//! largest sources.
+//! largest sources. `SDREF_VARIANT` selects a build variant the spec names (the
+//! `last_flags` of its targets; `cargo xtask reference --f32-accumulation` sets
+//! `f32acc`); unset, the build is sd.cpp's default one.
 //!
 //! Objects and archives live in `<target-dir>/sdref-cc` (or `SDREF_CC_DIR`),
 //! not in OUT_DIR: every variant of this build script (release, debug, test,
@@ -21,9 +23,11 @@
 //! which takes many minutes on two cores. Each object keeps the hash of its
 //! command line, compiler and inputs beside it, so a second build compiles
 //! nothing and a change to `driver/` recompiles only the driver; the hash does
-//! not depend on where the checkout is, so clones sharing `SDREF_CC_DIR` (CI)
-//! share the objects. A file lock keeps two builds from using the directory at
-//! once.
+//! not depend on where the checkout is, so clones on one machine sharing
+//! `SDREF_CC_DIR` share the objects (a fresh machine compiles them all). A file
+//! lock keeps two builds from using the directory at once. `SDREF_PLAN_ONLY=1`
+//! (with `cargo check`) compiles nothing: it says how many objects would compile
+//! and writes every command line to `OUT_DIR/plan.txt`.
 
 use std::collections::BTreeMap;
 use std::env;
@@ -36,57 +40,12 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
+#[path = "build/spec.rs"]
+mod spec;
+use spec::{expand, Spec};
+
 const SYS_PACKAGE: &str = "diffusion-rs-sys";
 const SPEC: &str = "sdref-build.toml";
-
-#[derive(serde::Deserialize)]
-struct Spec {
-    release: Vec<String>,
-    pic: Vec<String>,
-    c_std: String,
-    cxx_std: String,
-    openmp_probe: Vec<String>,
-    warnings: BTreeMap<String, Vec<String>>,
-    target: Vec<Target>,
-    link: Link,
-}
-
-#[derive(serde::Deserialize)]
-struct Target {
-    name: String,
-    archive: Option<String>,
-    objects_into: Option<String>,
-    #[serde(default = "sdcpp_root")]
-    root: String,
-    #[serde(default)]
-    sources: Vec<String>,
-    #[serde(default)]
-    glob: Vec<String>,
-    #[serde(default)]
-    exclude: Vec<String>,
-    defines: Vec<String>,
-    includes: Vec<String>,
-    c_flags: Option<String>,
-    cxx_flags: Option<String>,
-    #[serde(default)]
-    options: Vec<String>,
-    #[serde(default)]
-    source_defines: BTreeMap<String, Vec<String>>,
-    /// Start these objects before all others (their source's size understates them).
-    #[serde(default)]
-    compile_first: bool,
-}
-
-#[derive(serde::Deserialize)]
-struct Link {
-    #[serde(rename = "static")]
-    static_libs: Vec<String>,
-    dylib: Vec<String>,
-}
-
-fn sdcpp_root() -> String {
-    "{sdcpp}".to_owned()
-}
 
 /// One object file: the compiler command that makes it, and its cache key.
 struct Job {
@@ -113,11 +72,23 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    for v in ["SDREF_SDCPP_DIR", "SDREF_CC_DIR", "SDREF_LAST_FLAGS", "CC", "CXX", "CFLAGS", "CXXFLAGS", "AR", "RANLIB"] {
+    for v in [
+        "SDREF_SDCPP_DIR",
+        "SDREF_CC_DIR",
+        "SDREF_VARIANT",
+        "SDREF_PLAN_ONLY",
+        "CC",
+        "CXX",
+        "CFLAGS",
+        "CXXFLAGS",
+        "AR",
+        "RANLIB",
+    ] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     println!("cargo:rerun-if-changed=driver");
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=build/spec.rs");
     println!("cargo:rerun-if-changed={SPEC}");
 
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").ok_or("CARGO_MANIFEST_DIR is not set")?);
@@ -134,12 +105,27 @@ fn run() -> Result<(), String> {
     lock.lock().map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
 
     let tc = toolchain()?;
-    probe_openmp(&tc, &spec, &root)?;
+    let plan_only = env::var_os("SDREF_PLAN_ONLY").is_some_and(|v| !v.is_empty());
+    if !plan_only {
+        probe_openmp(&tc, &spec, &root)?;
+    }
     let dirs = [("{sdcpp}", sdcpp.as_path()), ("{driver}", driver.as_path())];
     let driver_key = tree_hash(&driver)?;
     let (jobs, archives) = plan(&spec, &tc, &dirs, &driver_key, &root.join("obj"))?;
 
     let stale: Vec<&Job> = jobs.iter().filter(|j| !fresh(&j.obj, &j.key)).collect();
+    if plan_only {
+        let listing = write_plan(&tc, &jobs)?;
+        println!(
+            "cargo:warning=sdref: SDREF_PLAN_ONLY: {} of {} objects in {} would compile; nothing compiled or linked; command lines in {}",
+            stale.len(),
+            jobs.len(),
+            root.display(),
+            listing.display()
+        );
+        println!("cargo:rustc-env=SDREF_SDCPP_DIR={}", sdcpp.display());
+        return Ok(());
+    }
     if !stale.is_empty() {
         let t = Instant::now();
         compile_all(&tc, &stale)?;
@@ -165,6 +151,28 @@ fn run() -> Result<(), String> {
     }
     println!("cargo:rustc-env=SDREF_SDCPP_DIR={}", sdcpp.display());
     Ok(())
+}
+
+/// `SDREF_PLAN_ONLY`: each object's state (`fresh` in the cache, or `compile`) and the
+/// command line that makes it, one per line, in `OUT_DIR/plan.txt`.
+fn write_plan(tc: &Toolchain, jobs: &[Job]) -> Result<PathBuf, String> {
+    let mut text = String::new();
+    for j in jobs {
+        let compiler = if j.cpp { &tc.cxx } else { &tc.c };
+        text.push_str(&format!(
+            "{} {} -o {} -c {}\n",
+            if fresh(&j.obj, &j.key) { "fresh  " } else { "compile" },
+            std::iter::once(compiler.path().display().to_string())
+                .chain(j.args.iter().cloned())
+                .collect::<Vec<_>>()
+                .join(" "),
+            j.obj.display(),
+            j.src.display()
+        ));
+    }
+    let path = PathBuf::from(env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?).join("plan.txt");
+    fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path)
 }
 
 /// `<target-dir>/sdref-cc`, shared by every profile (or `SDREF_CC_DIR`).
@@ -237,14 +245,6 @@ fn command(tool: &cc::Tool) -> Command {
     cmd
 }
 
-fn expand(s: &str, dirs: &[(&str, &Path)]) -> String {
-    let mut out = s.to_owned();
-    for (k, v) in dirs {
-        out = out.replace(k, &v.display().to_string());
-    }
-    out
-}
-
 /// For each archive, the indexes of its objects (in `Job`s) in archive order.
 type Archives = BTreeMap<String, Vec<usize>>;
 
@@ -256,11 +256,11 @@ fn plan(
     driver_key: &str,
     obj_root: &Path,
 ) -> Result<(Vec<Job>, Archives), String> {
-    // SDREF_LAST_FLAGS: flags after the own flags of each target built with -march=native
-    // (ggml-cpu), so they can undo one of its extensions (`cargo xtask reference
-    // --f32-accumulation`); the other targets' objects stay those of the default build.
-    let last_flags: Vec<String> =
-        env::var("SDREF_LAST_FLAGS").unwrap_or_default().split_whitespace().map(str::to_owned).collect();
+    // SDREF_VARIANT: a build variant named in the spec's `last_flags` (`cargo xtask reference
+    // --f32-accumulation` sets `f32acc`); only the targets that list it compile otherwise.
+    let variant = env::var("SDREF_VARIANT").ok().filter(|v| !v.is_empty());
+    let variant = variant.as_deref();
+    spec.check_variant(variant).map_err(|e| format!("{SPEC}: {e}"))?;
     let driver_dir = expand("{driver}", dirs);
     let mut jobs = Vec::new();
     let mut archives = Archives::new();
@@ -284,42 +284,17 @@ fn plan(
         globbed.dedup();
         files.extend(globbed);
         files.retain(|f| !t.exclude.contains(f));
-        let warnings = |name: &Option<String>| -> Result<Vec<String>, String> {
-            match name {
-                None => Ok(Vec::new()),
-                Some(n) => spec
-                    .warnings
-                    .get(n)
-                    .cloned()
-                    .ok_or_else(|| format!("{SPEC}: target {} names unknown warning set `{n}`", t.name)),
-            }
-        };
-        let (c_warn, cxx_warn) = (warnings(&t.c_flags)?, warnings(&t.cxx_flags)?);
-        let includes: Vec<String> = t.includes.iter().map(|i| format!("-I{}", expand(i, dirs))).collect();
         let mut members = Vec::new();
         for file in files {
             let cpp = file.ends_with(".cpp");
             let src = root.join(&file);
-            // <defines> <includes> <flags>, as CMake's flags.make lists them
-            let mut args: Vec<String> = t.defines.iter().map(|d| format!("-D{d}")).collect();
-            if let Some(extra) = t.source_defines.get(&file) {
-                args.extend(extra.iter().map(|d| format!("-D{d}")));
-            }
-            args.extend(includes.iter().cloned());
             // CMAKE_<LANG>_FLAGS: the cc crate's flags for this compiler
             let tool = if cpp { &tc.cxx } else { &tc.c };
-            args.extend(tool.args().iter().map(|a| a.to_string_lossy().into_owned()));
-            args.extend(spec.release.iter().cloned());
-            args.extend(spec.pic.iter().cloned());
-            args.extend(if cpp { cxx_warn.iter() } else { c_warn.iter() }.cloned());
-            args.extend(t.options.iter().cloned());
-            if t.options.iter().any(|o| o == "-march=native") {
-                args.extend(last_flags.iter().cloned());
-            }
-            args.push(if cpp { spec.cxx_std.clone() } else { spec.c_std.clone() });
+            let tool_args: Vec<String> = tool.args().iter().map(|a| a.to_string_lossy().into_owned()).collect();
+            let args = spec.object_args(t, &file, &tool_args, dirs, variant).map_err(|e| format!("{SPEC}: {e}"))?;
             let obj = obj_root.join(&t.name).join(format!("{file}.o"));
             // The key names the driver's directory by its placeholder, so that checkouts
-            // sharing SDREF_CC_DIR (CI's clones) share the objects: its path reaches the
+            // sharing SDREF_CC_DIR share the objects: its path reaches the
             // compiler only as an include directory, and its files are hashed below.
             let checkout = |a: &str| a.replace(&driver_dir, "{driver}");
             let mut h = Sha256::new();

@@ -110,7 +110,7 @@ pub fn run(args: Args) -> Result<()> {
     let ours_exe = build_sd_cli()?;
     let ref_exe = reference::build()?;
     let model = ensure_fixture(Family::Sd15)?;
-    let plugin_dir = PathBuf::from(ggml_plugin_dir()?);
+    let plugin_dir = crate::ggml::plugin_dir();
     let dir = root.join("target/bench-variants");
     std::fs::create_dir_all(&dir)?;
 
@@ -208,14 +208,6 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The build's plugin directory, from `target/ggml/build-info.json`.
-fn ggml_plugin_dir() -> Result<String> {
-    let p = workspace_root().join("target/ggml/build-info.json");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).with_context(|| p.display().to_string())?)?;
-    v["plugin_dir"].as_str().map(str::to_string).with_context(|| format!("{}: no plugin_dir", p.display()))
 }
 
 #[cfg(test)]

@@ -6,11 +6,17 @@ mod bench_variants;
 mod bindings;
 mod fixture;
 mod fuzz;
+mod ggml;
 mod parity;
 mod parity_ops;
 mod parity_samplers;
 mod plugins;
 mod reference;
+// The build script of xtask/reference reads the fields these tests do not.
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "../reference/build/spec.rs"]
+mod sdref_spec;
 
 use std::path::{Path, PathBuf};
 

@@ -64,17 +64,13 @@ fn run_ok(mut c: Command, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Our ggml: (include dir, directory of libggml-base), from `target/ggml/build-info.json`.
-fn our_ggml() -> Result<(PathBuf, PathBuf)> {
-    let p = workspace_root().join("target/ggml/build-info.json");
-    let v: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&p).with_context(|| format!("{} (build the workspace first)", p.display()))?,
-    )?;
-    let field = |k: &str| v[k].as_str().map(PathBuf::from).with_context(|| format!("{}: no {k}", p.display()));
-    Ok((field("source_dir")?.join("include"), field("lib_dir")?))
-}
-
 /// The CPU plugin our registry loads on this machine.
+///
+/// A discovery, not a path built from the plugin directory and a variant's file name:
+/// which variant wins is decided at run time by each variant's `ggml_backend_score` on
+/// this CPU (only loading them tells), and `SD_PLUGIN_PATH` may put another build first
+/// (the parity plugin of `cargo xtask plugins --parity`). The probe must run the kernels
+/// sd-cli runs, so it asks the registry sd-cli uses.
 fn our_cpu_plugin() -> Result<PathBuf> {
     let reg = PluginRegistry::discover(&PluginSearch::standard(Vec::new()));
     reg.plugins()
@@ -117,7 +113,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let ref_include = reference::sdcpp_source_dir()?.join("ggml/include");
-    let (our_include, our_lib) = our_ggml()?;
+    let (our_include, our_lib) = (crate::ggml::include_dir(), crate::ggml::lib_dir());
     let plugin = match a.plugin {
         Some(p) => p,
         None => our_cpu_plugin()?,

@@ -144,9 +144,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     run_cmd(&mut cargo)?;
     let root = crate::workspace_root().join("target/ggml");
-    let info: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root.join("build-info.json"))?)?;
-    let src = PathBuf::from(info["source_dir"].as_str().context("build-info.json: source_dir")?);
-    let default_plugins = root.join("plugins");
+    let src = crate::ggml::source_dir();
+    let default_plugins = crate::ggml::plugin_dir();
     let dest = out.unwrap_or_else(|| default_plugins.clone());
     std::fs::create_dir_all(&dest)?;
     let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).to_string();

@@ -42,19 +42,41 @@ pub enum Kernels {
 }
 
 impl Kernels {
-    fn dir(self) -> PathBuf {
+    /// The build variant of `xtask/reference/sdref-build.toml` this build selects
+    /// (`SDREF_VARIANT`: the flags its targets list under `last_flags`); `None` for
+    /// sd.cpp's default build.
+    fn variant(self) -> Option<&'static str> {
         match self {
-            Kernels::Native => target_dir(),
-            Kernels::F32Accumulation => crate::workspace_root().join("target/reference-f32acc"),
+            Kernels::Native => None,
+            Kernels::F32Accumulation => Some("f32acc"),
         }
     }
 
-    /// The object and archive cache of this build (`SDREF_CC_DIR` for the native one, as
-    /// `.ci/run` sets it).
+    /// `-<variant>`, or nothing for the default build: what this build's directories add to
+    /// the default build's names.
+    fn suffix(self) -> String {
+        self.variant().map(|v| format!("-{v}")).unwrap_or_default()
+    }
+
+    /// Its cargo target directory: `target/reference[-<variant>]`.
+    fn dir(self) -> PathBuf {
+        let mut d = target_dir().into_os_string();
+        d.push(self.suffix());
+        PathBuf::from(d)
+    }
+
+    /// The object and archive cache of this build: `SDREF_CC_DIR[-<variant>]` when
+    /// `SDREF_CC_DIR` is set (as `.ci/run` sets it), else `sdref-cc` in its target
+    /// directory. Never one cache for two builds: their `ggml-cpu` objects and archive
+    /// differ, so each would replace the other's (recompiling it at every switch), and
+    /// `parity ops` links a build's archives from its cache.
     fn cc_dir(self) -> PathBuf {
-        match (self, std::env::var_os("SDREF_CC_DIR")) {
-            (Kernels::Native, Some(d)) => PathBuf::from(d),
-            _ => self.dir().join("sdref-cc"),
+        match std::env::var_os("SDREF_CC_DIR") {
+            Some(mut d) => {
+                d.push(self.suffix());
+                PathBuf::from(d)
+            }
+            None => self.dir().join("sdref-cc"),
         }
     }
 
@@ -116,9 +138,10 @@ pub fn build_kernels(kernels: Kernels) -> anyhow::Result<PathBuf> {
         .arg(kernels.dir())
         .env("SDREF_SDCPP_DIR", &sdcpp)
         .env("SDREF_CC_DIR", kernels.cc_dir());
-    if kernels == Kernels::F32Accumulation {
-        c.env("SDREF_LAST_FLAGS", "-mno-avx512fp16");
-    }
+    match kernels.variant() {
+        Some(v) => c.env("SDREF_VARIANT", v),
+        None => c.env_remove("SDREF_VARIANT"),
+    };
     let status = c.status().context("running cargo build for the reference")?;
     if !status.success() {
         bail!("building the reference (xtask/reference) failed: {status}");
@@ -151,6 +174,65 @@ pub fn field_f64(fields: &BTreeMap<String, String>, key: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sdref_spec::Spec;
+
+    fn spec() -> Spec {
+        let path = project_dir().join("sdref-build.toml");
+        toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    }
+
+    /// Each object's flags in the default build and in `variant`, for a C and a C++ file of
+    /// every target.
+    fn flags_of_every_target(spec: &Spec, variant: Option<&str>) -> Vec<(String, Vec<String>)> {
+        let dirs = [("{sdcpp}", Path::new("/sdcpp")), ("{driver}", Path::new("/driver"))];
+        let mut out = Vec::new();
+        for t in &spec.target {
+            for file in ["x.c", "x.cpp"] {
+                let args = spec.object_args(t, file, &["-w".to_owned()], &dirs, variant).unwrap();
+                out.push((format!("{} {file}", t.name), args));
+            }
+        }
+        out
+    }
+
+    /// `--f32-accumulation` selects its flags through sdref-build.toml: ggml-cpu adds
+    /// `-mno-avx512fp16` after its own options (`-march=native -fopenmp`) and before the
+    /// language standard; every other object's command line is the default build's.
+    #[test]
+    fn the_f32_accumulation_build_changes_the_cpu_kernels_only() {
+        let spec = spec();
+        let variant = Kernels::F32Accumulation.variant();
+        spec.check_variant(variant).unwrap();
+        let native = flags_of_every_target(&spec, Kernels::Native.variant());
+        let f32acc = flags_of_every_target(&spec, variant);
+        let mut changed = Vec::new();
+        for ((name, n), (_, f)) in native.iter().zip(&f32acc) {
+            if n != f {
+                changed.push(name.as_str());
+                let std = n.last().unwrap();
+                assert_eq!(&n[n.len() - 3..], ["-march=native", "-fopenmp", std.as_str()], "{name}");
+                let mut expected = n.clone();
+                expected.insert(n.len() - 1, "-mno-avx512fp16".to_owned());
+                assert_eq!(f, &expected, "{name}");
+            }
+        }
+        assert_eq!(changed, ["ggml-cpu x.c", "ggml-cpu x.cpp"]);
+        // the default build adds no variant's flags anywhere
+        assert!(native.iter().all(|(_, a)| !a.iter().any(|f| f == "-mno-avx512fp16")));
+    }
+
+    #[test]
+    fn an_unknown_build_variant_is_refused_with_the_known_ones() {
+        let e = spec().check_variant(Some("f16acc")).unwrap_err();
+        assert!(e.contains("SDREF_VARIANT=f16acc") && e.contains("known: f32acc"), "{e}");
+        spec().check_variant(None).unwrap();
+    }
+
+    #[test]
+    fn each_build_has_its_own_target_directory() {
+        assert_eq!(Kernels::Native.dir(), target_dir());
+        assert_eq!(Kernels::F32Accumulation.dir(), crate::workspace_root().join("target/reference-f32acc"));
+    }
 
     #[test]
     fn tagged_lines_parse_into_fields_and_the_last_one_wins() {

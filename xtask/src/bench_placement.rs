@@ -50,6 +50,9 @@ pub struct Args {
     /// CPU threads of the client and of the rpc-server.
     #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+    /// Measure layer splits over two RPC servers instead (`bench_split.rs`).
+    #[arg(long = "split")]
+    split: bool,
 }
 
 /// One measured configuration: its name and the flags added to `bench::our_command`
@@ -152,13 +155,13 @@ impl Runs {
 }
 
 /// The `sd-cli rpc-server` child; killed and reaped on drop.
-struct RpcServer {
+pub(crate) struct RpcServer {
     child: Child,
     log: PathBuf,
 }
 
 impl RpcServer {
-    fn start(exe: &Path, threads: u32, log: PathBuf) -> Result<(Self, String)> {
+    pub(crate) fn start(exe: &Path, threads: u32, log: PathBuf) -> Result<(Self, String)> {
         // Ask the kernel for a free port, then release it for the server (a small race, loopback only).
         let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port();
         let out = File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
@@ -183,7 +186,7 @@ impl RpcServer {
         Ok((server, addr.to_string()))
     }
 
-    fn check_alive(&mut self) -> Result<()> {
+    pub(crate) fn check_alive(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
             let log = std::fs::read_to_string(&self.log).unwrap_or_default();
             bail!("sd-cli rpc-server exited ({status}); its log ({}):\n{log}", self.log.display());
@@ -324,6 +327,9 @@ fn print_c(r: &[Runs; 7]) {
 
 /// Entry point of `cargo xtask bench-placement ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
+    if args.split {
+        return crate::bench_split::run(args.size, args.runs);
+    }
     let s = args.size.setting();
     eprintln!("bench-placement: building sd-cli (release) and the reference");
     let ours_exe = build_sd_cli()?;
@@ -467,8 +473,11 @@ mod tests {
     #[test]
     fn parses_the_documented_command_line() {
         let parse = crate::parse_test::<Args>;
-        assert_eq!(parse("").unwrap(), Args { size: Size::S256, runs: 2, threads: 2 });
-        assert_eq!(parse("--runs 1 --threads 4 --size 512").unwrap(), Args { size: Size::S512, runs: 1, threads: 4 });
+        assert_eq!(parse("").unwrap(), Args { size: Size::S256, runs: 2, threads: 2, split: false });
+        assert_eq!(
+            parse("--runs 1 --threads 4 --size 512").unwrap(),
+            Args { size: Size::S512, runs: 1, threads: 4, split: false }
+        );
         assert_eq!(parse("--size 512").unwrap().size.setting(), bench::SETTING_512);
         for (line, needle) in
             [("--size 1024", "1024"), ("--runs 0", "--runs"), ("--runs", "a value is required"), ("--x 1", "--x")]

@@ -23,5 +23,6 @@ pub mod pipeline;
 pub mod placement;
 pub mod report;
 pub mod sampling;
+pub mod speed;
 pub mod text;
 pub mod wtype;

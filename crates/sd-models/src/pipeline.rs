@@ -234,6 +234,9 @@ pub struct Placement {
     pub ledgers: Ledgers,
     /// `--disable-prefetch`, `--disable-segmented-compute`.
     pub sched: sd_sched::plan::Options,
+    /// `--pipeline-copies`: micro-batches a split module overlaps across its devices (0 and
+    /// 1: none).
+    pub pipeline_copies: usize,
 }
 
 /// The model files as a shared [`TensorSource`], for parameters re-read on demand.
@@ -529,11 +532,12 @@ impl Pipeline {
         let p = &self.opts.placement;
         match split {
             None => Runner::with_ledger(name, backend.clone(), p.ledgers.get(&backend.device().name()), p.sched),
-            Some(s) => Runner::with_devices(
-                name,
-                s.devices.iter().map(|b| (b.clone(), p.ledgers.get(&b.device().name()))).collect(),
-                p.sched,
-            ),
+            Some(s) => {
+                let devices = s.devices.iter().map(|b| (b.clone(), p.ledgers.get(&b.device().name()))).collect();
+                let mut runner = Runner::with_devices(name, devices, p.sched);
+                runner.set_pipeline_copies(p.pipeline_copies);
+                runner
+            }
         }
     }
 

@@ -18,6 +18,7 @@ pub mod plan;
 pub mod report;
 pub mod runner;
 mod split;
+pub use split::BatchJob;
 pub mod weights;
 
 pub use error::{NoRoom, Result, SchedError};

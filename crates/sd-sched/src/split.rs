@@ -318,7 +318,9 @@ impl Runner {
                     .into_iter()
                     .map(|h| match h.join() {
                         Ok(OnThread(v)) => v,
-                        Err(_) => (Err(SchedError::Invalid("a device's compute thread panicked".into())), RunStats::default()),
+                        Err(_) => {
+                            (Err(SchedError::Invalid("a device's compute thread panicked".into())), RunStats::default())
+                        }
                     })
                     .collect()
             });

@@ -581,25 +581,109 @@ impl UNetModel {
             ));
         }
 
-        let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
-        let tx = g.new_f32(&[w as i64, h as i64, cin as i64, batch as i64]).set_name("x").set_input();
-        let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
-        let tc = g.new_f32(&[cd as i64, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
         let kernel = if self.flash_attn {
             AttnKernel::FlashWhereSupported(runner.backend().device())
         } else {
             AttnKernel::Plain
         };
+        let m = runner.micro_batches(batch);
+        if m > 1 {
+            return self.eval_pipelined(runner, m, x, (w, h), timesteps, context, n_ctx_tokens, batch, kernel);
+        }
+        let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
+        let (ins, out, cuts) = self.graph(&g, (w, h), batch, ctx_batch, n_ctx_tokens, kernel)?;
+        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || ins.set(x, timesteps, context))?;
+        Ok(out.get_f32()?)
+    }
+
+    /// The graph of one evaluation of `batch` samples in `g`: its inputs, output and cuts
+    /// (block outputs; the last cut, the output itself, left out).
+    #[allow(clippy::type_complexity)]
+    fn graph<'g>(
+        &'g self,
+        g: &'g Context,
+        (w, h): (usize, usize),
+        batch: usize,
+        ctx_batch: usize,
+        n_ctx_tokens: usize,
+        kernel: AttnKernel,
+    ) -> Result<(Inputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
+        let cin = self.cfg.in_channels as i64;
+        let cd = self.cfg.context_dim as i64;
+        let tx = g.new_f32(&[w as i64, h as i64, cin, batch as i64]).set_name("x").set_input();
+        let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
+        let tc = g.new_f32(&[cd, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
         let mut cuts = Vec::new();
-        let out = forward_with(&g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
+        let out = forward_with(g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
         // The last cut is the output itself.
         cuts.pop();
-        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || {
-            tx.set_f32(x)?;
-            tt.set_f32(timesteps)?;
-            tc.set_f32(context)?;
+        Ok((Inputs { x: tx, t: tt, context: tc }, out, cuts))
+    }
+
+    /// [`eval`](Self::eval) as `m` micro-batches of consecutive samples, which a split runner
+    /// overlaps across its devices (`--pipeline-copies`).
+    #[allow(clippy::too_many_arguments)]
+    fn eval_pipelined(
+        &self,
+        runner: &mut Runner,
+        m: usize,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        context: &[f32],
+        n_ctx_tokens: usize,
+        batch: usize,
+        kernel: AttnKernel,
+    ) -> Result<Vec<f32>> {
+        let per_x = x.len() / batch;
+        let per_ctx = n_ctx_tokens * self.cfg.context_dim as usize;
+        let shared_ctx = context.len() == per_ctx;
+        // Consecutive samples, as even as the batch allows.
+        let bounds: Vec<(usize, usize)> = (0..m).map(|j| (j * batch / m, (j + 1) * batch / m)).collect();
+        let ctxs: Vec<Context> =
+            (0..m).map(|_| Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)).collect::<Result<_, _>>()?;
+        let mut parts = Vec::with_capacity(m);
+        for (g, &(a, b)) in ctxs.iter().zip(&bounds) {
+            let ctx_batch = if shared_ctx { 1 } else { b - a };
+            parts.push(self.graph(g, (w, h), b - a, ctx_batch, n_ctx_tokens, kernel)?);
+        }
+        let jobs: Vec<sd_sched::BatchJob<'_>> = ctxs
+            .iter()
+            .zip(&parts)
+            .map(|(g, (_, out, cuts))| sd_sched::BatchJob {
+                ctx: g,
+                graph_size: GRAPH_SIZE,
+                cuts: cuts.clone(),
+                out: *out,
+            })
+            .collect();
+        runner.run_batches(&self.weights, &jobs, &mut || {
+            for ((ins, _, _), &(a, b)) in parts.iter().zip(&bounds) {
+                let ctx = if shared_ctx { context } else { &context[a * per_ctx..b * per_ctx] };
+                ins.set(&x[a * per_x..b * per_x], &timesteps[a..b], ctx)?;
+            }
             Ok(())
         })?;
-        Ok(out.get_f32()?)
+        let mut out = Vec::with_capacity(x.len() / self.cfg.in_channels as usize * self.cfg.out_channels as usize);
+        for (_, o, _) in &parts {
+            out.extend(o.get_f32()?);
+        }
+        Ok(out)
+    }
+}
+
+/// The input tensors of one UNet graph.
+struct Inputs<'g> {
+    x: Tensor<'g>,
+    t: Tensor<'g>,
+    context: Tensor<'g>,
+}
+
+impl Inputs<'_> {
+    fn set(&self, x: &[f32], t: &[f32], context: &[f32]) -> std::result::Result<(), sd_sched::SchedError> {
+        self.x.set_f32(x)?;
+        self.t.set_f32(t)?;
+        self.context.set_f32(context)?;
+        Ok(())
     }
 }

@@ -25,12 +25,17 @@ fn pixels(path: &Path) -> Vec<u8> {
 
 /// Generates with `extra` flags; returns the pixels and the run report.
 fn generate(model: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, RunReport) {
+    generate_cfg(model, out, "1", extra)
+}
+
+/// [`generate`] at `--cfg-scale cfg` (above 1: a batch of two per UNet evaluation).
+fn generate_cfg(model: &Path, out: &Path, cfg: &str, extra: &[&str]) -> (Vec<u8>, RunReport) {
     let report = out.with_extension("json");
     let o = sd_cli()
         .arg("-m")
         .arg(model)
         .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
-        .args(["-s", "42", "--cfg-scale", "1", "-t", "2", "-o"])
+        .args(["-s", "42", "--cfg-scale", cfg, "-t", "2", "-o"])
         .arg(out)
         .arg("--report-json")
         .arg(&report)
@@ -247,6 +252,8 @@ fn layer_splits_give_the_all_cpu_image() {
             ],
         ),
         ("unet split under budgets", vec!["--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu", "--max-vram", budgets]),
+        ("the CPU and a remote device", vec!["--backend", "diffusion=CPU&RPC0,te=RPC1&CPU,vae=cpu"]),
+        ("three devices", vec!["--backend", "diffusion=RPC1&CPU&RPC0,te=cpu,vae=cpu"]),
     ];
     for (i, (what, flags)) in cases.iter().enumerate() {
         let args: Vec<&str> = ["--rpc", rpc.as_str()].into_iter().chain(flags.iter().copied()).collect();
@@ -272,10 +279,62 @@ fn layer_splits_give_the_all_cpu_image() {
             }
             _ => assert_eq!(unet.params, HomeReport::Compute, "{what}"),
         }
+        if i == 4 {
+            assert_ran_as_planned(&report, "te", "te", what);
+        }
+        if i == 5 {
+            assert_eq!(report.runner("unet").unwrap().stages.len(), 4, "{what}: RPC1, CPU, RPC0, RPC1 (the head)");
+        }
         for dev in ["RPC0", "RPC1"] {
             let d = report.device(dev).unwrap_or_else(|| panic!("{what}: no {dev} ledger"));
             assert!(d.high_water_bytes > 0, "{what}: {dev} held part of the split: {d:?}");
         }
     }
+
+    // With classifier-free guidance every evaluation is a batch of two: one pass of it
+    // (copies 1) is bit-identical; two micro-batches overlapped across the devices run other
+    // matrix shapes (a batch of one), so they are within the parity bound.
+    let (base7, _) = generate_cfg(&model, &dir.join("cpu7.png"), "7", &["--backend", "cpu"]);
+    let split = ["--rpc", rpc.as_str(), "--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu"];
+    let one: Vec<&str> = split.iter().copied().chain(["--pipeline-copies", "1"]).collect();
+    let (px, report) = generate_cfg(&model, &dir.join("copies1.png"), "7", &one);
+    assert!(px == base7, "copies 1: the image differs from the all-CPU one");
+    assert_eq!(report.runner("unet").unwrap().stats.pipelined_runs, 0);
+    let two: Vec<&str> = split.iter().copied().chain(["--pipeline-copies", "2"]).collect();
+    let (px, report) = generate_cfg(&model, &dir.join("copies2.png"), "7", &two);
+    let (mean, max) = diff(&px, &base7);
+    assert!(mean <= 1.0 && max <= 8, "copies 2: mean {mean:.3}, max {max} levels from the all-CPU image");
+    let s = &report.runner("unet").unwrap().stats;
+    assert_eq!(s.pipelined_runs, 2, "both steps pipelined: {s:?}");
+    assert!(s.pipeline_busy_secs > 0.0 && s.pipeline_wall_secs > 0.0, "{s:?}");
+    assert_eq!(s.runs, 4, "two micro-batches per step: {s:?}");
+    assert_ran_as_planned(&report, "diffusion", "unet", "copies 2");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Mean and largest absolute difference of two images' bytes.
+fn diff(a: &[u8], b: &[u8]) -> (f64, u8) {
+    assert_eq!(a.len(), b.len());
+    let d: Vec<u8> = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).collect();
+    (d.iter().map(|&v| v as f64).sum::<f64>() / d.len() as f64, d.iter().copied().max().unwrap_or(0))
+}
+
+#[test]
+fn auto_fit_over_two_remote_devices_that_cannot_hold_the_unet_runs_the_all_cpu_image() {
+    let model = fixture();
+    let dir = std::env::temp_dir().join(format!("sd-cli-autofit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (base, _) = generate(&model, &dir.join("cpu.png"), &["--backend", "cpu"]);
+    let (a, b) = (Server::start(), Server::start());
+    let rpc = format!("{},{}", a.endpoint, b.endpoint);
+    // 1 GiB each: the 1.6 GiB UNet fits on neither; no placement flag, so auto-fit plans.
+    let (px, report) = generate(&model, &dir.join("auto.png"), &["--rpc", &rpc, "--max-vram", "RPC0=1,RPC1=1"]);
+    assert!(px == base, "auto-fit: the image differs from the all-CPU one");
+    let plan = report.plan.as_ref().expect("the plan");
+    let unet = plan.modules.iter().find(|m| m.module.name() == "diffusion").unwrap();
+    assert_eq!(unet.runtime, vec!["RPC0".to_string()], "auto-fit computes on one GPU: {unet:?}");
+    assert_eq!(unet.params, sd_placement::ParamsHome::Device("CPU".into()), "offloaded to RAM: {unet:?}");
+    let rpc0 = report.device("RPC0").unwrap();
+    assert!(rpc0.high_water_bytes <= 1 << 30, "{rpc0:?}");
     std::fs::remove_dir_all(&dir).ok();
 }

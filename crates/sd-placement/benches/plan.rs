@@ -54,6 +54,7 @@ fn main() {
         devices: devices(),
         ram_available_bytes: Some(64 * GIB),
         model: model(),
+        device_speeds: Default::default(),
     };
     let mut split = auto.clone();
     split.flags.backend = Some("diffusion=cuda0&cuda1&cuda2&cuda3&cuda4&cuda5&cuda6,te=cuda6&cuda5".into());

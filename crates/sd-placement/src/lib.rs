@@ -92,10 +92,11 @@ pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceTy
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
-pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, SplitKind, SplitRange};
+pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange};
 pub use spec::{
-    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Assignment, Entry, Flags,
-    MaxVram, ParamsValue, RuntimeValue, SplitMode,
+    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies, parse_split_by,
+    parse_split_mode, Assignment, Entry, Flags, MaxVram, ParamsValue, RuntimeValue, SplitBy, SplitMode,
+    PIPELINE_COPIES_ENV,
 };
-pub use split::partition as layer_partition;
+pub use split::{partition as layer_partition, partition_by_speed as layer_partition_by_speed};
 pub use units::{fmt_bytes, GIB, MIB};

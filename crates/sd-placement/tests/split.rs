@@ -167,21 +167,94 @@ fn layer_split_fallbacks() {
     let te = module(&p, Module::Te);
     assert_eq!(ranges(&p, Module::Te), vec![r("CUDA0", 0, 11), r("CUDA1", 12, 23)]);
     assert_eq!(te.split[0].param_bytes, 12 * 385_875_968 + 246_144_000 + 263_192_576);
-    // A CPU device in the list: not supported by the reference scheduler; first device instead.
-    let p = run(devs(), blocky(8), "diffusion=cuda0&cpu", None, None, None);
-    assert_eq!(module(&p, Module::Diffusion).runtime, ["CUDA0"]);
-    assert!(p.warnings.iter().any(|w| w.contains("split across the CPU")));
-    // A device too small for any block is left out of the split, with a warning.
-    let p = run(
+}
+
+#[test]
+fn cpu_in_layer_split() {
+    // Issue 13 (beyond the reference, whose scheduler refuses it): the CPU takes part in a layer
+    // split; its basis is the available RAM (64 GiB here, weight 62) against CUDA0's 24 GiB
+    // (weight 22): 3200 MiB x 62/84 = 2361.9 MiB -> boundary 24 (2400, 38 MiB off; 23 is 62 off).
+    let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0)];
+    let p = run(devs(), blocky(32), "diffusion=cpu&cuda0", None, None, None);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!((m.split_mode, m.sized_by), (SplitKind::Layer, Some(SplitBy::Memory)));
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CPU", 0, 23), r("CUDA0", 24, 31)]);
+    assert_eq!(m.params, "CPU&CUDA0");
+    assert_eq!(device(&p, "CUDA0").param_bytes, (800 + 200 + 100) * MIB, "its range, te and vae");
+    assert_eq!(device(&p, "CPU").compute_bytes, 2 * GIB, "the CPU range computes there");
+    assert!(!p.warnings.iter().any(|w| w.contains("CPU")), "no CPU warning: {:?}", p.warnings);
+    // An RPC device after the CPU, as the executor runs `diffusion=CPU&RPC0`.
+    let rpc = Device::gpu("RPC0", 8 * GIB, 8 * GIB).with_registry("RPC");
+    let p = run(vec![Device::cpu(), rpc], blocky(32), "diffusion=CPU&RPC0", None, None, None);
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CPU", 0, 28), r("RPC0", 29, 31)]);
+    // Row split keeps refusing the CPU (no split buffer type on the host): a layer split instead.
+    let p = run(devs(), blocky(32), "diffusion=cuda0&cpu", None, Some("row"), None);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!(m.split_mode, SplitKind::Layer);
+    assert_eq!(m.runtime, ["CUDA0", "CPU"]);
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| w.contains("row split unavailable (the CPU device CPU exports no split buffer type)")),
+        "{:?}",
+        p.warnings
+    );
+}
+
+fn plan_err(devs: Vec<Device>, model: ModelDescription, f: Flags) -> String {
+    match plan(&request(devs, Some(64 * GIB), model, f)) {
+        Ok(p) => panic!("expected an error, got\n{}", p.render()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn split_input_errors() {
+    let f = |backend: &str, max_vram: Option<&str>| Flags {
+        backend: Some(backend.into()),
+        max_vram: max_vram.map(Into::into),
+        no_memory_check: true,
+        ..Flags::default()
+    };
+    // Issue 13: a device that would receive no block is an error naming the module, the device
+    // and why (the reference drops it with a warning). 80 GiB and 0.5 GiB weigh 78 : 1/16 GiB,
+    // so CUDA1's share of the 400 MiB of blocks is 0.3 MiB.
+    let e = plan_err(
         vec![Device::cpu(), gpu("CUDA0", 80.0), gpu("CUDA1", 0.5)],
         blocky(4),
-        "diffusion=cuda0&cuda1",
-        None,
-        None,
-        None,
+        f("diffusion=cuda0&cuda1", None),
     );
-    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 3)]);
-    assert!(p.warnings.iter().any(|w| w.contains("CUDA1 receives no block")));
+    for part in [
+        "--backend",
+        "'diffusion=cuda0&cuda1'",
+        "CUDA1 would receive no block of diffusion",
+        "too little memory",
+        "0.1%",
+        "list fewer devices",
+        "CUDA1 a larger --max-vram",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+    // Budgets can starve a device as well: --max-vram cuda1=0.01 (weight 1.25 MiB).
+    let e = plan_err(
+        vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)],
+        blocky(8),
+        f("diffusion=cuda0&cuda1", Some("cuda1=0.01")),
+    );
+    assert!(e.contains("CUDA1 would receive no block") && e.contains("too little memory"), "{e}");
+    // Fewer blocks than devices.
+    let devs3 = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0), gpu("CUDA2", 24.0)];
+    let e = plan_err(devs3(), blocky(2), f("diffusion=cuda0&cuda1&cuda2", None));
+    for part in [
+        "CUDA2 would receive no block of diffusion",
+        "too few blocks: diffusion has 2 blocks for 3 devices",
+        "list at most 2 devices",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+    // A device listed twice.
+    let e = plan_err(devs3(), blocky(8), f("diffusion=cuda0&cuda1&CUDA0", None));
+    assert!(e.contains("lists CUDA0 twice for diffusion"), "{e}");
 }
 
 #[test]

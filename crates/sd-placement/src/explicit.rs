@@ -18,7 +18,7 @@ use crate::error::{Flag, PlanError};
 use crate::model::{ComponentSummary, Module};
 use crate::placement::{Layout, Params, Placement, Range};
 use crate::spec::{Assignment, Entry, ParamsValue, RuntimeValue, SplitBy, SplitMode};
-use crate::split::{basis_weight, partition, partition_by_speed, weights};
+use crate::split::{partition, partition_by_speed, speed_cap, weights};
 use crate::units::fmt_bytes;
 
 /// A resolved `--backend` value.
@@ -123,11 +123,13 @@ pub(crate) fn explicit(
     Ok(Explicit { placements, sizing: sized, main })
 }
 
-/// What sizes a layer split: the `--split-by` policy and each device's speed (by device index;
-/// `None` = unknown), in bytes of block weights per second.
+/// What sizes a layer split: the `--split-by` policy, each device's speed (by device index;
+/// `None` = unknown) in bytes of block weights per second, and the pipeline copy count.
 pub(crate) struct Sizing {
     pub by: SplitBy,
     pub speeds: Vec<Option<f64>>,
+    /// The pipeline copy count (it multiplies the compute reserve a speed-sized range leaves).
+    pub copies: u32,
 }
 
 /// The layout of a module listed on several devices, and how a layer split was sized.
@@ -194,11 +196,13 @@ fn multi_device(
         let unknown: Vec<String> = list.iter().filter(|&&d| sizing.speeds[d].is_none()).map(|&d| name(d)).collect();
         if unknown.is_empty() {
             let speeds: Vec<f64> = list.iter().map(|&d| sizing.speeds[d].unwrap_or(1.0)).collect();
-            let caps: Vec<Option<u64>> = list.iter().map(|&d| basis_weight(devices, budgets, d)).collect();
+            let reserve = module.compute_reserve().saturating_mul(u64::from(sizing.copies.max(1)));
+            let caps: Vec<Option<u64>> = list.iter().map(|&d| speed_cap(budgets, d, reserve)).collect();
             let ranges = partition_by_speed(&block_bytes, s.non_block_bytes, &speeds, &caps);
             if ranges.is_none() {
                 warnings.push(format!(
-                    "{module}: no speed-sized layer split of '{entry}' fits every device's memory (free memory or --max-vram less 2 GiB of headroom); sizing by memory instead"
+                    "{module}: no speed-sized layer split of '{entry}' fits every device's budget less {} of compute reserve; sizing by memory instead",
+                    fmt_bytes(reserve)
                 ));
             }
             ranges

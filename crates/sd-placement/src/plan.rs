@@ -286,7 +286,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         let a = auto_fit(&summaries, &devices, &budgets, ram, cpu, &mut warnings);
         (a.placements, Vec::new(), a.main)
     } else {
-        let sizing = Sizing { by: split_by, speeds: speeds.clone() };
+        let sizing = Sizing { by: split_by, speeds: speeds.clone(), copies };
         let e = explicit(&summaries, &devices, &budgets, &backend, &params, &split, &sizing, &mut warnings)?;
         (e.placements, e.sizing, e.main)
     };

@@ -9,9 +9,13 @@
 //! (weight = max(basis - 2 GiB, basis / 8)), so a small device still gets a share. Range sizes are
 //! measured in block bytes; each boundary is the block boundary closest to its proportional target.
 //!
-//! `--split-by speed` (ours: no peer sizes a split by speed) uses the same weight as each
-//! device's memory limit and a time model: device `d` evaluates weights at `speed(d)` bytes of
-//! block weights per second, the main device also evaluating the non-block tensors. A layer
+//! `--split-by speed` (ours: no peer sizes a split by speed) uses a time model: device `d`
+//! evaluates weights at `speed(d)` bytes of block weights per second, the main device also
+//! evaluating the non-block tensors. Each range must fit its device's planning budget (free
+//! memory less 512 MiB, or `--max-vram`; the available RAM for the CPU) less the module's compute
+//! reserve times the pipeline copy count ([`speed_cap`]): the budget the plan's own accounting
+//! checks, rather than the memory split's proportional weight, so that a speed-sized split of a
+//! device holding nothing else always fits it. A layer
 //! split runs its ranges one after another, so one evaluation takes the SUM of the range times
 //! whatever the sizing; only with pipelining (`--pipeline-copies` > 1, micro-batches overlapping
 //! across the devices) is the time per micro-batch bounded by the slowest range, and that is
@@ -22,7 +26,7 @@ use crate::device::{Device, DeviceType};
 use crate::GIB;
 
 /// Split weight of device `i` in bytes: its memory basis less the headroom (at most 7/8 of it);
-/// `None` when the basis is unknown. Also the memory limit of a speed-sized range.
+/// `None` when the basis is unknown.
 pub(crate) fn basis_weight(devices: &[Device], budgets: &[Budget], i: usize) -> Option<u64> {
     let basis = if devices[i].kind == DeviceType::Cpu {
         budgets[i].bytes.or(devices[i].free_figure())
@@ -32,6 +36,12 @@ pub(crate) fn basis_weight(devices: &[Device], budgets: &[Budget], i: usize) -> 
         devices[i].free_figure()
     };
     basis.map(|b| b.saturating_sub(2 * GIB).max(b / 8))
+}
+
+/// The most bytes of a speed-sized range on device `i`: its planning budget less `reserve`
+/// (the module's compute reserve times the pipeline copies); `None` when the budget is unknown.
+pub(crate) fn speed_cap(budgets: &[Budget], i: usize, reserve: u64) -> Option<u64> {
+    budgets[i].bytes.map(|b| b.saturating_sub(reserve))
 }
 
 /// Split weight of each device.

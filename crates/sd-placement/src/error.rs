@@ -172,6 +172,27 @@ pub enum PlanError {
         /// The value as written.
         token: String,
     },
+    /// A pipeline copy count whose compute reserve breaks a budget that one copy fits.
+    #[error(
+        "{setting}: {device} would need {} ({} of it compute reserve for {copies} copies) but its budget is {}; at most {max_copies} copies fit",
+        fmt_bytes(*.needed_bytes), fmt_bytes(*.compute_bytes), fmt_bytes(*.budget_bytes)
+    )]
+    TooManyPipelineCopies {
+        /// Where the count comes from, as written: `--pipeline-copies 8` or `SD_PIPELINE_COPIES=8`.
+        setting: String,
+        /// The copy count asked for.
+        copies: u32,
+        /// The first device over its budget.
+        device: String,
+        /// What it would need.
+        needed_bytes: u64,
+        /// The compute part of it.
+        compute_bytes: u64,
+        /// Its budget.
+        budget_bytes: u64,
+        /// The largest count that fits every budget.
+        max_copies: u32,
+    },
     /// A device listed twice in one module's `&` list (after name resolution: `cpu&CPU`).
     #[error(
         "--backend: '{}' lists {device} twice for {module}; list each device once (e.g. {module}=A&B)",

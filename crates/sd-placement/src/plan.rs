@@ -6,15 +6,16 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::autofit::{auto_fit, ram_reserve};
-use crate::budget::{resolve_budgets, BudgetRule};
+use crate::budget::{resolve_budgets, Budget, BudgetRule};
 use crate::device::{validate_names, Device, DeviceType};
 use crate::error::PlanError;
 use crate::explicit::{explicit, Sizing};
 use crate::memcheck::{check, MemoryCheck, Verdict};
 use crate::model::{ComponentSummary, ModelDescription, Module};
-use crate::placement::{account, names, reserve, Layout, Params, Placement};
+use crate::placement::{account, names, reserve, Layout, Params, Placement, Usage};
 use crate::spec::{
     parse_auto_fit, parse_max_vram, parse_pipeline_copies, parse_split_by, parse_split_mode, Flags, SplitBy,
+    PIPELINE_COPIES_ENV,
 };
 use crate::units::{fmt_bytes, fmt_opt};
 
@@ -302,6 +303,11 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     }
 
     let usage = account(&summaries, &placements, devices.len(), copies);
+    let setting = match flags.pipeline_copies {
+        Some(_) => format!("--pipeline-copies {copies}"),
+        None => format!("{PIPELINE_COPIES_ENV}={copies}"),
+    };
+    check_copies(&summaries, &placements, &devices, &budgets, (copies, setting), &usage)?;
     let mut device_usage = Vec::with_capacity(devices.len());
     for ((d, u), b) in devices.iter().zip(&usage).zip(&budgets) {
         let fits = b.bytes.is_none_or(|b| u.total() <= b);
@@ -366,6 +372,45 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         modules,
         memory_check,
         warnings,
+    })
+}
+
+/// Fails when the pipeline copies alone break a budget: a device over its budget with `copies`
+/// that fits with one copy. The error names the device, its bytes and the most copies that fit.
+fn check_copies(
+    summaries: &[ComponentSummary],
+    placements: &[Placement],
+    devices: &[Device],
+    budgets: &[Budget],
+    (copies, setting): (u32, String),
+    usage: &[Usage],
+) -> Result<(), PlanError> {
+    if copies <= 1 {
+        return Ok(());
+    }
+    let over = |u: &[Usage]| u.iter().zip(budgets).position(|(u, b)| b.bytes.is_some_and(|b| u.total() > b));
+    let Some(d) = over(usage) else { return Ok(()) };
+    if over(&account(summaries, placements, devices.len(), 1)).is_some() {
+        return Ok(()); // over budget whatever the copies: an ordinary plan that does not fit
+    }
+    // The reserve grows linearly with the copies: the largest count that fits, by bisection.
+    let (mut lo, mut hi) = (1u32, copies);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if over(&account(summaries, placements, devices.len(), mid)).is_none() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Err(PlanError::TooManyPipelineCopies {
+        setting,
+        copies,
+        device: devices[d].name.trim().to_string(),
+        needed_bytes: usage[d].total(),
+        compute_bytes: usage[d].compute,
+        budget_bytes: budgets[d].bytes.unwrap_or(0),
+        max_copies: lo,
     })
 }
 

@@ -588,16 +588,30 @@ fn pipeline_copies() {
     assert_eq!(go("diffusion=cuda0&cuda1", Some("4"), Some("2")).unwrap().pipeline_copies, 4);
     assert_eq!(go("diffusion=cuda0&cuda1", Some("4"), Some("junk")).unwrap().pipeline_copies, 4);
     assert_eq!(go("diffusion=cuda0&cuda1", None, Some("")).unwrap().pipeline_copies, 1);
-    // More copies than memory allows: the plan does not fit and names the device and bytes.
-    let p = go("diffusion=cuda0&cuda1", Some("12"), None).unwrap();
-    assert!(!p.fits);
-    assert!(
-        p.warnings.iter().any(|w| w.starts_with("CUDA1 needs")
-            && w.contains("compute 24.00 GiB")
-            && w.contains("budget is 23.50 GiB")),
-        "{:?}",
-        p.warnings
-    );
+    // More copies than memory allows: an error naming the setting, the device and the bytes.
+    // CUDA0 holds 1650 + 300 MiB of params: 1.90 GiB + 2N GiB <= 23.5 GiB for N <= 10.
+    let e = go("diffusion=cuda0&cuda1", Some("12"), None).unwrap_err().to_string();
+    for part in [
+        "--pipeline-copies 12: CUDA0 would need 25.90 GiB",
+        "24.00 GiB of it compute reserve for 12 copies",
+        "budget is 23.50 GiB",
+        "at most 10 copies fit",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+    let e = go("diffusion=cuda0&cuda1", None, Some("11")).unwrap_err().to_string();
+    assert!(e.starts_with("SD_PIPELINE_COPIES=11: CUDA0") && e.contains("at most 10 copies fit"), "{e}");
+    assert!(go("diffusion=cuda0&cuda1", Some("10"), None).unwrap().fits);
+    // A plan over budget whatever the copies is an ordinary plan that does not fit.
+    let f = Flags {
+        backend: Some("diffusion=cuda0&cuda1".into()),
+        pipeline_copies: Some("2".into()),
+        max_vram: Some("2".into()),
+        no_memory_check: true,
+        ..Flags::default()
+    };
+    let p = plan(&request(devs(), Some(64 * GIB), blocky(32), f)).unwrap();
+    assert!(!p.fits && p.warnings.iter().any(|w| w.starts_with("CUDA1 needs")), "{:?}", p.warnings);
     // Without a layer split the copies mean nothing: a warning, and no reserve change.
     let p = go("cuda0", Some("2"), None).unwrap();
     assert!(p.warnings.iter().any(|w| w.contains("--pipeline-copies 2 has no effect")), "{:?}", p.warnings);

@@ -25,8 +25,8 @@ pub struct PlacementArgs {
     /// `layer` or `row`, or per module (`diffusion=row,te=layer`).
     #[arg(long = "split-mode", value_name = "SPEC")]
     pub split_mode: Option<String>,
-    /// [sd-rs] How a layer split sizes its block ranges: `memory` (default: by free memory or
-    /// --max-vram) or `speed` (so that the devices finish together, from measured device
+    /// [sd-rs] How a layer split sizes its block ranges: `memory` (default: by free memory or the
+    /// device budget) or `speed` (so that the devices finish together, from measured device
     /// speeds), e.g. `--backend "diffusion=cuda0&rpc0" --split-by speed`.
     #[arg(long = "split-by", value_name = "memory|speed")]
     pub split_by: Option<String>,

@@ -236,16 +236,18 @@ fn multi_device(
     let mut out = Vec::new();
     for (k, (&d, (start, end))) in list.iter().zip(ranges).enumerate() {
         if k > 0 && start == end {
-            let total: f64 = w.iter().sum();
+            let total_bytes: u64 = block_bytes.iter().sum();
+            let share = total_bytes as f64 * w[k] / w.iter().sum::<f64>();
             return Err(PlanError::EmptySplitRange {
                 module: module.name().into(),
                 device: name(d),
                 entry: entry.into(),
                 reason: format!(
-                    "too little memory: its share by memory is {:.1}% of {}'s {} of block weights, too small for one block",
-                    100.0 * w[k] / total,
+                    "too little memory: its share by memory is {} of {}'s {} of block weights, too small for one block (the smallest is {})",
+                    fmt_bytes(share as u64),
                     module,
-                    fmt_bytes(block_bytes.iter().sum())
+                    fmt_bytes(total_bytes),
+                    fmt_bytes(block_bytes.iter().copied().min().unwrap_or(0))
                 ),
                 hint: format!("list fewer devices, or give {} a larger --max-vram", name(d)),
             });

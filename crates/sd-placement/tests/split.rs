@@ -229,7 +229,8 @@ fn split_input_errors() {
         "'diffusion=cuda0&cuda1'",
         "CUDA1 would receive no block of diffusion",
         "too little memory",
-        "0.1%",
+        "its share by memory is 0.3 MiB of diffusion's 400.0 MiB of block weights",
+        "the smallest is 100.0 MiB",
         "list fewer devices",
         "CUDA1 a larger --max-vram",
     ] {

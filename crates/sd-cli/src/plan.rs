@@ -9,7 +9,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 use sd_models::describe::{describe, ExtraFile};
 use sd_models::files::{ModelFiles, ModelSources};
-use sd_placement::{plan, Device, DeviceProfile, DeviceType, Flags, Plan, PlanRequest, MIB};
+use sd_placement::{plan, Device, DeviceProfile, DeviceType, Flags, Plan, PlanRequest, MIB, PIPELINE_COPIES_ENV};
 
 use crate::DeviceArgs;
 
@@ -25,6 +25,17 @@ pub struct PlacementArgs {
     /// `layer` or `row`, or per module (`diffusion=row,te=layer`).
     #[arg(long = "split-mode", value_name = "SPEC")]
     pub split_mode: Option<String>,
+    /// [sd-rs] How a layer split sizes its block ranges: `memory` (default: by free memory or the
+    /// device budget) or `speed` (so that the devices finish together, from measured device
+    /// speeds), e.g. `--backend "diffusion=cuda0&rpc0" --split-by speed`.
+    #[arg(long = "split-by", value_name = "memory|speed")]
+    pub split_by: Option<String>,
+    /// [sd-rs] Micro-batches a layer-split module overlaps across its devices; each device keeps
+    /// that many copies of its cross-device inputs and compute buffers (default 1, or the
+    /// environment variable SD_PIPELINE_COPIES), e.g. `--backend "diffusion=cpu&rpc0"
+    /// --pipeline-copies 2`.
+    #[arg(long = "pipeline-copies", value_name = "N", allow_hyphen_values = true)]
+    pub pipeline_copies: Option<String>,
     /// Per-device budget in GiB (`6`, `-1`, `cuda0=6,vulkan0=2`): positive: a managed budget;
     /// negative: free memory at startup less that many GiB; 0 (as without it): no managed
     /// budget, only live free memory limits segmented execution.
@@ -51,12 +62,16 @@ pub struct PlacementArgs {
 }
 
 impl PlacementArgs {
-    /// The planner's flags.
+    /// The planner's flags, with the environment variable `SD_PIPELINE_COPIES` (read here: the
+    /// planner does no I/O; a value that is not UTF-8 reaches it lossily and fails to parse).
     pub fn flags(&self) -> Flags {
         Flags {
             backend: self.backend.clone(),
             params_backend: self.params_backend.clone(),
             split_mode: self.split_mode.clone(),
+            split_by: self.split_by.clone(),
+            pipeline_copies: self.pipeline_copies.clone(),
+            pipeline_copies_env: std::env::var_os(PIPELINE_COPIES_ENV).map(|v| v.to_string_lossy().into_owned()),
             max_vram: self.max_vram.clone(),
             auto_fit: self.auto_fit.clone(),
             clip_on_cpu: self.clip_on_cpu,
@@ -212,6 +227,7 @@ pub fn plan_for(
         devices,
         ram_available_bytes: ram_available(),
         model: describe(files, &model.extra())?,
+        device_speeds: Default::default(),
     };
     let plan = plan(&request)?;
     for w in &plan.warnings {
@@ -238,7 +254,13 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let sources = args.model.sources();
     let files = ModelFiles::open(&sources)?;
     let model = describe(&files, &args.model.extra())?;
-    let request = PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model };
+    let request = PlanRequest {
+        flags: args.placement.flags(),
+        devices,
+        ram_available_bytes: ram,
+        model,
+        device_speeds: Default::default(),
+    };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;
     let p = plan(&request)?;
     let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());

@@ -31,6 +31,8 @@ struct Case {
     args: Vec<String>,
     /// Expected exit status.
     status: i32,
+    /// Environment variables set for it.
+    env: Vec<(String, String)>,
     /// Substrings stderr must contain.
     needles: Vec<String>,
 }
@@ -42,11 +44,13 @@ struct Outcome {
     timed_out: bool,
 }
 
-fn run(args: &[String], deadline: Duration) -> Outcome {
+fn run(args: &[String], env: &[(String, String)], deadline: Duration) -> Outcome {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sd-cli"))
         .args(args)
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
+        .env_remove("SD_PIPELINE_COPIES")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -518,6 +522,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             name: format!("model {name}"),
             args: plan(&d(&name)),
             status: 2,
+            env: vec![],
             needles: needles.into_iter().map(String::from).collect(),
         });
     }
@@ -536,6 +541,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
                 name: format!("{} {name}", args[0]),
                 args,
                 status,
+                env: vec![],
                 needles: vec![needle.into(), "to_q.weight".into(), name.clone()],
             });
         }
@@ -568,6 +574,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
                 d("out.png"),
             ],
             status: 1,
+            env: vec![],
             needles: needles.into_iter().map(String::from).collect(),
         });
     }
@@ -576,7 +583,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
         ("device model", "/dev/zero".to_string(), "character device"),
         ("directory model", d("adir"), "unet"),
     ] {
-        cases.push(Case { name: what.into(), args: plan(&path), status: 2, needles: vec![needle.into()] });
+        cases.push(Case { name: what.into(), args: plan(&path), status: 2, env: vec![], needles: vec![needle.into()] });
     }
     for (what, path, needle) in [
         ("profile /dev/zero", "/dev/zero".to_string(), "character device"),
@@ -587,6 +594,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             name: what.into(),
             args: vec!["plan".into(), "-m".into(), d("good.safetensors"), "--devices".into(), path],
             status: 2,
+            env: vec![],
             needles: vec![needle.into(), "--devices".into()],
         });
     }
@@ -603,13 +611,74 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             name: format!("placement {flag} {value:?}"),
             args,
             status: 2,
+            env: vec![],
             needles: vec![needle.clone()],
+        });
+    }
+    // Issue 13: layer splits and pipeline copies that need several flags, a second device or
+    // the environment (plan on a profile with a tiny second GPU).
+    std::fs::write(
+        dir.join("two-gpus.toml"),
+        "ram_available_mib = 65536\n[[device]]\nname = \"CUDA0\"\ntype = \"gpu\"\nfree_mib = 24576\ntotal_mib = 24576\n\
+         [[device]]\nname = \"CUDA1\"\ntype = \"gpu\"\nfree_mib = 16\ntotal_mib = 16\n",
+    )
+    .unwrap();
+    let two_gpus = |extra: &[&str]| {
+        let mut a =
+            vec!["plan".to_string(), "-m".into(), d("good.safetensors"), "--devices".into(), d("two-gpus.toml")];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let env = |v: &str| vec![("SD_PIPELINE_COPIES".to_string(), v.to_string())];
+    let mut copies = plan(&d("good.safetensors"));
+    copies.extend(["--backend", "diffusion=cuda0&cpu", "--pipeline-copies", "64"].map(String::from));
+    #[allow(clippy::type_complexity)]
+    let split_cases: Vec<(&str, Vec<String>, Vec<(String, String)>, Vec<&str>)> = vec![
+        (
+            "a split device without a block",
+            two_gpus(&["--backend", "diffusion=cuda0&cuda1"]),
+            vec![],
+            vec!["CUDA1 would receive no block of diffusion", "too little memory", "--max-vram"],
+        ),
+        (
+            "more pipeline copies than memory allows",
+            copies,
+            vec![],
+            vec!["--pipeline-copies 64: CUDA0 would need", "budget is", "copies fit"],
+        ),
+        (
+            "SD_PIPELINE_COPIES=abc",
+            two_gpus(&[]),
+            env("abc"),
+            vec!["SD_PIPELINE_COPIES: invalid value 'abc'", "positive integer"],
+        ),
+        ("SD_PIPELINE_COPIES=0", two_gpus(&[]), env("0"), vec!["SD_PIPELINE_COPIES: invalid value '0'"]),
+        (
+            "--pipeline-copies wins over SD_PIPELINE_COPIES",
+            two_gpus(&["--pipeline-copies", "-1"]),
+            env("2"),
+            vec!["--pipeline-copies: invalid value '-1'"],
+        ),
+    ];
+    for (what, args, env, needles) in split_cases {
+        cases.push(Case {
+            name: format!("split: {what}"),
+            args,
+            status: 2,
+            env,
+            needles: needles.into_iter().map(String::from).collect(),
         });
     }
     let long = "x".repeat(100_000);
     let mut args = plan(&d("good.safetensors"));
     args.extend(["--backend".into(), long]);
-    cases.push(Case { name: "placement 100 KB".into(), args, status: 2, needles: vec!["(100000 bytes)".into()] });
+    cases.push(Case {
+        name: "placement 100 KB".into(),
+        args,
+        status: 2,
+        env: vec![],
+        needles: vec!["(100000 bytes)".into()],
+    });
 
     // 3. Argument sets (generation: fail before any weight is read).
     let arg_rows = table("args.tsv");
@@ -635,6 +704,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             name: format!("args {}", row[2]),
             args,
             status: row[0].parse().unwrap(),
+            env: vec![],
             needles: vec![row[1].replace("{DIR}", &dir.display().to_string())],
         });
     }
@@ -650,7 +720,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
         for _ in 0..2 {
             s.spawn(|| loop {
                 let Some(case) = queue.lock().unwrap().next() else { break };
-                let o = run(&case.args, FAIL_DEADLINE);
+                let o = run(&case.args, &case.env, FAIL_DEADLINE);
                 if std::env::var_os("SD_CORPUS_SHOW").is_some() {
                     // Every case's message, for reading them all at once.
                     eprintln!("{} => {}", case.name, o.stderr.lines().last().unwrap_or_default());
@@ -757,6 +827,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
         .chain([run_dir.join("link.png").display().to_string()])
         .collect(),
         status: 0,
+        env: vec![],
         needles: vec![
             "text encoder (prompt): every value is zero".into(),
             "diffusion model output at timestep".into(),
@@ -764,7 +835,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             "VAE decoder (image 1)".into(),
         ],
     };
-    let o = run(&case.args, Duration::from_secs(300));
+    let o = run(&case.args, &case.env, Duration::from_secs(300));
     failures.extend(judge(&case, &o));
     if !std::fs::symlink_metadata(run_dir.join("link.png")).unwrap().file_type().is_symlink() {
         failures.push("the -o symlink was replaced instead of followed".into());

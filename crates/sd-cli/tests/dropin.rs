@@ -228,9 +228,16 @@ fn help_marks_our_own_flags() {
         assert!(help.contains(flag), "{flag} missing from --help");
     }
     let line = |flag: &str| help.lines().skip_while(|l| !l.contains(flag)).take(2).collect::<String>();
-    for ours in
-        ["--plugin-dir", "--json", "--disable-prefetch", "--disable-segmented-compute", "  plan ", "  rpc-server "]
-    {
+    for ours in [
+        "--plugin-dir",
+        "--json",
+        "--disable-prefetch",
+        "--disable-segmented-compute",
+        "--split-by",
+        "--pipeline-copies",
+        "  plan ",
+        "  rpc-server ",
+    ] {
         assert!(line(ours).contains("[sd-rs]"), "{ours} is ours: {}", line(ours));
     }
     for theirs in ["--rpc-servers", "--prompt-file", "--max-vram", "--vae-tiling"] {

@@ -1,6 +1,6 @@
 //! Benchmark: planning a 2,000-tensor model on 8 devices (target: median under 5 ms).
 //! Run with `cargo bench -p sd-placement --bench plan`; prints the median of 200 runs for
-//! auto-fit and for an explicit 7-way layer split.
+//! auto-fit, for an explicit 7-way layer split, and for the same split sized by speed.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -54,11 +54,15 @@ fn main() {
         devices: devices(),
         ram_available_bytes: Some(64 * GIB),
         model: model(),
+        device_speeds: Default::default(),
     };
     let mut split = auto.clone();
     split.flags.backend = Some("diffusion=cuda0&cuda1&cuda2&cuda3&cuda4&cuda5&cuda6,te=cuda6&cuda5".into());
+    let mut speed = split.clone();
+    speed.flags.split_by = Some("speed".into());
+    speed.device_speeds = (0..7).map(|i| (format!("CUDA{i}"), (1 + i) as f64 * 1e9)).collect();
     let tensors: usize = auto.model.components.iter().map(|c| c.tensors.len()).sum();
-    for (name, req) in [("auto-fit", &auto), ("layer split", &split)] {
+    for (name, req) in [("auto-fit", &auto), ("layer split", &split), ("speed split", &speed)] {
         let t = median(|| {
             black_box(plan(black_box(req)).unwrap());
         });

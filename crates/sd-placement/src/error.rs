@@ -158,6 +158,78 @@ pub enum PlanError {
         /// The whole assignment.
         entry: String,
     },
+    /// A `--split-by` value other than memory/speed.
+    #[error("--split-by: invalid value '{token}'; accepted: memory (the default: ranges sized by free memory), speed (ranges sized so that the devices finish together)")]
+    InvalidSplitBy {
+        /// The value as written.
+        token: String,
+    },
+    /// A pipeline copy count that is not a positive integer.
+    #[error("{origin}: invalid value '{token}'; expected a positive integer (1, the default, keeps no extra copies; 2 overlaps two micro-batches)")]
+    InvalidPipelineCopies {
+        /// `--pipeline-copies` or the environment variable `SD_PIPELINE_COPIES`.
+        origin: &'static str,
+        /// The value as written.
+        token: String,
+    },
+    /// A pipeline copy count whose compute reserve breaks a budget that one copy fits.
+    #[error(
+        "{setting}: {device} would need {} ({} of it compute reserve for {copies} copies) but its budget is {}; at most {max_copies} copies fit",
+        fmt_bytes(*.needed_bytes), fmt_bytes(*.compute_bytes), fmt_bytes(*.budget_bytes)
+    )]
+    TooManyPipelineCopies {
+        /// Where the count comes from, as written: `--pipeline-copies 8` or `SD_PIPELINE_COPIES=8`.
+        setting: String,
+        /// The copy count asked for.
+        copies: u32,
+        /// The first device over its budget.
+        device: String,
+        /// What it would need.
+        needed_bytes: u64,
+        /// The compute part of it.
+        compute_bytes: u64,
+        /// Its budget.
+        budget_bytes: u64,
+        /// The largest count that fits every budget.
+        max_copies: u32,
+    },
+    /// A device listed twice in one module's `&` list (after name resolution: `cpu&CPU`).
+    #[error(
+        "--backend: '{}' lists {device} twice for {module}; list each device once (e.g. {module}=A&B)",
+        clip(entry)
+    )]
+    DuplicateSplitDevice {
+        /// The module.
+        module: String,
+        /// The device, as listed by the device list.
+        device: String,
+        /// The whole assignment.
+        entry: String,
+    },
+    /// A layer split in which a listed device would hold no block.
+    #[error("--backend: '{}': {device} would receive no block of {module} ({reason}); {hint}", clip(entry))]
+    EmptySplitRange {
+        /// The module.
+        module: String,
+        /// The device left without a block.
+        device: String,
+        /// The whole assignment.
+        entry: String,
+        /// Why: too few blocks, or too little memory.
+        reason: String,
+        /// What to do instead.
+        hint: String,
+    },
+    /// A device speed given to [`crate::plan`] that is not a positive finite number.
+    #[error(
+        "device speeds: {device} has speed {value}; expected a positive finite number of block-weight bytes per second"
+    )]
+    InvalidSpeed {
+        /// The device name as given.
+        device: String,
+        /// The value.
+        value: f64,
+    },
     /// A device profile that does not parse or validate.
     #[error("device profile: {reason}")]
     InvalidProfile {

@@ -7,14 +7,19 @@
 //! every listed device can split rows within one backend registry; otherwise the module falls
 //! back (with a warning) as stable-diffusion.cpp's `docs/backend.md` says. Every entry is resolved, even for modules the model
 //! lacks, so a misspelt device is reported whatever the model.
+//!
+//! Beyond the reference: the CPU may take part in a layer split (not in a row split); a device
+//! listed twice, or a layer split leaving a listed device without a block, is an error (the
+//! reference drops such a device silently); `--split-by speed` sizes the ranges by device speed.
 
 use crate::budget::Budget;
 use crate::device::{default_device, resolve_device, Device, DeviceType};
 use crate::error::{Flag, PlanError};
 use crate::model::{ComponentSummary, Module};
 use crate::placement::{Layout, Params, Placement, Range};
-use crate::spec::{Assignment, Entry, ParamsValue, RuntimeValue, SplitMode};
-use crate::split::{partition, weights};
+use crate::spec::{Assignment, Entry, ParamsValue, RuntimeValue, SplitBy, SplitMode};
+use crate::split::{partition, partition_by_speed, speed_cap, weights};
+use crate::units::fmt_bytes;
 
 /// A resolved `--backend` value.
 enum Runtime {
@@ -22,11 +27,10 @@ enum Runtime {
     Many(Vec<usize>, String),
 }
 
-fn resolve_runtime(
-    devices: &[Device],
-    e: &Entry<RuntimeValue>,
-    warnings: &mut Vec<String>,
-) -> Result<Runtime, PlanError> {
+/// Resolves one `--backend` entry of `module` (`None`: the default entry, never a list). A
+/// device listed twice (after resolution, so `cpu&CPU` and a prefix of a listed name count) is
+/// an error naming the module and the device.
+fn resolve_runtime(devices: &[Device], module: Option<Module>, e: &Entry<RuntimeValue>) -> Result<Runtime, PlanError> {
     match &e.value {
         RuntimeValue::Device(t) => Ok(Runtime::One(resolve_device(devices, t, Flag::Backend, &e.entry)?)),
         RuntimeValue::List(ts) => {
@@ -34,10 +38,13 @@ fn resolve_runtime(
             for t in ts {
                 let i = resolve_device(devices, t, Flag::Backend, &e.entry)?;
                 if idx.contains(&i) {
-                    warnings.push(format!("--backend '{}' lists {} twice; using it once", e.entry, devices[i].name));
-                } else {
-                    idx.push(i);
+                    return Err(PlanError::DuplicateSplitDevice {
+                        module: module.map_or_else(|| "the default".to_string(), |m| m.name().to_string()),
+                        device: devices[i].name.trim().to_string(),
+                        entry: e.entry.clone(),
+                    });
                 }
+                idx.push(i);
             }
             Ok(if idx.len() == 1 { Runtime::One(idx[0]) } else { Runtime::Many(idx, e.entry.clone()) })
         }
@@ -53,6 +60,8 @@ fn resolve_params(devices: &[Device], e: &Entry<ParamsValue>) -> Result<Params, 
 
 pub(crate) struct Explicit {
     pub placements: Vec<Placement>,
+    /// How each layer-split module's ranges were sized (speed falls back to memory per module).
+    pub sizing: Vec<(Module, SplitBy)>,
     /// The device computing the diffusion model (or the first module), for the memory check.
     pub main: usize,
 }
@@ -65,12 +74,13 @@ pub(crate) fn explicit(
     backend: &Assignment<RuntimeValue>,
     params: &Assignment<ParamsValue>,
     split: &Assignment<SplitMode>,
+    sizing: &Sizing,
     warnings: &mut Vec<String>,
 ) -> Result<Explicit, PlanError> {
     // Validate every entry up front (the model may lack the module an entry names).
-    let mut scratch = Vec::new();
-    for e in backend.default.iter().chain(backend.modules.values()) {
-        resolve_runtime(devices, e, &mut scratch)?;
+    let entries = backend.default.iter().map(|e| (None, e));
+    for (m, e) in entries.chain(backend.modules.iter().map(|(m, e)| (Some(*m), e))) {
+        resolve_runtime(devices, m, e)?;
     }
     for e in params.default.iter().chain(params.modules.values()) {
         resolve_params(devices, e)?;
@@ -79,10 +89,11 @@ pub(crate) fn explicit(
         .ok_or_else(|| PlanError::InvalidDevices { reason: "no GPU, integrated GPU or CPU device to run on".into() })?;
 
     let mut placements = Vec::new();
+    let mut sized = Vec::new();
     for s in summaries {
         let module = s.module;
         let runtime = match backend.get(module) {
-            Some(e) => resolve_runtime(devices, e, warnings)?,
+            Some(e) => resolve_runtime(devices, Some(module), e)?,
             None => Runtime::One(default),
         };
         let p = match params.get(module) {
@@ -93,7 +104,9 @@ pub(crate) fn explicit(
             Runtime::One(d) => Layout::Single(d),
             Runtime::Many(list, entry) => {
                 let mode = split.get(module).map_or(SplitMode::Layer, |e| e.value);
-                multi_device(s, devices, budgets, &list, &entry, mode, warnings)
+                let (layout, by) = multi_device(s, devices, budgets, &list, &entry, mode, sizing, warnings)?;
+                sized.extend(by.map(|b| (module, b)));
+                layout
             }
         };
         let p = match (&layout, p) {
@@ -107,9 +120,20 @@ pub(crate) fn explicit(
         .find(|p| p.module == Module::Diffusion)
         .or(placements.first())
         .map_or(default, |p| p.layout.main());
-    Ok(Explicit { placements, main })
+    Ok(Explicit { placements, sizing: sized, main })
 }
 
+/// What sizes a layer split: the `--split-by` policy, each device's speed (by device index;
+/// `None` = unknown) in bytes of block weights per second, and the pipeline copy count.
+pub(crate) struct Sizing {
+    pub by: SplitBy,
+    pub speeds: Vec<Option<f64>>,
+    /// The pipeline copy count (it multiplies the compute reserve a speed-sized range leaves).
+    pub copies: u32,
+}
+
+/// The layout of a module listed on several devices, and how a layer split was sized.
+#[allow(clippy::too_many_arguments)]
 fn multi_device(
     s: &ComponentSummary,
     devices: &[Device],
@@ -117,8 +141,9 @@ fn multi_device(
     list: &[usize],
     entry: &str,
     mode: SplitMode,
+    sizing: &Sizing,
     warnings: &mut Vec<String>,
-) -> Layout {
+) -> Result<(Layout, Option<SplitBy>), PlanError> {
     let module = s.module;
     let first = list[0];
     if s.blocks.is_empty() {
@@ -126,18 +151,20 @@ fn multi_device(
             "{module} has no recognizable transformer blocks; '{entry}' falls back to its first device {}",
             devices[first].name
         ));
-        return Layout::Single(first);
-    }
-    if let Some(&c) = list.iter().find(|&&i| devices[i].kind == DeviceType::Cpu) {
-        warnings.push(format!(
-            "{module}: a split across the CPU device {} is not supported; using {} (use --params-backend {module}=cpu to keep weights in RAM)",
-            devices[c].name, devices[first].name
-        ));
-        return Layout::Single(first);
+        return Ok((Layout::Single(first), None));
     }
     if mode == SplitMode::Row {
         let registry = devices[first].registry_name().to_lowercase();
-        if let Some(&i) = list.iter().find(|&&i| !devices[i].row_split) {
+        if let Some(&c) = list.iter().find(|&&i| devices[i].kind == DeviceType::Cpu) {
+            // The CPU may hold a layer split's range (its range runs there, activations are
+            // copied at the boundaries), but not a row split: the host exports no split buffer
+            // type, and gathering every matmul's partial products through host memory costs
+            // more than the layer split it would replace.
+            warnings.push(format!(
+                "{module}: row split unavailable (the CPU device {} exports no split buffer type); falling back to layer split",
+                devices[c].name
+            ));
+        } else if let Some(&i) = list.iter().find(|&&i| !devices[i].row_split) {
             warnings.push(format!(
                 "{module}: row split unavailable ({} cannot split rows); falling back to layer split",
                 devices[i].name
@@ -151,15 +178,53 @@ fn multi_device(
                 devices[i].registry_name()
             ));
         } else {
-            return Layout::Row(list.to_vec());
+            return Ok((Layout::Row(list.to_vec()), None));
         }
     }
-    let w = weights(devices, budgets, list);
     let block_bytes: Vec<u64> = s.blocks.iter().map(|b| b.bytes).collect();
+    let name = |d: usize| devices[d].name.trim().to_string();
+    if block_bytes.len() < list.len() {
+        return Err(PlanError::EmptySplitRange {
+            module: module.name().into(),
+            device: name(list[block_bytes.len()]),
+            entry: entry.into(),
+            reason: format!("too few blocks: {module} has {} blocks for {} devices", block_bytes.len(), list.len()),
+            hint: format!("list at most {} devices", block_bytes.len()),
+        });
+    }
+    let by_speed = if sizing.by == SplitBy::Speed {
+        let unknown: Vec<String> = list.iter().filter(|&&d| sizing.speeds[d].is_none()).map(|&d| name(d)).collect();
+        if unknown.is_empty() {
+            let speeds: Vec<f64> = list.iter().map(|&d| sizing.speeds[d].unwrap_or(1.0)).collect();
+            let reserve = module.compute_reserve().saturating_mul(u64::from(sizing.copies.max(1)));
+            let caps: Vec<Option<u64>> = list.iter().map(|&d| speed_cap(budgets, d, reserve)).collect();
+            let ranges = partition_by_speed(&block_bytes, s.non_block_bytes, &speeds, &caps);
+            if ranges.is_none() {
+                warnings.push(format!(
+                    "{module}: no speed-sized layer split of '{entry}' fits every device's budget less {} of compute reserve; sizing by memory instead",
+                    fmt_bytes(reserve)
+                ));
+            }
+            ranges
+        } else {
+            warnings.push(format!(
+                "{module}: --split-by speed: no speed known for {}; sizing the layer split '{entry}' by memory",
+                unknown.join(", ")
+            ));
+            None
+        }
+    } else {
+        None
+    };
+    if let Some(ranges) = by_speed {
+        let out = list.iter().zip(ranges).map(|(&device, (start, end))| Range { device, start, end }).collect();
+        return Ok((Layout::Layer(out), Some(SplitBy::Speed)));
+    }
+    let w = weights(devices, budgets, list);
     let mut ranges = partition(&block_bytes, &w);
     // The main device runs the graph's inputs and outputs: it keeps at least the first block.
     if let Some(first) = ranges.first_mut() {
-        if first.1 == 0 && !block_bytes.is_empty() {
+        if first.1 == 0 {
             first.1 = 1;
         }
     }
@@ -171,13 +236,23 @@ fn multi_device(
     let mut out = Vec::new();
     for (k, (&d, (start, end))) in list.iter().zip(ranges).enumerate() {
         if k > 0 && start == end {
-            warnings.push(format!(
-                "{module}: {} receives no block in the layer split '{entry}' (too little memory or too few blocks)",
-                devices[d].name
-            ));
-            continue;
+            let total_bytes: u64 = block_bytes.iter().sum();
+            let share = total_bytes as f64 * w[k] / w.iter().sum::<f64>();
+            return Err(PlanError::EmptySplitRange {
+                module: module.name().into(),
+                device: name(d),
+                entry: entry.into(),
+                reason: format!(
+                    "too little memory: its share by memory is {} of {}'s {} of block weights, too small for one block (the smallest is {})",
+                    fmt_bytes(share as u64),
+                    module,
+                    fmt_bytes(total_bytes),
+                    fmt_bytes(block_bytes.iter().copied().min().unwrap_or(0))
+                ),
+                hint: format!("list fewer devices, or give {} a larger --max-vram", name(d)),
+            });
         }
         out.push(Range { device: d, start, end });
     }
-    Layout::Layer(out)
+    Ok((Layout::Layer(out), Some(SplitBy::Memory)))
 }

@@ -7,6 +7,10 @@
 //! `--backend` / `--params-backend` / `--split-mode` / `--max-vram` / `--auto-fit` language,
 //! the compatibility flags, automatic placement, layer and row split), the `--max-vram` budget
 //! semantics of stable-diffusion.cpp's `docs/performance.md`, and the pre-load memory check of `memory-check.md` (the guide "Image generation memory, logs and limits").
+//! Beyond the reference: the CPU in a layer split, `--split-by memory|speed` (ranges sized by
+//! measured device speeds, given in [`PlanRequest::device_speeds`], with predicted times) and
+//! `--pipeline-copies` / `SD_PIPELINE_COPIES` (the copy count a layer split's executor keeps,
+//! and its memory).
 //!
 //! # What it refuses to do
 //!
@@ -42,6 +46,7 @@
 //!         components: vec![diffusion, te, vae],
 //!         files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 17 * GIB }],
 //!     },
+//!     device_speeds: Default::default(), // no measured speeds (see --split-by speed)
 //! };
 //! let p = plan(&request).expect("valid input");
 //! assert!(p.auto_fit && p.fits);
@@ -62,7 +67,8 @@
 //! A device profile (hypothetical devices) comes from TOML text with
 //! [`DeviceProfile::from_toml_str`]. A loader that must refuse a model the memory check refuses
 //! calls [`Plan::ensure_loadable`]. The parser entry points ([`parse_backend`],
-//! [`parse_params_backend`], [`parse_split_mode`], [`parse_max_vram`], [`parse_auto_fit`],
+//! [`parse_params_backend`], [`parse_split_mode`], [`parse_split_by`], [`parse_pipeline_copies`],
+//! [`parse_max_vram`], [`parse_auto_fit`],
 //! [`resolve_device`], [`Module::parse`]) are public for tools that only validate flags.
 //!
 //! # Main types
@@ -92,10 +98,11 @@ pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceTy
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
-pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, SplitKind, SplitRange};
+pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange};
 pub use spec::{
-    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_split_mode, Assignment, Entry, Flags,
-    MaxVram, ParamsValue, RuntimeValue, SplitMode,
+    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies, parse_split_by,
+    parse_split_mode, Assignment, Entry, Flags, MaxVram, ParamsValue, RuntimeValue, SplitBy, SplitMode,
+    PIPELINE_COPIES_ENV,
 };
-pub use split::partition as layer_partition;
+pub use split::{partition as layer_partition, partition_by_speed as layer_partition_by_speed};
 pub use units::{fmt_bytes, GIB, MIB};

@@ -84,8 +84,26 @@ fn range_bytes(s: &ComponentSummary, r: &Range) -> (u64, u64) {
     (bytes, largest)
 }
 
-/// Per-device usage of a set of placements.
-pub(crate) fn account(summaries: &[ComponentSummary], placements: &[Placement], n_devices: usize) -> Vec<Usage> {
+/// The compute reserve of `p` on each of its runtime devices. A layer-split module with
+/// `copies` pipeline copies keeps `copies` micro-batches in flight, each device holding a copy
+/// of its cross-device inputs and a compute buffer per copy: the reserve is `copies` times the
+/// module's (conservative: a micro-batch is smaller than the whole batch). Other layouts do not
+/// pipeline and keep one reserve.
+pub(crate) fn reserve(p: &Placement, copies: u32) -> u64 {
+    let r = p.module.compute_reserve();
+    match p.layout {
+        Layout::Layer(_) => r.saturating_mul(u64::from(copies.max(1))),
+        _ => r,
+    }
+}
+
+/// Per-device usage of a set of placements (`copies`: the pipeline copy count, see [`reserve`]).
+pub(crate) fn account(
+    summaries: &[ComponentSummary],
+    placements: &[Placement],
+    n_devices: usize,
+    copies: u32,
+) -> Vec<Usage> {
     let mut usage = vec![Usage::default(); n_devices];
     let add_params = |usage: &mut Vec<Usage>, d: usize, b: u64| {
         usage[d].params = usage[d].params.saturating_add(b);
@@ -99,7 +117,7 @@ pub(crate) fn account(summaries: &[ComponentSummary], placements: &[Placement], 
         let Some(s) = summaries.iter().find(|s| s.module == p.module) else {
             continue;
         };
-        let r = p.module.compute_reserve();
+        let r = reserve(p, copies);
         match &p.layout {
             Layout::Single(rt) => match p.params {
                 Params::Device(d) if d != *rt => {

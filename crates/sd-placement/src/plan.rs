@@ -1,22 +1,27 @@
 //! The entry point [`plan`], its request, and the plan as a serde value with a text rendering.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
 use crate::autofit::{auto_fit, ram_reserve};
-use crate::budget::{resolve_budgets, BudgetRule};
+use crate::budget::{resolve_budgets, Budget, BudgetRule};
 use crate::device::{validate_names, Device, DeviceType};
 use crate::error::PlanError;
-use crate::explicit::explicit;
+use crate::explicit::{explicit, Sizing};
 use crate::memcheck::{check, MemoryCheck, Verdict};
 use crate::model::{ComponentSummary, ModelDescription, Module};
-use crate::placement::{account, names, Layout, Params, Placement};
-use crate::spec::{parse_auto_fit, parse_max_vram, parse_split_mode, Flags};
+use crate::placement::{account, names, reserve, Layout, Params, Placement, Usage};
+use crate::spec::{
+    parse_auto_fit, parse_max_vram, parse_pipeline_copies, parse_split_by, parse_split_mode, Flags, SplitBy,
+    PIPELINE_COPIES_ENV,
+};
 use crate::units::{fmt_bytes, fmt_opt};
 
-/// Everything [`plan`] needs: raw flag strings, devices, RAM and the model.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Everything [`plan`] needs: raw flag strings, devices, RAM, the model and (optionally) the
+/// devices' measured speeds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PlanRequest {
     /// The flags as given on a command line.
     #[serde(default)]
@@ -28,10 +33,17 @@ pub struct PlanRequest {
     pub ram_available_bytes: Option<u64>,
     /// The model.
     pub model: ModelDescription,
+    /// Measured device speeds by device name (case-insensitive), in bytes of block weights
+    /// evaluated per second (a block of B bytes timed at t seconds per evaluation gives B / t).
+    /// `--split-by speed` sizes layer splits with them, and the plan predicts a split module's
+    /// time when every device of it has one. Names of absent devices are ignored; a listed
+    /// device's value must be positive and finite.
+    #[serde(default)]
+    pub device_speeds: BTreeMap<String, f64>,
 }
 
 /// A contiguous block range on one device.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SplitRange {
     /// Device name.
     pub device: String,
@@ -42,6 +54,23 @@ pub struct SplitRange {
     /// Bytes of params this device holds for the module (its blocks; plus the non-block tensors
     /// on the main device; a row split counts the split tensors' full size on every device).
     pub param_bytes: u64,
+    /// Layer split with a known speed for the device: the seconds this range takes per module
+    /// evaluation, `param_bytes / speed` (the main range includes the non-block tensors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_s: Option<f64>,
+}
+
+/// Predicted time of a layer-split module per evaluation (one micro-batch), from the device
+/// speeds. The ranges run one after another, so one pass takes the sum of the range times
+/// whatever the sizing; with `--pipeline-copies` > 1 the devices overlap micro-batches and, once
+/// the pipeline is full, a micro-batch completes every slowest-range time: `--split-by speed`
+/// makes that maximum as small as the devices' memory allows.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PredictedTime {
+    /// Seconds of one evaluation: the sum over the ranges of bytes / speed.
+    pub single_pass_s: f64,
+    /// Seconds per micro-batch when pipelined: the slowest range (the largest bytes / speed).
+    pub pipelined_s: f64,
 }
 
 /// How a module is split across devices.
@@ -57,7 +86,7 @@ pub enum SplitKind {
 }
 
 /// Where one module runs and where its params live.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModulePlan {
     /// The module.
     pub module: Module,
@@ -68,7 +97,8 @@ pub struct ModulePlan {
     pub params: ParamsHome,
     /// Total params bytes.
     pub param_bytes: u64,
-    /// Estimated compute reserve on the runtime device(s).
+    /// Estimated compute reserve on each runtime device (a layer split's is multiplied by the
+    /// pipeline copy count).
     pub compute_reserve_bytes: u64,
     /// Staging space for the largest tensor when params live away from the runtime device.
     pub staging_bytes: u64,
@@ -76,6 +106,13 @@ pub struct ModulePlan {
     pub split_mode: SplitKind,
     /// Per-device block ranges; empty without a split.
     pub split: Vec<SplitRange>,
+    /// How a layer split's ranges were sized (`speed` falls back to `memory` when a device's
+    /// speed is unknown or no speed-sized split fits); absent without a layer split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sized_by: Option<SplitBy>,
+    /// Predicted time per evaluation of a layer split whose every device has a known speed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<PredictedTime>,
 }
 
 /// Where a module's params live. In text and JSON it is written as `--params-backend` values
@@ -180,6 +217,13 @@ pub struct Plan {
     pub params_backend: String,
     /// Equivalent `--split-mode` (row entries only).
     pub split_mode: String,
+    /// `--split-by`: how layer splits are sized (per module, see [`ModulePlan::sized_by`]).
+    #[serde(default)]
+    pub split_by: SplitBy,
+    /// `--pipeline-copies` (or `SD_PIPELINE_COPIES`): micro-batches a layer-split module keeps
+    /// in flight, each device holding that many copies of its cross-device inputs; 1 = none.
+    #[serde(default = "one")]
+    pub pipeline_copies: u32,
     /// Available RAM.
     pub ram_available_bytes: Option<u64>,
     /// RAM auto-fit keeps free (max(2 GiB, 10%)); `None` when not auto-fit or RAM unknown.
@@ -192,6 +236,10 @@ pub struct Plan {
     pub memory_check: MemoryCheck,
     /// Things a person should know.
     pub warnings: Vec<String>,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// Makes a plan. Errors only on bad input (flags, devices); a plan that does not fit is a
@@ -216,6 +264,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     let backend = flags.backend_assignment()?;
     let params = flags.params_assignment()?;
     let split = parse_split_mode(flags.split_mode.as_deref().unwrap_or(""))?;
+    let split_by = parse_split_by(flags.split_by.as_deref())?;
+    let copies = parse_pipeline_copies(flags.pipeline_copies.as_deref(), flags.pipeline_copies_env.as_deref())?;
     let max_vram = parse_max_vram(flags.max_vram.as_deref().unwrap_or(""))?;
     let auto_fit_flag = parse_auto_fit(flags.auto_fit.as_deref())?;
     let ram = req.ram_available_bytes;
@@ -231,16 +281,33 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         warnings.push("--split-mode does not change auto-fit placements (auto-fit never splits a module)".into());
     }
 
+    let speeds = device_speeds(&devices, &req.device_speeds)?;
     let summaries = req.model.summaries();
-    let (placements, main) = if auto {
+    let (placements, sizing, main) = if auto {
         let a = auto_fit(&summaries, &devices, &budgets, ram, cpu, &mut warnings);
-        (a.placements, a.main)
+        (a.placements, Vec::new(), a.main)
     } else {
-        let e = explicit(&summaries, &devices, &budgets, &backend, &params, &split, &mut warnings)?;
-        (e.placements, e.main)
+        let sizing = Sizing { by: split_by, speeds: speeds.clone(), copies };
+        let e = explicit(&summaries, &devices, &budgets, &backend, &params, &split, &sizing, &mut warnings)?;
+        (e.placements, e.sizing, e.main)
     };
+    if !placements.iter().any(|p| matches!(p.layout, Layout::Layer(_))) {
+        if copies > 1 {
+            warnings.push(format!(
+                "--pipeline-copies {copies} has no effect: no module is layer-split (pipelining overlaps the devices of a layer split)"
+            ));
+        }
+        if split_by == SplitBy::Speed {
+            warnings.push("--split-by speed has no effect: no module is layer-split".into());
+        }
+    }
 
-    let usage = account(&summaries, &placements, devices.len());
+    let usage = account(&summaries, &placements, devices.len(), copies);
+    let setting = match flags.pipeline_copies {
+        Some(_) => format!("--pipeline-copies {copies}"),
+        None => format!("{PIPELINE_COPIES_ENV}={copies}"),
+    };
+    check_copies(&summaries, &placements, &devices, &budgets, (copies, setting), &usage)?;
     let mut device_usage = Vec::with_capacity(devices.len());
     for ((d, u), b) in devices.iter().zip(&usage).zip(&budgets) {
         let fits = b.bytes.is_none_or(|b| u.total() <= b);
@@ -284,7 +351,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         .filter_map(|m| {
             let p = placements.iter().find(|p| p.module == *m)?;
             let s = summaries.iter().find(|s| s.module == *m)?;
-            Some(module_plan(s, p, &devices))
+            let by = sizing.iter().find(|(m2, _)| m2 == m).map(|(_, b)| *b);
+            Some(module_plan(s, p, &devices, copies, by, &speeds))
         })
         .collect();
     let fits = device_usage.iter().all(|u| u.fits) && memory_check.verdict != Verdict::Refuse;
@@ -296,6 +364,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         backend: backend_eq,
         params_backend: params_eq,
         split_mode: split_eq,
+        split_by,
+        pipeline_copies: copies,
         ram_available_bytes: ram,
         ram_reserve_bytes: if auto { ram.map(ram_reserve) } else { None },
         devices: device_usage,
@@ -305,7 +375,69 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     })
 }
 
-fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> ModulePlan {
+/// Fails when the pipeline copies alone break a budget: a device over its budget with `copies`
+/// that fits with one copy. The error names the device, its bytes and the most copies that fit.
+fn check_copies(
+    summaries: &[ComponentSummary],
+    placements: &[Placement],
+    devices: &[Device],
+    budgets: &[Budget],
+    (copies, setting): (u32, String),
+    usage: &[Usage],
+) -> Result<(), PlanError> {
+    if copies <= 1 {
+        return Ok(());
+    }
+    let over = |u: &[Usage]| u.iter().zip(budgets).position(|(u, b)| b.bytes.is_some_and(|b| u.total() > b));
+    let Some(d) = over(usage) else { return Ok(()) };
+    if over(&account(summaries, placements, devices.len(), 1)).is_some() {
+        return Ok(()); // over budget whatever the copies: an ordinary plan that does not fit
+    }
+    // The reserve grows linearly with the copies: the largest count that fits, by bisection.
+    let (mut lo, mut hi) = (1u32, copies);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if over(&account(summaries, placements, devices.len(), mid)).is_none() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Err(PlanError::TooManyPipelineCopies {
+        setting,
+        copies,
+        device: devices[d].name.trim().to_string(),
+        needed_bytes: usage[d].total(),
+        compute_bytes: usage[d].compute,
+        budget_bytes: budgets[d].bytes.unwrap_or(0),
+        max_copies: lo,
+    })
+}
+
+/// The speed of each device (by index) from the request's map; an invalid value of a device
+/// that is present is an error.
+fn device_speeds(devices: &[Device], given: &BTreeMap<String, f64>) -> Result<Vec<Option<f64>>, PlanError> {
+    let mut out = vec![None; devices.len()];
+    for (name, &v) in given {
+        let Some(i) = devices.iter().position(|d| d.name.trim().eq_ignore_ascii_case(name.trim())) else {
+            continue;
+        };
+        if !v.is_finite() || v <= 0.0 {
+            return Err(PlanError::InvalidSpeed { device: name.clone(), value: v });
+        }
+        out[i] = Some(v);
+    }
+    Ok(out)
+}
+
+fn module_plan(
+    s: &ComponentSummary,
+    p: &Placement,
+    devices: &[Device],
+    copies: u32,
+    sized_by: Option<SplitBy>,
+    speeds: &[Option<f64>],
+) -> ModulePlan {
     let runtime = names(devices, &p.layout.devices());
     let params = match p.params {
         Params::Disk => ParamsHome::Disk,
@@ -344,6 +476,7 @@ fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> Modul
                     first_block: blocks[0].index,
                     last_block: blocks[blocks.len() - 1].index,
                     param_bytes: bytes,
+                    predicted_s: speeds[r.device].map(|v| bytes as f64 / v),
                 });
             }
             SplitKind::Layer
@@ -361,20 +494,30 @@ fn module_plan(s: &ComponentSummary, p: &Placement, devices: &[Device]) -> Modul
                     } else {
                         split_bytes
                     },
+                    predicted_s: None,
                 });
             }
             SplitKind::Row
         }
+    };
+    let times: Option<Vec<f64>> = split.iter().map(|r| r.predicted_s).collect();
+    let predicted = match (split_mode, times) {
+        (SplitKind::Layer, Some(t)) if !t.is_empty() => {
+            Some(PredictedTime { single_pass_s: t.iter().sum(), pipelined_s: t.iter().copied().fold(0.0, f64::max) })
+        }
+        _ => None,
     };
     ModulePlan {
         module: s.module,
         runtime,
         params,
         param_bytes: s.param_bytes,
-        compute_reserve_bytes: s.module.compute_reserve(),
+        compute_reserve_bytes: reserve(p, copies),
         staging_bytes: if offloaded { largest } else { 0 },
         split_mode,
         split,
+        sized_by,
+        predicted,
     }
 }
 
@@ -482,7 +625,7 @@ impl Plan {
             }
             let _ = writeln!(o);
             for r in &m.split {
-                let _ = writeln!(
+                let _ = write!(
                     o,
                     "      {} split: {} blocks {}..={} ({})",
                     match m.split_mode {
@@ -494,6 +637,26 @@ impl Plan {
                     r.last_block,
                     fmt_bytes(r.param_bytes)
                 );
+                if let Some(t) = r.predicted_s {
+                    let _ = write!(o, "  ~{}", fmt_secs(t));
+                }
+                let _ = writeln!(o);
+            }
+            if let Some(by) = m.sized_by {
+                let _ = write!(o, "      sized by {}, pipeline copies {}", by.name(), self.pipeline_copies);
+                match &m.predicted {
+                    Some(t) => {
+                        let _ = writeln!(
+                            o,
+                            "; predicted per evaluation: {} in one pass (ranges in sequence), {} per micro-batch pipelined (slowest range; with --pipeline-copies > 1)",
+                            fmt_secs(t.single_pass_s),
+                            fmt_secs(t.pipelined_s)
+                        );
+                    }
+                    None => {
+                        let _ = writeln!(o, "; no predicted time (device speeds unknown)");
+                    }
+                }
             }
         }
         let _ = writeln!(
@@ -519,6 +682,12 @@ impl Plan {
         if !self.split_mode.is_empty() {
             let _ = write!(o, " --split-mode \"{}\"", self.split_mode);
         }
+        if self.split_by != SplitBy::Memory {
+            let _ = write!(o, " --split-by {}", self.split_by.name());
+        }
+        if self.pipeline_copies != 1 {
+            let _ = write!(o, " --pipeline-copies {}", self.pipeline_copies);
+        }
         let _ = writeln!(o);
         if !self.warnings.is_empty() {
             let _ = writeln!(o, "warnings:");
@@ -527,5 +696,14 @@ impl Plan {
             }
         }
         o
+    }
+}
+
+/// Seconds for a person: `1.23 s`, `45.6 ms`.
+fn fmt_secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else {
+        format!("{:.1} ms", s * 1000.0)
     }
 }

@@ -1,5 +1,5 @@
-//! The placement language: `--backend`, `--params-backend`, `--split-mode`, `--max-vram`,
-//! `--auto-fit` and the compatibility flags, parsed into plain values.
+//! The placement language: `--backend`, `--params-backend`, `--split-mode`, `--split-by`,
+//! `--pipeline-copies`, `--max-vram`, `--auto-fit` and the compatibility flags, parsed into plain values.
 //!
 //! Parsing is in two steps so that it can be fuzzed and reused without devices: the functions
 //! here check syntax, module names (the alias table of stable-diffusion.cpp's `docs/backend.md`) and the structural rules (`&`
@@ -29,6 +29,13 @@ pub struct Flags {
     pub params_backend: Option<String>,
     /// `--split-mode`.
     pub split_mode: Option<String>,
+    /// `--split-by` ([sd-rs]): `memory` (default) or `speed`, how a layer split sizes its ranges.
+    pub split_by: Option<String>,
+    /// `--pipeline-copies` ([sd-rs]): copies of each cross-device input a layer-split module keeps.
+    pub pipeline_copies: Option<String>,
+    /// The environment variable [`PIPELINE_COPIES_ENV`] as the caller read it (no environment
+    /// access here); `--pipeline-copies` wins over it.
+    pub pipeline_copies_env: Option<String>,
     /// `--max-vram`.
     pub max_vram: Option<String>,
     /// `--auto-fit` (`on` or `off`).
@@ -167,6 +174,55 @@ pub enum SplitMode {
     Layer,
     /// Block matmul weights sliced by rows across the devices.
     Row,
+}
+
+/// How a layer split sizes its block ranges (`--split-by`). One value for the whole plan, not
+/// per module: the speeds it uses are per device, and a plan splits at most diffusion and te.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitBy {
+    /// In proportion to each device's memory basis (backend.md's rule, the default).
+    #[default]
+    Memory,
+    /// So that every device's range takes the same time, within each device's memory basis.
+    Speed,
+}
+
+impl SplitBy {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitBy::Memory => "memory",
+            SplitBy::Speed => "speed",
+        }
+    }
+}
+
+/// The environment variable that sets `--pipeline-copies` when the flag is absent.
+pub const PIPELINE_COPIES_ENV: &str = "SD_PIPELINE_COPIES";
+
+/// Parses `--split-by`: absent = `memory`; `memory` or `speed` (case-insensitive).
+pub fn parse_split_by(value: Option<&str>) -> Result<SplitBy, PlanError> {
+    match value.map(|v| v.trim().to_lowercase()).as_deref() {
+        None | Some("memory") => Ok(SplitBy::Memory),
+        Some("speed") => Ok(SplitBy::Speed),
+        Some(_) => Err(PlanError::InvalidSplitBy { token: clip(value.unwrap_or_default()) }),
+    }
+}
+
+/// Parses the pipeline copy count: `--pipeline-copies` when given, else the environment
+/// variable's value (an empty variable counts as unset), else 1. A positive decimal integer.
+pub fn parse_pipeline_copies(flag: Option<&str>, env: Option<&str>) -> Result<u32, PlanError> {
+    let (origin, value) = match (flag, env.filter(|v| !v.trim().is_empty())) {
+        (Some(f), _) => ("--pipeline-copies", f),
+        (None, Some(e)) => (PIPELINE_COPIES_ENV, e),
+        (None, None) => return Ok(1),
+    };
+    let t = value.trim();
+    match t.parse::<u32>() {
+        Ok(n) if n > 0 && t.chars().all(|c| c.is_ascii_digit()) => Ok(n),
+        _ => Err(PlanError::InvalidPipelineCopies { origin, token: clip(value) }),
+    }
 }
 
 /// Key of one entry: the default or a module.

@@ -113,6 +113,42 @@ fn flux_dev_on_two_gpus_layer_split() {
 }
 
 #[test]
+fn flux_dev_on_two_gpus_speed_split_two_copies() {
+    // Issue 13: --backend "diffusion=cuda0&cuda1" --split-by speed --pipeline-copies 2, CUDA0
+    // evaluating 1e10 bytes of block weights per second, CUDA1 2e10. Blocks: 19 double blocks of
+    // 360,972,288 B, then 38 single blocks of 150,405,120 B; 68,000,000 B of non-block tensors
+    // on CUDA0. Equal times would put (12,573,868,032 - 2 x 68e6) / 3 = 4.146e9 B on CUDA0:
+    // 11 double blocks (CUDA1 then holds 8,603,172,864 B). But CUDA1's budget 11.5 GiB less
+    // 2 x 2 GiB of reserve (two copies) caps its range at 8,053,063,680 B, and 12 double
+    // blocks still leave it 8,242,200,576 B: CUDA0 takes 13 (blocks 0..=12, 4,760,639,744 B
+    // with the non-block tensors, 0.476 s), CUDA1 blocks 13..=56 (7,881,228,288 B, 0.394 s).
+    // One pass 0.870 s; pipelined 0.476 s per micro-batch. Reserves: 4 GiB on both devices
+    // (te on CUDA0 alone needs 2). CUDA1: 7,881,228,288 + 4 GiB = 11.34 GiB <= 11.5 GiB.
+    let devs = vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 12.0)];
+    let mut f = flags(Some("diffusion=cuda0&cuda1"), None);
+    f.split_by = Some("speed".into());
+    f.pipeline_copies = Some("2".into());
+    let mut req = request(devs, Some(64 * GIB), flux_dev_q8(), f);
+    req.device_speeds = [("CUDA0".to_string(), 1e10), ("CUDA1".to_string(), 2e10)].into();
+    let p = golden("flux_dev_two_gpus_speed_split_two_copies", &req);
+    assert!(!p.auto_fit && p.fits);
+    assert_eq!((p.split_by, p.pipeline_copies), (SplitBy::Speed, 2));
+    let d = module(&p, Module::Diffusion);
+    assert_eq!(d.sized_by, Some(SplitBy::Speed));
+    let ranges: Vec<_> =
+        d.split.iter().map(|r| (r.device.as_str(), r.first_block, r.last_block, r.param_bytes)).collect();
+    assert_eq!(ranges, vec![("CUDA0", 0, 12, 4_760_639_744), ("CUDA1", 13, 56, 7_881_228_288)]);
+    let t = d.predicted.clone().unwrap();
+    assert!(
+        (t.single_pass_s - 0.870_125_388_8).abs() < 1e-9 && (t.pipelined_s - 0.476_063_974_4).abs() < 1e-9,
+        "{t:?}"
+    );
+    assert_eq!(d.compute_reserve_bytes, 4 * GIB);
+    assert_eq!((device(&p, "CUDA0").compute_bytes, device(&p, "CUDA1").compute_bytes), (4 * GIB, 4 * GIB));
+    assert_eq!(device(&p, "CUDA1").used_bytes, 7_881_228_288 + 4 * GIB);
+}
+
+#[test]
 fn cpu_only_sd15() {
     // No GPU: everything computes on the CPU; RAM 16 GiB keeps 2 GiB free: 1939 MiB of params
     // fit. CPU usage = params + 2 GiB compute. Memory check vs RAM: 3054 MiB <= 16 GiB.
@@ -157,6 +193,9 @@ fn json_shape() {
         seen += 1;
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let name = path.display();
+        // Issue 13: how layer splits are sized and the pipeline copy count.
+        assert!(["memory", "speed"].contains(&v["split_by"].as_str().unwrap()), "{name}");
+        assert!(v["pipeline_copies"].as_u64().is_some_and(|n| n >= 1), "{name}");
         assert!(v["auto_fit"].is_boolean() && v["fits"].is_boolean(), "{name}");
         assert!(v["warnings"].as_array().is_some_and(|w| w.iter().all(|x| x.is_string())), "{name}");
         assert!(v["memory_check"]["estimate_bytes"].is_u64(), "{name}");
@@ -172,5 +211,5 @@ fn json_shape() {
         // The plan reads back into the Rust type.
         let _: Plan = serde_json::from_value(v).unwrap();
     }
-    assert_eq!(seen, 6);
+    assert_eq!(seen, 7);
 }

@@ -77,22 +77,36 @@ proptest! {
         check(parse_split_mode(&s).map(|_| ()));
         check(parse_max_vram(&s).map(|_| ()));
         check(parse_auto_fit(Some(&s)).map(|_| ()));
+        check(parse_split_by(Some(&s)).map(|_| ()));
+        check(parse_pipeline_copies(Some(&s), None).map(|_| ()));
+        if let Err(e) = parse_pipeline_copies(None, Some(&s)) {
+            assert!(e.to_string().starts_with(PIPELINE_COPIES_ENV), "{e}");
+        }
         check(resolve_device(&devices(), &s, Flag::Backend, &s).map(|_| ()));
         check(DeviceProfile::from_toml_str(&s).map(|_| ()));
         let _ = Module::parse(&s);
     }
 
     #[test]
-    fn plan_never_panics(b in spec(), p in spec(), sm in spec(), mv in spec(), af in prop::option::of(spec()), bits in any::<u8>()) {
+    fn plan_never_panics(
+        b in spec(), p in spec(), sm in spec(), mv in spec(), af in prop::option::of(spec()), bits in any::<u8>(),
+        sb in prop::option::of(spec()), pc in prop::option::of(spec()), speed in any::<f64>(),
+    ) {
         let flags = Flags {
             backend: Some(b), params_backend: Some(p), split_mode: Some(sm), max_vram: Some(mv), auto_fit: af,
+            split_by: sb, pipeline_copies: pc, pipeline_copies_env: None,
             clip_on_cpu: bits & 1 != 0, vae_on_cpu: bits & 2 != 0, control_net_cpu: bits & 4 != 0,
             offload_to_cpu: bits & 8 != 0, no_memory_check: bits & 16 != 0,
         };
-        let req = PlanRequest { flags, devices: devices(), ram_available_bytes: Some(16 * GIB), model: model() };
+        // Speeds: an arbitrary one for CUDA0, a sane one for CPU when bit 5 is set.
+        let mut device_speeds = std::collections::BTreeMap::from([("CUDA0".to_string(), speed)]);
+        if bits & 32 != 0 {
+            device_speeds.insert("cpu".into(), 1e9);
+        }
+        let req = PlanRequest { flags, devices: devices(), ram_available_bytes: Some(16 * GIB), model: model(), device_speeds };
         match plan(&req) {
             Ok(plan) => { let _ = (plan.render(), plan.to_json(), plan.ensure_loadable()); }
-            Err(e) => prop_assert!(e.to_string().starts_with("--"), "{}", e),
+            Err(e) => prop_assert!(e.to_string().starts_with("--") || e.to_string().starts_with("device speeds"), "{}", e),
         }
     }
 }

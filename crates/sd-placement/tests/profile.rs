@@ -35,6 +35,7 @@ fn example_profile() {
             components: vec![Component { module: Module::Vae, tensors: vec![Tensor::new("v", MIB)] }],
             files: vec![],
         },
+        device_speeds: Default::default(),
     };
     assert_eq!(plan(&req).unwrap().main_device, "CUDA0");
 }

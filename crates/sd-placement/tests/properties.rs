@@ -84,6 +84,7 @@ fn arb_request() -> impl Strategy<Value = PlanRequest> {
                 devices,
                 ram_available_bytes: ram.map(|r| r * MIB),
                 model,
+                device_speeds: Default::default(),
             }
         },
     )
@@ -177,9 +178,20 @@ proptest! {
         let mut r = req.clone();
         r.flags.backend = Some(if te_split { format!("diffusion={list},te={list}") } else { format!("dit={list}") });
         r.flags.split_mode = row.then(|| "row".to_string());
-        let p = plan(&r).unwrap();
+        let p = match plan(&r) {
+            Ok(p) => p,
+            // Issue 13: a listed device that would receive no block is an error, not a drop.
+            Err(PlanError::EmptySplitRange { reason, device, .. }) => {
+                prop_assert!(gpus.contains(&device), "{device}");
+                prop_assert!(reason.starts_with("too few blocks") || reason.starts_with("too little memory"), "{reason}");
+                return Ok(());
+            }
+            Err(e) => panic!("{e}"),
+        };
         for m in &p.modules {
             if m.split_mode != SplitKind::Layer { continue; }
+            // every listed device holds a range (none is dropped)
+            prop_assert_eq!(m.split.iter().map(|s| &s.device).collect::<Vec<_>>(), m.runtime.iter().collect::<Vec<_>>());
             let comp_blocks: std::collections::BTreeSet<u32> = req.model.components.iter()
                 .filter(|c| c.module == m.module)
                 .flat_map(|c| c.tensors.iter().filter_map(|t| t.block))

@@ -167,21 +167,95 @@ fn layer_split_fallbacks() {
     let te = module(&p, Module::Te);
     assert_eq!(ranges(&p, Module::Te), vec![r("CUDA0", 0, 11), r("CUDA1", 12, 23)]);
     assert_eq!(te.split[0].param_bytes, 12 * 385_875_968 + 246_144_000 + 263_192_576);
-    // A CPU device in the list: not supported by the reference scheduler; first device instead.
-    let p = run(devs(), blocky(8), "diffusion=cuda0&cpu", None, None, None);
-    assert_eq!(module(&p, Module::Diffusion).runtime, ["CUDA0"]);
-    assert!(p.warnings.iter().any(|w| w.contains("split across the CPU")));
-    // A device too small for any block is left out of the split, with a warning.
-    let p = run(
+}
+
+#[test]
+fn cpu_in_layer_split() {
+    // Issue 13 (beyond the reference, whose scheduler refuses it): the CPU takes part in a layer
+    // split; its basis is the available RAM (64 GiB here, weight 62) against CUDA0's 24 GiB
+    // (weight 22): 3200 MiB x 62/84 = 2361.9 MiB -> boundary 24 (2400, 38 MiB off; 23 is 62 off).
+    let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0)];
+    let p = run(devs(), blocky(32), "diffusion=cpu&cuda0", None, None, None);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!((m.split_mode, m.sized_by), (SplitKind::Layer, Some(SplitBy::Memory)));
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CPU", 0, 23), r("CUDA0", 24, 31)]);
+    assert_eq!(m.params, "CPU&CUDA0");
+    assert_eq!(device(&p, "CUDA0").param_bytes, (800 + 200 + 100) * MIB, "its range, te and vae");
+    assert_eq!(device(&p, "CPU").compute_bytes, 2 * GIB, "the CPU range computes there");
+    assert!(!p.warnings.iter().any(|w| w.contains("CPU")), "no CPU warning: {:?}", p.warnings);
+    // An RPC device after the CPU, as the executor runs `diffusion=CPU&RPC0`.
+    let rpc = Device::gpu("RPC0", 8 * GIB, 8 * GIB).with_registry("RPC");
+    let p = run(vec![Device::cpu(), rpc], blocky(32), "diffusion=CPU&RPC0", None, None, None);
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CPU", 0, 28), r("RPC0", 29, 31)]);
+    // Row split keeps refusing the CPU (no split buffer type on the host): a layer split instead.
+    let p = run(devs(), blocky(32), "diffusion=cuda0&cpu", None, Some("row"), None);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!(m.split_mode, SplitKind::Layer);
+    assert_eq!(m.runtime, ["CUDA0", "CPU"]);
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| w.contains("row split unavailable (the CPU device CPU exports no split buffer type)")),
+        "{:?}",
+        p.warnings
+    );
+}
+
+fn plan_err(devs: Vec<Device>, model: ModelDescription, f: Flags) -> String {
+    match plan(&request(devs, Some(64 * GIB), model, f)) {
+        Ok(p) => panic!("expected an error, got\n{}", p.render()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn split_input_errors() {
+    let f = |backend: &str, max_vram: Option<&str>| Flags {
+        backend: Some(backend.into()),
+        max_vram: max_vram.map(Into::into),
+        no_memory_check: true,
+        ..Flags::default()
+    };
+    // Issue 13: a device that would receive no block is an error naming the module, the device
+    // and why (the reference drops it with a warning). 80 GiB and 0.5 GiB weigh 78 : 1/16 GiB,
+    // so CUDA1's share of the 400 MiB of blocks is 0.3 MiB.
+    let e = plan_err(
         vec![Device::cpu(), gpu("CUDA0", 80.0), gpu("CUDA1", 0.5)],
         blocky(4),
-        "diffusion=cuda0&cuda1",
-        None,
-        None,
-        None,
+        f("diffusion=cuda0&cuda1", None),
     );
-    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 3)]);
-    assert!(p.warnings.iter().any(|w| w.contains("CUDA1 receives no block")));
+    for part in [
+        "--backend",
+        "'diffusion=cuda0&cuda1'",
+        "CUDA1 would receive no block of diffusion",
+        "too little memory",
+        "its share by memory is 0.3 MiB of diffusion's 400.0 MiB of block weights",
+        "the smallest is 100.0 MiB",
+        "list fewer devices",
+        "CUDA1 a larger --max-vram",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+    // Budgets can starve a device as well: --max-vram cuda1=0.01 (weight 1.25 MiB).
+    let e = plan_err(
+        vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)],
+        blocky(8),
+        f("diffusion=cuda0&cuda1", Some("cuda1=0.01")),
+    );
+    assert!(e.contains("CUDA1 would receive no block") && e.contains("too little memory"), "{e}");
+    // Fewer blocks than devices.
+    let devs3 = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0), gpu("CUDA2", 24.0)];
+    let e = plan_err(devs3(), blocky(2), f("diffusion=cuda0&cuda1&cuda2", None));
+    for part in [
+        "CUDA2 would receive no block of diffusion",
+        "too few blocks: diffusion has 2 blocks for 3 devices",
+        "list at most 2 devices",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+    // A device listed twice.
+    let e = plan_err(devs3(), blocky(8), f("diffusion=cuda0&cuda1&CUDA0", None));
+    assert!(e.contains("lists CUDA0 twice for diffusion"), "{e}");
 }
 
 #[test]
@@ -262,4 +336,298 @@ fn partition_properties() {
     // Uneven block sizes are sized by bytes, not by count: one heavy block of 900 vs 9 of 100.
     let parts = layer_partition(&[900, 100, 100, 100, 100, 100, 100, 100, 100, 100], &[1.0, 1.0]);
     assert_eq!(parts, vec![(0, 1), (1, 10)]);
+}
+
+/// MiB of block weights per second, as bytes per second.
+fn mib_s(x: f64) -> f64 {
+    x * MIB as f64
+}
+
+fn run_speeds(
+    devs: Vec<Device>,
+    backend: &str,
+    split_by: Option<&str>,
+    max_vram: Option<&str>,
+    speeds: &[(&str, f64)],
+) -> Plan {
+    let mut req = request(
+        devs,
+        Some(64 * GIB),
+        blocky(30),
+        Flags {
+            backend: Some(backend.into()),
+            split_by: split_by.map(Into::into),
+            max_vram: max_vram.map(Into::into),
+            no_memory_check: true,
+            ..Flags::default()
+        },
+    );
+    req.device_speeds = speeds.iter().map(|(d, s)| (d.to_string(), *s)).collect();
+    plan(&req).unwrap()
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9 * b.abs().max(1.0)
+}
+
+#[test]
+fn speed_split() {
+    let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
+    let speeds = [("CUDA0", mib_s(1000.0)), ("cuda1", mib_s(2000.0))];
+    // Issue 13, --split-by speed: ranges sized so that the devices finish together. 30 blocks
+    // of 100 MiB, 50 MiB of non-block tensors on the main device CUDA0 (1000 MiB/s), CUDA1 twice
+    // as fast. CUDA0 with a blocks takes (50 + 100a)/1000 s, CUDA1 100(30 - a)/2000 s: equal at
+    // a = 9.67; a = 9 gives 0.95 | 1.05 s, a = 10 gives 1.05 | 1.00 s: the same slowest range,
+    // so the smaller sum (2.00 s against 2.05 s) decides: a = 9, 70% of the block bytes on the
+    // fast device (about 2/3).
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", Some("speed"), None, &speeds);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!(p.split_by, SplitBy::Speed);
+    assert_eq!(m.sized_by, Some(SplitBy::Speed));
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 8), r("CUDA1", 9, 29)]);
+    let t = m.predicted.clone().expect("speeds known: a predicted time");
+    // A layer split runs its ranges in sequence: one pass is the sum; pipelined, the slowest.
+    assert!(close(t.single_pass_s, 0.95 + 1.05) && close(t.pipelined_s, 1.05), "{t:?}");
+    assert!(close(m.split[0].predicted_s.unwrap(), 0.95) && close(m.split[1].predicted_s.unwrap(), 1.05));
+    let text = p.render();
+    assert!(text.contains("CUDA1 blocks 9..=29 (2.05 GiB)  ~1.05 s"), "{text}");
+    assert!(text.contains("sized by speed, pipeline copies 1; predicted per evaluation: 2.00 s in one pass"), "{text}");
+    assert!(text.contains("1.05 s per micro-batch pipelined"), "{text}");
+    assert!(text.contains("--split-by speed"), "{text}");
+    // By memory (the default) the equal devices split 15 | 15; the prediction is still shown:
+    // 1.55 | 0.75 s, one pass 2.30 s, pipelined 1.55 s, both worse than by speed.
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", None, None, &speeds);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!((p.split_by, m.sized_by), (SplitBy::Memory, Some(SplitBy::Memory)));
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 14), r("CUDA1", 15, 29)]);
+    let t = m.predicted.clone().unwrap();
+    assert!(close(t.single_pass_s, 2.30) && close(t.pipelined_s, 1.55), "{t:?}");
+    // The list order decides the main device: CUDA1 first (fast, with the non-block tensors):
+    // (50 + 100a)/2000 = 100(30 - a)/1000 -> a = 19.8; a = 20: 1.025 | 1.0 s; a = 19: 0.975 | 1.1.
+    let p = run_speeds(devs(), "diffusion=cuda1&cuda0", Some("speed"), None, &speeds);
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA1", 0, 19), r("CUDA0", 20, 29)]);
+    // Speed is not asked for: no speeds, no prediction.
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", None, None, &[]);
+    assert_eq!(module(&p, Module::Diffusion).predicted, None);
+    assert!(p.render().contains("no predicted time (device speeds unknown)"));
+}
+
+#[test]
+fn speed_split_limits_and_fallbacks() {
+    let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
+    // "within their memory limits": CUDA1 is 100x faster but --max-vram cuda1=3 less the 2 GiB
+    // compute reserve leaves it 1 GiB, room for 10 blocks of 100 MiB (1000 <= 1024 MiB).
+    let fast = [("CUDA0", mib_s(100.0)), ("CUDA1", mib_s(10_000.0))];
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", Some("speed"), Some("cuda1=3"), &fast);
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 19), r("CUDA1", 20, 29)]);
+    assert!(module(&p, Module::Diffusion).split[1].param_bytes <= GIB);
+    // Without the limit it takes all but one block (the main device keeps at least one).
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", Some("speed"), None, &fast);
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 0), r("CUDA1", 1, 29)]);
+    // A speed unknown for a listed device: sized by memory, with a warning naming the device.
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", Some("speed"), None, &[("CUDA0", mib_s(1.0))]);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!((m.sized_by, m.predicted.clone()), (Some(SplitBy::Memory), None));
+    assert_eq!(ranges(&p, Module::Diffusion), vec![r("CUDA0", 0, 14), r("CUDA1", 15, 29)]);
+    assert!(
+        p.warnings.iter().any(|w| w.contains("--split-by speed: no speed known for CUDA1") && w.contains("by memory")),
+        "{:?}",
+        p.warnings
+    );
+    // The reserve a range leaves grows with the pipeline copies: --max-vram cuda1=5 leaves
+    // 3 GiB with one copy (CUDA1 takes 29 blocks), 1 GiB with two (10 blocks).
+    for (copies, want) in
+        [("1", vec![r("CUDA0", 0, 0), r("CUDA1", 1, 29)]), ("2", vec![r("CUDA0", 0, 19), r("CUDA1", 20, 29)])]
+    {
+        let f = Flags {
+            backend: Some("diffusion=cuda0&cuda1".into()),
+            split_by: Some("speed".into()),
+            max_vram: Some("cuda1=5".into()),
+            pipeline_copies: Some(copies.into()),
+            no_memory_check: true,
+            ..Flags::default()
+        };
+        let mut req = request(devs(), Some(64 * GIB), blocky(30), f);
+        req.device_speeds = fast.iter().map(|(d, s)| (d.to_string(), *s)).collect();
+        let p = plan(&req).unwrap();
+        assert_eq!(ranges(&p, Module::Diffusion), want, "copies {copies}");
+        assert!(p.fits, "copies {copies}: {}", p.render());
+    }
+    // No speed-sized split fits: budgets of 2.5 GiB less 2 GiB of reserve leave 0.5 GiB each,
+    // 1 GiB for 3000 MiB of blocks: sized by memory with a warning (and the plan does not fit).
+    let both = [("CUDA0", mib_s(1.0)), ("CUDA1", mib_s(2.0))];
+    let p = run_speeds(devs(), "diffusion=cuda0&cuda1", Some("speed"), Some("2.5"), &both);
+    assert_eq!(module(&p, Module::Diffusion).sized_by, Some(SplitBy::Memory));
+    assert!(p.warnings.iter().any(|w| w.contains("no speed-sized layer split")), "{:?}", p.warnings);
+    assert!(!p.fits);
+    // --split-by speed without any layer split: a warning that it has no effect.
+    let p = run_speeds(devs(), "cuda0", Some("speed"), None, &both);
+    assert!(p.warnings.iter().any(|w| w.contains("--split-by speed has no effect")), "{:?}", p.warnings);
+    // A listed device's speed must be positive and finite; an absent device's is ignored.
+    let mut req = request(devs(), Some(64 * GIB), blocky(30), flags(Some("diffusion=cuda0&cuda1"), None));
+    req.device_speeds = [("CUDA1".to_string(), f64::NAN), ("RPC7".to_string(), -1.0)].into();
+    let e = plan(&req).unwrap_err().to_string();
+    assert!(e.contains("device speeds: CUDA1 has speed NaN") && e.contains("positive finite"), "{e}");
+    req.device_speeds = [("RPC7".to_string(), -1.0)].into();
+    assert!(plan(&req).is_ok());
+}
+
+#[test]
+fn split_by_flag() {
+    assert_eq!(parse_split_by(None), Ok(SplitBy::Memory));
+    assert_eq!(parse_split_by(Some("memory")), Ok(SplitBy::Memory));
+    assert_eq!(parse_split_by(Some(" SPEED ")), Ok(SplitBy::Speed));
+    let e = parse_split_by(Some("fast")).unwrap_err().to_string();
+    assert!(e.contains("--split-by") && e.contains("'fast'") && e.contains("memory") && e.contains("speed"), "{e}");
+    // Through plan: before anything is placed.
+    let f = Flags { split_by: Some("fast".into()), ..Flags::default() };
+    let e = plan(&request(vec![Device::cpu()], Some(GIB), blocky(2), f)).unwrap_err().to_string();
+    assert!(e.starts_with("--split-by: invalid value 'fast'"), "{e}");
+}
+
+/// A partition's slowest range, or None when it breaks a cap.
+fn slowest(blocks: &[u64], lead: u64, speeds: &[f64], caps: &[Option<u64>], parts: &[(usize, usize)]) -> Option<f64> {
+    let mut worst = 0.0f64;
+    for (k, &(a, b)) in parts.iter().enumerate() {
+        let bytes: u64 = blocks[a..b].iter().sum::<u64>() + if k == 0 { lead } else { 0 };
+        if caps[k].is_some_and(|c| bytes > c) {
+            return None;
+        }
+        worst = worst.max(bytes as f64 / speeds[k]);
+    }
+    Some(worst)
+}
+
+/// Every partition of `n` blocks into `k` non-empty contiguous ranges.
+fn all_partitions(n: usize, k: usize) -> Vec<Vec<(usize, usize)>> {
+    if k == 1 {
+        return vec![vec![(0, n)]];
+    }
+    let mut out = Vec::new();
+    for cut in (k - 1)..n {
+        for mut head in all_partitions(cut, k - 1) {
+            head.push((cut, n));
+            out.push(head);
+        }
+    }
+    out
+}
+
+#[test]
+fn speed_partition_is_the_best_contiguous_split() {
+    // Against brute force on small random cases: covering, ordered, non-empty, within the
+    // caps, and its slowest range is the least any partition achieves (None iff none fits).
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |m: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % m
+    };
+    for case in 0..400 {
+        let k = 1 + next(3) as usize;
+        let n = k + next(6) as usize;
+        let blocks: Vec<u64> = (0..n).map(|_| 1 + next(100)).collect();
+        let lead = next(50);
+        let speeds: Vec<f64> = (0..k).map(|_| 0.5 + next(8) as f64).collect();
+        let caps: Vec<Option<u64>> = (0..k).map(|_| (next(3) == 0).then(|| 40 + next(300))).collect();
+        let got = layer_partition_by_speed(&blocks, lead, &speeds, &caps);
+        let best = all_partitions(n, k)
+            .iter()
+            .filter_map(|p| slowest(&blocks, lead, &speeds, &caps, p))
+            .fold(None, |a: Option<f64>, t| Some(a.map_or(t, |a| a.min(t))));
+        match (got, best) {
+            (None, None) => {}
+            (Some(p), Some(best)) => {
+                assert_eq!(p.len(), k, "case {case}");
+                assert_eq!((p[0].0, p[k - 1].1), (0, n), "case {case}: covers");
+                assert!(p.windows(2).all(|w| w[0].1 == w[1].0) && p.iter().all(|(a, b)| a < b), "case {case}: {p:?}");
+                let t = slowest(&blocks, lead, &speeds, &caps, &p).expect("within the caps");
+                assert!(t <= best * (1.0 + 1e-9), "case {case}: {t} > best {best} ({p:?})");
+            }
+            (got, best) => panic!("case {case}: got {got:?}, brute force {best:?}"),
+        }
+    }
+    // Fewer blocks than devices, or a non-positive speed: no partition.
+    assert_eq!(layer_partition_by_speed(&[1, 2], 0, &[1.0, 1.0, 1.0], &[None; 3]), None);
+    assert_eq!(layer_partition_by_speed(&[1, 2], 0, &[1.0, 0.0], &[None; 2]), None);
+    // Speeds 1 and 2, no lead: 1/3 | 2/3 of the bytes.
+    assert_eq!(layer_partition_by_speed(&[100; 30], 0, &[1.0, 2.0], &[None; 2]), Some(vec![(0, 10), (10, 30)]));
+}
+
+#[test]
+fn pipeline_copies() {
+    let devs = || vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
+    let go = |backend: &str, copies: Option<&str>, env: Option<&str>| {
+        plan(&request(
+            devs(),
+            Some(64 * GIB),
+            blocky(32),
+            Flags {
+                backend: Some(backend.into()),
+                pipeline_copies: copies.map(Into::into),
+                pipeline_copies_env: env.map(Into::into),
+                no_memory_check: true,
+                ..Flags::default()
+            },
+        ))
+    };
+    // Default 1: no copies, today's memory.
+    let p = go("diffusion=cuda0&cuda1", None, None).unwrap();
+    assert_eq!(p.pipeline_copies, 1);
+    assert_eq!(device(&p, "CUDA1").compute_bytes, 2 * GIB);
+    // N copies: each device of a layer split keeps N micro-batches' cross-device inputs and
+    // compute buffers: its reserve is N x 2 GiB. te runs on CUDA0 alone: its 2 GiB are not scaled.
+    let p = go("diffusion=cuda0&cuda1", Some("3"), None).unwrap();
+    assert_eq!(p.pipeline_copies, 3);
+    assert_eq!(module(&p, Module::Diffusion).compute_reserve_bytes, 6 * GIB);
+    assert_eq!(module(&p, Module::Te).compute_reserve_bytes, 2 * GIB);
+    assert_eq!((device(&p, "CUDA0").compute_bytes, device(&p, "CUDA1").compute_bytes), (6 * GIB, 6 * GIB));
+    assert!(p.render().contains("sized by memory, pipeline copies 3") && p.render().contains("--pipeline-copies 3"));
+    // The environment variable when the flag is absent; the flag wins.
+    assert_eq!(go("diffusion=cuda0&cuda1", None, Some("2")).unwrap().pipeline_copies, 2);
+    assert_eq!(go("diffusion=cuda0&cuda1", Some("4"), Some("2")).unwrap().pipeline_copies, 4);
+    assert_eq!(go("diffusion=cuda0&cuda1", Some("4"), Some("junk")).unwrap().pipeline_copies, 4);
+    assert_eq!(go("diffusion=cuda0&cuda1", None, Some("")).unwrap().pipeline_copies, 1);
+    // More copies than memory allows: an error naming the setting, the device and the bytes.
+    // CUDA0 holds 1650 + 300 MiB of params: 1.90 GiB + 2N GiB <= 23.5 GiB for N <= 10.
+    let e = go("diffusion=cuda0&cuda1", Some("12"), None).unwrap_err().to_string();
+    for part in [
+        "--pipeline-copies 12: CUDA0 would need 25.90 GiB",
+        "24.00 GiB of it compute reserve for 12 copies",
+        "budget is 23.50 GiB",
+        "at most 10 copies fit",
+    ] {
+        assert!(e.contains(part), "{e:?} lacks {part:?}");
+    }
+    let e = go("diffusion=cuda0&cuda1", None, Some("11")).unwrap_err().to_string();
+    assert!(e.starts_with("SD_PIPELINE_COPIES=11: CUDA0") && e.contains("at most 10 copies fit"), "{e}");
+    assert!(go("diffusion=cuda0&cuda1", Some("10"), None).unwrap().fits);
+    // A plan over budget whatever the copies is an ordinary plan that does not fit.
+    let f = Flags {
+        backend: Some("diffusion=cuda0&cuda1".into()),
+        pipeline_copies: Some("2".into()),
+        max_vram: Some("2".into()),
+        no_memory_check: true,
+        ..Flags::default()
+    };
+    let p = plan(&request(devs(), Some(64 * GIB), blocky(32), f)).unwrap();
+    assert!(!p.fits && p.warnings.iter().any(|w| w.starts_with("CUDA1 needs")), "{:?}", p.warnings);
+    // Without a layer split the copies mean nothing: a warning, and no reserve change.
+    let p = go("cuda0", Some("2"), None).unwrap();
+    assert!(p.warnings.iter().any(|w| w.contains("--pipeline-copies 2 has no effect")), "{:?}", p.warnings);
+    assert_eq!(device(&p, "CUDA0").compute_bytes, 2 * GIB);
+    // Bad values name the flag or the variable and the value.
+    for (flag, env, want) in [
+        (Some("0"), None, "--pipeline-copies: invalid value '0'"),
+        (Some("abc"), None, "--pipeline-copies: invalid value 'abc'"),
+        (Some("-1"), None, "--pipeline-copies: invalid value '-1'"),
+        (Some("+2"), None, "--pipeline-copies: invalid value '+2'"),
+        (Some(""), Some("2"), "--pipeline-copies: invalid value ''"),
+        (None, Some("0"), "SD_PIPELINE_COPIES: invalid value '0'"),
+        (None, Some("two"), "SD_PIPELINE_COPIES: invalid value 'two'"),
+    ] {
+        let e = go("diffusion=cuda0&cuda1", flag, env).unwrap_err().to_string();
+        assert!(e.starts_with(want) && e.contains("positive integer"), "{flag:?}/{env:?}: {e}");
+    }
 }

@@ -42,7 +42,7 @@ fn model() -> ModelDescription {
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
-    let mut fields = text.splitn(6, '\n');
+    let mut fields = text.splitn(9, '\n');
     let mut next = || fields.next().map(str::to_string);
     let flags = Flags {
         backend: next(),
@@ -50,6 +50,9 @@ fuzz_target!(|data: &[u8]| {
         split_mode: next(),
         max_vram: next(),
         auto_fit: next(),
+        split_by: next(),
+        pipeline_copies: next(),
+        pipeline_copies_env: next(),
         clip_on_cpu: data.first().is_some_and(|b| b & 1 == 1),
         vae_on_cpu: data.first().is_some_and(|b| b & 2 == 2),
         control_net_cpu: data.first().is_some_and(|b| b & 4 == 4),
@@ -63,6 +66,8 @@ fuzz_target!(|data: &[u8]| {
     let _ = parse_split_mode(&text);
     let _ = parse_max_vram(&text);
     let _ = parse_auto_fit(Some(&text));
+    let _ = parse_split_by(Some(&text));
+    let _ = parse_pipeline_copies(Some(&text), Some(&text));
     let _ = Module::parse(&text);
     let _ = resolve_device(&devices(), &text, Flag::Backend, &text);
 
@@ -71,6 +76,7 @@ fuzz_target!(|data: &[u8]| {
         devices: devices(),
         ram_available_bytes: Some(16 << 30),
         model: model(),
+        device_speeds: Default::default(),
     };
     if let Ok(p) = plan(&req) {
         let _ = p.render();
@@ -83,6 +89,7 @@ fuzz_target!(|data: &[u8]| {
             devices: profile.devices(),
             ram_available_bytes: profile.ram_available_bytes(),
             model: model(),
+            device_speeds: Default::default(),
         };
         if let Ok(p) = plan(&req) {
             let _ = p.render();

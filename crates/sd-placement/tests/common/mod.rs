@@ -64,7 +64,7 @@ pub fn simple_model(diffusion: u64, te: u64, vae: u64) -> ModelDescription {
 }
 
 pub fn request(devices: Vec<Device>, ram: Option<u64>, model: ModelDescription, flags: Flags) -> PlanRequest {
-    PlanRequest { flags, devices, ram_available_bytes: ram, model }
+    PlanRequest { flags, devices, ram_available_bytes: ram, model, device_speeds: Default::default() }
 }
 
 pub fn flags(backend: Option<&str>, params: Option<&str>) -> Flags {

@@ -198,11 +198,24 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     let model = a.model.or_fixture(ensure_fixture)?;
     let reg = crate::devices::open(dev)?;
     let files = sd_models::files::ModelFiles::open(&model.sources())?;
-    let plan = crate::plan::plan_for(&model, &files, &a.placement, crate::plan::machine_devices_from(&reg))?;
-    plan.ensure_loadable()?;
     let threads = sd_backends::threads::resolve_threads(a.threads);
     tracing::debug!("{threads} CPU threads");
     let manager = BackendManager::new(Some(threads));
+    let (w, h) = (params.params().width, params.params().height);
+    let speeds = |d: &sd_placement::ModelDescription| -> Result<_> {
+        let backends = reg
+            .devices()
+            .into_iter()
+            .filter(|dev| dev.kind() != sd_backends::DeviceKind::Meta)
+            .map(|dev| manager.get(dev))
+            .collect::<Result<Vec<_>, _>>()?;
+        let key = sd_models::speed::model_key(d);
+        let tokens = sd_models::speed::latent_tokens(w, h);
+        Ok(sd_models::speed::device_speeds(&backends, &key, tokens, &sd_models::speed::cache_path())?)
+    };
+    let devices = crate::plan::machine_devices_from(&reg);
+    let plan = crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds)?;
+    plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,
         disable_segmented_compute: a.disable_segmented_compute,

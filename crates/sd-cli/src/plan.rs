@@ -215,20 +215,22 @@ pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
         .collect()
 }
 
-/// The placement plan of a generation on this machine's `devices`, its warnings logged.
+/// The placement plan of a generation on this machine's `devices`, its warnings logged. With
+/// `--split-by speed`, `speeds` measures (or reads from its cache) the devices' speeds for the
+/// model described.
 pub fn plan_for(
     model: &ModelArgs,
     files: &ModelFiles,
     placement: &PlacementArgs,
     devices: Vec<Device>,
+    speeds: &dyn Fn(&sd_placement::ModelDescription) -> Result<std::collections::BTreeMap<String, f64>>,
 ) -> Result<Plan> {
-    let request = PlanRequest {
-        flags: placement.flags(),
-        devices,
-        ram_available_bytes: ram_available(),
-        model: describe(files, &model.extra())?,
-        device_speeds: Default::default(),
-    };
+    let flags = placement.flags();
+    let description = describe(files, &model.extra())?;
+    let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
+    let device_speeds = if by_speed { speeds(&description)? } else { Default::default() };
+    let request =
+        PlanRequest { flags, devices, ram_available_bytes: ram_available(), model: description, device_speeds };
     let plan = plan(&request)?;
     for w in &plan.warnings {
         tracing::warn!("{w}");
@@ -254,13 +256,14 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let sources = args.model.sources();
     let files = ModelFiles::open(&sources)?;
     let model = describe(&files, &args.model.extra())?;
-    let request = PlanRequest {
-        flags: args.placement.flags(),
-        devices,
-        ram_available_bytes: ram,
-        model,
-        device_speeds: Default::default(),
-    };
+    // `plan` runs nothing: speeds measured by an earlier generation (at 512x512), if cached.
+    let device_speeds = sd_models::speed::cached_speeds(
+        &sd_models::speed::model_key(&model),
+        sd_models::speed::latent_tokens(512, 512),
+        &sd_models::speed::cache_path(),
+    );
+    let request =
+        PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;
     let p = plan(&request)?;
     let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());

@@ -91,7 +91,7 @@ impl RuntimePlacement {
             homes,
             ledgers: sd_sched::Ledgers::with_budgets(plan.runtime_budgets().into_iter().collect()),
             sched,
-            pipeline_copies: std::env::var("SD_PIPELINE_COPIES").ok().and_then(|v| v.parse().ok()).unwrap_or(1),
+            pipeline_copies: plan.pipeline_copies as usize,
         };
         Ok(Self { devices, placement })
     }

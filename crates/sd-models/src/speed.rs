@@ -117,6 +117,20 @@ pub fn device_speeds(
     Ok(out)
 }
 
+/// The key of a model's figures: its diffusion module's tensor count and bytes (the shape of
+/// the blocks a split runs), as the planner's description gives them.
+pub fn model_key(model: &sd_placement::ModelDescription) -> String {
+    let diffusion = model.components.iter().filter(|c| c.module == sd_placement::Module::Diffusion);
+    let (n, bytes) = diffusion.flat_map(|c| c.tensors.iter()).fold((0usize, 0u64), |(n, b), t| (n + 1, b + t.bytes));
+    format!("diffusion: {n} tensors, {bytes} bytes")
+}
+
+/// Latent positions of a `width` x `height` image (the probe's activations): an SD latent
+/// is an eighth of the image on each side.
+pub fn latent_tokens(width: usize, height: usize) -> u64 {
+    ((width / 8).max(1) * (height / 8).max(1)) as u64
+}
+
 /// The cached figures at `path` by device name for `model` at `tokens` (none measured).
 pub fn cached_speeds(model: &str, tokens: u64, path: &Path) -> BTreeMap<String, f64> {
     read_cache(path)

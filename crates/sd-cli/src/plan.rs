@@ -243,25 +243,29 @@ pub fn plan_for(
 
 /// Runs `plan`.
 pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
-    let (devices, profile_ram) = match &args.devices {
+    let (devices, profile_ram, device_speeds) = match &args.devices {
         Some(p) => {
             let text = sd_models::files::open::read_text(p, MAX_PROFILE_BYTES).context("--devices")?;
             let prof =
                 DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
-            (prof.devices(), prof.ram_available_mib.map(|m| m * MIB))
+            (prof.devices(), prof.ram_available_mib.map(|m| m * MIB), prof.device_speeds())
         }
-        None => (machine_devices(dev_args)?, ram_available()),
+        None => (machine_devices(dev_args)?, ram_available(), Default::default()),
     };
     let ram = args.ram_mib.map(|m| m * MIB).or(profile_ram);
     let sources = args.model.sources();
     let files = ModelFiles::open(&sources)?;
     let model = describe(&files, &args.model.extra())?;
-    // `plan` runs nothing: speeds measured by an earlier generation (at 512x512), if cached.
-    let device_speeds = sd_models::speed::cached_speeds(
-        &sd_models::speed::model_key(&model),
-        sd_models::speed::latent_tokens(512, 512),
-        &sd_models::speed::cache_path(),
-    );
+    // A profile's speeds; else `plan` runs nothing: speeds measured by an earlier generation
+    // (at 512x512), if cached.
+    let device_speeds = match args.devices {
+        Some(_) => device_speeds,
+        None => sd_models::speed::cached_speeds(
+            &sd_models::speed::model_key(&model),
+            sd_models::speed::latent_tokens(512, 512),
+            &sd_models::speed::cache_path(),
+        ),
+    };
     let request =
         PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;

@@ -128,8 +128,9 @@ impl Device {
 /// total_mib = 8192
 /// row_split = true    # optional, default false
 /// registry = "CUDA"   # optional, default: the name without trailing digits
+/// speed_mib_s = 2000  # optional: MiB of block weights evaluated per second (--split-by speed)
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceProfile {
     /// Available system RAM in MiB; absent = unknown.
@@ -141,7 +142,7 @@ pub struct DeviceProfile {
 }
 
 /// One `[[device]]` of a profile.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProfileDevice {
     /// Device name.
@@ -161,6 +162,10 @@ pub struct ProfileDevice {
     /// Registry name.
     #[serde(default)]
     pub registry: Option<String>,
+    /// Measured speed in MiB of block weights evaluated per second (see
+    /// [`crate::PlanRequest::device_speeds`]); a positive number.
+    #[serde(default)]
+    pub speed_mib_s: Option<f64>,
 }
 
 impl DeviceProfile {
@@ -170,7 +175,22 @@ impl DeviceProfile {
             .map_err(|e| PlanError::InvalidProfile { reason: e.to_string().trim_end().to_string() })?;
         validate_names(profile.devices.iter().map(|d| d.name.as_str()))
             .map_err(|reason| PlanError::InvalidProfile { reason })?;
+        if let Some(d) = profile.devices.iter().find(|d| d.speed_mib_s.is_some_and(|v| !v.is_finite() || v <= 0.0)) {
+            return Err(PlanError::InvalidProfile {
+                reason: format!(
+                    "device '{}': speed_mib_s = {} is not a positive number of MiB per second",
+                    d.name.trim(),
+                    d.speed_mib_s.unwrap_or_default()
+                ),
+            });
+        }
         Ok(profile)
+    }
+
+    /// The speeds the profile gives, in bytes of block weights per second, by device name
+    /// (for [`crate::PlanRequest::device_speeds`]).
+    pub fn device_speeds(&self) -> std::collections::BTreeMap<String, f64> {
+        self.devices.iter().filter_map(|d| d.speed_mib_s.map(|v| (d.name.trim().to_string(), v * MIB as f64))).collect()
     }
 
     /// Available RAM in bytes.

@@ -129,14 +129,15 @@ pub fn partition_by_speed(
     // time. First pass: the least maximum; second: the least sum with every range under it.
     let solve = |combine: &dyn Fn(f64, f64) -> Option<f64>| -> Option<(f64, Vec<(usize, usize)>)> {
         let mut best = vec![vec![None::<(f64, usize)>; n + 1]; k_n];
-        for j in 1..=n - (k_n - 1) {
-            best[0][j] = time(0, 0, j).and_then(|t| combine(f64::NEG_INFINITY, t)).map(|v| (v, 0));
+        // Range k ends at j in (k + 1)..=n - (k_n - 1 - k): every range keeps at least one block.
+        for (j, cell) in best[0].iter_mut().enumerate().take(n - (k_n - 1) + 1).skip(1) {
+            *cell = time(0, 0, j).and_then(|t| combine(f64::NEG_INFINITY, t)).map(|v| (v, 0));
         }
         for k in 1..k_n {
             for j in (k + 1)..=n - (k_n - 1 - k) {
                 let mut cell: Option<(f64, usize)> = None;
-                for i in k..j {
-                    let Some((prev, _)) = best[k - 1][i] else { continue };
+                for (i, prefix) in best[k - 1].iter().enumerate().take(j).skip(k) {
+                    let Some((prev, _)) = *prefix else { continue };
                     let Some(v) = time(k, i, j).and_then(|t| combine(prev, t)) else { continue };
                     if cell.is_none_or(|(c, _)| v < c) {
                         cell = Some((v, i));

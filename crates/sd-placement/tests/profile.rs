@@ -53,6 +53,36 @@ fn explicit_cpu_and_registry() {
 }
 
 #[test]
+fn profile_speeds_feed_the_plan() {
+    // Issue 13: a profile may give measured speeds (MiB of block weights per second), so that
+    // `sd-cli plan --devices` sizes a speed split and predicts times for hypothetical devices.
+    let p = DeviceProfile::from_toml_str(
+        "[[device]]\nname = \"RPC0\"\ntype = \"gpu\"\nfree_mib = 8192\nspeed_mib_s = 1000\n\
+         [[device]]\nname = \"RPC1\"\ntype = \"gpu\"\nfree_mib = 8192\nspeed_mib_s = 3000.5\n\
+         [[device]]\nname = \"RPC2\"\ntype = \"gpu\"\nfree_mib = 8192\n",
+    )
+    .unwrap();
+    let speeds = p.device_speeds();
+    assert_eq!(speeds.len(), 2, "RPC2 gives none: {speeds:?}");
+    assert_eq!((speeds["RPC0"], speeds["RPC1"]), (1000.0 * MIB as f64, 3000.5 * MIB as f64));
+    let model = ModelDescription {
+        components: vec![Component {
+            module: Module::Diffusion,
+            tensors: (0..8).map(|b| Tensor::in_block(format!("blocks.{b}.w"), 100 * MIB, b)).collect(),
+        }],
+        files: vec![],
+    };
+    let flags =
+        Flags { backend: Some("diffusion=rpc0&rpc1".into()), split_by: Some("speed".into()), ..Flags::default() };
+    let req = PlanRequest { flags, devices: p.devices(), ram_available_bytes: None, model, device_speeds: speeds };
+    let plan = plan(&req).unwrap();
+    // 800 MiB at 1000 : 3000.5 MiB/s: 2 | 6 blocks (0.2 s | 0.19997 s).
+    let d = &plan.modules[0];
+    assert_eq!(d.split.iter().map(|r| (r.first_block, r.last_block)).collect::<Vec<_>>(), vec![(0, 1), (2, 7)]);
+    assert!(d.predicted.is_some());
+}
+
+#[test]
 fn invalid_profiles_are_errors() {
     let table: &[(&str, &str, &[&str])] = &[
         ("unknown device type", "[[device]]\nname = \"X\"\ntype = \"tpu\"\n", &["device profile", "tpu"]),
@@ -67,6 +97,16 @@ fn invalid_profiles_are_errors() {
         ),
         ("empty name", "[[device]]\nname = \"  \"\ntype = \"gpu\"\n", &["empty name"]),
         ("reserved characters", "[[device]]\nname = \"a&b\"\ntype = \"gpu\"\n", &["'a&b'", "reserves"]),
+        (
+            "a speed that is not positive",
+            "[[device]]\nname = \"R\"\ntype = \"gpu\"\nspeed_mib_s = -2\n",
+            &["device 'R'", "speed_mib_s = -2", "positive"],
+        ),
+        (
+            "a speed that is not a number",
+            "[[device]]\nname = \"R\"\ntype = \"gpu\"\nspeed_mib_s = \"fast\"\n",
+            &["speed_mib_s"],
+        ),
     ];
     for (why, text, parts) in table {
         let e = DeviceProfile::from_toml_str(text).unwrap_err().to_string();

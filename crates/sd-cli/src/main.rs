@@ -35,17 +35,17 @@ use clap::{Args, Parser, Subcommand};
 #[derive(Args, Debug, Clone, Default)]
 pub struct DeviceArgs {
     /// [sd-rs] Directory to search for backend plugins first (repeatable).
-    #[arg(long = "plugin-dir", value_name = "DIR")]
+    #[arg(long = "plugin-dir", value_name = "DIR", global = true)]
     pub plugin_dir: Vec<PathBuf>,
     /// RPC servers to offload to: comma-separated `host:port` (e.g. localhost:50052), such as
     /// `sd-cli rpc-server` instances. `--rpc` is our older name for it.
-    #[arg(long = "rpc-servers", visible_alias = "rpc", value_name = "HOST:PORT[,...]")]
+    #[arg(long = "rpc-servers", visible_alias = "rpc", value_name = "HOST:PORT[,...]", global = true)]
     pub rpc: Option<String>,
     /// Deadline of each RPC send or receive, in seconds (default 8): a server that moves
     /// no byte for this long is declared lost and the run stops with exit status 3.
     /// `sd-cli rpc-server` sends keepalives while it computes; raise it for other servers
     /// that compute one graph for longer. 0 waits forever.
-    #[arg(long = "rpc-timeout", value_name = "SECONDS", value_parser = devices::parse_rpc_timeout)]
+    #[arg(long = "rpc-timeout", value_name = "SECONDS", value_parser = devices::parse_rpc_timeout, global = true)]
     pub rpc_timeout: Option<std::time::Duration>,
 }
 

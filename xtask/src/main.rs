@@ -12,6 +12,7 @@ mod parity;
 mod parity_ops;
 mod parity_samplers;
 mod plugins;
+mod profile;
 mod reference;
 // The build script of xtask/reference reads the fields these tests do not.
 #[cfg(test)]
@@ -64,6 +65,8 @@ enum Command {
     /// Parameter homes over a loopback RPC device: client RSS (device/RAM/disk), segmented
     /// UNet with and without prefetch, --offload-to-cpu beside the reference.
     BenchPlacement(bench_placement::Args),
+    /// Where a generation's compute time goes: time, FLOPs and bytes by ggml op and by block.
+    Profile(profile::Args),
 }
 
 /// Parses `line` (split at whitespace) as the flags of one command, for the parsers' tests.
@@ -97,6 +100,7 @@ fn main() -> Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::BenchPlacement(a) => bench_placement::run(a),
         Command::BenchVariants(a) => bench_variants::run(a),
+        Command::Profile(a) => profile::run(a),
         Command::Reference { f32_accumulation } => {
             let kernels =
                 if f32_accumulation { reference::Kernels::F32Accumulation } else { reference::Kernels::Native };

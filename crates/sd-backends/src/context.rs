@@ -227,6 +227,13 @@ impl<'c> Tensor<'c> {
         unsafe { sys::ggml_nbytes(self.as_raw()) }
     }
 
+    /// The operation that computes the tensor, as ggml describes it (`MUL_MAT`, `SOFT_MAX`,
+    /// a unary or GLU op by its own name; `NONE` for a leaf).
+    pub fn op_desc(self) -> String {
+        // SAFETY: a live tensor; ggml returns a static NUL-terminated string.
+        unsafe { CStr::from_ptr(sys::ggml_op_desc(self.as_raw())) }.to_string_lossy().into_owned()
+    }
+
     /// The ggml name.
     pub fn name(self) -> String {
         // SAFETY: name is a NUL-terminated array inside the live struct; the CStr is copied

@@ -118,6 +118,11 @@ pub struct GenerateArgs {
     /// each runner's work, each device's managed high-water mark and budget, stage times.
     #[arg(long = "report-json", value_name = "PATH")]
     pub report_json: Option<PathBuf>,
+    /// [sd-rs] Profile every module's graphs node by node: time, FLOPs and bytes by ggml op and
+    /// by block, in the --report-json report and a summary at -v (slower: one graph launch
+    /// per node). Example: `--profile --report-json run.json`.
+    #[arg(long = "profile")]
+    pub profile: bool,
 }
 
 /// `-W`/`-H`: a whole number of pixels (its range is checked with the init image, and its
@@ -220,7 +225,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         disable_prefetch: a.disable_prefetch,
         disable_segmented_compute: a.disable_segmented_compute,
     };
-    let RuntimePlacement { devices, placement } = RuntimePlacement::from_plan(&plan, &reg, &manager, sched)?;
+    let RuntimePlacement { devices, mut placement } = RuntimePlacement::from_plan(&plan, &reg, &manager, sched)?;
+    placement.profile = a.profile;
     let options = LoadOptions {
         sources: model.sources(),
         prediction: a.prediction,

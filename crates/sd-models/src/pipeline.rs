@@ -237,6 +237,8 @@ pub struct Placement {
     /// `--pipeline-copies`: micro-batches a split module overlaps across its devices (0 and
     /// 1: none).
     pub pipeline_copies: usize,
+    /// `--profile`: every runner profiles its graphs by op and block (`sd_sched::profile`).
+    pub profile: bool,
 }
 
 /// The model files as a shared [`TensorSource`], for parameters re-read on demand.
@@ -529,6 +531,13 @@ impl Pipeline {
     }
 
     fn runner(&self, name: &str, backend: &Arc<Backend>, split: Option<&LayerSplit>) -> Runner {
+        let p = &self.opts.placement;
+        let mut runner = self.runner_on(name, backend, split);
+        runner.set_profiling(p.profile);
+        runner
+    }
+
+    fn runner_on(&self, name: &str, backend: &Arc<Backend>, split: Option<&LayerSplit>) -> Runner {
         let p = &self.opts.placement;
         match split {
             None => Runner::with_ledger(name, backend.clone(), p.ledgers.get(&backend.device().name()), p.sched),

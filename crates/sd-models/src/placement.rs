@@ -92,6 +92,7 @@ impl RuntimePlacement {
             ledgers: sd_sched::Ledgers::with_budgets(plan.runtime_budgets().into_iter().collect()),
             sched,
             pipeline_copies: plan.pipeline_copies as usize,
+            profile: false,
         };
         Ok(Self { devices, placement })
     }

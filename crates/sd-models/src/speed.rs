@@ -27,9 +27,9 @@ use sd_backends::{Backend, Context, GgmlType};
 use sd_sched::{Runner, SchedError, SourceError, TensorSource, TensorSpec, Weights};
 
 /// The probe weight's side (rows and columns).
-pub const PROBE_SIDE: i64 = 1280;
+const PROBE_SIDE: i64 = 1280;
 /// Timed runs of the probe (after one warm-up).
-pub const PROBE_RUNS: usize = 3;
+const PROBE_RUNS: usize = 3;
 
 /// Why a speed could not be measured.
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +59,7 @@ struct CacheFile {
     speed: Vec<Entry>,
 }
 
-/// Where the figures are cached: `device-speeds.toml` in the fixture cache directory
+/// Where the figures are cached: a TOML file of device speeds in the fixture cache directory
 /// ([`crate::fixture::cache_dir`]: `SD_CACHE_DIR`, else `$XDG_CACHE_HOME/sd-rs`, else
 /// `~/.cache/sd-rs`).
 pub fn cache_path() -> PathBuf {

@@ -15,6 +15,7 @@
 pub mod error;
 pub mod ledger;
 pub mod plan;
+pub mod profile;
 pub mod report;
 pub mod runner;
 mod split;

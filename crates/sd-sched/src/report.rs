@@ -76,6 +76,9 @@ pub struct RunnerReport {
     /// split).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<StageReport>,
+    /// Where its compute time went, by op and by block, when it was profiled (`--profile`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<crate::profile::Profile>,
 }
 
 /// One stage of a layer-split run: the device and the graph segments (block cuts) it ran.
@@ -133,6 +136,7 @@ impl RunnerReport {
             uploaded_bytes: w.stats().copied_bytes,
             upload_seconds: w.stats().copy_nanos as f64 * 1e-9,
             stages: runner.last_stages().to_vec(),
+            profile: runner.profile().cloned(),
         }
     }
 }

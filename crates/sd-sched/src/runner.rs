@@ -110,6 +110,11 @@ pub struct Runner {
     pub(crate) copies: usize,
     /// Whether the pipelining line was logged.
     pub(crate) logged_pipeline: bool,
+    /// The profile, when profiling is on ([`Runner::set_profiling`]).
+    pub(crate) profile: Option<crate::profile::Profile>,
+    /// The current run's segment names and node ranges, and the graph node the graph being
+    /// computed starts at (a segment's view starts inside the module graph): for profiles.
+    pub(crate) naming: (Vec<(String, Range<usize>)>, usize),
 }
 
 /// A runner's state on one computing device.
@@ -233,6 +238,8 @@ impl Runner {
             stages: Vec::new(),
             copies: 1,
             logged_pipeline: false,
+            profile: None,
+            naming: (Vec::new(), 0),
         }
     }
 
@@ -249,6 +256,8 @@ impl Runner {
             stages: Vec::new(),
             copies: 1,
             logged_pipeline: false,
+            profile: None,
+            naming: (Vec::new(), 0),
         }
     }
 
@@ -304,9 +313,32 @@ impl Runner {
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
         let _span = tracing::trace_span!("compute", module = %self.name).entered();
         let t0 = Instant::now();
-        self.devs[0].backend.compute(graph)?;
+        self.exec(0, graph)?;
         self.stats.compute_secs += t0.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Profiles every graph this runner computes from now on (`false`: stops and drops the
+    /// profile): node by node, by op and by block ([`crate::profile`]). Prefetches are then
+    /// copied before the segment computes rather than during it, and a split's devices take
+    /// their turns one at a time.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(crate::profile::Profile::default);
+    }
+
+    /// The profile so far, when profiling is on.
+    pub fn profile(&self) -> Option<&crate::profile::Profile> {
+        self.profile.as_ref()
+    }
+
+    /// Computes `graph` on device `dev`: whole, or node by node into the profile.
+    pub(crate) fn exec(&mut self, dev: usize, graph: &Graph<'_>) -> Result<()> {
+        let Some(p) = self.profile.as_mut() else { return Ok(self.devs[dev].backend.compute(graph)?) };
+        let (names, base) = &self.naming;
+        let block_of = |i: usize| {
+            names.iter().find(|(_, r)| r.contains(&(base + i))).map_or_else(|| "graph".to_string(), |(n, _)| n.clone())
+        };
+        p.compute(&self.devs[dev].backend, graph, &block_of)
     }
 
     /// Runs the graph of `out` built in `g` (room for `graph_size` nodes), whose weights are
@@ -336,6 +368,9 @@ impl Runner {
         }
         let graph = g.new_graph(graph_size);
         let segments = expand(&graph, cuts, out);
+        if self.profile.is_some() {
+            self.naming = (segments.clone(), 0);
+        }
         if w.is_pinned() {
             // Everything is on the device and stays there: one graph, as allocated.
             self.alloc(&graph)?;
@@ -443,6 +478,7 @@ impl Runner {
                     }
                     Step::Compute => {
                         if schedule.mode == Mode::Monolithic {
+                            self.naming.1 = 0;
                             let need = self.devs[0].alloc.measure(graph) as u64;
                             self.alloc_measured(graph, need, 1)?;
                             set_inputs()?;
@@ -495,7 +531,9 @@ impl Runner {
             // moved; the allocator re-makes it.
             unsafe { t.detach_storage() };
         }
-        let view = graph.view(a.nodes_of(seg.base.clone()));
+        let nodes = a.nodes_of(seg.base.clone());
+        self.naming.1 = nodes.start;
+        let view = graph.view(nodes);
         let vg = view.graph();
         // Measured by the planner, with the same tensors outside the view.
         self.alloc_measured(&vg, seg.workspace, n_segments)?;
@@ -522,6 +560,16 @@ impl Runner {
     /// Computes `graph` while the worker thread fills the in-flight prefetches; they are
     /// filled (and no longer in flight) only when both succeed.
     fn compute_with_prefetch(&mut self, graph: &Graph<'_>, inflight: &mut InFlight<'_>) -> Result<()> {
+        if self.profile.is_some() && !inflight.groups.is_empty() {
+            // Profiling: the copies first, then the graph node by node (no overlap to measure).
+            let t0 = Instant::now();
+            for &gi in &inflight.groups {
+                inflight.w.fill_group(gi)?;
+            }
+            self.stats.prefetch_wait_secs += t0.elapsed().as_secs_f64();
+            self.stats.prefetches_used += inflight.groups.len();
+            inflight.groups.clear();
+        }
         if inflight.groups.is_empty() {
             return self.compute(graph);
         }

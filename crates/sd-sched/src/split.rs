@@ -285,7 +285,23 @@ impl Runner {
         };
         let active = per_dev.iter().filter(|v| !v.is_empty()).count();
         let mut total = 0.0;
-        if active <= 1 {
+        if self.profile.is_some() {
+            // Profiling: one device at a time, node by node.
+            for (d, mine) in per_dev.iter().enumerate() {
+                for &(k, i) in mine {
+                    let r = &runs[i];
+                    let nodes = r.a.nodes_of(r.stages[k].segments.clone());
+                    self.naming = (r.a.segments.clone(), nodes.start);
+                    let view = r.graph.view(nodes);
+                    let vg = view.graph();
+                    let need = self.devs[d].alloc.measure(&vg) as u64;
+                    self.devs[d].alloc_measured(&name, &vg, need, n_stages, &mut self.stats)?;
+                    let t0 = Instant::now();
+                    self.exec(d, &vg)?;
+                    total += t0.elapsed().as_secs_f64();
+                }
+            }
+        } else if active <= 1 {
             for (d, mine) in per_dev.iter().enumerate().filter(|(_, v)| !v.is_empty()) {
                 total += work(&mut self.devs[d], mine, &mut self.stats)?;
             }

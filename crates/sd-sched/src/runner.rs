@@ -230,17 +230,7 @@ impl Runner {
 
     /// A runner charging the device's shared `ledger`, with the segmented-execution flags.
     pub fn with_ledger(name: impl Into<String>, backend: Arc<Backend>, ledger: Ledger, opts: plan::Options) -> Self {
-        Self {
-            name: name.into(),
-            devs: vec![Dev::new(backend, ledger)],
-            opts,
-            stats: RunStats::default(),
-            stages: Vec::new(),
-            copies: 1,
-            logged_pipeline: false,
-            profile: None,
-            naming: (Vec::new(), 0),
-        }
+        Self::with_devices(name, vec![(backend, ledger)], opts)
     }
 
     /// A runner for a module split over `devices` (main first, each with its device's shared

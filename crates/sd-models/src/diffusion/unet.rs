@@ -588,7 +588,8 @@ impl UNetModel {
         };
         let m = runner.micro_batches(batch);
         if m > 1 {
-            return self.eval_pipelined(runner, m, x, (w, h), timesteps, context, n_ctx_tokens, batch, kernel);
+            let inputs = EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch };
+            return self.eval_pipelined(runner, m, &inputs, kernel);
         }
         let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
         let (ins, out, cuts) = self.graph(&g, (w, h), batch, ctx_batch, n_ctx_tokens, kernel)?;
@@ -622,19 +623,14 @@ impl UNetModel {
 
     /// [`eval`](Self::eval) as `m` micro-batches of consecutive samples, which a split runner
     /// overlaps across its devices (`--pipeline-copies`).
-    #[allow(clippy::too_many_arguments)]
     fn eval_pipelined(
         &self,
         runner: &mut Runner,
         m: usize,
-        x: &[f32],
-        (w, h): (usize, usize),
-        timesteps: &[f32],
-        context: &[f32],
-        n_ctx_tokens: usize,
-        batch: usize,
+        e: &EvalInputs<'_>,
         kernel: AttnKernel,
     ) -> Result<Vec<f32>> {
+        let EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch } = *e;
         let per_x = x.len() / batch;
         let per_ctx = n_ctx_tokens * self.cfg.context_dim as usize;
         let shared_ctx = context.len() == per_ctx;
@@ -670,6 +666,17 @@ impl UNetModel {
         }
         Ok(out)
     }
+}
+
+/// The checked inputs of one evaluation ([`UNetModel::eval`]'s arguments).
+#[derive(Clone, Copy)]
+struct EvalInputs<'a> {
+    x: &'a [f32],
+    dims: (usize, usize),
+    timesteps: &'a [f32],
+    context: &'a [f32],
+    n_ctx_tokens: usize,
+    batch: usize,
 }
 
 /// The input tensors of one UNet graph.

@@ -40,6 +40,8 @@ fn generate_cfg(model: &Path, out: &Path, cfg: &str, extra: &[&str]) -> (Vec<u8>
         .arg("--report-json")
         .arg(&report)
         .args(extra)
+        // The model is given: the cache directory holds only what a run caches (device speeds).
+        .env("SD_CACHE_DIR", out.parent().unwrap())
         .output()
         .unwrap();
     let log = String::from_utf8_lossy(&o.stderr).into_owned();
@@ -309,6 +311,22 @@ fn layer_splits_give_the_all_cpu_image() {
     assert!(s.pipeline_busy_secs > 0.0 && s.pipeline_wall_secs > 0.0, "{s:?}");
     assert_eq!(s.runs, 4, "two micro-batches per step: {s:?}");
     assert_ran_as_planned(&report, "diffusion", "unet", "copies 2");
+
+    // Sized by speed: every device is measured once (into the cache), the plan says how the
+    // ranges were sized, and the image is the all-CPU one.
+    let cache = dir.join("device-speeds.toml");
+    let speed: Vec<&str> = split.iter().copied().chain(["--split-by", "speed"]).collect();
+    let (px, report) = generate(&model, &dir.join("speed.png"), &speed);
+    assert!(px == base, "--split-by speed: the image differs from the all-CPU one");
+    let plan = report.plan.as_ref().unwrap();
+    let unet = plan.modules.iter().find(|m| m.module.name() == "diffusion").unwrap();
+    assert_eq!(unet.sized_by, Some(sd_placement::SplitBy::Speed), "{unet:?}");
+    assert!(unet.predicted.is_some(), "speeds known: a predicted time: {unet:?}");
+    let text = std::fs::read_to_string(&cache).unwrap_or_else(|e| panic!("{}: {e}", cache.display()));
+    for dev in ["CPU", "RPC0", "RPC1"] {
+        assert!(text.contains(&format!("device = \"{dev}\"")), "{dev} measured and cached:\n{text}");
+    }
+    assert_ran_as_planned(&report, "diffusion", "unet", "--split-by speed");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -626,7 +626,30 @@ impl Runner {
             s.load_secs,
             s.prefetch_wait_secs,
             s.peak_workspace as f64 / 1048576.0
-        )
+        ) + &self.split_summary()
+    }
+
+    /// What a split moved between its devices and, pipelined, the overlap it achieved.
+    fn split_summary(&self) -> String {
+        let s = &self.stats;
+        let mut out = String::new();
+        if self.devs.len() > 1 {
+            out += &format!(
+                ", {:.1} MiB of activations in {} copies between devices",
+                s.cross_device_bytes as f64 / 1048576.0,
+                s.cross_device_copies
+            );
+        }
+        if s.pipelined_runs > 0 && s.pipeline_wall_secs > 0.0 {
+            out += &format!(
+                ", {} pipelined evaluations: devices busy {:.2} s in {:.2} s (overlap {:.2})",
+                s.pipelined_runs,
+                s.pipeline_busy_secs,
+                s.pipeline_wall_secs,
+                s.pipeline_busy_secs / s.pipeline_wall_secs
+            );
+        }
+        out
     }
 }
 

@@ -430,6 +430,8 @@ mod tests {
             stats,
             uploaded_bytes,
             upload_seconds,
+            stages: Vec::new(),
+            profile: None,
         };
         let unet = RunStats { load_secs: 0.4, prefetch_wait_secs: 1.3, segmented_runs: 8, ..stats(8, 5.2) };
         r.runners = vec![runner("te", stats(2, 0.5), 0, 0.0), runner("unet", unet, 3300 << 20, 2.1)];

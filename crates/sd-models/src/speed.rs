@@ -176,17 +176,11 @@ struct Constant;
 impl TensorSource for Constant {
     fn load(&self, _: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
         let n = ne.iter().product::<i64>().max(0) as usize;
-        let values = vec![0.01f32; n];
-        sd_backends::convert::convert(GgmlType::GGML_TYPE_F32, ty, bytemuck_f32(&values), ne)
+        let values: Vec<u8> = std::iter::repeat_n(0.01f32.to_le_bytes(), n).flatten().collect();
+        sd_backends::convert::convert(GgmlType::GGML_TYPE_F32, ty, &values, ne)
             .map(Cow::Owned)
             .map_err(SourceError::new)
     }
-}
-
-fn bytemuck_f32(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and any bit pattern is a valid u8; the slice covers
-    // exactly the vector's bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
 }
 
 /// Bytes of probe weight per second on `backend` at `tokens` activations.

@@ -499,6 +499,7 @@ fn stage_reads(graph: &Graph<'_>, a: &Analysis<'_>, stages: &[Stage]) -> Vec<Vec
 /// bound tensor, with the segment reading them (as `Analysis::stale_views` lists weights').
 fn earlier_views<'g>(graph: &Graph<'g>, a: &Analysis<'g>, nodes: Range<usize>) -> Vec<(usize, Tensor<'g>)> {
     let bound: HashSet<usize> = a.bound.iter().map(|t| t.as_raw() as usize).collect();
+    let inside: HashSet<usize> = nodes.clone().map(|i| graph.node(i).as_raw() as usize).collect();
     let mut out = Vec::new();
     for (s, (_, range)) in a.segments.iter().enumerate() {
         if range.start < nodes.start || range.end > nodes.end {
@@ -509,17 +510,16 @@ fn earlier_views<'g>(graph: &Graph<'g>, a: &Analysis<'g>, nodes: Range<usize>) -
             for j in 0..sd_backends::context::MAX_SRC {
                 let Some(src) = node.src(j) else { continue };
                 let root = src.storage_root();
-                if src != root && bound.contains(&(root.as_raw() as usize)) && !is_node_in(graph, src, nodes.clone()) {
+                if src != root
+                    && bound.contains(&(root.as_raw() as usize))
+                    && !inside.contains(&(src.as_raw() as usize))
+                {
                     out.push((s, src));
                 }
             }
         }
     }
     out
-}
-
-fn is_node_in(graph: &Graph<'_>, t: Tensor<'_>, nodes: Range<usize>) -> bool {
-    nodes.into_iter().any(|i| graph.node(i) == t)
 }
 
 #[cfg(test)]

@@ -25,8 +25,8 @@
 //! Convolution path: by default ggml's im2col + matmul (`ggml_conv_2d`) with f16
 //! kernels, the reference's default. [`GraphOptions::conv_direct`] selects
 //! `ggml_conv_2d_direct` (the reference's `--vae-conv-direct`); on the CPU backend it
-//! gives bit-identical images with a compute buffer about 2.6x smaller, so
-//! [`GraphOptions::recommended`] turns it on for CPU devices.
+//! gives images within 1 level with a compute buffer about 2.6x smaller, so
+//! [`GraphOptions::recommended`] turns it on for CPU devices (the pipeline does not use it).
 //!
 //! What it refuses to do: it reads no file (weights come from a
 //! [`sd_sched::TensorSource`]), draws no random numbers, and never clamps or quantises

@@ -30,9 +30,10 @@ pub struct GraphOptions {
 impl GraphOptions {
     /// The switches to use on `device` when the caller has no preference: on the CPU,
     /// direct convolution, which ggml's CPU backend computes with the same f16 im2col
-    /// rows and the same matmul kernel as the im2col path, in chunks — bit-identical
-    /// results (a test checks it) with a compute buffer about 2.6x smaller (160 vs 416 MiB
-    /// for a 256x256 SD decode). Elsewhere the reference's default (im2col), whose
+    /// rows and the same matmul kernel as the im2col path, in chunks — bit-identical on the
+    /// small graph a test checks, within 1 level on a whole 256x256 SD decode (and no faster
+    /// there: 7.0 against 6.7 s on two cores), with a compute buffer about 2.6x smaller (160
+    /// vs 416 MiB). Elsewhere the reference's default (im2col), whose
     /// numerics other backends do not promise to share. Flash attention stays off, as in
     /// the reference without `--fa`.
     pub fn recommended(device: Device) -> Self {

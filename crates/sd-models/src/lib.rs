@@ -13,6 +13,7 @@
 
 pub mod describe;
 pub mod diffusion;
+pub mod family;
 pub mod files;
 pub mod fixture;
 pub mod health;

@@ -1,4 +1,5 @@
-//! Text-to-image and image-to-image generation for SD 1.x / 2.x, end to end.
+//! Text-to-image and image-to-image generation, end to end, for any registered model family
+//! (`crate::family`: SD 1.x / 2.x today); nothing here names a family.
 //!
 //! The order of operations, and every place randomness enters, follows
 //! stable-diffusion.cpp so that the same seed gives the same image:
@@ -20,21 +21,19 @@ use std::time::Instant;
 
 use sd_backends::{Backend, GgmlType};
 use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, Weights};
-use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeConfig, VaeParts};
+use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
-use crate::diffusion::unet::{UNetConfig, UNetModel};
+use crate::family::{DiffusionModel, Family, TextEncoder, TextRequest};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
 use crate::placement::LayerSplit;
 use crate::report::{DeviceReport, ModuleReport, RunReport, RunnerReport, Settings, StepTime};
 use crate::sampling::{
-    img2img_sigmas, noised_latent, sample, txt2img_latent, Denoised, DiscreteSchedule, GuidedDenoiser, ModelInput,
-    ModelOutput, ModelVersion, Prediction, RngKind, SampleMethod, ScheduleContext, Scheduler,
+    img2img_sigmas, noised_latent, sample, txt2img_latent, Denoised, GuidedDenoiser, ModelInput, ModelOutput,
+    Prediction, RngKind, SampleMethod, ScheduleContext, Scheduler,
 };
-use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
-use crate::text::conditioning::{encode_prompt, Conditioning};
-use crate::text::ClipTokenizer;
+use crate::text::conditioning::Conditioning;
 
 /// Errors of a generation, each naming the stage and what failed.
 #[derive(Debug, thiserror::Error)]
@@ -407,13 +406,6 @@ pub enum Progress {
     Tile { stage: &'static str, image: usize, images: usize, done: usize, tiles: usize },
 }
 
-/// Image pixels per latent pixel of the SD VAE (the reference's `get_vae_scale_factor`).
-const VAE_SCALE_FACTOR: usize = 8;
-
-/// Latent pixels per pixel of a UNet's deepest level (the reference's
-/// `get_diffusion_model_down_factor`: 8 for every UNet).
-const UNET_DOWN_FACTOR: usize = 8;
-
 /// `width x height` rounded up to multiples of `multiple`, as the reference aligns a
 /// generation request (it warns and generates at the aligned size).
 pub fn align_up(width: usize, height: usize, multiple: usize) -> (usize, usize) {
@@ -424,17 +416,14 @@ pub fn align_up(width: usize, height: usize, multiple: usize) -> (usize, usize) 
 /// The loaded model family and its settings; weights are loaded per phase.
 pub struct Pipeline {
     files: Arc<ModelFiles>,
-    arch: &'static str,
+    family: Box<dyn Family>,
     prediction: Prediction,
-    clip: ClipConfig,
-    unet: UNetConfig,
     opts: LoadOptions,
-    tokenizer: ClipTokenizer,
 }
 
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Pipeline({}, {:?})", self.arch, self.prediction)
+        write!(f, "Pipeline({}, {:?})", self.family.arch(), self.prediction)
     }
 }
 
@@ -454,11 +443,7 @@ impl Pipeline {
     /// checks the tensors against it.
     pub fn from_files(files: ModelFiles, opts: LoadOptions) -> Result<Self> {
         let detected = files.detect(opts.prediction)?;
-        let (clip, unet) = match detected.arch {
-            "sd1" => (ClipConfig::vit_l14(), UNetConfig::sd15()),
-            "sd2" => (ClipConfig::vit_h14(), UNetConfig::sd21()),
-            other => return Err(PipelineError::Invalid(format!("architecture `{other}` has no runtime yet"))),
-        };
+        let family = crate::family::for_detected(&detected, &files)?;
         let prediction = detected.prediction.unwrap_or_else(|| {
             tracing::warn!("the model files do not say whether the model predicts eps or v; assuming eps (use --prediction v for 768-v models)");
             Prediction::Eps
@@ -468,13 +453,13 @@ impl Pipeline {
         }
         tracing::info!("model: {} ({} tensors), prediction {}", detected.arch, files.index().len(), prediction.name());
         let files = Arc::new(files);
-        Ok(Self { files, arch: detected.arch, prediction, clip, unet, opts, tokenizer: ClipTokenizer::new() })
+        Ok(Self { files, family, prediction, opts })
     }
 
     /// The multiple image sides must have for this model: VAE scale times the diffusion
     /// model's down factor (64 for SD 1.x / 2.x).
     fn spatial_multiple(&self) -> usize {
-        VAE_SCALE_FACTOR * UNET_DOWN_FACTOR
+        self.family.spatial_multiple()
     }
 
     /// The size a request of `width x height` is generated at ([`align_up`] to
@@ -490,12 +475,12 @@ impl Pipeline {
 
     /// The detected architecture (`sd1`, `sd2`).
     pub fn arch(&self) -> &'static str {
-        self.arch
+        self.family.arch()
     }
 
     /// The sampling method the reference uses for this model when none is given.
     pub(crate) fn default_sample_method(&self) -> SampleMethod {
-        SampleMethod::default_for(ModelVersion::from_arch(self.arch).unwrap_or_default())
+        self.family.sampling().method
     }
 
     /// The opened files.
@@ -550,23 +535,22 @@ impl Pipeline {
         }
     }
 
-    fn load_clip(&self) -> Result<ClipTextModel> {
+    fn load_text(&self) -> Result<Box<dyn TextEncoder>> {
         let dtype = dtype_of(&self.files);
-        let mut w = Weights::new(clip_specs(&self.clip, &dtype, self.opts.wtype))?;
+        let mut w = Weights::new(self.family.text_specs(&dtype, self.opts.wtype))?;
         let d = &self.opts.devices;
         self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &block_group)?;
-        Ok(ClipTextModel::new(self.clip.clone(), w)?)
+        self.family.load_text(w)
     }
 
-    fn load_unet(&self) -> Result<UNetModel> {
+    fn load_diffusion(&self) -> Result<Box<dyn DiffusionModel>> {
         let dtype = dtype_of(&self.files);
-        let mut m = UNetModel::new(self.unet.clone(), &dtype, self.opts.wtype)?;
+        let mut w = Weights::new(self.family.diffusion_specs(&dtype, self.opts.wtype))?;
         let d = &self.opts.devices;
         let home = &self.opts.placement.homes.diffusion;
-        let group_of = &crate::diffusion::unet::group_of;
-        self.place(&mut m.weights, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), group_of)?;
-        m.flash_attn = self.opts.flash_attn;
-        Ok(m)
+        let group_of = |name: &str| self.family.diffusion_group(name);
+        self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of)?;
+        self.family.load_diffusion(w, self.opts.flash_attn)
     }
 
     fn load_first_stage(&self, need_encoder: bool) -> Result<Box<dyn FirstStage>> {
@@ -575,15 +559,16 @@ impl Pipeline {
         let vae_err = |e| sd_vae::VaeError::Weights { module: "VAE", source: e };
         if self.opts.sources.taesd.is_some() {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-            let cfg = sd_vae::TaesdConfig::sd();
+            let cfg = self.family.taesd();
             let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
             self.place(&mut w, "vae", home, backend, None, &block_group)?;
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
-        let mut w = Weights::new(sd_vae::vae_specs(&VaeConfig::sd(), parts)).map_err(vae_err)?;
+        let cfg = self.family.vae();
+        let mut w = Weights::new(sd_vae::vae_specs(&cfg, parts)).map_err(vae_err)?;
         self.place(&mut w, "vae", home, backend, None, &block_group)?;
-        Ok(Box::new(AutoencoderKl::from_weights(VaeConfig::sd(), w)?))
+        Ok(Box::new(AutoencoderKl::from_weights(cfg, w)?))
     }
 
     /// One line per device for `-v`: managed high-water mark and budget.
@@ -607,8 +592,7 @@ impl Pipeline {
     fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
         let tokens = (p.width / VAE_SCALE) as f64 * (p.height / VAE_SCALE) as f64;
         let batch = if p.cfg_scale != 1.0 { 2.0 } else { 1.0 };
-        let heads = self.unet.n_head(self.unet.model_channels) as f64;
-        let unet = if self.opts.flash_attn { 0.0 } else { batch * heads * tokens * tokens * 4.0 };
+        let unet = self.family.attention_bytes(tokens, batch, self.opts.flash_attn);
         let (vae_attn, vae_act) = if p.tiling.enabled {
             (0.0, 0.0)
         } else {
@@ -646,7 +630,7 @@ impl Pipeline {
     /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
     fn check_model_limits(&self, p: &GenerateParams) -> Result<()> {
         p.tiling.validate([p.width, p.height], VAE_SCALE)?;
-        self.clip.resolve_clip_skip(p.clip_skip)?;
+        self.family.check_text(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
         for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
             let device = backend.device();
@@ -664,7 +648,8 @@ impl Pipeline {
             }
         }
         // Every image's latent is kept until decoding: refuse a batch that cannot be held.
-        let latents = p.batch_count as f64 * (p.width * p.height) as f64 / 64.0 * self.unet.in_channels as f64 * 4.0;
+        let latents =
+            p.batch_count as f64 * (p.width * p.height) as f64 / 64.0 * self.family.latent_channels() as f64 * 4.0;
         let (_, host) = self.opts.devices.te.device().memory();
         if host > 0 && latents > host as f64 {
             let problem = format!("the batch's latents alone need {}", fmt_gib(latents));
@@ -678,14 +663,14 @@ impl Pipeline {
     /// are small and read last, so a broken VAE would otherwise waste a whole sampling run).
     fn check_tensors(&self, need_encoder: bool) -> Result<()> {
         let dtype = dtype_of(&self.files);
-        let te = clip_specs(&self.clip, &dtype, self.opts.wtype);
-        let unet = crate::diffusion::unet::unet_specs(&self.unet, &dtype, self.opts.wtype);
+        let te = self.family.text_specs(&dtype, self.opts.wtype);
+        let unet = self.family.diffusion_specs(&dtype, self.opts.wtype);
         let (first_name, first) = if self.opts.sources.taesd.is_some() {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-            ("TAESD", sd_vae::taesd_specs(&sd_vae::TaesdConfig::sd(), parts))
+            ("TAESD", sd_vae::taesd_specs(&self.family.taesd(), parts))
         } else {
             let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
-            ("VAE", sd_vae::vae_specs(&VaeConfig::sd(), parts))
+            ("VAE", sd_vae::vae_specs(&self.family.vae(), parts))
         };
         let index = self.files.index();
         let files = || index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", ");
@@ -710,7 +695,7 @@ impl Pipeline {
                         e.original_name,
                         index.files()[e.file].path.display(),
                         e.shape,
-                        self.arch,
+                        self.family.arch(),
                         s.ne
                     )));
                 }
@@ -754,22 +739,19 @@ impl Pipeline {
     ) -> Result<Vec<Image>> {
         let (p, method, scheduler) = (&request.params, request.method, request.scheduler);
         let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
-        let channels = self.unet.in_channels as usize;
+        let channels = self.family.latent_channels();
         let guided = p.cfg_scale != 1.0;
 
         // 1. Text.
         let t = Instant::now();
         let (cond, uncond) = {
-            let model = self.load_clip()?;
+            let model = self.load_text()?;
             report.stage("te load", t.elapsed().as_secs_f64());
             let t_encode = Instant::now();
             let mut runner = self.runner("te", &self.opts.devices.te, self.opts.devices.te_split.as_ref());
-            let cond = encode_prompt(&model, &mut runner, &self.tokenizer, &p.prompt, p.clip_skip)?;
-            let uncond = if guided {
-                Some(encode_prompt(&model, &mut runner, &self.tokenizer, &p.negative_prompt, p.clip_skip)?)
-            } else {
-                None
-            };
+            let text = |prompt| TextRequest { prompt, clip_skip: p.clip_skip, width: p.width, height: p.height };
+            let cond = model.encode(&mut runner, &text(&p.prompt))?;
+            let uncond = if guided { Some(model.encode(&mut runner, &text(&p.negative_prompt))?) } else { None };
             health::check("text encoder (prompt)", &cond.data, ACTIVATIONS);
             if let Some(u) = &uncond {
                 health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
@@ -784,9 +766,9 @@ impl Pipeline {
         progress(Progress::Stage { name: "text encode", seconds: secs });
 
         // 2. Schedule and, for img2img, the init latent.
-        let schedule = DiscreteSchedule::sd();
-        let model = ModelVersion::from_arch(self.arch).unwrap_or_default();
-        let ctx = ScheduleContext { model, image_seq_len: lw * lh };
+        let defaults = self.family.sampling();
+        let schedule = defaults.schedule;
+        let ctx = ScheduleContext { model: defaults.version, image_seq_len: lw * lh };
         let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
         let sigmas = match &p.init_image {
@@ -834,7 +816,7 @@ impl Pipeline {
         let mut latents = Vec::with_capacity(p.batch_count);
         {
             let t = Instant::now();
-            let unet = self.load_unet()?;
+            let unet = self.load_diffusion()?;
             report.stage("unet load", t.elapsed().as_secs_f64());
             let t = Instant::now();
             let mut runner =
@@ -850,7 +832,7 @@ impl Pipeline {
                 let warned = std::cell::Cell::new(false);
                 let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
                     let out = eval_guided(
-                        &unet,
+                        unet.as_ref(),
                         &mut runner,
                         inp.x,
                         (lw, lh),
@@ -890,16 +872,16 @@ impl Pipeline {
                 let out = sample(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
                 latents.push(out);
             }
-            let moved = unet.weights.stats();
+            let moved = unet.weights().stats();
             tracing::debug!(
                 "unet params {}; {}; copied {:.1} MiB to {} in {:.2} s",
-                unet.weights.home_description(),
+                unet.weights().home_description(),
                 runner.summary(),
                 moved.copied_bytes as f64 / 1048576.0,
                 runner.backends().iter().map(|b| b.device().name()).collect::<Vec<_>>().join("&"),
                 moved.copy_nanos as f64 * 1e-9
             );
-            record_module(report, "unet", &unet.weights, &runner);
+            record_module(report, "unet", unet.weights(), &runner);
             report.stage("sampling", t.elapsed().as_secs_f64());
         }
 
@@ -951,10 +933,10 @@ fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Run
     report.runners.push(RunnerReport::of(runner, w));
 }
 
-/// One guided model evaluation: cond and uncond as one batch of 2 when their token
-/// counts agree (the same numbers as two runs to a few f16 ulps, fewer graph launches), else two runs.
+/// One guided model evaluation: cond and uncond as one batch of 2 when their shapes agree
+/// (the same numbers as two runs to a few f16 ulps, fewer graph launches), else two runs.
 fn eval_guided(
-    unet: &UNetModel,
+    model: &dyn DiffusionModel,
     runner: &mut Runner,
     x: &[f32],
     dims: (usize, usize),
@@ -964,23 +946,20 @@ fn eval_guided(
 ) -> Result<ModelOutput> {
     match uncond {
         None => {
-            let c = unet.eval(runner, x, dims, &[timestep], &cond.data, cond.n_tokens, 1)?;
+            let c = model.eval(runner, x, dims, &[timestep], &[cond])?;
             Ok(ModelOutput { cond: c, uncond: None })
         }
-        Some(u) if u.n_tokens == cond.n_tokens => {
+        Some(u) if u.batches_with(cond) => {
             let mut xx = Vec::with_capacity(2 * x.len());
             xx.extend_from_slice(x);
             xx.extend_from_slice(x);
-            let mut ctx = Vec::with_capacity(cond.data.len() * 2);
-            ctx.extend_from_slice(&cond.data);
-            ctx.extend_from_slice(&u.data);
-            let mut out = unet.eval(runner, &xx, dims, &[timestep, timestep], &ctx, cond.n_tokens, 2)?;
+            let mut out = model.eval(runner, &xx, dims, &[timestep, timestep], &[cond, u])?;
             let un = out.split_off(x.len());
             Ok(ModelOutput { cond: out, uncond: Some(un) })
         }
         Some(u) => {
-            let c = unet.eval(runner, x, dims, &[timestep], &cond.data, cond.n_tokens, 1)?;
-            let un = unet.eval(runner, x, dims, &[timestep], &u.data, u.n_tokens, 1)?;
+            let c = model.eval(runner, x, dims, &[timestep], &[cond])?;
+            let un = model.eval(runner, x, dims, &[timestep], &[u])?;
             Ok(ModelOutput { cond: c, uncond: Some(un) })
         }
     }

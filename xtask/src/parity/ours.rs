@@ -35,11 +35,12 @@ impl Cpu {
 /// The module configurations of the detected architecture.
 pub(crate) fn configs(files: &ModelFiles) -> Result<(ClipConfig, UNetConfig, u32)> {
     let detected = files.detect(None)?;
-    Ok(match detected.arch {
-        "sd1" => (ClipConfig::vit_l14(), UNetConfig::sd15(), CLIP_L_POINTS),
-        "sd2" => (ClipConfig::vit_h14(), UNetConfig::sd21(), CLIP_H_POINTS),
-        other => bail!("architecture `{other}` is not compared by this command"),
-    })
+    let Some((clip, unet)) = sd_models::family::sd::configs(detected.arch) else {
+        bail!("architecture `{}` is not compared by this command", detected.arch)
+    };
+    // Probe points per text-encoder layout (ViT-L's 12 layers, ViT-H's 24).
+    let points = if clip.n_layers > 12 { CLIP_H_POINTS } else { CLIP_L_POINTS };
+    Ok((clip, unet, points))
 }
 
 /// Our text encoder of `files`, its weights in the CPU's memory.

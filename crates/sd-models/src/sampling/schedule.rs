@@ -168,17 +168,6 @@ pub enum ModelVersion {
     Sd2,
 }
 
-impl ModelVersion {
-    /// From an architecture name as the file detection reports it (`sd1`, `sd2`).
-    pub fn from_arch(arch: &str) -> Option<ModelVersion> {
-        match arch {
-            "sd1" => Some(ModelVersion::Sd1),
-            "sd2" => Some(ModelVersion::Sd2),
-            _ => None,
-        }
-    }
-}
-
 /// What a scheduler may depend on besides the step count and the noise schedule.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ScheduleContext {

@@ -34,12 +34,21 @@ pub struct Conditioning {
     pub hidden_size: usize,
     /// Number of tokens: 77 per chunk.
     pub n_tokens: usize,
+    /// A per-sample vector besides the tokens (SDXL's ADM input: the pooled text embedding
+    /// and the size embeddings); empty for families that have none.
+    pub vector: Vec<f32>,
 }
 
 impl Conditioning {
     /// ggml shape `[hidden_size, n_tokens]`.
     pub fn shape(&self) -> [usize; 2] {
         [self.hidden_size, self.n_tokens]
+    }
+
+    /// Whether `other` can share a batch with this one (same token count, width and vector
+    /// length).
+    pub fn batches_with(&self, other: &Conditioning) -> bool {
+        self.shape() == other.shape() && self.vector.len() == other.vector.len()
     }
 }
 
@@ -68,7 +77,7 @@ pub fn encode_prompt(
     }
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, "prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens })
+    Ok(Conditioning { data, hidden_size, n_tokens, vector: Vec::new() })
 }
 
 /// Applies prompt weights to one chunk's hidden states (`hidden_size` values per token, one

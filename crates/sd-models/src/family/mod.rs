@@ -1,0 +1,134 @@
+//! Model families: what the pipeline needs from a model, registered once per family.
+//!
+//! A family turns detected files into a [`Family`]: its conditioner (prompt -> the
+//! [`Conditioning`] its diffusion model reads), its diffusion model (latent, timestep and
+//! conditioning -> prediction, with its graph cuts and its parameter groups), its first stage
+//! (VAE and TAESD configurations) and its sampling defaults. The pipeline
+//! (`crate::pipeline`), the placement wiring and the CLI only call this trait; none of them
+//! names a family.
+//!
+//! A family lives in one folder under `family/` and registers itself with one
+//! `inventory::submit!` of a [`FamilySpec`] (next to the [`crate::files::ArchSpec`] that
+//! detects its files). [`for_detected`] picks the spec whose `arch` is the detected one.
+//! SD 1.x and 2.x are [`sd`].
+
+pub mod sd;
+
+use std::fmt::Debug;
+
+use sd_backends::GgmlType;
+use sd_sched::{Runner, TensorSpec, Weights};
+use sd_vae::{TaesdConfig, VaeConfig};
+
+use crate::files::{Detected, ModelFiles};
+use crate::pipeline::{PipelineError, Result};
+use crate::sampling::{DiscreteSchedule, ModelVersion, SampleMethod};
+use crate::text::conditioning::Conditioning;
+
+/// The storage type of each tensor in the files, by internal name (`crate::loader::dtype_of`).
+pub type DtypeOf<'a> = &'a dyn Fn(&str) -> Option<GgmlType>;
+
+/// One registered model family: the detected architecture it runs and how to build it.
+#[derive(Debug)]
+pub struct FamilySpec {
+    /// The [`crate::files::ArchSpec::name`] it runs (`"sd1"`).
+    pub arch: &'static str,
+    /// Builds the family for detected files (configurations adapted to the tensors).
+    pub build: fn(&Detected, &ModelFiles) -> Result<Box<dyn Family>>,
+}
+
+inventory::collect!(FamilySpec);
+
+/// The family that runs `detected`, built for `files`; an error when no family is
+/// registered for the architecture.
+pub fn for_detected(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+    match inventory::iter::<FamilySpec>.into_iter().find(|f| f.arch == detected.arch) {
+        Some(spec) => (spec.build)(detected, files),
+        None => Err(PipelineError::Invalid(format!("architecture `{}` has no runtime yet", detected.arch))),
+    }
+}
+
+/// What the conditioner reads from a request, besides the prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct TextRequest<'a> {
+    /// The prompt (or the negative prompt), with its weighting syntax.
+    pub prompt: &'a str,
+    /// `--clip-skip` (<= 0: the family's default).
+    pub clip_skip: i64,
+    /// Image width in pixels (families with size conditioning read it).
+    pub width: usize,
+    /// Image height in pixels.
+    pub height: usize,
+}
+
+/// How a family samples when the user does not say.
+#[derive(Clone, Debug)]
+pub struct SamplingDefaults {
+    /// The family as the schedulers know it (`ays` has per-family noise levels).
+    pub version: ModelVersion,
+    /// `--sampling-method` when none is given.
+    pub method: SampleMethod,
+    /// The noise schedule of the diffusion model.
+    pub schedule: DiscreteSchedule,
+}
+
+/// A model family built for a set of files.
+pub trait Family: Send + Sync + Debug {
+    /// The architecture it runs (`sd1`).
+    fn arch(&self) -> &'static str;
+
+    /// The conditioner's parameters (internal names, shapes, storage types).
+    fn text_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec>;
+    /// Checks the request's text settings (e.g. `--clip-skip` against the encoder's depth).
+    fn check_text(&self, clip_skip: i64) -> Result<()>;
+    /// The conditioner over its placed parameters.
+    fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>>;
+
+    /// The diffusion model's parameters.
+    fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec>;
+    /// The parameter group (one per block) a diffusion-model tensor is staged in.
+    fn diffusion_group(&self, name: &str) -> String;
+    /// The diffusion model over its placed parameters.
+    fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>>;
+    /// Channels of a latent.
+    fn latent_channels(&self) -> usize;
+    /// Image sides are multiples of this (VAE scale x the diffusion model's down factor).
+    fn spatial_multiple(&self) -> usize;
+    /// A lower bound of the diffusion model's largest working tensor in bytes, for `tokens`
+    /// latent positions and `batch` samples (the first level's attention scores unless
+    /// flash attention).
+    fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64;
+
+    /// The VAE's configuration.
+    fn vae(&self) -> VaeConfig;
+    /// The TAESD configuration (`--taesd`).
+    fn taesd(&self) -> TaesdConfig;
+
+    /// Sampling defaults.
+    fn sampling(&self) -> SamplingDefaults;
+}
+
+/// A loaded conditioner.
+pub trait TextEncoder {
+    /// Its parameters (for reports).
+    fn weights(&self) -> &Weights;
+    /// The conditioning of one prompt.
+    fn encode(&self, runner: &mut Runner, request: &TextRequest<'_>) -> Result<Conditioning>;
+}
+
+/// A loaded diffusion model.
+pub trait DiffusionModel {
+    /// Its parameters (for reports).
+    fn weights(&self) -> &Weights;
+    /// One evaluation of a batch: `x` holds one latent per conditioning (row-major
+    /// [N, C, H, W]), `timesteps` one per sample; returns the predictions, same layout.
+    /// Conditionings of one batch must be [`Conditioning::batches_with`] each other.
+    fn eval(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        dims: (usize, usize),
+        timesteps: &[f32],
+        cond: &[&Conditioning],
+    ) -> Result<Vec<f32>>;
+}

@@ -1,0 +1,165 @@
+//! The SD 1.x / 2.x family (SD-Turbo too): one CLIP text encoder (OpenAI ViT-L/14 for 1.x,
+//! OpenCLIP ViT-H/14 for 2.x), the `openaimodel` UNet, the KL-f8 VAE, a discrete DDPM
+//! schedule and `euler_a` by default, as the reference runs them.
+//!
+//! Detection stays in `crate::files::arch` (its `sd` module); this file registers the runtime
+//! of both architectures it detects.
+
+use std::sync::Arc;
+
+use sd_backends::GgmlType;
+use sd_sched::{Runner, TensorSpec, Weights};
+use sd_vae::{TaesdConfig, VaeConfig};
+
+use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest};
+use crate::diffusion::unet::{self, UNetConfig, UNetModel};
+use crate::files::{Detected, ModelFiles};
+use crate::pipeline::{PipelineError, Result};
+use crate::sampling::{DiscreteSchedule, ModelVersion, SampleMethod};
+use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
+use crate::text::conditioning::{encode_prompt, Conditioning};
+use crate::text::ClipTokenizer;
+
+/// Pixels per latent position.
+const VAE_SCALE_FACTOR: usize = 8;
+/// How much the UNet downsamples a latent (three stride-2 levels).
+const UNET_DOWN_FACTOR: usize = 8;
+
+/// The text encoder and UNet configurations of an SD 1.x (`sd1`) or 2.x (`sd2`) file; `None`
+/// for another architecture.
+pub fn configs(arch: &str) -> Option<(ClipConfig, UNetConfig)> {
+    match arch {
+        "sd1" => Some((ClipConfig::vit_l14(), UNetConfig::sd15())),
+        "sd2" => Some((ClipConfig::vit_h14(), UNetConfig::sd21())),
+        _ => None,
+    }
+}
+
+/// SD 1.x or 2.x, built for a set of files.
+#[derive(Debug)]
+struct Sd {
+    arch: &'static str,
+    clip: ClipConfig,
+    unet: UNetConfig,
+    tokenizer: Arc<ClipTokenizer>,
+}
+
+fn build(detected: &Detected, _files: &ModelFiles) -> Result<Box<dyn Family>> {
+    let (clip, unet) = configs(detected.arch)
+        .ok_or_else(|| PipelineError::Invalid(format!("`{}` is not an SD 1.x / 2.x architecture", detected.arch)))?;
+    Ok(Box::new(Sd { arch: detected.arch, clip, unet, tokenizer: Arc::new(ClipTokenizer::new()) }))
+}
+
+inventory::submit! { FamilySpec { arch: "sd1", build } }
+inventory::submit! { FamilySpec { arch: "sd2", build } }
+
+impl Family for Sd {
+    fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    fn text_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+        clip_specs(&self.clip, dtype, wtype)
+    }
+
+    fn check_text(&self, clip_skip: i64) -> Result<()> {
+        self.clip.resolve_clip_skip(clip_skip)?;
+        Ok(())
+    }
+
+    fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>> {
+        let model = ClipTextModel::new(self.clip.clone(), weights)?;
+        Ok(Box::new(SdText { model, tokenizer: self.tokenizer.clone() }))
+    }
+
+    fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+        unet::unet_specs(&self.unet, dtype, wtype)
+    }
+
+    fn diffusion_group(&self, name: &str) -> String {
+        unet::group_of(name)
+    }
+
+    fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>> {
+        self.unet.validate()?;
+        Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn }))
+    }
+
+    fn latent_channels(&self) -> usize {
+        self.unet.in_channels as usize
+    }
+
+    fn spatial_multiple(&self) -> usize {
+        VAE_SCALE_FACTOR * UNET_DOWN_FACTOR
+    }
+
+    fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64 {
+        let heads = self.unet.n_head(self.unet.model_channels) as f64;
+        if flash_attn {
+            0.0
+        } else {
+            batch * heads * tokens * tokens * 4.0
+        }
+    }
+
+    fn vae(&self) -> VaeConfig {
+        VaeConfig::sd()
+    }
+
+    fn taesd(&self) -> TaesdConfig {
+        TaesdConfig::sd()
+    }
+
+    fn sampling(&self) -> SamplingDefaults {
+        let version = if self.arch == "sd2" { ModelVersion::Sd2 } else { ModelVersion::Sd1 };
+        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule: DiscreteSchedule::sd() }
+    }
+}
+
+/// The CLIP text encoder with its tokenizer.
+struct SdText {
+    model: ClipTextModel,
+    tokenizer: Arc<ClipTokenizer>,
+}
+
+impl TextEncoder for SdText {
+    fn weights(&self) -> &Weights {
+        self.model.weights()
+    }
+
+    fn encode(&self, runner: &mut Runner, request: &TextRequest<'_>) -> Result<Conditioning> {
+        Ok(encode_prompt(&self.model, runner, &self.tokenizer, request.prompt, request.clip_skip)?)
+    }
+}
+
+impl DiffusionModel for UNetModel {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn eval(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        dims: (usize, usize),
+        timesteps: &[f32],
+        cond: &[&Conditioning],
+    ) -> Result<Vec<f32>> {
+        let first = cond.first().ok_or_else(|| PipelineError::Invalid("a UNet batch needs a conditioning".into()))?;
+        if let Some(other) = cond.iter().find(|c| !c.batches_with(first)) {
+            return Err(PipelineError::Invalid(format!(
+                "conditionings of one UNet batch differ in shape: {:?} and {:?}",
+                first.shape(),
+                other.shape()
+            )));
+        }
+        let joined: Vec<f32>;
+        let context: &[f32] = if cond.len() == 1 {
+            &first.data
+        } else {
+            joined = cond.iter().flat_map(|c| c.data.iter().copied()).collect();
+            &joined
+        };
+        Ok(UNetModel::eval(self, runner, x, dims, timesteps, context, first.n_tokens, cond.len())?)
+    }
+}

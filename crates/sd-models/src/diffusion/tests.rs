@@ -466,6 +466,12 @@ impl Ref {
 
     /// `openaimodel.UNetModel.forward`, written from the PyTorch code (hs stack, cat on channels).
     fn unet(&self, cfg: &UNetConfig, x: &T, t: &[f64], ctx: &T, flash: bool) -> T {
+        self.unet_adm(cfg, x, t, ctx, None, flash)
+    }
+
+    /// [`Self::unet`] with SDXL's class embedding of `y` ([adm, N]) added to the time
+    /// embedding, per-level transformer depths and an optional middle transformer.
+    fn unet_adm(&self, cfg: &UNetConfig, x: &T, t: &[f64], ctx: &T, y: Option<&T>, flash: bool) -> T {
         let pre = |s: String| format!("{PREFIX}.{s}");
         let heads = |ch: usize| match cfg.heads {
             Heads::Count(n) => n as usize,
@@ -473,9 +479,15 @@ impl Ref {
         };
         let mc = cfg.model_channels as usize;
         let emb = self.linear(&pre("time_embed.0".into()), &timestep_embedding(t, mc), true).map(silu);
-        let emb = self.linear(&pre("time_embed.2".into()), &emb, true);
-        let st = |p: String, h: &T, ch: usize| {
-            self.spatial_transformer(&p, h, ctx, heads(ch), cfg.transformer_depth, cfg.use_linear_projection, flash)
+        let mut emb = self.linear(&pre("time_embed.2".into()), &emb, true);
+        if let Some(y) = y {
+            let label = self.linear(&pre("label_emb.0.0".into()), y, true).map(silu);
+            emb = self.linear(&pre("label_emb.0.2".into()), &label, true).add(&emb);
+        }
+        let st = |p: String, h: &T, ch: usize, level: usize| {
+            let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap().to_string();
+            let depth = cfg.depth_overrides.get(&rel).copied().unwrap_or(cfg.transformer_depth[level]);
+            self.spatial_transformer(&p, h, ctx, heads(ch), depth, cfg.use_linear_projection, flash)
         };
 
         let mut hs = Vec::new();
@@ -487,7 +499,7 @@ impl Ref {
             for _ in 0..cfg.num_res_blocks {
                 h = self.res_block(&pre(format!("input_blocks.{block}.0")), &h, &emb);
                 if cfg.attention_resolutions.contains(&ds) {
-                    h = st(pre(format!("input_blocks.{block}.1")), &h, mult as usize * mc);
+                    h = st(pre(format!("input_blocks.{block}.1")), &h, mult as usize * mc, level);
                 }
                 hs.push(h.clone());
                 block += 1;
@@ -501,8 +513,10 @@ impl Ref {
         }
         let top = *cfg.channel_mult.last().unwrap() as usize * mc;
         h = self.res_block(&pre("middle_block.0".into()), &h, &emb);
-        h = st(pre("middle_block.1".into()), &h, top);
-        h = self.res_block(&pre("middle_block.2".into()), &h, &emb);
+        if cfg.middle_transformer {
+            h = st(pre("middle_block.1".into()), &h, top, cfg.channel_mult.len() - 1);
+            h = self.res_block(&pre("middle_block.2".into()), &h, &emb);
+        }
         let mut block = 0;
         for (level, &mult) in cfg.channel_mult.iter().enumerate().rev() {
             for i in 0..=cfg.num_res_blocks {
@@ -518,7 +532,7 @@ impl Ref {
                 h = self.res_block(&pre(format!("output_blocks.{block}.0")), &T::new([w, hh, c1 + c2, n], cat), &emb);
                 let mut sub = 1;
                 if cfg.attention_resolutions.contains(&ds) {
-                    h = st(pre(format!("output_blocks.{block}.1")), &h, mult as usize * mc);
+                    h = st(pre(format!("output_blocks.{block}.1")), &h, mult as usize * mc, level);
                     sub = 2;
                 }
                 if level > 0 && i == cfg.num_res_blocks {
@@ -550,6 +564,8 @@ fn parameter_counts_match_the_published_figures() {
     // Published UNet sizes: SD 1.5 859,520,964 and SD 2.1 865,910,724 parameters.
     assert_eq!(param_count(&unet::unet_specs(&UNetConfig::sd15(), &f16_file, None)), 859_520_964);
     assert_eq!(param_count(&unet::unet_specs(&UNetConfig::sd21(), &f16_file, None)), 865_910_724);
+    // SDXL base 1.0's UNet: 2,567,463,684.
+    assert_eq!(param_count(&unet::unet_specs(&UNetConfig::sdxl(), &f16_file, None)), 2_567_463_684);
 }
 
 #[test]
@@ -843,6 +859,7 @@ fn tiny(linear: bool) -> UNetConfig {
         channel_mult: vec![1, 2],
         num_res_blocks: 1,
         attention_resolutions: vec![1, 2],
+        transformer_depth: vec![1, 1],
         heads: Heads::Count(2),
         context_dim: 24,
         use_linear_projection: linear,
@@ -881,6 +898,75 @@ fn tiny_unet_matches_the_reference_end_to_end() {
         let err = rms(&got.iter().zip(&want.v).map(|(&a, b)| a as f64 - b).collect::<Vec<_>>()) / rms(&want.v);
         assert!(err <= 3.0 * noise.max(1e-4), "{what}: error {err:.2e} is more than 3x the noise floor");
     }
+}
+
+/// A small SDXL-shaped UNet: class embedding, no attention at the first level, depths 1 and 2
+/// per level, a distilled-style depth override, with and without the middle transformer.
+fn tiny_sdxl(middle_transformer: bool) -> UNetConfig {
+    let mut cfg = UNetConfig {
+        transformer_depth: vec![1, 2],
+        attention_resolutions: vec![2],
+        adm_in_channels: Some(10),
+        middle_transformer,
+        use_linear_projection: true,
+        ..tiny(true)
+    };
+    // output_blocks.0.1 at the deepest level: depth 1 instead of 2, as SSD-1B drops blocks.
+    cfg.depth_overrides.insert("output_blocks.0.1".into(), 1);
+    cfg
+}
+
+#[test]
+fn tiny_sdxl_unet_matches_the_reference_end_to_end() {
+    for middle in [true, false] {
+        let cfg = tiny_sdxl(middle);
+        let (w, r) = make_weights(unet::unet_specs(&cfg, &f16_file, None));
+        let model = UNetModel { cfg: cfg.clone(), weights: w, flash_attn: false };
+        let (wd, ht, n, l) = (6usize, 4usize, 2usize, 5usize);
+        let x = input(21, wd * ht * 4 * n, 1.0);
+        let t = [999.0f32, 17.0];
+        let ctx = input(22, 24 * l * n, 1.0);
+        let y = input(23, 10 * n, 1.0);
+        let got = model.eval_adm(&mut runner(), &x, (wd, ht), &t, &ctx, l, n, &y).unwrap();
+        let want = r.unet_adm(
+            &cfg,
+            &T::from_f32([wd, ht, 4, n], &x),
+            &t.map(|v| v as f64),
+            &T::from_f32([24, l, n, 1], &ctx),
+            Some(&T::from_f32([10, n, 1, 1], &y)),
+            false,
+        );
+        assert_close(&format!("tiny SDXL UNet (middle transformer {middle})"), &got, &want.v, 3e-3);
+        // The class embedding is used: another vector gives another output.
+        let y2: Vec<f32> = y.iter().map(|v| -v).collect();
+        let other = model.eval_adm(&mut runner(), &x, (wd, ht), &t, &ctx, l, n, &y2).unwrap();
+        assert!(got.iter().zip(&other).any(|(a, b)| (a - b).abs() > 1e-3), "the ADM vector changed nothing");
+        // A wrong vector length is an input error, not a crash.
+        let e = model.eval_adm(&mut runner(), &x, (wd, ht), &t, &ctx, l, n, &y[..10]).unwrap_err().to_string();
+        assert!(e.contains("ADM vector has 10 values"), "{e}");
+    }
+}
+
+#[test]
+fn depths_come_from_the_file_names() {
+    // A file whose transformers are shallower than the config (a distilled SDXL): the
+    // adapted config follows the file, and its specs are exactly the file's tensors.
+    let want = tiny_sdxl(false);
+    let file: std::collections::HashMap<String, Vec<u64>> = unet::unet_specs(&want, &f16_file, None)
+        .into_iter()
+        .map(|s| (s.name, s.ne.iter().map(|&d| d as u64).collect()))
+        .collect();
+    let start = UNetConfig { depth_overrides: Default::default(), middle_transformer: true, ..want.clone() };
+    let got = start.adapted_to_file(&|n| file.get(n).cloned());
+    assert_eq!(got.depth_overrides, want.depth_overrides);
+    assert!(!got.middle_transformer);
+    assert_eq!(got.adm_in_channels, Some(10));
+    let names = |c: &UNetConfig| {
+        let mut v: Vec<String> = unet::unet_specs(c, &f16_file, None).into_iter().map(|s| s.name).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&got), names(&want));
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! The SD 1.x / 2.x UNet (`ldm.modules.diffusionmodules.openaimodel.UNetModel`) as a ggml graph.
+//! The UNet of SD 1.x / 2.x and SDXL (`ldm.modules.diffusionmodules.openaimodel.UNetModel`) as a
+//! ggml graph.
 //!
 //! References: Rombach et al., "High-Resolution Image Synthesis with Latent Diffusion
 //! Models" (arXiv:2112.10752), and stable-diffusion.cpp's `unet.hpp`, whose graph this one
@@ -11,6 +12,13 @@
 //! input blocks' activations concatenated on the channel axis, and `out` (GroupNorm,
 //! SiLU, 3x3 conv). The network outputs the model prediction (eps or v) as it is; the
 //! sampler interprets it.
+//!
+//! SDXL adds a class-embedding path (`label_emb`: the ADM vector, pooled text embedding and
+//! size embeddings, through two linears with a SiLU, added to the timestep embedding), a
+//! transformer depth per level (1/2/10) and no transformer at the first level. Distilled
+//! variants (SSD-1B, Vega) drop transformer blocks and the middle block's attention: their
+//! depths are read from the file's tensor names ([`UNetConfig::adapted_to_file`]), not from a
+//! list of known models.
 //!
 //! Batching: stable-diffusion.cpp evaluates the conditional and unconditional passes as
 //! two separate batch-1 calls. Every op here treats samples independently, so a batch of
@@ -61,8 +69,16 @@ pub struct UNetConfig {
     pub attention_resolutions: Vec<i64>,
     /// Head sizing of the transformers.
     pub heads: Heads,
-    /// Transformer blocks per SpatialTransformer.
-    pub transformer_depth: usize,
+    /// Transformer blocks per SpatialTransformer, per level (the middle block takes the last).
+    pub transformer_depth: Vec<usize>,
+    /// Depths a file gives single SpatialTransformers (by layer name under [`PREFIX`], e.g.
+    /// `input_blocks.7.1`) where they differ from their level's (SSD-1B).
+    pub depth_overrides: std::collections::BTreeMap<String, usize>,
+    /// Whether the middle block has its SpatialTransformer and second ResBlock (SSD-1B and
+    /// Vega have only the first ResBlock).
+    pub middle_transformer: bool,
+    /// Width of the ADM vector of the class-embedding path (SDXL: 2816); `None` without one.
+    pub adm_in_channels: Option<i64>,
     /// Width of the text context (768 for CLIP ViT-L, 1024 for OpenCLIP ViT-H).
     pub context_dim: i64,
     /// Linear `proj_in`/`proj_out` in the transformers instead of 1x1 convolutions.
@@ -81,7 +97,10 @@ impl UNetConfig {
             num_res_blocks: 2,
             attention_resolutions: vec![4, 2, 1],
             heads: Heads::Count(8),
-            transformer_depth: 1,
+            transformer_depth: vec![1; 4],
+            depth_overrides: Default::default(),
+            middle_transformer: true,
+            adm_in_channels: None,
             context_dim: 768,
             use_linear_projection: false,
         }
@@ -90,6 +109,22 @@ impl UNetConfig {
     /// SD 2.x (v2-inference[-v].yaml; SD-Turbo too): head width 64, context 1024, linear projections.
     pub fn sd21() -> Self {
         UNetConfig { heads: Heads::Width(64), context_dim: 1024, use_linear_projection: true, ..UNetConfig::sd15() }
+    }
+
+    /// SDXL base (sd_xl_base.yaml; SDXL-Turbo too): mult [1, 2, 4], attention at the last two
+    /// levels with depths 2 and 10 (10 in the middle), head width 64, context 2048, linear
+    /// projections, ADM input 2816.
+    pub fn sdxl() -> Self {
+        UNetConfig {
+            channel_mult: vec![1, 2, 4],
+            attention_resolutions: vec![4, 2],
+            transformer_depth: vec![1, 2, 10],
+            heads: Heads::Width(64),
+            context_dim: 2048,
+            use_linear_projection: true,
+            adm_in_channels: Some(2816),
+            ..UNetConfig::sd15()
+        }
     }
 
     /// This config with the widths a file's tensors show, as the reference detects them:
@@ -111,6 +146,27 @@ impl UNetConfig {
         }
         if let Some(ne) = get("out.2.weight").filter(|ne| ne.len() == 4) {
             self.out_channels = ne[3] as i64;
+        }
+        if let Some(ne) = get("label_emb.0.0.weight").filter(|ne| ne.len() == 2) {
+            self.adm_in_channels = Some(ne[0] as i64);
+            self.time_embed_dim = ne[1] as i64;
+        }
+        // Block depths as the file has them (distilled models drop transformer blocks).
+        if get("middle_block.0.in_layers.0.weight").is_some() {
+            self.middle_transformer = get("middle_block.1.norm.weight").is_some();
+        }
+        let depth_in_file = |rel: &str| {
+            (0..).take_while(|k| get(&format!("{rel}.transformer_blocks.{k}.attn1.to_q.weight")).is_some()).count()
+        };
+        for block in layout(&self).blocks() {
+            for (p, l) in &block.layers {
+                let Layer::Transformer(t) = l else { continue };
+                let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap_or(p).to_string();
+                let d = depth_in_file(&rel);
+                if d > 0 && d != t.depth {
+                    self.depth_overrides.insert(rel, d);
+                }
+            }
         }
         let layout = layout(&self);
         let first_transformer = layout
@@ -134,10 +190,18 @@ impl UNetConfig {
     /// Checks the hyper-parameters; the error names the offending field.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
-        if self.channel_mult.is_empty() || self.num_res_blocks == 0 || self.transformer_depth == 0 {
+        if self.channel_mult.is_empty()
+            || self.num_res_blocks == 0
+            || self.transformer_depth.len() != self.channel_mult.len()
+            || self.transformer_depth.contains(&0)
+            || self.depth_overrides.values().any(|&d| d == 0)
+        {
             return bad(format!(
-                "channel_mult, num_res_blocks and transformer_depth must be non-empty / non-zero: {self:?}"
+                "channel_mult and num_res_blocks must be non-empty / non-zero, and transformer_depth                  must give every level a non-zero depth: {self:?}"
             ));
+        }
+        if self.adm_in_channels.is_some_and(|a| a <= 0) {
+            return bad(format!("adm_in_channels must be positive: {self:?}"));
         }
         if self.in_channels <= 0 || self.out_channels <= 0 || self.context_dim <= 0 || self.time_embed_dim <= 0 {
             return bad(format!("in/out channels, context_dim and time_embed_dim must be positive: {self:?}"));
@@ -180,11 +244,13 @@ impl UNetConfig {
         1 << (self.channel_mult.len().saturating_sub(1))
     }
 
-    fn transformer(&self, ch: i64) -> TransformerShape {
+    /// The SpatialTransformer `rel` (its name under [`PREFIX`]) of `ch` channels at `level`.
+    fn transformer(&self, rel: &str, level: usize, ch: i64) -> TransformerShape {
+        let level_depth = self.transformer_depth.get(level).or(self.transformer_depth.last()).copied().unwrap_or(1);
         TransformerShape {
             channels: ch,
             n_head: self.n_head(ch),
-            depth: self.transformer_depth,
+            depth: self.depth_overrides.get(rel).copied().unwrap_or(level_depth),
             context_dim: self.context_dim,
             linear_proj: self.use_linear_projection,
         }
@@ -257,7 +323,8 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
             let mut layers = vec![(name(format!("input_blocks.{idx}.0")), Layer::Res { inp: ch, out })];
             ch = out;
             if cfg.attention_resolutions.contains(&ds) {
-                layers.push((name(format!("input_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
+                let rel = format!("input_blocks.{idx}.1");
+                layers.push((name(rel.clone()), Layer::Transformer(cfg.transformer(&rel, level, ch))));
             }
             input.push(Block { name: format!("input_blocks.{idx}"), layers });
             skip_chans.push(ch);
@@ -273,14 +340,13 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
         }
     }
 
-    let middle = Block {
-        name: "middle_block".into(),
-        layers: vec![
-            (name("middle_block.0".into()), Layer::Res { inp: ch, out: ch }),
-            (name("middle_block.1".into()), Layer::Transformer(cfg.transformer(ch))),
-            (name("middle_block.2".into()), Layer::Res { inp: ch, out: ch }),
-        ],
-    };
+    let mut middle_layers = vec![(name("middle_block.0".into()), Layer::Res { inp: ch, out: ch })];
+    if cfg.middle_transformer {
+        let t = cfg.transformer("middle_block.1", levels - 1, ch);
+        middle_layers.push((name("middle_block.1".into()), Layer::Transformer(t)));
+        middle_layers.push((name("middle_block.2".into()), Layer::Res { inp: ch, out: ch }));
+    }
+    let middle = Block { name: "middle_block".into(), layers: middle_layers };
 
     let mut output = Vec::new();
     let mut idx = 0;
@@ -292,7 +358,8 @@ pub fn layout(cfg: &UNetConfig) -> Layout {
             ch = out;
             let mut sub = 1;
             if cfg.attention_resolutions.contains(&ds) {
-                layers.push((name(format!("output_blocks.{idx}.1")), Layer::Transformer(cfg.transformer(ch))));
+                let rel = format!("output_blocks.{idx}.1");
+                layers.push((name(rel.clone()), Layer::Transformer(cfg.transformer(&rel, level, ch))));
                 sub = 2;
             }
             if level > 0 && j == cfg.num_res_blocks {
@@ -325,6 +392,10 @@ pub fn unet_specs(
     let (mc, temb) = (cfg.model_channels, cfg.time_embed_dim);
     s.linear(&format!("{PREFIX}.time_embed.0"), mc, temb, true);
     s.linear(&format!("{PREFIX}.time_embed.2"), temb, temb, true);
+    if let Some(adm) = cfg.adm_in_channels {
+        s.linear(&format!("{PREFIX}.label_emb.0.0"), adm, temb, true);
+        s.linear(&format!("{PREFIX}.label_emb.0.2"), temb, temb, true);
+    }
     for block in layout(cfg).blocks() {
         for (p, layer) in &block.layers {
             match layer {
@@ -397,7 +468,7 @@ pub fn forward<'g>(
     flash_attn: bool,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    forward_with(g, w, cfg, x, timesteps, context, AttnKernel::from_flag(flash_attn), cuts)
+    forward_with(g, w, cfg, x, timesteps, context, None, AttnKernel::from_flag(flash_attn), cuts)
 }
 
 /// [`forward`] with an explicit attention kernel choice.
@@ -409,10 +480,23 @@ fn forward_with<'g>(
     x: Tensor<'g>,
     timesteps: Tensor<'g>,
     context: Tensor<'g>,
+    y: Option<Tensor<'g>>,
     kernel: AttnKernel,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
     check_shapes(cfg, x.shape(), timesteps.shape(), context.shape())?;
+    match (cfg.adm_in_channels, y.map(|y| y.shape())) {
+        (None, None) => {}
+        (Some(adm), Some([a, b, 1, 1])) if a == adm && b == x.shape()[3] => {}
+        (adm, shape) => {
+            return Err(DiffusionError::Input {
+                model: MODEL,
+                reason: format!(
+                    "the ADM vector {shape:?} does not fit the model's class embedding (width {adm:?}, one per sample)"
+                ),
+            })
+        }
+    }
     let [_, _, _, n] = x.shape();
     let [cd, lc, cn, _] = context.shape();
     // A context shared by the whole batch is repeated per sample, as the reference does.
@@ -422,6 +506,13 @@ fn forward_with<'g>(
     let mut emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.0"), t_emb, true)?;
     emb = g.silu(emb);
     emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.2"), emb, true)?; // [temb, N]
+    if let Some(y) = y {
+        // SDXL's class embedding of the ADM vector, added to the timestep embedding.
+        let mut label = blocks::linear(g, w, &format!("{PREFIX}.label_emb.0.0"), y, true)?;
+        label = g.silu(label);
+        label = blocks::linear(g, w, &format!("{PREFIX}.label_emb.0.2"), label, true)?;
+        emb = g.add(emb, label);
+    }
     cuts.push(("time_embed".into(), emb));
 
     let layout = layout(cfg);
@@ -556,6 +647,23 @@ impl UNetModel {
         n_ctx_tokens: usize,
         batch: usize,
     ) -> Result<Vec<f32>> {
+        self.eval_adm(runner, x, (w, h), timesteps, context, n_ctx_tokens, batch, &[])
+    }
+
+    /// [`eval`](Self::eval) with the ADM vectors (`adm_in_channels` values per sample) of a
+    /// model with a class embedding (SDXL); empty for one without.
+    #[allow(clippy::too_many_arguments)]
+    pub fn eval_adm(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        context: &[f32],
+        n_ctx_tokens: usize,
+        batch: usize,
+        y: &[f32],
+    ) -> Result<Vec<f32>> {
         let _span = tracing::trace_span!("unet", w, h, batch, n_ctx_tokens).entered();
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
         let cin = self.cfg.in_channels as usize;
@@ -580,6 +688,10 @@ impl UNetModel {
                 context.len()
             ));
         }
+        let adm = self.cfg.adm_in_channels.unwrap_or(0) as usize;
+        if y.len() != adm * batch {
+            return bad(format!("ADM vector has {} values, the model takes {adm} per sample x {batch}", y.len()));
+        }
 
         let kernel = if self.flash_attn {
             AttnKernel::FlashWhereSupported(runner.backend().device())
@@ -588,12 +700,12 @@ impl UNetModel {
         };
         let m = runner.micro_batches(batch);
         if m > 1 {
-            let inputs = EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch };
+            let inputs = EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch, y };
             return self.eval_pipelined(runner, m, &inputs, kernel);
         }
         let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
         let (ins, out, cuts) = self.graph(&g, (w, h), batch, ctx_batch, n_ctx_tokens, kernel)?;
-        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || ins.set(x, timesteps, context))?;
+        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || ins.set(x, timesteps, context, y))?;
         Ok(out.get_f32()?)
     }
 
@@ -614,11 +726,12 @@ impl UNetModel {
         let tx = g.new_f32(&[w as i64, h as i64, cin, batch as i64]).set_name("x").set_input();
         let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
         let tc = g.new_f32(&[cd, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
+        let ty = self.cfg.adm_in_channels.map(|adm| g.new_f32(&[adm, batch as i64]).set_name("y").set_input());
         let mut cuts = Vec::new();
-        let out = forward_with(g, &self.weights, &self.cfg, tx, tt, tc, kernel, &mut cuts)?.set_output();
+        let out = forward_with(g, &self.weights, &self.cfg, tx, tt, tc, ty, kernel, &mut cuts)?.set_output();
         // The last cut is the output itself.
         cuts.pop();
-        Ok((Inputs { x: tx, t: tt, context: tc }, out, cuts))
+        Ok((Inputs { x: tx, t: tt, context: tc, y: ty }, out, cuts))
     }
 
     /// [`eval`](Self::eval) as `m` micro-batches of consecutive samples, which a split runner
@@ -630,7 +743,8 @@ impl UNetModel {
         e: &EvalInputs<'_>,
         kernel: AttnKernel,
     ) -> Result<Vec<f32>> {
-        let EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch } = *e;
+        let EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch, y } = *e;
+        let per_y = y.len() / batch;
         let per_x = x.len() / batch;
         let per_ctx = n_ctx_tokens * self.cfg.context_dim as usize;
         let shared_ctx = context.len() == per_ctx;
@@ -656,7 +770,7 @@ impl UNetModel {
         runner.run_batches(&self.weights, &jobs, &mut || {
             for ((ins, _, _), &(a, b)) in parts.iter().zip(&bounds) {
                 let ctx = if shared_ctx { context } else { &context[a * per_ctx..b * per_ctx] };
-                ins.set(&x[a * per_x..b * per_x], &timesteps[a..b], ctx)?;
+                ins.set(&x[a * per_x..b * per_x], &timesteps[a..b], ctx, &y[a * per_y..b * per_y])?;
             }
             Ok(())
         })?;
@@ -677,6 +791,7 @@ struct EvalInputs<'a> {
     context: &'a [f32],
     n_ctx_tokens: usize,
     batch: usize,
+    y: &'a [f32],
 }
 
 /// The input tensors of one UNet graph.
@@ -684,13 +799,18 @@ struct Inputs<'g> {
     x: Tensor<'g>,
     t: Tensor<'g>,
     context: Tensor<'g>,
+    /// The ADM vectors of a model with a class embedding.
+    y: Option<Tensor<'g>>,
 }
 
 impl Inputs<'_> {
-    fn set(&self, x: &[f32], t: &[f32], context: &[f32]) -> std::result::Result<(), sd_sched::SchedError> {
+    fn set(&self, x: &[f32], t: &[f32], context: &[f32], y: &[f32]) -> std::result::Result<(), sd_sched::SchedError> {
         self.x.set_f32(x)?;
         self.t.set_f32(t)?;
         self.context.set_f32(context)?;
+        if let Some(ty) = self.y {
+            ty.set_f32(y)?;
+        }
         Ok(())
     }
 }

@@ -160,6 +160,7 @@ impl DiffusionModel for UNetModel {
             joined = cond.iter().flat_map(|c| c.data.iter().copied()).collect();
             &joined
         };
-        Ok(UNetModel::eval(self, runner, x, dims, timesteps, context, first.n_tokens, cond.len())?)
+        let y: Vec<f32> = cond.iter().flat_map(|c| c.vector.iter().copied()).collect();
+        Ok(self.eval_adm(runner, x, dims, timesteps, context, first.n_tokens, cond.len(), &y)?)
     }
 }

@@ -270,6 +270,23 @@ pub fn spatial_transformer<'g>(
     t: &TransformerShape,
     kernel: AttnKernel,
 ) -> Result<Tensor<'g>> {
+    spatial_transformer_cut(g, w, p, x, context, t, kernel, None)
+}
+
+/// [`spatial_transformer`] that pushes a graph cut `(name, tokens)` after each of its
+/// transformer blocks but the last, named `<name>.transformer_blocks.K` after `cut_name`,
+/// so that a deep stack (SDXL's depth 10) can run in segments of one block each.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn spatial_transformer_cut<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    x: Tensor<'g>,
+    context: Tensor<'g>,
+    t: &TransformerShape,
+    kernel: AttnKernel,
+    mut cuts: Option<(&str, &mut Vec<(String, Tensor<'g>)>)>,
+) -> Result<Tensor<'g>> {
     let [wd, ht, c, n] = x.shape();
     // [W, H, C, N] -> [C, W*H, N]: token index = x + W * y.
     let to_tokens = |h: Tensor<'g>| g.reshape(g.cont(g.permute(h, [1, 2, 0, 3])), &[c, wd * ht, n]);
@@ -283,6 +300,11 @@ pub fn spatial_transformer<'g>(
     };
     for d in 0..t.depth {
         h = transformer_block(g, w, &format!("{p}.transformer_blocks.{d}"), h, context, t.n_head, kernel)?;
+        if let Some((name, cuts)) = cuts.as_mut() {
+            if d + 1 < t.depth {
+                cuts.push((format!("{name}.transformer_blocks.{d}"), h));
+            }
+        }
     }
     h = if t.linear_proj {
         from_tokens(linear(g, w, &format!("{p}.proj_out"), h, true)?)

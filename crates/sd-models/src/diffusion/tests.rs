@@ -970,6 +970,51 @@ fn depths_come_from_the_file_names() {
 }
 
 #[test]
+fn deep_transformer_stacks_are_cut_per_block_and_staged_per_block() {
+    // Depth 2 at the second level: one cut inside each of its transformers, and the second
+    // transformer block is a parameter group of its own (SD's depth-1 stacks are unchanged).
+    let cfg = tiny_sdxl(true);
+    let g = Context::for_graph(unet::GRAPH_SIZE, unet::GRAPH_SIZE).unwrap();
+    let names: Vec<String> = unet::layout(&cfg)
+        .blocks()
+        .flat_map(|b| b.layers.iter())
+        .filter_map(|(p, l)| match l {
+            unet::Layer::Transformer(t) if t.depth > 1 => {
+                Some(p.strip_prefix("model.diffusion_model.").unwrap().to_string())
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(!names.is_empty());
+    let x = g.new_f32(&[4, 4, 4, 1]);
+    let t = g.new_f32(&[1]);
+    let c = g.new_f32(&[24, 3, 1]);
+    let y = g.new_f32(&[10, 1]);
+    let (w2, _) = make_weights(unet::unet_specs(&cfg, &f16_file, None));
+    let mut cuts = Vec::new();
+    unet::forward_adm(&g, &w2, &cfg, x, t, c, y, false, &mut cuts).unwrap();
+    let cut_names: Vec<&str> = cuts.iter().map(|(n, _)| n.as_str()).collect();
+    for n in &names {
+        let inner = format!("{n}.transformer_blocks.0");
+        let at =
+            cut_names.iter().position(|c| *c == inner).unwrap_or_else(|| panic!("no cut {inner} in {cut_names:?}"));
+        // ... and it comes before the cut closing its block.
+        let block: String = n.rsplit_once('.').unwrap().0.to_string();
+        assert!(cut_names[at + 1..].contains(&block.as_str()), "{inner} after {block}");
+        assert_eq!(
+            unet::group_of(&format!("model.diffusion_model.{n}.transformer_blocks.1.attn1.to_q.weight")),
+            format!("{n}.transformer_blocks.1")
+        );
+        assert_eq!(unet::group_of(&format!("model.diffusion_model.{n}.transformer_blocks.0.attn1.to_q.weight")), block);
+        assert_eq!(unet::group_of(&format!("model.diffusion_model.{n}.proj_out.weight")), block);
+    }
+    assert!(
+        !cut_names.iter().any(|c| c.ends_with(".transformer_blocks.1")),
+        "no cut after the last block: {cut_names:?}"
+    );
+}
+
+#[test]
 fn graph_cuts_name_every_block_in_order() {
     let cfg = tiny(false);
     let (w, _) = make_weights(unet::unet_specs(&cfg, &f16_file, None));

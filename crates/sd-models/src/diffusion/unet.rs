@@ -471,6 +471,22 @@ pub fn forward<'g>(
     forward_with(g, w, cfg, x, timesteps, context, None, AttnKernel::from_flag(flash_attn), cuts)
 }
 
+/// [`forward`] for a model with a class embedding (SDXL): `y` is the ADM vector [adm, N].
+#[allow(clippy::too_many_arguments)]
+pub fn forward_adm<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &UNetConfig,
+    x: Tensor<'g>,
+    timesteps: Tensor<'g>,
+    context: Tensor<'g>,
+    y: Tensor<'g>,
+    flash_attn: bool,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
+    forward_with(g, w, cfg, x, timesteps, context, Some(y), AttnKernel::from_flag(flash_attn), cuts)
+}
+
 /// [`forward`] with an explicit attention kernel choice.
 #[allow(clippy::too_many_arguments)]
 fn forward_with<'g>(
@@ -516,12 +532,15 @@ fn forward_with<'g>(
     cuts.push(("time_embed".into(), emb));
 
     let layout = layout(cfg);
-    let run_block = |block: &Block, mut h: Tensor<'g>| -> Result<Tensor<'g>> {
+    let run_block = |block: &Block, mut h: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>| -> Result<Tensor<'g>> {
         for (p, layer) in &block.layers {
             h = match layer {
                 Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
                 Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
-                Layer::Transformer(t) => blocks::spatial_transformer(g, w, p, h, context, t, kernel)?,
+                Layer::Transformer(t) => {
+                    let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap_or(p);
+                    blocks::spatial_transformer_cut(g, w, p, h, context, t, kernel, Some((rel, &mut *cuts)))?
+                }
                 Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
                 Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
             };
@@ -532,16 +551,16 @@ fn forward_with<'g>(
     let mut skips = Vec::with_capacity(layout.input.len());
     let mut h = x;
     for block in &layout.input {
-        h = run_block(block, h)?;
+        h = run_block(block, h, cuts)?;
         cuts.push((block.name.clone(), h));
         skips.push(h);
     }
-    h = run_block(&layout.middle, h)?;
+    h = run_block(&layout.middle, h, cuts)?;
     cuts.push((layout.middle.name.clone(), h));
     for block in &layout.output {
         let skip = skips.pop().expect("the layout has one skip per output block");
         h = g.concat(h, skip, 2);
-        h = run_block(block, h)?;
+        h = run_block(block, h, cuts)?;
         cuts.push((block.name.clone(), h));
     }
 
@@ -589,8 +608,19 @@ fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Resu
 /// The parameter group (block) of an internal UNet tensor name, for staging: `time_embed`,
 /// `input_blocks.N`, `middle_block`, `output_blocks.N` or `out` (the order the graph uses
 /// them), matching the cut markers of [`forward`].
+///
+/// A transformer block after the first of a SpatialTransformer (`...transformer_blocks.K`,
+/// K >= 1: only deep stacks such as SDXL's have them) is a group of its own, read by the
+/// segment its cut closes, so that a deep stack stages one transformer block at a time.
 pub fn group_of(name: &str) -> String {
     let rest = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('.')).unwrap_or(name);
+    if let Some(i) = rest.find(".transformer_blocks.") {
+        let after = &rest[i + ".transformer_blocks.".len()..];
+        let k = after.split('.').next().unwrap_or("");
+        if k.parse::<usize>().is_ok_and(|k| k >= 1) {
+            return rest[..i + ".transformer_blocks.".len() + k.len()].to_string();
+        }
+    }
     let mut parts = rest.split('.');
     match (parts.next(), parts.next()) {
         (Some(b @ ("input_blocks" | "output_blocks")), Some(i)) => format!("{b}.{i}"),

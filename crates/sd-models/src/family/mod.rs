@@ -13,6 +13,7 @@
 //! SD 1.x and 2.x are [`sd`].
 
 pub mod sd;
+pub mod sdxl;
 
 use std::fmt::Debug;
 

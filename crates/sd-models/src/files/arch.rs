@@ -69,7 +69,7 @@ const PREDICTION_KEYS: &[&str] =
 
 /// The prediction type the files declare: a metadata key of [`PREDICTION_KEYS`], or a
 /// `v_pred` marker tensor (the convention sd.cpp reads for SDXL v-pred files).
-fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
+pub(crate) fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
     for &key in PREDICTION_KEYS {
         let Some((file, value)) = index.metadata(key) else { continue };
         let Some(s) = value.as_str() else {
@@ -172,6 +172,8 @@ pub mod sd {
         "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
     /// The UNet's input convolution, `[320, in_channels, 3, 3]`.
     pub(super) const UNET_CONV_IN: &str = "model.diffusion_model.input_blocks.0.0.weight";
+    /// The UNet's class embedding of the ADM vector (SDXL), `[time_embed_dim, adm]`.
+    pub(crate) const LABEL_EMB: &str = "model.diffusion_model.label_emb.0.0.weight";
     /// The first cross-attention key projection, `[320, context_dim]`.
     pub(super) const UNET_CROSS_ATTN_K: &str =
         "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight";
@@ -190,6 +192,10 @@ pub mod sd {
             return None;
         }
         if index.with_prefix("cond_stage_model.1.").any(|_| true) {
+            return None;
+        }
+        // A class embedding (label_emb) is SDXL's (or another ADM model's), not SD 1.x/2.x.
+        if index.get(LABEL_EMB).is_some() {
             return None;
         }
         let from_te = index.get(TOKEN_EMBEDDING).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));

@@ -131,11 +131,11 @@ impl SampleMethod {
         }
     }
 
-    /// The reference's default method for a model: `euler_a` for the UNet models (SD 1.x/2.x;
+    /// The reference's default method for a model: `euler_a` for the UNet models (SD 1.x/2.x, SDXL;
     /// the reference picks `euler` for DiT and `lcm` for PID models, which are not run here).
     pub fn default_for(model: ModelVersion) -> SampleMethod {
         match model {
-            ModelVersion::Sd1 | ModelVersion::Sd2 => SampleMethod::EulerA,
+            ModelVersion::Sd1 | ModelVersion::Sd2 | ModelVersion::Sdxl => SampleMethod::EulerA,
         }
     }
 

@@ -166,6 +166,8 @@ pub enum ModelVersion {
     Sd1,
     /// Stable Diffusion 2.x.
     Sd2,
+    /// Stable Diffusion XL (and its distilled UNets).
+    Sdxl,
 }
 
 /// What a scheduler may depend on besides the step count and the noise schedule.
@@ -274,6 +276,7 @@ impl Scheduler {
             Scheduler::Exponential => exponential(n, schedule.sigma_min(), schedule.sigma_max()),
             Scheduler::Ays => match ctx.model {
                 ModelVersion::Sd1 => ays(n, &AYS_SD15),
+                ModelVersion::Sdxl => ays(n, &AYS_SDXL),
                 ModelVersion::Sd2 => {
                     return Err(unsupported("Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not SD 2.x"))
                 }
@@ -665,6 +668,22 @@ const AYS_SD15: [f32; 11] = [
     0.6523686016,
     0.3977456272,
     0.1515232662,
+    0.0291671582,
+];
+
+/// Align Your Steps' 10-step noise levels for SDXL (NVIDIA's published table).
+#[allow(clippy::excessive_precision)]
+const AYS_SDXL: [f32; 11] = [
+    14.6146412293,
+    6.3184485287,
+    3.7681790315,
+    2.1811480769,
+    1.3405244945,
+    0.8620721141,
+    0.5550693289,
+    0.3798540708,
+    0.2332364134,
+    0.1114188177,
     0.0291671582,
 ];
 

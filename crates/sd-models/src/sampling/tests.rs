@@ -316,6 +316,22 @@ fn schedulers_match_reference() {
 }
 
 #[test]
+fn ays_uses_the_sdxl_noise_levels_for_sdxl() {
+    // At 10 steps AYS is its table with the last level set to 0 (NVIDIA's SDXL table).
+    let s = DiscreteSchedule::sd();
+    let xl = ScheduleContext { model: ModelVersion::Sdxl, image_seq_len: 64 };
+    let sig = Scheduler::Ays.sigmas_for(10, &s, &xl).unwrap();
+    assert_eq!(sig.len(), 11);
+    assert_eq!((sig[1], sig[9], sig[10]), (6.3184485287, 0.1114188177, 0.0));
+    let sd1 = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: 64 };
+    assert_ne!(Scheduler::Ays.sigmas_for(10, &s, &sd1).unwrap()[1], sig[1]);
+    // Other step counts interpolate the same table: descending to 0 from its first level.
+    let sig = Scheduler::Ays.sigmas_for(4, &s, &xl).unwrap();
+    assert_eq!(sig.len(), 5);
+    assert!(sig.windows(2).all(|w| w[0] > w[1]) && (sig[0] - 14.614641).abs() < 1e-4 && sig[4] == 0.0, "{sig:?}");
+}
+
+#[test]
 fn every_schedule_descends_to_zero() {
     let s = DiscreteSchedule::sd();
     for sched in Scheduler::ALL {
@@ -868,6 +884,7 @@ fn names_round_trip_and_match_the_reference_cli() {
     assert_eq!(SampleMethod::DdimTrailing.default_scheduler(), Scheduler::Simple);
     assert_eq!(SampleMethod::default_for(ModelVersion::Sd1), SampleMethod::EulerA);
     assert_eq!(SampleMethod::default_for(ModelVersion::Sd2), SampleMethod::EulerA);
+    assert_eq!(SampleMethod::default_for(ModelVersion::Sdxl), SampleMethod::EulerA);
     let eta_one: Vec<SampleMethod> = SampleMethod::ALL.into_iter().filter(|m| m.default_eta() == 1.0).collect();
     assert_eq!(eta_one, [SampleMethod::EulerA, SampleMethod::DpmPp2sA, SampleMethod::ErSde, SampleMethod::EulerACfgPp]);
 }

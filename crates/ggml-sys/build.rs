@@ -11,9 +11,11 @@
 //!    concurrent builds of that directory; a cache key per library skips work
 //!    already done.
 //!    The RPC module is compiled from a copy of its directory with
-//!    `patches/rpc-faults.toml` applied (`build/patch.rs`: exact find/replace hunks,
-//!    each anchor required exactly once, so a moved pin stops the build with the
-//!    hunk's name instead of compiling a half-patched file).
+//!    `patches/rpc-faults.toml` applied, and every CPU variant from a copy of
+//!    `src/ggml-cpu` with `patches/cpu-speed.toml` applied (`build/patch.rs`: exact
+//!    find/replace hunks, each anchor required exactly once, so a moved pin stops the
+//!    build with the hunk's name instead of compiling a half-patched file; the patch's
+//!    hash is part of the cache key of the libraries built from it).
 //! 3. The bindings are committed (`src/bindings.rs`, made by `cargo xtask
 //!    bindings`, which needs libclang); this script only hashes the headers they
 //!    came from, so a test can tell when they are stale.
@@ -65,10 +67,11 @@ fn run() -> Result<(), String> {
     let workspace = manifest_dir.parent().and_then(Path::parent).ok_or("cannot find the workspace root")?.to_path_buf();
     let pin_path = manifest_dir.join("ggml-source.toml");
     let rpc_patch = manifest_dir.join("patches/rpc-faults.toml");
+    let cpu_patch = manifest_dir.join("patches/cpu-speed.toml");
     let spec_path = manifest_dir.join("ggml-build.toml");
     let cpu_path = workspace.join("plugins/cpu/plugin.toml");
     let manifest_rs = workspace.join("plugins/manifest.rs");
-    for p in [&pin_path, &spec_path, &cpu_path, &rpc_patch, &manifest_rs] {
+    for p in [&pin_path, &spec_path, &cpu_path, &rpc_patch, &cpu_patch, &manifest_rs] {
         println!("cargo:rerun-if-changed={}", p.display());
     }
     println!("cargo:rerun-if-changed=build.rs");
@@ -128,8 +131,16 @@ fn run() -> Result<(), String> {
     let tc = compile::Toolchain::detect(&out_dir)?;
     // The RPC module is compiled from a patched copy (patches/rpc-faults.toml: deadlines,
     // no abort on a lost server, no assert on a malformed message).
-    let rpc_dir = patch::apply(&rpc_patch, &ggml_src.join("src/ggml-rpc"), &cc_root.join("patched/ggml-rpc"))?;
-    let rpc_key = format!("{:x}", Sha256::digest(fs::read(&rpc_patch).map_err(|e| e.to_string())?));
+    // Every CPU variant is compiled from a patched copy of src/ggml-cpu (patches/cpu-speed.toml:
+    // kernels that write the same bytes faster).
+    let patched = |prefix: &'static str, patch_file: &Path| -> Result<compile::PatchedDir, String> {
+        let name = Path::new(prefix).file_name().ok_or("bad patched directory")?;
+        let dir = patch::apply(patch_file, &ggml_src.join(prefix), &cc_root.join("patched").join(name))?;
+        let text = fs::read(patch_file).map_err(|e| format!("{}: {e}", patch_file.display()))?;
+        Ok(compile::PatchedDir { prefix, dir, key: format!("{:x}", Sha256::digest(text)) })
+    };
+    let rpc = patched("src/ggml-rpc", &rpc_patch)?;
+    let cpu = patched("src/ggml-cpu", &cpu_patch)?;
     let libs = compile::plan(
         &spec,
         &tc,
@@ -138,8 +149,8 @@ fn run() -> Result<(), String> {
         &cc_root.join("obj"),
         &cpu_variants,
         &pin.ggml_version,
-        &rpc_dir,
-        &rpc_key,
+        &rpc,
+        &cpu,
     )?;
     let plugin_files: Vec<String> =
         libs.iter().map(|l| l.file.clone()).filter(|f| !f.starts_with("libggml-base")).collect();

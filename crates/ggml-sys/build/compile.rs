@@ -165,9 +165,36 @@ fn includes<'a>(src: &'a Path, list: &'a [String]) -> impl Iterator<Item = Strin
     list.iter().map(move |i| format!("-I{}", src.join(i).display()))
 }
 
+/// A directory of the pinned tree that is compiled from a patched copy.
+pub struct PatchedDir {
+    /// The directory in the tree, relative to its root (`src/ggml-cpu`).
+    pub prefix: &'static str,
+    /// Where the patched copy lies.
+    pub dir: PathBuf,
+    /// The identity of the patch (part of the cache key of every library built from it).
+    pub key: String,
+}
+
+impl PatchedDir {
+    /// `rel` (a path relative to the tree's root) in the patched copy, when it lies under
+    /// the patched directory.
+    fn map(&self, rel: &str) -> Option<PathBuf> {
+        let rest = rel.strip_prefix(self.prefix)?;
+        if rest.is_empty() {
+            return Some(self.dir.clone());
+        }
+        rest.strip_prefix('/').map(|r| self.dir.join(r))
+    }
+}
+
+/// `-I` flags for `list`, with the directories under `patched` taken from its copy.
+fn includes_patched(src: &Path, patched: &PatchedDir, list: &[String]) -> Vec<String> {
+    list.iter().map(|i| format!("-I{}", patched.map(i).unwrap_or_else(|| src.join(i)).display())).collect()
+}
+
 /// Builds the job lists of the core library, the RPC plugin and the chosen CPU variants.
-/// `rpc_sources` is the directory holding the (patched) RPC sources, `rpc_key` the
-/// identity of that patch.
+/// `rpc` and `cpu` are the patched copies of `src/ggml-rpc` and `src/ggml-cpu` (every
+/// source and include directory under them is taken from the copy).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     spec: &Spec,
@@ -177,8 +204,8 @@ pub fn plan(
     obj_root: &Path,
     cpu_variants: &[String],
     version: &str,
-    rpc_sources: &Path,
-    rpc_key: &str,
+    rpc: &PatchedDir,
+    cpu: &PatchedDir,
 ) -> Result<Vec<Library>, String> {
     let mut global: Vec<String> = defines(&spec.defines).collect();
     if tc.linux {
@@ -216,20 +243,22 @@ pub fn plan(
     backend.extend(defines(&spec.backend.defines));
     backend.extend(includes(src, &spec.backend.includes));
 
+    // a job whose source is taken from a patched copy
+    let patched_job = |p: &PatchedDir, lib: &str, file: &str, extra: &[String]| -> Result<Job, String> {
+        let mut j = job(lib, file, extra);
+        j.src = p.map(file).ok_or_else(|| format!("source `{file}` is not under {} (ggml-build.toml)", p.prefix))?;
+        Ok(j)
+    };
+
     // libggml-rpc, compiled from the patched copy of its directory
-    let mut rpc_jobs = Vec::new();
-    for s in &spec.rpc.sources {
-        let mut j = job(&spec.rpc.target, s, &backend);
-        let name = Path::new(s).file_name().ok_or_else(|| format!("bad RPC source path `{s}`"))?;
-        j.src = rpc_sources.join(name);
-        rpc_jobs.push(j);
-    }
+    let rpc_jobs =
+        spec.rpc.sources.iter().map(|s| patched_job(rpc, &spec.rpc.target, s, &backend)).collect::<Result<_, _>>()?;
     libs.push(Library {
         file: format!("lib{}.so", spec.rpc.target),
         soname: None,
         jobs: rpc_jobs,
         links_base: true,
-        extra_key: rpc_key.to_string(),
+        extra_key: rpc.key.clone(),
     });
 
     // libggml-cpu-<variant>
@@ -259,20 +288,22 @@ pub fn plan(
         extra.extend(defines(&spec.cpu.defines));
         extra.extend(omp.iter().cloned());
         extra.extend(defines(&arch_defs));
-        extra.extend(includes(src, &spec.cpu.includes));
+        extra.extend(includes_patched(src, cpu, &spec.cpu.includes));
         extra.extend(isa);
-        let mut jobs: Vec<Job> = spec.cpu.sources.iter().map(|s| job(&target, s, &extra)).collect();
+        // every source from the patched copy of src/ggml-cpu (patches/cpu-speed.toml)
+        let mut jobs: Vec<Job> =
+            spec.cpu.sources.iter().map(|s| patched_job(cpu, &target, s, &extra)).collect::<Result<_, _>>()?;
         // the feature-check object: definitions, no ISA flags
         let mut fe: Vec<String> = defines(&spec.backend.defines).collect();
         fe.extend(defines(&arch_defs));
-        fe.extend(includes(src, &spec.cpu.feats_includes));
-        jobs.push(job(&target, &spec.cpu.feats_source, &fe));
+        fe.extend(includes_patched(src, cpu, &spec.cpu.feats_includes));
+        jobs.push(patched_job(cpu, &target, &spec.cpu.feats_source, &fe)?);
         libs.push(Library {
             file: format!("lib{target}.so"),
             soname: None,
             jobs,
             links_base: true,
-            extra_key: String::new(),
+            extra_key: cpu.key.clone(),
         });
     }
     Ok(libs)

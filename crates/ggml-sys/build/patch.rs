@@ -1,5 +1,6 @@
 //! Applying a reviewed patch (`patches/*.toml`: exact find/replace hunks) to a copy of
-//! one directory of the pinned ggml source; every anchor must occur exactly once.
+//! one directory (with its subdirectories) of the pinned ggml source; every anchor must
+//! occur exactly once.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -73,35 +74,49 @@ impl Patch {
     }
 }
 
-/// Copies every file of `src_dir` into `out_dir`, applying `patch_path` to the files it
-/// lists. Files are rewritten only when their text changes.
-/// Returns the patched directory.
+/// Copies every file of `src_dir`, subdirectories included, into `out_dir`, applying
+/// `patch_path` to the files it lists (by path relative to `src_dir`, `/`-separated).
+/// Files are rewritten only when their text changes. Returns the patched directory.
 pub fn apply(patch_path: &Path, src_dir: &Path, out_dir: &Path) -> Result<PathBuf, String> {
     let label = patch_path.display().to_string();
     let text = fs::read_to_string(patch_path).map_err(|e| format!("{label}: {e}"))?;
     let patch = Patch::parse(&text).map_err(|e| format!("{label}: {e}"))?;
     patch.check_hunk_files(&label)?;
-    fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     for f in &patch.files {
         if !src_dir.join(&f.name).is_file() {
             return Err(format!("{label}: the pinned source has no {}", src_dir.join(&f.name).display()));
         }
     }
-    for entry in fs::read_dir(src_dir).map_err(|e| format!("{}: {e}", src_dir.display()))? {
-        let path = entry.map_err(|e| e.to_string())?.path();
-        if !path.is_file() {
-            continue;
-        }
-        let name = path.file_name().and_then(|n| n.to_str()).ok_or("non-UTF-8 file name")?.to_string();
-        let original = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let out = if patch.files.iter().any(|f| f.name == name) {
-            patch.apply_to(&label, &name, &original)?
-        } else {
-            original
-        };
-        let dest = out_dir.join(&name);
-        if fs::read_to_string(&dest).map(|old| old != out).unwrap_or(true) {
-            fs::write(&dest, out).map_err(|e| format!("{}: {e}", dest.display()))?;
+    let mut stack = vec![String::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = src_dir.join(&rel);
+        let dest_dir = out_dir.join(&rel);
+        fs::create_dir_all(&dest_dir).map_err(|e| format!("{}: {e}", dest_dir.display()))?;
+        for entry in fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+            let path = entry.map_err(|e| e.to_string())?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).ok_or("non-UTF-8 file name")?;
+            let name = if rel.is_empty() { name.to_string() } else { format!("{rel}/{name}") };
+            if path.is_dir() {
+                stack.push(name);
+                continue;
+            }
+            if !path.is_file() {
+                continue;
+            }
+            let dest = out_dir.join(&name);
+            if patch.files.iter().any(|f| f.name == name) {
+                let original = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+                let out = patch.apply_to(&label, &name, &original)?;
+                if fs::read_to_string(&dest).map(|old| old != out).unwrap_or(true) {
+                    fs::write(&dest, out).map_err(|e| format!("{}: {e}", dest.display()))?;
+                }
+            } else {
+                // unpatched files are copied as bytes (not every file of a tree is text)
+                let bytes = fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+                if fs::read(&dest).map(|old| old != bytes).unwrap_or(true) {
+                    fs::write(&dest, bytes).map_err(|e| format!("{}: {e}", dest.display()))?;
+                }
+            }
         }
     }
     Ok(out_dir.to_path_buf())

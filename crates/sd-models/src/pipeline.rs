@@ -553,6 +553,7 @@ impl Pipeline {
     fn load_clip(&self) -> Result<ClipTextModel> {
         let dtype = dtype_of(&self.files);
         let mut w = Weights::new(clip_specs(&self.clip, &dtype, self.opts.wtype))?;
+        w.keep_in_device_buffer(&crate::text::clip::is_gathered);
         let d = &self.opts.devices;
         self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &block_group)?;
         Ok(ClipTextModel::new(self.clip.clone(), w)?)

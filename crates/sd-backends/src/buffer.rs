@@ -201,14 +201,13 @@ impl BufferType {
         }
         // SAFETY: `w` is a metadata-only tensor of `ctx` that nothing else sees; its buffer
         // field is set for the support question and cleared before the placeholder is freed.
-        let ok = unsafe {
+        unsafe {
             (*w.as_raw()).buffer = dummy;
             let ok = sys::ggml_backend_dev_supports_op(device.as_raw(), op.as_raw());
             (*w.as_raw()).buffer = std::ptr::null_mut();
             sys::ggml_backend_buffer_free(dummy);
             ok
-        };
-        ok
+        }
     }
 }
 

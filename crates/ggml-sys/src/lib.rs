@@ -34,6 +34,10 @@ pub type BackendInitFn = unsafe extern "C" fn() -> ggml_backend_reg_t;
 pub type BackendScoreFn = unsafe extern "C" fn() -> c_int;
 /// `ggml_backend_set_n_threads` (ggml-cpu.h), reached through get_proc_address.
 pub type SetNThreadsFn = unsafe extern "C" fn(backend: ggml_backend_t, n_threads: c_int);
+/// `ggml_backend_dev_get_extra_bufts` (ggml-backend.h's `ggml_backend_dev_get_extra_bufts_t`):
+/// the device's extra buffer types for weights (the CPU's AMX and repacked layouts), as an
+/// array ending with a null entry that the plugin owns.
+pub type DevGetExtraBuftsFn = unsafe extern "C" fn(device: ggml_backend_dev_t) -> *mut ggml_backend_buffer_type_t;
 /// `ggml_backend_rpc_add_server` (ggml-rpc.h).
 pub type RpcAddServerFn = unsafe extern "C" fn(endpoint: *const c_char) -> ggml_backend_reg_t;
 /// `ggml_backend_rpc_start_server` (ggml-rpc.h). Blocks forever.

@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use ggml_sys as sys;
 
-use crate::device::Device;
+use crate::buffer::BufferType;
+use crate::device::{Device, DeviceKind};
 use crate::error::{BackendError, Result};
 use crate::graph::Graph;
 
@@ -19,6 +20,8 @@ use crate::graph::Graph;
 pub struct Backend {
     raw: sys::ggml_backend_t,
     device: Device,
+    /// Extra buffer types weights computed here may be stored in (none unless asked for).
+    weight_bufts: Vec<BufferType>,
     /// ggml backends are not re-entrant: one graph at a time.
     lock: Mutex<()>,
 }
@@ -43,7 +46,23 @@ impl Backend {
         if raw.is_null() {
             return Err(BackendError::BackendInit(device.name()));
         }
-        Ok(Self { raw, device, lock: Mutex::new(()) })
+        Ok(Self { raw, device, weight_bufts: Vec::new(), lock: Mutex::new(()) })
+    }
+
+    /// With `on`, weights computed on this backend may be stored in the device's extra buffer
+    /// types ([`Device::extra_buffer_types`]) where one takes them; only CPU devices are
+    /// asked (a GPU plugin's extra types, such as CUDA's split buffer, are not weight homes
+    /// of this kind). Without it (and by default) every weight is in the device's buffer type.
+    pub fn with_extra_buffer_types(mut self, on: bool) -> Self {
+        self.weight_bufts =
+            if on && self.device.kind() == DeviceKind::Cpu { self.device.extra_buffer_types() } else { Vec::new() };
+        self
+    }
+
+    /// The extra buffer types weights computed here may be stored in, in order of preference
+    /// (empty: the device's own buffer type only).
+    pub fn weight_buffer_types(&self) -> &[BufferType] {
+        &self.weight_bufts
     }
 
     /// The raw handle.
@@ -72,6 +91,7 @@ impl Backend {
 
     /// Runs a graph whose tensors are all allocated, and waits for it.
     pub fn compute(&self, graph: &Graph<'_>) -> Result<()> {
+        crate::buffer::check_extra_uses(self.device, graph)?;
         let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: live backend and graph; the graph's tensors are allocated (caller contract
         // of every allocator in this crate).
@@ -113,18 +133,48 @@ pub fn usable_threads(requested: usize) -> usize {
     requested.clamp(1, cap)
 }
 
+/// The environment variable that switches the CPU's extra weight buffer types
+/// (`on`/`off`, `1`/`0`; unset: on) for managers that are not told otherwise.
+pub const CPU_EXTRA_BUFTS_ENV: &str = "SD_CPU_EXTRA_BUFTS";
+
+/// Whether [`CPU_EXTRA_BUFTS_ENV`] leaves the CPU's extra buffer types on (the default), or
+/// the value it holds when it is not one of the accepted words.
+pub fn cpu_extra_bufts_from_env() -> std::result::Result<bool, String> {
+    match std::env::var(CPU_EXTRA_BUFTS_ENV) {
+        Err(_) => Ok(true),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "on" | "1" | "true" => Ok(true),
+            "off" | "0" | "false" => Ok(false),
+            _ => Err(v),
+        },
+    }
+}
+
 /// One shared backend instance per device name.
 #[derive(Debug, Default)]
 pub struct BackendManager {
     cache: Mutex<HashMap<String, Arc<Backend>>>,
     threads: Option<usize>,
+    cpu_extra_bufts: bool,
 }
 
 impl BackendManager {
     /// A manager that sets `threads` on every CPU-like backend it creates (through
-    /// [`usable_threads`]: at most the machine's hardware threads).
+    /// [`usable_threads`]: at most the machine's hardware threads), with the CPU's extra
+    /// weight buffer types as [`CPU_EXTRA_BUFTS_ENV`] says (on when it is unset or unreadable).
     pub fn new(threads: Option<usize>) -> Self {
-        Self { cache: Mutex::new(HashMap::new()), threads: threads.map(usable_threads) }
+        Self {
+            cache: Mutex::new(HashMap::new()),
+            threads: threads.map(usable_threads),
+            cpu_extra_bufts: cpu_extra_bufts_from_env().unwrap_or(true),
+        }
+    }
+
+    /// Whether the CPU backends this manager creates store weights in the CPU's extra buffer
+    /// types ([`Backend::with_extra_buffer_types`]).
+    pub fn with_cpu_extra_bufts(mut self, on: bool) -> Self {
+        self.cpu_extra_bufts = on;
+        self
     }
 
     /// The shared backend of `device`, created on first use.
@@ -134,11 +184,15 @@ impl BackendManager {
         if let Some(b) = cache.get(&name) {
             return Ok(b.clone());
         }
-        let b = Arc::new(Backend::new(device)?);
+        let b = Arc::new(Backend::new(device)?.with_extra_buffer_types(self.cpu_extra_bufts));
         if let Some(t) = self.threads {
             b.set_threads(t);
         }
-        tracing::debug!(device = %name, "created backend instance");
+        tracing::debug!(
+            device = %name,
+            extra_buffer_types = ?b.weight_buffer_types().iter().map(|t| t.name()).collect::<Vec<_>>(),
+            "created backend instance"
+        );
         cache.insert(name, b.clone());
         Ok(b)
     }

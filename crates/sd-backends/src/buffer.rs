@@ -12,9 +12,12 @@
 //! Threads: a buffer is `Send` but not `Sync` ([`Buffer::clear`] and
 //! [`Buffer::set_usage`] write through `&self`).
 
+use std::sync::Mutex;
+
 use ggml_sys as sys;
 
-use crate::context::Context;
+use crate::context::{Context, GgmlType};
+use crate::device::Device;
 use crate::error::{BackendError, Result};
 use crate::registry::cstr;
 
@@ -109,6 +112,102 @@ impl BufferType {
             return Err(BackendError::Alloc { device: self.name(), bytes: size });
         }
         Ok(Some(Buffer { raw }))
+    }
+}
+
+/// The extra buffer types devices have reported (raw addresses): their buffers take writes
+/// only (ggml's AMX and `CPU_REPACK` buffers have no `get_tensor`), so reads are refused.
+static EXTRA: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+pub(crate) fn remember_extra(bufts: &[BufferType]) {
+    let mut known = EXTRA.lock().unwrap_or_else(|e| e.into_inner());
+    for b in bufts {
+        if !known.contains(&(b.raw as usize)) {
+            known.push(b.raw as usize);
+        }
+    }
+}
+
+/// Whether any device has reported an extra buffer type in this process.
+pub(crate) fn any_extra() -> bool {
+    !EXTRA.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+}
+
+/// Checks that every node of `graph` that reads a tensor stored in an extra buffer type is a
+/// matrix product with that tensor, itself and not a view, as its matrix, and that `device`
+/// computes that product with that buffer type (`ggml_backend_dev_supports_op`). Anything
+/// else would read the buffer type's private layout as if it were ggml's.
+pub(crate) fn check_extra_uses(device: Device, graph: &crate::Graph<'_>) -> crate::Result<()> {
+    if !any_extra() {
+        return Ok(());
+    }
+    for i in 0..graph.n_nodes() {
+        let node = graph.node(i);
+        for j in 0..sys::GGML_MAX_SRC as usize {
+            let Some(src) = node.src(j) else { continue };
+            let root = src.storage_root();
+            // SAFETY: a live tensor struct.
+            let buf = unsafe { (*root.as_raw()).buffer };
+            if buf.is_null() {
+                continue;
+            }
+            // SAFETY: a live buffer.
+            let buft = BufferType::from_raw(unsafe { sys::ggml_backend_buffer_get_type(buf) });
+            if !buft.is_extra() {
+                continue;
+            }
+            // SAFETY: a live tensor struct.
+            let op = unsafe { (*node.as_raw()).op };
+            let fine = op == sys::ggml_op::GGML_OP_MUL_MAT && j == 0 && src == root && device.supports_op(node);
+            if !fine {
+                return Err(BackendError::ExtraBufferUse {
+                    node: node.name(),
+                    op: node.op_desc(),
+                    weight: root.name(),
+                    buffer_type: buft.name(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+impl BufferType {
+    /// Whether this is one of a device's extra buffer types ([`Device::extra_buffer_types`]):
+    /// tensors in it hold a layout of the plugin's own (repacked, converted), are written
+    /// through `ggml_backend_tensor_set` and cannot be read back.
+    pub fn is_extra(self) -> bool {
+        EXTRA.lock().unwrap_or_else(|e| e.into_inner()).contains(&(self.raw as usize))
+    }
+
+    /// Whether a weight of type `ty` and shape `ne` (ggml order) stored in this buffer type
+    /// can be the matrix of a product computed on `device`: the device's own support check
+    /// (`ggml_backend_dev_supports_op`, which hands the question to the extra buffer type
+    /// holding the weight) on `mul_mat(weight, x)` with an f32 activation `x` of 8 columns.
+    /// The weight is given this type's zero-size placeholder buffer for the question only
+    /// (ggml's way of asking, as llama.cpp's loader does); nothing is allocated.
+    pub fn supports_matmul_weight(self, device: Device, ty: GgmlType, ne: &[i64]) -> bool {
+        if ne.is_empty() || ne.len() > 4 || ne.iter().any(|&n| n <= 0) {
+            return false;
+        }
+        let Ok(ctx) = Context::for_tensors(3) else { return false };
+        let w = ctx.new_tensor(ty, ne);
+        let x = ctx.new_f32(&[ne[0], 8]);
+        let op = ctx.mul_mat(w, x);
+        // SAFETY: a live buffer type; size 0 gives ggml's placeholder buffer (no memory).
+        let dummy = unsafe { sys::ggml_backend_buft_alloc_buffer(self.raw, 0) };
+        if dummy.is_null() {
+            return false;
+        }
+        // SAFETY: `w` is a metadata-only tensor of `ctx` that nothing else sees; its buffer
+        // field is set for the support question and cleared before the placeholder is freed.
+        unsafe {
+            (*w.as_raw()).buffer = dummy;
+            let ok = sys::ggml_backend_dev_supports_op(device.as_raw(), op.as_raw());
+            (*w.as_raw()).buffer = std::ptr::null_mut();
+            sys::ggml_backend_buffer_free(dummy);
+            ok
+        }
     }
 }
 

@@ -408,6 +408,7 @@ impl<'c> Tensor<'c> {
         {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: src.nbytes() });
         }
+        src.check_readable()?;
         // SAFETY: both allocated with identical layout (checked).
         unsafe { sys::ggml_backend_tensor_copy(src.as_raw(), self.as_raw()) };
         crate::rpc::check_lost()
@@ -437,8 +438,24 @@ impl<'c> Tensor<'c> {
         self.set_bytes(bytes)
     }
 
+    /// An error when the data lives in an extra buffer type (write-only: see
+    /// [`crate::BufferType::is_extra`]).
+    fn check_readable(self) -> Result<()> {
+        let buf = self.storage_root().buffer_ptr();
+        if buf.is_null() {
+            return Ok(());
+        }
+        // SAFETY: a live tensor's buffer.
+        let buft = crate::BufferType::from_raw(unsafe { sys::ggml_backend_buffer_get_type(buf) });
+        if buft.is_extra() {
+            return Err(BackendError::WriteOnly { name: self.name(), buffer_type: buft.name() });
+        }
+        Ok(())
+    }
+
     /// Reads the raw bytes.
     fn get_bytes(self) -> Result<Vec<u8>> {
+        self.check_readable()?;
         if !self.has_live_storage() {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
         }
@@ -451,6 +468,7 @@ impl<'c> Tensor<'c> {
 
     /// Reads `len` bytes from `offset` of the tensor's data (clamped to its size).
     pub fn read_range(self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        self.check_readable()?;
         if !self.has_live_storage() {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: 0 });
         }

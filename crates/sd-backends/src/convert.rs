@@ -23,6 +23,12 @@ pub enum ConvertError {
     Unsupported { from: String, to: String },
 }
 
+/// Whether `ty` is a block-quantized type (q8_0, q4_0, the k-quants, ...).
+pub fn is_quantized(ty: GgmlType) -> bool {
+    // SAFETY: pure lookup.
+    unsafe { sys::ggml_is_quantized(ty) }
+}
+
 /// Whether rows of `row_len` elements can be stored as `ty`.
 pub fn fits_blocks(ty: GgmlType, row_len: i64) -> bool {
     // SAFETY: pure lookup.

@@ -141,6 +141,41 @@ impl Device {
         BufferType::from_raw(unsafe { sys::ggml_backend_dev_buffer_type(self.raw) })
     }
 
+    /// The device's extra buffer types for weights, in the plugin's order of preference: for
+    /// ggml's CPU plugin the AMX buffer type (variants built with AMX-INT8, on a CPU that
+    /// grants the process AMX tiles) and `CPU_REPACK` (quantized weights re-laid out for the
+    /// ISA's GEMM kernels). Reached through the registration's
+    /// `ggml_backend_dev_get_extra_bufts`; empty when the plugin exports none. Tensors in them
+    /// are written with `ggml_backend_tensor_set` (which converts) and never read back
+    /// ([`BufferType::is_extra`]).
+    pub fn extra_buffer_types(self) -> Vec<BufferType> {
+        // SAFETY: a live registration; the name is NUL-terminated.
+        let p = unsafe {
+            sys::ggml_backend_reg_get_proc_address(self.reg_raw(), c"ggml_backend_dev_get_extra_bufts".as_ptr())
+        };
+        if p.is_null() {
+            return Vec::new();
+        }
+        // SAFETY: the symbol has ggml's `ggml_backend_dev_get_extra_bufts_t` signature.
+        let f: sys::DevGetExtraBuftsFn = unsafe { std::mem::transmute(p) };
+        // SAFETY: a live device of that registration; the plugin returns a static array
+        // ending with a null entry.
+        let mut at = unsafe { f(self.raw) };
+        let mut out = Vec::new();
+        while !at.is_null() {
+            // SAFETY: `at` points inside the null-terminated array.
+            let b = unsafe { *at };
+            if b.is_null() {
+                break;
+            }
+            out.push(BufferType::from_raw(b));
+            // SAFETY: the array continues up to its null entry.
+            at = unsafe { at.add(1) };
+        }
+        crate::buffer::remember_extra(&out);
+        out
+    }
+
     /// Whether this device can run the operation that produces `t`.
     pub fn supports_op(self, t: crate::Tensor<'_>) -> bool {
         // SAFETY: a live device and a live tensor.

@@ -38,6 +38,17 @@ pub enum BackendError {
     /// A graph computation failed.
     #[error("graph computation on {device} failed with status {status}")]
     Compute { device: String, status: i32 },
+    /// A tensor's data is in a buffer type that takes writes only (a device's extra buffer
+    /// type holds weights in a layout of its own).
+    #[error("tensor `{name}` is stored in the write-only buffer type {buffer_type} and cannot be read back")]
+    WriteOnly { name: String, buffer_type: String },
+    /// A graph reads a weight held in an extra buffer type with an operation that buffer
+    /// type does not compute.
+    #[error(
+        "graph node `{node}` ({op}) reads `{weight}`, which is stored in {buffer_type}, a layout \
+         only that buffer type's matrix product understands"
+    )]
+    ExtraBufferUse { node: String, op: String, weight: String, buffer_type: String },
     /// A ggml context could not be created.
     #[error("could not create a ggml context of {0} bytes")]
     Context(usize),

@@ -111,6 +111,12 @@ pub struct GenerateArgs {
     /// [sd-rs] Disable asynchronous next-segment prefetch (segmented execution).
     #[arg(long = "disable-prefetch")]
     pub disable_prefetch: bool,
+    /// [sd-rs] Weights of modules computed on the CPU in ggml's extra CPU buffer types where
+    /// one takes them (AMX for quantized matrices on CPUs with AMX-INT8; repacked layouts
+    /// for q4_0, q4_K, iq4_nl on AVX2): `on` (the default, or the environment variable
+    /// SD_CPU_EXTRA_BUFTS=on|off) or `off`. `-v` logs which buffer type holds how many bytes.
+    #[arg(long = "cpu-extra-bufts", value_name = "on|off", value_parser = ["on", "off"])]
+    pub cpu_extra_bufts: Option<String>,
     /// [sd-rs] Force monolithic graph execution.
     #[arg(long = "disable-segmented-compute")]
     pub disable_segmented_compute: bool,
@@ -205,7 +211,17 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     let files = sd_models::files::ModelFiles::open(&model.sources())?;
     let threads = sd_backends::threads::resolve_threads(a.threads);
     tracing::debug!("{threads} CPU threads");
-    let manager = BackendManager::new(Some(threads));
+    let extra_bufts = match a.cpu_extra_bufts.as_deref() {
+        Some(v) => v == "on",
+        None => sd_backends::backend::cpu_extra_bufts_from_env().map_err(|v| {
+            anyhow::anyhow!(
+                "{}={v:?} is not one of on, off, 1, 0, true, false",
+                sd_backends::backend::CPU_EXTRA_BUFTS_ENV
+            )
+        })?,
+    };
+    tracing::debug!("CPU extra weight buffer types {}", if extra_bufts { "on" } else { "off" });
+    let manager = BackendManager::new(Some(threads)).with_cpu_extra_bufts(extra_bufts);
     let (w, h) = (params.params().width, params.params().height);
     let speeds = |d: &sd_placement::ModelDescription| -> Result<_> {
         let backends = reg

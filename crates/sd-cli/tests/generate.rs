@@ -368,3 +368,28 @@ fn unknown_sampler_and_scheduler_names_are_errors_naming_the_flag() {
         assert!(err.contains(flag) && err.contains(bad), "{err}");
     }
 }
+
+/// `--cpu-extra-bufts on` (the default) puts the UNet's and text encoder's quantized linear
+/// weights in ggml's extra CPU buffer types (repacked q4_0 on AVX2; AMX for q8_0 and q4_0 on
+/// CPUs with AMX-INT8). The repacked kernels quantize activations as the plain ones do and
+/// differ only in the f32 summation order, so the image stays within the parity bound of the
+/// same run with them off. Measured on this project's AVX2 machine (64x64, cfg 7): q4_0 mean
+/// 0.354 max 3 levels at 1 step, 0.355 and 2 at 2 steps; q8_0 identical (x86 has no repacked
+/// q8_0 and that CPU has no AMX, so nothing moves). One step each keeps the four runs cheap.
+/// A bad value of the flag is a clear error.
+#[test]
+fn sd15_cpu_extra_buffer_types_stay_within_parity_of_plain_buffers() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("extra-bufts");
+    for ty in ["q4_0", "q8_0"] {
+        let on = dir.join(format!("{ty}-on.png"));
+        let off = dir.join(format!("{ty}-off.png"));
+        check_ok(&generate_steps(&model, &on, 2, 1, &["--type", ty, "--cpu-extra-bufts", "on"]));
+        check_ok(&generate_steps(&model, &off, 2, 1, &["--type", ty, "--cpu-extra-bufts", "off"]));
+        let (mean, max) = diff(&on, &off);
+        eprintln!("{ty}: extra buffer types on vs off: mean {mean:.3}, max {max}");
+        assert!(mean <= MEAN_TOL && max <= MAX_TOL, "{ty} on vs off: mean {mean:.3}, max {max}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(fails(&["--cpu-extra-bufts", "maybe"], Some(&model)).contains("on"));
+}

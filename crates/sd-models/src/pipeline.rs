@@ -538,6 +538,7 @@ impl Pipeline {
     fn load_text(&self) -> Result<Box<dyn TextEncoder>> {
         let dtype = dtype_of(&self.files);
         let mut w = Weights::new(self.family.text_specs(&dtype, self.opts.wtype))?;
+        w.keep_in_device_buffer(&crate::text::clip::is_gathered);
         let d = &self.opts.devices;
         self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &block_group)?;
         self.family.load_text(w)

@@ -26,4 +26,6 @@ pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};
 pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport, StageReport};
 pub use runner::{RunStats, Runner};
-pub use weights::{short_name, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights};
+pub use weights::{
+    short_name, weight_buffer_type, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights,
+};

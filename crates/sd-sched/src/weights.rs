@@ -104,6 +104,31 @@ pub struct Weights {
     raw: Vec<*mut sd_backends::context::RawTensor>,
     by_raw: HashMap<usize, usize>,
     residency: Option<Residency>,
+    /// Tensors that stay in the device's own buffer type whatever [`weight_buffer_type`] says
+    /// (read by something other than a matrix product: [`Weights::keep_in_device_buffer`]).
+    plain_only: Vec<bool>,
+}
+
+/// The buffer type a parameter computed on `compute` is stored in when the set's home is
+/// the computing device: the first of the backend's extra buffer types
+/// ([`Backend::weight_buffer_types`]: the CPU's AMX and repacked layouts, when switched on)
+/// that takes it as the matrix of a product (`BufferType::supports_matmul_weight`, the
+/// device's own check), for a block-quantized 2-D matrix; the device's buffer type for
+/// everything else (f16/f32 tensors, vectors, convolution kernels, and every tensor when the
+/// backend has no extra types).
+pub fn weight_buffer_type(compute: &Backend, spec: &TensorSpec) -> BufferType {
+    let device = compute.device();
+    let default = device.buffer_type();
+    let matrix = spec.ne.len() >= 2 && spec.ne[2..].iter().all(|&n| n == 1);
+    if !matrix || !sd_backends::convert::is_quantized(spec.ty) {
+        return default;
+    }
+    compute
+        .weight_buffer_types()
+        .iter()
+        .copied()
+        .find(|b| b.supports_matmul_weight(device, spec.ty, &spec.ne))
+        .unwrap_or(default)
 }
 
 /// Where a module's parameters live between uses (`--params-backend`).
@@ -151,8 +176,9 @@ struct Group {
 }
 
 enum Home {
-    /// One buffer on the computing device (every group pinned).
-    Compute { _buffer: Option<Buffer> },
+    /// One buffer on the computing device (every group pinned), or one per buffer type when
+    /// some tensors are in the device's extra buffer types.
+    Compute { _buffer: Option<Buffer>, _by_type: Vec<Buffer> },
     /// A layer split with parameters on the computing devices: each group was loaded into a
     /// replica of its own on its own device at placement, pinned there, never evicted.
     Pinned,
@@ -209,7 +235,74 @@ impl Weights {
             index.insert(s.name.clone(), i);
         }
         let by_raw = raw.iter().enumerate().map(|(i, r)| (*r as usize, i)).collect();
-        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None })
+        let plain_only = vec![false; specs.len()];
+        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None, plain_only })
+    }
+
+    /// Keeps the tensors `keep` selects (by internal name) in the computing device's own
+    /// buffer type: tensors some graph reads with another operation than a matrix product
+    /// (an embedding table gathered with `get_rows`), which an extra buffer type's layout
+    /// would break ([`weight_buffer_type`]). Call before [`place`](Self::place).
+    pub fn keep_in_device_buffer(&mut self, keep: &dyn Fn(&str) -> bool) {
+        for (i, s) in self.specs.iter().enumerate() {
+            self.plain_only[i] |= keep(&s.name);
+        }
+    }
+
+    /// The buffer type of each tensor when the set is pinned on `compute`
+    /// ([`weight_buffer_type`], except the tensors kept in the device's buffer type).
+    pub fn buffer_types_on(&self, compute: &Backend) -> Vec<BufferType> {
+        let default = compute.device().buffer_type();
+        self.specs
+            .iter()
+            .zip(&self.plain_only)
+            .map(|(s, &plain)| if plain { default } else { weight_buffer_type(compute, s) })
+            .collect()
+    }
+
+    /// Allocates each tensor in the buffer type `bufts` gives it (one buffer per buffer type,
+    /// tensors at aligned offsets in declaration order) and returns the buffers with, per
+    /// buffer, its type's name, bytes and tensor count.
+    fn allocate_by_type(&self, bufts: &[BufferType]) -> Result<Vec<(Buffer, usize)>> {
+        let mut kinds: Vec<BufferType> = Vec::new();
+        for b in bufts {
+            if !kinds.contains(b) {
+                kinds.push(*b);
+            }
+        }
+        let mut out = Vec::with_capacity(kinds.len());
+        for buft in kinds {
+            let members: Vec<usize> = (0..self.specs.len()).filter(|&i| bufts[i] == buft).collect();
+            let mut offsets = Vec::with_capacity(members.len());
+            let mut size = 0usize;
+            for &i in &members {
+                let off = align_up(size, buft.alignment());
+                offsets.push(off);
+                size = off + buft.alloc_size(self.nth(i));
+            }
+            let size = align_up(size, buft.alignment());
+            let buf = buft.alloc(size).map_err(|_| SchedError::Alloc {
+                device: buft.name(),
+                bytes: size,
+                what: format!("{} weight tensors", members.len()),
+            })?;
+            buf.set_usage(BufferUsage::Weights);
+            for (&i, &off) in members.iter().zip(&offsets) {
+                // SAFETY: `buf` is returned to the caller, which keeps it next to `self.ctx`
+                // (in `Home::Compute`) until the set is dropped, or drops it together with
+                // the whole set's placement on an error; the offsets are disjoint aligned
+                // ranges inside `size`.
+                if let Err(e) = unsafe { self.nth(i).place_in(&buf, off) } {
+                    for &j in &members {
+                        // SAFETY: the placement failed before any graph used these tensors.
+                        unsafe { self.nth(j).detach_storage() };
+                    }
+                    return Err(e.into());
+                }
+            }
+            out.push((buf, members.len()));
+        }
+        Ok(out)
     }
 
     /// The declared tensors.
@@ -329,6 +422,11 @@ impl Weights {
         let mut groups: Vec<Group> = Vec::new();
         let mut by_name: HashMap<String, usize> = HashMap::new();
         let mut group_of_tensor = Vec::with_capacity(self.specs.len());
+        // A set pinned on one device may use the device's extra buffer types per tensor;
+        // staged replicas and split sets keep one buffer of the device's type per group.
+        let pinned_bufts = (matches!(home, ParamHome::Compute) && devices.len() == 1)
+            .then(|| self.buffer_types_on(&devices[0]))
+            .filter(|b| b.iter().any(|t| t.is_extra()));
         for (i, spec) in self.specs.iter().enumerate() {
             let name = format!("{module}/{}", group_of(&spec.name));
             let device = device_of(&spec.name);
@@ -353,7 +451,7 @@ impl Weights {
                     spec.name
                 )));
             }
-            let buft = devices[device].device().buffer_type();
+            let buft = pinned_bufts.as_ref().map_or_else(|| devices[device].device().buffer_type(), |b| b[i]);
             let off = align_up(g.bytes as usize, buft.alignment());
             g.tensors.push(i);
             g.offsets.push(off);
@@ -377,18 +475,35 @@ impl Weights {
                 for g in &groups {
                     ledger.add_replica(&g.name, g.bytes, true)?;
                 }
+                let mut extra = Vec::new();
                 let placed = (|| -> Result<()> {
-                    self.allocate(buft)?;
+                    match &pinned_bufts {
+                        None => self.allocate(buft)?,
+                        Some(bufts) => extra = self.allocate_by_type(bufts)?,
+                    }
                     self.load_from(src.as_ref())
                 })();
                 if let Err(e) = placed {
+                    if !extra.is_empty() {
+                        for i in 0..self.specs.len() {
+                            // SAFETY: the placement failed before any graph used the tensors.
+                            unsafe { self.nth(i).detach_storage() };
+                        }
+                    }
                     for g in &groups {
                         ledger.remove_replica(&g.name);
                     }
                     self.buffer = None;
                     return Err(e);
                 }
-                Home::Compute { _buffer: self.buffer.take() }
+                for (b, n) in &extra {
+                    tracing::debug!(
+                        "{module}: {:.1} MiB of weights in buffer type {} ({n} tensors)",
+                        b.size() as f64 / (1u64 << 20) as f64,
+                        b.buffer_type().name()
+                    );
+                }
+                Home::Compute { _buffer: self.buffer.take(), _by_type: extra.into_iter().map(|(b, _)| b).collect() }
             }
             ParamHome::Device(dev) => {
                 let mut mirror = Weights::new(self.specs.clone())?;

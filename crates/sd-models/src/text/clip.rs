@@ -229,6 +229,13 @@ impl ClipConfig {
 // Storage types
 // ---------------------------------------------------------------------------------------
 
+/// Whether the parameter `name` is an embedding table, read with `get_rows` rather than as
+/// the matrix of a product (so it stays out of the CPU's repacked/AMX layouts:
+/// `Weights::keep_in_device_buffer`).
+pub fn is_gathered(name: &str) -> bool {
+    name.ends_with("embeddings.token_embedding.weight") || name.ends_with("embeddings.position_embedding.weight")
+}
+
 /// Types ggml's `get_rows` reads that the reference keeps for embedding tables.
 fn gathers_rows(ty: GgmlType) -> bool {
     [

@@ -20,7 +20,7 @@ pub struct Backend {
     raw: sys::ggml_backend_t,
     device: Device,
     /// ggml backends are not re-entrant: one graph at a time.
-    lock: Mutex<()>,
+    pub(crate) lock: Mutex<()>,
 }
 
 // SAFETY: the backend handle may move between threads; concurrent use is

@@ -104,6 +104,8 @@ pub struct Weights {
     raw: Vec<*mut sd_backends::context::RawTensor>,
     by_raw: HashMap<usize, usize>,
     residency: Option<Residency>,
+    /// The row chunks, when placed for a row split ([`Weights::place_rows`]).
+    pub(crate) rows: Option<crate::rowsplit::RowIndex>,
 }
 
 /// Where a module's parameters live between uses (`--params-backend`).
@@ -209,7 +211,7 @@ impl Weights {
             index.insert(s.name.clone(), i);
         }
         let by_raw = raw.iter().enumerate().map(|(i, r)| (*r as usize, i)).collect();
-        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None })
+        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None, rows: None })
     }
 
     /// The declared tensors.
@@ -275,7 +277,7 @@ impl Weights {
         self.by_raw.get(&(t.as_raw() as usize)).copied()
     }
 
-    fn nth(&self, i: usize) -> Tensor<'_> {
+    pub(crate) fn nth(&self, i: usize) -> Tensor<'_> {
         // SAFETY: raw[i] was created in self.ctx, which lives as long as &self.
         unsafe { Tensor::from_raw_unchecked(self.raw[i]) }
     }

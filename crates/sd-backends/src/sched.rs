@@ -121,14 +121,30 @@ impl Scheduler {
 
     /// Sizes the compute buffers for `graph` with the nodes of `assign` on their backends
     /// (allocating them, or growing them to the largest graph seen) and returns each
-    /// backend's compute-buffer bytes, in backend order. Nothing is placed.
+    /// backend's compute-buffer bytes, in backend order. Nothing is placed, and the graph's
+    /// operands are left as they were (ggml's reserve re-points them at its own copies).
     pub fn reserve(&mut self, graph: &Graph<'_>, assign: &[(Tensor<'_>, usize)]) -> Result<Vec<u64>> {
         self.check_size(graph)?;
         // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
         self.assign(assign)?;
+        // ggml's scheduler points the operands that cross backends at copies it makes in a
+        // context of its own, which the next split frees: kept, they would leave the graph that
+        // `alloc_graph` splits next reading freed tensors. Their operands are restored after.
+        let saved: Vec<(*mut sys::ggml_tensor, [*mut sys::ggml_tensor; sys::GGML_MAX_SRC as usize])> = (0..graph
+            .n_nodes())
+            .map(|i| {
+                let n = graph.node(i).as_raw();
+                // SAFETY: a live node of the graph.
+                (n, unsafe { (*n).src })
+            })
+            .collect();
         // SAFETY: live scheduler and graph; its size is checked above.
         let ok = unsafe { sys::ggml_backend_sched_reserve(self.raw, graph.as_raw()) };
+        for (n, src) in saved {
+            // SAFETY: the same live nodes; their own operands, as they were before the reserve.
+            unsafe { (*n).src = src };
+        }
         crate::rpc::check_lost()?;
         if !ok {
             return Err(BackendError::Alloc { device: self.describe(), bytes: 0 });

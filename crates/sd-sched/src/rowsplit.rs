@@ -21,12 +21,11 @@
 //! Limits: parameters must live on their computing devices (the planner falls back to a layer
 //! split otherwise); no segmenting or prefetch; no pipelined micro-batches.
 //!
-//! Status: not correct yet, so the planner does not select it (`GRAPH_ROW_SPLIT_READY` in
-//! sd-placement's `explicit.rs`). Run through the scheduler, the UNet's output is right while the
-//! graph stays in one piece (every chunk on the main device), and wrong (NaN, or wrong finite
-//! values when no node memory is reused) as soon as it is cut into pieces, even with every
-//! chunk product on the main device (only the weight copied by the scheduler): the fault is in
-//! how the pieces run or share memory, not in the chunking or the gather.
+//! Status: the planner does not select it yet (`GRAPH_ROW_SPLIT_READY` in sd-placement's
+//! `explicit.rs`). Its wrong results came from ggml's reserve re-pointing the graph's operands at
+//! copies the next split frees (fixed in `sd_backends::Scheduler::reserve`); with that fix a
+//! 64x64 one-step SD 1.5 fixture image over two RPC servers was bit-identical to the all-CPU one,
+//! but the tests that would cover it are not switched over yet.
 
 use std::borrow::Cow;
 use std::collections::HashMap;

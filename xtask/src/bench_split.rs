@@ -13,7 +13,11 @@
 //! - `split, copies 1|2|4`: `diffusion=RPC0&RPC1` with `--pipeline-copies N` (a batch of two
 //!   has at most two micro-batches: 4 runs as 2 and shows that it costs nothing more);
 //! - `uneven, by memory|speed`: the one-thread server and the two-thread one, `--pipeline-copies
-//!   2`, `--split-by memory` and `speed` (the speeds measured on the first run and cached).
+//!   2`, `--split-by memory` and `speed` (the speeds measured on the first run and cached);
+//! - `row split`: `diffusion=RPC0&RPC1 --split-mode row`, against `split, copies 1` on the same
+//!   pair: the graph-level row split once the planner selects it (each block matmul's rows on
+//!   both servers, gathered on RPC0); until then the planner falls back to the layer split and
+//!   the ratio is about 1.
 //!
 //! Printed: the median step time, its ratio to the one-device run, the overlap the run
 //! report gives (`pipeline_busy_secs / pipeline_wall_secs`), each device's managed high-water
@@ -36,7 +40,7 @@ struct Config {
     flags: &'static [&'static str],
 }
 
-const CONFIGS: [Config; 7] = [
+const CONFIGS: [Config; 8] = [
     Config { name: "one device", flags: &["--backend", "diffusion=RPC0,te=cpu,vae=cpu"] },
     Config {
         name: "split, copies 1",
@@ -59,7 +63,12 @@ const CONFIGS: [Config; 7] = [
         flags: &["--backend", "diffusion=RPC0&RPC2,te=cpu,vae=cpu", "--pipeline-copies", "2", "--split-by", "speed"],
     },
     Config { name: "uneven, fast one alone", flags: &["--backend", "diffusion=RPC2,te=cpu,vae=cpu"] },
+    Config { name: "row split", flags: &["--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu", "--split-mode", "row"] },
 ];
+
+/// Index of the row split in `CONFIGS`, and of the layer split it is compared with.
+const ROW: usize = 7;
+const LAYER: usize = 1;
 
 /// What one run's report says, in the units printed.
 #[derive(Default)]
@@ -92,7 +101,10 @@ fn figures(r: &RunReport, into: &mut Figures) {
         into.ranges = m
             .split
             .iter()
-            .map(|s| format!("{} {}-{}", s.device, s.first_block, s.last_block))
+            .map(|s| match s.row_share {
+                Some(share) => format!("{} rows {:.0}%", s.device, share * 100.0),
+                None => format!("{} {}-{}", s.device, s.first_block, s.last_block),
+            })
             .collect::<Vec<_>>()
             .join(", ");
     }
@@ -160,5 +172,7 @@ fn print(results: &[Figures], side: u32, steps: u32, runs: u32, cache: &Path) {
             if r.ranges.is_empty() { "-" } else { &r.ranges },
         );
     }
+    let (row, layer) = (median(&results[ROW].step_s), median(&results[LAYER].step_s));
+    println!("row split step / layer split (copies 1) step on the same two servers: {}", fmt_ratio(row, layer));
     println!("(speeds cached in {})", cache.display());
 }

@@ -23,7 +23,7 @@ pub struct Backend {
     /// Extra buffer types weights computed here may be stored in (none unless asked for).
     weight_bufts: Vec<BufferType>,
     /// ggml backends are not re-entrant: one graph at a time.
-    lock: Mutex<()>,
+    pub(crate) lock: Mutex<()>,
 }
 
 // SAFETY: the backend handle may move between threads; concurrent use is

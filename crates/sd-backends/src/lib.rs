@@ -7,7 +7,7 @@
 //! ([`rpc`]), routing ggml's logs into `tracing` ([`install_log_bridge`]), and
 //! safe wrappers over the ggml objects model code needs: [`Context`],
 //! [`Tensor`], [`Graph`], [`Buffer`], [`BufferType`], [`Backend`],
-//! [`GraphAllocator`]. Each wrapper's module states its
+//! [`GraphAllocator`], [`Scheduler`]. Each wrapper's module states its
 //! ownership rule.
 //!
 //! What it refuses to do: it never calls upstream's loader (`ggml_backend_load*`),
@@ -30,6 +30,7 @@ pub mod ops;
 pub mod registry;
 pub mod rpc;
 pub mod rpc_wire;
+pub mod sched;
 pub mod threads;
 
 pub use alloc::GraphAllocator;
@@ -42,6 +43,7 @@ pub use graph::{Graph, GraphView};
 pub use log::install_log_bridge;
 pub use ops::ScaleMode;
 pub use registry::{LoadedPlugin, PluginRegistry, PluginSearch, SkipReason, SkippedPlugin};
+pub use sched::Scheduler;
 
 /// The ggml version this build uses and where its source came from.
 pub fn ggml_version() -> (&'static str, &'static str) {

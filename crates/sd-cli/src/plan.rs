@@ -22,7 +22,9 @@ pub struct PlacementArgs {
     /// Where parameters live per module (a device, or `disk`).
     #[arg(long = "params-backend", value_name = "SPEC")]
     pub params_backend: Option<String>,
-    /// `layer` or `row`, or per module (`diffusion=row,te=layer`).
+    /// `layer` or `row`, or per module (`diffusion=row,te=layer`), e.g. `--backend
+    /// "diffusion=cuda0&cuda1" --split-mode row`. Where no listed device exports a split buffer
+    /// type (CPU, RPC) `row` falls back to a layer split, with a warning saying why.
     #[arg(long = "split-mode", value_name = "SPEC")]
     pub split_mode: Option<String>,
     /// [sd-rs] How a layer split sizes its block ranges: `memory` (default: by free memory or the

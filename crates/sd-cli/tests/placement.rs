@@ -330,6 +330,32 @@ fn layer_splits_give_the_all_cpu_image() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn row_split_over_rpc_falls_back_to_the_layer_split_image() {
+    // The graph-level row split (sd-sched's rowsplit) is not selected until it reproduces the
+    // unsplit model: over two RPC servers (no split buffer type) `--split-mode row` plans and
+    // runs a layer split, says why, and gives the all-CPU image.
+    let model = fixture();
+    let dir = std::env::temp_dir().join(format!("sd-cli-rows-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (base, _) = generate(&model, &dir.join("cpu.png"), &["--backend", "cpu"]);
+    let (a, b) = (Server::start(), Server::start());
+    let rpc = format!("{},{}", a.endpoint, b.endpoint);
+    let args = ["--rpc", rpc.as_str(), "--split-mode", "row", "--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu"];
+    let (px, report) = generate(&model, &dir.join("row.png"), &args);
+    assert!(px == base, "the image differs from the all-CPU one");
+    let plan = report.plan.as_ref().unwrap();
+    let m = plan.modules.iter().find(|m| m.module.name() == "diffusion").unwrap();
+    assert_eq!(m.split_mode, sd_placement::SplitKind::Layer, "{m:?}");
+    assert!(
+        plan.warnings.iter().any(|w| w.contains("row split unavailable") && w.contains("does not reproduce")),
+        "{:?}",
+        plan.warnings
+    );
+    assert_ran_as_planned(&report, "diffusion", "unet", "row split fallback");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Mean and largest absolute difference of two images' bytes.
 fn diff(a: &[u8], b: &[u8]) -> (f64, u8) {
     assert_eq!(a.len(), b.len());

@@ -506,6 +506,11 @@ impl Pipeline {
         let p = &self.opts.placement;
         match split {
             None => w.place(module, home.clone(), compute.clone(), &p.ledgers, group_of, self.source())?,
+            Some(s) if s.rows.is_some() => {
+                let shares = s.rows.as_deref().unwrap_or_default();
+                let rows = crate::diffusion::unet::row_splittable;
+                w.place_rows(module, home.clone(), &s.devices, shares, &rows, &p.ledgers, group_of, self.source())?;
+            }
             Some(s) => {
                 let index = self.files.index();
                 let device_of = |name: &str| s.device_of_block(index.block_of(name));
@@ -530,6 +535,9 @@ impl Pipeline {
                 let devices = s.devices.iter().map(|b| (b.clone(), p.ledgers.get(&b.device().name()))).collect();
                 let mut runner = Runner::with_devices(name, devices, p.sched);
                 runner.set_pipeline_copies(p.pipeline_copies);
+                if s.rows.is_some() {
+                    runner.set_row_split(s.host.clone());
+                }
                 runner
             }
         }

@@ -9,8 +9,11 @@
 //! A module with a layer split ([`SplitKind::Layer`]) gets a [`LayerSplit`]: every listed
 //! device's backend and the block range the plan gave it; the pipeline places each block's
 //! parameters on its range's device and runs the module with a runner over all of them
-//! (`sd_sched`'s split execution). What the runtime cannot do yet is said once here, as a
-//! warning, and never silently dropped: a row split runs on its main device.
+//! (`sd_sched`'s split execution). A graph-level row split (the plan's row split with a share
+//! per device, [`SplitRange::row_share`](sd_placement::SplitRange)) is a [`LayerSplit`] with
+//! [`LayerSplit::rows`] set: the UNet's block matmul weights are cut by output rows across the
+//! devices (`sd_sched`'s `rowsplit`). What the runtime cannot do yet is said once here, as a
+//! warning, and never silently dropped: a split-buffer row split runs on its main device.
 
 use std::sync::Arc;
 
@@ -37,8 +40,13 @@ pub struct LayerSplit {
     /// The computing devices, main first.
     pub devices: Vec<Arc<Backend>>,
     /// Each device's blocks, first and last (inclusive), in the plan's block numbering
-    /// ([`crate::files::TensorIndex::block_of`]).
+    /// ([`crate::files::TensorIndex::block_of`]); empty for a row split.
     pub ranges: Vec<(u32, u32)>,
+    /// A graph-level row split instead of a layer split: each device's share of the rows.
+    pub rows: Option<Vec<f64>>,
+    /// The host CPU backend ggml's scheduler ends with (a row split whose last device is not
+    /// the CPU).
+    pub host: Option<Arc<Backend>>,
 }
 
 impl LayerSplit {
@@ -118,7 +126,9 @@ impl Wiring<'_> {
     fn backend(&self, module: Module) -> Result<Arc<Backend>, PlacementError> {
         let m = self.module_plan(module);
         let name = m.and_then(|m| m.runtime.first()).cloned().unwrap_or_else(|| self.plan.main_device.clone());
-        if m.is_some_and(|m| m.runtime.len() > 1 && m.split_mode == SplitKind::Row) {
+        if m.is_some_and(|m| {
+            m.runtime.len() > 1 && m.split_mode == SplitKind::Row && m.split.iter().any(|r| r.row_share.is_none())
+        }) {
             tracing::warn!(
                 "{}: row split needs a device plugin that exports a split buffer type; running on {name}",
                 module.name()
@@ -130,6 +140,9 @@ impl Wiring<'_> {
     /// The module's layer split, when the plan gives it one over two or more devices.
     fn split(&self, module: Module) -> Result<Option<LayerSplit>, PlacementError> {
         let Some(m) = self.module_plan(module) else { return Ok(None) };
+        if m.split_mode == SplitKind::Row && m.split.len() >= 2 && m.split.iter().all(|r| r.row_share.is_some()) {
+            return self.row_split(module, m).map(Some);
+        }
         if m.split_mode != SplitKind::Layer || m.split.len() < 2 {
             return Ok(None);
         }
@@ -139,7 +152,7 @@ impl Wiring<'_> {
             devices.push(self.backend_named(module, &r.device)?);
             ranges.push((r.first_block, r.last_block));
         }
-        let split = LayerSplit { devices, ranges };
+        let split = LayerSplit { devices, ranges, rows: None, host: None };
         tracing::info!(
             "{}: layer split over {} (blocks {})",
             module.name(),
@@ -147,6 +160,34 @@ impl Wiring<'_> {
             split.ranges.iter().map(|(a, b)| format!("{a}-{b}")).collect::<Vec<_>>().join(", ")
         );
         Ok(Some(split))
+    }
+
+    /// The module's graph-level row split: its devices, their shares, and the host backend.
+    fn row_split(&self, module: Module, m: &ModulePlan) -> Result<LayerSplit, PlacementError> {
+        let err = |source| PlacementError { module: module.name(), source };
+        let mut devices = Vec::with_capacity(m.split.len());
+        for r in &m.split {
+            devices.push(self.backend_named(module, &r.device)?);
+        }
+        let host = match devices.last().map(|b| b.device().kind()) {
+            Some(DeviceKind::Cpu) => None,
+            _ => {
+                let cpu =
+                    self.registry.devices().into_iter().find(|d| d.kind() == DeviceKind::Cpu).ok_or_else(|| {
+                        err(BackendError::PluginMissing("CPU".into(), "a row split needs a host CPU backend".into()))
+                    })?;
+                Some(self.manager.get(cpu).map_err(err)?)
+            }
+        };
+        let shares: Vec<f64> = m.split.iter().map(|r| r.row_share.unwrap_or(0.0)).collect();
+        let split = LayerSplit { devices, ranges: Vec::new(), rows: Some(shares), host };
+        tracing::info!(
+            "{}: row split over {} (row shares {})",
+            module.name(),
+            split.describe(),
+            split.rows.iter().flatten().map(|s| format!("{:.1}%", s * 100.0)).collect::<Vec<_>>().join(", ")
+        );
+        Ok(split)
     }
 
     /// Where the module's parameters live, as the plan says.

@@ -3,12 +3,15 @@
 //! A module without an assignment runs on the default device; params without an assignment
 //! follow the runtime ("If --params-backend is not set, parameters use the same backend as their
 //! module runtime backend"; with a layer split each block range's params stay on its own
-//! device). A `&` list becomes a layer split, or a row split when `--split-mode` asks for it and
-//! every listed device can split rows within one backend registry; otherwise the module falls
-//! back (with a warning) as stable-diffusion.cpp's `docs/backend.md` says. Every entry is resolved, even for modules the model
+//! device). A `&` list becomes a layer split, or a row split when `--split-mode` asks for it: in
+//! the devices' split buffer type when every listed device has one within one backend registry,
+//! else at graph level; where neither can run the module falls back (with a warning) to a layer
+//! split, as stable-diffusion.cpp's `docs/backend.md` says. Every entry is resolved, even for modules the model
 //! lacks, so a misspelt device is reported whatever the model.
 //!
-//! Beyond the reference: the CPU may take part in a layer split (not in a row split); a device
+//! Beyond the reference: where no split buffer type is exported, a row split is a graph-level
+//! one (`Layout::Rows`, each device's share of the rows by memory; the CPU only as the last
+//! device); the CPU may take part in a layer split; a device
 //! listed twice, or a layer split leaving a listed device without a block, is an error (the
 //! reference drops such a device silently); `--split-by speed` sizes the ranges by device speed.
 
@@ -20,6 +23,15 @@ use crate::placement::{Layout, Params, Placement, Range};
 use crate::spec::{Assignment, Entry, ParamsValue, RuntimeValue, SplitBy, SplitMode};
 use crate::split::{partition, partition_by_speed, speed_cap, weights};
 use crate::units::fmt_bytes;
+
+/// Whether the graph-level row split is selected: not yet, its results are wrong once ggml's
+/// scheduler cuts the graph across devices (sd-sched's `rowsplit.rs`); every such request
+/// falls back to a layer split with that reason.
+const GRAPH_ROW_SPLIT_READY: bool = false;
+
+/// What a graph-level row split costs here, said once per plan that has one.
+const ROW_SPLIT_NOTE: &str = "row split at graph level: each block matmul's rows are computed on every listed device \
+and gathered on the main one; no device plugin here exports a split buffer type";
 
 /// A resolved `--backend` value.
 enum Runtime {
@@ -104,7 +116,8 @@ pub(crate) fn explicit(
             Runtime::One(d) => Layout::Single(d),
             Runtime::Many(list, entry) => {
                 let mode = split.get(module).map_or(SplitMode::Layer, |e| e.value);
-                let (layout, by) = multi_device(s, devices, budgets, &list, &entry, mode, sizing, warnings)?;
+                let follow = matches!(p, Params::Follow);
+                let (layout, by) = multi_device(s, devices, budgets, &list, &entry, mode, follow, sizing, warnings)?;
                 sized.extend(by.map(|b| (module, b)));
                 layout
             }
@@ -141,6 +154,7 @@ fn multi_device(
     list: &[usize],
     entry: &str,
     mode: SplitMode,
+    params_follow: bool,
     sizing: &Sizing,
     warnings: &mut Vec<String>,
 ) -> Result<(Layout, Option<SplitBy>), PlanError> {
@@ -155,30 +169,42 @@ fn multi_device(
     }
     if mode == SplitMode::Row {
         let registry = devices[first].registry_name().to_lowercase();
-        if let Some(&c) = list.iter().find(|&&i| devices[i].kind == DeviceType::Cpu) {
-            // The CPU may hold a layer split's range (its range runs there, activations are
-            // copied at the boundaries), but not a row split: the host exports no split buffer
-            // type, and gathering every matmul's partial products through host memory costs
-            // more than the layer split it would replace.
-            warnings.push(format!(
-                "{module}: row split unavailable (the CPU device {} exports no split buffer type); falling back to layer split",
-                devices[c].name
-            ));
-        } else if let Some(&i) = list.iter().find(|&&i| !devices[i].row_split) {
-            warnings.push(format!(
-                "{module}: row split unavailable ({} cannot split rows); falling back to layer split",
-                devices[i].name
-            ));
-        } else if let Some(&i) = list.iter().find(|&&i| devices[i].registry_name().to_lowercase() != registry) {
-            warnings.push(format!(
-                "{module}: row split unavailable (devices belong to different backend registries: {} is {}, {} is {}); falling back to layer split",
-                devices[first].name,
-                devices[first].registry_name(),
-                devices[i].name,
-                devices[i].registry_name()
-            ));
-        } else {
+        let has_cpu = list.iter().any(|&i| devices[i].kind == DeviceType::Cpu);
+        let buffer_split = !has_cpu
+            && list.iter().all(|&i| devices[i].row_split && devices[i].registry_name().to_lowercase() == registry);
+        if buffer_split {
             return Ok((Layout::Row(list.to_vec()), None));
+        }
+        // No split buffer type over these devices (the CPU and RPC export none, nor do devices
+        // of different registries): a graph-level row split, where it can run.
+        let cpu_not_last = list[..list.len() - 1].iter().find(|&&i| devices[i].kind == DeviceType::Cpu);
+        let why_not = if module != Module::Diffusion {
+            Some("a graph-level row split is implemented for the diffusion model only".to_string())
+        } else if !params_follow {
+            Some("a graph-level row split needs the parameters on their computing devices, and --params-backend gives them another home".to_string())
+        } else if !GRAPH_ROW_SPLIT_READY {
+            Some("the graph-level row split does not reproduce the unsplit model yet (sd-sched's rowsplit module says why)".to_string())
+        } else if let Some(&c) = cpu_not_last {
+            Some(format!(
+                "ggml's scheduler runs the CPU last, so the CPU device {} may take part only as the last listed device",
+                devices[c].name.trim()
+            ))
+        } else {
+            None
+        };
+        match why_not {
+            None => {
+                let w = weights(devices, budgets, list);
+                let total: f64 = w.iter().sum();
+                let mut ppm: Vec<u32> = w.iter().map(|x| (x / total * 1e6).round() as u32).collect();
+                let rest: u32 = ppm[1..].iter().sum();
+                ppm[0] = 1_000_000u32.saturating_sub(rest);
+                warnings.push(format!("{module}: {ROW_SPLIT_NOTE}"));
+                return Ok((Layout::Rows(list.to_vec(), ppm), None));
+            }
+            Some(reason) => {
+                warnings.push(format!("{module}: row split unavailable ({reason}); falling back to layer split"))
+            }
         }
     }
     let block_bytes: Vec<u64> = s.blocks.iter().map(|b| b.bytes).collect();

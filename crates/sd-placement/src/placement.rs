@@ -38,8 +38,11 @@ pub(crate) enum Layout {
     Single(usize),
     /// Ranges in order; the first is the main device's (it also holds non-block tensors).
     Layer(Vec<Range>),
-    /// Main device first.
+    /// Main device first (the split-buffer row split of a device plugin).
     Row(Vec<usize>),
+    /// Graph-level row split: the devices (main first) and each one's share of the split
+    /// weights' rows, in parts per million.
+    Rows(Vec<usize>, Vec<u32>),
 }
 
 impl Layout {
@@ -47,7 +50,7 @@ impl Layout {
         match self {
             Layout::Single(d) => vec![*d],
             Layout::Layer(r) => r.iter().map(|r| r.device).collect(),
-            Layout::Row(d) => d.clone(),
+            Layout::Row(d) | Layout::Rows(d, _) => d.clone(),
         }
     }
 
@@ -151,6 +154,16 @@ pub(crate) fn account(
                     add_params(&mut usage, d, s.param_bytes);
                 }
             }
+            Layout::Rows(devs, ppm) => {
+                // Conservative: the main device keeps every tensor (the planner does not know
+                // which block tensors are matmul weights); the others their share of the blocks.
+                let block_bytes = s.param_bytes.saturating_sub(s.non_block_bytes);
+                for (i, (&d, &share)) in devs.iter().zip(ppm).enumerate() {
+                    let bytes = if i == 0 { s.param_bytes } else { rows_share(block_bytes, share) };
+                    add_params(&mut usage, d, bytes);
+                    phase(&mut usage, d, r, 0);
+                }
+            }
             Layout::Row(devs) => {
                 let split_bytes = s.param_bytes.saturating_sub(s.non_block_bytes);
                 for &d in devs {
@@ -175,4 +188,9 @@ pub(crate) fn account(
 /// Device names for output.
 pub(crate) fn names(devices: &[Device], idx: &[usize]) -> Vec<String> {
     idx.iter().map(|&i| devices[i].name.trim().to_string()).collect()
+}
+
+/// `share` parts per million of `bytes`.
+pub(crate) fn rows_share(bytes: u64, share: u32) -> u64 {
+    (u128::from(bytes) * u128::from(share) / 1_000_000) as u64
 }

@@ -58,6 +58,9 @@ pub struct SplitRange {
     /// evaluation, `param_bytes / speed` (the main range includes the non-block tensors).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted_s: Option<f64>,
+    /// Graph-level row split: this device's share of the split weights' output rows (0..1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_share: Option<f64>,
 }
 
 /// Predicted time of a layer-split module per evaluation (one micro-batch), from the device
@@ -448,12 +451,12 @@ fn module_plan(
     let offloaded = match (&p.layout, p.params) {
         (Layout::Single(r), Params::Device(d)) => d != *r,
         (_, Params::Follow) => false,
-        (Layout::Row(devs), Params::Device(d)) => !devs.contains(&d),
+        (Layout::Row(devs) | Layout::Rows(devs, _), Params::Device(d)) => !devs.contains(&d),
         _ => true,
     };
     let largest = match p.layout {
         Layout::Single(_) => s.largest_tensor,
-        Layout::Row(_) => s.largest_non_block,
+        Layout::Row(_) | Layout::Rows(..) => s.largest_non_block,
         Layout::Layer(_) => s.largest_tensor,
     };
     let mut split = Vec::new();
@@ -477,6 +480,7 @@ fn module_plan(
                     last_block: blocks[blocks.len() - 1].index,
                     param_bytes: bytes,
                     predicted_s: speeds[r.device].map(|v| bytes as f64 / v),
+                    row_share: None,
                 });
             }
             SplitKind::Layer
@@ -495,6 +499,21 @@ fn module_plan(
                         split_bytes
                     },
                     predicted_s: None,
+                    row_share: None,
+                });
+            }
+            SplitKind::Row
+        }
+        Layout::Rows(devs, ppm) => {
+            let block_bytes = s.param_bytes.saturating_sub(s.non_block_bytes);
+            for (i, (&d, &share)) in devs.iter().zip(ppm).enumerate() {
+                split.push(SplitRange {
+                    device: devices[d].name.trim().to_string(),
+                    first_block: first_all,
+                    last_block: last_all,
+                    param_bytes: if i == 0 { s.param_bytes } else { crate::placement::rows_share(block_bytes, share) },
+                    predicted_s: None,
+                    row_share: Some(f64::from(share) / 1e6),
                 });
             }
             SplitKind::Row
@@ -536,7 +555,7 @@ fn equivalent_flags(placements: &[Placement], devices: &[Device]) -> (String, St
             (_, Params::Device(d)) => params.push(format!("{m}={}", devices[d].name.trim())),
             (_, Params::Follow) => {}
         }
-        if matches!(p.layout, Layout::Row(_)) {
+        if matches!(p.layout, Layout::Row(_) | Layout::Rows(..)) {
             split.push(format!("{m}=row"));
         }
     }
@@ -624,7 +643,19 @@ impl Plan {
                 let _ = write!(o, " + staging {}", fmt_bytes(m.staging_bytes));
             }
             let _ = writeln!(o);
-            for r in &m.split {
+            for (i, r) in m.split.iter().enumerate() {
+                if let Some(share) = r.row_share {
+                    let _ = writeln!(
+                        o,
+                        "      row split: {} computes {:.1}% of the output rows of every block matmul weight \
+                         (attention q/k/v/out, feed-forward, linear proj_in/proj_out){}, {} planned",
+                        r.device,
+                        share * 100.0,
+                        if i == 0 { " and holds every other tensor" } else { "" },
+                        fmt_bytes(r.param_bytes)
+                    );
+                    continue;
+                }
                 let _ = write!(
                     o,
                     "      {} split: {} blocks {}..={} ({})",

@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod plan;
 pub mod profile;
 pub mod report;
+pub mod rowsplit;
 pub mod runner;
 mod split;
 pub use split::BatchJob;
@@ -25,6 +26,7 @@ pub mod weights;
 pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};
 pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport, StageReport};
+pub use rowsplit::RowSplitReport;
 pub use runner::{RunStats, Runner};
 pub use weights::{
     short_name, weight_buffer_type, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights,

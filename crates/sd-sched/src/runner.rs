@@ -115,6 +115,11 @@ pub struct Runner {
     /// The current run's segment names and node ranges, and the graph node the graph being
     /// computed starts at (a segment's view starts inside the module graph): for profiles.
     pub(crate) naming: (Vec<(String, Range<usize>)>, usize),
+    /// Row mode ([`Runner::set_row_split`]): the host CPU backend the scheduler ends with
+    /// (`Some(None)`: the last device is the CPU); `None` outside row mode.
+    pub(crate) row: Option<Option<Arc<Backend>>>,
+    /// The scheduler of row mode, built on the first run.
+    pub(crate) sched: Option<sd_backends::Scheduler>,
 }
 
 /// A runner's state on one computing device.
@@ -248,6 +253,8 @@ impl Runner {
             logged_pipeline: false,
             profile: None,
             naming: (Vec::new(), 0),
+            row: None,
+            sched: None,
         }
     }
 
@@ -351,6 +358,9 @@ impl Runner {
     ) -> Result<()> {
         for d in &mut self.devs {
             d.release_cut_buffer();
+        }
+        if self.row.is_some() || w.is_row_split() {
+            return self.run_rows(w, g, graph_size, out, set_inputs);
         }
         if self.devs.len() > 1 || w.device_names().len() > 1 {
             let job = crate::split::BatchJob { ctx: g, graph_size, cuts: cuts.to_vec(), out };

@@ -131,7 +131,7 @@ impl Runner {
     /// How many micro-batches a batch of `batch` samples should be split into for this
     /// runner: the pipeline copies, at most `batch`, for a split runner; 1 otherwise.
     pub fn micro_batches(&self, batch: usize) -> usize {
-        if self.devs.len() > 1 {
+        if self.devs.len() > 1 && self.row.is_none() {
             self.copies.min(batch).max(1)
         } else {
             1

@@ -107,6 +107,8 @@ pub struct Weights {
     /// Tensors that stay in the device's own buffer type whatever [`weight_buffer_type`] says
     /// (read by something other than a matrix product: [`Weights::keep_in_device_buffer`]).
     plain_only: Vec<bool>,
+    /// The row chunks, when placed for a row split ([`Weights::place_rows`]).
+    pub(crate) rows: Option<crate::rowsplit::RowIndex>,
 }
 
 /// The buffer type a parameter computed on `compute` is stored in when the set's home is
@@ -236,7 +238,7 @@ impl Weights {
         }
         let by_raw = raw.iter().enumerate().map(|(i, r)| (*r as usize, i)).collect();
         let plain_only = vec![false; specs.len()];
-        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None, plain_only })
+        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None, plain_only, rows: None })
     }
 
     /// Keeps the tensors `keep` selects (by internal name) in the computing device's own
@@ -368,7 +370,7 @@ impl Weights {
         self.by_raw.get(&(t.as_raw() as usize)).copied()
     }
 
-    fn nth(&self, i: usize) -> Tensor<'_> {
+    pub(crate) fn nth(&self, i: usize) -> Tensor<'_> {
         // SAFETY: raw[i] was created in self.ctx, which lives as long as &self.
         unsafe { Tensor::from_raw_unchecked(self.raw[i]) }
     }

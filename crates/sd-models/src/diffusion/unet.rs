@@ -629,6 +629,28 @@ pub fn group_of(name: &str) -> String {
     }
 }
 
+/// Whether a UNet parameter is cut by output rows in a row split: the matmul weights of the
+/// transformer blocks (attention q/k/v/out, the feed-forward projections) and linear
+/// `proj_in`/`proj_out` (SD 2.x; SD 1.x's are 1x1 convolutions and stay whole).
+pub fn row_splittable(spec: &TensorSpec) -> bool {
+    const LEAVES: [&str; 8] = [
+        ".to_q.weight",
+        ".to_k.weight",
+        ".to_v.weight",
+        ".to_out.0.weight",
+        ".ff.net.0.proj.weight",
+        ".ff.net.2.weight",
+        ".proj_in.weight",
+        ".proj_out.weight",
+    ];
+    let matrix = spec.ne.len() >= 2 && spec.ne[2..].iter().all(|&d| d == 1);
+    let name = &spec.name;
+    matrix
+        && name.starts_with(PREFIX)
+        && (name.contains("input_blocks.") || name.contains("middle_block.") || name.contains("output_blocks."))
+        && LEAVES.iter().any(|l| name.ends_with(l))
+}
+
 /// A UNet with its weights: what the sampler calls once per step.
 #[derive(Debug)]
 pub struct UNetModel {

@@ -542,7 +542,7 @@ pub fn forward<'g>(
 
 /// Builds the pooled output's graph for one sequence: every layer, the final LayerNorm,
 /// the hidden state at `token_index`, times `text_projection` (no bias): `[projection_dim]`.
-pub fn pooled_forward<'g>(
+fn pooled_forward<'g>(
     g: &'g Context,
     w: &Weights,
     cfg: &ClipConfig,
@@ -602,7 +602,7 @@ fn layers<'g>(
 }
 
 /// Checks that `weights` holds every parameter of `cfg` with its shape and has storage.
-pub fn check_weights(cfg: &ClipConfig, weights: &Weights) -> Result<()> {
+fn check_weights(cfg: &ClipConfig, weights: &Weights) -> Result<()> {
     cfg.validate()?;
     if !weights.is_allocated() {
         return Err(ClipError::NotAllocated);
@@ -724,7 +724,7 @@ impl<'a> ClipEncoder<'a> {
         self.run(runner, 1, sequences, Output::Hidden(clip_skip))
     }
 
-    /// The pooled output of one sequence of `n_positions` ids ([`pooled_forward`]):
+    /// The pooled output of one sequence of `n_positions` ids (`pooled_forward`):
     /// `projection_dim` values.
     pub fn encode_pooled(&self, runner: &mut Runner, ids: &[u32], token_index: usize) -> Result<Vec<f32>> {
         let len = self.cfg.n_positions;
@@ -1152,15 +1152,17 @@ mod tests {
         assert!(matches!(ClipConfig { projection_dim: Some(0), ..cfg }.validate(), Err(ClipError::Config(_))));
     }
 
-    /// Internal name -> ggml shape of the fixture's text encoder, through the file reader's
-    /// name normalisation, keeping what the reference loads for SD 1.x / 2.x.
-    fn fixture_layout(arch: Architecture) -> BTreeMap<String, Vec<i64>> {
+    /// Internal name -> ggml shape of the fixture's text encoder `which`, through the file
+    /// reader's name normalisation, keeping what the reference loads (the projection only
+    /// for bigG).
+    fn fixture_layout(arch: Architecture, which: u8) -> BTreeMap<String, Vec<i64>> {
+        let keep_projection = which == 1;
         let mut out = BTreeMap::new();
-        for t in tensor_table(&arch.only(&[Component::TextEncoder(0)])).unwrap() {
+        for t in tensor_table(&arch.only(&[Component::TextEncoder(which)])).unwrap() {
             let mut ne: Vec<i64> = t.shape.iter().rev().map(|&n| n as i64).collect();
             match normalize(&t.name, FileRole::Checkpoint) {
                 Normalized::One(name) => {
-                    if !name.ends_with("text_projection") && !name.ends_with("logit_scale") {
+                    if (keep_projection || !name.ends_with("text_projection")) && !name.ends_with("logit_scale") {
                         out.insert(name, ne);
                     }
                 }
@@ -1177,12 +1179,15 @@ mod tests {
 
     #[test]
     fn specs_match_the_checkpoint_layout_of_both_families() {
-        for (cfg, arch) in
-            [(ClipConfig::vit_l14(), Architecture::sd15()), (ClipConfig::vit_h14(), Architecture::sd2(Prediction::V))]
-        {
+        for (cfg, arch, which) in [
+            (ClipConfig::vit_l14(), Architecture::sd15(), 0),
+            (ClipConfig::vit_h14(), Architecture::sd2(Prediction::V), 0),
+            (ClipConfig::vit_l14_sdxl(), Architecture::sdxl(), 0),
+            (ClipConfig::vit_bigg14(), Architecture::sdxl(), 1),
+        ] {
             let ours: BTreeMap<String, Vec<i64>> =
                 clip_specs(&cfg, &|_| None, None).into_iter().map(|s| (s.name, s.ne)).collect();
-            assert_eq!(ours, fixture_layout(arch), "{cfg:?}");
+            assert_eq!(ours, fixture_layout(arch, which), "{cfg:?}");
         }
     }
 

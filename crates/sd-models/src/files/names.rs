@@ -526,8 +526,8 @@ mod tests {
         );
     }
 
-    /// SDXL single-file (SGM) names, as `name_conversion.cpp`'s prefix map and open_clip
-    /// table convert them.
+    /// SDXL single-file (SGM) names, as the reference's `name_conversion.cpp` (its prefix map
+    /// and open_clip table) converts them.
     #[test]
     fn sdxl_sgm_names_become_the_internal_ones() {
         let l = "cond_stage_model.transformer.text_model.";

@@ -1,7 +1,7 @@
 //! `cargo xtask fixture`: write a checkpoint with a real family's layout and random weights.
 //!
 //! ```text
-//! cargo xtask fixture sd15|sd21|sd-turbo [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
+//! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! ```
 //!
@@ -10,7 +10,8 @@
 //! extension is `gguf` for quantized types and `safetensors` otherwise; with `-o` the
 //! extension chooses the format. A modified fixture (`--only`, `--std`, `--std-everywhere`,
 //! `--plain-norms`) needs `-o`, so that it never takes a plain fixture's cache entry. `--only` keeps some components
-//! (file metadata unchanged), for small files in tests. `--std S` draws every weight and
+//! (file metadata unchanged), for small files in tests; `text` keeps both text encoders of
+//! SDXL-layout families. `--std S` draws every weight and
 //! embedding N(0, S) instead of the scaled initialisation (a checkpoint as a naive generator
 //! writes it, for parity runs on weights this project's fixtures do not have);
 //! `--std-everywhere` does the same to biases and norms; `--plain-norms` makes biases 0 and
@@ -26,8 +27,8 @@ use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, We
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
-    /// The family: sd15, sd21 or sd-turbo.
-    #[arg(value_name = "sd15|sd21|sd-turbo", value_parser = family)]
+    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega.
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega", value_parser = family)]
     family: Family,
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
@@ -86,7 +87,11 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);
     if let Some(only) = &args.only {
-        req.arch = req.arch.only(only);
+        let mut only = only.clone();
+        if only.contains(&Component::TextEncoder(0)) {
+            only.push(Component::TextEncoder(1));
+        }
+        req.arch = req.arch.only(&only);
     }
     req.weight_std = args.std;
     req.std_everywhere = args.std_everywhere;
@@ -132,6 +137,7 @@ mod tests {
                 plain_norms: false,
             }
         );
+        assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Family::Ssd1b);
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -139,8 +145,8 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo>"),
-            ("sdxl", "sdxl"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega>"),
+            ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),
             ("sd15 --seed", "a value is required"),

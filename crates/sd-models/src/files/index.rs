@@ -122,6 +122,7 @@ const UNUSED: &[&str] = &[
     "v_pred",
     "edm_vpred.",
     "cond_stage_model.model.logit_scale",
+    "cond_stage_model.1.model.logit_scale",
     "model.diffusion_model.time_embedding.cond_proj.weight",
 ];
 

@@ -52,6 +52,17 @@
 //!   HF-style fused `self_attn.in_proj.{weight,bias}` that newer sd.cpp GGUF conversions
 //!   write is split the same way, so an SD 2.x text encoder always appears per-layer q/k/v.
 //! * `text_projection.weight` at the top of an HF CLIP → `text_model.text_projection`.
+//! * **SDXL (SGM) checkpoints**: `conditioner.embedders.0.` → `cond_stage_model.` (CLIP-L,
+//!   HF layout: `conditioner.embedders.0.transformer.text_model.…`);
+//!   `conditioner.embedders.1.` → `cond_stage_model.1.`, whose open_clip body
+//!   (`model.transformer.resblocks.N.…`, `model.token_embedding`, `model.ln_final`,
+//!   `model.text_projection`, …) is mapped as above under `cond_stage_model.1.transformer.`,
+//!   the fused `in_proj` split the same way; `conditioner.embedders.0.open_clip.` →
+//!   `cond_stage_model.` (SGM SD 2.x). `text_projection` keeps its stored orientation, as in
+//!   the reference (see `crate::text::clip`). Names the body maps do not cover
+//!   (`logit_scale`, `position_ids`) keep the renamed prefix, body unchanged. Diffusers `text_encoder_2/` and `--clip_g`
+//!   files are HF CLIP (`text_model.…`, `text_projection.weight`) under
+//!   `cond_stage_model.1.transformer.` ([`FileRole::TextEncoder`] 1).
 //! * Component files get their component's prefix unless they already carry it (a `--vae`
 //!   file's `encoder.…` becomes `first_stage_model.encoder.…`); files saved with the
 //!   diffusers/ComfyUI short prefixes (`diffusion_model.`, `vae.`, `te.`, `text_encoder.`)
@@ -107,6 +118,15 @@ pub const TE_PREFIX: &str = "cond_stage_model.transformer.";
 pub const TE2_PREFIX: &str = "cond_stage_model.1.transformer.";
 pub const TAESD_PREFIX: &str = "tae.";
 const OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
+/// SDXL's second encoder in open_clip layout, after the `conditioner.embedders.1.` rename.
+const OPEN_CLIP2_PREFIX: &str = "cond_stage_model.1.model.";
+/// The SGM (SDXL) checkpoint prefixes and the LDM ones they become, in the order the
+/// reference tries them (`name_conversion.cpp`'s prefix map).
+const SGM_PREFIXES: [(&str, &str); 3] = [
+    ("conditioner.embedders.0.open_clip.", "cond_stage_model."),
+    ("conditioner.embedders.0.", "cond_stage_model."),
+    ("conditioner.embedders.1.", "cond_stage_model.1."),
+];
 
 /// The internal name(s) of the tensor stored as `original` in a file of `role`.
 ///
@@ -115,7 +135,9 @@ const OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
 /// of the file's own component.
 pub fn normalize(original: &str, role: FileRole) -> Normalized {
     if role != FileRole::Checkpoint
-        && [UNET_PREFIX, VAE_PREFIX, "cond_stage_model."].iter().any(|p| original.starts_with(p))
+        && [UNET_PREFIX, VAE_PREFIX, "cond_stage_model.", "conditioner.embedders."]
+            .iter()
+            .any(|p| original.starts_with(p))
     {
         return checkpoint_name(original);
     }
@@ -157,6 +179,12 @@ fn checkpoint_name(name: &str) -> Normalized {
     }
     if let Some(rest) = name.strip_prefix(OPEN_CLIP_PREFIX) {
         return open_clip(rest, TE_PREFIX).unwrap_or_else(|| Normalized::One(name.to_owned()));
+    }
+    if let Some(rest) = name.strip_prefix(OPEN_CLIP2_PREFIX) {
+        return open_clip(rest, TE2_PREFIX).unwrap_or_else(|| Normalized::One(name.to_owned()));
+    }
+    if let Some((from, to)) = SGM_PREFIXES.iter().find(|(from, _)| name.starts_with(from)) {
+        return checkpoint_name(&format!("{to}{}", &name[from.len()..]));
     }
     if let Some(rest) = name.strip_prefix(TE2_PREFIX) {
         return hf_clip(rest, TE2_PREFIX);
@@ -495,6 +523,86 @@ mod tests {
         assert_eq!(
             one("cond_stage_model.model.logit_scale", FileRole::Checkpoint),
             "cond_stage_model.model.logit_scale"
+        );
+    }
+
+    /// SDXL single-file (SGM) names, as the reference's `name_conversion.cpp` (its prefix map
+    /// and open_clip table) converts them.
+    #[test]
+    fn sdxl_sgm_names_become_the_internal_ones() {
+        let l = "cond_stage_model.transformer.text_model.";
+        let g = "cond_stage_model.1.transformer.text_model.";
+        let cases = [
+            (
+                "conditioner.embedders.0.transformer.text_model.encoder.layers.11.mlp.fc2.bias",
+                format!("{l}encoder.layers.11.mlp.fc2.bias"),
+            ),
+            (
+                "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight",
+                format!("{l}embeddings.token_embedding.weight"),
+            ),
+            (
+                "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight",
+                format!("{l}final_layer_norm.weight"),
+            ),
+            ("conditioner.embedders.1.model.token_embedding.weight", format!("{g}embeddings.token_embedding.weight")),
+            ("conditioner.embedders.1.model.positional_embedding", format!("{g}embeddings.position_embedding.weight")),
+            ("conditioner.embedders.1.model.ln_final.bias", format!("{g}final_layer_norm.bias")),
+            ("conditioner.embedders.1.model.text_projection", format!("{g}text_projection")),
+            (
+                "conditioner.embedders.1.model.transformer.resblocks.31.ln_1.weight",
+                format!("{g}encoder.layers.31.layer_norm1.weight"),
+            ),
+            (
+                "conditioner.embedders.1.model.transformer.resblocks.0.attn.out_proj.bias",
+                format!("{g}encoder.layers.0.self_attn.out_proj.bias"),
+            ),
+            (
+                "conditioner.embedders.1.model.transformer.resblocks.7.mlp.c_fc.weight",
+                format!("{g}encoder.layers.7.mlp.fc1.weight"),
+            ),
+            (
+                "conditioner.embedders.1.model.transformer.resblocks.7.mlp.c_proj.bias",
+                format!("{g}encoder.layers.7.mlp.fc2.bias"),
+            ),
+            ("conditioner.embedders.0.open_clip.model.ln_final.weight", format!("{l}final_layer_norm.weight")),
+            // What the reference ignores keeps a visible name.
+            ("conditioner.embedders.1.model.logit_scale", "cond_stage_model.1.model.logit_scale".to_owned()),
+            (
+                "conditioner.embedders.0.transformer.text_model.embeddings.position_ids",
+                format!("{l}embeddings.position_ids"),
+            ),
+        ];
+        for (sgm, internal) in cases {
+            assert_eq!(one(sgm, FileRole::Checkpoint), internal, "{sgm}");
+        }
+        for (suffix, part) in [("in_proj_weight", "weight"), ("in_proj_bias", "bias")] {
+            assert_eq!(
+                normalize(
+                    &format!("conditioner.embedders.1.model.transformer.resblocks.30.attn.{suffix}"),
+                    FileRole::Checkpoint
+                ),
+                Normalized::Split([
+                    format!("{g}encoder.layers.30.self_attn.q_proj.{part}"),
+                    format!("{g}encoder.layers.30.self_attn.k_proj.{part}"),
+                    format!("{g}encoder.layers.30.self_attn.v_proj.{part}"),
+                ])
+            );
+        }
+        // Separate files: `--clip_g` / diffusers `text_encoder_2/` (HF CLIPTextModelWithProjection),
+        // and a whole SDXL checkpoint given as a component.
+        assert_eq!(one("text_projection.weight", FileRole::TextEncoder(1)), format!("{g}text_projection"));
+        assert_eq!(
+            one("text_model.encoder.layers.31.self_attn.v_proj.weight", FileRole::TextEncoder(1)),
+            format!("{g}encoder.layers.31.self_attn.v_proj.weight")
+        );
+        assert_eq!(
+            one("conditioner.embedders.1.model.ln_final.weight", FileRole::TextEncoder(1)),
+            format!("{g}final_layer_norm.weight")
+        );
+        assert_eq!(
+            one("text_model.embeddings.position_embedding.weight", FileRole::TextEncoder(0)),
+            format!("{l}embeddings.position_embedding.weight")
         );
     }
 

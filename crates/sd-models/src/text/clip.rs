@@ -1,4 +1,5 @@
-//! CLIP text transformers as ggml graphs: OpenAI CLIP ViT-L/14 (SD 1.x) and OpenCLIP ViT-H/14 (SD 2.x).
+//! CLIP text transformers as ggml graphs: OpenAI CLIP ViT-L/14 (SD 1.x, SDXL), OpenCLIP ViT-H/14
+//! (SD 2.x) and OpenCLIP ViT-bigG/14 (SDXL's second encoder, with its projection).
 //!
 //! References: Radford et al., "Learning Transferable Visual Models From Natural Language
 //! Supervision" (2021); Hugging Face `modeling_clip.py` (`CLIPTextModel`, whose tensor names we
@@ -39,11 +40,23 @@
 //!   fused and splits the matmul's output instead; every output element is the same dot
 //!   product of the same weight row and activation column either way.
 //!
+//! * **Pooled output** (ViT-bigG only, [`ClipEncoder::encode_pooled`]): every layer runs
+//!   (clip skip ignored), then the final LayerNorm (even though SDXL builds bigG without
+//!   it for the hidden states), then the hidden state at one token (the first EOS), times
+//!   `text_projection` without bias. The reference declares `text_projection` f32 whatever
+//!   the file stores, as ggml `[projection_dim, hidden_size]`, and multiplies it as a linear
+//!   weight (`mul_mat(text_projection, x)`), so the stored tensor's rows are the outputs;
+//!   it never transposes it, whether the file holds open_clip's `text_projection` (which
+//!   open_clip itself applies as `x @ P`, the transpose) or HF's `text_projection.weight`.
+//!   We do the same. Since 1280 = 1280 both readings of the shape agree; we declare it
+//!   `[hidden_size, projection_dim]` (in, out) like any linear weight.
+//!
 //! Tensor names are the reference's internal ones under
-//! [`TEXT_MODEL_PREFIX`] (`…embeddings.token_embedding.weight`,
-//! `…encoder.layers.N.self_attn.q_proj.weight`, `…final_layer_norm.bias`, …). Parameters that
-//! the reference does not load for these two models (`position_ids`, OpenCLIP's
-//! `text_projection` and `logit_scale`) are not declared.
+//! `cond_stage_model.transformer.text_model` (`…embeddings.token_embedding.weight`,
+//! `…encoder.layers.N.self_attn.q_proj.weight`, `…final_layer_norm.bias`, …), and
+//! `cond_stage_model.1.transformer.text_model` for SDXL's bigG. Parameters that the
+//! reference does not load (`position_ids`, `logit_scale`, the `text_projection` of ViT-L
+//! and ViT-H) are not declared.
 //!
 //! Graph cuts are recorded as the reference marks them: `clip_text.prelude` after the
 //! embeddings and `clip_text.layers.N` after each layer.
@@ -56,6 +69,8 @@ use crate::wtype::SpecSink;
 
 /// Where the text model's tensors live in the internal naming.
 const TEXT_MODEL_PREFIX: &str = "cond_stage_model.transformer.text_model";
+/// Where SDXL's second text model (OpenCLIP ViT-bigG/14) lives.
+const TEXT_MODEL2_PREFIX: &str = "cond_stage_model.1.transformer.text_model";
 
 /// Errors of the text encoders.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +93,10 @@ pub enum ClipError {
     /// A graph input of the wrong type or shape (a bug in the caller).
     #[error("text encoder input `ids` must be i32 of shape [{n_positions}, N], got type {ty} shape {shape:?}")]
     Input { ty: String, shape: [i64; 4], n_positions: usize },
+    /// A pooled output asked of an encoder without a projection, or at a token index
+    /// outside the sequence.
+    #[error("pooled output at token {index} of {n_positions}: {why}")]
+    Pooled { index: usize, n_positions: usize, why: &'static str },
     /// A parameter missing from the weight set given to the model.
     #[error("text encoder weight `{0}` is missing from the weight set")]
     MissingWeight(String),
@@ -142,6 +161,9 @@ pub struct ClipConfig {
     pub min_clip_skip: usize,
     /// Id that pads a chunk after its EOS.
     pub pad_id: u32,
+    /// Output width of `text_projection` (the pooled output's width); `None` for encoders
+    /// whose projection the reference does not load (ViT-L, ViT-H).
+    pub projection_dim: Option<usize>,
 }
 
 impl ClipConfig {
@@ -162,6 +184,7 @@ impl ClipConfig {
             default_clip_skip: 1,
             min_clip_skip: 1,
             pad_id: EOS_ID,
+            projection_dim: None,
         }
     }
 
@@ -182,6 +205,37 @@ impl ClipConfig {
         }
     }
 
+    /// OpenAI CLIP ViT-L/14 as SDXL's first encoder: as [`ClipConfig::vit_l14`] but without
+    /// the final LayerNorm and with the penultimate layer by default (the reference's SDXL
+    /// conditioner builds it with `with_final_ln = false`; clip skip <= 0 is 2 for SDXL).
+    pub fn vit_l14_sdxl() -> Self {
+        Self { with_final_ln: false, default_clip_skip: 2, ..Self::vit_l14() }
+    }
+
+    /// OpenCLIP ViT-bigG/14 text tower, SDXL's second encoder: 32 layers of width 1280, 20
+    /// heads, MLP 5120, GELU (tanh approximation: the reference picks `ggml_gelu` for widths
+    /// 1024 and 1280), no final LayerNorm on the hidden states, penultimate layer by default,
+    /// and `text_projection` 1280 -> 1280 for the pooled output. Its parameters live under
+    /// `cond_stage_model.1.transformer.text_model`. Chunks are padded with EOS when tokenized
+    /// (the SDXL tokenizer's pad id); the conditioner sets the ids after the first EOS to 0
+    /// before bigG sees them, so [`ClipConfig::pad_id`] is 0.
+    pub fn vit_bigg14() -> Self {
+        Self {
+            prefix: TEXT_MODEL2_PREFIX,
+            hidden_size: 1280,
+            intermediate_size: 5120,
+            n_heads: 20,
+            n_layers: 32,
+            activation: Activation::GeluTanh,
+            with_final_ln: false,
+            default_clip_skip: 2,
+            min_clip_skip: 1,
+            pad_id: 0,
+            projection_dim: Some(1280),
+            ..Self::vit_l14()
+        }
+    }
+
     /// How the tokenizer lays ids out for this encoder.
     pub fn chunk_config(&self) -> ChunkConfig {
         ChunkConfig { chunk_len: self.n_positions, pad_id: self.pad_id }
@@ -198,6 +252,9 @@ impl ClipConfig {
         }
         if self.default_clip_skip == 0 || self.default_clip_skip > self.n_layers {
             return bad(format!("default clip skip {} is not in 1..={}", self.default_clip_skip, self.n_layers));
+        }
+        if self.projection_dim == Some(0) {
+            return bad(format!("a text projection needs a non-zero width: {self:?}"));
         }
         if self.vocab_size > i32::MAX as usize || self.n_positions > i32::MAX as usize {
             return bad(format!("vocabulary and positions must fit i32: {self:?}"));
@@ -280,6 +337,10 @@ pub fn clip_specs(
         b.norm(&format!("{l}.layer_norm2"), h);
     }
     b.norm(&cfg.name("final_layer_norm"), h);
+    if let Some(p) = cfg.projection_dim {
+        // Always f32 (clip.hpp CLIPTextModel::init_params), whatever the file stores.
+        b.push(cfg.name("text_projection"), GgmlType::GGML_TYPE_F32, &[h, p as i64]);
+    }
     b.specs
 }
 
@@ -479,6 +540,50 @@ pub fn forward<'g>(
     clip_skip: usize,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
+    let x = layers(g, w, cfg, ids, clip_skip, cuts)?;
+    if cfg.with_final_ln {
+        return Ok(LayerNorm::load(w, &cfg.name("final_layer_norm"), cfg.layer_norm_eps)?.forward(g, x));
+    }
+    Ok(x)
+}
+
+/// Builds the pooled output's graph for one sequence: every layer, the final LayerNorm,
+/// the hidden state at `token_index`, times `text_projection` (no bias): `[projection_dim]`.
+fn pooled_forward<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &ClipConfig,
+    ids: Tensor<'_>,
+    token_index: usize,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
+    let n_positions = cfg.n_positions;
+    if cfg.projection_dim.is_none() {
+        return Err(ClipError::Pooled { index: token_index, n_positions, why: "this encoder has no text projection" });
+    }
+    if token_index >= n_positions {
+        return Err(ClipError::Pooled { index: token_index, n_positions, why: "the index is outside the sequence" });
+    }
+    if ids.shape()[1] != 1 {
+        return Err(ClipError::Input { ty: sd_backends::type_name(ids.dtype()), shape: ids.shape(), n_positions });
+    }
+    let x = layers(g, w, cfg, ids, 1, cuts)?;
+    let x = LayerNorm::load(w, &cfg.name("final_layer_norm"), cfg.layer_norm_eps)?.forward(g, x);
+    let [h, ..] = x.shape();
+    let nb = x.nb();
+    let row = g.view(x, [h, 1, 1, 1], [nb[1], nb[2], nb[3]], nb[1] * token_index);
+    Ok(g.mul_mat(get(w, &cfg.name("text_projection"))?, row))
+}
+
+/// Embeddings and the first `n_layers - clip_skip + 1` layers.
+fn layers<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &ClipConfig,
+    ids: Tensor<'_>,
+    clip_skip: usize,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
     cfg.validate()?;
     let shape = ids.shape();
     if ids.dtype() != GgmlType::GGML_TYPE_I32 || shape[0] != cfg.n_positions as i64 || shape[2] != 1 || shape[3] != 1 {
@@ -500,10 +605,27 @@ pub fn forward<'g>(
         x = EncoderLayer::load(w, cfg, i)?.forward(g, x);
         cuts.push((format!("clip_text.layers.{i}"), x));
     }
-    if cfg.with_final_ln {
-        x = LayerNorm::load(w, &cfg.name("final_layer_norm"), cfg.layer_norm_eps)?.forward(g, x);
-    }
     Ok(x)
+}
+
+/// Checks that `weights` holds every parameter of `cfg` with its shape and has storage.
+fn check_weights(cfg: &ClipConfig, weights: &Weights) -> Result<()> {
+    cfg.validate()?;
+    if !weights.is_allocated() {
+        return Err(ClipError::NotAllocated);
+    }
+    let have: std::collections::HashMap<&str, &TensorSpec> =
+        weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
+    for want in clip_specs(cfg, &|_| None, None) {
+        match have.get(want.name.as_str()) {
+            None => return Err(ClipError::MissingWeight(want.name)),
+            Some(got) if got.ne != want.ne => {
+                return Err(ClipError::WeightShape { name: want.name, expected: want.ne, got: got.ne.clone() })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// A CLIP text transformer with its weights, ready to encode token ids.
@@ -517,21 +639,7 @@ impl ClipTextModel {
     /// Pairs a config with its weights (declared from [`clip_specs`], allocated and loaded).
     /// Every parameter must be present with the architecture's shape.
     pub fn new(cfg: ClipConfig, weights: Weights) -> Result<Self> {
-        cfg.validate()?;
-        if !weights.is_allocated() {
-            return Err(ClipError::NotAllocated);
-        }
-        let have: std::collections::HashMap<&str, &TensorSpec> =
-            weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
-        for want in clip_specs(&cfg, &|_| None, None) {
-            match have.get(want.name.as_str()) {
-                None => return Err(ClipError::MissingWeight(want.name)),
-                Some(got) if got.ne != want.ne => {
-                    return Err(ClipError::WeightShape { name: want.name, expected: want.ne, got: got.ne.clone() })
-                }
-                Some(_) => {}
-            }
-        }
+        check_weights(&cfg, &weights)?;
         Ok(Self { cfg, weights })
     }
 
@@ -545,6 +653,58 @@ impl ClipTextModel {
         &self.weights
     }
 
+    /// The encoder over this model's config and weights.
+    pub fn encoder(&self) -> ClipEncoder<'_> {
+        ClipEncoder { cfg: &self.cfg, weights: &self.weights }
+    }
+
+    /// See [`ClipEncoder::encode_ids`].
+    pub fn encode_ids(&self, runner: &mut Runner, ids: &[u32], clip_skip: usize) -> Result<Vec<f32>> {
+        self.encoder().encode_ids(runner, ids, clip_skip)
+    }
+
+    /// See [`ClipEncoder::encode_each`].
+    pub fn encode_each(&self, runner: &mut Runner, sequences: &[&[u32]], clip_skip: usize) -> Result<Vec<Vec<f32>>> {
+        self.encoder().encode_each(runner, sequences, clip_skip)
+    }
+
+    /// See [`ClipEncoder::encode_pooled`].
+    pub fn encode_pooled(&self, runner: &mut Runner, ids: &[u32], token_index: usize) -> Result<Vec<f32>> {
+        self.encoder().encode_pooled(runner, ids, token_index)
+    }
+}
+
+/// A text transformer over borrowed weights: several encoders can share one weight set
+/// (SDXL's two encoders are one `te` module). Build it with [`ClipEncoder::new`], which checks
+/// the weights, or [`ClipTextModel::encoder`].
+#[derive(Clone, Copy, Debug)]
+pub struct ClipEncoder<'a> {
+    cfg: &'a ClipConfig,
+    weights: &'a Weights,
+}
+
+/// What one graph of the encoder returns.
+#[derive(Clone, Copy)]
+enum Output {
+    /// Hidden states at a clip skip.
+    Hidden(usize),
+    /// The pooled, projected state at a token index.
+    Pooled(usize),
+}
+
+impl<'a> ClipEncoder<'a> {
+    /// An encoder for `cfg` over `weights`, which must hold every parameter of `cfg` (and
+    /// may hold others).
+    pub fn new(cfg: &'a ClipConfig, weights: &'a Weights) -> Result<Self> {
+        check_weights(cfg, weights)?;
+        Ok(Self { cfg, weights })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &'a ClipConfig {
+        self.cfg
+    }
+
     /// Encodes `ids` (N sequences of `n_positions` ids, one after another) in one graph and
     /// returns the hidden states, `hidden_size` values per token, tokens in order: the raw
     /// encoder output, before any prompt weighting. This is the component the parity harness
@@ -554,7 +714,7 @@ impl ClipTextModel {
         if ids.is_empty() || !ids.len().is_multiple_of(len) {
             return Err(ClipError::IdsLength { got: ids.len(), n_positions: len });
         }
-        let mut out = self.run(runner, ids.len() / len, &[ids], clip_skip)?;
+        let mut out = self.run(runner, ids.len() / len, &[ids], Output::Hidden(clip_skip))?;
         Ok(out.remove(0))
     }
 
@@ -568,12 +728,23 @@ impl ClipTextModel {
         if sequences.is_empty() {
             return Ok(Vec::new());
         }
-        self.run(runner, 1, sequences, clip_skip)
+        self.run(runner, 1, sequences, Output::Hidden(clip_skip))
+    }
+
+    /// The pooled output of one sequence of `n_positions` ids (`pooled_forward`):
+    /// `projection_dim` values.
+    pub fn encode_pooled(&self, runner: &mut Runner, ids: &[u32], token_index: usize) -> Result<Vec<f32>> {
+        let len = self.cfg.n_positions;
+        if ids.len() != len {
+            return Err(ClipError::IdsLength { got: ids.len(), n_positions: len });
+        }
+        let mut out = self.run(runner, 1, &[ids], Output::Pooled(token_index))?;
+        Ok(out.remove(0))
     }
 
     /// Builds one graph for `batch` sequences and runs it once per input.
-    fn run(&self, runner: &mut Runner, batch: usize, inputs: &[&[u32]], clip_skip: usize) -> Result<Vec<Vec<f32>>> {
-        let cfg = &self.cfg;
+    fn run(&self, runner: &mut Runner, batch: usize, inputs: &[&[u32]], what: Output) -> Result<Vec<Vec<f32>>> {
+        let cfg = self.cfg;
         let converted: Vec<Vec<i32>> = inputs.iter().map(|ids| self.check_ids(ids)).collect::<Result<_>>()?;
 
         let graph_size = 64 * (cfg.n_layers + 2);
@@ -585,12 +756,16 @@ impl ClipTextModel {
                 .set_name("clip_ids")
                 .set_input();
             let mut cuts = Vec::new();
-            let out = forward(&g, &self.weights, cfg, ids, clip_skip, &mut cuts)?.set_output();
+            let out = match what {
+                Output::Hidden(clip_skip) => forward(&g, self.weights, cfg, ids, clip_skip, &mut cuts)?,
+                Output::Pooled(index) => pooled_forward(&g, self.weights, cfg, ids, index, &mut cuts)?,
+            }
+            .set_output();
             if cuts.last().is_some_and(|(_, t)| *t == out) {
                 cuts.pop();
             }
             // Whole or in segments at the layer cuts, staging weights as their home requires.
-            runner.run(&self.weights, &g, graph_size, &cuts, out, &mut || {
+            runner.run(self.weights, &g, graph_size, &cuts, out, &mut || {
                 ids.set_i32(input)?;
                 Ok(())
             })?;
@@ -793,6 +968,25 @@ pub(crate) mod test_support {
     /// The text transformer in f64 on the weights [`values`] gives: hidden states of each
     /// sequence of `ids`, token-major like the graph's output.
     pub(crate) fn reference_encode(cfg: &ClipConfig, ids: &[u32], clip_skip: usize) -> Vec<f64> {
+        ids.chunks(cfg.n_positions)
+            .flat_map(|seq| reference_rows(cfg, seq, cfg.n_layers - clip_skip + 1, cfg.with_final_ln))
+            .flatten()
+            .collect()
+    }
+
+    /// The pooled output in f64: all layers, final LayerNorm, the row at `index`, times
+    /// `text_projection` (stored [in = hidden][out = projection] in ggml order, i.e. torch
+    /// `[projection][hidden]`).
+    pub(crate) fn reference_pooled(cfg: &ClipConfig, ids: &[u32], index: usize) -> Vec<f64> {
+        let rows = reference_rows(cfg, ids, cfg.n_layers, true);
+        let (h, p) = (cfg.hidden_size, cfg.projection_dim.unwrap());
+        let name = format!("{}.text_projection", cfg.prefix);
+        let w: Vec<f64> = values(&name, &[h as i64, p as i64]).into_iter().map(f64::from).collect();
+        (0..p).map(|o| (0..h).map(|i| w[o * h + i] * rows[index][i]).sum()).collect()
+    }
+
+    /// One sequence through `n_run` layers, then the final LayerNorm when `final_ln`.
+    fn reference_rows(cfg: &ClipConfig, seq: &[u32], n_run: usize, final_ln: bool) -> Rows {
         let specs = clip_specs(cfg, &|_| None, None);
         let p = |suffix: &str| -> Vec<f64> {
             let name = format!("{}.{suffix}", cfg.prefix);
@@ -802,32 +996,28 @@ pub(crate) mod test_support {
         let eps = cfg.layer_norm_eps as f64;
         let h = cfg.hidden_size;
         let (tok, pos) = (p("embeddings.token_embedding.weight"), p("embeddings.position_embedding.weight"));
-        let mut out = Vec::with_capacity(ids.len() * h);
-        for seq in ids.chunks(cfg.n_positions) {
-            let mut x: Rows = seq
-                .iter()
-                .enumerate()
-                .map(|(t, &id)| (0..h).map(|c| tok[id as usize * h + c] + pos[t * h + c]).collect())
-                .collect();
-            for i in 0..cfg.n_layers - clip_skip + 1 {
-                let l = |s: &str| p(&format!("encoder.layers.{i}.{s}"));
-                let a = layer_norm(&x, &l("layer_norm1.weight"), &l("layer_norm1.bias"), eps);
-                let proj = |name: &str, t: &Rows| {
-                    linear(t, &l(&format!("self_attn.{name}.weight")), &l(&format!("self_attn.{name}.bias")))
-                };
-                let attn = causal_attention(&proj("q_proj", &a), &proj("k_proj", &a), &proj("v_proj", &a), cfg.n_heads);
-                x = add(&x, &proj("out_proj", &attn));
-                let m = layer_norm(&x, &l("layer_norm2.weight"), &l("layer_norm2.bias"), eps);
-                let mut m = linear(&m, &l("mlp.fc1.weight"), &l("mlp.fc1.bias"));
-                m.iter_mut().flatten().for_each(|v| *v = activation(cfg.activation, *v));
-                x = add(&x, &linear(&m, &l("mlp.fc2.weight"), &l("mlp.fc2.bias")));
-            }
-            if cfg.with_final_ln {
-                x = layer_norm(&x, &p("final_layer_norm.weight"), &p("final_layer_norm.bias"), eps);
-            }
-            out.extend(x.into_iter().flatten());
+        let mut x: Rows = seq
+            .iter()
+            .enumerate()
+            .map(|(t, &id)| (0..h).map(|c| tok[id as usize * h + c] + pos[t * h + c]).collect())
+            .collect();
+        for i in 0..n_run {
+            let l = |s: &str| p(&format!("encoder.layers.{i}.{s}"));
+            let a = layer_norm(&x, &l("layer_norm1.weight"), &l("layer_norm1.bias"), eps);
+            let proj = |name: &str, t: &Rows| {
+                linear(t, &l(&format!("self_attn.{name}.weight")), &l(&format!("self_attn.{name}.bias")))
+            };
+            let attn = causal_attention(&proj("q_proj", &a), &proj("k_proj", &a), &proj("v_proj", &a), cfg.n_heads);
+            x = add(&x, &proj("out_proj", &attn));
+            let m = layer_norm(&x, &l("layer_norm2.weight"), &l("layer_norm2.bias"), eps);
+            let mut m = linear(&m, &l("mlp.fc1.weight"), &l("mlp.fc1.bias"));
+            m.iter_mut().flatten().for_each(|v| *v = activation(cfg.activation, *v));
+            x = add(&x, &linear(&m, &l("mlp.fc2.weight"), &l("mlp.fc2.bias")));
         }
-        out
+        if final_ln {
+            x = layer_norm(&x, &p("final_layer_norm.weight"), &p("final_layer_norm.bias"), eps);
+        }
+        x
     }
 
     /// (max, mean) absolute difference.
@@ -878,15 +1068,108 @@ mod tests {
         assert_eq!(count(&clip_specs(&ClipConfig::vit_h14(), &|_| None, None)), want);
     }
 
-    /// Internal name -> ggml shape of the fixture's text encoder, through the file reader's
-    /// name normalisation, keeping what the reference loads for SD 1.x / 2.x.
-    fn fixture_layout(arch: Architecture) -> BTreeMap<String, Vec<i64>> {
+    #[test]
+    fn open_clip_bigg_text_model_has_the_published_parameter_count() {
+        // HF CLIPTextModelWithProjection for `laion/CLIP-ViT-bigG-14-laion2B-39B-b160k` (SDXL's
+        // `text_encoder_2`): 694,659,840 parameters, the projection (1280x1280, no bias)
+        // included. All of it is what the reference loads for OPEN_CLIP_VIT_BIGG_14.
+        let cfg = ClipConfig::vit_bigg14();
+        let specs = clip_specs(&cfg, &|_| None, None);
+        assert_eq!(count(&specs), 694_659_840);
+        let proj = specs.iter().find(|s| s.name.ends_with(".text_projection")).unwrap();
+        assert_eq!(proj.name, "cond_stage_model.1.transformer.text_model.text_projection");
+        assert_eq!((proj.ty, proj.ne.clone()), (F32, vec![1280, 1280]));
+        // Stored f32 even when the file has f16 and --type asks for q8_0.
+        let specs = clip_specs(&cfg, &|_| Some(F16), Some(GgmlType::GGML_TYPE_Q8_0));
+        assert_eq!(specs.iter().find(|s| s.name == proj.name).unwrap().ty, F32);
+        // SDXL's ViT-L is SD 1.x's without the final norm, penultimate by default.
+        let l = ClipConfig::vit_l14_sdxl();
+        assert_eq!(count(&clip_specs(&l, &|_| None, None)), 123_060_480);
+        assert!(!l.with_final_ln && l.resolve_clip_skip(0).unwrap() == 2 && l.resolve_clip_skip(1).unwrap() == 1);
+        assert_eq!(cfg.resolve_clip_skip(-1).unwrap(), 2);
+        assert_eq!(cfg.resolve_clip_skip(1).unwrap(), 1, "bigG's last layer is loaded (the pooled output needs it)");
+    }
+
+    /// A tiny encoder with a projection, as bigG is.
+    fn tiny_projected() -> ClipConfig {
+        ClipConfig {
+            prefix: TEXT_MODEL2_PREFIX,
+            with_final_ln: false,
+            projection_dim: Some(32),
+            ..tiny(Activation::GeluTanh, 2, 0)
+        }
+    }
+
+    #[test]
+    fn pooled_output_matches_an_f64_transformer() {
+        let backend = backend();
+        let mut runner = Runner::new("clip", backend.clone());
+        let cfg = tiny_projected();
+        let model = model(&cfg, F32, &backend);
+        let ids: Vec<u32> = (0..77u32).map(|i| (i * 7919 + 13) % 49408).collect();
+        for index in [0, 5, 76] {
+            let got = model.encode_pooled(&mut runner, &ids, index).unwrap();
+            assert_eq!(got.len(), 32);
+            let want = reference_pooled(&cfg, &ids, index);
+            let (max, mean) = diff(&got, &want);
+            assert!(max < 2e-3 && mean < 2e-4, "index {index}: max {max:e}, mean {mean:e}");
+        }
+        // The pooled state runs every layer and the final norm, unlike the hidden states of
+        // this config (penultimate, no norm): it is not a projection of those.
+        let last = reference_rows_for_test(&cfg, &ids);
+        let hidden = model.encode_ids(&mut runner, &ids, 2).unwrap();
+        assert!(diff(&hidden[5 * 32..6 * 32], &last[5 * 32..6 * 32]).0 > 1e-2);
+        // Causal: the pooled state at a token ignores every later token.
+        let mut later = ids.clone();
+        later[40] = 7;
+        assert_eq!(
+            model.encode_pooled(&mut runner, &ids, 5).unwrap(),
+            model.encode_pooled(&mut runner, &later, 5).unwrap()
+        );
+    }
+
+    /// Hidden states after every layer and the final norm (what pooling reads).
+    fn reference_rows_for_test(cfg: &ClipConfig, ids: &[u32]) -> Vec<f64> {
+        let full = ClipConfig { with_final_ln: true, ..cfg.clone() };
+        reference_encode(&full, ids, 1)
+    }
+
+    #[test]
+    fn pooled_output_errors_are_clear() {
+        let backend = backend();
+        let mut runner = Runner::new("clip", backend.clone());
+        let cfg = tiny_projected();
+        let model = model(&cfg, F32, &backend);
+        let ids = vec![EOS_ID; 77];
+        let e = model.encode_pooled(&mut runner, &ids, 77).unwrap_err();
+        assert!(matches!(e, ClipError::Pooled { index: 77, n_positions: 77, .. }), "{e}");
+        assert!(matches!(model.encode_pooled(&mut runner, &ids[..76], 3), Err(ClipError::IdsLength { got: 76, .. })));
+        let plain = super::test_support::model(&tiny(Activation::QuickGelu, 1, EOS_ID), F32, &backend);
+        let e = plain.encode_pooled(&mut runner, &ids, 3).unwrap_err();
+        assert!(e.to_string().contains("no text projection"), "{e}");
+        // A weight set without the projection is refused when the encoder is built.
+        let mut specs = clip_specs(&cfg, &|_| None, None);
+        specs.retain(|s| !s.name.ends_with("text_projection"));
+        let mut w = Weights::new(specs).unwrap();
+        w.allocate(backend.device().buffer_type()).unwrap();
+        match ClipEncoder::new(&cfg, &w) {
+            Err(ClipError::MissingWeight(n)) => assert!(n.ends_with(".text_projection"), "{n}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(ClipConfig { projection_dim: Some(0), ..cfg }.validate(), Err(ClipError::Config(_))));
+    }
+
+    /// Internal name -> ggml shape of the fixture's text encoder `which`, through the file
+    /// reader's name normalisation, keeping what the reference loads (the projection only
+    /// for bigG).
+    fn fixture_layout(arch: Architecture, which: u8) -> BTreeMap<String, Vec<i64>> {
+        let keep_projection = which == 1;
         let mut out = BTreeMap::new();
-        for t in tensor_table(&arch.only(&[Component::TextEncoder(0)])).unwrap() {
+        for t in tensor_table(&arch.only(&[Component::TextEncoder(which)])).unwrap() {
             let mut ne: Vec<i64> = t.shape.iter().rev().map(|&n| n as i64).collect();
             match normalize(&t.name, FileRole::Checkpoint) {
                 Normalized::One(name) => {
-                    if !name.ends_with("text_projection") && !name.ends_with("logit_scale") {
+                    if (keep_projection || !name.ends_with("text_projection")) && !name.ends_with("logit_scale") {
                         out.insert(name, ne);
                     }
                 }
@@ -903,12 +1186,15 @@ mod tests {
 
     #[test]
     fn specs_match_the_checkpoint_layout_of_both_families() {
-        for (cfg, arch) in
-            [(ClipConfig::vit_l14(), Architecture::sd15()), (ClipConfig::vit_h14(), Architecture::sd2(Prediction::V))]
-        {
+        for (cfg, arch, which) in [
+            (ClipConfig::vit_l14(), Architecture::sd15(), 0),
+            (ClipConfig::vit_h14(), Architecture::sd2(Prediction::V), 0),
+            (ClipConfig::vit_l14_sdxl(), Architecture::sdxl(), 0),
+            (ClipConfig::vit_bigg14(), Architecture::sdxl(), 1),
+        ] {
             let ours: BTreeMap<String, Vec<i64>> =
                 clip_specs(&cfg, &|_| None, None).into_iter().map(|s| (s.name, s.ne)).collect();
-            assert_eq!(ours, fixture_layout(arch), "{cfg:?}");
+            assert_eq!(ours, fixture_layout(arch, which), "{cfg:?}");
         }
     }
 

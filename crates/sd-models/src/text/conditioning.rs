@@ -87,7 +87,7 @@ pub fn encode_prompt(
 ///
 /// # Panics
 /// When `hidden.len() != hidden_size * weights.len()` (a caller bug).
-fn apply_token_weights(hidden: &mut [f32], hidden_size: usize, weights: &[f32]) {
+pub(crate) fn apply_token_weights(hidden: &mut [f32], hidden_size: usize, weights: &[f32]) {
     assert_eq!(hidden.len(), hidden_size * weights.len(), "one weight per token");
     if weights.iter().all(|&w| w == 1.0) {
         return;

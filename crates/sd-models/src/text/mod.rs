@@ -14,6 +14,9 @@
 //!   75 tokens, EOS, padding) with a weight per id, ready for the encoder; the pad id per
 //!   model family lives in [`ChunkConfig`].
 //!
+//! - [`sdxl`] is SDXL's conditioner over CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 (both in
+//!   [`clip`]): concatenated hidden states and the ADM vector.
+//!
 //! The vocabulary is OpenAI CLIP's `bpe_simple_vocab_16e6.txt.gz`, embedded in the binary
 //! (see `crates/sd-models/data/README.md` for its origin and license) and parsed once per
 //! process. Textual-inversion embeddings and LoRA tags are not handled here.
@@ -22,6 +25,7 @@ mod chunk;
 pub mod clip;
 pub mod conditioning;
 mod prompt;
+pub mod sdxl;
 mod tokenizer;
 
 pub use chunk::{Chunk, ChunkConfig};

@@ -758,11 +758,18 @@ impl Pipeline {
             report.stage("te load", t.elapsed().as_secs_f64());
             let t_encode = Instant::now();
             let mut runner = self.runner("te", &self.opts.devices.te, self.opts.devices.te_split.as_ref());
-            let text = |prompt| TextRequest { prompt, clip_skip: p.clip_skip, width: p.width, height: p.height };
-            let cond = model.encode(&mut runner, &text(&p.prompt))?;
-            let uncond = if guided { Some(model.encode(&mut runner, &text(&p.negative_prompt))?) } else { None };
+            let text = |prompt, negative| TextRequest {
+                prompt,
+                clip_skip: p.clip_skip,
+                width: p.width,
+                height: p.height,
+                negative,
+            };
+            let cond = model.encode(&mut runner, &text(&p.prompt, false))?;
+            let uncond = if guided { Some(model.encode(&mut runner, &text(&p.negative_prompt, true))?) } else { None };
             health::check("text encoder (prompt)", &cond.data, ACTIVATIONS);
-            if let Some(u) = &uncond {
+            // An empty negative prompt may be zero by design (SDXL zeroes it, as the reference does).
+            if let Some(u) = uncond.as_ref().filter(|_| !p.negative_prompt.is_empty()) {
                 health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
             }
             tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());

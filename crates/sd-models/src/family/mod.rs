@@ -60,6 +60,8 @@ pub struct TextRequest<'a> {
     pub width: usize,
     /// Image height in pixels.
     pub height: usize,
+    /// Whether this is the negative prompt (SDXL zeroes an empty one).
+    pub negative: bool,
 }
 
 /// How a family samples when the user does not say.

@@ -230,7 +230,7 @@ mod tests {
     }
 
     fn request(prompt: &str) -> TextRequest<'_> {
-        TextRequest { prompt, clip_skip: 0, width: 832, height: 1216 }
+        TextRequest { prompt, clip_skip: 0, width: 832, height: 1216, negative: false }
     }
 
     #[test]

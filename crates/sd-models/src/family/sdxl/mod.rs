@@ -3,16 +3,29 @@
 //! the ADM vector (`crate::diffusion::unet::UNetConfig::sdxl`, block depths read from the
 //! file), the KL-f8 VAE with SDXL's latent scale.
 //!
-//! So far this folder holds the detection (so `sd-cli plan` describes SDXL files); the
-//! runtime's [`super::FamilySpec`] is registered here once the two text encoders exist, and
-//! until then a generation stops at once with "architecture `sdxl` has no runtime yet".
+//! The conditioner is `crate::text::sdxl::SdxlText` (both encoders in one `te` weight set);
+//! an empty negative prompt is encoded zeroed, its ADM vector kept, as the reference does for
+//! SDXL (it makes an exception for EDM v-parameterised files, which are not detected here).
 //!
 //! Detection: a UNet with a class embedding (`label_emb.0.0`) of width 2816 taking 4 latent
 //! channels; the refiner (ADM 2560) and inpainting variants are other architectures.
 
+use std::sync::Arc;
+
+use sd_backends::GgmlType;
+use sd_sched::{Runner, TensorSpec, Weights};
+use sd_vae::{TaesdConfig, VaeConfig};
+
+use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest};
+use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::arch::{prediction_from_metadata, sd::LABEL_EMB};
-use crate::files::{ArchSpec, Detected, PredictionSource, TensorIndex};
-use crate::sampling::Prediction;
+use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
+use crate::pipeline::Result;
+use crate::sampling::{DiscreteSchedule, ModelVersion, Prediction, SampleMethod};
+use crate::text::clip::ClipConfig;
+use crate::text::conditioning::Conditioning;
+use crate::text::sdxl::SdxlText;
+use crate::text::ClipTokenizer;
 
 /// ADM width of SDXL base: pooled bigG embedding (1280) and six 256-wide size embeddings.
 const ADM_IN_CHANNELS: u64 = 2816;
@@ -37,4 +50,113 @@ fn detect(index: &TensorIndex) -> Option<Detected> {
 
 inventory::submit! {
     ArchSpec { name: "sdxl", description: "Stable Diffusion XL (base, Turbo, SSD-1B, Vega)", detect }
+}
+
+/// SDXL's latent scale factor (`sd_xl_base.yaml`).
+const SCALE_FACTOR: f32 = 0.13025;
+/// Pixels per latent position.
+const VAE_SCALE_FACTOR: usize = 8;
+/// The reference aligns every UNet's requests to 8 latent positions.
+const UNET_DOWN_FACTOR: usize = 8;
+
+/// SDXL built for a set of files.
+#[derive(Debug)]
+struct Sdxl {
+    clip_l: ClipConfig,
+    bigg: ClipConfig,
+    unet: UNetConfig,
+    tokenizer: Arc<ClipTokenizer>,
+}
+
+fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+    let index = files.index();
+    let unet = UNetConfig::sdxl().adapted_to_file(&|name| index.get(name).map(|e| e.ne()));
+    unet.validate()?;
+    Ok(Box::new(Sdxl {
+        clip_l: ClipConfig::vit_l14_sdxl(),
+        bigg: ClipConfig::vit_bigg14(),
+        unet,
+        tokenizer: Arc::new(ClipTokenizer::new()),
+    }))
+}
+
+inventory::submit! { FamilySpec { arch: "sdxl", build } }
+
+impl Family for Sdxl {
+    fn arch(&self) -> &'static str {
+        "sdxl"
+    }
+
+    fn text_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+        SdxlText::specs(&self.clip_l, &self.bigg, dtype, wtype)
+    }
+
+    fn check_text(&self, clip_skip: i64) -> Result<()> {
+        Ok(SdxlText::check_clip_skip(&self.clip_l, &self.bigg, clip_skip)?)
+    }
+
+    fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>> {
+        let text = SdxlText::new(self.clip_l.clone(), self.bigg.clone(), weights, self.tokenizer.clone())?;
+        Ok(Box::new(SdxlConditioner(text)))
+    }
+
+    fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+        unet::unet_specs(&self.unet, dtype, wtype)
+    }
+
+    fn diffusion_group(&self, name: &str) -> String {
+        unet::group_of(name)
+    }
+
+    fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>> {
+        Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn }))
+    }
+
+    fn latent_channels(&self) -> usize {
+        self.unet.in_channels as usize
+    }
+
+    fn spatial_multiple(&self) -> usize {
+        VAE_SCALE_FACTOR * UNET_DOWN_FACTOR
+    }
+
+    fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64 {
+        // The first level with attention is the second (ds 2): a quarter of the tokens.
+        let first = self.unet.attention_resolutions.iter().copied().min().unwrap_or(1).max(1) as f64;
+        let level = first.log2() as usize;
+        let ch = self.unet.channel_mult.get(level).copied().unwrap_or(1) * self.unet.model_channels;
+        let t = tokens / (first * first);
+        if flash_attn {
+            0.0
+        } else {
+            batch * self.unet.n_head(ch) as f64 * t * t * 4.0
+        }
+    }
+
+    fn vae(&self) -> VaeConfig {
+        VaeConfig { scale_factor: SCALE_FACTOR, ..VaeConfig::sd() }
+    }
+
+    fn taesd(&self) -> TaesdConfig {
+        TaesdConfig::sd()
+    }
+
+    fn sampling(&self) -> SamplingDefaults {
+        let version = ModelVersion::Sdxl;
+        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule: DiscreteSchedule::sd() }
+    }
+}
+
+/// SDXL's conditioner with the reference's rule for an empty negative prompt.
+struct SdxlConditioner(SdxlText);
+
+impl TextEncoder for SdxlConditioner {
+    fn weights(&self) -> &Weights {
+        TextEncoder::weights(&self.0)
+    }
+
+    fn encode(&self, runner: &mut Runner, request: &TextRequest<'_>) -> Result<Conditioning> {
+        let zero_out = request.negative && request.prompt.is_empty();
+        Ok(self.0.encode_with(runner, request, zero_out)?)
+    }
 }

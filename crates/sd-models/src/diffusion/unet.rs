@@ -239,6 +239,18 @@ impl UNetConfig {
         }
     }
 
+    /// Bytes of the f32 attention scores (`heads x tokens^2` per sample) at the first level
+    /// with attention, for `tokens` latent positions and `batch` samples: the largest working
+    /// tensor of a UNet evaluated without flash attention (SD 1.x/2.x: the first level; SDXL:
+    /// the second, a quarter of the tokens).
+    pub fn attention_scores_bytes(&self, tokens: f64, batch: f64) -> f64 {
+        let ds = self.attention_resolutions.iter().copied().min().unwrap_or(1).max(1);
+        let level = ds.ilog2() as usize;
+        let ch = self.channel_mult.get(level).copied().unwrap_or(1) * self.model_channels;
+        let t = tokens / (ds * ds) as f64;
+        batch * self.n_head(ch) as f64 * t * t * 4.0
+    }
+
     /// The latent width and height must be multiples of this (one halving per level but the last).
     pub(crate) fn size_multiple(&self) -> i64 {
         1 << (self.channel_mult.len().saturating_sub(1))

@@ -94,11 +94,10 @@ impl Family for Sd {
     }
 
     fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64 {
-        let heads = self.unet.n_head(self.unet.model_channels) as f64;
         if flash_attn {
             0.0
         } else {
-            batch * heads * tokens * tokens * 4.0
+            self.unet.attention_scores_bytes(tokens, batch)
         }
     }
 

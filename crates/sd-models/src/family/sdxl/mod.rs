@@ -121,15 +121,10 @@ impl Family for Sdxl {
     }
 
     fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64 {
-        // The first level with attention is the second (ds 2): a quarter of the tokens.
-        let first = self.unet.attention_resolutions.iter().copied().min().unwrap_or(1).max(1) as f64;
-        let level = first.log2() as usize;
-        let ch = self.unet.channel_mult.get(level).copied().unwrap_or(1) * self.unet.model_channels;
-        let t = tokens / (first * first);
         if flash_attn {
             0.0
         } else {
-            batch * self.unet.n_head(ch) as f64 * t * t * 4.0
+            self.unet.attention_scores_bytes(tokens, batch)
         }
     }
 

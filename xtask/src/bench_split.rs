@@ -15,9 +15,8 @@
 //! - `uneven, by memory|speed`: the one-thread server and the two-thread one, `--pipeline-copies
 //!   2`, `--split-by memory` and `speed` (the speeds measured on the first run and cached);
 //! - `row split`: `diffusion=RPC0&RPC1 --split-mode row`, against `split, copies 1` on the same
-//!   pair: the graph-level row split once the planner selects it (each block matmul's rows on
-//!   both servers, gathered on RPC0); until then the planner falls back to the layer split and
-//!   the ratio is about 1.
+//!   pair: the graph-level row split (each block matmul's rows on both servers, gathered on
+//!   RPC0).
 //!
 //! Printed: the median step time, its ratio to the one-device run, the overlap the run
 //! report gives (`pipeline_busy_secs / pipeline_wall_secs`), each device's managed high-water

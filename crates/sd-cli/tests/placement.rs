@@ -331,28 +331,42 @@ fn layer_splits_give_the_all_cpu_image() {
 }
 
 #[test]
-fn row_split_over_rpc_falls_back_to_the_layer_split_image() {
-    // The graph-level row split (sd-sched's rowsplit) is not selected until it reproduces the
-    // unsplit model: over two RPC servers (no split buffer type) `--split-mode row` plans and
-    // runs a layer split, says why, and gives the all-CPU image.
+fn graph_level_row_splits_give_the_all_cpu_image() {
+    // Over two RPC servers (no split buffer type) `--split-mode row` is a graph-level row split
+    // (sd-sched's rowsplit): every block matmul's rows are cut across the devices, each chunk's
+    // product computed on its device and gathered on the main one. Each output element is the same
+    // dot product with the same kernels, so the image is the all-CPU one bit for bit: at cfg 7
+    // (a batch of two) over two steps, and with the CPU as the last device.
     let model = fixture();
     let dir = std::env::temp_dir().join(format!("sd-cli-rows-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (base, _) = generate(&model, &dir.join("cpu.png"), &["--backend", "cpu"]);
+    let (base7, _) = generate_cfg(&model, &dir.join("cpu7.png"), "7", &["--backend", "cpu"]);
+    let (base1, _) = generate(&model, &dir.join("cpu1.png"), &["--backend", "cpu"]);
     let (a, b) = (Server::start(), Server::start());
     let rpc = format!("{},{}", a.endpoint, b.endpoint);
-    let args = ["--rpc", rpc.as_str(), "--split-mode", "row", "--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu"];
-    let (px, report) = generate(&model, &dir.join("row.png"), &args);
-    assert!(px == base, "the image differs from the all-CPU one");
-    let plan = report.plan.as_ref().unwrap();
-    let m = plan.modules.iter().find(|m| m.module.name() == "diffusion").unwrap();
-    assert_eq!(m.split_mode, sd_placement::SplitKind::Layer, "{m:?}");
-    assert!(
-        plan.warnings.iter().any(|w| w.contains("row split unavailable") && w.contains("does not reproduce")),
-        "{:?}",
-        plan.warnings
-    );
-    assert_ran_as_planned(&report, "diffusion", "unet", "row split fallback");
+    let cases = [("RPC0&RPC1", "7", &base7, "RPC1"), ("RPC0&CPU", "1", &base1, "CPU")];
+    for (list, cfg, base, second) in cases {
+        let backend = format!("diffusion={list},te=cpu,vae=cpu");
+        let args = ["--rpc", rpc.as_str(), "--split-mode", "row", "--backend", backend.as_str()];
+        let (px, report) = generate_cfg(&model, &dir.join(format!("row-{second}.png")), cfg, &args);
+        assert!(px == *base, "{list} at cfg {cfg}: the image differs from the all-CPU one");
+        let plan = report.plan.as_ref().unwrap();
+        let m = plan.modules.iter().find(|m| m.module.name() == "diffusion").unwrap();
+        assert_eq!(m.split_mode, sd_placement::SplitKind::Row, "{list}: {m:?}");
+        let shares: Vec<f64> = m.split.iter().map(|r| r.row_share.expect("a graph-level share")).collect();
+        assert!(shares.len() == 2 && shares.iter().all(|&s| s > 0.2), "{list}: {shares:?}");
+        assert!(plan.warnings.iter().any(|w| w.contains("row split at graph level")), "{:?}", plan.warnings);
+        let unet = report.runner("unet").unwrap();
+        assert!(unet.stats.cross_device_copies > 0 && unet.stats.cross_device_bytes > 0, "{list}: {:?}", unet.stats);
+        assert_eq!(report.module("unet").unwrap().devices, vec!["RPC0".to_string(), second.to_string()], "{list}");
+        if second == "RPC1" {
+            // RPC1 holds only its chunks of the matmul weights: far less than the main device,
+            // which keeps every other UNet tensor.
+            let (main, other) = (report.device("RPC0").unwrap(), report.device("RPC1").unwrap());
+            assert!(other.high_water_bytes > 64 << 20, "RPC1 holds its chunks: {other:?}");
+            assert!(other.high_water_bytes * 3 < main.high_water_bytes, "{main:?} {other:?}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

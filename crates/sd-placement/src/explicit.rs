@@ -24,11 +24,6 @@ use crate::spec::{Assignment, Entry, ParamsValue, RuntimeValue, SplitBy, SplitMo
 use crate::split::{partition, partition_by_speed, speed_cap, weights};
 use crate::units::fmt_bytes;
 
-/// Whether the graph-level row split is selected: not yet, its results are wrong once ggml's
-/// scheduler cuts the graph across devices (sd-sched's `rowsplit.rs`); every such request
-/// falls back to a layer split with that reason.
-const GRAPH_ROW_SPLIT_READY: bool = false;
-
 /// What a graph-level row split costs here, said once per plan that has one.
 const ROW_SPLIT_NOTE: &str = "row split at graph level: each block matmul's rows are computed on every listed device \
 and gathered on the main one; no device plugin here exports a split buffer type";
@@ -182,8 +177,6 @@ fn multi_device(
             Some("a graph-level row split is implemented for the diffusion model only".to_string())
         } else if !params_follow {
             Some("a graph-level row split needs the parameters on their computing devices, and --params-backend gives them another home".to_string())
-        } else if !GRAPH_ROW_SPLIT_READY {
-            Some("the graph-level row split does not reproduce the unsplit model yet (sd-sched's rowsplit module says why)".to_string())
         } else if let Some(&c) = cpu_not_last {
             Some(format!(
                 "ggml's scheduler runs the CPU last, so the CPU device {} may take part only as the last listed device",

@@ -187,18 +187,22 @@ fn cpu_in_layer_split() {
     let rpc = Device::gpu("RPC0", 8 * GIB, 8 * GIB).with_registry("RPC");
     let p = run(vec![Device::cpu(), rpc], blocky(32), "diffusion=CPU&RPC0", None, None, None);
     assert_eq!(ranges(&p, Module::Diffusion), vec![r("CPU", 0, 28), r("RPC0", 29, 31)]);
-    // Issue 13: the host exports no split buffer type, so a row split with the CPU would be a
-    // graph-level one, which is not selected yet (not correct yet): a layer split, saying why.
-    for list in ["diffusion=cuda0&cpu", "diffusion=cpu&cuda0"] {
-        let p = run(devs(), blocky(32), list, None, Some("row"), None);
-        let m = module(&p, Module::Diffusion);
-        assert_eq!(m.split_mode, SplitKind::Layer, "{list}");
-        assert!(
-            p.warnings.iter().any(|w| w.contains("row split unavailable") && w.contains("does not reproduce")),
-            "{list}: {:?}",
-            p.warnings
-        );
-    }
+    // Issue 13: the host exports no split buffer type, so a row split with the CPU is a
+    // graph-level one, where the CPU may only be the last device (ggml's scheduler runs it last);
+    // listed first, a layer split, saying why.
+    let p = run(devs(), blocky(32), "diffusion=cuda0&cpu", None, Some("row"), None);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!(m.split_mode, SplitKind::Row);
+    assert!(m.split.iter().all(|r| r.row_share.is_some()), "graph-level shares: {m:?}");
+    assert!(p.warnings.iter().any(|w| w.contains("row split at graph level")), "{:?}", p.warnings);
+    let p = run(devs(), blocky(32), "diffusion=cpu&cuda0", None, Some("row"), None);
+    let m = module(&p, Module::Diffusion);
+    assert_eq!(m.split_mode, SplitKind::Layer);
+    assert!(
+        p.warnings.iter().any(|w| w.contains("row split unavailable") && w.contains("only as the last listed device")),
+        "{:?}",
+        p.warnings
+    );
 }
 
 fn plan_err(devs: Vec<Device>, model: ModelDescription, f: Flags) -> String {
@@ -280,8 +284,8 @@ fn row_split() {
     assert_eq!(module(&p, Module::Te).split_mode, SplitKind::Layer);
     // "Row split requires a compatible split-buffer export from the linked GGML backend. If it is
     // unavailable (or the listed devices belong to different backend registries), the module
-    // falls back to a layer split." Issue 13's graph-level row split would go beyond, but it is
-    // not selected until it reproduces the unsplit model: the fallback names that reason.
+    // falls back to a layer split." Issue 13 goes beyond: such devices get a graph-level row
+    // split, each device's share of every block matmul's rows by memory (24 : 8 GiB here).
     let table: Vec<(&str, Vec<Device>)> = vec![
         ("a device without row split", vec![Device::cpu(), gpu("CUDA0", 24.0).with_row_split(true), gpu("CUDA1", 8.0)]),
         (
@@ -293,13 +297,12 @@ fn row_split() {
         let second = devs[2].name.clone();
         let p = run(devs, blocky(32), &format!("diffusion=cuda0&{second}"), None, Some("row"), None);
         let m = module(&p, Module::Diffusion);
-        assert_eq!(m.split_mode, SplitKind::Layer, "{why}");
-        assert!(m.split.iter().all(|r| r.row_share.is_none()), "{why}: {m:?}");
-        assert!(
-            p.warnings.iter().any(|w| w.contains("falling back to layer split") && w.contains("does not reproduce")),
-            "{why}: {:?}",
-            p.warnings
-        );
+        assert_eq!(m.split_mode, SplitKind::Row, "{why}");
+        let shares: Vec<f64> = m.split.iter().map(|r| r.row_share.expect("a graph-level share")).collect();
+        assert_eq!(shares.len(), 2, "{why}: {m:?}");
+        assert!((shares[0] + shares[1] - 1.0).abs() < 1e-6 && shares[0] > 0.6 && shares[0] < 0.8, "{why}: {shares:?}");
+        assert!(p.warnings.iter().any(|w| w.contains("row split at graph level")), "{why}: {:?}", p.warnings);
+        assert!(!p.warnings.iter().any(|w| w.contains("falling back to layer split")), "{why}: {:?}", p.warnings);
     }
     // Where a graph-level row split cannot run, a layer split, with the reason.
     let cases: Vec<(&str, &str, Option<&str>, &str)> = vec![

@@ -21,11 +21,10 @@
 //! Limits: parameters must live on their computing devices (the planner falls back to a layer
 //! split otherwise); no segmenting or prefetch; no pipelined micro-batches.
 //!
-//! Status: the planner does not select it yet (`GRAPH_ROW_SPLIT_READY` in sd-placement's
-//! `explicit.rs`). Its wrong results came from ggml's reserve re-pointing the graph's operands at
-//! copies the next split frees (fixed in `sd_backends::Scheduler::reserve`); with that fix a
-//! 64x64 one-step SD 1.5 fixture image over two RPC servers was bit-identical to the all-CPU one,
-//! but the tests that would cover it are not switched over yet.
+//! Correctness: ggml's reserve re-points the graph's operands at copies the next split frees;
+//! `sd_backends::Scheduler::reserve` undoes that, without which the results were wrong. Over two
+//! RPC servers, and over an RPC server with the CPU last, the SD 1.5 fixture's image equals the
+//! all-CPU one bit for bit at cfg 7 over two steps (sd-cli's placement tests).
 
 use std::borrow::Cow;
 use std::collections::HashMap;

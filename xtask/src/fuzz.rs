@@ -22,10 +22,14 @@
 //!    Exact match required. The reference's log lines are cut at 4096 bytes; a prompt whose
 //!    fragment does not fit is reported as `n/a` here (the conditioning still compares it).
 //! 2. `cond` / `uncond`: the conditioning of the prompt (and, with cfg != 1, of the negative
-//!    prompt): ours in process (`encode_prompt`) against `sdref encode-text`. Tolerance:
-//!    the f16 rounding bound of the parity module (`Tolerance::rounding_points`), reported
-//!    with the token whose hidden state is furthest off.
-//! 3. `unet`: one UNet evaluation on identical inputs (a latent of the case's size, the
+//!    prompt): ours in process (the family's conditioner, as the pipeline builds it through
+//!    `sd_models::family`) against `sdref encode-text` at the case's size. Tolerance: the f16
+//!    rounding bound of the parity module (`Tolerance::rounding_points`), reported with the
+//!    token whose hidden state is furthest off. For SDXL also `vector` / `neg vector`: the
+//!    ADM vector (bigG's pooled output and the size embeddings), with bigG's bound. Neither
+//!    side zeroes SDXL's empty negative prompt here (`sdref encode-text` cannot say a prompt
+//!    is the negative one); the image stage covers the zeroing.
+//! 3. `unet` (SD 1.x/2.x; other families go from the text to the image): one UNet evaluation on identical inputs (a latent of the case's size, the
 //!    reference's conditioning, a timestep drawn from the case), ours in process against
 //!    `sdref unet`: the kernels' drift alone, with the UNet bound of the parity module.
 //! 4. `vae`: one VAE decode on identical inputs (a standard-normal latent of 16x16, seeded
@@ -54,12 +58,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
 use sd_models::diffusion::unet::{UNetConfig, UNetModel};
+use sd_models::family::TextRequest;
 use sd_models::files::ModelFiles;
 use sd_models::loader::{dtype_of, FileSource};
 use sd_models::sampling::{SampleMethod, Scheduler};
-use sd_models::text::clip::{ClipConfig, ClipTextModel};
-use sd_models::text::conditioning::encode_prompt;
-use sd_models::text::{ChunkConfig, ClipTokenizer};
+use sd_models::text::ClipTokenizer;
 use sd_sched::Runner;
 use sd_vae::{AutoencoderKl, VaeConfig, VaeParts};
 
@@ -77,7 +80,7 @@ pub struct Flags {
     /// Print the prompts of N random cases (NUL-separated) and stop.
     #[arg(long = "fuzz-prompts", value_name = "N", group = "fuzz_mode", value_parser = positive)]
     fuzz_prompts: Option<u64>,
-    /// The checkpoint (any SD 1.x / 2.x).
+    /// The checkpoint (any SD 1.x / 2.x or SDXL).
     #[arg(long = "model", short = 'm', value_name = "PATH", requires = "fuzz_mode")]
     model: Option<PathBuf>,
     /// Seed of the cases.
@@ -537,31 +540,23 @@ impl Stage {
     }
 }
 
-/// Our text side, loaded once for every case.
+/// Our text side, loaded once for every case: the family's conditioner, as the pipeline
+/// builds it.
 struct OurText {
-    model: ClipTextModel,
+    family: parity::FamilyText,
     runner: Runner,
     tokenizer: ClipTokenizer,
-    chunks: ChunkConfig,
-    clip_points: u32,
     id_of: HashMap<String, u32>,
 }
 
 impl OurText {
-    fn load(cpu: &parity::Cpu, files: &ModelFiles, clip: &ClipConfig, clip_points: u32) -> Result<OurText> {
-        let model = parity::load_clip(cpu, files, clip)?;
+    fn load(cpu: &parity::Cpu, files: &ModelFiles) -> Result<OurText> {
+        let family = parity::load_family_text(cpu, files)?;
         let tokenizer = ClipTokenizer::new();
         let id_of = (0..tokenizer.vocab_size() as u32)
             .filter_map(|id| tokenizer.token_text(id).map(|t| (t.to_owned(), id)))
             .collect();
-        Ok(OurText {
-            chunks: model.config().chunk_config(),
-            model,
-            runner: Runner::new("te", cpu.backend.clone()),
-            tokenizer,
-            clip_points,
-            id_of,
-        })
+        Ok(OurText { family, runner: Runner::new("te", cpu.backend.clone()), tokenizer, id_of })
     }
 }
 
@@ -629,11 +624,13 @@ impl Harness {
         let mut c = self.sdref("encode-text");
         c.arg(format!("--prompt={prompt}"))
             .arg(format!("--clip-skip={}", case.clip_skip))
+            .arg(format!("--width={}", case.width))
+            .arg(format!("--height={}", case.height))
             .arg("-v")
             .arg("-o")
             .arg(&out);
         let m = run_measured(&mut c)?;
-        let ours_tok = self.text.tokenizer.weighted_tokens(prompt, &self.text.chunks);
+        let ours_tok = self.text.tokenizer.weighted_tokens(prompt, &self.text.family.chunks);
         let mut stages = Vec::new();
         let tok_name = if which == "cond" { "tokens" } else { "neg tokens" };
         if !m.success() {
@@ -689,14 +686,17 @@ impl Harness {
         }
 
         let (shape, r) = parity::read_raw(&out)?;
-        let ours = encode_prompt(
-            &self.text.model,
-            &mut self.text.runner,
-            &self.text.tokenizer,
+        // Not as the negative prompt: `sdref encode-text` never zeroes SDXL's empty negative
+        // prompt (the image stage covers that), so both sides give the encoders' output.
+        let request = TextRequest {
             prompt,
-            case.clip_skip.into(),
-        )?;
-        let tol = Tolerance::rounding_points(self.text.clip_points);
+            clip_skip: case.clip_skip.into(),
+            width: case.width as usize,
+            height: case.height as usize,
+            negative: false,
+        };
+        let ours = self.text.family.encoder.encode(&mut self.text.runner, &request)?;
+        let tol = Tolerance::rounding_points(self.text.family.points);
         if shape.iter().product::<usize>() != ours.data.len() {
             stages.push(Stage::new(
                 which,
@@ -732,7 +732,34 @@ impl Harness {
             detail.push_str(&scale_note(&ours.data, &r, h * 77, weighted));
         }
         stages.push(Stage::new(which, verdict, detail, Some(diff)));
+        if self.text.family.vector_points > 0 {
+            stages.push(self.vector_stage(case, &out, &ours.vector, which)?);
+        }
         Ok(stages)
+    }
+
+    /// The conditioning's vector (SDXL's ADM input: pooled output and size embeddings), ours
+    /// against the one `sdref encode-text` wrote next to the token states.
+    fn vector_stage(&self, case: &Case, ref_states: &Path, ours: &[f32], which: &'static str) -> Result<Stage> {
+        let name = if which == "cond" { "vector" } else { "neg vector" };
+        let mut path = ref_states.as_os_str().to_owned();
+        path.push(".vector.f32");
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            return Ok(Stage::new(name, Verdict::Differ, "the reference wrote no vector".into(), None));
+        }
+        let (shape, r) = parity::read_raw(&path)?;
+        if r.len() != ours.len() {
+            let detail = format!("lengths differ: ref {shape:?}, ours {}", ours.len());
+            return Ok(Stage::new(name, Verdict::Differ, detail, None));
+        }
+        let ours_path = self.dir.join(format!("case{}.{which}.vector.ours.f32", case.index));
+        parity::write_raw(&ours_path, &shape, ours, "our conditioning vector")?;
+        let diff = Diff::of(&parity::to_f64(ours), &parity::to_f64(&r))?;
+        let tol = Tolerance::rounding_points(self.text.family.vector_points);
+        let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+        let detail = format!("rel_rms {:.2e} rel_max {:.2e} [{}]", diff.rel_rms(), diff.rel_max(), tol.describe());
+        Ok(Stage::new(name, verdict, detail, Some(diff)))
     }
 
     /// One UNet evaluation on identical inputs: a latent of the case's size (standard
@@ -860,10 +887,18 @@ impl Harness {
         if self.text_only {
             return Ok(stages);
         }
-        if self.dir.join(format!("case{}.cond.ref.f32", case.index)).is_file() {
-            stages.push(self.unet_stage(case)?);
+        if self.unet.is_none() {
+            // Components on identical inputs exist for SD 1.x/2.x; other families go
+            // straight to the image.
+            let why = "not compared for this family yet: the image stage is".to_string();
+            stages.push(Stage::new("unet", Verdict::NotAvailable(why.clone()), String::new(), None));
+            stages.push(Stage::new("vae", Verdict::NotAvailable(why), String::new(), None));
+        } else {
+            if self.dir.join(format!("case{}.cond.ref.f32", case.index)).is_file() {
+                stages.push(self.unet_stage(case)?);
+            }
+            stages.push(self.vae_stage(case)?);
         }
-        stages.push(self.vae_stage(case)?);
         let degenerate = stages.iter().any(|s| s.verdict == Verdict::NotAvailable(DEGENERATE.into()));
         if degenerate {
             // The images are whatever each program makes of NaN pixels (the reference's
@@ -934,8 +969,11 @@ fn first_divergence(stages: &[Stage]) -> Option<&Stage> {
 /// mean/max absolute differences.
 fn summary(all: &[(Case, Vec<Stage>)]) -> String {
     let mut out = String::new();
-    for name in ["tokens", "neg tokens", "cond", "uncond", "unet", "vae", "image"] {
+    for name in ["tokens", "neg tokens", "cond", "vector", "uncond", "neg vector", "unet", "vae", "image"] {
         let rows: Vec<&Stage> = all.iter().flat_map(|(_, s)| s.iter()).filter(|s| s.name == name).collect();
+        if rows.is_empty() && name.contains("vector") {
+            continue; // a family without a vector
+        }
         let compared = rows.iter().filter(|s| !matches!(s.verdict, Verdict::NotAvailable(_))).count();
         let agree = rows.iter().filter(|s| s.verdict == Verdict::Agree).count();
         let diffs: Vec<&Diff> = rows.iter().filter_map(|s| s.diff.as_ref()).collect();
@@ -1077,10 +1115,11 @@ pub fn run(flags: &Flags, threads: u32) -> Result<()> {
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let cpu = parity::Cpu::new(a.threads)?;
     let files = ModelFiles::open_model(&model)?;
-    let (clip, unet_cfg, clip_points) = parity::configs(&files)?;
-    let text = OurText::load(&cpu, &files, &clip, clip_points)?;
-    let unet = if a.text_only { None } else { Some(OurUnet::load(&cpu, &files, &unet_cfg)?) };
-    let vae = if a.text_only { None } else { Some(OurVae::load(&cpu, &files)?) };
+    let text = OurText::load(&cpu, &files)?;
+    // The component stages: SD 1.x/2.x only (`parity::configs` knows no other family).
+    let components = if a.text_only { None } else { parity::configs(&files).ok() };
+    let unet = components.as_ref().map(|(_, cfg, _)| OurUnet::load(&cpu, &files, cfg)).transpose()?;
+    let vae = if unet.is_some() { Some(OurVae::load(&cpu, &files)?) } else { None };
     let mut h = Harness { sdref, sd_cli, model, threads: a.threads, dir, text, unet, vae, text_only: a.text_only };
 
     let start = Instant::now();
@@ -1137,6 +1176,7 @@ pub fn run(flags: &Flags, threads: u32) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sd_models::text::ChunkConfig;
 
     fn parse(line: &str) -> Result<Args> {
         let p: crate::parity::Args = crate::parse_test(line)?;

@@ -258,6 +258,8 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let ram = args.ram_mib.map(|m| m * MIB).or(profile_ram);
     let sources = args.model.sources();
     let files = ModelFiles::open(&sources)?;
+    // A model a family runs but cannot load (tensors missing or misshapen) has no plan.
+    sd_models::family::check_runnable(&files)?;
     let model = describe(&files, &args.model.extra())?;
     // A profile's speeds; else `plan` runs nothing: speeds measured by an earlier generation
     // (at 512x512), if cached.

@@ -578,6 +578,45 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             needles: needles.into_iter().map(String::from).collect(),
         });
     }
+    // SDXL layouts (Segmind Vega's, the smallest) that cannot run: refused in validation,
+    // by `plan` and by a generation alike, naming what is wrong.
+    let vega = || -> Vec<(String, Vec<u64>)> {
+        let arch = Architecture::sdxl_with(sd_models::fixture::UnetConfig::vega());
+        tensor_table(&arch).expect("vega layout").into_iter().map(|t| (t.name, t.shape)).collect()
+    };
+    let no_bigg: Vec<(String, Vec<u64>, DType)> = vega()
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with("conditioner.embedders.1."))
+        .map(|(n, s)| (n, s, DType::F16))
+        .collect();
+    let narrow_adm: Vec<(String, Vec<u64>, DType)> = vega()
+        .into_iter()
+        .map(|(n, s)| {
+            let s = if n == "model.diffusion_model.label_emb.0.0.weight" { vec![s[0], 2048] } else { s };
+            (n, s, DType::F16)
+        })
+        .collect();
+    for (name, tensors, needles) in [
+        (
+            "vega-no-bigg.safetensors",
+            no_bigg,
+            vec!["text encoder", "517 of its 713 tensors are missing", "cond_stage_model.1."],
+        ),
+        ("vega-adm-2048.safetensors", narrow_adm, vec!["architecture", "label_emb.0.0.weight [1280, 2048]"]),
+    ] {
+        write_sparse(&dir.join(name), &tensors);
+        let generate =
+            vec!["-m".into(), d(name), "-W".into(), "64".into(), "-H".into(), "64".into(), "-o".into(), d("out.png")];
+        // `plan` describes any file from its headers, an unknown architecture too (a plan for
+        // a family without a runtime is still a plan): only a detected family's file is checked.
+        let runs: Vec<(Vec<String>, i32)> =
+            if name.contains("adm") { vec![(generate, 1)] } else { vec![(plan(&d(name)), 2), (generate, 1)] };
+        for (args, status) in runs {
+            let mut needles: Vec<String> = needles.iter().map(|s| s.to_string()).collect();
+            needles.push(name.into());
+            cases.push(Case { name: format!("{} {name}", args[0]), args, status, env: vec![], needles });
+        }
+    }
     for (what, path, needle) in [
         ("FIFO model", d("fifo"), "FIFO"),
         ("device model", "/dev/zero".to_string(), "character device"),

@@ -681,37 +681,11 @@ impl Pipeline {
             let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
             ("VAE", sd_vae::vae_specs(&self.family.vae(), parts))
         };
-        let index = self.files.index();
-        let files = || index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", ");
-        for (module, specs) in [("text encoder", &te), ("diffusion model", &unet), (first_name, &first)] {
-            let missing: Vec<&str> =
-                specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
-            if !missing.is_empty() {
-                return Err(PipelineError::MissingTensors {
-                    module,
-                    missing: missing.len(),
-                    total: specs.len(),
-                    files: files(),
-                    first: missing[..missing.len().min(3)].join(", "),
-                });
-            }
-            for s in specs.iter() {
-                let e = index.get(&s.name).expect("checked above");
-                let want: i64 = s.ne.iter().product();
-                if e.n_elements() as i64 != want {
-                    return Err(PipelineError::Invalid(format!(
-                        "{module}: tensor '{}' in '{}' has shape {:?}; the {} model expects ne {:?}",
-                        e.original_name,
-                        index.files()[e.file].path.display(),
-                        e.shape,
-                        self.family.arch(),
-                        s.ne
-                    )));
-                }
-            }
-        }
+        let modules = [("text encoder", te), ("diffusion model", unet), (first_name, first)];
+        crate::family::check_specs(self.family.arch(), &self.files, &modules)?;
+        let first = &modules[2].1;
         let src = FileSource::new(&self.files);
-        for s in &first {
+        for s in first {
             if let Err(source) = src.load_tensor(&s.name, s.ty, &s.ne) {
                 return Err(PipelineError::FirstStage { module: first_name, source });
             }
@@ -768,8 +742,8 @@ impl Pipeline {
             let cond = model.encode(&mut runner, &text(&p.prompt, false))?;
             let uncond = if guided { Some(model.encode(&mut runner, &text(&p.negative_prompt, true))?) } else { None };
             health::check("text encoder (prompt)", &cond.data, ACTIVATIONS);
-            // An empty negative prompt may be zero by design (SDXL zeroes it, as the reference does).
-            if let Some(u) = uncond.as_ref().filter(|_| !p.negative_prompt.is_empty()) {
+            // A conditioning may be zero by design (SDXL's empty negative prompt).
+            if let Some(u) = uncond.as_ref().filter(|u| !u.zeroed) {
                 health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
             }
             tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());

@@ -124,6 +124,10 @@ impl Tolerance {
 /// Rounding points per module (counted in the module doc).
 pub(super) const CLIP_L_POINTS: u32 = 48;
 pub(super) const CLIP_H_POINTS: u32 = 92;
+/// OpenCLIP ViT-bigG/14 (SDXL): 4 per layer, all 32 (clip skip 1 at most).
+pub(super) const BIGG_POINTS: u32 = 128;
+/// bigG's pooled output: every layer and the text projection.
+pub(super) const BIGG_POOLED_POINTS: u32 = 129;
 pub(crate) const UNET_POINTS: u32 = 202;
 pub(crate) const VAE_POINTS: u32 = 36;
 

@@ -5,11 +5,12 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _, Result};
 use sd_backends::{Backend, BackendManager, PluginRegistry, PluginSearch};
 use sd_models::diffusion::unet::{UNetConfig, UNetModel};
+use sd_models::family::TextEncoder;
 use sd_models::files::ModelFiles;
 use sd_models::loader::{dtype_of, FileSource};
 use sd_models::text::clip::{clip_specs, ClipConfig, ClipTextModel};
 use sd_models::text::conditioning::encode_prompt;
-use sd_models::text::ClipTokenizer;
+use sd_models::text::{ChunkConfig, ClipTokenizer};
 use sd_sched::{Runner, Weights};
 use sd_vae::{AutoencoderKl, VaeConfig, VaeParts};
 
@@ -41,6 +42,33 @@ pub(crate) fn configs(files: &ModelFiles) -> Result<(ClipConfig, UNetConfig, u32
     // Probe points per text-encoder layout (ViT-L's 12 layers, ViT-H's 24).
     let points = if clip.n_layers > 12 { CLIP_H_POINTS } else { CLIP_L_POINTS };
     Ok((clip, unet, points))
+}
+
+/// A family's conditioner as the pipeline builds it (`sd_models::family`), with what the
+/// harness needs to compare it: its tokenizer's chunking and the rounding points of its
+/// token states and of its vector (0: the family has none).
+pub(crate) struct FamilyText {
+    pub encoder: Box<dyn TextEncoder>,
+    pub chunks: ChunkConfig,
+    pub points: u32,
+    pub vector_points: u32,
+}
+
+/// The conditioner of `files`' family, its weights in the CPU's memory.
+pub(crate) fn load_family_text(cpu: &Cpu, files: &ModelFiles) -> Result<FamilyText> {
+    let detected = files.detect(None)?;
+    let (chunks, points, vector_points) = match sd_models::family::sd::configs(detected.arch) {
+        Some((clip, _)) => (clip.chunk_config(), if clip.n_layers > 12 { CLIP_H_POINTS } else { CLIP_L_POINTS }, 0),
+        // SDXL: CLIP-L's tokens; bigG is the longer path of both outputs.
+        None if detected.arch == "sdxl" => (ClipConfig::vit_l14_sdxl().chunk_config(), BIGG_POINTS, BIGG_POOLED_POINTS),
+        None => bail!("architecture `{}` is not compared by this command", detected.arch),
+    };
+    let family = sd_models::family::for_detected(&detected, files)?;
+    let dtype = dtype_of(files);
+    let mut w = Weights::new(family.text_specs(&dtype, None))?;
+    w.allocate(cpu.backend.device().buffer_type())?;
+    w.load_from(&FileSource::new(files))?;
+    Ok(FamilyText { encoder: family.load_text(w)?, chunks, points, vector_points })
 }
 
 /// Our text encoder of `files`, its weights in the CPU's memory.

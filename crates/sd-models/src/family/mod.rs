@@ -49,6 +49,56 @@ pub fn for_detected(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn F
     }
 }
 
+/// Every tensor of each `(module, specs)` exists in `files` with the expected number of
+/// elements (the `arch` model's); an error names the module, the first missing tensors and
+/// the files searched, or the misshapen tensor with its stored name and file.
+pub fn check_specs(arch: &str, files: &ModelFiles, modules: &[(&'static str, Vec<TensorSpec>)]) -> Result<()> {
+    let index = files.index();
+    let searched = || index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", ");
+    for (module, specs) in modules {
+        let missing: Vec<&str> = specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
+        if !missing.is_empty() {
+            return Err(PipelineError::MissingTensors {
+                module,
+                missing: missing.len(),
+                total: specs.len(),
+                files: searched(),
+                first: missing[..missing.len().min(3)].join(", "),
+            });
+        }
+        for s in specs {
+            let e = index.get(&s.name).expect("checked above");
+            let want: i64 = s.ne.iter().product();
+            if e.n_elements() as i64 != want {
+                return Err(PipelineError::Invalid(format!(
+                    "{module}: tensor '{}' in '{}' has shape {:?}; the {arch} model expects ne {:?}",
+                    e.original_name,
+                    index.files()[e.file].path.display(),
+                    e.shape,
+                    s.ne
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// For `sd-cli plan` (headers only): when a registered family runs the detected files, every
+/// tensor its text encoder and diffusion model need is there with its shape. Files no family
+/// runs (an architecture detected but without a runtime, or none detected) pass: a plan
+/// describes any model from its headers.
+pub fn check_runnable(files: &ModelFiles) -> Result<()> {
+    let Ok(detected) = files.detect(None) else { return Ok(()) };
+    if !inventory::iter::<FamilySpec>.into_iter().any(|f| f.arch == detected.arch) {
+        return Ok(());
+    }
+    let family = for_detected(&detected, files)?;
+    let dtype = crate::loader::dtype_of(files);
+    let modules =
+        [("text encoder", family.text_specs(&dtype, None)), ("diffusion model", family.diffusion_specs(&dtype, None))];
+    check_specs(family.arch(), files, &modules)
+}
+
 /// What the conditioner reads from a request, besides the prompt.
 #[derive(Clone, Copy, Debug)]
 pub struct TextRequest<'a> {

@@ -103,6 +103,7 @@ pub fn detect(index: &TensorIndex, prediction: Option<Prediction>) -> Result<Det
     let found: Vec<(&ArchSpec, Detected)> = specs.iter().filter_map(|s| (s.detect)(index).map(|d| (*s, d))).collect();
     match found.len() {
         0 => Err(FilesError::UnknownArchitecture {
+            files: index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", "),
             known: specs.iter().map(|s| format!("{} ({})", s.name, s.description)).collect::<Vec<_>>().join(", "),
             found: summarize(index),
         }),
@@ -146,6 +147,7 @@ pub fn summarize(index: &TensorIndex) -> String {
         sd::UNET_CONV_IN,
         sd::UNET_CROSS_ATTN_K,
         "model.diffusion_model.middle_block.1.norm.weight",
+        sd::LABEL_EMB,
         "first_stage_model.decoder.conv_in.weight",
     ];
     let shapes: Vec<String> =

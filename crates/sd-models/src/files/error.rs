@@ -174,8 +174,8 @@ pub enum FilesError {
     NoModel,
 
     /// No registered architecture recognises the tensors.
-    #[error("unknown model architecture; known: {known}. Found: {found}")]
-    UnknownArchitecture { known: String, found: String },
+    #[error("unknown model architecture in {files}; known: {known}. Found: {found}")]
+    UnknownArchitecture { files: String, known: String, found: String },
 
     /// More than one registered architecture recognises the tensors.
     #[error("ambiguous model architecture: the tensors fit {candidates:?}; pass the files of one model")]

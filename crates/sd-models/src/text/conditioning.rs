@@ -37,6 +37,9 @@ pub struct Conditioning {
     /// A per-sample vector besides the tokens (SDXL's ADM input: the pooled text embedding
     /// and the size embeddings); empty for families that have none.
     pub vector: Vec<f32>,
+    /// The token states are zero by design, not by a fault (SDXL's empty negative prompt,
+    /// as the reference zeroes it): health checks skip them.
+    pub zeroed: bool,
 }
 
 impl Conditioning {
@@ -77,7 +80,7 @@ pub fn encode_prompt(
     }
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, "prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens, vector: Vec::new() })
+    Ok(Conditioning { data, hidden_size, n_tokens, vector: Vec::new(), zeroed: false })
 }
 
 /// Applies prompt weights to one chunk's hidden states (`hidden_size` values per token, one

@@ -126,7 +126,7 @@ pub fn encode_sdxl(
     let vector = adm_vector(&pooled, width, height);
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, vector = vector.len(), "SDXL prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens, vector })
+    Ok(Conditioning { data, hidden_size, n_tokens, vector, zeroed: zero_out })
 }
 
 /// SDXL's two text encoders over one weight set (the `te` module), with the tokenizer.
@@ -189,10 +189,11 @@ impl TextEncoder for SdxlText {
         &self.weights
     }
 
-    /// Never zeroes: [`TextRequest`] does not say whether the prompt is the negative one;
-    /// the family calls [`SdxlText::encode_with`] for an empty negative prompt.
+    /// An empty negative prompt is zeroed, as the reference does for SDXL (its pooled output
+    /// still goes into the vector).
     fn encode(&self, runner: &mut Runner, request: &TextRequest<'_>) -> crate::pipeline::Result<Conditioning> {
-        Ok(self.encode_with(runner, request, false)?)
+        let zero_out = request.negative && request.prompt.is_empty();
+        Ok(self.encode_with(runner, request, zero_out)?)
     }
 }
 
@@ -327,10 +328,15 @@ mod tests {
         let empty = t.encode_with(&mut runner, &request(""), false).unwrap();
         let zeroed = t.encode_with(&mut runner, &request(""), true).unwrap();
         assert!(zeroed.data.iter().all(|&v| v == 0.0) && zeroed.data.len() == empty.data.len());
+        assert!(zeroed.zeroed && !empty.zeroed, "the conditioning says it is zero by design");
         assert!(empty.data.iter().any(|&v| v != 0.0));
         assert_eq!(zeroed.vector, empty.vector);
-        // The trait never zeroes.
+        // Through the trait: zeroed for the negative prompt only, and only when it is empty.
+        let negative = |p| TextRequest { negative: true, ..request(p) };
+        assert_eq!(TextEncoder::encode(&t, &mut runner, &negative("")).unwrap(), zeroed);
         assert_eq!(TextEncoder::encode(&t, &mut runner, &request("")).unwrap(), empty);
+        let cat = TextEncoder::encode(&t, &mut runner, &negative("cat")).unwrap();
+        assert!(!cat.zeroed && cat == t.encode_with(&mut runner, &request("cat"), false).unwrap());
 
         // Clip skip 1 (last layer) differs from the default 2; beyond the depth is an error.
         let last = t.encode_with(&mut runner, &TextRequest { clip_skip: 1, ..request("cat") }, false).unwrap();

@@ -13,17 +13,16 @@
 use std::sync::Arc;
 
 use sd_backends::GgmlType;
-use sd_sched::{Runner, TensorSpec, Weights};
+use sd_sched::{TensorSpec, Weights};
 use sd_vae::{TaesdConfig, VaeConfig};
 
-use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest};
+use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::arch::{prediction_from_metadata, sd::LABEL_EMB};
 use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
 use crate::pipeline::Result;
 use crate::sampling::{DiscreteSchedule, ModelVersion, Prediction, SampleMethod};
 use crate::text::clip::ClipConfig;
-use crate::text::conditioning::Conditioning;
 use crate::text::sdxl::SdxlText;
 use crate::text::ClipTokenizer;
 
@@ -97,7 +96,7 @@ impl Family for Sdxl {
 
     fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>> {
         let text = SdxlText::new(self.clip_l.clone(), self.bigg.clone(), weights, self.tokenizer.clone())?;
-        Ok(Box::new(SdxlConditioner(text)))
+        Ok(Box::new(text))
     }
 
     fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
@@ -139,19 +138,5 @@ impl Family for Sdxl {
     fn sampling(&self) -> SamplingDefaults {
         let version = ModelVersion::Sdxl;
         SamplingDefaults { version, method: SampleMethod::default_for(version), schedule: DiscreteSchedule::sd() }
-    }
-}
-
-/// SDXL's conditioner with the reference's rule for an empty negative prompt.
-struct SdxlConditioner(SdxlText);
-
-impl TextEncoder for SdxlConditioner {
-    fn weights(&self) -> &Weights {
-        TextEncoder::weights(&self.0)
-    }
-
-    fn encode(&self, runner: &mut Runner, request: &TextRequest<'_>) -> Result<Conditioning> {
-        let zero_out = request.negative && request.prompt.is_empty();
-        Ok(self.0.encode_with(runner, request, zero_out)?)
     }
 }

@@ -168,7 +168,7 @@ impl SdxlText {
 
     /// The conditioning of `request`, zeroed (the vector kept) when `zero_out`: the
     /// reference does that for an empty negative prompt.
-    pub fn encode_with(&self, runner: &mut Runner, request: &TextRequest<'_>, zero_out: bool) -> Result<Conditioning> {
+    fn encode_with(&self, runner: &mut Runner, request: &TextRequest<'_>, zero_out: bool) -> Result<Conditioning> {
         let clip_l = ClipEncoder::new(&self.clip_l, &self.weights)?;
         let bigg = ClipEncoder::new(&self.bigg, &self.weights)?;
         encode_sdxl(

@@ -262,7 +262,11 @@ impl TensorSource for SharedFiles {
 /// (`...encoder.layers.3`, `...decoder.up.1`), or without its last part.
 fn block_group(name: &str) -> String {
     let parts: Vec<&str> = name.split('.').collect();
-    match parts.iter().position(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+    // `cond_stage_model.1.` numbers an encoder (SDXL's second), not a block.
+    let is_block = |i: usize, p: &str| {
+        !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && !(i == 1 && parts[0] == "cond_stage_model")
+    };
+    match parts.iter().enumerate().position(|(i, p)| is_block(i, p)) {
         Some(i) => parts[..=i].join("."),
         None => parts[..parts.len().saturating_sub(1).max(1)].join("."),
     }
@@ -1020,6 +1024,21 @@ mod tests {
             tiling: TilingParams::default(),
             vae_max_compute_bytes: None,
         }
+    }
+
+    #[test]
+    fn staging_groups_end_at_the_block_index() {
+        let g = |n: &str| block_group(n);
+        let l = "cond_stage_model.transformer.text_model.encoder.layers.3.mlp.fc1.weight";
+        assert_eq!(g(l), "cond_stage_model.transformer.text_model.encoder.layers.3");
+        // SDXL's second encoder: `.1.` names the encoder, each layer is its own group.
+        let big_g = "cond_stage_model.1.transformer.text_model.encoder.layers.14.self_attn.q_proj.weight";
+        assert_eq!(g(big_g), "cond_stage_model.1.transformer.text_model.encoder.layers.14");
+        assert_eq!(
+            g("cond_stage_model.1.transformer.text_model.final_layer_norm.weight"),
+            "cond_stage_model.1.transformer.text_model.final_layer_norm"
+        );
+        assert_eq!(g("first_stage_model.decoder.up.1.block.0.conv1.weight"), "first_stage_model.decoder.up.1");
     }
 
     #[test]

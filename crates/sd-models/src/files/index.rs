@@ -166,6 +166,9 @@ pub struct TensorIndex {
     by_name: HashMap<String, usize>,
     /// Number of UNet input blocks (highest `input_blocks.N` + 1), for block numbering.
     unet_input_blocks: u32,
+    /// Whether a second text encoder is present (SDXL's bigG): then it is the dominant one,
+    /// whose layers are the text encoder's blocks.
+    has_te2: bool,
 }
 
 impl TensorIndex {
@@ -200,7 +203,8 @@ impl TensorIndex {
             .filter_map(|e| unet_block(&e.name).and_then(|(kind, n)| (kind == UnetPart::Input).then_some(n)))
             .max()
             .map_or(0, |n| n + 1);
-        Ok(TensorIndex { files, entries, by_name, unet_input_blocks })
+        let has_te2 = entries.iter().any(|e| e.name.starts_with(TE2_PREFIX));
+        Ok(TensorIndex { files, entries, by_name, unet_input_blocks, has_te2 })
     }
 
     /// The files, indexed by [`TensorEntry::file`].
@@ -264,7 +268,10 @@ impl TensorIndex {
                 UnetPart::Output => self.unet_input_blocks + 1 + n,
             });
         }
-        let rest = name.strip_prefix(TE_PREFIX).or_else(|| name.strip_prefix(TE2_PREFIX))?;
+        // A layer split of the text encoder cuts the dominant encoder ("for te it applies to
+        // the dominant text encoder"): the second one where there are two (SDXL's bigG), whose
+        // partner's layers stay with the non-block tensors on the main device.
+        let rest = if self.has_te2 { name.strip_prefix(TE2_PREFIX) } else { name.strip_prefix(TE_PREFIX) }?;
         let rest = rest.strip_prefix("text_model.encoder.layers.")?;
         rest.split('.').next()?.parse().ok()
     }
@@ -387,6 +394,13 @@ mod tests {
         assert_eq!(b("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), Some(7));
         assert_eq!(b("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"), None);
         assert_eq!(b("first_stage_model.decoder.up.0.block.0.conv1.weight"), None);
+        // Two text encoders (SDXL): the dominant second one's layers are the blocks.
+        let big_g = format!("{TE2_PREFIX}text_model.encoder.layers.30.mlp.fc1.weight");
+        names.push(big_g.clone());
+        let idx = TensorIndex::new(vec![file()], names.iter().map(|n| entry(n)).collect()).unwrap();
+        assert_eq!(idx.block_of(&big_g), Some(30));
+        assert_eq!(idx.block_of("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), None);
+        assert_eq!(idx.block_of("model.diffusion_model.output_blocks.0.0.in_layers.0.weight"), Some(13));
     }
 
     #[test]

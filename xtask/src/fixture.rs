@@ -3,7 +3,7 @@
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
-//! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] -o FILE.safetensors
+//! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! ```
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
@@ -66,6 +66,9 @@ pub struct Args {
     /// lora-sd15: the standard deviation of the values.
     #[arg(long = "scale", default_value_t = 0.05)]
     scale: f32,
+    /// lora-sd15: adapt the UNet only (no text-encoder keys).
+    #[arg(long = "unet-only")]
+    unet_only: bool,
 }
 
 /// What `fixture` writes: a checkpoint of a family, or a LoRA for the SD 1.5 fixture.
@@ -107,7 +110,13 @@ pub fn run(args: Args) -> Result<()> {
         Target::Model(f) => f,
         Target::LoraSd15 => {
             let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
-            let req = LoraFixture { layout: args.layout, rank: args.rank, seed: args.seed, scale: args.scale };
+            let req = LoraFixture {
+                layout: args.layout,
+                rank: args.rank,
+                seed: args.seed,
+                scale: args.scale,
+                text_encoder: !args.unet_only,
+            };
             let n = write_lora(path, &req)?;
             println!(
                 "wrote {} (LoRA for sd15, {:?} layout, rank {}, seed {}, N(0, {})): {n} adapters",
@@ -184,6 +193,7 @@ mod tests {
                 layout: LoraLayout::Kohya,
                 rank: 4,
                 scale: 0.05,
+                unet_only: false,
             }
         );
         assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(Family::Ssd1b));

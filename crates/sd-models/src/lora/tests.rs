@@ -36,7 +36,7 @@ fn temp(name: &str) -> PathBuf {
 
 fn write_fixture(layout: crate::fixture::lora::LoraLayout, rank: u64, name: &str) -> PathBuf {
     let path = temp(name);
-    let req = crate::fixture::lora::LoraFixture { layout, rank, seed: 7, scale: 0.05 };
+    let req = crate::fixture::lora::LoraFixture { layout, rank, seed: 7, scale: 0.05, text_encoder: true };
     crate::fixture::lora::write_lora(&path, &req).unwrap();
     path
 }

@@ -102,7 +102,7 @@ pub enum LoraError {
         path: PathBuf,
         /// Why.
         #[source]
-        source: FilesError,
+        source: Box<FilesError>,
     },
     /// A tensor of the file cannot be read.
     #[error("LoRA file '{}'", path.display())]
@@ -319,7 +319,7 @@ impl LoraSet {
         let mut set = LoraSet::default();
         for req in requests {
             let path = &req.path;
-            let file_err = |source| LoraError::File { path: path.clone(), source };
+            let file_err = |source| LoraError::File { path: path.clone(), source: Box::new(source) };
             let files = ModelFiles::open_model(path).map_err(file_err)?;
             set.file_bytes += files.index().files().iter().map(|f| f.len).sum::<u64>();
             set.files += 1;

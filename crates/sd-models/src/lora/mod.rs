@@ -95,8 +95,8 @@ pub enum LoraError {
         /// The extensions tried.
         tried: String,
     },
-    /// The file cannot be opened or parsed.
-    #[error("LoRA file '{}'", path.display())]
+    /// The file cannot be opened or parsed (the cause names the file).
+    #[error("LoRA file")]
     File {
         /// The file.
         path: PathBuf,
@@ -104,8 +104,8 @@ pub enum LoraError {
         #[source]
         source: Box<FilesError>,
     },
-    /// A tensor of the file cannot be read.
-    #[error("LoRA file '{}'", path.display())]
+    /// A tensor of the file cannot be read (the cause names the tensor and file).
+    #[error("LoRA tensor")]
     Tensor {
         /// The file.
         path: PathBuf,

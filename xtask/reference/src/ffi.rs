@@ -429,17 +429,7 @@ impl Context {
         let mut err = ErrBuf::new();
         // SAFETY: live context, valid prompt string, valid out-pointers.
         let rc = unsafe {
-            sdref_encode_text(
-                self.raw,
-                prompt,
-                clip_skip,
-                width,
-                height,
-                &mut cross,
-                &mut vector,
-                err.ptr(),
-                err.0.len(),
-            )
+            sdref_encode_text(self.raw, prompt, clip_skip, width, height, &mut cross, &mut vector, err.ptr(), err.0.len())
         };
         if rc != 0 {
             return Err(err.message());
@@ -448,13 +438,7 @@ impl Context {
         Ok((cross, take_raw(vector)))
     }
 
-    pub fn diffusion(
-        &mut self,
-        x: &Tensor,
-        timestep: f32,
-        context: &Tensor,
-        y: Option<&Tensor>,
-    ) -> Result<Tensor, String> {
+    pub fn diffusion(&mut self, x: &Tensor, timestep: f32, context: &Tensor, y: Option<&Tensor>) -> Result<Tensor, String> {
         check_tensor(x, "latent")?;
         check_tensor(context, "context")?;
         if let Some(y) = y {

@@ -3,7 +3,12 @@
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
+//! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! ```
+//!
+//! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
+//! (`sd_models::fixture::lora`): random values N(0, X), rank R (default 4), alpha R/2 in kohya
+//! files.
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -22,14 +27,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
 
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
-    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega", value_parser = family)]
-    family: Family,
+    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15).
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15", value_parser = target)]
+    family: Target,
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
@@ -51,6 +57,32 @@ pub struct Args {
     /// Biases 0 and norm gains 1, as PyTorch initialises them.
     #[arg(long = "plain-norms")]
     plain_norms: bool,
+    /// lora-sd15: the key layout, kohya or peft.
+    #[arg(long = "layout", default_value = "kohya")]
+    layout: LoraLayout,
+    /// lora-sd15: the rank of every adapter.
+    #[arg(long = "rank", default_value_t = 4)]
+    rank: u64,
+    /// lora-sd15: the standard deviation of the values.
+    #[arg(long = "scale", default_value_t = 0.05)]
+    scale: f32,
+    /// lora-sd15: adapt the UNet only (no text-encoder keys).
+    #[arg(long = "unet-only")]
+    unet_only: bool,
+}
+
+/// What `fixture` writes: a checkpoint of a family, or a LoRA for the SD 1.5 fixture.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Target {
+    Model(Family),
+    LoraSd15,
+}
+
+fn target(s: &str) -> Result<Target, String> {
+    if s == "lora-sd15" {
+        return Ok(Target::LoraSd15);
+    }
+    family(s).map(Target::Model)
 }
 
 fn family(s: &str) -> Result<Family, String> {
@@ -74,6 +106,29 @@ fn std_dev(s: &str) -> Result<f64, String> {
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
+    let family = match args.family {
+        Target::Model(f) => f,
+        Target::LoraSd15 => {
+            let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
+            let req = LoraFixture {
+                layout: args.layout,
+                rank: args.rank,
+                seed: args.seed,
+                scale: args.scale,
+                text_encoder: !args.unet_only,
+            };
+            let n = write_lora(path, &req)?;
+            println!(
+                "wrote {} (LoRA for sd15, {:?} layout, rank {}, seed {}, N(0, {})): {n} adapters",
+                path.display(),
+                args.layout,
+                args.rank,
+                args.seed,
+                args.scale
+            );
+            return Ok(());
+        }
+    };
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
@@ -82,10 +137,10 @@ pub fn run(args: Args) -> Result<()> {
             }
             let dir = fixture::cache_dir();
             std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (fixture::cached_path(args.family, args.seed, args.wtype), FileFormat::for_type(args.wtype))
+            (fixture::cached_path(family, args.seed, args.wtype), FileFormat::for_type(args.wtype))
         }
     };
-    let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);
+    let mut req = FixtureRequest::family(family, args.seed, args.wtype, format);
     if let Some(only) = &args.only {
         let mut only = only.clone();
         if only.contains(&Component::TextEncoder(0)) {
@@ -101,7 +156,7 @@ pub fn run(args: Args) -> Result<()> {
     println!(
         "wrote {} ({} fixture, seed {}, {}{}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
         report.path.display(),
-        args.family.name(),
+        family.name(),
         args.seed,
         args.wtype,
         args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default(),
@@ -127,7 +182,7 @@ mod tests {
         assert_eq!(
             a,
             Args {
-                family: Family::Sd21,
+                family: Target::Model(Family::Sd21),
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
@@ -135,9 +190,15 @@ mod tests {
                 std: Some(0.05),
                 std_everywhere: false,
                 plain_norms: false,
+                layout: LoraLayout::Kohya,
+                rank: 4,
+                scale: 0.05,
+                unet_only: false,
             }
         );
-        assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Family::Ssd1b);
+        assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(Family::Ssd1b));
+        let l = parse("lora-sd15 --layout peft --rank 8 --seed 3 --scale 0.1 -o l.safetensors").unwrap();
+        assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -145,7 +206,8 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15>"),
+            ("lora-sd15 --layout lycoris", "lycoris"),
             ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),

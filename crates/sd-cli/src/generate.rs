@@ -29,7 +29,9 @@ pub struct GenerateArgs {
     pub placement: PlacementArgs,
     #[command(flatten)]
     pub run: RunArgs,
-    /// The prompt.
+    #[command(flatten)]
+    pub lora: LoraArgs,
+    /// The prompt (`<lora:name:multiplier>` tags apply LoRA files of --lora-model-dir).
     #[arg(short = 'p', long = "prompt", default_value = "")]
     pub prompt: String,
     /// The negative prompt.
@@ -131,6 +133,28 @@ pub struct GenerateArgs {
     pub profile: bool,
 }
 
+/// LoRA flags (names as in stable-diffusion.cpp's sd-cli).
+#[derive(Args, Debug, Clone)]
+pub struct LoraArgs {
+    /// Directory of the LoRA files that `<lora:name:multiplier>` tags in the prompt name
+    /// (tried as name, then name.gguf, .safetensors, .pt, .ckpt); tags are removed from the
+    /// prompt before it is encoded.
+    #[arg(long = "lora-model-dir", value_name = "DIR", default_value = ".")]
+    pub lora_model_dir: PathBuf,
+    /// How LoRAs are applied: auto, immediately, at_runtime. `immediately` merges them into
+    /// the weights as they are loaded (at each staging for weights kept on disk); `auto` is
+    /// `immediately` for now; `at_runtime` is not supported yet.
+    #[arg(long = "lora-apply-mode", value_name = "MODE", default_value = "auto")]
+    pub lora_apply_mode: sd_models::lora::ApplyMode,
+}
+
+impl LoraArgs {
+    /// `prompt` without its LoRA tags, and the files they name (every one checked to exist).
+    pub fn extract(&self, prompt: &str) -> Result<(String, Vec<sd_models::lora::LoraRequest>)> {
+        Ok(sd_models::lora::tags::extract(prompt, &self.lora_model_dir)?)
+    }
+}
+
 /// `-W`/`-H`: a whole number of pixels (its range is checked with the init image, and its
 /// multiple once the model is known).
 fn image_side(s: &str) -> std::result::Result<i64, String> {
@@ -204,7 +228,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // What needs no model is checked before anything is opened or written; the rest once the
     // model is known (`Pipeline::check_request`), with the outputs: all before the first
     // weight is read.
-    let params = a.params()?;
+    let (params, loras) = a.params()?;
     let report_to = crate::output::report_target(a.report_json.as_deref())?;
     let model = a.model.or_fixture(ensure_fixture)?;
     let reg = crate::devices::open(dev)?;
@@ -251,7 +275,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         flash_attn: a.diffusion_fa,
         placement,
     };
-    let pipeline = Pipeline::from_files(files, options)?;
+    let pipeline = Pipeline::from_files(files, options)?.with_loras(&loras, a.lora.lora_apply_mode)?;
     let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
     let outputs = ImageOutput::plan(&a.output, request.params().batch_count, a.run.output_begin_idx).context("-o")?;
 
@@ -280,7 +304,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
 
 impl GenerateArgs {
     /// The request the flags make, checked as far as it can be without a model.
-    fn params(&self) -> Result<ValidParams> {
+    fn params(&self) -> Result<(ValidParams, Vec<sd_models::lora::LoraRequest>)> {
         self.run.check_mode()?;
         let tiling = TilingParams::from_cli(
             self.vae_tiling,
@@ -290,6 +314,8 @@ impl GenerateArgs {
         )
         .map_err(crate::errors::tiling_with_flag)?;
         let (prompt, negative_prompt) = self.run.prompts(&self.prompt, &self.negative_prompt)?;
+        // The reference's CLI takes LoRA tags from the prompt only.
+        let (prompt, loras) = self.lora.extract(&prompt)?;
         // -W/-H and the init image, as the reference's CLI resolves them; the pipeline aligns
         // the size to the model.
         let (width, height, init_image) =
@@ -324,6 +350,6 @@ impl GenerateArgs {
             tiling,
             vae_max_compute_bytes: None,
         };
-        params.validate().map_err(crate::errors::with_flag)
+        Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }
 }

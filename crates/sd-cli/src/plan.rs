@@ -179,6 +179,11 @@ pub struct PlanArgs {
     /// [sd-rs] Also write a JSON run report (the plan part) to PATH.
     #[arg(long = "report-json", value_name = "PATH")]
     pub report_json: Option<PathBuf>,
+    /// A prompt whose `<lora:name:multiplier>` tags name the LoRA files to count.
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    pub prompt: String,
+    #[command(flatten)]
+    pub lora: crate::generate::LoraArgs,
 }
 
 /// Largest device profile read (real ones are a few hundred bytes).
@@ -275,6 +280,15 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;
     let p = plan(&request)?;
+    let (_, loras) = args.lora.extract(&args.prompt)?;
+    if !loras.is_empty() {
+        let bytes: u64 = loras.iter().filter_map(|l| std::fs::metadata(&l.path).ok()).map(|m| m.len()).sum();
+        crate::out!(
+            "LoRA: {} files, {:.1} MiB read into RAM and merged into the weights as they load (no device memory)",
+            loras.len(),
+            bytes as f64 / MIB as f64
+        );
+    }
     let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());
     report.plan = Some(p.clone());
     crate::output::write_report(report_to.as_ref(), &report)?;

@@ -393,3 +393,88 @@ fn sd15_cpu_extra_buffer_types_stay_within_parity_of_plain_buffers() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(fails(&["--cpu-extra-bufts", "maybe"], Some(&model)).contains("on"));
 }
+
+/// The LoRA fixtures of the LoRA tests (written into `dir`): a kohya file (rank 4, alpha 2,
+/// values N(0, 0.1), seed 1) and a PEFT file of the UNet (rank 8, no alpha, N(0, 0.05), seed 2;
+/// the reference applies no PEFT text-encoder key on SD 1.x, see `sd_models::fixture::lora`).
+fn write_loras(dir: &Path) {
+    use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
+    let kohya = LoraFixture { layout: LoraLayout::Kohya, rank: 4, seed: 1, scale: 0.1, text_encoder: true };
+    let peft = LoraFixture { layout: LoraLayout::Peft, rank: 8, seed: 2, scale: 0.05, text_encoder: false };
+    write_lora(&dir.join("kohya.safetensors"), &kohya).unwrap();
+    write_lora(&dir.join("peft.safetensors"), &peft).unwrap();
+}
+
+#[test]
+fn sd15_loras_match_the_reference_and_multiplier_zero_changes_nothing() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("lora");
+    write_loras(&dir);
+    let loras = dir.to_str().unwrap();
+    let gen = |name: &str, prompt: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let o = sd_cli()
+            .args(extra)
+            .arg("-m")
+            .arg(&model)
+            .args(["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
+            .args(["-s", "42", "--cfg-scale", "7", "-t", "2", "--lora-model-dir", loras, "-o"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        check_ok(&o);
+        out
+    };
+    let plain = workspace().join("tests/data/ref-sd15-f16-seed42-64x64-euler2-cfg7.png");
+    let mut kohya = PathBuf::new();
+    for (name, prompt, reference) in [
+        ("kohya.png", "a cat<lora:kohya:1>", "ref-sd15-f16-seed42-64x64-euler2-cfg7-lora-kohya1.png"),
+        (
+            "two.png",
+            "a cat<lora:kohya:0.5><lora:peft.safetensors:-1>",
+            "ref-sd15-f16-seed42-64x64-euler2-cfg7-lora-kohya0.5-peft-1.png",
+        ),
+    ] {
+        let ours = gen(name, prompt, &[]);
+        let (mean, max) = diff(&ours, &workspace().join("tests/data").join(reference));
+        assert!(mean <= MEAN_TOL && max <= MAX_TOL, "{prompt} vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+        // The adapters changed the image (far beyond the parity tolerance) from the reference's
+        // image without LoRA.
+        let (mean, _) = diff(&ours, &plain);
+        assert!(mean > 4.0 * MEAN_TOL, "{prompt}: mean {mean:.3} from the image without LoRA");
+        if kohya.as_os_str().is_empty() {
+            kohya = ours;
+        }
+    }
+    // Multiplier 0 leaves the weights unchanged, bit for bit, and parameters on disk are merged
+    // at each staging as those on the device once: the same file as kohya x1 on the device.
+    let zero = gen("zero.png", "a cat<lora:kohya:1><lora:peft:0>", &["--params-backend", "diffusion=disk,te=disk"]);
+    assert_eq!(
+        std::fs::read(&kohya).unwrap(),
+        std::fs::read(&zero).unwrap(),
+        "kohya x1 + peft x0 with params on disk differs from kohya x1 on the device"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn lora_bad_inputs_are_clear_errors() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("lora-bad");
+    write_loras(&dir);
+    let d = dir.to_str().unwrap();
+    let base = ["-W", "64", "-H", "64", "--steps", "1", "--lora-model-dir", d];
+    fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+        [base, extra].concat()
+    }
+    let e = fails(&with(&base, &["-p", "a cat <lora:missing_style:1>"]), Some(&model));
+    assert!(e.contains("missing_style") && e.contains(d), "{e}");
+    let e = fails(&with(&base, &["-p", "<lora:kohya:1>", "--lora-apply-mode", "at_runtime"]), Some(&model));
+    assert!(e.contains("at_runtime") && e.contains("not yet supported"), "{e}");
+    let e = fails(&with(&base, &["-p", "x", "--lora-apply-mode", "later"]), Some(&model));
+    assert!(e.contains("--lora-apply-mode") && e.contains("later"), "{e}");
+    std::fs::write(dir.join("broken.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}").unwrap();
+    let e = fails(&with(&base, &["-p", "<lora:broken:1>"]), Some(&model));
+    assert!(e.contains("broken.safetensors"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

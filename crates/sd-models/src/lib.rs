@@ -8,6 +8,7 @@
 //! - [`sampling`]: noise generators (Philox, mt19937), schedulers and samplers.
 //! - [`output`]: output paths checked before any work and written without destroying
 //!   what is there; [`health`]: numeric health of stage outputs.
+//! - [`lora`]: LoRA files, their keys mapped to our names, the merge into the weights.
 //! - [`image_io`]: image files in and out (PNG, JPEG, WebP, BMP), init-image fitting,
 //!   generation parameters in the files, output names.
 
@@ -19,6 +20,7 @@ pub mod fixture;
 pub mod health;
 pub mod image_io;
 pub mod loader;
+pub mod lora;
 pub mod output;
 pub mod pipeline;
 pub mod placement;

@@ -116,6 +116,9 @@ pub enum PipelineError {
     /// Weights or execution.
     #[error(transparent)]
     Sched(#[from] sd_sched::SchedError),
+    /// LoRA adapters.
+    #[error(transparent)]
+    Lora(#[from] crate::lora::LoraError),
 }
 
 /// A setting of [`GenerateParams`], for errors: front ends map it to their own flag names.
@@ -423,6 +426,8 @@ pub struct Pipeline {
     family: Box<dyn Family>,
     prediction: Prediction,
     opts: LoadOptions,
+    /// LoRA adapters merged into the weights as they are read (`crate::lora`).
+    loras: Option<Arc<crate::lora::LoraSet>>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -457,7 +462,49 @@ impl Pipeline {
         }
         tracing::info!("model: {} ({} tensors), prediction {}", detected.arch, files.index().len(), prediction.name());
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts })
+        Ok(Self { files, family, prediction, opts, loras: None })
+    }
+
+    /// The pipeline with `requests`' LoRA adapters applied in `mode` (read and checked
+    /// against the model now, before any weight is loaded). `Auto` is `Immediately` today;
+    /// `AtRuntime` is refused as not yet supported.
+    pub fn with_loras(mut self, requests: &[crate::lora::LoraRequest], mode: crate::lora::ApplyMode) -> Result<Self> {
+        use crate::lora::{ApplyMode, LoraError, LoraSet};
+        if requests.is_empty() {
+            self.loras = None;
+            return Ok(self);
+        }
+        match mode {
+            ApplyMode::AtRuntime => {
+                return Err(LoraError::Unsupported(
+                    "apply mode at_runtime is not yet supported; use immediately (merged into the weights as they are loaded)".into(),
+                )
+                .into())
+            }
+            ApplyMode::Auto => tracing::debug!(
+                "LoRA apply mode auto: immediately (merged into the weights at each load or staging, for every parameter home)"
+            ),
+            ApplyMode::Immediately => {}
+        }
+        let table = self.family.lora_prefixes();
+        if table.is_empty() {
+            return Err(LoraError::Unsupported(format!("the {} family takes no LoRA yet", self.family.arch())).into());
+        }
+        let targets = {
+            let dtype = dtype_of(&self.files);
+            let mut t = self.family.text_specs(&dtype, self.opts.wtype);
+            t.extend(self.family.diffusion_specs(&dtype, self.opts.wtype));
+            t
+        };
+        let set = LoraSet::load(requests, self.family.arch(), table, &targets)?;
+        tracing::info!(
+            "{} LoRA files ({:.1} MiB) adapt {} weights",
+            requests.len(),
+            set.file_bytes() as f64 / 1048576.0,
+            set.targets()
+        );
+        self.loras = Some(Arc::new(set));
+        Ok(self)
     }
 
     /// The multiple image sides must have for this model: VAE scale times the diffusion
@@ -493,7 +540,11 @@ impl Pipeline {
     }
 
     fn source(&self) -> Arc<dyn TensorSource + Send + Sync> {
-        Arc::new(SharedFiles(self.files.clone()))
+        let files: Arc<dyn TensorSource + Send + Sync> = Arc::new(SharedFiles(self.files.clone()));
+        match &self.loras {
+            Some(set) => Arc::new(crate::lora::MergedSource::new(files, set.clone())),
+            None => files,
+        }
     }
 
     /// Gives `w` its home (groups from `group_of`: one per layer, block or stage), on

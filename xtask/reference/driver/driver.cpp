@@ -165,6 +165,7 @@ sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
     }
     sd_ctx_params_t p;
     sd_ctx_params_init(&p);
+    p.lora_apply_mode = LORA_APPLY_IMMEDIATELY;
 
     if (o->wtype != nullptr) {
         p.wtype = str_to_sd_type(o->wtype);
@@ -273,6 +274,16 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
     g.strength                   = o->strength;
     g.seed                       = o->seed;
     g.batch_count                = o->batch_count;
+    std::vector<sd_lora_t> loras;
+    for (int i = 0; i < o->lora_count; i++) {
+        sd_lora_t l;
+        l.is_high_noise = false;
+        l.multiplier    = o->lora_multipliers[i];
+        l.path          = o->lora_paths[i];
+        loras.push_back(l);
+    }
+    g.loras      = loras.empty() ? nullptr : loras.data();
+    g.lora_count = (uint32_t)loras.size();
     g.vae_tiling_params.enabled  = o->vae_tiling;
     if (o->init_rgb != nullptr) {
         g.init_image = sd_image_t{static_cast<uint32_t>(o->width), static_cast<uint32_t>(o->height), 3,

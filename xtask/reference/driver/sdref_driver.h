@@ -62,6 +62,9 @@ typedef struct {
     const char* scheduler;     /* NULL: the model's default */
     const uint8_t* init_rgb;   /* NULL: txt2img; else width*height*3 bytes */
     bool vae_tiling;
+    int lora_count;                 /* LoRA files applied (mode: immediately) */
+    const char* const* lora_paths;  /* lora_count paths */
+    const float* lora_multipliers;  /* lora_count multipliers */
 } sdref_gen_opts;
 
 typedef struct {

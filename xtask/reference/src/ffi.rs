@@ -53,6 +53,9 @@ struct RawGenOpts {
     scheduler: *const c_char,
     init_rgb: *const u8,
     vae_tiling: bool,
+    lora_count: c_int,
+    lora_paths: *const *const c_char,
+    lora_multipliers: *const f32,
 }
 
 #[repr(C)]
@@ -249,6 +252,8 @@ pub struct GenOptions {
     /// RGB8, `width * height * 3` bytes; `None` for txt2img.
     pub init_rgb: Option<Vec<u8>>,
     pub vae_tiling: bool,
+    /// LoRA files and multipliers, applied immediately (merged into the weights).
+    pub loras: Vec<(String, f32)>,
 }
 
 pub struct Image {
@@ -359,6 +364,11 @@ impl Context {
             }
         }
         let mut s = Strings::default();
+        let mut lora_paths: Vec<*const c_char> = Vec::with_capacity(o.loras.len());
+        for (path, _) in &o.loras {
+            lora_paths.push(s.opt(Some(path))?);
+        }
+        let lora_mults: Vec<f32> = o.loras.iter().map(|(_, m)| *m).collect();
         let raw_opts = RawGenOpts {
             prompt: s.opt(Some(&o.prompt))?,
             negative_prompt: s.opt(Some(&o.negative_prompt))?,
@@ -374,6 +384,9 @@ impl Context {
             scheduler: s.opt(o.scheduler.as_deref())?,
             init_rgb: o.init_rgb.as_ref().map_or(ptr::null(), |v| v.as_ptr()),
             vae_tiling: o.vae_tiling,
+            lora_count: lora_paths.len() as c_int,
+            lora_paths: if lora_paths.is_empty() { ptr::null() } else { lora_paths.as_ptr() },
+            lora_multipliers: if lora_mults.is_empty() { ptr::null() } else { lora_mults.as_ptr() },
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

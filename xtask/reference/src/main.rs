@@ -194,6 +194,10 @@ struct Txt2Img {
     #[arg(long = "vae-tiling")]
     vae_tiling: bool,
     /// CLIP layers to skip; <= 0 means the model's default.
+    /// A LoRA file and its multiplier, `PATH:MULT` (repeatable; applied immediately, in the
+    /// order given, as the library's `loras` array).
+    #[arg(long = "lora", value_name = "PATH:MULT", allow_hyphen_values = true)]
+    lora: Vec<String>,
     #[arg(long = "clip-skip", default_value_t = -1, allow_negative_numbers = true)]
     clip_skip: i32,
 }
@@ -354,6 +358,13 @@ fn batch_path(base: &Path, index: usize) -> PathBuf {
     base.with_file_name(format!("{stem}_{}.{ext}", index + 1))
 }
 
+/// `PATH:MULT` (the last `:` separates them).
+fn parse_lora(s: &str) -> Res<(String, f32)> {
+    let (path, mult) = s.rsplit_once(':').ok_or_else(|| format!("--lora {s}: expected PATH:MULT"))?;
+    let m = mult.parse::<f32>().map_err(|_| format!("--lora {s}: '{mult}' is not a number"))?;
+    Ok((path.to_owned(), m))
+}
+
 fn txt2img(a: Txt2Img) -> Res<()> {
     let t_start = Instant::now();
     let recorder = start(a.model.verbose);
@@ -388,6 +399,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         scheduler: a.scheduler.clone(),
         init_rgb,
         vae_tiling: a.vae_tiling,
+        loras: a.lora.iter().map(|l| parse_lora(l)).collect::<Res<Vec<_>>>()?,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

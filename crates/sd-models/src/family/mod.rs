@@ -159,6 +159,12 @@ pub trait Family: Send + Sync + Debug {
 
     /// Sampling defaults.
     fn sampling(&self) -> SamplingDefaults;
+
+    /// Where LoRA keys point (`crate::lora`): one row per key prefix. Empty: the family takes
+    /// no LoRA yet.
+    fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
+        &[]
+    }
 }
 
 /// A loaded conditioner.

@@ -13,7 +13,8 @@ use sd_vae::{TaesdConfig, VaeConfig};
 
 use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
-use crate::files::{Detected, ModelFiles};
+use crate::files::{Detected, FileRole, ModelFiles};
+use crate::lora::LoraPrefix;
 use crate::pipeline::{PipelineError, Result};
 use crate::sampling::{DiscreteSchedule, ModelVersion, SampleMethod};
 use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
@@ -34,6 +35,18 @@ pub fn configs(arch: &str) -> Option<(ClipConfig, UNetConfig)> {
         _ => None,
     }
 }
+
+/// Where SD 1.x / 2.x LoRA keys point: kohya's flat names of the UNet and the text encoder,
+/// and diffusers/PEFT's dotted ones (bodies in diffusers or LDM layout, normalised as files of
+/// that role are).
+pub(crate) const LORA_PREFIXES: [LoraPrefix; 6] = [
+    LoraPrefix { prefix: "lora_unet_", role: FileRole::DiffusionModel, flat: true },
+    LoraPrefix { prefix: "lora_te_", role: FileRole::TextEncoder(0), flat: true },
+    LoraPrefix { prefix: "unet.", role: FileRole::DiffusionModel, flat: false },
+    LoraPrefix { prefix: "model.diffusion_model.", role: FileRole::DiffusionModel, flat: false },
+    LoraPrefix { prefix: "text_encoder.", role: FileRole::TextEncoder(0), flat: false },
+    LoraPrefix { prefix: "cond_stage_model.transformer.", role: FileRole::TextEncoder(0), flat: false },
+];
 
 /// SD 1.x or 2.x, built for a set of files.
 #[derive(Debug)]
@@ -107,6 +120,10 @@ impl Family for Sd {
 
     fn taesd(&self) -> TaesdConfig {
         TaesdConfig::sd()
+    }
+
+    fn lora_prefixes(&self) -> &'static [LoraPrefix] {
+        &LORA_PREFIXES
     }
 
     fn sampling(&self) -> SamplingDefaults {

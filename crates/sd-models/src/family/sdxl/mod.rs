@@ -81,6 +81,21 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
 
 inventory::submit! { FamilySpec { arch: "sdxl", build } }
 
+/// Where SDXL LoRA keys point: kohya's `lora_unet_`, `lora_te1_` (CLIP-L), `lora_te2_`
+/// (OpenCLIP bigG, HF names) and diffusers/PEFT's `unet.`, `text_encoder.`, `text_encoder_2.`.
+const LORA_PREFIXES: [crate::lora::LoraPrefix; 6] = {
+    use crate::files::FileRole::{DiffusionModel, TextEncoder};
+    use crate::lora::LoraPrefix as P;
+    [
+        P { prefix: "lora_unet_", role: DiffusionModel, flat: true },
+        P { prefix: "lora_te1_", role: TextEncoder(0), flat: true },
+        P { prefix: "lora_te2_", role: TextEncoder(1), flat: true },
+        P { prefix: "unet.", role: DiffusionModel, flat: false },
+        P { prefix: "text_encoder.", role: TextEncoder(0), flat: false },
+        P { prefix: "text_encoder_2.", role: TextEncoder(1), flat: false },
+    ]
+};
+
 impl Family for Sdxl {
     fn arch(&self) -> &'static str {
         "sdxl"
@@ -133,6 +148,10 @@ impl Family for Sdxl {
 
     fn taesd(&self) -> TaesdConfig {
         TaesdConfig::sd()
+    }
+
+    fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
+        &LORA_PREFIXES
     }
 
     fn sampling(&self) -> SamplingDefaults {

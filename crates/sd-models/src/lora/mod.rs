@@ -1,0 +1,509 @@
+//! LoRA adapters: files, key mapping to our tensor names, and the merge into the weights.
+//!
+//! A LoRA file (safetensors or GGUF, opened through [`crate::files`]) holds, per adapted
+//! weight, a `down` matrix (`[rank, in]`, or `[rank, in, kh, kw]` for a convolution), an `up`
+//! matrix (`[out, rank]` or `[out, rank, 1, 1]`) and optionally an `alpha` scalar. Layouts read:
+//! kohya/A1111 (`lora_unet_<flat name>.lora_down.weight`, `.lora_up.weight`, `.alpha`, the
+//! flat name being the module path with `_` for `.`) and diffusers/PEFT
+//! (`unet.<dotted name>.lora_A.weight`, `.lora_B.weight`). Where each prefix points is the
+//! family's table ([`crate::family::Family::lora_prefixes`]); the body is then named by the
+//! same normalisation as model files ([`crate::files::names::normalize`]), so diffusers and LDM
+//! bodies both reach our internal names.
+//!
+//! The rule is the reference's (stable-diffusion.cpp's `src/model/adapter/lora.hpp`): the
+//! delta of one adapter is `scale * (up @ down)` reshaped to the weight, with
+//! `scale = multiplier * alpha / rank`, `rank` the down matrix's first dimension, and
+//! `scale = multiplier` when the file has no alpha; each adapter is added in f32 and the sum
+//! stored back in the weight's type before the next adapter (the reference adds in place in
+//! the weight's type for f16/f32 weights, and dequantizes, adds and requantizes the others).
+//!
+//! `immediately` ([`ApplyMode::Immediately`]) merges through [`MergedSource`], a
+//! [`TensorSource`] over the model's own source: every time the weight placement reads a
+//! tensor (once for parameters on the computing device or in RAM, at every staging for
+//! parameters on disk) the adapters are added to the bytes read, so no unmerged copy is kept
+//! next to the merged one and a disk-resident module keeps no merged copy at all.
+//! `at_runtime` (low-rank products in the graph) is not implemented yet and is refused.
+
+pub mod tags;
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sd_backends::{convert, GgmlType};
+use sd_sched::{SourceError, TensorSource, TensorSpec};
+
+use crate::files::names::{normalize, FileRole, Normalized};
+use crate::files::{FilesError, ModelFiles};
+use crate::loader::FileSource;
+
+/// One adapter asked for: its file and multiplier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraRequest {
+    /// The LoRA file.
+    pub path: PathBuf,
+    /// The multiplier (`<lora:name:multiplier>`).
+    pub multiplier: f32,
+}
+
+/// `--lora-apply-mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ApplyMode {
+    /// Chosen by where the weights live (today always [`ApplyMode::Immediately`]).
+    #[default]
+    Auto,
+    /// Merged into the weights as they are loaded or staged.
+    Immediately,
+    /// Low-rank products added in the graph (not implemented yet).
+    AtRuntime,
+}
+
+impl std::str::FromStr for ApplyMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ApplyMode::Auto),
+            "immediately" => Ok(ApplyMode::Immediately),
+            "at_runtime" => Ok(ApplyMode::AtRuntime),
+            _ => Err(format!("'{s}' is not one of auto, immediately, at_runtime")),
+        }
+    }
+}
+
+/// Where a prefix of LoRA keys points: one row of a family's table.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraPrefix {
+    /// The key prefix (`lora_unet_`, `unet.`).
+    pub prefix: &'static str,
+    /// The component the body names, as a file of that role would.
+    pub role: FileRole,
+    /// Whether the body is kohya's flat form (`_` for `.`) rather than dotted.
+    pub flat: bool,
+}
+
+/// Why LoRA adapters cannot be used, naming the file and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    /// A tag names no file.
+    #[error("LoRA '{name}' not found in '{}' (tried the name as written and with {tried} appended)", dir.display())]
+    NotFound {
+        /// The name in the tag.
+        name: String,
+        /// The directory searched.
+        dir: PathBuf,
+        /// The extensions tried.
+        tried: String,
+    },
+    /// The file cannot be opened or parsed (the cause names the file).
+    #[error("LoRA file")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<FilesError>,
+    },
+    /// A tensor of the file cannot be read (the cause names the tensor and file).
+    #[error("LoRA tensor")]
+    Tensor {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: SourceError,
+    },
+    /// Nothing of the file adapts this model.
+    #[error("LoRA file '{}': none of its {keys} adapters names a tensor of the {family} model (first: {first})", path.display())]
+    NothingMatches {
+        /// The file.
+        path: PathBuf,
+        /// The model family.
+        family: &'static str,
+        /// How many adapter keys it has.
+        keys: usize,
+        /// The first of them.
+        first: String,
+    },
+    /// Up, down and the weight do not fit together.
+    #[error("LoRA file '{}', tensor '{tensor}': {problem}", path.display())]
+    Shape {
+        /// The file.
+        path: PathBuf,
+        /// The adapter's key in the file.
+        tensor: String,
+        /// What does not fit.
+        problem: String,
+    },
+    /// The request cannot be served.
+    #[error("LoRA: {0}")]
+    Unsupported(String),
+}
+
+/// One adapter of one weight, ready to merge.
+#[derive(Debug)]
+struct Delta {
+    /// `[out, rank]`, row-major.
+    up: Vec<f32>,
+    /// `[rank, inner]`, row-major.
+    down: Vec<f32>,
+    rank: usize,
+    out: usize,
+    inner: usize,
+    /// `multiplier * alpha / rank` (or `multiplier`).
+    scale: f32,
+}
+
+/// The adapters of a request, by our internal tensor name, in application order.
+#[derive(Debug, Default)]
+pub struct LoraSet {
+    deltas: HashMap<String, Vec<Delta>>,
+    /// Bytes of the adapter files (for budgets and `plan`).
+    file_bytes: u64,
+    files: usize,
+}
+
+/// The parts of one adapter key found in a file.
+#[derive(Default)]
+struct Parts {
+    up: Option<String>,
+    down: Option<String>,
+    alpha: Option<String>,
+}
+
+/// The adapter key and part of a stored name: `(base key, part)`, part 0 down, 1 up, 2 alpha;
+/// `None` for names of another kind (LoHa, LoKr, `diff`, `lora_mid`).
+fn split_key(name: &str) -> Option<(&str, u8)> {
+    const SUFFIXES: [(&str, u8); 9] = [
+        (".lora_down.weight", 0),
+        (".lora_up.weight", 1),
+        (".lora.down.weight", 0),
+        (".lora.up.weight", 1),
+        (".lora_A.weight", 0),
+        (".lora_B.weight", 1),
+        (".lora_A.default.weight", 0),
+        (".lora_B.default.weight", 1),
+        (".alpha", 2),
+    ];
+    SUFFIXES.iter().find_map(|(s, part)| name.strip_suffix(s).map(|base| (base, *part)))
+}
+
+/// Module names that keep their `_` when a kohya flat name is made dotted again (the names of
+/// the UNet and CLIP modules, LDM and diffusers layouts, that contain `_`).
+const KEEP_UNDERSCORE: [&str; 44] = [
+    "final_layer_norm",
+    "conv_norm_out",
+    "time_emb_proj",
+    "down_blocks",
+    "up_blocks",
+    "mid_block",
+    "transformer_blocks",
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out",
+    "proj_in",
+    "proj_out",
+    "conv_shortcut",
+    "conv_in",
+    "conv_out",
+    "time_embedding",
+    "linear_1",
+    "linear_2",
+    "input_blocks",
+    "output_blocks",
+    "middle_block",
+    "in_layers",
+    "out_layers",
+    "emb_layers",
+    "skip_connection",
+    "time_embed",
+    "label_emb",
+    "add_embedding",
+    "text_model",
+    "self_attn",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "out_proj",
+    "layer_norm1",
+    "layer_norm2",
+    "token_embedding",
+    "position_embedding",
+    "text_projection",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "add_out_proj",
+];
+
+/// A kohya flat body (`down_blocks_0_attentions_0_proj_in`) made dotted
+/// (`down_blocks.0.attentions.0.proj_in`).
+fn dotted(flat: &str) -> String {
+    let parts: Vec<&str> = flat.split('_').collect();
+    let mut out: Vec<String> = Vec::with_capacity(parts.len());
+    let mut i = 0;
+    while i < parts.len() {
+        let mut taken = 1;
+        for n in [3, 2] {
+            if i + n <= parts.len() {
+                let joined = parts[i..i + n].join("_");
+                if KEEP_UNDERSCORE.contains(&joined.as_str()) {
+                    out.push(joined);
+                    taken = n;
+                    break;
+                }
+            }
+        }
+        if taken == 1 {
+            out.push(parts[i].to_owned());
+        }
+        i += taken;
+    }
+    out.join(".")
+}
+
+/// Our internal name of the weight an adapter key adapts, through `table`.
+fn target_of(key: &str, table: &[LoraPrefix]) -> Option<String> {
+    let key = key.strip_prefix("lora.").unwrap_or(key);
+    let row = table.iter().filter(|r| key.starts_with(r.prefix)).max_by_key(|r| r.prefix.len())?;
+    let body = &key[row.prefix.len()..];
+    let body = if row.flat { dotted(body) } else { body.to_owned() };
+    match normalize(&format!("{body}.weight"), row.role) {
+        Normalized::One(name) => Some(name),
+        Normalized::Split(_) => None,
+    }
+}
+
+/// The first element of a tensor as f32 (an alpha).
+fn scalar(files: &ModelFiles, name: &str, path: &Path) -> Result<f32, LoraError> {
+    let (e, _) = files.tensor(name).expect("listed by the index");
+    let ne: Vec<i64> = e.ne().iter().map(|&v| v as i64).collect();
+    let bytes = FileSource::new(files)
+        .load_tensor(name, GgmlType::GGML_TYPE_F32, &ne)
+        .map_err(|source| LoraError::Tensor { path: path.to_path_buf(), source })?;
+    match bytes.get(..4) {
+        Some(b) => Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        None => Err(LoraError::Shape {
+            path: path.to_path_buf(),
+            tensor: name.to_owned(),
+            problem: "alpha is empty".into(),
+        }),
+    }
+}
+
+/// A tensor as f32 with its file shape (outermost first).
+fn matrix(files: &ModelFiles, name: &str, path: &Path) -> Result<(Vec<u64>, Vec<f32>), LoraError> {
+    let (e, _) = files.tensor(name).expect("listed by the index");
+    let shape = e.shape.clone();
+    let ne: Vec<i64> = e.ne().iter().map(|&v| v as i64).collect();
+    let bytes = FileSource::new(files)
+        .load_tensor(name, GgmlType::GGML_TYPE_F32, &ne)
+        .map_err(|source| LoraError::Tensor { path: path.to_path_buf(), source })?;
+    let v = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Ok((shape, v))
+}
+
+impl LoraSet {
+    /// Reads `requests` (in order) for a model of `family` whose weights are `targets`, with
+    /// the family's key `table`. Keys that name no weight are reported as a warning (count and
+    /// first names); a file of which no key names a weight, and adapters whose shapes do not
+    /// fit, are errors.
+    pub fn load(
+        requests: &[LoraRequest],
+        family: &'static str,
+        table: &[LoraPrefix],
+        targets: &[TensorSpec],
+    ) -> Result<LoraSet, LoraError> {
+        let by_name: HashMap<&str, &TensorSpec> = targets.iter().map(|s| (s.name.as_str(), s)).collect();
+        let mut set = LoraSet::default();
+        for req in requests {
+            let path = &req.path;
+            let file_err = |source| LoraError::File { path: path.clone(), source: Box::new(source) };
+            let files = ModelFiles::open_model(path).map_err(file_err)?;
+            set.file_bytes += files.index().files().iter().map(|f| f.len).sum::<u64>();
+            set.files += 1;
+            let mut keys: BTreeMap<String, Parts> = BTreeMap::new();
+            let mut other: Vec<String> = Vec::new();
+            for e in files.index().entries() {
+                match split_key(&e.original_name) {
+                    Some((base, part)) => {
+                        let p = keys.entry(base.to_owned()).or_default();
+                        let slot = match part {
+                            0 => &mut p.down,
+                            1 => &mut p.up,
+                            _ => &mut p.alpha,
+                        };
+                        *slot = Some(e.name.clone());
+                    }
+                    None => other.push(e.original_name.clone()),
+                }
+            }
+            let mut unmatched: Vec<String> = Vec::new();
+            let mut applied = 0usize;
+            let total = keys.len();
+            for (base, parts) in &keys {
+                let (Some(up), Some(down)) = (&parts.up, &parts.down) else {
+                    unmatched.push(format!("{base} (no up/down pair)"));
+                    continue;
+                };
+                let Some(target) = target_of(base, table).filter(|t| by_name.contains_key(t.as_str())) else {
+                    unmatched.push(base.clone());
+                    continue;
+                };
+                let spec = by_name[target.as_str()];
+                let delta = read_delta(&files, path, base, up, down, parts.alpha.as_deref(), req.multiplier, spec)?;
+                set.deltas.entry(target).or_default().push(delta);
+                applied += 1;
+            }
+            if applied == 0 {
+                let first = keys.keys().chain(other.iter()).take(3).cloned().collect::<Vec<_>>().join(", ");
+                return Err(LoraError::NothingMatches { path: path.clone(), family, keys: total, first });
+            }
+            if !other.is_empty() {
+                let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+                tracing::warn!(
+                    "LoRA '{}': {} tensors of kinds not applied yet (LoHa, LoKr, diff, lora_mid; first: {first})",
+                    path.display(),
+                    other.len()
+                );
+            }
+            if !unmatched.is_empty() {
+                let first = unmatched.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+                tracing::warn!(
+                    "LoRA '{}': {} of its {total} adapters name no tensor of the {family} model (first: {first})",
+                    path.display(),
+                    unmatched.len()
+                );
+            }
+            tracing::info!("LoRA '{}' x{}: {applied} of {total} adapters applied", path.display(), req.multiplier);
+        }
+        Ok(set)
+    }
+
+    /// Bytes of the adapter files read.
+    pub fn file_bytes(&self) -> u64 {
+        self.file_bytes
+    }
+
+    /// Number of weights adapted.
+    pub fn targets(&self) -> usize {
+        self.deltas.len()
+    }
+
+    /// `bytes` (the tensor `name` as `ty`, shape `ne`) with every adapter of `name` added, in
+    /// order, each sum stored in `ty` before the next; `None` when no adapter names it.
+    pub fn merge(&self, name: &str, ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Option<Result<Vec<u8>, String>> {
+        let deltas = self.deltas.get(name)?;
+        Some(merge_all(deltas, ty, ne, bytes))
+    }
+}
+
+fn merge_all(deltas: &[Delta], ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Result<Vec<u8>, String> {
+    let n: i64 = ne.iter().product();
+    let row = ne.first().copied().unwrap_or(1).max(1);
+    let mut packed = bytes.to_vec();
+    for d in deltas {
+        let mut w = convert::to_f32(ty, &packed, n).map_err(|e| e.to_string())?;
+        add_delta(&mut w, d);
+        packed = convert::pack_f32(ty, &w, row).map_err(|e| e.to_string())?;
+    }
+    Ok(packed)
+}
+
+/// `w += scale * (up @ down)`, in f32: the product summed over the rank in order, then scaled.
+fn add_delta(w: &mut [f32], d: &Delta) {
+    for o in 0..d.out {
+        let up = &d.up[o * d.rank..(o + 1) * d.rank];
+        let dst = &mut w[o * d.inner..(o + 1) * d.inner];
+        for (i, x) in dst.iter_mut().enumerate() {
+            let mut s = 0f32;
+            for (r, u) in up.iter().enumerate() {
+                s += u * d.down[r * d.inner + i];
+            }
+            *x += s * d.scale;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn read_delta(
+    files: &ModelFiles,
+    path: &Path,
+    base: &str,
+    up: &str,
+    down: &str,
+    alpha: Option<&str>,
+    multiplier: f32,
+    target: &TensorSpec,
+) -> Result<Delta, LoraError> {
+    let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
+    let (up_shape, up_v) = matrix(files, up, path)?;
+    let (down_shape, down_v) = matrix(files, down, path)?;
+    let (out, rank_up) = match up_shape.first() {
+        Some(&o) if o > 0 => (o as usize, up_v.len() / o as usize),
+        _ => return Err(shape_err(format!("up has shape {up_shape:?}"))),
+    };
+    let (rank, inner) = match down_shape.first() {
+        Some(&r) if r > 0 => (r as usize, down_v.len() / r as usize),
+        _ => return Err(shape_err(format!("down has shape {down_shape:?}"))),
+    };
+    if rank_up != rank {
+        return Err(shape_err(format!(
+            "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
+        )));
+    }
+    let want: i64 = target.ne.iter().product();
+    let target_out = target.ne.last().copied().unwrap_or(1);
+    if out as i64 != target_out || (out * inner) as i64 != want {
+        let torch: Vec<i64> = target.ne.iter().rev().copied().collect();
+        return Err(shape_err(format!(
+            "the delta up {up_shape:?} x down {down_shape:?} is [{out}, {inner}]; the weight '{}' has shape {torch:?}",
+            target.name
+        )));
+    }
+    // The reference: alpha / rank in f32, then times the multiplier; no alpha: the multiplier.
+    let scale = match alpha {
+        Some(a) => scalar(files, a, path)? / rank as f32 * multiplier,
+        None => multiplier,
+    };
+    Ok(Delta { up: up_v, down: down_v, rank, out, inner, scale })
+}
+
+/// A [`TensorSource`] that adds a [`LoraSet`]'s adapters to what another source reads.
+pub struct MergedSource {
+    inner: Arc<dyn TensorSource + Send + Sync>,
+    set: Arc<LoraSet>,
+}
+
+impl MergedSource {
+    /// `inner` with `set` merged into every tensor it names.
+    pub fn new(inner: Arc<dyn TensorSource + Send + Sync>, set: Arc<LoraSet>) -> Self {
+        Self { inner, set }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("merging the LoRA adapters into '{tensor}': {problem}")]
+struct MergeError {
+    tensor: String,
+    problem: String,
+}
+
+impl TensorSource for MergedSource {
+    fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
+        let bytes = self.inner.load(name, ty, ne)?;
+        match self.set.merge(name, ty, ne, &bytes) {
+            None => Ok(bytes),
+            Some(Ok(merged)) => Ok(Cow::Owned(merged)),
+            Some(Err(problem)) => Err(SourceError::new(MergeError { tensor: name.to_owned(), problem })),
+        }
+    }
+
+    fn release(&self, name: &str) {
+        self.inner.release(name)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,161 @@
+//! Tests of LoRA key mapping, shapes and the merge rule.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::family::sd::configs;
+
+#[test]
+fn kohya_flat_names_become_dotted() {
+    assert_eq!(
+        dotted("down_blocks_0_attentions_1_transformer_blocks_0_attn1_to_out_0"),
+        "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_out.0"
+    );
+    assert_eq!(dotted("text_model_encoder_layers_11_mlp_fc2"), "text_model.encoder.layers.11.mlp.fc2");
+    assert_eq!(dotted("text_model_final_layer_norm"), "text_model.final_layer_norm");
+}
+
+fn sd15_targets() -> Vec<TensorSpec> {
+    let (clip, unet) = configs("sd1").unwrap();
+    let dtype = |_: &str| Some(GgmlType::GGML_TYPE_F16);
+    let mut t = crate::text::clip::clip_specs(&clip, &dtype, None);
+    t.extend(crate::diffusion::unet::unet_specs(&unet, &dtype, None));
+    t
+}
+
+fn sd_table() -> &'static [LoraPrefix] {
+    &crate::family::sd::LORA_PREFIXES
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("sd-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn write_fixture(layout: crate::fixture::lora::LoraLayout, rank: u64, name: &str) -> PathBuf {
+    let path = temp(name);
+    let req = crate::fixture::lora::LoraFixture { layout, rank, seed: 7, scale: 0.05, text_encoder: true };
+    crate::fixture::lora::write_lora(&path, &req).unwrap();
+    path
+}
+
+fn write_raw(name: &str, tensors: &[(&str, Vec<u64>)]) -> PathBuf {
+    use crate::files::safetensors::{to_bytes, HeaderEntry};
+    let data: Vec<Vec<u8>> = tensors.iter().map(|(_, s)| vec![0u8; 4 * s.iter().product::<u64>() as usize]).collect();
+    let entries: Vec<(HeaderEntry<'_>, &[u8])> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((n, s), d)| (HeaderEntry { name: n, dtype: crate::files::DType::F32, shape: s }, d.as_slice()))
+        .collect();
+    let path = temp(name);
+    std::fs::write(&path, to_bytes(&entries, &BTreeMap::new()).unwrap()).unwrap();
+    path
+}
+
+fn load(paths: &[(&Path, f32)]) -> Result<LoraSet, LoraError> {
+    let req: Vec<LoraRequest> =
+        paths.iter().map(|(p, m)| LoraRequest { path: p.to_path_buf(), multiplier: *m }).collect();
+    LoraSet::load(&req, "sd1", sd_table(), &sd15_targets())
+}
+
+#[test]
+fn kohya_and_peft_fixtures_adapt_every_module_they_name() {
+    use crate::fixture::lora::LoraLayout;
+    let kohya = write_fixture(LoraLayout::Kohya, 4, "kohya.safetensors");
+    let peft = write_fixture(LoraLayout::Peft, 8, "peft.safetensors");
+    let k = load(&[(&kohya, 1.0)]).unwrap();
+    let p = load(&[(&peft, 1.0)]).unwrap();
+    // 3 transformers x 12 modules, 5 resnet modules, 3 text layers x 6.
+    assert_eq!(k.targets(), 59);
+    assert_eq!(p.targets(), 59);
+    let both = load(&[(&kohya, 0.5), (&peft, -1.0)]).unwrap();
+    assert_eq!(both.deltas["model.diffusion_model.input_blocks.1.0.in_layers.2.weight"].len(), 2);
+    // Kohya: alpha = rank / 2, so scale = 0.5 x multiplier; PEFT has no alpha: the multiplier.
+    assert_eq!(both.deltas["model.diffusion_model.input_blocks.1.0.in_layers.2.weight"][0].scale, 0.25);
+    assert_eq!(both.deltas["model.diffusion_model.input_blocks.1.0.in_layers.2.weight"][1].scale, -1.0);
+}
+
+#[test]
+fn the_merge_adds_scale_up_down_and_multiplier_zero_changes_no_bit() {
+    use crate::fixture::lora::LoraLayout;
+    let kohya = write_fixture(LoraLayout::Kohya, 4, "kohya-merge.safetensors");
+    let name = "model.diffusion_model.input_blocks.1.0.in_layers.2.weight"; // 3x3 conv, 320 -> 320
+    let ne = [3i64, 3, 320, 320];
+    let n = ne.iter().product::<i64>() as usize;
+    let w: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
+    let bytes = convert::pack_f32(GgmlType::GGML_TYPE_F16, &w, 3).unwrap();
+    let zero = load(&[(&kohya, 0.0)]).unwrap();
+    assert_eq!(zero.merge(name, GgmlType::GGML_TYPE_F16, &ne, &bytes).unwrap().unwrap(), bytes);
+    let one = load(&[(&kohya, 1.0)]).unwrap();
+    let merged = one.merge(name, GgmlType::GGML_TYPE_F16, &ne, &bytes).unwrap().unwrap();
+    let merged = convert::to_f32(GgmlType::GGML_TYPE_F16, &merged, n as i64).unwrap();
+    // Independently: the file's up [320, 4, 1, 1] and down [4, 320, 3, 3], in f64.
+    let files = ModelFiles::open_model(&kohya).unwrap();
+    let key = "lora_unet_down_blocks_0_resnets_0_conv1";
+    let (_, up) = matrix(&files, &format!("{key}.lora_up.weight"), &kohya).unwrap();
+    let (_, down) = matrix(&files, &format!("{key}.lora_down.weight"), &kohya).unwrap();
+    let base = convert::to_f32(GgmlType::GGML_TYPE_F16, &bytes, n as i64).unwrap();
+    let inner = 320 * 9;
+    let mut worst = 0f64;
+    for o in 0..320 {
+        for i in 0..inner {
+            let d: f64 = (0..4).map(|r| up[o * 4 + r] as f64 * down[r * inner + i] as f64).sum();
+            let want = base[o * inner + i] as f64 + 0.5 * d;
+            worst = worst.max((merged[o * inner + i] as f64 - want).abs());
+        }
+    }
+    assert!(worst < 1e-3, "merge differs from base + 0.5 up@down by {worst}");
+    assert_ne!(merged, base);
+}
+
+#[test]
+fn a_lora_for_another_family_matches_nothing_and_says_so() {
+    // SDXL-only names: a second transformer block at level 1, the second text encoder.
+    let path = write_raw(
+        "sdxl-names.safetensors",
+        &[
+            ("lora_unet_down_blocks_1_attentions_0_transformer_blocks_1_attn1_to_q.lora_down.weight", vec![4, 640]),
+            ("lora_unet_down_blocks_1_attentions_0_transformer_blocks_1_attn1_to_q.lora_up.weight", vec![640, 4]),
+            ("lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight", vec![4, 1280]),
+            ("lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight", vec![1280, 4]),
+        ],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("sdxl-names.safetensors") && e.contains("none of its 2 adapters") && e.contains("sd1"), "{e}");
+}
+
+#[test]
+fn rank_and_shape_mismatches_name_the_file_and_tensor() {
+    let key = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let path = write_raw(
+        "rank.safetensors",
+        &[(&format!("{key}.lora_down.weight"), vec![4, 320]), (&format!("{key}.lora_up.weight"), vec![320, 8])],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("rank.safetensors") && e.contains(key) && e.contains("rank mismatch"), "{e}");
+    let path = write_raw(
+        "shape.safetensors",
+        &[(&format!("{key}.lora_down.weight"), vec![4, 768]), (&format!("{key}.lora_up.weight"), vec![320, 4])],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("shape.safetensors") && e.contains(key) && e.contains("[320, 320]"), "{e}");
+}
+
+#[test]
+fn a_malformed_file_is_an_error_naming_it() {
+    let path = temp("garbage.safetensors");
+    std::fs::write(&path, b"\xff\xff\xff\xff not a safetensors file").unwrap();
+    let e = load(&[(&path, 1.0)]).unwrap_err();
+    let chain = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+    assert!(chain.contains("garbage.safetensors"), "{chain}");
+}
+
+#[test]
+fn apply_modes_parse_as_the_reference_names_them() {
+    assert_eq!("auto".parse::<ApplyMode>(), Ok(ApplyMode::Auto));
+    assert_eq!("immediately".parse::<ApplyMode>(), Ok(ApplyMode::Immediately));
+    assert_eq!("at_runtime".parse::<ApplyMode>(), Ok(ApplyMode::AtRuntime));
+    assert!("runtime".parse::<ApplyMode>().is_err());
+}

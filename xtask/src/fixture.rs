@@ -3,7 +3,12 @@
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
+//! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
 //! ```
+//!
+//! `t5xxl` writes a T5-XXL v1.1 encoder file (`--t5xxl`, the names of `t5xxl_fp16.safetensors`;
+//! `sd_models::fixture::t5`), 24 blocks unless `--layers` says fewer (the reference needs all
+//! 24: 9.5 GB at f16, about 5 GB at q8_0).
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -22,14 +27,25 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::text::t5::T5Config;
+
+/// What a fixture imitates: a checkpoint family, or the T5-XXL text encoder alone.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Kind {
+    Family(Family),
+    T5xxl,
+}
 
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
-    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega", value_parser = family)]
-    family: Family,
+    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or t5xxl, the text encoder alone.
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|t5xxl", value_parser = kind)]
+    kind: Kind,
+    /// t5xxl only: encoder blocks (1 to 24).
+    #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
+    layers: Option<u32>,
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
@@ -53,8 +69,11 @@ pub struct Args {
     plain_norms: bool,
 }
 
-fn family(s: &str) -> Result<Family, String> {
-    Family::parse(s).map_err(|e| e.to_string())
+fn kind(s: &str) -> Result<Kind, String> {
+    if s == "t5xxl" {
+        return Ok(Kind::T5xxl);
+    }
+    Family::parse(s).map(Kind::Family).map_err(|e| format!("{e}; or t5xxl"))
 }
 
 fn weight_type(s: &str) -> Result<WeightType, String> {
@@ -74,6 +93,13 @@ fn std_dev(s: &str) -> Result<f64, String> {
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
+    let family = match args.kind {
+        Kind::Family(f) => f,
+        Kind::T5xxl => return run_t5xxl(&args),
+    };
+    if args.layers.is_some() {
+        bail!("--layers applies to t5xxl fixtures only");
+    }
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
@@ -82,10 +108,10 @@ pub fn run(args: Args) -> Result<()> {
             }
             let dir = fixture::cache_dir();
             std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (fixture::cached_path(args.family, args.seed, args.wtype), FileFormat::for_type(args.wtype))
+            (fixture::cached_path(family, args.seed, args.wtype), FileFormat::for_type(args.wtype))
         }
     };
-    let mut req = FixtureRequest::family(args.family, args.seed, args.wtype, format);
+    let mut req = FixtureRequest::family(family, args.seed, args.wtype, format);
     if let Some(only) = &args.only {
         let mut only = only.clone();
         if only.contains(&Component::TextEncoder(0)) {
@@ -101,10 +127,40 @@ pub fn run(args: Args) -> Result<()> {
     println!(
         "wrote {} ({} fixture, seed {}, {}{}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
         report.path.display(),
-        args.family.name(),
+        family.name(),
         args.seed,
         args.wtype,
         args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default(),
+        report.tensors,
+        report.params as f64 / 1e6,
+        report.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `cargo xtask fixture t5xxl ...`.
+fn run_t5xxl(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms {
+        bail!("--only, --std, --std-everywhere and --plain-norms apply to checkpoint families, not t5xxl");
+    }
+    let cfg = T5Config { n_layers: args.layers.unwrap_or(24) as usize, ..T5Config::xxl() };
+    let (path, format) = match &args.output {
+        Some(p) => (p.clone(), FileFormat::from_path(p)?),
+        None => {
+            let dir = fixture::cache_dir();
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (t5::cached_t5xxl_path(cfg.n_layers, args.seed, args.wtype), FileFormat::for_type(args.wtype))
+        }
+    };
+    let start = Instant::now();
+    let report = t5::write_t5xxl(&path, &cfg, args.seed, args.wtype, format)?;
+    println!(
+        "wrote {} (t5xxl fixture, {} blocks, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        report.path.display(),
+        cfg.n_layers,
+        args.seed,
+        args.wtype,
         report.tensors,
         report.params as f64 / 1e6,
         report.bytes as f64 / (1024.0 * 1024.0),
@@ -127,7 +183,8 @@ mod tests {
         assert_eq!(
             a,
             Args {
-                family: Family::Sd21,
+                kind: Kind::Family(Family::Sd21),
+                layers: None,
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
@@ -137,7 +194,9 @@ mod tests {
                 plain_norms: false,
             }
         );
-        assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Family::Ssd1b);
+        assert_eq!(parse("ssd-1b --type q8_0").unwrap().kind, Kind::Family(Family::Ssd1b));
+        let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
+        assert_eq!((t.kind, t.layers, t.wtype), (Kind::T5xxl, Some(2), WeightType::Q8_0));
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -145,7 +204,9 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|t5xxl>"),
+            ("t5xxl --layers 0", "--layers"),
+            ("t5xxl --layers 25", "--layers"),
             ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),

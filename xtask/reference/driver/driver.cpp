@@ -399,4 +399,57 @@ void sdref_tensor_free(sdref_tensor* t) {
     }
 }
 
+int sdref_t5_tokenize(const char* prompt, bool raw, size_t chunk_len, int32_t** out_ids,
+                      float** out_weights, size_t* out_len, char* err, size_t err_len) {
+    *out_ids     = nullptr;
+    *out_weights = nullptr;
+    *out_len     = 0;
+    if (prompt == nullptr) {
+        set_err(err, err_len, "prompt is NULL");
+        return 1;
+    }
+    if (!raw && chunk_len < 2) {
+        set_err(err, err_len, "chunk_len %zu is too short (EOS and one token need 2)", chunk_len);
+        return 1;
+    }
+    // One tokenizer per process: its constructor parses the embedded tokenizer.json.
+    static T5UniGramTokenizer tokenizer(false);
+    std::vector<int> ids;
+    std::vector<float> weights;
+    if (raw) {
+        ids = tokenizer.encode(prompt);
+        weights.assign(ids.size(), 1.0f);
+    } else {
+        // FluxCLIPEmbedder::tokenize's T5 half, step for step.
+        for (const auto& item : parse_prompt_attention(prompt)) {
+            std::vector<int> curr = tokenizer.encode(item.first);
+            ids.insert(ids.end(), curr.begin(), curr.end());
+            weights.insert(weights.end(), curr.size(), item.second);
+        }
+        tokenizer.pad_tokens(ids, &weights, nullptr, chunk_len, chunk_len, true);
+    }
+    size_t n  = ids.size();
+    auto* pid = static_cast<int32_t*>(malloc(sizeof(int32_t) * (n == 0 ? 1 : n)));
+    auto* pw  = static_cast<float*>(malloc(sizeof(float) * (n == 0 ? 1 : n)));
+    if (pid == nullptr || pw == nullptr) {
+        free(pid);
+        free(pw);
+        set_err(err, err_len, "out of memory for %zu tokens", n);
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pid[i] = ids[i];
+        pw[i]  = weights[i];
+    }
+    *out_ids     = pid;
+    *out_weights = pw;
+    *out_len     = n;
+    return 0;
+}
+
+void sdref_t5_tokens_free(int32_t* ids, float* weights) {
+    free(ids);
+    free(weights);
+}
+
 }  // extern "C"

@@ -116,6 +116,17 @@ int sdref_vae_decode(sdref_ctx* ctx, const sdref_tensor* latent, bool latent_is_
 
 void sdref_tensor_free(sdref_tensor* t);
 
+/* T5 token ids for `prompt`, by sd.cpp's own T5UniGramTokenizer (the T5-XXL vocabulary, not
+ * umT5). raw: T5UniGramTokenizer::encode of the whole prompt, nothing else (weights all 1).
+ * Otherwise what FluxCLIPEmbedder::tokenize gives the T5 encoder: parse_prompt_attention,
+ * encode of each fragment with its weight, then Tokenizer::pad_tokens(min_length = max_length =
+ * chunk_len, overflow expansion): chunks of chunk_len ids, each ending in EOS, padded with 0
+ * (FLUX's conditioner uses chunk_len 256). No model is needed. On success *out_ids and
+ * *out_weights hold *out_len values; free them with sdref_t5_tokens_free. */
+int sdref_t5_tokenize(const char* prompt, bool raw, size_t chunk_len, int32_t** out_ids,
+                      float** out_weights, size_t* out_len, char* err, size_t err_len);
+void sdref_t5_tokens_free(int32_t* ids, float* weights);
+
 #ifdef __cplusplus
 }
 #endif

@@ -118,6 +118,41 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn sdref_tensor_free(t: *mut RawTensor);
+    fn sdref_t5_tokenize(
+        prompt: *const c_char,
+        raw: bool,
+        chunk_len: usize,
+        out_ids: *mut *mut i32,
+        out_weights: *mut *mut f32,
+        out_len: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_t5_tokens_free(ids: *mut i32, weights: *mut f32);
+}
+
+/// sd.cpp's T5 token ids and weights for `prompt` (see `sdref_t5_tokenize` in
+/// driver/sdref_driver.h): `raw` is the tokenizer's `encode` alone, otherwise FLUX's
+/// conditioner's chunks of `chunk_len`.
+pub fn t5_tokenize(prompt: &str, raw: bool, chunk_len: usize) -> Result<(Vec<i32>, Vec<f32>), String> {
+    let prompt = CString::new(prompt).map_err(|_| "the prompt holds a NUL byte".to_owned())?;
+    let mut ids: *mut i32 = std::ptr::null_mut();
+    let mut weights: *mut f32 = std::ptr::null_mut();
+    let mut len = 0usize;
+    let mut err = ErrBuf::new();
+    // SAFETY: valid NUL-terminated prompt and out-pointers; no context is involved.
+    let rc = unsafe {
+        sdref_t5_tokenize(prompt.as_ptr(), raw, chunk_len, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len())
+    };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    // SAFETY: on success the driver returned two malloc'd arrays of `len` values each.
+    let out =
+        unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
+    // SAFETY: the arrays came from sdref_t5_tokenize and are freed once.
+    unsafe { sdref_t5_tokens_free(ids, weights) };
+    Ok(out)
 }
 
 /// Log level numbers of sd.cpp's `sd_log_level_t`.

@@ -12,6 +12,8 @@
 //! - `encode-text`, `unet`, `vae-decode`: one component of the loaded model,
 //!   evaluated by sd.cpp's own objects, dumped as raw f32 (driver/driver.cpp
 //!   explains how it reaches them without patching sd.cpp).
+//! - `t5-tokens`: sd.cpp's T5 tokenizer on a list of prompts (ids, and FLUX's per-token
+//!   weights and 256-id chunks), as JSON; no model is loaded.
 //! - `info`: sd.cpp's version and the CPU features its ggml was built for.
 
 mod ffi;
@@ -45,6 +47,8 @@ enum Command {
     Unet(Unet),
     /// Dump a VAE decode, before clamping and uint8 conversion.
     VaeDecode(VaeDecode),
+    /// Print sd.cpp's T5 token ids (and FLUX's per-token weights) for prompts; no model needed.
+    T5Tokens(T5Tokens),
     /// Print sd.cpp's version and system info.
     Info,
 }
@@ -218,6 +222,20 @@ struct EncodeText {
 }
 
 #[derive(Args, Debug)]
+struct T5Tokens {
+    /// A JSON file holding an array of prompt strings; the output is a JSON array with, per
+    /// prompt, {"prompt", "ids", "weights"} on stdout.
+    #[arg(long = "prompts")]
+    prompts: PathBuf,
+    /// The tokenizer's encode alone (no weighting syntax, no EOS, no padding).
+    #[arg(long = "raw")]
+    raw: bool,
+    /// Chunk length of the conditioner's padding (FLUX: 256).
+    #[arg(long = "chunk-len", default_value_t = 256)]
+    chunk_len: usize,
+}
+
+#[derive(Args, Debug)]
 struct Unet {
     #[command(flatten)]
     model: ModelArgs,
@@ -274,6 +292,7 @@ fn main() -> ExitCode {
         Command::EncodeText(a) => encode_text(a),
         Command::Unet(a) => unet(a),
         Command::VaeDecode(a) => vae_decode(a),
+        Command::T5Tokens(a) => t5_tokens(a),
         Command::Info => {
             println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));
@@ -426,6 +445,19 @@ fn txt2img(a: Txt2Img) -> Res<()> {
 
 fn meta(pairs: &[(&str, serde_json::Value)]) -> Map<String, serde_json::Value> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
+}
+
+fn t5_tokens(a: T5Tokens) -> Res<()> {
+    let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let mut out = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let (ids, weights) = ffi::t5_tokenize(&p, a.raw, a.chunk_len).map_err(|e| format!("prompt {p:?}: {e}"))?;
+        out.push(json!({ "prompt": p, "ids": ids, "weights": weights }));
+    }
+    println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
+    Ok(())
 }
 
 fn encode_text(a: EncodeText) -> Res<()> {

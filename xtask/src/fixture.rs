@@ -32,7 +32,7 @@ use sd_models::text::t5::T5Config;
 
 /// What a fixture imitates: a checkpoint family, or the T5-XXL text encoder alone.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Kind {
+enum Kind {
     Family(Family),
     T5xxl,
 }

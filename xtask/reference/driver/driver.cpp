@@ -452,4 +452,47 @@ void sdref_t5_tokens_free(int32_t* ids, float* weights) {
     free(weights);
 }
 
+int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, int n_threads,
+                    sdref_tensor* out, char* err, size_t err_len) {
+    *out = sdref_tensor{};
+    if (t5xxl_path == nullptr || ids == nullptr || n_ids == 0) {
+        set_err(err, err_len, "t5 encode needs a file and at least one token id");
+        return 1;
+    }
+    const std::string prefix = "text_encoders.t5xxl.transformer";
+    ggml_backend_t backend   = sd_backend_cpu_init();
+    if (backend == nullptr) {
+        set_err(err, err_len, "cannot start sd.cpp's CPU backend");
+        return 1;
+    }
+    int rc = 1;
+    {
+        // The way sd.cpp loads --t5xxl (new_sd_ctx: init_from_file with this prefix, then
+        // the name conversion) and registers a runner's parameters for lazy loading.
+        auto manager        = std::make_shared<ModelManager>();
+        ModelLoader& loader = manager->loader();
+        if (!loader.init_from_file_and_convert_name(t5xxl_path, prefix + ".")) {
+            set_err(err, err_len, "sd.cpp cannot read '%s' as a T5 file", t5xxl_path);
+        } else {
+            T5Runner t5(backend, loader.get_tensor_storage_map(), prefix, false, manager);
+            if (!manager->register_runner_params("t5", t5, prefix, ModelManager::ResidencyMode::ParamBackend,
+                                                 backend, backend) ||
+                !manager->validate_registered_tensors()) {
+                set_err(err, err_len, "sd.cpp's T5 runner cannot take the tensors of '%s' (see its log)", t5xxl_path);
+            } else {
+                std::vector<int32_t> v(ids, ids + n_ids);
+                sd::Tensor<int32_t> input({static_cast<int64_t>(n_ids)}, v);
+                sd::Tensor<float> hidden = t5.compute(n_threads, input, sd::Tensor<float>(), false, true, true);
+                if (hidden.empty()) {
+                    set_err(err, err_len, "sd.cpp's T5 compute failed (see its log)");
+                } else if (tensor_to_c(hidden, out, err, err_len)) {
+                    rc = 0;
+                }
+            }
+        }
+    }
+    ggml_backend_free(backend);
+    return rc;
+}
+
 }  // extern "C"

@@ -127,6 +127,13 @@ int sdref_t5_tokenize(const char* prompt, bool raw, size_t chunk_len, int32_t** 
                       float** out_weights, size_t* out_len, char* err, size_t err_len);
 void sdref_t5_tokens_free(int32_t* ids, float* weights);
 
+/* The raw T5-XXL encoder output of sd.cpp's T5Runner for `n_ids` token ids (one sequence, no
+ * attention mask, as FLUX's conditioner runs each chunk), with the weights of the `--t5xxl`
+ * file `t5xxl_path` read as sd.cpp reads that flag (prefix text_encoders.t5xxl.transformer.,
+ * its name conversion, all 24 blocks required). out: ne = {4096, n_ids}. */
+int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, int n_threads,
+                    sdref_tensor* out, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

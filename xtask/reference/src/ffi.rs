@@ -129,6 +129,15 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn sdref_t5_tokens_free(ids: *mut i32, weights: *mut f32);
+    fn sdref_t5_encode(
+        t5xxl_path: *const c_char,
+        ids: *const i32,
+        n_ids: usize,
+        n_threads: c_int,
+        out: *mut RawTensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 /// sd.cpp's T5 token ids and weights for `prompt` (see `sdref_t5_tokenize` in
@@ -153,6 +162,21 @@ pub fn t5_tokenize(prompt: &str, raw: bool, chunk_len: usize) -> Result<(Vec<i32
     // SAFETY: the arrays came from sdref_t5_tokenize and are freed once.
     unsafe { sdref_t5_tokens_free(ids, weights) };
     Ok(out)
+}
+
+/// sd.cpp's raw T5-XXL output for one sequence of `ids`, weights from the `--t5xxl` file
+/// `path` (see `sdref_t5_encode` in driver/sdref_driver.h).
+pub fn t5_encode(path: &str, ids: &[i32], threads: i32) -> Result<Tensor, String> {
+    let path = CString::new(path).map_err(|_| "the path holds a NUL byte".to_owned())?;
+    let mut out = empty_raw();
+    let mut err = ErrBuf::new();
+    // SAFETY: valid path string, `ids.len()` ids, valid out-pointers.
+    let rc =
+        unsafe { sdref_t5_encode(path.as_ptr(), ids.as_ptr(), ids.len(), threads, &mut out, err.ptr(), err.0.len()) };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    take_raw(out).ok_or_else(|| "T5 returned no tensor".to_owned())
 }
 
 /// Log level numbers of sd.cpp's `sd_log_level_t`.

@@ -459,40 +459,54 @@ int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, in
         set_err(err, err_len, "t5 encode needs a file and at least one token id");
         return 1;
     }
+    // One loaded T5 per process, kept until exit and never destroyed: ModelManager's
+    // destructor touches the parameter tensors of the runners it serves, which the runner's
+    // own destructor has freed by then (a crash seen here), and reloading 5-10 GB per chunk
+    // would be slow anyway.
+    struct LoadedT5 {
+        std::string path;
+        ggml_backend_t backend = nullptr;
+        std::shared_ptr<ModelManager> manager;
+        T5Runner* runner = nullptr;
+    };
+    static LoadedT5* loaded = nullptr;
     const std::string prefix = "text_encoders.t5xxl.transformer";
-    ggml_backend_t backend   = sd_backend_cpu_init();
-    if (backend == nullptr) {
-        set_err(err, err_len, "cannot start sd.cpp's CPU backend");
+    if (loaded != nullptr && loaded->path != t5xxl_path) {
+        set_err(err, err_len, "this process already loaded T5 from '%s'", loaded->path.c_str());
         return 1;
     }
-    int rc = 1;
-    {
+    if (loaded == nullptr) {
+        ggml_backend_t backend = sd_backend_cpu_init();
+        if (backend == nullptr) {
+            set_err(err, err_len, "cannot start sd.cpp's CPU backend");
+            return 1;
+        }
         // The way sd.cpp loads --t5xxl (new_sd_ctx: init_from_file with this prefix, then
         // the name conversion) and registers a runner's parameters for lazy loading.
         auto manager        = std::make_shared<ModelManager>();
         ModelLoader& loader = manager->loader();
         if (!loader.init_from_file_and_convert_name(t5xxl_path, prefix + ".")) {
             set_err(err, err_len, "sd.cpp cannot read '%s' as a T5 file", t5xxl_path);
-        } else {
-            T5Runner t5(backend, loader.get_tensor_storage_map(), prefix, false, manager);
-            if (!manager->register_runner_params("t5", t5, prefix, ModelManager::ResidencyMode::ParamBackend,
-                                                 backend, backend) ||
-                !manager->validate_registered_tensors()) {
-                set_err(err, err_len, "sd.cpp's T5 runner cannot take the tensors of '%s' (see its log)", t5xxl_path);
-            } else {
-                std::vector<int32_t> v(ids, ids + n_ids);
-                sd::Tensor<int32_t> input({static_cast<int64_t>(n_ids)}, v);
-                sd::Tensor<float> hidden = t5.compute(n_threads, input, sd::Tensor<float>(), false, true, true);
-                if (hidden.empty()) {
-                    set_err(err, err_len, "sd.cpp's T5 compute failed (see its log)");
-                } else if (tensor_to_c(hidden, out, err, err_len)) {
-                    rc = 0;
-                }
-            }
+            return 1;
         }
+        auto* runner = new T5Runner(backend, loader.get_tensor_storage_map(), prefix, false, manager);
+        if (!manager->register_runner_params("t5", *runner, prefix, ModelManager::ResidencyMode::ParamBackend,
+                                             backend, backend) ||
+            !manager->validate_registered_tensors()) {
+            set_err(err, err_len, "sd.cpp's T5 runner cannot take the tensors of '%s' (see its log)", t5xxl_path);
+            return 1;
+        }
+        loaded = new LoadedT5{t5xxl_path, backend, manager, runner};
     }
-    ggml_backend_free(backend);
-    return rc;
+    std::vector<int32_t> v(ids, ids + n_ids);
+    sd::Tensor<int32_t> input({static_cast<int64_t>(n_ids)}, v);
+    // Parameters stay loaded between chunks (free_compute_params = false).
+    sd::Tensor<float> hidden = loaded->runner->compute(n_threads, input, sd::Tensor<float>(), false, true, false);
+    if (hidden.empty()) {
+        set_err(err, err_len, "sd.cpp's T5 compute failed (see its log)");
+        return 1;
+    }
+    return tensor_to_c(hidden, out, err, err_len) ? 0 : 1;
 }
 
 }  // extern "C"

@@ -4,11 +4,14 @@
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
+//! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
 //! ```
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
 //! (`sd_models::fixture::lora`): random values N(0, X), rank R (default 4), alpha R/2 in kohya
-//! files.
+//! files. `t5xxl` writes a T5-XXL v1.1 encoder file (`--t5xxl`, the names of
+//! `t5xxl_fp16.safetensors`; `sd_models::fixture::t5`), 24 blocks unless `--layers` says fewer
+//! (the reference needs all 24: 9.5 GB at f16, about 5 GB at q8_0).
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -28,14 +31,19 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-use sd_models::fixture::{self, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
-    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15).
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15", value_parser = target)]
+    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15);
+    /// or t5xxl, the text encoder alone.
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl", value_parser = target)]
     family: Target,
+    /// t5xxl only: encoder blocks (1 to 24).
+    #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
+    layers: Option<u32>,
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
@@ -71,22 +79,21 @@ pub struct Args {
     unet_only: bool,
 }
 
-/// What `fixture` writes: a checkpoint of a family, or a LoRA for the SD 1.5 fixture.
+/// What `fixture` writes: a checkpoint of a family, a LoRA for the SD 1.5 fixture, or the
+/// T5-XXL text encoder alone.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Target {
     Model(Family),
     LoraSd15,
+    T5xxl,
 }
 
 fn target(s: &str) -> Result<Target, String> {
-    if s == "lora-sd15" {
-        return Ok(Target::LoraSd15);
+    match s {
+        "lora-sd15" => Ok(Target::LoraSd15),
+        "t5xxl" => Ok(Target::T5xxl),
+        _ => Family::parse(s).map(Target::Model).map_err(|e| format!("{e}; or lora-sd15, t5xxl")),
     }
-    family(s).map(Target::Model)
-}
-
-fn family(s: &str) -> Result<Family, String> {
-    Family::parse(s).map_err(|e| e.to_string())
 }
 
 fn weight_type(s: &str) -> Result<WeightType, String> {
@@ -108,6 +115,7 @@ fn std_dev(s: &str) -> Result<f64, String> {
 pub fn run(args: Args) -> Result<()> {
     let family = match args.family {
         Target::Model(f) => f,
+        Target::T5xxl => return run_t5xxl(&args),
         Target::LoraSd15 => {
             let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
             let req = LoraFixture {
@@ -129,6 +137,9 @@ pub fn run(args: Args) -> Result<()> {
             return Ok(());
         }
     };
+    if args.layers.is_some() {
+        bail!("--layers applies to t5xxl fixtures only");
+    }
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
         None => {
@@ -168,6 +179,36 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask fixture t5xxl ...`.
+fn run_t5xxl(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms {
+        bail!("--only, --std, --std-everywhere and --plain-norms apply to checkpoint families, not t5xxl");
+    }
+    let cfg = T5Config { n_layers: args.layers.unwrap_or(24) as usize, ..T5Config::xxl() };
+    let (path, format) = match &args.output {
+        Some(p) => (p.clone(), FileFormat::from_path(p)?),
+        None => {
+            let dir = fixture::cache_dir();
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (t5::cached_t5xxl_path(cfg.n_layers, args.seed, args.wtype), FileFormat::for_type(args.wtype))
+        }
+    };
+    let start = Instant::now();
+    let report = t5::write_t5xxl(&path, &cfg, args.seed, args.wtype, format)?;
+    println!(
+        "wrote {} (t5xxl fixture, {} blocks, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        report.path.display(),
+        cfg.n_layers,
+        args.seed,
+        args.wtype,
+        report.tensors,
+        report.params as f64 / 1e6,
+        report.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +224,7 @@ mod tests {
             a,
             Args {
                 family: Target::Model(Family::Sd21),
+                layers: None,
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
@@ -199,6 +241,8 @@ mod tests {
         assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(Family::Ssd1b));
         let l = parse("lora-sd15 --layout peft --rank 8 --seed 3 --scale 0.1 -o l.safetensors").unwrap();
         assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
+        let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
+        assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -206,8 +250,10 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl>"),
             ("lora-sd15 --layout lycoris", "lycoris"),
+            ("t5xxl --layers 0", "--layers"),
+            ("t5xxl --layers 25", "--layers"),
             ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),

@@ -11,6 +11,7 @@ mod ggml;
 mod parity;
 mod parity_ops;
 mod parity_samplers;
+mod parity_t5;
 mod plugins;
 mod profile;
 mod reference;
@@ -56,7 +57,8 @@ enum Command {
     },
     /// Compare text encoder, UNet, VAE and 256x256 generations with the reference; `parity
     /// --fuzz N --model PATH`: random cases on any checkpoint; `parity samplers`: every
-    /// sampling method and scheduler; `parity ops`: each ggml op against the reference's.
+    /// sampling method and scheduler; `parity ops`: each ggml op against the reference's;
+    /// `parity t5 --t5xxl FILE`: the T5-XXL encoder.
     Parity(parity::Args),
     /// Time sd-cli against the reference, alternating runs, with ratios.
     Bench(bench::Args),

@@ -143,6 +143,8 @@ impl ModelArgs {
             vae: self.vae.clone(),
             clip_l: self.clip_l.clone(),
             taesd: self.taesd.clone(),
+            // Described from its header (`extra`) until a family runs T5.
+            t5xxl: None,
         }
     }
 

@@ -410,4 +410,114 @@ void sdref_tensor_free(sdref_tensor* t) {
     }
 }
 
+int sdref_t5_tokenize(const char* prompt, bool raw, size_t chunk_len, int32_t** out_ids,
+                      float** out_weights, size_t* out_len, char* err, size_t err_len) {
+    *out_ids     = nullptr;
+    *out_weights = nullptr;
+    *out_len     = 0;
+    if (prompt == nullptr) {
+        set_err(err, err_len, "prompt is NULL");
+        return 1;
+    }
+    if (!raw && chunk_len < 2) {
+        set_err(err, err_len, "chunk_len %zu is too short (EOS and one token need 2)", chunk_len);
+        return 1;
+    }
+    // One tokenizer per process: its constructor parses the embedded tokenizer.json.
+    static T5UniGramTokenizer tokenizer(false);
+    std::vector<int> ids;
+    std::vector<float> weights;
+    if (raw) {
+        ids = tokenizer.encode(prompt);
+        weights.assign(ids.size(), 1.0f);
+    } else {
+        // FluxCLIPEmbedder::tokenize's T5 half, step for step.
+        for (const auto& item : parse_prompt_attention(prompt)) {
+            std::vector<int> curr = tokenizer.encode(item.first);
+            ids.insert(ids.end(), curr.begin(), curr.end());
+            weights.insert(weights.end(), curr.size(), item.second);
+        }
+        tokenizer.pad_tokens(ids, &weights, nullptr, chunk_len, chunk_len, true);
+    }
+    size_t n  = ids.size();
+    auto* pid = static_cast<int32_t*>(malloc(sizeof(int32_t) * (n == 0 ? 1 : n)));
+    auto* pw  = static_cast<float*>(malloc(sizeof(float) * (n == 0 ? 1 : n)));
+    if (pid == nullptr || pw == nullptr) {
+        free(pid);
+        free(pw);
+        set_err(err, err_len, "out of memory for %zu tokens", n);
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pid[i] = ids[i];
+        pw[i]  = weights[i];
+    }
+    *out_ids     = pid;
+    *out_weights = pw;
+    *out_len     = n;
+    return 0;
+}
+
+void sdref_t5_tokens_free(int32_t* ids, float* weights) {
+    free(ids);
+    free(weights);
+}
+
+int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, int n_threads,
+                    sdref_tensor* out, char* err, size_t err_len) {
+    *out = sdref_tensor{};
+    if (t5xxl_path == nullptr || ids == nullptr || n_ids == 0) {
+        set_err(err, err_len, "t5 encode needs a file and at least one token id");
+        return 1;
+    }
+    // One loaded T5 per process, kept until exit and never destroyed: ModelManager's
+    // destructor touches the parameter tensors of the runners it serves, which the runner's
+    // own destructor has freed by then (a crash seen here), and reloading 5-10 GB per chunk
+    // would be slow anyway.
+    struct LoadedT5 {
+        std::string path;
+        ggml_backend_t backend = nullptr;
+        std::shared_ptr<ModelManager> manager;
+        T5Runner* runner = nullptr;
+    };
+    static LoadedT5* loaded = nullptr;
+    const std::string prefix = "text_encoders.t5xxl.transformer";
+    if (loaded != nullptr && loaded->path != t5xxl_path) {
+        set_err(err, err_len, "this process already loaded T5 from '%s'", loaded->path.c_str());
+        return 1;
+    }
+    if (loaded == nullptr) {
+        ggml_backend_t backend = sd_backend_cpu_init();
+        if (backend == nullptr) {
+            set_err(err, err_len, "cannot start sd.cpp's CPU backend");
+            return 1;
+        }
+        // The way sd.cpp loads --t5xxl (new_sd_ctx: init_from_file with this prefix, then
+        // the name conversion) and registers a runner's parameters for lazy loading.
+        auto manager        = std::make_shared<ModelManager>();
+        ModelLoader& loader = manager->loader();
+        if (!loader.init_from_file_and_convert_name(t5xxl_path, prefix + ".")) {
+            set_err(err, err_len, "sd.cpp cannot read '%s' as a T5 file", t5xxl_path);
+            return 1;
+        }
+        auto* runner = new T5Runner(backend, loader.get_tensor_storage_map(), prefix, false, manager);
+        if (!manager->register_runner_params("t5", *runner, prefix, ModelManager::ResidencyMode::ParamBackend,
+                                             backend, backend) ||
+            !manager->validate_registered_tensors()) {
+            set_err(err, err_len, "sd.cpp's T5 runner cannot take the tensors of '%s' (see its log)", t5xxl_path);
+            return 1;
+        }
+        loaded = new LoadedT5{t5xxl_path, backend, manager, runner};
+    }
+    std::vector<int32_t> v(ids, ids + n_ids);
+    sd::Tensor<int32_t> input({static_cast<int64_t>(n_ids)}, v);
+    // Parameters stay loaded between chunks (free_compute_params = false).
+    sd::Tensor<float> hidden = loaded->runner->compute(n_threads, input, sd::Tensor<float>(), false, true, false);
+    if (hidden.empty()) {
+        set_err(err, err_len, "sd.cpp's T5 compute failed (see its log)");
+        return 1;
+    }
+    return tensor_to_c(hidden, out, err, err_len) ? 0 : 1;
+}
+
 }  // extern "C"

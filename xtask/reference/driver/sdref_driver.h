@@ -119,6 +119,24 @@ int sdref_vae_decode(sdref_ctx* ctx, const sdref_tensor* latent, bool latent_is_
 
 void sdref_tensor_free(sdref_tensor* t);
 
+/* T5 token ids for `prompt`, by sd.cpp's own T5UniGramTokenizer (the T5-XXL vocabulary, not
+ * umT5). raw: T5UniGramTokenizer::encode of the whole prompt, nothing else (weights all 1).
+ * Otherwise what FluxCLIPEmbedder::tokenize gives the T5 encoder: parse_prompt_attention,
+ * encode of each fragment with its weight, then Tokenizer::pad_tokens(min_length = max_length =
+ * chunk_len, overflow expansion): chunks of chunk_len ids, each ending in EOS, padded with 0
+ * (FLUX's conditioner uses chunk_len 256). No model is needed. On success *out_ids and
+ * *out_weights hold *out_len values; free them with sdref_t5_tokens_free. */
+int sdref_t5_tokenize(const char* prompt, bool raw, size_t chunk_len, int32_t** out_ids,
+                      float** out_weights, size_t* out_len, char* err, size_t err_len);
+void sdref_t5_tokens_free(int32_t* ids, float* weights);
+
+/* The raw T5-XXL encoder output of sd.cpp's T5Runner for `n_ids` token ids (one sequence, no
+ * attention mask, as FLUX's conditioner runs each chunk), with the weights of the `--t5xxl`
+ * file `t5xxl_path` read as sd.cpp reads that flag (prefix text_encoders.t5xxl.transformer.,
+ * its name conversion, all 24 blocks required). out: ne = {4096, n_ids}. */
+int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, int n_threads,
+                    sdref_tensor* out, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

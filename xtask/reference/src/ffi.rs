@@ -121,6 +121,65 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn sdref_tensor_free(t: *mut RawTensor);
+    fn sdref_t5_tokenize(
+        prompt: *const c_char,
+        raw: bool,
+        chunk_len: usize,
+        out_ids: *mut *mut i32,
+        out_weights: *mut *mut f32,
+        out_len: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_t5_tokens_free(ids: *mut i32, weights: *mut f32);
+    fn sdref_t5_encode(
+        t5xxl_path: *const c_char,
+        ids: *const i32,
+        n_ids: usize,
+        n_threads: c_int,
+        out: *mut RawTensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// sd.cpp's T5 token ids and weights for `prompt` (see `sdref_t5_tokenize` in
+/// driver/sdref_driver.h): `raw` is the tokenizer's `encode` alone, otherwise FLUX's
+/// conditioner's chunks of `chunk_len`.
+pub fn t5_tokenize(prompt: &str, raw: bool, chunk_len: usize) -> Result<(Vec<i32>, Vec<f32>), String> {
+    let prompt = CString::new(prompt).map_err(|_| "the prompt holds a NUL byte".to_owned())?;
+    let mut ids: *mut i32 = std::ptr::null_mut();
+    let mut weights: *mut f32 = std::ptr::null_mut();
+    let mut len = 0usize;
+    let mut err = ErrBuf::new();
+    // SAFETY: valid NUL-terminated prompt and out-pointers; no context is involved.
+    let rc = unsafe {
+        sdref_t5_tokenize(prompt.as_ptr(), raw, chunk_len, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len())
+    };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    // SAFETY: on success the driver returned two malloc'd arrays of `len` values each.
+    let out =
+        unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
+    // SAFETY: the arrays came from sdref_t5_tokenize and are freed once.
+    unsafe { sdref_t5_tokens_free(ids, weights) };
+    Ok(out)
+}
+
+/// sd.cpp's raw T5-XXL output for one sequence of `ids`, weights from the `--t5xxl` file
+/// `path` (see `sdref_t5_encode` in driver/sdref_driver.h).
+pub fn t5_encode(path: &str, ids: &[i32], threads: i32) -> Result<Tensor, String> {
+    let path = CString::new(path).map_err(|_| "the path holds a NUL byte".to_owned())?;
+    let mut out = empty_raw();
+    let mut err = ErrBuf::new();
+    // SAFETY: valid path string, `ids.len()` ids, valid out-pointers.
+    let rc =
+        unsafe { sdref_t5_encode(path.as_ptr(), ids.as_ptr(), ids.len(), threads, &mut out, err.ptr(), err.0.len()) };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    take_raw(out).ok_or_else(|| "T5 returned no tensor".to_owned())
 }
 
 /// Log level numbers of sd.cpp's `sd_log_level_t`.

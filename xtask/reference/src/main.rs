@@ -12,6 +12,11 @@
 //! - `encode-text`, `unet`, `vae-decode`: one component of the loaded model,
 //!   evaluated by sd.cpp's own objects, dumped as raw f32 (driver/driver.cpp
 //!   explains how it reaches them without patching sd.cpp).
+//! - `t5-tokens`: sd.cpp's T5 tokenizer on a list of prompts (ids, and FLUX's per-token
+//!   weights and 256-id chunks), as JSON; no model is loaded.
+//! - `t5-encode`: sd.cpp's T5-XXL on a `--t5xxl` file alone, for a prompt tokenized as FLUX
+//!   does, each 256-id chunk encoded on its own; the raw hidden states (before the token
+//!   weights) as raw f32.
 //! - `info`: sd.cpp's version and the CPU features its ggml was built for.
 
 mod ffi;
@@ -45,6 +50,10 @@ enum Command {
     Unet(Unet),
     /// Dump a VAE decode, before clamping and uint8 conversion.
     VaeDecode(VaeDecode),
+    /// Print sd.cpp's T5 token ids (and FLUX's per-token weights) for prompts; no model needed.
+    T5Tokens(T5Tokens),
+    /// Dump sd.cpp's raw T5-XXL hidden states for a prompt (FLUX's tokenization); only --t5xxl.
+    T5Encode(T5Encode),
     /// Print sd.cpp's version and system info.
     Info,
 }
@@ -222,6 +231,38 @@ struct EncodeText {
 }
 
 #[derive(Args, Debug)]
+struct T5Tokens {
+    /// A JSON file holding an array of prompt strings; the output is a JSON array with, per
+    /// prompt, {"prompt", "ids", "weights"} on stdout.
+    #[arg(long = "prompts")]
+    prompts: PathBuf,
+    /// The tokenizer's encode alone (no weighting syntax, no EOS, no padding).
+    #[arg(long = "raw")]
+    raw: bool,
+    /// Chunk length of the conditioner's padding (FLUX: 256).
+    #[arg(long = "chunk-len", default_value_t = 256)]
+    chunk_len: usize,
+}
+
+#[derive(Args, Debug)]
+struct T5Encode {
+    /// The T5-XXL file (all 24 blocks).
+    #[arg(long = "t5xxl")]
+    t5xxl: String,
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    prompt: String,
+    /// Threads; <= 0 means the number of physical cores.
+    #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true)]
+    threads: i32,
+    /// Output raw f32 file, torch shape [chunks * 256, 4096]; sidecar OUTPUT.json with the ids.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// Also echo sd.cpp's DEBUG log lines.
+    #[arg(short = 'v', long = "verbose")]
+    verbose: bool,
+}
+
+#[derive(Args, Debug)]
 struct Unet {
     #[command(flatten)]
     model: ModelArgs,
@@ -278,6 +319,8 @@ fn main() -> ExitCode {
         Command::EncodeText(a) => encode_text(a),
         Command::Unet(a) => unet(a),
         Command::VaeDecode(a) => vae_decode(a),
+        Command::T5Tokens(a) => t5_tokens(a),
+        Command::T5Encode(a) => t5_encode(a),
         Command::Info => {
             println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));
@@ -438,6 +481,47 @@ fn txt2img(a: Txt2Img) -> Res<()> {
 
 fn meta(pairs: &[(&str, serde_json::Value)]) -> Map<String, serde_json::Value> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
+}
+
+fn t5_tokens(a: T5Tokens) -> Res<()> {
+    let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let mut out = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let (ids, weights) = ffi::t5_tokenize(&p, a.raw, a.chunk_len).map_err(|e| format!("prompt {p:?}: {e}"))?;
+        out.push(json!({ "prompt": p, "ids": ids, "weights": weights }));
+    }
+    println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+fn t5_encode(a: T5Encode) -> Res<()> {
+    start(a.verbose);
+    const CHUNK: usize = 256;
+    let (ids, _) = ffi::t5_tokenize(&a.prompt, false, CHUNK)?;
+    let t0 = Instant::now();
+    let mut data = Vec::new();
+    for chunk in ids.chunks(CHUNK) {
+        let t = ffi::t5_encode(&a.t5xxl, chunk, a.threads)?;
+        data.extend(t.data);
+    }
+    let ms = timing::ms(t0.elapsed().as_secs_f64());
+    let tokens = ids.len() as i64;
+    let width = data.len() as i64 / tokens.max(1);
+    let out = Tensor::from_torch_shape(&[tokens, width], data);
+    let mut m = meta(&[
+        ("source", json!(format!("stable-diffusion.cpp, {SDCPP_ORIGIN}"))),
+        ("model", json!(a.t5xxl)),
+        ("prompt", json!(a.prompt)),
+        ("ids", json!(ids)),
+    ]);
+    m.insert("what".into(), json!("T5-XXL raw hidden states per 256-id chunk, before the token weights"));
+    rawio::write_tensor(&a.output, &out, m)?;
+    eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());
+    eprintln!("SDREF_TIMING t5_encode_ms={ms}");
+    print_rss();
+    Ok(())
 }
 
 fn encode_text(a: EncodeText) -> Res<()> {

@@ -141,6 +141,8 @@ enum ParityCommand {
     Samplers(crate::parity_samplers::Args),
     /// Each ggml op our models use, ours against the reference's ggml, bit for bit.
     Ops(crate::parity_ops::Args),
+    /// Our T5-XXL encoder against the reference's on a full `--t5xxl` file.
+    T5(crate::parity_t5::Args),
 }
 
 /// The positional family argument.
@@ -178,6 +180,7 @@ pub fn run(args: Args) -> Result<()> {
     match args.command {
         Some(ParityCommand::Samplers(a)) => return crate::parity_samplers::run(a),
         Some(ParityCommand::Ops(a)) => return crate::parity_ops::run(a),
+        Some(ParityCommand::T5(a)) => return crate::parity_t5::run(a),
         None => {}
     }
     if args.fuzz.active() {

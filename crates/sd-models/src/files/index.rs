@@ -75,7 +75,8 @@ impl TensorEntry {
 pub enum Component {
     /// `model.diffusion_model.*`
     Diffusion,
-    /// `cond_stage_model.transformer.*` (0) or `cond_stage_model.1.*` (1).
+    /// `cond_stage_model.transformer.*` (0), `cond_stage_model.1.*` (1) or
+    /// `text_encoders.t5xxl.transformer.*` (2).
     TextEncoder(u8),
     /// `first_stage_model.*`
     Vae,
@@ -153,6 +154,8 @@ pub fn prefix_component(name: &str) -> Component {
         Component::Vae
     } else if name.starts_with(TAESD_PREFIX) {
         Component::Taesd
+    } else if name.starts_with(super::names::T5XXL_PREFIX) {
+        Component::TextEncoder(2)
     } else {
         Component::Other
     }

@@ -82,6 +82,10 @@ pub enum FileRole {
     TextEncoder(u8),
     /// The tiny autoencoder (`--taesd`).
     Taesd,
+    /// The T5-XXL text encoder alone (`--t5xxl`): Hugging Face `T5EncoderModel` names
+    /// (`encoder.block.N...`, `shared.weight`) or llama.cpp's GGUF names (`enc.blk.N.attn_q`,
+    /// `token_embd`), read under `text_encoders.t5xxl.transformer.`.
+    T5xxl,
 }
 
 /// Which fused-projection third an entry is.
@@ -117,6 +121,25 @@ pub const VAE_PREFIX: &str = "first_stage_model.";
 pub const TE_PREFIX: &str = "cond_stage_model.transformer.";
 pub const TE2_PREFIX: &str = "cond_stage_model.1.transformer.";
 pub const TAESD_PREFIX: &str = "tae.";
+pub const T5XXL_PREFIX: &str = "text_encoders.t5xxl.transformer.";
+/// llama.cpp's T5 names and the Hugging Face names they stand for, applied in this order,
+/// each to its first occurrence (the reference's `t5_name_map` in `name_conversion.cpp`).
+const T5_LLAMA_NAMES: [(&str, &str); 14] = [
+    ("enc.", "encoder."),
+    ("blk.", "block."),
+    ("output_norm.", "final_layer_norm."),
+    ("attn_q.", "layer.0.SelfAttention.q."),
+    ("attn_k.", "layer.0.SelfAttention.k."),
+    ("attn_v.", "layer.0.SelfAttention.v."),
+    ("attn_o.", "layer.0.SelfAttention.o."),
+    ("attn_norm.", "layer.0.layer_norm."),
+    ("ffn_norm.", "layer.1.layer_norm."),
+    ("ffn_up.", "layer.1.DenseReluDense.wi_1."),
+    ("ffn_down.", "layer.1.DenseReluDense.wo."),
+    ("ffn_gate.", "layer.1.DenseReluDense.wi_0."),
+    ("attn_rel_b.", "layer.0.SelfAttention.relative_attention_bias."),
+    ("token_embd.", "shared."),
+];
 const OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
 /// SDXL's second encoder in open_clip layout, after the `conditioner.embedders.1.` rename.
 const OPEN_CLIP2_PREFIX: &str = "cond_stage_model.1.model.";
@@ -127,6 +150,17 @@ const SGM_PREFIXES: [(&str, &str); 3] = [
     ("conditioner.embedders.0.", "cond_stage_model."),
     ("conditioner.embedders.1.", "cond_stage_model.1."),
 ];
+
+/// The internal name of a tensor stored as `original` in a `--t5xxl` file.
+pub fn t5xxl_name(original: &str) -> String {
+    let mut body = strip_any(original, &[T5XXL_PREFIX, "text_encoders.t5xxl.", "te3."]).to_owned();
+    for (from, to) in T5_LLAMA_NAMES {
+        if let Some(pos) = body.find(from) {
+            body.replace_range(pos..pos + from.len(), to);
+        }
+    }
+    format!("{T5XXL_PREFIX}{body}")
+}
 
 /// The internal name(s) of the tensor stored as `original` in a file of `role`.
 ///
@@ -163,6 +197,7 @@ pub fn normalize(original: &str, role: FileRole) -> Normalized {
             let body = strip_any(original, &[TAESD_PREFIX]);
             Normalized::One(format!("{TAESD_PREFIX}{body}"))
         }
+        FileRole::T5xxl => Normalized::One(t5xxl_name(original)),
     }
 }
 

@@ -38,6 +38,8 @@ pub struct ModelSources {
     pub clip_l: Option<PathBuf>,
     /// `--taesd`: the tiny autoencoder.
     pub taesd: Option<PathBuf>,
+    /// `--t5xxl`: the T5-XXL text encoder alone.
+    pub t5xxl: Option<PathBuf>,
 }
 
 impl ModelSources {
@@ -108,6 +110,7 @@ impl ModelFiles {
             (&sources.vae, FileRole::Vae),
             (&sources.clip_l, FileRole::TextEncoder(0)),
             (&sources.taesd, FileRole::Taesd),
+            (&sources.t5xxl, FileRole::T5xxl),
         ];
         for (path, role) in components {
             if let Some(p) = path {
@@ -216,6 +219,7 @@ fn replaced_component(role: FileRole) -> Option<Component> {
         FileRole::Vae => Some(Component::Vae),
         FileRole::TextEncoder(i) => Some(Component::TextEncoder(i)),
         FileRole::Taesd => Some(Component::Taesd),
+        FileRole::T5xxl => Some(Component::TextEncoder(2)),
         FileRole::Checkpoint => None,
     }
 }

@@ -294,7 +294,7 @@ pub fn is_gathered(name: &str) -> bool {
 }
 
 /// Types ggml's `get_rows` reads that the reference keeps for embedding tables.
-fn gathers_rows(ty: GgmlType) -> bool {
+pub(crate) fn gathers_rows(ty: GgmlType) -> bool {
     [
         GgmlType::GGML_TYPE_F16,
         GgmlType::GGML_TYPE_Q8_0,
@@ -898,7 +898,7 @@ pub(crate) mod test_support {
 
     /// ggml's CPU activations read a table indexed by the input rounded to f16 and return
     /// the f16-rounded function value; GELU passes |x| >= 10 through the exact limits.
-    fn activation(kind: Activation, x: f64) -> f64 {
+    pub(crate) fn activation(kind: Activation, x: f64) -> f64 {
         match kind {
             Activation::QuickGelu => {
                 let x = f16_round(x);

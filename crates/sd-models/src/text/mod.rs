@@ -14,6 +14,8 @@
 //!   75 tokens, EOS, padding) with a weight per id, ready for the encoder; the pad id per
 //!   model family lives in [`ChunkConfig`].
 //!
+//! - [`T5Tokenizer`] is T5's SentencePiece unigram tokenizer (`t5_tokenizer.rs`) as the
+//!   reference runs it, with FLUX's 256-id chunks; [`t5`] is the T5 v1.1 encoder.
 //! - [`sdxl`] is SDXL's conditioner over CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 (both in
 //!   [`clip`]): concatenated hidden states and the ADM vector.
 //!
@@ -26,10 +28,13 @@ pub mod clip;
 pub mod conditioning;
 mod prompt;
 pub mod sdxl;
+pub mod t5;
+mod t5_tokenizer;
 mod tokenizer;
 
 pub use chunk::{Chunk, ChunkConfig};
 pub use prompt::{parse_prompt_attention, PromptFragment};
+pub use t5_tokenizer::{T5Tokenizer, FLUX_T5_CHUNK_LEN, T5_EOS_ID, T5_PAD_ID, T5_UNK_ID, T5_VOCAB_PIECES};
 pub use tokenizer::{ClipTokenizer, BOS_ID, EOS_ID, VOCAB_SIZE};
 
 /// Why a prompt could not be turned into encoder input.
@@ -50,6 +55,9 @@ pub enum TokenizeError {
     /// A [`ChunkConfig`] whose chunks cannot hold BOS, EOS and one token.
     #[error("chunk length {0} is too short: a chunk holds BOS, EOS and at least one token (3 or more)")]
     ChunkTooShort(usize),
+    /// A T5 chunk length that cannot hold EOS and one token.
+    #[error("T5 chunk length {0} is too short: a chunk holds EOS and at least one token (2 or more)")]
+    T5ChunkTooShort(usize),
 }
 
 #[cfg(test)]

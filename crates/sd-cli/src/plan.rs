@@ -24,8 +24,9 @@ pub struct PlacementArgs {
     pub params_backend: Option<String>,
     /// `layer` or `row`, or per module (`diffusion=row,te=layer`), e.g. `--backend
     /// "diffusion=cuda0&cuda1" --split-mode row`. Where no listed device exports a split buffer
-    /// type (CPU, RPC) `row` cuts the diffusion model's block matmuls across the devices at graph
-    /// level (the CPU only as the last device); elsewhere it falls back to a layer split, saying why.
+    /// type (CPU, RPC) `row` cuts the module's block matmuls (the diffusion model's, the text
+    /// encoder's layers') across the devices at graph level (the CPU only as the last device);
+    /// where that cannot run it falls back to a layer split, saying why.
     #[arg(long = "split-mode", value_name = "SPEC")]
     pub split_mode: Option<String>,
     /// [sd-rs] How a layer split sizes its block ranges: `memory` (default: by free memory or the

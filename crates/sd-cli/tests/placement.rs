@@ -336,7 +336,7 @@ fn graph_level_row_splits_give_the_all_cpu_image() {
     // (sd-sched's rowsplit): every block matmul's rows are cut across the devices, each chunk's
     // product computed on its device and gathered on the main one. Each output element is the same
     // dot product with the same kernels, so the image is the all-CPU one bit for bit: at cfg 7
-    // (a batch of two) over two steps, and with the CPU as the last device.
+    // (a batch of two) over two steps, with the CPU as the last device, and for the text encoder.
     let model = fixture();
     let dir = std::env::temp_dir().join(format!("sd-cli-rows-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -367,6 +367,17 @@ fn graph_level_row_splits_give_the_all_cpu_image() {
             assert!(other.high_water_bytes * 3 < main.high_water_bytes, "{main:?} {other:?}");
         }
     }
+    // The text encoder's layer matmuls too: the same conditioning, so the same image.
+    let backend = "te=RPC0&RPC1,diffusion=cpu,vae=cpu";
+    let args = ["--rpc", rpc.as_str(), "--split-mode", "te=row", "--backend", backend];
+    let (px, report) = generate(&model, &dir.join("row-te.png"), &args);
+    assert!(px == base1, "te=RPC0&RPC1: the image differs from the all-CPU one");
+    let plan = report.plan.as_ref().unwrap();
+    let m = plan.modules.iter().find(|m| m.module.name() == "te").unwrap();
+    assert_eq!(m.split_mode, sd_placement::SplitKind::Row, "te: {m:?}");
+    let te = report.runner("te").unwrap();
+    assert!(te.stats.cross_device_copies > 0 && te.stats.cross_device_bytes > 0, "te: {:?}", te.stats);
+    assert_eq!(report.module("te").unwrap().devices, vec!["RPC0".to_string(), "RPC1".to_string()]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

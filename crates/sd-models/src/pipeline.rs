@@ -20,10 +20,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sd_backends::{Backend, GgmlType};
-use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, Weights};
+use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
-use crate::family::{DiffusionModel, Family, TextEncoder, TextRequest};
+use crate::family::{block_group, DiffusionModel, Family, TextEncoder, TextRequest};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
@@ -258,20 +258,6 @@ impl TensorSource for SharedFiles {
 
     fn release(&self, name: &str) {
         FileSource::new(&self.0).release(name)
-    }
-}
-
-/// The staging group of a text-encoder or VAE tensor: its name up to the first block index
-/// (`...encoder.layers.3`, `...decoder.up.1`), or without its last part.
-fn block_group(name: &str) -> String {
-    let parts: Vec<&str> = name.split('.').collect();
-    // `cond_stage_model.1.` numbers an encoder (SDXL's second), not a block.
-    let is_block = |i: usize, p: &str| {
-        !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && !(i == 1 && parts[0] == "cond_stage_model")
-    };
-    match parts.iter().enumerate().position(|(i, p)| is_block(i, p)) {
-        Some(i) => parts[..=i].join("."),
-        None => parts[..parts.len().saturating_sub(1).max(1)].join("."),
     }
 }
 
@@ -557,14 +543,15 @@ impl Pipeline {
         compute: &Arc<Backend>,
         split: Option<&LayerSplit>,
         group_of: &dyn Fn(&str) -> String,
+        row_splittable: &dyn Fn(&TensorSpec) -> bool,
     ) -> Result<()> {
         let p = &self.opts.placement;
         match split {
             None => w.place(module, home.clone(), compute.clone(), &p.ledgers, group_of, self.source())?,
             Some(s) if s.rows.is_some() => {
                 let shares = s.rows.as_deref().unwrap_or_default();
-                let rows = crate::diffusion::unet::row_splittable;
-                w.place_rows(module, home.clone(), &s.devices, shares, &rows, &p.ledgers, group_of, self.source())?;
+                let (home, ledgers) = (home.clone(), &p.ledgers);
+                w.place_rows(module, home, &s.devices, shares, row_splittable, ledgers, group_of, self.source())?;
             }
             Some(s) => {
                 let index = self.files.index();
@@ -603,7 +590,9 @@ impl Pipeline {
         let mut w = Weights::new(self.family.text_specs(&dtype, self.opts.wtype))?;
         w.keep_in_device_buffer(&crate::text::clip::is_gathered);
         let d = &self.opts.devices;
-        self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &block_group)?;
+        let group_of = |name: &str| self.family.text_group(name);
+        let rows = |spec: &TensorSpec| self.family.text_row_splittable(spec);
+        self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &group_of, &rows)?;
         self.family.load_text(w)
     }
 
@@ -613,7 +602,8 @@ impl Pipeline {
         let d = &self.opts.devices;
         let home = &self.opts.placement.homes.diffusion;
         let group_of = |name: &str| self.family.diffusion_group(name);
-        self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of)?;
+        let rows = |spec: &TensorSpec| self.family.diffusion_row_splittable(spec);
+        self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of, &rows)?;
         self.family.load_diffusion(w, self.opts.flash_attn)
     }
 
@@ -625,13 +615,13 @@ impl Pipeline {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
             let cfg = self.family.taesd();
             let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
-            self.place(&mut w, "vae", home, backend, None, &block_group)?;
+            self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false)?;
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
         let cfg = self.family.vae();
         let mut w = Weights::new(sd_vae::vae_specs(&cfg, parts)).map_err(vae_err)?;
-        self.place(&mut w, "vae", home, backend, None, &block_group)?;
+        self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false)?;
         Ok(Box::new(AutoencoderKl::from_weights(cfg, w)?))
     }
 
@@ -1075,21 +1065,6 @@ mod tests {
             tiling: TilingParams::default(),
             vae_max_compute_bytes: None,
         }
-    }
-
-    #[test]
-    fn staging_groups_end_at_the_block_index() {
-        let g = |n: &str| block_group(n);
-        let l = "cond_stage_model.transformer.text_model.encoder.layers.3.mlp.fc1.weight";
-        assert_eq!(g(l), "cond_stage_model.transformer.text_model.encoder.layers.3");
-        // SDXL's second encoder: `.1.` names the encoder, each layer is its own group.
-        let big_g = "cond_stage_model.1.transformer.text_model.encoder.layers.14.self_attn.q_proj.weight";
-        assert_eq!(g(big_g), "cond_stage_model.1.transformer.text_model.encoder.layers.14");
-        assert_eq!(
-            g("cond_stage_model.1.transformer.text_model.final_layer_norm.weight"),
-            "cond_stage_model.1.transformer.text_model.final_layer_norm"
-        );
-        assert_eq!(g("first_stage_model.decoder.up.1.block.0.conv1.weight"), "first_stage_model.decoder.up.1");
     }
 
     #[test]

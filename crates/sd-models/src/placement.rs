@@ -11,7 +11,7 @@
 //! parameters on its range's device and runs the module with a runner over all of them
 //! (`sd_sched`'s split execution). A graph-level row split (the plan's row split with a share
 //! per device, [`SplitRange::row_share`](sd_placement::SplitRange)) is a [`LayerSplit`] with
-//! [`LayerSplit::rows`] set: the UNet's block matmul weights are cut by output rows across the
+//! [`LayerSplit::rows`] set: the module's layer matmul weights are cut by output rows across the
 //! devices (`sd_sched`'s `rowsplit`). What the runtime cannot do yet is said once here, as a
 //! warning, and never silently dropped: a split-buffer row split runs on its main device.
 

@@ -173,9 +173,7 @@ fn multi_device(
         // No split buffer type over these devices (the CPU and RPC export none, nor do devices
         // of different registries): a graph-level row split, where it can run.
         let cpu_not_last = list[..list.len() - 1].iter().find(|&&i| devices[i].kind == DeviceType::Cpu);
-        let why_not = if module != Module::Diffusion {
-            Some("a graph-level row split is implemented for the diffusion model only".to_string())
-        } else if !params_follow {
+        let why_not = if !params_follow {
             Some("a graph-level row split needs the parameters on their computing devices, and --params-backend gives them another home".to_string())
         } else if let Some(&c) = cpu_not_last {
             Some(format!(

@@ -304,19 +304,24 @@ fn row_split() {
         assert!(p.warnings.iter().any(|w| w.contains("row split at graph level")), "{why}: {:?}", p.warnings);
         assert!(!p.warnings.iter().any(|w| w.contains("falling back to layer split")), "{why}: {:?}", p.warnings);
     }
+    // The text encoder too: a graph-level row split, even share on equal devices.
+    let devs = vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
+    let p = run(devs, blocky(32), "te=cuda0&cuda1", None, Some("te=row"), None);
+    let m = module(&p, Module::Te);
+    assert_eq!(m.split_mode, SplitKind::Row);
+    let shares: Vec<f64> = m.split.iter().map(|r| r.row_share.expect("a graph-level share")).collect();
+    assert_eq!(shares, [0.5, 0.5], "{m:?}");
+    assert!(!p.warnings.iter().any(|w| w.contains("falling back to layer split")), "{:?}", p.warnings);
     // Where a graph-level row split cannot run, a layer split, with the reason.
-    let cases: Vec<(&str, &str, Option<&str>, &str)> = vec![
-        ("the text encoder", "te=cuda0&cuda1", None, "diffusion model only"),
-        ("params elsewhere", "diffusion=cuda0&cuda1", Some("diffusion=cpu"), "--params-backend"),
-    ];
-    for (why, backend, params, msg) in cases {
+    for (module_name, m) in [("diffusion", Module::Diffusion), ("te", Module::Te)] {
         let devs = vec![Device::cpu(), gpu("CUDA0", 24.0), gpu("CUDA1", 24.0)];
-        let p = run(devs, blocky(32), backend, params, Some("row"), None);
-        let m = if backend.starts_with("te") { module(&p, Module::Te) } else { module(&p, Module::Diffusion) };
-        assert_eq!(m.split_mode, SplitKind::Layer, "{why}");
+        let backend = format!("{module_name}=cuda0&cuda1");
+        let params = format!("{module_name}=cpu");
+        let p = run(devs, blocky(32), &backend, Some(&params), Some("row"), None);
+        assert_eq!(module(&p, m).split_mode, SplitKind::Layer, "{module_name}");
         assert!(
-            p.warnings.iter().any(|w| w.contains("falling back to layer split") && w.contains(msg)),
-            "{why}: {:?}",
+            p.warnings.iter().any(|w| w.contains("falling back to layer split") && w.contains("--params-backend")),
+            "{module_name}: {:?}",
             p.warnings
         );
     }

@@ -26,7 +26,7 @@ pub mod weights;
 pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};
 pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport, StageReport};
-pub use rowsplit::RowSplitReport;
+pub use rowsplit::{mul_mat_parts, RowSplitReport};
 pub use runner::{RunStats, Runner};
 pub use weights::{
     short_name, weight_buffer_type, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights,

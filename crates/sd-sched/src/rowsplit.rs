@@ -6,8 +6,8 @@
 //! weight `W` of shape `[in, out]`) by chunks `W#rows{d}` of consecutive output rows, one per
 //! device `d`, sized by the devices' shares (free memory or `--max-vram` budgets), each loaded
 //! into a pinned replica on its device (charged to that device's ledger). The model's graph
-//! builder asks [`Weights::row_chunks`] and emits `concat(mul_mat(W_0, x), ..., mul_mat(W_n, x))`
-//! on dim 0 instead of one `mul_mat` (a bias is added after the concat).
+//! builder asks [`Weights::matrix_parts`] and emits `concat(mul_mat(W_0, x), ..., mul_mat(W_n, x))`
+//! on dim 0 instead of one `mul_mat` ([`mul_mat_parts`]; a bias is added after the concat).
 //!
 //! [`Runner::run`] then runs the module's whole graph through ggml's scheduler
 //! ([`sd_backends::Scheduler`]) over the devices (plus a host CPU backend last, as ggml
@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sd_backends::{Backend, DeviceKind, GgmlType, Scheduler, Tensor};
+use sd_backends::{Backend, Context, DeviceKind, GgmlType, Scheduler, Tensor};
 
 use crate::error::{Result, SchedError};
 use crate::ledger::Ledgers;
@@ -228,9 +228,18 @@ impl Weights {
     }
 
     /// The row chunks of a split weight, in device order (`None`: not split).
-    pub fn row_chunks(&self, name: &str) -> Option<Vec<Tensor<'_>>> {
+    pub(crate) fn row_chunks(&self, name: &str) -> Option<Vec<Tensor<'_>>> {
         let idx = self.rows.as_ref()?.by_parent.get(name)?;
         Some(idx.iter().map(|&i| self.nth(i)).collect())
+    }
+
+    /// The tensors of the matrix `name`: its row chunks in device order when it is cut for a
+    /// row split, else the whole tensor alone. [`mul_mat_parts`] multiplies them.
+    pub fn matrix_parts(&self, name: &str) -> Result<Vec<Tensor<'_>>> {
+        match self.row_chunks(name) {
+            Some(chunks) => Ok(chunks),
+            None => Ok(vec![self.get(name)?]),
+        }
     }
 
     /// Whether the set is placed for a row split.
@@ -243,6 +252,17 @@ impl Weights {
         let i = self.index_of(t)?;
         self.rows.as_ref()?.chunks.get(&i).map(|c| c.device)
     }
+}
+
+/// `W x` for a matrix given as [`Weights::matrix_parts`]: one `mul_mat` per part (each runs
+/// on its part's device), concatenated on dim 0 in order; one part is a plain `mul_mat`.
+///
+/// # Panics
+/// When `parts` is empty (`matrix_parts` never returns that).
+pub fn mul_mat_parts<'g>(g: &'g Context, parts: &[Tensor<'_>], x: Tensor<'_>) -> Tensor<'g> {
+    let mut products = parts.iter().map(|&w| g.mul_mat(w, x));
+    let first = products.next().expect("a matrix has at least one part");
+    products.fold(first, |a, b| g.concat(a, b, 0))
 }
 
 impl Runner {

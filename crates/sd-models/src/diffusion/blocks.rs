@@ -47,18 +47,10 @@ fn param<'w>(w: &'w Weights, p: &str, leaf: &str) -> Result<Tensor<'w>> {
 
 /// `x W^T + b` over ne[0]: x [inp, ...] -> [out, ...].
 ///
-/// A weight cut by output rows for a row split ([`Weights::row_chunks`]) is one product per
+/// A weight cut by output rows for a row split ([`Weights::matrix_parts`]) is one product per
 /// chunk, concatenated on dim 0 (each chunk's product runs on the chunk's device).
 pub fn linear<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
-    let name = format!("{p}.weight");
-    let y = match w.row_chunks(&name) {
-        Some(chunks) => chunks.into_iter().map(|c| g.mul_mat(c, x)).reduce(|a, b| g.concat(a, b, 0)),
-        None => None,
-    };
-    let y = match y {
-        Some(y) => y,
-        None => g.mul_mat(param(w, p, "weight")?, x),
-    };
+    let y = sd_sched::mul_mat_parts(g, &w.matrix_parts(&format!("{p}.weight"))?, x);
     Ok(if bias { g.add(y, param(w, p, "bias")?) } else { y })
 }
 

@@ -197,7 +197,8 @@ impl UNetConfig {
             || self.depth_overrides.values().any(|&d| d == 0)
         {
             return bad(format!(
-                "channel_mult and num_res_blocks must be non-empty / non-zero, and transformer_depth                  must give every level a non-zero depth: {self:?}"
+                "channel_mult and num_res_blocks must be non-empty / non-zero, and transformer_depth \
+                 must give every level a non-zero depth: {self:?}"
             ));
         }
         if self.adm_in_channels.is_some_and(|a| a <= 0) {

@@ -99,6 +99,17 @@ pub fn check_runnable(files: &ModelFiles) -> Result<()> {
     check_specs(family.arch(), files, &modules)
 }
 
+/// The staging group of a text-encoder or VAE tensor: its name up to the first block index
+/// (`...encoder.layers.3`, `...decoder.up.1`), or without its last part.
+pub(crate) fn block_group(name: &str) -> String {
+    let parts: Vec<&str> = name.split('.').collect();
+    let is_block = |p: &&str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    match parts.iter().position(is_block) {
+        Some(i) => parts[..=i].join("."),
+        None => parts[..parts.len().saturating_sub(1).max(1)].join("."),
+    }
+}
+
 /// What the conditioner reads from a request, besides the prompt.
 #[derive(Clone, Copy, Debug)]
 pub struct TextRequest<'a> {
@@ -136,11 +147,20 @@ pub trait Family: Send + Sync + Debug {
     fn check_text(&self, clip_skip: i64) -> Result<()>;
     /// The conditioner over its placed parameters.
     fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>>;
+    /// The parameter group (one per layer) a text-encoder tensor is staged in.
+    fn text_group(&self, name: &str) -> String {
+        block_group(name)
+    }
+    /// Whether a text-encoder parameter is cut by output rows in a graph-level row split
+    /// (`sd_sched`'s `rowsplit`: a matmul weight of a layer).
+    fn text_row_splittable(&self, spec: &TensorSpec) -> bool;
 
     /// The diffusion model's parameters.
     fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec>;
     /// The parameter group (one per block) a diffusion-model tensor is staged in.
     fn diffusion_group(&self, name: &str) -> String;
+    /// Whether a diffusion-model parameter is cut by output rows in a graph-level row split.
+    fn diffusion_row_splittable(&self, spec: &TensorSpec) -> bool;
     /// The diffusion model over its placed parameters.
     fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>>;
     /// Channels of a latent.
@@ -190,4 +210,24 @@ pub trait DiffusionModel {
         timesteps: &[f32],
         cond: &[&Conditioning],
     ) -> Result<Vec<f32>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_group;
+
+    #[test]
+    fn staging_groups_end_at_the_block_index() {
+        let l = "cond_stage_model.transformer.text_model.encoder.layers.3.mlp.fc1.weight";
+        assert_eq!(block_group(l), "cond_stage_model.transformer.text_model.encoder.layers.3");
+        assert_eq!(
+            block_group("first_stage_model.decoder.up.1.block.0.conv1.weight"),
+            "first_stage_model.decoder.up.1"
+        );
+        assert_eq!(
+            block_group("cond_stage_model.transformer.text_model.final_layer_norm.weight"),
+            "cond_stage_model.transformer.text_model.final_layer_norm"
+        );
+        assert_eq!(block_group("weight"), "weight");
+    }
 }

@@ -352,20 +352,39 @@ fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
     w.get(name).map_err(|_| ClipError::MissingWeight(name.to_string()))
 }
 
-/// `x W^T + b` (the reference's `Linear` for inputs of at most 1024 sequences).
+/// `x W^T + b` (the reference's `Linear` for inputs of at most 1024 sequences). A weight cut
+/// by output rows for a row split ([`row_splittable`]) is one product per chunk, concatenated.
 struct Linear<'w> {
-    weight: Tensor<'w>,
+    weight: Vec<Tensor<'w>>,
     bias: Tensor<'w>,
 }
 
 impl<'w> Linear<'w> {
     fn load(w: &'w Weights, name: &str) -> Result<Self> {
-        Ok(Self { weight: get(w, &format!("{name}.weight"))?, bias: get(w, &format!("{name}.bias"))? })
+        let weight = format!("{name}.weight");
+        let weight = w.matrix_parts(&weight).map_err(|_| ClipError::MissingWeight(weight))?;
+        Ok(Self { weight, bias: get(w, &format!("{name}.bias"))? })
     }
 
     fn forward<'g>(&self, g: &'g Context, x: Tensor<'_>) -> Tensor<'g> {
-        g.add(g.mul_mat(self.weight, x), self.bias)
+        g.add(sd_sched::mul_mat_parts(g, &self.weight, x), self.bias)
     }
+}
+
+/// Whether a CLIP parameter is cut by output rows in a row split: the matmul weights of the
+/// encoder layers (attention q/k/v/out projections, the MLP's fc1 and fc2), in either of
+/// SDXL's encoders.
+pub fn row_splittable(spec: &TensorSpec) -> bool {
+    const LEAVES: [&str; 6] = [
+        ".self_attn.q_proj.weight",
+        ".self_attn.k_proj.weight",
+        ".self_attn.v_proj.weight",
+        ".self_attn.out_proj.weight",
+        ".mlp.fc1.weight",
+        ".mlp.fc2.weight",
+    ];
+    let matrix = spec.ne.len() >= 2 && spec.ne[2..].iter().all(|&d| d == 1);
+    matrix && spec.name.contains(".encoder.layers.") && LEAVES.iter().any(|l| spec.name.ends_with(l))
 }
 
 /// LayerNorm over ne[0] with affine parameters.
@@ -548,7 +567,8 @@ pub fn forward<'g>(
 }
 
 /// Builds the pooled output's graph for one sequence: every layer, the final LayerNorm,
-/// the hidden state at `token_index`, times `text_projection` (no bias): `[projection_dim]`.
+/// the hidden state at `token_index`, times `text_projection` (no bias) when the encoder has
+/// one: `[projection_dim]`, else `[hidden_size]`.
 fn pooled_forward<'g>(
     g: &'g Context,
     w: &Weights,
@@ -558,9 +578,6 @@ fn pooled_forward<'g>(
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
     let n_positions = cfg.n_positions;
-    if cfg.projection_dim.is_none() {
-        return Err(ClipError::Pooled { index: token_index, n_positions, why: "this encoder has no text projection" });
-    }
     if token_index >= n_positions {
         return Err(ClipError::Pooled { index: token_index, n_positions, why: "the index is outside the sequence" });
     }
@@ -572,7 +589,11 @@ fn pooled_forward<'g>(
     let [h, ..] = x.shape();
     let nb = x.nb();
     let row = g.view(x, [h, 1, 1, 1], [nb[1], nb[2], nb[3]], nb[1] * token_index);
-    Ok(g.mul_mat(get(w, &cfg.name("text_projection"))?, row))
+    match cfg.projection_dim {
+        Some(_) => Ok(g.mul_mat(get(w, &cfg.name("text_projection"))?, row)),
+        // No projection (CLIP-L, whose pooled state FLUX reads): the state itself.
+        None => Ok(g.cont(row)),
+    }
 }
 
 /// Embeddings and the first `n_layers - clip_skip + 1` layers.
@@ -732,7 +753,7 @@ impl<'a> ClipEncoder<'a> {
     }
 
     /// The pooled output of one sequence of `n_positions` ids (`pooled_forward`):
-    /// `projection_dim` values.
+    /// `projection_dim` values, or `hidden_size` for an encoder without a projection.
     pub fn encode_pooled(&self, runner: &mut Runner, ids: &[u32], token_index: usize) -> Result<Vec<f32>> {
         let len = self.cfg.n_positions;
         if ids.len() != len {
@@ -1144,9 +1165,17 @@ mod tests {
         let e = model.encode_pooled(&mut runner, &ids, 77).unwrap_err();
         assert!(matches!(e, ClipError::Pooled { index: 77, n_positions: 77, .. }), "{e}");
         assert!(matches!(model.encode_pooled(&mut runner, &ids[..76], 3), Err(ClipError::IdsLength { got: 76, .. })));
-        let plain = super::test_support::model(&tiny(Activation::QuickGelu, 1, EOS_ID), F32, &backend);
-        let e = plain.encode_pooled(&mut runner, &ids, 3).unwrap_err();
-        assert!(e.to_string().contains("no text projection"), "{e}");
+        // Without a projection the pooled output is the normed state itself (FLUX's CLIP-L).
+        let plain_cfg = tiny(Activation::QuickGelu, 1, EOS_ID);
+        let plain = super::test_support::model(&plain_cfg, F32, &backend);
+        let mut prompt = vec![EOS_ID; 77];
+        prompt[0] = crate::text::BOS_ID;
+        prompt[1..5].copy_from_slice(&[320, 1125, 539, 320]);
+        let got = plain.encode_pooled(&mut runner, &prompt, 5).unwrap();
+        let want = reference_rows_for_test(&plain_cfg, &prompt);
+        assert_eq!(got.len(), 32);
+        let (max, mean) = diff(&got, &want[5 * 32..6 * 32]);
+        assert!(max < 2e-3 && mean < 2e-4, "max {max:e}, mean {mean:e}");
         // A weight set without the projection is refused when the encoder is built.
         let mut specs = clip_specs(&cfg, &|_| None, None);
         specs.retain(|s| !s.name.ends_with("text_projection"));

@@ -93,6 +93,14 @@ impl Family for Sd {
         unet::group_of(name)
     }
 
+    fn diffusion_row_splittable(&self, spec: &TensorSpec) -> bool {
+        unet::row_splittable(spec)
+    }
+
+    fn text_row_splittable(&self, spec: &TensorSpec) -> bool {
+        crate::text::clip::row_splittable(spec)
+    }
+
     fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>> {
         self.unet.validate()?;
         Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn }))

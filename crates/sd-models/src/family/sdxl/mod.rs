@@ -51,6 +51,9 @@ inventory::submit! {
     ArchSpec { name: "sdxl", description: "Stable Diffusion XL (base, Turbo, SSD-1B, Vega)", detect }
 }
 
+/// Where the second text encoder's (OpenCLIP bigG's) internal names start.
+const BIGG_PREFIX: &str = "cond_stage_model.1.";
+
 /// SDXL's latent scale factor (`sd_xl_base.yaml`).
 const SCALE_FACTOR: f32 = 0.13025;
 /// Pixels per latent position.
@@ -114,12 +117,29 @@ impl Family for Sdxl {
         Ok(Box::new(text))
     }
 
+    /// `cond_stage_model.1.` numbers the second encoder (bigG), not a block: each of its
+    /// layers is a group of its own.
+    fn text_group(&self, name: &str) -> String {
+        match name.strip_prefix(BIGG_PREFIX) {
+            Some(rest) => format!("{BIGG_PREFIX}{}", super::block_group(rest)),
+            None => super::block_group(name),
+        }
+    }
+
     fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
         unet::unet_specs(&self.unet, dtype, wtype)
     }
 
     fn diffusion_group(&self, name: &str) -> String {
         unet::group_of(name)
+    }
+
+    fn diffusion_row_splittable(&self, spec: &TensorSpec) -> bool {
+        unet::row_splittable(spec)
+    }
+
+    fn text_row_splittable(&self, spec: &TensorSpec) -> bool {
+        crate::text::clip::row_splittable(spec)
     }
 
     fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>> {
@@ -157,5 +177,29 @@ impl Family for Sdxl {
     fn sampling(&self) -> SamplingDefaults {
         let version = ModelVersion::Sdxl;
         SamplingDefaults { version, method: SampleMethod::default_for(version), schedule: DiscreteSchedule::sd() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bigg_layers_are_groups_of_their_own() {
+        let sdxl = Sdxl {
+            clip_l: ClipConfig::vit_l14_sdxl(),
+            bigg: ClipConfig::vit_bigg14(),
+            unet: UNetConfig::sdxl(),
+            tokenizer: Arc::new(ClipTokenizer::new()),
+        };
+        let g = |n: &str| sdxl.text_group(n);
+        let big_g = "cond_stage_model.1.transformer.text_model.encoder.layers.14.self_attn.q_proj.weight";
+        assert_eq!(g(big_g), "cond_stage_model.1.transformer.text_model.encoder.layers.14");
+        assert_eq!(
+            g("cond_stage_model.1.transformer.text_model.final_layer_norm.weight"),
+            "cond_stage_model.1.transformer.text_model.final_layer_norm"
+        );
+        let l = "cond_stage_model.transformer.text_model.encoder.layers.3.mlp.fc1.weight";
+        assert_eq!(g(l), "cond_stage_model.transformer.text_model.encoder.layers.3");
     }
 }

@@ -16,6 +16,7 @@
 //!
 //! - [`T5Tokenizer`] is T5's SentencePiece unigram tokenizer (`t5_tokenizer.rs`) as the
 //!   reference runs it, with FLUX's 256-id chunks; [`t5`] is the T5 v1.1 encoder.
+//! - `flux` is FLUX's conditioner: T5-XXL's hidden states and CLIP-L's pooled output.
 //! - [`sdxl`] is SDXL's conditioner over CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 (both in
 //!   [`clip`]): concatenated hidden states and the ADM vector.
 //!
@@ -26,6 +27,10 @@
 mod chunk;
 pub mod clip;
 pub mod conditioning;
+// Its caller is the FLUX family, which registers once the DiT, the 16-channel VAE and flow
+// sampling are in; until then only its tests use it.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod flux;
 mod prompt;
 pub mod sdxl;
 pub mod t5;

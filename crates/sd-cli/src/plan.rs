@@ -102,7 +102,7 @@ pub struct ModelArgs {
     /// The CLIP-L text encoder alone.
     #[arg(long = "clip_l", value_name = "PATH")]
     pub clip_l: Option<PathBuf>,
-    /// The CLIP-G text encoder (planning only for now).
+    /// The OpenCLIP ViT-bigG text encoder alone (SDXL's second text encoder).
     #[arg(long = "clip_g", value_name = "PATH")]
     pub clip_g: Option<PathBuf>,
     /// The T5-XXL text encoder (planning only for now).
@@ -143,6 +143,7 @@ impl ModelArgs {
             diffusion_model: self.diffusion_model.clone(),
             vae: self.vae.clone(),
             clip_l: self.clip_l.clone(),
+            clip_g: self.clip_g.clone(),
             taesd: self.taesd.clone(),
             // Described from its header (`extra`) until a family runs T5.
             t5xxl: None,
@@ -152,9 +153,7 @@ impl ModelArgs {
     /// Files described from headers only.
     pub fn extra(&self) -> Vec<ExtraFile> {
         let mut v = Vec::new();
-        for (flag, path, dominant) in
-            [("--clip_g", &self.clip_g, false), ("--t5xxl", &self.t5xxl, true), ("--llm", &self.llm, true)]
-        {
+        for (flag, path, dominant) in [("--t5xxl", &self.t5xxl, true), ("--llm", &self.llm, true)] {
             if let Some(p) = path {
                 v.push(ExtraFile { flag: flag.into(), path: p.clone(), dominant });
             }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use sd_models::files::safetensors::{header_bytes, HeaderEntry};
 use sd_models::files::DType;
 use sd_models::fixture::{tensor_table, Architecture};
+use sd_models::text::clip::{clip_specs, ClipConfig};
 
 /// Deadline of a case that must fail in validation (they take milliseconds; the margin is
 /// for a loaded CI machine).
@@ -617,6 +618,39 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             cases.push(Case { name: format!("{} {name}", args[0]), args, status, env: vec![], needles });
         }
     }
+    // SDXL's encoders as separate files (HF names, what `--clip_l` / `--clip_g` files hold):
+    // bigG given as `--clip_g` completes the checkpoint; given as `--clip_l` it is named as
+    // the wrong encoder for that flag.
+    let bigg_hf: Vec<(String, Vec<u64>, DType)> = clip_specs(&ClipConfig::vit_bigg14(), &|_| None, None)
+        .into_iter()
+        .map(|s| {
+            let body = s.name.strip_prefix("cond_stage_model.1.transformer.").expect("bigG's prefix").to_string();
+            let name = if body.ends_with("text_projection") { "text_projection.weight".to_string() } else { body };
+            (name, s.ne.iter().rev().map(|&d| d as u64).collect(), DType::F16)
+        })
+        .collect();
+    write_sparse(&dir.join("bigg-hf.safetensors"), &bigg_hf);
+    let with = |flag: &str| {
+        let mut a = plan(&d("vega-no-bigg.safetensors"));
+        a.extend([flag.to_string(), d("bigg-hf.safetensors")]);
+        a
+    };
+    cases.push(Case {
+        name: "plan vega --clip_g bigG".into(),
+        args: with("--clip_g"),
+        status: 0,
+        env: vec![],
+        needles: vec![],
+    });
+    cases.push(Case {
+        name: "plan vega --clip_l bigG".into(),
+        args: with("--clip_l"),
+        status: 2,
+        env: vec![],
+        needles: ["bigg-hf.safetensors", "1280 wide", "OpenCLIP ViT-bigG/14", "give it as --clip_g"]
+            .map(String::from)
+            .to_vec(),
+    });
     for (what, path, needle) in [
         ("FIFO model", d("fifo"), "FIFO"),
         ("device model", "/dev/zero".to_string(), "character device"),

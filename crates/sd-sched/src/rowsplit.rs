@@ -242,6 +242,17 @@ impl Weights {
         }
     }
 
+    /// The shape `name` was declared with: a weight cut for a row split has its whole shape
+    /// (its chunks have parts of it); `None` when the set holds no such tensor.
+    pub fn declared_ne(&self, name: &str) -> Option<Vec<i64>> {
+        if let Some(rows) = &self.rows {
+            if let Some(first) = rows.by_parent.get(name).and_then(|idx| idx.first()) {
+                return rows.chunks.get(first).map(|c| c.parent_ne.clone());
+            }
+        }
+        self.specs().iter().find(|s| s.name == name).map(|s| s.ne.clone())
+    }
+
     /// Whether the set is placed for a row split.
     pub fn is_row_split(&self) -> bool {
         self.rows.is_some()

@@ -6,7 +6,7 @@
 //!
 //! Sources combine as in sd.cpp: `-m` (a single-file checkpoint, a GGUF, or a diffusers
 //! folder) first, then the component files `--diffusion-model`, `--vae`, `--clip_l`,
-//! `--taesd`. A component file **replaces** every tensor of its component that earlier
+//! `--clip_g`, `--taesd`, `--t5xxl`. A component file **replaces** every tensor of its component that earlier
 //! sources gave (so `-m model.safetensors --vae other.safetensors` uses the other VAE whole,
 //! never a mix); sd.cpp gets the same effect by letting later names overwrite earlier ones.
 //! Within one file, two stored names that normalize to one internal name are an error.
@@ -25,7 +25,7 @@ use super::safetensors::{self, expected_bytes};
 use super::RawTensor;
 
 /// The model files a user named (the reference's `-m`, `--diffusion-model`, `--vae`,
-/// `--clip_l`, `--taesd`).
+/// `--clip_l`, `--clip_g`, `--taesd`, `--t5xxl`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelSources {
     /// `-m`: a single-file checkpoint (safetensors or GGUF) or a diffusers folder.
@@ -36,6 +36,8 @@ pub struct ModelSources {
     pub vae: Option<PathBuf>,
     /// `--clip_l`: the CLIP-L text encoder alone.
     pub clip_l: Option<PathBuf>,
+    /// `--clip_g`: the OpenCLIP ViT-bigG text encoder alone (SDXL's second).
+    pub clip_g: Option<PathBuf>,
     /// `--taesd`: the tiny autoencoder.
     pub taesd: Option<PathBuf>,
     /// `--t5xxl`: the T5-XXL text encoder alone.
@@ -109,6 +111,7 @@ impl ModelFiles {
             (&sources.diffusion_model, FileRole::DiffusionModel),
             (&sources.vae, FileRole::Vae),
             (&sources.clip_l, FileRole::TextEncoder(0)),
+            (&sources.clip_g, FileRole::TextEncoder(1)),
             (&sources.taesd, FileRole::Taesd),
             (&sources.t5xxl, FileRole::T5xxl),
         ];

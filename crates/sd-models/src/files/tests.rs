@@ -720,6 +720,26 @@ fn component_files_get_prefixes_and_replace_the_checkpoint_component() {
     assert!(idx.contains("model.diffusion_model.input_blocks.0.0.weight"), "the UNet stays");
     assert_eq!(files.detect(None).unwrap().arch, "sd1");
 
+    // --clip_g (HF CLIPTextModelWithProjection names): SDXL's second encoder, beside --clip_l.
+    let clip_g = [
+        t("text_model.encoder.layers.0.self_attn.q_proj.weight", DType::F16, &[4, 4], 26),
+        t("text_projection.weight", DType::F16, &[4, 4], 27),
+    ];
+    let clip_g = write(dir.path(), "clip_g.safetensors", &safetensors::to_bytes(&specs(&clip_g), &none).unwrap());
+    let sources = ModelSources { clip_g: Some(clip_g.clone()), ..sources };
+    let files = ModelFiles::open(&sources).unwrap();
+    let idx = files.index();
+    let q = idx.get("cond_stage_model.1.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight").unwrap();
+    assert_eq!(
+        (q.original_name.as_str(), &idx.files()[q.file].path),
+        ("text_model.encoder.layers.0.self_attn.q_proj.weight", &clip_g)
+    );
+    assert!(idx.contains("cond_stage_model.1.transformer.text_model.text_projection"));
+    assert!(
+        idx.contains("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"),
+        "--clip_l stays"
+    );
+
     // --diffusion-model alone (no text encoder): detected from the UNet's cross-attention.
     let unet =
         write(dir.path(), "unet.safetensors", &safetensors::to_bytes(&specs(&sd_unet(1024)[..4]), &none).unwrap());

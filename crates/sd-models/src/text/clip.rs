@@ -638,10 +638,16 @@ fn check_weights(cfg: &ClipConfig, weights: &Weights) -> Result<()> {
     let have: std::collections::HashMap<&str, &TensorSpec> =
         weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
     for want in clip_specs(cfg, &|_| None, None) {
-        match have.get(want.name.as_str()) {
+        // A weight cut for a row split is there as its chunks, with its whole shape declared.
+        let got = match have.get(want.name.as_str()) {
+            Some(got) => Some(got.ne.clone()),
+            None if weights.is_row_split() => weights.declared_ne(&want.name),
+            None => None,
+        };
+        match got {
             None => return Err(ClipError::MissingWeight(want.name)),
-            Some(got) if got.ne != want.ne => {
-                return Err(ClipError::WeightShape { name: want.name, expected: want.ne, got: got.ne.clone() })
+            Some(got) if got != want.ne => {
+                return Err(ClipError::WeightShape { name: want.name, expected: want.ne, got })
             }
             Some(_) => {}
         }

@@ -20,7 +20,7 @@ use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextE
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::arch::{prediction_from_metadata, sd::LABEL_EMB};
 use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
-use crate::pipeline::Result;
+use crate::pipeline::{PipelineError, Result};
 use crate::sampling::{DiscreteSchedule, ModelVersion, Prediction, SampleMethod};
 use crate::text::clip::ClipConfig;
 use crate::text::sdxl::SdxlText;
@@ -70,8 +70,34 @@ struct Sdxl {
     tokenizer: Arc<ClipTokenizer>,
 }
 
+/// Each text encoder's token embedding, its width, and the flag that gives it alone.
+const ENCODER_WIDTHS: [(&str, u64, &str); 2] = [
+    ("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", 768, "--clip_l"),
+    ("cond_stage_model.1.transformer.text_model.embeddings.token_embedding.weight", 1280, "--clip_g"),
+];
+
+/// A CLIP-L file given as `--clip_g` or a bigG one as `--clip_l` is named with the flag it
+/// belongs to (rather than as a tensor of the wrong shape).
+fn check_encoder_files(index: &TensorIndex) -> Result<()> {
+    for (i, (name, width, flag)) in ENCODER_WIDTHS.iter().enumerate() {
+        let Some(e) = index.get(name) else { continue };
+        let got = e.ne().first().copied().unwrap_or(0);
+        let (_, other_width, other_flag) = ENCODER_WIDTHS[1 - i];
+        if got != *width && got == other_width {
+            return Err(PipelineError::Invalid(format!(
+                "'{}' holds a text encoder {got} wide where SDXL's {flag} encoder is {width} wide: \
+                 it looks like the {} encoder; give it as {other_flag}",
+                index.files()[e.file].path.display(),
+                if other_width == 768 { "CLIP ViT-L/14" } else { "OpenCLIP ViT-bigG/14" },
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     let index = files.index();
+    check_encoder_files(index)?;
     let unet = UNetConfig::sdxl().adapted_to_file(&|name| index.get(name).map(|e| e.ne()));
     unet.validate()?;
     Ok(Box::new(Sdxl {

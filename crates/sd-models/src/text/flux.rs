@@ -19,11 +19,14 @@
 //! Without CLIP-L the vector is 768 zeros; without T5 the context is one chunk of zeros
 //! (the reference warns and does the same; the family decides whether to allow it).
 
-use sd_sched::Runner;
+use std::sync::Arc;
 
-use super::clip::{ClipEncoder, ClipError};
+use sd_backends::GgmlType;
+use sd_sched::{Runner, TensorSpec, Weights};
+
+use super::clip::{clip_specs, ClipConfig, ClipEncoder, ClipError};
 use super::conditioning::{apply_token_weights, Conditioning};
-use super::t5::{T5Encoder, T5Error};
+use super::t5::{t5_specs, T5Config, T5Encoder, T5Error};
 use super::{parse_prompt_attention, ClipTokenizer, PromptFragment, T5Tokenizer, TokenizeError};
 use super::{BOS_ID, EOS_ID, FLUX_T5_CHUNK_LEN};
 
@@ -105,6 +108,60 @@ pub(crate) fn encode_flux(
     Ok(Conditioning { data, hidden_size, n_tokens, vector, zeroed: false })
 }
 
+/// FLUX's two text encoders over one weight set (the `te` module), with their tokenizers;
+/// either may be absent (module docs).
+#[derive(Debug)]
+pub(crate) struct FluxText {
+    clip_l: Option<ClipConfig>,
+    t5: Option<T5Config>,
+    weights: Weights,
+    clip_tokenizer: Arc<ClipTokenizer>,
+    t5_tokenizer: T5Tokenizer,
+}
+
+impl FluxText {
+    /// The parameters of the present encoders (CLIP-L first).
+    pub(crate) fn specs(
+        clip_l: Option<&ClipConfig>,
+        t5: Option<&T5Config>,
+        dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+        wtype: Option<GgmlType>,
+    ) -> Vec<TensorSpec> {
+        let mut specs = clip_l.map(|c| clip_specs(c, dtype_of, wtype)).unwrap_or_default();
+        specs.extend(t5.map(|c| t5_specs(c, dtype_of, wtype)).unwrap_or_default());
+        specs
+    }
+
+    /// The encoders over `weights` (declared from [`FluxText::specs`], allocated, loaded); an
+    /// error naming the first parameter an encoder misses or has the wrong shape of.
+    pub(crate) fn new(
+        clip_l: Option<ClipConfig>,
+        t5: Option<T5Config>,
+        weights: Weights,
+        clip_tokenizer: Arc<ClipTokenizer>,
+    ) -> Result<Self, FluxTextError> {
+        if let Some(c) = &clip_l {
+            ClipEncoder::new(c, &weights)?;
+        }
+        if let Some(c) = &t5 {
+            T5Encoder::new(c, &weights)?;
+        }
+        Ok(Self { clip_l, t5, weights, clip_tokenizer, t5_tokenizer: T5Tokenizer::new() })
+    }
+
+    /// The weights of both encoders.
+    pub(crate) fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// The conditioning of `prompt` ([`encode_flux`]).
+    pub(crate) fn encode(&self, runner: &mut Runner, prompt: &str) -> Result<Conditioning, FluxTextError> {
+        let clip = self.clip_l.as_ref().map(|c| ClipEncoder::new(c, &self.weights)).transpose()?;
+        let t5 = self.t5.as_ref().map(|c| T5Encoder::new(c, &self.weights)).transpose()?;
+        encode_flux(clip, t5, runner, &self.clip_tokenizer, &self.t5_tokenizer, prompt)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use sd_backends::GgmlType;
@@ -112,8 +169,8 @@ mod tests {
 
     use super::*;
     use crate::text::clip::test_support::{backend, tiny, RandomSource};
-    use crate::text::clip::{clip_specs, Activation, ClipConfig};
-    use crate::text::t5::{t5_specs, T5Config};
+    use crate::text::clip::{Activation, ClipConfig};
+    use crate::text::t5::T5Config;
 
     const F32: GgmlType = GgmlType::GGML_TYPE_F32;
 
@@ -124,9 +181,7 @@ mod tests {
     }
 
     fn weights(clip: &ClipConfig, t5: &T5Config) -> Weights {
-        let mut specs = clip_specs(clip, &|_| Some(F32), None);
-        specs.extend(t5_specs(t5, &|_| Some(F32), None));
-        let mut w = Weights::new(specs).unwrap();
+        let mut w = Weights::new(FluxText::specs(Some(clip), Some(t5), &|_| Some(F32), None)).unwrap();
         w.allocate(backend().device().buffer_type()).unwrap();
         w.load_from(&RandomSource).unwrap();
         w
@@ -175,6 +230,12 @@ mod tests {
         let long = "cat ".repeat(300);
         let l = encode_flux(Some(clip), Some(t5), &mut runner, &ct, &tt, &long).unwrap();
         assert_eq!(l.n_tokens, 2 * FLUX_T5_CHUNK_LEN);
+        // The weight-set wrapper encodes the same.
+        let text =
+            FluxText::new(Some(clip_cfg.clone()), Some(t5_cfg.clone()), w, Arc::new(ClipTokenizer::new())).unwrap();
+        assert!(text.weights().contains("text_encoders.t5xxl.transformer.shared.weight"));
+        let again = text.encode(&mut runner, "a photo of a cat").unwrap();
+        assert_eq!((again.data, again.vector), (c.data, c.vector));
         // Without encoders: zeros of the real widths.
         let none = encode_flux(None, None, &mut runner, &ct, &tt, "a cat").unwrap();
         assert_eq!((none.hidden_size, none.n_tokens, none.vector.len()), (T5_WIDTH, FLUX_T5_CHUNK_LEN, POOLED_WIDTH));

@@ -647,9 +647,15 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
         args: with("--clip_l"),
         status: 2,
         env: vec![],
-        needles: ["bigg-hf.safetensors", "1280 wide", "OpenCLIP ViT-bigG/14", "give it as --clip_g"]
-            .map(String::from)
-            .to_vec(),
+        needles: [
+            "bigg-hf.safetensors",
+            "1280 wide",
+            "text_model.embeddings.token_embedding.weight",
+            "OpenCLIP ViT-bigG/14",
+            "give it as --clip_g",
+        ]
+        .map(String::from)
+        .to_vec(),
     });
     for (what, path, needle) in [
         ("FIFO model", d("fifo"), "FIFO"),

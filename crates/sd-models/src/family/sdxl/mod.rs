@@ -85,9 +85,10 @@ fn check_encoder_files(index: &TensorIndex) -> Result<()> {
         let (_, other_width, other_flag) = ENCODER_WIDTHS[1 - i];
         if got != *width && got == other_width {
             return Err(PipelineError::Invalid(format!(
-                "'{}' holds a text encoder {got} wide where SDXL's {flag} encoder is {width} wide: \
-                 it looks like the {} encoder; give it as {other_flag}",
+                "'{}' holds a text encoder {got} wide (tensor '{}') where SDXL's {flag} encoder is {width} \
+                 wide: it looks like the {} encoder; give it as {other_flag}",
                 index.files()[e.file].path.display(),
+                e.original_name,
                 if other_width == 768 { "CLIP ViT-L/14" } else { "OpenCLIP ViT-bigG/14" },
             )));
         }

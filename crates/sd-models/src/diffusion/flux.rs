@@ -785,14 +785,20 @@ pub struct FluxModel {
     pub weights: Weights,
     /// Use flash attention where the device supports it (`--diffusion-fa`).
     pub flash_attn: bool,
+    /// The distilled guidance scale of every evaluation (`--guidance`, default 3.5 as in the
+    /// reference); a schnell model has no guidance input and ignores it.
+    pub guidance: f32,
 }
+
+/// The reference's default `--guidance`.
+const DEFAULT_GUIDANCE: f32 = 3.5;
 
 impl FluxModel {
     /// Declares the parameters of `cfg` (no storage yet); see [`flux_specs`] for the types.
     pub fn new(cfg: FluxConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Result<Self> {
         cfg.validate()?;
         let weights = Weights::new(flux_specs(&cfg, dtype_of, wtype))?;
-        Ok(Self { cfg, weights, flash_attn: false })
+        Ok(Self { cfg, weights, flash_attn: false, guidance: DEFAULT_GUIDANCE })
     }
 
     /// One evaluation of one sample. `x` is the latent `[16, H, W]` (row-major, ggml
@@ -865,6 +871,50 @@ impl FluxModel {
             Ok(())
         })?;
         Ok(out.get_f32()?)
+    }
+}
+
+/// FLUX as the pipeline evaluates it: each sample of a batch in a graph of its own (as the
+/// reference), the T5 states as the conditioning's tokens, the pooled CLIP-L vector as its
+/// `vector`, and the guidance from the model ([`FluxModel::guidance`]): it is one value per
+/// run, the same for every sample and step, so it travels with the model rather than in each
+/// conditioning. The timesteps are the sampler's t (sigma), which the model scales by 1000.
+impl crate::family::DiffusionModel for FluxModel {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn eval(
+        &self,
+        runner: &mut sd_sched::Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        cond: &[&crate::text::conditioning::Conditioning],
+    ) -> crate::pipeline::Result<Vec<f32>> {
+        let per = self.cfg.latent_channels() as usize * w * h;
+        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
+        if cond.is_empty() || x.len() != per * cond.len() || timesteps.len() != cond.len() {
+            return bad(format!(
+                "{} latent values and {} timesteps for {} conditionings of {per} values each",
+                x.len(),
+                timesteps.len(),
+                cond.len()
+            ));
+        }
+        let guidance = self.cfg.guidance_embed.then_some(self.guidance);
+        let mut out = Vec::with_capacity(x.len());
+        for (i, c) in cond.iter().enumerate() {
+            if c.hidden_size != self.cfg.context_in_dim as usize {
+                return bad(format!(
+                    "the conditioning is {} wide, the model's txt_in takes {} (T5-XXL's states)",
+                    c.hidden_size, self.cfg.context_in_dim
+                ));
+            }
+            let xi = &x[i * per..(i + 1) * per];
+            out.extend(self.eval(runner, xi, (w, h), timesteps[i], &c.data, c.n_tokens, &c.vector, guidance)?);
+        }
+        Ok(out)
     }
 }
 

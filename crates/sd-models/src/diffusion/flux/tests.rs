@@ -560,3 +560,35 @@ fn flash_attention_stays_close_to_plain() {
     // k and v in f16: 11 significant bits.
     assert!(max > 0.0 && max < 2e-2, "{max:e}");
 }
+
+#[test]
+fn the_pipeline_interface_evaluates_each_sample_alone() {
+    use crate::family::DiffusionModel;
+    use crate::text::conditioning::Conditioning;
+    let cfg = tiny();
+    let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+    m.weights.allocate(backend().device().buffer_type()).unwrap();
+    m.weights.load_from(&RandomSource).unwrap();
+    m.guidance = 2.0;
+    let mut runner = Runner::new("flux", backend());
+    let (w, h, l) = (4usize, 6usize, 3usize);
+    let per = cfg.latent_channels() as usize * w * h;
+    let x = inputs(2 * per, "batch", 1.0);
+    let cond = |seed: &str| Conditioning {
+        data: inputs(l * cfg.context_in_dim as usize, seed, 1.0),
+        hidden_size: cfg.context_in_dim as usize,
+        n_tokens: l,
+        vector: inputs(cfg.vec_in_dim as usize, &format!("{seed}-y"), 1.0),
+        zeroed: false,
+    };
+    let (a, b) = (cond("a"), cond("b"));
+    let both = DiffusionModel::eval(&m, &mut runner, &x, (w, h), &[0.9, 0.2], &[&a, &b]).unwrap();
+    let one = m.eval(&mut runner, &x[per..], (w, h), 0.2, &b.data, l, &b.vector, Some(2.0)).unwrap();
+    assert_eq!(both[per..], one[..], "the second sample alone");
+    let other_guidance = m.eval(&mut runner, &x[per..], (w, h), 0.2, &b.data, l, &b.vector, Some(3.5)).unwrap();
+    assert_ne!(one, other_guidance, "the guidance reaches the output");
+    let narrow = Conditioning { hidden_size: 24, data: vec![0.0; 24 * l], ..a.clone() };
+    let err = DiffusionModel::eval(&m, &mut runner, &x[..per], (w, h), &[0.5], &[&narrow]).unwrap_err();
+    let source = std::error::Error::source(&err).map(|s| s.to_string()).unwrap_or_default();
+    assert!(source.contains("txt_in"), "{err}: {source}");
+}

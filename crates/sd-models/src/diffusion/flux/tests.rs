@@ -592,3 +592,37 @@ fn the_pipeline_interface_evaluates_each_sample_alone() {
     let source = std::error::Error::source(&err).map(|s| s.to_string()).unwrap_or_default();
     assert!(source.contains("txt_in"), "{err}: {source}");
 }
+
+#[test]
+fn segmented_under_a_budget_equals_the_whole_graph() {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use sd_sched::{Ledgers, ParamHome};
+    // Two double blocks (9.4 MB each in f32) and two single blocks (3.9 MB): 28 MB in all.
+    let cfg = FluxConfig { depth: 2, depth_single_blocks: 2, ..tiny() };
+    let (w, h, l) = (4usize, 6usize, 3usize);
+    let x = inputs(cfg.latent_channels() as usize * w * h, "seg-x", 1.0);
+    let ctx = inputs(l * cfg.context_in_dim as usize, "seg-c", 1.0);
+    let y = inputs(cfg.vec_in_dim as usize, "seg-y", 1.0);
+    let run = |home: ParamHome, budget: Option<u64>| {
+        let b = backend();
+        let dev = b.device().name();
+        let ledgers = Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
+        let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RandomSource)).unwrap();
+        let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
+        let out = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &y, Some(3.5)).unwrap();
+        let high = ledgers.get(&dev).high_water();
+        (out, runner.stats().clone(), high)
+    };
+    let (whole, stats, _) = run(ParamHome::Compute, None);
+    assert_eq!(stats.segmented_runs, 0);
+    // One double block and a little more: every block runs in a segment of its own.
+    let budget = 14 << 20;
+    let (seg, stats, high) = run(ParamHome::Disk, Some(budget));
+    assert_eq!(seg, whole, "segmented = whole (same kernels)");
+    assert_eq!(stats.segmented_runs, 1, "{stats:?}");
+    assert!(stats.max_segments >= 4, "{stats:?}");
+    assert!(high <= budget, "high-water {high} above the budget {budget}");
+}

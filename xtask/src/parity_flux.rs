@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo xtask parity flux-dit --vae AE_FILE [--diffusion-model FILE] [--size WxH] [--tokens N]
-//!                             [--timestep T] [--guidance G] [--seed N] [--threads N]
+//!                             [--timestep T] [--guidance G] [--seed N] [--threads N] [--flash]
 //! ```
 //!
 //! Without `--diffusion-model` it writes (once, in the fixture cache) a reduced dev fixture:
@@ -11,10 +11,10 @@
 //! inputs: a 16-channel latent of `--size` (default 16x16, 64 image tokens), a random T5-wide
 //! context of `--tokens` tokens (default 8), a random pooled vector of 768, the timestep (the
 //! sampler's t in [0, 1], default 0.75; both scale it by 1000) and the guidance (dev; default
-//! 3.5). The reference runs `sdref unet` (its `FluxRunner::compute` through the diffusion
-//! dump); we run `sd_models::diffusion::flux::FluxModel::eval`. The raw outputs are compared
+//! 3.5); `--flash` gives both programs flash attention (`--diffusion-fa`). The reference
+//! runs `sdref unet` (its `FluxRunner::compute` through the diffusion dump); we run `sd_models::diffusion::flux::FluxModel::eval`. The raw outputs are compared
 //! with the bound of the UNet stage, `Tolerance::rounding_points` over the f16 rounding points
-//! of the longest path ([`flux_points`]).
+//! of the longest path (`flux_points`).
 //!
 //! The reference refuses to load a FLUX model without a 16-channel VAE, so `--vae` names one
 //! (BFL's `ae.safetensors` or a FLUX VAE fixture); it is loaded and not run. Not in CI: the
@@ -69,6 +69,9 @@ pub struct Args {
     /// CPU threads of both programs.
     #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+    /// Flash attention in both programs (the reference's `--diffusion-fa`).
+    #[arg(long = "flash")]
+    flash: bool,
 }
 
 fn latent_size(s: &str) -> Result<(usize, usize), String> {
@@ -124,6 +127,7 @@ pub fn run(args: Args) -> Result<()> {
             &unused[..unused.len().min(3)]
         );
     }
+    m.flash_attn = args.flash;
     m.weights.allocate(cpu.backend.device().buffer_type())?;
     m.weights.load_from(&FileSource::new(&files))?;
     let mut runner = Runner::new("flux", cpu.backend.clone());
@@ -151,6 +155,7 @@ pub fn run(args: Args) -> Result<()> {
         .args(["--context", &s(&cp)?, "--y", &s(&yp)?, "-o", &s(&op)?])
         .args(["--timestep", &args.timestep.to_string(), "--guidance", &args.guidance.to_string()])
         .args(["-t", &args.threads.to_string()])
+        .args(args.flash.then_some("--diffusion-fa"))
         .status()
         .context("running sdref unet")?;
     if !status.success() {
@@ -168,11 +173,12 @@ pub fn run(args: Args) -> Result<()> {
     let tol = Tolerance::rounding_points(flux_points(&cfg));
     let pass = tol.accepts(&d);
     println!(
-        "flux-dit {} (width {}, {}+{} blocks) {w}x{h}, {l} tokens, t {}, guidance {:?}: rel_rms {:.2e} rel_max {:.2e} (max|d| {:.3e}, ref max {:.3e}; {})  sdref {ref_s:.1} s (with loading)  ours {ours_s:.2} s  {}",
+        "flux-dit {} (width {}, {}+{} blocks{}) {w}x{h}, {l} tokens, t {}, guidance {:?}: rel_rms {:.2e} rel_max {:.2e} (max|d| {:.3e}, ref max {:.3e}; {})  sdref {ref_s:.1} s (with loading)  ours {ours_s:.2} s  {}",
         model.display(),
         cfg.hidden_size,
         cfg.depth,
         cfg.depth_single_blocks,
+        if args.flash { ", flash attention" } else { "" },
         args.timestep,
         guidance,
         d.rel_rms(),

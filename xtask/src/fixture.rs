@@ -5,13 +5,18 @@
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
+//! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! ```
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
 //! (`sd_models::fixture::lora`): random values N(0, X), rank R (default 4), alpha R/2 in kohya
 //! files. `t5xxl` writes a T5-XXL v1.1 encoder file (`--t5xxl`, the names of
 //! `t5xxl_fp16.safetensors`; `sd_models::fixture::t5`), 24 blocks unless `--layers` says fewer
-//! (the reference needs all 24: 9.5 GB at f16, about 5 GB at q8_0).
+//! (the reference needs all 24: 9.5 GB at f16, about 5 GB at q8_0). `flux` / `flux-schnell`
+//! write a FLUX.1 transformer (`--diffusion-model`, the names of BFL's `flux1-dev.safetensors`;
+//! `sd_models::fixture::flux`): full size (width 3072, 19 double and 38 single blocks, 24 GB
+//! at f16) unless `--hidden` (a multiple of 128: heads of 128), `--double` or `--single` say
+//! less; the cache entry names the sizes.
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -31,7 +36,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-use sd_models::fixture::{self, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, flux, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
 use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
@@ -39,11 +44,20 @@ use sd_models::text::t5::T5Config;
 pub struct Args {
     /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15);
     /// or t5xxl, the text encoder alone.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell", value_parser = target)]
     family: Target,
     /// t5xxl only: encoder blocks (1 to 24).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
     layers: Option<u32>,
+    /// flux only: double-stream blocks (0 to 19, default 19).
+    #[arg(long = "double", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=19))]
+    double: Option<u32>,
+    /// flux only: single-stream blocks (0 to 38, default 38).
+    #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
+    single: Option<u32>,
+    /// flux only: the width, a multiple of 128 from 128 to 3072 (default 3072).
+    #[arg(long = "hidden", value_name = "N", value_parser = hidden_width)]
+    hidden: Option<u32>,
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
@@ -86,14 +100,27 @@ enum Target {
     Model(Family),
     LoraSd15,
     T5xxl,
+    /// FLUX.1-dev (`schnell: false`) or -schnell.
+    Flux {
+        schnell: bool,
+    },
 }
 
 fn target(s: &str) -> Result<Target, String> {
     match s {
         "lora-sd15" => Ok(Target::LoraSd15),
         "t5xxl" => Ok(Target::T5xxl),
-        _ => Family::parse(s).map(Target::Model).map_err(|e| format!("{e}; or lora-sd15, t5xxl")),
+        "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
+        "flux-schnell" => Ok(Target::Flux { schnell: true }),
+        _ => Family::parse(s).map(Target::Model).map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux, flux-schnell")),
     }
+}
+
+fn hidden_width(s: &str) -> Result<u32, String> {
+    s.parse()
+        .ok()
+        .filter(|v: &u32| (128..=3072).contains(v) && v.is_multiple_of(128))
+        .ok_or_else(|| "a multiple of 128 from 128 to 3072 (heads of 128)".into())
 }
 
 fn weight_type(s: &str) -> Result<WeightType, String> {
@@ -116,6 +143,7 @@ pub fn run(args: Args) -> Result<()> {
     let family = match args.family {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
+        Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::LoraSd15 => {
             let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
             let req = LoraFixture {
@@ -139,6 +167,9 @@ pub fn run(args: Args) -> Result<()> {
     };
     if args.layers.is_some() {
         bail!("--layers applies to t5xxl fixtures only");
+    }
+    if args.double.is_some() || args.single.is_some() || args.hidden.is_some() {
+        bail!("--double, --single and --hidden apply to flux fixtures only");
     }
     let (path, format) = match &args.output {
         Some(p) => (p.clone(), FileFormat::from_path(p)?),
@@ -209,6 +240,47 @@ fn run_t5xxl(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask fixture flux|flux-schnell ...`.
+fn run_flux(args: &Args, schnell: bool) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux fixtures");
+    }
+    let cfg = flux::reduced(
+        args.hidden.unwrap_or(3072) as i64,
+        args.double.unwrap_or(19) as usize,
+        args.single.unwrap_or(38) as usize,
+        schnell,
+    );
+    if cfg.depth + cfg.depth_single_blocks == 0 {
+        bail!("--double 0 --single 0 leaves no block: give at least one");
+    }
+    let (path, format) = match &args.output {
+        Some(p) => (p.clone(), FileFormat::from_path(p)?),
+        None => {
+            let dir = fixture::cache_dir();
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (flux::cached_flux_path(&cfg, args.seed, args.wtype), FileFormat::for_type(args.wtype))
+        }
+    };
+    let start = Instant::now();
+    let report = flux::write_flux(&path, &cfg, args.seed, args.wtype, format)?;
+    println!(
+        "wrote {} ({} fixture, width {}, {} double + {} single blocks, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        report.path.display(),
+        if schnell { "flux-schnell" } else { "flux" },
+        cfg.hidden_size,
+        cfg.depth,
+        cfg.depth_single_blocks,
+        args.seed,
+        args.wtype,
+        report.tensors,
+        report.params as f64 / 1e6,
+        report.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,6 +297,9 @@ mod tests {
             Args {
                 family: Target::Model(Family::Sd21),
                 layers: None,
+                double: None,
+                single: None,
+                hidden: None,
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
@@ -243,6 +318,11 @@ mod tests {
         assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
         let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
         assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
+        let f = parse("flux-schnell --double 2 --single 1 --hidden 256 --type q8_0").unwrap();
+        assert_eq!(
+            (f.family, f.double, f.single, f.hidden, f.wtype),
+            (Target::Flux { schnell: true }, Some(2), Some(1), Some(256), WeightType::Q8_0)
+        );
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -250,7 +330,9 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell>"),
+            ("flux --hidden 200", "--hidden"),
+            ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),
             ("t5xxl --layers 0", "--layers"),
             ("t5xxl --layers 25", "--layers"),

@@ -341,13 +341,19 @@ int sdref_encode_text(sdref_ctx* ctx, const char* prompt, int clip_skip, int wid
 }
 
 int sdref_diffusion(sdref_ctx* ctx, const sdref_tensor* x, float timestep,
-                    const sdref_tensor* context, const sdref_tensor* y, sdref_tensor* out,
-                    char* err, size_t err_len) {
+                    const sdref_tensor* context, const sdref_tensor* y, float guidance,
+                    sdref_tensor* out, char* err, size_t err_len) {
     *out                    = sdref_tensor{};
     StableDiffusionGGML* sd = ctx->sd_ctx->sd;
-    if (!sd_version_is_unet(sd->version)) {
-        set_err(err, err_len, "diffusion dumps support UNet models (SD1.x/SD2.x/SDXL) only; this model is version %d",
+    bool flux               = sd_version_is_flux(sd->version);
+    if (!sd_version_is_unet(sd->version) && !flux) {
+        set_err(err, err_len,
+                "diffusion dumps support UNet models (SD1.x/SD2.x/SDXL) and FLUX only; this model is version %d",
                 static_cast<int>(sd->version));
+        return 1;
+    }
+    if (flux && y == nullptr) {
+        set_err(err, err_len, "a FLUX evaluation needs y, the pooled text vector [1, 768]");
         return 1;
     }
     if (!check_input(x, "latent", err, err_len) || !check_input(context, "context", err, err_len) ||
@@ -360,15 +366,22 @@ int sdref_diffusion(sdref_ctx* ctx, const sdref_tensor* x, float timestep,
     int64_t batch         = x->n_dims == 4 ? x->ne[3] : 1;
     sd::Tensor<float> timesteps({batch}, std::vector<float>(static_cast<size_t>(batch), timestep));
 
-    // As the sampler's run_condition does for UNet models, without controls.
+    // As the sampler's run_condition does for UNet models, without controls; for FLUX with
+    // the guidance tensor (one value per sample) and no skipped layers. FLUX takes the
+    // sampler's t (sigma) and scales it by 1000 itself.
     RunnerDone done{sd->diffusion_model.get()};
     std::vector<sd::Tensor<float>> no_controls;
+    sd::Tensor<float> guidance_t({batch}, std::vector<float>(static_cast<size_t>(batch), guidance));
     DiffusionParams params;
     params.x         = &x_t;
     params.timesteps = &timesteps;
     params.context   = &c;
     params.y         = y_t.empty() ? nullptr : &y_t;
-    params.extra     = UNetDiffusionExtra{-1, &no_controls, 0.f};
+    if (flux) {
+        params.extra = FluxDiffusionExtra{&guidance_t, nullptr};
+    } else {
+        params.extra = UNetDiffusionExtra{-1, &no_controls, 0.f};
+    }
     sd::Tensor<float> result = sd->diffusion_model->compute(sd->n_threads, params);
     sd->diffusion_model->free_compute_buffer();
     if (result.empty()) {

@@ -104,10 +104,12 @@ int sdref_encode_text(sdref_ctx* ctx, const char* prompt, int clip_skip, int wid
 
 /* One evaluation of the diffusion model on the raw model input x (already
  * scaled by c_in), the model timestep t (e.g. 999.0 for SD1), and context. y
- * may be NULL. The output is the raw model output (eps or v). */
+ * may be NULL for a UNet without ADM; FLUX needs y (the pooled vector [1, 768]), takes
+ * the sampler's t (sigma, scaled by 1000 inside) and `guidance` (ignored by UNets and by
+ * FLUX-schnell). The output is the raw model output (eps, v or FLUX's flow). */
 int sdref_diffusion(sdref_ctx* ctx, const sdref_tensor* x, float timestep,
-                    const sdref_tensor* context, const sdref_tensor* y, sdref_tensor* out,
-                    char* err, size_t err_len);
+                    const sdref_tensor* context, const sdref_tensor* y, float guidance,
+                    sdref_tensor* out, char* err, size_t err_len);
 
 /* VAE decode of `latent` to the decoder's raw output, in [-1, 1] nominally,
  * before sd.cpp maps it with clamp((v + 1) / 2, 0, 1) and converts to uint8.

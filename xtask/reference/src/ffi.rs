@@ -108,6 +108,7 @@ extern "C" {
         timestep: f32,
         context: *const RawTensor,
         y: *const RawTensor,
+        guidance: f32,
         out: *mut RawTensor,
         err: *mut c_char,
         err_len: usize,
@@ -497,7 +498,15 @@ impl Context {
         Ok((cross, take_raw(vector)))
     }
 
-    pub fn diffusion(&mut self, x: &Tensor, timestep: f32, context: &Tensor, y: Option<&Tensor>) -> Result<Tensor, String> {
+    /// One diffusion-model evaluation; `guidance` is read by FLUX-dev only.
+    pub fn diffusion(
+        &mut self,
+        x: &Tensor,
+        timestep: f32,
+        context: &Tensor,
+        y: Option<&Tensor>,
+        guidance: f32,
+    ) -> Result<Tensor, String> {
         check_tensor(x, "latent")?;
         check_tensor(context, "context")?;
         if let Some(y) = y {
@@ -515,6 +524,7 @@ impl Context {
                 timestep,
                 &rc_,
                 ry.as_ref().map_or(ptr::null(), |r| r as *const RawTensor),
+                guidance,
                 &mut out,
                 err.ptr(),
                 err.0.len(),

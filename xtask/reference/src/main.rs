@@ -281,6 +281,15 @@ struct Unet {
     /// Shape of --context when it has no sidecar, e.g. 1,77,768.
     #[arg(long = "context-shape")]
     context_shape: Option<String>,
+    /// The vector y, raw f32: SDXL's ADM vector or FLUX's pooled CLIP-L output [1,768].
+    #[arg(long = "y")]
+    y: Option<PathBuf>,
+    /// Shape of --y when it has no sidecar, e.g. 1,768.
+    #[arg(long = "y-shape")]
+    y_shape: Option<String>,
+    /// FLUX-dev's distilled guidance scale.
+    #[arg(long = "guidance", default_value_t = 3.5)]
+    guidance: f32,
     /// Output raw f32 file (the model's raw output: eps or v).
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
@@ -561,10 +570,11 @@ fn shape_arg(s: &Option<String>) -> Res<Option<Vec<i64>>> {
 fn unet(a: Unet) -> Res<()> {
     let x = rawio::read_tensor(&a.latent, shape_arg(&a.latent_shape)?.as_deref())?;
     let c = rawio::read_tensor(&a.context, shape_arg(&a.context_shape)?.as_deref())?;
+    let y = a.y.as_ref().map(|p| rawio::read_tensor(p, shape_arg(&a.y_shape)?.as_deref())).transpose()?;
     start(a.model.verbose);
     let (mut ctx, _) = load(&a.model)?;
     let t0 = Instant::now();
-    let out = ctx.diffusion(&x, a.timestep, &c, None::<&Tensor>)?;
+    let out = ctx.diffusion(&x, a.timestep, &c, y.as_ref(), a.guidance)?;
     let ms = timing::ms(t0.elapsed().as_secs_f64());
     let m = meta(&[
         ("source", json!(format!("stable-diffusion.cpp, {SDCPP_ORIGIN}"))),
@@ -573,6 +583,7 @@ fn unet(a: Unet) -> Res<()> {
         ("latent", json!(a.latent.display().to_string())),
         ("context", json!(a.context.display().to_string())),
         ("timestep", json!(a.timestep)),
+        ("guidance", json!(a.guidance)),
     ]);
     rawio::write_tensor(&a.output, &out, m)?;
     eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());

@@ -1,0 +1,922 @@
+//! The FLUX.1 diffusion transformer (dev and schnell) as a ggml graph.
+//!
+//! References: Black Forest Labs' `flux` repository (`model.py`, `modules/layers.py`: the
+//! module tree whose names the files use), and stable-diffusion.cpp's
+//! `model/diffusion/flux.hpp`, `model/common/rope.hpp` and `model/diffusion/dit.hpp` (the
+//! reference we must match, op by op).
+//!
+//! # Design
+//!
+//! * **Config from the file, as the reference infers it** ([`FluxConfig::from_file`]): the
+//!   double and single block counts from the largest block index, `hidden_size` and
+//!   `context_in_dim` from `txt_in.weight`, the head width from a `key_norm.scale` (heads =
+//!   hidden / head width), guidance embedding from `guidance_in.in_layer.weight`. The rest
+//!   (64 patchified input channels, `vec_in_dim` 768, `axes_dim` [16, 56, 56], theta 10000,
+//!   MLP ratio 4, qkv bias) is fixed for FLUX.1 as in the reference; [`validate_against_file`]
+//!   then names every tensor whose shape disagrees.
+//! * **One layout walk** ([`layout`]): the prelude, `depth` double-stream blocks,
+//!   `depth_single_blocks` single-stream blocks and the final layer; [`flux_specs`] and
+//!   [`forward`] both walk it.
+//! * **Storage types**: linear weights take the file's type or the `--type` override
+//!   ([`crate::wtype::linear_weight_type`]; `img_in`, `txt_in`, `time_in`, `vector_in`,
+//!   `guidance_in` and `final_layer` keep the file's type), biases and RMSNorm scales f32. The
+//!   LayerNorms have no parameters (eps 1e-6, no affine).
+//! * **Ops**: patchify 2x2 (`patchify`); `img_in`; `time_in(timestep_embedding(1000 t,
+//!   256))` plus `guidance_in(timestep_embedding(1000 g, 256))` (dev) plus
+//!   `vector_in(y)` as the modulation vector; `txt_in`; double blocks (modulation from
+//!   `silu(vec)`, `x + x * scale + shift` after a LayerNorm, fused qkv split per head with
+//!   RMSNorm on q and k, joint attention over txt then img with RoPE, projections and MLPs
+//!   gated); the streams concatenated (txt first) for the single blocks (one linear for
+//!   qkv and the MLP input, attention and GELU output concatenated into `linear2`); the img
+//!   tokens through the final layer; unpatchify. GELU is ggml's tanh form.
+//! * **RMSNorm** is composed from `sqr`, `mean`, `add`, `sqrt`, `div` as in `text/t5.rs`
+//!   (sd-backends wraps no `rms_norm`); the reference's fused kernel rounds differently in
+//!   the last bits only. The q/k views are made contiguous first (an exact copy).
+//! * **RoPE** ([`rope_pe`]): computed on the host in f32 as the reference does: text ids
+//!   are zero, image ids `(0, row, col)`; per axis the angles `pos / theta^(2i/d)` as
+//!   rotation matrices `[[cos, -sin], [sin, cos]]`, the axes concatenated. Applied to q and k
+//!   as the reference does (pairs of adjacent channels rotated).
+//! * **Cuts**: `flux.prelude.{img,txt,vec}` (the two streams and the modulation vector,
+//!   which every block reads: it and the pe cross every cut as bound tensors), then per double block two cuts, `flux.double_blocks.N.img`
+//!   and `flux.double_blocks.N.txt` (the img stream's nodes first, then the rest of the txt
+//!   stream: both read only block N's weights, so the planner merges them into one segment
+//!   when they fit), then `flux.single_blocks.N`. The txt stream of a double block crosses
+//!   the img cut as a bound tensor, like the UNet's skips.
+//! * **Batch**: one sample per graph, as the reference (it asserts a batch of 1). Latent
+//!   sizes must be even (the reference pads odd sizes; the pipeline's sizes are multiples
+//!   of 16 pixels, so this is refused with an error rather than padded).
+
+use sd_backends::{Context, GgmlType, Tensor};
+use sd_sched::{TensorSpec, Weights};
+
+use super::blocks::{self, AttnKernel};
+use super::{DiffusionError, Result};
+use crate::wtype::SpecSink;
+
+const MODEL: &str = "FLUX";
+/// Internal prefix of every FLUX parameter (BFL's bare names and ComfyUI's
+/// `model.diffusion_model.` names both land here).
+pub const PREFIX: &str = "model.diffusion_model";
+/// Patch side of FLUX.1.
+const PATCH: i64 = 2;
+/// Width of the sinusoidal timestep and guidance embeddings.
+const TIME_DIM: i64 = 256;
+/// The reference multiplies timesteps and guidance by 1000 before the embedding.
+const TIME_FACTOR: f32 = 1000.0;
+/// Max period of the sinusoidal embeddings.
+const MAX_PERIOD: i32 = 10000;
+/// LayerNorm and RMSNorm epsilon.
+const EPS: f32 = 1e-6;
+/// Graph size bound: about 170 nodes per double block, 90 per single block.
+const NODES_PER_BLOCK: usize = 256;
+
+/// Hyper-parameters of a FLUX.1 transformer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FluxConfig {
+    /// Patchified input channels (16 latent channels x 2 x 2).
+    pub in_channels: i64,
+    /// Patchified output channels.
+    pub out_channels: i64,
+    /// Width of the pooled text vector (CLIP-L's pooled output).
+    pub vec_in_dim: i64,
+    /// Width of the text context (T5-XXL's hidden states).
+    pub context_in_dim: i64,
+    /// Width of the residual streams.
+    pub hidden_size: i64,
+    /// Attention heads.
+    pub num_heads: i64,
+    /// Double-stream blocks.
+    pub depth: usize,
+    /// Single-stream blocks.
+    pub depth_single_blocks: usize,
+    /// RoPE channels per axis (index, row, column); their sum is the head width.
+    pub axes_dim: [i64; 3],
+    /// RoPE base.
+    pub theta: f32,
+    /// MLP width over hidden width.
+    pub mlp_ratio: i64,
+    /// Whether the qkv projections have biases.
+    pub qkv_bias: bool,
+    /// Whether the model embeds a distilled guidance scale (dev; schnell has none).
+    pub guidance_embed: bool,
+}
+
+impl FluxConfig {
+    /// FLUX.1-dev: 19 double and 38 single blocks of width 3072, 24 heads, guidance embedding.
+    pub fn dev() -> Self {
+        Self {
+            in_channels: 64,
+            out_channels: 64,
+            vec_in_dim: 768,
+            context_in_dim: 4096,
+            hidden_size: 3072,
+            num_heads: 24,
+            depth: 19,
+            depth_single_blocks: 38,
+            axes_dim: [16, 56, 56],
+            theta: 10000.0,
+            mlp_ratio: 4,
+            qkv_bias: true,
+            guidance_embed: true,
+        }
+    }
+
+    /// FLUX.1-schnell: dev without the guidance embedding.
+    pub fn schnell() -> Self {
+        Self { guidance_embed: false, ..Self::dev() }
+    }
+
+    /// Width of one head.
+    pub fn head_dim(&self) -> i64 {
+        self.hidden_size / self.num_heads.max(1)
+    }
+
+    /// Width of the MLPs.
+    pub(crate) fn mlp_hidden(&self) -> i64 {
+        self.hidden_size * self.mlp_ratio
+    }
+
+    /// The configuration the reference infers from a file's tensors: `tensors` lists
+    /// (internal name, ggml shape innermost first). Errors name the tensor that is missing
+    /// or malformed.
+    pub fn from_file(tensors: &[(String, Vec<u64>)]) -> Result<Self> {
+        let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
+        let mut cfg = Self { depth: 0, depth_single_blocks: 0, guidance_embed: false, ..Self::dev() };
+        let mut head_dim = None;
+        let mut txt_in = None;
+        let prefix = format!("{PREFIX}.");
+        for (name, ne) in tensors {
+            let Some(rel) = name.strip_prefix(&prefix) else { continue };
+            if rel == "guidance_in.in_layer.weight" {
+                cfg.guidance_embed = true;
+            }
+            for (marker, count) in
+                [("double_blocks.", &mut cfg.depth), ("single_blocks.", &mut cfg.depth_single_blocks)]
+            {
+                if let Some(rest) = rel.strip_prefix(marker) {
+                    let index = rest.split('.').next().unwrap_or("");
+                    match index.parse::<usize>() {
+                        Ok(i) if i < 4096 => *count = (*count).max(i + 1),
+                        _ => return bad(format!("tensor '{name}' has no valid block index after '{marker}'")),
+                    }
+                }
+            }
+            if rel == "txt_in.weight" {
+                txt_in = Some(ne.clone());
+            }
+            if rel == "single_blocks.0.norm.key_norm.scale" || rel == "double_blocks.0.txt_attn.norm.key_norm.scale" {
+                head_dim = Some(ne.first().copied().unwrap_or(0));
+            }
+        }
+        let txt_name = format!("{PREFIX}.txt_in.weight");
+        match txt_in.as_deref() {
+            Some([inp, hidden, rest @ ..]) if rest.iter().all(|&d| d == 1) && *inp > 0 && *hidden > 0 => {
+                cfg.context_in_dim = *inp as i64;
+                cfg.hidden_size = *hidden as i64;
+            }
+            Some(ne) => return bad(format!("tensor '{txt_name}' has shape {ne:?}, expected [context_in_dim, hidden]")),
+            None => return bad(format!("tensor '{txt_name}' is missing: it gives the model's width")),
+        }
+        if let Some(hd) = head_dim {
+            if hd == 0 || cfg.hidden_size % hd as i64 != 0 {
+                return bad(format!(
+                    "the key_norm scale has {hd} values, which do not divide the width {} into heads",
+                    cfg.hidden_size
+                ));
+            }
+            cfg.num_heads = cfg.hidden_size / hd as i64;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that the numbers describe a network the graph can be built for.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
+        let widths = [self.in_channels, self.out_channels, self.context_in_dim, self.hidden_size, self.num_heads];
+        if widths.iter().any(|&w| w <= 0) || self.mlp_ratio <= 0 || self.vec_in_dim < 0 {
+            return bad(format!("widths must be positive: {self:?}"));
+        }
+        if self.hidden_size % self.num_heads != 0 {
+            return bad(format!("width {} is not a multiple of {} heads", self.hidden_size, self.num_heads));
+        }
+        let axes: i64 = self.axes_dim.iter().sum();
+        if self.axes_dim.iter().any(|&a| a <= 0 || a % 2 != 0) || axes != self.head_dim() {
+            return bad(format!(
+                "RoPE axes {:?} must be even and sum to the head width {} (width {} / {} heads)",
+                self.axes_dim,
+                self.head_dim(),
+                self.hidden_size,
+                self.num_heads
+            ));
+        }
+        if self.in_channels % (PATCH * PATCH) != 0 || self.out_channels % (PATCH * PATCH) != 0 {
+            return bad(format!("channels {} / {} are not whole 2x2 patches", self.in_channels, self.out_channels));
+        }
+        if self.depth + self.depth_single_blocks == 0 {
+            return bad("the file has neither double_blocks nor single_blocks".into());
+        }
+        if !(self.theta.is_finite() && self.theta > 1.0) {
+            return bad(format!("RoPE theta {} must be above 1", self.theta));
+        }
+        Ok(())
+    }
+
+    /// Latent channels before patchifying.
+    pub fn latent_channels(&self) -> i64 {
+        self.in_channels / (PATCH * PATCH)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Layout
+// ---------------------------------------------------------------------------------------
+
+/// One unit of the layout walk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    /// `img_in`, `time_in`, `guidance_in`, `vector_in`, `txt_in`.
+    Prelude,
+    /// `double_blocks.N`.
+    Double(usize),
+    /// `single_blocks.N`.
+    Single(usize),
+    /// `final_layer`.
+    Final,
+}
+
+/// The blocks in execution order.
+pub fn layout(cfg: &FluxConfig) -> Vec<Block> {
+    let mut v = vec![Block::Prelude];
+    v.extend((0..cfg.depth).map(Block::Double));
+    v.extend((0..cfg.depth_single_blocks).map(Block::Single));
+    v.push(Block::Final);
+    v
+}
+
+fn name(rel: &str) -> String {
+    format!("{PREFIX}.{rel}")
+}
+
+fn mlp_embedder_specs(s: &mut SpecSink<'_>, p: &str, inp: i64, hidden: i64) {
+    s.linear(&format!("{p}.in_layer"), inp, hidden, true);
+    s.linear(&format!("{p}.out_layer"), hidden, hidden, true);
+}
+
+fn qk_norm_specs(s: &mut SpecSink<'_>, p: &str, head_dim: i64) {
+    for n in ["query_norm", "key_norm"] {
+        s.push(format!("{p}.norm.{n}.scale"), GgmlType::GGML_TYPE_F32, &[head_dim]);
+    }
+}
+
+/// The parameters of `cfg` with the types the reference stores them in: `dtype_of(name)`
+/// is the file's type of the internal name (`None` when the file lacks it), `wtype` the
+/// `--type` override.
+pub fn flux_specs(
+    cfg: &FluxConfig,
+    dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+    wtype: Option<GgmlType>,
+) -> Vec<TensorSpec> {
+    let mut s = SpecSink::new(dtype_of, wtype);
+    let (h, hd, mlp) = (cfg.hidden_size, cfg.head_dim(), cfg.mlp_hidden());
+    for block in layout(cfg) {
+        match block {
+            Block::Prelude => {
+                s.linear(&name("img_in"), cfg.in_channels, h, true);
+                mlp_embedder_specs(&mut s, &name("time_in"), TIME_DIM, h);
+                if cfg.vec_in_dim > 0 {
+                    mlp_embedder_specs(&mut s, &name("vector_in"), cfg.vec_in_dim, h);
+                }
+                if cfg.guidance_embed {
+                    mlp_embedder_specs(&mut s, &name("guidance_in"), TIME_DIM, h);
+                }
+                s.linear(&name("txt_in"), cfg.context_in_dim, h, true);
+            }
+            Block::Double(i) => {
+                for stream in ["img", "txt"] {
+                    let p = name(&format!("double_blocks.{i}.{stream}"));
+                    s.linear(&format!("{p}_mod.lin"), h, 6 * h, true);
+                    s.linear(&format!("{p}_attn.qkv"), h, 3 * h, cfg.qkv_bias);
+                    qk_norm_specs(&mut s, &format!("{p}_attn"), hd);
+                    s.linear(&format!("{p}_attn.proj"), h, h, true);
+                    s.linear(&format!("{p}_mlp.0"), h, mlp, true);
+                    s.linear(&format!("{p}_mlp.2"), mlp, h, true);
+                }
+            }
+            Block::Single(i) => {
+                let p = name(&format!("single_blocks.{i}"));
+                s.linear(&format!("{p}.linear1"), h, 3 * h + mlp, true);
+                s.linear(&format!("{p}.linear2"), h + mlp, h, true);
+                qk_norm_specs(&mut s, &p, hd);
+                s.linear(&format!("{p}.modulation.lin"), h, 3 * h, true);
+            }
+            Block::Final => {
+                s.linear(&name("final_layer.linear"), h, cfg.out_channels, true);
+                s.linear(&name("final_layer.adaLN_modulation.1"), h, 2 * h, true);
+            }
+        }
+    }
+    s.specs
+}
+
+/// The parameter group (block) of an internal FLUX name, for staging: `prelude` (the input
+/// embeddings), `double_blocks.N`, `single_blocks.N` or `final_layer`, the order the graph
+/// uses them, matching the cuts of [`forward`].
+pub fn group_of(name: &str) -> String {
+    let rel = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('.')).unwrap_or(name);
+    let mut parts = rel.split('.');
+    match (parts.next(), parts.next()) {
+        (Some(b @ ("double_blocks" | "single_blocks")), Some(i)) => format!("{b}.{i}"),
+        (Some("final_layer"), _) => "final_layer".into(),
+        _ => "prelude".into(),
+    }
+}
+
+/// Checks a file's FLUX tensors against `specs` (as [`super::validate_against_file`] does
+/// for the UNet): every missing tensor and shape mismatch in one error, naming each; on
+/// success the unused names under the prefix, for a warning.
+pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) -> Result<Vec<String>> {
+    match super::validate_against_file(specs, file) {
+        Err(DiffusionError::WeightsMismatch { problems, .. }) => {
+            Err(DiffusionError::WeightsMismatch { model: MODEL, problems })
+        }
+        other => other,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Positional embedding
+// ---------------------------------------------------------------------------------------
+
+/// `n` values from `start` to `end` as the reference spaces them in f32.
+fn linspace(start: f32, end: f32, n: usize) -> Vec<f32> {
+    if n == 1 {
+        return vec![start];
+    }
+    let step = (end - start) / (n - 1) as f32;
+    (0..n).map(|i| start + i as f32 * step).collect()
+}
+
+/// The rotation matrices of one axis for positions `pos`: per position `dim / 2` blocks of
+/// `[cos, -sin, sin, cos]`.
+fn rope_axis(pos: &[f32], dim: usize, theta: f32) -> Vec<Vec<f32>> {
+    let half = dim / 2;
+    let scale = linspace(0.0, (dim as f32 - 2.0) / dim as f32, half);
+    let omega: Vec<f32> = scale.iter().map(|&s| 1.0 / theta.powf(s)).collect();
+    pos.iter()
+        .map(|&p| {
+            omega
+                .iter()
+                .flat_map(|&w| {
+                    let a = p * w;
+                    [a.cos(), -a.sin(), a.sin(), a.cos()]
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Number of image tokens of a `w` x `h` latent.
+pub fn image_tokens(w: usize, h: usize) -> usize {
+    w.div_ceil(PATCH as usize) * h.div_ceil(PATCH as usize)
+}
+
+/// The positional embedding of `txt_tokens` text tokens followed by the image tokens of a
+/// `w` x `h` latent: ggml `[2, 2, head_dim / 2, tokens]`, as the reference computes it
+/// (text ids zero, image ids `(0, row, col)`).
+pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, (w, h): (usize, usize)) -> Vec<f32> {
+    let p = PATCH as usize;
+    let (h_len, w_len) = ((h + p / 2) / p, (w + p / 2) / p);
+    let rows = linspace(0.0, h_len as f32 - 1.0, h_len);
+    let cols = linspace(0.0, w_len as f32 - 1.0, w_len);
+    let n = txt_tokens + h_len * w_len;
+    let mut ids = vec![[0f32; 3]; n];
+    for i in 0..h_len {
+        for j in 0..w_len {
+            ids[txt_tokens + i * w_len + j] = [0.0, rows[i], cols[j]];
+        }
+    }
+    let axes: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|a| {
+            let pos: Vec<f32> = ids.iter().map(|id| id[a]).collect();
+            rope_axis(&pos, cfg.axes_dim[a] as usize, cfg.theta)
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n * cfg.head_dim() as usize * 2);
+    for t in 0..n {
+        for axis in &axes {
+            out.extend_from_slice(&axis[t]);
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// Blocks
+// ---------------------------------------------------------------------------------------
+
+/// The graph inputs every block reads besides the streams.
+#[derive(Clone, Copy, Debug)]
+pub struct Shared<'g> {
+    /// The modulation vector `[hidden, 1]`.
+    pub vec: Tensor<'g>,
+    /// The positional embedding `[2, 2, head_dim / 2, tokens]` (txt tokens first).
+    pub pe: Tensor<'g>,
+    /// RMSNorm's epsilon `[1]`.
+    pub eps: Tensor<'g>,
+    /// The attention kernel.
+    pub kernel: AttnKernel,
+}
+
+fn weight<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
+    Ok(w.get(name)?)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * scale` over ne[0].
+fn rms_norm<'g>(g: &'g Context, x: Tensor<'g>, scale: Tensor<'_>, eps: Tensor<'_>) -> Tensor<'g> {
+    let ms = g.mean(g.sqr(x));
+    g.mul(g.div(x, g.sqrt(g.add(ms, eps))), scale)
+}
+
+/// `[[shift, scale, gate]; k]` from `lin(silu(vec))`: `k` triples, each a `[hidden, 1]` view.
+fn modulation<'g>(g: &'g Context, w: &Weights, p: &str, vec: Tensor<'g>, k: i64) -> Result<Vec<Tensor<'g>>> {
+    let h = vec.shape()[0];
+    let m = blocks::linear(g, w, p, g.silu(vec), true)?; // [k * hidden, 1]
+                                                         // The reference's reshape to [hidden, k, 1] and permute to [hidden, 1, k] (a copy).
+    let m = g.cont(g.permute(g.reshape(m, &[h, k, 1]), [0, 2, 1, 3]));
+    let nb = m.nb();
+    Ok((0..k).map(|j| g.view(m, [h, 1, 1, 1], [nb[1], nb[1], nb[1]], j as usize * nb[1])).collect())
+}
+
+/// `x + x * scale + shift` (scale and shift `[hidden, 1]`, broadcast over tokens).
+fn modulate<'g>(g: &'g Context, x: Tensor<'g>, shift: Tensor<'g>, scale: Tensor<'g>) -> Tensor<'g> {
+    let x = g.add(x, g.mul(x, scale));
+    g.add(x, shift)
+}
+
+/// LayerNorm without parameters.
+fn layer_norm<'g>(g: &'g Context, x: Tensor<'g>) -> Tensor<'g> {
+    g.norm(x, EPS)
+}
+
+/// q, k, v of `qkv` `[width, L, 1]` at byte offsets 0, `hidden`, `2 hidden` (in f32
+/// elements), each `[head_dim, heads, L, 1]`; q and k RMS-normed with `{p}.norm.*`.
+fn split_qkv<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &FluxConfig,
+    p: &str,
+    qkv: Tensor<'g>,
+    eps: Tensor<'g>,
+) -> Result<[Tensor<'g>; 3]> {
+    let (hd, heads, h) = (cfg.head_dim(), cfg.num_heads, cfg.hidden_size);
+    let l = qkv.shape()[1];
+    let nb = qkv.nb();
+    let part =
+        |j: i64| g.view(qkv, [hd, heads, l, 1], [nb[0] * hd as usize, nb[1], nb[2]], j as usize * nb[0] * h as usize);
+    let q = rms_norm(g, g.cont(part(0)), weight(w, &format!("{p}.norm.query_norm.scale"))?, eps);
+    let k = rms_norm(g, g.cont(part(1)), weight(w, &format!("{p}.norm.key_norm.scale"))?, eps);
+    Ok([q, k, part(2)])
+}
+
+/// The reference's RoPE: x `[head_dim, heads, L, 1]` -> `[head_dim, L, heads]`, adjacent
+/// channel pairs rotated by `pe`.
+fn apply_rope<'g>(g: &'g Context, x: Tensor<'g>, pe: Tensor<'g>) -> Tensor<'g> {
+    let [d, heads, l, n] = x.shape();
+    let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [d, L, heads, N]
+    let x = g.reshape(x, &[2, d / 2, l, heads * n]);
+    let x = g.cont(g.permute(x, [3, 0, 1, 2])); // [d/2, L, heads*N, 2]
+    let nb = x.nb();
+    let half = |j: usize| {
+        let v = g.view(x, [d / 2, l, heads * n, 1], [nb[1], nb[2], nb[2] * (heads * n) as usize], j * nb[3]);
+        g.repeat(g.reshape(v, &[1, d / 2, l, heads * n]), g.new_f32(&[2, d / 2, l, heads * n]))
+    };
+    let (x0, x1) = (half(0), half(1));
+    let pe = g.cont(g.permute(pe, [3, 0, 1, 2])); // [2, d/2, L, 2]
+    let pnb = pe.nb();
+    let [p0, p1, p2, _] = pe.shape();
+    let pe_half = |j: usize| g.view(pe, [p0, p1, p2, 1], [pnb[1], pnb[2], pnb[3]], j * pnb[3]);
+    let out = g.add(g.mul(x0, pe_half(0)), g.mul(x1, pe_half(1)));
+    g.reshape(out, &[d, l, heads * n])
+}
+
+/// Attention with RoPE: q, k, v `[head_dim, heads, L, 1]` -> `[hidden, L, 1]`.
+fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, s: &Shared<'g>) -> Tensor<'g> {
+    let [d, heads, l, _] = v.shape();
+    let q = apply_rope(g, q, s.pe); // [d, L, heads]
+    let k = apply_rope(g, k, s.pe);
+    let scale = 1.0 / (d as f32).sqrt();
+    let flash = match s.kernel {
+        AttnKernel::Plain => None,
+        AttnKernel::Flash | AttnKernel::FlashWhereSupported(_) => {
+            let k16 = g.cast(k, GgmlType::GGML_TYPE_F16);
+            let v16 = g.cast(g.reshape(g.cont(g.permute(v, [0, 2, 1, 3])), &[d, l, heads]), GgmlType::GGML_TYPE_F16);
+            let out = g.flash_attn_ext(q, k16, v16, None, scale); // [d, heads, L, 1]
+            match s.kernel {
+                AttnKernel::FlashWhereSupported(dev) if !dev.supports_op(out) => None,
+                _ => Some(out),
+            }
+        }
+    };
+    if let Some(out) = flash {
+        return g.reshape(out, &[d * heads, l, 1]);
+    }
+    let vt = g.reshape(g.cont(g.permute(v, [1, 2, 0, 3])), &[l, d, heads]); // [L, d, heads]
+    let kq = g.mul_mat_prec_f32(k, q); // [Lk, Lq, heads]
+                                       // The reference scales in its own node, then takes a plain softmax: the same single
+                                       // multiply as the fused scale.
+    let kq = g.soft_max_ext(kq, None, scale, 0.0);
+    let kqv = g.mul_mat(vt, kq); // [d, Lq, heads]
+    let kqv = g.cont(g.permute(g.reshape(kqv, &[d, l, heads, 1]), [0, 2, 1, 3])); // [d, heads, L, 1]
+    g.reshape(kqv, &[d * heads, l, 1])
+}
+
+/// `{p}.2(gelu({p}.0(x)))`.
+fn mlp<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    let y = g.gelu(blocks::linear(g, w, &format!("{p}.0"), x, true)?);
+    blocks::linear(g, w, &format!("{p}.2"), y, true)
+}
+
+/// A double-stream block: `(img [hidden, L_img, 1], txt [hidden, L_txt, 1])` -> the same.
+/// Its joint attention runs over the txt tokens, then the img tokens.
+pub fn double_block<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &FluxConfig,
+    i: usize,
+    img: Tensor<'g>,
+    txt: Tensor<'g>,
+    s: &Shared<'g>,
+) -> Result<(Tensor<'g>, Tensor<'g>)> {
+    let p = name(&format!("double_blocks.{i}"));
+    let img_mod = modulation(g, w, &format!("{p}.img_mod.lin"), s.vec, 6)?;
+    let txt_mod = modulation(g, w, &format!("{p}.txt_mod.lin"), s.vec, 6)?;
+    let qkv_of = |stream: &str, x: Tensor<'g>, m: &[Tensor<'g>]| -> Result<[Tensor<'g>; 3]> {
+        let x = modulate(g, layer_norm(g, x), m[0], m[1]);
+        let qkv = blocks::linear(g, w, &format!("{p}.{stream}_attn.qkv"), x, cfg.qkv_bias)?;
+        split_qkv(g, w, cfg, &format!("{p}.{stream}_attn"), qkv, s.eps)
+    };
+    let [iq, ik, iv] = qkv_of("img", img, &img_mod)?;
+    let [tq, tk, tv] = qkv_of("txt", txt, &txt_mod)?;
+    let q = g.concat(tq, iq, 2);
+    let k = g.concat(tk, ik, 2);
+    let v = g.concat(tv, iv, 2);
+    let attn = attention(g, q, k, v, s); // [hidden, L_txt + L_img, 1]
+    let (lt, li) = (txt.shape()[1], img.shape()[1]);
+    let nb = attn.nb();
+    let txt_attn = g.view(attn, [attn.shape()[0], lt, 1, 1], [nb[1], nb[2], nb[3]], 0);
+    let img_attn = g.view(attn, [attn.shape()[0], li, 1, 1], [nb[1], nb[2], nb[3]], lt as usize * nb[1]);
+
+    let stream = |name: &str, x: Tensor<'g>, a: Tensor<'g>, m: &[Tensor<'g>]| -> Result<Tensor<'g>> {
+        let proj = blocks::linear(g, w, &format!("{p}.{name}_attn.proj"), a, true)?;
+        let x = g.add(x, g.mul(proj, m[2]));
+        let y = mlp(g, w, &format!("{p}.{name}_mlp"), modulate(g, layer_norm(g, x), m[3], m[4]))?;
+        Ok(g.add(x, g.mul(y, m[5])))
+    };
+    let img = stream("img", img, img_attn, &img_mod)?;
+    let txt = stream("txt", txt, txt_attn, &txt_mod)?;
+    Ok((img, txt))
+}
+
+/// A single-stream block over the joint stream `[hidden, L_txt + L_img, 1]`.
+pub fn single_block<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &FluxConfig,
+    i: usize,
+    x: Tensor<'g>,
+    s: &Shared<'g>,
+) -> Result<Tensor<'g>> {
+    let p = name(&format!("single_blocks.{i}"));
+    let (h, mlp_w) = (cfg.hidden_size, cfg.mlp_hidden());
+    let m = modulation(g, w, &format!("{p}.modulation.lin"), s.vec, 3)?;
+    let x_mod = modulate(g, layer_norm(g, x), m[0], m[1]);
+    let qkv_mlp = blocks::linear(g, w, &format!("{p}.linear1"), x_mod, true)?; // [3h + mlp, L, 1]
+    let [q, k, v] = split_qkv(g, w, cfg, &p, qkv_mlp, s.eps)?;
+    let attn = attention(g, q, k, v, s);
+    let l = qkv_mlp.shape()[1];
+    let nb = qkv_mlp.nb();
+    let hidden = g.view(qkv_mlp, [mlp_w, l, 1, 1], [nb[1], nb[2], nb[3]], 3 * h as usize * nb[0]);
+    let hidden = g.gelu(g.cont(hidden));
+    let out = blocks::linear(g, w, &format!("{p}.linear2"), g.concat(attn, hidden, 0), true)?;
+    Ok(g.add(x, g.mul(out, m[2])))
+}
+
+/// The final layer on the img tokens `[hidden, L_img, 1]` -> `[out_channels, L_img, 1]`.
+fn final_layer<'g>(g: &'g Context, w: &Weights, img: Tensor<'g>, vec: Tensor<'g>) -> Result<Tensor<'g>> {
+    let h = vec.shape()[0];
+    let m = blocks::linear(g, w, &name("final_layer.adaLN_modulation.1"), g.silu(vec), true)?; // [2h, 1]
+    let nb = m.nb();
+    let chunk = |j: usize| g.cont(g.view(m, [h, 1, 1, 1], [nb[1], nb[2], nb[3]], j * h as usize * nb[0]));
+    let (shift, scale) = (chunk(0), chunk(1));
+    let x = modulate(g, layer_norm(g, img), shift, scale);
+    blocks::linear(g, w, &name("final_layer.linear"), x, true)
+}
+
+/// `[W, H, C, 1]` -> `[C * 4, W/2 * H/2, 1]`: each 2x2 patch's channels, channel-major.
+fn patchify<'g>(g: &'g Context, x: Tensor<'g>) -> Tensor<'g> {
+    let [wd, ht, c, n] = x.shape();
+    let (pw, ph) = (PATCH, PATCH);
+    let (w, h) = (wd / pw, ht / ph);
+    let x = g.reshape(x, &[pw, w, ph, h * c * n]);
+    let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw, ph, w, h*C*N]
+    let x = g.reshape(x, &[pw * ph, w * h, c, n]);
+    let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw*ph, C, w*h, N]
+    g.reshape(x, &[pw * ph * c, w * h, n])
+}
+
+/// The inverse of `patchify` for a `wd` x `ht` latent.
+fn unpatchify<'g>(g: &'g Context, x: Tensor<'g>, wd: i64, ht: i64) -> Tensor<'g> {
+    let [cpp, _, n, _] = x.shape();
+    let (pw, ph) = (PATCH, PATCH);
+    let (w, h, c) = (wd / pw, ht / ph, cpp / (pw * ph));
+    let x = g.reshape(x, &[pw * ph, c, w * h, n]);
+    let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw*ph, w*h, C, N]
+    let x = g.reshape(x, &[pw, ph, w, h * c * n]);
+    let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw, w, ph, h*C*N]
+    g.reshape(x, &[wd, ht, c, n])
+}
+
+/// The inputs of one FLUX evaluation, as graph tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct FluxInputs<'g> {
+    /// The latent `[W, H, 16, 1]`.
+    pub x: Tensor<'g>,
+    /// The timestep `[1]` (the sampler's t in [0, 1]; scaled by 1000 inside).
+    pub timestep: Tensor<'g>,
+    /// The text context `[context_in_dim, L_txt, 1]`.
+    pub context: Tensor<'g>,
+    /// The pooled text vector `[vec_in_dim, 1]`.
+    pub y: Tensor<'g>,
+    /// The guidance scale `[1]` (dev only; scaled by 1000 inside).
+    pub guidance: Option<Tensor<'g>>,
+    /// [`rope_pe`]'s values `[2, 2, head_dim / 2, L_txt + L_img]`.
+    pub pe: Tensor<'g>,
+    /// RMSNorm's epsilon `[1]`.
+    pub eps: Tensor<'g>,
+}
+
+fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
+    let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+    let [wd, ht, c, n] = i.x.shape();
+    if n != 1 {
+        return bad(format!("a batch of {n}: FLUX evaluates one sample per graph"));
+    }
+    if wd <= 0 || ht <= 0 || wd % PATCH != 0 || ht % PATCH != 0 {
+        return bad(format!("latent size {wd}x{ht} is not a positive multiple of {PATCH}"));
+    }
+    if c != cfg.latent_channels() {
+        return bad(format!("latent has {c} channels, the model takes {}", cfg.latent_channels()));
+    }
+    let [cd, lt, cn, _] = i.context.shape();
+    if cd != cfg.context_in_dim || cn != 1 || lt <= 0 {
+        return bad(format!(
+            "context shape [{cd}, {lt}, {cn}] does not fit [{}, tokens, 1] (ggml order)",
+            cfg.context_in_dim
+        ));
+    }
+    if cfg.vec_in_dim > 0 && i.y.shape()[..2] != [cfg.vec_in_dim, 1] {
+        return bad(format!("pooled vector shape {:?}, the model takes [{}, 1]", i.y.shape(), cfg.vec_in_dim));
+    }
+    if cfg.guidance_embed != i.guidance.is_some() {
+        return bad(format!(
+            "the model {} a guidance input",
+            if cfg.guidance_embed { "embeds guidance (dev) and needs" } else { "has no guidance embedding, yet got" }
+        ));
+    }
+    let tokens = lt + (wd / PATCH) * (ht / PATCH);
+    if i.pe.shape() != [2, 2, cfg.head_dim() / 2, tokens] {
+        return bad(format!("pe shape {:?} does not fit {tokens} tokens", i.pe.shape()));
+    }
+    Ok(())
+}
+
+/// `time_in(t)`-style embedder of a scalar: `out_layer(silu(in_layer(emb(1000 v, 256))))`.
+fn scalar_embedding<'g>(g: &'g Context, w: &Weights, p: &str, v: Tensor<'g>) -> Result<Tensor<'g>> {
+    let e = g.timestep_embedding(g.scale(v, TIME_FACTOR), TIME_DIM as i32, MAX_PERIOD);
+    let e = g.silu(blocks::linear(g, w, &format!("{p}.in_layer"), e, true)?);
+    blocks::linear(g, w, &format!("{p}.out_layer"), e, true)
+}
+
+/// The FLUX graph: the latent `[W, H, 16, 1]` to the prediction of the same shape. Pushes
+/// the cuts described in the module documentation.
+pub fn forward<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &FluxConfig,
+    inputs: &FluxInputs<'g>,
+    kernel: AttnKernel,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
+    check_inputs(cfg, inputs)?;
+    let [wd, ht, _, _] = inputs.x.shape();
+    let _span = tracing::trace_span!("flux.forward", double = cfg.depth, single = cfg.depth_single_blocks).entered();
+    let mut img = inputs.x;
+    let mut txt = inputs.context;
+    let mut vec = inputs.timestep;
+    let mut shared = None;
+    let mut joint = None;
+    let lt = inputs.context.shape()[1];
+    let mut out = None;
+    for block in layout(cfg) {
+        match block {
+            Block::Prelude => {
+                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x), true)?;
+                vec = scalar_embedding(g, w, &name("time_in"), inputs.timestep)?;
+                if let Some(gd) = inputs.guidance {
+                    vec = g.add(vec, scalar_embedding(g, w, &name("guidance_in"), gd)?);
+                }
+                if cfg.vec_in_dim > 0 {
+                    let y = blocks::linear(g, w, &name("vector_in.in_layer"), inputs.y, true)?;
+                    let y = blocks::linear(g, w, &name("vector_in.out_layer"), g.silu(y), true)?;
+                    vec = g.add(vec, y);
+                }
+                txt = blocks::linear(g, w, &name("txt_in"), inputs.context, true)?;
+                cuts.push(("flux.prelude.img".into(), img));
+                cuts.push(("flux.prelude.txt".into(), txt));
+                cuts.push(("flux.prelude.vec".into(), vec));
+                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel });
+            }
+            Block::Double(i) => {
+                let s = shared.as_ref().expect("the prelude comes first");
+                (img, txt) = double_block(g, w, cfg, i, img, txt, s)?;
+                cuts.push((format!("flux.double_blocks.{i}.img"), img));
+                cuts.push((format!("flux.double_blocks.{i}.txt"), txt));
+            }
+            Block::Single(i) => {
+                let s = shared.as_ref().expect("the prelude comes first");
+                let x = joint.unwrap_or_else(|| g.concat(txt, img, 1));
+                let x = single_block(g, w, cfg, i, x, s)?;
+                cuts.push((format!("flux.single_blocks.{i}"), x));
+                joint = Some(x);
+            }
+            Block::Final => {
+                let img_tokens = match joint {
+                    Some(x) => {
+                        let nb = x.nb();
+                        let li = img.shape()[1];
+                        g.view(x, [cfg.hidden_size, li, 1, 1], [nb[1], nb[2], nb[3]], lt as usize * nb[1])
+                    }
+                    None => img,
+                };
+                let y = final_layer(g, w, img_tokens, vec)?;
+                out = Some(unpatchify(g, y, wd, ht));
+            }
+        }
+    }
+    Ok(out.expect("the layout ends with the final layer"))
+}
+
+/// Nodes the graph of `cfg` may create.
+pub fn graph_size(cfg: &FluxConfig) -> usize {
+    NODES_PER_BLOCK * (cfg.depth + cfg.depth_single_blocks + 4)
+}
+
+// ---------------------------------------------------------------------------------------
+// Model
+// ---------------------------------------------------------------------------------------
+
+/// A FLUX transformer with its weights: one evaluation per call.
+#[derive(Debug)]
+pub struct FluxModel {
+    /// Hyper-parameters.
+    pub cfg: FluxConfig,
+    /// Parameters (internal names).
+    pub weights: Weights,
+    /// Use flash attention where the device supports it (`--diffusion-fa`).
+    pub flash_attn: bool,
+    /// The distilled guidance scale of every evaluation (`--guidance`, default 3.5 as in the
+    /// reference); a schnell model has no guidance input and ignores it.
+    pub guidance: f32,
+}
+
+/// The reference's default `--guidance`.
+const DEFAULT_GUIDANCE: f32 = 3.5;
+
+impl FluxModel {
+    /// Declares the parameters of `cfg` (no storage yet); see [`flux_specs`] for the types.
+    pub fn new(cfg: FluxConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Result<Self> {
+        cfg.validate()?;
+        let weights = Weights::new(flux_specs(&cfg, dtype_of, wtype))?;
+        Ok(Self { cfg, weights, flash_attn: false, guidance: DEFAULT_GUIDANCE })
+    }
+
+    /// One evaluation of one sample. `x` is the latent `[16, H, W]` (row-major, ggml
+    /// `[W, H, 16]`), `timestep` the sampler's t (sigma; the model scales it by 1000),
+    /// `context` `[n_ctx_tokens, context_in_dim]`, `y` the pooled vector (`vec_in_dim`
+    /// values), `guidance` the distilled guidance scale (dev; `None` for schnell). Returns
+    /// the prediction, shaped as `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn eval(
+        &self,
+        runner: &mut sd_sched::Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timestep: f32,
+        context: &[f32],
+        n_ctx_tokens: usize,
+        y: &[f32],
+        guidance: Option<f32>,
+    ) -> Result<Vec<f32>> {
+        let _span = tracing::trace_span!("flux", w, h, n_ctx_tokens).entered();
+        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+        let cfg = &self.cfg;
+        let (c, cd) = (cfg.latent_channels() as usize, cfg.context_in_dim as usize);
+        if x.len() != c * w * h || w == 0 || h == 0 {
+            return bad(format!("latent has {} values, {c} x {h} x {w} needs {}", x.len(), c * w * h));
+        }
+        if n_ctx_tokens == 0 || context.len() != n_ctx_tokens * cd {
+            return bad(format!(
+                "context has {} values, {n_ctx_tokens} tokens x {cd} needs {}",
+                context.len(),
+                n_ctx_tokens * cd
+            ));
+        }
+        if y.len() != cfg.vec_in_dim as usize {
+            return bad(format!("pooled vector has {} values, the model takes {}", y.len(), cfg.vec_in_dim));
+        }
+        let pe = rope_pe(cfg, n_ctx_tokens, (w, h));
+        let size = graph_size(cfg);
+        let g = Context::for_graph(size, size)?;
+        let tokens = (n_ctx_tokens + image_tokens(w, h)) as i64;
+        let ins = FluxInputs {
+            x: g.new_f32(&[w as i64, h as i64, c as i64, 1]).set_name("x").set_input(),
+            timestep: g.new_f32(&[1]).set_name("timestep").set_input(),
+            context: g.new_f32(&[cd as i64, n_ctx_tokens as i64, 1]).set_name("context").set_input(),
+            y: g.new_f32(&[cfg.vec_in_dim.max(1), 1]).set_name("y").set_input(),
+            guidance: guidance.map(|_| g.new_f32(&[1]).set_name("guidance").set_input()),
+            pe: g.new_f32(&[2, 2, cfg.head_dim() / 2, tokens]).set_name("pe").set_input(),
+            eps: g.new_f32(&[1]).set_name("rms_eps").set_input(),
+        };
+        let kernel = if self.flash_attn {
+            AttnKernel::FlashWhereSupported(runner.backend().device())
+        } else {
+            AttnKernel::Plain
+        };
+        let mut cuts = Vec::new();
+        let out = forward(&g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
+        let y_in = if y.is_empty() { vec![0.0] } else { y.to_vec() };
+        runner.run(&self.weights, &g, size, &cuts, out, &mut || {
+            ins.x.set_f32(x)?;
+            ins.timestep.set_f32(&[timestep])?;
+            ins.context.set_f32(context)?;
+            if cfg.vec_in_dim > 0 {
+                ins.y.set_f32(&y_in)?;
+            }
+            if let (Some(t), Some(v)) = (ins.guidance, guidance) {
+                t.set_f32(&[v])?;
+            }
+            ins.pe.set_f32(&pe)?;
+            ins.eps.set_f32(&[EPS])?;
+            Ok(())
+        })?;
+        Ok(out.get_f32()?)
+    }
+}
+
+/// FLUX as the pipeline evaluates it: each sample of a batch in a graph of its own (as the
+/// reference), the T5 states as the conditioning's tokens, the pooled CLIP-L vector as its
+/// `vector`, and the guidance from the model ([`FluxModel::guidance`]): it is one value per
+/// run, the same for every sample and step, so it travels with the model rather than in each
+/// conditioning. The timesteps are the sampler's t (sigma), which the model scales by 1000.
+impl crate::family::DiffusionModel for FluxModel {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn eval(
+        &self,
+        runner: &mut sd_sched::Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        cond: &[&crate::text::conditioning::Conditioning],
+    ) -> crate::pipeline::Result<Vec<f32>> {
+        let per = self.cfg.latent_channels() as usize * w * h;
+        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
+        if cond.is_empty() || x.len() != per * cond.len() || timesteps.len() != cond.len() {
+            return bad(format!(
+                "{} latent values and {} timesteps for {} conditionings of {per} values each",
+                x.len(),
+                timesteps.len(),
+                cond.len()
+            ));
+        }
+        let guidance = self.cfg.guidance_embed.then_some(self.guidance);
+        let mut out = Vec::with_capacity(x.len());
+        for (i, c) in cond.iter().enumerate() {
+            if c.hidden_size != self.cfg.context_in_dim as usize {
+                return bad(format!(
+                    "the conditioning is {} wide, the model's txt_in takes {} (T5-XXL's states)",
+                    c.hidden_size, self.cfg.context_in_dim
+                ));
+            }
+            let xi = &x[i * per..(i + 1) * per];
+            out.extend(self.eval(runner, xi, (w, h), timesteps[i], &c.data, c.n_tokens, &c.vector, guidance)?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -5,13 +5,16 @@
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
+//! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
 //! ```
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
 //! (`sd_models::fixture::lora`): random values N(0, X), rank R (default 4), alpha R/2 in kohya
 //! files. `t5xxl` writes a T5-XXL v1.1 encoder file (`--t5xxl`, the names of
 //! `t5xxl_fp16.safetensors`; `sd_models::fixture::t5`), 24 blocks unless `--layers` says fewer
-//! (the reference needs all 24: 9.5 GB at f16, about 5 GB at q8_0).
+//! (the reference needs all 24: 9.5 GB at f16, about 5 GB at q8_0). `flux-vae` writes FLUX.1's
+//! autoencoder as BFL's `ae.safetensors` names it (`--vae`: bare `encoder.*` / `decoder.*`, 16
+//! latent channels, no quant convs; `sd_models::fixture::flux_vae`), full size (83.8M parameters).
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -31,15 +34,15 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-use sd_models::fixture::{self, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, flux_vae, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
 use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
     /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15);
-    /// or t5xxl, the text encoder alone.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl", value_parser = target)]
+    /// or t5xxl, the text encoder alone; or flux-vae, FLUX.1's autoencoder alone.
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux-vae", value_parser = target)]
     family: Target,
     /// t5xxl only: encoder blocks (1 to 24).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
@@ -80,19 +83,21 @@ pub struct Args {
 }
 
 /// What `fixture` writes: a checkpoint of a family, a LoRA for the SD 1.5 fixture, or the
-/// T5-XXL text encoder alone.
+/// T5-XXL text encoder alone, or FLUX.1's VAE alone.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Target {
     Model(Family),
     LoraSd15,
     T5xxl,
+    FluxVae,
 }
 
 fn target(s: &str) -> Result<Target, String> {
     match s {
         "lora-sd15" => Ok(Target::LoraSd15),
         "t5xxl" => Ok(Target::T5xxl),
-        _ => Family::parse(s).map(Target::Model).map_err(|e| format!("{e}; or lora-sd15, t5xxl")),
+        "flux-vae" => Ok(Target::FluxVae),
+        _ => Family::parse(s).map(Target::Model).map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux-vae")),
     }
 }
 
@@ -116,6 +121,7 @@ pub fn run(args: Args) -> Result<()> {
     let family = match args.family {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
+        Target::FluxVae => return run_flux_vae(&args),
         Target::LoraSd15 => {
             let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
             let req = LoraFixture {
@@ -209,6 +215,34 @@ fn run_t5xxl(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask fixture flux-vae ...`.
+fn run_flux_vae(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux-vae");
+    }
+    let (path, format) = match &args.output {
+        Some(p) => (p.clone(), FileFormat::from_path(p)?),
+        None => {
+            let dir = fixture::cache_dir();
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (flux_vae::cached_flux_vae_path(args.seed, args.wtype), FileFormat::for_type(args.wtype))
+        }
+    };
+    let start = Instant::now();
+    let report = flux_vae::write_flux_vae(&path, args.seed, args.wtype, format)?;
+    println!(
+        "wrote {} (flux-vae fixture, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        report.path.display(),
+        args.seed,
+        args.wtype,
+        report.tensors,
+        report.params as f64 / 1e6,
+        report.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,6 +277,8 @@ mod tests {
         assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
         let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
         assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
+        let v = parse("flux-vae --type f32 -o ae.safetensors").unwrap();
+        assert_eq!((v.family, v.wtype, v.output), (Target::FluxVae, WeightType::F32, Some("ae.safetensors".into())));
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -250,7 +286,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux-vae>"),
             ("lora-sd15 --layout lycoris", "lycoris"),
             ("t5xxl --layers 0", "--layers"),
             ("t5xxl --layers 25", "--layers"),

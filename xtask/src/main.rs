@@ -9,6 +9,7 @@ mod fixture;
 mod fuzz;
 mod ggml;
 mod parity;
+mod parity_flux_vae;
 mod parity_ops;
 mod parity_samplers;
 mod parity_t5;
@@ -58,7 +59,8 @@ enum Command {
     /// Compare text encoder, UNet, VAE and 256x256 generations with the reference; `parity
     /// --fuzz N --model PATH`: random cases on any checkpoint; `parity samplers`: every
     /// sampling method and scheduler; `parity ops`: each ggml op against the reference's;
-    /// `parity t5 --t5xxl FILE`: the T5-XXL encoder.
+    /// `parity t5 --t5xxl FILE`: the T5-XXL encoder; `parity flux-vae --diffusion-model FILE`:
+    /// the FLUX.1 VAE.
     Parity(parity::Args),
     /// Time sd-cli against the reference, alternating runs, with ratios.
     Bench(bench::Args),

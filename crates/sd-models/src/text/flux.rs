@@ -8,18 +8,15 @@
 //! the final LayerNorm, the row at the first EOS (the last position when there is none), and
 //! no text projection: the reference declares `text_projection` only for ViT-bigG, so ViT-L's
 //! projection is the identity even when the file carries one. Prompt weights do not touch it.
-//! Without a `--clip_l` file the reference uses 768 zeros ([`FLUX_POOLED_WIDTH`]).
+//! Without a `--clip_l` file the reference uses 768 zeros.
 
 use sd_sched::Runner;
 
 use super::clip::{ClipEncoder, Result};
 use super::{ClipTokenizer, EOS_ID};
 
-/// Width of FLUX.1's pooled vector (CLIP ViT-L/14's hidden size).
-pub const FLUX_POOLED_WIDTH: usize = 768;
-
 /// The pooling position of a chunk: its first EOS, the last position when it has none.
-pub fn pooled_index(ids: &[u32]) -> usize {
+fn pooled_index(ids: &[u32]) -> usize {
     let last = ids.len().saturating_sub(1);
     ids.iter().position(|&id| id == EOS_ID).unwrap_or(last).min(last)
 }

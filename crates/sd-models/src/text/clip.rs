@@ -40,7 +40,7 @@
 //!   fused and splits the matmul's output instead; every output element is the same dot
 //!   product of the same weight row and activation column either way.
 //!
-//! * **Pooled output** (SDXL's ViT-bigG, FLUX.1's ViT-L; [`ClipEncoder::encode_pooled`]): every layer runs
+//! * **Pooled output** (ViT-bigG only, [`ClipEncoder::encode_pooled`]): every layer runs
 //!   (clip skip ignored), then the final LayerNorm (even though SDXL builds bigG without
 //!   it for the hidden states), then the hidden state at one token (the first EOS), times
 //!   `text_projection` without bias. The reference declares `text_projection` f32 whatever
@@ -48,7 +48,6 @@
 //!   weight (`mul_mat(text_projection, x)`), so the stored tensor's rows are the outputs;
 //!   it never transposes it, whether the file holds open_clip's `text_projection` (which
 //!   open_clip itself applies as `x @ P`, the transpose) or HF's `text_projection.weight`.
-//!   ViT-L has no projection there (`projection_dim` `None`): its pooled output is the row.
 //!   We do the same. Since 1280 = 1280 both readings of the shape agree; we declare it
 //!   `[hidden_size, projection_dim]` (in, out) like any linear weight.
 //!
@@ -94,7 +93,8 @@ pub enum ClipError {
     /// A graph input of the wrong type or shape (a bug in the caller).
     #[error("text encoder input `ids` must be i32 of shape [{n_positions}, N], got type {ty} shape {shape:?}")]
     Input { ty: String, shape: [i64; 4], n_positions: usize },
-    /// A pooled output at a token index outside the sequence.
+    /// A pooled output asked of an encoder without a projection, or at a token index
+    /// outside the sequence.
     #[error("pooled output at token {index} of {n_positions}: {why}")]
     Pooled { index: usize, n_positions: usize, why: &'static str },
     /// A parameter missing from the weight set given to the model.
@@ -549,8 +549,6 @@ pub fn forward<'g>(
 
 /// Builds the pooled output's graph for one sequence: every layer, the final LayerNorm,
 /// the hidden state at `token_index`, times `text_projection` (no bias): `[projection_dim]`.
-/// An encoder without a projection (ViT-L, as FLUX.1 pools it: the reference declares the
-/// projection for bigG only) returns the row itself: `[hidden_size]`.
 fn pooled_forward<'g>(
     g: &'g Context,
     w: &Weights,
@@ -560,6 +558,9 @@ fn pooled_forward<'g>(
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
     let n_positions = cfg.n_positions;
+    if cfg.projection_dim.is_none() {
+        return Err(ClipError::Pooled { index: token_index, n_positions, why: "this encoder has no text projection" });
+    }
     if token_index >= n_positions {
         return Err(ClipError::Pooled { index: token_index, n_positions, why: "the index is outside the sequence" });
     }
@@ -571,9 +572,6 @@ fn pooled_forward<'g>(
     let [h, ..] = x.shape();
     let nb = x.nb();
     let row = g.view(x, [h, 1, 1, 1], [nb[1], nb[2], nb[3]], nb[1] * token_index);
-    if cfg.projection_dim.is_none() {
-        return Ok(row);
-    }
     Ok(g.mul_mat(get(w, &cfg.name("text_projection"))?, row))
 }
 
@@ -734,7 +732,7 @@ impl<'a> ClipEncoder<'a> {
     }
 
     /// The pooled output of one sequence of `n_positions` ids (`pooled_forward`):
-    /// `projection_dim` values, or the hidden size for an encoder without a projection.
+    /// `projection_dim` values.
     pub fn encode_pooled(&self, runner: &mut Runner, ids: &[u32], token_index: usize) -> Result<Vec<f32>> {
         let len = self.cfg.n_positions;
         if ids.len() != len {
@@ -987,12 +985,6 @@ pub(crate) mod test_support {
         (0..p).map(|o| (0..h).map(|i| w[o * h + i] * rows[index][i]).sum()).collect()
     }
 
-    /// The pooled output of an encoder without a projection in f64: all layers, final
-    /// LayerNorm, the row at `index`.
-    pub(crate) fn reference_pooled_plain(cfg: &ClipConfig, ids: &[u32], index: usize) -> Vec<f64> {
-        reference_rows(cfg, ids, cfg.n_layers, true).swap_remove(index)
-    }
-
     /// One sequence through `n_run` layers, then the final LayerNorm when `final_ln`.
     fn reference_rows(cfg: &ClipConfig, seq: &[u32], n_run: usize, final_ln: bool) -> Rows {
         let specs = clip_specs(cfg, &|_| None, None);
@@ -1152,12 +1144,9 @@ mod tests {
         let e = model.encode_pooled(&mut runner, &ids, 77).unwrap_err();
         assert!(matches!(e, ClipError::Pooled { index: 77, n_positions: 77, .. }), "{e}");
         assert!(matches!(model.encode_pooled(&mut runner, &ids[..76], 3), Err(ClipError::IdsLength { got: 76, .. })));
-        // Without a projection (ViT-L) the pooled output is the row itself (FLUX.1's pooling).
-        let plain_cfg = tiny(Activation::QuickGelu, 1, EOS_ID);
-        let plain = super::test_support::model(&plain_cfg, F32, &backend);
-        assert_eq!(plain.encode_pooled(&mut runner, &ids, 3).unwrap().len(), plain_cfg.hidden_size);
-        let e = plain.encode_pooled(&mut runner, &ids, 77).unwrap_err();
-        assert!(matches!(e, ClipError::Pooled { index: 77, .. }), "{e}");
+        let plain = super::test_support::model(&tiny(Activation::QuickGelu, 1, EOS_ID), F32, &backend);
+        let e = plain.encode_pooled(&mut runner, &ids, 3).unwrap_err();
+        assert!(e.to_string().contains("no text projection"), "{e}");
         // A weight set without the projection is refused when the encoder is built.
         let mut specs = clip_specs(&cfg, &|_| None, None);
         specs.retain(|s| !s.name.ends_with("text_projection"));

@@ -18,7 +18,6 @@
 //!   reference runs it, with FLUX's 256-id chunks; [`t5`] is the T5 v1.1 encoder.
 //! - [`sdxl`] is SDXL's conditioner over CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 (both in
 //!   [`clip`]): concatenated hidden states and the ADM vector.
-//! - [`flux`] is what FLUX.1 takes from CLIP-L: the pooled state of the first chunk, no projection.
 //!
 //! The vocabulary is OpenAI CLIP's `bpe_simple_vocab_16e6.txt.gz`, embedded in the binary
 //! (see `crates/sd-models/data/README.md` for its origin and license) and parsed once per
@@ -27,7 +26,6 @@
 mod chunk;
 pub mod clip;
 pub mod conditioning;
-pub mod flux;
 mod prompt;
 pub mod sdxl;
 pub mod t5;

@@ -6,6 +6,7 @@
 //! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
+//! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
 //! ```
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
@@ -16,7 +17,9 @@
 //! write a FLUX.1 transformer (`--diffusion-model`, the names of BFL's `flux1-dev.safetensors`;
 //! `sd_models::fixture::flux`): full size (width 3072, 19 double and 38 single blocks, 24 GB
 //! at f16) unless `--hidden` (a multiple of 128: heads of 128), `--double` or `--single` say
-//! less; the cache entry names the sizes.
+//! less; the cache entry names the sizes. `flux-vae` writes FLUX.1's autoencoder as BFL's
+//! `ae.safetensors` names it (`--vae`: bare `encoder.*` / `decoder.*`, 16 latent channels, no
+//! quant convs; `sd_models::fixture::flux_vae`), full size (83.8M parameters).
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -36,15 +39,16 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-use sd_models::fixture::{self, flux, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{self, flux, flux_vae, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
 use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
     /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15);
-    /// or t5xxl, the text encoder alone.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell", value_parser = target)]
+    /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; or flux-vae,
+    /// FLUX.1's autoencoder alone.
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae", value_parser = target)]
     family: Target,
     /// t5xxl only: encoder blocks (1 to 24).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
@@ -104,6 +108,7 @@ enum Target {
     Flux {
         schnell: bool,
     },
+    FluxVae,
 }
 
 fn target(s: &str) -> Result<Target, String> {
@@ -112,7 +117,10 @@ fn target(s: &str) -> Result<Target, String> {
         "t5xxl" => Ok(Target::T5xxl),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
-        _ => Family::parse(s).map(Target::Model).map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux, flux-schnell")),
+        "flux-vae" => Ok(Target::FluxVae),
+        _ => Family::parse(s)
+            .map(Target::Model)
+            .map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux, flux-schnell, flux-vae")),
     }
 }
 
@@ -144,6 +152,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
+        Target::FluxVae => return run_flux_vae(&args),
         Target::LoraSd15 => {
             let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
             let req = LoraFixture {
@@ -240,6 +249,34 @@ fn run_t5xxl(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask fixture flux-vae ...`.
+fn run_flux_vae(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux-vae");
+    }
+    let (path, format) = match &args.output {
+        Some(p) => (p.clone(), FileFormat::from_path(p)?),
+        None => {
+            let dir = fixture::cache_dir();
+            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            (flux_vae::cached_flux_vae_path(args.seed, args.wtype), FileFormat::for_type(args.wtype))
+        }
+    };
+    let start = Instant::now();
+    let report = flux_vae::write_flux_vae(&path, args.seed, args.wtype, format)?;
+    println!(
+        "wrote {} (flux-vae fixture, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        report.path.display(),
+        args.seed,
+        args.wtype,
+        report.tensors,
+        report.params as f64 / 1e6,
+        report.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// `cargo xtask fixture flux|flux-schnell ...`.
 fn run_flux(args: &Args, schnell: bool) -> Result<()> {
     if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
@@ -323,6 +360,8 @@ mod tests {
             (f.family, f.double, f.single, f.hidden, f.wtype),
             (Target::Flux { schnell: true }, Some(2), Some(1), Some(256), WeightType::Q8_0)
         );
+        let v = parse("flux-vae --type f32 -o ae.safetensors").unwrap();
+        assert_eq!((v.family, v.wtype, v.output), (Target::FluxVae, WeightType::F32, Some("ae.safetensors".into())));
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -330,7 +369,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

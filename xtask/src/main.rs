@@ -10,6 +10,7 @@ mod fuzz;
 mod ggml;
 mod parity;
 mod parity_flux;
+mod parity_flux_vae;
 mod parity_ops;
 mod parity_samplers;
 mod parity_t5;
@@ -60,7 +61,7 @@ enum Command {
     /// --fuzz N --model PATH`: random cases on any checkpoint; `parity samplers`: every
     /// sampling method and scheduler; `parity ops`: each ggml op against the reference's;
     /// `parity t5 --t5xxl FILE`: the T5-XXL encoder; `parity flux-dit --vae FILE`: the FLUX
-    /// transformer.
+    /// transformer; `parity flux-vae --diffusion-model FILE`: the FLUX.1 VAE.
     Parity(parity::Args),
     /// Time sd-cli against the reference, alternating runs, with ratios.
     Bench(bench::Args),

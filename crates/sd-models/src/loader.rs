@@ -50,6 +50,13 @@ pub fn dtype_of(files: &ModelFiles) -> impl Fn(&str) -> Option<GgmlType> + '_ {
     move |name| files.index().get(name).and_then(|e| ggml_type(e.dtype))
 }
 
+/// The AutoencoderKL layout of the opened files' VAE tensors (`first_stage_model.*`: latent
+/// channels, quant convs), to check a `--vae` against the family's configuration with
+/// [`sd_vae::VaeConfig::check_layout`].
+pub fn vae_layout(files: &ModelFiles) -> sd_vae::Result<sd_vae::VaeLayout> {
+    sd_vae::VaeLayout::of_tensors(|name| files.index().get(name).map(TensorEntry::ne))
+}
+
 /// Index of the first non-finite value in float data, if any.
 fn first_non_finite(ty: GgmlType, data: &[u8]) -> Option<usize> {
     match ty {

@@ -1,13 +1,15 @@
-//! AutoencoderKL (`ldm.models.autoencoder.AutoencoderKL`), the SD 1.x/2.x first stage.
+//! AutoencoderKL (`ldm.models.autoencoder.AutoencoderKL`), the SD 1.x/2.x and FLUX.1 first stage.
 //!
 //! Reference: Rombach et al., "High-Resolution Image Synthesis with Latent Diffusion
 //! Models" (2022); the graph mirrors stable-diffusion.cpp's `auto_encoder_kl.hpp`.
 //! Parameters are `first_stage_model.{encoder,decoder,quant_conv,post_quant_conv}.*`
-//! with LDM names. The decoder maps a `[4, h, w]` latent to a `[3, 8h, 8w]` image in
+//! with LDM names. FLUX.1's autoencoder (BFL's `ae.safetensors`, [`VaeConfig::flux`]) is
+//! the same network with 16 latent channels and no `quant_conv` / `post_quant_conv`
+//! ([`VaeConfig::use_quant`] false). The decoder maps a `[z, h, w]` latent to a `[3, 8h, 8w]` image in
 //! `[-1, 1]` (not clamped); the encoder maps such an image to the moments (mean and
 //! log-variance) of a diagonal Gaussian over latents ([`LatentDistribution`]).
 //!
-//! The latent scale factor (0.18215 for SD 1.x/2.x) is **not** applied inside the graphs:
+//! The latent scale factor (0.18215 for SD 1.x/2.x; 0.3611 with shift 0.1159 for FLUX.1) is **not** applied inside the graphs:
 //! the caller applies it with [`VaeConfig::diffusion_to_vae`] before decoding and
 //! [`VaeConfig::vae_to_diffusion`] after sampling from the encoder's distribution,
 //! exactly where stable-diffusion.cpp applies it (`decode_first_stage`,
@@ -50,6 +52,9 @@ pub struct VaeConfig {
     /// `Some(ty)`: they are linear layers with weights stored as `ty` (diffusers files
     /// whose `[C, C]` weights were kept 2-D, as sd.cpp keeps them).
     pub attn_linear: Option<GgmlType>,
+    /// Whether the file has `quant_conv` / `post_quant_conv` (1x1 convolutions between
+    /// the encoder/decoder and the latent; SD has them, FLUX.1's `ae.safetensors` does not).
+    pub use_quant: bool,
     /// Latent scale factor (`latent_vae = latent_diffusion / scale + shift`).
     pub scale_factor: f32,
     /// Latent shift factor.
@@ -72,8 +77,22 @@ impl VaeConfig {
             norm_groups: 32,
             norm_eps: 1e-6,
             attn_linear: None,
+            use_quant: true,
             scale_factor: 0.18215,
             shift_factor: 0.0,
+        }
+    }
+
+    /// The FLUX.1 VAE (`ae.safetensors`, dev and schnell): the SD network with z 16, no
+    /// quant convs, latent scale 0.3611 and shift 0.1159 (the reference's values for FLUX).
+    pub fn flux() -> Self {
+        Self {
+            z_channels: 16,
+            embed_dim: 16,
+            use_quant: false,
+            scale_factor: 0.3611,
+            shift_factor: 0.1159,
+            ..Self::sd()
         }
     }
 
@@ -103,6 +122,19 @@ impl VaeConfig {
         }
     }
 
+    /// Checks that a file of `layout` is a VAE of this configuration: an error naming both
+    /// (say an SD VAE given as `--vae` to a FLUX model) otherwise.
+    pub fn check_layout(&self, layout: &VaeLayout) -> Result<()> {
+        let want = VaeLayout { latent_channels: self.z_channels as u64, quant_convs: self.use_quant };
+        if *layout == want {
+            return Ok(());
+        }
+        Err(VaeError::input(
+            MODULE,
+            format!("the VAE file has {}, but this model needs {}", layout.describe(), want.describe()),
+        ))
+    }
+
     fn check(&self) -> Result<()> {
         if self.ch_mult.is_empty() || self.ch == 0 || self.z_channels == 0 || self.norm_groups == 0 {
             return Err(VaeError::input(MODULE, format!("unusable configuration {self:?}")));
@@ -111,10 +143,53 @@ impl VaeConfig {
     }
 }
 
+/// What a VAE file's tensor shapes say about it (a standalone `--vae`): the latent channel
+/// count and whether it has quant convs. FLUX.1's `ae.safetensors` and SD3's VAE share one
+/// layout (16 channels, no quant convs) and differ only in the scale and shift, which the
+/// reference takes from the diffusion model; so the file's layout is checked against the
+/// family's [`VaeConfig`] ([`VaeConfig::check_layout`]) rather than read as a configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VaeLayout {
+    /// Input channels of `decoder.conv_in` (4 for SD 1.x/2.x/SDXL, 16 for FLUX.1/SD3).
+    pub latent_channels: u64,
+    /// Whether `post_quant_conv.weight` is present.
+    pub quant_convs: bool,
+}
+
+impl VaeLayout {
+    /// The layout of the tensors that `ne_of` describes (internal names,
+    /// `first_stage_model.*`, ggml `ne` order: a convolution is `[kw, kh, in, out]`).
+    pub fn of_tensors(ne_of: impl Fn(&str) -> Option<Vec<u64>>) -> Result<Self> {
+        let conv_in = format!("{PREFIX}.decoder.conv_in.weight");
+        let ne = ne_of(&conv_in).ok_or_else(|| {
+            VaeError::input(MODULE, format!("no `{conv_in}`: the file holds no AutoencoderKL decoder"))
+        })?;
+        if ne.len() != 4 || ne[0] != 3 || ne[1] != 3 || ne[2] == 0 {
+            return Err(VaeError::input(
+                MODULE,
+                format!("`{conv_in}` has shape {ne:?} (ggml order), expected a 3x3 convolution [3, 3, z, C]"),
+            ));
+        }
+        let quant_convs = ne_of(&format!("{PREFIX}.post_quant_conv.weight")).is_some();
+        Ok(Self { latent_channels: ne[2], quant_convs })
+    }
+
+    /// What models use this layout, for messages.
+    pub fn describe(&self) -> String {
+        let kind = match (self.latent_channels, self.quant_convs) {
+            (4, true) => " (an SD 1.x/2.x/SDXL VAE)",
+            (16, false) => " (a FLUX.1 or SD3 VAE)",
+            _ => "",
+        };
+        let quant = if self.quant_convs { "with" } else { "without" };
+        format!("{} latent channels {quant} quant convs{kind}", self.latent_channels)
+    }
+}
+
 /// Which halves of the autoencoder to declare.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VaeParts {
-    /// Decoder and `post_quant_conv` (text-to-image).
+    /// Decoder and `post_quant_conv` if any (text-to-image).
     DecoderOnly,
     /// Both halves (image-to-image).
     Full,
@@ -125,21 +200,25 @@ pub fn vae_specs(cfg: &VaeConfig, parts: VaeParts) -> Vec<TensorSpec> {
     let mut out = Vec::new();
     let dec = Decoder::new(cfg);
     dec.specs(&mut out);
-    post_quant_conv(cfg).specs(&mut out);
+    if let Some(c) = post_quant_conv(cfg) {
+        c.specs(&mut out);
+    }
     if parts == VaeParts::Full {
         Encoder::new(cfg).specs(&mut out);
-        quant_conv(cfg).specs(&mut out);
+        if let Some(c) = quant_conv(cfg) {
+            c.specs(&mut out);
+        }
     }
     out
 }
 
-fn post_quant_conv(cfg: &VaeConfig) -> Conv2d {
-    Conv2d::new(format!("{PREFIX}.post_quant_conv"), cfg.z_channels, cfg.embed_dim, 1, 1, 0)
+fn post_quant_conv(cfg: &VaeConfig) -> Option<Conv2d> {
+    cfg.use_quant.then(|| Conv2d::new(format!("{PREFIX}.post_quant_conv"), cfg.z_channels, cfg.embed_dim, 1, 1, 0))
 }
 
-fn quant_conv(cfg: &VaeConfig) -> Conv2d {
+fn quant_conv(cfg: &VaeConfig) -> Option<Conv2d> {
     let f = if cfg.double_z { 2 } else { 1 };
-    Conv2d::new(format!("{PREFIX}.quant_conv"), cfg.embed_dim * f, cfg.z_channels * f, 1, 1, 0)
+    cfg.use_quant.then(|| Conv2d::new(format!("{PREFIX}.quant_conv"), cfg.embed_dim * f, cfg.z_channels * f, 1, 1, 0))
 }
 
 /// One resolution level of the encoder.
@@ -410,12 +489,12 @@ impl LatentDistribution {
     }
 }
 
-/// The SD 1.x/2.x autoencoder with its weights.
+/// The SD 1.x/2.x (or FLUX.1) autoencoder with its weights.
 pub struct AutoencoderKl {
     cfg: VaeConfig,
     decoder: Decoder,
-    post_quant_conv: Conv2d,
-    encoder: Option<(Encoder, Conv2d)>,
+    post_quant_conv: Option<Conv2d>,
+    encoder: Option<(Encoder, Option<Conv2d>)>,
     weights: Weights,
     opts: GraphOptions,
 }
@@ -484,21 +563,27 @@ impl AutoencoderKl {
     }
 
     /// Builds the decode graph on `z` (`[w, h, z, 1]`, VAE latents): `post_quant_conv`
-    /// then the decoder. Returns `[8w, 8h, 3, 1]`.
+    /// (if the configuration has one) then the decoder. Returns `[8w, 8h, 3, 1]`.
     pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
-        let z = self.post_quant_conv.forward(f, z)?;
+        let z = match &self.post_quant_conv {
+            Some(c) => c.forward(f, z)?,
+            None => z,
+        };
         self.decoder.forward(f, z)
     }
 
     /// Builds the encode graph on `x` (`[W, H, 3, 1]` in [-1, 1]): the encoder then
-    /// `quant_conv`. Returns the moments `[W/8, H/8, 2z, 1]`.
+    /// `quant_conv` (if any). Returns the moments `[W/8, H/8, 2z, 1]`.
     pub fn build_encode<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
         let (enc, quant) = self
             .encoder
             .as_ref()
             .ok_or_else(|| VaeError::input(MODULE, "the encoder was not loaded (VaeParts::DecoderOnly)"))?;
         let h = enc.forward(f, x)?;
-        quant.forward(f, h)
+        match quant {
+            Some(q) => q.forward(f, h),
+            None => Ok(h),
+        }
     }
 
     /// Decodes one VAE latent (planar `[channels, h, w]`, already divided by the scale
@@ -548,8 +633,8 @@ impl AutoencoderKl {
     }
 
     fn find_block(&self, full: &str) -> Option<Block<'_>> {
-        let convs = [&self.decoder.conv_in, &self.decoder.conv_out, &self.post_quant_conv];
-        let mut found = convs.into_iter().find(|c| c.name == full).map(Block::Conv);
+        let convs = [Some(&self.decoder.conv_in), Some(&self.decoder.conv_out), self.post_quant_conv.as_ref()];
+        let mut found = convs.into_iter().flatten().find(|c| c.name == full).map(Block::Conv);
         let mids = std::iter::once(&self.decoder.mid).chain(self.encoder.as_ref().map(|(e, _)| &e.mid));
         let mut resnets: Vec<&ResnetBlock> = self.decoder.up.iter().flat_map(|l| &l.blocks).collect();
         let mut norms = vec![&self.decoder.norm_out];
@@ -561,7 +646,7 @@ impl AutoencoderKl {
             attns.push(&m.attn_1);
         }
         if let Some((e, q)) = &self.encoder {
-            for c in [&e.conv_in, &e.conv_out, q] {
+            for c in [Some(&e.conv_in), Some(&e.conv_out), q.as_ref()].into_iter().flatten() {
                 if c.name == full {
                     found = Some(Block::Conv(c));
                 }

@@ -1,13 +1,15 @@
 //! AutoencoderKL and TAESD decoders/encoders with tiling.
 //!
 //! What it is for: turning diffusion latents into images and images into latents for
-//! SD 1.x/2.x, as ggml graphs that match stable-diffusion.cpp op by op (so the numbers
+//! SD 1.x/2.x, SDXL and FLUX.1, as ggml graphs that match stable-diffusion.cpp op by op (so the numbers
 //! agree with the reference), plus the VAE tiling of `performance.md`.
 //!
 //! Main types:
-//! * [`AutoencoderKl`] with [`VaeConfig::sd`] and [`vae_specs`]: the LDM autoencoder
-//!   (`first_stage_model.*`); decode gives `[3, 8h, 8w]` in `[-1, 1]`, encode gives a
-//!   [`LatentDistribution`] that the caller samples with its own noise.
+//! * [`AutoencoderKl`] with [`VaeConfig::sd`] / [`VaeConfig::flux`] and [`vae_specs`]: the
+//!   LDM autoencoder (`first_stage_model.*`); decode gives `[3, 8h, 8w]` in `[-1, 1]`, encode
+//!   gives a [`LatentDistribution`] that the caller samples with its own noise.
+//!   [`VaeLayout`] reads a file's latent channels and quant convs, checked against the
+//!   family's configuration with [`VaeConfig::check_layout`].
 //! * [`Taesd`] with [`TaesdConfig::sd`] and [`taesd_specs`]: the tiny autoencoder
 //!   (`--taesd`, `tae.*`), images in `[0, 1]`.
 //! * [`TilingParams`] (parsed from the CLI strings) and [`decode_tiled`] /
@@ -40,7 +42,7 @@ pub mod tae;
 pub mod tiling;
 
 pub use error::{Result, VaeError};
-pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, VaeConfig, VaeParts};
+pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, VaeConfig, VaeLayout, VaeParts};
 pub use nn::GraphOptions;
 pub use run::{
     decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, GRAPH_SIZE,

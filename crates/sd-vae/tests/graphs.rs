@@ -18,7 +18,7 @@ use sd_backends::GgmlType;
 use sd_sched::Runner;
 use sd_vae::{
     decode_tiled, encode_tiled, AutoencoderKl, FirstStage, GraphOptions, LatentDistribution, Taesd, TaesdConfig,
-    TaesdParts, TilingParams, VaeConfig, VaeParts,
+    TaesdParts, TilingParams, VaeConfig, VaeLayout, VaeParts,
 };
 
 const SRC: RandomSource = RandomSource { seed: 42 };
@@ -453,4 +453,102 @@ fn a_device_budget_triggers_the_same_retry() {
     let want = decode_tiled(&vae, &mut cpu_runner("vae"), &z, (16, 16), 4, &tiled, None).unwrap();
     assert!(retried == want, "the budget-driven retry differs from the 16-pixel tiled decode");
     assert!(ledger.high_water() <= budget, "{} > {budget}", ledger.high_water());
+}
+
+fn tiny_flux() -> VaeConfig {
+    VaeConfig { ch: 32, ch_mult: vec![1, 2], num_res_blocks: 1, ..VaeConfig::flux() }
+}
+
+/// FLUX.1's autoencoder has no quant convs: the decoder reads the 16-channel latent
+/// directly and the encoder's moments are its `conv_out`, checked against the composed
+/// reference (a leftover `post_quant_conv` would change every value).
+#[test]
+fn flux_vae_runs_without_quant_convs() {
+    let mut runner = cpu_runner("vae");
+    let vae = load(tiny_flux(), &runner);
+    let p = Params { src: &SRC };
+    assert!(vae.weights().specs().iter().all(|s| !s.name.contains("quant_conv")), "no quant convs declared");
+    let d = "first_stage_model.decoder";
+    let (z, za) = input(16, 2, 3, 31);
+    let got = vae.decode(&mut runner, &z, (3, 2), 16).unwrap();
+    let h = p.conv(&format!("{d}.conv_in"), &za, 64, 3, 1, 1, true);
+    let h = p.resnet(&format!("{d}.mid.block_1"), &h, 64);
+    let h = p.attn(&format!("{d}.mid.attn_1"), &h);
+    let h = p.resnet(&format!("{d}.mid.block_2"), &h, 64);
+    let h = p.resnet(&format!("{d}.up.1.block.0"), &h, 64);
+    let h = p.resnet(&format!("{d}.up.1.block.1"), &h, 64);
+    let h = p.upsample(&format!("{d}.up.1.upsample"), &h);
+    let h = p.resnet(&format!("{d}.up.0.block.0"), &h, 32);
+    let h = p.resnet(&format!("{d}.up.0.block.1"), &h, 32);
+    let h =
+        Act { data: p.group_norm(&format!("{d}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
+    let want = p.conv(&format!("{d}.conv_out"), &h, 3, 3, 1, 1, true);
+    check("tiny flux decoder", &got, &want);
+    assert!(vae.decode(&mut runner, &z[..4 * 6], (3, 2), 4).is_err(), "a 4-channel latent is refused");
+
+    let e = "first_stage_model.encoder";
+    let (x, xa) = input(3, 4, 6, 32);
+    let dist = vae.encode(&mut runner, &x, (6, 4)).unwrap();
+    assert_eq!((dist.dims, dist.channels), ((3, 2), 16));
+    let h = p.conv(&format!("{e}.conv_in"), &xa, 32, 3, 1, 1, true);
+    let h = p.resnet(&format!("{e}.down.0.block.0"), &h, 32);
+    let h = p.downsample(&format!("{e}.down.0.downsample"), &h);
+    let h = p.resnet(&format!("{e}.down.1.block.0"), &h, 64);
+    let h = p.resnet(&format!("{e}.mid.block_1"), &h, 64);
+    let h = p.attn(&format!("{e}.mid.attn_1"), &h);
+    let h = p.resnet(&format!("{e}.mid.block_2"), &h, 64);
+    let h =
+        Act { data: p.group_norm(&format!("{e}.norm_out"), &h, 32, 1e-6).data.into_iter().map(silu).collect(), ..h };
+    let want = p.conv(&format!("{e}.conv_out"), &h, 32, 3, 1, 1, true);
+    let got: Vec<f32> = dist.mean.iter().chain(&dist.logvar).copied().collect();
+    check("tiny flux encoder", &got, &want);
+    let e = vae.run_block(&mut runner, "post_quant_conv", &z, [3, 2, 16]).unwrap_err();
+    assert!(e.to_string().contains("post_quant_conv"), "{e}");
+}
+
+/// The full FLUX.1 configuration has the shapes of BFL's `ae.safetensors` (244 tensors:
+/// the SD VAE's 248 less the two quant convs' weight and bias).
+#[test]
+fn flux_spec_shapes_and_scale() {
+    let specs = sd_vae::vae_specs(&VaeConfig::flux(), VaeParts::Full);
+    let find = |n: &str| specs.iter().find(|s| s.name == n).unwrap_or_else(|| panic!("{n}"));
+    assert_eq!(find("first_stage_model.decoder.conv_in.weight").ne, vec![3, 3, 16, 512]);
+    assert_eq!(find("first_stage_model.encoder.conv_out.weight").ne, vec![3, 3, 512, 32]);
+    assert!(specs.iter().all(|s| !s.name.contains("quant_conv")));
+    assert_eq!(specs.len(), 244);
+    let params: i64 = specs.iter().map(|s| s.ne.iter().product::<i64>()).sum();
+    assert!((83_000_000..85_000_000).contains(&params), "{params} parameters, ae.safetensors has 83.8M");
+    assert_eq!(sd_vae::vae_specs(&VaeConfig::flux(), VaeParts::DecoderOnly).len(), 138);
+
+    // latent_vae = latent / 0.3611 + 0.1159 and back, in f32.
+    let cfg = VaeConfig::flux();
+    let mut v = vec![0.3611f32, -1.0];
+    cfg.diffusion_to_vae(&mut v);
+    assert_eq!(v, vec![0.3611f32 / 0.3611 + 0.1159, -1.0 / 0.3611 + 0.1159]);
+    cfg.vae_to_diffusion(&mut v);
+    assert!((v[0] - 0.3611).abs() < 1e-6 && (v[1] + 1.0).abs() < 1e-6, "{v:?}");
+}
+
+/// A file's layout is read from its tensor shapes and checked against the family's
+/// configuration: the wrong VAE for a model is an error naming both layouts.
+#[test]
+fn vae_layout_is_read_from_the_file_and_checked() {
+    let shapes = |cfg: &VaeConfig| {
+        let specs = sd_vae::vae_specs(cfg, VaeParts::DecoderOnly);
+        move |n: &str| specs.iter().find(|s| s.name == n).map(|s| s.ne.iter().map(|&d| d as u64).collect())
+    };
+    let flux = VaeLayout::of_tensors(shapes(&VaeConfig::flux())).unwrap();
+    assert_eq!(flux, VaeLayout { latent_channels: 16, quant_convs: false });
+    let sd = VaeLayout::of_tensors(shapes(&VaeConfig::sd())).unwrap();
+    assert_eq!(sd, VaeLayout { latent_channels: 4, quant_convs: true });
+    VaeConfig::flux().check_layout(&flux).unwrap();
+    VaeConfig::sd().check_layout(&sd).unwrap();
+    let e = VaeConfig::flux().check_layout(&sd).unwrap_err().to_string();
+    assert!(e.contains("4 latent channels with quant convs") && e.contains("needs 16 latent channels"), "{e}");
+    let e = VaeConfig::sd().check_layout(&flux).unwrap_err().to_string();
+    assert!(e.contains("FLUX.1"), "{e}");
+    let e = VaeLayout::of_tensors(|_| None).unwrap_err().to_string();
+    assert!(e.contains("decoder.conv_in.weight"), "{e}");
+    let e = VaeLayout::of_tensors(|_| Some(vec![16, 512])).unwrap_err().to_string();
+    assert!(e.contains("[16, 512]"), "{e}");
 }

@@ -145,6 +145,8 @@ enum ParityCommand {
     T5(crate::parity_t5::Args),
     /// Our FLUX transformer against the reference's on one diffusion-model file.
     FluxDit(crate::parity_flux::Args),
+    /// Our FLUX.1 VAE decode against the reference's (needs a FLUX.1 diffusion model file).
+    FluxVae(crate::parity_flux_vae::Args),
 }
 
 /// The positional family argument.
@@ -184,6 +186,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::Ops(a)) => return crate::parity_ops::run(a),
         Some(ParityCommand::T5(a)) => return crate::parity_t5::run(a),
         Some(ParityCommand::FluxDit(a)) => return crate::parity_flux::run(a),
+        Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
         None => {}
     }
     if args.fuzz.active() {

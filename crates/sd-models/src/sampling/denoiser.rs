@@ -7,6 +7,11 @@
 //! classifier-free guidance `uncond + cfg * (cond - uncond)` (the unconditional pass only when
 //! `cfg != 1`), then `pred * c_out + x * c_skip`.
 //!
+//! A flow-matching schedule ([`FlowSchedule`](super::FlowSchedule): FLUX.1, SD3) brings its own
+//! parameterisation, as the reference's flow denoisers do: [`Scalings::flow`] (`c_skip = 1`,
+//! `c_out = -sigma`, `c_in = 1`; the model predicts the velocity `noise - x0`), and the timestep
+//! is the schedule's (`sigma` for FLUX.1, `1000 sigma` for SD3). The [`Prediction`] is then not read.
+//!
 //! [`GuidedDenoiser`] does that around a caller-supplied model callback, so the pipeline can run
 //! the UNet once per sigma on cond and uncond together (one batch) and hand back both outputs.
 
@@ -14,7 +19,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::sampler::Denoised;
-use super::schedule::DiscreteSchedule;
+use super::schedule::NoiseSchedule;
 use super::{parse_name, SamplingError, Step};
 
 /// What the diffusion model predicts (`--prediction`).
@@ -91,6 +96,14 @@ pub struct Scalings {
     pub c_in: f32,
 }
 
+impl Scalings {
+    /// The flow-matching scalings at `sigma` (the reference's `DiscreteFlowDenoiser`, which
+    /// FLUX.1's denoiser inherits): `c_skip = 1`, `c_out = -sigma`, `c_in = 1`.
+    pub fn flow(sigma: f32) -> Self {
+        Scalings { c_skip: 1.0, c_out: -sigma, c_in: 1.0 }
+    }
+}
+
 /// What the model callback of a [`GuidedDenoiser`] is asked to compute.
 #[derive(Debug)]
 pub struct ModelInput<'a> {
@@ -116,9 +129,10 @@ pub struct ModelOutput {
 }
 
 /// A denoiser for the samplers built from a raw model callback, a parameterisation, the
-/// discrete schedule (for timesteps) and a classifier-free-guidance scale.
+/// noise schedule (for timesteps; a flow schedule also sets the scalings) and a
+/// classifier-free-guidance scale.
 pub struct GuidedDenoiser<'s, F> {
-    schedule: &'s DiscreteSchedule,
+    schedule: &'s dyn NoiseSchedule,
     prediction: Prediction,
     cfg_scale: f32,
     model: F,
@@ -135,7 +149,7 @@ impl<F> fmt::Debug for GuidedDenoiser<'_, F> {
 
 impl<'s, F> GuidedDenoiser<'s, F> {
     /// Wraps `model`; with `cfg_scale == 1` the unconditional pass is never requested.
-    pub fn new(schedule: &'s DiscreteSchedule, prediction: Prediction, cfg_scale: f32, model: F) -> Self {
+    pub fn new(schedule: &'s dyn NoiseSchedule, prediction: Prediction, cfg_scale: f32, model: F) -> Self {
         GuidedDenoiser { schedule, prediction, cfg_scale, model }
     }
 
@@ -162,7 +176,8 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         F: FnMut(ModelInput<'_>) -> Result<ModelOutput, E>,
         E: From<SamplingError>,
     {
-        let Scalings { c_skip, c_out, c_in } = self.prediction.scalings(sigma);
+        let Scalings { c_skip, c_out, c_in } =
+            if self.schedule.is_flow() { Scalings::flow(sigma) } else { self.prediction.scalings(sigma) };
         let timestep = self.schedule.sigma_to_t(sigma);
         let x_in: Vec<f32> = x.iter().map(|&v| v * c_in).collect();
         let uncond = self.uses_uncond();

@@ -12,12 +12,13 @@
 //! Pieces, in the order a generation uses them:
 //! - [`rng`]: [`NoiseRng`] and the reference's three generators (`--rng cuda|std_default|cpu`).
 //! - [`schedule`]: the SD training schedule ([`DiscreteSchedule`]: sigma <-> timestep), the
+//!   flow-matching schedules of FLUX.1 and SD3 ([`FlowSchedule`]; both behind [`NoiseSchedule`]), the
 //!   [`Scheduler`]s that pick the sampling sigmas, img2img's [`img2img_sigmas`] and the initial
 //!   latent ([`txt2img_latent`], [`noised_latent`]).
 //! - [`denoiser`]: eps / v [`Prediction`] scalings and [`GuidedDenoiser`], which wraps a raw UNet
 //!   callback with classifier-free guidance into the denoiser the samplers call.
 //! - [`sampler`]: [`SampleMethod`] (all 18 of the reference's methods; the newer ones' loops are in
-//!   `methods.rs`) and [`sample`].
+//!   `methods.rs`), [`sample`] and, on a flow schedule, [`sample_flow`].
 //!
 //! A text-to-image run, as the reference does it per image (seed `s + batch_index`):
 //! ```
@@ -47,10 +48,10 @@ mod tests;
 
 pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings};
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
-pub use sampler::{sample, Denoised, SampleMethod};
+pub use sampler::{sample, sample_flow, Denoised, SampleMethod};
 pub use schedule::{
-    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, ModelVersion,
-    ScheduleContext, Scheduler, TIMESTEPS,
+    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, FlowSchedule,
+    FlowShift, ModelVersion, NoiseSchedule, Schedule, ScheduleContext, Scheduler, TIMESTEPS,
 };
 
 /// Where a denoiser evaluation sits in the sampling loop.

@@ -12,7 +12,7 @@ use std::str::FromStr;
 
 use super::methods;
 use super::rng::NoiseRng;
-use super::schedule::{ModelVersion, Scheduler};
+use super::schedule::{cpp_max, cpp_min, ModelVersion, Scheduler};
 use super::{parse_name, SamplingError, Step};
 
 /// A sampling method (`--sampling-method`), in the reference's enum order.
@@ -131,13 +131,33 @@ impl SampleMethod {
         }
     }
 
-    /// The reference's default method for a model: `euler_a` for the UNet models (SD 1.x/2.x, SDXL;
-    /// the reference picks `euler` for DiT and `lcm` for PID models, which are not run here).
+    /// The reference's default method for a model: `euler_a` for the UNet models (SD 1.x/2.x, SDXL),
+    /// `euler` for the DiT models (FLUX.1; the reference's `lcm` for PID models is not run here).
     pub fn default_for(model: ModelVersion) -> SampleMethod {
         match model {
             ModelVersion::Sd1 | ModelVersion::Sd2 | ModelVersion::Sdxl => SampleMethod::EulerA,
+            ModelVersion::Flux => SampleMethod::Euler,
         }
     }
+
+    /// The methods that run on a flow-matching schedule here. The reference also has flow
+    /// variants of `dpm++2s_a`, `res_multistep`, `res_2s`, `er_sde` and `euler_ge`, not
+    /// implemented here yet ([`sample_flow`] refuses them by name).
+    pub const FLOW: [SampleMethod; 13] = [
+        SampleMethod::Euler,
+        SampleMethod::EulerA,
+        SampleMethod::Heun,
+        SampleMethod::Dpm2,
+        SampleMethod::DpmPp2m,
+        SampleMethod::DpmPp2mV2,
+        SampleMethod::Ipndm,
+        SampleMethod::IpndmV,
+        SampleMethod::Lcm,
+        SampleMethod::DdimTrailing,
+        SampleMethod::Tcd,
+        SampleMethod::EulerCfgPp,
+        SampleMethod::EulerACfgPp,
+    ];
 
     /// The noise multiplier used when `--eta` is not given, as the reference resolves it: 1 for
     /// `euler_a`, `dpm++2s_a`, `er_sde` and `euler_a_cfg_pp`, else 0.
@@ -218,6 +238,28 @@ pub(super) fn ancestral_step(sigma_from: f32, sigma_to: f32, eta: f32) -> (f32, 
     let down_sq = to_sq - sigma_up * sigma_up;
     let sigma_down = if down_sq > 0.0 { down_sq.sqrt() } else { 0.0 };
     (sigma_down, sigma_up)
+}
+
+/// `(sigma_down, sigma_up, alpha_scale)` of a flow-matching ancestral step (the reference's
+/// `get_ancestral_step_flow`): eta clamped to 1, `sigma_down` between 0 and `sigma_to`, and the
+/// rescale of `x` by `alpha_scale` before the noise is added, all in f32.
+pub(super) fn ancestral_step_flow(sigma_from: f32, sigma_to: f32, eta: f32) -> (f32, f32, f32) {
+    if eta <= 0.0 || sigma_from <= 0.0 || sigma_to <= 0.0 {
+        return (sigma_to, 0.0, 1.0);
+    }
+    let eta = cpp_min(eta, 1.0);
+    let ratio = sigma_to / sigma_from;
+    let down = sigma_to * (1.0 + (ratio - 1.0) * eta);
+    let down = cpp_max(0.0, cpp_min(sigma_to, down));
+    let denom = 1.0 - down;
+    if denom <= 0.0 {
+        return (sigma_to, 0.0, 1.0);
+    }
+    let alpha_scale = (1.0 - sigma_to) / denom;
+    let term = (down / sigma_to) * alpha_scale;
+    let term = cpp_max(-1.0, cpp_min(1.0, term));
+    let up = sigma_to * cpp_max(1.0 - term * term, 0.0).sqrt();
+    (down, up, alpha_scale)
 }
 
 /// `-log(sigma)`, computed in double and rounded to float like the reference's `t_fn`.
@@ -315,6 +357,53 @@ where
     R: Into<Denoised>,
     E: From<SamplingError>,
 {
+    sample_on(method, denoise, x, sigmas, rng, eta, false)
+}
+
+/// [`sample`] on a flow-matching schedule (sigmas in (0, 1], the reference's
+/// `is_flow_denoiser`): the ancestral samplers (`euler_a`, `ddim_trailing`) take flow ancestral
+/// steps (`x` rescaled by `alpha_scale` before the noise) and `lcm` re-noises
+/// `(1 - sigma_next) x0 + sigma_next noise`; the others run as on a discrete schedule, as in the
+/// reference. Methods outside [`SampleMethod::FLOW`] are an error naming them.
+pub fn sample_flow<E, D, R>(
+    method: SampleMethod,
+    denoise: &mut D,
+    x: Vec<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn NoiseRng,
+    eta: f32,
+) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    if !SampleMethod::FLOW.contains(&method) {
+        let implemented: Vec<&str> = SampleMethod::FLOW.iter().map(|m| m.name()).collect();
+        return Err(SamplingError::NotImplemented {
+            what: "sampling method on a flow-matching schedule",
+            name: method.name().to_owned(),
+            implemented: implemented.join(", "),
+        }
+        .into());
+    }
+    sample_on(method, denoise, x, sigmas, rng, eta, true)
+}
+
+fn sample_on<E, D, R>(
+    method: SampleMethod,
+    denoise: &mut D,
+    x: Vec<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn NoiseRng,
+    eta: f32,
+    flow: bool,
+) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
     if sigmas.len() < 2 {
         return Err(SamplingError::EmptySchedule(sigmas.len()).into());
     }
@@ -352,13 +441,23 @@ where
                         *xv = ratio * *xv + keep * dv;
                     }
                 } else {
-                    let (sigma_down, sigma_up) = ancestral_step(sigma, sigma_to, eta);
+                    let (sigma_down, sigma_up, alpha_scale) = if flow {
+                        ancestral_step_flow(sigma, sigma_to, eta)
+                    } else {
+                        let (down, up) = ancestral_step(sigma, sigma_to, eta);
+                        (down, up, 1.0)
+                    };
                     let ratio = sigma_down / sigma;
                     let keep = 1.0 - ratio;
                     for (xv, &dv) in x.iter_mut().zip(&den) {
                         *xv = ratio * *xv + keep * dv;
                     }
                     if sigma_up > 0.0 {
+                        if flow {
+                            for xv in x.iter_mut() {
+                                *xv *= alpha_scale;
+                            }
+                        }
                         let z = noise(rng)?;
                         for (xv, &zv) in x.iter_mut().zip(&z) {
                             *xv += zv * sigma_up;
@@ -473,6 +572,12 @@ where
                 let s_next = sigmas[i + 1];
                 x = ev.pred(&x, sigmas[i], i, true)?;
                 if s_next > 0.0 {
+                    if flow {
+                        let keep = 1.0 - s_next;
+                        for xv in x.iter_mut() {
+                            *xv *= keep;
+                        }
+                    }
                     // The reference's default noise_scale is exactly 1.
                     let z = noise(rng)?;
                     for (xv, &zv) in x.iter_mut().zip(&z) {

@@ -1,4 +1,9 @@
-//! Noise schedules: the SD training schedule, sigma<->timestep conversion and the step schedulers.
+//! Noise schedules: the SD training schedule, the flow-matching schedules of the DiT models
+//! (FLUX.1, SD3), sigma<->timestep conversion and the step schedulers.
+//!
+//! Every scheduler reads a model's schedule only through [`NoiseSchedule`] (`sigma_min`,
+//! `sigma_max`, `t_to_sigma`), as the reference's schedulers read its `Denoiser`, so the same
+//! `--scheduler` spacing applies to [`DiscreteSchedule`] and [`FlowSchedule`] alike.
 //!
 //! SD 1.x/2.x were trained on 1000 discrete timesteps with "scaled linear" betas; the sampler
 //! works in sigma space (`sigma_t = sqrt((1 - alphabar_t) / alphabar_t)`), and the UNet is given
@@ -158,6 +163,201 @@ impl DiscreteSchedule {
     }
 }
 
+/// What the schedulers and the denoiser read from a model's noise schedule (the reference's
+/// `Denoiser` interface): the sigma range, timestep -> sigma for the schedulers, and sigma ->
+/// the timestep the diffusion model is given.
+pub trait NoiseSchedule {
+    /// The smallest sigma (timestep 0).
+    fn sigma_min(&self) -> f32;
+    /// The largest sigma (timestep 999).
+    fn sigma_max(&self) -> f32;
+    /// The sigma of a (fractional) timestep in [0, 999].
+    fn t_to_sigma(&self, t: f32) -> f32;
+    /// The timestep the diffusion model reads for `sigma`.
+    fn sigma_to_t(&self, sigma: f32) -> f32;
+    /// Whether this is a flow-matching schedule (the reference's `is_flow_denoiser`): sigma in
+    /// (0, 1], `x = (1 - sigma) x0 + sigma noise`, and the ancestral samplers' flow variants.
+    fn is_flow(&self) -> bool {
+        false
+    }
+}
+
+impl NoiseSchedule for DiscreteSchedule {
+    fn sigma_min(&self) -> f32 {
+        DiscreteSchedule::sigma_min(self)
+    }
+
+    fn sigma_max(&self) -> f32 {
+        DiscreteSchedule::sigma_max(self)
+    }
+
+    fn t_to_sigma(&self, t: f32) -> f32 {
+        DiscreteSchedule::t_to_sigma(self, t)
+    }
+
+    fn sigma_to_t(&self, sigma: f32) -> f32 {
+        DiscreteSchedule::sigma_to_t(self, sigma)
+    }
+}
+
+/// Which flow-matching time shift a [`FlowSchedule`] applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlowShift {
+    /// FLUX.1 (the reference's `FluxFlowDenoiser`): `sigma = e^mu / (e^mu + (1/t - 1))` with
+    /// `mu = shift`; the model reads the timestep `sigma` itself.
+    Flux,
+    /// SD3 (the reference's `DiscreteFlowDenoiser`): `sigma = shift t / (1 + (shift - 1) t)`;
+    /// the model reads `sigma * 1000`.
+    Sd3,
+}
+
+/// A flow-matching schedule: 1000 training timesteps `t = (i + 1) / 1000` mapped to sigmas by a
+/// time shift, scalings `c_skip = 1, c_out = -sigma, c_in = 1` ([`crate::sampling::Prediction::Flow`]).
+///
+/// FLUX.1's shift is constant (no resolution-dependent shift in the reference for FLUX.1; only
+/// FLUX.2 derives one from the image size): `mu` 1.15 for dev (the file has
+/// `guidance_in`), 1.0 for schnell ([`FlowSchedule::flux_for`]), overridden by `--flow-shift`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlowSchedule {
+    kind: FlowShift,
+    shift: f32,
+}
+
+impl FlowSchedule {
+    /// FLUX.1's schedule with time shift `mu`.
+    pub fn flux(mu: f32) -> Self {
+        FlowSchedule { kind: FlowShift::Flux, shift: mu }
+    }
+
+    /// FLUX.1's default: `mu` 1.15 for a model with distilled guidance (dev: its file has
+    /// `guidance_in.in_layer.weight`), 1.0 otherwise (schnell), as the reference decides it.
+    pub fn flux_for(has_guidance_embedding: bool) -> Self {
+        Self::flux(if has_guidance_embedding { 1.15 } else { 1.0 })
+    }
+
+    /// SD3's schedule with `shift` (the reference's default for SD3 is 3).
+    pub fn sd3(shift: f32) -> Self {
+        FlowSchedule { kind: FlowShift::Sd3, shift }
+    }
+
+    /// The same kind with another shift (`--flow-shift`).
+    pub fn with_shift(self, shift: f32) -> Self {
+        FlowSchedule { shift, ..self }
+    }
+
+    /// The kind of time shift.
+    pub fn kind(&self) -> FlowShift {
+        self.kind
+    }
+
+    /// The shift (`mu` for FLUX.1).
+    pub fn shift(&self) -> f32 {
+        self.shift
+    }
+
+    /// The flow noising `latent * (1 - sigma) + noise * sigma` (img2img's start, in f32 in this
+    /// order as the reference's `noise_scaling`).
+    pub fn noised_latent(&self, init: &[f32], noise: &[f32], sigma: f32) -> Result<Vec<f32>, SamplingError> {
+        if init.len() != noise.len() {
+            return Err(SamplingError::LengthMismatch { what: "noise", expected: init.len(), got: noise.len() });
+        }
+        let keep = 1.0 - sigma;
+        Ok(init.iter().zip(noise).map(|(&l, &n)| l * keep + n * sigma).collect())
+    }
+}
+
+impl NoiseSchedule for FlowSchedule {
+    fn sigma_min(&self) -> f32 {
+        self.t_to_sigma(0.0)
+    }
+
+    fn sigma_max(&self) -> f32 {
+        self.t_to_sigma(T_MAX as f32)
+    }
+
+    fn t_to_sigma(&self, t: f32) -> f32 {
+        let t = (t + 1.0) / TIMESTEPS as f32;
+        match self.kind {
+            FlowShift::Flux => {
+                // `expf(mu) / (expf(mu) + powf(1/t - 1, 1.0f))`, all in float.
+                let e = self.shift.exp();
+                e / (e + (1.0 / t - 1.0).powf(1.0))
+            }
+            FlowShift::Sd3 => {
+                if self.shift == 1.0 {
+                    t
+                } else {
+                    self.shift * t / (1.0 + (self.shift - 1.0) * t)
+                }
+            }
+        }
+    }
+
+    fn sigma_to_t(&self, sigma: f32) -> f32 {
+        match self.kind {
+            FlowShift::Flux => sigma,
+            FlowShift::Sd3 => sigma * 1000.0,
+        }
+    }
+
+    fn is_flow(&self) -> bool {
+        true
+    }
+}
+
+/// A model's noise schedule, discrete (SD 1.x/2.x, SDXL) or flow-matching (FLUX.1, SD3): what a
+/// family's sampling defaults name, converted from either.
+#[derive(Clone, Debug)]
+pub enum Schedule {
+    /// The CompVis discrete schedule.
+    Discrete(DiscreteSchedule),
+    /// A flow-matching schedule.
+    Flow(FlowSchedule),
+}
+
+impl From<DiscreteSchedule> for Schedule {
+    fn from(s: DiscreteSchedule) -> Self {
+        Schedule::Discrete(s)
+    }
+}
+
+impl From<FlowSchedule> for Schedule {
+    fn from(s: FlowSchedule) -> Self {
+        Schedule::Flow(s)
+    }
+}
+
+impl Schedule {
+    fn inner(&self) -> &dyn NoiseSchedule {
+        match self {
+            Schedule::Discrete(d) => d,
+            Schedule::Flow(f) => f,
+        }
+    }
+}
+
+impl NoiseSchedule for Schedule {
+    fn sigma_min(&self) -> f32 {
+        self.inner().sigma_min()
+    }
+
+    fn sigma_max(&self) -> f32 {
+        self.inner().sigma_max()
+    }
+
+    fn t_to_sigma(&self, t: f32) -> f32 {
+        self.inner().t_to_sigma(t)
+    }
+
+    fn sigma_to_t(&self, sigma: f32) -> f32 {
+        self.inner().sigma_to_t(sigma)
+    }
+
+    fn is_flow(&self) -> bool {
+        self.inner().is_flow()
+    }
+}
+
 /// The model family, where a default or a scheduler depends on it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ModelVersion {
@@ -168,6 +368,8 @@ pub enum ModelVersion {
     Sd2,
     /// Stable Diffusion XL (and its distilled UNets).
     Sdxl,
+    /// FLUX.1 (dev, schnell): a flow-matching DiT.
+    Flux,
 }
 
 /// What a scheduler may depend on besides the step count and the noise schedule.
@@ -251,17 +453,17 @@ impl Scheduler {
 
     /// The `steps + 1` sigmas (the last one 0) for `schedule`, for an SD 1.x model of the
     /// reference's fallback size (see [`Scheduler::sigmas_for`]). Zero steps is an error.
-    pub fn sigmas(self, steps: usize, schedule: &DiscreteSchedule) -> Result<Vec<f32>, SamplingError> {
+    pub fn sigmas<S: NoiseSchedule + ?Sized>(self, steps: usize, schedule: &S) -> Result<Vec<f32>, SamplingError> {
         self.sigmas_for(steps, schedule, &ScheduleContext::default())
     }
 
     /// The `steps + 1` sigmas (the last one 0) for `schedule` and the model and image in `ctx`.
     /// Zero steps is an error, and so are the cases where the reference reads outside its
     /// tables (`gits` with one step, `ays` on SD 2.x).
-    pub fn sigmas_for(
+    pub fn sigmas_for<S: NoiseSchedule + ?Sized>(
         self,
         steps: usize,
-        schedule: &DiscreteSchedule,
+        schedule: &S,
         ctx: &ScheduleContext,
     ) -> Result<Vec<f32>, SamplingError> {
         if steps == 0 {
@@ -279,6 +481,9 @@ impl Scheduler {
                 ModelVersion::Sdxl => ays(n, &AYS_SDXL),
                 ModelVersion::Sd2 => {
                     return Err(unsupported("Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not SD 2.x"))
+                }
+                ModelVersion::Flux => {
+                    return Err(unsupported("Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not FLUX"))
                 }
             },
             Scheduler::Gits => {
@@ -314,7 +519,7 @@ impl FromStr for Scheduler {
 
 const T_MAX: i32 = TIMESTEPS as i32 - 1;
 
-fn discrete(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
+fn discrete<S: NoiseSchedule + ?Sized>(n: u32, schedule: &S) -> Vec<f32> {
     if n == 1 {
         return vec![schedule.t_to_sigma(T_MAX as f32), 0.0];
     }
@@ -365,14 +570,14 @@ fn linear_space(start: f32, end: f32, num_points: usize) -> Vec<f32> {
     out
 }
 
-fn sgm_uniform(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
+fn sgm_uniform<S: NoiseSchedule + ?Sized>(n: u32, schedule: &S) -> Vec<f32> {
     let timesteps = linear_space(T_MAX as f32, 0.0, n as usize + 1);
     let mut out: Vec<f32> = timesteps[..n as usize].iter().map(|&t| schedule.t_to_sigma(t)).collect();
     out.push(0.0);
     out
 }
 
-fn simple(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
+fn simple<S: NoiseSchedule + ?Sized>(n: u32, schedule: &S) -> Vec<f32> {
     let len = TIMESTEPS as i32;
     let step_factor = len as f32 / n as f32;
     let mut out: Vec<f32> = (0..n)
@@ -386,7 +591,7 @@ fn simple(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
     out
 }
 
-fn smoothstep(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
+fn smoothstep<S: NoiseSchedule + ?Sized>(n: u32, schedule: &S) -> Vec<f32> {
     if n == 1 {
         return vec![schedule.t_to_sigma(T_MAX as f32), 0.0];
     }
@@ -418,7 +623,7 @@ fn kl_optimal(n: u32, sigma_min: f32, sigma_max: f32) -> Vec<f32> {
     out
 }
 
-fn lcm(n: u32, schedule: &DiscreteSchedule) -> Vec<f32> {
+fn lcm<S: NoiseSchedule + ?Sized>(n: u32, schedule: &S) -> Vec<f32> {
     const ORIGINAL_STEPS: u32 = 50;
     const K: i32 = TIMESTEPS as i32 / ORIGINAL_STEPS as i32;
     let mut out: Vec<f32> = (0..n)

@@ -901,3 +901,167 @@ fn unknown_and_unimplemented_names_are_errors() {
     assert!("EULER".parse::<SampleMethod>().is_err(), "names are case-sensitive, as in the reference");
     assert!(matches!("flux_flow".parse::<Prediction>(), Err(SamplingError::NotImplemented { .. })));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Flow matching (FLUX.1, SD3)
+
+fn flows() -> [(&'static str, FlowSchedule); 3] {
+    [("flux1", FlowSchedule::flux(1.0)), ("flux1.15", FlowSchedule::flux(1.15)), ("sd3_3", FlowSchedule::sd3(3.0))]
+}
+
+/// Sigma range, t -> sigma, sigma -> timestep and the scalings of FLUX.1's (shift 1, 1.15) and
+/// SD3's (shift 3) flow denoisers, to the bit.
+#[test]
+fn flow_schedules_match_reference() {
+    let t = reference();
+    for (name, f) in flows() {
+        let range = floats(&t, &format!("flow {name} range"));
+        assert_close(&format!("{name} range"), &[f.sigma_min(), f.sigma_max()], &range, MAX_ULPS);
+        let ts = [0.0f32, 0.5, 1.0, 10.25, 499.5, 998.75, 999.0];
+        let got: Vec<f32> = ts.iter().map(|&x| f.t_to_sigma(x)).collect();
+        assert_close(&format!("{name} t_to_sigma"), &got, &floats(&t, &format!("flow {name} t_to_sigma")), MAX_ULPS);
+        let mut got = Vec::new();
+        for s in [0.001f32, 0.0285, 0.3, 0.5, 0.75, 0.999, 1.0] {
+            let sc = Scalings::flow(s);
+            got.extend([f.sigma_to_t(s), sc.c_skip, sc.c_out, sc.c_in]);
+        }
+        let head = format!("flow {name} sigma_to_t_scalings");
+        assert_close(&head, &got, &floats(&t, &head), MAX_ULPS);
+        assert!(f.is_flow());
+    }
+    // The defaults the reference picks for FLUX.1: 1.15 with a guidance embedding (dev), else 1.
+    assert_eq!(FlowSchedule::flux_for(true), FlowSchedule::flux(1.15));
+    assert_eq!(FlowSchedule::flux_for(false).shift(), 1.0);
+    assert_eq!(FlowSchedule::flux(1.0).with_shift(3.0), FlowSchedule::flux(3.0));
+    assert!(!NoiseSchedule::is_flow(&DiscreteSchedule::sd()));
+}
+
+/// Every scheduler but AYS (which has no FLUX noise levels) on the flow schedules, through the
+/// same `Scheduler::sigmas` as the discrete one.
+#[test]
+fn schedulers_on_flow_schedules_match_reference() {
+    let t = reference();
+    let mut checked = 0;
+    for (name, f) in flows() {
+        let as_schedule = Schedule::from(f);
+        for sched in Scheduler::ALL {
+            for n in [1usize, 2, 4, 10, 20, 28] {
+                let head = format!("flow {name} schedule {} {n}", sched.name());
+                let Some(_) = t.get(&head) else { continue };
+                let ctx = ScheduleContext { model: ModelVersion::Flux, image_seq_len: 0 };
+                let want = floats(&t, &head);
+                assert_close(&head, &sched.sigmas_for(n, &f, &ctx).unwrap(), &want, MAX_ULPS);
+                assert_close(&head, &sched.sigmas_for(n, &as_schedule, &ctx).unwrap(), &want, MAX_ULPS);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 150, "only {checked} flow schedules compared");
+    let ctx = ScheduleContext { model: ModelVersion::Flux, image_seq_len: 0 };
+    let e = Scheduler::Ays.sigmas_for(4, &FlowSchedule::flux(1.0), &ctx).unwrap_err().to_string();
+    assert!(e.contains("ays") && e.contains("FLUX"), "{e}");
+    assert_eq!(SampleMethod::default_for(ModelVersion::Flux), SampleMethod::Euler);
+    assert_eq!(SampleMethod::Euler.default_scheduler(), Scheduler::Discrete);
+}
+
+/// The samplers that run on a flow schedule, on the analytic denoiser, from the flow noising of a
+/// zero latent: outputs and call sigmas to the bit (euler_a and ddim_trailing take the flow
+/// ancestral step, lcm rescales before re-noising; eta 2 is clamped to 1 as in the reference).
+#[test]
+fn samplers_on_flow_schedules_match_reference() {
+    let t = reference();
+    let methods = [
+        ("euler", SampleMethod::Euler, 0.0),
+        ("euler_a", SampleMethod::EulerA, 1.0),
+        ("euler_a_eta05", SampleMethod::EulerA, 0.5),
+        ("euler_a_eta2", SampleMethod::EulerA, 2.0),
+        ("heun", SampleMethod::Heun, 0.0),
+        ("dpm2", SampleMethod::Dpm2, 0.0),
+        ("dpm++2m", SampleMethod::DpmPp2m, 0.0),
+        ("dpm++2mv2", SampleMethod::DpmPp2mV2, 0.0),
+        ("ipndm", SampleMethod::Ipndm, 0.0),
+        ("ipndm_v", SampleMethod::IpndmV, 0.0),
+        ("lcm", SampleMethod::Lcm, 0.0),
+        ("ddim_trailing", SampleMethod::DdimTrailing, 0.0),
+        ("ddim_trailing_eta1", SampleMethod::DdimTrailing, 1.0),
+        ("tcd", SampleMethod::Tcd, 0.0),
+        ("euler_cfg_pp", SampleMethod::EulerCfgPp, 0.0),
+        ("euler_a_cfg_pp", SampleMethod::EulerACfgPp, 1.0),
+    ];
+    for m in SampleMethod::FLOW {
+        assert!(methods.iter().any(|c| c.1 == m), "{m} is not compared with the reference");
+    }
+    let runs = [
+        ("flux1", FlowSchedule::flux(1.0), Scheduler::Discrete, 4, 42u64, 16usize),
+        ("flux1.15", FlowSchedule::flux(1.15), Scheduler::Simple, 6, 7, 13),
+        ("sd3_3", FlowSchedule::sd3(3.0), Scheduler::Discrete, 5, 3, 16),
+    ];
+    for (label, method, eta) in methods {
+        for (flow_name, f, sched, steps, seed, numel) in runs {
+            let tail = format!("{label} {flow_name} {} {steps} {seed} {numel}", sched.name());
+            let sigmas = sched.sigmas(steps, &f).unwrap();
+            let mut rng = RngKind::Cuda.seeded(seed);
+            let x = f.noised_latent(&vec![0.0; numel], &rng.randn(numel), sigmas[0]).unwrap();
+            let mut calls = Vec::new();
+            let mut den = |x: &[f32], sigma: f32, _: Step| {
+                calls.push(sigma);
+                let uncond = method.needs_uncond_denoised().then(|| analytic_denoise_uncond(x, sigma));
+                Ok::<_, SamplingError>(Denoised { pred: analytic_denoise(x, sigma), uncond })
+            };
+            let out = sample_flow(method, &mut den, x, &sigmas, rng.as_mut(), eta).unwrap();
+            assert_close(&format!("flowsample {tail}"), &out, &floats(&t, &format!("flowsample {tail}")), MAX_ULPS);
+            assert_close(&format!("flowcalls {tail}"), &calls, &floats(&t, &format!("flowcalls {tail}")), MAX_ULPS);
+        }
+    }
+    // The flow ancestral step differs from the discrete one (so the comparison above can fail).
+    let s = FlowSchedule::flux(1.0);
+    let sigmas = Scheduler::Discrete.sigmas(4, &s).unwrap();
+    let run = |flow: bool| {
+        let mut rng = RngKind::Cuda.seeded(42);
+        let x = s.noised_latent(&[0.0; 16], &rng.randn(16), sigmas[0]).unwrap();
+        let mut den = |x: &[f32], sigma: f32, _: Step| Ok::<_, SamplingError>(analytic_denoise(x, sigma));
+        let f = if flow { sample_flow } else { sample };
+        f(SampleMethod::EulerA, &mut den, x, &sigmas, rng.as_mut(), 1.0).unwrap()
+    };
+    assert_ne!(run(true), run(false));
+}
+
+/// Methods whose flow variants are not implemented are refused by name, not run as discrete.
+#[test]
+fn flow_sampling_refuses_methods_without_a_flow_variant() {
+    let mut den = |x: &[f32], sigma: f32, _: Step| Ok::<_, SamplingError>(analytic_denoise(x, sigma));
+    for m in SampleMethod::ALL.into_iter().filter(|m| !SampleMethod::FLOW.contains(m)) {
+        let mut rng = RngKind::Cuda.seeded(1);
+        let e = sample_flow(m, &mut den, vec![0.0; 4], &[1.0, 0.5, 0.0], rng.as_mut(), 1.0).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, SamplingError::NotImplemented { .. }) && msg.contains(m.name()), "{msg}");
+    }
+    assert_eq!(SampleMethod::ALL.len() - SampleMethod::FLOW.len(), 5);
+}
+
+/// The flow noising `(1 - sigma) x0 + sigma noise` and the FLUX.1 dev denoiser composition (flow
+/// scalings, timestep = sigma, CFG) against the reference's pieces.
+#[test]
+fn flow_guided_denoiser_matches_reference_composition() {
+    let t = reference();
+    let f = FlowSchedule::flux(1.15);
+    for cfg in [1.0_f32, 3.5] {
+        let sigma = 0.7_f32;
+        let x: Vec<f32> = PhiloxRng::new(5).randn(12).iter().map(|v| v * 2.0).collect();
+        // The prediction is not read on a flow schedule: V would change every value otherwise.
+        let mut den = GuidedDenoiser::new(&f, Prediction::V, cfg, |m: ModelInput<'_>| {
+            let t = m.timestep;
+            let cond = m.x.iter().enumerate().map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32).collect();
+            let uncond = m.x.iter().enumerate().map(|(i, &v)| 0.2 * v - 0.01 * i as f32).collect();
+            Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond) })
+        });
+        let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true }).unwrap();
+        let head = t.keys().find(|k| k.starts_with(&format!("flowguided flux1.15 {cfg} "))).expect("line").clone();
+        let want_t: f32 = head.split_whitespace().nth(4).unwrap().parse().unwrap();
+        assert_eq!(f.sigma_to_t(sigma).to_bits(), want_t.to_bits(), "{head}: timestep");
+        assert_close(&head, &got, &floats(&t, &head), MAX_ULPS);
+    }
+    let n = f.noised_latent(&[1.0, -2.0], &[0.5, 0.25], 0.25).unwrap();
+    assert_eq!(n, vec![1.0 * 0.75 + 0.5 * 0.25, -2.0 * 0.75 + 0.25 * 0.25]);
+    assert!(f.noised_latent(&[1.0], &[0.5, 0.25], 0.25).is_err());
+}

@@ -10,7 +10,9 @@
 //   - the sigmas of every scheduler for several step counts,
 //   - the output of every sampler on an analytic denoiser (and the sigmas and step
 //     numbers it was called with),
-//   - one classifier-free-guided denoiser evaluation built from the reference's own pieces.
+//   - one classifier-free-guided denoiser evaluation built from the reference's own pieces,
+//   - then the same for the flow-matching denoisers of FLUX.1 (shift 1 and 1.15) and SD3 (shift 3):
+//     sigma ranges, t <-> sigma, scalings, the schedulers, the samplers with is_flow_denoiser.
 // The denoiser and the fake model below are ours; the arithmetic they use is plain float that
 // Rust reproduces operation by operation.
 //
@@ -318,6 +320,144 @@ int main() {
             std::snprintf(head, sizeof(head), "guided %s %.9g %.9g %.9g", v == 0 ? "eps" : "v", cfg, sigma, t);
             print_values(head, denoised.values());
         }
+    }
+
+    // ---- Flow matching (appended; the sections above are unchanged). FLUX.1's FluxFlowDenoiser
+    // with shift 1.0 (schnell) and 1.15 (dev: the default when the file has guidance_in), and
+    // SD3's DiscreteFlowDenoiser with shift 3.
+    struct NamedFlow {
+        const char* name;
+        std::shared_ptr<DiscreteFlowDenoiser> d;
+    };
+    auto flux_schnell = std::make_shared<FluxFlowDenoiser>();
+    flux_schnell->set_shift(1.0f);
+    auto flux_dev = std::make_shared<FluxFlowDenoiser>();
+    flux_dev->set_shift(1.15f);
+    auto sd3 = std::make_shared<DiscreteFlowDenoiser>(3.0f);
+    NamedFlow flows[] = {{"flux1", flux_schnell}, {"flux1.15", flux_dev}, {"sd3_3", sd3}};
+    std::vector<float> flow_probe_ts    = {0.f, 0.5f, 1.f, 10.25f, 499.5f, 998.75f, 999.f};
+    std::vector<float> flow_probe_sigma = {0.001f, 0.0285f, 0.3f, 0.5f, 0.75f, 0.999f, 1.0f};
+    for (const auto& f : flows) {
+        char head[128];
+        std::snprintf(head, sizeof(head), "flow %s range", f.name);
+        print_values(head, {f.d->sigma_min(), f.d->sigma_max()});
+        std::vector<float> out;
+        for (float t : flow_probe_ts) {
+            out.push_back(f.d->t_to_sigma(t));
+        }
+        std::snprintf(head, sizeof(head), "flow %s t_to_sigma", f.name);
+        print_values(head, out);
+        out.clear();
+        for (float s : flow_probe_sigma) {
+            out.push_back(f.d->sigma_to_t(s));
+            auto sc = f.d->get_scalings(s);
+            out.push_back(sc[0]);
+            out.push_back(sc[1]);
+            out.push_back(sc[2]);
+        }
+        std::snprintf(head, sizeof(head), "flow %s sigma_to_t_scalings", f.name);
+        print_values(head, out);
+        for (const auto& s : schedulers) {
+            if (s.type == AYS_SCHEDULER) {
+                continue;  // no noise levels for FLUX/SD3 (the reference returns zeros)
+            }
+            bool one_step_defined = s.type != KARRAS_SCHEDULER && s.type != EXPONENTIAL_SCHEDULER && s.type != GITS_SCHEDULER;
+            for (uint32_t n : {1u, 2u, 4u, 10u, 20u, 28u}) {
+                if (n == 1 && !one_step_defined) {
+                    continue;
+                }
+                std::snprintf(head, sizeof(head), "flow %s schedule %s %u", f.name, s.name, n);
+                print_values(head, f.d->get_sigmas(n, 0, s.type, VERSION_FLUX));
+            }
+        }
+    }
+
+    // ---- Samplers on a flow schedule (is_flow_denoiser = true), the analytic denoiser as above,
+    // the start latent from the flow noise_scaling of zeros.
+    NamedMethod flow_methods[] = {
+        {"euler", EULER_SAMPLE_METHOD, 0.f},
+        {"euler_a", EULER_A_SAMPLE_METHOD, 1.f},
+        {"euler_a_eta05", EULER_A_SAMPLE_METHOD, 0.5f},
+        {"euler_a_eta2", EULER_A_SAMPLE_METHOD, 2.f},
+        {"heun", HEUN_SAMPLE_METHOD, 0.f},
+        {"dpm2", DPM2_SAMPLE_METHOD, 0.f},
+        {"dpm++2m", DPMPP2M_SAMPLE_METHOD, 0.f},
+        {"dpm++2mv2", DPMPP2Mv2_SAMPLE_METHOD, 0.f},
+        {"ipndm", IPNDM_SAMPLE_METHOD, 0.f},
+        {"ipndm_v", IPNDM_V_SAMPLE_METHOD, 0.f},
+        {"lcm", LCM_SAMPLE_METHOD, 0.f},
+        {"ddim_trailing", DDIM_TRAILING_SAMPLE_METHOD, 0.f},
+        {"ddim_trailing_eta1", DDIM_TRAILING_SAMPLE_METHOD, 1.f},
+        {"tcd", TCD_SAMPLE_METHOD, 0.f},
+        {"euler_cfg_pp", EULER_CFG_PP_SAMPLE_METHOD, 0.f},
+        {"euler_a_cfg_pp", EULER_A_CFG_PP_SAMPLE_METHOD, 1.f},
+    };
+    struct FlowRun {
+        std::shared_ptr<DiscreteFlowDenoiser> d;
+        const char* flow_name;
+        scheduler_t scheduler;
+        const char* scheduler_name;
+        uint32_t steps;
+        uint64_t seed;
+        uint32_t numel;
+    };
+    FlowRun flow_runs[] = {
+        {flux_schnell, "flux1", DISCRETE_SCHEDULER, "discrete", 4, 42, 16},
+        {flux_dev, "flux1.15", SIMPLE_SCHEDULER, "simple", 6, 7, 13},
+        {sd3, "sd3_3", DISCRETE_SCHEDULER, "discrete", 5, 3, 16},
+    };
+    for (const auto& m : flow_methods) {
+        for (const auto& run : flow_runs) {
+            std::vector<float> sigmas = run.d->get_sigmas(run.steps, 0, run.scheduler, VERSION_FLUX);
+            std::shared_ptr<RNG> rng  = std::make_shared<PhiloxRNG>(run.seed);
+            sd::Tensor<float> init    = sd::zeros<float>({(int64_t)run.numel});
+            sd::Tensor<float> noise   = sd::Tensor<float>::randn_like(init, rng);
+            sd::Tensor<float> x       = run.d->noise_scaling(sigmas[0], noise, init);
+            std::vector<float> call_sigmas;
+            denoise_cb_t cb = [&](const sd::Tensor<float>& xin, float sigma, int) {
+                call_sigmas.push_back(sigma);
+                sd::guidance::GuiderOutput out;
+                out.pred = analytic_denoise(xin, sigma);
+                if (m.method == EULER_CFG_PP_SAMPLE_METHOD || m.method == EULER_A_CFG_PP_SAMPLE_METHOD) {
+                    out.pred_uncond = analytic_denoise_uncond(xin, sigma);
+                }
+                return out;
+            };
+            sd::Tensor<float> result = sample_k_diffusion(m.method, cb, x, sigmas, rng, m.eta, true, nullptr);
+            char head[160];
+            std::snprintf(head, sizeof(head), "flowsample %s %s %s %u %llu %u", m.name, run.flow_name,
+                          run.scheduler_name, run.steps, (unsigned long long)run.seed, run.numel);
+            print_values(head, result.values());
+            std::snprintf(head, sizeof(head), "flowcalls %s %s %s %u %llu %u", m.name, run.flow_name,
+                          run.scheduler_name, run.steps, (unsigned long long)run.seed, run.numel);
+            print_values(head, call_sigmas);
+        }
+    }
+
+    // ---- One flow-guided denoiser evaluation (FLUX.1 dev schedule, sigma 0.7): flow scalings,
+    // timestep sigma_to_t(sigma), CFG, pred * c_out + x * c_skip. Same "model" as above.
+    for (float cfg : {1.0f, 3.5f}) {
+        float sigma              = 0.7f;
+        std::shared_ptr<RNG> rng = std::make_shared<PhiloxRNG>(5);
+        sd::Tensor<float> x      = sd::Tensor<float>({12}, rng->randn(12)) * 2.0f;
+        std::vector<float> sc    = flux_dev->get_scalings(sigma);
+        float t                  = flux_dev->sigma_to_t(sigma);
+        sd::Tensor<float> in     = x * sc[2];
+        sd::Tensor<float> cond   = in;
+        sd::Tensor<float> uncond = in;
+        for (int64_t i = 0; i < in.numel(); i++) {
+            cond[i]   = 0.3f * in[i] + 0.001f * t * (float)(i + 1);
+            uncond[i] = 0.2f * in[i] - 0.01f * (float)i;
+        }
+        sd::guidance::ClassifierFreeGuidance guidance(cfg, 1.0f);
+        sd::guidance::GuidanceInput gin;
+        gin.pred_cond   = &cond;
+        gin.pred_uncond = cfg != 1.0f ? &uncond : nullptr;
+        sd::Tensor<float> guided   = guidance.forward(gin, {}).pred;
+        sd::Tensor<float> denoised = guided * sc[1] + x * sc[0];
+        char head[128];
+        std::snprintf(head, sizeof(head), "flowguided flux1.15 %.9g %.9g %.9g", cfg, sigma, t);
+        print_values(head, denoised.values());
     }
     return 0;
 }

@@ -15,6 +15,7 @@ fn flag(s: Setting) -> &'static str {
         Setting::Steps => "--steps",
         Setting::BatchCount => "-b",
         Setting::CfgScale => "--cfg-scale",
+        Setting::Guidance => "--guidance",
         Setting::Eta => "--eta",
         Setting::Strength => "--strength",
     }

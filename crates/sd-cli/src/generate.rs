@@ -50,6 +50,9 @@ pub struct GenerateArgs {
     /// Classifier-free guidance scale (1 disables the negative prompt).
     #[arg(long = "cfg-scale", default_value_t = 7.0, allow_hyphen_values = true)]
     pub cfg_scale: f32,
+    /// Distilled guidance scale of models that take one (FLUX.1 dev; others ignore it).
+    #[arg(long = "guidance", default_value_t = 3.5, allow_hyphen_values = true)]
+    pub guidance: f32,
     /// Sampling method: euler, euler_a, heun, dpm2, dpm++2s_a, dpm++2m, dpm++2mv2, ipndm, ipndm_v,
     /// lcm, ddim_trailing, tcd, res_multistep, res_2s, er_sde, euler_cfg_pp, euler_a_cfg_pp,
     /// euler_ge (default: the model's, euler_a for SD 1.x/2.x).
@@ -338,6 +341,7 @@ impl GenerateArgs {
             height,
             steps: self.steps,
             cfg_scale: self.cfg_scale,
+            guidance: self.guidance,
             method: self.sampling_method,
             scheduler: self.scheduler,
             seed,

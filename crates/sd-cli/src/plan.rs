@@ -105,7 +105,7 @@ pub struct ModelArgs {
     /// The OpenCLIP ViT-bigG text encoder alone (SDXL's second text encoder).
     #[arg(long = "clip_g", value_name = "PATH")]
     pub clip_g: Option<PathBuf>,
-    /// The T5-XXL text encoder (planning only for now).
+    /// The T5-XXL text encoder alone (FLUX's).
     #[arg(long = "t5xxl", value_name = "PATH")]
     pub t5xxl: Option<PathBuf>,
     /// An LLM text encoder (planning only for now).
@@ -145,15 +145,14 @@ impl ModelArgs {
             clip_l: self.clip_l.clone(),
             clip_g: self.clip_g.clone(),
             taesd: self.taesd.clone(),
-            // Described from its header (`extra`) until a family runs T5.
-            t5xxl: None,
+            t5xxl: self.t5xxl.clone(),
         }
     }
 
     /// Files described from headers only.
     pub fn extra(&self) -> Vec<ExtraFile> {
         let mut v = Vec::new();
-        for (flag, path, dominant) in [("--t5xxl", &self.t5xxl, true), ("--llm", &self.llm, true)] {
+        for (flag, path, dominant) in [("--llm", &self.llm, true)] {
             if let Some(p) = path {
                 v.push(ExtraFile { flag: flag.into(), path: p.clone(), dominant });
             }

@@ -23,15 +23,15 @@ use sd_backends::{Backend, GgmlType};
 use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
-use crate::family::{block_group, DiffusionModel, Family, TextEncoder, TextRequest};
+use crate::family::{block_group, DiffusionModel, DiffusionSettings, Family, TextEncoder, TextRequest};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
 use crate::placement::LayerSplit;
 use crate::report::{DeviceReport, ModuleReport, RunReport, RunnerReport, Settings, StepTime};
 use crate::sampling::{
-    img2img_sigmas, noised_latent, sample, txt2img_latent, Denoised, GuidedDenoiser, ModelInput, ModelOutput,
-    Prediction, RngKind, SampleMethod, ScheduleContext, Scheduler,
+    img2img_sigmas, noised_latent, sample, sample_flow, txt2img_latent, Denoised, GuidedDenoiser, ModelInput,
+    ModelOutput, NoiseSchedule, Prediction, RngKind, SampleMethod, Schedule, ScheduleContext, Scheduler,
 };
 use crate::text::conditioning::Conditioning;
 
@@ -134,6 +134,8 @@ pub enum Setting {
     BatchCount,
     /// [`GenerateParams::cfg_scale`].
     CfgScale,
+    /// [`GenerateParams::guidance`].
+    Guidance,
     /// [`GenerateParams::eta`].
     Eta,
     /// [`GenerateParams::strength`].
@@ -149,6 +151,7 @@ impl Setting {
             Setting::Steps => "steps",
             Setting::BatchCount => "batch count",
             Setting::CfgScale => "cfg scale",
+            Setting::Guidance => "guidance",
             Setting::Eta => "eta",
             Setting::Strength => "strength",
         }
@@ -278,6 +281,8 @@ pub struct GenerateParams {
     pub steps: usize,
     /// `--cfg-scale`.
     pub cfg_scale: f32,
+    /// `--guidance`: the distilled guidance scale (FLUX.1 dev; other models ignore it).
+    pub guidance: f32,
     /// `--sampling-method` (None: the model's default).
     pub method: Option<SampleMethod>,
     /// `--scheduler` (None: the sampler's default).
@@ -324,6 +329,9 @@ impl GenerateParams {
         }
         if !self.cfg_scale.is_finite() {
             return bad_setting(Setting::CfgScale, self.cfg_scale, "not a finite number");
+        }
+        if !self.guidance.is_finite() {
+            return bad_setting(Setting::Guidance, self.guidance, "not a finite number");
         }
         if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
             return bad_setting(Setting::Eta, eta, "must be a finite number >= 0");
@@ -439,14 +447,20 @@ impl Pipeline {
     pub fn from_files(files: ModelFiles, opts: LoadOptions) -> Result<Self> {
         let detected = files.detect(opts.prediction)?;
         let family = crate::family::for_detected(&detected, &files)?;
+        let flow = family.sampling().schedule.is_flow();
         let prediction = detected.prediction.unwrap_or_else(|| {
+            // A flow-matching model's parameterisation comes with its schedule.
+            if flow {
+                return Prediction::Eps;
+            }
             tracing::warn!("the model files do not say whether the model predicts eps or v; assuming eps (use --prediction v for 768-v models)");
             Prediction::Eps
         });
         if let PredictionSource::Metadata { key } = &detected.prediction_source {
             tracing::info!("prediction {} (from `{key}`)", prediction.name());
         }
-        tracing::info!("model: {} ({} tensors), prediction {}", detected.arch, files.index().len(), prediction.name());
+        let parameterisation = if flow { "flow matching" } else { prediction.name() };
+        tracing::info!("model: {} ({} tensors), prediction {parameterisation}", detected.arch, files.index().len());
         let files = Arc::new(files);
         Ok(Self { files, family, prediction, opts, loras: None })
     }
@@ -596,7 +610,7 @@ impl Pipeline {
         self.family.load_text(w)
     }
 
-    fn load_diffusion(&self) -> Result<Box<dyn DiffusionModel>> {
+    fn load_diffusion(&self, guidance: f32) -> Result<Box<dyn DiffusionModel>> {
         let dtype = dtype_of(&self.files);
         let mut w = Weights::new(self.family.diffusion_specs(&dtype, self.opts.wtype))?;
         let d = &self.opts.devices;
@@ -604,7 +618,18 @@ impl Pipeline {
         let group_of = |name: &str| self.family.diffusion_group(name);
         let rows = |spec: &TensorSpec| self.family.diffusion_row_splittable(spec);
         self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of, &rows)?;
-        self.family.load_diffusion(w, self.opts.flash_attn)
+        let settings = DiffusionSettings { flash_attn: self.opts.flash_attn, guidance };
+        self.family.load_diffusion(w, &settings)
+    }
+
+    /// The family's TAESD configuration, or an error naming `--taesd` when it has none.
+    fn taesd_config(&self) -> Result<sd_vae::TaesdConfig> {
+        self.family.taesd().ok_or_else(|| {
+            PipelineError::Invalid(format!(
+                "--taesd: the {} family has no tiny autoencoder yet; drop --taesd to decode with the VAE",
+                self.family.arch()
+            ))
+        })
     }
 
     fn load_first_stage(&self, need_encoder: bool) -> Result<Box<dyn FirstStage>> {
@@ -613,7 +638,7 @@ impl Pipeline {
         let vae_err = |e| sd_vae::VaeError::Weights { module: "VAE", source: e };
         if self.opts.sources.taesd.is_some() {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-            let cfg = self.family.taesd();
+            let cfg = self.taesd_config()?;
             let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
             self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false)?;
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
@@ -721,7 +746,7 @@ impl Pipeline {
         let unet = self.family.diffusion_specs(&dtype, self.opts.wtype);
         let (first_name, first) = if self.opts.sources.taesd.is_some() {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-            ("TAESD", sd_vae::taesd_specs(&self.family.taesd(), parts))
+            ("TAESD", sd_vae::taesd_specs(&self.taesd_config()?, parts))
         } else {
             let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
             ("VAE", sd_vae::vae_specs(&self.family.vae(), parts))
@@ -851,7 +876,7 @@ impl Pipeline {
         let mut latents = Vec::with_capacity(p.batch_count);
         {
             let t = Instant::now();
-            let unet = self.load_diffusion()?;
+            let unet = self.load_diffusion(p.guidance)?;
             report.stage("unet load", t.elapsed().as_secs_f64());
             let t = Instant::now();
             let mut runner =
@@ -861,7 +886,10 @@ impl Pipeline {
                 let noise = rng.randn(channels * lh * lw);
                 let x = match &init_latent {
                     None => txt2img_latent(&noise, sigmas[0]),
-                    Some(init) => noised_latent(init, &noise, sigmas[0])?,
+                    Some(init) => match &schedule {
+                        Schedule::Flow(flow) => flow.noised_latent(init, &noise, sigmas[0])?,
+                        Schedule::Discrete(_) => noised_latent(init, &noise, sigmas[0])?,
+                    },
                 };
                 let mut step_start = Instant::now();
                 let warned = std::cell::Cell::new(false);
@@ -904,7 +932,11 @@ impl Pipeline {
                     Ok(out)
                 };
                 let eta = p.eta.unwrap_or_else(|| method.default_eta());
-                let out = sample(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?;
+                let out = if schedule.is_flow() {
+                    sample_flow(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?
+                } else {
+                    sample(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?
+                };
                 latents.push(out);
             }
             let moved = unet.weights().stats();
@@ -1053,6 +1085,7 @@ mod tests {
             height: 64,
             steps: 1,
             cfg_scale: 7.0,
+            guidance: 3.5,
             method: None,
             scheduler: None,
             seed: 42,

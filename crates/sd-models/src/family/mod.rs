@@ -12,6 +12,7 @@
 //! detects its files). [`for_detected`] picks the spec whose `arch` is the detected one.
 //! SD 1.x and 2.x are [`sd`].
 
+pub mod flux;
 pub mod sd;
 pub mod sdxl;
 
@@ -23,7 +24,7 @@ use sd_vae::{TaesdConfig, VaeConfig};
 
 use crate::files::{Detected, ModelFiles};
 use crate::pipeline::{PipelineError, Result};
-use crate::sampling::{DiscreteSchedule, ModelVersion, SampleMethod};
+use crate::sampling::{ModelVersion, SampleMethod, Schedule};
 use crate::text::conditioning::Conditioning;
 
 /// The storage type of each tensor in the files, by internal name (`crate::loader::dtype_of`).
@@ -125,6 +126,15 @@ pub struct TextRequest<'a> {
     pub negative: bool,
 }
 
+/// What a diffusion model is loaded with besides its parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct DiffusionSettings {
+    /// `--diffusion-fa`: flash attention where the device supports it.
+    pub flash_attn: bool,
+    /// `--guidance`: the distilled guidance scale of models that take one (FLUX.1 dev).
+    pub guidance: f32,
+}
+
 /// How a family samples when the user does not say.
 #[derive(Clone, Debug)]
 pub struct SamplingDefaults {
@@ -133,7 +143,7 @@ pub struct SamplingDefaults {
     /// `--sampling-method` when none is given.
     pub method: SampleMethod,
     /// The noise schedule of the diffusion model.
-    pub schedule: DiscreteSchedule,
+    pub schedule: Schedule,
 }
 
 /// A model family built for a set of files.
@@ -162,7 +172,7 @@ pub trait Family: Send + Sync + Debug {
     /// Whether a diffusion-model parameter is cut by output rows in a graph-level row split.
     fn diffusion_row_splittable(&self, spec: &TensorSpec) -> bool;
     /// The diffusion model over its placed parameters.
-    fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>>;
+    fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>>;
     /// Channels of a latent.
     fn latent_channels(&self) -> usize;
     /// Image sides are multiples of this (VAE scale x the diffusion model's down factor).
@@ -174,8 +184,8 @@ pub trait Family: Send + Sync + Debug {
 
     /// The VAE's configuration.
     fn vae(&self) -> VaeConfig;
-    /// The TAESD configuration (`--taesd`).
-    fn taesd(&self) -> TaesdConfig;
+    /// The TAESD configuration (`--taesd`); `None`: the family takes no TAESD yet.
+    fn taesd(&self) -> Option<TaesdConfig>;
 
     /// Sampling defaults.
     fn sampling(&self) -> SamplingDefaults;

@@ -27,9 +27,6 @@
 mod chunk;
 pub mod clip;
 pub mod conditioning;
-// Its caller is the FLUX family, which registers once the DiT, the 16-channel VAE and flow
-// sampling are in; until then only its tests use it.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod flux;
 mod prompt;
 pub mod sdxl;

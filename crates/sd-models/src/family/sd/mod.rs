@@ -11,7 +11,9 @@ use sd_backends::GgmlType;
 use sd_sched::{Runner, TensorSpec, Weights};
 use sd_vae::{TaesdConfig, VaeConfig};
 
-use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest};
+use super::{
+    DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest,
+};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::{Detected, FileRole, ModelFiles};
 use crate::lora::LoraPrefix;
@@ -101,9 +103,9 @@ impl Family for Sd {
         crate::text::clip::row_splittable(spec)
     }
 
-    fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>> {
+    fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>> {
         self.unet.validate()?;
-        Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn }))
+        Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn: settings.flash_attn }))
     }
 
     fn latent_channels(&self) -> usize {
@@ -126,8 +128,8 @@ impl Family for Sd {
         VaeConfig::sd()
     }
 
-    fn taesd(&self) -> TaesdConfig {
-        TaesdConfig::sd()
+    fn taesd(&self) -> Option<TaesdConfig> {
+        Some(TaesdConfig::sd())
     }
 
     fn lora_prefixes(&self) -> &'static [LoraPrefix] {
@@ -136,7 +138,11 @@ impl Family for Sd {
 
     fn sampling(&self) -> SamplingDefaults {
         let version = if self.arch == "sd2" { ModelVersion::Sd2 } else { ModelVersion::Sd1 };
-        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule: DiscreteSchedule::sd() }
+        SamplingDefaults {
+            version,
+            method: SampleMethod::default_for(version),
+            schedule: DiscreteSchedule::sd().into(),
+        }
     }
 }
 

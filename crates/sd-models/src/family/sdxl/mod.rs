@@ -16,7 +16,7 @@ use sd_backends::GgmlType;
 use sd_sched::{TensorSpec, Weights};
 use sd_vae::{TaesdConfig, VaeConfig};
 
-use super::{DiffusionModel, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
+use super::{DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::arch::{prediction_from_metadata, sd::LABEL_EMB};
 use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
@@ -169,8 +169,8 @@ impl Family for Sdxl {
         crate::text::clip::row_splittable(spec)
     }
 
-    fn load_diffusion(&self, weights: Weights, flash_attn: bool) -> Result<Box<dyn DiffusionModel>> {
-        Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn }))
+    fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>> {
+        Ok(Box::new(UNetModel { cfg: self.unet.clone(), weights, flash_attn: settings.flash_attn }))
     }
 
     fn latent_channels(&self) -> usize {
@@ -193,8 +193,8 @@ impl Family for Sdxl {
         VaeConfig { scale_factor: SCALE_FACTOR, ..VaeConfig::sd() }
     }
 
-    fn taesd(&self) -> TaesdConfig {
-        TaesdConfig::sd()
+    fn taesd(&self) -> Option<TaesdConfig> {
+        Some(TaesdConfig::sd())
     }
 
     fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
@@ -203,7 +203,11 @@ impl Family for Sdxl {
 
     fn sampling(&self) -> SamplingDefaults {
         let version = ModelVersion::Sdxl;
-        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule: DiscreteSchedule::sd() }
+        SamplingDefaults {
+            version,
+            method: SampleMethod::default_for(version),
+            schedule: DiscreteSchedule::sd().into(),
+        }
     }
 }
 

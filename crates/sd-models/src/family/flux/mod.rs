@@ -1,0 +1,189 @@
+//! The FLUX.1 family (dev, schnell): CLIP ViT-L/14's pooled output and T5-XXL's hidden states
+//! (`crate::text::flux`), the FLUX DiT (`crate::diffusion::flux`, configuration read from the
+//! file), the 16-channel VAE (`sd_vae::VaeConfig::flux`) and flow-matching sampling (FLUX.1's
+//! time shift: `mu` 1.15 for dev, 1.0 for schnell; `euler` by default), as the reference runs
+//! them.
+//!
+//! Files come as the reference takes them: `--diffusion-model` (BFL's or ComfyUI's DiT),
+//! `--clip_l`, `--t5xxl` and `--vae`. A missing text encoder is a warning, not an error: its
+//! part of the conditioning is zeros, as in the reference. Detection is `crate::files::arch`'s
+//! `flux` module; this file registers the runtime of both architectures it detects.
+//!
+//! The distilled guidance of dev (`--guidance`, default 3.5) is a setting of the loaded
+//! model; `--cfg-scale` stays the classifier-free guidance of the sampler (1 for FLUX, which
+//! skips the negative prompt).
+
+use std::sync::Arc;
+
+use sd_backends::GgmlType;
+use sd_sched::{Runner, TensorSpec, Weights};
+use sd_vae::{TaesdConfig, VaeConfig};
+
+use super::{
+    DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest,
+};
+use crate::diffusion::flux::{self, FluxConfig, FluxModel};
+use crate::files::{Detected, ModelFiles};
+use crate::pipeline::{PipelineError, Result};
+use crate::sampling::{FlowSchedule, ModelVersion, SampleMethod};
+use crate::text::clip::ClipConfig;
+use crate::text::flux::FluxText;
+use crate::text::t5::T5Config;
+use crate::text::ClipTokenizer;
+
+/// Pixels per latent position.
+const VAE_SCALE_FACTOR: usize = 8;
+/// The DiT reads 2x2 patches of the latent.
+const PATCH: usize = 2;
+/// CLIP-L's token embedding under the internal names (`--clip_l` files land there).
+const CLIP_L_PROBE: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
+/// T5-XXL's token embedding under the internal names (`--t5xxl` files land there).
+const T5_PROBE: &str = "text_encoders.t5xxl.transformer.shared.weight";
+
+/// FLUX built for a set of files.
+#[derive(Debug)]
+struct Flux {
+    arch: &'static str,
+    dit: FluxConfig,
+    clip_l: Option<ClipConfig>,
+    t5: Option<T5Config>,
+    tokenizer: Arc<ClipTokenizer>,
+}
+
+fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+    let index = files.index();
+    let tensors: Vec<(String, Vec<u64>)> =
+        index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
+    let dit = FluxConfig::from_file(&tensors)?;
+    let clip_l = index.contains(CLIP_L_PROBE).then(ClipConfig::vit_l14);
+    let t5 = index.contains(T5_PROBE).then(T5Config::xxl);
+    if clip_l.is_none() {
+        tracing::warn!("no CLIP-L text encoder (--clip_l): FLUX's pooled vector is zeros, prompt adherence degrades");
+    }
+    if t5.is_none() {
+        tracing::warn!("no T5-XXL text encoder (--t5xxl): FLUX's context is zeros, the prompt is ignored");
+    }
+    Ok(Box::new(Flux { arch: detected.arch, dit, clip_l, t5, tokenizer: Arc::new(ClipTokenizer::new()) }))
+}
+
+inventory::submit! { FamilySpec { arch: "flux", build } }
+inventory::submit! { FamilySpec { arch: "flux-schnell", build } }
+
+/// Whether a DiT parameter is cut by output rows in a row split: the matmul weights of the
+/// double and single blocks (attention qkv and projections, MLPs, modulations).
+fn dit_row_splittable(spec: &TensorSpec) -> bool {
+    const LEAVES: [&str; 8] = [
+        "_attn.qkv.weight",
+        "_attn.proj.weight",
+        "_mlp.0.weight",
+        "_mlp.2.weight",
+        "_mod.lin.weight",
+        ".linear1.weight",
+        ".linear2.weight",
+        ".modulation.lin.weight",
+    ];
+    let matrix = spec.ne.len() >= 2 && spec.ne[2..].iter().all(|&d| d == 1);
+    let name = &spec.name;
+    matrix
+        && (name.contains(".double_blocks.") || name.contains(".single_blocks."))
+        && LEAVES.iter().any(|l| name.ends_with(l))
+}
+
+impl Family for Flux {
+    fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    fn text_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+        FluxText::specs(self.clip_l.as_ref(), self.t5.as_ref(), dtype, wtype)
+    }
+
+    /// `--clip-skip` has no effect: the pooled CLIP-L output runs every layer.
+    fn check_text(&self, _clip_skip: i64) -> Result<()> {
+        Ok(())
+    }
+
+    fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>> {
+        let text = FluxText::new(self.clip_l.clone(), self.t5.clone(), weights, self.tokenizer.clone())
+            .map_err(|e| PipelineError::Invalid(format!("FLUX text encoders: {e}")))?;
+        Ok(Box::new(FluxConditioner(text)))
+    }
+
+    fn text_row_splittable(&self, spec: &TensorSpec) -> bool {
+        crate::text::clip::row_splittable(spec)
+    }
+
+    fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
+        flux::flux_specs(&self.dit, dtype, wtype)
+    }
+
+    fn diffusion_group(&self, name: &str) -> String {
+        flux::group_of(name)
+    }
+
+    fn diffusion_row_splittable(&self, spec: &TensorSpec) -> bool {
+        dit_row_splittable(spec)
+    }
+
+    fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>> {
+        self.dit.validate()?;
+        Ok(Box::new(FluxModel {
+            cfg: self.dit.clone(),
+            weights,
+            flash_attn: settings.flash_attn,
+            guidance: settings.guidance,
+        }))
+    }
+
+    fn latent_channels(&self) -> usize {
+        self.dit.latent_channels() as usize
+    }
+
+    fn spatial_multiple(&self) -> usize {
+        VAE_SCALE_FACTOR * PATCH
+    }
+
+    /// The joint attention's scores over text and image tokens (heads x tokens²), f32.
+    fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64 {
+        if flash_attn {
+            return 0.0;
+        }
+        // One sample per graph (the reference's FLUX takes batch 1), whatever `batch`.
+        let _ = batch;
+        let image = tokens / (PATCH * PATCH) as f64;
+        let all = image + crate::text::FLUX_T5_CHUNK_LEN as f64;
+        self.dit.num_heads as f64 * all * all * 4.0
+    }
+
+    fn vae(&self) -> VaeConfig {
+        VaeConfig::flux()
+    }
+
+    /// TAEF1 (FLUX's 16-channel tiny autoencoder) is not implemented yet.
+    fn taesd(&self) -> Option<TaesdConfig> {
+        None
+    }
+
+    fn sampling(&self) -> SamplingDefaults {
+        let version = ModelVersion::Flux;
+        let schedule = FlowSchedule::flux_for(self.dit.guidance_embed).into();
+        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule }
+    }
+}
+
+/// [`FluxText`] as the pipeline's conditioner.
+struct FluxConditioner(FluxText);
+
+impl TextEncoder for FluxConditioner {
+    fn weights(&self) -> &Weights {
+        self.0.weights()
+    }
+
+    fn encode(
+        &self,
+        runner: &mut Runner,
+        request: &TextRequest<'_>,
+    ) -> Result<crate::text::conditioning::Conditioning> {
+        self.0.encode(runner, request.prompt).map_err(|e| PipelineError::Invalid(format!("FLUX text encoders: {e}")))
+    }
+}

@@ -702,6 +702,15 @@ impl Pipeline {
             // The library's rule for an init image of another size than the (aligned) request.
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
+        if self.family.sampling().schedule.is_flow() && !SampleMethod::FLOW.contains(&method) {
+            let implemented: Vec<&str> = SampleMethod::FLOW.iter().map(|m| m.name()).collect();
+            return Err(crate::sampling::SamplingError::NotImplemented {
+                what: "sampling method on a flow-matching schedule",
+                name: method.name().to_owned(),
+                implemented: implemented.join(", "),
+            }
+            .into());
+        }
         self.check_model_limits(&p)?;
         Ok(Request { params: p, method, scheduler })
     }

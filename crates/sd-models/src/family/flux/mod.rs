@@ -6,7 +6,8 @@
 //!
 //! Files come as the reference takes them: `--diffusion-model` (BFL's or ComfyUI's DiT),
 //! `--clip_l`, `--t5xxl` and `--vae`. A missing text encoder is a warning, not an error: its
-//! part of the conditioning is zeros, as in the reference. Detection is `crate::files::arch`'s
+//! part of the conditioning is zeros, as in the reference. A T5 file with fewer than 24 blocks
+//! runs with the blocks it has (the reference refuses it). Detection is `crate::files::arch`'s
 //! `flux` module; this file registers the runtime of both architectures it detects.
 //!
 //! The distilled guidance of dev (`--guidance`, default 3.5) is a setting of the loaded
@@ -39,6 +40,8 @@ const PATCH: usize = 2;
 const CLIP_L_PROBE: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
 /// T5-XXL's token embedding under the internal names (`--t5xxl` files land there).
 const T5_PROBE: &str = "text_encoders.t5xxl.transformer.shared.weight";
+/// Where T5's blocks are numbered.
+const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
 
 /// FLUX built for a set of files.
 #[derive(Debug)]
@@ -56,7 +59,17 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
         index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
     let dit = FluxConfig::from_file(&tensors)?;
     let clip_l = index.contains(CLIP_L_PROBE).then(ClipConfig::vit_l14);
-    let t5 = index.contains(T5_PROBE).then(T5Config::xxl);
+    // The reference builds all 24 blocks; a file with fewer (a cut-down encoder) runs with
+    // the blocks it has.
+    let t5 = index.contains(T5_PROBE).then(|| {
+        let blocks = index
+            .with_prefix(T5_BLOCKS)
+            .filter_map(|e| e.name[T5_BLOCKS.len()..].split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |b| b + 1);
+        let xxl = T5Config::xxl();
+        T5Config { n_layers: if blocks == 0 { xxl.n_layers } else { blocks }, ..xxl }
+    });
     if clip_l.is_none() {
         tracing::warn!("no CLIP-L text encoder (--clip_l): FLUX's pooled vector is zeros, prompt adherence degrades");
     }

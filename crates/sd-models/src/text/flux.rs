@@ -39,7 +39,7 @@ const BREAK_TEXT: &str = "BREAK";
 
 /// Errors of FLUX's conditioner.
 #[derive(Debug, thiserror::Error)]
-pub enum FluxTextError {
+pub(crate) enum FluxTextError {
     /// The prompt's weighting syntax.
     #[error(transparent)]
     Tokenize(#[from] TokenizeError),

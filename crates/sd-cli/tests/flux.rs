@@ -112,6 +112,22 @@ fn flux_bad_inputs_are_clear_errors() {
     let (png, _, err) = run(&d, "taesd", &["-p", "a cat", "--taesd", &taesd]);
     assert!(png.is_none() && err.contains("--taesd") && err.contains("flux"), "{err}");
     assert!(!err.contains("text encoding took"), "validated first: {err}");
+    // Without T5 the prompt would be ignored: refused, naming the flag.
+    let f = files();
+    let o = sd_cli()
+        .arg("--diffusion-model")
+        .arg(&f.dit)
+        .arg("--clip_l")
+        .arg(&f.clip_l)
+        .arg("--vae")
+        .arg(&f.vae)
+        .args(["-p", "a cat", "-W", "64", "-H", "64", "-o"])
+        .arg(d.join("no-t5.png"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(1) && err.contains("T5-XXL") && err.contains("--t5xxl"), "{err}");
+    assert!(!d.join("no-t5.png").exists());
     // A guidance that is not a number is named.
     let (png, _, err) = run(&d, "nan", &["-p", "a cat", "--guidance", "nan"]);
     assert!(png.is_none() && err.contains("guidance"), "{err}");

@@ -5,8 +5,9 @@
 //! them.
 //!
 //! Files come as the reference takes them: `--diffusion-model` (BFL's or ComfyUI's DiT),
-//! `--clip_l`, `--t5xxl` and `--vae`. A missing text encoder is a warning, not an error: its
-//! part of the conditioning is zeros, as in the reference. A T5 file with fewer than 24 blocks
+//! `--clip_l`, `--t5xxl` and `--vae`. Without CLIP-L the pooled vector is zeros (a warning, as
+//! in the reference); without T5 the prompt would be ignored, which the reference only warns
+//! about and we refuse. A T5 file with fewer than 24 blocks
 //! runs with the blocks it has (the reference refuses it). Detection is `crate::files::arch`'s
 //! `flux` module; this file registers the runtime of both architectures it detects.
 //!
@@ -74,7 +75,13 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
         tracing::warn!("no CLIP-L text encoder (--clip_l): FLUX's pooled vector is zeros, prompt adherence degrades");
     }
     if t5.is_none() {
-        tracing::warn!("no T5-XXL text encoder (--t5xxl): FLUX's context is zeros, the prompt is ignored");
+        // The reference warns and samples with a zero context, which ignores the prompt: no
+        // user wants that image, so it is refused here.
+        return Err(PipelineError::Invalid(
+            "FLUX.1 needs its T5-XXL text encoder (no text_encoders.t5xxl tensors in the files): give it \
+             with --t5xxl t5xxl_fp16.safetensors (or a GGUF of it)"
+                .into(),
+        ));
     }
     Ok(Box::new(Flux { arch: detected.arch, dit, clip_l, t5, tokenizer: Arc::new(ClipTokenizer::new()) }))
 }

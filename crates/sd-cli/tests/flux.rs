@@ -136,3 +136,34 @@ fn flux_bad_inputs_are_clear_errors() {
     assert!(png.is_none() && err.contains("er_sde"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn flux_splits_over_two_rpc_servers_give_the_cpu_image() {
+    // The DiT's blocks (double then single) and T5's layers are the blocks a layer split cuts;
+    // the DiT's block matmuls are what a row split cuts. Same kernels on every device, so the
+    // same image bit for bit.
+    let d = dir("split");
+    const CAT: [&str; 4] = ["-p", "a photo of a cat", "--cfg-scale", "1"];
+    let (base, _, err) = run(&d, "cpu", &[&CAT[..], &["--backend", "cpu"]].concat());
+    let base = base.unwrap_or_else(|| panic!("{err}"));
+    let (a, b) = (common::Server::start(), common::Server::start());
+    let rpc = format!("{},{}", a.endpoint, b.endpoint);
+    let cases: [(&str, &[&str]); 2] = [
+        ("layer", &["--backend", "diffusion=RPC0&RPC1,te=RPC0&RPC1,vae=cpu"]),
+        ("row", &["--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu", "--split-mode", "row"]),
+    ];
+    for (name, placement) in cases {
+        let args = [&CAT[..], &["--rpc", rpc.as_str()], placement].concat();
+        let (png, report, err) = run(&d, name, &args);
+        assert!(png.as_ref() == Some(&base), "{name} split: the image differs from the CPU one:\n{err}");
+        let report = report.unwrap();
+        let unet = report.module("unet").unwrap();
+        assert_eq!(unet.devices, ["RPC0", "RPC1"], "{name}: {unet:?}");
+        let runner = report.runner("unet").unwrap();
+        assert!(runner.stats.cross_device_bytes > 0, "{name}: {:?}", runner.stats);
+        if name == "layer" {
+            assert_eq!(report.module("te").unwrap().devices, ["RPC0", "RPC1"], "T5's layers are split too");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -625,7 +625,8 @@ fn patchify<'g>(g: &'g Context, x: Tensor<'g>) -> Tensor<'g> {
     g.reshape(x, &[pw * ph * c, w * h, n])
 }
 
-/// The inverse of `patchify` for a `wd` x `ht` latent.
+/// The inverse of `patchify` for a `wd` x `ht` latent. It ends in a copy, not a reshape view:
+/// the graph's output gets a slot of its own in a split run, which a view cannot take.
 fn unpatchify<'g>(g: &'g Context, x: Tensor<'g>, wd: i64, ht: i64) -> Tensor<'g> {
     let [cpp, _, n, _] = x.shape();
     let (pw, ph) = (PATCH, PATCH);
@@ -634,7 +635,7 @@ fn unpatchify<'g>(g: &'g Context, x: Tensor<'g>, wd: i64, ht: i64) -> Tensor<'g>
     let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw*ph, w*h, C, N]
     let x = g.reshape(x, &[pw, ph, w, h * c * n]);
     let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw, w, ph, h*C*N]
-    g.reshape(x, &[wd, ht, c, n])
+    g.cont(g.reshape(x, &[wd, ht, c, n]))
 }
 
 /// The inputs of one FLUX evaluation, as graph tensors.

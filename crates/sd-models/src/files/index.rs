@@ -172,6 +172,23 @@ pub struct TensorIndex {
     /// Whether a second text encoder is present (SDXL's bigG): then it is the dominant one,
     /// whose layers are the text encoder's blocks.
     has_te2: bool,
+    /// Whether T5-XXL is present (FLUX): then it is the dominant text encoder.
+    has_t5: bool,
+    /// Number of FLUX double-stream blocks (highest `double_blocks.N` + 1): the single-stream
+    /// blocks are numbered after them.
+    flux_double_blocks: u32,
+}
+
+/// Where FLUX's double-stream blocks are numbered.
+const FLUX_DOUBLE: &str = "model.diffusion_model.double_blocks.";
+/// Where FLUX's single-stream blocks are numbered.
+const FLUX_SINGLE: &str = "model.diffusion_model.single_blocks.";
+/// Where T5-XXL's blocks are numbered.
+const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
+
+/// `N` of `{prefix}N.…`.
+fn numbered(name: &str, prefix: &str) -> Option<u32> {
+    name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
 }
 
 impl TensorIndex {
@@ -207,7 +224,10 @@ impl TensorIndex {
             .max()
             .map_or(0, |n| n + 1);
         let has_te2 = entries.iter().any(|e| e.name.starts_with(TE2_PREFIX));
-        Ok(TensorIndex { files, entries, by_name, unet_input_blocks, has_te2 })
+        let has_t5 = entries.iter().any(|e| e.name.starts_with(T5_BLOCKS));
+        let flux_double_blocks =
+            entries.iter().filter_map(|e| numbered(&e.name, FLUX_DOUBLE)).max().map_or(0, |n| n + 1);
+        Ok(TensorIndex { files, entries, by_name, unet_input_blocks, has_te2, has_t5, flux_double_blocks })
     }
 
     /// The files, indexed by [`TensorEntry::file`].
@@ -255,9 +275,10 @@ impl TensorIndex {
 
     /// The execution-order block of `entry` within its component, where it has one:
     /// UNet `input_blocks.N` → N, `middle_block` → (number of input blocks),
-    /// `output_blocks.N` → (number of input blocks) + 1 + N; text encoder
-    /// `encoder.layers.N` → N. Embeddings, final norms, the UNet's `time_embed`/`out`, and
-    /// every VAE/TAESD tensor have none.
+    /// `output_blocks.N` → (number of input blocks) + 1 + N; FLUX `double_blocks.N` → N,
+    /// `single_blocks.N` → (number of double blocks) + N; the dominant text encoder's layers
+    /// (T5 `encoder.block.N`, else CLIP `encoder.layers.N`) → N. Embeddings, final norms, the
+    /// UNet's `time_embed`/`out`, and every VAE/TAESD tensor have none.
     pub fn block(&self, entry: &TensorEntry) -> Option<u32> {
         self.block_of(&entry.name)
     }
@@ -271,9 +292,20 @@ impl TensorIndex {
                 UnetPart::Output => self.unet_input_blocks + 1 + n,
             });
         }
+        // FLUX's DiT: the double-stream blocks, then the single-stream ones.
+        if let Some(n) = numbered(name, FLUX_DOUBLE) {
+            return Some(n);
+        }
+        if let Some(n) = numbered(name, FLUX_SINGLE) {
+            return Some(self.flux_double_blocks + n);
+        }
         // A layer split of the text encoder cuts the dominant encoder ("for te it applies to
-        // the dominant text encoder"): the second one where there are two (SDXL's bigG), whose
-        // partner's layers stay with the non-block tensors on the main device.
+        // the dominant text encoder"): T5-XXL where it is present (FLUX), else the second CLIP
+        // where there are two (SDXL's bigG); the other encoder's layers stay with the
+        // non-block tensors on the main device.
+        if self.has_t5 {
+            return numbered(name, T5_BLOCKS);
+        }
         let rest = if self.has_te2 { name.strip_prefix(TE2_PREFIX) } else { name.strip_prefix(TE_PREFIX) }?;
         let rest = rest.strip_prefix("text_model.encoder.layers.")?;
         rest.split('.').next()?.parse().ok()
@@ -404,6 +436,24 @@ mod tests {
         assert_eq!(idx.block_of(&big_g), Some(30));
         assert_eq!(idx.block_of("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), None);
         assert_eq!(idx.block_of("model.diffusion_model.output_blocks.0.0.in_layers.0.weight"), Some(13));
+    }
+
+    #[test]
+    fn flux_blocks_and_t5_layers_are_numbered() {
+        let names = [
+            "model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
+            "model.diffusion_model.double_blocks.18.txt_mlp.0.weight",
+            "model.diffusion_model.single_blocks.0.linear1.weight",
+            "model.diffusion_model.single_blocks.37.linear2.weight",
+            "model.diffusion_model.img_in.weight",
+            "cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight",
+            "text_encoders.t5xxl.transformer.encoder.block.23.layer.1.DenseReluDense.wo.weight",
+            "text_encoders.t5xxl.transformer.shared.weight",
+        ];
+        let idx = TensorIndex::new(vec![file()], names.iter().map(|n| entry(n)).collect()).unwrap();
+        let b: Vec<Option<u32>> = names.iter().map(|n| idx.block_of(n)).collect();
+        // 19 double blocks, then the single ones; T5 is the dominant encoder, CLIP-L is not cut.
+        assert_eq!(b, [Some(0), Some(18), Some(19), Some(56), None, None, Some(23), None]);
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! `--clip_l`, `--t5xxl`, `--vae`), on fixtures: a reduced DiT (width 256, 2 double and 2 single
 //! blocks), T5-XXL cut to 2 blocks (the reference needs all 24, 4.8 GB at q8_0, so the parity
 //! with it is a manual check: ARCHITECTURE.md), the full-size FLUX VAE and the SD 1.5 fixture's
-//! CLIP-L. What is asserted here is behaviour: determinism, the prompt and `--guidance`
-//! reaching the image, one diffusion evaluation per step at cfg 1, clear errors.
+//! CLIP-L. What is asserted here is behaviour: determinism, the prompt, `--guidance` and
+//! `--cfg-scale` reaching the image, layer and row splits, clear errors.
 
 mod common;
 
@@ -90,7 +90,7 @@ fn flux_is_deterministic_and_reads_the_prompt_and_the_guidance() {
     let a = a.unwrap_or_else(|| panic!("FLUX generation failed:\n{err}"));
     assert!(err.contains("model: flux") && err.contains("flow matching"), "{err}");
     let report = report.expect("a run report");
-    // cfg 1: no negative pass, one diffusion evaluation (one sample) per step.
+    // One step time per sampling step.
     assert_eq!(report.steps.len(), 2, "{:?}", report.steps);
     let (again, _, _) = run(&d, "again", &CAT);
     assert!(again.as_ref() == Some(&a), "the same seed gives the same image");

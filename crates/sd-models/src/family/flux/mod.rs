@@ -63,11 +63,8 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     // The reference builds all 24 blocks; a file with fewer (a cut-down encoder) runs with
     // the blocks it has.
     let t5 = index.contains(T5_PROBE).then(|| {
-        let blocks = index
-            .with_prefix(T5_BLOCKS)
-            .filter_map(|e| e.name[T5_BLOCKS.len()..].split('.').next()?.parse::<usize>().ok())
-            .max()
-            .map_or(0, |b| b + 1);
+        // T5 is the dominant text encoder, so the index numbers its layers.
+        let blocks = index.with_prefix(T5_BLOCKS).filter_map(|e| index.block(e)).max().map_or(0, |b| b as usize + 1);
         let xxl = T5Config::xxl();
         T5Config { n_layers: if blocks == 0 { xxl.n_layers } else { blocks }, ..xxl }
     });

@@ -14,8 +14,9 @@
 //! the command line CMake's Makefile generator wrote, from a pool of NUM_JOBS
 //! workers, the driver first (it compiles all of sd.cpp's main file), then the
 //! largest sources. `SDREF_VARIANT` selects a build variant the spec names (the
-//! `last_flags` of its targets; `cargo xtask reference --f32-accumulation` sets
-//! `f32acc`); unset, the build is sd.cpp's default one.
+//! `last_flags` and `variant_sources` of its targets; `cargo xtask reference
+//! --f32-accumulation` sets `f32acc`, `--llamafile` sets `llamafile`); unset, the
+//! build is sd.cpp's default one.
 //!
 //! Objects and archives live in `<target-dir>/sdref-cc` (or `SDREF_CC_DIR`),
 //! not in OUT_DIR: every variant of this build script (release, debug, test,
@@ -256,8 +257,9 @@ fn plan(
     driver_key: &str,
     obj_root: &Path,
 ) -> Result<(Vec<Job>, Archives), String> {
-    // SDREF_VARIANT: a build variant named in the spec's `last_flags` (`cargo xtask reference
-    // --f32-accumulation` sets `f32acc`); only the targets that list it compile otherwise.
+    // SDREF_VARIANT: a build variant named in the spec's `last_flags` or `variant_sources`
+    // (`cargo xtask reference --f32-accumulation` sets `f32acc`, `--llamafile` `llamafile`);
+    // only the targets that list it compile otherwise.
     let variant = env::var("SDREF_VARIANT").ok().filter(|v| !v.is_empty());
     let variant = variant.as_deref();
     spec.check_variant(variant).map_err(|e| format!("{SPEC}: {e}"))?;
@@ -270,7 +272,8 @@ fn plan(
         // `sources` in their order (CMake keeps a target's list as written), then the
         // union of the `glob` patterns sorted (as CMake's file(GLOB) returns it)
         let mut files = Vec::new();
-        for file in &t.sources {
+        let extra = variant.and_then(|v| t.variant_sources.get(v)).into_iter().flatten();
+        for file in t.sources.iter().chain(extra) {
             if !root.join(file).is_file() {
                 return Err(format!("{SPEC}: target {}: `{file}` is not a file in {}", t.name, root.display()));
             }

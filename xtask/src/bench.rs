@@ -1,14 +1,17 @@
 //! `cargo xtask bench`: our `sd-cli` and the reference (`sdref`), alternating, same fixture and settings.
 //!
 //! ```text
-//! cargo xtask bench [--size 256|512|both] [--runs N] [--threads N]
+//! cargo xtask bench [--size 256|512|both] [--type f16,q8_0] [--runs N] [--threads N]
 //! ```
 //!
-//! Both programs run as child processes on the SD 1.5 f16 fixture
-//! (the cached `sd15-fixture-seed42-f16.safetensors`, written if missing) with the same
-//! flags: euler, cfg 7, seed 42, the prompt "a photo of a cat", 256x256 with 4
-//! steps and 512x512 with 2 steps. Runs alternate (ours, ref, then ref, ours,
-//! ...) so that a drift in machine load falls on both sides.
+//! Three programs run as child processes on the SD 1.5 f16 fixture (the cached
+//! `sd15-fixture-seed42-f16.safetensors`, written if missing) with the same flags: euler,
+//! cfg 7, seed 42, the prompt "a photo of a cat", 256x256 with 4 steps and 512x512 with
+//! 2 steps, `--type` as asked: ours, sd.cpp's default build (`cargo xtask reference`) and
+//! the build with ggml's llamafile GEMM kernels (`cargo xtask reference --llamafile`,
+//! `cmake -DGGML_LLAMAFILE=ON`: the fastest build of the reference a user can make from
+//! its options). Runs alternate (ours, ref, ref+llamafile, then backwards, ...) so
+//! that a drift in machine load falls on every column; the ratios are ours over each.
 //!
 //! What is measured, and how, is the same for both wherever it can be:
 //! - whole run and peak RSS: measured here around the child process, the
@@ -23,7 +26,6 @@
 //!   exclude loading, which is shown apart (`load_ms`, its `new_sd_ctx`, plus
 //!   `tensor_load_ms`, sd.cpp's "loading tensors" time).
 
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -95,6 +97,9 @@ pub struct Args {
     /// CPU threads of each program.
     #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+    /// Weight types (`--type` of every program; the fixture is f16).
+    #[arg(long = "type", value_name = "f16,q8_0", value_delimiter = ',', default_value = "f16", value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    types: Vec<String>,
 }
 
 impl Args {
@@ -320,33 +325,73 @@ pub(crate) fn fmt_ratio(a: Option<f64>, b: Option<f64>) -> String {
     }
 }
 
-fn print_table(s: Setting, threads: u32, runs: usize, ours: &Side, refr: &Side) {
+/// A program the benchmark runs: ours or one build of the reference.
+struct Contender {
+    /// Its column heading.
+    label: &'static str,
+    exe: PathBuf,
+    ours: bool,
+}
+
+/// The programs of `cargo xtask bench`, ours first: sd.cpp's default build and the build with
+/// ggml's llamafile GEMM kernels (`cmake -DGGML_LLAMAFILE=ON`, the fastest a user can build).
+fn contenders() -> Result<Vec<Contender>> {
+    Ok(vec![
+        Contender { label: "ours", exe: build_sd_cli()?, ours: true },
+        Contender { label: "reference", exe: reference::build()?, ours: false },
+        Contender {
+            label: "ref+llamafile",
+            exe: reference::build_kernels(reference::Kernels::Llamafile)?,
+            ours: false,
+        },
+    ])
+}
+
+fn print_table(s: Setting, ty: &str, threads: u32, runs: usize, who: &[Contender], sides: &[Side]) {
     println!();
     println!(
-        "sd15 f16 fixture, {0}x{0}, {1} steps euler, cfg 7, seed 42, -t {threads}, {runs} run(s) each, alternating",
+        "sd15 fixture ({ty}), {0}x{0}, {1} steps euler, cfg 7, seed 42, -t {threads}, {runs} run(s) each, alternating",
         s.side, s.steps
     );
-    println!("{:<28} {:>12} {:>12} {:>9}", "", "ours", "reference", "ours/ref");
-    let row = |name: &str, a: Option<f64>, b: Option<f64>, fmt: &dyn Fn(Option<f64>) -> String| {
-        println!("{name:<28} {:>12} {:>12} {:>9}", fmt(a), fmt(b), fmt_ratio(a, b));
+    let refs: Vec<usize> = (1..who.len()).collect();
+    let mut head = format!("{:<28}", "");
+    for c in who {
+        head += &format!(" {:>14}", c.label);
+    }
+    for &r in &refs {
+        head += &format!(" {:>18}", format!("ours/{}", who[r].label));
+    }
+    println!("{head}");
+    let row = |name: &str, f: &dyn Fn(&Side) -> Option<f64>, fmt: &dyn Fn(Option<f64>) -> String| {
+        let mut line = format!("{name:<28}");
+        for side in sides {
+            line += &format!(" {:>14}", fmt(f(side)));
+        }
+        for &r in &refs {
+            line += &format!(" {:>18}", fmt_ratio(f(&sides[0]), f(&sides[r])));
+        }
+        println!("{line}");
     };
     let secs = |v: Option<f64>| fmt_s(v);
     let mib = |v: Option<f64>| v.map_or_else(|| "?".to_owned(), |v| format!("{v:.0} MiB"));
-    row("per step (median)", ours.step_median(), refr.step_median(), &secs);
-    row("text encode (1)", ours.med(|t| t.text_encode_s), refr.med(|t| t.text_encode_s), &secs);
-    row("decode (1)", ours.med(|t| t.decode_s), refr.med(|t| t.decode_s), &secs);
-    row("generation (2)", ours.med(|t| t.generation_s), refr.med(|t| t.generation_s), &secs);
-    row("whole run (wall)", ours.wall(), refr.wall(), &secs);
-    row("peak RSS (wait4 ru_maxrss)", ours.rss_mib(), refr.rss_mib(), &mib);
-    let self_rss = refr.self_rss_kib.iter().max().map(|&k| k as f64 / 1024.0);
-    let load = refr.med(|t| t.load_s);
-    println!(
-        "  reference weight loading (new_sd_ctx + loading tensors): {}; its self-reported peak RSS: {}",
-        fmt_s(load),
-        mib(self_rss)
-    );
-    println!("  all steps, ours: {:?}", ours.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
-    println!("  all steps, ref:  {:?}", refr.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
+    row("per step (median)", &|x| x.step_median(), &secs);
+    row("text encode (1)", &|x| x.med(|t| t.text_encode_s), &secs);
+    row("decode (1)", &|x| x.med(|t| t.decode_s), &secs);
+    row("generation (2)", &|x| x.med(|t| t.generation_s), &secs);
+    row("whole run (wall)", &|x| x.wall(), &secs);
+    row("peak RSS (wait4 ru_maxrss)", &|x| x.rss_mib(), &mib);
+    for (c, side) in who.iter().zip(sides).filter(|(c, _)| !c.ours) {
+        let self_rss = side.self_rss_kib.iter().max().map(|&k| k as f64 / 1024.0);
+        println!(
+            "  {}: weight loading (new_sd_ctx + loading tensors) {}; self-reported peak RSS {}",
+            c.label,
+            fmt_s(side.med(|t| t.load_s)),
+            mib(self_rss)
+        );
+    }
+    for (c, side) in who.iter().zip(sides) {
+        println!("  all steps, {}: {:?}", c.label, side.timings.iter().map(|t| t.steps_s.clone()).collect::<Vec<_>>());
+    }
     println!("  (1) ours includes loading that module's weights; the reference's excludes it (above).");
     println!("  (2) ours: the stages of its run report, first weight load to the PNG written; reference: generate_image only.");
 }
@@ -354,76 +399,87 @@ fn print_table(s: Setting, threads: u32, runs: usize, ours: &Side, refr: &Side) 
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
-    eprintln!("bench: building sd-cli (release) and the reference");
-    let ours_exe = build_sd_cli()?;
-    let ref_exe = reference::build()?;
+    eprintln!("bench: building sd-cli (release) and both builds of the reference");
+    let who = contenders()?;
     let model = ensure_fixture(Family::Sd15)?;
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut results: Vec<(Setting, Side, Side)> = Vec::new();
+    let mut results: Vec<(Setting, &str, Vec<Side>)> = Vec::new();
     for s in args.settings() {
-        let (mut ours, mut refr) = (Side::default(), Side::default());
-        for i in 0..args.runs {
-            let order: [bool; 2] = if i % 2 == 0 { [true, false] } else { [false, true] };
-            for is_ours in order {
-                let out: PathBuf = dir.join(format!("{}-{}-{}.png", if is_ours { "ours" } else { "ref" }, s.side, i));
-                let mut cmd = if is_ours {
-                    our_command(&ours_exe, &model, s, args.threads, &out)
-                } else {
-                    ref_command(&ref_exe, &model, s, args.threads, &out)
-                };
-                let who = if is_ours { "ours" } else { "reference" };
-                eprintln!("bench: {0}x{0} run {1}/{2}: {who}", s.side, i + 1, args.runs);
-                let m = run_measured(&mut cmd)?;
-                m.check(&format!("{who} at {0}x{0}", s.side))?;
-                let side = if is_ours { &mut ours } else { &mut refr };
-                let t = if is_ours { ours_timings(&read_report(&report_path(&out))?) } else { parse_ref(&m.stderr) };
-                if t.steps_s.len() != s.steps as usize {
-                    eprintln!(
-                        "bench: warning: found {} step times in {who}'s report, expected {}",
-                        t.steps_s.len(),
-                        s.steps
-                    );
+        for ty in &args.types {
+            let mut sides: Vec<Side> = who.iter().map(|_| Side::default()).collect();
+            for i in 0..args.runs {
+                // forward on even rounds, backward on odd ones: load drift falls on every column
+                let mut order: Vec<usize> = (0..who.len()).collect();
+                if i % 2 == 1 {
+                    order.reverse();
                 }
-                if t.text_encode_s.is_none() || t.decode_s.is_none() {
-                    eprintln!("bench: warning: {who}'s text-encode or decode time is missing from its report");
-                }
-                if !is_ours {
-                    if let Some(k) = reference::parse_tagged_line(&m.stderr, "SDREF_RSS")
-                        .and_then(|f| reference::field_f64(&f, "peak_rss_kib"))
-                    {
-                        side.self_rss_kib.push(k as u64);
+                for k in order {
+                    let c = &who[k];
+                    let file = format!("{}-{ty}-{}-{i}.png", c.label.replace('+', "-"), s.side);
+                    let out: PathBuf = dir.join(file);
+                    let mut cmd = if c.ours {
+                        our_command(&c.exe, &model, s, args.threads, &out)
+                    } else {
+                        ref_command(&c.exe, &model, s, args.threads, &out)
+                    };
+                    cmd.args(["--type", ty]);
+                    eprintln!("bench: {0}x{0} {ty} run {1}/{2}: {3}", s.side, i + 1, args.runs, c.label);
+                    let m = run_measured(&mut cmd)?;
+                    m.check(&format!("{} at {1}x{1} ({ty})", c.label, s.side))?;
+                    let t = if c.ours { ours_timings(&read_report(&report_path(&out))?) } else { parse_ref(&m.stderr) };
+                    if t.steps_s.len() != s.steps as usize {
+                        eprintln!(
+                            "bench: warning: found {} step times in {}'s report, expected {}",
+                            t.steps_s.len(),
+                            c.label,
+                            s.steps
+                        );
                     }
+                    if t.text_encode_s.is_none() || t.decode_s.is_none() {
+                        eprintln!(
+                            "bench: warning: {}'s text-encode or decode time is missing from its report",
+                            c.label
+                        );
+                    }
+                    let side = &mut sides[k];
+                    if !c.ours {
+                        if let Some(kib) = reference::parse_tagged_line(&m.stderr, "SDREF_RSS")
+                            .and_then(|f| reference::field_f64(&f, "peak_rss_kib"))
+                        {
+                            side.self_rss_kib.push(kib as u64);
+                        }
+                    }
+                    side.timings.push(t);
+                    side.wall_s.push(m.wall_s);
+                    side.rss_kib.push(m.max_rss_kib);
                 }
-                side.timings.push(t);
-                side.wall_s.push(m.wall_s);
-                side.rss_kib.push(m.max_rss_kib);
             }
+            results.push((s, ty.as_str(), sides));
         }
-        results.push((s, ours, refr));
     }
     let mut load = String::new();
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         load = l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     }
-    for (s, ours, refr) in &results {
-        print_table(*s, args.threads, args.runs as usize, ours, refr);
+    for (s, ty, sides) in &results {
+        print_table(*s, ty, args.threads, args.runs as usize, &who, sides);
     }
     println!("\nload average at the end (1, 5, 15 min): {load}");
-    let summary: BTreeMap<String, String> = results
-        .iter()
-        .map(|(s, o, r)| {
-            (
-                format!("{}x{}", s.side, s.side),
+    for (s, ty, sides) in &results {
+        let ratios: Vec<String> = (1..who.len())
+            .map(|r| {
                 format!(
-                    "step {} rss {}",
-                    fmt_ratio(o.step_median(), r.step_median()),
-                    fmt_ratio(o.rss_mib(), r.rss_mib())
-                ),
-            )
-        })
-        .collect();
-    println!("ours/ref: {summary:?}");
+                    "ours/{}: step {} whole {} rss {}",
+                    who[r].label,
+                    fmt_ratio(sides[0].step_median(), sides[r].step_median()),
+                    fmt_ratio(sides[0].wall(), sides[r].wall()),
+                    fmt_ratio(sides[0].rss_mib(), sides[r].rss_mib())
+                )
+            })
+            .collect();
+        println!("{0}x{0} {ty}: {1}", s.side, ratios.join("; "));
+    }
     Ok(())
 }
 
@@ -434,13 +490,19 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a: Args = crate::parse_test("--size 512 --runs 3 --threads 4").unwrap();
+        let a: Args = crate::parse_test("--size 512 --runs 3 --threads 4 --type f16,q8_0").unwrap();
         assert_eq!((a.settings(), a.runs, a.threads), (vec![SETTING_512], 3, 4));
+        assert_eq!(a.types, ["f16", "q8_0"]);
         let d: Args = crate::parse_test("").unwrap();
         assert_eq!((d.settings(), d.runs, d.threads), (vec![SETTING_256, SETTING_512], 2, 2));
-        for (line, needle) in
-            [("--size 128", "128"), ("--runs 0", "--runs"), ("--threads x", "--threads"), ("--fast", "--fast")]
-        {
+        assert_eq!(d.types, ["f16"]);
+        for (line, needle) in [
+            ("--size 128", "128"),
+            ("--runs 0", "--runs"),
+            ("--threads x", "--threads"),
+            ("--type ,", "--type"),
+            ("--fast", "--fast"),
+        ] {
             let e = crate::parse_test::<Args>(line).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
         }

@@ -54,8 +54,13 @@ enum Command {
     Reference {
         /// Build it without AVX512-FP16, into target/reference-f32acc: f32 accumulation of
         /// f16 dot products, our kernels' order (`parity ops` shows why).
-        #[arg(long = "f32-accumulation")]
+        #[arg(long = "f32-accumulation", conflicts_with = "llamafile")]
         f32_accumulation: bool,
+        /// Build it as `cmake -DGGML_LLAMAFILE=ON` does, into target/reference-llamafile:
+        /// ggml's llamafile GEMM kernels (the ones our CPU plugins use), the fastest build
+        /// of the reference a user can make here.
+        #[arg(long = "llamafile")]
+        llamafile: bool,
     },
     /// Compare text encoder, UNet, VAE and 256x256 generations with the reference; `parity
     /// --fuzz N --model PATH`: random cases on any checkpoint; `parity samplers`: every
@@ -106,9 +111,12 @@ fn main() -> Result<()> {
         Command::BenchPlacement(a) => bench_placement::run(a),
         Command::BenchVariants(a) => bench_variants::run(a),
         Command::Profile(a) => profile::run(a),
-        Command::Reference { f32_accumulation } => {
-            let kernels =
-                if f32_accumulation { reference::Kernels::F32Accumulation } else { reference::Kernels::Native };
+        Command::Reference { f32_accumulation, llamafile } => {
+            let kernels = match (f32_accumulation, llamafile) {
+                (true, _) => reference::Kernels::F32Accumulation,
+                (_, true) => reference::Kernels::Llamafile,
+                _ => reference::Kernels::Native,
+            };
             let exe = reference::build_kernels(kernels)?;
             println!("{}", exe.display());
             Ok(())

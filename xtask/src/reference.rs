@@ -39,6 +39,10 @@ pub enum Kernels {
     /// extension, ggml 0.12 accumulates f16 dot products in f16 (see `parity ops`); this
     /// build accumulates in f32, as ours does, so that both run the same kernels.
     F32Accumulation,
+    /// `-march=native` with ggml's llamafile GEMM kernels (`--llamafile`, what
+    /// `cmake -DGGML_LLAMAFILE=ON` builds): the fastest build of the reference a user can
+    /// make from its own options, the one `cargo xtask bench` measures us against too.
+    Llamafile,
 }
 
 impl Kernels {
@@ -49,6 +53,7 @@ impl Kernels {
         match self {
             Kernels::Native => None,
             Kernels::F32Accumulation => Some("f32acc"),
+            Kernels::Llamafile => Some("llamafile"),
         }
     }
 
@@ -221,10 +226,34 @@ mod tests {
         assert!(native.iter().all(|(_, a)| !a.iter().any(|f| f == "-mno-avx512fp16")));
     }
 
+    /// `--llamafile` is `cmake -DGGML_LLAMAFILE=ON`: the CPU target defines
+    /// GGML_USE_LLAMAFILE and compiles ggml's llamafile GEMM source too; nothing else changes.
+    #[test]
+    fn the_llamafile_build_adds_its_definition_and_source_to_the_cpu_target_only() {
+        let spec = spec();
+        let variant = Kernels::Llamafile.variant();
+        spec.check_variant(variant).unwrap();
+        let native = flags_of_every_target(&spec, Kernels::Native.variant());
+        let llamafile = flags_of_every_target(&spec, variant);
+        let changed: Vec<&str> =
+            native.iter().zip(&llamafile).filter(|(n, l)| n.1 != l.1).map(|(n, _)| n.0.as_str()).collect();
+        assert_eq!(changed, ["ggml-cpu x.c", "ggml-cpu x.cpp"]);
+        for (name, args) in llamafile.iter().filter(|(n, _)| n.starts_with("ggml-cpu ")) {
+            assert!(args.iter().any(|a| a == "-DGGML_USE_LLAMAFILE"), "{name}: {args:?}");
+        }
+        let with_sources: Vec<(&str, &Vec<String>)> = spec
+            .target
+            .iter()
+            .filter_map(|t| variant.and_then(|v| t.variant_sources.get(v)).map(|s| (t.name.as_str(), s)))
+            .collect();
+        assert_eq!(with_sources, [("ggml-cpu", &vec!["ggml/src/ggml-cpu/llamafile/sgemm.cpp".to_owned()])]);
+        assert_eq!(Kernels::Llamafile.dir(), crate::workspace_root().join("target/reference-llamafile"));
+    }
+
     #[test]
     fn an_unknown_build_variant_is_refused_with_the_known_ones() {
         let e = spec().check_variant(Some("f16acc")).unwrap_err();
-        assert!(e.contains("SDREF_VARIANT=f16acc") && e.contains("known: f32acc"), "{e}");
+        assert!(e.contains("SDREF_VARIANT=f16acc") && e.contains("known: f32acc, llamafile"), "{e}");
         spec().check_variant(None).unwrap();
     }
 

@@ -44,6 +44,10 @@ pub(crate) struct Target {
     /// `options` when that variant is built.
     #[serde(default)]
     pub(crate) last_flags: BTreeMap<String, Vec<String>>,
+    /// Per build variant, the sources this target compiles after its `sources` when that
+    /// variant is built (ggml's `GGML_LLAMAFILE` adds `llamafile/sgemm.cpp` to ggml-cpu).
+    #[serde(default)]
+    pub(crate) variant_sources: BTreeMap<String, Vec<String>>,
     #[serde(default)]
     pub(crate) source_defines: BTreeMap<String, Vec<String>>,
     /// Start these objects before all others (their source's size understates them).
@@ -74,13 +78,17 @@ pub(crate) fn expand(s: &str, dirs: &[(&str, &Path)]) -> String {
 
 impl Spec {
     /// Checks that `variant` (the value of `SDREF_VARIANT`; `None` for the default build)
-    /// is named by some target's `last_flags`.
+    /// is named by some target's `last_flags` or `variant_sources`.
     pub(crate) fn check_variant(&self, variant: Option<&str>) -> Result<(), String> {
         let Some(v) = variant else { return Ok(()) };
-        if self.target.iter().any(|t| t.last_flags.contains_key(v)) {
+        if self.target.iter().any(|t| t.last_flags.contains_key(v) || t.variant_sources.contains_key(v)) {
             return Ok(());
         }
-        let mut known: Vec<&str> = self.target.iter().flat_map(|t| t.last_flags.keys().map(String::as_str)).collect();
+        let mut known: Vec<&str> = self
+            .target
+            .iter()
+            .flat_map(|t| t.last_flags.keys().chain(t.variant_sources.keys()).map(String::as_str))
+            .collect();
         known.sort_unstable();
         known.dedup();
         Err(format!(

@@ -39,16 +39,18 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-use sd_models::fixture::{self, flux, flux_vae, t5, Component, Family, FileFormat, FixtureRequest, WeightType};
+use sd_models::fixture::{
+    self, flux, flux_vae, t5, taesd, Component, Family, FileFormat, FixtureReport, FixtureRequest, WeightType,
+};
 use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
     /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15);
-    /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; or flux-vae,
-    /// FLUX.1's autoencoder alone.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae", value_parser = target)]
+    /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
+    /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1", value_parser = target)]
     family: Target,
     /// t5xxl only: encoder blocks (1 to 24).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
@@ -109,6 +111,10 @@ enum Target {
         schnell: bool,
     },
     FluxVae,
+    /// A tiny autoencoder of this many latent channels: 4 (TAESD, TAESDXL) or 16 (TAEF1).
+    Taesd {
+        z_channels: usize,
+    },
 }
 
 fn target(s: &str) -> Result<Target, String> {
@@ -118,9 +124,11 @@ fn target(s: &str) -> Result<Target, String> {
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
         "flux-vae" => Ok(Target::FluxVae),
+        "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
+        "taef1" => Ok(Target::Taesd { z_channels: 16 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux, flux-schnell, flux-vae")),
+            .map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux, flux-schnell, flux-vae, taesd, taef1")),
     }
 }
 
@@ -153,6 +161,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::T5xxl => return run_t5xxl(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::FluxVae => return run_flux_vae(&args),
+        Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
         Target::LoraSd15 => {
             let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
             let req = LoraFixture {
@@ -180,17 +189,10 @@ pub fn run(args: Args) -> Result<()> {
     if args.double.is_some() || args.single.is_some() || args.hidden.is_some() {
         bail!("--double, --single and --hidden apply to flux fixtures only");
     }
-    let (path, format) = match &args.output {
-        Some(p) => (p.clone(), FileFormat::from_path(p)?),
-        None => {
-            if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms {
-                bail!("a modified fixture (--only, --std, --std-everywhere, --plain-norms) needs -o FILE");
-            }
-            let dir = fixture::cache_dir();
-            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (fixture::cached_path(family, args.seed, args.wtype), FileFormat::for_type(args.wtype))
-        }
-    };
+    if args.output.is_none() && (args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms) {
+        bail!("a modified fixture (--only, --std, --std-everywhere, --plain-norms) needs -o FILE");
+    }
+    let (path, format) = output(&args, || fixture::cached_path(family, args.seed, args.wtype))?;
     let mut req = FixtureRequest::family(family, args.seed, args.wtype, format);
     if let Some(only) = &args.only {
         let mut only = only.clone();
@@ -204,19 +206,32 @@ pub fn run(args: Args) -> Result<()> {
     req.plain_norms = args.plain_norms;
     let start = Instant::now();
     let report = fixture::write_fixture(&path, &req)?;
+    let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
+    print_written(&report, &format!("{} fixture, seed {}, {}{std}", family.name(), args.seed, args.wtype), start);
+    Ok(())
+}
+
+/// Where a fixture goes and in which format: `-o FILE` (the format from its extension), else
+/// `cached` in the fixture cache (created if missing), in the weight type's usual format.
+fn output(args: &Args, cached: impl FnOnce() -> PathBuf) -> Result<(PathBuf, FileFormat)> {
+    if let Some(p) = &args.output {
+        return Ok((p.clone(), FileFormat::from_path(p)?));
+    }
+    let dir = fixture::cache_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok((cached(), FileFormat::for_type(args.wtype)))
+}
+
+/// The line printed for a written fixture (`what` describes it), with its size and time.
+fn print_written(report: &FixtureReport, what: &str, start: Instant) {
     println!(
-        "wrote {} ({} fixture, seed {}, {}{}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
+        "wrote {} ({what}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
         report.path.display(),
-        family.name(),
-        args.seed,
-        args.wtype,
-        args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default(),
         report.tensors,
         report.params as f64 / 1e6,
         report.bytes as f64 / (1024.0 * 1024.0),
         start.elapsed().as_secs_f64()
     );
-    Ok(())
 }
 
 /// `cargo xtask fixture t5xxl ...`.
@@ -225,27 +240,11 @@ fn run_t5xxl(args: &Args) -> Result<()> {
         bail!("--only, --std, --std-everywhere and --plain-norms apply to checkpoint families, not t5xxl");
     }
     let cfg = T5Config { n_layers: args.layers.unwrap_or(24) as usize, ..T5Config::xxl() };
-    let (path, format) = match &args.output {
-        Some(p) => (p.clone(), FileFormat::from_path(p)?),
-        None => {
-            let dir = fixture::cache_dir();
-            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (t5::cached_t5xxl_path(cfg.n_layers, args.seed, args.wtype), FileFormat::for_type(args.wtype))
-        }
-    };
+    let (path, format) = output(args, || t5::cached_t5xxl_path(cfg.n_layers, args.seed, args.wtype))?;
     let start = Instant::now();
     let report = t5::write_t5xxl(&path, &cfg, args.seed, args.wtype, format)?;
-    println!(
-        "wrote {} (t5xxl fixture, {} blocks, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
-        report.path.display(),
-        cfg.n_layers,
-        args.seed,
-        args.wtype,
-        report.tensors,
-        report.params as f64 / 1e6,
-        report.bytes as f64 / (1024.0 * 1024.0),
-        start.elapsed().as_secs_f64()
-    );
+    let what = format!("t5xxl fixture, {} blocks, seed {}, {}", cfg.n_layers, args.seed, args.wtype);
+    print_written(&report, &what, start);
     Ok(())
 }
 
@@ -254,26 +253,23 @@ fn run_flux_vae(args: &Args) -> Result<()> {
     if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
         bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux-vae");
     }
-    let (path, format) = match &args.output {
-        Some(p) => (p.clone(), FileFormat::from_path(p)?),
-        None => {
-            let dir = fixture::cache_dir();
-            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (flux_vae::cached_flux_vae_path(args.seed, args.wtype), FileFormat::for_type(args.wtype))
-        }
-    };
+    let (path, format) = output(args, || flux_vae::cached_flux_vae_path(args.seed, args.wtype))?;
     let start = Instant::now();
     let report = flux_vae::write_flux_vae(&path, args.seed, args.wtype, format)?;
-    println!(
-        "wrote {} (flux-vae fixture, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
-        report.path.display(),
-        args.seed,
-        args.wtype,
-        report.tensors,
-        report.params as f64 / 1e6,
-        report.bytes as f64 / (1024.0 * 1024.0),
-        start.elapsed().as_secs_f64()
-    );
+    print_written(&report, &format!("flux-vae fixture, seed {}, {}", args.seed, args.wtype), start);
+    Ok(())
+}
+
+/// `cargo xtask fixture taesd|taef1 ...`.
+fn run_taesd(args: &Args, z_channels: usize) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to tiny autoencoders");
+    }
+    let (path, format) = output(args, || taesd::cached_taesd_path(z_channels, args.seed, args.wtype))?;
+    let start = Instant::now();
+    let report = taesd::write_taesd(&path, z_channels, args.seed, args.wtype, format)?;
+    let what = format!("tiny autoencoder fixture, {z_channels} latent channels, seed {}, {}", args.seed, args.wtype);
+    print_written(&report, &what, start);
     Ok(())
 }
 
@@ -291,30 +287,19 @@ fn run_flux(args: &Args, schnell: bool) -> Result<()> {
     if cfg.depth + cfg.depth_single_blocks == 0 {
         bail!("--double 0 --single 0 leaves no block: give at least one");
     }
-    let (path, format) = match &args.output {
-        Some(p) => (p.clone(), FileFormat::from_path(p)?),
-        None => {
-            let dir = fixture::cache_dir();
-            std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-            (flux::cached_flux_path(&cfg, args.seed, args.wtype), FileFormat::for_type(args.wtype))
-        }
-    };
+    let (path, format) = output(args, || flux::cached_flux_path(&cfg, args.seed, args.wtype))?;
     let start = Instant::now();
     let report = flux::write_flux(&path, &cfg, args.seed, args.wtype, format)?;
-    println!(
-        "wrote {} ({} fixture, width {}, {} double + {} single blocks, seed {}, {}): {} tensors, {:.2} M parameters, {:.1} MiB in {:.1} s",
-        report.path.display(),
+    let what = format!(
+        "{} fixture, width {}, {} double + {} single blocks, seed {}, {}",
         if schnell { "flux-schnell" } else { "flux" },
         cfg.hidden_size,
         cfg.depth,
         cfg.depth_single_blocks,
         args.seed,
-        args.wtype,
-        report.tensors,
-        report.params as f64 / 1e6,
-        report.bytes as f64 / (1024.0 * 1024.0),
-        start.elapsed().as_secs_f64()
+        args.wtype
     );
+    print_written(&report, &what, start);
     Ok(())
 }
 
@@ -362,6 +347,8 @@ mod tests {
         );
         let v = parse("flux-vae --type f32 -o ae.safetensors").unwrap();
         assert_eq!((v.family, v.wtype, v.output), (Target::FluxVae, WeightType::F32, Some("ae.safetensors".into())));
+        assert_eq!(parse("taef1 --seed 3").unwrap().family, Target::Taesd { z_channels: 16 });
+        assert_eq!(parse("taesd").unwrap().family, Target::Taesd { z_channels: 4 });
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -369,7 +356,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

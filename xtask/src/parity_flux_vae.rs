@@ -29,7 +29,7 @@ use sd_models::loader::{vae_layout, FileSource};
 use sd_sched::Runner;
 use sd_vae::{AutoencoderKl, VaeConfig, VaeParts};
 
-use crate::parity::{normal_values, read_raw, run_ok, to_f64, write_raw, Diff, Tolerance, VAE_POINTS};
+use crate::parity::{normal_values, read_raw, run_ok, write_raw, Tolerance, Verdict, VAE_POINTS};
 use crate::reference;
 
 /// `cargo xtask parity flux-vae` flags.
@@ -104,20 +104,10 @@ pub fn run(args: Args) -> Result<()> {
     let ours_s = t.elapsed().as_secs_f64();
     write_raw(&dir.join("flux_vae.ours.f32"), &ref_shape, &ours, "our FLUX VAE output").ok();
 
-    let d = Diff::of(&to_f64(&ours), &to_f64(&reference))?;
-    let tol = Tolerance::rounding_points(VAE_POINTS);
-    let pass = tol.accepts(&d);
-    println!(
-        "flux-vae decode {ref_shape:?}: rel_rms {:.2e} rel_max {:.2e} (max|d| {:.3e}, ref max {:.3e}; {})  sdref {ref_s:.1} s  ours {ours_s:.1} s  {}",
-        d.rel_rms(),
-        d.rel_max(),
-        d.max_abs,
-        d.ref_max_abs,
-        tol.describe(),
-        if pass { "PASS" } else { "FAIL" }
-    );
+    let v = Verdict::of(&ours, &reference, Tolerance::rounding_points(VAE_POINTS))?;
+    println!("flux-vae decode {ref_shape:?}: {}  sdref {ref_s:.1} s  ours {ours_s:.1} s  {}", v.figures, v.word());
     let _ = std::fs::remove_dir_all(&dir);
-    if !pass {
+    if !v.pass {
         anyhow::bail!("the FLUX VAE decode is outside the bound");
     }
     Ok(())

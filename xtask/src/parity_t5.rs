@@ -24,7 +24,7 @@ use sd_models::text::t5::{t5_specs, T5Config, T5Encoder};
 use sd_models::text::{T5Tokenizer, FLUX_T5_CHUNK_LEN};
 use sd_sched::{Runner, Weights};
 
-use crate::parity::{read_raw, Diff, Tolerance};
+use crate::parity::{read_raw, Tolerance, Verdict};
 use crate::reference;
 
 /// f16 rounding points on T5's longest path: per block the seven matrix products and the
@@ -100,21 +100,9 @@ pub fn run(args: Args) -> Result<()> {
             ours.extend(encoder.encode_ids(&mut runner, &c.ids, FLUX_T5_CHUNK_LEN)?);
         }
         let ours_s = t.elapsed().as_secs_f64();
-        let d = Diff::of(
-            &ours.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
-            &reference.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
-        )?;
-        let pass = tol.accepts(&d);
-        failed += usize::from(!pass);
-        println!(
-            "t5 {prompt:?} {shape:?}: rel_rms {:.2e} rel_max {:.2e} (max|d| {:.3e}, ref max {:.3e}; {})  sdref {ref_s:.1} s  ours {ours_s:.1} s  {}",
-            d.rel_rms(),
-            d.rel_max(),
-            d.max_abs,
-            d.ref_max_abs,
-            tol.describe(),
-            if pass { "PASS" } else { "FAIL" }
-        );
+        let v = Verdict::of(&ours, &reference, tol)?;
+        failed += usize::from(!v.pass);
+        println!("t5 {prompt:?} {shape:?}: {}  sdref {ref_s:.1} s  ours {ours_s:.1} s  {}", v.figures, v.word());
     }
     let _ = std::fs::remove_dir_all(&dir);
     if failed > 0 {

@@ -478,3 +478,26 @@ fn lora_bad_inputs_are_clear_errors() {
     assert!(e.contains("broken.safetensors"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--taesd` (the tiny autoencoder instead of the VAE) on the SD 1.5 fixture with a TAESD
+/// fixture (`cargo xtask fixture taesd`, seed 42): the reference's image within the parity
+/// tolerance, and another image than the VAE's.
+#[test]
+fn sd15_with_taesd_matches_the_reference() {
+    use sd_models::fixture::taesd::{cached_taesd_path, write_taesd};
+    let model = fixture(Family::Sd15);
+    let tae = cached_taesd_path(4, 42, WeightType::F16);
+    if !tae.exists() {
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        write_taesd(&tae, 4, 42, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    }
+    let dir = out_dir("taesd");
+    let out = dir.join("taesd.png");
+    check_ok(&generate(&model, &out, 2, &["--taesd", tae.to_str().unwrap()]));
+    let data = workspace().join("tests/data");
+    let (mean, max) = diff(&out, &data.join("ref-sd15-f16-seed42-64x64-euler2-cfg7-taesd.png"));
+    assert!(mean <= MEAN_TOL && max <= MAX_TOL, "TAESD decode vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+    let (mean, _) = diff(&out, &data.join("ref-sd15-f16-seed42-64x64-euler2-cfg7.png"));
+    assert!(mean > 4.0 * MEAN_TOL, "the TAESD image is the VAE's: mean {mean:.3}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

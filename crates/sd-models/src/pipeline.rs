@@ -104,6 +104,15 @@ pub enum PipelineError {
     /// Loading or running the text encoder.
     #[error("text encoder")]
     Text(#[from] crate::text::clip::ClipError),
+    /// Loading or running a family's own conditioner (`what` names it: "FLUX text encoders").
+    #[error("{what}")]
+    Conditioner {
+        /// The conditioner.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Loading or running the UNet.
     #[error("diffusion model")]
     Diffusion(#[from] crate::diffusion::DiffusionError),
@@ -701,15 +710,6 @@ impl Pipeline {
         if let Some(image) = &mut p.init_image {
             // The library's rule for an init image of another size than the (aligned) request.
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
-        }
-        if self.family.sampling().schedule.is_flow() && !SampleMethod::FLOW.contains(&method) {
-            let implemented: Vec<&str> = SampleMethod::FLOW.iter().map(|m| m.name()).collect();
-            return Err(crate::sampling::SamplingError::NotImplemented {
-                what: "sampling method on a flow-matching schedule",
-                name: method.name().to_owned(),
-                implemented: implemented.join(", "),
-            }
-            .into());
         }
         self.check_model_limits(&p)?;
         Ok(Request { params: p, method, scheduler })

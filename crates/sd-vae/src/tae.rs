@@ -44,6 +44,13 @@ impl TaesdConfig {
     pub fn sd() -> Self {
         Self { z_channels: 4, channels: 64, num_blocks: 3, image_channels: 3 }
     }
+
+    /// TAEF1, FLUX.1's tiny autoencoder: TAESD's graph on 16 latent channels (the reference
+    /// builds its TAE with 16 channels for every DiT model), decoding FLUX's latents as they
+    /// are (no scale or shift, as for TAESD).
+    pub fn flux() -> Self {
+        Self { z_channels: 16, ..Self::sd() }
+    }
 }
 
 /// Which halves of TAESD to declare.

@@ -205,7 +205,7 @@ sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
     p.uncond_diffusion_model_path     = "";
     p.embeddings_connectors_path      = "";
     p.audio_vae_path                  = "";
-    p.taesd_path                      = "";
+    p.taesd_path                      = opt_str(o->taesd_path);
     p.control_net_path                = "";
     p.photo_maker_path                = "";
     p.tensor_type_rules               = "";

@@ -30,6 +30,7 @@ typedef struct {
     const char* clip_l_path;
     const char* clip_g_path;
     const char* t5xxl_path;
+    const char* taesd_path;     /* tiny autoencoder decoding (and encoding) instead of the VAE */
     const char* wtype;          /* weight type name, e.g. "f16"; NULL: as in the file */
     const char* rng;            /* "cuda" | "std_default" | "cpu"; NULL: cuda */
     const char* sampler_rng;    /* NULL: same as rng */

@@ -79,6 +79,9 @@ struct ModelArgs {
     /// Path to a standalone T5-XXL text encoder.
     #[arg(long = "t5xxl")]
     t5xxl: Option<String>,
+    /// Path to a tiny autoencoder (TAESD, TAESDXL, TAEF1), used instead of the VAE.
+    #[arg(long = "taesd")]
+    taesd: Option<String>,
     /// Threads; <= 0 means the number of physical cores (sd.cpp's default).
     #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true)]
     threads: i32,
@@ -138,6 +141,7 @@ impl ModelArgs {
             clip_l: self.clip_l.clone(),
             clip_g: self.clip_g.clone(),
             t5xxl: self.t5xxl.clone(),
+            taesd: self.taesd.clone(),
             wtype: self.wtype.clone(),
             rng: self.rng.clone(),
             sampler_rng: self.sampler_rng.clone(),

@@ -121,6 +121,39 @@ impl Tolerance {
     }
 }
 
+/// One f32 output against the reference's under a tolerance, as the one-tensor checks
+/// (`parity-flux`, `parity-flux-vae`, `parity-t5`) print it.
+pub(crate) struct Verdict {
+    /// Whether the output is within the tolerance.
+    pub(crate) pass: bool,
+    /// The figures: relative errors, the largest difference, the reference's scale, the bound.
+    pub(crate) figures: String,
+}
+
+impl Verdict {
+    pub(crate) fn of(ours: &[f32], reference: &[f32], tol: Tolerance) -> Result<Verdict> {
+        let d = Diff::of(&to_f64(ours), &to_f64(reference))?;
+        let figures = format!(
+            "rel_rms {:.2e} rel_max {:.2e} (max|d| {:.3e}, ref max {:.3e}; {})",
+            d.rel_rms(),
+            d.rel_max(),
+            d.max_abs,
+            d.ref_max_abs,
+            tol.describe()
+        );
+        Ok(Verdict { pass: tol.accepts(&d), figures })
+    }
+
+    /// `PASS` or `FAIL`.
+    pub(crate) fn word(&self) -> &'static str {
+        if self.pass {
+            "PASS"
+        } else {
+            "FAIL"
+        }
+    }
+}
+
 /// Rounding points per module (counted in the module doc).
 pub(super) const CLIP_L_POINTS: u32 = 48;
 pub(super) const CLIP_H_POINTS: u32 = 92;

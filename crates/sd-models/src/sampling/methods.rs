@@ -8,7 +8,7 @@
 //! rounded to float first, as the reference's tensor operators do.
 
 use super::rng::NoiseRng;
-use super::sampler::{ancestral_step, draw, Denoised, Evals};
+use super::sampler::{ancestral, ancestral_step, ancestral_step_flow, draw, Denoised, Evals};
 use super::schedule::{cpp_max, cpp_min, SD_LINEAR_END, SD_LINEAR_START, TIMESTEPS};
 use super::{SamplingError, Step};
 
@@ -140,13 +140,79 @@ fn add_noise<E: From<SamplingError>>(x: &mut [f32], rng: &mut dyn NoiseRng, scal
     Ok(())
 }
 
-/// RES multistep: an exponential integrator in `-log sigma` with one step of history.
+/// DPM-Solver++(2S) ancestral on a flow schedule (the reference's own loop for flow models):
+/// the midpoint in `log((1 - sigma) / sigma)` written as `sigma_s = 1 / (e^s + 1)` with
+/// `e^s = sqrt((1 - sigma) / sigma * (1 - sigma_down) / sigma_down)`, one evaluation only when
+/// sigma is 1 (within 1e-6, where the midpoint is sigma itself), the flow ancestral step, and
+/// noise only with `eta > 0`.
+pub(super) fn dpmpp_2s_a_flow<D, R, E>(
+    ev: &mut Evals<'_, D>,
+    mut x: Vec<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn NoiseRng,
+    eta: f32,
+) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let (sigma, sigma_to) = (sigmas[i], sigmas[i + 1]);
+        // `1.0 - sigma` is a double expression in the reference.
+        let first_at_one = 1.0 - f64::from(sigma) < 1e-6;
+        let den = ev.pred(&x, sigma, i, first_at_one || sigma_to == 0.0)?;
+        if sigma_to == 0.0 {
+            x = den;
+            continue;
+        }
+        let (sigma_down, sigma_up, alpha_scale) = ancestral_step_flow(sigma, sigma_to, eta);
+        let d_i = if first_at_one {
+            den
+        } else {
+            let exp_s = (((1.0 - sigma) / sigma) * ((1.0 - sigma_down) / sigma_down)).sqrt();
+            let sigma_s = 1.0 / (exp_s + 1.0);
+            let ratio = sigma_s / sigma;
+            let keep = 1.0 - ratio;
+            let u: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| xv * ratio + dv * keep).collect();
+            ev.pred(&u, sigma_s, i, true)?
+        };
+        let ratio = sigma_down / sigma;
+        let keep = 1.0 - ratio;
+        for (xv, &dv) in x.iter_mut().zip(&d_i) {
+            *xv = *xv * ratio + dv * keep;
+        }
+        if eta > 0.0 {
+            rescale_and_add_noise::<E>(&mut x, rng, Some(alpha_scale), sigma_up)?;
+        }
+    }
+    Ok(x)
+}
+
+/// A flow ancestral step's noise: `x` times `alpha_scale` (when given), then `noise * scale` added.
+fn rescale_and_add_noise<E: From<SamplingError>>(
+    x: &mut [f32],
+    rng: &mut dyn NoiseRng,
+    alpha_scale: Option<f32>,
+    scale: f32,
+) -> Result<(), E> {
+    if let Some(a) = alpha_scale {
+        for xv in x.iter_mut() {
+            *xv *= a;
+        }
+    }
+    add_noise(x, rng, scale)
+}
+
+/// RES multistep: an exponential integrator in `-log sigma` with one step of history; on a
+/// flow schedule (`flow`) the ancestral step is the flow one and `x` is rescaled before the noise.
 pub(super) fn res_multistep<D, R, E>(
     ev: &mut Evals<'_, D>,
     mut x: Vec<f32>,
     sigmas: &[f32],
     rng: &mut dyn NoiseRng,
     eta: f32,
+    flow: bool,
 ) -> Result<Vec<f32>, E>
 where
     D: FnMut(&[f32], f32, Step) -> Result<R, E>,
@@ -159,7 +225,7 @@ where
     for i in 0..ev.steps {
         let den = ev.pred(&x, sigmas[i], i, true)?;
         let (sigma_from, sigma_to) = (sigmas[i], sigmas[i + 1]);
-        let (sigma_down, sigma_up) = ancestral_step(sigma_from, sigma_to, eta);
+        let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma_from, sigma_to, eta, flow);
         match old_sigma_down {
             Some(old_down) if sigma_down != 0.0 => {
                 let t = t_fn(sigma_from);
@@ -187,7 +253,7 @@ where
             }
         }
         if sigma_to > 0.0 && sigma_up > 0.0 {
-            add_noise::<E>(&mut x, rng, sigma_up)?;
+            rescale_and_add_noise::<E>(&mut x, rng, flow.then_some(alpha_scale), sigma_up)?;
         }
         old_denoised = den;
         old_sigma_down = Some(sigma_down);
@@ -195,13 +261,15 @@ where
     Ok(x)
 }
 
-/// RES 2s: a two-stage exponential integrator (midpoint `c2 = 1/2` in `-log sigma`).
+/// RES 2s: a two-stage exponential integrator (midpoint `c2 = 1/2` in `-log sigma`); `flow` as
+/// in [`res_multistep`].
 pub(super) fn res_2s<D, R, E>(
     ev: &mut Evals<'_, D>,
     mut x: Vec<f32>,
     sigmas: &[f32],
     rng: &mut dyn NoiseRng,
     eta: f32,
+    flow: bool,
 ) -> Result<Vec<f32>, E>
 where
     D: FnMut(&[f32], f32, Step) -> Result<R, E>,
@@ -212,7 +280,7 @@ where
     let t_fn = |sigma: f32| -sigma.ln();
     for i in 0..ev.steps {
         let (sigma_from, sigma_to) = (sigmas[i], sigmas[i + 1]);
-        let (sigma_down, sigma_up) = ancestral_step(sigma_from, sigma_to, eta);
+        let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma_from, sigma_to, eta, flow);
         let single = sigma_down == 0.0 || sigma_from == 0.0;
         let den = ev.pred(&x, sigma_from, i, single)?;
         if single {
@@ -237,20 +305,23 @@ where
             }
         }
         if sigma_to > 0.0 && sigma_up > 0.0 {
-            add_noise::<E>(&mut x, rng, sigma_up)?;
+            rescale_and_add_noise::<E>(&mut x, rng, flow.then_some(alpha_scale), sigma_up)?;
         }
     }
     Ok(x)
 }
 
-/// ER-SDE (extended reverse-time SDE, up to 3 stages) for a non-flow model: lambda = sigma,
-/// alpha = 1, the noise scaler `x (e^(x^0.3) + 10)`, 200-point quadrature of its inverse.
+/// ER-SDE (extended reverse-time SDE, up to 3 stages): the noise scaler `x (e^(x^0.3) + 10)`,
+/// 200-point quadrature of its inverse. For a non-flow model lambda = sigma and alpha = 1; on a
+/// flow schedule sigma is clamped to [1e-6, 1 - 1e-4], lambda = sigma / (1 - sigma) and
+/// alpha = 1 - sigma (and a sigma above 1 is clamped before the model sees it).
 pub(super) fn er_sde<D, R, E>(
     ev: &mut Evals<'_, D>,
     mut x: Vec<f32>,
     sigmas: &[f32],
     rng: &mut dyn NoiseRng,
     eta: f32,
+    flow: bool,
 ) -> Result<Vec<f32>, E>
 where
     D: FnMut(&[f32], f32, Step) -> Result<R, E>,
@@ -264,9 +335,19 @@ where
         let v = v.max(0.0);
         v * (v.powf(0.3).exp() + 10.0)
     };
-    let lambdas: Vec<f32> = sigmas.iter().map(|&s| s.max(1e-6)).collect();
-    // alpha_s = alpha_t = 1 for a non-flow model.
-    let (alpha_t, r_alpha) = (1.0_f32, 1.0_f32);
+    let clamp = |s: f32| cpp_min(cpp_max(s, 1e-6), 1.0 - 1e-4);
+    let lambda = |s: f32| if flow { clamp(s) / cpp_max(1.0 - clamp(s), 1e-6) } else { cpp_max(s, 1e-6) };
+    let alpha = |s: f32| if flow { 1.0 - clamp(s) } else { 1.0 };
+    let mut sigmas = sigmas.to_vec();
+    if flow {
+        let n = sigmas.len();
+        for s in &mut sigmas[..n - 1] {
+            if *s > 1.0 {
+                *s = clamp(*s);
+            }
+        }
+    }
+    let lambdas: Vec<f32> = sigmas.iter().map(|&s| lambda(s)).collect();
     let mut old_denoised: Option<Vec<f32>> = None;
     let mut old_denoised_d: Option<Vec<f32>> = None;
     for i in 0..ev.steps {
@@ -275,6 +356,8 @@ where
         if sigmas[i + 1] == 0.0 {
             x = den.clone();
         } else {
+            let (alpha_s, alpha_t) = (alpha(sigmas[i]), alpha(sigmas[i + 1]));
+            let r_alpha = if alpha_s > 0.0 { alpha_t / alpha_s } else { 0.0 };
             let (ls, lt) = (lambdas[i], lambdas[i + 1]);
             let (scaled_s, scaled_t) = (scaler(ls), scaler(lt));
             let r = if scaled_s > 0.0 { scaled_t / scaled_s } else { 0.0 };
@@ -431,13 +514,15 @@ where
 }
 
 /// Euler with gradient estimation (`gamma` 2): from the second step on, the derivative is
-/// `gamma d + (1 - gamma) d_old`; with `eta > 0`, ancestral noise as in `euler_a`.
+/// `gamma d + (1 - gamma) d_old`; with `eta > 0`, ancestral noise as in `euler_a` (on a flow
+/// schedule, its flow step).
 pub(super) fn euler_ge<D, R, E>(
     ev: &mut Evals<'_, D>,
     mut x: Vec<f32>,
     sigmas: &[f32],
     rng: &mut dyn NoiseRng,
     eta: f32,
+    flow: bool,
 ) -> Result<Vec<f32>, E>
 where
     D: FnMut(&[f32], f32, Step) -> Result<R, E>,
@@ -453,7 +538,7 @@ where
             x = den;
             continue;
         }
-        let (sigma_down, sigma_up) = ancestral_step(sigma, sigma_to, eta);
+        let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma, sigma_to, eta, flow);
         let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / sigma).collect();
         let dt = sigma_down - sigma;
         match &old_d {
@@ -470,7 +555,7 @@ where
         }
         old_d = Some(d);
         if sigma_up > 0.0 {
-            add_noise::<E>(&mut x, rng, sigma_up)?;
+            rescale_and_add_noise::<E>(&mut x, rng, flow.then_some(alpha_scale), sigma_up)?;
         }
     }
     Ok(x)

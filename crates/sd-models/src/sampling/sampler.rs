@@ -140,25 +140,6 @@ impl SampleMethod {
         }
     }
 
-    /// The methods that run on a flow-matching schedule here. The reference also has flow
-    /// variants of `dpm++2s_a`, `res_multistep`, `res_2s`, `er_sde` and `euler_ge`, not
-    /// implemented here yet ([`sample_flow`] refuses them by name).
-    pub const FLOW: [SampleMethod; 13] = [
-        SampleMethod::Euler,
-        SampleMethod::EulerA,
-        SampleMethod::Heun,
-        SampleMethod::Dpm2,
-        SampleMethod::DpmPp2m,
-        SampleMethod::DpmPp2mV2,
-        SampleMethod::Ipndm,
-        SampleMethod::IpndmV,
-        SampleMethod::Lcm,
-        SampleMethod::DdimTrailing,
-        SampleMethod::Tcd,
-        SampleMethod::EulerCfgPp,
-        SampleMethod::EulerACfgPp,
-    ];
-
     /// The noise multiplier used when `--eta` is not given, as the reference resolves it: 1 for
     /// `euler_a`, `dpm++2s_a`, `er_sde` and `euler_a_cfg_pp`, else 0.
     pub fn default_eta(self) -> f32 {
@@ -262,6 +243,17 @@ pub(super) fn ancestral_step_flow(sigma_from: f32, sigma_to: f32, eta: f32) -> (
     (down, up, alpha_scale)
 }
 
+/// `(sigma_down, sigma_up, alpha_scale)` of an ancestral step: [`ancestral_step_flow`] on a
+/// flow-matching schedule, else [`ancestral_step`] with no rescale (the reference's
+/// `get_ancestral_step` with `is_flow_denoiser`).
+pub(super) fn ancestral(sigma_from: f32, sigma_to: f32, eta: f32, flow: bool) -> (f32, f32, f32) {
+    if flow {
+        return ancestral_step_flow(sigma_from, sigma_to, eta);
+    }
+    let (down, up) = ancestral_step(sigma_from, sigma_to, eta);
+    (down, up, 1.0)
+}
+
 /// `-log(sigma)`, computed in double and rounded to float like the reference's `t_fn`.
 fn t_fn(sigma: f32) -> f32 {
     (-f64::from(sigma).ln()) as f32
@@ -361,10 +353,11 @@ where
 }
 
 /// [`sample`] on a flow-matching schedule (sigmas in (0, 1], the reference's
-/// `is_flow_denoiser`): the ancestral samplers (`euler_a`, `ddim_trailing`) take flow ancestral
-/// steps (`x` rescaled by `alpha_scale` before the noise) and `lcm` re-noises
-/// `(1 - sigma_next) x0 + sigma_next noise`; the others run as on a discrete schedule, as in the
-/// reference. Methods outside [`SampleMethod::FLOW`] are an error naming them.
+/// `is_flow_denoiser`): the ancestral samplers (`euler_a`, `ddim_trailing`, and `res_multistep`,
+/// `res_2s`, `euler_ge` with `eta > 0`) take flow ancestral steps (`x` rescaled by
+/// `alpha_scale` before the noise), `lcm` re-noises `(1 - sigma_next) x0 + sigma_next noise`,
+/// `dpm++2s_a` runs its flow loop and `er_sde` its flow lambdas and alphas; the others run as
+/// on a discrete schedule, as in the reference.
 pub fn sample_flow<E, D, R>(
     method: SampleMethod,
     denoise: &mut D,
@@ -378,15 +371,6 @@ where
     R: Into<Denoised>,
     E: From<SamplingError>,
 {
-    if !SampleMethod::FLOW.contains(&method) {
-        let implemented: Vec<&str> = SampleMethod::FLOW.iter().map(|m| m.name()).collect();
-        return Err(SamplingError::NotImplemented {
-            what: "sampling method on a flow-matching schedule",
-            name: method.name().to_owned(),
-            implemented: implemented.join(", "),
-        }
-        .into());
-    }
     sample_on(method, denoise, x, sigmas, rng, eta, true)
 }
 
@@ -441,12 +425,7 @@ where
                         *xv = ratio * *xv + keep * dv;
                     }
                 } else {
-                    let (sigma_down, sigma_up, alpha_scale) = if flow {
-                        ancestral_step_flow(sigma, sigma_to, eta)
-                    } else {
-                        let (down, up) = ancestral_step(sigma, sigma_to, eta);
-                        (down, up, 1.0)
-                    };
+                    let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma, sigma_to, eta, flow);
                     let ratio = sigma_down / sigma;
                     let keep = 1.0 - ratio;
                     for (xv, &dv) in x.iter_mut().zip(&den) {
@@ -508,6 +487,7 @@ where
                 }
             }
         }
+        SampleMethod::DpmPp2sA if flow => x = methods::dpmpp_2s_a_flow(&mut ev, x, sigmas, rng, eta)?,
         SampleMethod::DpmPp2sA => {
             for i in 0..steps {
                 let (s, s_next) = (sigmas[i], sigmas[i + 1]);
@@ -590,12 +570,12 @@ where
         SampleMethod::Ipndm => x = methods::ipndm(&mut ev, x, sigmas, false)?,
         SampleMethod::IpndmV => x = methods::ipndm(&mut ev, x, sigmas, true)?,
         SampleMethod::Tcd => x = methods::tcd(&mut ev, x, sigmas, rng, eta)?,
-        SampleMethod::ResMultistep => x = methods::res_multistep(&mut ev, x, sigmas, rng, eta)?,
-        SampleMethod::Res2s => x = methods::res_2s(&mut ev, x, sigmas, rng, eta)?,
-        SampleMethod::ErSde => x = methods::er_sde(&mut ev, x, sigmas, rng, eta)?,
+        SampleMethod::ResMultistep => x = methods::res_multistep(&mut ev, x, sigmas, rng, eta, flow)?,
+        SampleMethod::Res2s => x = methods::res_2s(&mut ev, x, sigmas, rng, eta, flow)?,
+        SampleMethod::ErSde => x = methods::er_sde(&mut ev, x, sigmas, rng, eta, flow)?,
         SampleMethod::EulerCfgPp => x = methods::euler_cfg_pp(&mut ev, x, sigmas, None)?,
         SampleMethod::EulerACfgPp => x = methods::euler_cfg_pp(&mut ev, x, sigmas, Some((rng, eta)))?,
-        SampleMethod::EulerGe => x = methods::euler_ge(&mut ev, x, sigmas, rng, eta)?,
+        SampleMethod::EulerGe => x = methods::euler_ge(&mut ev, x, sigmas, rng, eta, flow)?,
     }
     Ok(x)
 }

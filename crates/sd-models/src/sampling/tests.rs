@@ -964,9 +964,10 @@ fn schedulers_on_flow_schedules_match_reference() {
     assert_eq!(SampleMethod::Euler.default_scheduler(), Scheduler::Discrete);
 }
 
-/// The samplers that run on a flow schedule, on the analytic denoiser, from the flow noising of a
-/// zero latent: outputs and call sigmas to the bit (euler_a and ddim_trailing take the flow
-/// ancestral step, lcm rescales before re-noising; eta 2 is clamped to 1 as in the reference).
+/// Every sampler on a flow schedule, on the analytic denoiser, from the flow noising of a zero
+/// latent: outputs and call sigmas to the bit (euler_a, ddim_trailing, res_multistep, res_2s and
+/// euler_ge take the flow ancestral step, lcm rescales before re-noising, dpm++2s_a and er_sde run
+/// their flow variants; eta 2 is clamped to 1 as in the reference).
 #[test]
 fn samplers_on_flow_schedules_match_reference() {
     let t = reference();
@@ -987,8 +988,17 @@ fn samplers_on_flow_schedules_match_reference() {
         ("tcd", SampleMethod::Tcd, 0.0),
         ("euler_cfg_pp", SampleMethod::EulerCfgPp, 0.0),
         ("euler_a_cfg_pp", SampleMethod::EulerACfgPp, 1.0),
+        ("dpm++2s_a", SampleMethod::DpmPp2sA, 1.0),
+        ("dpm++2s_a_eta0", SampleMethod::DpmPp2sA, 0.0),
+        ("res_multistep", SampleMethod::ResMultistep, 1.0),
+        ("res_multistep_eta0", SampleMethod::ResMultistep, 0.0),
+        ("res_2s", SampleMethod::Res2s, 1.0),
+        ("er_sde", SampleMethod::ErSde, 1.0),
+        ("er_sde_eta0", SampleMethod::ErSde, 0.0),
+        ("euler_ge", SampleMethod::EulerGe, 1.0),
+        ("euler_ge_eta0", SampleMethod::EulerGe, 0.0),
     ];
-    for m in SampleMethod::FLOW {
+    for m in SampleMethod::ALL {
         assert!(methods.iter().any(|c| c.1 == m), "{m} is not compared with the reference");
     }
     let runs = [
@@ -1024,19 +1034,6 @@ fn samplers_on_flow_schedules_match_reference() {
         f(SampleMethod::EulerA, &mut den, x, &sigmas, rng.as_mut(), 1.0).unwrap()
     };
     assert_ne!(run(true), run(false));
-}
-
-/// Methods whose flow variants are not implemented are refused by name, not run as discrete.
-#[test]
-fn flow_sampling_refuses_methods_without_a_flow_variant() {
-    let mut den = |x: &[f32], sigma: f32, _: Step| Ok::<_, SamplingError>(analytic_denoise(x, sigma));
-    for m in SampleMethod::ALL.into_iter().filter(|m| !SampleMethod::FLOW.contains(m)) {
-        let mut rng = RngKind::Cuda.seeded(1);
-        let e = sample_flow(m, &mut den, vec![0.0; 4], &[1.0, 0.5, 0.0], rng.as_mut(), 1.0).unwrap_err();
-        let msg = e.to_string();
-        assert!(matches!(e, SamplingError::NotImplemented { .. }) && msg.contains(m.name()), "{msg}");
-    }
-    assert_eq!(SampleMethod::ALL.len() - SampleMethod::FLOW.len(), 5);
 }
 
 /// The flow noising `(1 - sigma) x0 + sigma noise` and the FLUX.1 dev denoiser composition (flow

@@ -826,7 +826,7 @@ pub(crate) mod test_support {
     use std::sync::{Arc, OnceLock};
 
     use sd_backends::{convert::pack_f32, Backend, GgmlType, PluginRegistry, PluginSearch};
-    use sd_sched::{SourceError, TensorSource, Weights};
+    use sd_sched::{SourceError, TensorSource, TensorSpec, Weights};
 
     use super::{clip_specs, Activation, ClipConfig, ClipTextModel};
 
@@ -855,9 +855,10 @@ pub(crate) mod test_support {
         }
     }
 
-    /// Deterministic values uniform in [-1, 1), seeded by the tensor's name.
-    fn uniform(name: &str, n: usize) -> Vec<f32> {
-        let mut s: u64 = 0xcbf2_9ce4_8422_2325;
+    /// Deterministic values uniform in [-1, 1), seeded by `basis` and the tensor's name: the
+    /// random weights of the graph tests (each family scales them by its own rule).
+    pub fn seeded_uniform(basis: u64, name: &str, n: usize) -> Vec<f32> {
+        let mut s = basis;
         for b in name.bytes() {
             s = (s ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
@@ -870,6 +871,23 @@ pub(crate) mod test_support {
             out.push((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0);
         }
         out
+    }
+
+    /// A tensor source serving `values(name, ne)` in whatever type the weight set asks for.
+    pub struct ValuesSource(pub fn(&str, &[i64]) -> Vec<f32>);
+
+    impl TensorSource for ValuesSource {
+        fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
+            pack_f32(ty, &(self.0)(name, ne), ne[0]).map(Cow::Owned).map_err(SourceError::new)
+        }
+    }
+
+    /// The weight set of `specs` in [`backend`]'s CPU memory, filled from `values`.
+    pub fn random_weights(specs: Vec<TensorSpec>, values: fn(&str, &[i64]) -> Vec<f32>) -> Weights {
+        let mut w = Weights::new(specs).unwrap();
+        w.allocate(backend().device().buffer_type()).unwrap();
+        w.load_from(&ValuesSource(values)).unwrap();
+        w
     }
 
     /// Values of a parameter: linear weights with variance 1/fan_in (half that scale on the
@@ -891,7 +909,7 @@ pub(crate) mod test_support {
             let gain = if name.contains("out_proj") || name.contains("fc2") { 0.5 } else { 1.0 };
             (gain * (3.0 / ne[0] as f32).sqrt(), 0.0)
         };
-        let mut v = uniform(name, n);
+        let mut v = seeded_uniform(0xcbf2_9ce4_8422_2325, name, n);
         for x in &mut v {
             *x = *x * scale + offset;
         }
@@ -899,19 +917,13 @@ pub(crate) mod test_support {
     }
 
     /// Serves [`values`] in whatever type the weight set asks for.
-    pub struct RandomSource;
-
-    impl TensorSource for RandomSource {
-        fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-            pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(|e| SourceError::new(e))
-        }
-    }
+    pub const RANDOM: ValuesSource = ValuesSource(values);
 
     /// A model whose file stores every tensor as `file_type`, with random weights.
     pub fn model(cfg: &ClipConfig, file_type: GgmlType, backend: &Backend) -> ClipTextModel {
         let mut w = Weights::new(clip_specs(cfg, &|_| Some(file_type), None)).unwrap();
         w.allocate(backend.device().buffer_type()).unwrap();
-        w.load_from(&RandomSource).unwrap();
+        w.load_from(&RANDOM).unwrap();
         ClipTextModel::new(cfg.clone(), w).unwrap()
     }
 

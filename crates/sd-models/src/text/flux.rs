@@ -168,7 +168,7 @@ mod tests {
     use sd_sched::{Runner, Weights};
 
     use super::*;
-    use crate::text::clip::test_support::{backend, tiny, RandomSource};
+    use crate::text::clip::test_support::{backend, tiny, RANDOM};
     use crate::text::clip::{Activation, ClipConfig};
     use crate::text::t5::T5Config;
 
@@ -183,7 +183,7 @@ mod tests {
     fn weights(clip: &ClipConfig, t5: &T5Config) -> Weights {
         let mut w = Weights::new(FluxText::specs(Some(clip), Some(t5), &|_| Some(F32), None)).unwrap();
         w.allocate(backend().device().buffer_type()).unwrap();
-        w.load_from(&RandomSource).unwrap();
+        w.load_from(&RANDOM).unwrap();
         w
     }
 

@@ -203,7 +203,7 @@ mod tests {
     use sd_sched::{Runner, Weights};
 
     use super::*;
-    use crate::text::clip::test_support::{backend, tiny, RandomSource};
+    use crate::text::clip::test_support::{backend, tiny, RANDOM};
     use crate::text::clip::{Activation, ClipError};
     use crate::text::BOS_ID;
 
@@ -226,7 +226,7 @@ mod tests {
         let (l, g) = configs();
         let mut w = Weights::new(SdxlText::specs(&l, &g, &|_| Some(F32), None)).unwrap();
         w.allocate(backend.device().buffer_type()).unwrap();
-        w.load_from(&RandomSource).unwrap();
+        w.load_from(&RANDOM).unwrap();
         SdxlText::new(l, g, w, Arc::new(ClipTokenizer::new())).unwrap()
     }
 

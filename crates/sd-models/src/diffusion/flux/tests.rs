@@ -2,14 +2,12 @@
 //! block, one single block and the whole graph against an f64 implementation written from
 //! the math (random weights, tiny config: width 256, 2 heads of 128).
 
-use std::borrow::Cow;
-
-use sd_backends::{convert::pack_f32, GgmlType};
-use sd_sched::{Runner, SourceError, TensorSource, Weights};
+use sd_backends::GgmlType;
+use sd_sched::{Runner, Weights};
 
 use super::*;
 use crate::diffusion::run_graph;
-use crate::text::clip::test_support::{activation, backend, diff};
+use crate::text::clip::test_support::{activation, backend, diff, random_weights, seeded_uniform, ValuesSource};
 use crate::text::clip::Activation;
 
 const F32: GgmlType = GgmlType::GGML_TYPE_F32;
@@ -29,19 +27,7 @@ fn tiny() -> FluxConfig {
 
 /// Deterministic values uniform in [-1, 1), seeded by the tensor's name.
 fn uniform(name: &str, n: usize) -> Vec<f32> {
-    let mut s: u64 = 0x9e37_79b9_7f4a_7c15;
-    for b in name.bytes() {
-        s = (s ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
-    s |= 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    seeded_uniform(0x9e37_79b9_7f4a_7c15, name, n)
 }
 
 /// RMSNorm scales 1 +- 0.2, biases of scale 0.1, linear weights of variance ~1/fan_in.
@@ -57,19 +43,11 @@ fn values(name: &str, ne: &[i64]) -> Vec<f32> {
     uniform(name, n).into_iter().map(|x| x * scale + offset).collect()
 }
 
-struct RandomSource;
-
-impl TensorSource for RandomSource {
-    fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-        pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(SourceError::new)
-    }
-}
+/// Serves [`values`] in whatever type the weight set asks for.
+const RANDOM: ValuesSource = ValuesSource(values);
 
 fn weights(cfg: &FluxConfig, file_type: GgmlType) -> Weights {
-    let mut w = Weights::new(flux_specs(cfg, &|_| Some(file_type), None)).unwrap();
-    w.allocate(backend().device().buffer_type()).unwrap();
-    w.load_from(&RandomSource).unwrap();
-    w
+    random_weights(flux_specs(cfg, &|_| Some(file_type), None), values)
 }
 
 // --- the f64 reference -----------------------------------------------------------------
@@ -568,7 +546,7 @@ fn the_pipeline_interface_evaluates_each_sample_alone() {
     let cfg = tiny();
     let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
     m.weights.allocate(backend().device().buffer_type()).unwrap();
-    m.weights.load_from(&RandomSource).unwrap();
+    m.weights.load_from(&RANDOM).unwrap();
     m.guidance = 2.0;
     let mut runner = Runner::new("flux", backend());
     let (w, h, l) = (4usize, 6usize, 3usize);
@@ -610,7 +588,7 @@ fn segmented_under_a_budget_equals_the_whole_graph() {
         let dev = b.device().name();
         let ledgers = Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
         let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
-        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RandomSource)).unwrap();
+        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RANDOM)).unwrap();
         let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
         let out = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &y, Some(3.5)).unwrap();
         let high = ledgers.get(&dev).high_water();

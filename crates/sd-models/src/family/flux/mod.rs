@@ -86,6 +86,11 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
 inventory::submit! { FamilySpec { arch: "flux", build } }
 inventory::submit! { FamilySpec { arch: "flux-schnell", build } }
 
+/// A failure of FLUX's conditioner (loading or encoding), kept as the error's source.
+fn conditioner_error(e: crate::text::flux::FluxTextError) -> PipelineError {
+    PipelineError::Conditioner { what: "FLUX text encoders", source: Box::new(e) }
+}
+
 /// Whether a DiT parameter is cut by output rows in a row split: the matmul weights of the
 /// double and single blocks (attention qkv and projections, MLPs, modulations).
 fn dit_row_splittable(spec: &TensorSpec) -> bool {
@@ -122,7 +127,7 @@ impl Family for Flux {
 
     fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>> {
         let text = FluxText::new(self.clip_l.clone(), self.t5.clone(), weights, self.tokenizer.clone())
-            .map_err(|e| PipelineError::Invalid(format!("FLUX text encoders: {e}")))?;
+            .map_err(conditioner_error)?;
         Ok(Box::new(FluxConditioner(text)))
     }
 
@@ -176,9 +181,9 @@ impl Family for Flux {
         VaeConfig::flux()
     }
 
-    /// TAEF1 (FLUX's 16-channel tiny autoencoder) is not implemented yet.
+    /// TAEF1, FLUX's 16-channel tiny autoencoder.
     fn taesd(&self) -> Option<TaesdConfig> {
-        None
+        Some(TaesdConfig::flux())
     }
 
     fn sampling(&self) -> SamplingDefaults {
@@ -201,6 +206,6 @@ impl TextEncoder for FluxConditioner {
         runner: &mut Runner,
         request: &TextRequest<'_>,
     ) -> Result<crate::text::conditioning::Conditioning> {
-        self.0.encode(runner, request.prompt).map_err(|e| PipelineError::Invalid(format!("FLUX text encoders: {e}")))
+        self.0.encode(runner, request.prompt).map_err(conditioner_error)
     }
 }

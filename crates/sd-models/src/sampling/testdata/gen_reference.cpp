@@ -391,6 +391,15 @@ int main() {
         {"tcd", TCD_SAMPLE_METHOD, 0.f},
         {"euler_cfg_pp", EULER_CFG_PP_SAMPLE_METHOD, 0.f},
         {"euler_a_cfg_pp", EULER_A_CFG_PP_SAMPLE_METHOD, 1.f},
+        {"dpm++2s_a", DPMPP2S_A_SAMPLE_METHOD, 1.f},
+        {"dpm++2s_a_eta0", DPMPP2S_A_SAMPLE_METHOD, 0.f},
+        {"res_multistep", RES_MULTISTEP_SAMPLE_METHOD, 1.f},
+        {"res_multistep_eta0", RES_MULTISTEP_SAMPLE_METHOD, 0.f},
+        {"res_2s", RES_2S_SAMPLE_METHOD, 1.f},
+        {"er_sde", ER_SDE_SAMPLE_METHOD, 1.f},
+        {"er_sde_eta0", ER_SDE_SAMPLE_METHOD, 0.f},
+        {"euler_ge", EULER_GE_SAMPLE_METHOD, 1.f},
+        {"euler_ge_eta0", EULER_GE_SAMPLE_METHOD, 0.f},
     };
     struct FlowRun {
         std::shared_ptr<DiscreteFlowDenoiser> d;

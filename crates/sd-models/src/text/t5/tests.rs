@@ -1,13 +1,11 @@
 //! T5 encoder tests: parameter inventory, storage types, buckets, and the graph against an f64
 //! implementation written from the math (random weights, tiny config).
 
-use std::borrow::Cow;
-
-use sd_backends::{convert::pack_f32, GgmlType};
-use sd_sched::{Runner, SourceError, TensorSource, Weights};
+use sd_backends::GgmlType;
+use sd_sched::{Runner, Weights};
 
 use super::*;
-use crate::text::clip::test_support::{activation, backend, diff};
+use crate::text::clip::test_support::{activation, backend, diff, random_weights, seeded_uniform};
 use crate::text::clip::Activation;
 
 const F32: GgmlType = GgmlType::GGML_TYPE_F32;
@@ -20,19 +18,7 @@ fn tiny() -> T5Config {
 
 /// Deterministic values uniform in [-1, 1), seeded by the tensor's name.
 fn uniform(name: &str, n: usize) -> Vec<f32> {
-    let mut s: u64 = 0x9e37_79b9_7f4a_7c15;
-    for b in name.bytes() {
-        s = (s ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
-    s |= 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    seeded_uniform(0x9e37_79b9_7f4a_7c15, name, n)
 }
 
 /// Norm gains 1 +- 0.2, embeddings of scale 1, relative biases of scale 2 (so they matter),
@@ -51,19 +37,8 @@ fn values(name: &str, ne: &[i64]) -> Vec<f32> {
     uniform(name, n).into_iter().map(|x| x * scale + offset).collect()
 }
 
-struct RandomSource;
-
-impl TensorSource for RandomSource {
-    fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-        pack_f32(ty, &values(name, ne), ne[0]).map(Cow::Owned).map_err(SourceError::new)
-    }
-}
-
 fn weights(cfg: &T5Config, file_type: GgmlType) -> Weights {
-    let mut w = Weights::new(t5_specs(cfg, &|_| Some(file_type), None)).unwrap();
-    w.allocate(backend().device().buffer_type()).unwrap();
-    w.load_from(&RandomSource).unwrap();
-    w
+    random_weights(t5_specs(cfg, &|_| Some(file_type), None), values)
 }
 
 // --- the f64 reference -----------------------------------------------------------------

@@ -522,7 +522,7 @@ fn lora_at_runtime_counts_in_the_plan() {
         let p: sd_placement::Plan = serde_json::from_slice(&o.stdout).unwrap();
         p.modules.iter().find(|m| m.module.name() == "diffusion").unwrap().param_bytes
     };
-    let files = sd_models::files::ModelFiles::open_model(&dir.join("kohya.safetensors")).unwrap();
+    let files = sd_models::files::ModelFiles::open_model(dir.join("kohya.safetensors")).unwrap();
     let unet_matrices: u64 = files
         .index()
         .entries()

@@ -45,7 +45,7 @@ fn parse(name: &str) -> Option<(&str, usize, bool)> {
 
 /// A module's adapter tensors and what they adapt (from [`LoraSet::runtime`]).
 #[derive(Debug, Default)]
-pub struct RuntimeAdapters {
+pub(crate) struct RuntimeAdapters {
     specs: Vec<TensorSpec>,
     by_weight: Vec<(String, Vec<Adapter>)>,
 }
@@ -117,7 +117,7 @@ impl LoraSet {
     }
 
     /// The adapter tensors of the weights among `module` that the set adapts.
-    pub fn runtime(&self, module: &[TensorSpec]) -> RuntimeAdapters {
+    pub(crate) fn runtime(&self, module: &[TensorSpec]) -> RuntimeAdapters {
         let mut out = RuntimeAdapters::default();
         for spec in module {
             let Some(deltas) = self.deltas.get(&spec.name) else { continue };

@@ -145,8 +145,12 @@ pub struct LoraArgs {
     #[arg(long = "lora-model-dir", value_name = "DIR", default_value = ".")]
     pub lora_model_dir: PathBuf,
     /// How LoRAs are applied: auto, immediately, at_runtime. `immediately` merges them into
-    /// the weights as they are loaded (at each staging for weights kept on disk); `auto` is
-    /// `immediately` for now; `at_runtime` is not supported yet.
+    /// the weights as they are loaded (at each staging for weights kept off the device);
+    /// `at_runtime` leaves the weights as they are and adds each adapter's low-rank product
+    /// in the graph (its matrices live with the module's weights and count in its device
+    /// memory). `auto` chooses per module and says why at -v: at_runtime when adapted weights
+    /// are quantized, the parameters live off the computing device (--params-backend) or the
+    /// module is row-split; immediately otherwise.
     #[arg(long = "lora-apply-mode", value_name = "MODE", default_value = "auto")]
     pub lora_apply_mode: sd_models::lora::ApplyMode,
 }

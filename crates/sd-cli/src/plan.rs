@@ -250,6 +250,40 @@ pub fn plan_for(
     Ok(plan)
 }
 
+/// The LoRA files the prompt's tags name, read and checked against the model: with
+/// `--lora-apply-mode at_runtime` their adapter tensors join the modules they adapt in `model`
+/// (so the plan counts their bytes); the lines to print say what each mode costs.
+fn lora_bytes(args: &PlanArgs, files: &ModelFiles, model: &mut sd_placement::ModelDescription) -> Result<Vec<String>> {
+    use sd_models::lora::ApplyMode;
+    let (_, loras) = args.lora.extract(&args.prompt)?;
+    if loras.is_empty() {
+        return Ok(Vec::new());
+    }
+    let file_bytes: u64 = loras.iter().filter_map(|l| std::fs::metadata(&l.path).ok()).map(|m| m.len()).sum();
+    let set = sd_models::pipeline::lora_set_for(files, &loras, None)?;
+    let mib = |b: u64| b as f64 / MIB as f64;
+    let mode = args.lora.lora_apply_mode;
+    let mut lines = vec![format!(
+        "LoRA: {} files, {:.1} MiB read into RAM, {} weights adapted (--lora-apply-mode {})",
+        loras.len(),
+        mib(file_bytes),
+        set.targets(),
+        mode.name()
+    )];
+    let mut scratch = model.clone();
+    let target = if mode == ApplyMode::AtRuntime { model } else { &mut scratch };
+    let per = sd_models::describe::add_runtime_loras(target, files, &set);
+    let list = per.iter().map(|(m, b)| format!("{} {:.2} MiB", m.name(), mib(*b))).collect::<Vec<_>>().join(", ");
+    lines.push(match mode {
+        ApplyMode::AtRuntime => format!("LoRA at_runtime: adapter tensors with the modules' weights, counted in the plan: {list}"),
+        ApplyMode::Immediately => "LoRA immediately: merged into the weights as they load (no extra device memory)".into(),
+        ApplyMode::Auto => format!(
+            "LoRA auto: merged where a module's weights are f16/f32 on its computing device; at_runtime (adding {list}) where they are quantized, off the device or row-split"
+        ),
+    });
+    Ok(lines)
+}
+
 /// Runs `plan`.
 pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (devices, profile_ram, device_speeds) = match &args.devices {
@@ -266,7 +300,8 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let files = ModelFiles::open(&sources)?;
     // A model a family runs but cannot load (tensors missing or misshapen) has no plan.
     sd_models::family::check_runnable(&files)?;
-    let model = describe(&files, &args.model.extra())?;
+    let mut model = describe(&files, &args.model.extra())?;
+    let lora_lines = lora_bytes(args, &files, &mut model)?;
     // A profile's speeds; else `plan` runs nothing: speeds measured by an earlier generation
     // (at 512x512), if cached.
     let device_speeds = match args.devices {
@@ -281,15 +316,6 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;
     let p = plan(&request)?;
-    let (_, loras) = args.lora.extract(&args.prompt)?;
-    if !loras.is_empty() {
-        let bytes: u64 = loras.iter().filter_map(|l| std::fs::metadata(&l.path).ok()).map(|m| m.len()).sum();
-        crate::out!(
-            "LoRA: {} files, {:.1} MiB read into RAM and merged into the weights as they load (no device memory)",
-            loras.len(),
-            bytes as f64 / MIB as f64
-        );
-    }
     let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());
     report.plan = Some(p.clone());
     crate::output::write_report(report_to.as_ref(), &report)?;
@@ -297,6 +323,9 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         crate::out!("{}", p.to_json());
     } else {
         crate::out!("{}", p.render());
+        for line in &lora_lines {
+            crate::out!("{line}");
+        }
     }
     Ok(if p.fits { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }

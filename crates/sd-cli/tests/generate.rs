@@ -4,6 +4,8 @@
 //! The reference PNGs in `tests/data/` were produced by `sdref txt2img` (the reference built by
 //! `cargo xtask reference`) on the fixtures these tests regenerate; see tests/data/README.md.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -448,12 +450,92 @@ fn sd15_loras_match_the_reference_and_multiplier_zero_changes_nothing() {
     }
     // Multiplier 0 leaves the weights unchanged, bit for bit, and parameters on disk are merged
     // at each staging as those on the device once: the same file as kohya x1 on the device.
-    let zero = gen("zero.png", "a cat<lora:kohya:1><lora:peft:0>", &["--params-backend", "diffusion=disk,te=disk"]);
+    let disk = ["--params-backend", "diffusion=disk,te=disk"];
+    let zero = gen(
+        "zero.png",
+        "a cat<lora:kohya:1><lora:peft:0>",
+        &[&disk[..], &["--lora-apply-mode", "immediately"]].concat(),
+    );
     assert_eq!(
         std::fs::read(&kohya).unwrap(),
         std::fs::read(&zero).unwrap(),
         "kohya x1 + peft x0 with params on disk differs from kohya x1 on the device"
     );
+
+    // at_runtime: the low-rank products in the graph, against the reference's at_runtime run
+    // and within the same tolerance of our merge.
+    let rt = gen("rt.png", "a cat<lora:kohya:1>", &["--lora-apply-mode", "at_runtime"]);
+    let reference = workspace().join("tests/data/ref-sd15-f16-seed42-64x64-euler2-cfg7-lora-kohya1-at_runtime.png");
+    let (mean, max) = diff(&rt, &reference);
+    assert!(
+        mean <= MEAN_TOL && max <= MAX_TOL,
+        "at_runtime vs stable-diffusion.cpp at_runtime: mean {mean:.3}, max {max}"
+    );
+    let (mean, max) = diff(&rt, &kohya);
+    assert!(mean <= MEAN_TOL && max <= MAX_TOL, "at_runtime vs immediately: mean {mean:.3}, max {max}");
+    assert_ne!(std::fs::read(&rt).unwrap(), std::fs::read(&kohya).unwrap(), "at_runtime ran the merged weights");
+    let (mean, _) = diff(&rt, &plain);
+    assert!(mean > 4.0 * MEAN_TOL, "at_runtime: mean {mean:.3} from the image without LoRA");
+    // auto with the parameters on disk applies at run time (a merge would be redone at every
+    // staging), and an adapter of multiplier 0 adds zero products: the at_runtime image of
+    // kohya alone, bit for bit, with the adapters staged from disk with their layers.
+    let auto_disk = gen("rt-disk.png", "a cat<lora:kohya:1><lora:peft:0>", &disk);
+    assert_eq!(std::fs::read(&rt).unwrap(), std::fs::read(&auto_disk).unwrap(), "auto, params on disk vs at_runtime");
+
+    // Over two RPC servers: a layer split of the UNet (each adapter on its layer's device) and
+    // graph-level row splits of the text encoder (the adapters' products on the main device
+    // added to the gathered chunks; immediately merges before the weights are cut) give the
+    // all-CPU images bit for bit.
+    let (a, b) = (common::Server::start(), common::Server::start());
+    let rpc = format!("{},{}", a.endpoint, b.endpoint);
+    let layer = ["--rpc", rpc.as_str(), "--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu", "--pipeline-copies", "1"];
+    let runtime = ["--lora-apply-mode", "at_runtime"];
+    let px = gen("rt-layer.png", "a cat<lora:kohya:1>", &[&layer[..], &runtime].concat());
+    assert_eq!(std::fs::read(&rt).unwrap(), std::fs::read(&px).unwrap(), "at_runtime, UNet layer split vs CPU");
+    let rows = ["--rpc", rpc.as_str(), "--split-mode", "te=row", "--backend", "te=RPC0&RPC1,diffusion=cpu,vae=cpu"];
+    let px = gen("rt-rows.png", "a cat<lora:kohya:1>", &[&rows[..], &runtime].concat());
+    assert_eq!(std::fs::read(&rt).unwrap(), std::fs::read(&px).unwrap(), "at_runtime, te row split vs CPU");
+    let px = gen("im-rows.png", "a cat<lora:kohya:1>", &[&rows[..], &["--lora-apply-mode", "immediately"]].concat());
+    assert_eq!(std::fs::read(&kohya).unwrap(), std::fs::read(&px).unwrap(), "immediately, te row split vs CPU");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn lora_at_runtime_counts_in_the_plan() {
+    // `sd-cli plan` with at_runtime adds each adapter's matrices to the module it adapts (f16
+    // here, as in the file: the same bytes as the file's `lora_unet_` matrices); immediately
+    // adds nothing to the devices.
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("lora-plan");
+    write_loras(&dir);
+    let d = dir.to_str().unwrap();
+    let diffusion_bytes = |extra: &[&str]| {
+        let o = sd_cli()
+            .arg("plan")
+            .arg("-m")
+            .arg(&model)
+            .args(["--lora-model-dir", d, "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&o.stderr));
+        let p: sd_placement::Plan = serde_json::from_slice(&o.stdout).unwrap();
+        p.modules.iter().find(|m| m.module.name() == "diffusion").unwrap().param_bytes
+    };
+    let files = sd_models::files::ModelFiles::open_model(dir.join("kohya.safetensors")).unwrap();
+    let unet_matrices: u64 = files
+        .index()
+        .entries()
+        .iter()
+        .filter(|e| e.original_name.starts_with("lora_unet_") && e.original_name.ends_with(".weight"))
+        .map(|e| e.len)
+        .sum();
+    assert!(unet_matrices > 0);
+    let none = diffusion_bytes(&[]);
+    let rt = diffusion_bytes(&["-p", "a cat<lora:kohya:1>", "--lora-apply-mode", "at_runtime"]);
+    let merged = diffusion_bytes(&["-p", "a cat<lora:kohya:1>", "--lora-apply-mode", "immediately"]);
+    assert_eq!(rt - none, unet_matrices, "at_runtime adds the adapters' bytes");
+    assert_eq!(merged, none, "immediately adds no device bytes");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -469,12 +551,12 @@ fn lora_bad_inputs_are_clear_errors() {
     }
     let e = fails(&with(&base, &["-p", "a cat <lora:missing_style:1>"]), Some(&model));
     assert!(e.contains("missing_style") && e.contains(d), "{e}");
-    let e = fails(&with(&base, &["-p", "<lora:kohya:1>", "--lora-apply-mode", "at_runtime"]), Some(&model));
-    assert!(e.contains("at_runtime") && e.contains("not yet supported"), "{e}");
     let e = fails(&with(&base, &["-p", "x", "--lora-apply-mode", "later"]), Some(&model));
     assert!(e.contains("--lora-apply-mode") && e.contains("later"), "{e}");
     std::fs::write(dir.join("broken.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}").unwrap();
     let e = fails(&with(&base, &["-p", "<lora:broken:1>"]), Some(&model));
+    assert!(e.contains("broken.safetensors"), "{e}");
+    let e = fails(&with(&base, &["-p", "<lora:broken:1>", "--lora-apply-mode", "at_runtime"]), Some(&model));
     assert!(e.contains("broken.safetensors"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

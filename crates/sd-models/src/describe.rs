@@ -72,6 +72,31 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
     Ok(ModelDescription { components: comps, files: sources })
 }
 
+/// Adds to `desc` the tensors a LoRA applied at run time puts in each module
+/// ([`crate::lora::LoraSet::runtime_tensor_bytes`]), each in the block of the weight it
+/// adapts; returns their bytes per module.
+pub fn add_runtime_loras(
+    desc: &mut ModelDescription,
+    model: &ModelFiles,
+    set: &crate::lora::LoraSet,
+) -> Vec<(Module, u64)> {
+    let index = model.index();
+    let mut per: Vec<(Module, u64)> = Vec::new();
+    for (weight, name, bytes) in set.runtime_tensor_bytes() {
+        let Some(module) = module_of(files::index::component_of(&weight)) else { continue };
+        let t = Tensor { name, bytes, block: index.block_of(&weight) };
+        match desc.components.iter_mut().find(|c| c.module == module) {
+            Some(c) => c.tensors.push(t),
+            None => desc.components.push(PComponent { module, tensors: vec![t] }),
+        }
+        match per.iter_mut().find(|(m, _)| *m == module) {
+            Some(e) => e.1 += bytes,
+            None => per.push((module, bytes)),
+        }
+    }
+    per
+}
+
 /// Block index of a text-encoder layer tensor by common naming schemes
 /// (T5 `encoder.block.N.`, LLMs `layers.N.` / `blk.N.`).
 fn layer_index(name: &str) -> Option<u32> {

@@ -423,14 +423,45 @@ pub fn align_up(width: usize, height: usize, multiple: usize) -> (usize, usize) 
     (up(width), up(height))
 }
 
+/// `requests`' LoRA adapters read and checked against the text encoder's and diffusion
+/// model's weights of `family` in `files` (with the `--type` override `wtype`).
+fn lora_set(
+    files: &ModelFiles,
+    family: &dyn Family,
+    requests: &[crate::lora::LoraRequest],
+    wtype: Option<GgmlType>,
+) -> Result<crate::lora::LoraSet> {
+    use crate::lora::{LoraError, LoraSet};
+    let table = family.lora_prefixes();
+    if table.is_empty() {
+        return Err(LoraError::Unsupported(format!("the {} family takes no LoRA yet", family.arch())).into());
+    }
+    let dtype = dtype_of(files);
+    let mut targets = family.text_specs(&dtype, wtype);
+    targets.extend(family.diffusion_specs(&dtype, wtype));
+    Ok(LoraSet::load(requests, family.arch(), table, &targets)?)
+}
+
+/// `requests`' LoRA adapters for the model of `files`, read and checked as a generation
+/// would, without loading the model (for `sd-cli plan`).
+pub fn lora_set_for(
+    files: &ModelFiles,
+    requests: &[crate::lora::LoraRequest],
+    wtype: Option<GgmlType>,
+) -> Result<crate::lora::LoraSet> {
+    let detected = files.detect(None)?;
+    let family = crate::family::for_detected(&detected, files)?;
+    lora_set(files, family.as_ref(), requests, wtype)
+}
+
 /// The loaded model family and its settings; weights are loaded per phase.
 pub struct Pipeline {
     files: Arc<ModelFiles>,
     family: Box<dyn Family>,
     prediction: Prediction,
     opts: LoadOptions,
-    /// LoRA adapters merged into the weights as they are read (`crate::lora`).
-    loras: Option<Arc<crate::lora::LoraSet>>,
+    /// LoRA adapters and the apply mode asked for (`crate::lora`; resolved per module).
+    loras: Option<(Arc<crate::lora::LoraSet>, crate::lora::ApplyMode)>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -475,44 +506,21 @@ impl Pipeline {
     }
 
     /// The pipeline with `requests`' LoRA adapters applied in `mode` (read and checked
-    /// against the model now, before any weight is loaded). `Auto` is `Immediately` today;
-    /// `AtRuntime` is refused as not yet supported.
+    /// against the model now, before any weight is loaded). The mode of each module is
+    /// resolved as its weights load (`crate::lora::runtime::resolve`), and said in the log.
     pub fn with_loras(mut self, requests: &[crate::lora::LoraRequest], mode: crate::lora::ApplyMode) -> Result<Self> {
-        use crate::lora::{ApplyMode, LoraError, LoraSet};
         if requests.is_empty() {
             self.loras = None;
             return Ok(self);
         }
-        match mode {
-            ApplyMode::AtRuntime => {
-                return Err(LoraError::Unsupported(
-                    "apply mode at_runtime is not yet supported; use immediately (merged into the weights as they are loaded)".into(),
-                )
-                .into())
-            }
-            ApplyMode::Auto => tracing::debug!(
-                "LoRA apply mode auto: immediately (merged into the weights at each load or staging, for every parameter home)"
-            ),
-            ApplyMode::Immediately => {}
-        }
-        let table = self.family.lora_prefixes();
-        if table.is_empty() {
-            return Err(LoraError::Unsupported(format!("the {} family takes no LoRA yet", self.family.arch())).into());
-        }
-        let targets = {
-            let dtype = dtype_of(&self.files);
-            let mut t = self.family.text_specs(&dtype, self.opts.wtype);
-            t.extend(self.family.diffusion_specs(&dtype, self.opts.wtype));
-            t
-        };
-        let set = LoraSet::load(requests, self.family.arch(), table, &targets)?;
+        let set = lora_set(&self.files, self.family.as_ref(), requests, self.opts.wtype)?;
         tracing::info!(
             "{} LoRA files ({:.1} MiB) adapt {} weights",
             requests.len(),
             set.file_bytes() as f64 / 1048576.0,
             set.targets()
         );
-        self.loras = Some(Arc::new(set));
+        self.loras = Some((Arc::new(set), mode));
         Ok(self)
     }
 
@@ -551,13 +559,61 @@ impl Pipeline {
     fn source(&self) -> Arc<dyn TensorSource + Send + Sync> {
         let files: Arc<dyn TensorSource + Send + Sync> = Arc::new(SharedFiles(self.files.clone()));
         match &self.loras {
-            Some(set) => Arc::new(crate::lora::MergedSource::new(files, set.clone())),
+            Some((set, _)) => Arc::new(crate::lora::MergedSource::new(files, set.clone())),
             None => files,
         }
     }
 
+    /// The weights of `module` declared by `specs`, with its LoRA adapters in the mode
+    /// resolved for where they live (`home`, `split`), and the source that fills them:
+    /// merged by [`crate::lora::MergedSource`], or adapter tensors declared with the module
+    /// and served by [`crate::lora::runtime::AdapterSource`].
+    fn module_weights(
+        &self,
+        module: &str,
+        mut specs: Vec<TensorSpec>,
+        home: &ParamHome,
+        split: Option<&LayerSplit>,
+    ) -> Result<(Weights, Arc<dyn TensorSource + Send + Sync>)> {
+        use crate::lora::runtime::{resolve, AdapterSource, ModuleWeights};
+        use crate::lora::ApplyMode;
+        let files: Arc<dyn TensorSource + Send + Sync> = Arc::new(SharedFiles(self.files.clone()));
+        let Some((set, requested)) = &self.loras else { return Ok((Weights::new(specs)?, files)) };
+        let adapted: Vec<&TensorSpec> = specs.iter().filter(|s| set.adapts(&s.name)).collect();
+        if adapted.is_empty() {
+            return Ok((Weights::new(specs)?, files));
+        }
+        let m = ModuleWeights {
+            quantized: adapted.iter().any(|s| sd_backends::convert::is_quantized(s.ty)),
+            off_device: !matches!(home, ParamHome::Compute),
+            row_split: split.is_some_and(|s| s.rows.is_some()),
+        };
+        let (mode, why) = resolve(*requested, &m);
+        if mode == ApplyMode::AtRuntime {
+            let rt = set.runtime(&specs);
+            tracing::info!(
+                "{module}: LoRA {} -> at_runtime ({why}): {} weights adapted in the graph, {:.2} MiB of adapter tensors with the module's weights",
+                requested.name(),
+                rt.weights(),
+                rt.bytes() as f64 / 1048576.0
+            );
+            specs.extend(rt.specs().iter().cloned());
+            let mut w = Weights::new(specs)?;
+            rt.attach(&mut w)?;
+            return Ok((w, Arc::new(AdapterSource::new(files, set.clone()))));
+        }
+        tracing::info!(
+            "{module}: LoRA {} -> immediately ({why}): {} weights merged as they are read",
+            requested.name(),
+            adapted.len()
+        );
+        Ok((Weights::new(specs)?, Arc::new(crate::lora::MergedSource::new(files, set.clone()))))
+    }
+
     /// Gives `w` its home (groups from `group_of`: one per layer, block or stage), on
-    /// `compute` or over `split`; the runner stages them.
+    /// `compute` or over `split`, filled from `src`; the runner stages them. A LoRA adapter
+    /// tensor (`crate::lora::runtime`) gets the group and device of the weight it adapts.
+    #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
         w: &mut Weights,
@@ -567,19 +623,22 @@ impl Pipeline {
         split: Option<&LayerSplit>,
         group_of: &dyn Fn(&str) -> String,
         row_splittable: &dyn Fn(&TensorSpec) -> bool,
+        src: Arc<dyn TensorSource + Send + Sync>,
     ) -> Result<()> {
+        use crate::lora::runtime::adapted_weight;
         let p = &self.opts.placement;
+        let group_of = |name: &str| group_of(adapted_weight(name));
         match split {
-            None => w.place(module, home.clone(), compute.clone(), &p.ledgers, group_of, self.source())?,
+            None => w.place(module, home.clone(), compute.clone(), &p.ledgers, &group_of, src)?,
             Some(s) if s.rows.is_some() => {
                 let shares = s.rows.as_deref().unwrap_or_default();
                 let (home, ledgers) = (home.clone(), &p.ledgers);
-                w.place_rows(module, home, &s.devices, shares, row_splittable, ledgers, group_of, self.source())?;
+                w.place_rows(module, home, &s.devices, shares, row_splittable, ledgers, &group_of, src)?;
             }
             Some(s) => {
                 let index = self.files.index();
-                let device_of = |name: &str| s.device_of_block(index.block_of(name));
-                w.place_split(module, home.clone(), &s.devices, &device_of, &p.ledgers, group_of, self.source())?
+                let device_of = |name: &str| s.device_of_block(index.block_of(adapted_weight(name)));
+                w.place_split(module, home.clone(), &s.devices, &device_of, &p.ledgers, &group_of, src)?
             }
         }
         Ok(())
@@ -610,23 +669,26 @@ impl Pipeline {
 
     fn load_text(&self) -> Result<Box<dyn TextEncoder>> {
         let dtype = dtype_of(&self.files);
-        let mut w = Weights::new(self.family.text_specs(&dtype, self.opts.wtype))?;
-        w.keep_in_device_buffer(&crate::text::clip::is_gathered);
         let d = &self.opts.devices;
+        let home = &self.opts.placement.homes.te;
+        let specs = self.family.text_specs(&dtype, self.opts.wtype);
+        let (mut w, src) = self.module_weights("te", specs, home, d.te_split.as_ref())?;
+        w.keep_in_device_buffer(&crate::text::clip::is_gathered);
         let group_of = |name: &str| self.family.text_group(name);
         let rows = |spec: &TensorSpec| self.family.text_row_splittable(spec);
-        self.place(&mut w, "te", &self.opts.placement.homes.te, &d.te, d.te_split.as_ref(), &group_of, &rows)?;
+        self.place(&mut w, "te", home, &d.te, d.te_split.as_ref(), &group_of, &rows, src)?;
         self.family.load_text(w)
     }
 
     fn load_diffusion(&self, guidance: f32) -> Result<Box<dyn DiffusionModel>> {
         let dtype = dtype_of(&self.files);
-        let mut w = Weights::new(self.family.diffusion_specs(&dtype, self.opts.wtype))?;
         let d = &self.opts.devices;
         let home = &self.opts.placement.homes.diffusion;
+        let specs = self.family.diffusion_specs(&dtype, self.opts.wtype);
+        let (mut w, src) = self.module_weights("unet", specs, home, d.diffusion_split.as_ref())?;
         let group_of = |name: &str| self.family.diffusion_group(name);
         let rows = |spec: &TensorSpec| self.family.diffusion_row_splittable(spec);
-        self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of, &rows)?;
+        self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of, &rows, src)?;
         let settings = DiffusionSettings { flash_attn: self.opts.flash_attn, guidance };
         self.family.load_diffusion(w, &settings)
     }
@@ -649,13 +711,13 @@ impl Pipeline {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
             let cfg = self.taesd_config()?;
             let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
-            self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false)?;
+            self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false, self.source())?;
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
         let cfg = self.family.vae();
         let mut w = Weights::new(sd_vae::vae_specs(&cfg, parts)).map_err(vae_err)?;
-        self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false)?;
+        self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false, self.source())?;
         Ok(Box::new(AutoencoderKl::from_weights(cfg, w)?))
     }
 

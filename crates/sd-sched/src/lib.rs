@@ -12,6 +12,7 @@
 //! The planning half (segment lists, merging, eviction order) is pure logic and
 //! uses no ggml type; the execution half uses `sd-backends`.
 
+pub mod adapter;
 pub mod error;
 pub mod ledger;
 pub mod plan;
@@ -23,6 +24,7 @@ mod split;
 pub use split::BatchJob;
 pub mod weights;
 
+pub use adapter::{add_linear_adapters, Adapter, AdapterTerm};
 pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};
 pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport, StageReport};

@@ -215,6 +215,7 @@ impl Weights {
         let src: Arc<dyn TensorSource + Send + Sync> = Arc::new(RowSource { inner: src, chunks: by_name.clone() });
         fresh.place_split(module, home, devices, &device_of, ledgers, &group, src)?;
         fresh.rows = Some(index);
+        fresh.adapters = std::mem::take(&mut self.adapters);
         *self = fresh;
         for (d, (n, rows, bytes)) in report.per_device.iter().enumerate() {
             tracing::info!(

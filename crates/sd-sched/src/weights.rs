@@ -109,6 +109,8 @@ pub struct Weights {
     plain_only: Vec<bool>,
     /// The row chunks, when placed for a row split ([`Weights::place_rows`]).
     pub(crate) rows: Option<crate::rowsplit::RowIndex>,
+    /// Low-rank adapters by the weight they adapt ([`Weights::set_adapters`]).
+    pub(crate) adapters: HashMap<String, Vec<crate::adapter::Adapter>>,
 }
 
 /// The buffer type a parameter computed on `compute` is stored in when the set's home is
@@ -238,7 +240,18 @@ impl Weights {
         }
         let by_raw = raw.iter().enumerate().map(|(i, r)| (*r as usize, i)).collect();
         let plain_only = vec![false; specs.len()];
-        Ok(Self { ctx, buffer: None, specs, index, raw, by_raw, residency: None, plain_only, rows: None })
+        Ok(Self {
+            ctx,
+            buffer: None,
+            specs,
+            index,
+            raw,
+            by_raw,
+            residency: None,
+            plain_only,
+            rows: None,
+            adapters: HashMap::new(),
+        })
     }
 
     /// Keeps the tensors `keep` selects (by internal name) in the computing device's own

@@ -166,6 +166,13 @@ sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
     sd_ctx_params_t p;
     sd_ctx_params_init(&p);
     p.lora_apply_mode = LORA_APPLY_IMMEDIATELY;
+    if (o->lora_apply_mode != nullptr) {
+        p.lora_apply_mode = str_to_lora_apply_mode(o->lora_apply_mode);
+        if (p.lora_apply_mode == LORA_APPLY_MODE_COUNT) {
+            set_err(err, err_len, "unknown LoRA apply mode '%s' (auto, immediately, at_runtime)", o->lora_apply_mode);
+            return nullptr;
+        }
+    }
 
     if (o->wtype != nullptr) {
         p.wtype = str_to_sd_type(o->wtype);

@@ -46,6 +46,7 @@ typedef struct {
     bool diffusion_conv_direct;
     bool vae_conv_direct;
     bool enable_mmap;
+    const char* lora_apply_mode; /* "auto" | "immediately" | "at_runtime"; NULL: immediately */
 } sdref_ctx_opts;
 
 typedef struct {
@@ -63,7 +64,7 @@ typedef struct {
     const char* scheduler;     /* NULL: the model's default */
     const uint8_t* init_rgb;   /* NULL: txt2img; else width*height*3 bytes */
     bool vae_tiling;
-    int lora_count;                 /* LoRA files applied (mode: immediately) */
+    int lora_count;                 /* LoRA files applied (in the context's lora_apply_mode) */
     const char* const* lora_paths;  /* lora_count paths */
     const float* lora_multipliers;  /* lora_count multipliers */
 } sdref_gen_opts;

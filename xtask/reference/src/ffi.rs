@@ -36,6 +36,7 @@ struct RawCtxOpts {
     diffusion_conv_direct: bool,
     vae_conv_direct: bool,
     enable_mmap: bool,
+    lora_apply_mode: *const c_char,
 }
 
 #[repr(C)]
@@ -295,6 +296,7 @@ pub struct CtxOptions {
     pub diffusion_conv_direct: bool,
     pub vae_conv_direct: bool,
     pub mmap: bool,
+    pub lora_apply_mode: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -408,6 +410,7 @@ impl Context {
             diffusion_conv_direct: o.diffusion_conv_direct,
             vae_conv_direct: o.vae_conv_direct,
             enable_mmap: o.mmap,
+            lora_apply_mode: s.opt(o.lora_apply_mode.as_deref())?,
         };
         let mut err = ErrBuf::new();
         // SAFETY: every pointer in `raw_opts` is null or points into `s`,

@@ -127,6 +127,10 @@ struct ModelArgs {
     /// Memory-map the model file.
     #[arg(long = "mmap")]
     mmap: bool,
+    /// How LoRAs are applied: auto, immediately (the default here) or at_runtime (the
+    /// library's `lora_apply_mode`).
+    #[arg(long = "lora-apply-mode")]
+    lora_apply_mode: Option<String>,
     /// Also echo sd.cpp's DEBUG log lines.
     #[arg(short = 'v', long = "verbose")]
     verbose: bool,
@@ -157,6 +161,7 @@ impl ModelArgs {
             diffusion_conv_direct: self.diffusion_conv_direct,
             vae_conv_direct: self.vae_conv_direct,
             mmap: self.mmap,
+            lora_apply_mode: self.lora_apply_mode.clone(),
         }
     }
 
@@ -207,8 +212,8 @@ struct Txt2Img {
     #[arg(long = "vae-tiling")]
     vae_tiling: bool,
     /// CLIP layers to skip; <= 0 means the model's default.
-    /// A LoRA file and its multiplier, `PATH:MULT` (repeatable; applied immediately, in the
-    /// order given, as the library's `loras` array).
+    /// A LoRA file and its multiplier, `PATH:MULT` (repeatable; applied in the order given, as
+    /// the library's `loras` array, in `--lora-apply-mode`).
     #[arg(long = "lora", value_name = "PATH:MULT", allow_hyphen_values = true)]
     lora: Vec<String>,
     #[arg(long = "clip-skip", default_value_t = -1, allow_negative_numbers = true)]

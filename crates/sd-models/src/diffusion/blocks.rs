@@ -48,18 +48,32 @@ fn param<'w>(w: &'w Weights, p: &str, leaf: &str) -> Result<Tensor<'w>> {
 /// `x W^T + b` over ne[0]: x [inp, ...] -> [out, ...].
 ///
 /// A weight cut by output rows for a row split ([`Weights::matrix_parts`]) is one product per
-/// chunk, concatenated on dim 0 (each chunk's product runs on the chunk's device).
+/// chunk, concatenated on dim 0 (each chunk's product runs on the chunk's device). A weight
+/// with low-rank adapters (a LoRA applied at run time, [`Weights::adapters`]) gets
+/// `scale * up(down(x))` per adapter added after the bias.
 pub fn linear<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
-    let y = sd_sched::mul_mat_parts(g, &w.matrix_parts(&format!("{p}.weight"))?, x);
-    Ok(if bias { g.add(y, param(w, p, "bias")?) } else { y })
+    let name = format!("{p}.weight");
+    let y = sd_sched::mul_mat_parts(g, &w.matrix_parts(&name)?, x);
+    let y = if bias { g.add(y, param(w, p, "bias")?) } else { y };
+    Ok(sd_sched::add_linear_adapters(g, &w.adapters(&name)?, x, y))
 }
 
 /// 2-D convolution with bias via im2col (`ggml_conv_2d`): x [W, H, IC, N] -> [OW, OH, OC, N].
+///
+/// A kernel with low-rank adapters ([`Weights::adapters`]) gets, per adapter and after the
+/// bias, `scale * conv1x1(up, conv(down, x))`: `down` a `[kw, kh, IC, rank]` kernel with this
+/// convolution's stride and padding, `up` a `[1, 1, rank, OC]` kernel, both f16 (the reference
+/// casts a LoRA's convolution kernels to f16).
 pub fn conv2d<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, stride: i32, pad: i32) -> Result<Tensor<'g>> {
-    let k = param(w, p, "weight")?;
+    let name = format!("{p}.weight");
+    let k = w.get(&name)?;
     let b = param(w, p, "bias")?;
     let y = g.conv_2d(k, x, stride, stride, pad, pad, 1, 1);
-    Ok(g.add(y, g.reshape(b, &[1, 1, b.shape()[0], 1])))
+    let y = g.add(y, g.reshape(b, &[1, 1, b.shape()[0], 1]));
+    Ok(w.adapters(&name)?.iter().fold(y, |y, t| {
+        let lx = g.conv_2d(t.down, x, stride, stride, pad, pad, 1, 1);
+        g.add(y, g.scale(g.conv_2d(t.up, lx, 1, 1, 0, 0, 1, 1), t.scale))
+    }))
 }
 
 /// GroupNorm(32, eps 1e-6) with affine parameters over x [W, H, C, N].

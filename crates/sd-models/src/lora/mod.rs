@@ -22,8 +22,18 @@
 //! tensor (once for parameters on the computing device or in RAM, at every staging for
 //! parameters on disk) the adapters are added to the bytes read, so no unmerged copy is kept
 //! next to the merged one and a disk-resident module keeps no merged copy at all.
-//! `at_runtime` (low-rank products in the graph) is not implemented yet and is refused.
+//!
+//! `at_runtime` ([`ApplyMode::AtRuntime`], [`runtime`]) changes no weight byte: each adapter's
+//! `down` and `up` become tensors of the module they adapt (placed, staged and charged to the
+//! ledgers with it) and the graph's linear and convolution helpers add
+//! `scale * up(down(x))` after their bias, one adapter after the other, as the reference's
+//! runtime path does. It costs two small products per adapted layer and evaluation instead of
+//! one merge per load. `auto` picks per module ([`runtime::resolve`]): at run time when
+//! adapted weights are quantized, when the parameters live off the computing device, or when
+//! the module is row-split; merged otherwise. A row-split module in `immediately` works too:
+//! the merge happens as the whole weight is read, before it is cut into row chunks.
 
+pub mod runtime;
 pub mod tags;
 
 use std::borrow::Cow;
@@ -50,13 +60,24 @@ pub struct LoraRequest {
 /// `--lora-apply-mode`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ApplyMode {
-    /// Chosen by where the weights live (today always [`ApplyMode::Immediately`]).
+    /// Chosen per module by where its weights live ([`runtime::resolve`]).
     #[default]
     Auto,
     /// Merged into the weights as they are loaded or staged.
     Immediately,
-    /// Low-rank products added in the graph (not implemented yet).
+    /// Low-rank products added in the graph ([`runtime`]).
     AtRuntime,
+}
+
+impl ApplyMode {
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ApplyMode::Auto => "auto",
+            ApplyMode::Immediately => "immediately",
+            ApplyMode::AtRuntime => "at_runtime",
+        }
+    }
 }
 
 impl std::str::FromStr for ApplyMode {
@@ -152,6 +173,11 @@ struct Delta {
     inner: usize,
     /// `multiplier * alpha / rank` (or `multiplier`).
     scale: f32,
+    /// Whether the file stores both matrices as f16 (at run time they are then multiplied as
+    /// f16, as the reference multiplies the file's tensors; else as f32).
+    f16: bool,
+    /// Whether the adapted weight is a convolution kernel (its adapters are f16 kernels).
+    conv: bool,
 }
 
 /// The adapters of a request, by our internal tensor name, in application order.
@@ -391,6 +417,11 @@ impl LoraSet {
         self.deltas.len()
     }
 
+    /// Whether an adapter names the weight `name`.
+    pub(crate) fn adapts(&self, name: &str) -> bool {
+        self.deltas.contains_key(name)
+    }
+
     /// `bytes` (the tensor `name` as `ty`, shape `ne`) with every adapter of `name` added, in
     /// order, each sum stored in `ty` before the next; `None` when no adapter names it.
     pub fn merge(&self, name: &str, ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Option<Result<Vec<u8>, String>> {
@@ -440,6 +471,8 @@ fn read_delta(
     let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
     let (up_shape, up_v) = matrix(files, up, path)?;
     let (down_shape, down_v) = matrix(files, down, path)?;
+    let is_f16 = |name: &str| files.tensor(name).is_some_and(|(e, _)| e.dtype == crate::files::DType::F16);
+    let f16 = is_f16(up) && is_f16(down);
     let (out, rank_up) = match up_shape.first() {
         Some(&o) if o > 0 => (o as usize, up_v.len() / o as usize),
         _ => return Err(shape_err(format!("up has shape {up_shape:?}"))),
@@ -467,7 +500,7 @@ fn read_delta(
         Some(a) => scalar(files, a, path)? / rank as f32 * multiplier,
         None => multiplier,
     };
-    Ok(Delta { up: up_v, down: down_v, rank, out, inner, scale })
+    Ok(Delta { up: up_v, down: down_v, rank, out, inner, scale, f16, conv: target.ne.len() == 4 })
 }
 
 /// A [`TensorSource`] that adds a [`LoraSet`]'s adapters to what another source reads.

@@ -159,3 +159,68 @@ fn apply_modes_parse_as_the_reference_names_them() {
     assert_eq!("at_runtime".parse::<ApplyMode>(), Ok(ApplyMode::AtRuntime));
     assert!("runtime".parse::<ApplyMode>().is_err());
 }
+
+#[test]
+fn runtime_adapters_are_the_files_matrices_shaped_for_their_layers() {
+    use super::runtime::{adapted_weight, AdapterSource};
+    use crate::fixture::lora::LoraLayout;
+    let kohya = write_fixture(LoraLayout::Kohya, 4, "kohya-rt.safetensors");
+    let set = Arc::new(load(&[(&kohya, 0.5), (&kohya, 1.0)]).unwrap());
+    let targets = sd15_targets();
+    let rt = set.runtime(&targets);
+    assert_eq!(rt.weights(), 59);
+    // Two adapters per weight, two tensors each.
+    assert_eq!(rt.specs().len(), 59 * 4);
+    let spec = |name: &str| rt.specs().iter().find(|s| s.name == name).unwrap_or_else(|| panic!("{name}")).clone();
+    // A 3x3 convolution 320 -> 320: a 3x3 down kernel of rank 4, a 1x1 up kernel, f16.
+    let conv = "model.diffusion_model.input_blocks.1.0.in_layers.2.weight";
+    let down = spec(&format!("{conv}#lora1.down"));
+    assert_eq!((down.ty, down.ne.clone()), (GgmlType::GGML_TYPE_F16, vec![3, 3, 320, 4]));
+    assert_eq!(spec(&format!("{conv}#lora1.up")).ne, vec![1, 1, 4, 320]);
+    assert_eq!(adapted_weight(&down.name), conv);
+    // A linear layer of the text encoder: [in, rank] and [rank, out], in the file's f16.
+    let fc1 = "cond_stage_model.transformer.text_model.encoder.layers.5.mlp.fc1.weight";
+    let up = spec(&format!("{fc1}#lora0.up"));
+    assert_eq!((up.ty, up.ne.clone()), (GgmlType::GGML_TYPE_F16, vec![4, 3072]));
+    assert_eq!(spec(&format!("{fc1}#lora0.down")).ne, vec![768, 4]);
+    // The bytes served are the file's own f16 matrices; other names go to the model's source.
+    struct Model;
+    impl TensorSource for Model {
+        fn load(&self, name: &str, _: GgmlType, _: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
+            Ok(Cow::Owned(name.as_bytes().to_vec()))
+        }
+    }
+    let src = AdapterSource::new(Arc::new(Model), set.clone());
+    let files = ModelFiles::open_model(&kohya).unwrap();
+    let key = "lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight";
+    let (e, _) = files.tensor(&files.index().entries().iter().find(|e| e.original_name == key).unwrap().name).unwrap();
+    let ne: Vec<i64> = e.ne().iter().map(|&v| v as i64).collect();
+    let want = FileSource::new(&files).load_tensor(&e.name, GgmlType::GGML_TYPE_F16, &ne).unwrap();
+    assert_eq!(src.load(&down.name, down.ty, &down.ne).unwrap(), want);
+    assert_eq!(&*src.load(conv, GgmlType::GGML_TYPE_F16, &[1]).unwrap(), conv.as_bytes());
+    assert!(src.load(&format!("{conv}#lora2.down"), down.ty, &down.ne).is_err(), "no third adapter");
+    // The planner counts the bytes the module declares.
+    let planned: u64 = set.runtime_tensor_bytes().iter().map(|(_, _, b)| b).sum();
+    assert_eq!(planned, rt.bytes());
+}
+
+#[test]
+fn auto_applies_at_run_time_where_a_merge_would_cost_and_merges_elsewhere() {
+    use super::runtime::{resolve, ModuleWeights};
+    let on_device = ModuleWeights::default();
+    let cases = [
+        // The reference's rule: a quantized weight or parameters off the computing device.
+        (ModuleWeights { quantized: true, ..on_device }, ApplyMode::AtRuntime),
+        (ModuleWeights { off_device: true, ..on_device }, ApplyMode::AtRuntime),
+        // backend.md: row-split tensors take runtime application.
+        (ModuleWeights { row_split: true, ..on_device }, ApplyMode::AtRuntime),
+        // f16/f32 weights on their device: merged once.
+        (on_device, ApplyMode::Immediately),
+    ];
+    for (m, want) in cases {
+        assert_eq!(resolve(ApplyMode::Auto, &m).0, want, "{m:?}");
+        // An explicit mode is kept.
+        assert_eq!(resolve(ApplyMode::Immediately, &m).0, ApplyMode::Immediately, "{m:?}");
+        assert_eq!(resolve(ApplyMode::AtRuntime, &m).0, ApplyMode::AtRuntime, "{m:?}");
+    }
+}

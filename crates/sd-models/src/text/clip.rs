@@ -354,20 +354,25 @@ fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
 
 /// `x W^T + b` (the reference's `Linear` for inputs of at most 1024 sequences). A weight cut
 /// by output rows for a row split ([`row_splittable`]) is one product per chunk, concatenated.
+/// Low-rank adapters of the weight (a LoRA applied at run time, `Weights::adapters`) add
+/// `scale * up(down(x))` each after the bias.
 struct Linear<'w> {
     weight: Vec<Tensor<'w>>,
     bias: Tensor<'w>,
+    adapters: Vec<sd_sched::AdapterTerm<'w>>,
 }
 
 impl<'w> Linear<'w> {
     fn load(w: &'w Weights, name: &str) -> Result<Self> {
-        let weight = format!("{name}.weight");
-        let weight = w.matrix_parts(&weight).map_err(|_| ClipError::MissingWeight(weight))?;
-        Ok(Self { weight, bias: get(w, &format!("{name}.bias"))? })
+        let weight_name = format!("{name}.weight");
+        let weight = w.matrix_parts(&weight_name).map_err(|_| ClipError::MissingWeight(weight_name.clone()))?;
+        let adapters = w.adapters(&weight_name).map_err(|_| ClipError::MissingWeight(weight_name))?;
+        Ok(Self { weight, bias: get(w, &format!("{name}.bias"))?, adapters })
     }
 
     fn forward<'g>(&self, g: &'g Context, x: Tensor<'_>) -> Tensor<'g> {
-        g.add(sd_sched::mul_mat_parts(g, &self.weight, x), self.bias)
+        let y = g.add(sd_sched::mul_mat_parts(g, &self.weight, x), self.bias);
+        sd_sched::add_linear_adapters(g, &self.adapters, x, y)
     }
 }
 

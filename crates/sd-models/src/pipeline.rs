@@ -1131,7 +1131,7 @@ mod tests {
     #[test]
     fn validate_names_the_setting_and_no_flag() {
         assert!(params().validate().is_ok());
-        let cases: [(fn(&mut GenerateParams), Setting); 7] = [
+        let cases: [(fn(&mut GenerateParams), Setting); 8] = [
             (|p| p.width = 0, Setting::Width),
             (|p| p.height = 0, Setting::Height),
             (|p| p.steps = 0, Setting::Steps),
@@ -1139,6 +1139,7 @@ mod tests {
             (|p| p.batch_count = 0, Setting::BatchCount),
             (|p| p.cfg_scale = f32::NAN, Setting::CfgScale),
             (|p| p.strength = 1.5, Setting::Strength),
+            (|p| p.flow_shift = Some(f32::INFINITY), Setting::FlowShift),
         ];
         for (change, want) in cases {
             let mut p = params();

@@ -18,6 +18,7 @@ fn flag(s: Setting) -> &'static str {
         Setting::Guidance => "--guidance",
         Setting::Eta => "--eta",
         Setting::Strength => "--strength",
+        Setting::FlowShift => "--flow-shift",
     }
 }
 

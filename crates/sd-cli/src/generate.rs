@@ -50,9 +50,14 @@ pub struct GenerateArgs {
     /// Classifier-free guidance scale (1 disables the negative prompt).
     #[arg(long = "cfg-scale", default_value_t = 7.0, allow_hyphen_values = true)]
     pub cfg_scale: f32,
-    /// Distilled guidance scale of models that take one (FLUX.1 dev; others ignore it).
+    /// Distilled guidance scale of models that take one (FLUX.1 dev; schnell, which has no
+    /// guidance input, ignores it with a note; other families ignore it).
     #[arg(long = "guidance", default_value_t = 3.5, allow_hyphen_values = true)]
     pub guidance: f32,
+    /// Time shift of flow-matching models instead of the model's default (FLUX.1: mu, 1.15 for
+    /// dev and 1.0 for schnell); models without a flow schedule ignore it.
+    #[arg(long = "flow-shift", value_name = "SHIFT", allow_hyphen_values = true)]
+    pub flow_shift: Option<f32>,
     /// Sampling method: euler, euler_a, heun, dpm2, dpm++2s_a, dpm++2m, dpm++2mv2, ipndm, ipndm_v,
     /// lcm, ddim_trailing, tcd, res_multistep, res_2s, er_sde, euler_cfg_pp, euler_a_cfg_pp,
     /// euler_ge (default: the model's, euler_a for SD 1.x/2.x).
@@ -357,6 +362,7 @@ impl GenerateArgs {
             strength: self.strength,
             tiling,
             vae_max_compute_bytes: None,
+            flow_shift: self.flow_shift,
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }

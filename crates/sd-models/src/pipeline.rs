@@ -149,6 +149,8 @@ pub enum Setting {
     Eta,
     /// [`GenerateParams::strength`].
     Strength,
+    /// [`GenerateParams::flow_shift`].
+    FlowShift,
 }
 
 impl Setting {
@@ -163,6 +165,7 @@ impl Setting {
             Setting::Guidance => "guidance",
             Setting::Eta => "eta",
             Setting::Strength => "strength",
+            Setting::FlowShift => "flow shift",
         }
     }
 }
@@ -311,6 +314,9 @@ pub struct GenerateParams {
     pub init_image: Option<Image>,
     /// img2img: `--strength`, how much to change the init image (0..1).
     pub strength: f32,
+    /// `--flow-shift`: the time shift of a flow-matching schedule (FLUX.1's `mu`, SD3's
+    /// shift) instead of the model's default; models without a flow schedule ignore it.
+    pub flow_shift: Option<f32>,
     /// VAE tiling.
     pub tiling: TilingParams,
     /// Cap on one VAE graph's compute buffer (triggers the tiled retry).
@@ -347,6 +353,9 @@ impl GenerateParams {
         }
         if !(0.0..=1.0).contains(&self.strength) {
             return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
+        }
+        if let Some(shift) = self.flow_shift.filter(|s| !s.is_finite()) {
+            return bad_setting(Setting::FlowShift, shift, "not a finite number");
         }
         Ok(ValidParams(self))
     }
@@ -673,7 +682,8 @@ impl Pipeline {
         let home = &self.opts.placement.homes.te;
         let specs = self.family.text_specs(&dtype, self.opts.wtype);
         let (mut w, src) = self.module_weights("te", specs, home, d.te_split.as_ref())?;
-        w.keep_in_device_buffer(&crate::text::clip::is_gathered);
+        // Embedding tables are read by `get_rows`, never by a product: no repacked layout.
+        w.keep_in_device_buffer(&|n| crate::text::clip::is_gathered(n) || crate::text::t5::is_gathered(n));
         let group_of = |name: &str| self.family.text_group(name);
         let rows = |spec: &TensorSpec| self.family.text_row_splittable(spec);
         self.place(&mut w, "te", home, &d.te, d.te_split.as_ref(), &group_of, &rows, src)?;
@@ -898,7 +908,15 @@ impl Pipeline {
 
         // 2. Schedule and, for img2img, the init latent.
         let defaults = self.family.sampling();
-        let schedule = defaults.schedule;
+        let schedule = match (defaults.schedule, p.flow_shift) {
+            (Schedule::Flow(flow), Some(shift)) => Schedule::Flow(flow.with_shift(shift)),
+            (schedule, Some(shift)) => {
+                // The reference sets a shift on flow denoisers only.
+                tracing::info!("flow shift {shift} ignored: the {} model has no flow schedule", self.family.arch());
+                schedule
+            }
+            (schedule, None) => schedule,
+        };
         let ctx = ScheduleContext { model: defaults.version, image_seq_len: lw * lh };
         let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
@@ -1168,13 +1186,14 @@ mod tests {
             strength: 0.75,
             tiling: TilingParams::default(),
             vae_max_compute_bytes: None,
+            flow_shift: None,
         }
     }
 
     #[test]
     fn validate_names_the_setting_and_no_flag() {
         assert!(params().validate().is_ok());
-        let cases: [(fn(&mut GenerateParams), Setting); 7] = [
+        let cases: [(fn(&mut GenerateParams), Setting); 8] = [
             (|p| p.width = 0, Setting::Width),
             (|p| p.height = 0, Setting::Height),
             (|p| p.steps = 0, Setting::Steps),
@@ -1182,6 +1201,7 @@ mod tests {
             (|p| p.batch_count = 0, Setting::BatchCount),
             (|p| p.cfg_scale = f32::NAN, Setting::CfgScale),
             (|p| p.strength = 1.5, Setting::Strength),
+            (|p| p.flow_shift = Some(f32::INFINITY), Setting::FlowShift),
         ];
         for (change, want) in cases {
             let mut p = params();

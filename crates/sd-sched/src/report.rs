@@ -55,6 +55,10 @@ pub struct ModuleReport {
     pub param_bytes: u64,
     /// Staging groups (one per block or layer).
     pub groups: usize,
+    /// The weights a graph-level row split cut by output rows (declared names, in declaration
+    /// order); empty without a row split.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_split_weights: Vec<String>,
 }
 
 /// One runner's work, summed over its graph runs.
@@ -122,6 +126,7 @@ impl ModuleReport {
             residency,
             param_bytes,
             groups,
+            row_split_weights: w.row_split_names(),
         }
     }
 }

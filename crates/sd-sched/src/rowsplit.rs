@@ -254,6 +254,16 @@ impl Weights {
         self.specs().iter().find(|s| s.name == name).map(|s| s.ne.clone())
     }
 
+    /// The weights cut for a row split (declared names, in the order of their first chunk);
+    /// empty when the set is not row-split.
+    pub(crate) fn row_split_names(&self) -> Vec<String> {
+        let Some(rows) = &self.rows else { return Vec::new() };
+        let mut first: Vec<(usize, &String)> =
+            rows.by_parent.iter().filter_map(|(name, idx)| idx.first().map(|&i| (i, name))).collect();
+        first.sort();
+        first.into_iter().map(|(_, name)| name.clone()).collect()
+    }
+
     /// Whether the set is placed for a row split.
     pub fn is_row_split(&self) -> bool {
         self.rows.is_some()

@@ -792,7 +792,7 @@ pub struct FluxModel {
 }
 
 /// The reference's default `--guidance`.
-const DEFAULT_GUIDANCE: f32 = 3.5;
+pub(crate) const DEFAULT_GUIDANCE: f32 = 3.5;
 
 impl FluxModel {
     /// Declares the parameters of `cfg` (no storage yet); see [`flux_specs`] for the types.

@@ -30,8 +30,10 @@
 //! `shared.weight`, `encoder.block.N.layer.0.SelfAttention.{q,k,v,o}.weight`,
 //! `encoder.block.N.layer.0.layer_norm.weight`, `encoder.block.N.layer.1.DenseReluDense.
 //! {wi_0,wi_1,wo}.weight`, `encoder.block.N.layer.1.layer_norm.weight`,
-//! `encoder.final_layer_norm.weight`. Linear layers have no bias. Graph cuts are recorded as the
-//! reference marks them: `t5.prelude` after the embedding and `t5.block.N` after each block.
+//! `encoder.final_layer_norm.weight`. Linear layers have no bias; in a graph-level row split
+//! ([`row_splittable`]) each block matmul is one product per row chunk, concatenated. Graph
+//! cuts are recorded as the reference marks them: `t5.prelude` after the embedding and
+//! `t5.block.N` after each block.
 
 use sd_backends::{BackendError, Context, GgmlType, Tensor};
 use sd_sched::{Runner, SchedError, TensorSpec, Weights};
@@ -240,6 +242,34 @@ fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
     w.get(name).map_err(|_| T5Error::MissingWeight(name.to_string()))
 }
 
+/// The parts of the matrix `name`: its row chunks when a row split cut it, else the whole
+/// weight ([`Weights::matrix_parts`]).
+fn matrix<'w>(w: &'w Weights, name: &str) -> Result<Vec<Tensor<'w>>> {
+    w.matrix_parts(name).map_err(|_| T5Error::MissingWeight(name.to_string()))
+}
+
+/// `W x` for a linear layer without bias: one product per part, concatenated on the output
+/// rows (`sd_sched::mul_mat_parts`; one part is a plain `mul_mat`).
+fn linear<'g>(g: &'g Context, parts: &[Tensor<'_>], x: Tensor<'_>) -> Tensor<'g> {
+    sd_sched::mul_mat_parts(g, parts, x)
+}
+
+/// Whether a T5 parameter is cut by output rows in a graph-level row split: the matmul weights
+/// of the encoder blocks (attention q/k/v/o, the gated feed-forward's wi_0, wi_1 and wo).
+pub fn row_splittable(spec: &TensorSpec) -> bool {
+    const LEAVES: [&str; 7] = [
+        ".SelfAttention.q.weight",
+        ".SelfAttention.k.weight",
+        ".SelfAttention.v.weight",
+        ".SelfAttention.o.weight",
+        ".DenseReluDense.wi_0.weight",
+        ".DenseReluDense.wi_1.weight",
+        ".DenseReluDense.wo.weight",
+    ];
+    let matrix = spec.ne.len() >= 2 && spec.ne[2..].iter().all(|&d| d == 1);
+    matrix && spec.name.contains(".encoder.block.") && LEAVES.iter().any(|l| spec.name.ends_with(l))
+}
+
 /// Graph inputs besides the ids: the bucket table and RMSNorm's epsilon.
 #[derive(Clone, Copy)]
 struct Inputs<'g> {
@@ -272,8 +302,8 @@ fn attention<'g>(
     x: Tensor<'_>,
     bias: Tensor<'_>,
 ) -> Result<Tensor<'g>> {
-    let lin = |p: &str| get(w, &cfg.block(i, &format!("layer.0.SelfAttention.{p}.weight")));
-    let (q, k, v) = (g.mul_mat(lin("q")?, x), g.mul_mat(lin("k")?, x), g.mul_mat(lin("v")?, x));
+    let lin = |p: &str| matrix(w, &cfg.block(i, &format!("layer.0.SelfAttention.{p}.weight")));
+    let (q, k, v) = (linear(g, &lin("q")?, x), linear(g, &lin("k")?, x), linear(g, &lin("v")?, x));
     let [c, l, n, _] = q.shape();
     let (h, d) = (cfg.n_heads as i64, cfg.d_kv as i64);
     debug_assert_eq!(c, h * d);
@@ -293,17 +323,17 @@ fn attention<'g>(
     let kqv = g.reshape(kqv, &[d, l, h, n]);
     let kqv = g.cont(g.permute(kqv, [0, 2, 1, 3])); // [d, heads, L, N]
     let out = g.reshape(kqv, &[c, l, n]);
-    Ok(g.mul_mat(lin("o")?, out))
+    Ok(linear(g, &lin("o")?, out))
 }
 
 /// `wo(gelu(wi_0 x) * wi_1 x)`, with the reference's 1/32 scaling around `wo`.
 fn feed_forward<'g>(g: &'g Context, w: &Weights, cfg: &T5Config, i: usize, x: Tensor<'_>) -> Result<Tensor<'g>> {
     const WO_SCALE: f32 = 1.0 / 32.0;
-    let lin = |p: &str| get(w, &cfg.block(i, &format!("layer.1.DenseReluDense.{p}.weight")));
-    let gate = g.gelu(g.mul_mat(lin("wi_0")?, x));
-    let h = g.mul(gate, g.mul_mat(lin("wi_1")?, x));
+    let lin = |p: &str| matrix(w, &cfg.block(i, &format!("layer.1.DenseReluDense.{p}.weight")));
+    let gate = g.gelu(linear(g, &lin("wi_0")?, x));
+    let h = g.mul(gate, linear(g, &lin("wi_1")?, x));
     let h = g.scale(h, WO_SCALE);
-    Ok(g.scale(g.mul_mat(lin("wo")?, h), 1.0 / WO_SCALE))
+    Ok(g.scale(linear(g, &lin("wo")?, h), 1.0 / WO_SCALE))
 }
 
 /// Builds the encoder's graph: `ids` (i32 `[L, N]`) to the hidden states `[d_model, L, N]`
@@ -343,10 +373,16 @@ fn check_weights(cfg: &T5Config, weights: &Weights) -> Result<()> {
     let have: std::collections::HashMap<&str, &TensorSpec> =
         weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
     for want in t5_specs(cfg, &|_| None, None) {
-        match have.get(want.name.as_str()) {
+        // A weight cut for a row split is there as its chunks, with its whole shape declared.
+        let got = match have.get(want.name.as_str()) {
+            Some(got) => Some(got.ne.clone()),
+            None if weights.is_row_split() => weights.declared_ne(&want.name),
+            None => None,
+        };
+        match got {
             None => return Err(T5Error::MissingWeight(want.name)),
-            Some(got) if got.ne != want.ne => {
-                return Err(T5Error::WeightShape { name: want.name, expected: want.ne, got: got.ne.clone() })
+            Some(got) if got != want.ne => {
+                return Err(T5Error::WeightShape { name: want.name, expected: want.ne, got })
             }
             Some(_) => {}
         }

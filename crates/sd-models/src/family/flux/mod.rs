@@ -131,8 +131,9 @@ impl Family for Flux {
         Ok(Box::new(FluxConditioner(text)))
     }
 
+    /// CLIP-L's layer matmuls and T5's block matmuls (`te=a&b --split-mode te=row` cuts both).
     fn text_row_splittable(&self, spec: &TensorSpec) -> bool {
-        crate::text::clip::row_splittable(spec)
+        crate::text::clip::row_splittable(spec) || crate::text::t5::row_splittable(spec)
     }
 
     fn diffusion_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
@@ -149,6 +150,13 @@ impl Family for Flux {
 
     fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>> {
         self.dit.validate()?;
+        if !self.dit.guidance_embed && settings.guidance != flux::DEFAULT_GUIDANCE {
+            // The reference ignores it silently; a user who set it should hear why nothing changed.
+            tracing::info!(
+                "distilled guidance {} ignored: FLUX.1 schnell has no guidance input (cfg scale still applies)",
+                settings.guidance
+            );
+        }
         Ok(Box::new(FluxModel {
             cfg: self.dit.clone(),
             weights,

@@ -342,3 +342,21 @@ fn file_names_normalize_to_the_encoder_names() {
         assert_eq!(t5xxl_name(file), format!("{T5XXL_PREFIX}.{internal}"), "{file}");
     }
 }
+
+#[test]
+fn row_splits_cut_the_seven_block_matmuls_only() {
+    let cfg = tiny();
+    let specs = t5_specs(&cfg, &|_| Some(F16), None);
+    let cut: Vec<&str> = specs.iter().filter(|s| row_splittable(s)).map(|s| s.name.as_str()).collect();
+    assert_eq!(cut.len(), 7 * cfg.n_layers, "{cut:?}");
+    for leaf in ["q", "k", "v", "o"] {
+        assert!(cut.contains(&cfg.block(2, &format!("layer.0.SelfAttention.{leaf}.weight")).as_str()), "{leaf}");
+    }
+    for leaf in ["wi_0", "wi_1", "wo"] {
+        assert!(cut.contains(&cfg.block(0, &format!("layer.1.DenseReluDense.{leaf}.weight")).as_str()), "{leaf}");
+    }
+    // Gathered tables and norms stay whole.
+    for name in [cfg.name("shared.weight"), cfg.relative_bias_name(), cfg.block(1, "layer.0.layer_norm.weight")] {
+        assert!(!cut.contains(&name.as_str()), "{name}");
+    }
+}

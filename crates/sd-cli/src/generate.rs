@@ -47,9 +47,10 @@ pub struct GenerateArgs {
     /// Sampling steps.
     #[arg(long = "steps", default_value_t = 20)]
     pub steps: usize,
-    /// Classifier-free guidance scale (1 disables the negative prompt).
-    #[arg(long = "cfg-scale", default_value_t = 7.0, allow_hyphen_values = true)]
-    pub cfg_scale: f32,
+    /// Classifier-free guidance scale (1 disables the negative prompt; default: the model's,
+    /// 7 for SD 1.x/2.x and SDXL, 1 for FLUX.1, whose guidance is distilled).
+    #[arg(long = "cfg-scale", allow_hyphen_values = true)]
+    pub cfg_scale: Option<f32>,
     /// Distilled guidance scale of models that take one (FLUX.1 dev; schnell, which has no
     /// guidance input, ignores it with a note; other families ignore it).
     #[arg(long = "guidance", default_value_t = 3.5, allow_hyphen_values = true)]
@@ -218,7 +219,7 @@ fn a1111_parameters(a: &GenerateArgs, r: &Request, i: usize, model: &str) -> Str
         a.steps,
         method.display_name(),
         scheduler.name(),
-        a.cfg_scale,
+        r.cfg_scale(),
         seed,
         p.width,
         p.height,

@@ -291,8 +291,9 @@ pub struct GenerateParams {
     pub height: usize,
     /// `--steps`.
     pub steps: usize,
-    /// `--cfg-scale`.
-    pub cfg_scale: f32,
+    /// `--cfg-scale` (None: the model's default, [`SamplingDefaults::cfg_scale`](crate::family::SamplingDefaults::cfg_scale):
+    /// 7 for SD 1.x/2.x and SDXL, 1 for FLUX.1, whose guidance is distilled).
+    pub cfg_scale: Option<f32>,
     /// `--guidance`: the distilled guidance scale (FLUX.1 dev; other models ignore it).
     pub guidance: f32,
     /// `--sampling-method` (None: the model's default).
@@ -342,8 +343,8 @@ impl GenerateParams {
         if self.batch_count == 0 {
             return bad_setting(Setting::BatchCount, 0, "the batch count must be at least 1");
         }
-        if !self.cfg_scale.is_finite() {
-            return bad_setting(Setting::CfgScale, self.cfg_scale, "not a finite number");
+        if let Some(cfg) = self.cfg_scale.filter(|c| !c.is_finite()) {
+            return bad_setting(Setting::CfgScale, cfg, "not a finite number");
         }
         if !self.guidance.is_finite() {
             return bad_setting(Setting::Guidance, self.guidance, "not a finite number");
@@ -380,6 +381,7 @@ pub struct Request {
     params: GenerateParams,
     method: SampleMethod,
     scheduler: Scheduler,
+    cfg_scale: f32,
 }
 
 impl Request {
@@ -396,6 +398,11 @@ impl Request {
     /// The scheduler used.
     pub fn scheduler(&self) -> Scheduler {
         self.scheduler
+    }
+
+    /// The classifier-free guidance scale used (1: no negative pass).
+    pub fn cfg_scale(&self) -> f32 {
+        self.cfg_scale
     }
 }
 
@@ -751,7 +758,8 @@ impl Pipeline {
     /// never fit.
     fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
         let tokens = (p.width / VAE_SCALE) as f64 * (p.height / VAE_SCALE) as f64;
-        let batch = if p.cfg_scale != 1.0 { 2.0 } else { 1.0 };
+        // `p` is completed by `check_request`: its cfg scale is the one used.
+        let batch = if p.cfg_scale != Some(1.0) { 2.0 } else { 1.0 };
         let unet = self.family.attention_bytes(tokens, batch, self.opts.flash_attn);
         let (vae_attn, vae_act) = if p.tiling.enabled {
             (0.0, 0.0)
@@ -777,14 +785,15 @@ impl Pipeline {
         let mut p = p.0;
         let method = p.method.unwrap_or_else(|| self.default_sample_method());
         let scheduler = p.scheduler.unwrap_or_else(|| method.default_scheduler());
-        (p.method, p.scheduler) = (Some(method), Some(scheduler));
+        let cfg_scale = p.cfg_scale.unwrap_or(self.family.sampling().cfg_scale);
+        (p.method, p.scheduler, p.cfg_scale) = (Some(method), Some(scheduler), Some(cfg_scale));
         (p.width, p.height) = self.aligned_size(p.width, p.height);
         if let Some(image) = &mut p.init_image {
             // The library's rule for an init image of another size than the (aligned) request.
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
         self.check_model_limits(&p)?;
-        Ok(Request { params: p, method, scheduler })
+        Ok(Request { params: p, method, scheduler, cfg_scale })
     }
 
     /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
@@ -871,10 +880,10 @@ impl Pipeline {
         progress: &mut dyn FnMut(Progress),
         report: &mut RunReport,
     ) -> Result<Vec<Image>> {
-        let (p, method, scheduler) = (&request.params, request.method, request.scheduler);
+        let (p, method, scheduler, cfg_scale) = (&request.params, request.method, request.scheduler, request.cfg_scale);
         let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let channels = self.family.latent_channels();
-        let guided = p.cfg_scale != 1.0;
+        let guided = cfg_scale != 1.0;
 
         // 1. Text.
         let t = Instant::now();
@@ -1001,7 +1010,7 @@ impl Pipeline {
                     Ok(out)
                 };
                 let steps = &mut report.steps;
-                let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, p.cfg_scale, model);
+                let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, cfg_scale, model);
                 let with_uncond = method.needs_uncond_denoised();
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
                     let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
@@ -1173,7 +1182,7 @@ mod tests {
             width: 64,
             height: 64,
             steps: 1,
-            cfg_scale: 7.0,
+            cfg_scale: Some(7.0),
             guidance: 3.5,
             method: None,
             scheduler: None,
@@ -1199,7 +1208,7 @@ mod tests {
             (|p| p.steps = 0, Setting::Steps),
             (|p| p.steps = MAX_STEPS + 1, Setting::Steps),
             (|p| p.batch_count = 0, Setting::BatchCount),
-            (|p| p.cfg_scale = f32::NAN, Setting::CfgScale),
+            (|p| p.cfg_scale = Some(f32::NAN), Setting::CfgScale),
             (|p| p.strength = 1.5, Setting::Strength),
             (|p| p.flow_shift = Some(f32::INFINITY), Setting::FlowShift),
         ];

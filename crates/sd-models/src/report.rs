@@ -190,7 +190,7 @@ impl Settings {
             width: p.width,
             height: p.height,
             steps: p.steps,
-            cfg_scale: p.cfg_scale,
+            cfg_scale: r.cfg_scale(),
             sampling_method: r.method().name().to_string(),
             scheduler: r.scheduler().name().to_string(),
             seed: p.seed,

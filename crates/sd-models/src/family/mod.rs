@@ -144,6 +144,9 @@ pub struct SamplingDefaults {
     pub method: SampleMethod,
     /// The noise schedule of the diffusion model.
     pub schedule: Schedule,
+    /// `--cfg-scale` when none is given: 7 (the reference's default) for models trained
+    /// with classifier-free guidance, 1 for guidance-distilled ones (FLUX.1).
+    pub cfg_scale: f32,
 }
 
 /// A model family built for a set of files.

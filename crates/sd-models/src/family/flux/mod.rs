@@ -197,7 +197,9 @@ impl Family for Flux {
     fn sampling(&self) -> SamplingDefaults {
         let version = ModelVersion::Flux;
         let schedule = FlowSchedule::flux_for(self.dit.guidance_embed).into();
-        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule }
+        // FLUX.1's guidance is distilled (dev: `--guidance`; schnell: none): one evaluation
+        // per step unless `--cfg-scale` asks for a negative pass.
+        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule, cfg_scale: 1.0 }
     }
 }
 

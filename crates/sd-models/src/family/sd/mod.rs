@@ -142,6 +142,7 @@ impl Family for Sd {
             version,
             method: SampleMethod::default_for(version),
             schedule: DiscreteSchedule::sd().into(),
+            cfg_scale: 7.0,
         }
     }
 }

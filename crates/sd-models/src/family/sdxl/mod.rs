@@ -207,6 +207,7 @@ impl Family for Sdxl {
             version,
             method: SampleMethod::default_for(version),
             schedule: DiscreteSchedule::sd().into(),
+            cfg_scale: 7.0,
         }
     }
 }

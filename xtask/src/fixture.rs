@@ -4,6 +4,9 @@
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
+//! cargo xtask fixture lora-flux --layout kohya|peft|diffusers [--hidden N --double N --single N] [--schnell-dit]
+//!                     [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
+//! cargo xtask fixture lora-sdxl|lora-vega|lora-ssd-1b [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
@@ -11,7 +14,11 @@
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
 //! (`sd_models::fixture::lora`): random values N(0, X), rank R (default 4), alpha R/2 in kohya
-//! files. `t5xxl` writes a T5-XXL v1.1 encoder file (`--t5xxl`, the names of
+//! files. `lora-flux` does the same for a FLUX.1 DiT of the given sizes (those of the `flux`
+//! fixture it adapts) and CLIP-L (kohya's `lora_te1_`, unless `--unet-only`); `diffusers`
+//! writes a fused `qkv` as `to_q`, `to_k`, `to_v`. `lora-sdxl` (`lora-vega`, `lora-ssd-1b`)
+//! writes a kohya LoRA for that family's fixture: UNet (LDM names), `lora_te1_` and
+//! `lora_te2_`. `t5xxl` writes a T5-XXL v1.1 encoder file (`--t5xxl`, the names of
 //! `t5xxl_fp16.safetensors`; `sd_models::fixture::t5`), 24 blocks unless `--layers` says fewer
 //! (the reference needs all 24: 9.5 GB at f16, about 5 GB at q8_0). `flux` / `flux-schnell`
 //! write a FLUX.1 transformer (`--diffusion-model`, the names of BFL's `flux1-dev.safetensors`;
@@ -38,7 +45,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
+use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
     self, flux, flux_vae, t5, taesd, Component, Family, FileFormat, FixtureReport, FixtureRequest, WeightType,
 };
@@ -47,10 +54,11 @@ use sd_models::text::t5::T5Config;
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
-    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 (a LoRA for sd15);
+    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 / lora-flux (a LoRA
+    /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1", value_parser = target)]
     family: Target,
     /// t5xxl only: encoder blocks (1 to 24).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
@@ -85,18 +93,21 @@ pub struct Args {
     /// Biases 0 and norm gains 1, as PyTorch initialises them.
     #[arg(long = "plain-norms")]
     plain_norms: bool,
-    /// lora-sd15: the key layout, kohya or peft.
+    /// lora-sd15, lora-flux: the key layout, kohya or peft (lora-flux: or diffusers).
     #[arg(long = "layout", default_value = "kohya")]
     layout: LoraLayout,
-    /// lora-sd15: the rank of every adapter.
+    /// lora-sd15, lora-flux: the rank of every adapter.
     #[arg(long = "rank", default_value_t = 4)]
     rank: u64,
-    /// lora-sd15: the standard deviation of the values.
+    /// lora-sd15, lora-flux: the standard deviation of the values.
     #[arg(long = "scale", default_value_t = 0.05)]
     scale: f32,
-    /// lora-sd15: adapt the UNet only (no text-encoder keys).
+    /// lora-sd15, lora-flux: adapt the UNet / DiT only (no text-encoder keys).
     #[arg(long = "unet-only")]
     unet_only: bool,
+    /// lora-flux: the DiT is schnell's (no guidance embedder).
+    #[arg(long = "schnell-dit")]
+    schnell_dit: bool,
 }
 
 /// What `fixture` writes: a checkpoint of a family, a LoRA for the SD 1.5 fixture, or the
@@ -105,6 +116,9 @@ pub struct Args {
 enum Target {
     Model(Family),
     LoraSd15,
+    LoraFlux,
+    /// A LoRA for an SDXL-layout fixture (SDXL, SSD-1B, Vega).
+    LoraSdxl(Family),
     T5xxl,
     /// FLUX.1-dev (`schnell: false`) or -schnell.
     Flux {
@@ -120,6 +134,10 @@ enum Target {
 fn target(s: &str) -> Result<Target, String> {
     match s {
         "lora-sd15" => Ok(Target::LoraSd15),
+        "lora-flux" => Ok(Target::LoraFlux),
+        "lora-sdxl" => Ok(Target::LoraSdxl(Family::Sdxl)),
+        "lora-vega" => Ok(Target::LoraSdxl(Family::Vega)),
+        "lora-ssd-1b" => Ok(Target::LoraSdxl(Family::Ssd1b)),
         "t5xxl" => Ok(Target::T5xxl),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
@@ -128,7 +146,7 @@ fn target(s: &str) -> Result<Target, String> {
         "taef1" => Ok(Target::Taesd { z_channels: 16 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, t5xxl, flux, flux-schnell, flux-vae, taesd, taef1")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, t5xxl, flux, flux-schnell, flux-vae, taesd, taef1")),
     }
 }
 
@@ -162,26 +180,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::FluxVae => return run_flux_vae(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
-        Target::LoraSd15 => {
-            let Some(path) = &args.output else { bail!("lora-sd15 needs -o FILE.safetensors") };
-            let req = LoraFixture {
-                layout: args.layout,
-                rank: args.rank,
-                seed: args.seed,
-                scale: args.scale,
-                text_encoder: !args.unet_only,
-            };
-            let n = write_lora(path, &req)?;
-            println!(
-                "wrote {} (LoRA for sd15, {:?} layout, rank {}, seed {}, N(0, {})): {n} adapters",
-                path.display(),
-                args.layout,
-                args.rank,
-                args.seed,
-                args.scale
-            );
-            return Ok(());
-        }
+        Target::LoraSd15 | Target::LoraFlux | Target::LoraSdxl(_) => return run_lora(&args),
     };
     if args.layers.is_some() {
         bail!("--layers applies to t5xxl fixtures only");
@@ -274,16 +273,57 @@ fn run_taesd(args: &Args, z_channels: usize) -> Result<()> {
 }
 
 /// `cargo xtask fixture flux|flux-schnell ...`.
-fn run_flux(args: &Args, schnell: bool) -> Result<()> {
-    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
-        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux fixtures");
-    }
-    let cfg = flux::reduced(
+fn run_lora(args: &Args) -> Result<()> {
+    let Some(path) = &args.output else { bail!("a LoRA fixture needs -o FILE.safetensors") };
+    let req = LoraFixture {
+        layout: args.layout,
+        rank: args.rank,
+        seed: args.seed,
+        scale: args.scale,
+        text_encoder: !args.unet_only,
+    };
+    let (n, what) = if args.family == Target::LoraFlux {
+        let cfg = flux_config(args, args.schnell_dit);
+        let n = write_flux_lora(path, &cfg, &req)?;
+        (n, format!("flux width {}, {} double + {} single blocks", cfg.hidden_size, cfg.depth, cfg.depth_single_blocks))
+    } else {
+        if args.schnell_dit || args.hidden.is_some() || args.double.is_some() || args.single.is_some() {
+            bail!("--schnell-dit, --hidden, --double and --single are lora-flux flags");
+        }
+        match args.family {
+            Target::LoraSdxl(family) => {
+                let Some(unet) = family.architecture().unet else { bail!("the {} fixture has no UNet", family.name()) };
+                (write_sdxl_lora(path, &unet, &req)?, family.name().to_owned())
+            }
+            _ => (write_lora(path, &req)?, "sd15".to_owned()),
+        }
+    };
+    println!(
+        "wrote {} (LoRA for {what}, {:?} layout, rank {}, seed {}, N(0, {})): {n} adapters",
+        path.display(),
+        args.layout,
+        args.rank,
+        args.seed,
+        args.scale
+    );
+    Ok(())
+}
+
+/// The FLUX configuration of `--hidden`, `--double`, `--single` (full size by default).
+fn flux_config(args: &Args, schnell: bool) -> sd_models::diffusion::flux::FluxConfig {
+    flux::reduced(
         args.hidden.unwrap_or(3072) as i64,
         args.double.unwrap_or(19) as usize,
         args.single.unwrap_or(38) as usize,
         schnell,
-    );
+    )
+}
+
+fn run_flux(args: &Args, schnell: bool) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux fixtures");
+    }
+    let cfg = flux_config(args, schnell);
     if cfg.depth + cfg.depth_single_blocks == 0 {
         bail!("--double 0 --single 0 leaves no block: give at least one");
     }
@@ -333,11 +373,18 @@ mod tests {
                 rank: 4,
                 scale: 0.05,
                 unet_only: false,
+                schnell_dit: false,
             }
         );
         assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(Family::Ssd1b));
         let l = parse("lora-sd15 --layout peft --rank 8 --seed 3 --scale 0.1 -o l.safetensors").unwrap();
         assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
+        assert_eq!(parse("lora-vega -o v.safetensors").unwrap().family, Target::LoraSdxl(Family::Vega));
+        let l = parse("lora-flux --layout diffusers --hidden 256 --double 2 --single 2 -o f.safetensors").unwrap();
+        assert_eq!(
+            (l.family, l.layout, l.hidden, l.double),
+            (Target::LoraFlux, LoraLayout::Diffusers, Some(256), Some(2))
+        );
         let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
         assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
         let f = parse("flux-schnell --double 2 --single 1 --hidden 256 --type q8_0").unwrap();
@@ -356,7 +403,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

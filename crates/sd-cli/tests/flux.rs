@@ -13,7 +13,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use common::{sd15_fixture, sd_cli};
+use common::{sd15_fixture, sd_cli, write_init_png};
 use sd_models::fixture::{self, flux, flux_vae, t5, taesd, FileFormat, WeightType};
 use sd_models::report::{HomeReport, Residency, RunReport};
 use sd_models::text::t5::T5Config;
@@ -380,22 +380,6 @@ fn pixels(png: &[u8]) -> Vec<u8> {
     buf
 }
 
-/// A 64x64 RGB init image: a gradient with a checker, or its transpose.
-fn write_init_png(path: &Path, flip: bool) {
-    let mut data = Vec::with_capacity(64 * 64 * 3);
-    for y in 0..64u32 {
-        for x in 0..64u32 {
-            let (x, y) = if flip { (y, x) } else { (x, y) };
-            let check = if (x / 16 + y / 16) % 2 == 0 { 32 } else { 160 };
-            data.extend_from_slice(&[(x * 4) as u8, (y * 4) as u8, check]);
-        }
-    }
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(std::fs::File::create(path).unwrap()), 64, 64);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    enc.write_header().unwrap().write_image_data(&data).unwrap();
-}
-
 #[test]
 fn flux_img2img_is_deterministic_and_reads_its_init_image() {
     // The init image is encoded by the FLUX VAE and noised the flow way (`(1 - sigma) x +
@@ -424,5 +408,56 @@ fn flux_img2img_is_deterministic_and_reads_its_init_image() {
     assert!(again.as_ref() == Some(&a), "the same seed and init give the same image");
     let (b, _, err) = run_i2i("b", &init_b);
     assert!(b.is_some_and(|p| p != a), "the init image reaches the result: {err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Mean and largest absolute difference of two images' pixel levels.
+fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
+    let (a, b) = (pixels(a), pixels(b));
+    assert_eq!(a.len(), b.len());
+    let max = a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)).max().unwrap_or(0);
+    let mean = a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y) as f64).sum::<f64>() / a.len() as f64;
+    (mean, max)
+}
+
+#[test]
+fn flux_loras_apply_in_every_layout_and_mode() {
+    use sd_models::fixture::lora::{write_flux_lora, LoraFixture, LoraLayout};
+    let d = dir("lora");
+    let cfg = flux::reduced(256, 2, 2, false);
+    let lora = |layout, seed, text_encoder| LoraFixture { layout, rank: 4, seed, scale: 0.05, text_encoder };
+    // One set of values in kohya's and BFL's dotted layouts (kohya's alpha = rank / 2 halves
+    // the scale), another in diffusers' (fused weights adapted per row block).
+    write_flux_lora(&d.join("kohya.safetensors"), &cfg, &lora(LoraLayout::Kohya, 1, true)).unwrap();
+    write_flux_lora(&d.join("peft.safetensors"), &cfg, &lora(LoraLayout::Peft, 1, true)).unwrap();
+    write_flux_lora(&d.join("diffusers.safetensors"), &cfg, &lora(LoraLayout::Diffusers, 2, false)).unwrap();
+    let base = cpu_image();
+    let dir_arg = d.display().to_string();
+    let gen = |name: &str, prompt: &str, more: &[&str]| -> Vec<u8> {
+        let args = [&["-p", prompt, "--cfg-scale", "1", "--backend", "cpu", "--lora-model-dir", &dir_arg][..], more];
+        let (png, _, err) = run(&d, name, &args.concat());
+        png.unwrap_or_else(|| panic!("{name}: {err}"))
+    };
+    let kohya = gen("kohya", "a photo of a cat<lora:kohya:1>", &[]);
+    assert!(kohya != base, "the kohya LoRA reaches the image");
+    // Multiplier 0 is no LoRA, bit for bit.
+    assert!(gen("zero", "a photo of a cat<lora:kohya:0>", &[]) == base, "multiplier 0 changed the image");
+    // The same adapters under BFL's dotted names (ComfyUI's, no alpha) at half the multiplier:
+    // the same merged weights, so the same image.
+    assert!(gen("peft", "a photo of a cat<lora:peft:0.5>", &[]) == kohya, "kohya and dotted layouts differ");
+    // In the graph instead of merged: the same image within rounding.
+    let rt = gen("kohya-rt", "a photo of a cat<lora:kohya:1>", &["--lora-apply-mode", "at_runtime"]);
+    let (mean, max) = level_diff(&rt, &kohya);
+    assert!(mean <= 1.0 && max <= 8, "at_runtime vs immediately: mean {mean:.3}, max {max}");
+    // diffusers' split q/k/v (and a single block's proj_mlp) adapt row blocks of the fused
+    // weights, merged or in the graph (an `up` padded with zeros), with params on disk too.
+    let diffusers = gen("diffusers", "a photo of a cat<lora:diffusers:1>", &[]);
+    assert!(diffusers != base && diffusers != kohya, "the diffusers LoRA reaches the image");
+    let drt = gen("diffusers-rt", "a photo of a cat<lora:diffusers:1>", &["--lora-apply-mode", "at_runtime"]);
+    let (mean, max) = level_diff(&drt, &diffusers);
+    assert!(mean <= 1.0 && max <= 8, "diffusers at_runtime vs immediately: mean {mean:.3}, max {max}");
+    // Params on disk, merged at each staging (auto would add them in the graph there).
+    let disk = ["--params-backend", "disk", "--lora-apply-mode", "immediately"];
+    assert!(gen("diffusers-disk", "a photo of a cat<lora:diffusers:1>", &disk) == diffusers, "params on disk");
     let _ = std::fs::remove_dir_all(&d);
 }

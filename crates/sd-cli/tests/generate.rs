@@ -7,8 +7,8 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use common::{sd_cli, write_init_png};
 use sd_models::fixture::{self, Family, WeightType};
 
 /// Tolerances for agreement with the reference (issue: mean <= 1/255, max <= 8/255).
@@ -22,10 +22,6 @@ fn workspace() -> PathBuf {
 /// The fixture checkpoint of `family` (seed 42, f16), written once into the fixture cache.
 fn fixture(family: Family) -> PathBuf {
     fixture::ensure_cached(family, 42, WeightType::F16).unwrap().0
-}
-
-fn sd_cli() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sd-cli"))
 }
 
 fn out_dir(name: &str) -> PathBuf {
@@ -181,23 +177,6 @@ fn malformed_model_files_are_clear_errors() {
     let err = fails(&["-p", "x"], Some(&text));
     assert!(err.contains("notes.safetensors"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A 64x64 RGB PNG with a smooth gradient and a coarse checkerboard (structure a sampler
-/// cannot produce by chance).
-fn write_init_png(path: &Path, flip: bool) {
-    let mut data = Vec::with_capacity(64 * 64 * 3);
-    for y in 0..64u32 {
-        for x in 0..64u32 {
-            let (x, y) = if flip { (63 - y, 63 - x) } else { (x, y) };
-            let check = if (x / 16 + y / 16) % 2 == 0 { 32 } else { 128 };
-            data.extend_from_slice(&[(x * 4) as u8, (y * 4) as u8, check]);
-        }
-    }
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(std::fs::File::create(path).unwrap()), 64, 64);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    enc.write_header().unwrap().write_image_data(&data).unwrap();
 }
 
 /// `--type q8_0` re-quantizes the f16 fixture at load. q8_0 stores each block of 32 weights

@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -71,4 +71,21 @@ impl Drop for Server {
         self.try_signal("-KILL");
         let _ = self.child.wait();
     }
+}
+
+/// A 64x64 RGB PNG with a smooth gradient and a coarse checkerboard (structure a sampler
+/// cannot produce by chance).
+pub fn write_init_png(path: &Path, flip: bool) {
+    let mut data = Vec::with_capacity(64 * 64 * 3);
+    for y in 0..64u32 {
+        for x in 0..64u32 {
+            let (x, y) = if flip { (63 - y, 63 - x) } else { (x, y) };
+            let check = if (x / 16 + y / 16) % 2 == 0 { 32 } else { 128 };
+            data.extend_from_slice(&[(x * 4) as u8, (y * 4) as u8, check]);
+        }
+    }
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(std::fs::File::create(path).unwrap()), 64, 64);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header().unwrap().write_image_data(&data).unwrap();
 }

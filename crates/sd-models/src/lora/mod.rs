@@ -99,8 +99,23 @@ pub struct LoraPrefix {
     pub prefix: &'static str,
     /// The component the body names, as a file of that role would.
     pub role: FileRole,
-    /// Whether the body is kohya's flat form (`_` for `.`) rather than dotted.
-    pub flat: bool,
+    /// How the body is written.
+    pub body: LoraBody,
+}
+
+/// How the body of a LoRA key (the key less its prefix and its `.lora_down.weight`) is written.
+#[derive(Clone, Copy, Debug)]
+pub enum LoraBody {
+    /// Dotted, named as a file of the row's role names the module.
+    Dotted,
+    /// kohya's flat form (`_` for `.`, except inside the module names that contain `_`), then as [`LoraBody::Dotted`].
+    Flat,
+    /// A family's own renaming (a DiT's diffusers names): the body in the role's names and
+    /// the part of a fused weight it adapts. Part 0 is a whole weight or the first row block
+    /// of a fused one (`to_q` of a fused `qkv`); part `k` the rows after those of parts
+    /// `0..k` (the reference's `.weight.1`, `.weight.2` names). `None`: a module it does not
+    /// name.
+    Mapped(fn(&str) -> Option<(String, usize)>),
 }
 
 /// Why LoRA adapters cannot be used, naming the file and what is wrong.
@@ -169,8 +184,14 @@ struct Delta {
     /// `[rank, inner]`, row-major.
     down: Vec<f32>,
     rank: usize,
+    /// Rows of `up` (the rows of the weight it adapts, from `offset`).
     out: usize,
     inner: usize,
+    /// The first row of the weight this adapter adds to (0 but for the later parts of a fused
+    /// weight, [`LoraBody::Mapped`]).
+    offset: usize,
+    /// Rows of the weight.
+    rows: usize,
     /// `multiplier * alpha / rank` (or `multiplier`).
     scale: f32,
     /// Whether the file stores both matrices as f16 (at run time they are then multiplied as
@@ -215,8 +236,11 @@ fn split_key(name: &str) -> Option<(&str, u8)> {
 }
 
 /// Module names that keep their `_` when a kohya flat name is made dotted again (the names of
-/// the UNet and CLIP modules, LDM and diffusers layouts, that contain `_`).
-const KEEP_UNDERSCORE: [&str; 44] = [
+/// the UNet, CLIP, FLUX DiT and T5 modules, LDM and diffusers layouts, that contain `_`).
+/// The reference's list (`convert_sep_to_dot`) lacks FLUX's `final_layer`, `img_in`,
+/// `txt_in`, `time_in`, `vector_in`, `guidance_in`, `in_layer`, `out_layer` and
+/// `adaLN_modulation`, so it drops kohya adapters of those modules; here they apply.
+const KEEP_UNDERSCORE: [&str; 63] = [
     "final_layer_norm",
     "conv_norm_out",
     "time_emb_proj",
@@ -261,6 +285,25 @@ const KEEP_UNDERSCORE: [&str; 44] = [
     "add_k_proj",
     "add_v_proj",
     "add_out_proj",
+    "double_blocks",
+    "single_blocks",
+    "img_attn",
+    "txt_attn",
+    "img_mlp",
+    "txt_mlp",
+    "img_mod",
+    "txt_mod",
+    "img_in",
+    "txt_in",
+    "time_in",
+    "vector_in",
+    "guidance_in",
+    "in_layer",
+    "out_layer",
+    "final_layer",
+    "adaLN_modulation",
+    "wi_0",
+    "wi_1",
 ];
 
 /// A kohya flat body (`down_blocks_0_attentions_0_proj_in`) made dotted
@@ -289,14 +332,19 @@ fn dotted(flat: &str) -> String {
     out.join(".")
 }
 
-/// Our internal name of the weight an adapter key adapts, through `table`.
-fn target_of(key: &str, table: &[LoraPrefix]) -> Option<String> {
+/// Our internal name of the weight an adapter key adapts, through `table`, and the part of it
+/// the adapter covers ([`LoraBody::Mapped`]; 0 for a whole weight).
+fn target_of(key: &str, table: &[LoraPrefix]) -> Option<(String, usize)> {
     let key = key.strip_prefix("lora.").unwrap_or(key);
     let row = table.iter().filter(|r| key.starts_with(r.prefix)).max_by_key(|r| r.prefix.len())?;
     let body = &key[row.prefix.len()..];
-    let body = if row.flat { dotted(body) } else { body.to_owned() };
+    let (body, part) = match row.body {
+        LoraBody::Dotted => (body.to_owned(), 0),
+        LoraBody::Flat => (dotted(body), 0),
+        LoraBody::Mapped(map) => map(body)?,
+    };
     match normalize(&format!("{body}.weight"), row.role) {
-        Normalized::One(name) => Some(name),
+        Normalized::One(name) => Some((name, part)),
         Normalized::Split(_) => None,
     }
 }
@@ -368,19 +416,52 @@ impl LoraSet {
             let mut unmatched: Vec<String> = Vec::new();
             let mut applied = 0usize;
             let total = keys.len();
+            // The adapters of each weight, by part (a fused weight's row blocks, in order).
+            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &String, &String, Option<&String>)>> =
+                BTreeMap::new();
             for (base, parts) in &keys {
                 let (Some(up), Some(down)) = (&parts.up, &parts.down) else {
                     unmatched.push(format!("{base} (no up/down pair)"));
                     continue;
                 };
-                let Some(target) = target_of(base, table).filter(|t| by_name.contains_key(t.as_str())) else {
+                let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str()))
+                else {
                     unmatched.push(base.clone());
                     continue;
                 };
+                if by_target.entry(target).or_default().insert(part, (base, up, down, parts.alpha.as_ref())).is_some() {
+                    return Err(LoraError::Shape {
+                        path: path.clone(),
+                        tensor: base.clone(),
+                        problem: "a second adapter of the same weight in one file".into(),
+                    });
+                }
+            }
+            for (target, parts) in by_target {
                 let spec = by_name[target.as_str()];
-                let delta = read_delta(&files, path, base, up, down, parts.alpha.as_deref(), req.multiplier, spec)?;
-                set.deltas.entry(target).or_default().push(delta);
-                applied += 1;
+                // As the reference: the parts of a fused weight stack from part 0 on, and stop at
+                // the first one missing (what follows a gap adapts nothing).
+                let mut offset = 0usize;
+                for (k, (part, (base, up, down, alpha))) in parts.into_iter().enumerate() {
+                    if part != k {
+                        unmatched.push(format!("{base} (part {part} of '{target}' without part {k})"));
+                        continue;
+                    }
+                    let delta = read_delta(
+                        &files,
+                        path,
+                        base,
+                        up,
+                        down,
+                        alpha.map(|a| a.as_str()),
+                        req.multiplier,
+                        spec,
+                        offset,
+                    )?;
+                    offset += delta.out;
+                    set.deltas.entry(target.clone()).or_default().push(delta);
+                    applied += 1;
+                }
             }
             if applied == 0 {
                 let first = keys.keys().chain(other.iter()).take(3).cloned().collect::<Vec<_>>().join(", ");
@@ -446,7 +527,8 @@ fn merge_all(deltas: &[Delta], ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Result
 fn add_delta(w: &mut [f32], d: &Delta) {
     for o in 0..d.out {
         let up = &d.up[o * d.rank..(o + 1) * d.rank];
-        let dst = &mut w[o * d.inner..(o + 1) * d.inner];
+        let row = d.offset + o;
+        let dst = &mut w[row * d.inner..(row + 1) * d.inner];
         for (i, x) in dst.iter_mut().enumerate() {
             let mut s = 0f32;
             for (r, u) in up.iter().enumerate() {
@@ -467,6 +549,7 @@ fn read_delta(
     alpha: Option<&str>,
     multiplier: f32,
     target: &TensorSpec,
+    offset: usize,
 ) -> Result<Delta, LoraError> {
     let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
     let (up_shape, up_v) = matrix(files, up, path)?;
@@ -487,11 +570,21 @@ fn read_delta(
         )));
     }
     let want: i64 = target.ne.iter().product();
-    let target_out = target.ne.last().copied().unwrap_or(1);
-    if out as i64 != target_out || (out * inner) as i64 != want {
+    let rows = target.ne.last().copied().unwrap_or(1).max(1);
+    let conv = target.ne.len() == 4;
+    // A whole weight takes a delta of its own shape; a part of a fused one (offset, or fewer
+    // rows than the weight) takes the weight's row width, within its rows.
+    let whole = offset == 0 && out as i64 == rows;
+    let fits = if whole {
+        (out * inner) as i64 == want
+    } else {
+        !conv && inner as i64 * rows == want && (offset + out) as i64 <= rows
+    };
+    if !fits {
         let torch: Vec<i64> = target.ne.iter().rev().copied().collect();
+        let at = if offset > 0 { format!(" at row {offset}") } else { String::new() };
         return Err(shape_err(format!(
-            "the delta up {up_shape:?} x down {down_shape:?} is [{out}, {inner}]; the weight '{}' has shape {torch:?}",
+            "the delta up {up_shape:?} x down {down_shape:?} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
             target.name
         )));
     }
@@ -500,7 +593,7 @@ fn read_delta(
         Some(a) => scalar(files, a, path)? / rank as f32 * multiplier,
         None => multiplier,
     };
-    Ok(Delta { up: up_v, down: down_v, rank, out, inner, scale, f16, conv: target.ne.len() == 4 })
+    Ok(Delta { up: up_v, down: down_v, rank, out, inner, offset, rows: rows as usize, scale, f16, conv })
 }
 
 /// A [`TensorSource`] that adds a [`LoraSet`]'s adapters to what another source reads.

@@ -89,7 +89,9 @@ fn adapter_type(d: &Delta) -> GgmlType {
 
 /// The shapes (ggml order) and type of an adapter's `down` and `up` for the weight `spec`.
 fn adapter_shapes(spec: &TensorSpec, d: &Delta) -> (Vec<i64>, Vec<i64>, GgmlType) {
-    let (rank, out) = (d.rank as i64, d.out as i64);
+    // A part of a fused weight ([`super::LoraBody::Mapped`]) is added as an `up` over all the
+    // weight's rows, zero outside the part's: the product adds exactly 0 there.
+    let (rank, out) = (d.rank as i64, d.rows as i64);
     if d.conv {
         let down = vec![spec.ne[0], spec.ne[1], spec.ne[2], rank];
         (down, vec![1, 1, rank, out], GgmlType::GGML_TYPE_F16)
@@ -108,7 +110,7 @@ impl LoraSet {
         for weight in names {
             for (k, d) in self.deltas[weight].iter().enumerate() {
                 let size = if adapter_type(d) == GgmlType::GGML_TYPE_F16 { 2 } else { 4 };
-                let (down, up) = ((d.inner * d.rank * size) as u64, (d.rank * d.out * size) as u64);
+                let (down, up) = ((d.inner * d.rank * size) as u64, (d.rank * d.rows * size) as u64);
                 out.push((weight.clone(), format!("{weight}{MARK}{k}.down"), down));
                 out.push((weight.clone(), format!("{weight}{MARK}{k}.up"), up));
             }
@@ -155,7 +157,17 @@ impl TensorSource for AdapterSource {
         let Some((weight, k, up)) = parse(name) else { return self.inner.load(name, ty, ne) };
         let d = self.set.deltas.get(weight).and_then(|v| v.get(k));
         let Some(d) = d else { return Err(SourceError::new(format!("no LoRA adapter '{name}'"))) };
-        let values = if up { &d.up } else { &d.down };
+        let padded;
+        let values = match up {
+            false => &d.down,
+            true if d.rows == d.out => &d.up,
+            true => {
+                let mut v = vec![0f32; d.rows * d.rank];
+                v[d.offset * d.rank..(d.offset + d.out) * d.rank].copy_from_slice(&d.up);
+                padded = v;
+                &padded
+            }
+        };
         let n: i64 = ne.iter().product();
         if n as usize != values.len() {
             return Err(SourceError::new(format!(

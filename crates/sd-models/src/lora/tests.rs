@@ -224,3 +224,165 @@ fn auto_applies_at_run_time_where_a_merge_would_cost_and_merges_elsewhere() {
         assert_eq!(resolve(ApplyMode::AtRuntime, &m).0, ApplyMode::AtRuntime, "{m:?}");
     }
 }
+
+fn flux_table() -> &'static [LoraPrefix] {
+    &crate::family::flux::lora::LORA_PREFIXES
+}
+
+#[test]
+fn flux_keys_of_every_layout_reach_bfl_names_and_row_blocks() {
+    let dit = |s: &str| (format!("model.diffusion_model.{s}.weight"), 0usize);
+    let part = |s: &str, k: usize| (format!("model.diffusion_model.{s}.weight"), k);
+    let t = flux_table();
+    for (key, want) in [
+        ("lora_unet_double_blocks_0_img_attn_qkv", dit("double_blocks.0.img_attn.qkv")),
+        ("lora_unet_double_blocks_18_txt_mlp_2", dit("double_blocks.18.txt_mlp.2")),
+        ("lora_unet_single_blocks_37_modulation_lin", dit("single_blocks.37.modulation.lin")),
+        ("lora_unet_final_layer_adaLN_modulation_1", dit("final_layer.adaLN_modulation.1")),
+        ("lora_unet_time_in_in_layer", dit("time_in.in_layer")),
+        ("diffusion_model.single_blocks.3.linear1", dit("single_blocks.3.linear1")),
+        ("model.diffusion_model.double_blocks.1.img_mod.lin", dit("double_blocks.1.img_mod.lin")),
+        ("lora.transformer.transformer_blocks.2.attn.to_k", part("double_blocks.2.img_attn.qkv", 1)),
+        ("transformer.transformer_blocks.2.attn.add_v_proj", part("double_blocks.2.txt_attn.qkv", 2)),
+        ("transformer.transformer_blocks.2.ff_context.net.0.proj", dit("double_blocks.2.txt_mlp.0")),
+        ("transformer.single_transformer_blocks.5.proj_mlp", part("single_blocks.5.linear1", 3)),
+        ("transformer.single_transformer_blocks.5.proj_out", dit("single_blocks.5.linear2")),
+        ("transformer.time_text_embed.guidance_embedder.linear_2", dit("guidance_in.out_layer")),
+        ("transformer.norm_out.linear", dit("final_layer.adaLN_modulation.1")),
+    ] {
+        assert_eq!(target_of(key, t), Some(want), "{key}");
+    }
+    // CLIP-L (kohya's te1) and T5-XXL (te3).
+    assert_eq!(
+        target_of("lora_te1_text_model_encoder_layers_3_self_attn_out_proj", t).unwrap().0,
+        "cond_stage_model.transformer.text_model.encoder.layers.3.self_attn.out_proj.weight"
+    );
+    assert_eq!(
+        target_of("lora_te3_encoder_block_1_layer_1_DenseReluDense_wi_0", t).unwrap().0,
+        "text_encoders.t5xxl.transformer.encoder.block.1.layer.1.DenseReluDense.wi_0.weight"
+    );
+    assert_eq!(target_of("transformer.transformer_blocks.0.attn.norm_q", t), None);
+}
+
+/// A safetensors file of f32 tensors with the given values.
+fn write_values(name: &str, tensors: &[(String, Vec<u64>, Vec<f32>)]) -> PathBuf {
+    use crate::files::safetensors::{to_bytes, HeaderEntry};
+    let data: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let entries: Vec<(HeaderEntry<'_>, &[u8])> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((n, s, _), d)| (HeaderEntry { name: n, dtype: crate::files::DType::F32, shape: s }, d.as_slice()))
+        .collect();
+    let path = temp(name);
+    std::fs::write(&path, to_bytes(&entries, &BTreeMap::new()).unwrap()).unwrap();
+    path
+}
+
+#[test]
+fn split_qkv_adapters_merge_as_one_fused_adapter_and_a_gap_stops_them() {
+    // A fused qkv of width 8 (rows 24): diffusers' to_q, to_k, to_v of rank 2 each, against
+    // one adapter of rank 6 whose down stacks theirs and whose up is block-diagonal.
+    let (h, r) = (8usize, 2usize);
+    let target = "model.diffusion_model.double_blocks.0.img_attn.qkv.weight";
+    let targets =
+        vec![TensorSpec { name: target.into(), ty: GgmlType::GGML_TYPE_F32, ne: vec![h as i64, 3 * h as i64] }];
+    let val = |seed: usize, n: usize| -> Vec<f32> {
+        (0..n).map(|i| (((i * 37 + seed * 11) % 23) as f32 - 11.0) / 16.0).collect()
+    };
+    let (mut split, mut stacked_down, mut fused_up) = (Vec::new(), Vec::new(), vec![0f32; 3 * h * 3 * r]);
+    for (k, leaf) in ["to_q", "to_k", "to_v"].iter().enumerate() {
+        let (down, up) = (val(2 * k, r * h), val(2 * k + 1, h * r));
+        let key = format!("transformer.transformer_blocks.0.attn.{leaf}");
+        split.push((format!("{key}.lora_A.weight"), vec![r as u64, h as u64], down.clone()));
+        split.push((format!("{key}.lora_B.weight"), vec![h as u64, r as u64], up.clone()));
+        stacked_down.extend(down);
+        for o in 0..h {
+            for j in 0..r {
+                fused_up[(k * h + o) * 3 * r + k * r + j] = up[o * r + j];
+            }
+        }
+    }
+    let fused = vec![
+        (
+            "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight".to_owned(),
+            vec![3 * r as u64, h as u64],
+            stacked_down,
+        ),
+        (
+            "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight".to_owned(),
+            vec![3 * h as u64, 3 * r as u64],
+            fused_up,
+        ),
+    ];
+    let load_one = |path: &Path| {
+        let req = [LoraRequest { path: path.to_path_buf(), multiplier: 0.75 }];
+        LoraSet::load(&req, "flux", flux_table(), &targets)
+    };
+    let a = load_one(&write_values("split-qkv.safetensors", &split)).unwrap();
+    let b = load_one(&write_values("fused-qkv.safetensors", &fused)).unwrap();
+    assert_eq!(a.deltas[target].iter().map(|d| (d.offset, d.out)).collect::<Vec<_>>(), [(0, 8), (8, 8), (16, 8)]);
+    let w: Vec<f32> = val(9, 3 * h * h);
+    let bytes = convert::pack_f32(GgmlType::GGML_TYPE_F32, &w, h as i64).unwrap();
+    let ne = [h as i64, 3 * h as i64];
+    let (ma, mb) = (
+        a.merge(target, GgmlType::GGML_TYPE_F32, &ne, &bytes).unwrap().unwrap(),
+        b.merge(target, GgmlType::GGML_TYPE_F32, &ne, &bytes).unwrap().unwrap(),
+    );
+    assert_eq!(ma, mb, "the split adapters are not the fused one");
+    assert_ne!(ma, bytes);
+    // At run time a part's up covers all 24 rows, zero outside its own.
+    let rt = a.runtime(&targets);
+    let up1 = rt.specs().iter().find(|s| s.name.ends_with("#lora1.up")).unwrap().clone();
+    assert_eq!(up1.ne, vec![r as i64, 3 * h as i64]);
+    struct Nothing;
+    impl TensorSource for Nothing {
+        fn load(&self, name: &str, _: GgmlType, _: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
+            Err(SourceError::new(format!("no {name}")))
+        }
+    }
+    let src = super::runtime::AdapterSource::new(Arc::new(Nothing), Arc::new(a));
+    let up = src.load(&up1.name, GgmlType::GGML_TYPE_F32, &up1.ne).unwrap();
+    let up: Vec<f32> = up.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    assert!(up[..h * r].iter().chain(&up[2 * h * r..]).all(|&v| v == 0.0) && up[h * r..2 * h * r] == val(3, h * r)[..]);
+    // Without to_q, to_k and to_v adapt nothing (the reference stops at the first part
+    // missing): a file of nothing else matches nothing.
+    let gap: Vec<_> = split.iter().filter(|(n, _, _)| !n.contains(".to_q.")).cloned().collect();
+    let e = load_one(&write_values("gap-qkv.safetensors", &gap)).unwrap_err().to_string();
+    assert!(e.contains("gap-qkv.safetensors") && e.contains("none of its 2 adapters"), "{e}");
+}
+
+#[test]
+fn an_sdxl_kohya_lora_adapts_the_unet_and_both_text_encoders() {
+    use crate::fixture::lora::{write_sdxl_lora, LoraFixture, LoraLayout};
+    use crate::fixture::{tensor_table, Architecture, UnetConfig};
+    let unet = UnetConfig::vega();
+    let path = temp("vega-kohya.safetensors");
+    let req = LoraFixture { layout: LoraLayout::Kohya, rank: 4, seed: 3, scale: 0.05, text_encoder: true };
+    let written = write_sdxl_lora(&path, &unet, &req).unwrap();
+    let f16 = |_: &str| Some(GgmlType::GGML_TYPE_F16);
+    let mut targets: Vec<TensorSpec> = tensor_table(&Architecture::sdxl_with(unet))
+        .unwrap()
+        .into_iter()
+        .filter(|t| t.name.starts_with("model.diffusion_model."))
+        .map(|t| TensorSpec {
+            ne: t.shape.iter().rev().map(|&d| d as i64).collect(),
+            name: t.name,
+            ty: GgmlType::GGML_TYPE_F16,
+        })
+        .collect();
+    for cfg in [crate::text::clip::ClipConfig::vit_l14_sdxl(), crate::text::clip::ClipConfig::vit_bigg14()] {
+        targets.extend(crate::text::clip::clip_specs(&cfg, &f16, None));
+    }
+    let req = [LoraRequest { path: path.clone(), multiplier: 1.0 }];
+    let set = LoraSet::load(&req, "sdxl", &crate::family::sdxl::LORA_PREFIXES, &targets).unwrap();
+    // Every adapter written applies: 2 transformers x 12 modules (Vega's middle block has
+    // none), 3 resnet modules, 2 encoders x 2 layers x 6.
+    assert_eq!((written, set.targets()), (51, 51));
+    for name in [
+        "cond_stage_model.1.transformer.text_model.encoder.layers.5.self_attn.v_proj.weight",
+        "cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc2.weight",
+        "model.diffusion_model.input_blocks.1.0.in_layers.2.weight",
+    ] {
+        assert!(set.adapts(name), "{name}");
+    }
+}

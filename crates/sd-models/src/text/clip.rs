@@ -595,7 +595,12 @@ fn pooled_forward<'g>(
     let nb = x.nb();
     let row = g.view(x, [h, 1, 1, 1], [nb[1], nb[2], nb[3]], nb[1] * token_index);
     match cfg.projection_dim {
-        Some(_) => Ok(g.mul_mat(get(w, &cfg.name("text_projection"))?, row)),
+        Some(_) => {
+            let name = cfg.name("text_projection");
+            let y = g.mul_mat(get(w, &name)?, row);
+            let adapters = w.adapters(&name).map_err(|_| ClipError::MissingWeight(name.clone()))?;
+            Ok(sd_sched::add_linear_adapters(g, &adapters, row, y))
+        }
         // No projection (CLIP-L, whose pooled state FLUX reads): the state itself.
         None => Ok(g.cont(row)),
     }

@@ -248,10 +248,13 @@ fn matrix<'w>(w: &'w Weights, name: &str) -> Result<Vec<Tensor<'w>>> {
     w.matrix_parts(name).map_err(|_| T5Error::MissingWeight(name.to_string()))
 }
 
-/// `W x` for a linear layer without bias: one product per part, concatenated on the output
-/// rows (`sd_sched::mul_mat_parts`; one part is a plain `mul_mat`).
-fn linear<'g>(g: &'g Context, parts: &[Tensor<'_>], x: Tensor<'_>) -> Tensor<'g> {
-    sd_sched::mul_mat_parts(g, parts, x)
+/// `W x` for the linear layer `name` without bias: one product per part, concatenated on the
+/// output rows (`sd_sched::mul_mat_parts`; one part is a plain `mul_mat`), plus the low-rank
+/// terms of a LoRA applied at run time (`sd_sched::add_linear_adapters`).
+fn linear<'g>(g: &'g Context, w: &Weights, name: &str, x: Tensor<'_>) -> Result<Tensor<'g>> {
+    let y = sd_sched::mul_mat_parts(g, &matrix(w, name)?, x);
+    let adapters = w.adapters(name).map_err(|_| T5Error::MissingWeight(name.to_string()))?;
+    Ok(sd_sched::add_linear_adapters(g, &adapters, x, y))
 }
 
 /// Whether a T5 parameter is cut by output rows in a graph-level row split: the matmul weights
@@ -302,8 +305,8 @@ fn attention<'g>(
     x: Tensor<'_>,
     bias: Tensor<'_>,
 ) -> Result<Tensor<'g>> {
-    let lin = |p: &str| matrix(w, &cfg.block(i, &format!("layer.0.SelfAttention.{p}.weight")));
-    let (q, k, v) = (linear(g, &lin("q")?, x), linear(g, &lin("k")?, x), linear(g, &lin("v")?, x));
+    let lin = |p: &str, x| linear(g, w, &cfg.block(i, &format!("layer.0.SelfAttention.{p}.weight")), x);
+    let (q, k, v) = (lin("q", x)?, lin("k", x)?, lin("v", x)?);
     let [c, l, n, _] = q.shape();
     let (h, d) = (cfg.n_heads as i64, cfg.d_kv as i64);
     debug_assert_eq!(c, h * d);
@@ -323,17 +326,17 @@ fn attention<'g>(
     let kqv = g.reshape(kqv, &[d, l, h, n]);
     let kqv = g.cont(g.permute(kqv, [0, 2, 1, 3])); // [d, heads, L, N]
     let out = g.reshape(kqv, &[c, l, n]);
-    Ok(linear(g, &lin("o")?, out))
+    lin("o", out)
 }
 
 /// `wo(gelu(wi_0 x) * wi_1 x)`, with the reference's 1/32 scaling around `wo`.
 fn feed_forward<'g>(g: &'g Context, w: &Weights, cfg: &T5Config, i: usize, x: Tensor<'_>) -> Result<Tensor<'g>> {
     const WO_SCALE: f32 = 1.0 / 32.0;
-    let lin = |p: &str| matrix(w, &cfg.block(i, &format!("layer.1.DenseReluDense.{p}.weight")));
-    let gate = g.gelu(linear(g, &lin("wi_0")?, x));
-    let h = g.mul(gate, linear(g, &lin("wi_1")?, x));
+    let lin = |p: &str, x| linear(g, w, &cfg.block(i, &format!("layer.1.DenseReluDense.{p}.weight")), x);
+    let gate = g.gelu(lin("wi_0", x)?);
+    let h = g.mul(gate, lin("wi_1", x)?);
     let h = g.scale(h, WO_SCALE);
-    Ok(g.scale(linear(g, &lin("wo")?, h), 1.0 / WO_SCALE))
+    Ok(g.scale(lin("wo", h)?, 1.0 / WO_SCALE))
 }
 
 /// Builds the encoder's graph: `ids` (i32 `[L, N]`) to the hidden states `[d_model, L, N]`

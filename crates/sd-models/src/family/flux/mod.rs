@@ -15,6 +15,8 @@
 //! model; `--cfg-scale` stays the classifier-free guidance of the sampler (1 for FLUX, which
 //! skips the negative prompt).
 
+pub(crate) mod lora;
+
 use std::sync::Arc;
 
 use sd_backends::GgmlType;
@@ -192,6 +194,10 @@ impl Family for Flux {
     /// TAEF1, FLUX's 16-channel tiny autoencoder.
     fn taesd(&self) -> Option<TaesdConfig> {
         Some(TaesdConfig::flux())
+    }
+
+    fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
+        &lora::LORA_PREFIXES
     }
 
     fn sampling(&self) -> SamplingDefaults {

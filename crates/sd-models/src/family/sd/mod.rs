@@ -16,7 +16,7 @@ use super::{
 };
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::{Detected, FileRole, ModelFiles};
-use crate::lora::LoraPrefix;
+use crate::lora::{LoraBody, LoraPrefix};
 use crate::pipeline::{PipelineError, Result};
 use crate::sampling::{DiscreteSchedule, ModelVersion, SampleMethod};
 use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
@@ -42,12 +42,12 @@ pub fn configs(arch: &str) -> Option<(ClipConfig, UNetConfig)> {
 /// and diffusers/PEFT's dotted ones (bodies in diffusers or LDM layout, normalised as files of
 /// that role are).
 pub(crate) const LORA_PREFIXES: [LoraPrefix; 6] = [
-    LoraPrefix { prefix: "lora_unet_", role: FileRole::DiffusionModel, flat: true },
-    LoraPrefix { prefix: "lora_te_", role: FileRole::TextEncoder(0), flat: true },
-    LoraPrefix { prefix: "unet.", role: FileRole::DiffusionModel, flat: false },
-    LoraPrefix { prefix: "model.diffusion_model.", role: FileRole::DiffusionModel, flat: false },
-    LoraPrefix { prefix: "text_encoder.", role: FileRole::TextEncoder(0), flat: false },
-    LoraPrefix { prefix: "cond_stage_model.transformer.", role: FileRole::TextEncoder(0), flat: false },
+    LoraPrefix { prefix: "lora_unet_", role: FileRole::DiffusionModel, body: LoraBody::Flat },
+    LoraPrefix { prefix: "lora_te_", role: FileRole::TextEncoder(0), body: LoraBody::Flat },
+    LoraPrefix { prefix: "unet.", role: FileRole::DiffusionModel, body: LoraBody::Dotted },
+    LoraPrefix { prefix: "model.diffusion_model.", role: FileRole::DiffusionModel, body: LoraBody::Dotted },
+    LoraPrefix { prefix: "text_encoder.", role: FileRole::TextEncoder(0), body: LoraBody::Dotted },
+    LoraPrefix { prefix: "cond_stage_model.transformer.", role: FileRole::TextEncoder(0), body: LoraBody::Dotted },
 ];
 
 /// SD 1.x or 2.x, built for a set of files.

@@ -113,16 +113,16 @@ inventory::submit! { FamilySpec { arch: "sdxl", build } }
 
 /// Where SDXL LoRA keys point: kohya's `lora_unet_`, `lora_te1_` (CLIP-L), `lora_te2_`
 /// (OpenCLIP bigG, HF names) and diffusers/PEFT's `unet.`, `text_encoder.`, `text_encoder_2.`.
-const LORA_PREFIXES: [crate::lora::LoraPrefix; 6] = {
+pub(crate) const LORA_PREFIXES: [crate::lora::LoraPrefix; 6] = {
     use crate::files::FileRole::{DiffusionModel, TextEncoder};
-    use crate::lora::LoraPrefix as P;
+    use crate::lora::{LoraBody, LoraPrefix as P};
     [
-        P { prefix: "lora_unet_", role: DiffusionModel, flat: true },
-        P { prefix: "lora_te1_", role: TextEncoder(0), flat: true },
-        P { prefix: "lora_te2_", role: TextEncoder(1), flat: true },
-        P { prefix: "unet.", role: DiffusionModel, flat: false },
-        P { prefix: "text_encoder.", role: TextEncoder(0), flat: false },
-        P { prefix: "text_encoder_2.", role: TextEncoder(1), flat: false },
+        P { prefix: "lora_unet_", role: DiffusionModel, body: LoraBody::Flat },
+        P { prefix: "lora_te1_", role: TextEncoder(0), body: LoraBody::Flat },
+        P { prefix: "lora_te2_", role: TextEncoder(1), body: LoraBody::Flat },
+        P { prefix: "unet.", role: DiffusionModel, body: LoraBody::Dotted },
+        P { prefix: "text_encoder.", role: TextEncoder(0), body: LoraBody::Dotted },
+        P { prefix: "text_encoder_2.", role: TextEncoder(1), body: LoraBody::Dotted },
     ]
 };
 

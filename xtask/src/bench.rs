@@ -1,17 +1,26 @@
 //! `cargo xtask bench`: our `sd-cli` and the reference (`sdref`), alternating, same fixture and settings.
 //!
 //! ```text
-//! cargo xtask bench [--size 256|512|both] [--type f16,q8_0] [--runs N] [--threads N]
+//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|both] [--type f16,q8_0] [--runs N] [--threads N]
+//!                   [--loras N] [--lora-apply-mode auto|immediately|at_runtime] [--reference both|default|llamafile]
 //! ```
 //!
-//! Three programs run as child processes on the SD 1.5 f16 fixture (the cached
-//! `sd15-fixture-seed42-f16.safetensors`, written if missing) with the same flags: euler,
-//! cfg 7, seed 42, the prompt "a photo of a cat", 256x256 with 4 steps and 512x512 with
-//! 2 steps, `--type` as asked: ours, sd.cpp's default build (`cargo xtask reference`) and
-//! the build with ggml's llamafile GEMM kernels (`cargo xtask reference --llamafile`,
-//! `cmake -DGGML_LLAMAFILE=ON`: the fastest build of the reference a user can make from
-//! its options). Runs alternate (ours, ref, ref+llamafile, then backwards, ...) so
+//! Three programs run as child processes on a fixture with the same flags: euler, seed 42,
+//! the prompt "a photo of a cat", 256x256 with 4 steps and 512x512 with 2 steps, `--type` as
+//! asked (`file`: none, each tensor as stored): ours, sd.cpp's default build (`cargo xtask reference`) and the build with ggml's
+//! llamafile GEMM kernels (`cargo xtask reference --llamafile`, `cmake -DGGML_LLAMAFILE=ON`:
+//! the fastest build of the reference a user can make from its options; `--reference` keeps
+//! one of the two). Runs alternate (ours, ref, ref+llamafile, then backwards, ...) so
 //! that a drift in machine load falls on every column; the ratios are ours over each.
+//!
+//! `--model`: `sd15` (default) the SD 1.5 f16 fixture (the cached
+//! `sd15-fixture-seed42-f16.safetensors`, written if missing), cfg 7; `vega` Segmind Vega's
+//! SDXL layout (both text encoders), cfg 7; `flux` a FLUX.1-dev DiT of full width with 1
+//! double and 2 single blocks (1.3 GB at f16), the full T5-XXL at q8_0 (4.8 GB), CLIP-L
+//! (`clip-l` fixture) and the FLUX VAE, as `--diffusion-model`, `--t5xxl`, `--clip_l`,
+//! `--vae`, cfg 1. `--loras N` adds N kohya LoRA fixtures for that model (rank 4, seeds 1..N,
+//! multiplier 1: `<lora:...>` tags for ours, `--lora` for the reference) applied in
+//! `--lora-apply-mode` by both.
 //!
 //! What is measured, and how, is the same for both wherever it can be:
 //! - whole run and peak RSS: measured here around the child process, the
@@ -26,6 +35,7 @@
 //!   exclude loading, which is shown apart (`load_ms`, its `new_sd_ctx`, plus
 //!   `tensor_load_ms`, sd.cpp's "loading tensors" time).
 
+use std::ffi::OsString;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -85,9 +95,43 @@ enum Sizes {
     Both,
 }
 
+/// `--model` of `cargo xtask bench`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Model {
+    /// The SD 1.5 fixture.
+    Sd15,
+    /// Segmind Vega's SDXL layout.
+    Vega,
+    /// A reduced-depth FLUX.1-dev with the full T5-XXL.
+    Flux,
+}
+
+/// `--reference`: which builds of the reference run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum References {
+    /// sd.cpp's default build and the llamafile one.
+    Both,
+    /// sd.cpp's default build.
+    Default,
+    /// The llamafile build.
+    Llamafile,
+}
+
 /// `cargo xtask bench` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
+    /// What to generate with.
+    #[arg(long = "model", value_enum, default_value_t = Model::Sd15)]
+    model: Model,
+    /// LoRA fixtures to apply (0 to 3).
+    #[arg(long = "loras", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=3))]
+    loras: u32,
+    /// How both programs apply the LoRAs.
+    #[arg(long = "lora-apply-mode", value_name = "MODE", default_value = "auto", value_parser = ["auto", "immediately", "at_runtime"])]
+    lora_apply_mode: String,
+    /// Which builds of the reference run beside ours.
+    #[arg(long = "reference", value_enum, default_value_t = References::Both)]
+    reference: References,
     /// Image side (256: 4 steps, 512: 2 steps) or both.
     #[arg(long = "size", value_enum, default_value_t = Sizes::Both)]
     size: Sizes,
@@ -97,7 +141,8 @@ pub struct Args {
     /// CPU threads of each program.
     #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
-    /// Weight types (`--type` of every program; the fixture is f16).
+    /// Weight types (`--type` of every program; the fixtures are f16, FLUX's T5-XXL q8_0);
+    /// `file` passes no `--type` (each tensor as stored).
     #[arg(long = "type", value_name = "f16,q8_0", value_delimiter = ',', default_value = "f16", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     types: Vec<String>,
 }
@@ -204,7 +249,9 @@ pub struct Timings {
     pub decode_s: Option<f64>,
     /// The program's own generation time (ours: the sum of its report's stages; ref: `generate_image`).
     pub generation_s: Option<f64>,
-    /// Model loading timed apart (ref only: `new_sd_ctx` plus sd.cpp's tensor loading).
+    /// Weight loading: ours, the sum of the report's load stages (`te load`, `unet load`,
+    /// `vae load`: reading, converting, LoRA merging, staging); the reference's `new_sd_ctx`
+    /// plus sd.cpp's tensor loading (its LoRA merge comes later, inside generation).
     pub load_s: Option<f64>,
 }
 
@@ -220,7 +267,10 @@ pub fn ours_timings(r: &RunReport) -> Timings {
         steps_s: r.steps.iter().map(|s| s.seconds).collect(),
         decode_s: sum(&["vae load", "decode"]),
         generation_s: (!r.stages.is_empty()).then(|| r.stages.iter().map(|s| s.seconds).sum()),
-        load_s: None,
+        load_s: {
+            let v: Vec<f64> = r.stages.iter().filter(|s| s.name.ends_with(" load")).map(|s| s.seconds).collect();
+            (!v.is_empty()).then(|| v.iter().sum())
+        },
     }
 }
 
@@ -295,10 +345,25 @@ impl Side {
 }
 
 pub(crate) fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+    let model = [OsString::from("-m"), model.as_os_str().to_owned()];
+    our_command_with(exe, &model, "7", PROMPT, s, threads, out)
+}
+
+/// [`our_command`] with other model flags (`-m FILE`, or a FLUX model's component files), cfg
+/// scale and prompt.
+fn our_command_with(
+    exe: &Path,
+    model: &[OsString],
+    cfg: &str,
+    prompt: &str,
+    s: Setting,
+    threads: u32,
+    out: &Path,
+) -> Command {
     let mut c = Command::new(exe);
-    c.args(["-m"]).arg(model);
-    c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
-    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
+    c.args(model);
+    c.args(["-p", prompt, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
+    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", cfg, "-s", "42"]);
     c.args(["-t", &threads.to_string(), "-o"]).arg(out);
     c.arg("--report-json").arg(report_path(out));
     c.env("NO_COLOR", "1");
@@ -306,12 +371,117 @@ pub(crate) fn our_command(exe: &Path, model: &Path, s: Setting, threads: u32, ou
 }
 
 pub(crate) fn ref_command(exe: &Path, model: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+    let model = [OsString::from("-m"), model.as_os_str().to_owned()];
+    ref_command_with(exe, &model, "7", s, threads, out)
+}
+
+/// [`ref_command`] with other model flags and cfg scale (the prompt is [`PROMPT`]).
+fn ref_command_with(exe: &Path, model: &[OsString], cfg: &str, s: Setting, threads: u32, out: &Path) -> Command {
     let mut c = Command::new(exe);
-    c.arg("txt2img").args(["-m"]).arg(model);
+    c.arg("txt2img").args(model);
     c.args(["-p", PROMPT, "-W", &s.side.to_string(), "-H", &s.side.to_string()]);
-    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", "7", "-s", "42"]);
+    c.args(["--steps", &s.steps.to_string(), "--sampling-method", "euler", "--cfg-scale", cfg, "-s", "42"]);
     c.args(["-t", &threads.to_string(), "-o"]).arg(out);
     c
+}
+
+/// The files and settings of a `--model`, with its LoRA fixtures.
+struct Workload {
+    /// What the table heading calls it.
+    label: String,
+    /// The model flags, the same for both programs.
+    model: Vec<OsString>,
+    cfg: &'static str,
+    /// LoRA files (multiplier 1 each) and their directory.
+    loras: Vec<PathBuf>,
+    lora_dir: PathBuf,
+    lora_mode: String,
+}
+
+impl Workload {
+    /// Writes (or finds) the files of `args.model` and `args.loras` LoRAs under `dir`.
+    fn prepare(args: &Args, dir: &Path) -> Result<Workload> {
+        use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
+        use sd_models::fixture::{self, flux, flux_vae, t5, FileFormat, WeightType};
+        let lora_dir = dir.join("loras");
+        std::fs::create_dir_all(&lora_dir).with_context(|| format!("cannot create {}", lora_dir.display()))?;
+        let flux_cfg = flux::reduced(3072, 1, 2, false);
+        let (label, model, cfg) = match args.model {
+            Model::Sd15 => ("sd15 fixture".to_owned(), vec!["-m".into(), ensure_fixture(Family::Sd15)?.into()], "7"),
+            Model::Vega => ("vega fixture".to_owned(), vec!["-m".into(), ensure_fixture(Family::Vega)?.into()], "7"),
+            Model::Flux => {
+                std::fs::create_dir_all(fixture::cache_dir())?;
+                let dit = flux::cached_flux_path(&flux_cfg, 42, WeightType::F16);
+                if !dit.exists() {
+                    eprintln!("bench: writing the FLUX DiT fixture {}", dit.display());
+                    flux::write_flux(&dit, &flux_cfg, 42, WeightType::F16, FileFormat::Safetensors)?;
+                }
+                let t5 = t5::cached_t5xxl_path(24, 42, WeightType::Q8_0);
+                if !t5.exists() {
+                    eprintln!("bench: writing the T5-XXL fixture {} (4.8 GB)", t5.display());
+                    let cfg = sd_models::text::t5::T5Config::xxl();
+                    t5::write_t5xxl(&t5, &cfg, 42, WeightType::Q8_0, FileFormat::Gguf)?;
+                }
+                let vae = flux_vae::cached_flux_vae_path(42, WeightType::F16);
+                if !vae.exists() {
+                    flux_vae::write_flux_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
+                }
+                let clip = fixture::cached_clip_l_path(42, WeightType::F16);
+                if !clip.exists() {
+                    fixture::write_clip_l(&clip, 42, WeightType::F16, FileFormat::Safetensors)?;
+                }
+                let mut m: Vec<OsString> = Vec::new();
+                for (flag, file) in [("--diffusion-model", dit), ("--t5xxl", t5), ("--clip_l", clip), ("--vae", vae)] {
+                    m.push(flag.into());
+                    m.push(file.into());
+                }
+                ("flux fixture (width 3072, 1 double + 2 single blocks; T5-XXL q8_0)".to_owned(), m, "1")
+            }
+        };
+        let mut loras = Vec::new();
+        for k in 1..=args.loras as u64 {
+            let req = LoraFixture { layout: LoraLayout::Kohya, rank: 4, seed: k, scale: 0.05, text_encoder: true };
+            let name = format!("{:?}-{k}", args.model).to_lowercase();
+            let path = lora_dir.join(format!("bench-{name}.safetensors"));
+            match args.model {
+                Model::Sd15 => write_lora(&path, &req)?,
+                Model::Vega => write_sdxl_lora(&path, &fixture::UnetConfig::vega(), &req)?,
+                Model::Flux => write_flux_lora(&path, &flux_cfg, &req)?,
+            };
+            loras.push(path);
+        }
+        let label = match loras.len() {
+            0 => label,
+            n => format!("{label}, {n} LoRA(s) {}", args.lora_apply_mode),
+        };
+        Ok(Workload { label, model, cfg, loras, lora_dir, lora_mode: args.lora_apply_mode.clone() })
+    }
+
+    fn ours(&self, exe: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+        let mut prompt = PROMPT.to_owned();
+        for l in &self.loras {
+            let stem = l.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            prompt += &format!("<lora:{stem}:1>");
+        }
+        let mut c = our_command_with(exe, &self.model, self.cfg, &prompt, s, threads, out);
+        if !self.loras.is_empty() {
+            c.arg("--lora-model-dir").arg(&self.lora_dir).args(["--lora-apply-mode", &self.lora_mode]);
+        }
+        c
+    }
+
+    fn reference(&self, exe: &Path, s: Setting, threads: u32, out: &Path) -> Command {
+        let mut c = ref_command_with(exe, &self.model, self.cfg, s, threads, out);
+        for l in &self.loras {
+            let mut arg = l.as_os_str().to_owned();
+            arg.push(":1");
+            c.arg("--lora").arg(arg);
+        }
+        if !self.loras.is_empty() {
+            c.args(["--lora-apply-mode", &self.lora_mode]);
+        }
+        c
+    }
 }
 
 pub(crate) fn fmt_s(v: Option<f64>) -> String {
@@ -335,23 +505,24 @@ struct Contender {
 
 /// The programs of `cargo xtask bench`, ours first: sd.cpp's default build and the build with
 /// ggml's llamafile GEMM kernels (`cmake -DGGML_LLAMAFILE=ON`, the fastest a user can build).
-fn contenders() -> Result<Vec<Contender>> {
-    Ok(vec![
-        Contender { label: "ours", exe: build_sd_cli()?, ours: true },
-        Contender { label: "reference", exe: reference::build()?, ours: false },
-        Contender {
-            label: "ref+llamafile",
-            exe: reference::build_kernels(reference::Kernels::Llamafile)?,
-            ours: false,
-        },
-    ])
+fn contenders(which: References) -> Result<Vec<Contender>> {
+    let mut who = vec![Contender { label: "ours", exe: build_sd_cli()?, ours: true }];
+    if which != References::Llamafile {
+        who.push(Contender { label: "reference", exe: reference::build()?, ours: false });
+    }
+    if which != References::Default {
+        let exe = reference::build_kernels(reference::Kernels::Llamafile)?;
+        who.push(Contender { label: "ref+llamafile", exe, ours: false });
+    }
+    Ok(who)
 }
 
-fn print_table(s: Setting, ty: &str, threads: u32, runs: usize, who: &[Contender], sides: &[Side]) {
+#[allow(clippy::too_many_arguments)]
+fn print_table(w: &Workload, s: Setting, ty: &str, threads: u32, runs: usize, who: &[Contender], sides: &[Side]) {
     println!();
     println!(
-        "sd15 fixture ({ty}), {0}x{0}, {1} steps euler, cfg 7, seed 42, -t {threads}, {runs} run(s) each, alternating",
-        s.side, s.steps
+        "{} ({ty}), {2}x{2}, {3} steps euler, cfg {1}, seed 42, -t {threads}, {runs} run(s) each, alternating",
+        w.label, w.cfg, s.side, s.steps
     );
     let refs: Vec<usize> = (1..who.len()).collect();
     let mut head = format!("{:<28}", "");
@@ -378,6 +549,7 @@ fn print_table(s: Setting, ty: &str, threads: u32, runs: usize, who: &[Contender
     row("text encode (1)", &|x| x.med(|t| t.text_encode_s), &secs);
     row("decode (1)", &|x| x.med(|t| t.decode_s), &secs);
     row("generation (2)", &|x| x.med(|t| t.generation_s), &secs);
+    row("weight load (3)", &|x| x.med(|t| t.load_s), &secs);
     row("whole run (wall)", &|x| x.wall(), &secs);
     row("peak RSS (wait4 ru_maxrss)", &|x| x.rss_mib(), &mib);
     for (c, side) in who.iter().zip(sides).filter(|(c, _)| !c.ours) {
@@ -394,16 +566,17 @@ fn print_table(s: Setting, ty: &str, threads: u32, runs: usize, who: &[Contender
     }
     println!("  (1) ours includes loading that module's weights; the reference's excludes it (above).");
     println!("  (2) ours: the stages of its run report, first weight load to the PNG written; reference: generate_image only.");
+    println!("  (3) ours: its load stages (a LoRA merged immediately is merged there); reference: new_sd_ctx + loading tensors.");
 }
 
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
-    eprintln!("bench: building sd-cli (release) and both builds of the reference");
-    let who = contenders()?;
-    let model = ensure_fixture(Family::Sd15)?;
+    eprintln!("bench: building sd-cli (release) and the reference");
+    let who = contenders(args.reference)?;
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let work = Workload::prepare(&args, &dir)?;
     let mut results: Vec<(Setting, &str, Vec<Side>)> = Vec::new();
     for s in args.settings() {
         for ty in &args.types {
@@ -419,11 +592,13 @@ pub fn run(args: Args) -> Result<()> {
                     let file = format!("{}-{ty}-{}-{i}.png", c.label.replace('+', "-"), s.side);
                     let out: PathBuf = dir.join(file);
                     let mut cmd = if c.ours {
-                        our_command(&c.exe, &model, s, args.threads, &out)
+                        work.ours(&c.exe, s, args.threads, &out)
                     } else {
-                        ref_command(&c.exe, &model, s, args.threads, &out)
+                        work.reference(&c.exe, s, args.threads, &out)
                     };
-                    cmd.args(["--type", ty]);
+                    if ty != "file" {
+                        cmd.args(["--type", ty]);
+                    }
                     eprintln!("bench: {0}x{0} {ty} run {1}/{2}: {3}", s.side, i + 1, args.runs, c.label);
                     let m = run_measured(&mut cmd)?;
                     m.check(&format!("{} at {1}x{1} ({ty})", c.label, s.side))?;
@@ -463,7 +638,7 @@ pub fn run(args: Args) -> Result<()> {
         load = l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     }
     for (s, ty, sides) in &results {
-        print_table(*s, ty, args.threads, args.runs as usize, &who, sides);
+        print_table(&work, *s, ty, args.threads, args.runs as usize, &who, sides);
     }
     println!("\nload average at the end (1, 5, 15 min): {load}");
     for (s, ty, sides) in &results {
@@ -478,7 +653,7 @@ pub fn run(args: Args) -> Result<()> {
                 )
             })
             .collect();
-        println!("{0}x{0} {ty}: {1}", s.side, ratios.join("; "));
+        println!("{}, {1}x{1} {ty}: {2}", work.label, s.side, ratios.join("; "));
     }
     Ok(())
 }
@@ -492,6 +667,13 @@ mod tests {
     fn parses_the_documented_command_line() {
         let a: Args = crate::parse_test("--size 512 --runs 3 --threads 4 --type f16,q8_0").unwrap();
         assert_eq!((a.settings(), a.runs, a.threads), (vec![SETTING_512], 3, 4));
+        assert_eq!((a.model, a.loras, a.reference), (Model::Sd15, 0, References::Both));
+        let f: Args =
+            crate::parse_test("--model flux --loras 3 --lora-apply-mode at_runtime --reference default").unwrap();
+        assert_eq!(
+            (f.model, f.loras, f.lora_apply_mode.as_str(), f.reference),
+            (Model::Flux, 3, "at_runtime", References::Default)
+        );
         assert_eq!(a.types, ["f16", "q8_0"]);
         let d: Args = crate::parse_test("").unwrap();
         assert_eq!((d.settings(), d.runs, d.threads), (vec![SETTING_256, SETTING_512], 2, 2));
@@ -502,6 +684,9 @@ mod tests {
             ("--threads x", "--threads"),
             ("--type ,", "--type"),
             ("--fast", "--fast"),
+            ("--loras 4", "--loras"),
+            ("--model sd3", "sd3"),
+            ("--lora-apply-mode later", "later"),
         ] {
             let e = crate::parse_test::<Args>(line).unwrap_err();
             assert!(format!("{e:#}").contains(needle), "{line}: {e:#}");
@@ -524,7 +709,7 @@ mod tests {
         assert_eq!(t.steps_s, vec![3.5, 3.25]);
         assert_eq!(t.decode_s, Some(2.0));
         assert_eq!(t.generation_s, Some(10.75));
-        assert_eq!(t.load_s, None);
+        assert_eq!(t.load_s, Some(1.25));
         // A report without stages (a failed run) has no times rather than zeros.
         assert_eq!(ours_timings(&RunReport::new("generate", Vec::new())), Timings::default());
     }

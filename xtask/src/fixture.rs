@@ -10,6 +10,7 @@
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
+//! cargo xtask fixture clip-l [--seed N] [--type ...] [-o FILE]
 //! ```
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
@@ -26,7 +27,9 @@
 //! at f16) unless `--hidden` (a multiple of 128: heads of 128), `--double` or `--single` say
 //! less; the cache entry names the sizes. `flux-vae` writes FLUX.1's autoencoder as BFL's
 //! `ae.safetensors` names it (`--vae`: bare `encoder.*` / `decoder.*`, 16 latent channels, no
-//! quant convs; `sd_models::fixture::flux_vae`), full size (83.8M parameters).
+//! quant convs; `sd_models::fixture::flux_vae`), full size (83.8M parameters). `clip-l` writes
+//! the sd15 fixture's CLIP-L alone under the bare names of `clip_l.safetensors` (`--clip_l`
+//! of FLUX and SDXL, which the reference reads only in that layout).
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -58,7 +61,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|clip-l|taesd|taef1", value_parser = target)]
     family: Target,
     /// t5xxl only: encoder blocks (1 to 24).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
@@ -125,6 +128,8 @@ enum Target {
         schnell: bool,
     },
     FluxVae,
+    /// CLIP-L alone, bare names.
+    ClipL,
     /// A tiny autoencoder of this many latent channels: 4 (TAESD, TAESDXL) or 16 (TAEF1).
     Taesd {
         z_channels: usize,
@@ -142,11 +147,12 @@ fn target(s: &str) -> Result<Target, String> {
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
         "flux-vae" => Ok(Target::FluxVae),
+        "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
         "taef1" => Ok(Target::Taesd { z_channels: 16 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, t5xxl, flux, flux-schnell, flux-vae, taesd, taef1")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, flux, flux-schnell, flux-vae, clip-l, taesd, taef1")),
     }
 }
 
@@ -179,6 +185,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::T5xxl => return run_t5xxl(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::FluxVae => return run_flux_vae(&args),
+        Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
         Target::LoraSd15 | Target::LoraFlux | Target::LoraSdxl(_) => return run_lora(&args),
     };
@@ -273,6 +280,17 @@ fn run_taesd(args: &Args, z_channels: usize) -> Result<()> {
 }
 
 /// `cargo xtask fixture flux|flux-schnell ...`.
+fn run_clip_l(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.layers.is_some() || args.hidden.is_some() {
+        bail!("--only, --std, --layers and --hidden do not apply to clip-l");
+    }
+    let (path, format) = output(args, || fixture::cached_clip_l_path(args.seed, args.wtype))?;
+    let start = Instant::now();
+    let report = fixture::write_clip_l(&path, args.seed, args.wtype, format)?;
+    print_written(&report, &format!("clip-l fixture (the sd15 fixture's), seed {}, {}", args.seed, args.wtype), start);
+    Ok(())
+}
+
 fn run_lora(args: &Args) -> Result<()> {
     let Some(path) = &args.output else { bail!("a LoRA fixture needs -o FILE.safetensors") };
     let req = LoraFixture {
@@ -403,7 +421,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|taesd|taef1>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|clip-l|taesd|taef1>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

@@ -69,8 +69,43 @@ pub fn convert(from: GgmlType, to: GgmlType, data: &[u8], ne: &[i64]) -> Result<
         // SAFETY: pure lookup.
         return Err(ConvertError::Block { ty: type_name(to), row, block: unsafe { sys::ggml_blck_size(to) } });
     }
-    let f = to_f32(from, data, n)?;
-    pack_f32(to, &f, row)
+    let nrows = (n / row) as usize;
+    let threads = conversion_threads(n).min(nrows);
+    let in_row = row_size(from, row);
+    if threads <= 1 || !fits_blocks(from, row) || n % row != 0 || data.len() != in_row * nrows {
+        let f = to_f32(from, data, n)?;
+        return pack_f32(to, &f, row);
+    }
+    // A large tensor: whole rows per thread, each through f32 and back, in order. Every row
+    // converts on its own, so the bytes are those of the one-thread path.
+    let out_row = row_size(to, row);
+    let per = nrows.div_ceil(threads);
+    let mut out = vec![0u8; out_row * nrows];
+    std::thread::scope(|s| {
+        let parts: Vec<_> = data
+            .chunks(per * in_row)
+            .zip(out.chunks_mut(per * out_row))
+            .map(|(src, dst)| {
+                s.spawn(move || -> Result<(), ConvertError> {
+                    let rows = (src.len() / in_row) as i64;
+                    dst.copy_from_slice(&pack_f32(to, &to_f32(from, src, rows * row)?, row)?);
+                    Ok(())
+                })
+            })
+            .collect();
+        parts.into_iter().try_for_each(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })?;
+    Ok(out)
+}
+
+/// Threads a conversion of `n` elements uses: the machine's cores (at most 8) for tensors of
+/// a million elements or more (a load converts one tensor at a time, with nothing else
+/// running), one below that.
+fn conversion_threads(n: i64) -> usize {
+    if n < 1 << 20 {
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |p| p.get().min(8))
 }
 
 /// Packs f32 values (rows of `row` elements) as `to`.
@@ -123,6 +158,23 @@ mod tests {
         assert!(matches!(
             convert(GgmlType::GGML_TYPE_F32, GgmlType::GGML_TYPE_Q8_0, &[0; 40], &[10]),
             Err(ConvertError::Block { .. })
+        ));
+    }
+
+    #[test]
+    fn a_large_tensor_converts_over_threads_to_the_same_bytes() {
+        // 1027 rows of 2048: above the threading threshold; rows split unevenly over threads.
+        let (row, rows) = (2048i64, 1027i64);
+        let v: Vec<f32> = (0..row * rows).map(|i| ((i * 7919 % 10007) as f32 / 5003.0) - 1.0).collect();
+        let h = pack_f32(GgmlType::GGML_TYPE_F16, &v, row).unwrap();
+        for to in [GgmlType::GGML_TYPE_Q8_0, GgmlType::GGML_TYPE_F32, GgmlType::GGML_TYPE_Q4_0] {
+            let one = pack_f32(to, &to_f32(GgmlType::GGML_TYPE_F16, &h, row * rows).unwrap(), row).unwrap();
+            assert_eq!(convert(GgmlType::GGML_TYPE_F16, to, &h, &[row, rows]).unwrap(), one, "{}", type_name(to));
+        }
+        // A wrong byte count is still the size error, not a thread's.
+        assert!(matches!(
+            convert(GgmlType::GGML_TYPE_F16, GgmlType::GGML_TYPE_Q8_0, &h[2..], &[row, rows]),
+            Err(ConvertError::Size { .. })
         ));
     }
 }

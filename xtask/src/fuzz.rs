@@ -718,7 +718,7 @@ impl Harness {
             .map(|(a, b)| a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).fold(0.0, f64::max))
             .enumerate()
             .fold((0, 0.0), |acc, (i, d)| if d > acc.1 { (i, d) } else { acc });
-        let verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
+        let mut verdict = if tol.accepts(&diff) { Verdict::Agree } else { Verdict::Differ };
         let mut detail = format!(
             "rel_rms {:.2e} rel_max {:.2e} [{}], worst token {} (max|d| {:.3e})",
             diff.rel_rms(),
@@ -730,6 +730,12 @@ impl Harness {
         if verdict == Verdict::Differ {
             let weighted = ours_tok_weights.iter().any(|&w| w != 1.0);
             detail.push_str(&scale_note(&ours.data, &r, h * 77, weighted));
+            if weighted {
+                if let Some(note) = ill_conditioned_agreement(&ours.data, &r, h * 77, &tol)? {
+                    verdict = Verdict::Agree;
+                    detail.push_str(&note);
+                }
+            }
         }
         stages.push(Stage::new(which, verdict, detail, Some(diff)));
         if self.text.family.vector_points > 0 {
@@ -940,6 +946,49 @@ fn scale_note(ours: &[f32], reference: &[f32], chunk: usize, weighted: bool) -> 
         "unweighted prompt"
     };
     format!("; {what}; {}", parts.join("; "))
+}
+
+/// Below this `|mean| / rms` (of the reference's chunk after weighting), the weighting's mean
+/// renormalisation `mean_before / mean_after` is a ratio of two near-zero means: rounding
+/// differences of the size every chunk shows (rel_rms ~2e-3) move it by percents (measured on
+/// the Vega fixture: 1.5e-4 gave a factor 1.21, 4.4e-4 gave 0.98, 2.6e-3 gave 1.0009). Random
+/// weights with LayerNorm outputs make such chunks; a trained encoder's states carry a mean.
+const ILL_CONDITIONED_MEAN: f64 = 1e-3;
+
+/// The agreement of a weighted conditioning that differs only by the renormalisation factor of
+/// ill-conditioned chunks ([`ILL_CONDITIONED_MEAN`]): each such chunk of ours is scaled by its
+/// least-squares factor, every other chunk kept as it is, and the whole compared again under
+/// `tol`. `Some(note)` naming the chunks and factors when that agrees; `None` when it does not
+/// or when no chunk is ill-conditioned (then the difference stands).
+fn ill_conditioned_agreement(ours: &[f32], reference: &[f32], chunk: usize, tol: &Tolerance) -> Result<Option<String>> {
+    let mut adjusted: Vec<f64> = Vec::with_capacity(ours.len());
+    let mut notes = Vec::new();
+    for (k, (o, r)) in ours.chunks(chunk).zip(reference.chunks(chunk)).enumerate() {
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
+        let (or, oo, rr) = (dot(o, r), dot(o, o), dot(r, r));
+        let n = r.len() as f64;
+        let mean_over_rms =
+            if rr > 0.0 { (r.iter().map(|&v| f64::from(v)).sum::<f64>() / n).abs() / (rr / n).sqrt() } else { 1.0 };
+        if oo > 0.0 && mean_over_rms < ILL_CONDITIONED_MEAN {
+            let s = or / oo;
+            notes.push(format!("chunk {k} (ref |mean|/rms {mean_over_rms:.1e}) up to its factor {s:.4}"));
+            adjusted.extend(o.iter().map(|&v| s * f64::from(v)));
+        } else {
+            adjusted.extend(o.iter().map(|&v| f64::from(v)));
+        }
+    }
+    if notes.is_empty() {
+        return Ok(None);
+    }
+    let d = Diff::of(&adjusted, &parity::to_f64(reference))?;
+    Ok(tol.accepts(&d).then(|| {
+        format!(
+            "; => agree: the renormalisation is ill-conditioned in {}; compared so: rel_rms {:.2e} rel_max {:.2e}",
+            notes.join(", "),
+            d.rel_rms(),
+            d.rel_max()
+        )
+    }))
 }
 
 /// A deterministic RGB pattern for img2img (gradients and a checker).
@@ -1321,6 +1370,27 @@ mod tests {
         assert!(note.contains("chunk 1: ref = 1.4622 x ours, residual rel_rms 8.6e-1"), "{note}");
         assert!(note.contains("chunk 1:") && note.contains("mean renormalisation"), "{note}");
         assert!(scale_note(&ours, &r, 4, false).contains("unweighted"));
+    }
+
+    #[test]
+    fn only_a_near_zero_mean_chunk_is_compared_up_to_its_factor() {
+        let tol = Tolerance::rounding_points(77 * 8);
+        // Chunk 0 has mean 0 (values +-v): a factor 1.2 there is the renormalisation's noise.
+        let zero_mean: Vec<f32> = (0..8).map(|i| if i % 2 == 0 { 1.0 + i as f32 } else { -(i as f32) }).collect();
+        let carried: Vec<f32> = (0..8).map(|i| 2.0 + i as f32 * 0.1).collect();
+        let ours: Vec<f32> = zero_mean.iter().chain(&carried).copied().collect();
+        let mut r: Vec<f32> = zero_mean.iter().map(|v| v * 1.2).collect();
+        r.extend(&carried);
+        let note = ill_conditioned_agreement(&ours, &r, 8, &tol).unwrap().expect("agrees up to chunk 0's factor");
+        assert!(note.contains("chunk 0") && note.contains("1.2000") && !note.contains("chunk 1"), "{note}");
+        // The same factor on the chunk that carries a mean is a real difference.
+        let mut r2: Vec<f32> = zero_mean.clone();
+        r2.extend(carried.iter().map(|v| v * 1.2));
+        assert!(ill_conditioned_agreement(&ours, &r2, 8, &tol).unwrap().is_none());
+        // Other differences in the near-zero chunk are not forgiven either.
+        let mut r3 = r.clone();
+        r3[1] += 3.0;
+        assert!(ill_conditioned_agreement(&ours, &r3, 8, &tol).unwrap().is_none());
     }
 
     #[test]

@@ -429,13 +429,14 @@ impl LoraSet {
                     unmatched.push(base.clone());
                     continue;
                 };
-                if by_target.entry(target).or_default().insert(part, (base, up, down, parts.alpha.as_ref())).is_some() {
-                    return Err(LoraError::Shape {
-                        path: path.clone(),
-                        tensor: base.clone(),
-                        problem: "a second adapter of the same weight in one file".into(),
-                    });
+                // Two keys of one file for the same weight (say kohya's and diffusers' names of
+                // one module): the first in name order is kept, as the reference keeps one tensor per name.
+                let slot = by_target.entry(target.clone()).or_default();
+                if slot.contains_key(&part) {
+                    unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
+                    continue;
                 }
+                slot.insert(part, (base, up, down, parts.alpha.as_ref()));
             }
             for (target, parts) in by_target {
                 let spec = by_name[target.as_str()];

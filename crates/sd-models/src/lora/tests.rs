@@ -386,3 +386,23 @@ fn an_sdxl_kohya_lora_adapts_the_unet_and_both_text_encoders() {
         assert!(set.adapts(name), "{name}");
     }
 }
+
+#[test]
+fn two_keys_of_one_file_for_one_weight_apply_once() {
+    // kohya's flat name and diffusers' dotted name of the same module.
+    let k = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let d = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q";
+    let path = write_raw(
+        "twice.safetensors",
+        &[
+            (&format!("{k}.lora_down.weight"), vec![4, 320]),
+            (&format!("{k}.lora_up.weight"), vec![320, 4]),
+            (&format!("{d}.lora_A.weight"), vec![4, 320]),
+            (&format!("{d}.lora_B.weight"), vec![320, 4]),
+        ],
+    );
+    let set = load(&[(&path, 1.0)]).unwrap();
+    assert_eq!(set.targets(), 1);
+    let target = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight";
+    assert_eq!(set.deltas[target].len(), 1);
+}

@@ -917,6 +917,34 @@ impl Harness {
     }
 }
 
+/// One chunk of a conditioning against the reference's: the least-squares factor `s` with
+/// `s * ours ~ ref`, and the reference's `|mean| / rms` (the renormalisation's condition).
+struct ChunkFit {
+    factor: f64,
+    mean_over_rms: f64,
+}
+
+impl ChunkFit {
+    /// `None` when either side is all zeros.
+    fn of(o: &[f32], r: &[f32]) -> Option<ChunkFit> {
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
+        let (or, oo, rr) = (dot(o, r), dot(o, o), dot(r, r));
+        if oo == 0.0 || rr == 0.0 {
+            return None;
+        }
+        let n = r.len() as f64;
+        let mean_over_rms = (r.iter().map(|&v| f64::from(v)).sum::<f64>() / n).abs() / (rr / n).sqrt();
+        Some(ChunkFit { factor: or / oo, mean_over_rms })
+    }
+
+    /// The relative rms residual of `factor * o` against `r`.
+    fn residual(&self, o: &[f32], r: &[f32]) -> f64 {
+        let rr: f64 = r.iter().map(|&y| f64::from(y).powi(2)).sum();
+        let resid: f64 = o.iter().zip(r).map(|(x, y)| (self.factor * f64::from(*x) - f64::from(*y)).powi(2)).sum();
+        (resid / rr).sqrt()
+    }
+}
+
 /// Whether two conditionings differ by one scale factor per chunk, the signature of the
 /// weighting's mean renormalisation (`mean_before / mean_after`, applied to the whole chunk):
 /// for each chunk of `chunk` values, the least-squares factor `s` with `s * ours ~ ref`, the
@@ -926,16 +954,8 @@ impl Harness {
 fn scale_note(ours: &[f32], reference: &[f32], chunk: usize, weighted: bool) -> String {
     let mut parts = Vec::new();
     for (k, (o, r)) in ours.chunks(chunk).zip(reference.chunks(chunk)).enumerate() {
-        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
-        let (or, oo, rr) = (dot(o, r), dot(o, o), dot(r, r));
-        if oo == 0.0 || rr == 0.0 {
-            continue;
-        }
-        let s = or / oo;
-        let resid = o.iter().zip(r).map(|(x, y)| (s * f64::from(*x) - f64::from(*y)).powi(2)).sum::<f64>();
-        let rel = (resid / rr).sqrt();
-        let n = r.len() as f64;
-        let mean_over_rms = (r.iter().map(|&v| f64::from(v)).sum::<f64>() / n).abs() / (rr / n).sqrt();
+        let Some(fit) = ChunkFit::of(o, r) else { continue };
+        let (s, rel, mean_over_rms) = (fit.factor, fit.residual(o, r), fit.mean_over_rms);
         parts.push(format!(
             "chunk {k}: ref = {s:.4} x ours, residual rel_rms {rel:.1e}, ref |mean|/rms {mean_over_rms:.1e}"
         ));
@@ -964,17 +984,15 @@ fn ill_conditioned_agreement(ours: &[f32], reference: &[f32], chunk: usize, tol:
     let mut adjusted: Vec<f64> = Vec::with_capacity(ours.len());
     let mut notes = Vec::new();
     for (k, (o, r)) in ours.chunks(chunk).zip(reference.chunks(chunk)).enumerate() {
-        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
-        let (or, oo, rr) = (dot(o, r), dot(o, o), dot(r, r));
-        let n = r.len() as f64;
-        let mean_over_rms =
-            if rr > 0.0 { (r.iter().map(|&v| f64::from(v)).sum::<f64>() / n).abs() / (rr / n).sqrt() } else { 1.0 };
-        if oo > 0.0 && mean_over_rms < ILL_CONDITIONED_MEAN {
-            let s = or / oo;
-            notes.push(format!("chunk {k} (ref |mean|/rms {mean_over_rms:.1e}) up to its factor {s:.4}"));
-            adjusted.extend(o.iter().map(|&v| s * f64::from(v)));
-        } else {
-            adjusted.extend(o.iter().map(|&v| f64::from(v)));
+        match ChunkFit::of(o, r).filter(|f| f.mean_over_rms < ILL_CONDITIONED_MEAN) {
+            Some(f) => {
+                notes.push(format!(
+                    "chunk {k} (ref |mean|/rms {:.1e}) up to its factor {:.4}",
+                    f.mean_over_rms, f.factor
+                ));
+                adjusted.extend(o.iter().map(|&v| f.factor * f64::from(v)));
+            }
+            None => adjusted.extend(o.iter().map(|&v| f64::from(v))),
         }
     }
     if notes.is_empty() {

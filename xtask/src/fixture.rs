@@ -3,7 +3,7 @@
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
-//! cargo xtask fixture lora-sd15 --layout kohya|peft [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
+//! cargo xtask fixture lora-sd15 --layout kohya|peft|loha|lokr [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-flux --layout kohya|peft|diffusers [--hidden N --double N --single N] [--schnell-dit]
 //!                     [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-sdxl|lora-vega|lora-ssd-1b [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
@@ -15,7 +15,8 @@
 //!
 //! `lora-sd15` writes a LoRA for the SD 1.5 fixture with the real key names of that layout
 //! (`sd_models::fixture::lora`): random values N(0, X), rank R (default 4), alpha R/2 in kohya
-//! files. `lora-flux` does the same for a FLUX.1 DiT of the given sizes (those of the `flux`
+//! files; `loha` and `lokr` write LyCORIS LoHa and LoKr factors under kohya's names (LoKr:
+//! the linear layers only). `lora-flux` does the same for a FLUX.1 DiT of the given sizes (those of the `flux`
 //! fixture it adapts) and CLIP-L (kohya's `lora_te1_`, unless `--unet-only`); `diffusers`
 //! writes a fused `qkv` as `to_q`, `to_k`, `to_v`. `lora-sdxl` (`lora-vega`, `lora-ssd-1b`)
 //! writes a kohya LoRA for that family's fixture: UNet (LDM names), `lora_te1_` and
@@ -96,7 +97,8 @@ pub struct Args {
     /// Biases 0 and norm gains 1, as PyTorch initialises them.
     #[arg(long = "plain-norms")]
     plain_norms: bool,
-    /// lora-sd15, lora-flux: the key layout, kohya or peft (lora-flux: or diffusers).
+    /// lora-sd15, lora-flux: the key layout, kohya or peft (lora-flux: or diffusers; lora-sd15:
+    /// or LyCORIS's loha, lokr under kohya's names).
     #[arg(long = "layout", default_value = "kohya")]
     layout: LoraLayout,
     /// lora-sd15, lora-flux: the rank of every adapter.

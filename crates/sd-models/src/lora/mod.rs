@@ -5,7 +5,9 @@
 //! matrix (`[out, rank]` or `[out, rank, 1, 1]`) and optionally an `alpha` scalar. Layouts read:
 //! kohya/A1111 (`lora_unet_<flat name>.lora_down.weight`, `.lora_up.weight`, `.alpha`, the
 //! flat name being the module path with `_` for `.`) and diffusers/PEFT
-//! (`unet.<dotted name>.lora_A.weight`, `.lora_B.weight`). Where each prefix points is the
+//! (`unet.<dotted name>.lora_A.weight`, `.lora_B.weight`), and under either naming LyCORIS's
+//! LoHa (`.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`) and LoKr (`.lokr_w1` or
+//! `.lokr_w1_a`/`_b`, `.lokr_w2` or `.lokr_w2_a`/`_b`) factors ([`forms`]). Where each prefix points is the
 //! family's table ([`crate::family::Family::lora_prefixes`]); the body is then named by the
 //! same normalisation as model files ([`crate::files::names::normalize`]), so diffusers and LDM
 //! bodies both reach our internal names.
@@ -33,6 +35,7 @@
 //! the module is row-split; merged otherwise. A row-split module in `immediately` works too:
 //! the merge happens as the whole weight is read, before it is cut into row chunks.
 
+mod forms;
 pub mod runtime;
 pub mod tags;
 
@@ -179,12 +182,9 @@ pub enum LoraError {
 /// One adapter of one weight, ready to merge.
 #[derive(Debug)]
 struct Delta {
-    /// `[out, rank]`, row-major.
-    up: Vec<f32>,
-    /// `[rank, inner]`, row-major.
-    down: Vec<f32>,
-    rank: usize,
-    /// Rows of `up` (the rows of the weight it adapts, from `offset`).
+    /// The delta as the file stores it (`[out, inner]`).
+    form: forms::Form,
+    /// Rows of the delta (the rows of the weight it adapts, from `offset`).
     out: usize,
     inner: usize,
     /// The first row of the weight this adapter adds to (0 but for the later parts of a fused
@@ -192,13 +192,20 @@ struct Delta {
     offset: usize,
     /// Rows of the weight.
     rows: usize,
-    /// `multiplier * alpha / rank` (or `multiplier`).
+    /// `multiplier * alpha / rank` (or `multiplier`; the kind's rule, [`read_delta`]).
     scale: f32,
-    /// Whether the file stores both matrices as f16 (at run time they are then multiplied as
-    /// f16, as the reference multiplies the file's tensors; else as f32).
+    /// Whether the file stores a LoRA's both matrices as f16 (at run time they are then
+    /// multiplied as f16, as the reference multiplies the file's tensors; else as f32).
     f16: bool,
     /// Whether the adapted weight is a convolution kernel (its adapters are f16 kernels).
     conv: bool,
+}
+
+impl Delta {
+    /// The rank of the adapter at run time ([`forms::Form::factors`]).
+    fn rank(&self) -> usize {
+        self.form.rank()
+    }
 }
 
 /// The adapters of a request, by our internal tensor name, in application order.
@@ -210,29 +217,86 @@ pub struct LoraSet {
     files: usize,
 }
 
-/// The parts of one adapter key found in a file.
-#[derive(Default)]
-struct Parts {
-    up: Option<String>,
-    down: Option<String>,
-    alpha: Option<String>,
+/// One tensor of an adapter key: a LoRA's `down`/`up`, a LyCORIS LoHa's or LoKr's factors,
+/// the key's `alpha` or `scale`, or a Tucker core (not applied).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Slot {
+    Down,
+    Up,
+    Alpha,
+    Scale,
+    HadaW1A,
+    HadaW1B,
+    HadaW2A,
+    HadaW2B,
+    LokrW1,
+    LokrW1A,
+    LokrW1B,
+    LokrW2,
+    LokrW2A,
+    LokrW2B,
+    /// `lora_mid`, `hada_t1`, `hada_t2`, `lokr_t2`: a Tucker decomposition's core.
+    Tucker,
 }
 
-/// The adapter key and part of a stored name: `(base key, part)`, part 0 down, 1 up, 2 alpha;
-/// `None` for names of another kind (LoHa, LoKr, `diff`, `lora_mid`).
-fn split_key(name: &str) -> Option<(&str, u8)> {
-    const SUFFIXES: [(&str, u8); 9] = [
-        (".lora_down.weight", 0),
-        (".lora_up.weight", 1),
-        (".lora.down.weight", 0),
-        (".lora.up.weight", 1),
-        (".lora_A.weight", 0),
-        (".lora_B.weight", 1),
-        (".lora_A.default.weight", 0),
-        (".lora_B.default.weight", 1),
-        (".alpha", 2),
+/// The tensors of one adapter key found in a file, by slot.
+#[derive(Default)]
+struct Parts(BTreeMap<Slot, String>);
+
+impl Parts {
+    fn get(&self, slot: Slot) -> Option<&str> {
+        self.0.get(&slot).map(|s| s.as_str())
+    }
+}
+
+/// The kind of an adapter key, by the tensors it has (the reference's order: a LoRA pair
+/// first, then LoHa, then LoKr).
+fn kind_of(p: &Parts) -> Option<&'static str> {
+    let has = |s: Slot| p.0.contains_key(&s);
+    if has(Slot::Up) && has(Slot::Down) {
+        Some("lora")
+    } else if [Slot::HadaW1A, Slot::HadaW1B, Slot::HadaW2A, Slot::HadaW2B].iter().all(|&s| has(s)) {
+        Some("loha")
+    } else if (has(Slot::LokrW1) || (has(Slot::LokrW1A) && has(Slot::LokrW1B)))
+        && (has(Slot::LokrW2) || (has(Slot::LokrW2A) && has(Slot::LokrW2B)))
+    {
+        Some("lokr")
+    } else {
+        None
+    }
+}
+
+/// The adapter key and slot of a stored name; `None` for names of another kind (`diff`,
+/// `dora_scale`, ...).
+fn split_key(name: &str) -> Option<(&str, Slot)> {
+    const SUFFIXES: [(&str, Slot); 25] = [
+        (".lora_down.weight", Slot::Down),
+        (".lora_up.weight", Slot::Up),
+        (".lora.down.weight", Slot::Down),
+        (".lora.up.weight", Slot::Up),
+        (".lora_A.weight", Slot::Down),
+        (".lora_B.weight", Slot::Up),
+        (".lora_A.default.weight", Slot::Down),
+        (".lora_B.default.weight", Slot::Up),
+        (".alpha", Slot::Alpha),
+        (".scale", Slot::Scale),
+        (".hada_w1_a", Slot::HadaW1A),
+        (".hada_w1_b", Slot::HadaW1B),
+        (".hada_w2_a", Slot::HadaW2A),
+        (".hada_w2_b", Slot::HadaW2B),
+        (".lokr_w1", Slot::LokrW1),
+        (".lokr_w1_a", Slot::LokrW1A),
+        (".lokr_w1_b", Slot::LokrW1B),
+        (".lokr_w2", Slot::LokrW2),
+        (".lokr_w2_a", Slot::LokrW2A),
+        (".lokr_w2_b", Slot::LokrW2B),
+        (".lora_mid.weight", Slot::Tucker),
+        (".lora.mid.weight", Slot::Tucker),
+        (".hada_t1", Slot::Tucker),
+        (".hada_t2", Slot::Tucker),
+        (".lokr_t2", Slot::Tucker),
     ];
-    SUFFIXES.iter().find_map(|(s, part)| name.strip_suffix(s).map(|base| (base, *part)))
+    SUFFIXES.iter().find_map(|(s, slot)| name.strip_suffix(s).map(|base| (base, *slot)))
 }
 
 /// Module names that keep their `_` when a kohya flat name is made dotted again (the names of
@@ -401,14 +465,8 @@ impl LoraSet {
             let mut other: Vec<String> = Vec::new();
             for e in files.index().entries() {
                 match split_key(&e.original_name) {
-                    Some((base, part)) => {
-                        let p = keys.entry(base.to_owned()).or_default();
-                        let slot = match part {
-                            0 => &mut p.down,
-                            1 => &mut p.up,
-                            _ => &mut p.alpha,
-                        };
-                        *slot = Some(e.name.clone());
+                    Some((base, slot)) => {
+                        keys.entry(base.to_owned()).or_default().0.insert(slot, e.name.clone());
                     }
                     None => other.push(e.original_name.clone()),
                 }
@@ -417,13 +475,16 @@ impl LoraSet {
             let mut applied = 0usize;
             let total = keys.len();
             // The adapters of each weight, by part (a fused weight's row blocks, in order).
-            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &String, &String, Option<&String>)>> =
-                BTreeMap::new();
+            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, &'static str)>> = BTreeMap::new();
             for (base, parts) in &keys {
-                let (Some(up), Some(down)) = (&parts.up, &parts.down) else {
-                    unmatched.push(format!("{base} (no up/down pair)"));
+                let Some(kind) = kind_of(parts) else {
+                    unmatched.push(format!("{base} (no up/down pair, LoHa or LoKr factors)"));
                     continue;
                 };
+                if parts.0.contains_key(&Slot::Tucker) {
+                    unmatched.push(format!("{base} (a Tucker-decomposed {kind}: not applied)"));
+                    continue;
+                }
                 let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str()))
                 else {
                     unmatched.push(base.clone());
@@ -436,29 +497,19 @@ impl LoraSet {
                     unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
                     continue;
                 }
-                slot.insert(part, (base, up, down, parts.alpha.as_ref()));
+                slot.insert(part, (base, parts, kind));
             }
             for (target, parts) in by_target {
                 let spec = by_name[target.as_str()];
                 // As the reference: the parts of a fused weight stack from part 0 on, and stop at
                 // the first one missing (what follows a gap adapts nothing).
                 let mut offset = 0usize;
-                for (k, (part, (base, up, down, alpha))) in parts.into_iter().enumerate() {
+                for (k, (part, (base, key, kind))) in parts.into_iter().enumerate() {
                     if part != k {
                         unmatched.push(format!("{base} (part {part} of '{target}' without part {k})"));
                         continue;
                     }
-                    let delta = read_delta(
-                        &files,
-                        path,
-                        base,
-                        up,
-                        down,
-                        alpha.map(|a| a.as_str()),
-                        req.multiplier,
-                        spec,
-                        offset,
-                    )?;
+                    let delta = read_delta(&files, path, base, key, kind, req.multiplier, spec, offset)?;
                     offset += delta.out;
                     set.deltas.entry(target.clone()).or_default().push(delta);
                     applied += 1;
@@ -471,7 +522,7 @@ impl LoraSet {
             if !other.is_empty() {
                 let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
                 tracing::warn!(
-                    "LoRA '{}': {} tensors of kinds not applied yet (LoHa, LoKr, diff, lora_mid; first: {first})",
+                    "LoRA '{}': {} tensors of kinds not applied (diff, dora_scale; first: {first})",
                     path.display(),
                     other.len()
                 );
@@ -518,58 +569,112 @@ fn merge_all(deltas: &[Delta], ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Result
     let mut packed = bytes.to_vec();
     for d in deltas {
         let mut w = convert::to_f32(ty, &packed, n).map_err(|e| e.to_string())?;
-        add_delta(&mut w, d);
+        d.form.add_rows(&mut w, d.out, d.inner, d.offset, d.scale);
         packed = convert::pack_f32(ty, &w, row).map_err(|e| e.to_string())?;
     }
     Ok(packed)
 }
 
-/// `w += scale * (up @ down)`, in f32: the product summed over the rank in order, then scaled.
-fn add_delta(w: &mut [f32], d: &Delta) {
-    for o in 0..d.out {
-        let up = &d.up[o * d.rank..(o + 1) * d.rank];
-        let row = d.offset + o;
-        let dst = &mut w[row * d.inner..(row + 1) * d.inner];
-        for (i, x) in dst.iter_mut().enumerate() {
-            let mut s = 0f32;
-            for (r, u) in up.iter().enumerate() {
-                s += u * d.down[r * d.inner + i];
-            }
-            *x += s * d.scale;
-        }
+/// `(rows, numel / rows)` of a file shape: a matrix's rows and their width (a kernel's
+/// `in x kh x kw`).
+fn rows_cols(shape: &[u64], n: usize) -> Option<(usize, usize)> {
+    match shape.first() {
+        Some(&r) if r > 0 && n.is_multiple_of(r as usize) => Some((r as usize, n / r as usize)),
+        _ => None,
     }
 }
 
+/// Reads the adapter `key` (of kind `kind`, [`kind_of`]) for `target`, whose rows from
+/// `offset` it adapts, with `multiplier`.
+///
+/// Scale, as the reference: a LoRA's `scale` tensor, else `alpha / rank` (rank: `down`'s first
+/// dimension), else 1; a LoHa's `alpha / rank` (rank: `hada_w1_b`'s first dimension), else 1;
+/// a LoKr's `alpha / rank` with rank the first dimension of `lokr_w2_b`, else of `lokr_w1_b`,
+/// and a scale of 1 when neither factor is decomposed (or the rank is 1) or there is no alpha.
+/// Each is then times the multiplier.
 #[allow(clippy::too_many_arguments)]
 fn read_delta(
     files: &ModelFiles,
     path: &Path,
     base: &str,
-    up: &str,
-    down: &str,
-    alpha: Option<&str>,
+    key: &Parts,
+    kind: &str,
     multiplier: f32,
     target: &TensorSpec,
     offset: usize,
 ) -> Result<Delta, LoraError> {
+    use forms::{Factor, FactorValues, Form};
     let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
-    let (up_shape, up_v) = matrix(files, up, path)?;
-    let (down_shape, down_v) = matrix(files, down, path)?;
+    let get = |slot: Slot| key.get(slot).expect("kind_of checked the slot");
+    // A matrix of the key: its file shape, values, rows and row width.
+    let read = |slot: Slot| -> Result<(Vec<u64>, Vec<f32>, usize, usize), LoraError> {
+        let (shape, v) = matrix(files, get(slot), path)?;
+        let (r, c) =
+            rows_cols(&shape, v.len()).ok_or_else(|| shape_err(format!("{} has shape {shape:?}", get(slot))))?;
+        Ok((shape, v, r, c))
+    };
     let is_f16 = |name: &str| files.tensor(name).is_some_and(|(e, _)| e.dtype == crate::files::DType::F16);
-    let f16 = is_f16(up) && is_f16(down);
-    let (out, rank_up) = match up_shape.first() {
-        Some(&o) if o > 0 => (o as usize, up_v.len() / o as usize),
-        _ => return Err(shape_err(format!("up has shape {up_shape:?}"))),
+    let alpha = match key.get(Slot::Alpha) {
+        Some(a) => Some(scalar(files, a, path)?),
+        None => None,
     };
-    let (rank, inner) = match down_shape.first() {
-        Some(&r) if r > 0 => (r as usize, down_v.len() / r as usize),
-        _ => return Err(shape_err(format!("down has shape {down_shape:?}"))),
+    let (form, out, inner, scale, f16) = match kind {
+        "lora" => {
+            let (up_shape, up, out, rank_up) = read(Slot::Up)?;
+            let (down_shape, down, rank, inner) = read(Slot::Down)?;
+            if rank_up != rank {
+                return Err(shape_err(format!(
+                    "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
+                )));
+            }
+            // The reference: a scale tensor, else alpha / rank in f32; then times the multiplier.
+            let scale = match (key.get(Slot::Scale), alpha) {
+                (Some(s), _) => scalar(files, s, path)?,
+                (None, Some(a)) => a / rank as f32,
+                (None, None) => 1.0,
+            };
+            let f16 = is_f16(get(Slot::Up)) && is_f16(get(Slot::Down));
+            (Form::LowRank { up, down, rank }, out, inner, scale, f16)
+        }
+        "loha" => {
+            let (s1a, a1, out, r1) = read(Slot::HadaW1A)?;
+            let (s1b, b1, r1b, inner) = read(Slot::HadaW1B)?;
+            let (s2a, a2, out2, r2) = read(Slot::HadaW2A)?;
+            let (s2b, b2, r2b, inner2) = read(Slot::HadaW2B)?;
+            if r1 != r1b || r2 != r2b || out != out2 || inner != inner2 {
+                return Err(shape_err(format!(
+                    "LoHa factors do not fit: hada_w1_a {s1a:?} x hada_w1_b {s1b:?}, hada_w2_a {s2a:?} x hada_w2_b {s2b:?}"
+                )));
+            }
+            let scale = alpha.map_or(1.0, |a| a / r1 as f32);
+            (Form::Hadamard { a1, b1, r1, a2, b2, r2 }, out, inner, scale, false)
+        }
+        _ => {
+            // LoKr: each factor whole or as a product; the rank of the scale as the reference's.
+            let mut rank = 1usize;
+            let mut factor = |whole: Slot, a: Slot, b: Slot, name: &str| -> Result<Factor, LoraError> {
+                if key.get(whole).is_some() {
+                    let (_, v, rows, cols) = read(whole)?;
+                    return Ok(Factor { rows, cols, values: FactorValues::Whole(v) });
+                }
+                let (sa, va, rows, r) = read(a)?;
+                let (sb, vb, rb, cols) = read(b)?;
+                if r != rb {
+                    return Err(shape_err(format!("LoKr {name}_a {sa:?} x {name}_b {sb:?}: ranks {r} and {rb}")));
+                }
+                rank = rb;
+                Ok(Factor { rows, cols, values: FactorValues::LowRank { a: va, b: vb, rank: r } })
+            };
+            let w1 = factor(Slot::LokrW1, Slot::LokrW1A, Slot::LokrW1B, "lokr_w1")?;
+            let w2 = factor(Slot::LokrW2, Slot::LokrW2A, Slot::LokrW2B, "lokr_w2")?;
+            let scale = match alpha {
+                Some(a) if rank != 1 => a / rank as f32,
+                _ => 1.0,
+            };
+            let (out, inner) = (w1.rows * w2.rows, w1.cols * w2.cols);
+            (Form::Kron { w1, w2 }, out, inner, scale, false)
+        }
     };
-    if rank_up != rank {
-        return Err(shape_err(format!(
-            "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
-        )));
-    }
     let want: i64 = target.ne.iter().product();
     let rows = target.ne.last().copied().unwrap_or(1).max(1);
     let conv = target.ne.len() == 4;
@@ -584,17 +689,23 @@ fn read_delta(
     if !fits {
         let torch: Vec<i64> = target.ne.iter().rev().copied().collect();
         let at = if offset > 0 { format!(" at row {offset}") } else { String::new() };
+        let parts: Vec<String> = key
+            .0
+            .iter()
+            .filter(|(s, _)| !matches!(s, Slot::Alpha | Slot::Scale))
+            .map(|(_, name)| {
+                let shape = files.tensor(name).map(|(e, _)| e.shape.clone()).unwrap_or_default();
+                format!("{name} {shape:?}")
+            })
+            .collect();
         return Err(shape_err(format!(
-            "the delta up {up_shape:?} x down {down_shape:?} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
+            "the {kind} delta of {} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
+            parts.join(", "),
             target.name
         )));
     }
-    // The reference: alpha / rank in f32, then times the multiplier; no alpha: the multiplier.
-    let scale = match alpha {
-        Some(a) => scalar(files, a, path)? / rank as f32 * multiplier,
-        None => multiplier,
-    };
-    Ok(Delta { up: up_v, down: down_v, rank, out, inner, offset, rows: rows as usize, scale, f16, conv })
+    let scale = scale * multiplier;
+    Ok(Delta { form, out, inner, offset, rows: rows as usize, scale, f16, conv })
 }
 
 /// A [`TensorSource`] that adds a [`LoraSet`]'s adapters to what another source reads.

@@ -91,7 +91,7 @@ fn adapter_type(d: &Delta) -> GgmlType {
 fn adapter_shapes(spec: &TensorSpec, d: &Delta) -> (Vec<i64>, Vec<i64>, GgmlType) {
     // A part of a fused weight ([`super::LoraBody::Mapped`]) is added as an `up` over all the
     // weight's rows, zero outside the part's: the product adds exactly 0 there.
-    let (rank, out) = (d.rank as i64, d.rows as i64);
+    let (rank, out) = (d.rank() as i64, d.rows as i64);
     if d.conv {
         let down = vec![spec.ne[0], spec.ne[1], spec.ne[2], rank];
         (down, vec![1, 1, rank, out], GgmlType::GGML_TYPE_F16)
@@ -110,7 +110,7 @@ impl LoraSet {
         for weight in names {
             for (k, d) in self.deltas[weight].iter().enumerate() {
                 let size = if adapter_type(d) == GgmlType::GGML_TYPE_F16 { 2 } else { 4 };
-                let (down, up) = ((d.inner * d.rank * size) as u64, (d.rank * d.rows * size) as u64);
+                let (down, up) = ((d.inner * d.rank() * size) as u64, (d.rank() * d.rows * size) as u64);
                 out.push((weight.clone(), format!("{weight}{MARK}{k}.down"), down));
                 out.push((weight.clone(), format!("{weight}{MARK}{k}.up"), up));
             }
@@ -157,13 +157,15 @@ impl TensorSource for AdapterSource {
         let Some((weight, k, up)) = parse(name) else { return self.inner.load(name, ty, ne) };
         let d = self.set.deltas.get(weight).and_then(|v| v.get(k));
         let Some(d) = d else { return Err(SourceError::new(format!("no LoRA adapter '{name}'"))) };
+        let (up_v, down_v) = d.form.factors(d.out, d.inner);
+        let rank = d.rank();
         let padded;
-        let values = match up {
-            false => &d.down,
-            true if d.rows == d.out => &d.up,
+        let values: &[f32] = match up {
+            false => &down_v,
+            true if d.rows == d.out => &up_v,
             true => {
-                let mut v = vec![0f32; d.rows * d.rank];
-                v[d.offset * d.rank..(d.offset + d.out) * d.rank].copy_from_slice(&d.up);
+                let mut v = vec![0f32; d.rows * rank];
+                v[d.offset * rank..(d.offset + d.out) * rank].copy_from_slice(&up_v);
                 padded = v;
                 &padded
             }

@@ -406,3 +406,94 @@ fn two_keys_of_one_file_for_one_weight_apply_once() {
     let target = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight";
     assert_eq!(set.deltas[target].len(), 1);
 }
+
+#[test]
+fn loha_and_lokr_fixtures_adapt_their_modules_with_the_references_scales() {
+    use crate::fixture::lora::LoraLayout;
+    let loha = write_fixture(LoraLayout::Loha, 4, "loha.safetensors");
+    let lokr = write_fixture(LoraLayout::Lokr, 4, "lokr.safetensors");
+    let h = load(&[(&loha, 1.0)]).unwrap();
+    assert_eq!(h.targets(), 59);
+    // alpha = rank / 2 over hada_w1_b's rank.
+    let conv = "model.diffusion_model.input_blocks.1.0.in_layers.2.weight";
+    assert_eq!(h.deltas[conv][0].scale, 0.5);
+    assert_eq!((h.deltas[conv][0].out, h.deltas[conv][0].inner, h.deltas[conv][0].rank()), (320, 320 * 9, 16));
+    // LoKr leaves the convolutions out: 3 transformers x 10 linear modules, a time projection,
+    // 3 text layers x 6.
+    let k = load(&[(&lokr, -1.0)]).unwrap();
+    assert_eq!(k.targets(), 49);
+    assert!(!k.adapts(conv));
+    // The forms take turns: whole w1 and w2 (rank 1: scale 1 whatever the alpha), whole w1 and
+    // a rank-4 w2 with alpha 2 (scale 0.5), both factors as products and no alpha (scale 1).
+    let mut scales: Vec<f32> = k.deltas.values().map(|d| d[0].scale).collect();
+    scales.sort_by(f32::total_cmp);
+    scales.dedup();
+    assert_eq!(scales, [-1.0, -0.5]);
+}
+
+#[test]
+fn loha_and_lokr_merges_equal_their_runtime_factors_and_tucker_cores_are_reported() {
+    use crate::fixture::lora::LoraLayout;
+    let loha = write_fixture(LoraLayout::Loha, 3, "loha-rt.safetensors");
+    let lokr = write_fixture(LoraLayout::Lokr, 3, "lokr-rt.safetensors");
+    let set = load(&[(&loha, 0.7), (&lokr, 1.3)]).unwrap();
+    let q = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"; // 320 x 320
+    let ne = [320i64, 320];
+    let zero = vec![0f32; 320 * 320];
+    let bytes = convert::pack_f32(GgmlType::GGML_TYPE_F32, &zero, 320).unwrap();
+    let merged = set.merge(q, GgmlType::GGML_TYPE_F32, &ne, &bytes).unwrap().unwrap();
+    let merged = convert::to_f32(GgmlType::GGML_TYPE_F32, &merged, 320 * 320).unwrap();
+    // What at_runtime adds: the sum of scale * up @ down over both adapters, in f64.
+    let mut want = vec![0f64; 320 * 320];
+    for d in &set.deltas[q] {
+        let (up, down) = d.form.factors(d.out, d.inner);
+        let r = d.rank();
+        for o in 0..320 {
+            for i in 0..320 {
+                let s: f64 = (0..r).map(|k| up[o * r + k] as f64 * down[k * 320 + i] as f64).sum();
+                want[o * 320 + i] += d.scale as f64 * s;
+            }
+        }
+    }
+    let worst = merged.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
+    let size = want.iter().map(|v| v.abs()).fold(0f64, f64::max);
+    assert!(size > 1e-3 && worst < 1e-5 * size.max(1.0), "merge vs runtime factors: {worst} (delta up to {size})");
+    // A Tucker core makes its key not applied (named as such), not misapplied.
+    let key = "lora_unet_down_blocks_0_resnets_0_conv1";
+    let path = write_raw(
+        "tucker.safetensors",
+        &[
+            (&format!("{key}.hada_w1_a"), vec![320, 2]),
+            (&format!("{key}.hada_w1_b"), vec![2, 320]),
+            (&format!("{key}.hada_t1"), vec![2, 2, 3, 3]),
+            (&format!("{key}.hada_w2_a"), vec![320, 2]),
+            (&format!("{key}.hada_w2_b"), vec![2, 320]),
+            (&format!("{key}.hada_t2"), vec![2, 2, 3, 3]),
+        ],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("tucker.safetensors") && e.contains("none of its 1 adapters"), "{e}");
+}
+
+#[test]
+fn loha_and_lokr_factor_shape_mismatches_name_the_file_and_key() {
+    let key = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let path = write_raw(
+        "loha-bad.safetensors",
+        &[
+            (&format!("{key}.hada_w1_a"), vec![320, 4]),
+            (&format!("{key}.hada_w1_b"), vec![4, 320]),
+            (&format!("{key}.hada_w2_a"), vec![320, 4]),
+            (&format!("{key}.hada_w2_b"), vec![2, 320]),
+        ],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("loha-bad.safetensors") && e.contains(key) && e.contains("LoHa factors do not fit"), "{e}");
+    // kron([4, 4], [80, 80]) is [320, 320]; [4, 4] x [80, 40] is not the weight's shape.
+    let path = write_raw(
+        "lokr-bad.safetensors",
+        &[(&format!("{key}.lokr_w1"), vec![4, 4]), (&format!("{key}.lokr_w2"), vec![80, 40])],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("lokr-bad.safetensors") && e.contains(key) && e.contains("[320, 160]"), "{e}");
+}

@@ -354,10 +354,13 @@ fn unknown_sampler_and_scheduler_names_are_errors_naming_the_flag() {
 /// weights in ggml's extra CPU buffer types (repacked q4_0 on AVX2; AMX for q8_0 and q4_0 on
 /// CPUs with AMX-INT8). The repacked kernels quantize activations as the plain ones do and
 /// differ only in the f32 summation order, so the image stays within the parity bound of the
-/// same run with them off. Measured on this project's AVX2 machine (64x64, cfg 7): q4_0 mean
-/// 0.354 max 3 levels at 1 step, 0.355 and 2 at 2 steps; q8_0 identical (x86 has no repacked
-/// q8_0 and that CPU has no AMX, so nothing moves). One step each keeps the four runs cheap.
-/// A bad value of the flag is a clear error.
+/// same run with them off. Measured on an AVX2 machine (64x64, cfg 7): q4_0 mean 0.354 max 3
+/// levels at 1 step, 0.355 and 2 at 2 steps; q8_0 identical (x86 has no repacked q8_0 and
+/// that CPU has no AMX, so nothing moves). On a Sapphire Rapids guest (AMX) both go through
+/// ggml's AMX kernels, with cfg 7 a batch of two: before `patches/cpu-speed.toml`'s AMX hunks
+/// q8_0 died of SIGILL and, with the tile configuration fixed, every image was one flat
+/// colour (mean 111); now q8_0 mean 0.394 max 3, q4_0 0.329 and 3. One step each
+/// keeps the four runs cheap. A bad value of the flag is a clear error.
 #[test]
 fn sd15_cpu_extra_buffer_types_stay_within_parity_of_plain_buffers() {
     let model = fixture(Family::Sd15);

@@ -497,3 +497,32 @@ fn loha_and_lokr_factor_shape_mismatches_name_the_file_and_key() {
     let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
     assert!(e.contains("lokr-bad.safetensors") && e.contains(key) && e.contains("[320, 160]"), "{e}");
 }
+
+#[test]
+fn flux_fixtures_adapt_the_dit_clip_l_and_t5_in_kohya_and_dotted_names() {
+    use crate::fixture::lora::{write_flux_lora, LoraFixture, LoraLayout};
+    let cfg = crate::fixture::flux::reduced(256, 2, 2, false);
+    let f16 = |_: &str| Some(GgmlType::GGML_TYPE_F16);
+    let mut targets = crate::diffusion::flux::flux_specs(&cfg, &f16, None);
+    targets.extend(crate::text::clip::clip_specs(&crate::text::clip::ClipConfig::vit_l14(), &f16, None));
+    let t5 = crate::text::t5::T5Config { n_layers: 2, ..crate::text::t5::T5Config::xxl() };
+    targets.extend(crate::text::t5::t5_specs(&t5, &f16, None));
+    let mut sets = Vec::new();
+    for (layout, name) in [(LoraLayout::Kohya, "flux-kohya.safetensors"), (LoraLayout::Peft, "flux-dotted.safetensors")]
+    {
+        let path = temp(name);
+        let req = LoraFixture { layout, rank: 4, seed: 1, scale: 0.05, text_encoder: true };
+        let n = write_flux_lora(&path, &cfg, &req).unwrap();
+        let req = [LoraRequest { path, multiplier: 1.0 }];
+        let set = LoraSet::load(&req, "flux", flux_table(), &targets).unwrap();
+        // 13 DiT weights, CLIP-L's layers 0 and 11 x 6, T5's block 0 x 7: every adapter applies.
+        assert_eq!((n, set.targets()), (32, 32), "{layout:?}");
+        let t5_names: Vec<&String> = set.deltas.keys().filter(|k| k.starts_with("text_encoders.t5xxl.")).collect();
+        assert_eq!(t5_names.len(), 7, "{layout:?}: {t5_names:?}");
+        assert!(set.adapts("text_encoders.t5xxl.transformer.encoder.block.0.layer.1.DenseReluDense.wi_1.weight"));
+        sets.push(set);
+    }
+    // The same values under both names (kohya's alpha halves the scale).
+    let w = "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.o.weight";
+    assert_eq!(sets[0].deltas[w][0].scale * 2.0, sets[1].deltas[w][0].scale);
+}

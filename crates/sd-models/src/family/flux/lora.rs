@@ -12,7 +12,7 @@
 use crate::files::FileRole::{DiffusionModel, T5xxl, TextEncoder};
 use crate::lora::{LoraBody, LoraPrefix as P};
 
-pub(crate) const LORA_PREFIXES: [P; 8] = [
+pub(crate) const LORA_PREFIXES: [P; 9] = [
     P { prefix: "lora_unet_", role: DiffusionModel, body: LoraBody::Flat },
     P { prefix: "lora_te1_", role: TextEncoder(0), body: LoraBody::Flat },
     P { prefix: "lora_te3_", role: T5xxl, body: LoraBody::Flat },
@@ -21,6 +21,7 @@ pub(crate) const LORA_PREFIXES: [P; 8] = [
     P { prefix: "transformer.", role: DiffusionModel, body: LoraBody::Mapped(diffusers) },
     P { prefix: "text_encoder.", role: TextEncoder(0), body: LoraBody::Dotted },
     P { prefix: "text_encoders.clip_l.transformer.", role: TextEncoder(0), body: LoraBody::Dotted },
+    P { prefix: "text_encoders.t5xxl.transformer.", role: T5xxl, body: LoraBody::Dotted },
 ];
 
 /// A diffusers module path of the FLUX transformer (`transformer_blocks.3.attn.to_k`) as BFL's

@@ -378,6 +378,25 @@ fn sd15_cpu_extra_buffer_types_stay_within_parity_of_plain_buffers() {
     assert!(fails(&["--cpu-extra-bufts", "maybe"], Some(&model)).contains("on"));
 }
 
+/// The reference's LoRA command on `model` (64x64, 2 euler steps, cfg 7, seed 42, 2 threads)
+/// with `prompt`, `extra` flags and the LoRAs of `dir`, into `dir/name` (checked to succeed).
+fn with_loras(model: &Path, dir: &Path, name: &str, prompt: &str, extra: &[&str]) -> PathBuf {
+    let out = dir.join(name);
+    let o = sd_cli()
+        .args(extra)
+        .arg("-m")
+        .arg(model)
+        .args(["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
+        .args(["-s", "42", "--cfg-scale", "7", "-t", "2", "--lora-model-dir"])
+        .arg(dir)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    check_ok(&o);
+    out
+}
+
 /// The LoRA fixtures of the LoRA tests (written into `dir`): a kohya file (rank 4, alpha 2,
 /// values N(0, 0.1), seed 1) and a PEFT file of the UNet (rank 8, no alpha, N(0, 0.05), seed 2;
 /// the reference applies no PEFT text-encoder key on SD 1.x, see `sd_models::fixture::lora`).
@@ -394,21 +413,7 @@ fn sd15_loras_match_the_reference_and_multiplier_zero_changes_nothing() {
     let model = fixture(Family::Sd15);
     let dir = out_dir("lora");
     write_loras(&dir);
-    let loras = dir.to_str().unwrap();
-    let gen = |name: &str, prompt: &str, extra: &[&str]| {
-        let out = dir.join(name);
-        let o = sd_cli()
-            .args(extra)
-            .arg("-m")
-            .arg(&model)
-            .args(["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
-            .args(["-s", "42", "--cfg-scale", "7", "-t", "2", "--lora-model-dir", loras, "-o"])
-            .arg(&out)
-            .output()
-            .unwrap();
-        check_ok(&o);
-        out
-    };
+    let gen = |name: &str, prompt: &str, extra: &[&str]| with_loras(&model, &dir, name, prompt, extra);
     let plain = workspace().join("tests/data/ref-sd15-f16-seed42-64x64-euler2-cfg7.png");
     let mut kohya = PathBuf::new();
     for (name, prompt, reference) in [
@@ -497,21 +502,7 @@ fn sd15_loha_and_lokr_match_the_reference() {
         let req = LoraFixture { layout, rank: 4, seed: 3, scale, text_encoder: true };
         write_lora(&dir.join(format!("{name}.safetensors")), &req).unwrap();
     }
-    let loras = dir.to_str().unwrap();
-    let gen = |name: &str, prompt: &str, extra: &[&str]| {
-        let out = dir.join(name);
-        let o = sd_cli()
-            .args(extra)
-            .arg("-m")
-            .arg(&model)
-            .args(["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
-            .args(["-s", "42", "--cfg-scale", "7", "-t", "2", "--lora-model-dir", loras, "-o"])
-            .arg(&out)
-            .output()
-            .unwrap();
-        check_ok(&o);
-        out
-    };
+    let gen = |name: &str, prompt: &str, extra: &[&str]| with_loras(&model, &dir, name, prompt, extra);
     let plain = workspace().join("tests/data/ref-sd15-f16-seed42-64x64-euler2-cfg7.png");
     let rt = ["--lora-apply-mode", "at_runtime"];
     let mut images = Vec::new();

@@ -487,27 +487,18 @@ fn flux_loras_apply_in_every_layout_and_mode() {
 
 /// Writes the tensors of the safetensors file `from` whose names start with `prefix` to `to`.
 fn subset(from: &Path, to: &Path, prefix: &str) {
+    use sd_models::files::safetensors::{parse, to_bytes, HeaderEntry};
     let bytes = std::fs::read(from).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let (mut out_header, mut out_data) = (serde_json::Map::new(), Vec::new());
-    for (name, entry) in header.iter().filter(|(k, _)| k.starts_with(prefix)) {
-        let offsets: Vec<usize> =
-            entry["data_offsets"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
-        let start = out_data.len();
-        out_data.extend_from_slice(&data[offsets[0]..offsets[1]]);
-        let mut e = entry.clone();
-        e["data_offsets"] = serde_json::json!([start, out_data.len()]);
-        out_header.insert(name.clone(), e);
-    }
-    assert!(!out_header.is_empty(), "no tensor of {} starts with {prefix}", from.display());
-    let mut h = serde_json::to_vec(&out_header).unwrap();
-    while h.len() % 8 != 0 {
-        h.push(b' ');
-    }
-    let mut file = (h.len() as u64).to_le_bytes().to_vec();
-    file.extend_from_slice(&h);
-    file.extend_from_slice(&out_data);
-    std::fs::write(to, file).unwrap();
+    let header = parse(&bytes).unwrap();
+    let kept: Vec<(HeaderEntry<'_>, &[u8])> = header
+        .tensors
+        .iter()
+        .filter(|t| t.name.starts_with(prefix))
+        .map(|t| {
+            let entry = HeaderEntry { name: &t.name, dtype: t.dtype, shape: &t.shape };
+            (entry, &bytes[t.offset as usize..(t.offset + t.len) as usize])
+        })
+        .collect();
+    assert!(!kept.is_empty(), "no tensor of {} starts with {prefix}", from.display());
+    std::fs::write(to, to_bytes(&kept, &header.metadata).unwrap()).unwrap();
 }

@@ -14,7 +14,7 @@
 //!
 //! A merge ([`Form::add_rows`]) evaluates each form directly (a LoKr delta costs one product
 //! per element, not a rank-sized sum). At run time every form is a low-rank product
-//! ([`Form::factors`]), exact in exact arithmetic, so the graph adds `up(down(x))` for all of
+//! ([`Form::up`], [`Form::down`]), exact in exact arithmetic, so the graph adds `up(down(x))` for all of
 //! them: a LoHa delta is the product of the Khatri-Rao products of its factors (rank
 //! `r1 * r2`: `up[o, i r2 + j] = w1_a[o, i] w2_a[o, j]`, `down[i r2 + j, k] = w1_b[i, k]
 //! w2_b[j, k]`), a LoKr delta the Kronecker product of its factors' factorizations
@@ -123,7 +123,7 @@ fn kron(a: &[f32], (n1, m1): (usize, usize), b: &[f32], (n2, m2): (usize, usize)
 }
 
 impl Form {
-    /// The rank of [`Form::factors`].
+    /// The rank of [`Form::up`] and [`Form::down`].
     pub fn rank(&self) -> usize {
         match self {
             Form::LowRank { rank, .. } => *rank,
@@ -132,11 +132,11 @@ impl Form {
         }
     }
 
-    /// `(up [out, rank], down [rank, inner])` with `up @ down` the delta.
-    pub fn factors(&self, out: usize, inner: usize) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+    /// The `[out, rank]` factor of the delta at run time (`up @ down` is the delta).
+    pub fn up(&self, out: usize) -> Cow<'_, [f32]> {
         match self {
-            Form::LowRank { up, down, .. } => (Cow::Borrowed(up), Cow::Borrowed(down)),
-            Form::Hadamard { a1, b1, r1, a2, b2, r2 } => {
+            Form::LowRank { up, .. } => Cow::Borrowed(up),
+            Form::Hadamard { a1, r1, a2, r2, .. } => {
                 let (r1, r2) = (*r1, *r2);
                 let mut up = vec![0f32; out * r1 * r2];
                 for o in 0..out {
@@ -146,6 +146,21 @@ impl Form {
                         }
                     }
                 }
+                Cow::Owned(up)
+            }
+            Form::Kron { w1, w2 } => {
+                let (p1, p2) = (w1.pq().0, w2.pq().0);
+                Cow::Owned(kron(&p1, (w1.rows, w1.rank()), &p2, (w2.rows, w2.rank())))
+            }
+        }
+    }
+
+    /// The `[rank, inner]` factor of the delta at run time.
+    pub fn down(&self, inner: usize) -> Cow<'_, [f32]> {
+        match self {
+            Form::LowRank { down, .. } => Cow::Borrowed(down),
+            Form::Hadamard { b1, r1, b2, r2, .. } => {
+                let (r1, r2) = (*r1, *r2);
                 let mut down = vec![0f32; r1 * r2 * inner];
                 for i in 0..r1 {
                     for j in 0..r2 {
@@ -155,14 +170,11 @@ impl Form {
                         }
                     }
                 }
-                (Cow::Owned(up), Cow::Owned(down))
+                Cow::Owned(down)
             }
             Form::Kron { w1, w2 } => {
-                let ((p1, q1), (p2, q2)) = (w1.pq(), w2.pq());
-                let (s1, s2) = (w1.rank(), w2.rank());
-                let up = kron(&p1, (w1.rows, s1), &p2, (w2.rows, s2));
-                let down = kron(&q1, (s1, w1.cols), &q2, (s2, w2.cols));
-                (Cow::Owned(up), Cow::Owned(down))
+                let (q1, q2) = (w1.pq().1, w2.pq().1);
+                Cow::Owned(kron(&q1, (w1.rank(), w1.cols), &q2, (w2.rank(), w2.cols)))
             }
         }
     }
@@ -246,7 +258,7 @@ mod tests {
         let want: Vec<f32> = d1.iter().zip(&d2).map(|(x, y)| x * y).collect();
         close(&merged(&f, out, inner), &want);
         assert_eq!(f.rank(), 6);
-        let (up, down) = f.factors(out, inner);
+        let (up, down) = (f.up(out), f.down(inner));
         close(&product(&up, &down, out, f.rank(), inner), &want);
     }
 
@@ -292,7 +304,7 @@ mod tests {
                 }
             }
             close(&merged(&f, out, inner), &want);
-            let (up, down) = f.factors(out, inner);
+            let (up, down) = (f.up(out), f.down(inner));
             assert!(f.rank() <= out.min(inner), "rank {}", f.rank());
             close(&product(&up, &down, out, f.rank(), inner), &want);
         }

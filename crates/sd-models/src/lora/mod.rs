@@ -202,7 +202,7 @@ struct Delta {
 }
 
 impl Delta {
-    /// The rank of the adapter at run time ([`forms::Form::factors`]).
+    /// The rank of the adapter at run time ([`forms::Form::up`], [`forms::Form::down`]).
     fn rank(&self) -> usize {
         self.form.rank()
     }
@@ -249,20 +249,38 @@ impl Parts {
     }
 }
 
-/// The kind of an adapter key, by the tensors it has (the reference's order: a LoRA pair
-/// first, then LoHa, then LoKr).
-fn kind_of(p: &Parts) -> Option<&'static str> {
-    let has = |s: Slot| p.0.contains_key(&s);
-    if has(Slot::Up) && has(Slot::Down) {
-        Some("lora")
-    } else if [Slot::HadaW1A, Slot::HadaW1B, Slot::HadaW2A, Slot::HadaW2B].iter().all(|&s| has(s)) {
-        Some("loha")
-    } else if (has(Slot::LokrW1) || (has(Slot::LokrW1A) && has(Slot::LokrW1B)))
-        && (has(Slot::LokrW2) || (has(Slot::LokrW2A) && has(Slot::LokrW2B)))
-    {
-        Some("lokr")
-    } else {
-        None
+/// The kind of an adapter key, by the tensors it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Lora,
+    Loha,
+    Lokr,
+}
+
+impl Kind {
+    /// The kind of `p` in the reference's order of preference (a LoRA pair, then LoHa, then
+    /// LoKr); `None` when no kind has all its tensors.
+    fn of(p: &Parts) -> Option<Kind> {
+        let has = |s: Slot| p.0.contains_key(&s);
+        if has(Slot::Up) && has(Slot::Down) {
+            Some(Kind::Lora)
+        } else if [Slot::HadaW1A, Slot::HadaW1B, Slot::HadaW2A, Slot::HadaW2B].iter().all(|&s| has(s)) {
+            Some(Kind::Loha)
+        } else if (has(Slot::LokrW1) || (has(Slot::LokrW1A) && has(Slot::LokrW1B)))
+            && (has(Slot::LokrW2) || (has(Slot::LokrW2A) && has(Slot::LokrW2B)))
+        {
+            Some(Kind::Lokr)
+        } else {
+            None
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Lora => "lora",
+            Kind::Loha => "loha",
+            Kind::Lokr => "lokr",
+        }
     }
 }
 
@@ -475,14 +493,14 @@ impl LoraSet {
             let mut applied = 0usize;
             let total = keys.len();
             // The adapters of each weight, by part (a fused weight's row blocks, in order).
-            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, &'static str)>> = BTreeMap::new();
+            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind)>> = BTreeMap::new();
             for (base, parts) in &keys {
-                let Some(kind) = kind_of(parts) else {
+                let Some(kind) = Kind::of(parts) else {
                     unmatched.push(format!("{base} (no up/down pair, LoHa or LoKr factors)"));
                     continue;
                 };
                 if parts.0.contains_key(&Slot::Tucker) {
-                    unmatched.push(format!("{base} (a Tucker-decomposed {kind}: not applied)"));
+                    unmatched.push(format!("{base} (a Tucker-decomposed {}: not applied)", kind.name()));
                     continue;
                 }
                 let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str()))
@@ -584,7 +602,7 @@ fn rows_cols(shape: &[u64], n: usize) -> Option<(usize, usize)> {
     }
 }
 
-/// Reads the adapter `key` (of kind `kind`, [`kind_of`]) for `target`, whose rows from
+/// Reads the adapter `key` (of kind `kind`, [`Kind::of`]) for `target`, whose rows from
 /// `offset` it adapts, with `multiplier`.
 ///
 /// Scale, as the reference: a LoRA's `scale` tensor, else `alpha / rank` (rank: `down`'s first
@@ -598,14 +616,14 @@ fn read_delta(
     path: &Path,
     base: &str,
     key: &Parts,
-    kind: &str,
+    kind: Kind,
     multiplier: f32,
     target: &TensorSpec,
     offset: usize,
 ) -> Result<Delta, LoraError> {
     use forms::{Factor, FactorValues, Form};
     let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
-    let get = |slot: Slot| key.get(slot).expect("kind_of checked the slot");
+    let get = |slot: Slot| key.get(slot).expect("Kind::of checked the slot");
     // A matrix of the key: its file shape, values, rows and row width.
     let read = |slot: Slot| -> Result<(Vec<u64>, Vec<f32>, usize, usize), LoraError> {
         let (shape, v) = matrix(files, get(slot), path)?;
@@ -619,7 +637,7 @@ fn read_delta(
         None => None,
     };
     let (form, out, inner, scale, f16) = match kind {
-        "lora" => {
+        Kind::Lora => {
             let (up_shape, up, out, rank_up) = read(Slot::Up)?;
             let (down_shape, down, rank, inner) = read(Slot::Down)?;
             if rank_up != rank {
@@ -636,7 +654,7 @@ fn read_delta(
             let f16 = is_f16(get(Slot::Up)) && is_f16(get(Slot::Down));
             (Form::LowRank { up, down, rank }, out, inner, scale, f16)
         }
-        "loha" => {
+        Kind::Loha => {
             let (s1a, a1, out, r1) = read(Slot::HadaW1A)?;
             let (s1b, b1, r1b, inner) = read(Slot::HadaW1B)?;
             let (s2a, a2, out2, r2) = read(Slot::HadaW2A)?;
@@ -649,10 +667,9 @@ fn read_delta(
             let scale = alpha.map_or(1.0, |a| a / r1 as f32);
             (Form::Hadamard { a1, b1, r1, a2, b2, r2 }, out, inner, scale, false)
         }
-        _ => {
-            // LoKr: each factor whole or as a product; the rank of the scale as the reference's.
-            let mut rank = 1usize;
-            let mut factor = |whole: Slot, a: Slot, b: Slot, name: &str| -> Result<Factor, LoraError> {
+        Kind::Lokr => {
+            // LoKr: each factor whole or as a product.
+            let factor = |whole: Slot, a: Slot, b: Slot, name: &str| -> Result<Factor, LoraError> {
                 if key.get(whole).is_some() {
                     let (_, v, rows, cols) = read(whole)?;
                     return Ok(Factor { rows, cols, values: FactorValues::Whole(v) });
@@ -662,11 +679,15 @@ fn read_delta(
                 if r != rb {
                     return Err(shape_err(format!("LoKr {name}_a {sa:?} x {name}_b {sb:?}: ranks {r} and {rb}")));
                 }
-                rank = rb;
                 Ok(Factor { rows, cols, values: FactorValues::LowRank { a: va, b: vb, rank: r } })
             };
             let w1 = factor(Slot::LokrW1, Slot::LokrW1A, Slot::LokrW1B, "lokr_w1")?;
             let w2 = factor(Slot::LokrW2, Slot::LokrW2A, Slot::LokrW2B, "lokr_w2")?;
+            // The reference's rank: w2's if it is a product, else w1's, else 1 (scale 1).
+            let rank = match (&w2.values, &w1.values) {
+                (FactorValues::LowRank { rank, .. }, _) | (_, FactorValues::LowRank { rank, .. }) => *rank,
+                _ => 1,
+            };
             let scale = match alpha {
                 Some(a) if rank != 1 => a / rank as f32,
                 _ => 1.0,
@@ -699,7 +720,8 @@ fn read_delta(
             })
             .collect();
         return Err(shape_err(format!(
-            "the {kind} delta of {} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
+            "the {} delta of {} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
+            kind.name(),
             parts.join(", "),
             target.name
         )));

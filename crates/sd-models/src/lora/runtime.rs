@@ -157,17 +157,15 @@ impl TensorSource for AdapterSource {
         let Some((weight, k, up)) = parse(name) else { return self.inner.load(name, ty, ne) };
         let d = self.set.deltas.get(weight).and_then(|v| v.get(k));
         let Some(d) = d else { return Err(SourceError::new(format!("no LoRA adapter '{name}'"))) };
-        let (up_v, down_v) = d.form.factors(d.out, d.inner);
+        // Only the factor asked for is formed (LoHa's and LoKr's are computed at each read).
         let rank = d.rank();
-        let padded;
-        let values: &[f32] = match up {
-            false => &down_v,
-            true if d.rows == d.out => &up_v,
+        let values: Cow<'_, [f32]> = match up {
+            false => d.form.down(d.inner),
+            true if d.rows == d.out => d.form.up(d.out),
             true => {
                 let mut v = vec![0f32; d.rows * rank];
-                v[d.offset * rank..(d.offset + d.out) * rank].copy_from_slice(&up_v);
-                padded = v;
-                &padded
+                v[d.offset * rank..(d.offset + d.out) * rank].copy_from_slice(&d.form.up(d.out));
+                Cow::Owned(v)
             }
         };
         let n: i64 = ne.iter().product();
@@ -177,7 +175,7 @@ impl TensorSource for AdapterSource {
                 values.len()
             )));
         }
-        let bytes = convert::pack_f32(ty, values, ne[0])
+        let bytes = convert::pack_f32(ty, &values, ne[0])
             .map_err(|e| SourceError::new(format!("LoRA adapter '{name}': {e}")))?;
         Ok(Cow::Owned(bytes))
     }

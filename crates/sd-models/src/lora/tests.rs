@@ -446,7 +446,7 @@ fn loha_and_lokr_merges_equal_their_runtime_factors_and_tucker_cores_are_reporte
     // What at_runtime adds: the sum of scale * up @ down over both adapters, in f64.
     let mut want = vec![0f64; 320 * 320];
     for d in &set.deltas[q] {
-        let (up, down) = d.form.factors(d.out, d.inner);
+        let (up, down) = (d.form.up(d.out), d.form.down(d.inner));
         let r = d.rank();
         for o in 0..320 {
             for i in 0..320 {

@@ -135,9 +135,14 @@ fn run() -> Result<(), String> {
     // kernels that write the same bytes faster).
     let patched = |prefix: &'static str, patch_file: &Path| -> Result<compile::PatchedDir, String> {
         let name = Path::new(prefix).file_name().ok_or("bad patched directory")?;
-        let dir = patch::apply(patch_file, &ggml_src.join(prefix), &cc_root.join("patched").join(name))?;
-        let text = fs::read(patch_file).map_err(|e| format!("{}: {e}", patch_file.display()))?;
-        Ok(compile::PatchedDir { prefix, dir, key: format!("{:x}", Sha256::digest(text)) })
+        let applied = patch::apply(patch_file, &ggml_src.join(prefix), &cc_root.join("patched").join(name))?;
+        let mut text = fs::read(patch_file).map_err(|e| format!("{}: {e}", patch_file.display()))?;
+        text.extend_from_slice(&applied.added_text);
+        for a in &applied.added {
+            println!("cargo:rerun-if-changed={}", patch_file.with_extension("").join(a).display());
+        }
+        let added = applied.added.iter().map(|a| format!("{prefix}/{a}")).collect();
+        Ok(compile::PatchedDir { prefix, dir: applied.dir, key: format!("{:x}", Sha256::digest(text)), added })
     };
     let rpc = patched("src/ggml-rpc", &rpc_patch)?;
     let cpu = patched("src/ggml-cpu", &cpu_patch)?;

@@ -173,6 +173,8 @@ pub struct PatchedDir {
     pub dir: PathBuf,
     /// The identity of the patch (part of the cache key of every library built from it).
     pub key: String,
+    /// Sources the patch adds (paths relative to the tree's root, under `prefix`).
+    pub added: Vec<String>,
 }
 
 impl PatchedDir {
@@ -291,8 +293,13 @@ pub fn plan(
         extra.extend(includes_patched(src, cpu, &spec.cpu.includes));
         extra.extend(isa);
         // every source from the patched copy of src/ggml-cpu (patches/cpu-speed.toml)
-        let mut jobs: Vec<Job> =
-            spec.cpu.sources.iter().map(|s| patched_job(cpu, &target, s, &extra)).collect::<Result<_, _>>()?;
+        let mut jobs: Vec<Job> = spec
+            .cpu
+            .sources
+            .iter()
+            .chain(cpu.added.iter().filter(|a| is_cpp(a) || a.ends_with(".c")))
+            .map(|s| patched_job(cpu, &target, s, &extra))
+            .collect::<Result<_, _>>()?;
         // the feature-check object: definitions, no ISA flags
         let mut fe: Vec<String> = defines(&spec.backend.defines).collect();
         fe.extend(defines(&arch_defs));

@@ -11,6 +11,19 @@ pub struct Patch {
     pub files: Vec<FileRule>,
     #[serde(rename = "hunk")]
     pub hunks: Vec<Hunk>,
+    /// Files of ours added to the copy (and compiled with its sources).
+    #[serde(rename = "add", default)]
+    pub adds: Vec<Added>,
+}
+
+/// A source file of this project added to the patched copy: `name` is its path in the
+/// copy, and its text lies in the directory named as the patch file without `.toml`
+/// (`patches/cpu-speed/` for `patches/cpu-speed.toml`), under the same name.
+#[derive(serde::Deserialize)]
+pub(crate) struct Added {
+    pub name: String,
+    #[allow(dead_code)]
+    pub why: String,
 }
 
 /// A file the patch touches, and strings that must be gone once it is applied.
@@ -74,14 +87,44 @@ impl Patch {
     }
 }
 
+/// The patched copy of a directory.
+pub struct Applied {
+    pub dir: PathBuf,
+    /// The added files (paths relative to the copy), to compile with its sources.
+    pub added: Vec<String>,
+    /// The added files' texts, in order (part of the patch's identity).
+    pub added_text: Vec<u8>,
+}
+
 /// Copies every file of `src_dir`, subdirectories included, into `out_dir`, applying
-/// `patch_path` to the files it lists (by path relative to `src_dir`, `/`-separated).
-/// Files are rewritten only when their text changes. Returns the patched directory.
-pub fn apply(patch_path: &Path, src_dir: &Path, out_dir: &Path) -> Result<PathBuf, String> {
+/// `patch_path` to the files it lists (by path relative to `src_dir`, `/`-separated) and
+/// adding the patch's own files. Files are rewritten only when their text changes.
+pub fn apply(patch_path: &Path, src_dir: &Path, out_dir: &Path) -> Result<Applied, String> {
     let label = patch_path.display().to_string();
     let text = fs::read_to_string(patch_path).map_err(|e| format!("{label}: {e}"))?;
     let patch = Patch::parse(&text).map_err(|e| format!("{label}: {e}"))?;
     patch.check_hunk_files(&label)?;
+    let add_dir = patch_path.with_extension("");
+    let mut added = Vec::new();
+    let mut added_text = Vec::new();
+    for a in &patch.adds {
+        if src_dir.join(&a.name).exists() {
+            return Err(format!("{label}: added file `{}` would replace a file of the pinned source", a.name));
+        }
+        let from = add_dir.join(&a.name);
+        let bytes = fs::read(&from).map_err(|e| format!("{label}: added file {}: {e}", from.display()))?;
+        let dest = out_dir.join(&a.name);
+        if let Some(parent) = dest.parent() {
+            fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        }
+        if fs::read(&dest).map(|old| old != bytes).unwrap_or(true) {
+            fs::write(&dest, &bytes).map_err(|e| format!("{}: {e}", dest.display()))?;
+        }
+        added_text.extend_from_slice(a.name.as_bytes());
+        added_text.push(0);
+        added_text.extend_from_slice(&bytes);
+        added.push(a.name.clone());
+    }
     for f in &patch.files {
         if !src_dir.join(&f.name).is_file() {
             return Err(format!("{label}: the pinned source has no {}", src_dir.join(&f.name).display()));
@@ -119,5 +162,5 @@ pub fn apply(patch_path: &Path, src_dir: &Path, out_dir: &Path) -> Result<PathBu
             }
         }
     }
-    Ok(out_dir.to_path_buf())
+    Ok(Applied { dir: out_dir.to_path_buf(), added, added_text })
 }

@@ -56,8 +56,17 @@ fn the_cpu_variants_are_compiled_from_the_patched_copy() {
     let copy = build_root.join("cc/patched/ggml-cpu");
     let ops = std::fs::read_to_string(copy.join("ops.cpp")).unwrap();
     assert_eq!(ops, patch().apply_to("cpu-speed.toml", "ops.cpp", &pinned_ops()).unwrap());
+    let pinned_c =
+        std::fs::read_to_string(Path::new(ggml_sys::GGML_SOURCE_DIR).join("src/ggml-cpu/ggml-cpu.c")).unwrap();
+    let c = std::fs::read_to_string(copy.join("ggml-cpu.c")).unwrap();
+    assert_eq!(c, patch().apply_to("cpu-speed.toml", "ggml-cpu.c", &pinned_c).unwrap());
+    assert!(c.contains("if (sdrs_f16_amx_mul_mat(params, dst)) {"));
+    // the patch's own file is added as it is
+    let ours = Path::new(env!("CARGO_MANIFEST_DIR")).join("patches/cpu-speed/sdrs-f16-amx.cpp");
+    assert_eq!(std::fs::read(copy.join("sdrs-f16-amx.cpp")).unwrap(), std::fs::read(ours).unwrap());
+    assert_eq!(patch().adds.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["sdrs-f16-amx.cpp"]);
     // the rest of the tree is copied unchanged, subdirectories included
-    for rel in ["ggml-cpu.c", "arch/x86/quants.c", "llamafile/sgemm.cpp"] {
+    for rel in ["ggml-cpu.cpp", "arch/x86/quants.c", "llamafile/sgemm.cpp"] {
         let pinned = std::fs::read(Path::new(ggml_sys::GGML_SOURCE_DIR).join("src/ggml-cpu").join(rel)).unwrap();
         assert_eq!(std::fs::read(copy.join(rel)).unwrap(), pinned, "{rel}");
     }
@@ -70,11 +79,11 @@ fn a_drifted_source_is_refused_with_the_hunk_named() {
     // an anchor that no longer exists (upstream renamed the f16 kernel's buffer)
     let gone = src.replace("ggml_fp16_t * const wdata = (ggml_fp16_t *) dst->data;\n\n        for (int64_t in", "X");
     let err = p.apply_to("cpu-speed.toml", "ops.cpp", &gone).unwrap_err();
-    assert!(err.contains("hunk 4") && err.contains("f16 destination") && err.contains("found it 0 times"), "{err}");
+    assert!(err.contains("hunk 7") && err.contains("f16 destination") && err.contains("found it 0 times"), "{err}");
     // an anchor that now occurs twice
     let twice = format!("{src}\n// ggml_compute_forward_im2col_f32\n");
     let err = p.apply_to("cpu-speed.toml", "ops.cpp", &twice).unwrap_err();
-    assert!(err.contains("hunk 2") && err.contains("found it 2 times"), "{err}");
+    assert!(err.contains("hunk 5") && err.contains("found it 2 times"), "{err}");
     // a second copy of an upstream loop elsewhere in the file
     let more = format!("{src}\n// dst_data[iic*(KH*KW) + {}\n", UPSTREAM_LOOPS[1]);
     let err = p.apply_to("cpu-speed.toml", "ops.cpp", &more).unwrap_err();

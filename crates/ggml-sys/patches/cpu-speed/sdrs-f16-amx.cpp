@@ -1,0 +1,509 @@
+// sd-rs: matrix products with f16 weights on AMX-BF16 tiles, to f16 precision.
+//
+// Added to every CPU variant by patches/cpu-speed.toml ([[add]]); the kernel is compiled
+// only where the variant's flags include AVX-512 BF16 and AMX (the sapphirerapids
+// variant) and runs only when CPUID reports AMX-BF16 and Linux grants the tile state.
+//
+// What it computes. GGML_OP_MUL_MAT with an f16 src0 and an f32 or f16 src1: ggml's own
+// path rounds src1 to f16 (the f16 vec_dot type) and accumulates products of f16 values
+// in f32. Here each f16 value x is split exactly into two bfloat16 values, x = hi + lo:
+// hi is x rounded to bf16's 8 significant bits, and lo = x - hi needs at most 3 more bits,
+// so it is a bf16 too (f16 has 11 significant bits and a narrower exponent range than
+// bf16). Then  w.a = hi(w).hi(a) + hi(w).lo(a) + lo(w).hi(a) + lo(w).lo(a), and every
+// product of two bf16 values is exact in f32. The tile instruction (TDPBF16PS)
+// accumulates such products in f32. The last term is at most 2^-18 of |w.a| and is
+// dropped, so three tile products per step give ggml's f16 product up to f32 rounding
+// and the order of the sum (crates/sd-backends/tests/mul_mat_amx.rs bounds the error
+// against an f64 product of the f16-rounded operands). An f32 src0 (attention's q.k and
+// weights.v) is split the same way without the rounding to f16: hi + lo keeps 16 of an
+// f32's 24 significant bits, so those products are within 2^-16 of the terms' sum.
+//
+// Layout. dst[n][m] = sum_k src1[n][k] * src0[m][k]. Tiles are 16 rows by 64 bytes
+// throughout. One operand (the "P" side) is packed into row-major A tiles (16 rows by 32
+// bf16 along k), the other (the "S" side) into VNNI B tiles (16 pairs of k by 16 columns
+// by 2), which the tile product needs and which cost a transpose to pack. S is src0
+// unless src0 has over twice src1's rows (a convolution's im2col as ggml lays it out);
+// then S is src1, and each C tile is transposed as it is written to dst.
+//
+// Schedule. S is taken in chunks of up to SDRS_NCH rows. All threads pack a chunk (hi
+// and lo, every k) into the work buffer, then wait at a barrier; then each thread takes
+// its range of P row pairs (32 rows), in blocks of SDRS_MB pairs: for each k block of
+// SDRS_KC values, it packs the block's P rows (its own scratch), and for every pair of
+// 16-row tiles of the chunk runs the k steps with four C tiles held in tile registers
+// (two of P by two of S), keeping partial sums in its scratch between k blocks and
+// writing dst after the last. A second barrier guards the chunk buffer before the next.
+// The tile configuration the thread had (ggml's AMX kernels configure once per thread)
+// is saved at entry and restored at exit.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#ifndef SDRS_STANDALONE
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+#endif
+
+extern "C" {
+size_t sdrs_f16_amx_wsize(int64_t m, int64_t n, int64_t k, int nth);
+}
+
+namespace {
+
+constexpr int64_t SDRS_NCH = 512; // S rows packed at a time
+constexpr int64_t SDRS_KC  = 512; // k values per block (16 tile steps)
+constexpr int64_t SDRS_MB  = 8;   // src0 row pairs per block
+constexpr size_t  TILE     = 1024;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1)/m*m; }
+
+struct Layout {
+    int64_t kp, ks, nch, ntile, kc_steps;
+    size_t s_half, per_thread, pbuf, cbuf;
+};
+
+Layout layout(int64_t n, int64_t k) {
+    Layout l;
+    l.kp       = round_up(k, 32);
+    l.ks       = l.kp/32;
+    l.nch      = n < SDRS_NCH ? round_up(n, 32) : SDRS_NCH;
+    l.ntile    = l.nch/16;
+    l.kc_steps = SDRS_KC/32 < l.ks ? SDRS_KC/32 : l.ks;
+    l.s_half   = (size_t) l.ntile*l.ks*TILE;            // hi or lo of one chunk
+    l.pbuf     = (size_t) 2*2*l.kc_steps*TILE;          // 2 tiles of rows, hi and lo
+    l.cbuf     = (size_t) SDRS_MB*(l.nch/32)*4*TILE;    // 4 C tiles per (pair, pair)
+    l.per_thread = l.pbuf + l.cbuf + TILE;
+    return l;
+}
+
+} // namespace
+
+// Whether src1 (n rows) takes the shared chunks, src0 (m rows) being much longer.
+static bool src1_shared(int64_t m, int64_t n) { return m > 2*n; }
+
+// m, n: rows of src0 and src1
+extern "C" size_t sdrs_f16_amx_wsize(int64_t m, int64_t n, int64_t k, int nth) {
+    const Layout l = layout(src1_shared(m, n) ? n : m, k);
+    return 2*l.s_half + (size_t) nth*l.per_thread + 64;
+}
+
+#if defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#define SDRS_HAVE_KERNEL 1
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+
+namespace {
+
+// Tile instructions as asm with a memory clobber (GCC 12's intrinsics have none; see
+// patches/cpu-speed.toml), tile numbers fixed: C in 0-3, src0 tiles in 4-5, src1 in 6-7.
+#define SDRS_TLOAD(t, p)  __asm__ __volatile__("tileloadd (%0,%1,1), %%tmm" #t :: "r"(p), "r"((int64_t) 64) : "memory")
+#define SDRS_TSTORE(t, p) __asm__ __volatile__("tilestored %%tmm" #t ", (%0,%1,1)" :: "r"(p), "r"((int64_t) 64) : "memory")
+#define SDRS_TSTORE_LD(t, p, ld) __asm__ __volatile__("tilestored %%tmm" #t ", (%0,%1,1)" :: "r"(p), "r"((int64_t) (ld)) : "memory")
+#define SDRS_TZERO(t)     __asm__ __volatile__("tilezero %%tmm" #t ::: "memory")
+#define SDRS_TDP(c, a, b) __asm__ __volatile__("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+
+struct alignas(64) TileConfig {
+    uint8_t  palette;
+    uint8_t  start_row;
+    uint8_t  reserved[14];
+    uint16_t colsb[16];
+    uint8_t  rows[16];
+};
+
+bool amx_bf16_usable() {
+    static const bool ok = [] {
+        const char * env = getenv("SD_CPU_AMX_F16");
+        if (env && (strcmp(env, "off") == 0 || strcmp(env, "0") == 0)) {
+            return false;
+        }
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+            return false;
+        }
+        const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+        if (!tile || !bf16) {
+            return false;
+        }
+        // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the tile state is off until asked for
+        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return ok;
+}
+
+// x = hi + lo, both bf16, for 16 values of f16 precision
+inline void split16(__m512 x, __m256i & hi, __m256i & lo) {
+    const __m256i h  = (__m256i) _mm512_cvtneps_pbh(x);
+    const __m512  hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    hi = h;
+    lo = (__m256i) _mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+}
+
+// How a row's values are read: f16; f32 rounded to f16 first (as ggml rounds src1 to the
+// f16 vec_dot type of an f16 src0); f32 as is.
+enum Read { READ_F16 = 0, READ_F32_AS_F16 = 1, READ_F32 = 2 };
+
+// 16 values from a row; `n` < 16 reads that many and zero-fills
+inline __m512 load16(const void * row, int how, int64_t k0, int64_t n) {
+    const __mmask16 m = n >= 16 ? (__mmask16) 0xffff : (__mmask16) ((1u << n) - 1);
+    if (how == READ_F16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *) row + k0);
+        return _mm512_cvtph_ps(h);
+    }
+    const __m512 f = _mm512_maskz_loadu_ps(m, (const float *) row + k0);
+    if (how == READ_F32) {
+        return f;
+    }
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// 32 values from k0 as 16 dwords of bf16 pairs, hi and lo
+inline void pairs32(const void * row, int how, int64_t k0, int64_t k, __m512i & hi, __m512i & lo) {
+    const int64_t left = k - k0;
+    __m256i h0, l0, h1, l1;
+    split16(load16(row, how, k0, left < 0 ? 0 : left), h0, l0);
+    split16(load16(row, how, k0 + 16, left - 16 < 0 ? 0 : left - 16), h1, l1);
+    hi = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+    lo = _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1);
+}
+
+// transposes 16 rows of 16 dwords in place
+inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2*i]     = _mm512_unpacklo_epi32(r[2*i], r[2*i + 1]);
+        t[2*i + 1] = _mm512_unpackhi_epi32(r[2*i], r[2*i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4*i]     = _mm512_unpacklo_epi64(t[4*i],     t[4*i + 2]);
+        r[4*i + 1] = _mm512_unpackhi_epi64(t[4*i],     t[4*i + 2]);
+        r[4*i + 2] = _mm512_unpacklo_epi64(t[4*i + 1], t[4*i + 3]);
+        r[4*i + 3] = _mm512_unpackhi_epi64(t[4*i + 1], t[4*i + 3]);
+    }
+    // r[4i + j] now holds, for rows 4i..4i+3, column j + 4q of each 128-bit lane q
+    for (int j = 0; j < 4; j++) {
+        const __m512i a = r[j], b = r[4 + j], c = r[8 + j], d = r[12 + j];
+        // lanes: (a0 b0 a2 b2), (a1 b1 a3 b3), then combine with c, d
+        const __m512i ab_lo = _mm512_shuffle_i32x4(a, b, 0x88); // a0 a2 b0 b2
+        const __m512i ab_hi = _mm512_shuffle_i32x4(a, b, 0xdd); // a1 a3 b1 b3
+        const __m512i cd_lo = _mm512_shuffle_i32x4(c, d, 0x88);
+        const __m512i cd_hi = _mm512_shuffle_i32x4(c, d, 0xdd);
+        t[j]      = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88); // a0 b0 c0 d0
+        t[8 + j]  = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xdd); // a2 b2 c2 d2
+        t[4 + j]  = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88); // a1 b1 c1 d1
+        t[12 + j] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xdd); // a3 b3 c3 d3
+    }
+    for (int i = 0; i < 16; i++) {
+        r[i] = t[i];
+    }
+}
+
+struct Mat {
+    const char * data;
+    size_t       ld; // bytes between rows
+    int64_t      rows;
+    int          how; // enum Read
+};
+
+// src1 rows [n0, n0 + nch) into VNNI tiles, hi then lo: tile (nt, ks) at (nt*ks_n + ks)*TILE.
+// Threads split the 16-row tiles.
+void pack_s(const Mat & s, int64_t n0, int64_t k, const Layout & l, char * hi, char * lo, int ith, int nth) {
+    const int64_t nt0 = l.ntile*ith/nth, nt1 = l.ntile*(ith + 1)/nth;
+    for (int64_t nt = nt0; nt < nt1; nt++) {
+        const char * rows[16];
+        bool         live[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t n = n0 + nt*16 + r;
+            live[r] = n < s.rows;
+            rows[r] = live[r] ? s.data + n*s.ld : nullptr;
+        }
+        for (int64_t ks = 0; ks < l.ks; ks++) {
+            __m512i h[16], o[16];
+            for (int r = 0; r < 16; r++) {
+                if (live[r]) {
+                    pairs32(rows[r], s.how, ks*32, k, h[r], o[r]);
+                } else {
+                    h[r] = o[r] = _mm512_setzero_si512();
+                }
+            }
+            transpose16(h);
+            transpose16(o);
+            char * th = hi + (nt*l.ks + ks)*TILE;
+            char * tl = lo + (nt*l.ks + ks)*TILE;
+            for (int r = 0; r < 16; r++) {
+                _mm512_store_si512((__m512i *) (th + 64*r), h[r]);
+                _mm512_store_si512((__m512i *) (tl + 64*r), o[r]);
+            }
+        }
+    }
+}
+
+// src0 rows [m0, m0 + 32), k steps [ks0, ks0 + nks) into row-major tiles:
+// tile (half, hl, step) at ((half*2 + hl)*kc_steps + step)*TILE
+void pack_p(const Mat & p, int64_t m0, int64_t ks0, int64_t nks, int64_t k, const Layout & l, char * buf) {
+    for (int half = 0; half < 2; half++) {
+        for (int r = 0; r < 16; r++) {
+            const int64_t m = m0 + half*16 + r;
+            for (int64_t s = 0; s < nks; s++) {
+                __m512i h, o;
+                if (m < p.rows) {
+                    pairs32(p.data + m*p.ld, p.how, (ks0 + s)*32, k, h, o);
+                } else {
+                    h = o = _mm512_setzero_si512();
+                }
+                _mm512_store_si512((__m512i *) (buf + ((half*2 + 0)*l.kc_steps + s)*TILE + 64*r), h);
+                _mm512_store_si512((__m512i *) (buf + ((half*2 + 1)*l.kc_steps + s)*TILE + 64*r), o);
+            }
+        }
+    }
+}
+
+// C tile (16 rows of 16 f32, 64-byte rows, at c) into dst rows r0.., columns c0.., within
+// bounds
+void store_partial(const float * c, float * dst, size_t ldd, int64_t r0, int64_t c0, int64_t r_end, int64_t c_end) {
+    const int64_t cv = c_end - c0 < 16 ? c_end - c0 : 16;
+    const __mmask16 mask = (__mmask16) ((1u << cv) - 1);
+    for (int i = 0; i < 16 && r0 + i < r_end; i++) {
+        float * row = (float *) ((char *) dst + (r0 + i)*ldd) + c0;
+        _mm512_mask_storeu_ps(row, mask, _mm512_loadu_ps(c + 16*i));
+    }
+}
+
+// C tile (16 rows of 16 f32 at c) transposed into dst: c[i][j] to dst row r0 + j,
+// column c0 + i, within bounds
+void store_transposed(const float * c, float * dst, size_t ldd, int64_t c0, int64_t r0, int64_t c_end, int64_t r_end) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) {
+        r[i] = _mm512_load_si512((const __m512i *) (c + 16*i));
+    }
+    transpose16(r);
+    const int64_t cv = c_end - c0 < 16 ? c_end - c0 : 16;
+    const __mmask16 mask = (__mmask16) ((1u << cv) - 1);
+    for (int j = 0; j < 16 && r0 + j < r_end; j++) {
+        float * row = (float *) ((char *) dst + (r0 + j)*ldd) + c0;
+        _mm512_mask_storeu_ps(row, mask, _mm512_castsi512_ps(r[j]));
+    }
+}
+
+using Barrier = void (*)(void *);
+
+// One product (one batch): c[i][j] = sum_k p[i][k] s[j][k], written to dst[i][j] (row i at
+// dst + i*ldd), or to dst[j][i] when `transposed`. ggml's dst[n][m] = sum_k src1[n][k]
+// src0[m][k] is p = src1, s = src0, or p = src0, s = src1 transposed: s is the side packed
+// in shared chunks (VNNI, the costlier packing), best the one with fewer rows.
+void gemm(const Mat & p, const Mat & s, int64_t k, float * dst, size_t ldd, bool transposed, char * wdata, int ith,
+          int nth, Barrier barrier, void * bctx) {
+    const Layout l  = layout(s.rows, k);
+    char * s_hi     = (char *) (((uintptr_t) wdata + 63) & ~(uintptr_t) 63);
+    char * s_lo     = s_hi + l.s_half;
+    char * mine     = s_lo + l.s_half + (size_t) ith*l.per_thread;
+    char * pbuf     = mine;
+    char * cbuf     = mine + l.pbuf;
+    float * ctmp    = (float *) (cbuf + l.cbuf);
+
+    const int64_t pairs = (p.rows + 31)/32;
+    const int64_t mp0 = pairs*ith/nth, mp1 = pairs*(ith + 1)/nth;
+
+    for (int64_t n0 = 0; n0 < s.rows; n0 += l.nch) {
+        const int64_t nch    = s.rows - n0 < l.nch ? s.rows - n0 : l.nch;
+        const int64_t npairs = (nch + 31)/32;
+        pack_s(s, n0, k, l, s_hi, s_lo, ith, nth);
+        barrier(bctx);
+        for (int64_t mb = mp0; mb < mp1; mb += SDRS_MB) {
+            const int64_t mb1 = mb + SDRS_MB < mp1 ? mb + SDRS_MB : mp1;
+            for (int64_t ks0 = 0; ks0 < l.ks; ks0 += l.kc_steps) {
+                const int64_t nks   = l.ks - ks0 < l.kc_steps ? l.ks - ks0 : l.kc_steps;
+                const bool    first = ks0 == 0, last = ks0 + nks >= l.ks;
+                for (int64_t mp = mb; mp < mb1; mp++) {
+                    pack_p(p, mp*32, ks0, nks, k, l, pbuf);
+                    const char * ph0 = pbuf + (0*l.kc_steps)*TILE;
+                    const char * pl0 = pbuf + (1*l.kc_steps)*TILE;
+                    const char * ph1 = pbuf + (2*l.kc_steps)*TILE;
+                    const char * pl1 = pbuf + (3*l.kc_steps)*TILE;
+                    for (int64_t np = 0; np < npairs; np++) {
+                        char * cs = cbuf + ((mp - mb)*(l.nch/32) + np)*4*TILE;
+                        if (first) {
+                            SDRS_TZERO(0); SDRS_TZERO(1); SDRS_TZERO(2); SDRS_TZERO(3);
+                        } else {
+                            SDRS_TLOAD(0, cs); SDRS_TLOAD(1, cs + TILE); SDRS_TLOAD(2, cs + 2*TILE); SDRS_TLOAD(3, cs + 3*TILE);
+                        }
+                        const char * sh0 = s_hi + ((2*np)*l.ks + ks0)*TILE;
+                        const char * sh1 = s_hi + ((2*np + 1)*l.ks + ks0)*TILE;
+                        const char * sl0 = s_lo + ((2*np)*l.ks + ks0)*TILE;
+                        const char * sl1 = s_lo + ((2*np + 1)*l.ks + ks0)*TILE;
+                        for (int64_t t = 0; t < nks; t++) {
+                            const size_t o = (size_t) t*TILE;
+                            SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
+                            SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
+                            SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                            SDRS_TLOAD(6, sl0 + o); SDRS_TLOAD(7, sl1 + o);
+                            SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                            SDRS_TLOAD(4, pl0 + o); SDRS_TLOAD(5, pl1 + o);
+                            SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
+                            SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                        }
+                        if (!last) {
+                            SDRS_TSTORE(0, cs); SDRS_TSTORE(1, cs + TILE); SDRS_TSTORE(2, cs + 2*TILE); SDRS_TSTORE(3, cs + 3*TILE);
+                            continue;
+                        }
+                        // tile (i, j): rows p_a + 16i of the output, columns s_a + 16j
+                        const int64_t p_a = mp*32, s_a = n0 + np*32;
+                        const int64_t p_end = p.rows, s_end = n0 + nch;
+                        if (transposed) {
+                            SDRS_TSTORE(0, ctmp); store_transposed(ctmp, dst, ldd, p_a, s_a, p_end, s_end);
+                            if (s_a + 16 < s_end) { SDRS_TSTORE(1, ctmp); store_transposed(ctmp, dst, ldd, p_a, s_a + 16, p_end, s_end); }
+                            if (p_a + 16 < p_end) {
+                                SDRS_TSTORE(2, ctmp); store_transposed(ctmp, dst, ldd, p_a + 16, s_a, p_end, s_end);
+                                if (s_a + 16 < s_end) { SDRS_TSTORE(3, ctmp); store_transposed(ctmp, dst, ldd, p_a + 16, s_a + 16, p_end, s_end); }
+                            }
+                            continue;
+                        }
+                        const bool full = p_a + 32 <= p_end && s_a + 32 <= s_end;
+                        if (full) {
+                            char * d = (char *) dst + p_a*ldd + s_a*sizeof(float);
+                            SDRS_TSTORE_LD(0, d, ldd);
+                            SDRS_TSTORE_LD(1, d + 16*sizeof(float), ldd);
+                            SDRS_TSTORE_LD(2, d + 16*ldd, ldd);
+                            SDRS_TSTORE_LD(3, d + 16*ldd + 16*sizeof(float), ldd);
+                            continue;
+                        }
+                        SDRS_TSTORE(0, ctmp); store_partial(ctmp, dst, ldd, p_a, s_a, p_end, s_end);
+                        if (s_a + 16 < s_end) { SDRS_TSTORE(1, ctmp); store_partial(ctmp, dst, ldd, p_a, s_a + 16, p_end, s_end); }
+                        if (p_a + 16 < p_end) {
+                            SDRS_TSTORE(2, ctmp); store_partial(ctmp, dst, ldd, p_a + 16, s_a, p_end, s_end);
+                            if (s_a + 16 < s_end) { SDRS_TSTORE(3, ctmp); store_partial(ctmp, dst, ldd, p_a + 16, s_a + 16, p_end, s_end); }
+                        }
+                    }
+                }
+            }
+        }
+        barrier(bctx);
+    }
+}
+
+// Loads this kernel's tile configuration; returns the one the thread had.
+void tiles_enter(TileConfig & saved) {
+    __asm__ __volatile__("sttilecfg %0" : "=m"(saved) :: "memory");
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i]  = 16;
+        c.colsb[i] = 64;
+    }
+    __asm__ __volatile__("ldtilecfg %0" :: "m"(c) : "memory");
+}
+
+void tiles_leave(const TileConfig & saved) {
+    if (saved.palette != 0) {
+        __asm__ __volatile__("ldtilecfg %0" :: "m"(saved) : "memory");
+    } else {
+        __asm__ __volatile__("tilerelease" ::: "memory");
+    }
+}
+
+} // namespace
+
+#pragma GCC pop_options
+#endif
+
+#ifdef SDRS_STANDALONE
+// test entry: one product on one thread
+extern "C" int sdrs_f16_amx_standalone(const void * p, size_t ldp, int64_t m, int p_f16, const void * s, size_t lds,
+                                        int64_t n, int s_f16, int64_t k, float * dst, size_t ldd, void * wdata) {
+#ifdef SDRS_HAVE_KERNEL
+    if (!amx_bf16_usable()) return 0;
+    TileConfig saved;
+    tiles_enter(saved);
+    // p: the weights (rows m), s: the activations (rows n), as src0 and src1
+    Mat w{(const char *) p, ldp, m, p_f16 ? READ_F16 : READ_F32}, a{(const char *) s, lds, n, s_f16 ? READ_F16 : (p_f16 ? READ_F32_AS_F16 : READ_F32)};
+    if (src1_shared(m, n)) {
+        gemm(w, a, k, dst, ldd, true, (char *) wdata, 0, 1, [](void *) {}, nullptr);
+    } else {
+        gemm(a, w, k, dst, ldd, false, (char *) wdata, 0, 1, [](void *) {}, nullptr);
+    }
+    tiles_leave(saved);
+    return 1;
+#else
+    return 0;
+#endif
+}
+#else
+
+// Whether this kernel computes `dst` (a GGML_OP_MUL_MAT); the same answer on every thread.
+extern "C" bool sdrs_f16_amx_applies(const struct ggml_tensor * dst) {
+#ifdef SDRS_HAVE_KERNEL
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    const bool types = (src0->type == GGML_TYPE_F16 || src0->type == GGML_TYPE_F32) &&
+                       (src1->type == GGML_TYPE_F32 || src1->type == GGML_TYPE_F16);
+    if (!types) {
+        return false;
+    }
+    if (dst->type != GGML_TYPE_F32 || src0->nb[0] != ggml_type_size(src0->type) ||
+        src1->nb[0] != ggml_type_size(src1->type) || dst->nb[0] != sizeof(float)) {
+        return false;
+    }
+    // small products stay on ggml's kernels (a 32x32 tile block would be mostly padding)
+    if (src0->ne[1] < 32 || src1->ne[1] < 16 || src0->ne[0] < 16) {
+        return false;
+    }
+    return amx_bf16_usable();
+#else
+    (void) dst;
+    return false;
+#endif
+}
+
+extern "C" size_t sdrs_f16_amx_node_wsize(const struct ggml_tensor * dst, int n_tasks) {
+    if (!sdrs_f16_amx_applies(dst)) {
+        return 0;
+    }
+    return sdrs_f16_amx_wsize(dst->src[0]->ne[1], dst->src[1]->ne[1], dst->src[0]->ne[0], n_tasks);
+}
+
+// Computes `dst` if sdrs_f16_amx_applies(dst); every thread of the op calls it.
+extern "C" bool sdrs_f16_amx_mul_mat(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+#ifdef SDRS_HAVE_KERNEL
+    if (params->use_ref || !sdrs_f16_amx_applies(dst)) {
+        return false;
+    }
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    const int64_t k = src0->ne[0];
+    if (params->wsize < sdrs_f16_amx_wsize(src0->ne[1], src1->ne[1], k, params->nth)) {
+        return false; // planned without this kernel (cannot happen when the plan saw it)
+    }
+    const int64_t r2 = src1->ne[2]/src0->ne[2], r3 = src1->ne[3]/src0->ne[3];
+    // ggml rounds an f32 src1 to f16 for an f16 src0 (its vec_dot type), and reads it as
+    // f32 for an f32 src0
+    const int p_how = src0->type == GGML_TYPE_F16 ? READ_F16 : READ_F32;
+    const int s_how = src1->type == GGML_TYPE_F16 ? READ_F16 : (p_how == READ_F16 ? READ_F32_AS_F16 : READ_F32);
+    TileConfig saved;
+    tiles_enter(saved);
+    for (int64_t i13 = 0; i13 < src1->ne[3]; i13++) {
+        for (int64_t i12 = 0; i12 < src1->ne[2]; i12++) {
+            const Mat p{(const char *) src0->data + (i12/r2)*src0->nb[2] + (i13/r3)*src0->nb[3], src0->nb[1], src0->ne[1],
+                        p_how};
+            const Mat s{(const char *) src1->data + i12*src1->nb[2] + i13*src1->nb[3], src1->nb[1], src1->ne[1], s_how};
+            float * d = (float *) ((char *) dst->data + i12*dst->nb[2] + i13*dst->nb[3]);
+            const bool t = src1_shared(p.rows, s.rows);
+            gemm(t ? p : s, t ? s : p, k, d, dst->nb[1], t, (char *) params->wdata, params->ith, params->nth,
+                 [](void * tp) { ggml_barrier((struct ggml_threadpool *) tp); }, params->threadpool);
+        }
+    }
+    tiles_leave(saved);
+    return true;
+#else
+    (void) params;
+    (void) dst;
+    return false;
+#endif
+}
+#endif

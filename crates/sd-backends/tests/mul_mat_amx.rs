@@ -1,0 +1,195 @@
+//! Matrix products of the CPU plugin with f16 and f32 operands, where this project's AMX
+//! kernel (`crates/ggml-sys/patches/cpu-speed/sdrs-f16-amx.cpp`) takes them on a CPU with
+//! AMX-BF16 and ggml's own kernels elsewhere: random shapes (edges of the 16- and 32-row
+//! tiles, k not a multiple of 32, broadcast batches, strided rows), 1 to 4 threads, every
+//! output compared with an f64 product of the operands as ggml reads them (an f32 src1
+//! rounded to f16 for an f16 src0). The bound is f32 accumulation's, plus what the kernel's
+//! bf16 splits leave (a wrong tile, row or batch is off by the size of the terms).
+
+use std::path::PathBuf;
+
+use sd_backends::{Backend, Context, GgmlType, GraphAllocator, PluginRegistry, PluginSearch};
+
+mod common;
+use common::{f16_to_f32, f32_to_f16};
+
+const F32: GgmlType = GgmlType::GGML_TYPE_F32;
+const F16: GgmlType = GgmlType::GGML_TYPE_F16;
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn int(&mut self, lo: i64, hi: i64) -> i64 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i64
+    }
+
+    /// Uniform in [-1, 1), times a scale drawn per call site.
+    fn val(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    m: i64,
+    n: i64,
+    k: i64,
+    /// src0's batch; src1's is `b0 * r2`
+    b0: i64,
+    r2: i64,
+    src0: GgmlType,
+    src1: GgmlType,
+    /// src0 rows this many values apart (>= k: a strided view)
+    ld0: i64,
+    threads: usize,
+}
+
+fn cpu() -> Backend {
+    let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
+    Backend::new(reg.device("cpu").expect("the CPU plugin is built with ggml-sys")).unwrap()
+}
+
+/// Values as ggml reads them, and their bytes in the tensor's type.
+fn values(n: usize, ty: GgmlType, scale: f32, rng: &mut Rng) -> (Vec<f64>, Vec<u8>) {
+    let mut vals = Vec::with_capacity(n);
+    let mut bytes = Vec::with_capacity(n * 4);
+    for _ in 0..n {
+        // some exact zeros and some small values among the rest
+        let v = match rng.int(0, 9) {
+            0 => 0.0,
+            1 => rng.val() * scale * 1e-3,
+            _ => rng.val() * scale,
+        };
+        if ty == F16 {
+            let h = f32_to_f16(v);
+            vals.push(f16_to_f32(h) as f64);
+            bytes.extend_from_slice(&h.to_le_bytes());
+        } else {
+            vals.push(v as f64);
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    (vals, bytes)
+}
+
+fn check(backend: &Backend, c: &Case, rng: &mut Rng) {
+    let (s0, s1) = (0.05 + rng.int(0, 40) as f32 * 0.1, 0.1 + rng.int(0, 30) as f32 * 0.1);
+    // src0 stored with rows ld0 apart, viewed as [k, m, b0]
+    let (w_vals, w_bytes) = values((c.ld0 * c.m * c.b0) as usize, c.src0, s0, rng);
+    let nb1 = c.n * c.b0 * c.r2;
+    let (a_vals, a_bytes) = values((c.k * nb1) as usize, c.src1, s1, rng);
+    let params = Context::for_tensors(2).unwrap();
+    let w_store = params.new_tensor(c.src0, &[c.ld0, c.m, c.b0]);
+    let a = params.new_tensor(c.src1, &[c.k, c.n, c.b0 * c.r2]);
+    let buft = backend.device().buffer_type();
+    // SAFETY: `_buf` lives to the end of the function, past every use of the tensors.
+    let _buf = unsafe { buft.alloc_ctx_tensors(&params) }.unwrap().unwrap();
+    w_store.set_bytes(&w_bytes).unwrap();
+    a.set_bytes(&a_bytes).unwrap();
+
+    let g = Context::for_graph(4, 4).unwrap();
+    let es = if c.src0 == F16 { 2 } else { 4 };
+    let row = (c.ld0 * es) as usize;
+    let w = g.view(w_store, [c.k, c.m, c.b0, 1], [row, row * c.m as usize, row * (c.m * c.b0) as usize], 0);
+    let y = g.mul_mat(w, a);
+    y.set_output();
+    let graph = g.new_graph(4);
+    graph.expand(y);
+    let mut alloc = GraphAllocator::new(buft);
+    // SAFETY: `alloc` lives to the end of the function, past every use of the graph's data.
+    unsafe { alloc.alloc_graph(&graph) }.unwrap();
+    backend.set_threads(c.threads);
+    backend.compute(&graph).unwrap();
+    assert_eq!(y.shape(), [c.m, c.n, c.b0 * c.r2, 1], "{c:?}");
+    let got = y.get_f32().unwrap();
+
+    // ggml rounds an f32 src1 to f16 for an f16 src0
+    let round_a = c.src0 == F16 && c.src1 == F32;
+    // f32 accumulation over k terms; the kernel's dropped lo.lo products (at most 2^-18 of
+    // each term) and its split of f32 operands (16 of their 24 significant bits)
+    let rel = 8e-6 + c.k as f64 * 6e-8 + if c.src0 == F32 { 3e-5 } else { 0.0 };
+    for b in 0..c.b0 * c.r2 {
+        let wb = b / c.r2;
+        for n in 0..c.n {
+            for m in 0..c.m {
+                let (mut sum, mut mag) = (0.0f64, 0.0f64);
+                for k in 0..c.k {
+                    let wv = w_vals[((wb * c.m + m) * c.ld0 + k) as usize];
+                    let mut av = a_vals[((b * c.n + n) * c.k + k) as usize];
+                    if round_a {
+                        av = f16_to_f32(f32_to_f16(av as f32)) as f64;
+                    }
+                    sum += wv * av;
+                    mag += (wv * av).abs();
+                }
+                let v = got[((b * c.n + n) * c.m + m) as usize] as f64;
+                assert!(
+                    (v - sum).abs() <= rel * mag + 1e-30,
+                    "{c:?}: batch {b}, row {n}, column {m}: {v}, want {sum} (sum of |terms| {mag})"
+                );
+            }
+        }
+    }
+}
+
+fn random_case(rng: &mut Rng) -> Case {
+    let (src0, src1) = [(F16, F32), (F16, F16), (F32, F32), (F32, F16)][rng.int(0, 3) as usize];
+    // near the tile edges (16, 32) and the kernel's thresholds, or anywhere
+    let dim = |rng: &mut Rng, hi: i64| match rng.int(0, 2) {
+        0 => 16 * rng.int(1, 6) + rng.int(-1, 1),
+        _ => rng.int(1, hi),
+    };
+    let k = match rng.int(0, 3) {
+        0 => 32 * rng.int(1, 20) + rng.int(-1, 1), // a k block is 512: some cross it
+        1 => 40,                                   // a UNet attention head
+        _ => rng.int(1, 200),
+    };
+    let k = k.max(1);
+    let b0 = rng.int(1, 3);
+    Case {
+        m: dim(rng, 160).max(1),
+        n: dim(rng, 130).max(1),
+        k,
+        b0,
+        r2: rng.int(1, 2),
+        src0,
+        src1,
+        ld0: k + if rng.int(0, 3) == 0 { rng.int(1, 9) } else { 0 },
+        threads: rng.int(1, 4) as usize,
+    }
+}
+
+#[test]
+fn f16_and_f32_products_match_an_f64_product_on_random_shapes() {
+    let backend = cpu();
+    let mut rng = Rng(0x00a3_1f16);
+    for _ in 0..120 {
+        let c = random_case(&mut rng);
+        check(&backend, &c, &mut rng);
+    }
+}
+
+#[test]
+fn large_products_of_the_models_shapes_match() {
+    // a UNet conv as ggml lays it out (im2col as src0), a linear layer, attention's q.k
+    let backend = cpu();
+    let mut rng = Rng(0x0bad_cafe);
+    for (m, n, k, src0, src1, b0) in [
+        (2048, 320, 2880, F16, F16, 1),
+        (320, 1024, 1280, F16, F32, 1),
+        (300, 77, 40, F32, F32, 4),
+        (600, 530, 1100, F16, F32, 1),
+    ] {
+        let c = Case { m, n, k, b0, r2: 1, src0, src1, ld0: k, threads: 2 };
+        check(&backend, &c, &mut rng);
+    }
+}

@@ -337,16 +337,35 @@ void gemm(const Mat & p, const Mat & s, int64_t k, float * dst, size_t ldd, bool
                         const char * sh1 = s_hi + ((2*np + 1)*l.ks + ks0)*TILE;
                         const char * sl0 = s_lo + ((2*np)*l.ks + ks0)*TILE;
                         const char * sl1 = s_lo + ((2*np + 1)*l.ks + ks0)*TILE;
-                        for (int64_t t = 0; t < nks; t++) {
-                            const size_t o = (size_t) t*TILE;
-                            SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
-                            SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
-                            SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                            SDRS_TLOAD(6, sl0 + o); SDRS_TLOAD(7, sl1 + o);
-                            SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                            SDRS_TLOAD(4, pl0 + o); SDRS_TLOAD(5, pl1 + o);
-                            SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
-                            SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                        // The three products are summed in one order of src0's and src1's
+                        // parts, hi.hi, then src0 hi by src1 lo, then src0 lo by src1 hi,
+                        // whichever side P is: each output's arithmetic is then the same
+                        // for any split of src0's rows (a row split over devices) and any
+                        // thread count, so placements give the same bits.
+                        if (transposed) { // P is src0
+                            for (int64_t t = 0; t < nks; t++) {
+                                const size_t o = (size_t) t*TILE;
+                                SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
+                                SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
+                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                                SDRS_TLOAD(6, sl0 + o); SDRS_TLOAD(7, sl1 + o);
+                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                                SDRS_TLOAD(4, pl0 + o); SDRS_TLOAD(5, pl1 + o);
+                                SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
+                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                            }
+                        } else { // P is src1
+                            for (int64_t t = 0; t < nks; t++) {
+                                const size_t o = (size_t) t*TILE;
+                                SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
+                                SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
+                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                                SDRS_TLOAD(4, pl0 + o); SDRS_TLOAD(5, pl1 + o);
+                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                                SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
+                                SDRS_TLOAD(6, sl0 + o); SDRS_TLOAD(7, sl1 + o);
+                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
+                            }
                         }
                         if (!last) {
                             SDRS_TSTORE(0, cs); SDRS_TSTORE(1, cs + TILE); SDRS_TSTORE(2, cs + 2*TILE); SDRS_TSTORE(3, cs + 3*TILE);
@@ -450,8 +469,10 @@ extern "C" bool sdrs_f16_amx_applies(const struct ggml_tensor * dst) {
         src1->nb[0] != ggml_type_size(src1->type) || dst->nb[0] != sizeof(float)) {
         return false;
     }
-    // small products stay on ggml's kernels (a 32x32 tile block would be mostly padding)
-    if (src0->ne[1] < 32 || src1->ne[1] < 16 || src0->ne[0] < 16) {
+    // products of few activation rows or a short k stay on ggml's kernels (a 32x32 tile
+    // block would be mostly padding). No bound on src0's rows: a row split over devices
+    // cuts those, and each share must take the same kernel as the whole.
+    if (src1->ne[1] < 16 || src0->ne[0] < 16) {
         return false;
     }
     return amx_bf16_usable();

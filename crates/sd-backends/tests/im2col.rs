@@ -3,33 +3,13 @@
 //! 1/2, padding 0/1/2, dilation 1/2, batch 1/2, 1-D and 2-D), f32 and f16 inputs, f32 and f16
 //! destinations, 1 to 4 threads, each output compared bit for bit through the real plugin.
 
-use std::path::PathBuf;
-
-use sd_backends::{Backend, Context, GgmlType, GraphAllocator, PluginRegistry, PluginSearch};
+use sd_backends::{Backend, Context, GgmlType, GraphAllocator};
 
 mod common;
-use common::{f16_to_f32, f32_to_f16};
+use common::{cpu, f16_to_f32, f32_to_f16, Rng};
 
 const F32: GgmlType = GgmlType::GGML_TYPE_F32;
 const F16: GgmlType = GgmlType::GGML_TYPE_F16;
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn int(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -136,11 +116,6 @@ fn from_bytes(bytes: &[u8], ty: GgmlType) -> Vec<u32> {
     } else {
         bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
-}
-
-fn cpu() -> Backend {
-    let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
-    Backend::new(reg.device("cpu").expect("the CPU plugin is built with ggml-sys")).unwrap()
 }
 
 /// Runs `c` through ggml's im2col on `backend` and compares with [`reference`].

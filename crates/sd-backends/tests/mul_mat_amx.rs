@@ -6,37 +6,13 @@
 //! rounded to f16 for an f16 src0). The bound is f32 accumulation's, plus what the kernel's
 //! bf16 splits leave (a wrong tile, row or batch is off by the size of the terms).
 
-use std::path::PathBuf;
-
-use sd_backends::{Backend, Context, GgmlType, GraphAllocator, PluginRegistry, PluginSearch};
+use sd_backends::{Backend, Context, GgmlType, GraphAllocator};
 
 mod common;
-use common::{f16_to_f32, f32_to_f16};
+use common::{cpu, f16_to_f32, f32_to_f16, Rng};
 
 const F32: GgmlType = GgmlType::GGML_TYPE_F32;
 const F16: GgmlType = GgmlType::GGML_TYPE_F16;
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn int(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-
-    /// Uniform in [-1, 1), times a scale drawn per call site.
-    fn val(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -51,11 +27,6 @@ struct Case {
     /// src0 rows this many values apart (>= k: a strided view)
     ld0: i64,
     threads: usize,
-}
-
-fn cpu() -> Backend {
-    let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
-    Backend::new(reg.device("cpu").expect("the CPU plugin is built with ggml-sys")).unwrap()
 }
 
 /// Values as ggml reads them, and their bytes in the tensor's type.
@@ -81,25 +52,29 @@ fn values(n: usize, ty: GgmlType, scale: f32, rng: &mut Rng) -> (Vec<f64>, Vec<u
     (vals, bytes)
 }
 
-fn check(backend: &Backend, c: &Case, rng: &mut Rng) {
-    let (s0, s1) = (0.05 + rng.int(0, 40) as f32 * 0.1, 0.1 + rng.int(0, 30) as f32 * 0.1);
-    // src0 stored with rows ld0 apart, viewed as [k, m, b0]
-    let (w_vals, w_bytes) = values((c.ld0 * c.m * c.b0) as usize, c.src0, s0, rng);
-    let nb1 = c.n * c.b0 * c.r2;
-    let (a_vals, a_bytes) = values((c.k * nb1) as usize, c.src1, s1, rng);
+/// The product of src0's rows `rows` (of each of its `b0` batches, stored `ld0` values
+/// apart) by src1, computed on `threads` threads: the output's shape and values.
+fn product(
+    backend: &Backend,
+    c: &Case,
+    w_bytes: &[u8],
+    a_bytes: &[u8],
+    rows: std::ops::Range<i64>,
+    threads: usize,
+) -> ([i64; 4], Vec<f32>) {
     let params = Context::for_tensors(2).unwrap();
     let w_store = params.new_tensor(c.src0, &[c.ld0, c.m, c.b0]);
     let a = params.new_tensor(c.src1, &[c.k, c.n, c.b0 * c.r2]);
     let buft = backend.device().buffer_type();
     // SAFETY: `_buf` lives to the end of the function, past every use of the tensors.
     let _buf = unsafe { buft.alloc_ctx_tensors(&params) }.unwrap().unwrap();
-    w_store.set_bytes(&w_bytes).unwrap();
-    a.set_bytes(&a_bytes).unwrap();
-
+    w_store.set_bytes(w_bytes).unwrap();
+    a.set_bytes(a_bytes).unwrap();
     let g = Context::for_graph(4, 4).unwrap();
-    let es = if c.src0 == F16 { 2 } else { 4 };
-    let row = (c.ld0 * es) as usize;
-    let w = g.view(w_store, [c.k, c.m, c.b0, 1], [row, row * c.m as usize, row * (c.m * c.b0) as usize], 0);
+    let row = (c.ld0 * if c.src0 == F16 { 2 } else { 4 }) as usize;
+    let (m, b0) = (c.m as usize, c.b0 as usize);
+    let share = rows.end - rows.start;
+    let w = g.view(w_store, [c.k, share, c.b0, 1], [row, row * m, row * m * b0], row * rows.start as usize);
     let y = g.mul_mat(w, a);
     y.set_output();
     let graph = g.new_graph(4);
@@ -107,10 +82,18 @@ fn check(backend: &Backend, c: &Case, rng: &mut Rng) {
     let mut alloc = GraphAllocator::new(buft);
     // SAFETY: `alloc` lives to the end of the function, past every use of the graph's data.
     unsafe { alloc.alloc_graph(&graph) }.unwrap();
-    backend.set_threads(c.threads);
+    backend.set_threads(threads);
     backend.compute(&graph).unwrap();
-    assert_eq!(y.shape(), [c.m, c.n, c.b0 * c.r2, 1], "{c:?}");
-    let got = y.get_f32().unwrap();
+    (y.shape(), y.get_f32().unwrap())
+}
+
+fn check(backend: &Backend, c: &Case, rng: &mut Rng) {
+    let (s0, s1) = (0.05 + rng.int(0, 40) as f32 * 0.1, 0.1 + rng.int(0, 30) as f32 * 0.1);
+    // src0 stored with rows ld0 apart, viewed as [k, m, b0]
+    let (w_vals, w_bytes) = values((c.ld0 * c.m * c.b0) as usize, c.src0, s0, rng);
+    let (a_vals, a_bytes) = values((c.k * c.n * c.b0 * c.r2) as usize, c.src1, s1, rng);
+    let (shape, got) = product(backend, c, &w_bytes, &a_bytes, 0..c.m, c.threads);
+    assert_eq!(shape, [c.m, c.n, c.b0 * c.r2, 1], "{c:?}");
 
     // ggml rounds an f32 src1 to f16 for an f16 src0
     let round_a = c.src0 == F16 && c.src1 == F32;
@@ -194,44 +177,6 @@ fn large_products_of_the_models_shapes_match() {
     }
 }
 
-/// The product of `w`'s rows `rows` (a view) by `a`, computed on `threads` threads.
-fn product_bits(
-    backend: &Backend,
-    c: &Case,
-    w_bytes: &[u8],
-    a_bytes: &[u8],
-    rows: std::ops::Range<i64>,
-    threads: usize,
-) -> Vec<u32> {
-    let params = Context::for_tensors(2).unwrap();
-    let w_store = params.new_tensor(c.src0, &[c.k, c.m]);
-    let a = params.new_tensor(c.src1, &[c.k, c.n]);
-    let buft = backend.device().buffer_type();
-    // SAFETY: `_buf` lives to the end of the function, past every use of the tensors.
-    let _buf = unsafe { buft.alloc_ctx_tensors(&params) }.unwrap().unwrap();
-    w_store.set_bytes(w_bytes).unwrap();
-    a.set_bytes(a_bytes).unwrap();
-    let g = Context::for_graph(4, 4).unwrap();
-    let row = (c.k * if c.src0 == F16 { 2 } else { 4 }) as usize;
-    let share = rows.end - rows.start;
-    let w = g.view(
-        w_store,
-        [c.k, share, 1, 1],
-        [row, row * share as usize, row * share as usize],
-        row * rows.start as usize,
-    );
-    let y = g.mul_mat(w, a);
-    y.set_output();
-    let graph = g.new_graph(4);
-    graph.expand(y);
-    let mut alloc = GraphAllocator::new(buft);
-    // SAFETY: `alloc` lives to the end of the function, past every use of the graph's data.
-    unsafe { alloc.alloc_graph(&graph) }.unwrap();
-    backend.set_threads(threads);
-    backend.compute(&graph).unwrap();
-    y.get_f32().unwrap().iter().map(|v| v.to_bits()).collect()
-}
-
 #[test]
 fn a_row_split_and_any_thread_count_give_the_same_bits() {
     // A row split over devices computes shares of src0's rows apart; the placement tests
@@ -240,22 +185,21 @@ fn a_row_split_and_any_thread_count_give_the_same_bits() {
     // small shares the tile edges.
     let backend = cpu();
     let mut rng = Rng(0x5eed_5eed);
+    let bits = |b: &Backend, c: &Case, w: &[u8], a: &[u8], rows, threads| -> Vec<u32> {
+        product(b, c, w, a, rows, threads).1.iter().map(|v| v.to_bits()).collect()
+    };
     for (src0, src1) in [(F16, F32), (F16, F16), (F32, F32)] {
         let c = Case { m: 100, n: 40, k: 600, b0: 1, r2: 1, src0, src1, ld0: 600, threads: 2 };
         let (_, w_bytes) = values((c.k * c.m) as usize, src0, 0.5, &mut rng);
         let (_, a_bytes) = values((c.k * c.n) as usize, src1, 2.0, &mut rng);
-        let whole = product_bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, 2);
+        let whole = bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, 2);
         for threads in [1, 3] {
-            assert_eq!(
-                product_bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, threads),
-                whole,
-                "{src0:?}: {threads} threads"
-            );
+            assert_eq!(bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, threads), whole, "{src0:?}: {threads} threads");
         }
         for cut in [50, 7, 93] {
             let (top, bottom) = (
-                product_bits(&backend, &c, &w_bytes, &a_bytes, 0..cut, 2),
-                product_bits(&backend, &c, &w_bytes, &a_bytes, cut..c.m, 1),
+                bits(&backend, &c, &w_bytes, &a_bytes, 0..cut, 2),
+                bits(&backend, &c, &w_bytes, &a_bytes, cut..c.m, 1),
             );
             for n in 0..c.n as usize {
                 let row = &whole[n * c.m as usize..(n + 1) * c.m as usize];

@@ -2,6 +2,39 @@
 
 #![allow(dead_code)]
 
+use std::path::PathBuf;
+
+use sd_backends::{Backend, PluginRegistry, PluginSearch};
+
+/// The CPU device of the plugins this build compiled.
+pub fn cpu() -> Backend {
+    let reg = PluginRegistry::discover(&PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]));
+    Backend::new(reg.device("cpu").expect("the CPU plugin is built with ggml-sys")).unwrap()
+}
+
+/// splitmix64.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn int(&mut self, lo: i64, hi: i64) -> i64 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i64
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn val(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
 /// IEEE binary16 to binary32 (exact).
 pub fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h as u32) & 0x8000) << 16;

@@ -63,6 +63,28 @@ impl Weights {
     }
 }
 
+impl Weights {
+    /// A linear layer's `W x`, plus `bias` when given, plus its adapters' terms: the product
+    /// of the matrix `weight` by `x` as one product per part of a row-split matrix
+    /// ([`Weights::matrix_parts`], [`crate::mul_mat_parts`]), then the bias, then
+    /// [`add_linear_adapters`] (stable-diffusion.cpp's order). Every linear layer of the
+    /// model families goes through here, so a cut matrix or an adapter reaches all of them.
+    pub fn linear<'g>(
+        &self,
+        g: &'g Context,
+        weight: &str,
+        bias: Option<Tensor<'_>>,
+        x: Tensor<'_>,
+    ) -> Result<Tensor<'g>> {
+        let y = crate::mul_mat_parts(g, &self.matrix_parts(weight)?, x);
+        let y = match bias {
+            Some(b) => g.add(y, b),
+            None => y,
+        };
+        Ok(add_linear_adapters(g, &self.adapters(weight)?, x, y))
+    }
+}
+
 /// `y + scale * (up (down x))` for each term in order, the product scaled after both matrix
 /// products (f32 results; the activation is rounded to each matrix's dot type as in any
 /// product). `y` is the layer's output for `x`, bias included.

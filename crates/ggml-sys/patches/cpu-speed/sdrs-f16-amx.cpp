@@ -14,9 +14,9 @@
 // accumulates such products in f32. The last term is at most 2^-18 of |w.a| and is
 // dropped, so three tile products per step give ggml's f16 product up to f32 rounding
 // and the order of the sum (crates/sd-backends/tests/mul_mat_amx.rs bounds the error
-// against an f64 product of the f16-rounded operands). An f32 src0 (attention's q.k and
-// weights.v) is split the same way without the rounding to f16: hi + lo keeps 16 of an
-// f32's 24 significant bits, so those products are within 2^-16 of the terms' sum.
+// against an f64 product of the f16-rounded operands). An f32 src0 (attention's q.k) is
+// taken only where ggml has no tiled f32 kernel (k not a multiple of 16), and split into
+// three bf16 parts (24 bits: an f32 to 2^-24) summed in six products: f32's precision.
 //
 // Layout. dst[n][m] = sum_k src1[n][k] * src0[m][k]. Tiles are 16 rows by 64 bytes
 // throughout. One operand (the "P" side) is packed into row-major A tiles (16 rows by 32
@@ -46,7 +46,7 @@
 #endif
 
 extern "C" {
-size_t sdrs_f16_amx_wsize(int64_t m, int64_t n, int64_t k, int nth);
+size_t sdrs_f16_amx_wsize(int64_t m, int64_t n, int64_t k, int nth, int parts);
 }
 
 namespace {
@@ -59,19 +59,21 @@ constexpr size_t  TILE     = 1024;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1)/m*m; }
 
 struct Layout {
-    int64_t kp, ks, nch, ntile, kc_steps;
-    size_t s_half, per_thread, pbuf, cbuf;
+    int64_t kp, ks, nch, ntile, kc_steps, parts;
+    size_t s_part, per_thread, pbuf, cbuf;
 };
 
-Layout layout(int64_t n, int64_t k) {
+// `parts`: bf16 values per operand value, 2 (f16 precision) or 3 (f32)
+Layout layout(int64_t n, int64_t k, int64_t parts) {
     Layout l;
+    l.parts    = parts;
     l.kp       = round_up(k, 32);
     l.ks       = l.kp/32;
     l.nch      = n < SDRS_NCH ? round_up(n, 32) : SDRS_NCH;
     l.ntile    = l.nch/16;
     l.kc_steps = SDRS_KC/32 < l.ks ? SDRS_KC/32 : l.ks;
-    l.s_half   = (size_t) l.ntile*l.ks*TILE;            // hi or lo of one chunk
-    l.pbuf     = (size_t) 2*2*l.kc_steps*TILE;          // 2 tiles of rows, hi and lo
+    l.s_part   = (size_t) l.ntile*l.ks*TILE;            // one part of one chunk
+    l.pbuf     = (size_t) 2*parts*l.kc_steps*TILE;      // 2 tiles of rows, every part
     l.cbuf     = (size_t) SDRS_MB*(l.nch/32)*4*TILE;    // 4 C tiles per (pair, pair)
     l.per_thread = l.pbuf + l.cbuf + TILE;
     return l;
@@ -82,10 +84,10 @@ Layout layout(int64_t n, int64_t k) {
 // Whether src1 (n rows) takes the shared chunks, src0 (m rows) being much longer.
 static bool src1_shared(int64_t m, int64_t n) { return m > 2*n; }
 
-// m, n: rows of src0 and src1
-extern "C" size_t sdrs_f16_amx_wsize(int64_t m, int64_t n, int64_t k, int nth) {
-    const Layout l = layout(src1_shared(m, n) ? n : m, k);
-    return 2*l.s_half + (size_t) nth*l.per_thread + 64;
+// m, n: rows of src0 and src1; parts: 2 or 3 (an f32 src0)
+extern "C" size_t sdrs_f16_amx_wsize(int64_t m, int64_t n, int64_t k, int nth, int parts) {
+    const Layout l = layout(src1_shared(m, n) ? n : m, k, parts);
+    return (size_t) parts*l.s_part + (size_t) nth*l.per_thread + 64;
 }
 
 #if defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
@@ -137,12 +139,15 @@ bool amx_bf16_usable() {
     return ok;
 }
 
-// x = hi + lo, both bf16, for 16 values of f16 precision
-inline void split16(__m512 x, __m256i & hi, __m256i & lo) {
-    const __m256i h  = (__m256i) _mm512_cvtneps_pbh(x);
-    const __m512  hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    hi = h;
-    lo = (__m256i) _mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+// x = part 0 + part 1 (+ part 2), each bf16 (rounded to nearest) and each the rounding of
+// what the parts before it leave, for 16 values; every remainder is exact in f32. Two parts
+// hold an f16 value exactly, three an f32 value to 2^-24 of it.
+inline void split16(__m512 x, int parts, __m256i out[3]) {
+    for (int i = 0; i < parts; i++) {
+        const __m256i h = (__m256i) _mm512_cvtneps_pbh(x);
+        out[i] = h;
+        x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
 }
 
 // How a row's values are read: f16; f32 rounded to f16 first (as ggml rounds src1 to the
@@ -163,14 +168,15 @@ inline __m512 load16(const void * row, int how, int64_t k0, int64_t n) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// 32 values from k0 as 16 dwords of bf16 pairs, hi and lo
-inline void pairs32(const void * row, int how, int64_t k0, int64_t k, __m512i & hi, __m512i & lo) {
+// 32 values from k0 as 16 dwords of bf16 pairs, one vector per part
+inline void pairs32(const void * row, int how, int64_t k0, int64_t k, int parts, __m512i out[3]) {
     const int64_t left = k - k0;
-    __m256i h0, l0, h1, l1;
-    split16(load16(row, how, k0, left < 0 ? 0 : left), h0, l0);
-    split16(load16(row, how, k0 + 16, left - 16 < 0 ? 0 : left - 16), h1, l1);
-    hi = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
-    lo = _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1);
+    __m256i a[3], b[3];
+    split16(load16(row, how, k0, left < 0 ? 0 : left), parts, a);
+    split16(load16(row, how, k0 + 16, left - 16 < 0 ? 0 : left - 16), parts, b);
+    for (int i = 0; i < parts; i++) {
+        out[i] = _mm512_inserti64x4(_mm512_castsi256_si512(a[i]), b[i], 1);
+    }
 }
 
 // transposes 16 rows of 16 dwords in place
@@ -211,54 +217,54 @@ struct Mat {
     int          how; // enum Read
 };
 
-// src1 rows [n0, n0 + nch) into VNNI tiles, hi then lo: tile (nt, ks) at (nt*ks_n + ks)*TILE.
-// Threads split the 16-row tiles.
-void pack_s(const Mat & s, int64_t n0, int64_t k, const Layout & l, char * hi, char * lo, int ith, int nth) {
+// S rows [n0, n0 + nch) into VNNI tiles, part by part: tile (nt, ks) of part i at
+// i*s_part + (nt*ks_n + ks)*TILE. Threads split the 16-row tiles.
+void pack_s(const Mat & s, int64_t n0, int64_t k, const Layout & l, char * base, int ith, int nth) {
     const int64_t nt0 = l.ntile*ith/nth, nt1 = l.ntile*(ith + 1)/nth;
+    const int parts = (int) l.parts;
     for (int64_t nt = nt0; nt < nt1; nt++) {
-        const char * rows[16];
-        bool         live[16];
-        for (int r = 0; r < 16; r++) {
-            const int64_t n = n0 + nt*16 + r;
-            live[r] = n < s.rows;
-            rows[r] = live[r] ? s.data + n*s.ld : nullptr;
-        }
         for (int64_t ks = 0; ks < l.ks; ks++) {
-            __m512i h[16], o[16];
+            __m512i v[3][16];
             for (int r = 0; r < 16; r++) {
-                if (live[r]) {
-                    pairs32(rows[r], s.how, ks*32, k, h[r], o[r]);
+                const int64_t n = n0 + nt*16 + r;
+                __m512i row[3];
+                if (n < s.rows) {
+                    pairs32(s.data + n*s.ld, s.how, ks*32, k, parts, row);
                 } else {
-                    h[r] = o[r] = _mm512_setzero_si512();
+                    row[0] = row[1] = row[2] = _mm512_setzero_si512();
+                }
+                for (int i = 0; i < parts; i++) {
+                    v[i][r] = row[i];
                 }
             }
-            transpose16(h);
-            transpose16(o);
-            char * th = hi + (nt*l.ks + ks)*TILE;
-            char * tl = lo + (nt*l.ks + ks)*TILE;
-            for (int r = 0; r < 16; r++) {
-                _mm512_store_si512((__m512i *) (th + 64*r), h[r]);
-                _mm512_store_si512((__m512i *) (tl + 64*r), o[r]);
+            for (int i = 0; i < parts; i++) {
+                transpose16(v[i]);
+                char * t = base + i*l.s_part + (nt*l.ks + ks)*TILE;
+                for (int r = 0; r < 16; r++) {
+                    _mm512_store_si512((__m512i *) (t + 64*r), v[i][r]);
+                }
             }
         }
     }
 }
 
-// src0 rows [m0, m0 + 32), k steps [ks0, ks0 + nks) into row-major tiles:
-// tile (half, hl, step) at ((half*2 + hl)*kc_steps + step)*TILE
+// P rows [m0, m0 + 32), k steps [ks0, ks0 + nks) into row-major tiles:
+// tile (half, part, step) at ((half*parts + part)*kc_steps + step)*TILE
 void pack_p(const Mat & p, int64_t m0, int64_t ks0, int64_t nks, int64_t k, const Layout & l, char * buf) {
+    const int parts = (int) l.parts;
     for (int half = 0; half < 2; half++) {
         for (int r = 0; r < 16; r++) {
             const int64_t m = m0 + half*16 + r;
             for (int64_t s = 0; s < nks; s++) {
-                __m512i h, o;
+                __m512i v[3];
                 if (m < p.rows) {
-                    pairs32(p.data + m*p.ld, p.how, (ks0 + s)*32, k, h, o);
+                    pairs32(p.data + m*p.ld, p.how, (ks0 + s)*32, k, parts, v);
                 } else {
-                    h = o = _mm512_setzero_si512();
+                    v[0] = v[1] = v[2] = _mm512_setzero_si512();
                 }
-                _mm512_store_si512((__m512i *) (buf + ((half*2 + 0)*l.kc_steps + s)*TILE + 64*r), h);
-                _mm512_store_si512((__m512i *) (buf + ((half*2 + 1)*l.kc_steps + s)*TILE + 64*r), o);
+                for (int i = 0; i < parts; i++) {
+                    _mm512_store_si512((__m512i *) (buf + ((half*parts + i)*l.kc_steps + s)*TILE + 64*r), v[i]);
+                }
             }
         }
     }
@@ -293,16 +299,20 @@ void store_transposed(const float * c, float * dst, size_t ldd, int64_t c0, int6
 
 using Barrier = void (*)(void *);
 
+// The partial products summed, in order, as (part of src0, part of src1): with two parts
+// the dropped 1.1 is below 2^-18 of a term; with three, the dropped ones below 2^-24.
+constexpr int PASSES2[3][2] = {{0, 0}, {0, 1}, {1, 0}};
+constexpr int PASSES3[6][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}, {0, 2}, {2, 0}};
+
 // One product (one batch): c[i][j] = sum_k p[i][k] s[j][k], written to dst[i][j] (row i at
 // dst + i*ldd), or to dst[j][i] when `transposed`. ggml's dst[n][m] = sum_k src1[n][k]
 // src0[m][k] is p = src1, s = src0, or p = src0, s = src1 transposed: s is the side packed
 // in shared chunks (VNNI, the costlier packing), best the one with fewer rows.
-void gemm(const Mat & p, const Mat & s, int64_t k, float * dst, size_t ldd, bool transposed, char * wdata, int ith,
-          int nth, Barrier barrier, void * bctx) {
-    const Layout l  = layout(s.rows, k);
-    char * s_hi     = (char *) (((uintptr_t) wdata + 63) & ~(uintptr_t) 63);
-    char * s_lo     = s_hi + l.s_half;
-    char * mine     = s_lo + l.s_half + (size_t) ith*l.per_thread;
+void gemm(const Mat & p, const Mat & s, int64_t k, int parts, float * dst, size_t ldd, bool transposed, char * wdata,
+          int ith, int nth, Barrier barrier, void * bctx) {
+    const Layout l  = layout(s.rows, k, parts);
+    char * s_base   = (char *) (((uintptr_t) wdata + 63) & ~(uintptr_t) 63);
+    char * mine     = s_base + parts*l.s_part + (size_t) ith*l.per_thread;
     char * pbuf     = mine;
     char * cbuf     = mine + l.pbuf;
     float * ctmp    = (float *) (cbuf + l.cbuf);
@@ -313,7 +323,7 @@ void gemm(const Mat & p, const Mat & s, int64_t k, float * dst, size_t ldd, bool
     for (int64_t n0 = 0; n0 < s.rows; n0 += l.nch) {
         const int64_t nch    = s.rows - n0 < l.nch ? s.rows - n0 : l.nch;
         const int64_t npairs = (nch + 31)/32;
-        pack_s(s, n0, k, l, s_hi, s_lo, ith, nth);
+        pack_s(s, n0, k, l, s_base, ith, nth);
         barrier(bctx);
         for (int64_t mb = mp0; mb < mp1; mb += SDRS_MB) {
             const int64_t mb1 = mb + SDRS_MB < mp1 ? mb + SDRS_MB : mp1;
@@ -322,10 +332,11 @@ void gemm(const Mat & p, const Mat & s, int64_t k, float * dst, size_t ldd, bool
                 const bool    first = ks0 == 0, last = ks0 + nks >= l.ks;
                 for (int64_t mp = mb; mp < mb1; mp++) {
                     pack_p(p, mp*32, ks0, nks, k, l, pbuf);
-                    const char * ph0 = pbuf + (0*l.kc_steps)*TILE;
-                    const char * pl0 = pbuf + (1*l.kc_steps)*TILE;
-                    const char * ph1 = pbuf + (2*l.kc_steps)*TILE;
-                    const char * pl1 = pbuf + (3*l.kc_steps)*TILE;
+                    const char * pt[3][2];
+                    for (int i = 0; i < parts; i++) {
+                        pt[i][0] = pbuf + ((0*parts + i)*l.kc_steps)*TILE;
+                        pt[i][1] = pbuf + ((1*parts + i)*l.kc_steps)*TILE;
+                    }
                     for (int64_t np = 0; np < npairs; np++) {
                         char * cs = cbuf + ((mp - mb)*(l.nch/32) + np)*4*TILE;
                         if (first) {
@@ -333,37 +344,26 @@ void gemm(const Mat & p, const Mat & s, int64_t k, float * dst, size_t ldd, bool
                         } else {
                             SDRS_TLOAD(0, cs); SDRS_TLOAD(1, cs + TILE); SDRS_TLOAD(2, cs + 2*TILE); SDRS_TLOAD(3, cs + 3*TILE);
                         }
-                        const char * sh0 = s_hi + ((2*np)*l.ks + ks0)*TILE;
-                        const char * sh1 = s_hi + ((2*np + 1)*l.ks + ks0)*TILE;
-                        const char * sl0 = s_lo + ((2*np)*l.ks + ks0)*TILE;
-                        const char * sl1 = s_lo + ((2*np + 1)*l.ks + ks0)*TILE;
-                        // The three products are summed in one order of src0's and src1's
-                        // parts, hi.hi, then src0 hi by src1 lo, then src0 lo by src1 hi,
-                        // whichever side P is: each output's arithmetic is then the same
-                        // for any split of src0's rows (a row split over devices) and any
-                        // thread count, so placements give the same bits.
-                        if (transposed) { // P is src0
-                            for (int64_t t = 0; t < nks; t++) {
-                                const size_t o = (size_t) t*TILE;
-                                SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
-                                SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
-                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                                SDRS_TLOAD(6, sl0 + o); SDRS_TLOAD(7, sl1 + o);
-                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                                SDRS_TLOAD(4, pl0 + o); SDRS_TLOAD(5, pl1 + o);
-                                SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
-                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                            }
-                        } else { // P is src1
-                            for (int64_t t = 0; t < nks; t++) {
-                                const size_t o = (size_t) t*TILE;
-                                SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
-                                SDRS_TLOAD(6, sh0 + o); SDRS_TLOAD(7, sh1 + o);
-                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                                SDRS_TLOAD(4, pl0 + o); SDRS_TLOAD(5, pl1 + o);
-                                SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
-                                SDRS_TLOAD(4, ph0 + o); SDRS_TLOAD(5, ph1 + o);
-                                SDRS_TLOAD(6, sl0 + o); SDRS_TLOAD(7, sl1 + o);
+                        const char * st[3][2];
+                        for (int i = 0; i < parts; i++) {
+                            st[i][0] = s_base + i*l.s_part + ((2*np)*l.ks + ks0)*TILE;
+                            st[i][1] = s_base + i*l.s_part + ((2*np + 1)*l.ks + ks0)*TILE;
+                        }
+                        // The partial products are summed in one order of src0's and src1's
+                        // parts (PASSES), whichever side P is: each output's arithmetic is
+                        // then the same for any split of src0's rows (a row split over
+                        // devices) and any thread count, so placements give the same bits.
+                        // A tile pair is loaded only when the pass needs another part.
+                        const int (*passes)[2] = parts == 2 ? PASSES2 : PASSES3;
+                        const int n_passes = parts == 2 ? 3 : 6;
+                        for (int64_t t = 0; t < nks; t++) {
+                            const size_t o = (size_t) t*TILE;
+                            int cur_p = -1, cur_s = -1;
+                            for (int q = 0; q < n_passes; q++) {
+                                const int pp = transposed ? passes[q][0] : passes[q][1];
+                                const int sp = transposed ? passes[q][1] : passes[q][0];
+                                if (pp != cur_p) { SDRS_TLOAD(4, pt[pp][0] + o); SDRS_TLOAD(5, pt[pp][1] + o); cur_p = pp; }
+                                if (sp != cur_s) { SDRS_TLOAD(6, st[sp][0] + o); SDRS_TLOAD(7, st[sp][1] + o); cur_s = sp; }
                                 SDRS_TDP(0, 4, 6); SDRS_TDP(1, 4, 7); SDRS_TDP(2, 5, 6); SDRS_TDP(3, 5, 7);
                             }
                         }
@@ -442,10 +442,11 @@ extern "C" int sdrs_f16_amx_standalone(const void * p, size_t ldp, int64_t m, in
     tiles_enter(saved);
     // p: the weights (rows m), s: the activations (rows n), as src0 and src1
     Mat w{(const char *) p, ldp, m, p_f16 ? READ_F16 : READ_F32}, a{(const char *) s, lds, n, s_f16 ? READ_F16 : (p_f16 ? READ_F32_AS_F16 : READ_F32)};
+    const int parts = p_f16 ? 2 : 3;
     if (src1_shared(m, n)) {
-        gemm(w, a, k, dst, ldd, true, (char *) wdata, 0, 1, [](void *) {}, nullptr);
+        gemm(w, a, k, parts, dst, ldd, true, (char *) wdata, 0, 1, [](void *) {}, nullptr);
     } else {
-        gemm(a, w, k, dst, ldd, false, (char *) wdata, 0, 1, [](void *) {}, nullptr);
+        gemm(a, w, k, parts, dst, ldd, false, (char *) wdata, 0, 1, [](void *) {}, nullptr);
     }
     tiles_leave(saved);
     return 1;
@@ -454,6 +455,9 @@ extern "C" int sdrs_f16_amx_standalone(const void * p, size_t ldp, int64_t m, in
 #endif
 }
 #else
+
+// bf16 parts per value: 2 hold an f16 exactly, 3 an f32 to 2^-24
+static int parts_of(const struct ggml_tensor * dst) { return dst->src[0]->type == GGML_TYPE_F32 ? 3 : 2; }
 
 // Whether this kernel computes `dst` (a GGML_OP_MUL_MAT); the same answer on every thread.
 extern "C" bool sdrs_f16_amx_applies(const struct ggml_tensor * dst) {
@@ -475,6 +479,13 @@ extern "C" bool sdrs_f16_amx_applies(const struct ggml_tensor * dst) {
     if (src1->ne[1] < 16 || src0->ne[0] < 16) {
         return false;
     }
+    // An f32 src0 only where ggml has no tiled f32 kernel (LLAMAFILE's AVX-512 tiles take k
+    // in multiples of 16; others fall back to one dot product per output, 17 GFLOP/s for
+    // attention's q.k with a head of 40 on two cores): there, three parts per value keep
+    // f32's precision at a third of the speed of f16's two.
+    if (src0->type == GGML_TYPE_F32 && src0->ne[0] % 16 == 0) {
+        return false;
+    }
     return amx_bf16_usable();
 #else
     (void) dst;
@@ -486,7 +497,7 @@ extern "C" size_t sdrs_f16_amx_node_wsize(const struct ggml_tensor * dst, int n_
     if (!sdrs_f16_amx_applies(dst)) {
         return 0;
     }
-    return sdrs_f16_amx_wsize(dst->src[0]->ne[1], dst->src[1]->ne[1], dst->src[0]->ne[0], n_tasks);
+    return sdrs_f16_amx_wsize(dst->src[0]->ne[1], dst->src[1]->ne[1], dst->src[0]->ne[0], n_tasks, parts_of(dst));
 }
 
 // Computes `dst` if sdrs_f16_amx_applies(dst); every thread of the op calls it.
@@ -498,7 +509,8 @@ extern "C" bool sdrs_f16_amx_mul_mat(const struct ggml_compute_params * params, 
     const struct ggml_tensor * src0 = dst->src[0];
     const struct ggml_tensor * src1 = dst->src[1];
     const int64_t k = src0->ne[0];
-    if (params->wsize < sdrs_f16_amx_wsize(src0->ne[1], src1->ne[1], k, params->nth)) {
+    const int parts = parts_of(dst);
+    if (params->wsize < sdrs_f16_amx_wsize(src0->ne[1], src1->ne[1], k, params->nth, parts)) {
         return false; // planned without this kernel (cannot happen when the plan saw it)
     }
     const int64_t r2 = src1->ne[2]/src0->ne[2], r3 = src1->ne[3]/src0->ne[3];
@@ -515,7 +527,7 @@ extern "C" bool sdrs_f16_amx_mul_mat(const struct ggml_compute_params * params, 
             const Mat s{(const char *) src1->data + i12*src1->nb[2] + i13*src1->nb[3], src1->nb[1], src1->ne[1], s_how};
             float * d = (float *) ((char *) dst->data + i12*dst->nb[2] + i13*dst->nb[3]);
             const bool t = src1_shared(p.rows, s.rows);
-            gemm(t ? p : s, t ? s : p, k, d, dst->nb[1], t, (char *) params->wdata, params->ith, params->nth,
+            gemm(t ? p : s, t ? s : p, k, parts, d, dst->nb[1], t, (char *) params->wdata, params->ith, params->nth,
                  [](void * tp) { ggml_barrier((struct ggml_threadpool *) tp); }, params->threadpool);
         }
     }

@@ -52,10 +52,8 @@ fn param<'w>(w: &'w Weights, p: &str, leaf: &str) -> Result<Tensor<'w>> {
 /// with low-rank adapters (a LoRA applied at run time, [`Weights::adapters`]) gets
 /// `scale * up(down(x))` per adapter added after the bias.
 pub fn linear<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
-    let name = format!("{p}.weight");
-    let y = sd_sched::mul_mat_parts(g, &w.matrix_parts(&name)?, x);
-    let y = if bias { g.add(y, param(w, p, "bias")?) } else { y };
-    Ok(sd_sched::add_linear_adapters(g, &w.adapters(&name)?, x, y))
+    let b = if bias { Some(param(w, p, "bias")?) } else { None };
+    Ok(w.linear(g, &format!("{p}.weight"), b, x)?)
 }
 
 /// 2-D convolution with bias via im2col (`ggml_conv_2d`): x [W, H, IC, N] -> [OW, OH, OC, N].

@@ -357,22 +357,23 @@ fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
 /// Low-rank adapters of the weight (a LoRA applied at run time, `Weights::adapters`) add
 /// `scale * up(down(x))` each after the bias.
 struct Linear<'w> {
-    weight: Vec<Tensor<'w>>,
+    w: &'w Weights,
+    weight: String,
     bias: Tensor<'w>,
-    adapters: Vec<sd_sched::AdapterTerm<'w>>,
 }
 
 impl<'w> Linear<'w> {
     fn load(w: &'w Weights, name: &str) -> Result<Self> {
-        let weight_name = format!("{name}.weight");
-        let weight = w.matrix_parts(&weight_name).map_err(|_| ClipError::MissingWeight(weight_name.clone()))?;
-        let adapters = w.adapters(&weight_name).map_err(|_| ClipError::MissingWeight(weight_name))?;
-        Ok(Self { weight, bias: get(w, &format!("{name}.bias"))?, adapters })
+        let weight = format!("{name}.weight");
+        // the matrix and its adapters are looked up here, so a missing one fails at load
+        w.matrix_parts(&weight)
+            .and_then(|_| w.adapters(&weight))
+            .map_err(|_| ClipError::MissingWeight(weight.clone()))?;
+        Ok(Self { w, weight, bias: get(w, &format!("{name}.bias"))? })
     }
 
     fn forward<'g>(&self, g: &'g Context, x: Tensor<'_>) -> Tensor<'g> {
-        let y = g.add(sd_sched::mul_mat_parts(g, &self.weight, x), self.bias);
-        sd_sched::add_linear_adapters(g, &self.adapters, x, y)
+        self.w.linear(g, &self.weight, Some(self.bias), x).expect("looked up at load")
     }
 }
 
@@ -597,9 +598,7 @@ fn pooled_forward<'g>(
     match cfg.projection_dim {
         Some(_) => {
             let name = cfg.name("text_projection");
-            let y = g.mul_mat(get(w, &name)?, row);
-            let adapters = w.adapters(&name).map_err(|_| ClipError::MissingWeight(name.clone()))?;
-            Ok(sd_sched::add_linear_adapters(g, &adapters, row, y))
+            w.linear(g, &name, None, row).map_err(|_| ClipError::MissingWeight(name))
         }
         // No projection (CLIP-L, whose pooled state FLUX reads): the state itself.
         None => Ok(g.cont(row)),

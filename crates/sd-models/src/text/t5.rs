@@ -242,19 +242,10 @@ fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
     w.get(name).map_err(|_| T5Error::MissingWeight(name.to_string()))
 }
 
-/// The parts of the matrix `name`: its row chunks when a row split cut it, else the whole
-/// weight ([`Weights::matrix_parts`]).
-fn matrix<'w>(w: &'w Weights, name: &str) -> Result<Vec<Tensor<'w>>> {
-    w.matrix_parts(name).map_err(|_| T5Error::MissingWeight(name.to_string()))
-}
-
-/// `W x` for the linear layer `name` without bias: one product per part, concatenated on the
-/// output rows (`sd_sched::mul_mat_parts`; one part is a plain `mul_mat`), plus the low-rank
-/// terms of a LoRA applied at run time (`sd_sched::add_linear_adapters`).
+/// `W x` for the linear layer `name` without bias ([`Weights::linear`]: one product per part
+/// of a row-split matrix, plus the low-rank terms of a LoRA applied at run time).
 fn linear<'g>(g: &'g Context, w: &Weights, name: &str, x: Tensor<'_>) -> Result<Tensor<'g>> {
-    let y = sd_sched::mul_mat_parts(g, &matrix(w, name)?, x);
-    let adapters = w.adapters(name).map_err(|_| T5Error::MissingWeight(name.to_string()))?;
-    Ok(sd_sched::add_linear_adapters(g, &adapters, x, y))
+    w.linear(g, name, None, x).map_err(|_| T5Error::MissingWeight(name.to_string()))
 }
 
 /// Whether a T5 parameter is cut by output rows in a graph-level row split: the matmul weights

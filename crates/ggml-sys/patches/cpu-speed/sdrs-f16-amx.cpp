@@ -462,6 +462,12 @@ static int parts_of(const struct ggml_tensor * dst) { return dst->src[0]->type =
 // Whether this kernel computes `dst` (a GGML_OP_MUL_MAT); the same answer on every thread.
 extern "C" bool sdrs_f16_amx_applies(const struct ggml_tensor * dst) {
 #ifdef SDRS_HAVE_KERNEL
+    // Graph nodes only: the graph plan reserved this kernel's work buffer for them. ggml's
+    // direct convolution calls MUL_MAT on a tensor of its own (op NONE) whose operand lies
+    // in the work buffer; that product stays on ggml's kernels.
+    if (dst->op != GGML_OP_MUL_MAT) {
+        return false;
+    }
     const struct ggml_tensor * src0 = dst->src[0];
     const struct ggml_tensor * src1 = dst->src[1];
     const bool types = (src0->type == GGML_TYPE_F16 || src0->type == GGML_TYPE_F32) &&

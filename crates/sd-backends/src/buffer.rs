@@ -65,6 +65,12 @@ impl BufferType {
         Ok(Buffer { raw })
     }
 
+    /// Whether buffers of this type are in host memory (readable by the CPU in place).
+    pub fn is_host(self) -> bool {
+        // SAFETY: a live buffer type.
+        unsafe { sys::ggml_backend_buft_is_host(self.raw) }
+    }
+
     /// Alignment of tensor addresses in buffers of this type.
     pub fn alignment(self) -> usize {
         // SAFETY: a live buffer type.
@@ -222,9 +228,19 @@ pub enum BufferUsage {
     Compute,
 }
 
-/// An owned allocation of device or host memory.
+/// An owned allocation of device or host memory, or a CPU buffer over host memory it does
+/// not own ([`Buffer::over_read_only_host_memory`]).
 pub struct Buffer {
     raw: sys::ggml_backend_buffer_t,
+}
+
+/// The buffers over read-only memory alive now (raw addresses): writing a tensor of one
+/// would fault, so [`crate::Tensor`]'s writes refuse them.
+static READ_ONLY: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// Whether `raw` is a live buffer over read-only memory.
+pub(crate) fn is_read_only(raw: sys::ggml_backend_buffer_t) -> bool {
+    READ_ONLY.lock().unwrap_or_else(|e| e.into_inner()).contains(&(raw as usize))
 }
 
 // SAFETY: a buffer is a handle to memory that this value owns; ggml's buffer
@@ -239,6 +255,41 @@ impl std::fmt::Debug for Buffer {
 }
 
 impl Buffer {
+    /// A CPU buffer over `len` bytes at `ptr` that stay readable and unchanged, but must not
+    /// be written (a read-only memory map of a model file): tensors placed in it
+    /// ([`crate::Tensor::place_in`]) use those bytes in place, with no copy; writing one of
+    /// them is refused ([`BackendError::ReadOnly`]). `ptr` is rounded down to ggml's tensor
+    /// alignment (32 bytes) and `len` extended to match, so the buffer may start before
+    /// `ptr`; offsets of tensors are from [`Buffer::base`].
+    ///
+    /// # Safety
+    /// The memory from `ptr` rounded down to 32 bytes to `ptr + len` stays mapped, readable
+    /// and unchanged for as long as the buffer, and any tensor placed in it, is used.
+    pub unsafe fn over_read_only_host_memory(ptr: *const u8, len: usize) -> Result<Buffer> {
+        const TENSOR_ALIGNMENT: usize = 32;
+        let pad = ptr as usize % TENSOR_ALIGNMENT;
+        // SAFETY: `ptr - pad` lies in the same mapping (caller contract: mappings start
+        // at page boundaries); ggml only records the pointer, and writes through the
+        // buffer are refused by `is_read_only`.
+        let raw = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(ptr.sub(pad).cast_mut().cast(), len + pad) };
+        if raw.is_null() {
+            return Err(BackendError::Alloc { device: "CPU_Mapped".into(), bytes: len + pad });
+        }
+        READ_ONLY.lock().unwrap_or_else(|e| e.into_inner()).push(raw as usize);
+        Ok(Buffer { raw })
+    }
+
+    /// The address of the buffer's first byte (host buffers; an opaque value on devices).
+    pub fn base(&self) -> *const u8 {
+        // SAFETY: a live buffer.
+        unsafe { sys::ggml_backend_buffer_get_base(self.raw).cast::<u8>().cast_const() }
+    }
+
+    /// Whether writes to the buffer's tensors are refused ([`Buffer::over_read_only_host_memory`]).
+    pub fn is_read_only(&self) -> bool {
+        is_read_only(self.raw)
+    }
+
     /// The raw handle.
     pub fn as_raw(&self) -> sys::ggml_backend_buffer_t {
         self.raw
@@ -250,8 +301,11 @@ impl Buffer {
         unsafe { sys::ggml_backend_buffer_get_size(self.raw) }
     }
 
-    /// Fills the buffer with a byte.
+    /// Fills the buffer with a byte (nothing, for a buffer over read-only memory).
     pub fn clear(&self, value: u8) {
+        if self.is_read_only() {
+            return;
+        }
         // SAFETY: a live buffer.
         unsafe { sys::ggml_backend_buffer_clear(self.raw, value) }
     }
@@ -276,6 +330,11 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        let mut read_only = READ_ONLY.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = read_only.iter().position(|&r| r == self.raw as usize) {
+            read_only.swap_remove(i);
+        }
+        drop(read_only);
         // SAFETY: we own the buffer; no tensor of it is used after this (module docs).
         unsafe { sys::ggml_backend_buffer_free(self.raw) }
     }

@@ -409,6 +409,7 @@ impl<'c> Tensor<'c> {
             return Err(BackendError::DataSize { name: self.name(), expected: self.nbytes(), got: src.nbytes() });
         }
         src.check_readable()?;
+        self.check_writable()?;
         // SAFETY: both allocated with identical layout (checked).
         unsafe { sys::ggml_backend_tensor_copy(src.as_raw(), self.as_raw()) };
         crate::rpc::check_lost()
@@ -417,6 +418,7 @@ impl<'c> Tensor<'c> {
     /// Copies raw bytes into the tensor's storage.
     pub fn set_bytes(self, data: &[u8]) -> Result<()> {
         self.check_size(data.len())?;
+        self.check_writable()?;
         // SAFETY: allocated tensor (checked) and exactly nbytes of data.
         unsafe { sys::ggml_backend_tensor_set(self.as_raw(), data.as_ptr().cast(), 0, data.len()) };
         crate::rpc::check_lost()
@@ -436,6 +438,16 @@ impl<'c> Tensor<'c> {
         // SAFETY: reinterpreting i32s as bytes is always valid.
         let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
         self.set_bytes(bytes)
+    }
+
+    /// An error when the data is used in place from read-only memory
+    /// ([`crate::Buffer::over_read_only_host_memory`]).
+    fn check_writable(self) -> Result<()> {
+        let buf = self.storage_root().buffer_ptr();
+        if !buf.is_null() && crate::buffer::is_read_only(buf) {
+            return Err(BackendError::ReadOnly { name: self.name() });
+        }
+        Ok(())
     }
 
     /// An error when the data lives in an extra buffer type (write-only: see

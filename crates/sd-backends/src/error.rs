@@ -42,6 +42,9 @@ pub enum BackendError {
     /// type holds weights in a layout of its own).
     #[error("tensor `{name}` is stored in the write-only buffer type {buffer_type} and cannot be read back")]
     WriteOnly { name: String, buffer_type: String },
+    /// A tensor's data is used in place from read-only memory (a model file's memory map).
+    #[error("tensor `{name}` is used in place from a read-only mapping of its model file and cannot be written")]
+    ReadOnly { name: String },
     /// A graph reads a weight held in an extra buffer type with an operation that buffer
     /// type does not compute.
     #[error(

@@ -178,6 +178,14 @@ fn large_products_of_the_models_shapes_match() {
     }
 }
 
+/// Whether this CPU runs the project's AMX kernel: it reports AMX-BF16 (Linux's flag) and
+/// `SD_CPU_AMX_F16` does not turn the kernel off.
+fn amx_kernel_runs() -> bool {
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let has = flags.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_bf16"));
+    has && std::env::var("SD_CPU_AMX_F16").map_or(true, |v| v != "off")
+}
+
 #[test]
 fn a_row_split_and_any_thread_count_give_the_same_bits() {
     // A row split over devices computes shares of src0's rows apart; the placement tests
@@ -189,6 +197,11 @@ fn a_row_split_and_any_thread_count_give_the_same_bits() {
     let bits = |b: &Backend, c: &Case, w: &[u8], a: &[u8], rows, threads| -> Vec<u32> {
         product(b, c, w, a, rows, threads).1.iter().map(|v| v.to_bits()).collect()
     };
+    // ggml's own kernels (a CPU without AMX-BF16) promise no such thing for every shape: on a
+    // Zen 4 part (AVX-512, no AMX) the f16 product of rows 0..50 differs from the same rows
+    // of the whole in the last bits (the FLUX split tests' shapes do agree there). Their
+    // results must still not depend on the thread count.
+    let amx = amx_kernel_runs();
     for (src0, src1) in [(F16, F32), (F16, F16), (F32, F32)] {
         let c = Case { m: 100, n: 40, k: 600, b0: 1, r2: 1, src0, src1, ld0: 600, threads: 2 };
         let (_, w_bytes) = values((c.k * c.m) as usize, src0, 0.5, &mut rng);
@@ -196,6 +209,9 @@ fn a_row_split_and_any_thread_count_give_the_same_bits() {
         let whole = bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, 2);
         for threads in [1, 3] {
             assert_eq!(bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, threads), whole, "{src0:?}: {threads} threads");
+        }
+        if !amx {
+            continue;
         }
         for cut in [50, 7, 93] {
             let (top, bottom) = (

@@ -140,6 +140,15 @@ pub struct GenerateArgs {
     /// per node). Example: `--profile --report-json run.json`.
     #[arg(long = "profile")]
     pub profile: bool,
+    /// [sd-rs] Copy weights that run on the CPU out of the model files into memory of their
+    /// own. By default they are used in place from the files' read-only memory maps when
+    /// stored in the type they compute in (no load time, no second copy); the files must then
+    /// not be rewritten during the run (a truncation ends it with a message naming the file).
+    #[arg(long = "no-mmap", conflicts_with = "mmap")]
+    pub no_mmap: bool,
+    /// Memory-map the model files (stable-diffusion.cpp's flag; the default here).
+    #[arg(long = "mmap")]
+    pub mmap: bool,
 }
 
 /// LoRA flags (names as in stable-diffusion.cpp's sd-cli).
@@ -280,6 +289,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     };
     let RuntimePlacement { devices, mut placement } = RuntimePlacement::from_plan(&plan, &reg, &manager, sched)?;
     placement.profile = a.profile;
+    placement.no_mmap = a.no_mmap;
     let options = LoadOptions {
         sources: model.sources(),
         prediction: a.prediction,

@@ -76,6 +76,8 @@ fn every_placement_gives_the_all_cpu_image() {
     let rpc = ["--rpc", server.endpoint.as_str()];
     let budget = "RPC0=0.5"; // 512 MiB: less than a third of the 1.6 GiB UNet
     let cases: Vec<(&str, Vec<&str>)> = vec![
+        // The base run's CPU weights are used in place from the file's map; copies compute alike.
+        ("weights copied out of the map", vec!["--backend", "cpu", "--no-mmap"]),
         ("params on the device", vec!["--backend", "RPC0"]),
         ("params in RAM", vec!["--backend", "RPC0", "--params-backend", "cpu"]),
         ("params on disk", vec!["--backend", "RPC0", "--params-backend", "disk"]),

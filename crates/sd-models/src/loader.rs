@@ -14,7 +14,7 @@ use std::borrow::Cow;
 
 use sd_backends::convert;
 use sd_backends::GgmlType;
-use sd_sched::{SourceError, TensorSource};
+use sd_sched::{MappedBytes, SourceError, TensorSource};
 
 use crate::files::{DType, ModelFiles, TensorEntry};
 
@@ -91,12 +91,31 @@ impl TensorSource for FileSource<'_> {
             release_pages(self.files, e);
         }
     }
+
+    fn mapped(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Option<MappedBytes>, SourceError> {
+        self.mapped_tensor(name, ty, ne)
+    }
 }
 
 impl<'a> FileSource<'a> {
     /// [`TensorSource::load`] with the bytes borrowed from the files rather than the source.
     pub fn load_tensor(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'a, [u8]>, SourceError> {
         self.load_checked(name, ty, ne).map_err(SourceError::new)
+    }
+
+    /// [`TensorSource::mapped`]: the checked bytes of `name` in the memory map when they are
+    /// stored as `ty` (no conversion).
+    ///
+    /// Their life: the maps live as long as the `ModelFiles`, read-only; a truncation while
+    /// they are in use ends the run with a message naming the file (the SIGBUS guard), and
+    /// [`ModelFiles::check_unchanged`] ran before. A source handing these out must own (a
+    /// share of) the `ModelFiles`, as `pipeline`'s does.
+    pub fn mapped_tensor(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Option<MappedBytes>, SourceError> {
+        match self.load_checked(name, ty, ne).map_err(SourceError::new)? {
+            // SAFETY: see above; the maps start at page boundaries.
+            Cow::Borrowed(bytes) => Ok(Some(unsafe { MappedBytes::new(bytes) })),
+            Cow::Owned(_) => Ok(None),
+        }
     }
 
     fn load_checked(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'a, [u8]>, LoadError> {
@@ -360,5 +379,42 @@ mod tests {
 
         assert_eq!(&src.load(&name, GgmlType::GGML_TYPE_F32, &ne).unwrap()[..], &data[..]);
         src.release("not.a.tensor");
+    }
+
+    #[test]
+    fn mapped_bytes_are_the_maps_own_when_no_conversion_is_needed_and_checked_like_a_load() {
+        let n = 1024usize;
+        let good: Vec<u8> = (0..n).flat_map(|i| (i as f32 * 0.5).to_le_bytes()).collect();
+        let mut bad = good.clone();
+        bad[4 * 700..4 * 701].copy_from_slice(&f32::NAN.to_le_bytes());
+        let json = format!(
+            r#"{{"good":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{l}]}},"bad":{{"dtype":"F32","shape":[{n}],"data_offsets":[{l},{l2}]}}}}"#,
+            l = good.len(),
+            l2 = 2 * good.len()
+        );
+        let mut file = (json.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(json.as_bytes());
+        file.extend_from_slice(&good);
+        file.extend_from_slice(&bad);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        std::fs::write(&path, &file).unwrap();
+        let files = ModelFiles::open_model(&path).unwrap();
+        let name = |orig: &str| files.index().entries().iter().find(|e| e.original_name == orig).unwrap().name.clone();
+        let src = FileSource::new(&files);
+        let ne = [n as i64];
+
+        // Stored as asked: the map's own bytes (the same address the loader would lend).
+        let m = src.mapped_tensor(&name("good"), GgmlType::GGML_TYPE_F32, &ne).unwrap().expect("mapped");
+        let lent = src.load_tensor(&name("good"), GgmlType::GGML_TYPE_F32, &ne).unwrap();
+        assert_eq!(m.as_ptr(), lent.as_ptr());
+        assert_eq!(m.len(), good.len());
+        // A conversion makes new bytes: nothing to map.
+        assert!(src.mapped_tensor(&name("good"), GgmlType::GGML_TYPE_F16, &ne).unwrap().is_none());
+        // The load's checks hold: a NaN, a wrong element count.
+        let err = src.mapped_tensor(&name("bad"), GgmlType::GGML_TYPE_F32, &ne).unwrap_err().to_string();
+        assert!(err.contains("NaN") && err.contains("element 700"), "{err}");
+        let err = src.mapped_tensor(&name("good"), GgmlType::GGML_TYPE_F32, &[n as i64 + 1]).unwrap_err().to_string();
+        assert!(err.contains("elements"), "{err}");
     }
 }

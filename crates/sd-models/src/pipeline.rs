@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sd_backends::{Backend, GgmlType};
-use sd_sched::{Ledgers, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
+use sd_sched::{Ledgers, MappedBytes, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
 use crate::family::{block_group, DiffusionModel, DiffusionSettings, Family, TextEncoder, TextRequest};
@@ -256,6 +256,11 @@ pub struct Placement {
     pub pipeline_copies: usize,
     /// `--profile`: every runner profiles its graphs by op and block (`sd_sched::profile`).
     pub profile: bool,
+    /// `--no-mmap`: weights pinned on the CPU are copied out of the model files into buffers
+    /// of their own. By default, those stored in the type the model computes with are used in
+    /// place from the files' read-only memory maps ([`Weights::use_in_place`]): no load time
+    /// and no second copy, the pages shared with the page cache.
+    pub no_mmap: bool,
 }
 
 /// The model files as a shared [`TensorSource`], for parameters re-read on demand.
@@ -273,6 +278,11 @@ impl TensorSource for SharedFiles {
 
     fn release(&self, name: &str) {
         FileSource::new(&self.0).release(name)
+    }
+
+    fn mapped(&self, name: &str, ty: GgmlType, ne: &[i64]) -> std::result::Result<Option<MappedBytes>, SourceError> {
+        // The maps belong to the `ModelFiles` this source owns a share of.
+        FileSource::new(&self.0).mapped_tensor(name, ty, ne)
     }
 }
 
@@ -644,6 +654,7 @@ impl Pipeline {
         use crate::lora::runtime::adapted_weight;
         let p = &self.opts.placement;
         let group_of = |name: &str| group_of(adapted_weight(name));
+        w.use_in_place(!p.no_mmap);
         match split {
             None => w.place(module, home.clone(), compute.clone(), &p.ledgers, &group_of, src)?,
             Some(s) if s.rows.is_some() => {

@@ -101,6 +101,7 @@ impl RuntimePlacement {
             sched,
             pipeline_copies: plan.pipeline_copies as usize,
             profile: false,
+            no_mmap: false,
         };
         Ok(Self { devices, placement })
     }

@@ -31,5 +31,6 @@ pub use report::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport
 pub use rowsplit::{mul_mat_parts, RowSplitReport};
 pub use runner::{RunStats, Runner};
 pub use weights::{
-    short_name, weight_buffer_type, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec, Weights,
+    short_name, weight_buffer_type, MappedBytes, ParamHome, ResidencyStats, SourceError, TensorSource, TensorSpec,
+    Weights,
 };

@@ -68,6 +68,51 @@ pub trait TensorSource: Sync {
     /// soon: a source backed by a memory map may drop those pages from the process (they are
     /// read again from the file on the next [`load`](Self::load)). The default does nothing.
     fn release(&self, _name: &str) {}
+
+    /// The bytes of `name` as `ty` with shape `ne` where they already lie in memory in that
+    /// form for as long as the source lives (a read-only memory map of the model file), for
+    /// weights on a CPU device to use in place instead of copying them
+    /// ([`Weights::use_in_place`]); `None` (the default) when they must be loaded: converted,
+    /// merged with an adapter, or not mapped.
+    fn mapped(&self, _name: &str, _ty: GgmlType, _ne: &[i64]) -> std::result::Result<Option<MappedBytes>, SourceError> {
+        Ok(None)
+    }
+}
+
+/// Bytes a [`TensorSource`] holds in memory for as long as it lives, unchanged
+/// ([`TensorSource::mapped`]).
+#[derive(Clone, Copy, Debug)]
+pub struct MappedBytes {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl MappedBytes {
+    /// The bytes of `bytes`, promised to outlive the borrow.
+    ///
+    /// # Safety
+    /// The memory of `bytes` stays mapped, readable and unchanged for as long as the
+    /// source returning this value lives (not only for the borrow): weights placed in it
+    /// keep the source and read the memory until they are dropped. Mappings start at a page
+    /// boundary (the 32 bytes before `bytes`, rounded down, belong to the same mapping).
+    pub unsafe fn new(bytes: &[u8]) -> Self {
+        MappedBytes { ptr: bytes.as_ptr(), len: bytes.len() }
+    }
+
+    /// The address of the first byte.
+    pub fn as_ptr(self) -> *const u8 {
+        self.ptr
+    }
+
+    /// The length in bytes.
+    pub fn len(self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
 }
 
 /// A ggml-safe name: the full name if it fits in 63 bytes, else a prefix hash plus its tail.
@@ -111,6 +156,11 @@ pub struct Weights {
     pub(crate) rows: Option<crate::rowsplit::RowIndex>,
     /// Low-rank adapters by the weight they adapt ([`Weights::set_adapters`]).
     pub(crate) adapters: HashMap<String, Vec<crate::adapter::Adapter>>,
+    /// Whether a set pinned on a CPU device may use its source's mapped bytes in place
+    /// ([`Weights::use_in_place`]).
+    in_place_allowed: bool,
+    /// The tensors using their source's mapped bytes in place.
+    in_place: Vec<bool>,
 }
 
 /// The buffer type a parameter computed on `compute` is stored in when the set's home is
@@ -182,7 +232,8 @@ struct Group {
 enum Home {
     /// One buffer on the computing device (every group pinned), or one per buffer type when
     /// some tensors are in the device's extra buffer types.
-    Compute { _buffer: Option<Buffer>, _by_type: Vec<Buffer> },
+    /// Tensors used in place from the source's memory map have a read-only buffer each.
+    Compute { _buffer: Option<Buffer>, _by_type: Vec<Buffer>, _mapped: Vec<Buffer> },
     /// A layer split with parameters on the computing devices: each group was loaded into a
     /// replica of its own on its own device at placement, pinned there, never evicted.
     Pinned,
@@ -240,6 +291,7 @@ impl Weights {
         }
         let by_raw = raw.iter().enumerate().map(|(i, r)| (*r as usize, i)).collect();
         let plain_only = vec![false; specs.len()];
+        let in_place = vec![false; specs.len()];
         Ok(Self {
             ctx,
             buffer: None,
@@ -251,6 +303,8 @@ impl Weights {
             plain_only,
             rows: None,
             adapters: HashMap::new(),
+            in_place_allowed: false,
+            in_place,
         })
     }
 
@@ -262,6 +316,70 @@ impl Weights {
         for (i, s) in self.specs.iter().enumerate() {
             self.plain_only[i] |= keep(&s.name);
         }
+    }
+
+    /// Lets the set, when it is pinned on a CPU device ([`ParamHome::Compute`]), use the
+    /// bytes its source has mapped in memory in place ([`TensorSource::mapped`]: a model
+    /// file's memory map) instead of copying them into a buffer of its own: no load time
+    /// and no second copy of the weights in memory, the pages shared with the page cache. Only
+    /// tensors in the device's own buffer type (not an extra one) whose mapped address is
+    /// aligned to their element size are used in place; the rest are copied as usual. The
+    /// file must then not change while the set lives: it is read, not copied. Off by
+    /// default; call before [`place`](Self::place).
+    pub fn use_in_place(&mut self, allowed: bool) {
+        self.in_place_allowed = allowed;
+    }
+
+    /// How many tensors, and bytes, use their source's mapped bytes in place.
+    pub fn in_place_totals(&self) -> (usize, u64) {
+        let n = self.in_place.iter().filter(|&&m| m).count();
+        let bytes = (0..self.specs.len()).filter(|&i| self.in_place[i]).map(|i| self.nth(i).nbytes() as u64).sum();
+        (n, bytes)
+    }
+
+    /// Places each tensor [`use_in_place`](Self::use_in_place) allows in the bytes `src`
+    /// maps, one read-only buffer per tensor, and returns the buffers; `bufts` is each
+    /// tensor's buffer type on the device (`default` its own).
+    fn place_in_mapped(
+        &mut self,
+        src: &dyn TensorSource,
+        bufts: Option<&[BufferType]>,
+        default: BufferType,
+    ) -> Result<Vec<Buffer>> {
+        let mut out = Vec::new();
+        for i in 0..self.specs.len() {
+            if bufts.is_some_and(|b| b[i] != default) {
+                continue;
+            }
+            let spec = &self.specs[i];
+            let t = self.nth(i);
+            let Some(m) = src
+                .mapped(&spec.name, spec.ty, &spec.ne)
+                .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?
+            else {
+                continue;
+            };
+            // An element's alignment for floats; blocks of a quantized type at ggml's tensor
+            // alignment (GGUF's default), as its kernels were written for.
+            let align = match spec.ty {
+                GgmlType::GGML_TYPE_F32 => 4,
+                GgmlType::GGML_TYPE_F16 | GgmlType::GGML_TYPE_BF16 => 2,
+                _ => 32,
+            };
+            if m.len() != t.nbytes() || m.as_ptr() as usize % align != 0 {
+                continue;
+            }
+            // SAFETY: `MappedBytes` promises the memory (and the 32 bytes before it) for the
+            // source's life; the residency keeps the source after the buffers (`Home::Compute`
+            // is dropped first), and the buffers are kept next to `self.ctx`.
+            let buf = unsafe { Buffer::over_read_only_host_memory(m.as_ptr(), m.len()) }?;
+            let off = m.as_ptr() as usize - buf.base() as usize;
+            // SAFETY: as above; the tensor has no storage yet.
+            unsafe { t.place_in(&buf, off) }?;
+            self.in_place[i] = true;
+            out.push(buf);
+        }
+        Ok(out)
     }
 
     /// The buffer type of each tensor when the set is pinned on `compute`
@@ -287,7 +405,11 @@ impl Weights {
         }
         let mut out = Vec::with_capacity(kinds.len());
         for buft in kinds {
-            let members: Vec<usize> = (0..self.specs.len()).filter(|&i| bufts[i] == buft).collect();
+            let members: Vec<usize> =
+                (0..self.specs.len()).filter(|&i| bufts[i] == buft && !self.in_place[i]).collect();
+            if members.is_empty() {
+                continue;
+            }
             let mut offsets = Vec::with_capacity(members.len());
             let mut size = 0usize;
             for &i in &members {
@@ -356,6 +478,9 @@ impl Weights {
     /// Copies every tensor's bytes from `src`.
     pub fn load_from(&self, src: &dyn TensorSource) -> Result<()> {
         for (i, spec) in self.specs.iter().enumerate() {
+            if self.in_place[i] {
+                continue;
+            }
             let t = self.nth(i);
             let bytes = src
                 .load(&spec.name, spec.ty, &spec.ne)
@@ -491,19 +616,28 @@ impl Weights {
                     ledger.add_replica(&g.name, g.bytes, true)?;
                 }
                 let mut extra = Vec::new();
+                let mut mapped = Vec::new();
+                let in_place = self.in_place_allowed
+                    && devices[0].0.device().kind() == sd_backends::DeviceKind::Cpu
+                    && buft.is_host();
                 let placed = (|| -> Result<()> {
+                    if in_place {
+                        mapped = self.place_in_mapped(src.as_ref(), pinned_bufts.as_deref(), buft)?;
+                    }
                     match &pinned_bufts {
-                        None => self.allocate(buft)?,
+                        None if mapped.is_empty() => self.allocate(buft)?,
+                        None => extra = self.allocate_by_type(&vec![buft; self.specs.len()])?,
                         Some(bufts) => extra = self.allocate_by_type(bufts)?,
                     }
                     self.load_from(src.as_ref())
                 })();
                 if let Err(e) = placed {
-                    if !extra.is_empty() {
+                    if !extra.is_empty() || !mapped.is_empty() {
                         for i in 0..self.specs.len() {
                             // SAFETY: the placement failed before any graph used the tensors.
                             unsafe { self.nth(i).detach_storage() };
                         }
+                        self.in_place.iter_mut().for_each(|m| *m = false);
                     }
                     for g in &groups {
                         ledger.remove_replica(&g.name);
@@ -518,7 +652,18 @@ impl Weights {
                         b.buffer_type().name()
                     );
                 }
-                Home::Compute { _buffer: self.buffer.take(), _by_type: extra.into_iter().map(|(b, _)| b).collect() }
+                let (n, bytes) = self.in_place_totals();
+                if n > 0 {
+                    tracing::debug!(
+                        "{module}: {:.1} MiB of weights ({n} tensors) used in place from the model file's memory map",
+                        bytes as f64 / (1u64 << 20) as f64
+                    );
+                }
+                Home::Compute {
+                    _buffer: self.buffer.take(),
+                    _by_type: extra.into_iter().map(|(b, _)| b).collect(),
+                    _mapped: mapped,
+                }
             }
             ParamHome::Device(dev) => {
                 let mut mirror = Weights::new(self.specs.clone())?;
@@ -894,6 +1039,11 @@ impl Drop for Weights {
                 Home::Compute { .. } => {
                     for g in &r.groups {
                         r.devices[0].1.remove_replica(&g.name);
+                    }
+                    // The pages of tensors used in place stay in the source's map (and in the
+                    // process's resident set) until released: the set will not read them again.
+                    for (spec, _) in self.specs.iter().zip(&self.in_place).filter(|(_, &m)| m) {
+                        r.src.release(&spec.name);
                     }
                 }
                 Home::Pinned => {}

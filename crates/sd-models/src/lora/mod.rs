@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use sd_backends::{convert, GgmlType};
-use sd_sched::{SourceError, TensorSource, TensorSpec};
+use sd_sched::{MappedBytes, SourceError, TensorSource, TensorSpec};
 
 use crate::files::names::{normalize, FileRole, Normalized};
 use crate::files::{FilesError, ModelFiles};
@@ -762,6 +762,14 @@ impl TensorSource for MergedSource {
 
     fn release(&self, name: &str) {
         self.inner.release(name)
+    }
+
+    /// The inner source's mapped bytes of the tensors no adapter changes.
+    fn mapped(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Option<MappedBytes>, SourceError> {
+        if self.set.adapts(name) {
+            return Ok(None);
+        }
+        self.inner.mapped(name, ty, ne)
     }
 }
 

@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use sd_backends::{convert, GgmlType};
-use sd_sched::{Adapter, SchedError, SourceError, TensorSource, TensorSpec, Weights};
+use sd_sched::{Adapter, MappedBytes, SchedError, SourceError, TensorSource, TensorSpec, Weights};
 
 use super::{Delta, LoraSet};
 
@@ -183,6 +183,15 @@ impl TensorSource for AdapterSource {
     fn release(&self, name: &str) {
         if parse(name).is_none() {
             self.inner.release(name)
+        }
+    }
+
+    /// The model's mapped bytes of its weights (left unchanged at run time); adapters are
+    /// formed when read.
+    fn mapped(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Option<MappedBytes>, SourceError> {
+        match parse(name) {
+            Some(_) => Ok(None),
+            None => self.inner.mapped(name, ty, ne),
         }
     }
 }

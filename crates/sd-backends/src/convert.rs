@@ -45,6 +45,11 @@ pub fn to_f32(ty: GgmlType, data: &[u8], n: i64) -> Result<Vec<f32>, ConvertErro
     if ty == GgmlType::GGML_TYPE_F32 {
         return Ok(data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
     }
+    if ty == GgmlType::GGML_TYPE_F16 {
+        let mut out = vec![0f32; n as usize];
+        exact::f16_to_f32_row(data, &mut out);
+        return Ok(out);
+    }
     // SAFETY: pure lookup; traits are static.
     let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
     let f = traits.to_float.ok_or_else(|| ConvertError::Unsupported { from: type_name(ty), to: "f32".into() })?;
@@ -123,6 +128,10 @@ pub fn pack_f32(to: GgmlType, values: &[f32], row: i64) -> Result<Vec<u8>, Conve
         return Err(ConvertError::Block { ty: type_name(to), row, block: unsafe { sys::ggml_blck_size(to) } });
     }
     let mut out = vec![0u8; row_size(to, n)];
+    if to == GgmlType::GGML_TYPE_Q8_0 {
+        exact::quantize_q8_0(values, &mut out);
+        return Ok(out);
+    }
     // SAFETY: values holds nrows*row floats; out is sized for that many elements of `to`.
     let written = unsafe {
         sys::ggml_quantize_chunk(to, values.as_ptr(), out.as_mut_ptr().cast(), 0, n / row, row, std::ptr::null())
@@ -131,9 +140,217 @@ pub fn pack_f32(to: GgmlType, values: &[f32], row: i64) -> Result<Vec<u8>, Conve
     Ok(out)
 }
 
+/// The conversions a load spends its time in, bit for bit as ggml's reference code computes
+/// them but vectorisable (ggml-base's are scalar, with a `roundf` call per value): f16 to f32,
+/// and f32 to q8_0 (`quantize_row_q8_0_ref`: the block's absolute maximum over 127 as the f16
+/// scale, each value times its inverse rounded half away from zero). A model quantized at
+/// load (`--type q8_0`) passes every weight through both.
+mod exact {
+    /// f16 values (little-endian bytes) to f32: exact for every finite value and infinity
+    /// (F16C where the CPU has it, else the bit arithmetic).
+    pub(super) fn f16_to_f32_row(src: &[u8], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), 2 * dst.len());
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: the CPU has the features the function is compiled for (checked above).
+            unsafe { f16_to_f32_row_f16c(src, dst) };
+            return;
+        }
+        for (c, d) in src.chunks_exact(2).zip(dst) {
+            *d = f16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx,f16c")]
+    unsafe fn f16_to_f32_row_f16c(src: &[u8], dst: &mut [f32]) {
+        use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+        let n = dst.len().min(src.len() / 2);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: 16 bytes at 2i and 8 floats at i lie inside `src` and `dst` (i + 8 <= n).
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(2 * i).cast::<__m128i>());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = f16_to_f32(u16::from_le_bytes([src[2 * j], src[2 * j + 1]]));
+        }
+    }
+
+    /// IEEE binary16 bits to binary32 (exact).
+    pub(super) fn f16_to_f32(h: u16) -> f32 {
+        let sign = u32::from(h & 0x8000) << 16;
+        let exp = u32::from((h >> 10) & 0x1f);
+        let man = u32::from(h & 0x3ff);
+        let bits = match (exp, man) {
+            (0, 0) => sign,
+            (0, mut m) => {
+                // A subnormal, m * 2^-24: normalise (the exponent of 2^-14 is 113 biased).
+                let mut e = 113u32;
+                while m & 0x400 == 0 {
+                    m <<= 1;
+                    e -= 1;
+                }
+                sign | (e << 23) | ((m & 0x3ff) << 13)
+            }
+            (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+            (e, m) => sign | ((e + 112) << 23) | (m << 13),
+        };
+        f32::from_bits(bits)
+    }
+
+    /// binary32 to binary16 bits, rounding to nearest even (ggml's `GGML_FP32_TO_FP16`:
+    /// overflow to infinity, subnormals kept, NaN as 0x7e00 with the sign).
+    pub(super) fn f32_to_f16(f: f32) -> u16 {
+        let x = f.to_bits();
+        let sign = ((x >> 16) & 0x8000) as u16;
+        let e = ((x >> 23) & 0xff) as i32;
+        let m = x & 0x7f_ffff;
+        if e == 0xff {
+            return sign | if m != 0 { 0x7e00 } else { 0x7c00 };
+        }
+        let e16 = e - 127 + 15;
+        if e16 >= 0x1f {
+            return sign | 0x7c00;
+        }
+        let round = |q: u32, rem: u32, half: u32| q + u32::from(rem > half || (rem == half && q & 1 == 1));
+        if e16 <= 0 {
+            if e16 < -10 {
+                return sign; // below half the smallest subnormal
+            }
+            // (1.m * 2^(e-127)) / 2^-24 = (m | 2^23) * 2^(e-126): drop 126 - e bits.
+            let full = m | 0x80_0000;
+            let shift = (14 - e16) as u32;
+            let q = round(full >> shift, full & ((1 << shift) - 1), 1 << (shift - 1));
+            return sign | q as u16;
+        }
+        // A carry out of the mantissa steps the exponent (to infinity at the top).
+        let q = round(((e16 as u32) << 10) | (m >> 13), m & 0x1fff, 0x1000);
+        sign | q as u16
+    }
+
+    /// `roundf`: to the nearest integer, halves away from zero (|x| < 2^23, as a q8_0 value
+    /// times its block's inverse scale is).
+    fn round_half_away(x: f32) -> i32 {
+        let t = x as i32; // toward zero
+        let frac = x - t as f32; // exact below 2^23
+        t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)
+    }
+
+    /// f32 values (whole blocks of 32) as q8_0 blocks (a little-endian f16 scale, 32 i8).
+    pub(super) fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
+        debug_assert_eq!(x.len() / 32 * 34, out.len());
+        for (b, o) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
+            let amax = b.iter().fold(0f32, |m, v| if m > v.abs() { m } else { v.abs() });
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            o[..2].copy_from_slice(&f32_to_f16(d).to_le_bytes());
+            for (q, &v) in o[2..].iter_mut().zip(b) {
+                *q = round_half_away(v * id) as i8 as u8;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// ggml's own conversion (`ggml_quantize_chunk`, the reference quantizers).
+    fn ggml_pack(to: GgmlType, values: &[f32], row: i64) -> Vec<u8> {
+        let n = values.len() as i64;
+        let mut out = vec![0u8; row_size(to, n)];
+        // SAFETY: values holds n / row rows; out is sized for n elements of `to`.
+        unsafe {
+            sys::ggml_quantize_chunk(to, values.as_ptr(), out.as_mut_ptr().cast(), 0, n / row, row, std::ptr::null())
+        };
+        out
+    }
+
+    /// ggml's own f16 to f32 (`to_float` of the type traits).
+    fn ggml_f16_to_f32(bytes: &[u8]) -> Vec<f32> {
+        let n = bytes.len() / 2;
+        let mut out = vec![0f32; n];
+        // SAFETY: pure lookup; `bytes` holds n f16 values and out n floats.
+        unsafe {
+            let f = (*sys::ggml_get_type_traits(GgmlType::GGML_TYPE_F16)).to_float.unwrap();
+            f(bytes.as_ptr().cast(), out.as_mut_ptr(), n as i64);
+        }
+        out
+    }
+
+    #[test]
+    fn the_fast_conversions_give_ggmls_bits() {
+        // Every f16 bit pattern but the NaNs (which the loader refuses before converting).
+        let all: Vec<u8> =
+            (0..=u16::MAX).filter(|h| h & 0x7c00 != 0x7c00 || h & 0x3ff == 0).flat_map(|h| h.to_le_bytes()).collect();
+        let ours = to_f32(GgmlType::GGML_TYPE_F16, &all, all.len() as i64 / 2).unwrap();
+        let theirs = ggml_f16_to_f32(&all);
+        for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "f16 {:#06x}", u16::from_le_bytes([all[2 * i], all[2 * i + 1]]));
+        }
+        // The scalar path (CPUs without F16C) agrees with the vector one.
+        for (i, c) in all.chunks_exact(2).enumerate() {
+            assert_eq!(exact::f16_to_f32(u16::from_le_bytes([c[0], c[1]])).to_bits(), theirs[i].to_bits());
+        }
+        // f32 to f16 scales: every power of two's neighbourhood from subnormals to overflow.
+        let mut fs = Vec::new();
+        for e in -30i32..=17 {
+            let p = 2f32.powi(e);
+            for k in 0..64 {
+                for v in [p * (1.0 + k as f32 / 64.0), f32::from_bits(p.to_bits() + k), f32::from_bits(p.to_bits() - k)]
+                {
+                    fs.extend([v, -v]);
+                }
+            }
+        }
+        fs.extend([
+            0.0,
+            -0.0,
+            65504.0,
+            65519.99,
+            65520.0,
+            1e9,
+            f32::INFINITY,
+            f32::MIN_POSITIVE,
+            2f32.powi(-25),
+            2f32.powi(-24) * 1.5,
+        ]);
+        let theirs = ggml_pack(GgmlType::GGML_TYPE_F16, &fs, fs.len() as i64);
+        for (i, v) in fs.iter().enumerate() {
+            let t = u16::from_le_bytes([theirs[2 * i], theirs[2 * i + 1]]);
+            assert_eq!(exact::f32_to_f16(*v), t, "f32 {v:e} ({:#010x})", v.to_bits());
+        }
+        // q8_0: random blocks over many scales, ties (values k + 1/2 once scaled), zero blocks
+        // and blocks of one value.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut vals = Vec::new();
+        for b in 0..4096 {
+            let scale = 2f32.powi((next() % 40) as i32 - 30);
+            let block: Vec<f32> = match b % 8 {
+                0 => vec![0.0; 32],
+                1 => vec![scale; 32],
+                // amax 127 (scale 1): every value a half-integer or an integer
+                2 => (0..32).map(|j| if j == 0 { 127.0 } else { ((next() % 253) as f32 - 126.0) * 0.5 }).collect(),
+                _ => (0..32).map(|_| ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale).collect(),
+            };
+            vals.extend(block);
+        }
+        let ours = pack_f32(GgmlType::GGML_TYPE_Q8_0, &vals, 256).unwrap();
+        let theirs = ggml_pack(GgmlType::GGML_TYPE_Q8_0, &vals, 256);
+        for (i, (a, b)) in ours.chunks(34).zip(theirs.chunks(34)).enumerate() {
+            assert_eq!(a, b, "q8_0 block {i}: {:?}", &vals[32 * i..32 * i + 32]);
+        }
+    }
 
     #[test]
     fn round_trips_through_f16_and_q8_0() {

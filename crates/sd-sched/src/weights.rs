@@ -240,9 +240,27 @@ enum Home {
     /// A mirror set on another device, charged to that device's ledger under a name.
     Device(Box<Weights>, Ledger, String),
     /// Per-tensor bytes in RAM.
-    Host(Vec<Vec<u8>>),
+    Host(Vec<HostBytes>),
     /// Re-read from the source.
     Disk,
+}
+
+/// A tensor's bytes in RAM: a copy of its own, or the source's mapped bytes
+/// ([`Weights::use_in_place`]), which the residency's source keeps alive.
+enum HostBytes {
+    Owned(Vec<u8>),
+    Mapped(MappedBytes),
+}
+
+impl HostBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            HostBytes::Owned(v) => v,
+            // SAFETY: `MappedBytes` promises the memory for the source's life; the residency
+            // holds the source for as long as its home, so for as long as this borrow.
+            HostBytes::Mapped(m) => unsafe { std::slice::from_raw_parts(m.as_ptr(), m.len()) },
+        }
+    }
 }
 
 struct Residency {
@@ -323,9 +341,10 @@ impl Weights {
     /// file's memory map) instead of copying them into a buffer of its own: no load time
     /// and no second copy of the weights in memory, the pages shared with the page cache. Only
     /// tensors in the device's own buffer type (not an extra one) whose mapped address is
-    /// aligned to their element size are used in place; the rest are copied as usual. The
-    /// file must then not change while the set lives: it is read, not copied. Off by
-    /// default; call before [`place`](Self::place).
+    /// aligned to their element size are used in place; the rest are copied as usual. With
+    /// parameters in RAM ([`ParamHome::Host`], any computing device) the mapped bytes are the
+    /// RAM copy that replicas are staged from. The file must then not change while the set
+    /// lives: it is read, not copied. Off by default; call before [`place`](Self::place).
     pub fn use_in_place(&mut self, allowed: bool) {
         self.in_place_allowed = allowed;
     }
@@ -682,13 +701,25 @@ impl Weights {
             }
             ParamHome::Host => {
                 let mut bytes = Vec::with_capacity(self.specs.len());
-                for spec in &self.specs {
-                    let b = src
-                        .load(&spec.name, spec.ty, &spec.ne)
-                        .map_err(|e| SchedError::Source { name: spec.name.clone(), source: e })?
-                        .into_owned();
+                for (i, spec) in self.specs.iter().enumerate() {
+                    let err = |e| SchedError::Source { name: spec.name.clone(), source: e };
+                    if self.in_place_allowed {
+                        if let Some(m) = src.mapped(&spec.name, spec.ty, &spec.ne).map_err(err)? {
+                            self.in_place[i] = true;
+                            bytes.push(HostBytes::Mapped(m));
+                            continue;
+                        }
+                    }
+                    let b = src.load(&spec.name, spec.ty, &spec.ne).map_err(err)?.into_owned();
                     src.release(&spec.name);
-                    bytes.push(b);
+                    bytes.push(HostBytes::Owned(b));
+                }
+                let (n, mapped) = self.in_place_totals();
+                if n > 0 {
+                    tracing::debug!(
+                        "{module}: {:.1} MiB of the parameters in RAM ({n} tensors) are the model file's memory map",
+                        mapped as f64 / (1u64 << 20) as f64
+                    );
                 }
                 Home::Host(bytes)
             }
@@ -950,7 +981,7 @@ enum HomeCopy<'w> {
     /// The mirror set's tensors (same indices).
     Device(&'w [*mut sd_backends::context::RawTensor]),
     /// Per-tensor bytes in RAM.
-    Host(&'w [Vec<u8>]),
+    Host(&'w [HostBytes]),
     /// Re-read from the source.
     Disk(&'w (dyn TensorSource + Send + Sync)),
 }
@@ -991,7 +1022,7 @@ impl<'w> FillJob<'w> {
             match &self.home {
                 // SAFETY: the mirror's tensor i lives in the mirror set, which outlives 'w.
                 HomeCopy::Device(mirror) => t.copy_from(unsafe { Tensor::from_raw_unchecked(mirror[i]) })?,
-                HomeCopy::Host(bytes) => t.set_bytes(&bytes[i])?,
+                HomeCopy::Host(bytes) => t.set_bytes(bytes[i].as_slice())?,
                 HomeCopy::Disk(src) => {
                     let b = src
                         .load(&spec.name, spec.ty, &spec.ne)
@@ -1048,7 +1079,13 @@ impl Drop for Weights {
                 }
                 Home::Pinned => {}
                 Home::Device(_, ledger, name) => ledger.remove_replica(name),
-                Home::Host(_) | Home::Disk => {}
+                // Parameters in RAM that were the map: their pages go with the set.
+                Home::Host(_) => {
+                    for (spec, _) in self.specs.iter().zip(&self.in_place).filter(|(_, &m)| m) {
+                        r.src.release(&spec.name);
+                    }
+                }
+                Home::Disk => {}
             }
         }
     }

@@ -206,16 +206,53 @@ fn mapped_tensors_in_the_devices_own_buffer_are_used_in_place_and_compute_as_cop
     assert_eq!(src.released(), all);
 }
 
+/// The sum of every weight times the same input, run by a runner that stages the set's
+/// groups when they live off the device.
+fn staged_sum(w: &Weights, backend: &Arc<Backend>) -> Vec<f32> {
+    let mut runner = Runner::new("m", backend.clone());
+    let g = Context::for_graph(16, 32).unwrap();
+    let x = g.new_f32(&[K, COLS]).set_input();
+    let mut y = g.mul_mat(w.get("f32").unwrap(), x);
+    for n in ["f16", "odd", "q"] {
+        y = g.add(y, g.mul_mat(w.get(n).unwrap(), x));
+    }
+    let y = y.set_output();
+    let input = values(9, K * COLS);
+    runner.run(w, &g, 32, &[], y, &mut || Ok(x.set_f32(&input)?)).unwrap();
+    y.get_f32().unwrap()
+}
+
 #[test]
-fn sets_whose_home_is_not_the_computing_device_never_use_the_map() {
+fn parameters_in_ram_are_the_map_and_stage_as_copies_and_disk_never_keeps_it() {
     let backend = cpu();
     let src = arena();
     let ledgers = Ledgers::with_budgets(HashMap::new());
-    // Parameters in RAM or re-read from disk are staged per group into replicas: copies.
-    for home in [ParamHome::Host, ParamHome::Disk] {
+    // Staged replicas keep the device's own buffer type (no repacked q4_0): the reference is
+    // a RAM copy of the set's own.
+    let copy = |home: ParamHome| {
         let mut w = Weights::new(specs()).unwrap();
-        w.use_in_place(true);
-        w.place("m", home.clone(), backend.clone(), &ledgers, &|_| "g".into(), src.clone()).unwrap();
-        assert_eq!(w.in_place_totals(), (0, 0), "{home:?}");
-    }
+        w.place("m", home, backend.clone(), &ledgers, &|_| "g".into(), src.clone()).unwrap();
+        assert_eq!(w.in_place_totals(), (0, 0));
+        w
+    };
+    let expected = staged_sum(&copy(ParamHome::Host), &backend);
+    assert!(expected.iter().all(|v| v.is_finite()) && expected.iter().any(|&v| v != 0.0));
+    src.released.lock().unwrap().clear();
+    // In RAM: every tensor's home copy is the map (no alignment or buffer type matters for a
+    // home that replicas are copied from), and the staged replicas compute as pinned copies.
+    let mut w = Weights::new(specs()).unwrap();
+    w.use_in_place(true);
+    w.place("m", ParamHome::Host, backend.clone(), &ledgers, &|_| "g".into(), src.clone()).unwrap();
+    let all = (4 + 2 + 2) * (K * N) as u64 + (K * N / 32 * 18) as u64;
+    assert_eq!(w.in_place_totals(), (4, all));
+    assert!(staged_sum(&w, &backend) == expected, "staged from the map, the product differs");
+    assert!(src.released().is_empty(), "the map is the RAM copy: nothing released while it is used");
+    drop(w);
+    assert_eq!(src.released(), ["f16", "f32", "odd", "q"]);
+    // On disk: re-read at every staging, the map never kept.
+    let mut w = Weights::new(specs()).unwrap();
+    w.use_in_place(true);
+    w.place("m", ParamHome::Disk, backend.clone(), &ledgers, &|_| "g".into(), src.clone()).unwrap();
+    assert_eq!(w.in_place_totals(), (0, 0));
+    assert!(staged_sum(&w, &backend) == expected, "from disk, the product differs");
 }

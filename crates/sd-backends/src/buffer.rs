@@ -271,7 +271,7 @@ impl Buffer {
         // SAFETY: `ptr - pad` lies in the same mapping (caller contract: mappings start
         // at page boundaries); ggml only records the pointer, and writes through the
         // buffer are refused by `is_read_only`.
-        let raw = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(ptr.sub(pad).cast_mut().cast(), len + pad) };
+        let raw = unsafe { sys::ggml_backend_cpu_buffer_from_ptr(ptr.wrapping_sub(pad).cast_mut().cast(), len + pad) };
         if raw.is_null() {
             return Err(BackendError::Alloc { device: "CPU_Mapped".into(), bytes: len + pad });
         }

@@ -79,7 +79,7 @@ pub struct Args {
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
-    /// Weight type: f32, f16, q8_0, q5_0, q4_0.
+    /// Weight type: f32, f16, q8_0, q5_0, q4_0, f8_e4m3 (safetensors only: fp8 e4m3fn).
     #[arg(long = "type", value_name = "TYPE", default_value = "f16", value_parser = weight_type)]
     wtype: WeightType,
     /// Output file (`.safetensors` or `.gguf`: the extension chooses the format).

@@ -269,11 +269,12 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     tracing::debug!("CPU extra weight buffer types {}", if extra_bufts { "on" } else { "off" });
     let manager = BackendManager::new(Some(threads)).with_cpu_extra_bufts(extra_bufts);
     let (w, h) = (params.params().width, params.params().height);
-    let speeds = |d: &sd_placement::ModelDescription| -> Result<_> {
+    let speeds = |d: &sd_placement::ModelDescription, names: &[String]| -> Result<_> {
         let backends = reg
             .devices()
             .into_iter()
             .filter(|dev| dev.kind() != sd_backends::DeviceKind::Meta)
+            .filter(|dev| names.iter().any(|n| n.eq_ignore_ascii_case(&dev.name())))
             .map(|dev| manager.get(dev))
             .collect::<Result<Vec<_>, _>>()?;
         let key = sd_models::speed::model_key(d);

@@ -224,22 +224,40 @@ pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
         .collect()
 }
 
+/// Measures (or reads from a cache) the speeds of the named devices for a model.
+pub(crate) type SpeedProbe<'a> =
+    dyn Fn(&sd_placement::ModelDescription, &[String]) -> Result<std::collections::BTreeMap<String, f64>> + 'a;
+
 /// The placement plan of a generation on this machine's `devices`, its warnings logged. With
-/// `--split-by speed`, `speeds` measures (or reads from its cache) the devices' speeds for the
-/// model described.
+/// `--split-by speed`, `speeds` measures (or reads from its cache) the speeds of the devices
+/// the plan's layer splits use (a plan by memory first says which), for the model described.
 pub fn plan_for(
     model: &ModelArgs,
     files: &ModelFiles,
     placement: &PlacementArgs,
     devices: Vec<Device>,
-    speeds: &dyn Fn(&sd_placement::ModelDescription) -> Result<std::collections::BTreeMap<String, f64>>,
+    speeds: &SpeedProbe<'_>,
 ) -> Result<Plan> {
     let flags = placement.flags();
     let description = describe(files, &model.extra())?;
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
-    let device_speeds = if by_speed { speeds(&description)? } else { Default::default() };
-    let request =
-        PlanRequest { flags, devices, ram_available_bytes: ram_available(), model: description, device_speeds };
+    let mut request = PlanRequest {
+        flags,
+        devices,
+        ram_available_bytes: ram_available(),
+        model: description,
+        device_speeds: Default::default(),
+    };
+    if by_speed {
+        // Without speeds the planner sizes by memory: which devices that plan splits over is
+        // what needs measuring (a device no split uses is not probed).
+        let split_devices: std::collections::BTreeSet<String> =
+            plan(&request)?.modules.iter().flat_map(|m| m.split.iter().map(|r| r.device.clone())).collect();
+        let names: Vec<String> = split_devices.into_iter().collect();
+        if !names.is_empty() {
+            request.device_speeds = speeds(&request.model, &names)?;
+        }
+    }
     let plan = plan(&request)?;
     for w in &plan.warnings {
         tracing::warn!("{w}");

@@ -319,7 +319,7 @@ fn malformed() -> Vec<(String, Vec<u8>, Vec<&'static str>)> {
             st(r#"{"lora.down.weight":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}}"#, 8),
             vec!["no tensor of a text encoder"],
         ),
-        ("f8-weight.safetensors".into(), st(&t("F8_E4M3", "[4]", "[0,4]"), 4), vec!["f8_e4m3", "cannot compute"]),
+        ("i8-weight.safetensors".into(), st(&t("I8", "[4]", "[0,4]"), 4), vec!["i8", "cannot compute"]),
         ("bool-weight.safetensors".into(), st(&t("BOOL", "[4]", "[0,4]"), 4), vec!["cannot compute"]),
         (
             "fused-qkv-not-thirds.safetensors".into(),

@@ -66,6 +66,17 @@ fn run(dir: &Path, name: &str, extra: &[&str]) -> (Option<Vec<u8>>, Option<RunRe
 
 /// [`run`] with another diffusion model.
 fn run_dit(dit: &Path, dir: &Path, name: &str, extra: &[&str]) -> (Option<Vec<u8>>, Option<RunReport>, String) {
+    run_with(dit, &files().t5, dir, name, extra)
+}
+
+/// [`run`] with another diffusion model and T5-XXL file.
+fn run_with(
+    dit: &Path,
+    t5: &Path,
+    dir: &Path,
+    name: &str,
+    extra: &[&str],
+) -> (Option<Vec<u8>>, Option<RunReport>, String) {
     let f = files();
     let out = dir.join(format!("{name}.png"));
     let report = dir.join(format!("{name}.json"));
@@ -80,7 +91,7 @@ fn run_dit(dit: &Path, dir: &Path, name: &str, extra: &[&str]) -> (Option<Vec<u8
         .arg("--clip_l")
         .arg(&f.clip_l)
         .arg("--t5xxl")
-        .arg(&f.t5)
+        .arg(t5)
         .arg("--vae")
         .arg(&f.vae)
         .args(["-W", "64", "-H", "64", "-s", "7"])
@@ -93,7 +104,8 @@ fn run_dit(dit: &Path, dir: &Path, name: &str, extra: &[&str]) -> (Option<Vec<u8
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    let png = o.status.success().then(|| std::fs::read(&out).unwrap());
+    // A batch writes `name_0.png`, ...: its caller reads them (empty here).
+    let png = o.status.success().then(|| std::fs::read(&out).unwrap_or_default());
     let report = std::fs::read_to_string(&report).ok().and_then(|s| RunReport::from_json(&s).ok());
     (png, report, stderr)
 }
@@ -245,6 +257,29 @@ fn flux_splits_over_two_rpc_servers_give_the_cpu_image() {
             assert!(cut.iter().any(|n| n.ends_with("block.1.layer.1.DenseReluDense.wo.weight")), "{cut:?}");
         }
     }
+
+    // Pipeline copies over a batch's images: FLUX runs at cfg 1 (one pass per step), so the
+    // micro-batches a split overlaps are the images, sampled in lockstep; each sample is still a
+    // graph of its own, so every image is the one sampled alone on the CPU, bit for bit.
+    let batch = |name: &str, extra: &[&str]| -> (Vec<Vec<u8>>, RunReport) {
+        let args = [&PLACED[..], &["-b", "2"], extra].concat();
+        let (_, report, err) = run(&d, name, &args);
+        let report = report.unwrap_or_else(|| panic!("{name}: {err}"));
+        let png = |i: usize| {
+            std::fs::read(d.join(format!("{name}_{i}.png"))).unwrap_or_else(|e| panic!("{name}: {e}\n{err}"))
+        };
+        (vec![png(0), png(1)], report)
+    };
+    let (alone, _) = batch("cpu-b2", &["--backend", "cpu"]);
+    assert!(alone[0] != alone[1], "two seeds, two images");
+    let split = ["--rpc", rpc.as_str(), "--backend", "diffusion=RPC0&RPC1,te=cpu,vae=cpu", "--pipeline-copies", "2"];
+    let (piped, report) = batch("copies2-b2", &split);
+    assert!(piped == alone, "copies 2 over a batch of two: the images differ from those sampled alone");
+    let s = &report.runner("unet").unwrap().stats;
+    assert_eq!((s.pipelined_runs, s.runs), (2, 4), "both steps pipelined, one sample per micro-batch: {s:?}");
+    assert!(s.pipeline_busy_secs > 0.0 && s.pipeline_wall_secs > 0.0, "{s:?}");
+    let steps: Vec<(usize, usize)> = report.steps.iter().map(|t| (t.image, t.step)).collect();
+    assert_eq!(steps.len(), 4, "every image reported at every step: {steps:?}");
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -501,4 +536,56 @@ fn subset(from: &Path, to: &Path, prefix: &str) {
         .collect();
     assert!(!kept.is_empty(), "no tensor of {} starts with {prefix}", from.display());
     std::fs::write(to, to_bytes(&kept, &header.metadata).unwrap()).unwrap();
+}
+
+#[test]
+fn flux_reads_an_fp8_e4m3_t5_as_its_f16_values() {
+    // The fp8 T5-XXL files people download store F8_E4M3; the reference widens them to f16 at
+    // load. A one-block e4m3 T5 and the same values stored as f16 give the same image bit for
+    // bit, and the plan counts the widened bytes (f16), not the file's.
+    std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+    let cfg = T5Config { n_layers: 1, ..T5Config::xxl() };
+    let e4m3 = t5::cached_t5xxl_path(1, 42, WeightType::F8E4M3);
+    if !e4m3.exists() {
+        t5::write_t5xxl(&e4m3, &cfg, 42, WeightType::F8E4M3, FileFormat::Safetensors).unwrap();
+    }
+    let d = dir("fp8");
+    let widened = d.join("t5-widened-f16.safetensors");
+    {
+        use sd_models::files::safetensors::{parse, to_bytes, HeaderEntry};
+        use sd_models::files::DType;
+        let bytes = std::fs::read(&e4m3).unwrap();
+        let header = parse(&bytes).unwrap();
+        assert!(header.tensors.iter().all(|t| t.dtype == DType::F8_E4M3), "the fixture stores every tensor as e4m3");
+        let data: Vec<Vec<u8>> = header
+            .tensors
+            .iter()
+            .map(|t| {
+                let stored = &bytes[t.offset as usize..(t.offset + t.len) as usize];
+                sd_models::files::f8::widen_to_f16(DType::F8_E4M3, stored).unwrap()
+            })
+            .collect();
+        let kept: Vec<(HeaderEntry<'_>, &[u8])> = header
+            .tensors
+            .iter()
+            .zip(&data)
+            .map(|(t, v)| (HeaderEntry { name: &t.name, dtype: DType::F16, shape: &t.shape }, &v[..]))
+            .collect();
+        std::fs::write(&widened, to_bytes(&kept, &header.metadata).unwrap()).unwrap();
+    }
+    let dit = &files().dit;
+    let (a, ra, err) = run_with(dit, &e4m3, &d, "e4m3", &PLACED);
+    let a = a.unwrap_or_else(|| panic!("{err}"));
+    let (b, rb, err) = run_with(dit, &widened, &d, "f16", &PLACED);
+    let b = b.unwrap_or_else(|| panic!("{err}"));
+    assert!(pixels(&a) == pixels(&b), "the e4m3 T5 and its f16 values give different images");
+    let te = |r: Option<RunReport>| {
+        let plan = r.expect("report").plan.expect("plan");
+        plan.modules.iter().find(|m| m.module.name() == "te").unwrap().param_bytes
+    };
+    let (te_a, te_b) = (te(ra), te(rb));
+    assert_eq!(te_a, te_b, "te's bytes: e4m3 file {te_a}, f16 file {te_b}");
+    let file = std::fs::metadata(&e4m3).unwrap().len();
+    assert!(te_a > 2 * file - (1 << 20), "te {te_a} should count T5's e4m3 file ({file} bytes) widened to f16");
+    let _ = std::fs::remove_dir_all(&d);
 }

@@ -316,7 +316,39 @@ fn layer_splits_give_the_all_cpu_image() {
     assert_eq!(s.runs, 4, "two micro-batches per step: {s:?}");
     assert_ran_as_planned(&report, "diffusion", "unet", "copies 2");
 
-    // Sized by speed: every device is measured once (into the cache), the plan says how the
+    // Without guidance the micro-batches are a batch's images, sampled in lockstep; a
+    // micro-batch of one image runs the graph an image sampled alone runs, so each image is
+    // the one the CPU gives, bit for bit.
+    let batch = |name: &str, extra: &[&str]| -> (Vec<Vec<u8>>, RunReport) {
+        let out = dir.join(format!("{name}.png"));
+        let report = out.with_extension("json");
+        let o = sd_cli()
+            .arg("-m")
+            .arg(&model)
+            .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler_a"])
+            .args(["-s", "42", "--cfg-scale", "1", "-t", "2", "-b", "2", "-o"])
+            .arg(&out)
+            .arg("--report-json")
+            .arg(&report)
+            .args(extra)
+            .env("SD_CACHE_DIR", &dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        (vec![pixels(&dir.join(format!("{name}_0.png"))), pixels(&dir.join(format!("{name}_1.png")))], report)
+    };
+    let (alone, _) = batch("cpu-b2", &["--backend", "cpu"]);
+    assert!(alone[0] != alone[1], "two seeds, two images");
+    let piped: Vec<&str> = split.iter().copied().chain(["--pipeline-copies", "2"]).collect();
+    let (px, report) = batch("copies2-b2", &piped);
+    // euler_a draws noise at every step: each image's from its own generator.
+    assert!(px == alone, "copies 2 over a batch of two: the images differ from those sampled alone");
+    let s = &report.runner("unet").unwrap().stats;
+    assert_eq!((s.pipelined_runs, s.runs), (2, 4), "both steps pipelined, one image per micro-batch: {s:?}");
+    assert_eq!(report.steps.len(), 4, "every image reported at every step: {:?}", report.steps);
+
+    // Sized by speed: each device of the split is measured once (into the cache), the plan says how the
     // ranges were sized, and the image is the all-CPU one.
     let cache = dir.join("device-speeds.toml");
     let speed: Vec<&str> = split.iter().copied().chain(["--split-by", "speed"]).collect();
@@ -327,9 +359,11 @@ fn layer_splits_give_the_all_cpu_image() {
     assert_eq!(unet.sized_by, Some(sd_placement::SplitBy::Speed), "{unet:?}");
     assert!(unet.predicted.is_some(), "speeds known: a predicted time: {unet:?}");
     let text = std::fs::read_to_string(&cache).unwrap_or_else(|e| panic!("{}: {e}", cache.display()));
-    for dev in ["CPU", "RPC0", "RPC1"] {
+    for dev in ["RPC0", "RPC1"] {
         assert!(text.contains(&format!("device = \"{dev}\"")), "{dev} measured and cached:\n{text}");
     }
+    // Only the devices the split uses are probed.
+    assert!(!text.contains("device = \"CPU\""), "the CPU is in no split, yet it was measured:\n{text}");
     assert_ran_as_planned(&report, "diffusion", "unet", "--split-by speed");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -48,7 +48,10 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
     let mut ignored = 0usize;
     for e in index.entries() {
         match module_of(files::index::component_of(&e.name)) {
-            Some(m) => push(m, Tensor { name: e.name.clone(), bytes: e.len, block: index.block(e) }),
+            Some(m) => {
+                let bytes = e.dtype.loaded_bytes(e.len, e.shape.last().copied().unwrap_or(1), e.n_elements());
+                push(m, Tensor { name: e.name.clone(), bytes, block: index.block(e) })
+            }
             None => ignored += 1,
         }
     }
@@ -108,7 +111,7 @@ fn layer_index(name: &str) -> Option<u32> {
     None
 }
 
-/// (file size, [(tensor name, bytes)]) of a safetensors or GGUF file, header only.
+/// (file size, [(tensor name, bytes once loaded)]) of a safetensors or GGUF file, header only.
 fn header_tensors(path: &Path) -> Result<(u64, Vec<(String, u64)>), FilesError> {
     let io = |e: std::io::Error| FilesError::Io { path: path.to_owned(), error: e };
     let (file, meta) = files::open::open_regular(path)?;
@@ -128,7 +131,10 @@ fn header_tensors(path: &Path) -> Result<(u64, Vec<(String, u64)>), FilesError> 
     } else {
         files::safetensors::parse(&map).map_err(malformed)?.tensors
     };
-    Ok((len, raw.into_iter().map(|t| (t.name, t.len)).collect()))
+    let loaded = |t: &files::RawTensor| {
+        t.dtype.loaded_bytes(t.len, t.shape.last().copied().unwrap_or(1), t.shape.iter().product())
+    };
+    Ok((len, raw.into_iter().map(|t| (loaded(&t), t.name)).map(|(b, n)| (n, b)).collect()))
 }
 
 #[cfg(test)]

@@ -40,9 +40,10 @@ impl<'a> FileSource<'a> {
     }
 }
 
-/// The ggml type of a file dtype.
+/// The ggml type a tensor stored as `d` is loaded as: its own, or f16 for the 8-bit floats
+/// ([`DType::loaded`]).
 pub fn ggml_type(d: DType) -> Option<GgmlType> {
-    d.ggml_type_id().map(GgmlType)
+    d.loaded().ggml_type_id().map(GgmlType)
 }
 
 /// The file's storage type of every tensor, for models choosing their own storage types.
@@ -139,15 +140,20 @@ impl<'a> FileSource<'a> {
             LoadError::DType { tensor, path, dtype: e.dtype.name() }
         })?;
         files.check_unchanged(e.file)?;
-        let bytes = files.bytes(e);
-        if let Some(element) = first_non_finite(from, bytes) {
+        let stored = files.bytes(e);
+        // 8-bit floats are widened to f16 first, as the reference loads them.
+        let bytes = match crate::files::f8::widen_to_f16(e.dtype, stored) {
+            Some(widened) => Cow::Owned(widened),
+            None => Cow::Borrowed(stored),
+        };
+        if let Some(element) = first_non_finite(from, &bytes) {
             let (tensor, path) = tensor();
             return Err(LoadError::NonFinite { tensor, path, element });
         }
         if from == ty {
-            return Ok(Cow::Borrowed(bytes));
+            return Ok(bytes);
         }
-        convert::convert(from, ty, bytes, ne).map(Cow::Owned).map_err(|source| {
+        convert::convert(from, ty, &bytes, ne).map(Cow::Owned).map_err(|source| {
             let (tensor, path) = tensor();
             LoadError::Convert { tensor, path, source }
         })
@@ -416,5 +422,52 @@ mod tests {
         assert!(err.contains("NaN") && err.contains("element 700"), "{err}");
         let err = src.mapped_tensor(&name("good"), GgmlType::GGML_TYPE_F32, &[n as i64 + 1]).unwrap_err().to_string();
         assert!(err.contains("elements"), "{err}");
+    }
+
+    #[test]
+    fn eight_bit_floats_load_as_their_f16_values_and_a_nan_code_names_its_element() {
+        use crate::files::f8;
+        // Every e4m3fn code but the two NaNs, every finite e5m2 code, and an e4m3fn NaN.
+        let e4: Vec<u8> = (0..=255u8).filter(|b| b & 0x7f != 0x7f).collect();
+        let e5: Vec<u8> = (0..=255u8).filter(|b| (b >> 2) & 0x1f != 0x1f).collect();
+        let mut nan = vec![0x38u8; 64];
+        nan[41] = 0xff;
+        let mut json = String::from("{");
+        let mut data = Vec::new();
+        for (name, dtype, bytes) in [("e4", "F8_E4M3", &e4), ("e5", "F8_E5M2", &e5), ("nan", "F8_E4M3", &nan)] {
+            let (a, b) = (data.len(), data.len() + bytes.len());
+            json += &format!(r#""{name}":{{"dtype":"{dtype}","shape":[{}],"data_offsets":[{a},{b}]}},"#, bytes.len());
+            data.extend_from_slice(bytes);
+        }
+        json.pop();
+        json.push('}');
+        let mut file = (json.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(json.as_bytes());
+        file.extend_from_slice(&data);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f8.safetensors");
+        std::fs::write(&path, &file).unwrap();
+        let files = ModelFiles::open_model(&path).unwrap();
+        let name = |orig: &str| files.index().entries().iter().find(|e| e.original_name == orig).unwrap().name.clone();
+        let src = FileSource::new(&files);
+
+        // The loader's own type for them is f16 (what the weights' specs are built from).
+        assert_eq!(dtype_of(&files)(&name("e4")), Some(GgmlType::GGML_TYPE_F16));
+        let f16 = |codes: &[u8], widen: fn(u8) -> u16| -> Vec<u8> {
+            codes.iter().flat_map(|&b| widen(b).to_le_bytes()).collect()
+        };
+        let ne = |v: &[u8]| [v.len() as i64];
+        let got = src.load_tensor(&name("e4"), GgmlType::GGML_TYPE_F16, &ne(&e4)).unwrap();
+        assert_eq!(&got[..], &f16(&e4, f8::e4m3fn_to_f16)[..]);
+        let got = src.load_tensor(&name("e5"), GgmlType::GGML_TYPE_F16, &ne(&e5)).unwrap();
+        assert_eq!(&got[..], &f16(&e5, f8::e5m2_to_f16)[..]);
+        // Widened, then converted like an f16 tensor; never lent from the map.
+        let got = src.load_tensor(&name("e4"), GgmlType::GGML_TYPE_F32, &ne(&e4)).unwrap();
+        let want: Vec<u8> =
+            e4.iter().flat_map(|&b| half::f16::from_bits(f8::e4m3fn_to_f16(b)).to_f32().to_le_bytes()).collect();
+        assert_eq!(&got[..], &want[..]);
+        assert!(src.mapped_tensor(&name("e4"), GgmlType::GGML_TYPE_F16, &ne(&e4)).unwrap().is_none());
+        let err = src.load_tensor(&name("nan"), GgmlType::GGML_TYPE_F16, &ne(&nan)).unwrap_err().to_string();
+        assert!(err.contains("NaN") && err.contains("element 41") && err.contains("`nan`"), "{err}");
     }
 }

@@ -990,24 +990,45 @@ impl Pipeline {
             let t = Instant::now();
             let mut runner =
                 self.runner("unet", &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
-            for b in 0..p.batch_count {
-                let mut rng = p.rng.seeded(p.seed.wrapping_add(b as u64));
-                let noise = rng.randn(channels * lh * lw);
-                let x = match &init_latent {
-                    None => txt2img_latent(&noise, sigmas[0]),
-                    Some(init) => match &schedule {
-                        Schedule::Flow(flow) => flow.noised_latent(init, &noise, sigmas[0])?,
-                        Schedule::Discrete(_) => noised_latent(init, &noise, sigmas[0])?,
-                    },
-                };
+            // Images are sampled one after the other, each from its own generator, as in the
+            // reference. A split module that overlaps micro-batches across its devices
+            // (`pipeline_copies` > 1) samples the batch's images in lockstep instead: one model
+            // evaluation per step covers every image, so the micro-batches have images to
+            // overlap even without guidance. Each image still draws its noise from its own
+            // generator, in its own order (`ImagesRng`), so the sampling math is the same.
+            let per_image = channels * lh * lw;
+            let groups: Vec<std::ops::Range<usize>> = if runner.micro_batches(p.batch_count) > 1 {
+                tracing::debug!("{} images sampled in lockstep for the pipelined split", p.batch_count);
+                std::iter::once(0..p.batch_count).collect()
+            } else {
+                (0..p.batch_count).map(|b| b..b + 1).collect()
+            };
+            for images in groups {
+                let first = images.start;
+                let mut rngs: Vec<Box<dyn crate::sampling::NoiseRng>> =
+                    images.clone().map(|b| p.rng.seeded(p.seed.wrapping_add(b as u64))).collect();
+                let mut x = Vec::with_capacity(per_image * images.len());
+                for rng in &mut rngs {
+                    let noise = rng.randn(per_image);
+                    x.extend(match &init_latent {
+                        None => txt2img_latent(&noise, sigmas[0]),
+                        Some(init) => match &schedule {
+                            Schedule::Flow(flow) => flow.noised_latent(init, &noise, sigmas[0])?,
+                            Schedule::Discrete(_) => noised_latent(init, &noise, sigmas[0])?,
+                        },
+                    });
+                }
+                let mut rng = ImagesRng(rngs);
                 let mut step_start = Instant::now();
                 let warned = std::cell::Cell::new(false);
+                let n_images = images.len();
                 let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
                     let out = eval_guided(
                         unet.as_ref(),
                         &mut runner,
                         inp.x,
                         (lw, lh),
+                        n_images,
                         inp.timestep,
                         &cond,
                         uncond.as_ref().filter(|_| inp.uncond),
@@ -1015,7 +1036,7 @@ impl Pipeline {
                     // One warning per image: a broken model is broken at every step.
                     if !warned.get() {
                         let stage =
-                            format!("diffusion model output at timestep {:.0} of image {}", inp.timestep, b + 1);
+                            format!("diffusion model output at timestep {:.0} of image {}", inp.timestep, first + 1);
                         warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
                     }
                     Ok(out)
@@ -1027,26 +1048,29 @@ impl Pipeline {
                     let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
-                        steps.push(StepTime { image: b, step: step.index, seconds: secs });
-                        // The front end shows it (sd-cli: a bar, or an info line).
-                        progress(Progress::Step {
-                            image: b,
-                            images: p.batch_count,
-                            step: step.index,
-                            steps: step.count,
-                            seconds: secs,
-                        });
+                        // In lockstep one step serves every image: each is reported with it.
+                        for b in images.clone() {
+                            steps.push(StepTime { image: b, step: step.index, seconds: secs });
+                            // The front end shows it (sd-cli: a bar, or an info line).
+                            progress(Progress::Step {
+                                image: b,
+                                images: p.batch_count,
+                                step: step.index,
+                                steps: step.count,
+                                seconds: secs,
+                            });
+                        }
                         step_start = Instant::now();
                     }
                     Ok(out)
                 };
                 let eta = p.eta.unwrap_or_else(|| method.default_eta());
                 let out = if schedule.is_flow() {
-                    sample_flow(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?
+                    sample_flow(method, &mut denoise, x, &sigmas, &mut rng, eta)?
                 } else {
-                    sample(method, &mut denoise, x, &sigmas, rng.as_mut(), eta)?
+                    sample(method, &mut denoise, x, &sigmas, &mut rng, eta)?
                 };
-                latents.push(out);
+                latents.extend(out.chunks_exact(per_image).map(<[f32]>::to_vec));
             }
             let moved = unet.weights().stats();
             tracing::debug!(
@@ -1109,34 +1133,61 @@ fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Run
     report.runners.push(RunnerReport::of(runner, w));
 }
 
-/// One guided model evaluation: cond and uncond as one batch of 2 when their shapes agree
-/// (the same numbers as two runs to a few f16 ulps, fewer graph launches), else two runs.
+/// One guided model evaluation of `images` latents (concatenated in `x`, sampled in lockstep):
+/// every image's cond pass and then every image's uncond pass as one batch when their shapes
+/// agree (the same numbers as separate runs to a few f16 ulps, fewer graph launches), else the
+/// cond passes and the uncond passes as two batches.
+#[allow(clippy::too_many_arguments)]
 fn eval_guided(
     model: &dyn DiffusionModel,
     runner: &mut Runner,
     x: &[f32],
     dims: (usize, usize),
+    images: usize,
     timestep: f32,
     cond: &Conditioning,
     uncond: Option<&Conditioning>,
 ) -> Result<ModelOutput> {
+    let times = vec![timestep; images];
+    let conds = vec![cond; images];
     match uncond {
         None => {
-            let c = model.eval(runner, x, dims, &[timestep], &[cond])?;
+            let c = model.eval(runner, x, dims, &times, &conds)?;
             Ok(ModelOutput { cond: c, uncond: None })
         }
         Some(u) if u.batches_with(cond) => {
             let mut xx = Vec::with_capacity(2 * x.len());
             xx.extend_from_slice(x);
             xx.extend_from_slice(x);
-            let mut out = model.eval(runner, &xx, dims, &[timestep, timestep], &[cond, u])?;
+            let both: Vec<&Conditioning> = conds.iter().copied().chain(std::iter::repeat_n(u, images)).collect();
+            let mut out = model.eval(runner, &xx, dims, &[&times[..], &times[..]].concat(), &both)?;
             let un = out.split_off(x.len());
             Ok(ModelOutput { cond: out, uncond: Some(un) })
         }
         Some(u) => {
-            let c = model.eval(runner, x, dims, &[timestep], &[cond])?;
-            let un = model.eval(runner, x, dims, &[timestep], &[u])?;
+            let c = model.eval(runner, x, dims, &times, &conds)?;
+            let un = model.eval(runner, x, dims, &times, &vec![u; images])?;
             Ok(ModelOutput { cond: c, uncond: Some(un) })
+        }
+    }
+}
+
+/// The sampler's noise for images sampled in lockstep: a draw for all of them (their latents
+/// concatenated) takes an equal share from each image's own generator, in image order, so each
+/// image gets the values it would get sampled alone.
+struct ImagesRng(Vec<Box<dyn crate::sampling::NoiseRng>>);
+
+impl crate::sampling::NoiseRng for ImagesRng {
+    fn randn(&mut self, n: usize) -> Vec<f32> {
+        match self.0.as_mut_slice() {
+            [one] => one.randn(n),
+            many if !many.is_empty() && n.is_multiple_of(many.len()) => {
+                let share = n / many.len();
+                many.iter_mut().flat_map(|r| r.randn(share)).collect()
+            }
+            // A draw that is not one share per image (no sampler makes one): nothing, which the
+            // sampler reports as noise of the wrong length rather than using another image's.
+            _ => Vec::new(),
         }
     }
 }

@@ -819,60 +819,146 @@ impl FluxModel {
         y: &[f32],
         guidance: Option<f32>,
     ) -> Result<Vec<f32>> {
-        let _span = tracing::trace_span!("flux", w, h, n_ctx_tokens).entered();
-        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
-        let cfg = &self.cfg;
-        let (c, cd) = (cfg.latent_channels() as usize, cfg.context_in_dim as usize);
-        if x.len() != c * w * h || w == 0 || h == 0 {
-            return bad(format!("latent has {} values, {c} x {h} x {w} needs {}", x.len(), c * w * h));
+        let sample = Sample { x, timestep, context, n_ctx_tokens, y };
+        Ok(self.eval_samples(runner, (w, h), &[sample], guidance)?.remove(0))
+    }
+
+    /// Evaluates `samples` (each in a graph of its own, as the reference) and returns their
+    /// predictions in order. A split runner that overlaps micro-batches (`--pipeline-copies`)
+    /// gets them as such, as many at a time as it keeps copies: one sample per micro-batch.
+    fn eval_samples(
+        &self,
+        runner: &mut sd_sched::Runner,
+        (w, h): (usize, usize),
+        samples: &[Sample<'_>],
+        guidance: Option<f32>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let _span = tracing::trace_span!("flux", w, h, samples = samples.len()).entered();
+        for s in samples {
+            self.check_sample(s, (w, h))?;
         }
-        if n_ctx_tokens == 0 || context.len() != n_ctx_tokens * cd {
-            return bad(format!(
-                "context has {} values, {n_ctx_tokens} tokens x {cd} needs {}",
-                context.len(),
-                n_ctx_tokens * cd
-            ));
-        }
-        if y.len() != cfg.vec_in_dim as usize {
-            return bad(format!("pooled vector has {} values, the model takes {}", y.len(), cfg.vec_in_dim));
-        }
-        let pe = rope_pe(cfg, n_ctx_tokens, (w, h));
-        let size = graph_size(cfg);
-        let g = Context::for_graph(size, size)?;
-        let tokens = (n_ctx_tokens + image_tokens(w, h)) as i64;
-        let ins = FluxInputs {
-            x: g.new_f32(&[w as i64, h as i64, c as i64, 1]).set_name("x").set_input(),
-            timestep: g.new_f32(&[1]).set_name("timestep").set_input(),
-            context: g.new_f32(&[cd as i64, n_ctx_tokens as i64, 1]).set_name("context").set_input(),
-            y: g.new_f32(&[cfg.vec_in_dim.max(1), 1]).set_name("y").set_input(),
-            guidance: guidance.map(|_| g.new_f32(&[1]).set_name("guidance").set_input()),
-            pe: g.new_f32(&[2, 2, cfg.head_dim() / 2, tokens]).set_name("pe").set_input(),
-            eps: g.new_f32(&[1]).set_name("rms_eps").set_input(),
-        };
         let kernel = if self.flash_attn {
             AttnKernel::FlashWhereSupported(runner.backend().device())
         } else {
             AttnKernel::Plain
         };
-        let mut cuts = Vec::new();
-        let out = forward(&g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
-        let y_in = if y.is_empty() { vec![0.0] } else { y.to_vec() };
-        runner.run(&self.weights, &g, size, &cuts, out, &mut || {
-            ins.x.set_f32(x)?;
-            ins.timestep.set_f32(&[timestep])?;
-            ins.context.set_f32(context)?;
-            if cfg.vec_in_dim > 0 {
-                ins.y.set_f32(&y_in)?;
+        let size = graph_size(&self.cfg);
+        let m = runner.micro_batches(samples.len());
+        let mut outs = Vec::with_capacity(samples.len());
+        for chunk in samples.chunks(m.max(1)) {
+            let ctxs: Vec<Context> = chunk.iter().map(|_| Context::for_graph(size, size)).collect::<Result<_, _>>()?;
+            let mut graphs = Vec::with_capacity(chunk.len());
+            for (g, s) in ctxs.iter().zip(chunk) {
+                graphs.push(self.graph(g, (w, h), s.n_ctx_tokens, guidance.is_some(), kernel)?);
             }
-            if let (Some(t), Some(v)) = (ins.guidance, guidance) {
-                t.set_f32(&[v])?;
+            let mut set_inputs = || -> std::result::Result<(), sd_sched::SchedError> {
+                for ((ins, _, _), s) in graphs.iter().zip(chunk) {
+                    self.set_inputs(ins, s, (w, h), guidance)?;
+                }
+                Ok(())
+            };
+            if let [(_, out, cuts)] = &graphs[..] {
+                runner.run(&self.weights, &ctxs[0], size, cuts, *out, &mut set_inputs)?;
+            } else {
+                let jobs: Vec<sd_sched::BatchJob<'_>> = ctxs
+                    .iter()
+                    .zip(&graphs)
+                    .map(|(g, (_, out, cuts))| sd_sched::BatchJob {
+                        ctx: g,
+                        graph_size: size,
+                        cuts: cuts.clone(),
+                        out: *out,
+                    })
+                    .collect();
+                runner.run_batches(&self.weights, &jobs, &mut set_inputs)?;
             }
-            ins.pe.set_f32(&pe)?;
-            ins.eps.set_f32(&[EPS])?;
-            Ok(())
-        })?;
-        Ok(out.get_f32()?)
+            for (_, out, _) in &graphs {
+                outs.push(out.get_f32()?);
+            }
+        }
+        Ok(outs)
     }
+
+    /// Checks one sample's inputs against the model.
+    fn check_sample(&self, s: &Sample<'_>, (w, h): (usize, usize)) -> Result<()> {
+        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
+        let cfg = &self.cfg;
+        let (c, cd) = (cfg.latent_channels() as usize, cfg.context_in_dim as usize);
+        if s.x.len() != c * w * h || w == 0 || h == 0 {
+            return bad(format!("latent has {} values, {c} x {h} x {w} needs {}", s.x.len(), c * w * h));
+        }
+        if s.n_ctx_tokens == 0 || s.context.len() != s.n_ctx_tokens * cd {
+            return bad(format!(
+                "context has {} values, {} tokens x {cd} needs {}",
+                s.context.len(),
+                s.n_ctx_tokens,
+                s.n_ctx_tokens * cd
+            ));
+        }
+        if s.y.len() != cfg.vec_in_dim as usize {
+            return bad(format!("pooled vector has {} values, the model takes {}", s.y.len(), cfg.vec_in_dim));
+        }
+        Ok(())
+    }
+
+    /// The graph of one sample in `g`: its inputs, output and cuts.
+    #[allow(clippy::type_complexity)]
+    fn graph<'g>(
+        &'g self,
+        g: &'g Context,
+        (w, h): (usize, usize),
+        n_ctx_tokens: usize,
+        guided: bool,
+        kernel: AttnKernel,
+    ) -> Result<(FluxInputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
+        let cfg = &self.cfg;
+        let (c, cd) = (cfg.latent_channels(), cfg.context_in_dim);
+        let tokens = (n_ctx_tokens + image_tokens(w, h)) as i64;
+        let ins = FluxInputs {
+            x: g.new_f32(&[w as i64, h as i64, c, 1]).set_name("x").set_input(),
+            timestep: g.new_f32(&[1]).set_name("timestep").set_input(),
+            context: g.new_f32(&[cd, n_ctx_tokens as i64, 1]).set_name("context").set_input(),
+            y: g.new_f32(&[cfg.vec_in_dim.max(1), 1]).set_name("y").set_input(),
+            guidance: guided.then(|| g.new_f32(&[1]).set_name("guidance").set_input()),
+            pe: g.new_f32(&[2, 2, cfg.head_dim() / 2, tokens]).set_name("pe").set_input(),
+            eps: g.new_f32(&[1]).set_name("rms_eps").set_input(),
+        };
+        let mut cuts = Vec::new();
+        let out = forward(g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
+        Ok((ins, out, cuts))
+    }
+
+    /// Writes one sample's values into its graph's inputs.
+    fn set_inputs(
+        &self,
+        ins: &FluxInputs<'_>,
+        s: &Sample<'_>,
+        (w, h): (usize, usize),
+        guidance: Option<f32>,
+    ) -> std::result::Result<(), sd_sched::SchedError> {
+        ins.x.set_f32(s.x)?;
+        ins.timestep.set_f32(&[s.timestep])?;
+        ins.context.set_f32(s.context)?;
+        if self.cfg.vec_in_dim > 0 {
+            ins.y.set_f32(s.y)?;
+        }
+        if let (Some(t), Some(v)) = (ins.guidance, guidance) {
+            t.set_f32(&[v])?;
+        }
+        ins.pe.set_f32(&rope_pe(&self.cfg, s.n_ctx_tokens, (w, h)))?;
+        ins.eps.set_f32(&[EPS])?;
+        Ok(())
+    }
+}
+
+/// One sample's inputs to [`FluxModel`]: see [`FluxModel::eval`].
+#[derive(Clone, Copy)]
+struct Sample<'a> {
+    x: &'a [f32],
+    timestep: f32,
+    context: &'a [f32],
+    n_ctx_tokens: usize,
+    y: &'a [f32],
 }
 
 /// FLUX as the pipeline evaluates it: each sample of a batch in a graph of its own (as the
@@ -904,7 +990,7 @@ impl crate::family::DiffusionModel for FluxModel {
             ));
         }
         let guidance = self.cfg.guidance_embed.then_some(self.guidance);
-        let mut out = Vec::with_capacity(x.len());
+        let mut samples = Vec::with_capacity(cond.len());
         for (i, c) in cond.iter().enumerate() {
             if c.hidden_size != self.cfg.context_in_dim as usize {
                 return bad(format!(
@@ -912,10 +998,16 @@ impl crate::family::DiffusionModel for FluxModel {
                     c.hidden_size, self.cfg.context_in_dim
                 ));
             }
-            let xi = &x[i * per..(i + 1) * per];
-            out.extend(self.eval(runner, xi, (w, h), timesteps[i], &c.data, c.n_tokens, &c.vector, guidance)?);
+            let x = &x[i * per..(i + 1) * per];
+            samples.push(Sample {
+                x,
+                timestep: timesteps[i],
+                context: &c.data,
+                n_ctx_tokens: c.n_tokens,
+                y: &c.vector,
+            });
         }
-        Ok(out)
+        Ok(self.eval_samples(runner, (w, h), &samples, guidance)?.concat())
     }
 }
 

@@ -190,10 +190,30 @@ impl DType {
     }
 
     /// Whether model weights of this type can be computed with: f32, f16, bf16 and ggml's
-    /// block-quantized types (every one has a dot product for `mul_mat`). Integer types, f64
-    /// and the safetensors-only types have none (ggml's CPU `mul_mat` on an I8 weight crashes).
+    /// block-quantized types (every one has a dot product for `mul_mat`). Integer types, f64,
+    /// `U8` and `BOOL` have none (ggml's CPU `mul_mat` on an I8 weight crashes).
+    /// 8-bit floats count: they are computed with as f16 ([`DType::loaded`]).
     pub fn is_compute_type(self) -> bool {
-        matches!(self, DType::F32 | DType::F16 | DType::BF16) || (self.is_quantized() && self.ggml_type_id().is_some())
+        let d = self.loaded();
+        matches!(d, DType::F32 | DType::F16 | DType::BF16) || (d.is_quantized() && d.ggml_type_id().is_some())
+    }
+
+    /// The type a tensor stored as `self` has once loaded: f16 for the 8-bit floats, which
+    /// the loader widens as stable-diffusion.cpp does ([`super::f8`]), else `self`.
+    pub fn loaded(self) -> DType {
+        match self {
+            DType::F8_E4M3 | DType::F8_E5M2 => DType::F16,
+            d => d,
+        }
+    }
+
+    /// Bytes of `n_elements` elements once loaded ([`DType::loaded`]), from the stored
+    /// `stored_bytes` of a tensor whose innermost dimension is `ne0`.
+    pub fn loaded_bytes(self, stored_bytes: u64, ne0: u64, n_elements: u64) -> u64 {
+        if self.loaded() == self {
+            return stored_bytes;
+        }
+        self.loaded().tensor_bytes(ne0, n_elements).unwrap_or(stored_bytes)
     }
 
     /// Bytes of one row of `n` elements; `None` when `n` is not a whole number of blocks or

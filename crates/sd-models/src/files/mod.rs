@@ -25,13 +25,14 @@
 //! This layer does no ggml calls and knows no model math; it refuses nothing that is
 //! well-formed (unknown-but-valid tensors are indexed, then reported by whoever expects a
 //! given set), with one exception: a weight of a model component whose dtype no computation
-//! accepts (integers, f64, 8-bit floats) is refused at open, because ggml would crash on it
+//! accepts (integers, f64) is refused at open, because ggml would crash on it
 //! ([`TensorIndex::check_weight_dtypes`]). Paths are opened through [`open`] (regular files
 //! only, never blocking).
 
 pub mod arch;
 pub mod dtype;
 pub mod error;
+pub mod f8;
 pub mod gguf;
 #[cfg(unix)]
 pub mod guard;

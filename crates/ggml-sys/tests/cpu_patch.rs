@@ -61,10 +61,15 @@ fn the_cpu_variants_are_compiled_from_the_patched_copy() {
     let c = std::fs::read_to_string(copy.join("ggml-cpu.c")).unwrap();
     assert_eq!(c, patch().apply_to("cpu-speed.toml", "ggml-cpu.c", &pinned_c).unwrap());
     assert!(c.contains("if (sdrs_f16_amx_mul_mat(params, dst)) {"));
+    assert!(c.contains("if (sdrs_gemm_avx512_mul_mat(params, dst)) {"));
     // the patch's own file is added as it is
-    let ours = Path::new(env!("CARGO_MANIFEST_DIR")).join("patches/cpu-speed/sdrs-f16-amx.cpp");
-    assert_eq!(std::fs::read(copy.join("sdrs-f16-amx.cpp")).unwrap(), std::fs::read(ours).unwrap());
-    assert_eq!(patch().adds.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["sdrs-f16-amx.cpp"]);
+    let added = ["sdrs-f16-amx.cpp", "sdrs-gemm-avx512.cpp"];
+    for name in added {
+        let ours = Path::new(env!("CARGO_MANIFEST_DIR")).join("patches/cpu-speed").join(name);
+        let same = std::fs::read(copy.join(name)).unwrap() == std::fs::read(ours).unwrap();
+        assert!(same, "{name}: the copy compiled differs from patches/cpu-speed/{name}");
+    }
+    assert_eq!(patch().adds.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), added);
     // the rest of the tree is copied unchanged, subdirectories included
     for rel in ["ggml-cpu.cpp", "arch/x86/quants.c", "llamafile/sgemm.cpp"] {
         let pinned = std::fs::read(Path::new(ggml_sys::GGML_SOURCE_DIR).join("src/ggml-cpu").join(rel)).unwrap();

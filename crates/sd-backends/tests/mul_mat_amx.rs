@@ -1,6 +1,7 @@
 //! Matrix products of the CPU plugin with f16 and f32 operands, where this project's AMX
 //! kernel (`crates/ggml-sys/patches/cpu-speed/sdrs-f16-amx.cpp`) takes them on a CPU with
-//! AMX-BF16 and ggml's own kernels elsewhere: random shapes (edges of the 16- and 32-row
+//! AMX-BF16, its AVX-512 kernel (`sdrs-gemm-avx512.cpp` there) on a CPU with AVX-512 and no
+//! AMX, and ggml's own kernels elsewhere: random shapes (edges of the 16- and 32-row
 //! tiles, k not a multiple of 32, broadcast batches, strided rows), 1 to 4 threads, every
 //! output compared with an f64 product of the operands as ggml reads them (an f32 src1
 //! rounded to f16 for an f16 src0). The bound is f32 accumulation's, plus what the kernel's
@@ -141,7 +142,7 @@ fn random_case(rng: &mut Rng) -> Case {
     let b0 = rng.int(1, 3);
     Case {
         m: dim(rng, 160).max(1),
-        n: dim(rng, 130).max(1),
+        n: dim(rng, 300).max(1),
         k,
         b0,
         r2: rng.int(1, 2),
@@ -164,7 +165,7 @@ fn f16_and_f32_products_match_an_f64_product_on_random_shapes() {
 
 #[test]
 fn large_products_of_the_models_shapes_match() {
-    // a UNet conv as ggml lays it out (im2col as src0), a linear layer, attention's q.k
+    // a UNet conv as ggml lays it out (im2col as src0), a linear layer, attention's q.k, ...
     let backend = cpu();
     let mut rng = Rng(0x0bad_cafe);
     for (m, n, k, src0, src1, b0) in [
@@ -172,58 +173,75 @@ fn large_products_of_the_models_shapes_match() {
         (320, 1024, 1280, F16, F32, 1),
         (300, 77, 40, F32, F32, 4),
         (600, 530, 1100, F16, F32, 1),
+        // a VAE conv at 128x128 (many pixels, few output channels), cross-attention's kq.v
+        (16384, 130, 1152, F16, F16, 1),
+        (40, 1024, 77, F32, F32, 2),
     ] {
         let c = Case { m, n, k, b0, r2: 1, src0, src1, ld0: k, threads: 2 };
         check(&backend, &c, &mut rng);
     }
 }
 
-/// Whether this CPU runs the project's AMX kernel: it reports AMX-BF16 (Linux's flag) and
-/// `SD_CPU_AMX_F16` does not turn the kernel off.
-fn amx_kernel_runs() -> bool {
+/// Whether this CPU runs one of the project's matrix-product kernels: the AMX one (it reports
+/// AMX-BF16, Linux's flag, and `SD_CPU_AMX_F16` does not turn it off) or the AVX-512 one (it
+/// reports AVX-512 F, BW and VL, and `SD_CPU_F16_GEMM` does not turn it off).
+fn our_kernel_runs() -> bool {
     let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let has = flags.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_bf16"));
-    has && std::env::var("SD_CPU_AMX_F16").map_or(true, |v| v != "off")
+    let has = |f: &str| flags.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|x| x == f));
+    let on = |var: &str| std::env::var(var).map_or(true, |v| v != "off");
+    (has("amx_bf16") && on("SD_CPU_AMX_F16"))
+        || (has("avx512f") && has("avx512bw") && has("avx512vl") && on("SD_CPU_F16_GEMM"))
 }
 
 #[test]
 fn a_row_split_and_any_thread_count_give_the_same_bits() {
     // A row split over devices computes shares of src0's rows apart; the placement tests
-    // compare images bit for bit. Shares of 100 rows by 40 activations cross the kernel's
-    // choice of which side it packs as VNNI tiles (src0 over twice src1's rows), and the
-    // small shares the tile edges.
+    // compare images bit for bit. Shares of 100 rows by 160 activations, and of 400 (over
+    // twice src1's rows: the AMX kernel then packs the other side as VNNI tiles), and the small
+    // shares the tile edges. 160 activations: the AVX-512 kernel takes f16 products of 128 and
+    // more.
     let backend = cpu();
     let mut rng = Rng(0x5eed_5eed);
     let bits = |b: &Backend, c: &Case, w: &[u8], a: &[u8], rows, threads| -> Vec<u32> {
         product(b, c, w, a, rows, threads).1.iter().map(|v| v.to_bits()).collect()
     };
-    // ggml's own kernels (a CPU without AMX-BF16) promise no such thing for every shape: on a
-    // Zen 4 part (AVX-512, no AMX) the f16 product of rows 0..50 differs from the same rows
-    // of the whole in the last bits (the FLUX split tests' shapes do agree there). Their
-    // results must still not depend on the thread count.
-    let amx = amx_kernel_runs();
-    for (src0, src1) in [(F16, F32), (F16, F16), (F32, F32)] {
-        let c = Case { m: 100, n: 40, k: 600, b0: 1, r2: 1, src0, src1, ld0: 600, threads: 2 };
-        let (_, w_bytes) = values((c.k * c.m) as usize, src0, 0.5, &mut rng);
-        let (_, a_bytes) = values((c.k * c.n) as usize, src1, 2.0, &mut rng);
-        let whole = bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, 2);
-        for threads in [1, 3] {
-            assert_eq!(bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, threads), whole, "{src0:?}: {threads} threads");
-        }
-        if !amx {
-            continue;
-        }
-        for cut in [50, 7, 93] {
-            let (top, bottom) = (
-                bits(&backend, &c, &w_bytes, &a_bytes, 0..cut, 2),
-                bits(&backend, &c, &w_bytes, &a_bytes, cut..c.m, 1),
-            );
-            for n in 0..c.n as usize {
-                let row = &whole[n * c.m as usize..(n + 1) * c.m as usize];
-                let cut = cut as usize;
-                assert_eq!(&row[..cut], &top[n * cut..(n + 1) * cut], "{src0:?}: rows below {cut}, activation {n}");
-                let rest = c.m as usize - cut;
-                assert_eq!(&row[cut..], &bottom[n * rest..(n + 1) * rest], "{src0:?}: rows from {cut}, activation {n}");
+    // ggml's own kernels (a CPU without either of ours) promise no such thing for every shape:
+    // on a Zen 4 part the f16 product of rows 0..50 differs from the same rows of the whole in
+    // the last bits (the FLUX split tests' shapes do agree there). Their results must still not
+    // depend on the thread count.
+    let ours = our_kernel_runs();
+    for m in [100, 400] {
+        for (src0, src1) in [(F16, F32), (F16, F16), (F32, F32)] {
+            let c = Case { m, n: 160, k: 600, b0: 1, r2: 1, src0, src1, ld0: 600, threads: 2 };
+            let (_, w_bytes) = values((c.k * c.m) as usize, src0, 0.5, &mut rng);
+            let (_, a_bytes) = values((c.k * c.n) as usize, src1, 2.0, &mut rng);
+            let whole = bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, 2);
+            for threads in [1, 3] {
+                assert_eq!(
+                    bits(&backend, &c, &w_bytes, &a_bytes, 0..c.m, threads),
+                    whole,
+                    "{src0:?}: {threads} threads"
+                );
+            }
+            if !ours {
+                continue;
+            }
+            for cut in [50, 7, 93] {
+                let (top, bottom) = (
+                    bits(&backend, &c, &w_bytes, &a_bytes, 0..cut, 2),
+                    bits(&backend, &c, &w_bytes, &a_bytes, cut..c.m, 1),
+                );
+                for n in 0..c.n as usize {
+                    let row = &whole[n * c.m as usize..(n + 1) * c.m as usize];
+                    let cut = cut as usize;
+                    assert_eq!(&row[..cut], &top[n * cut..(n + 1) * cut], "{src0:?}: rows below {cut}, activation {n}");
+                    let rest = c.m as usize - cut;
+                    assert_eq!(
+                        &row[cut..],
+                        &bottom[n * rest..(n + 1) * rest],
+                        "{src0:?}: rows from {cut}, activation {n}"
+                    );
+                }
             }
         }
     }

@@ -53,6 +53,10 @@ pub struct Args {
     /// Measure layer splits over two RPC servers instead (`bench_split.rs`).
     #[arg(long = "split")]
     split: bool,
+    /// With `--split`: images per run (`-b`); a batch gives the pipeline more micro-batches
+    /// (each image's two guidance passes), sampled in lockstep under copies > 1.
+    #[arg(long = "batch", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), requires = "split")]
+    batch: u32,
 }
 
 /// One measured configuration: its name and the flags added to `bench::our_command`
@@ -328,7 +332,7 @@ fn print_c(r: &[Runs; 7]) {
 /// Entry point of `cargo xtask bench-placement ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
     if args.split {
-        return crate::bench_split::run(args.size, args.runs);
+        return crate::bench_split::run(args.size, args.runs, args.batch);
     }
     let s = args.size.setting();
     eprintln!("bench-placement: building sd-cli (release) and the reference");
@@ -475,11 +479,13 @@ mod tests {
     #[test]
     fn parses_the_documented_command_line() {
         let parse = crate::parse_test::<Args>;
-        assert_eq!(parse("").unwrap(), Args { size: Size::S256, runs: 2, threads: 2, split: false });
+        assert_eq!(parse("").unwrap(), Args { size: Size::S256, runs: 2, threads: 2, split: false, batch: 1 });
         assert_eq!(
             parse("--runs 1 --threads 4 --size 512").unwrap(),
-            Args { size: Size::S512, runs: 1, threads: 4, split: false }
+            Args { size: Size::S512, runs: 1, threads: 4, split: false, batch: 1 }
         );
+        assert_eq!(parse("--split --batch 2").unwrap().batch, 2);
+        assert!(parse("--batch 2").is_err(), "--batch needs --split");
         assert_eq!(parse("--size 512").unwrap().size.setting(), bench::SETTING_512);
         for (line, needle) in
             [("--size 1024", "1024"), ("--runs 0", "--runs"), ("--runs", "a value is required"), ("--x 1", "--x")]

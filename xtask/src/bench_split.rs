@@ -1,7 +1,7 @@
 //! `cargo xtask bench-placement --split`: what a layer split over two RPC servers costs and gains.
 //!
 //! ```text
-//! cargo xtask bench-placement --split [--runs N] [--size 256|512]
+//! cargo xtask bench-placement --split [--runs N] [--size 256|512] [--batch N]
 //! ```
 //!
 //! Two `sd-cli rpc-server` children on loopback, one thread each (a third, with two threads,
@@ -10,8 +10,9 @@
 //! CPU, so the figures are the UNet's. Configurations, each once per round, alternating order:
 //!
 //! - `one device`: `--backend diffusion=RPC0` (the baseline);
-//! - `split, copies 1|2|4`: `diffusion=RPC0&RPC1` with `--pipeline-copies N` (a batch of two
-//!   has at most two micro-batches: 4 runs as 2 and shows that it costs nothing more);
+//! - `split, copies 1|2|4`: `diffusion=RPC0&RPC1` with `--pipeline-copies N` (an image's two
+//!   guidance passes are at most two micro-batches: with `--batch 1`, 4 runs as 2 and shows that
+//!   it costs nothing more; `--batch 2` samples two images in lockstep, four micro-batches);
 //! - `uneven, by memory|speed`: the one-thread server and the two-thread one, `--pipeline-copies
 //!   2`, `--split-by memory` and `speed` (the speeds measured on the first run and cached);
 //! - `row split`: `diffusion=RPC0&RPC1 --split-mode row`, against `split, copies 1` on the same
@@ -79,14 +80,21 @@ struct Figures {
     ranges: String,
 }
 
-fn figures(r: &RunReport, into: &mut Figures) {
-    into.step_s.extend(median(&r.steps.iter().map(|s| s.seconds).collect::<Vec<_>>()));
+fn figures(r: &RunReport, batch: u32, into: &mut Figures) {
+    // Sampled one after the other, an image's steps are its own; in lockstep one step serves
+    // every image (reported once per image): a step of the batch is their sum, or one of them.
+    let lockstep = r.runner("unet").is_some_and(|u| u.stats.pipelined_runs > 0);
+    let per_image = r.steps.iter().map(|s| s.seconds).collect::<Vec<_>>();
+    let step =
+        if lockstep || batch == 1 { median(&per_image) } else { median(&per_image).map(|m| m * f64::from(batch)) };
+    into.step_s.extend(step);
     if let Some(u) = r.runner("unet") {
         let s = &u.stats;
         if s.pipeline_wall_secs > 0.0 {
             into.overlap.push(s.pipeline_busy_secs / s.pipeline_wall_secs);
         }
-        // A pipelined evaluation is several runs (micro-batches); count evaluations by steps.
+        // A pipelined evaluation is several runs (micro-batches); count evaluations by steps
+        // (one per image and step, reported per image also in lockstep).
         let evals = (r.steps.len() as f64).max(1.0);
         into.crossing_per_eval_mib.push(s.cross_device_bytes as f64 / evals / 1048576.0);
     }
@@ -110,7 +118,7 @@ fn figures(r: &RunReport, into: &mut Figures) {
 }
 
 /// Entry point of `cargo xtask bench-placement --split`.
-pub fn run(size: Size, runs: u32) -> Result<()> {
+pub fn run(size: Size, runs: u32, batch: u32) -> Result<()> {
     let s = size.setting();
     eprintln!("bench-placement --split: building sd-cli (release)");
     let exe = build_sd_cli()?;
@@ -136,23 +144,27 @@ pub fn run(size: Size, runs: u32) -> Result<()> {
             let out = dir.join(format!("split-{k}-{}-{round}.png", s.side));
             let mut cmd = bench::our_command(&exe, &model, s, 2, &out);
             cmd.args(["--rpc", &rpc]).args(cfg.flags).env("SD_CACHE_DIR", &cache);
+            if batch > 1 {
+                cmd.args(["-b", &batch.to_string()]);
+            }
             eprintln!("bench-placement --split: {0}x{0} round {1}/{runs}: {2}", s.side, round + 1, cfg.name);
             let m = bench::run_measured(&mut cmd)?;
             m.check(cfg.name)?;
             for server in [&mut a, &mut b, &mut c] {
                 server.check_alive()?;
             }
-            figures(&bench::read_report(&bench::report_path(&out))?, &mut results[k]);
+            figures(&bench::read_report(&bench::report_path(&out))?, batch, &mut results[k]);
         }
     }
-    print(&results, s.side, s.steps, runs, Path::new(&cache));
+    print(&results, s.side, s.steps, runs, batch, Path::new(&cache));
     Ok(())
 }
 
-fn print(results: &[Figures], side: u32, steps: u32, runs: u32, cache: &Path) {
+fn print(results: &[Figures], side: u32, steps: u32, runs: u32, batch: u32, cache: &Path) {
     println!(
-        "\nsd15 f16 fixture, {side}x{side}, {steps} steps euler, cfg 7 (a batch of 2 per step), te and vae on the CPU; \
-         RPC0 and RPC1: one thread each, RPC2: two threads; {runs} round(s)"
+        "\nsd15 f16 fixture, {side}x{side}, {steps} steps euler, cfg 7, {batch} image(s) ({} samples per step), te and vae on the CPU; \
+         RPC0 and RPC1: one thread each, RPC2: two threads; {runs} round(s); a step's time covers every image",
+        2 * batch
     );
     println!("| configuration | step (median) | vs one device | overlap | crossing per step | high-water | ranges |");
     println!("|---|---|---|---|---|---|---|");

@@ -3,7 +3,7 @@
 //! ```text
 //! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
-//! cargo xtask fixture lora-sd15 --layout kohya|peft|loha|lokr [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
+//! cargo xtask fixture lora-sd15 --layout kohya|peft|loha|lokr|tucker|tucker-loha|diff [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-flux --layout kohya|peft|diffusers [--hidden N --double N --single N] [--schnell-dit]
 //!                     [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-sdxl|lora-vega|lora-ssd-1b [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
@@ -98,7 +98,8 @@ pub struct Args {
     #[arg(long = "plain-norms")]
     plain_norms: bool,
     /// lora-sd15, lora-flux: the key layout, kohya or peft (lora-flux: or diffusers; lora-sd15:
-    /// or LyCORIS's loha, lokr under kohya's names).
+    /// or LyCORIS's loha, lokr, tucker (Tucker-decomposed 3x3 convolutions), tucker-loha (one of
+    /// them a LoHa), diff (full deltas) under kohya's names).
     #[arg(long = "layout", default_value = "kohya")]
     layout: LoraLayout,
     /// lora-sd15, lora-flux: the rank of every adapter.

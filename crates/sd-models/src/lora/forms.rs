@@ -4,6 +4,7 @@
 //! - LoRA: `up @ down` (`[out, r] x [r, inner]`).
 //! - LyCORIS LoHa: `(w1_a @ w1_b) ⊙ (w2_a @ w2_b)`, the Hadamard product of two low-rank
 //!   products of one shape.
+//! - LyCORIS full (`diff`): the delta itself.
 //! - LyCORIS LoKr: `kron(w1, w2)`, each factor stored whole or as a low-rank product
 //!   (`w1_a @ w1_b`); for a convolution `w2` carries the kernel (`[b_out, b_in, kh, kw]`) and
 //!   the product is LyCORIS's (`w1` taken as `[a_out, a_in, 1, 1]`), so that row
@@ -19,7 +20,11 @@
 //! `r1 * r2`: `up[o, i r2 + j] = w1_a[o, i] w2_a[o, j]`, `down[i r2 + j, k] = w1_b[i, k]
 //! w2_b[j, k]`), a LoKr delta the Kronecker product of its factors' factorizations
 //! (`kron(P1, P2) @ kron(Q1, Q2)`, a whole factor `M` taken as `M @ I` or `I @ M`, whichever
-//! is of smaller rank).
+//! is of smaller rank; a `diff` is taken the same way, as one such factor).
+//!
+//! Tucker-decomposed convolutions (a LoCon's `lora_mid`, a LoHa's `hada_t1`/`hada_t2`) have their
+//! core folded into `down` as they are read (`tucker_down` in the module above), so they are
+//! low-rank products of the kernel's shape like any other.
 
 use std::borrow::Cow;
 
@@ -74,6 +79,8 @@ pub(super) enum Form {
     Hadamard { a1: Vec<f32>, b1: Vec<f32>, r1: usize, a2: Vec<f32>, b2: Vec<f32>, r2: usize },
     /// `kron(w1, w2)` (`w2`'s columns are the kernel's `b_in x kh x kw`).
     Kron { w1: Factor, w2: Factor },
+    /// The whole delta (a `diff`), `[out, inner]`.
+    Full(Factor),
 }
 
 /// `a @ b`, `[n, k] x [k, m]`, summed over `k` in order.
@@ -129,6 +136,7 @@ impl Form {
             Form::LowRank { rank, .. } => *rank,
             Form::Hadamard { r1, r2, .. } => r1 * r2,
             Form::Kron { w1, w2 } => w1.rank() * w2.rank(),
+            Form::Full(f) => f.rank(),
         }
     }
 
@@ -152,6 +160,7 @@ impl Form {
                 let (p1, p2) = (w1.pq().0, w2.pq().0);
                 Cow::Owned(kron(&p1, (w1.rows, w1.rank()), &p2, (w2.rows, w2.rank())))
             }
+            Form::Full(f) => Cow::Owned(f.pq().0.into_owned()),
         }
     }
 
@@ -176,6 +185,7 @@ impl Form {
                 let (q1, q2) = (w1.pq().1, w2.pq().1);
                 Cow::Owned(kron(&q1, (w1.rank(), w1.cols), &q2, (w2.rank(), w2.cols)))
             }
+            Form::Full(f) => Cow::Owned(f.pq().1.into_owned()),
         }
     }
 
@@ -201,6 +211,12 @@ impl Form {
                     for ((x, u), v) in dst.iter_mut().zip(&d1).zip(&d2) {
                         *x += u * v * scale;
                     }
+                }
+            }
+            Form::Full(f) => {
+                let m = f.dense();
+                for (x, d) in rows.iter_mut().zip(m.iter()) {
+                    *x += d * scale;
                 }
             }
             Form::Kron { w1, w2 } => {

@@ -217,8 +217,9 @@ pub struct LoraSet {
     files: usize,
 }
 
-/// One tensor of an adapter key: a LoRA's `down`/`up`, a LyCORIS LoHa's or LoKr's factors,
-/// the key's `alpha` or `scale`, or a Tucker core (not applied).
+/// One tensor of an adapter key: a LoRA's `down`/`up` (and the Tucker core of a LyCORIS LoCon
+/// convolution), a whole `diff`, a LyCORIS LoHa's or LoKr's factors (and cores), the key's
+/// `alpha` or `scale`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Slot {
     Down,
@@ -235,8 +236,15 @@ enum Slot {
     LokrW2,
     LokrW2A,
     LokrW2B,
-    /// `lora_mid`, `hada_t1`, `hada_t2`, `lokr_t2`: a Tucker decomposition's core.
-    Tucker,
+    /// `lora_mid`: the Tucker core of a LoCon convolution (`[r, r, kh, kw]`).
+    LoraMid,
+    /// `hada_t1`, `hada_t2`: the Tucker cores of a LoHa convolution's two products.
+    HadaT1,
+    HadaT2,
+    /// `lokr_t2`: a Tucker core of a LoKr factor (not applied, as the reference).
+    LokrT2,
+    /// `diff`: the whole delta (LyCORIS's full-rank files).
+    Diff,
 }
 
 /// The tensors of one adapter key found in a file, by slot.
@@ -253,17 +261,20 @@ impl Parts {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Lora,
+    Diff,
     Loha,
     Lokr,
 }
 
 impl Kind {
-    /// The kind of `p` in the reference's order of preference (a LoRA pair, then LoHa, then
-    /// LoKr); `None` when no kind has all its tensors.
+    /// The kind of `p` in the reference's order of preference (a LoRA pair, then a whole diff,
+    /// then LoHa, then LoKr); `None` when no kind has all its tensors.
     fn of(p: &Parts) -> Option<Kind> {
         let has = |s: Slot| p.0.contains_key(&s);
         if has(Slot::Up) && has(Slot::Down) {
             Some(Kind::Lora)
+        } else if has(Slot::Diff) {
+            Some(Kind::Diff)
         } else if [Slot::HadaW1A, Slot::HadaW1B, Slot::HadaW2A, Slot::HadaW2B].iter().all(|&s| has(s)) {
             Some(Kind::Loha)
         } else if (has(Slot::LokrW1) || (has(Slot::LokrW1A) && has(Slot::LokrW1B)))
@@ -278,16 +289,17 @@ impl Kind {
     fn name(self) -> &'static str {
         match self {
             Kind::Lora => "lora",
+            Kind::Diff => "diff",
             Kind::Loha => "loha",
             Kind::Lokr => "lokr",
         }
     }
 }
 
-/// The adapter key and slot of a stored name; `None` for names of another kind (`diff`,
+/// The adapter key and slot of a stored name; `None` for names of another kind (`diff_b`,
 /// `dora_scale`, ...).
 fn split_key(name: &str) -> Option<(&str, Slot)> {
-    const SUFFIXES: [(&str, Slot); 25] = [
+    const SUFFIXES: [(&str, Slot); 26] = [
         (".lora_down.weight", Slot::Down),
         (".lora_up.weight", Slot::Up),
         (".lora.down.weight", Slot::Down),
@@ -308,11 +320,12 @@ fn split_key(name: &str) -> Option<(&str, Slot)> {
         (".lokr_w2", Slot::LokrW2),
         (".lokr_w2_a", Slot::LokrW2A),
         (".lokr_w2_b", Slot::LokrW2B),
-        (".lora_mid.weight", Slot::Tucker),
-        (".lora.mid.weight", Slot::Tucker),
-        (".hada_t1", Slot::Tucker),
-        (".hada_t2", Slot::Tucker),
-        (".lokr_t2", Slot::Tucker),
+        (".lora_mid.weight", Slot::LoraMid),
+        (".lora.mid.weight", Slot::LoraMid),
+        (".hada_t1", Slot::HadaT1),
+        (".hada_t2", Slot::HadaT2),
+        (".lokr_t2", Slot::LokrT2),
+        (".diff", Slot::Diff),
     ];
     SUFFIXES.iter().find_map(|(s, slot)| name.strip_suffix(s).map(|base| (base, *slot)))
 }
@@ -496,11 +509,13 @@ impl LoraSet {
             let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind)>> = BTreeMap::new();
             for (base, parts) in &keys {
                 let Some(kind) = Kind::of(parts) else {
-                    unmatched.push(format!("{base} (no up/down pair, LoHa or LoKr factors)"));
+                    unmatched.push(format!("{base} (no up/down pair, diff, LoHa or LoKr factors)"));
                     continue;
                 };
-                if parts.0.contains_key(&Slot::Tucker) {
-                    unmatched.push(format!("{base} (a Tucker-decomposed {}: not applied)", kind.name()));
+                // As the reference: a LoKr factor's Tucker core is not read (it would drop the
+                // core and apply the rest; here the key is reported instead).
+                if kind == Kind::Lokr && parts.0.contains_key(&Slot::LokrT2) {
+                    unmatched.push(format!("{base} (a Tucker-decomposed lokr: not applied)"));
                     continue;
                 }
                 let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str()))
@@ -540,7 +555,7 @@ impl LoraSet {
             if !other.is_empty() {
                 let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
                 tracing::warn!(
-                    "LoRA '{}': {} tensors of kinds not applied (diff, dora_scale; first: {first})",
+                    "LoRA '{}': {} tensors of kinds not applied (diff_b, dora_scale; first: {first})",
                     path.display(),
                     other.len()
                 );
@@ -593,6 +608,51 @@ fn merge_all(deltas: &[Delta], ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Result
     Ok(packed)
 }
 
+/// `[cols, rows]` of a row-major `[rows, cols]` matrix.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; m.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+/// A Tucker-decomposed convolution delta's `down` with its core folded in: the core `mid`
+/// (file shape `[ra, rb, kh, kw]`, `ra` meeting `up`'s rank and `rb` `down`'s rows) times
+/// `down` (`[rb, in]`, a 1x1 kernel), as `[ra, in * kh * kw]` (a kernel's row width, input
+/// channel first): `d[a, i kh kw + t] = sum_b mid[a, b, t] down[b, i]`, summed over `b` in
+/// order. So `up @ d` is the delta LyCORIS and the reference rebuild
+/// (`up[o, a] mid[a, b, t] down[b, i]`). `None` when the shapes do not fit.
+fn tucker_down(
+    mid_shape: &[u64],
+    mid: &[f32],
+    (ra, rb): (usize, usize),
+    down: &[f32],
+    input: usize,
+) -> Option<(Vec<f32>, usize)> {
+    let [a, b, kh, kw] = <[u64; 4]>::try_from(mid_shape).ok()?;
+    if a as usize != ra || b as usize != rb || down.len() != rb * input {
+        return None;
+    }
+    let kk = (kh * kw) as usize;
+    let inner = input * kk;
+    let mut d = vec![0f32; ra * inner];
+    for a in 0..ra {
+        let row = &mut d[a * inner..(a + 1) * inner];
+        for b in 0..rb {
+            let core = &mid[(a * rb + b) * kk..(a * rb + b + 1) * kk];
+            for (i, &w) in down[b * input..(b + 1) * input].iter().enumerate() {
+                for (x, c) in row[i * kk..(i + 1) * kk].iter_mut().zip(core) {
+                    *x += c * w;
+                }
+            }
+        }
+    }
+    Some((d, inner))
+}
+
 /// `(rows, numel / rows)` of a file shape: a matrix's rows and their width (a kernel's
 /// `in x kh x kw`).
 fn rows_cols(shape: &[u64], n: usize) -> Option<(usize, usize)> {
@@ -640,31 +700,67 @@ fn read_delta(
         Kind::Lora => {
             let (up_shape, up, out, rank_up) = read(Slot::Up)?;
             let (down_shape, down, rank, inner) = read(Slot::Down)?;
-            if rank_up != rank {
-                return Err(shape_err(format!(
-                    "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
-                )));
-            }
-            // The reference: a scale tensor, else alpha / rank in f32; then times the multiplier.
+            // The reference's rank (for alpha / rank) is down's first dimension, core or not.
             let scale = match (key.get(Slot::Scale), alpha) {
                 (Some(s), _) => scalar(files, s, path)?,
                 (None, Some(a)) => a / rank as f32,
                 (None, None) => 1.0,
             };
-            let f16 = is_f16(get(Slot::Up)) && is_f16(get(Slot::Down));
-            (Form::LowRank { up, down, rank }, out, inner, scale, f16)
+            if key.get(Slot::LoraMid).is_some() {
+                // LoCon with a Tucker core: up 1x1, the core carries the kernel, down 1x1.
+                let (mid_shape, mid, _, _) = read(Slot::LoraMid)?;
+                let (down, inner) = tucker_down(&mid_shape, &mid, (rank_up, rank), &down, inner).ok_or_else(|| {
+                    shape_err(format!(
+                        "Tucker core {mid_shape:?} does not fit lora_up {up_shape:?} x lora_down {down_shape:?}"
+                    ))
+                })?;
+                (Form::LowRank { up, down, rank: rank_up }, out, inner, scale, false)
+            } else {
+                if rank_up != rank {
+                    return Err(shape_err(format!(
+                        "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
+                    )));
+                }
+                let f16 = is_f16(get(Slot::Up)) && is_f16(get(Slot::Down));
+                (Form::LowRank { up, down, rank }, out, inner, scale, f16)
+            }
+        }
+        Kind::Diff => {
+            // The whole delta, as the weight's own shape; scaled by the multiplier alone.
+            let (_, v, out, inner) = read(Slot::Diff)?;
+            (Form::Full(Factor { rows: out, cols: inner, values: FactorValues::Whole(v) }), out, inner, 1.0, false)
         }
         Kind::Loha => {
-            let (s1a, a1, out, r1) = read(Slot::HadaW1A)?;
+            let (s1a, a1, d1a, d1b) = read(Slot::HadaW1A)?;
             let (s1b, b1, r1b, inner) = read(Slot::HadaW1B)?;
-            let (s2a, a2, out2, r2) = read(Slot::HadaW2A)?;
+            let (s2a, a2, d2a, d2b) = read(Slot::HadaW2A)?;
             let (s2b, b2, r2b, inner2) = read(Slot::HadaW2B)?;
-            if r1 != r1b || r2 != r2b || out != out2 || inner != inner2 {
-                return Err(shape_err(format!(
+            let bad = || {
+                shape_err(format!(
                     "LoHa factors do not fit: hada_w1_a {s1a:?} x hada_w1_b {s1b:?}, hada_w2_a {s2a:?} x hada_w2_b {s2b:?}"
-                )));
+                ))
+            };
+            // A product with a Tucker core stores its `a` as [rank, out] (LyCORIS; the reference
+            // transposes it), its core [rank, rank, kh, kw], its `b` 1x1.
+            let half =
+                |a: Vec<f32>, (d0, d1): (usize, usize), b: Vec<f32>, rb: usize, inner: usize, core: Slot| match key
+                    .get(core)
+                {
+                    None => (d1 == rb).then_some((a, d0, rb, b, inner)),
+                    Some(_) => {
+                        let (cs, cv, _, _) = read(core).ok()?;
+                        let up = transpose(&a, d0, d1);
+                        let (down, inner) = tucker_down(&cs, &cv, (d0, rb), &b, inner)?;
+                        Some((up, d1, d0, down, inner))
+                    }
+                };
+            let (a1, out, r1, b1, inner) = half(a1, (d1a, d1b), b1, r1b, inner, Slot::HadaT1).ok_or_else(bad)?;
+            let (a2, out2, r2, b2, inner2) = half(a2, (d2a, d2b), b2, r2b, inner2, Slot::HadaT2).ok_or_else(bad)?;
+            if out != out2 || inner != inner2 {
+                return Err(bad());
             }
-            let scale = alpha.map_or(1.0, |a| a / r1 as f32);
+            // The reference's rank: hada_w1_b's first dimension.
+            let scale = alpha.map_or(1.0, |a| a / r1b as f32);
             (Form::Hadamard { a1, b1, r1, a2, b2, r2 }, out, inner, scale, false)
         }
         Kind::Lokr => {

@@ -432,7 +432,7 @@ fn loha_and_lokr_fixtures_adapt_their_modules_with_the_references_scales() {
 }
 
 #[test]
-fn loha_and_lokr_merges_equal_their_runtime_factors_and_tucker_cores_are_reported() {
+fn loha_and_lokr_merges_equal_their_runtime_factors() {
     use crate::fixture::lora::LoraLayout;
     let loha = write_fixture(LoraLayout::Loha, 3, "loha-rt.safetensors");
     let lokr = write_fixture(LoraLayout::Lokr, 3, "lokr-rt.safetensors");
@@ -458,21 +458,138 @@ fn loha_and_lokr_merges_equal_their_runtime_factors_and_tucker_cores_are_reporte
     let worst = merged.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
     let size = want.iter().map(|v| v.abs()).fold(0f64, f64::max);
     assert!(size > 1e-3 && worst < 1e-5 * size.max(1.0), "merge vs runtime factors: {worst} (delta up to {size})");
-    // A Tucker core makes its key not applied (named as such), not misapplied.
+}
+
+/// The values of a file's tensor `name` as f32 (outermost first).
+fn values_of(path: &Path, name: &str) -> Vec<f32> {
+    let files = ModelFiles::open_model(path).unwrap();
+    let e = files.index().entries().iter().find(|e| e.original_name == name).unwrap().name.clone();
+    matrix(&files, &e, path).unwrap().1
+}
+
+/// `W` (zeros) of `target` (`[out, inner]`) with `set` merged, as f32.
+fn merged_zero(set: &LoraSet, target: &str, out: usize, inner: usize) -> Vec<f32> {
+    let ne = [inner as i64, out as i64];
+    let bytes = convert::pack_f32(GgmlType::GGML_TYPE_F32, &vec![0f32; out * inner], inner as i64).unwrap();
+    let merged = set.merge(target, GgmlType::GGML_TYPE_F32, &ne, &bytes).unwrap().unwrap();
+    convert::to_f32(GgmlType::GGML_TYPE_F32, &merged, (out * inner) as i64).unwrap()
+}
+
+/// Checks `got` against `want` (f64) to f32 summation accuracy.
+fn assert_close(got: &[f32], want: &[f64], what: &str) {
+    let worst = got.iter().zip(want).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
+    let size = want.iter().map(|v| v.abs()).fold(0f64, f64::max);
+    assert!(size > 1e-12 && worst < 1e-5 * size, "{what}: off by {worst} (delta up to {size})");
+}
+
+#[test]
+fn tucker_convolutions_rebuild_as_lycoris_does_and_their_runtime_factors_agree() {
+    // The tucker-loha fixture: 3x3 convolutions as a LoCon with lora_mid (first and third) and a
+    // LoHa with hada_t1/t2 (second); everything else kohya pairs.
+    use crate::fixture::lora::LoraLayout;
+    let path = write_fixture(LoraLayout::TuckerLoha, 3, "tucker.safetensors");
+    let set = load(&[(&path, 0.8)]).unwrap();
+    assert_eq!(set.targets(), 59, "every module of the fixture adapted");
+    let (out, cin, kk) = (320usize, 320usize, 9usize);
+    let inner = cin * kk;
+    // W[o, i, t] = sum_a sum_b up[o, a] mid[a, b, t] down[b, i], in f64 (LyCORIS's rebuild).
+    let rebuild = |up: &[f32], mid: &[f32], down: &[f32], r: usize| -> Vec<f64> {
+        let mut w = vec![0f64; out * inner];
+        for o in 0..out {
+            for i in 0..cin {
+                for t in 0..kk {
+                    let mut sum = 0f64;
+                    for a in 0..r {
+                        for b in 0..r {
+                            sum += up[o * r + a] as f64 * mid[(a * r + b) * kk + t] as f64 * down[b * cin + i] as f64;
+                        }
+                    }
+                    w[o * inner + i * kk + t] = sum;
+                }
+            }
+        }
+        w
+    };
+    let r = 3;
+    // alpha = rank / 2 and the multiplier.
+    let scale = 0.5 * 0.8;
+    let conv1 = "model.diffusion_model.input_blocks.1.0.in_layers.2.weight";
     let key = "lora_unet_down_blocks_0_resnets_0_conv1";
+    let v = |suffix: &str| values_of(&path, &format!("{key}.{suffix}"));
+    let want: Vec<f64> = rebuild(&v("lora_up.weight"), &v("lora_mid.weight"), &v("lora_down.weight"), r)
+        .into_iter()
+        .map(|x| x * scale)
+        .collect();
+    assert_close(&merged_zero(&set, conv1, out, inner), &want, "LoCon with lora_mid");
+    // The LoHa: each product rebuilt with its core (hada_w*_a stored [rank, out]), multiplied.
+    let conv2 = "model.diffusion_model.input_blocks.1.0.out_layers.3.weight";
+    let key = "lora_unet_down_blocks_0_resnets_0_conv2";
+    let v = |suffix: &str| values_of(&path, &format!("{key}.{suffix}"));
+    let t = |a: Vec<f32>| -> Vec<f32> { (0..out * r).map(|k| a[(k % r) * out + k / r]).collect() };
+    let p1 = rebuild(&t(v("hada_w1_a")), &v("hada_t1"), &v("hada_w1_b"), r);
+    let p2 = rebuild(&t(v("hada_w2_a")), &v("hada_t2"), &v("hada_w2_b"), r);
+    let want: Vec<f64> = p1.iter().zip(&p2).map(|(a, b)| a * b * scale).collect();
+    assert_close(&merged_zero(&set, conv2, out, inner), &want, "LoHa with hada_t1/t2");
+    // At run time: up @ down of each form gives the same delta.
+    for target in [conv1, conv2] {
+        let d = &set.deltas[target][0];
+        let (up, down, r) = (d.form.up(d.out), d.form.down(d.inner), d.rank());
+        let rt: Vec<f32> = (0..out * inner)
+            .map(|k| d.scale * (0..r).map(|a| up[(k / inner) * r + a] * down[a * inner + k % inner]).sum::<f32>())
+            .collect();
+        let merged: Vec<f64> = merged_zero(&set, target, out, inner).iter().map(|&x| x as f64).collect();
+        assert_close(&rt, &merged, "runtime factors vs merge");
+    }
+}
+
+#[test]
+fn a_core_that_does_not_fit_and_a_lokr_core_are_reported() {
+    let key = "lora_unet_down_blocks_0_resnets_0_conv1";
+    // A core of rank 2 between factors of rank 3.
     let path = write_raw(
-        "tucker.safetensors",
+        "tucker-bad.safetensors",
         &[
-            (&format!("{key}.hada_w1_a"), vec![320, 2]),
-            (&format!("{key}.hada_w1_b"), vec![2, 320]),
-            (&format!("{key}.hada_t1"), vec![2, 2, 3, 3]),
-            (&format!("{key}.hada_w2_a"), vec![320, 2]),
-            (&format!("{key}.hada_w2_b"), vec![2, 320]),
-            (&format!("{key}.hada_t2"), vec![2, 2, 3, 3]),
+            (&format!("{key}.lora_down.weight"), vec![3, 320, 1, 1]),
+            (&format!("{key}.lora_mid.weight"), vec![2, 2, 3, 3]),
+            (&format!("{key}.lora_up.weight"), vec![320, 3, 1, 1]),
         ],
     );
     let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
-    assert!(e.contains("tucker.safetensors") && e.contains("none of its 1 adapters"), "{e}");
+    assert!(e.contains("tucker-bad.safetensors") && e.contains(key) && e.contains("Tucker core [2, 2, 3, 3]"), "{e}");
+    // The reference reads no lokr_t2: such a key is reported, not misapplied.
+    let q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let path = write_raw(
+        "lokr-t2.safetensors",
+        &[
+            (&format!("{q}.lokr_w1"), vec![4, 4]),
+            (&format!("{q}.lokr_w2_a"), vec![80, 2]),
+            (&format!("{q}.lokr_w2_b"), vec![2, 80]),
+            (&format!("{q}.lokr_t2"), vec![2, 2, 1, 1]),
+        ],
+    );
+    let e = load(&[(&path, 1.0)]).unwrap_err().to_string();
+    assert!(e.contains("lokr-t2.safetensors") && e.contains("none of its 1 adapters"), "{e}");
+}
+
+#[test]
+fn a_diff_file_adds_its_delta_times_the_multiplier() {
+    use crate::fixture::lora::LoraLayout;
+    let path = write_fixture(LoraLayout::Diff, 1, "diff.safetensors");
+    let set = load(&[(&path, -0.6)]).unwrap();
+    assert_eq!(set.targets(), 59);
+    let q = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight";
+    let key = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.diff";
+    let want: Vec<f64> = values_of(&path, key).iter().map(|&x| -0.6 * x as f64).collect();
+    let got = merged_zero(&set, q, 320, 320);
+    assert_close(&got, &want, "diff");
+    // At run time, a whole delta as a product of the delta and an identity.
+    let d = &set.deltas[q][0];
+    assert_eq!(d.rank(), 320);
+    let (up, down) = (d.form.up(320), d.form.down(320));
+    let rt: Vec<f32> = (0..320 * 320)
+        .map(|k| d.scale * (0..320).map(|a| up[(k / 320) * 320 + a] * down[a * 320 + k % 320]).sum::<f32>())
+        .collect();
+    assert_close(&rt, &want, "diff at run time");
 }
 
 #[test]

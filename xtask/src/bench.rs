@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: our `sd-cli` and the reference (`sdref`), alternating, same fixture and settings.
 //!
 //! ```text
-//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|both] [--type f16,q8_0] [--runs N] [--threads N]
+//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|1024|both] [--type f16,q8_0] [--runs N] [--threads N]
 //!                   [--loras N] [--lora-apply-mode auto|immediately|at_runtime] [--reference both|default|llamafile]
 //! ```
 //!
@@ -61,6 +61,8 @@ pub(crate) struct Setting {
 
 pub(crate) const SETTING_256: Setting = Setting { side: 256, steps: 4 };
 pub(crate) const SETTING_512: Setting = Setting { side: 512, steps: 2 };
+/// SDXL's native size; one step (a step takes minutes on two cores).
+pub(crate) const SETTING_1024: Setting = Setting { side: 1024, steps: 1 };
 
 /// `--size` of the benchmarks that run one setting.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,7 +93,10 @@ enum Sizes {
     /// 512x512, 2 steps.
     #[value(name = "512")]
     S512,
-    /// Both, 256 first.
+    /// 1024x1024, 1 step (SDXL's size).
+    #[value(name = "1024")]
+    S1024,
+    /// 256 and 512, 256 first.
     Both,
 }
 
@@ -152,6 +157,7 @@ impl Args {
         match self.size {
             Sizes::S256 => vec![SETTING_256],
             Sizes::S512 => vec![SETTING_512],
+            Sizes::S1024 => vec![SETTING_1024],
             Sizes::Both => vec![SETTING_256, SETTING_512],
         }
     }
@@ -677,6 +683,8 @@ mod tests {
         assert_eq!(a.types, ["f16", "q8_0"]);
         let d: Args = crate::parse_test("").unwrap();
         assert_eq!((d.settings(), d.runs, d.threads), (vec![SETTING_256, SETTING_512], 2, 2));
+        let x: Args = crate::parse_test("--model vega --size 1024").unwrap();
+        assert_eq!(x.settings(), vec![SETTING_1024]);
         assert_eq!(d.types, ["f16"]);
         for (line, needle) in [
             ("--size 128", "128"),

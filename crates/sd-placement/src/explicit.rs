@@ -26,7 +26,10 @@ use crate::units::fmt_bytes;
 
 /// What a graph-level row split costs here, said once per plan that has one.
 const ROW_SPLIT_NOTE: &str = "row split at graph level: each block matmul's rows are computed on every listed device \
-and gathered on the main one; no device plugin here exports a split buffer type";
+and gathered on the main one; no device plugin here exports a split buffer type. Measured slower than a layer \
+split of the same devices (SD 1.5 over two RPC servers: 1.15x the step time, `cargo xtask bench-placement \
+--split`), since every product's input and output cross the devices: prefer a layer split where its ranges \
+fit the devices";
 
 /// A resolved `--backend` value.
 enum Runtime {

@@ -13,7 +13,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use common::{sd15_fixture, sd_cli, write_init_png};
+use common::{png_pixels as pixels, sd15_fixture, sd_cli, write_init_png};
 use sd_models::fixture::{self, flux, flux_vae, t5, taesd, FileFormat, WeightType};
 use sd_models::report::{HomeReport, Residency, RunReport};
 use sd_models::text::t5::T5Config;
@@ -416,15 +416,6 @@ fn flux_plan_sizes_every_module_from_the_headers_and_checks_memory() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// The decoded pixels of a PNG.
-fn pixels(png: &[u8]) -> Vec<u8> {
-    let mut r = png::Decoder::new(std::io::Cursor::new(png)).read_info().unwrap();
-    let mut buf = vec![0; r.output_buffer_size().unwrap()];
-    let info = r.next_frame(&mut buf).unwrap();
-    buf.truncate(info.buffer_size());
-    buf
-}
-
 #[test]
 fn flux_img2img_is_deterministic_and_reads_its_init_image() {
     // The init image is encoded by the FLUX VAE and noised the flow way (`(1 - sigma) x +
@@ -457,12 +448,9 @@ fn flux_img2img_is_deterministic_and_reads_its_init_image() {
 }
 
 /// Mean and largest absolute difference of two images' pixel levels.
+/// [`common::level_diff`] of two PNG files' bytes.
 fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
-    let (a, b) = (pixels(a), pixels(b));
-    assert_eq!(a.len(), b.len());
-    let max = a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)).max().unwrap_or(0);
-    let mean = a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y) as f64).sum::<f64>() / a.len() as f64;
-    (mean, max)
+    common::level_diff(&pixels(a), &pixels(b))
 }
 
 #[test]

@@ -9,19 +9,10 @@ mod common;
 
 use std::path::Path;
 
-use common::{sd15_fixture as fixture, sd_cli, Server};
+use common::{level_diff as diff, pixels, sd15_fixture as fixture, sd_cli, Server};
 use sd_models::report::{HomeReport, Residency, RunReport};
 
 const MIB: u64 = 1 << 20;
-
-fn pixels(path: &Path) -> Vec<u8> {
-    let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
-    let mut r = dec.read_info().unwrap();
-    let mut buf = vec![0; r.output_buffer_size().unwrap()];
-    let info = r.next_frame(&mut buf).unwrap();
-    buf.truncate(info.buffer_size());
-    buf
-}
 
 /// Generates with `extra` flags; returns the pixels and the run report.
 fn generate(model: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, RunReport) {
@@ -420,12 +411,6 @@ fn graph_level_row_splits_give_the_all_cpu_image() {
 }
 
 /// Mean and largest absolute difference of two images' bytes.
-fn diff(a: &[u8], b: &[u8]) -> (f64, u8) {
-    assert_eq!(a.len(), b.len());
-    let d: Vec<u8> = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).collect();
-    (d.iter().map(|&v| v as f64).sum::<f64>() / d.len() as f64, d.iter().copied().max().unwrap_or(0))
-}
-
 #[test]
 fn auto_fit_over_two_remote_devices_that_cannot_hold_the_unet_runs_the_all_cpu_image() {
     let model = fixture();

@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use common::{sd_cli, Server};
+use common::{level_diff, pixels, sd_cli, Server};
 use sd_models::fixture::{self, taesd, Family, FileFormat, WeightType};
 use sd_models::report::{HomeReport, Residency, RunReport};
 
@@ -63,21 +63,6 @@ fn generate(dir: &Path, name: &str, extra: &[&str]) -> (Vec<u8>, RunReport) {
         }
     }
     (pixels(&out), report)
-}
-
-fn pixels(path: &Path) -> Vec<u8> {
-    let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
-    let mut r = dec.read_info().unwrap();
-    let mut buf = vec![0; r.output_buffer_size().unwrap()];
-    let info = r.next_frame(&mut buf).unwrap();
-    buf.truncate(info.buffer_size());
-    buf
-}
-
-fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
-    assert_eq!(a.len(), b.len(), "image sizes differ");
-    let d: Vec<u8> = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).collect();
-    (d.iter().map(|&v| v as f64).sum::<f64>() / d.len() as f64, d.iter().copied().max().unwrap_or(0))
 }
 
 fn reference(name: &str) -> Vec<u8> {

@@ -89,3 +89,24 @@ pub fn write_init_png(path: &Path, flip: bool) {
     enc.set_depth(png::BitDepth::Eight);
     enc.write_header().unwrap().write_image_data(&data).unwrap();
 }
+
+/// The decoded pixels of a PNG file.
+pub fn pixels(path: &Path) -> Vec<u8> {
+    png_pixels(&std::fs::read(path).unwrap())
+}
+
+/// The decoded pixels of PNG bytes.
+pub fn png_pixels(png: &[u8]) -> Vec<u8> {
+    let mut r = png::Decoder::new(std::io::Cursor::new(png)).read_info().unwrap();
+    let mut buf = vec![0; r.output_buffer_size().unwrap()];
+    let info = r.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    buf
+}
+
+/// Mean and largest absolute difference of two images' pixel values, in levels of 255.
+pub fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
+    assert_eq!(a.len(), b.len(), "image sizes differ");
+    let d = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y));
+    (d.clone().map(f64::from).sum::<f64>() / a.len().max(1) as f64, d.max().unwrap_or(0))
+}

@@ -447,7 +447,6 @@ fn flux_img2img_is_deterministic_and_reads_its_init_image() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Mean and largest absolute difference of two images' pixel levels.
 /// [`common::level_diff`] of two PNG files' bytes.
 fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
     common::level_diff(&pixels(a), &pixels(b))

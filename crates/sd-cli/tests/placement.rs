@@ -9,7 +9,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{level_diff as diff, pixels, sd15_fixture as fixture, sd_cli, Server};
+use common::{level_diff as diff, pixels, run_checked, sd15_fixture as fixture, sd_cli, Server};
 use sd_models::report::{HomeReport, Residency, RunReport};
 
 const MIB: u64 = 1 << 20;
@@ -21,35 +21,9 @@ fn generate(model: &Path, out: &Path, extra: &[&str]) -> (Vec<u8>, RunReport) {
 
 /// [`generate`] at `--cfg-scale cfg` (above 1: a batch of two per UNet evaluation).
 fn generate_cfg(model: &Path, out: &Path, cfg: &str, extra: &[&str]) -> (Vec<u8>, RunReport) {
-    let report = out.with_extension("json");
-    let o = sd_cli()
-        .arg("-m")
-        .arg(model)
-        .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"])
-        .args(["-s", "42", "--cfg-scale", cfg, "-t", "2", "-o"])
-        .arg(out)
-        .arg("--report-json")
-        .arg(&report)
-        .args(extra)
-        // The model is given: the cache directory holds only what a run caches (device speeds).
-        .env("SD_CACHE_DIR", out.parent().unwrap())
-        .output()
-        .unwrap();
-    let log = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "sd-cli {extra:?} failed:\n{log}");
-    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("{}: {e}", report.display()));
-    let report = RunReport::from_json(&text).unwrap_or_else(|e| panic!("{extra:?}: {e}:\n{text}"));
+    let args = ["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler"];
+    let report = run_checked(model, out, &[&args[..], &["-s", "42", "--cfg-scale", cfg, "-t", "2"]].concat(), extra);
     assert_eq!(report.steps.len(), 2, "{extra:?}: one time per sampling step");
-    for d in &report.devices {
-        if let Some(b) = d.budget_bytes {
-            assert!(
-                d.high_water_bytes <= b,
-                "{extra:?}: {} high-water {} above its budget {b}",
-                d.device,
-                d.high_water_bytes
-            );
-        }
-    }
     (pixels(out), report)
 }
 
@@ -311,22 +285,9 @@ fn layer_splits_give_the_all_cpu_image() {
     // micro-batch of one image runs the graph an image sampled alone runs, so each image is
     // the one the CPU gives, bit for bit.
     let batch = |name: &str, extra: &[&str]| -> (Vec<Vec<u8>>, RunReport) {
-        let out = dir.join(format!("{name}.png"));
-        let report = out.with_extension("json");
-        let o = sd_cli()
-            .arg("-m")
-            .arg(&model)
-            .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler_a"])
-            .args(["-s", "42", "--cfg-scale", "1", "-t", "2", "-b", "2", "-o"])
-            .arg(&out)
-            .arg("--report-json")
-            .arg(&report)
-            .args(extra)
-            .env("SD_CACHE_DIR", &dir)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
-        let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let args = ["-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "--sampling-method", "euler_a"];
+        let args = [&args[..], &["-s", "42", "--cfg-scale", "1", "-t", "2", "-b", "2"]].concat();
+        let report = run_checked(&model, &dir.join(format!("{name}.png")), &args, extra);
         (vec![pixels(&dir.join(format!("{name}_0.png"))), pixels(&dir.join(format!("{name}_1.png")))], report)
     };
     let (alone, _) = batch("cpu-b2", &["--backend", "cpu"]);
@@ -410,7 +371,6 @@ fn graph_level_row_splits_give_the_all_cpu_image() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Mean and largest absolute difference of two images' bytes.
 #[test]
 fn auto_fit_over_two_remote_devices_that_cannot_hold_the_unet_runs_the_all_cpu_image() {
     let model = fixture();

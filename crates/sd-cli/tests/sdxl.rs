@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use common::{level_diff, pixels, sd_cli, Server};
+use common::{level_diff, pixels, run_checked, Server};
 use sd_models::fixture::{self, taesd, Family, FileFormat, WeightType};
 use sd_models::report::{HomeReport, Residency, RunReport};
 
@@ -35,33 +35,10 @@ fn dir(name: &str) -> PathBuf {
 /// "blurry", unless `extra` says otherwise) into `dir/name.png`: its pixels and run report.
 fn generate(dir: &Path, name: &str, extra: &[&str]) -> (Vec<u8>, RunReport) {
     let out = dir.join(format!("{name}.png"));
-    let report = dir.join(format!("{name}.json"));
     let guided = !extra.contains(&"--cfg-scale");
-    let o = sd_cli()
-        .arg("-m")
-        .arg(model())
-        .args(["-p", "a cat", "-W", "64", "-H", "64", "--sampling-method", "euler", "-s", "42", "-t", "2"])
-        .args(if guided { &["-n", "blurry", "--steps", "2"][..] } else { &[][..] })
-        .args(extra)
-        .arg("-o")
-        .arg(&out)
-        .arg("--report-json")
-        .arg(&report)
-        .env("SD_CACHE_DIR", dir)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{name}: sd-cli {extra:?} failed:\n{}", String::from_utf8_lossy(&o.stderr));
-    let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    for d in &report.devices {
-        if let Some(b) = d.budget_bytes {
-            assert!(
-                d.high_water_bytes <= b,
-                "{name}: {} high-water {} above its budget {b}",
-                d.device,
-                d.high_water_bytes
-            );
-        }
-    }
+    let args = ["-p", "a cat", "-W", "64", "-H", "64", "--sampling-method", "euler", "-s", "42", "-t", "2"];
+    let defaults: &[&str] = if guided { &["-n", "blurry", "--steps", "2"] } else { &[] };
+    let report = run_checked(model(), &out, &[&args[..], defaults].concat(), extra);
     (pixels(&out), report)
 }
 
@@ -69,15 +46,19 @@ fn reference(name: &str) -> Vec<u8> {
     pixels(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data").join(name))
 }
 
-/// The all-CPU image of the default generation, once per process.
-fn cpu_image() -> &'static [u8] {
-    static PX: OnceLock<Vec<u8>> = OnceLock::new();
-    PX.get_or_init(|| {
+/// The all-CPU image of the default generation and its run report, once per process.
+fn cpu_run() -> &'static (Vec<u8>, RunReport) {
+    static RUN: OnceLock<(Vec<u8>, RunReport)> = OnceLock::new();
+    RUN.get_or_init(|| {
         let d = dir("cpu");
-        let (px, _) = generate(&d, "cpu", &["--backend", "cpu"]);
+        let run = generate(&d, "cpu", &["--backend", "cpu"]);
         let _ = std::fs::remove_dir_all(&d);
-        px
+        run
     })
+}
+
+fn cpu_image() -> &'static [u8] {
+    &cpu_run().0
 }
 
 #[test]
@@ -90,6 +71,13 @@ fn sdxl_matches_the_reference_with_and_without_guidance_and_with_a_tiny_autoenco
     let (mean, max) = level_diff(&px, &reference("ref-vega-f16-seed42-64x64-euler1-cfg1.png"));
     assert!(mean <= MEAN_TOL && max <= MAX_TOL, "cfg 1 vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
     assert_eq!(report.runner("unet").unwrap().stats.runs, 1, "cfg 1: one evaluation, a batch of one");
+    // Against the guided run: the text encoder ran for the prompt alone, and the UNet's
+    // workspace is that of a batch of one (the guided run's is a batch of two).
+    let guided = &cpu_run().1;
+    let runs = |r: &RunReport, name: &str| r.runner(name).unwrap().stats.runs;
+    assert_eq!(2 * runs(&report, "te"), runs(guided, "te"), "cfg 1 encoded the negative prompt too");
+    let workspace = |r: &RunReport| r.runner("unet").unwrap().stats.peak_workspace;
+    assert!(workspace(&report) < workspace(guided), "cfg 1: the UNet ran a batch of two");
     // TAESDXL (the tiny autoencoder's SD layout, 4 latent channels) in place of the VAE.
     let tiny = taesd::cached_taesd_path(4, 42, WeightType::F16);
     if !tiny.exists() {

@@ -49,7 +49,7 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
     for e in index.entries() {
         match module_of(files::index::component_of(&e.name)) {
             Some(m) => {
-                let bytes = e.dtype.loaded_bytes(e.len, e.shape.last().copied().unwrap_or(1), e.n_elements());
+                let bytes = e.dtype.loaded_bytes(e.len, &e.shape);
                 push(m, Tensor { name: e.name.clone(), bytes, block: index.block(e) })
             }
             None => ignored += 1,
@@ -131,10 +131,7 @@ fn header_tensors(path: &Path) -> Result<(u64, Vec<(String, u64)>), FilesError> 
     } else {
         files::safetensors::parse(&map).map_err(malformed)?.tensors
     };
-    let loaded = |t: &files::RawTensor| {
-        t.dtype.loaded_bytes(t.len, t.shape.last().copied().unwrap_or(1), t.shape.iter().product())
-    };
-    Ok((len, raw.into_iter().map(|t| (loaded(&t), t.name)).map(|(b, n)| (n, b)).collect()))
+    Ok((len, raw.into_iter().map(|t| (t.name, t.dtype.loaded_bytes(t.len, &t.shape))).collect()))
 }
 
 #[cfg(test)]

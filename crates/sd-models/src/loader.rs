@@ -432,21 +432,17 @@ mod tests {
         let e5: Vec<u8> = (0..=255u8).filter(|b| (b >> 2) & 0x1f != 0x1f).collect();
         let mut nan = vec![0x38u8; 64];
         nan[41] = 0xff;
-        let mut json = String::from("{");
-        let mut data = Vec::new();
-        for (name, dtype, bytes) in [("e4", "F8_E4M3", &e4), ("e5", "F8_E5M2", &e5), ("nan", "F8_E4M3", &nan)] {
-            let (a, b) = (data.len(), data.len() + bytes.len());
-            json += &format!(r#""{name}":{{"dtype":"{dtype}","shape":[{}],"data_offsets":[{a},{b}]}},"#, bytes.len());
-            data.extend_from_slice(bytes);
-        }
-        json.pop();
-        json.push('}');
-        let mut file = (json.len() as u64).to_le_bytes().to_vec();
-        file.extend_from_slice(json.as_bytes());
-        file.extend_from_slice(&data);
+        use crate::files::safetensors::{to_bytes, HeaderEntry};
+        let shapes = [[e4.len() as u64], [e5.len() as u64], [nan.len() as u64]];
+        let tensors = [("e4", DType::F8_E4M3, &e4), ("e5", DType::F8_E5M2, &e5), ("nan", DType::F8_E4M3, &nan)];
+        let entries: Vec<(HeaderEntry<'_>, &[u8])> = tensors
+            .iter()
+            .zip(&shapes)
+            .map(|(&(name, dtype, bytes), shape)| (HeaderEntry { name, dtype, shape }, &bytes[..]))
+            .collect();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f8.safetensors");
-        std::fs::write(&path, &file).unwrap();
+        std::fs::write(&path, to_bytes(&entries, &Default::default()).unwrap()).unwrap();
         let files = ModelFiles::open_model(&path).unwrap();
         let name = |orig: &str| files.index().entries().iter().find(|e| e.original_name == orig).unwrap().name.clone();
         let src = FileSource::new(&files);

@@ -1035,8 +1035,11 @@ impl Pipeline {
                     )?;
                     // One warning per image: a broken model is broken at every step.
                     if !warned.get() {
-                        let stage =
-                            format!("diffusion model output at timestep {:.0} of image {}", inp.timestep, first + 1);
+                        let which = match n_images {
+                            1 => format!("image {}", first + 1),
+                            n => format!("images {} to {}", first + 1, first + n),
+                        };
+                        let stage = format!("diffusion model output at timestep {:.0} of {which}", inp.timestep);
                         warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
                     }
                     Ok(out)
@@ -1180,7 +1183,6 @@ struct ImagesRng(Vec<Box<dyn crate::sampling::NoiseRng>>);
 impl crate::sampling::NoiseRng for ImagesRng {
     fn randn(&mut self, n: usize) -> Vec<f32> {
         match self.0.as_mut_slice() {
-            [one] => one.randn(n),
             many if !many.is_empty() && n.is_multiple_of(many.len()) => {
                 let share = n / many.len();
                 many.iter_mut().flat_map(|r| r.randn(share)).collect()

@@ -321,9 +321,9 @@ bool gemm_panels(const Mat & a, const Mat & b, int64_t k, float * dst, int64_t l
     // src1 small enough to stay packed whole (every panel, every k): src0 blocks outermost, so
     // each block of dst is finished (every k block) while it is in the cache.
     const int64_t nq_all = q1 - q0;
-    if (m_hi - m_lo > 4*nq_all*NR && (size_t) ((k + kcb - 1)/kcb)*nq_all*NR*KC*sizeof(float) <= bfull) {
-        const int64_t kblocks = (k + kcb - 1)/kcb;
-        float * pf = lease.buffer(2, (size_t) kblocks*nq_all*NR*KC);
+    const size_t whole = (size_t) ((k + kcb - 1)/kcb)*nq_all*NR*KC; // floats: every k block's panels
+    if (m_hi - m_lo > 4*nq_all*NR && whole*sizeof(float) <= bfull) {
+        float * pf = lease.buffer(2, whole);
         if (!pf) {
             return false;
         }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use sd_backends::rpc_wire::WireClient;
 use sd_models::fixture::{self, Family, WeightType};
+use sd_models::report::RunReport;
 
 pub fn sd_cli() -> Command {
     Command::new(env!("CARGO_BIN_EXE_sd-cli"))
@@ -109,4 +110,38 @@ pub fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
     assert_eq!(a.len(), b.len(), "image sizes differ");
     let d = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y));
     (d.clone().map(f64::from).sum::<f64>() / a.len().max(1) as f64, d.max().unwrap_or(0))
+}
+
+/// Runs `sd-cli -m model` with `args` then `extra` into `out` (`--report-json` beside it);
+/// checks that it succeeded and kept every device within its budget; returns the run report.
+pub fn run_checked(model: &Path, out: &Path, args: &[&str], extra: &[&str]) -> RunReport {
+    let report = out.with_extension("json");
+    let o = sd_cli()
+        .arg("-m")
+        .arg(model)
+        .args(args)
+        .arg("-o")
+        .arg(out)
+        .arg("--report-json")
+        .arg(&report)
+        .args(extra)
+        // The model is given: the cache directory holds only what a run caches (device speeds).
+        .env("SD_CACHE_DIR", out.parent().unwrap())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "sd-cli {extra:?} failed:\n{log}");
+    let text = std::fs::read_to_string(&report).unwrap_or_else(|e| panic!("{}: {e}", report.display()));
+    let report = RunReport::from_json(&text).unwrap_or_else(|e| panic!("{extra:?}: {e}:\n{text}"));
+    for d in &report.devices {
+        if let Some(b) = d.budget_bytes {
+            assert!(
+                d.high_water_bytes <= b,
+                "{extra:?}: {} high-water {} above its budget {b}",
+                d.device,
+                d.high_water_bytes
+            );
+        }
+    }
+    report
 }

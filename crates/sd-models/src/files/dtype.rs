@@ -207,13 +207,14 @@ impl DType {
         }
     }
 
-    /// Bytes of `n_elements` elements once loaded ([`DType::loaded`]), from the stored
-    /// `stored_bytes` of a tensor whose innermost dimension is `ne0`.
-    pub fn loaded_bytes(self, stored_bytes: u64, ne0: u64, n_elements: u64) -> u64 {
+    /// Bytes of a tensor of `shape` (outermost first) once loaded ([`DType::loaded`]), from its
+    /// `stored_bytes`.
+    pub fn loaded_bytes(self, stored_bytes: u64, shape: &[u64]) -> u64 {
         if self.loaded() == self {
             return stored_bytes;
         }
-        self.loaded().tensor_bytes(ne0, n_elements).unwrap_or(stored_bytes)
+        let ne0 = shape.last().copied().unwrap_or(1);
+        self.loaded().tensor_bytes(ne0, shape.iter().product()).unwrap_or(stored_bytes)
     }
 
     /// Bytes of one row of `n` elements; `None` when `n` is not a whole number of blocks or

@@ -42,14 +42,20 @@ pub fn e5m2_to_f16(b: u8) -> u16 {
 /// The f16 bytes (little-endian) of `data` stored as the 8-bit float `dtype`; `None` when
 /// `dtype` is not one.
 pub fn widen_to_f16(dtype: DType, data: &[u8]) -> Option<Vec<u8>> {
-    let f: fn(u8) -> u16 = match dtype {
-        DType::F8_E4M3 => e4m3fn_to_f16,
-        DType::F8_E5M2 => e5m2_to_f16,
+    // Every code's f16 bytes, once per format: a load widens gigabytes (an fp8 T5-XXL).
+    static TABLES: std::sync::OnceLock<[[[u8; 2]; 256]; 2]> = std::sync::OnceLock::new();
+    let tables = TABLES.get_or_init(|| {
+        let table = |f: fn(u8) -> u16| std::array::from_fn(|b| f(b as u8).to_le_bytes());
+        [table(e4m3fn_to_f16), table(e5m2_to_f16)]
+    });
+    let table = match dtype {
+        DType::F8_E4M3 => &tables[0],
+        DType::F8_E5M2 => &tables[1],
         _ => return None,
     };
-    let mut out = Vec::with_capacity(data.len() * 2);
-    for &b in data {
-        out.extend_from_slice(&f(b).to_le_bytes());
+    let mut out = vec![0u8; data.len() * 2];
+    for (o, &b) in out.chunks_exact_mut(2).zip(data) {
+        o.copy_from_slice(&table[usize::from(b)]);
     }
     Some(out)
 }

@@ -623,8 +623,9 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// (file shape `[ra, rb, kh, kw]`, `ra` meeting `up`'s rank and `rb` `down`'s rows) times
 /// `down` (`[rb, in]`, a 1x1 kernel), as `[ra, in * kh * kw]` (a kernel's row width, input
 /// channel first): `d[a, i kh kw + t] = sum_b mid[a, b, t] down[b, i]`, summed over `b` in
-/// order. So `up @ d` is the delta LyCORIS and the reference rebuild
-/// (`up[o, a] mid[a, b, t] down[b, i]`). `None` when the shapes do not fit.
+/// order. So `up @ d` is the delta LyCORIS rebuilds (`up[o, a] mid[a, b, t] down[b, i]`), the
+/// composition down, core, up that the reference's at_runtime graph runs too (its merge pairs
+/// the core's axes otherwise: ARCHITECTURE.md). `None` when the shapes do not fit.
 fn tucker_down(
     mid_shape: &[u64],
     mid: &[f32],
@@ -731,37 +732,50 @@ fn read_delta(
             (Form::Full(Factor { rows: out, cols: inner, values: FactorValues::Whole(v) }), out, inner, 1.0, false)
         }
         Kind::Loha => {
-            let (s1a, a1, d1a, d1b) = read(Slot::HadaW1A)?;
-            let (s1b, b1, r1b, inner) = read(Slot::HadaW1B)?;
-            let (s2a, a2, d2a, d2b) = read(Slot::HadaW2A)?;
-            let (s2b, b2, r2b, inner2) = read(Slot::HadaW2B)?;
-            let bad = || {
-                shape_err(format!(
-                    "LoHa factors do not fit: hada_w1_a {s1a:?} x hada_w1_b {s1b:?}, hada_w2_a {s2a:?} x hada_w2_b {s2b:?}"
-                ))
-            };
-            // A product with a Tucker core stores its `a` as [rank, out] (LyCORIS; the reference
-            // transposes it), its core [rank, rank, kh, kw], its `b` 1x1.
-            let half =
-                |a: Vec<f32>, (d0, d1): (usize, usize), b: Vec<f32>, rb: usize, inner: usize, core: Slot| match key
-                    .get(core)
-                {
-                    None => (d1 == rb).then_some((a, d0, rb, b, inner)),
-                    Some(_) => {
-                        let (cs, cv, _, _) = read(core).ok()?;
-                        let up = transpose(&a, d0, d1);
-                        let (down, inner) = tucker_down(&cs, &cv, (d0, rb), &b, inner)?;
-                        Some((up, d1, d0, down, inner))
-                    }
-                };
-            let (a1, out, r1, b1, inner) = half(a1, (d1a, d1b), b1, r1b, inner, Slot::HadaT1).ok_or_else(bad)?;
-            let (a2, out2, r2, b2, inner2) = half(a2, (d2a, d2b), b2, r2b, inner2, Slot::HadaT2).ok_or_else(bad)?;
-            if out != out2 || inner != inner2 {
-                return Err(bad());
+            // One of the two products: `a` [out, rank] (a Tucker product's stored [rank, out], as
+            // LyCORIS writes it; the reference transposes it too), `b` [rank_b, inner] with a
+            // Tucker core folded in. `None` when the shapes do not fit.
+            struct Product {
+                up: Vec<f32>,
+                out: usize,
+                rank: usize,
+                down: Vec<f32>,
+                inner: usize,
+                /// `b`'s first dimension: the reference's rank for `alpha / rank`.
+                rank_b: usize,
             }
-            // The reference's rank: hada_w1_b's first dimension.
-            let scale = alpha.map_or(1.0, |a| a / r1b as f32);
-            (Form::Hadamard { a1, b1, r1, a2, b2, r2 }, out, inner, scale, false)
+            let product = |a: Slot, b: Slot, core: Slot| -> Result<Option<Product>, LoraError> {
+                let (_, up, d0, d1) = read(a)?;
+                let (_, down, rank_b, inner) = read(b)?;
+                if key.get(core).is_none() {
+                    return Ok((d1 == rank_b).then_some(Product { up, out: d0, rank: d1, down, inner, rank_b }));
+                }
+                let (cs, cv, _, _) = read(core)?;
+                Ok(tucker_down(&cs, &cv, (d0, rank_b), &down, inner).map(|(down, inner)| Product {
+                    up: transpose(&up, d0, d1),
+                    out: d1,
+                    rank: d0,
+                    down,
+                    inner,
+                    rank_b,
+                }))
+            };
+            let p1 = product(Slot::HadaW1A, Slot::HadaW1B, Slot::HadaT1)?;
+            let p2 = product(Slot::HadaW2A, Slot::HadaW2B, Slot::HadaT2)?;
+            let Some((p1, p2)) = p1.zip(p2).filter(|(p1, p2)| p1.out == p2.out && p1.inner == p2.inner) else {
+                let shape = |slot: Slot| files.tensor(get(slot)).map(|(e, _)| e.shape.clone()).unwrap_or_default();
+                return Err(shape_err(format!(
+                    "LoHa factors do not fit: hada_w1_a {:?} x hada_w1_b {:?}, hada_w2_a {:?} x hada_w2_b {:?}",
+                    shape(Slot::HadaW1A),
+                    shape(Slot::HadaW1B),
+                    shape(Slot::HadaW2A),
+                    shape(Slot::HadaW2B)
+                )));
+            };
+            let scale = alpha.map_or(1.0, |a| a / p1.rank_b as f32);
+            let (out, inner) = (p1.out, p1.inner);
+            let form = Form::Hadamard { a1: p1.up, b1: p1.down, r1: p1.rank, a2: p2.up, b2: p2.down, r2: p2.rank };
+            (form, out, inner, scale, false)
         }
         Kind::Lokr => {
             // LoKr: each factor whole or as a product.

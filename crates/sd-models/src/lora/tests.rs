@@ -525,7 +525,7 @@ fn tucker_convolutions_rebuild_as_lycoris_does_and_their_runtime_factors_agree()
     let conv2 = "model.diffusion_model.input_blocks.1.0.out_layers.3.weight";
     let key = "lora_unet_down_blocks_0_resnets_0_conv2";
     let v = |suffix: &str| values_of(&path, &format!("{key}.{suffix}"));
-    let t = |a: Vec<f32>| -> Vec<f32> { (0..out * r).map(|k| a[(k % r) * out + k / r]).collect() };
+    let t = |a: Vec<f32>| transpose(&a, r, out);
     let p1 = rebuild(&t(v("hada_w1_a")), &v("hada_t1"), &v("hada_w1_b"), r);
     let p2 = rebuild(&t(v("hada_w2_a")), &v("hada_t2"), &v("hada_w2_b"), r);
     let want: Vec<f64> = p1.iter().zip(&p2).map(|(a, b)| a * b * scale).collect();

@@ -21,7 +21,7 @@
 //! `rel_max <= 8u`, `u = 2^-11`); a kernel that computes something else than the other
 //! version's (another formula, a lost precision beyond one rounding) exceeds it.
 //!
-//! Found with it (see ARCHITECTURE.md, "Parity"): on a CPU with AVX512-FP16 the
+//! Found with it (docs/parity.md): on a CPU with AVX512-FP16 the
 //! reference's ggml (0.12, built with `-march=native`) accumulates f16 dot products in
 //! f16, 3.5-4.6x further from the exact product than ours (0.26 accumulates in f32); with
 //! that ISA extension off in the reference's build, every op here is bit-identical to our

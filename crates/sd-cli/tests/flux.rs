@@ -1,7 +1,7 @@
 //! FLUX.1 end to end from the component files the reference takes (`--diffusion-model`,
 //! `--clip_l`, `--t5xxl`, `--vae`), on fixtures: a reduced DiT (width 256, 2 double and 2 single
 //! blocks), T5-XXL cut to 2 blocks (the reference needs all 24, 4.8 GB at q8_0, so the parity
-//! with it is a manual check: ARCHITECTURE.md), the full-size FLUX VAE, a TAEF1 fixture and the
+//! with it is a manual check: docs/models.md), the full-size FLUX VAE, a TAEF1 fixture and the
 //! SD 1.5 fixture's CLIP-L; and a schnell DiT at q8_0 in GGUF, with BFL's and ComfyUI's names.
 //! What is asserted here is behaviour: determinism, the prompt, `--guidance`, `--flow-shift`,
 //! `--cfg-scale`, the sampler, `--taesd` and the init image reaching the image, the placements

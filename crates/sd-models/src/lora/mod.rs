@@ -625,7 +625,7 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// channel first): `d[a, i kh kw + t] = sum_b mid[a, b, t] down[b, i]`, summed over `b` in
 /// order. So `up @ d` is the delta LyCORIS rebuilds (`up[o, a] mid[a, b, t] down[b, i]`), the
 /// composition down, core, up that the reference's at_runtime graph runs too (its merge pairs
-/// the core's axes otherwise: ARCHITECTURE.md). `None` when the shapes do not fit.
+/// the core's axes otherwise: docs/models.md). `None` when the shapes do not fit.
 fn tucker_down(
     mid_shape: &[u64],
     mid: &[f32],

@@ -301,7 +301,7 @@ fn words(rng: &mut CaseRng, n: usize) -> String {
         if i > 0 {
             s.push(' ');
         }
-        s.push_str(*rng.pick(WORDS));
+        s.push_str(rng.pick::<&str>(WORDS));
     }
     s
 }
@@ -337,7 +337,7 @@ fn span(rng: &mut CaseRng, depth: u32) -> String {
     let mut s = String::new();
     for i in 0..n {
         if i > 0 {
-            s.push_str(*rng.pick(SEPARATORS));
+            s.push_str(rng.pick::<&str>(SEPARATORS));
         }
         s.push_str(&item(rng, depth));
     }
@@ -354,7 +354,7 @@ pub fn prompt(rng: &mut CaseRng) -> String {
     let mut s = String::new();
     for i in 0..n {
         if i > 0 {
-            s.push_str(*rng.pick(SEPARATORS));
+            s.push_str(rng.pick::<&str>(SEPARATORS));
         }
         s.push_str(&item(rng, 0));
     }
@@ -1014,7 +1014,7 @@ fn write_init_png(path: &Path, w: u32, h: u32, salt: u64) -> Result<()> {
     let mut px = Vec::with_capacity((w * h * 3) as usize);
     for y in 0..h {
         for x in 0..w {
-            let checker = if ((x / 16) + (y / 16) + salt as u32) % 2 == 0 { 40 } else { 0 };
+            let checker = if ((x / 16) + (y / 16) + salt as u32).is_multiple_of(2) { 40 } else { 0 };
             px.push(((x * 255) / w.max(1)) as u8);
             px.push(((y * 255) / h.max(1)) as u8);
             px.push((128 + checker) as u8);
@@ -1296,7 +1296,7 @@ mod tests {
         assert_eq!(Case::draw(7, 3, 4), Case::draw(7, 3, 4));
         assert_ne!(Case::draw(7, 3, 4), Case::draw(8, 3, 4));
         let c = Case::draw(7, 3, 4);
-        assert!(c.width % 64 == 0 && c.height % 64 == 0 && (1..=4).contains(&c.steps));
+        assert!(c.width.is_multiple_of(64) && c.height.is_multiple_of(64) && (1..=4).contains(&c.steps));
     }
 
     #[test]
@@ -1320,7 +1320,7 @@ mod tests {
         assert!(has(&|p| p.chars().any(|c| c as u32 > 0x1F000)), "emoji");
         assert!(has(&|p| p.contains("東京") || p.contains("café")), "non-ASCII letters");
         assert!(
-            has(&|p| { tok.weighted_tokens(p, &ChunkConfig::sd1()).map_or(false, |(ids, _)| ids.len() > 150) }),
+            has(&|p| { tok.weighted_tokens(p, &ChunkConfig::sd1()).is_ok_and(|(ids, _)| ids.len() > 150) }),
             "prompts of three or more chunks"
         );
         // Several words inside one weighted span.

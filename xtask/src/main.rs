@@ -42,6 +42,7 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 enum Command {
     /// Build backend plugins from the pinned ggml and install them.
     Plugins(plugins::Args),

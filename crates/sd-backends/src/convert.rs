@@ -238,6 +238,7 @@ mod exact {
     fn round_half_away(x: f32) -> i32 {
         // Bounded first (f32::max and min drop a NaN), so the conversion needs no saturation
         // check and vectorises; a q8_0 value is within [-127, 127] anyway.
+        #[allow(clippy::manual_clamp)] // clamp would keep a NaN; max/min drop it
         let x = x.max(-128.0).min(128.0);
         // SAFETY: x is finite and within i32's range.
         let t: i32 = unsafe { x.to_int_unchecked() }; // toward zero

@@ -84,6 +84,7 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 enum Command {
     /// [sd-rs] Print a placement plan from the model files' headers (no weights are read).
     Plan(plan::PlanArgs),

@@ -502,7 +502,7 @@ fn flux_loras_apply_in_every_layout_and_mode() {
     assert!(mean <= 1.0 && max <= 8, "T5 adapters at_runtime vs immediately: mean {mean:.3}, max {max}");
     eprintln!(
         "T5 LoRA: {:.3} mean level change merged; at_runtime vs merged mean {mean:.3}, max {max}",
-        level_diff(&merged, &base).0
+        level_diff(&merged, base).0
     );
     let _ = std::fs::remove_dir_all(&d);
 }

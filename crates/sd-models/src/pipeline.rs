@@ -1266,7 +1266,8 @@ mod tests {
     #[test]
     fn validate_names_the_setting_and_no_flag() {
         assert!(params().validate().is_ok());
-        let cases: [(fn(&mut GenerateParams), Setting); 8] = [
+        type Change = fn(&mut GenerateParams);
+        let cases: [(Change, Setting); 8] = [
             (|p| p.width = 0, Setting::Width),
             (|p| p.height = 0, Setting::Height),
             (|p| p.steps = 0, Setting::Steps),

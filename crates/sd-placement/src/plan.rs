@@ -173,7 +173,15 @@ impl From<String> for ParamsHome {
 
 impl PartialEq<&str> for ParamsHome {
     fn eq(&self, other: &&str) -> bool {
-        self.to_string() == *other
+        match self {
+            ParamsHome::Device(d) => d == other,
+            ParamsHome::Disk => *other == "disk",
+            // the written form `A&B`, compared part by part
+            ParamsHome::Split(devs) => {
+                let mut parts = other.split('&');
+                devs.iter().all(|d| parts.next() == Some(d.as_str())) && parts.next().is_none()
+            }
+        }
     }
 }
 

@@ -385,7 +385,7 @@ impl Weights {
                 GgmlType::GGML_TYPE_F16 | GgmlType::GGML_TYPE_BF16 => 2,
                 _ => 32,
             };
-            if m.len() != t.nbytes() || m.as_ptr() as usize % align != 0 {
+            if m.len() != t.nbytes() || !(m.as_ptr() as usize).is_multiple_of(align) {
                 continue;
             }
             // SAFETY: `MappedBytes` promises the memory (and the 32 bytes before it) for the

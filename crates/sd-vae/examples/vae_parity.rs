@@ -27,7 +27,7 @@ struct File {
 
 impl TensorSource for File {
     fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
-        let st = SafeTensors::deserialize(&self.bytes).map_err(|e| SourceError::new(e))?;
+        let st = SafeTensors::deserialize(&self.bytes).map_err(SourceError::new)?;
         let key = name.strip_prefix(self.prefix).unwrap_or(name);
         let t = st.tensor(key).map_err(|e| SourceError::new(format!("{key}: {e}")))?;
         let n: i64 = ne.iter().product();

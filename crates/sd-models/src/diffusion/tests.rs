@@ -95,7 +95,7 @@ impl TensorSource for MapSource {
     fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, SourceError> {
         let v = self.0.get(name).ok_or_else(|| SourceError::new(format!("no values for {name}")))?;
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        sd_backends::convert::convert(F32, ty, &bytes, ne).map(Cow::Owned).map_err(|e| SourceError::new(e))
+        sd_backends::convert::convert(F32, ty, &bytes, ne).map(Cow::Owned).map_err(SourceError::new)
     }
 }
 

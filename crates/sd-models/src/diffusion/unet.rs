@@ -786,8 +786,8 @@ impl UNetModel {
         n_ctx_tokens: usize,
         kernel: AttnKernel,
     ) -> Result<(Inputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
-        let cin = self.cfg.in_channels as i64;
-        let cd = self.cfg.context_dim as i64;
+        let cin = self.cfg.in_channels;
+        let cd = self.cfg.context_dim;
         let tx = g.new_f32(&[w as i64, h as i64, cin, batch as i64]).set_name("x").set_input();
         let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
         let tc = g.new_f32(&[cd, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();

@@ -322,7 +322,7 @@ fn ays_uses_the_sdxl_noise_levels_for_sdxl() {
     let xl = ScheduleContext { model: ModelVersion::Sdxl, image_seq_len: 64 };
     let sig = Scheduler::Ays.sigmas_for(10, &s, &xl).unwrap();
     assert_eq!(sig.len(), 11);
-    assert_eq!((sig[1], sig[9], sig[10]), (6.3184485287, 0.1114188177, 0.0));
+    assert_eq!((sig[1], sig[9], sig[10]), (6.318_448_5, 0.111_418_82, 0.0));
     let sd1 = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: 64 };
     assert_ne!(Scheduler::Ays.sigmas_for(10, &s, &sd1).unwrap()[1], sig[1]);
     // Other step counts interpolate the same table: descending to 0 from its first level.

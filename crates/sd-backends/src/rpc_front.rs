@@ -234,7 +234,7 @@ fn refused<T>(why: impl Into<String>) -> Result<T, End> {
 }
 
 struct Client<'s> {
-    shared: &'s Shared,
+    shared: &'s Arc<Shared>,
     peer: SocketAddr,
     /// Buffers this client holds on its worker: remote pointer -> bytes.
     buffers: HashMap<u64, u64>,

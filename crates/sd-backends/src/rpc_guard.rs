@@ -481,6 +481,12 @@ impl Shape {
     fn rows_contiguous(&self) -> bool {
         self.nb[0] == self.size
     }
+    /// Exactly the strides ggml_new_tensor gives (no exemption for dims of one element:
+    /// kernels assert on those strides too, as MUL_MAT's `nb0 <= nb1 <= nb2 <= nb3`).
+    fn packed(&self) -> bool {
+        let nb1 = self.size * (self.ne[0] / self.blck);
+        self.nb == [self.size, nb1, nb1 * self.ne[1], nb1 * self.ne[1] * self.ne[2]]
+    }
 }
 
 fn ensure(ok: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
@@ -555,7 +561,7 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
     let view_ops = [o::GGML_OP_RESHAPE, o::GGML_OP_VIEW, o::GGML_OP_PERMUTE, o::GGML_OP_TRANSPOSE];
     if op != o::GGML_OP_NONE && !view_ops.contains(&op) && op != o::GGML_OP_CPY {
         // the result of a computation is a tensor of its own, packed
-        ensure(d.contiguous(), || format!("a result with strides {:?} (not contiguous)", d.nb))?;
+        ensure(d.packed(), || format!("a result with strides {:?} (not packed)", d.nb))?;
     }
     match op {
         o::GGML_OP_NONE => {
@@ -608,7 +614,7 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
             }
             type_in("the operand", &s[0], FLOATS)?;
             ensure(d.ty == s[0].ty && same_shape(&s[0], &d), || "a result of another type or shape".into())?;
-            ensure(s[0].contiguous_n(1), || "an operand with split rows".into())?;
+            ensure(s[0].contiguous_n(1) && s[0].rows_contiguous(), || "an operand with split rows".into())?;
         }
         o::GGML_OP_GLU => {
             let s = arity(1, 1)?;
@@ -617,9 +623,9 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
             })?;
             ensure(matches!(t.op_params[1], 0 | 1), || format!("swapped flag {}", t.op_params[1]))?;
             type_in("the operand", &s[0], FLOATS)?;
-            ensure(s[0].contiguous_n(1) && d.ty == s[0].ty, || "an operand with split rows or another type".into())?;
+            ensure(s[0].contiguous_n(1) && s[0].rows_contiguous() && d.ty == s[0].ty, || "an operand with split rows or another type".into())?;
             if srcs[1].is_some() {
-                ensure(same_shape(&s[0], &s[1]) && s[1].ty == s[0].ty && s[1].contiguous_n(1), || {
+                ensure(same_shape(&s[0], &s[1]) && s[1].ty == s[0].ty && s[1].contiguous_n(1) && s[1].rows_contiguous(), || {
                     "halves of other shapes or types".into()
                 })?;
                 ensure(same_shape(&s[0], &d), || "a result of another shape".into())?;
@@ -970,7 +976,8 @@ mod tests {
         assert!(check_graph(&g, 1, &GraphLimits::default()).is_ok());
         assert!(check_graph(&g, 0, &GraphLimits::default()).unwrap_err().0.contains("device 0"));
         assert!(check_graph(&g[..g.len() - 1], 1, &GraphLimits::default()).is_err());
-        let mut bad = f32t(1, [u32::MAX; 4]);
+        let mut bad = f32t(1, [1; 4]);
+        bad.ne = [u32::MAX; 4];
         bad.nb = [u32::MAX; 4];
         assert!(check_tensor(&bad).is_err());
         let mut gone = f32t(1, [4, 1, 1, 1]);

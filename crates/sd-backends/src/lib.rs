@@ -29,6 +29,8 @@ mod log;
 pub mod ops;
 pub mod registry;
 pub mod rpc;
+pub mod rpc_front;
+pub mod rpc_guard;
 pub mod rpc_wire;
 pub mod sched;
 pub mod threads;

@@ -180,7 +180,7 @@ pub fn probe(endpoint: &str, timeout: Duration) -> Result<()> {
 }
 
 /// Whether an address is loopback (the only safe place for this protocol).
-fn is_loopback(host: &str) -> bool {
+pub fn is_loopback(host: &str) -> bool {
     host == "localhost" || host.parse::<std::net::IpAddr>().map(|ip| ip.is_loopback()).unwrap_or(false)
 }
 
@@ -238,53 +238,6 @@ pub fn serve(
         )
     };
     Ok(())
-}
-
-/// Runs an RPC server as a supervised worker process: `spawn` starts the worker (a
-/// process that calls [`serve`]); when it dies by a signal (a client's message
-/// reached a ggml assert the server's checks did not foresee) only that client's
-/// connection is lost, so it is started again and the service goes on. Returns
-/// the worker's exit status once it exits on its own (a failure to start, such as a
-/// port in use, ends supervision).
-/// A worker that fails to start right after a crash is retried for this long (the
-/// port may still be held by what the dead worker left behind).
-const RESTART_GRACE: Duration = Duration::from_secs(10);
-
-pub fn supervise(
-    mut spawn: impl FnMut() -> std::io::Result<std::process::Child>,
-) -> std::io::Result<std::process::ExitStatus> {
-    let mut last_crash: Option<std::time::Instant> = None;
-    loop {
-        let started = std::time::Instant::now();
-        let status = spawn()?.wait()?;
-        match killed_by(&status) {
-            Some(signal) => {
-                tracing::warn!(
-                    "the RPC server worker died by signal {signal} while serving a client (that client lost \
-                     its connection); starting it again"
-                );
-                last_crash = Some(std::time::Instant::now());
-            }
-            None if !status.success() && last_crash.is_some_and(|t| t.elapsed() < RESTART_GRACE) => {
-                tracing::info!("the restarted RPC server worker could not start yet; retrying");
-            }
-            None => return Ok(status),
-        }
-        // a worker that dies at once every time must not spin
-        if started.elapsed() < Duration::from_secs(1) {
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    }
-}
-
-#[cfg(unix)]
-fn killed_by(status: &std::process::ExitStatus) -> Option<i32> {
-    std::os::unix::process::ExitStatusExt::signal(status)
-}
-
-#[cfg(not(unix))]
-fn killed_by(_: &std::process::ExitStatus) -> Option<i32> {
-    None
 }
 
 /// In a supervised worker: exits this process when its supervisor goes away, so a

@@ -110,6 +110,34 @@ impl WireTensor {
         debug_assert_eq!(b.len(), TENSOR_SIZE);
         b
     }
+
+    /// Parses the packed bytes of one `rpc_tensor` (`None` when `b` is not
+    /// [`TENSOR_SIZE`] bytes long). The trailing `use_count` is not kept.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != TENSOR_SIZE {
+            return None;
+        }
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let s = &b[at..at + n];
+            at += n;
+            s
+        };
+        let u64_ = |s: &[u8]| u64::from_le_bytes(s.try_into().unwrap_or([0; 8]));
+        let u32_ = |s: &[u8]| u32::from_le_bytes(s.try_into().unwrap_or([0; 4]));
+        let mut t = Self { id: u64_(take(8)), ty: u32_(take(4)), buffer: u64_(take(8)), ..Self::default() };
+        t.ne.iter_mut().for_each(|v| *v = u32_(take(4)));
+        t.nb.iter_mut().for_each(|v| *v = u32_(take(4)));
+        t.op = u32_(take(4));
+        t.op_params.iter_mut().for_each(|v| *v = u32_(take(4)) as i32);
+        t.flags = u32_(take(4)) as i32;
+        t.src.iter_mut().for_each(|v| *v = u64_(take(8)));
+        t.view_src = u64_(take(8));
+        t.view_offs = u64_(take(8));
+        t.data = u64_(take(8));
+        t.name.copy_from_slice(take(64));
+        Some(t)
+    }
 }
 
 /// One connection to a server, after the HELLO exchange.
@@ -151,6 +179,11 @@ impl WireClient {
         msg.extend((payload.len() as u64).to_le_bytes());
         msg.extend_from_slice(payload);
         self.stream.write_all(&msg)
+    }
+
+    /// Writes bytes as they are (a frame whose size field lies, a partial request).
+    pub fn send_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.stream.write_all(bytes)
     }
 
     /// Reads one response, skipping keepalive frames. A closed connection is `UnexpectedEof`.
@@ -240,5 +273,11 @@ mod tests {
         let at = 8 + 4 + 8 + 16 + 16 + 4 + 64 + 4 + 80 + 8 + 8;
         assert_eq!(&b[at..at + 8], &0x1122u64.to_le_bytes());
         assert_eq!(b[at + 8], b'x');
+        let mut u = t.clone();
+        u.ne = [1, 2, 3, 4];
+        u.op_params[15] = -7;
+        u.src[9] = 9;
+        assert_eq!(WireTensor::from_bytes(&u.to_bytes()), Some(u));
+        assert_eq!(WireTensor::from_bytes(&b[1..]), None);
     }
 }

@@ -1,5 +1,6 @@
-//! Fuzz target: the RPC server survives any sequence of client messages and keeps serving.
-//! See ../README.md for what is and is not covered.
+//! Fuzz target: the RPC server (sd-rs's front, `rpc_front`/`rpc_guard`, before ggml's
+//! server) survives any sequence of client messages, compute messages of real ops
+//! included, and keeps serving. See ../README.md for what is and is not covered.
 
 #![no_main]
 
@@ -8,10 +9,20 @@ use std::time::Duration;
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
+use sd_backends::rpc_front::{FrontConfig, Worker};
+use sd_backends::rpc_guard::{serving_stack_bytes, GraphLimits};
 use sd_backends::rpc_wire::{cmd, WireClient, WireTensor};
 use sd_backends::{DeviceKind, PluginRegistry, PluginSearch};
 
-/// One in-process server for the whole run.
+/// Ops a fuzzed node may carry: those sd-rs's clients send (so the guard's rules for
+/// each are exercised on both sides), and some it must refuse.
+const OPS: &[u32] = &[
+    0, 1, 2, 6, 7, 8, 9, 10, 12, 13, 15, 17, 18, 20, 22, 24, 27, 29, 32, 34, 35, 36, 37, 38, 39, 40, 44, 46, 50, 52,
+    56, 63, 64, 68, 74, 91, 100, // the allow-list
+    3, 5, 30, 48, 92, 93, 94, 95, 96, 101, 5000, // refused: ADD_ID, ACC, MUL_MAT_ID, ROPE, custom ops, out of range
+];
+
+/// One in-process ggml server behind one in-process front for the whole run.
 fn server() -> &'static str {
     static ENDPOINT: OnceLock<String> = OnceLock::new();
     ENDPOINT.get_or_init(|| {
@@ -23,8 +34,14 @@ fn server() -> &'static str {
             Box::leak(Box::new(PluginRegistry::discover(&PluginSearch::standard(vec![]))));
         let cpu = reg.devices().into_iter().find(|d| d.kind() == DeviceKind::Cpu).expect("a CPU device");
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        std::thread::spawn(move || sd_backends::rpc::serve(reg, "127.0.0.1", port, &[cpu], 1, None));
-        let endpoint = format!("127.0.0.1:{port}");
+        std::thread::Builder::new()
+            .stack_size(serving_stack_bytes(&GraphLimits::default()))
+            .spawn(move || sd_backends::rpc::serve(reg, "127.0.0.1", port, &[cpu], 1, None))
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        let spawn = move || Ok(Worker { addr: ([127, 0, 0, 1], port).into(), child: None });
+        std::thread::spawn(move || sd_backends::rpc_front::serve(listener, FrontConfig::new(1, 256 << 20), Box::new(spawn)));
         for _ in 0..200 {
             if WireClient::connect(&endpoint, Duration::from_secs(1)).is_ok() {
                 return endpoint;
@@ -47,8 +64,10 @@ struct T {
     ne: [u16; 4],
     /// None: contiguous strides for the type; Some: these.
     nb: Option<[u32; 4]>,
-    invalid_op: bool,
-    src: [u8; 2],
+    /// Index into OPS.
+    op: u8,
+    params: [i8; 8],
+    src: [u8; 3],
     view_src: u8,
 }
 
@@ -93,13 +112,16 @@ impl Conn {
             data: base.wrapping_add_signed(i64::from(t.offset)),
             ne,
             nb,
-            // kernels are not the parser: only NONE or an op that must be refused
-            op: if t.invalid_op { 101 + u32::from(t.id) } else { 0 },
+            op: OPS[usize::from(t.op) % OPS.len()],
             flags: 16,
             ..WireTensor::default()
         };
-        w.src[0] = u64::from(t.src[0]);
-        w.src[1] = u64::from(t.src[1]);
+        for (k, &p) in t.params.iter().enumerate() {
+            w.op_params[k] = i32::from(p);
+        }
+        for (k, &s) in t.src.iter().enumerate() {
+            w.src[k] = u64::from(s);
+        }
         w.view_src = u64::from(t.view_src);
         w
     }

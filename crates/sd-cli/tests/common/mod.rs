@@ -29,11 +29,17 @@ pub struct Server {
 
 impl Server {
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A server with more `rpc-server` flags.
+    pub fn start_with(extra: &[&str]) -> Self {
         use std::os::unix::process::CommandExt;
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let log = std::env::var_os("RPC_FAULTS_SERVER_LOG").is_some();
         let child = sd_cli()
             .args(["rpc-server", "--host", "127.0.0.1", "--port", &port.to_string(), "--threads", "2"])
+            .args(extra)
             .args(log.then_some("-v"))
             .process_group(0)
             .stdout(Stdio::null())

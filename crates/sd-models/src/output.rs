@@ -8,7 +8,7 @@
 //!   this name only: its other names keep the old bytes;
 //! * a directory, FIFO, device node or socket is refused and left untouched, as is a
 //!   read-only file, a path whose directory does not exist or is not writable, and a name
-//!   longer than a file system allows ([`NAME_MAX`] bytes);
+//!   longer than a file system allows (255 bytes);
 //! * `/dev/stdout` (`/dev/fd/1`, `/proc/self/fd/1`) writes to the standard output when it is
 //!   not a terminal; the standard error is refused (messages go there);
 //! * no output may be a file the run reads, or another output of the run ([`RunFiles`]):
@@ -23,7 +23,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// The longest file name (one path component) Linux file systems take, in bytes.
-pub const NAME_MAX: usize = 255;
+const NAME_MAX: usize = 255;
 
 /// An output path that cannot be written, and why.
 #[derive(Debug, thiserror::Error)]
@@ -300,7 +300,7 @@ pub enum InputRole {
 
 impl InputRole {
     /// The role in words ("the VAE").
-    pub fn describe(self) -> &'static str {
+    fn describe(self) -> &'static str {
         match self {
             InputRole::Model => "the model",
             InputRole::DiffusionModel => "the diffusion model",
@@ -330,7 +330,7 @@ pub enum OutputRole {
 
 impl OutputRole {
     /// The role in words ("the image").
-    pub fn describe(self) -> &'static str {
+    fn describe(self) -> &'static str {
         match self {
             OutputRole::Image => "the image",
             OutputRole::Report => "the run report",

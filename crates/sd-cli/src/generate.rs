@@ -82,7 +82,7 @@ pub struct GenerateArgs {
     /// the image to the standard output when it is redirected.
     #[arg(short = 'o', long = "output", default_value = "output.png")]
     pub output: PathBuf,
-    /// [sd-rs] Let -o replace an existing file whose name has no image extension (`notes.txt`,
+    /// [sd-rs] Let -o replace an existing file whose name has no image extension (a .txt file,
     /// `README`) with the image (a PNG); without it such a file is refused and left untouched.
     #[arg(long = "overwrite")]
     pub overwrite: bool,

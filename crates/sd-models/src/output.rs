@@ -752,7 +752,7 @@ impl ImageOutput {
     /// checked as a target ([`OutputTarget::resolve`]) before any work is done.
     ///
     /// Refused: an image format that is not written (`x.gif`: not silently `x.gif.png`), and
-    /// an existing regular file whose name has no image extension (`notes.txt`, `README`)
+    /// an existing regular file whose name has no image extension (a .txt file, `README`)
     /// unless `overwrite` (then it is replaced by a PNG). Something else that exists under
     /// such a name (a directory, a device) is taken as written, for the target checks to
     /// refuse it.

@@ -150,6 +150,36 @@ pub fn cpu_extra_bufts_from_env() -> std::result::Result<bool, String> {
     }
 }
 
+/// The environment switches of the CPU's kernels (read by the C++ of
+/// `crates/ggml-sys/patches/cpu-speed/`, which treats exactly `off` and `0` as off and any
+/// other value as on) and of [`CPU_EXTRA_BUFTS_ENV`], each with the values it takes.
+const CPU_ENV: [(&str, &str); 3] = [
+    ("SD_CPU_AMX_F16", "on, off, 1, 0"),
+    ("SD_CPU_F16_GEMM", "on, off, 1, 0"),
+    (CPU_EXTRA_BUFTS_ENV, "on, off, 1, 0, true, false"),
+];
+
+/// Checks every CPU environment switch ([`CPU_ENV`]) before any work: a value the kernels
+/// would silently take for "on" (`OFF`, `no`, `disabled`) is an error naming the variable
+/// and the values it takes. Unset or empty is the default (on).
+pub fn check_cpu_env() -> Result<()> {
+    for (variable, accepted) in CPU_ENV {
+        let Some(raw) = std::env::var_os(variable) else { continue };
+        let value = raw.to_string_lossy().into_owned();
+        let ok = raw.to_str().is_some()
+            && if variable == CPU_EXTRA_BUFTS_ENV {
+            cpu_extra_bufts_from_env().is_ok()
+        } else {
+            // Exactly as the C++ compares: `OFF` would be on there.
+            ["", "on", "off", "1", "0"].contains(&value.as_str())
+        };
+        if !ok {
+            return Err(BackendError::BadEnv { variable, value, accepted });
+        }
+    }
+    Ok(())
+}
+
 /// One shared backend instance per device name.
 #[derive(Debug, Default)]
 pub struct BackendManager {

@@ -64,6 +64,9 @@ pub enum BackendError {
     /// An I/O error with the path involved.
     #[error("{path}")]
     Io { path: PathBuf, source: std::io::Error },
+    /// An environment variable of the CPU kernels holds a value they do not take.
+    #[error("the environment variable {variable}={value:?} is not one of {accepted}")]
+    BadEnv { variable: &'static str, value: String, accepted: &'static str },
 }
 
 /// Result alias.

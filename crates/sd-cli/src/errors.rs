@@ -3,6 +3,7 @@
 //! The libraries name settings, devices and budgets, never a flag of this program; this is the
 //! one place that knows which flag sets what.
 
+use sd_models::output::{FileUse, InputRole, OutputError, OutputRole, SameFile};
 use sd_models::pipeline::{PipelineError, Setting};
 use sd_models::text::clip::ClipError;
 use sd_vae::{TilingOption, VaeError};
@@ -29,6 +30,43 @@ fn tiling_flag(o: TilingOption) -> &'static str {
         TilingOption::Overlap => "--vae-tile-overlap",
         TilingOption::RelativeSize => "--vae-relative-tile-size",
     }
+}
+
+/// The flag that names an input file of role `r`.
+fn input_flag(r: InputRole) -> &'static str {
+    match r {
+        InputRole::Model => "-m",
+        InputRole::DiffusionModel => "--diffusion-model",
+        InputRole::Vae => "--vae",
+        InputRole::ClipL => "--clip_l",
+        InputRole::ClipG => "--clip_g",
+        InputRole::T5xxl => "--t5xxl",
+        InputRole::Taesd => "--taesd",
+        InputRole::Llm => "--llm",
+        InputRole::PromptFile => "--prompt-file",
+        InputRole::NegativePromptFile => "--negative-prompt-file",
+        InputRole::InitImage => "-i",
+        InputRole::Lora => "a <lora:> tag of -p",
+        InputRole::DeviceProfile => "--devices",
+    }
+}
+
+/// The flag that names an output of role `r`.
+fn output_flag(r: OutputRole) -> &'static str {
+    match r {
+        OutputRole::Image => "-o",
+        OutputRole::Report => "--report-json",
+    }
+}
+
+/// An output that is an input or another output, saying which flags name the two.
+pub fn same_file(e: SameFile) -> anyhow::Error {
+    let other = match e.other {
+        FileUse::Input(r) => input_flag(r),
+        FileUse::Output(r) => output_flag(r),
+    };
+    let out = output_flag(e.output);
+    anyhow::Error::new(e).context(format!("{out} and {other} name the same file"))
 }
 
 /// A tiling error, saying which flag it is about.
@@ -70,6 +108,9 @@ pub fn hints(e: &anyhow::Error) -> Vec<String> {
                 }
                 _ => {}
             }
+        }
+        if let Some(OutputError { needs_consent: true, .. }) = cause.downcast_ref() {
+            out.push("--overwrite replaces it with the image (a PNG); or name the output .png, .jpg or .webp".into());
         }
         if let Some(sd_models::files::FilesError::NoModel) = cause.downcast_ref() {
             out.push("pass -m/--model, or --diffusion-model with its components".into());

@@ -10,7 +10,7 @@ use sd_backends::BackendManager;
 use sd_models::files::Prediction as FilePrediction;
 use sd_models::fixture::{self, Family, WeightType};
 use sd_models::loader::LoadType;
-use sd_models::output::ImageOutput;
+use sd_models::output::{ImageOutput, InputRole, OutputRole};
 use sd_models::pipeline::{GenerateParams, LoadOptions, Pipeline, Progress, Request, ValidParams};
 use sd_models::placement::RuntimePlacement;
 use sd_models::sampling::{RngKind, SampleMethod, Scheduler};
@@ -45,7 +45,7 @@ pub struct GenerateArgs {
     #[arg(short = 'H', long = "height", default_value_t = -1, allow_hyphen_values = true, hide_default_value = true, value_parser = image_side)]
     pub height: i64,
     /// Sampling steps.
-    #[arg(long = "steps", default_value_t = 20)]
+    #[arg(long = "steps", default_value_t = 20, allow_negative_numbers = true, value_parser = whole::<usize>)]
     pub steps: usize,
     /// Classifier-free guidance scale (1 disables the negative prompt; default: the model's,
     /// 7 for SD 1.x/2.x and SDXL, 1 for FLUX.1, whose guidance is distilled).
@@ -73,12 +73,19 @@ pub struct GenerateArgs {
     #[arg(short = 's', long = "seed", default_value_t = 42, allow_hyphen_values = true)]
     pub seed: i64,
     /// Number of images.
-    #[arg(short = 'b', long = "batch-count", default_value_t = 1)]
+    #[arg(short = 'b', long = "batch-count", default_value_t = 1, allow_negative_numbers = true, value_parser = whole::<usize>)]
     pub batch_count: usize,
     /// Output image: .png, .jpg or .webp; printf-style %d (e.g. out_%03d.png) numbers the
     /// images, else a batch is name_0.png, name_1.png, ...
+    /// An existing file whose name has no image extension is refused (see --overwrite); an
+    /// image format that is not written (.gif, .bmp, ...) is refused; `/dev/stdout` writes
+    /// the image to the standard output when it is redirected.
     #[arg(short = 'o', long = "output", default_value = "output.png")]
     pub output: PathBuf,
+    /// [sd-rs] Let -o replace an existing file whose name has no image extension (a .txt file,
+    /// `README`) with the image (a PNG); without it such a file is refused and left untouched.
+    #[arg(long = "overwrite")]
+    pub overwrite: bool,
     /// CPU threads (<= 0: the number of physical cores).
     #[arg(short = 't', long = "threads", default_value_t = -1, allow_hyphen_values = true)]
     pub threads: i64,
@@ -183,6 +190,18 @@ fn image_side(s: &str) -> std::result::Result<i64, String> {
     s.trim().parse::<i64>().map_err(|_| format!("'{}' is not a whole number of pixels", clip_text(s)))
 }
 
+/// A flag's whole number (at least 0): a negative number reaches this parser (clap's
+/// `allow_negative_numbers`), so the error names the flag and the value instead of taking
+/// `-1` for an unknown flag.
+pub fn whole<T: TryFrom<u128>>(s: &str) -> std::result::Result<T, String> {
+    let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("'{}' is negative; a whole number of at least 0 is needed", clip_text(s)));
+    }
+    let v: u128 = t.parse().map_err(|_| format!("'{}' is not a whole number", clip_text(s)))?;
+    T::try_from(v).map_err(|_| format!("{v} is too large"))
+}
+
 /// `s` cut to 60 characters for an error message (a 100 KB argument is not echoed whole).
 pub fn clip_text(s: &str) -> String {
     const MAX: usize = 60;
@@ -251,8 +270,20 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // model is known (`Pipeline::check_request`), with the outputs: all before the first
     // weight is read.
     let (params, loras) = a.params()?;
+    let count = params.params().batch_count;
+    let outputs = ImageOutput::plan(&a.output, count, a.run.output_begin_idx, a.overwrite).context("-o")?;
     let report_to = crate::output::report_target(a.report_json.as_deref())?;
     let model = a.model.or_fixture(ensure_fixture)?;
+    // No output may be a file the run reads, or another output.
+    let files = model
+        .run_files()
+        .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
+        .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
+        .input(InputRole::InitImage, a.init_img.as_deref())
+        .loras(&loras);
+    let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
+    let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
+    files.check().map_err(crate::errors::same_file)?;
     let reg = crate::devices::open(dev)?;
     let files = sd_models::files::ModelFiles::open(&model.sources())?;
     let threads = sd_backends::threads::resolve_threads(a.threads);
@@ -301,7 +332,6 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     };
     let pipeline = Pipeline::from_files(files, options)?.with_loras(&loras, a.lora.lora_apply_mode)?;
     let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
-    let outputs = ImageOutput::plan(&a.output, request.params().batch_count, a.run.output_begin_idx).context("-o")?;
 
     let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
     report.plan = Some(plan.clone());

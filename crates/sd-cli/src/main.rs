@@ -93,14 +93,31 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    #[cfg(unix)]
+    // SAFETY: changes one signal's disposition to "ignore", before any other thread runs.
+    // A file size limit (`ulimit -f`) reached while writing an output is then an error
+    // with a message (EFBIG), as a full disk is, instead of a death by SIGXFSZ.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
+        Err(e) if e.use_stderr() => {
+            // clap quotes the argument it refuses as given: escaped here like our messages.
+            eprint!("{}", printable(&e.render().to_string()));
+            return ExitCode::from(2);
+        }
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+            return ExitCode::SUCCESS;
         }
     };
     logging::init(cli.verbose);
+    // Switches the CPU kernels read behind our back: a value they would ignore is bad input.
+    if let Err(e) = sd_backends::backend::check_cpu_env() {
+        print_error(&e.into());
+        return ExitCode::from(2);
+    }
     let result = if cli.version {
         devices::print_version(&cli.devices)
     } else {
@@ -122,7 +139,7 @@ fn main() -> ExitCode {
     // A lost server decides the exit status, whatever error it caused on its way out.
     if let Some(loss) = sd_backends::rpc::lost() {
         if !printed.contains(&loss.endpoint) {
-            eprintln!("error: lost RPC server {}: {}", loss.endpoint, loss.reason);
+            eprintln!("error: lost RPC server {}: {}", printable(&loss.endpoint), printable(&loss.reason));
         }
         if loss.reason.contains("deadline") {
             eprintln!(
@@ -140,12 +157,24 @@ fn main() -> ExitCode {
 
 /// Prints `e` and the hints that name flags for it; returns the printed message.
 fn print_error(e: &anyhow::Error) -> String {
-    let msg = report(e);
+    let msg = printable(&report(e));
     eprintln!("error: {msg}");
     for hint in errors::hints(e) {
-        eprintln!("hint: {hint}");
+        eprintln!("hint: {}", printable(&hint));
     }
     msg
+}
+
+/// `s` with its control characters (an escape sequence, a carriage return, a bell in a path
+/// or a flag's value) written as escapes (`\u{1b}`, `\r`), so that a message cannot move the
+/// terminal's cursor or recolour it; line breaks and tabs stay.
+fn printable(s: &str) -> String {
+    if !s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return s.to_string();
+    }
+    s.chars()
+        .map(|c| if c.is_control() && c != '\n' && c != '\t' { c.escape_default().to_string() } else { c.to_string() })
+        .collect()
 }
 
 /// The error and its causes, joined with `: ` (each error describes its own layer only, so
@@ -156,7 +185,14 @@ fn report(e: &anyhow::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::report;
+    use super::{printable, report};
+
+    #[test]
+    fn control_characters_are_escaped_and_text_kept() {
+        assert_eq!(printable("-o 'a\u{1b}[31mred\r.png'"), "-o 'a\\u{1b}[31mred\\r.png'");
+        assert_eq!(printable("two\nlines\tand é"), "two\nlines\tand é");
+        assert_eq!(printable("\u{7f}\u{9b}"), "\\u{7f}\\u{9b}");
+    }
 
     #[test]
     fn the_chain_is_printed_outermost_first() {

@@ -9,6 +9,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 use sd_models::describe::{describe, ExtraFile};
 use sd_models::files::{ModelFiles, ModelSources};
+use sd_models::output::{InputRole, OutputRole, RunFiles};
 use sd_placement::{plan, Device, DeviceProfile, DeviceType, Flags, Plan, PlanRequest, MIB, PIPELINE_COPIES_ENV};
 
 use crate::DeviceArgs;
@@ -149,6 +150,11 @@ impl ModelArgs {
         }
     }
 
+    /// These files as inputs of a run (every model file flag), for the outputs' check.
+    pub fn run_files(&self) -> RunFiles {
+        RunFiles::default().model_sources(&self.sources()).input(InputRole::Llm, self.llm.as_deref())
+    }
+
     /// Files described from headers only.
     pub fn extra(&self) -> Vec<ExtraFile> {
         let mut v = Vec::new();
@@ -172,7 +178,7 @@ pub struct PlanArgs {
     #[arg(long = "devices", value_name = "PROFILE.toml")]
     pub devices: Option<PathBuf>,
     /// Available RAM in MiB (overrides the machine's or the profile's figure).
-    #[arg(long = "ram-mib", value_name = "N")]
+    #[arg(long = "ram-mib", value_name = "N", allow_negative_numbers = true, value_parser = ram_mib)]
     pub ram_mib: Option<u64>,
     /// Print the plan as JSON.
     #[arg(long = "json")]
@@ -185,6 +191,15 @@ pub struct PlanArgs {
     pub prompt: String,
     #[command(flatten)]
     pub lora: crate::generate::LoraArgs,
+}
+
+/// `--ram-mib`: a whole number of MiB whose bytes fit in 64 bits.
+fn ram_mib(s: &str) -> std::result::Result<u64, String> {
+    let m: u64 = crate::generate::whole(s)?;
+    if m > u64::MAX / MIB {
+        return Err(format!("{m} MiB is more bytes than 64 bits count (at most {} MiB)", u64::MAX / MIB));
+    }
+    Ok(m)
 }
 
 /// Largest device profile read (real ones are a few hundred bytes).
@@ -309,7 +324,7 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
             let text = sd_models::files::open::read_text(p, MAX_PROFILE_BYTES).context("--devices")?;
             let prof =
                 DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
-            (prof.devices(), prof.ram_available_mib.map(|m| m * MIB), prof.device_speeds())
+            (prof.devices(), prof.ram_available_bytes(), prof.device_speeds())
         }
         None => (machine_devices(dev_args)?, ram_available(), Default::default()),
     };
@@ -333,6 +348,11 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let request =
         PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;
+    if let Some(t) = &report_to {
+        let (_, loras) = args.lora.extract(&args.prompt)?;
+        let files = args.model.run_files().input(InputRole::DeviceProfile, args.devices.as_deref()).loras(&loras);
+        files.output(OutputRole::Report, t).check().map_err(crate::errors::same_file)?;
+    }
     let p = plan(&request)?;
     let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());
     report.plan = Some(p.clone());

@@ -20,13 +20,13 @@ pub struct RpcServerArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on.
-    #[arg(long, default_value_t = 50052)]
+    #[arg(long, default_value_t = 50052, allow_negative_numbers = true, value_parser = crate::generate::whole::<u16>)]
     pub port: u16,
     /// Device to serve (default: the first GPU, else the CPU).
     #[arg(long, value_name = "NAME")]
     pub device: Option<String>,
     /// CPU threads for computations on a CPU device (0: one per CPU; at most 4 per CPU).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::generate::whole::<usize>)]
     pub threads: usize,
     /// Directory for the server's tensor cache (optional).
     #[arg(long = "cache-dir", value_name = "DIR")]

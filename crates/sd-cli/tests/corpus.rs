@@ -99,6 +99,9 @@ fn judge(case: &Case, o: &Outcome) -> Option<String> {
     if let Some(repeat) = repeated_cause(&o.stderr) {
         return Some(format!("{}: the error repeats {repeat:?}: {tail}", case.name));
     }
+    if let Some(c) = o.stderr.chars().find(|c| c.is_control() && *c != '\n' && *c != '\t') {
+        return Some(format!("{}: a raw control character {c:?} in the messages: {tail:?}", case.name));
+    }
     if o.stderr.contains("panicked") || o.stderr.contains("RUST_BACKTRACE") {
         return Some(format!("{}: a panic: {tail}", case.name));
     }
@@ -510,6 +513,13 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     )
     .unwrap();
     let profile = d("profile.toml");
+    // Issue 32: files an output must never replace (an input, a file that is not an image).
+    std::fs::write(dir.join("notes.txt"), b"my notes").unwrap();
+    std::fs::write(dir.join("README"), b"read me").unwrap();
+    std::fs::write(dir.join("prompt.txt"), b"a cat").unwrap();
+    std::fs::write(dir.join("lora.safetensors"), b"not read: refused before").unwrap();
+    std::fs::hard_link(&good, dir.join("model-link.png")).unwrap();
+    std::fs::hard_link(dir.join("lora.safetensors"), dir.join("vae-link.png")).unwrap();
 
     let mut cases: Vec<Case> = Vec::new();
     let plan = |m: &str| vec!["plan".to_string(), "-m".into(), m.to_string(), "--devices".into(), profile.clone()];
@@ -675,6 +685,77 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             status: 2,
             env: vec![],
             needles: vec![needle.into(), "--devices".into()],
+        });
+    }
+
+    // Issue 32: `plan` refuses what a generation refuses (the first stage is checked too),
+    // never writes its report over an input, and names the flag of a bad number; bad values
+    // of the CPU kernels' environment switches are refused at startup; control characters
+    // in a path or a value are escaped in the message.
+    let with = |extra: &[&str]| {
+        let mut a = plan(&d("good.safetensors"));
+        a.extend(extra.iter().map(|s| s.replace("{DIR}", &dir.display().to_string())));
+        a
+    };
+    let envs = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+    #[allow(clippy::type_complexity)]
+    let issue32: Vec<(&str, Vec<String>, i32, Vec<(String, String)>, Vec<&str>)> = vec![
+        ("plan no VAE", plan(&d("sd15-no-vae.safetensors")), 2, vec![], vec!["VAE", "missing", "--vae"]),
+        ("plan --taesd junk", with(&["--taesd", "{DIR}/junk.safetensors"]), 2, vec![], vec!["TAESD", "junk.safetensors"]),
+        (
+            "plan report on the profile",
+            with(&["--report-json", "{DIR}/profile.toml"]),
+            2,
+            vec![],
+            vec!["--report-json and --devices name the same file", "profile.toml"],
+        ),
+        (
+            "plan report on the model",
+            with(&["--report-json", "{DIR}/model-link.png"]),
+            2,
+            vec![],
+            vec!["--report-json and -m name the same file", "good.safetensors", "model-link.png"],
+        ),
+        ("plan --ram-mib -1", with(&["--ram-mib", "-1"]), 2, vec![], vec!["for '--ram-mib", "negative"]),
+        (
+            "plan --ram-mib 2^44+1",
+            with(&["--ram-mib", "17592186044417"]),
+            2,
+            vec![],
+            vec!["for '--ram-mib", "17592186044417 MiB is more bytes"],
+        ),
+        ("SD_CPU_AMX_F16=OFF", with(&[]), 2, envs("SD_CPU_AMX_F16", "OFF"), vec!["SD_CPU_AMX_F16=\"OFF\"", "on, off, 1, 0"]),
+        ("SD_CPU_F16_GEMM=no", with(&[]), 2, envs("SD_CPU_F16_GEMM", "no"), vec!["SD_CPU_F16_GEMM=\"no\"", "on, off"]),
+        (
+            "SD_CPU_EXTRA_BUFTS=maybe",
+            vec!["-m".into(), d("good.safetensors"), "--steps".into(), "0".into()],
+            2,
+            envs("SD_CPU_EXTRA_BUFTS", "maybe"),
+            vec!["SD_CPU_EXTRA_BUFTS=\"maybe\"", "true, false"],
+        ),
+        (
+            "an escape sequence in -o",
+            vec!["-m".into(), d("good.safetensors"), "-o".into(), d("\u{1b}[31mred/x.png")],
+            1,
+            vec![],
+            vec!["\\u{1b}[31mred", "does not exist"],
+        ),
+        (
+            "an escape sequence in --steps",
+            vec!["-m".into(), d("good.safetensors"), "--steps".into(), "\u{1b}[2J\r".into()],
+            2,
+            vec![],
+            // clap drops the escape sequence itself; the carriage return is escaped.
+            vec!["invalid value '\\r' for '--steps"],
+        ),
+    ];
+    for (what, args, status, env, needles) in issue32 {
+        cases.push(Case {
+            name: format!("issue 32: {what}"),
+            args,
+            status,
+            env,
+            needles: needles.into_iter().map(String::from).collect(),
         });
     }
 
@@ -921,6 +1002,106 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     }
     if !std::fs::read(run_dir.join("target.png")).unwrap().starts_with(b"\x89PNG") {
         failures.push("the symlink's target did not get the image".into());
+    }
+
+    // 6. Issue 32, rows 11 and 13: a hard-linked output on a "full disk" (a file size limit
+    // of 64 bytes: the image cannot be written): the run fails with a message naming the
+    // output, and the old image and its other name are whole.
+    let full = root.join("full");
+    std::fs::create_dir_all(&full).unwrap();
+    let old_bytes: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(full.join("old.png"), &old_bytes).unwrap();
+    std::fs::hard_link(full.join("old.png"), full.join("link.png")).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sd-cli"));
+    cmd.args(["-m", &d("good.safetensors"), "-W", "64", "-H", "64", "--steps", "1", "-t", "2", "-o"])
+        .arg(full.join("link.png"))
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    // SAFETY: only async-signal-safe setrlimit between fork and exec. sd-cli must ignore
+    // SIGXFSZ itself (else the limit kills it).
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            let lim = libc::rlimit { rlim_cur: 64, rlim_max: 64 };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.signal().is_some() || out.status.code() != Some(1) {
+        failures.push(format!("full disk: {:?}, expected exit 1: {stderr}", out.status));
+    } else if !stderr.contains("link.png") || !stderr.contains("left as it was") {
+        failures.push(format!("full disk: the message does not name the output and its state: {stderr}"));
+    }
+    for name in ["old.png", "link.png"] {
+        if std::fs::read(full.join(name)).unwrap() != old_bytes {
+            failures.push(format!("full disk: {name} changed"));
+        }
+    }
+    if std::fs::read_dir(&full).unwrap().count() != 2 {
+        failures.push("full disk: a temporary file was left".into());
+    }
+
+    // 7. Issue 32, row 18: `-o /dev/stdout` writes the PNG to the standard output (a pipe),
+    // and a legal 250-byte name (the report's) is written, its temporary name cut to fit.
+    let long_report = run_dir.join(format!("{}.json", "r".repeat(245)));
+    let out = Command::new(env!("CARGO_BIN_EXE_sd-cli"))
+        .args(["-m", &d("good.safetensors"), "-W", "64", "-H", "64", "--steps", "1", "-t", "2", "-o", "/dev/stdout"])
+        .arg("--report-json")
+        .arg(&long_report)
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    if !out.status.success() || !out.stdout.starts_with(b"\x89PNG") {
+        failures.push(format!(
+            "-o /dev/stdout: {:?}, {} bytes on stdout: {}",
+            out.status,
+            out.stdout.len(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    if !std::fs::read(&long_report).is_ok_and(|b| b.starts_with(b"{")) {
+        failures.push("a 250-byte report name was not written".into());
+    }
+
+    // 8. Issue 32, row 18: an empty SD_CACHE_DIR is unset: without -m the fixture goes to
+    // $HOME/.cache/sd-rs, never into the working directory (stopped once it says where).
+    let cache_case = root.join("cache");
+    let (home, cwd) = (cache_case.join("home"), cache_case.join("cwd"));
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&cwd).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sd-cli"))
+        .args(["-W", "64", "-H", "64", "--steps", "1", "-o"])
+        .arg(cache_case.join("out.png"))
+        .current_dir(&cwd)
+        .env("NO_COLOR", "1")
+        .env("SD_CACHE_DIR", "")
+        .env("HOME", &home)
+        .env_remove("XDG_CACHE_HOME")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut said = String::new();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap_or_default();
+        if line.contains("no model given") {
+            said = line;
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    if !said.contains(&home.join(".cache/sd-rs").display().to_string()) {
+        failures.push(format!("empty SD_CACHE_DIR: the fixture is not written under $HOME/.cache/sd-rs: {said:?}"));
+    }
+    if std::fs::read_dir(&cwd).unwrap().count() != 0 {
+        failures.push("empty SD_CACHE_DIR: a file was written into the working directory".into());
     }
 
     let _ = std::fs::set_permissions(dir.join("ro.png"), std::fs::Permissions::from_mode(0o644));

@@ -723,12 +723,7 @@ impl Pipeline {
 
     /// The family's TAESD configuration, or an error naming `--taesd` when it has none.
     fn taesd_config(&self) -> Result<sd_vae::TaesdConfig> {
-        self.family.taesd().ok_or_else(|| {
-            PipelineError::Invalid(format!(
-                "--taesd: the {} family has no tiny autoencoder yet; drop --taesd to decode with the VAE",
-                self.family.arch()
-            ))
-        })
+        crate::family::taesd_config(self.family.as_ref())
     }
 
     fn load_first_stage(&self, need_encoder: bool) -> Result<Box<dyn FirstStage>> {
@@ -842,19 +837,10 @@ impl Pipeline {
     /// expected number of elements; the first stage's weights hold no NaN or infinity (they
     /// are small and read last, so a broken VAE would otherwise waste a whole sampling run).
     fn check_tensors(&self, need_encoder: bool) -> Result<()> {
-        let dtype = dtype_of(&self.files);
-        let te = self.family.text_specs(&dtype, self.opts.wtype);
-        let unet = self.family.diffusion_specs(&dtype, self.opts.wtype);
-        let (first_name, first) = if self.opts.sources.taesd.is_some() {
-            let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-            ("TAESD", sd_vae::taesd_specs(&self.taesd_config()?, parts))
-        } else {
-            let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
-            ("VAE", sd_vae::vae_specs(&self.family.vae(), parts))
-        };
-        let modules = [("text encoder", te), ("diffusion model", unet), (first_name, first)];
+        let modules =
+            crate::family::generation_specs(self.family.as_ref(), &self.files, self.opts.wtype, need_encoder)?;
         crate::family::check_specs(self.family.arch(), &self.files, &modules)?;
-        let first = &modules[2].1;
+        let (first_name, first) = (modules[2].0, &modules[2].1);
         let src = FileSource::new(&self.files);
         for s in first {
             if let Err(source) = src.load_tensor(&s.name, s.ty, &s.ne) {

@@ -88,16 +88,47 @@ pub fn check_specs(arch: &str, files: &ModelFiles, modules: &[(&'static str, Vec
 /// tensor its text encoder and diffusion model need is there with its shape. Files no family
 /// runs (an architecture detected but without a runtime, or none detected) pass: a plan
 /// describes any model from its headers.
+///
+/// The same modules as a generation checks before it loads ([`generation_specs`]), the
+/// first stage's decoder included: `plan` and a generation refuse the same files.
 pub fn check_runnable(files: &ModelFiles) -> Result<()> {
     let Ok(detected) = files.detect(None) else { return Ok(()) };
     if !inventory::iter::<FamilySpec>.into_iter().any(|f| f.arch == detected.arch) {
         return Ok(());
     }
     let family = for_detected(&detected, files)?;
+    check_specs(family.arch(), files, &generation_specs(family.as_ref(), files, None, false)?)
+}
+
+/// The tensors of the modules a generation loads: the text encoder, the diffusion model and
+/// the first stage (the TAESD when the files hold one, else the VAE; its encoder too when
+/// `need_encoder`, for img2img). One list for [`check_runnable`] and the pipeline's check.
+pub(crate) fn generation_specs(
+    family: &dyn Family,
+    files: &ModelFiles,
+    wtype: Option<GgmlType>,
+    need_encoder: bool,
+) -> Result<[(&'static str, Vec<TensorSpec>); 3]> {
     let dtype = crate::loader::dtype_of(files);
-    let modules =
-        [("text encoder", family.text_specs(&dtype, None)), ("diffusion model", family.diffusion_specs(&dtype, None))];
-    check_specs(family.arch(), files, &modules)
+    let taesd = files.index().files().iter().any(|f| f.role == crate::files::FileRole::Taesd);
+    let first = if taesd {
+        let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
+        ("TAESD", sd_vae::taesd_specs(&taesd_config(family)?, parts))
+    } else {
+        let parts = if need_encoder { sd_vae::VaeParts::Full } else { sd_vae::VaeParts::DecoderOnly };
+        ("VAE", sd_vae::vae_specs(&family.vae(), parts))
+    };
+    Ok([("text encoder", family.text_specs(&dtype, wtype)), ("diffusion model", family.diffusion_specs(&dtype, wtype)), first])
+}
+
+/// The family's TAESD, or an error when it takes none.
+pub(crate) fn taesd_config(family: &dyn Family) -> Result<TaesdConfig> {
+    family.taesd().ok_or_else(|| {
+        PipelineError::Invalid(format!(
+            "--taesd: the {} family has no tiny autoencoder yet; drop --taesd to decode with the VAE",
+            family.arch()
+        ))
+    })
 }
 
 /// The staging group of a text-encoder or VAE tensor: its name up to the first block index

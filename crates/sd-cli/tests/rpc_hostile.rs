@@ -14,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{sd15_fixture, sd_cli, Server};
+use sd_backends::rpc::bounds::{MAX_ALIGNMENT, MAX_BYTES, MAX_DEVICES, MIN_MAX_SIZE};
 use sd_backends::rpc_wire::{cmd, KEEPALIVE_FRAME};
 
 /// The exit status of a run whose RPC device was lost.
@@ -24,6 +25,7 @@ const EXIT_DEVICE_LOST: i32 = 3;
 enum Lie {
     Alignment3,
     ManyDevices,
+    TinyMaxSize,
     FreeAboveTotal,
     ShortBuffer,
     BaseNearTop,
@@ -37,6 +39,7 @@ impl Lie {
         match (self, command) {
             (Lie::Alignment3, cmd::GET_ALIGNMENT) => answer = 3u64.to_le_bytes().to_vec(),
             (Lie::ManyDevices, cmd::DEVICE_COUNT) => answer = u32::MAX.to_le_bytes().to_vec(),
+            (Lie::TinyMaxSize, cmd::GET_MAX_SIZE) => answer = 0u64.to_le_bytes().to_vec(),
             (Lie::FreeAboveTotal, cmd::GET_DEVICE_MEMORY) => {
                 let total = u64::from_le_bytes(answer[8..16].try_into().unwrap());
                 answer[..8].copy_from_slice(&(total + 1).to_le_bytes());
@@ -213,13 +216,14 @@ fn assert_error(e: &Ended, code: i32, endpoint: &str, needle: &str) {
 #[test]
 fn the_probe_refuses_a_server_whose_devices_make_no_sense() {
     for (lie, needle) in [
-        (Lie::Alignment3, "alignment 3 "),
-        (Lie::ManyDevices, "reports 4294967295 devices"),
-        (Lie::FreeAboveTotal, "bytes of memory free of"),
+        (Lie::Alignment3, format!("alignment 3 (a power of two up to {MAX_ALIGNMENT} expected)")),
+        (Lie::ManyDevices, format!("reports 4294967295 devices (at most {MAX_DEVICES} expected)")),
+        (Lie::TinyMaxSize, format!("maximum buffer size of 0 bytes (at least {MIN_MAX_SIZE} expected)")),
+        (Lie::FreeAboveTotal, format!("total at most {MAX_BYTES} expected")),
     ] {
         let h = hostile(lie, 1);
         let e = list_devices(&h.endpoint);
-        assert_error(&e, 1, &h.endpoint, needle);
+        assert_error(&e, 1, &h.endpoint, &needle);
         assert!(e.stderr.contains("is unusable"), "{lie:?}: {}", e.stderr);
     }
 }

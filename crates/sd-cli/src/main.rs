@@ -130,7 +130,9 @@ fn main() -> ExitCode {
     };
     // A lost server decides the exit status, whatever error it caused on its way out.
     if let Some(loss) = sd_backends::rpc::lost() {
-        if !printed.contains(&loss.endpoint) {
+        // an error on the way out may name the device without the loss (an allocation the
+        // lost server answered with nothing): the loss and its cause are printed then too
+        if !printed.contains(&format!("lost RPC server {}", loss.endpoint)) {
             eprintln!("error: lost RPC server {}: {}", loss.endpoint, loss.reason);
         }
         if loss.reason.contains("compute limit") {

@@ -57,6 +57,9 @@ pub type RpcLostFn =
 /// `ggml_backend_rpc_set_timeout_ms` (sd-rs's patch): the send/receive deadline of every
 /// client connection made from now on (0 = none).
 pub type RpcSetTimeoutFn = unsafe extern "C" fn(ms: c_int);
+/// `ggml_backend_rpc_set_compute_limit_ms` (sd-rs's patch): how long a server may send only
+/// keepalive frames before it answers one call (0 = no limit).
+pub type RpcSetComputeLimitFn = unsafe extern "C" fn(ms: i64);
 /// `RPC_PROTO_MAJOR_VERSION` of ggml-rpc.h; checked against the header in tests.
 pub const RPC_PROTO_MAJOR_VERSION: u8 = 7;
 /// `RPC_CONN_CAPS_SIZE` of the RPC transport (ggml-rpc/transport.h).

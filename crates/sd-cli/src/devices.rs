@@ -7,11 +7,28 @@ use sd_backends::{DeviceInfo, PluginRegistry, PluginSearch};
 
 use crate::DeviceArgs;
 
-/// `--rpc-timeout`: seconds, finite, at most an hour (0 = no deadline).
+/// `--rpc-timeout`: seconds from 1 to 3600, or `never` (zero: no deadline).
 pub fn parse_rpc_timeout(s: &str) -> std::result::Result<std::time::Duration, String> {
-    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !secs.is_finite() || !(0.0..=3600.0).contains(&secs) {
-        return Err(format!("`{s}`: the RPC deadline must be between 0 and 3600 seconds"));
+    parse_deadline(s, "the RPC deadline", 3600.0)
+}
+
+/// `--rpc-compute-limit`: seconds from 1 to 86400, or `never` (zero: no limit).
+pub fn parse_rpc_compute_limit(s: &str) -> std::result::Result<std::time::Duration, String> {
+    parse_deadline(s, "the RPC compute limit", 86400.0)
+}
+
+/// Seconds from [`sd_backends::rpc::MIN_DEADLINE`] to `max`, or `never` (zero). `0` is
+/// refused rather than read as "never": below the floor, a small value would silently
+/// mean the opposite of what it says.
+fn parse_deadline(s: &str, what: &str, max: f64) -> std::result::Result<std::time::Duration, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("never") {
+        return Ok(std::time::Duration::ZERO);
+    }
+    let min = sd_backends::rpc::MIN_DEADLINE.as_secs_f64();
+    let secs: f64 = t.parse().map_err(|_| format!("`{s}` is not a number of seconds or `never`"))?;
+    if !secs.is_finite() || !(min..=max).contains(&secs) {
+        return Err(format!("`{s}`: {what} must be between {min} and {max} seconds, or `never` for none"));
     }
     Ok(std::time::Duration::from_secs_f64(secs))
 }
@@ -19,6 +36,7 @@ pub fn parse_rpc_timeout(s: &str) -> std::result::Result<std::time::Duration, St
 /// Loads the plugins and connects the `--rpc` servers.
 pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
     sd_backends::rpc::set_timeout(args.rpc_timeout.unwrap_or(sd_backends::rpc::DEFAULT_TIMEOUT));
+    sd_backends::rpc::set_compute_limit(args.rpc_compute_limit.unwrap_or(sd_backends::rpc::DEFAULT_COMPUTE_LIMIT));
     let mut reg = PluginRegistry::discover(&PluginSearch::standard(args.plugin_dir.clone()));
     if reg.plugins().is_empty() {
         anyhow::bail!(
@@ -51,7 +69,9 @@ pub fn open(args: &DeviceArgs) -> Result<PluginRegistry> {
     Ok(reg)
 }
 
-/// The endpoints of `--rpc`: none empty, none twice (`--rpc ""` and `a,,b` are errors).
+/// The endpoints of `--rpc`: none empty, none twice (`--rpc ""` and `a,,b` are errors), no
+/// server under two spellings (`127.0.0.1:P,localhost:P`: a server serves one client at a
+/// time, so the second connection would wait on the first and be lost).
 fn rpc_endpoints(list: &str) -> Result<Vec<&str>> {
     let endpoints: Vec<&str> = list.split(',').map(str::trim).collect();
     if endpoints.iter().any(|e| e.is_empty()) {
@@ -64,6 +84,18 @@ fn rpc_endpoints(list: &str) -> Result<Vec<&str>> {
         if endpoints[..i].contains(e) {
             anyhow::bail!("--rpc-servers: endpoint '{}' is given twice", crate::generate::clip_text(e));
         }
+    }
+    let mut resolved: Vec<(&str, std::net::SocketAddr)> = Vec::new();
+    for e in &endpoints {
+        let addr = sd_backends::rpc::resolve(e).context("--rpc-servers")?;
+        if let Some((first, _)) = resolved.iter().find(|(_, a)| *a == addr) {
+            anyhow::bail!(
+                "--rpc-servers: '{}' and '{}' are the same server ({addr}); give each server once",
+                crate::generate::clip_text(first),
+                crate::generate::clip_text(e)
+            );
+        }
+        resolved.push((e, addr));
     }
     Ok(endpoints)
 }

@@ -41,12 +41,22 @@ pub struct DeviceArgs {
     /// `sd-cli rpc-server` instances. `--rpc` is our older name for it.
     #[arg(long = "rpc-servers", visible_alias = "rpc", value_name = "HOST:PORT[,...]", global = true)]
     pub rpc: Option<String>,
-    /// Deadline of each RPC send or receive, in seconds (default 8): a server that moves
-    /// no byte for this long is declared lost and the run stops with exit status 3.
+    /// Deadline of each RPC send or receive, in seconds from 1 to 3600 (default 8): a server
+    /// that moves no byte for this long is declared lost and the run stops with exit status 3.
     /// `sd-cli rpc-server` sends keepalives while it computes; raise it for other servers
-    /// that compute one graph for longer. 0 waits forever.
-    #[arg(long = "rpc-timeout", value_name = "SECONDS", value_parser = devices::parse_rpc_timeout, global = true)]
+    /// that compute one graph for longer. `never` waits forever.
+    #[arg(long = "rpc-timeout", value_name = "SECONDS|never", value_parser = devices::parse_rpc_timeout, global = true)]
     pub rpc_timeout: Option<std::time::Duration>,
+    /// [sd-rs] How long an RPC server may keep computing (sending only keepalives) before it
+    /// answers one call, in seconds from 1 to 86400 (default 900): past it the server is
+    /// declared lost (exit status 3). `never` removes the limit.
+    #[arg(
+        long = "rpc-compute-limit",
+        value_name = "SECONDS|never",
+        value_parser = devices::parse_rpc_compute_limit,
+        global = true
+    )]
+    pub rpc_compute_limit: Option<std::time::Duration>,
 }
 
 /// Exit status when a remote (RPC) device was lost during the run (1 is any other
@@ -138,10 +148,18 @@ fn main() -> ExitCode {
     };
     // A lost server decides the exit status, whatever error it caused on its way out.
     if let Some(loss) = sd_backends::rpc::lost() {
-        if !printed.contains(&loss.endpoint) {
+        // an error on the way out may name the device without the loss (an allocation the
+        // lost server answered with nothing): the loss and its cause are printed then too
+        if !printed.contains(&format!("lost RPC server {}", loss.endpoint)) {
             eprintln!("error: lost RPC server {}: {}", printable(&loss.endpoint), printable(&loss.reason));
         }
-        if loss.reason.contains("deadline") {
+        if loss.reason.contains("compute limit") {
+            eprintln!(
+                "hint: --rpc-compute-limit SECONDS raises the limit (now {} s) for a server that computes one graph \
+                 for longer",
+                sd_backends::rpc::compute_limit().as_secs_f64()
+            );
+        } else if loss.reason.contains("deadline") {
             eprintln!(
                 "hint: --rpc-timeout SECONDS raises the deadline (now {} s) for a server that is only slow",
                 sd_backends::rpc::timeout().as_secs_f64()

@@ -50,6 +50,11 @@ apt_opts=(
     -o "Dir::Etc::SourceList=$work/.apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
     -o "Dir::State=$work/.apt" -o "Dir::State::Lists=$work/.apt/lists" -o "Dir::State::status=$work/.apt/status"
     -o "Dir::Cache=$work/.apt/cache" -o Debug::NoLocking=1 -o "APT::Sandbox::User=$(id -un)"
+    # package lists only (no AppStream metadata, command-not-found indexes)
+    -o Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false
+    -o Acquire::IndexTargets::deb::DEP-11-icons::DefaultEnabled=false
+    -o Acquire::IndexTargets::deb::DEP-11-icons-hidpi::DefaultEnabled=false
+    -o Acquire::IndexTargets::deb::CNF::DefaultEnabled=false
 )
 echo "fetch-toolkit.sh: reading the package lists of $host_suite${headers_suite:+ and $headers_suite}"
 apt-get "${apt_opts[@]}" -qq update

@@ -61,8 +61,9 @@ fn has_program(sdk: Option<&std::path::Path>, p: &str) -> bool {
 /// The version `#define`d in the manifest's required header (first of the SDK's `include/`
 /// and the system's include directories that has it), or why there is none to use.
 fn header_version(m: &Manifest, sdk: Option<&std::path::Path>) -> Result<(), String> {
-    let Some(h) = &m.requires_header else { return Ok(()) };
-    let dirs = sdk.map(|s| s.join("include")).into_iter().chain(["/usr/local/include", "/usr/include"].map(PathBuf::from));
+    let Some(h): Option<&manifest::RequiredHeader> = m.requires_header.as_ref() else { return Ok(()) };
+    let dirs =
+        sdk.map(|s| s.join("include")).into_iter().chain(["/usr/local/include", "/usr/include"].map(PathBuf::from));
     let Some(file) = dirs.map(|d| d.join(&h.path)).find(|f| f.is_file()) else {
         return Err(format!("{} not found", h.path));
     };
@@ -271,7 +272,9 @@ pub fn run(args: Args) -> Result<()> {
             _ => Vec::new(),
         };
         let cached = match &args.cache {
-            Some(dir) => Some(dir.join(format!("{}-{}", m.name, cache_key(m, sdk.map(PathBuf::as_path), &extra_cmake)?))),
+            Some(dir) => {
+                Some(dir.join(format!("{}-{}", m.name, cache_key(m, sdk.map(PathBuf::as_path), &extra_cmake)?)))
+            }
             None => None,
         };
         if let Some(c) = cached.as_ref().filter(|c| m.targets.iter().all(|t| c.join(format!("lib{t}.so")).is_file())) {
@@ -376,10 +379,11 @@ fn cache_key(m: &Manifest, sdk: Option<&std::path::Path>, extra_cmake: &[String]
     }
     // the compiler's and each required program's version (e.g. glslc's)
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let programs = m.requires_programs.iter().map(|p| match sdk.map(|d| d.join("bin").join(p)).filter(|b| b.is_file()) {
-        Some(b) => b.into_os_string(),
-        None => p.into(),
-    });
+    let programs =
+        m.requires_programs.iter().map(|p| match sdk.map(|d| d.join("bin").join(p)).filter(|b| b.is_file()) {
+            Some(b) => b.into_os_string(),
+            None => p.into(),
+        });
     for p in std::iter::once(cxx.into()).chain(programs) {
         let out = Command::new(&p).arg("--version").output().with_context(|| format!("running {p:?} --version"))?;
         h.update(&out.stdout);

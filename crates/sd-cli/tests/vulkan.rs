@@ -85,7 +85,14 @@ fn vulkan0_is_listed_with_the_memory_its_driver_reports() {
         // /proc/meminfo), and it reports VK_EXT_memory_budget: free is the budget less the
         // usage it measures, below the total.
         let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
-        let kb: u64 = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:")).unwrap().trim().trim_end_matches(" kB").parse().unwrap();
+        let kb: u64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .unwrap()
+            .trim()
+            .trim_end_matches(" kB")
+            .parse()
+            .unwrap();
         assert_eq!(total, kb * 1024, "lavapipe's heap is the machine's memory: {d}");
         assert!(free < total, "free memory from VK_EXT_memory_budget, not the heap's size: {d}");
     }

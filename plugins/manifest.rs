@@ -34,6 +34,28 @@ pub struct Manifest {
     pub requires_os: Option<String>,
     /// What to install when a required program is missing.
     pub toolkit: Option<String>,
+    /// The environment variable naming the toolkit's root (an SDK layout: `bin/`,
+    /// `include/`, `lib/`), e.g. `VULKAN_SDK`; its `bin/` is searched before `PATH`.
+    pub sdk_env: Option<String>,
+    /// A script in the plugin's folder that fetches the toolkit into the folder it is
+    /// given (an SDK layout), for `cargo xtask plugins --fetch-toolkit`.
+    pub fetch: Option<String>,
+    /// A header the toolkit must have, with a version it must reach.
+    pub requires_header: Option<RequiredHeader>,
+}
+
+/// A toolkit header checked before building: `#define <define> <number>` in `path`.
+// Read by xtask only (the build script builds no vendor plugin).
+#[allow(dead_code)]
+#[derive(serde::Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RequiredHeader {
+    /// Under the toolkit's `include/` (or the system's include directories).
+    pub path: String,
+    /// The macro that holds the version number.
+    pub define: String,
+    /// The lowest version that builds.
+    pub min: u64,
 }
 
 impl Manifest {

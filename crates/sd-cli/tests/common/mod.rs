@@ -121,8 +121,14 @@ pub fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
 /// Runs `sd-cli -m model` with `args` then `extra` into `out` (`--report-json` beside it);
 /// checks that it succeeded and kept every device within its budget; returns the run report.
 pub fn run_checked(model: &Path, out: &Path, args: &[&str], extra: &[&str]) -> RunReport {
+    run_checked_env(model, out, args, extra, &[])
+}
+
+/// [`run_checked`] with environment variables `env` set for sd-cli.
+pub fn run_checked_env(model: &Path, out: &Path, args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> RunReport {
     let report = out.with_extension("json");
     let o = sd_cli()
+        .envs(env.iter().copied())
         .arg("-m")
         .arg(model)
         .args(args)

@@ -32,6 +32,11 @@ done
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 [ -f "$keyring" ] || { echo "fetch-toolkit.sh: needs $keyring (apt-get install debian-archive-keyring)" >&2; exit 2; }
 arch=$(dpkg --print-architecture)
+# The Debian mirror this machine's apt already uses (its first main archive), so no host is
+# named here.
+mirror=$(sed -n 's/^URIs:[[:space:]]*\([^[:space:]]*\/debian\)[[:space:]]*$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1)
+[ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 ~ /\/debian$/ { print $2; exit }' /etc/apt/sources.list 2>/dev/null)
+[ -n "$mirror" ] || { echo "fetch-toolkit.sh: no Debian archive found in apt's sources" >&2; exit 2; }
 multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo "$(uname -m)-linux-gnu")
 
 # Built in a sibling folder and renamed into place: an interrupted fetch leaves no DEST that
@@ -43,8 +48,8 @@ rm -rf "$work"
 mkdir -p "$work/.apt/lists/partial" "$work/.apt/cache/archives/partial" "$work/.apt/debs" "$work/root"
 : > "$work/.apt/status"
 {
-    echo "deb [arch=$arch signed-by=$keyring] http://deb.debian.org/debian $host_suite main"
-    [ "$headers_suite" = "$host_suite" ] || echo "deb [arch=$arch signed-by=$keyring] http://deb.debian.org/debian $headers_suite main"
+    echo "deb [arch=$arch signed-by=$keyring] $mirror $host_suite main"
+    [ "$headers_suite" = "$host_suite" ] || echo "deb [arch=$arch signed-by=$keyring] $mirror $headers_suite main"
 } > "$work/.apt/sources.list"
 apt_opts=(
     -o "Dir::Etc::SourceList=$work/.apt/sources.list" -o Dir::Etc::SourceParts=/dev/null

@@ -4,6 +4,7 @@
 //! one place that knows which flag sets what.
 
 use sd_models::output::{FileUse, InputRole, OutputError, OutputRole, SameFile};
+use sd_models::files::FileRole;
 use sd_models::pipeline::{PipelineError, Setting};
 use sd_models::text::clip::ClipError;
 use sd_vae::{TilingOption, VaeError};
@@ -20,6 +21,19 @@ fn flag(s: Setting) -> &'static str {
         Setting::Eta => "--eta",
         Setting::Strength => "--strength",
         Setting::FlowShift => "--flow-shift",
+    }
+}
+
+/// The flag that names a file of `role`.
+fn role_flag(role: FileRole) -> &'static str {
+    match role {
+        FileRole::Checkpoint => "-m/--model",
+        FileRole::DiffusionModel => "--diffusion-model",
+        FileRole::Vae => "--vae",
+        FileRole::TextEncoder(1) => "--clip_g",
+        FileRole::TextEncoder(_) => "--clip_l (or --clip_g)",
+        FileRole::Taesd => "--taesd",
+        FileRole::T5xxl => "--t5xxl",
     }
 }
 
@@ -114,6 +128,9 @@ pub fn hints(e: &anyhow::Error) -> Vec<String> {
         }
         if let Some(sd_models::files::FilesError::NoModel) = cause.downcast_ref() {
             out.push("pass -m/--model, or --diffusion-model with its components".into());
+        }
+        if let Some(sd_models::files::FilesError::WrongComponent { found, .. }) = cause.downcast_ref() {
+            out.push(format!("pass it with {}", role_flag(*found)));
         }
         if let Some(s) = cause.downcast_ref::<sd_sched::SchedError>() {
             if matches!(s, sd_sched::SchedError::OverBudget { .. } | sd_sched::SchedError::Plan(_)) {

@@ -408,6 +408,17 @@ fn malformed() -> Vec<(String, Vec<u8>, Vec<&'static str>)> {
             vec!["dtype i8", "diffusion model cannot compute"],
         ),
         ("f64-weight.gguf".into(), Gguf::new().tensor(W, &[4], 28, 0).data(32).bytes(), vec!["dtype f64"]),
+        // Issue 32 row 8: types ggml has no matrix product (nor dequantization) for.
+        (
+            "q8_1-weight.gguf".into(),
+            Gguf::new().tensor(MATMUL, &[320, 320], 9, 0).data(320 * 10 * 36).bytes(),
+            vec!["dtype q8_1", "to_q.weight", "diffusion model cannot compute"],
+        ),
+        (
+            "q8_K-weight.gguf".into(),
+            Gguf::new().tensor(MATMUL, &[256, 320], 15, 0).data(320 * 292).bytes(),
+            vec!["dtype q8_K", "to_q.weight", "diffusion model cannot compute"],
+        ),
         (
             "no-tensors.gguf".into(),
             Gguf::new().kv_raw("general.name", 8, &[1, 0, 0, 0, 0, 0, 0, 0, b'x']).bytes(),
@@ -420,6 +431,103 @@ fn malformed() -> Vec<(String, Vec<u8>, Vec<&'static str>)> {
         needles.push(leaked);
     }
     v
+}
+
+/// CLIP's first `fc1` (768 -> 3072) as stored: [3072, 768].
+const FC1: &str = "cond_stage_model.transformer.text_model.encoder.layers.0.mlp.fc1.weight";
+
+/// Writes `bytes` at the offset of tensor `name` (as stored) of `path`, plus `at`.
+fn poke(path: &Path, name: &str, at: u64, bytes: &[u8]) {
+    use std::io::{Seek, SeekFrom, Write};
+    let offset = {
+        let files = sd_models::files::ModelFiles::open_model(path).unwrap();
+        files.index().entries().iter().find(|e| e.original_name == name).expect("tensor").offset
+    };
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.seek(SeekFrom::Start(offset + at)).unwrap();
+    f.write_all(bytes).unwrap();
+}
+
+/// The cases of issue 32's weight rows (see the call).
+fn weight_cases(dir: &Path, cases: &mut Vec<Case>, plan: &dyn Fn(&str) -> Vec<String>) {
+    let d = |n: &str| dir.join(n).display().to_string();
+    let generate = |m: &str| -> Vec<String> {
+        let (m, out) = (d(m), d("out.png"));
+        ["-m", m.as_str(), "-W", "64", "-H", "64", "--steps", "1", "-t", "1", "-o", out.as_str()].map(String::from).to_vec()
+    };
+    let mut push = |name: &str, args: Vec<String>, status: i32, needles: &[&str]| {
+        cases.push(Case {
+            name: format!("{} {name}", args[0]),
+            args,
+            status,
+            env: vec![],
+            needles: needles.iter().map(|s| s.to_string()).chain([name.to_string()]).collect(),
+        });
+    };
+
+    // Row 14: fc1 with its two dimensions swapped (the same element count).
+    let name = "sd15-fc1-transposed.safetensors";
+    let t: Vec<(String, Vec<u64>, DType)> = sd15_specs()
+        .into_iter()
+        .map(|(n, s)| {
+            let s = if n == FC1 { vec![s[1], s[0]] } else { s };
+            (n, s, DType::F16)
+        })
+        .collect();
+    write_sparse(&dir.join(name), &t);
+    let needles = ["fc1.weight", "has shape [768, 3072]", "expects shape [3072, 768]", "swapped"];
+    push(name, plan(&d(name)), 2, &needles);
+    push(name, generate(name), 1, &needles);
+
+    // Row 16: a q8_0 weight whose second block's scale is a NaN (a GGUF checkpoint).
+    let name = "sd15-q8_0-nan-scale.gguf";
+    let t: Vec<(String, Vec<u64>, DType)> = sd15_specs()
+        .into_iter()
+        .map(|(n, s)| {
+            let d = if n == FC1 { DType::Q8_0 } else { DType::F16 };
+            (n, s, d)
+        })
+        .collect();
+    let specs: Vec<HeaderEntry<'_>> = t.iter().map(|(n, s, d)| HeaderEntry { name: n, dtype: *d, shape: s }).collect();
+    let header = sd_models::files::gguf::header_bytes(&specs, &[]).expect("GGUF header");
+    let data: u64 = t
+        .iter()
+        .map(|(_, s, d)| d.tensor_bytes(*s.last().unwrap(), s.iter().product()).unwrap().div_ceil(32) * 32)
+        .sum();
+    std::fs::write(dir.join(name), &header).unwrap();
+    std::fs::OpenOptions::new().write(true).open(dir.join(name)).unwrap().set_len(header.len() as u64 + data).unwrap();
+    poke(&dir.join(name), FC1, 34, &0x7e00u16.to_le_bytes());
+    push(name, generate(name), 1, &["fc1.weight", "NaN or infinite value (the scale `d` of block 1: elements 32..64)"]);
+
+    // Row 16: every value of a weight at f16's largest, 65504 (the output overflows).
+    let name = "sd15-fc1-65504.safetensors";
+    sd15_with(&dir.join(name), None);
+    poke(&dir.join(name), FC1, 0, &0x7bffu16.to_le_bytes().repeat(768 * 3072));
+    push(name, generate(name), 1, &["fc1.weight", "65504"]);
+
+    // Row 9: a sparse GGUF (4 KB on disk) declaring 2^27 empty strings (1 GiB of lengths).
+    let name = "sparse-array.gguf";
+    let mut g = b"GGUF".to_vec();
+    g.extend_from_slice(&3u32.to_le_bytes());
+    g.extend_from_slice(&0u64.to_le_bytes());
+    g.extend_from_slice(&1u64.to_le_bytes());
+    gstr(&mut g, "tokenizer.ggml.tokens");
+    g.extend_from_slice(&9u32.to_le_bytes());
+    g.extend_from_slice(&8u32.to_le_bytes());
+    g.extend_from_slice(&(1u64 << 27).to_le_bytes());
+    std::fs::write(dir.join(name), &g).unwrap();
+    std::fs::OpenOptions::new().write(true).open(dir.join(name)).unwrap().set_len(g.len() as u64 + (8 << 27)).unwrap();
+    let needles = ["'tokenizer.ggml.tokens'", "134217728 elements; at most"];
+    push(name, plan(&d(name)), 2, &needles);
+    push(name, generate(name), 1, &needles);
+
+    // Row 18: a T5 encoder given as the diffusion model.
+    let name = "t5-encoder.safetensors";
+    let json = r#"{"shared.weight":{"dtype":"F16","shape":[4,4],"data_offsets":[0,32]},"encoder.block.0.layer.0.SelfAttention.q.weight":{"dtype":"F16","shape":[4,4],"data_offsets":[32,64]}}"#;
+    std::fs::write(dir.join(name), st(json, 64)).unwrap();
+    let mut args = generate("good.safetensors");
+    args.extend(["--diffusion-model".into(), d(name)]);
+    push(name, args, 1, &["is a T5 text encoder, not a diffusion model", "pass it with --t5xxl"]);
 }
 
 /// Everything a case directory holds before the cases run (path -> description).
@@ -839,6 +947,12 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
         env: vec![],
         needles: vec!["(100000 bytes)".into()],
     });
+
+    // Issue 32, weights: a transposed weight (row 14), a q8_0 block with a NaN scale and a
+    // saturated f16 weight (row 16), a sparse GGUF declaring a GiB-long metadata array
+    // through -m and plan (row 9; the <lora:> tag is in args.tsv), a T5 encoder given as
+    // the diffusion model (row 18).
+    weight_cases(&dir, &mut cases, &plan);
 
     // 3. Argument sets (generation: fail before any weight is read).
     let arg_rows = table("args.tsv");

@@ -69,6 +69,71 @@ fn first_non_finite(ty: GgmlType, data: &[u8]) -> Option<usize> {
     }
 }
 
+/// Whether every value of f16 `data` (at least one) is +-65504, f16's largest: a weight
+/// saturated by an overflowing conversion. It is finite, so the NaN scan passes it, but no
+/// trained weight looks like that and every output computed from it overflows to inf/NaN
+/// (the reference runs it and writes a black image). The loop stops at the first other
+/// value, so a real weight costs one comparison.
+fn saturated_f16(data: &[u8]) -> bool {
+    !data.is_empty() && data.chunks_exact(2).all(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7fff == 0x7bff)
+}
+
+/// How a quantized block stores one of its scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScaleCode {
+    /// An IEEE half (`ggml_half`): exponent bits all ones is an infinity or a NaN.
+    F16,
+    /// iq1_m's half, spread over the top 4 bits of the four u16 of its `scales` (low
+    /// nibble first, as `dequantize_row_iq1_m` reassembles it).
+    Iq1m,
+}
+
+/// The scales of one block of `ty`: (field name in ggml-common.h, byte offset in the block,
+/// encoding). Every quantized type a weight may have, from the `block_*` structs of
+/// ggml-common.h (llama-cpp-sys-2 0.1.161); `None` for plain types and for the two whose
+/// scales are never non-finite: nvfp4's UE4M3 scales have no infinity or NaN (ggml reads
+/// 0x7F as 0), and mxfp4's E8M0 `e` is at most 2^126 as `dequantize_row_mxfp4` reads it
+/// (`ggml_e8m0_to_fp32_half`; times its largest value, 12, that overflows f32, as an f16
+/// weight of 65504 may overflow an activation: a finite scale).
+fn block_scales(ty: GgmlType) -> Option<&'static [(&'static str, usize, ScaleCode)]> {
+    use ScaleCode::{Iq1m, F16};
+    const D0: &[(&str, usize, ScaleCode)] = &[("d", 0, F16)];
+    const DM: &[(&str, usize, ScaleCode)] = &[("d", 0, F16), ("m", 2, F16)];
+    const DMIN: &[(&str, usize, ScaleCode)] = &[("d", 0, F16), ("dmin", 2, F16)];
+    Some(match DType::from_ggml_type_id(ty.0)? {
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 | DType::Q1_0 | DType::Q2_0 => D0,
+        DType::IQ2_XXS | DType::IQ2_XS | DType::IQ2_S | DType::IQ3_XXS | DType::IQ3_S => D0,
+        DType::IQ1_S | DType::IQ4_NL | DType::IQ4_XS => D0,
+        DType::Q4_1 | DType::Q5_1 => DM,
+        DType::Q4_K | DType::Q5_K => DMIN,
+        DType::Q2_K => &[("d", 80, F16), ("dmin", 82, F16)],
+        DType::Q3_K => &[("d", 108, F16)],
+        DType::Q6_K => &[("d", 208, F16)],
+        DType::TQ1_0 => &[("d", 52, F16)],
+        DType::TQ2_0 => &[("d", 64, F16)],
+        DType::IQ1_M => &[("scales", 48, Iq1m)],
+        _ => return None,
+    })
+}
+
+/// The first block of quantized `data` of type `ty` with a non-finite scale: (block index,
+/// elements per block, the scale's field name).
+fn first_bad_scale(ty: GgmlType, data: &[u8]) -> Option<(usize, u64, &'static str)> {
+    let fields = block_scales(ty)?;
+    let d = DType::from_ggml_type_id(ty.0)?;
+    let bad = |block: &[u8], &(_, at, code): &(&str, usize, ScaleCode)| match code {
+        ScaleCode::F16 => u16::from_le_bytes([block[at], block[at + 1]]) & 0x7c00 == 0x7c00,
+        ScaleCode::Iq1m => {
+            let sc = |i: usize| u16::from_le_bytes([block[at + 2 * i], block[at + 2 * i + 1]]);
+            let h = (sc(0) >> 12) | ((sc(1) >> 8) & 0x00f0) | ((sc(2) >> 4) & 0x0f00) | (sc(3) & 0xf000);
+            h & 0x7c00 == 0x7c00
+        }
+    };
+    data.chunks_exact(d.block_bytes() as usize).enumerate().find_map(|(i, block)| {
+        fields.iter().find(|f| bad(block, f)).map(|&(name, _, _)| (i, d.block_size(), name))
+    })
+}
+
 /// Index of the first `N`-byte element of `data` for which `bad` holds. Blocks are
 /// tested whole, without an early exit (the compiler vectorises that loop: a scalar search
 /// was a third of a small run's time, every weight of every model passing through it), and
@@ -150,6 +215,15 @@ impl<'a> FileSource<'a> {
             let (tensor, path) = tensor();
             return Err(LoadError::NonFinite { tensor, path, element });
         }
+        if from == GgmlType::GGML_TYPE_F16 && saturated_f16(&bytes) {
+            let (tensor, path) = tensor();
+            return Err(LoadError::Saturated { tensor, path, elements: e.n_elements() });
+        }
+        if let Some((block, size, field)) = first_bad_scale(from, &bytes) {
+            let (tensor, path) = tensor();
+            let first = block as u64 * size;
+            return Err(LoadError::NonFiniteScale { tensor, path, field, block, first, end: first + size });
+        }
         if from == ty {
             return Ok(bytes);
         }
@@ -178,6 +252,13 @@ pub enum LoadError {
     /// A float weight holds a NaN or an infinity.
     #[error("tensor `{tensor}` in {path} holds a NaN or infinite value (element {element})")]
     NonFinite { tensor: String, path: String, element: usize },
+    /// An f16 weight whose every value is +-65504.
+    #[error("tensor `{tensor}` in {path}: all {elements} values are +-65504, f16's largest (saturated, e.g. by an overflowing conversion; every output computed from it would be inf or NaN)")]
+    Saturated { tensor: String, path: String, elements: u64 },
+    /// A quantized weight's block scale is a NaN or an infinity (every element of the block
+    /// would be).
+    #[error("tensor `{tensor}` in {path} holds a NaN or infinite value (the scale `{field}` of block {block}: elements {first}..{end})")]
+    NonFiniteScale { tensor: String, path: String, field: &'static str, block: usize, first: u64, end: u64 },
     /// The conversion to the requested type failed.
     #[error("tensor `{tensor}` in {path}")]
     Convert {
@@ -311,6 +392,65 @@ mod tests {
         assert_eq!(first_non_finite(GgmlType::GGML_TYPE_F16, &[]), None);
         // quantized data is not scanned
         assert_eq!(first_non_finite(GgmlType::GGML_TYPE_Q8_0, &[0xff; 34]), None);
+    }
+
+    #[test]
+    fn an_f16_weight_is_saturated_only_when_every_value_is_at_f16s_largest() {
+        let h = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        assert!(saturated_f16(&h(&[0x7bff; 100])));
+        assert!(saturated_f16(&h(&[0x7bff, 0xfbff, 0xfbff])));
+        let mut one_real = vec![0x7bffu16; 100];
+        one_real[99] = 0x3c00;
+        assert!(!saturated_f16(&h(&one_real)));
+        assert!(!saturated_f16(&h(&[0x7bfe; 4])));
+        assert!(!saturated_f16(&[]));
+    }
+
+    #[test]
+    fn a_non_finite_block_scale_is_found_in_every_quantized_type_where_ggml_would_compute_with_it() {
+        let mut scanned = 0;
+        for d in DType::ALL.into_iter().filter(|d| d.is_quantized() && d.is_compute_type()) {
+            let ty = GgmlType(d.ggml_type_id().unwrap());
+            let n = 3 * d.block_size() as i64;
+            let zeros = vec![0u8; 3 * d.block_bytes() as usize];
+            let Some(fields) = block_scales(ty) else {
+                // Types without a scale that can be non-finite: their scales' largest codes
+                // dequantize finite (mxfp4's 0xFF, 2^126, only overflows times quants of 12).
+                for byte in [0x00, 0x7f, 0xfe, 0xff] {
+                    let data: Vec<u8> = match d {
+                        DType::MXFP4 => zeros.chunks(17).flat_map(|_| [[byte].as_slice(), &[0x11; 16]].concat()).collect(),
+                        _ => vec![byte; zeros.len()],
+                    };
+                    let f = convert::to_f32(ty, &data, n).unwrap();
+                    assert!(f.iter().all(|x| x.is_finite()), "{d} from bytes {byte:#x}");
+                }
+                continue;
+            };
+            assert_eq!(first_bad_scale(ty, &zeros), None, "{d}");
+            assert!(convert::to_f32(ty, &zeros, n).unwrap().iter().all(|x| x.is_finite()), "{d}");
+            for &(name, at, code) in fields {
+                let codes: &[&[u8]] = match code {
+                    ScaleCode::F16 => &[&[0x00, 0x7e], &[0x00, 0x7c], &[0x00, 0xfc]],
+                    // NaN (0x7fff) and -inf (0xfc00) as iq1_m spreads them.
+                    ScaleCode::Iq1m => &[&[0, 0xf0, 0, 0xf0, 0, 0xf0, 0, 0x70], &[0, 0, 0, 0, 0, 0xc0, 0, 0xf0]],
+                };
+                for bad in codes {
+                    let mut data = zeros.clone();
+                    let o = d.block_bytes() as usize + at;
+                    data[o..o + bad.len()].copy_from_slice(bad);
+                    assert_eq!(first_bad_scale(ty, &data), Some((1, d.block_size(), name)), "{d} {name}");
+                    // ggml itself computes non-finite values from it: the field is a scale.
+                    let f = convert::to_f32(ty, &data, n).unwrap();
+                    let bad_at = f.iter().position(|x| !x.is_finite());
+                    assert!(
+                        bad_at.is_some_and(|i| (d.block_size() as usize..2 * d.block_size() as usize).contains(&i)),
+                        "{d} {name} {bad:?}: first non-finite value at {bad_at:?}"
+                    );
+                }
+            }
+            scanned += 1;
+        }
+        assert_eq!(scanned, 23, "every quantized type but q8_1, q8_K (refused), nvfp4 and mxfp4");
     }
 
     #[test]

@@ -69,19 +69,38 @@ pub fn check_specs(arch: &str, files: &ModelFiles, modules: &[(&'static str, Vec
         }
         for s in specs {
             let e = index.get(&s.name).expect("checked above");
-            let want: i64 = s.ne.iter().product();
-            if e.n_elements() as i64 != want {
+            if !same_layout(&e.ne(), &s.ne) {
+                let expected: Vec<i64> = s.ne.iter().rev().copied().collect();
+                let swapped = if e.n_elements() as i64 == s.ne.iter().product::<i64>() {
+                    " (the same number of elements in another layout: dimensions swapped or transposed)"
+                } else {
+                    ""
+                };
                 return Err(PipelineError::Invalid(format!(
-                    "{module}: tensor '{}' in '{}' has shape {:?}; the {arch} model expects ne {:?}",
+                    "{module}: tensor '{}' in '{}' has shape {:?}; the {arch} model expects shape {:?} \
+                     (ggml ne {:?}){swapped}",
                     e.original_name,
                     index.files()[e.file].path.display(),
                     e.shape,
+                    expected,
                     s.ne
                 )));
             }
         }
     }
     Ok(())
+}
+
+/// Whether a stored tensor of ggml dimensions `stored` holds the elements of a parameter of
+/// dimensions `want` in the same order: equal once dimensions of 1 are dropped. A dimension
+/// of 1 moves no element, so this accepts every legitimate variant of one layout (a 1x1
+/// convolution kernel `[1, 1, in, out]` stored as a linear weight `[in, out]` or the other
+/// way round, as SD 2's and SDXL's `proj_in`/`proj_out` and the VAE's attention projections
+/// are in some files; a bias stored as `[1, c, 1, 1]`), and refuses two dimensions swapped
+/// (CLIP's `fc1` transposed has the same element count, but every row is wrong).
+fn same_layout(stored: &[u64], want: &[i64]) -> bool {
+    let stored = stored.iter().map(|&d| d as i64).filter(|&d| d != 1);
+    stored.eq(want.iter().copied().filter(|&d| d != 1))
 }
 
 /// For `sd-cli plan` (headers only): when a registered family runs the detected files, every

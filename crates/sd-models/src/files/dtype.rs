@@ -189,13 +189,23 @@ impl DType {
         self.block_size() > 1
     }
 
-    /// Whether model weights of this type can be computed with: f32, f16, bf16 and ggml's
-    /// block-quantized types (every one has a dot product for `mul_mat`). Integer types, f64,
-    /// `U8` and `BOOL` have none (ggml's CPU `mul_mat` on an I8 weight crashes).
-    /// 8-bit floats count: they are computed with as f16 ([`DType::loaded`]).
+    /// Whether model weights of this type can be computed with, in every role a weight has
+    /// here: the weight of a matrix product (`mul_mat` src0), a table gathered by `get_rows`
+    /// (token embeddings), or a tensor converted at load to the f16/f32 a convolution or norm
+    /// takes. From ggml's type traits (the pinned llama-cpp-sys-2 0.1.161 source):
+    /// `type_traits_cpu` (ggml-cpu.c) has a `vec_dot` for f32, f16, bf16 and every quantized
+    /// type but q8_1 and q8_K, which are only the activation side of other types' products
+    /// (no `vec_dot`; `ggml_backend_cpu_device_supports_op` still accepts them with an f32
+    /// src1, and the product then calls a null function); `type_traits` (ggml.c) gives the
+    /// same set a `to_float` (q8_1 and q8_K have none, so neither `get_rows` nor a conversion
+    /// can read them: `ggml_compute_forward_get_rows` aborts on q8_K). So the three roles
+    /// accept the same types, and a role-by-role check would refuse nothing more.
+    /// Integer types, f64, `U8` and `BOOL` have neither (ggml's CPU `mul_mat` on an I8
+    /// weight crashes). 8-bit floats count: they are computed with as f16 ([`DType::loaded`]).
     pub fn is_compute_type(self) -> bool {
         let d = self.loaded();
-        matches!(d, DType::F32 | DType::F16 | DType::BF16) || (d.is_quantized() && d.ggml_type_id().is_some())
+        matches!(d, DType::F32 | DType::F16 | DType::BF16)
+            || (d.is_quantized() && d.ggml_type_id().is_some() && !matches!(d, DType::Q8_1 | DType::Q8_K))
     }
 
     /// The type a tensor stored as `self` has once loaded: f16 for the 8-bit floats, which
@@ -346,6 +356,26 @@ mod tests {
         }
         // Every ggml type is in the table once.
         assert_eq!(DType::ALL.iter().filter(|d| d.ggml_type_id().is_some()).count(), GGML_FACTS.len());
+    }
+
+    #[test]
+    fn compute_types_are_the_types_ggml_can_dequantize() {
+        // ggml's own traits, read at run time: a type computes iff ggml has a `to_float` for
+        // it (f32 needs none). ggml-cpu.c's `vec_dot` table, not reachable from here, has
+        // the same set (see `is_compute_type`); q8_1 and q8_K lack both.
+        for d in DType::ALL {
+            let Some(id) = d.ggml_type_id() else { continue };
+            // SAFETY: `id` is a type ggml knows (the facts table above); the traits are static.
+            let traits = unsafe { &*ggml_sys::ggml_get_type_traits(ggml_sys::ggml_type(id)) };
+            let ggml_computes = d == DType::F32 || traits.to_float.is_some();
+            assert_eq!(d.is_compute_type(), ggml_computes, "{d}: to_float {}", traits.to_float.is_some());
+        }
+        for d in [DType::Q8_1, DType::Q8_K, DType::I8, DType::I32, DType::F64, DType::U8, DType::Bool] {
+            assert!(!d.is_compute_type(), "{d}");
+        }
+        for d in [DType::Q8_0, DType::Q4_K, DType::IQ4_NL, DType::TQ1_0, DType::BF16, DType::F8_E4M3] {
+            assert!(d.is_compute_type(), "{d}");
+        }
     }
 
     #[test]

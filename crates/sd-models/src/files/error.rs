@@ -91,6 +91,18 @@ pub enum FormatError {
     #[error("{what} is {count}, but the {remaining} bytes left in the file hold at most {max}")]
     CountTooLarge { what: String, count: u64, remaining: u64, max: u64 },
 
+    /// A GGUF metadata array longer than the reader accepts.
+    #[error("the array of metadata key '{key}' declares {len} elements; at most {max} are read")]
+    ArrayTooLong { key: String, len: u64, max: u64 },
+
+    /// GGUF metadata strings past what the reader keeps.
+    #[error("the string of metadata key '{key}' brings the metadata's strings past {limit} bytes")]
+    MetadataTooLarge { key: String, limit: u64 },
+
+    /// A GGUF metadata array that was read without its elements, given to the writer.
+    #[error("metadata key '{key}' is an array whose elements were not read; it cannot be written")]
+    UnreadArray { key: String },
+
     /// A GGUF metadata value type outside the specification.
     #[error("metadata key '{key}' has unknown value type {type_id} (known: 0-12; arrays of arrays are not accepted)")]
     UnknownValueType { key: String, type_id: u32 },
@@ -135,9 +147,15 @@ pub enum FilesError {
     #[error("'{}' changed while in use ({what}); do not modify or truncate a model file during a run", path.display())]
     Changed { path: PathBuf, what: String },
 
-    /// A tensor whose element type no model computation accepts (integers, f64, 8-bit floats).
-    #[error("'{}': tensor '{tensor}' has dtype {dtype}, which the {component} cannot compute with (accepted: f32, f16, bf16 and ggml's quantized types)", path.display())]
+    /// A tensor whose element type no model computation accepts (integers, f64, `U8`, `BOOL`,
+    /// q8_1, q8_K).
+    #[error("'{}': tensor '{tensor}' has dtype {dtype}, which the {component} cannot compute with (accepted: f32, f16, bf16 and ggml's quantized types but q8_1 and q8_K, which ggml has no matrix product or dequantization for)", path.display())]
     UnsupportedDType { path: PathBuf, tensor: String, dtype: &'static str, component: &'static str },
+
+    /// A component file whose tensors are all of another component (a T5 encoder given as
+    /// the diffusion model).
+    #[error("'{}' is {}, not {}: none of its tensors belongs to {}", path.display(), found.describe(), given.describe(), given.describe())]
+    WrongComponent { path: PathBuf, found: super::names::FileRole, given: super::names::FileRole },
 
     /// Files that hold no tensor of any module.
     #[error("{files}: no tensor of a text encoder, diffusion model, VAE or TAESD was found (the headers list {tensors} tensors)")]

@@ -13,7 +13,10 @@
 //! size (typed arrays keep that bound close to 1:1). The rules on tensors follow ggml's own
 //! reader: at most 4 dimensions, no negative ones, rows of whole blocks, no size overflow,
 //! offsets aligned; in addition every tensor must lie inside the file and overlap no other.
-//! Arrays of arrays are refused, as ggml refuses them.
+//! Arrays of arrays are refused, as ggml refuses them. Metadata costs memory bounded by
+//! fixed limits, not by the file's size (a sparse file is large but holds nothing):
+//! an array past [`MAX_ARRAY_LEN`] elements is refused, and past [`KEPT_ELEMENTS`] elements
+//! or [`KEPT_STRING_BYTES`] bytes of text in all, arrays are walked without being kept.
 
 use std::collections::HashSet;
 
@@ -36,9 +39,28 @@ const MIN_TENSOR_INFO_BYTES: u64 = 24;
 /// Smallest encoding of one key/value pair: empty key (8), type (4), one byte of value.
 const MIN_KV_BYTES: u64 = 13;
 
+/// Most elements of one metadata array. Real files' largest arrays are tokenizer
+/// vocabularies and merge lists (hundreds of thousands); a longer one is refused before it is
+/// walked, so a sparse file declaring a GiB-long array costs neither time nor memory.
+pub const MAX_ARRAY_LEN: u64 = 1 << 24;
+/// Array elements of one file that [`parse`] keeps in memory, all arrays together; later
+/// arrays are walked and kept as [`GgufArray::Unread`]. A kept string costs 24 bytes besides
+/// its text, three times its 8 bytes in the file, so keeping every array would let a header
+/// cost several times the file's size.
+pub const KEPT_ELEMENTS: u64 = 1 << 20;
+/// Bytes of string text [`parse`] keeps, all metadata strings together: an array whose
+/// strings would pass it is kept as [`GgufArray::Unread`]; a single string value past it is
+/// an error (single strings are names, descriptions and templates, kilobytes long).
+pub const KEPT_STRING_BYTES: u64 = 64 << 20;
+
 /// An array of GGUF metadata values, stored by element type.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GgufArray {
+    /// An array the reader walked over (every element inside the file, every string's
+    /// length checked) without keeping it: past what [`parse`] keeps of a file's metadata
+    /// ([`KEPT_ELEMENTS`] elements, [`KEPT_STRING_BYTES`] bytes of strings). The loader reads
+    /// no metadata array; such an array cannot be written back.
+    Unread { elem_type: u32, len: u64 },
     U8(Vec<u8>),
     I8(Vec<i8>),
     U16(Vec<u16>),
@@ -153,6 +175,10 @@ pub struct GgufHeader {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: u64,
+    /// Array elements still to be kept ([`KEPT_ELEMENTS`] at the start).
+    kept_elements: u64,
+    /// Bytes of string text still to be kept ([`KEPT_STRING_BYTES`] at the start).
+    kept_bytes: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -221,7 +247,19 @@ impl<'a> Reader<'a> {
             6 => GgufValue::F32(f32::from_le_bytes(self.array(&what)?)),
             // ggml reads a bool as one byte; any non-zero byte is true.
             7 => GgufValue::Bool(self.array::<1>(&what)?[0] != 0),
-            8 => GgufValue::String(self.string(&what)?),
+            8 => {
+                // A length the file holds is checked against what is kept before the text
+                // is copied (one it does not hold is an error of `string`: truncated).
+                let start = self.pos;
+                let len = self.u64(&what)?;
+                if len <= self.remaining() {
+                    self.kept_bytes = self.kept_bytes.checked_sub(len).ok_or_else(|| {
+                        FormatError::MetadataTooLarge { key: key.to_owned(), limit: KEPT_STRING_BYTES }
+                    })?;
+                }
+                self.pos = start;
+                GgufValue::String(self.string(&what)?)
+            }
             9 => GgufValue::Array(self.array_value(key)?),
             10 => GgufValue::U64(self.u64(&what)?),
             11 => GgufValue::I64(i64::from_le_bytes(self.array(&what)?)),
@@ -238,7 +276,29 @@ impl<'a> Reader<'a> {
             return Err(FormatError::UnknownValueType { key: key.to_owned(), type_id: elem });
         };
         self.bound(n, min, &|| format!("array length of metadata key '{key}'"))?;
+        if n > MAX_ARRAY_LEN {
+            return Err(FormatError::ArrayTooLong { key: key.to_owned(), len: n, max: MAX_ARRAY_LEN });
+        }
         let what = || format!("array of metadata key '{key}'");
+        // Walk the array once: every string's length checked against the bytes left, and the
+        // bytes of text counted, before anything is allocated for it.
+        let start = self.pos;
+        let mut text = 0u64;
+        if elem == 8 {
+            for i in 0..n {
+                let len = self.u64(&|| format!("string #{i} of metadata key '{key}'"))?;
+                self.take(len, &|| format!("string #{i} of metadata key '{key}'"))?;
+                text += len;
+            }
+        } else {
+            self.take(n * min, &what)?;
+        }
+        if n > self.kept_elements || text > self.kept_bytes {
+            return Ok(GgufArray::Unread { elem_type: elem, len: n });
+        }
+        self.kept_elements -= n;
+        self.kept_bytes -= text;
+        self.pos = start;
         // `n` is bounded by the bytes left, so these reservations are at most the file size.
         fn fixed<T, const N: usize>(
             r: &mut Reader<'_>,
@@ -284,7 +344,7 @@ impl<'a> Reader<'a> {
 /// Parses and validates the header of the GGUF file whose whole contents are `file`
 /// (normally a memory map: only the header pages are read).
 pub fn parse(file: &[u8]) -> Result<GgufHeader, FormatError> {
-    let mut r = Reader { buf: file, pos: 0 };
+    let mut r = Reader { buf: file, pos: 0, kept_elements: KEPT_ELEMENTS, kept_bytes: KEPT_STRING_BYTES };
     let magic: [u8; 4] = r.array(&|| "the GGUF magic".into())?;
     if magic != MAGIC {
         return Err(FormatError::BadMagic { found: magic });
@@ -446,6 +506,7 @@ fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
                 GgufArray::U64(v) => arr!(10, v, |o: &mut Vec<u8>, x: &u64| o.extend_from_slice(&x.to_le_bytes())),
                 GgufArray::I64(v) => arr!(11, v, |o: &mut Vec<u8>, x: &i64| o.extend_from_slice(&x.to_le_bytes())),
                 GgufArray::F64(v) => arr!(12, v, |o: &mut Vec<u8>, x: &f64| o.extend_from_slice(&x.to_le_bytes())),
+                GgufArray::Unread { .. } => unreachable!("header_bytes refuses unread arrays before writing"),
             }
         }
     }
@@ -474,6 +535,9 @@ pub fn header_bytes(specs: &[HeaderEntry<'_>], metadata: &[(String, GgufValue)])
     for (k, v) in metadata {
         if !keys.insert(k.as_str()) {
             return Err(FormatError::DuplicateKey { key: k.clone() });
+        }
+        if let GgufValue::Array(GgufArray::Unread { .. }) = v {
+            return Err(FormatError::UnreadArray { key: k.clone() });
         }
         put_str(&mut out, k);
         out.extend_from_slice(&v.type_id().to_le_bytes());

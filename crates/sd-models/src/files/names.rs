@@ -88,6 +88,86 @@ pub enum FileRole {
     T5xxl,
 }
 
+impl FileRole {
+    /// What a file of this role holds, for messages ("a T5 text encoder").
+    pub fn describe(self) -> &'static str {
+        match self {
+            FileRole::Checkpoint => "a whole checkpoint",
+            FileRole::DiffusionModel => "a diffusion model",
+            FileRole::Vae => "a VAE",
+            FileRole::TextEncoder(_) => "a CLIP text encoder",
+            FileRole::Taesd => "a TAESD",
+            FileRole::T5xxl => "a T5 text encoder",
+        }
+    }
+
+    /// Whether two roles hold the same kind of component (both CLIP encoders are one kind).
+    fn same_kind(self, other: FileRole) -> bool {
+        match (self, other) {
+            (FileRole::TextEncoder(_), FileRole::TextEncoder(_)) => true,
+            (a, b) => a == b,
+        }
+    }
+}
+
+/// The component a tensor stored as `original` belongs to, judged from the name alone in
+/// any of the layouts read here (LDM, diffusers, Hugging Face, open_clip, llama.cpp's T5);
+/// `None` when the name says nothing (a bare `weight`, an unknown name). Checked in order:
+/// T5 and CLIP names first (a CLIP encoder has `encoder.layers.`, as TAESD does).
+fn component_of_name(original: &str) -> Option<FileRole> {
+    let has = |parts: &[&str]| parts.iter().any(|p| original.contains(p));
+    if has(&["SelfAttention.", "EncDecAttention.", "relative_attention_bias", "DenseReluDense."])
+        || original.starts_with("enc.blk.")
+        || original == "shared.weight"
+        || original.ends_with(".shared.weight")
+    {
+        return Some(FileRole::T5xxl);
+    }
+    if has(&["text_model.", "transformer.resblocks.", "token_embedding", "positional_embedding", "text_projection"]) {
+        return Some(FileRole::TextEncoder(0));
+    }
+    let autoencoder = has(&["encoder.", "decoder."]);
+    if has(&["input_blocks.", "output_blocks.", "middle_block.", "double_blocks.", "single_blocks.", "joint_blocks."])
+        || has(&["time_embed.", "time_embedding.", "label_emb."])
+        || (!autoencoder && has(&["down_blocks.", "up_blocks.", "mid_block."]))
+    {
+        return Some(FileRole::DiffusionModel);
+    }
+    if has(&["quant_conv.", "encoder.down.", "decoder.up.", "encoder.mid.", "decoder.mid."])
+        || (autoencoder && has(&["down_blocks.", "up_blocks.", "mid_block.", "conv_in.", "conv_out."]))
+    {
+        return Some(FileRole::Vae);
+    }
+    if has(&["encoder.layers.", "decoder.layers."]) {
+        return Some(FileRole::Taesd);
+    }
+    None
+}
+
+/// For a component file (`role` not a checkpoint) whose tensors are `names`: the role its
+/// tensors show when none of them is of `role` and most of those that say anything are of
+/// one other role (a T5 encoder given as the diffusion model). `None` when the file holds
+/// any tensor of its role, or when its names say nothing: those are judged later, by the
+/// tensors the model looks for.
+pub fn misplaced_role<'a>(role: FileRole, names: impl IntoIterator<Item = &'a str>) -> Option<FileRole> {
+    if role == FileRole::Checkpoint {
+        return None;
+    }
+    let mut counts: Vec<(FileRole, usize)> = Vec::new();
+    for name in names {
+        // A whole checkpoint given as a component keeps its own component's tensors.
+        let Some(found) = component_of_name(name) else { continue };
+        if found.same_kind(role) {
+            return None;
+        }
+        match counts.iter_mut().find(|(r, _)| r.same_kind(found)) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((found, 1)),
+        }
+    }
+    counts.into_iter().max_by_key(|&(_, n)| n).map(|(r, _)| r)
+}
+
 /// Which fused-projection third an entry is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QkvPart {
@@ -670,6 +750,45 @@ mod tests {
         );
         assert_eq!(one("decoder.layers.3.conv.0.weight", FileRole::Taesd), "tae.decoder.layers.3.conv.0.weight");
         assert_eq!(one("tae.decoder.layers.3.conv.0.weight", FileRole::Taesd), "tae.decoder.layers.3.conv.0.weight");
+    }
+
+    #[test]
+    fn a_component_file_of_another_component_is_named_by_its_tensors() {
+        use FileRole::*;
+        let t5 = ["shared.weight", "encoder.block.0.layer.0.SelfAttention.q.weight", "encoder.final_layer_norm.weight"];
+        let t5_gguf = ["token_embd.weight", "enc.blk.0.attn_q.weight"];
+        let clip = ["text_model.embeddings.token_embedding.weight", "text_model.encoder.layers.0.mlp.fc1.weight"];
+        let unet = ["input_blocks.0.0.weight", "time_embed.0.weight"];
+        let unet_diffusers = ["conv_in.weight", "down_blocks.0.resnets.0.conv1.weight", "time_embedding.linear_1.weight"];
+        let flux = ["double_blocks.0.img_attn.qkv.weight", "img_in.weight"];
+        let vae = ["decoder.up.0.block.0.conv1.weight", "post_quant_conv.weight"];
+        let vae_diffusers = ["encoder.down_blocks.0.resnets.0.conv1.weight", "decoder.conv_in.weight"];
+        let taesd = ["decoder.layers.3.conv.0.weight", "encoder.layers.0.weight"];
+        let checkpoint = ["model.diffusion_model.input_blocks.0.0.weight", "first_stage_model.decoder.up.0.block.0.conv1.weight"];
+        let cases: [(&[&str], FileRole, Option<FileRole>); 16] = [
+            (&t5, DiffusionModel, Some(T5xxl)),
+            (&t5_gguf, DiffusionModel, Some(T5xxl)),
+            (&t5, TextEncoder(0), Some(T5xxl)),
+            (&t5, T5xxl, None),
+            (&clip, DiffusionModel, Some(TextEncoder(0))),
+            (&clip, TextEncoder(1), None),
+            (&unet, Vae, Some(DiffusionModel)),
+            (&unet_diffusers, DiffusionModel, None),
+            (&flux, DiffusionModel, None),
+            (&flux, T5xxl, Some(DiffusionModel)),
+            (&vae, DiffusionModel, Some(Vae)),
+            (&vae_diffusers, Vae, None),
+            (&taesd, Vae, Some(Taesd)),
+            (&taesd, Taesd, None),
+            // A whole checkpoint given as a component keeps its component's tensors.
+            (&checkpoint, Vae, None),
+            // Names that say nothing are judged later.
+            (&["foo", "weight"], DiffusionModel, None),
+        ];
+        for (names, role, want) in cases {
+            assert_eq!(misplaced_role(role, names.iter().copied()), want, "{names:?} as {role:?}");
+        }
+        assert_eq!(misplaced_role(Checkpoint, t5.iter().copied()), None);
     }
 
     #[test]

@@ -117,7 +117,13 @@ impl ModelFiles {
         ];
         for (path, role) in components {
             if let Some(p) = path {
-                parsed.push(open_file(p, role)?);
+                let opened = open_file(p, role)?;
+                // Before anything is sized or loaded: a file of another component in this
+                // slot would otherwise fail late, as missing tensors or a memory check.
+                if let Some(found) = super::names::misplaced_role(role, opened.raw.iter().map(|t| t.name.as_str())) {
+                    return Err(FilesError::WrongComponent { path: p.clone(), found, given: role });
+                }
+                parsed.push(opened);
             }
         }
         if parsed.is_empty() {

@@ -300,6 +300,59 @@ fn gguf_absurd_counts_are_bounded_by_the_file_size() {
 }
 
 #[test]
+fn gguf_metadata_arrays_cost_memory_bounded_by_fixed_limits_not_the_declared_length() {
+    // A sparse file declaring an array of 2^27 empty strings (1 GiB of lengths, all zero):
+    // refused by its declared length, before a byte of it is read.
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = G::new(3, 0, 1);
+    g.str("tokenizer.ggml.tokens").u32(9).u32(8).u64(1 << 27);
+    let p = write(dir.path(), "sparse.gguf", &g.0);
+    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(g.0.len() as u64 + (8 << 27)).unwrap();
+    let msg = ModelFiles::open_model(&p).unwrap_err().to_string();
+    assert!(
+        msg.contains("sparse.gguf")
+            && msg.contains("'tokenizer.ggml.tokens'")
+            && msg.contains(&format!("{} elements; at most {}", 1u64 << 27, gguf::MAX_ARRAY_LEN)),
+        "{msg}"
+    );
+
+    // Under the limit but past what is kept: walked (every length checked), not kept; the
+    // first array, within the budget, is kept whole.
+    let n = gguf::KEPT_ELEMENTS + 1;
+    let mut g = G::new(3, 0, 3);
+    g.str("small").u32(9).u32(8).u64(2).str("a").str("bc");
+    g.str("empty.strings").u32(9).u32(8).u64(n);
+    for _ in 0..n {
+        g.u64(0);
+    }
+    g.str("numbers").u32(9).u32(4).u64(n).bytes(&vec![7; 4 * n as usize]);
+    let h = gguf::parse(&g.0).unwrap();
+    assert_eq!(h.metadata[0].1, GgufValue::Array(GgufArray::String(vec!["a".into(), "bc".into()])));
+    assert_eq!(h.metadata[1].1, GgufValue::Array(GgufArray::Unread { elem_type: 8, len: n }));
+    assert_eq!(h.metadata[2].1, GgufValue::Array(GgufArray::Unread { elem_type: 4, len: n }));
+    // A string inside the walked array that runs past the file is still an error.
+    let mut bad = g.0.clone();
+    // Back from the end: the u32 data, the array header (type, element type, count), the
+    // key "numbers" with its length: the last string's length is the 8 bytes before.
+    let at = bad.len() - 4 * n as usize - (4 + 4 + 8) - (8 + "numbers".len()) - 8;
+    bad[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let e = gg_err(&bad);
+    assert!(matches!(e, FormatError::Truncated { .. }) && e.to_string().contains("'empty.strings'"), "{e}");
+    // An array that was not kept cannot be written back.
+    let e = gguf::to_bytes(&[], &h.metadata).unwrap_err();
+    assert!(e.to_string().contains("'empty.strings'"), "{e}");
+
+    // Strings past the kept bytes: an array of them is walked; a single string value is refused.
+    let big = "x".repeat((gguf::KEPT_STRING_BYTES / 2 + 1) as usize);
+    let mut g = G::new(3, 0, 3);
+    g.kv_str("a", &big);
+    g.str("arr").u32(9).u32(8).u64(1).str(&big);
+    g.kv_str("b", &big);
+    let e = gg_err(&g.0);
+    assert!(matches!(e, FormatError::MetadataTooLarge { .. }) && e.to_string().contains("'b'"), "{e}");
+}
+
+#[test]
 fn gguf_metadata_errors_name_the_key() {
     let mut g = G::new(3, 0, 1);
     g.str("weird").u32(13).u32(0);
@@ -782,6 +835,41 @@ fn open_errors_name_the_file_and_tensor() {
     assert!(msg.contains("short.gguf") && msg.contains("'first_stage_model.decoder.conv_in.weight'"), "{msg}");
     // Nothing given.
     assert!(matches!(ModelFiles::open(&ModelSources::default()), Err(FilesError::NoModel)));
+}
+
+#[test]
+fn gguf_weights_of_types_ggml_cannot_compute_are_refused_at_open_naming_file_tensor_and_type() {
+    // Each type through a GGUF file: a UNet matmul weight (mul_mat), the CLIP token
+    // embedding (get_rows) and a VAE conv weight (converted to f16 at load).
+    let dir = tempfile::tempdir().unwrap();
+    let names = [
+        ("model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight", "diffusion model"),
+        ("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", "text encoder"),
+        ("first_stage_model.decoder.conv_in.weight", "VAE"),
+    ];
+    for d in [DType::Q8_1, DType::Q8_K, DType::I8, DType::I16, DType::I32, DType::I64, DType::F64] {
+        for (name, component) in names {
+            let ts = [t(name, d, &[2, 256], 3)];
+            let file = format!("{}.gguf", d.name());
+            let p = write(dir.path(), &file, &gguf::to_bytes(&specs(&ts), &[]).unwrap());
+            let err = ModelFiles::open_model(&p).unwrap_err();
+            assert!(matches!(err, FilesError::UnsupportedDType { .. }), "{d} {name}: {err}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains(&file)
+                    && msg.contains(&format!("'{name}'"))
+                    && msg.contains(&format!("dtype {}", d.name()))
+                    && msg.contains(component),
+                "{msg}"
+            );
+        }
+    }
+    // The neighbours that ggml computes open.
+    for d in [DType::Q8_0, DType::Q4_1, DType::Q6_K, DType::IQ4_XS, DType::TQ2_0] {
+        let ts = [t(names[0].0, d, &[2, 256], 3)];
+        let p = write(dir.path(), "ok.gguf", &gguf::to_bytes(&specs(&ts), &[]).unwrap());
+        ModelFiles::open_model(&p).unwrap_or_else(|e| panic!("{d}: {e}"));
+    }
 }
 
 #[test]

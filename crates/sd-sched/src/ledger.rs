@@ -352,7 +352,9 @@ mod eviction_tests {
 
     fn values(name: &str) -> Vec<f32> {
         let seed = name.bytes().fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
-        (0..N * N).map(|i| ((seed.wrapping_add((i as u32).wrapping_mul(2654435761)) >> 16) % 1000) as f32 / 1000.0).collect()
+        (0..N * N)
+            .map(|i| ((seed.wrapping_add((i as u32).wrapping_mul(2654435761)) >> 16) % 1000) as f32 / 1000.0)
+            .collect()
     }
 
     impl TensorSource for ByName {
@@ -377,8 +379,9 @@ mod eviction_tests {
 
     /// Set `module` of `n` groups (`module/g0`, ...) of one N×N f32 tensor each, at `home`.
     fn set(module: &str, n: usize, home: ParamHome, ledgers: &Ledgers) -> Weights {
-        let specs =
-            (0..n).map(|i| TensorSpec { name: format!("g{i}.w"), ty: GgmlType::GGML_TYPE_F32, ne: vec![N, N] }).collect();
+        let specs = (0..n)
+            .map(|i| TensorSpec { name: format!("g{i}.w"), ty: GgmlType::GGML_TYPE_F32, ne: vec![N, N] })
+            .collect();
         let mut w = Weights::new(specs).unwrap();
         let group_of = |name: &str| name[..name.len() - 2].to_string();
         w.place(module, home, cpu(), ledgers, &group_of, Arc::new(ByName)).unwrap();
@@ -422,7 +425,10 @@ mod eviction_tests {
 
         // What evicting every idle replica could not make room for evicts nothing.
         let err = l.charge(2 * b, "the te cut buffers").unwrap_err().to_string();
-        assert!(err.contains(&dev()) && err.contains("the te cut buffers") && err.contains(&(6 * b).to_string()), "{err}");
+        assert!(
+            err.contains(&dev()) && err.contains("the te cut buffers") && err.contains(&(6 * b).to_string()),
+            "{err}"
+        );
         assert_eq!((resident(&l).len(), l.evictions(), l.managed()), (3, 2, 5 * b + 1));
 
         // Released, the held replica is evictable, but after the older idle one.

@@ -448,7 +448,6 @@ impl Runner {
         }
         Ok(())
     }
-
 }
 
 /// Makes the output a bound tensor of the last segment, so that it lives in a cut buffer

@@ -852,10 +852,7 @@ impl Weights {
     pub(crate) fn is_resident(&self, g: GroupId) -> bool {
         match &self.residency {
             None => true,
-            Some(r) => {
-                matches!(r.home, Home::Compute { .. })
-                    || r.slots.lock()[g.0].is_some()
-            }
+            Some(r) => matches!(r.home, Home::Compute { .. }) || r.slots.lock()[g.0].is_some(),
         }
     }
 

@@ -444,6 +444,8 @@ mod tests {
             budget_bytes: budget,
             high_water_bytes: high,
             managed_bytes: 0,
+            pressure_evictions: 0,
+            pressure_evicted_bytes: 0,
         };
         r.devices = vec![device("CPU", 10 << 20, None), device("RPC0", 500 << 20, Some(512 << 20))];
         // Through JSON, as the benchmark reads it.

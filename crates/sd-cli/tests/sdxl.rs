@@ -152,3 +152,26 @@ fn sdxl_placements_give_the_all_cpu_image() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Issue 32's placement under pressure: both text encoders, the UNet and the VAE on one RPC
+/// server under a 1 GiB budget, every module's parameters in RAM. The encoders are one module
+/// run as two graphs (CLIP-L, then bigG) per prompt: the replicas one graph staged are evicted
+/// when the next graph's cut buffers, compute buffer or weights need the room, as
+/// stable-diffusion.cpp's `docs/performance.md` says of unpinned replicas. The run stays
+/// within the budget, the report counts the evictions, and the image is the all-CPU one.
+#[test]
+fn sdxl_on_one_device_under_a_budget_evicts_replicas_under_pressure() {
+    let d = dir("pressure");
+    let server = Server::start();
+    let args = ["--rpc", &server.endpoint, "--backend", "RPC0", "--params-backend", "cpu", "--max-vram", "RPC0=1"];
+    let (px, report) = generate(&d, "pressure", &args);
+    let rpc0 = report.device("RPC0").expect("an RPC0 ledger");
+    assert_eq!(rpc0.budget_bytes, Some(1 << 30), "{rpc0:?}");
+    assert!(rpc0.pressure_evictions > 0 && rpc0.pressure_evicted_bytes > 0, "no eviction under pressure: {rpc0:?}");
+    for module in ["te", "unet", "vae"] {
+        let m = report.module(module).unwrap_or_else(|| panic!("no {module} in {:?}", report.modules));
+        assert_eq!((m.devices.as_slice(), &m.params), (&["RPC0".to_string()][..], &HomeReport::Host), "{m:?}");
+    }
+    assert!(px == cpu_image(), "the image differs from the all-CPU one");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -215,6 +215,8 @@ mod tests {
             budget_bytes: Some(512 << 20),
             high_water_bytes: 500 << 20,
             managed_bytes: 0,
+            pressure_evictions: 2,
+            pressure_evicted_bytes: 3 << 20,
         });
         let text = r.to_json();
         let back = RunReport::from_json(&text).unwrap();

@@ -106,6 +106,13 @@ pub struct DeviceReport {
     pub high_water_bytes: u64,
     /// Managed bytes when the report was taken.
     pub managed_bytes: u64,
+    /// Weight replicas the device's ledger evicted because an allocation needed the room
+    /// (unpinned and not in use, least recently used first: `ledger.rs`).
+    #[serde(default)]
+    pub pressure_evictions: usize,
+    /// Bytes of those replicas.
+    #[serde(default)]
+    pub pressure_evicted_bytes: u64,
 }
 
 impl ModuleReport {
@@ -154,6 +161,8 @@ impl DeviceReport {
             budget_bytes: l.budget(),
             high_water_bytes: l.high_water(),
             managed_bytes: l.managed(),
+            pressure_evictions: l.evictions(),
+            pressure_evicted_bytes: l.evicted_bytes(),
         }
     }
 

@@ -25,13 +25,18 @@
 //! asynchronous transfer (prefetches are `Transfer::WorkerThread`). A segment's compute
 //! buffer is ggml's graph allocator, reused across segments and runs (it grows to the
 //! largest segment: "peak across N segments"); `Workspace` actions charge the ledger where
-//! the plan puts them and the allocator allocates within that charge. Evictions of another
-//! runner's replicas are left to that runner (logged), so the device may hold more than the
-//! plan assumed; the ledger still refuses any charge beyond the budget.
+//! the plan puts them and the allocator allocates within that charge. An eviction of another
+//! runner's replica goes through the device's [`Ledger`], which frees it unless that runner
+//! is using it (then it stays, logged).
 //!
 //! Every device allocation is charged to the device's ledger before it is made, so the
-//! managed bytes never exceed the budget; a charge that would exceed it fails with the
-//! device, the bytes and the budget.
+//! managed bytes never exceed the budget. A charge that would exceed it first makes the
+//! ledger evict idle replicas (this runner's or another's, least recently used first: the
+//! cut buffer, for one, is charged before the first segment's planned evictions), and fails
+//! with the device, the bytes and the budget only when that cannot make room. The replay
+//! holds the groups the current segment reads and those being prefetched, so the ledger
+//! never takes them, and stages again, before a segment computes, any group it reads that
+//! was evicted since the plan was made: eviction changes where weights live, never results.
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -441,42 +446,62 @@ impl Runner {
         set_inputs: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         let n_segments = schedule.segments.len();
-        if schedule.mode == Mode::Segmented {
-            self.stats.segmented_runs += 1;
-            self.alloc_cut_buffer(a)?;
-            set_inputs()?;
-        }
+        // A segment holds the groups it reads, and those prefetched for later, in the ledger
+        // (never evicted for another allocation) from its first step; the others may be
+        // evicted under pressure, and are staged again before a segment reading them
+        // computes. Every hold is released when the run ends.
+        let _holds = Holds(w);
+        let mut prefetched: Vec<GroupId> = Vec::new();
         let mut inflight = InFlight { w, groups: Vec::new() };
-        for (seg, steps) in schedule.segments.iter().zip(steps) {
+        for (k, (seg, steps)) in schedule.segments.iter().zip(steps).enumerate() {
+            let mut seen = HashSet::new();
+            let reads: Vec<GroupId> = seg
+                .base
+                .clone()
+                .filter_map(|b| a.groups_of_seg.get(b))
+                .flatten()
+                .copied()
+                .filter(|g| seen.insert(*g))
+                .collect();
+            prefetched.retain(|g| !reads.contains(g));
+            w.set_in_use(&[reads.as_slice(), &prefetched, &inflight.groups].concat());
+            if k == 0 && schedule.mode == Mode::Segmented {
+                self.stats.segmented_runs += 1;
+                self.alloc_cut_buffer(a)?;
+                set_inputs()?;
+            }
             for step in steps {
                 match *step {
                     Step::Evict(gi) => {
-                        w.evict_group(gi);
-                        self.stats.evictions += 1;
+                        // Already gone when the ledger evicted it for an earlier allocation.
+                        if w.evict_group(gi) {
+                            self.stats.evictions += 1;
+                        }
                     }
                     Step::EvictForeign(ref group) => {
-                        tracing::debug!("{}: {group} belongs to another runner; left resident", self.name);
+                        if !self.devs[0].ledger.evict(group) {
+                            tracing::debug!("{}: {group} is another runner's and in use; left resident", self.name);
+                        }
                     }
                     Step::ReleaseWorkspace => self.release_workspace(),
                     Step::Workspace(bytes) => self.reserve_workspace(bytes)?,
-                    Step::Load(gi, bytes) => {
-                        let t0 = Instant::now();
-                        w.alloc_group(gi)?;
-                        if let Err(e) = w.fill_group(gi) {
-                            w.evict_group(gi);
-                            return Err(e);
-                        }
-                        self.stats.load_secs += t0.elapsed().as_secs_f64();
-                        self.stats.loaded_bytes += bytes;
-                    }
+                    Step::Load(gi, bytes) => self.load(w, gi, bytes)?,
                     Step::Prefetch(gi, bytes) => {
                         w.alloc_group(gi)?;
                         inflight.groups.push(gi);
+                        prefetched.push(gi);
                         self.stats.prefetched_bytes += bytes;
                         self.stats.prefetched_groups += 1;
                         tracing::trace!("{}: prefetching group {} during {}", self.name, gi.0, seg.name);
                     }
                     Step::Compute => {
+                        // Groups the plan counted on that an allocation evicted meanwhile.
+                        for &gi in &reads {
+                            if !w.is_resident(gi) {
+                                tracing::debug!("{}: staging group {} again for {}", self.name, gi.0, seg.name);
+                                self.load(w, gi, w.group_bytes(gi))?;
+                            }
+                        }
                         if schedule.mode == Mode::Monolithic {
                             self.naming.1 = 0;
                             let need = self.devs[0].alloc.measure(graph) as u64;
@@ -492,6 +517,19 @@ impl Runner {
             }
         }
         self.stats.max_segments = self.stats.max_segments.max(n_segments);
+        Ok(())
+    }
+
+    /// Allocates group `gi` (`bytes`) and fills it now.
+    pub(crate) fn load(&mut self, w: &Weights, gi: GroupId, bytes: u64) -> Result<()> {
+        let t0 = Instant::now();
+        w.alloc_group(gi)?;
+        if let Err(e) = w.fill_group(gi) {
+            w.evict_group(gi);
+            return Err(e);
+        }
+        self.stats.load_secs += t0.elapsed().as_secs_f64();
+        self.stats.loaded_bytes += bytes;
         Ok(())
     }
 
@@ -864,6 +902,16 @@ fn resolve(runner: &str, w: &Weights, schedule: &Schedule) -> Result<Vec<Vec<Ste
         out.push(steps);
     }
     Ok(out)
+}
+
+/// Releases every hold of a weight set in the ledgers when dropped (the end of a run, or any
+/// early return).
+pub(crate) struct Holds<'w>(pub(crate) &'w Weights);
+
+impl Drop for Holds<'_> {
+    fn drop(&mut self) {
+        self.0.set_in_use(&[]);
+    }
 }
 
 /// Prefetched groups allocated but not yet filled; evicted when dropped (any early return of

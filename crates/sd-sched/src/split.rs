@@ -20,8 +20,9 @@
 //!
 //! Weights: groups not resident on their device (parameters in RAM, on another device or on
 //! disk) are loaded before their stage; with a disk home they are freed right after it
-//! (released per stage, never kept), otherwise they stay until the device's budget needs the
-//! room, when the runner evicts its other staged groups on that device. Segment planning and
+//! (released per stage, never kept), otherwise they stay until an allocation on the device needs the room,
+//! when its ledger evicts replicas the time slot's stages do not read (this module's other
+//! groups, or another module's), least recently used first. Segment planning and
 //! prefetch are off for a split module (stable-diffusion.cpp's `docs/backend.md`): each
 //! device's stage runs whole, in a compute buffer of that device charged to its ledger.
 
@@ -204,10 +205,21 @@ impl Runner {
         let t_run = Instant::now();
         let mut busy = 0.0f64;
         let mut loaded: Vec<Vec<GroupId>> = vec![Vec::new(); n_stages];
+        let _holds = crate::runner::Holds(w);
         for t in 0..n_stages + m - 1 {
             // Stage k of job t - k, for every k that has one.
             let items: Vec<(usize, usize)> =
                 (0..n_stages).filter_map(|k| t.checked_sub(k).filter(|&i| i < m).map(|i| (k, i))).collect();
+            // The slot's stages hold their groups in the ledgers: an allocation on a device
+            // evicts only its other replicas (module docs).
+            let slot_groups: Vec<GroupId> = items
+                .iter()
+                .flat_map(|&(k, i)| runs[i].stages[k].segments.clone().map(move |s| (i, s)))
+                .flat_map(|(i, s)| runs[i].a.groups_of_seg[s].iter().copied())
+                .collect::<HashSet<GroupId>>()
+                .into_iter()
+                .collect();
+            w.set_in_use(&slot_groups);
             for &(k, i) in &items {
                 let d = pattern[k];
                 self.move_inputs(&mut runs[i], k, d)?;
@@ -216,7 +228,7 @@ impl Runner {
                 let own: HashSet<GroupId> = segs.clone().flat_map(|s| r.a.groups_of_seg[s].iter().copied()).collect();
                 for &gi in &own {
                     if !w.is_resident(gi) {
-                        self.stage_group(w, gi, d, &own)?;
+                        self.load(w, gi, w.group_bytes(gi))?;
                         loaded[k].push(gi);
                     }
                 }
@@ -244,8 +256,9 @@ impl Runner {
                 if i + 1 == m && w.is_disk_home() {
                     // Released once the stage's last micro-batch has run.
                     for gi in loaded[k].drain(..) {
-                        w.evict_group(gi);
-                        self.stats.evictions += 1;
+                        if w.evict_group(gi) {
+                            self.stats.evictions += 1;
+                        }
                     }
                 }
             }
@@ -433,29 +446,6 @@ impl Runner {
             }
             b.at = d;
         }
-        Ok(())
-    }
-
-    /// Loads group `gi` onto device `d` for a stage that reads `keep`; when the device's budget
-    /// refuses it, evicts this runner's other staged groups there and tries once more.
-    fn stage_group(&mut self, w: &Weights, gi: GroupId, d: usize, keep: &HashSet<GroupId>) -> Result<()> {
-        let t0 = Instant::now();
-        if let Err(e) = w.alloc_group(gi) {
-            if !matches!(e, SchedError::OverBudget { .. }) {
-                return Err(e);
-            }
-            for other in w.staged_on(d).into_iter().filter(|g| !keep.contains(g)) {
-                w.evict_group(other);
-                self.stats.evictions += 1;
-            }
-            w.alloc_group(gi)?;
-        }
-        if let Err(e) = w.fill_group(gi) {
-            w.evict_group(gi);
-            return Err(e);
-        }
-        self.stats.load_secs += t0.elapsed().as_secs_f64();
-        self.stats.loaded_bytes += w.group_bytes(gi);
         Ok(())
     }
 }

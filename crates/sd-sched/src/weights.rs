@@ -33,7 +33,7 @@ use std::time::Instant;
 use sd_backends::{Backend, Buffer, BufferType, BufferUsage, Context, GgmlType, Tensor};
 
 use crate::error::{Result, SchedError};
-use crate::ledger::{Ledger, Ledgers};
+use crate::ledger::{Evict, Ledger, Ledgers, Owner};
 
 /// One parameter: internal name, storage type, shape (ggml order, innermost first).
 #[derive(Clone, Debug, PartialEq)]
@@ -272,10 +272,38 @@ struct Residency {
     src: Arc<dyn TensorSource + Send + Sync>,
     groups: Vec<Group>,
     group_of_tensor: Vec<usize>,
-    replicas: Mutex<Vec<Option<Buffer>>>,
+    /// This placement's id in the ledgers ([`crate::ledger::Owner`]).
+    id: u64,
+    /// The staged replicas' buffers, per group; shared with the ledgers, which may free an
+    /// idle one for another allocation.
+    slots: Arc<Slots>,
     copied_bytes: AtomicU64,
     copy_nanos: AtomicU64,
 }
+
+/// The replica buffers of a placed set's groups. The ledger frees an idle one through
+/// [`Evict`] without touching the set's tensor structs (another thread may own them): they
+/// keep the freed storage's address until the set stages the group again
+/// ([`Weights::alloc_group`] detaches them first), and no graph reads them before that,
+/// because a runner holds every group its segment reads and re-stages the missing ones
+/// before computing.
+struct Slots(Mutex<Vec<Option<Buffer>>>);
+
+impl Slots {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Option<Buffer>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Evict for Slots {
+    fn evict(&self, slot: usize) -> bool {
+        let buf = self.lock().get_mut(slot).and_then(Option::take);
+        buf.is_some()
+    }
+}
+
+/// Placements so far, for [`Residency::id`].
+static PLACEMENTS: AtomicU64 = AtomicU64::new(0);
 
 /// Counters of a placed weight set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -733,7 +761,8 @@ impl Weights {
             home,
             home_desc: home_desc.clone(),
             src,
-            replicas: Mutex::new((0..n_groups).map(|_| None).collect()),
+            id: PLACEMENTS.fetch_add(1, Ordering::Relaxed),
+            slots: Arc::new(Slots(Mutex::new((0..n_groups).map(|_| None).collect()))),
             groups,
             group_of_tensor,
             copied_bytes: AtomicU64::new(0),
@@ -823,10 +852,7 @@ impl Weights {
     pub(crate) fn is_resident(&self, g: GroupId) -> bool {
         match &self.residency {
             None => true,
-            Some(r) => {
-                matches!(r.home, Home::Compute { .. })
-                    || r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0].is_some()
-            }
+            Some(r) => matches!(r.home, Home::Compute { .. }) || r.slots.lock()[g.0].is_some(),
         }
     }
 
@@ -844,7 +870,16 @@ impl Weights {
         }
         let group = &r.groups[g.0];
         let (backend, ledger) = &r.devices[group.device];
-        ledger.add_replica(&group.name, group.bytes, pinned)?;
+        if pinned {
+            ledger.add_replica(&group.name, group.bytes, true)?;
+        } else {
+            let slots: Arc<dyn Evict> = r.slots.clone();
+            let owner = Owner { id: r.id, slot: g.0, evictor: Arc::downgrade(&slots) };
+            ledger.add_evictable(&group.name, group.bytes, owner)?;
+        }
+        // The ledger may have freed this group's replica for another allocation: its tensors
+        // still hold the old address.
+        self.detach_group(g);
         let buft = backend.device().buffer_type();
         let placed = (|| -> Result<Buffer> {
             let buf = buft.alloc(group.bytes as usize).map_err(|_| SchedError::Alloc {
@@ -854,10 +889,11 @@ impl Weights {
             })?;
             buf.set_usage(BufferUsage::Weights);
             for (&t, &off) in group.tensors.iter().zip(&group.offsets) {
-                // SAFETY: `buf` goes into `replicas[g]` below and is freed only by
-                // `evict_group`, which detaches these tensors first (as the error path here
-                // does before `buf` drops); the offsets are `place`'s layout of the group,
-                // disjoint aligned ranges inside `group.bytes`.
+                // SAFETY: `buf` goes into `slots[g]` below and is freed only by `evict_group`,
+                // which detaches these tensors first (as the error path here does before `buf`
+                // drops), or by the ledger while the group is not held, after which no graph
+                // reads the tensors before they are placed again (`Slots`); the offsets are
+                // `place`'s layout of the group, disjoint aligned ranges inside `group.bytes`.
                 if let Err(e) = unsafe { self.nth(t).place_in(&buf, off) } {
                     self.detach_group(g);
                     return Err(e.into());
@@ -867,7 +903,7 @@ impl Weights {
         })();
         match placed {
             Ok(buf) => {
-                r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0] = Some(buf);
+                r.slots.lock()[g.0] = Some(buf);
                 Ok(())
             }
             Err(e) => {
@@ -881,9 +917,10 @@ impl Weights {
     fn detach_group(&self, g: GroupId) {
         let Some(r) = &self.residency else { return };
         for &t in &r.groups[g.0].tensors {
-            // SAFETY: callers detach only groups no graph about to run uses (eviction, or a
-            // placement that failed before anything used it); graphs are rebuilt for every
-            // run, and views of the old storage are re-made.
+            // SAFETY: callers detach only groups no graph about to run uses (eviction, a
+            // placement that failed before anything used it, or a group about to be staged
+            // again after the ledger freed its replica); graphs are rebuilt for every run, and
+            // views of the old storage are re-made.
             unsafe { self.nth(t).detach_storage() };
         }
     }
@@ -921,21 +958,36 @@ impl Weights {
         Some(FillJob::new(self, r, groups, home))
     }
 
-    /// Frees group `g`'s replica (no-op for pinned or absent ones).
-    pub(crate) fn evict_group(&self, g: GroupId) {
-        let Some(r) = &self.residency else { return };
+    /// Frees group `g`'s replica (no-op for pinned or absent ones); whether there was one.
+    pub(crate) fn evict_group(&self, g: GroupId) -> bool {
+        let Some(r) = &self.residency else { return false };
         if matches!(r.home, Home::Compute { .. } | Home::Pinned) {
-            return;
+            return false;
         }
-        self.free_replica(r, g);
+        self.free_replica(r, g)
     }
 
-    fn free_replica(&self, r: &Residency, g: GroupId) {
-        let buf = r.replicas.lock().unwrap_or_else(|e| e.into_inner())[g.0].take();
-        if let Some(buf) = buf {
-            self.detach_group(g);
-            drop(buf);
-            r.devices[r.groups[g.0].device].1.remove_replica(&r.groups[g.0].name);
+    fn free_replica(&self, r: &Residency, g: GroupId) -> bool {
+        let buf = r.slots.lock()[g.0].take();
+        let Some(buf) = buf else { return false };
+        self.detach_group(g);
+        drop(buf);
+        r.devices[r.groups[g.0].device].1.remove_replica(&r.groups[g.0].name);
+        true
+    }
+
+    /// Holds exactly `groups` in the ledgers (the groups a running segment reads and those
+    /// being prefetched): the ledger never evicts a held replica, and evicts the others, least
+    /// recently used first, when an allocation needs the room ([`crate::ledger`]). Holding
+    /// marks a group used. An empty list releases every hold.
+    pub(crate) fn set_in_use(&self, groups: &[GroupId]) {
+        let Some(r) = &self.residency else { return };
+        let mut held = vec![false; r.groups.len()];
+        for g in groups {
+            held[g.0] = true;
+        }
+        for (_, ledger) in &r.devices {
+            ledger.hold_only(r.id, &|slot| held[slot]);
         }
     }
 
@@ -966,13 +1018,6 @@ impl Weights {
     /// Whether the parameters are re-read from the source at each staging (a disk home).
     pub(crate) fn is_disk_home(&self) -> bool {
         self.residency.as_ref().is_some_and(|r| matches!(r.home, Home::Disk))
-    }
-
-    /// The groups with a replica on device `d` (staged, not pinned).
-    pub(crate) fn staged_on(&self, d: usize) -> Vec<GroupId> {
-        let Some(r) = &self.residency else { return Vec::new() };
-        let replicas = r.replicas.lock().unwrap_or_else(|e| e.into_inner());
-        (0..r.groups.len()).filter(|&g| r.groups[g].device == d && replicas[g].is_some()).map(GroupId).collect()
     }
 }
 

@@ -96,11 +96,21 @@ fn group_of(name: &str) -> String {
 /// e = embed·x, used by every block (a tensor crossing every cut); block i:
 /// h = gelu(W_i h + b_i) + e + h.
 fn forward<'g>(g: &'g Context, w: &Weights, x: Tensor<'g>) -> (Vec<(String, Tensor<'g>)>, Tensor<'g>) {
+    forward_blocks(g, w, x, 0..BLOCKS)
+}
+
+/// [`forward`] through the blocks of `blocks` only.
+fn forward_blocks<'g>(
+    g: &'g Context,
+    w: &Weights,
+    x: Tensor<'g>,
+    blocks: std::ops::Range<usize>,
+) -> (Vec<(String, Tensor<'g>)>, Tensor<'g>) {
     let mut cuts = Vec::new();
     let e = g.mul_mat(w.get("embed.weight").unwrap(), x);
     cuts.push(("embed".to_string(), e));
     let mut h = e;
-    for i in 0..BLOCKS {
+    for i in blocks {
         let y = g.mul_mat(w.get(&format!("blocks.{i}.weight")).unwrap(), h);
         let b = g.reshape(w.get(&format!("blocks.{i}.bias")).unwrap(), &[DIM, 1]);
         let y = g.gelu(g.add(y, b));
@@ -247,4 +257,74 @@ fn a_budget_below_one_block_is_a_clear_error() {
     let err = runner.run(&w, &g, 1024, &cuts, out, &mut || Ok(())).unwrap_err().to_string();
     assert!(err.contains(&dev), "{err}");
     assert!(ledgers.get(&dev).high_water() <= BLOCK_BYTES / 2);
+}
+
+/// One graph run of `w` through `blocks` for `tokens` tokens on `runner`: the output.
+fn run_blocks(
+    runner: &mut Runner,
+    w: &Weights,
+    blocks: std::ops::Range<usize>,
+    tokens: i64,
+) -> sd_sched::Result<Vec<f32>> {
+    let g = Context::for_graph(1024, 1024).unwrap();
+    let x = g.new_f32(&[DIM, tokens]).set_input();
+    let (cuts, out) = forward_blocks(&g, w, x, blocks);
+    let out = out.set_output();
+    let data: Vec<f32> = (0..DIM * tokens).map(|i| ((i * 37 % 101) as f32 / 101.0) - 0.5).collect();
+    runner.run(w, &g, 1024, &cuts, out, &mut || Ok(x.set_f32(&data)?))?;
+    Ok(out.get_f32()?)
+}
+
+/// Two graphs of one weight set reading different blocks (as SDXL's two text encoders are
+/// one module, run as two graphs), then another module, on one device under a budget that
+/// holds about three groups. The first graph (one token) leaves the device full of its
+/// replicas; the second (32 tokens) needs a larger cut buffer, charged before its first
+/// segment's planned evictions: the ledger evicts the first graph's idle replicas, least
+/// recently used first, to make room. Every output equals the one computed with the
+/// parameters on the device and no budget.
+#[test]
+fn replicas_of_earlier_graphs_and_other_modules_are_evicted_under_pressure() {
+    let halves = [0..BLOCKS / 2, BLOCKS / 2..BLOCKS];
+    let tokens = [1, 32];
+    let expected: Vec<Vec<f32>> = {
+        let ledgers = Ledgers::default();
+        let mut w = Weights::new(specs()).unwrap();
+        w.place("te", ParamHome::Compute, cpu(), &ledgers, &group_of, source()).unwrap();
+        let mut r = Runner::with_ledger("te", cpu(), ledgers.get(&cpu().device().name()), Options::default());
+        (0..2).map(|h| run_blocks(&mut r, &w, halves[h].clone(), tokens[h]).unwrap()).collect()
+    };
+    let dev = cpu().device().name();
+    let budget = tight_budget();
+    let ledgers = Ledgers::with_budgets(HashMap::from([(dev.clone(), budget)]));
+    let ledger = ledgers.get(&dev);
+    let mut te = Weights::new(specs()).unwrap();
+    te.place("te", ParamHome::Host, cpu(), &ledgers, &group_of, source()).unwrap();
+    let mut runner = Runner::with_ledger("te", cpu(), ledger.clone(), Options::default());
+    for (i, h) in [0, 1, 0, 1].into_iter().enumerate() {
+        let out = run_blocks(&mut runner, &te, halves[h].clone(), tokens[h])
+            .unwrap_or_else(|e| panic!("graph {i} (blocks {:?}): {e}", halves[h]));
+        assert_eq!(out, expected[h], "graph {i} (blocks {:?})", halves[h]);
+        assert!(ledger.high_water() <= budget, "graph {i}: high-water {} > {budget}", ledger.high_water());
+    }
+    let evicted = ledger.evictions();
+    assert!(evicted > 0 && ledger.evicted_bytes() >= evicted as u64 * (DIM * DIM * 4) as u64, "evicted {evicted}");
+    let te_resident = |l: &sd_sched::Ledger| l.replicas().iter().filter(|r| r.group.starts_with("te/")).count();
+    assert!(te_resident(&ledger) > 0, "the last graph's groups stay resident");
+    drop(runner);
+
+    // Another module on the device while the first one's replicas are resident: its plan
+    // evicts them (another runner's, idle), and the first module stages them again after.
+    let mut other = Weights::new(specs()).unwrap();
+    other.place("other", ParamHome::Host, cpu(), &ledgers, &group_of, source()).unwrap();
+    let mut runner = Runner::with_ledger("other", cpu(), ledger.clone(), Options::default());
+    let before = ledger.evictions();
+    assert_eq!(run_blocks(&mut runner, &other, halves[1].clone(), tokens[1]).unwrap(), expected[1]);
+    assert!(ledger.evictions() > before, "the other module's replicas were evicted");
+    assert_eq!(te_resident(&ledger), 0, "{:?}", ledger.replicas());
+    drop(runner);
+    let mut runner = Runner::with_ledger("te", cpu(), ledger.clone(), Options::default());
+    assert_eq!(run_blocks(&mut runner, &te, halves[0].clone(), tokens[0]).unwrap(), expected[0], "staged again");
+    assert!(ledger.high_water() <= budget);
+    drop((runner, te, other));
+    assert_eq!(ledger.managed(), 0, "everything released");
 }

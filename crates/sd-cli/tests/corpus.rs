@@ -220,7 +220,7 @@ fn lora_dir(dir: &Path) {
     lora_file(&dir.join("rows.safetensors"), &pair(ff, 320, 320, 4.0));
     lora_file(&dir.join("alpha.safetensors"), &pair(q, 320, 320, 1e30));
     lora_file(&dir.join("ok.safetensors"), &pair(q, 320, 320, 4.0));
-    std::fs::write(dir.join("notes.safetensors"), "root:x:0:0:root:/root:/bin/bash\n").unwrap();
+    std::fs::write(dir.join("notes"), "root:x:0:0:root:/root:/bin/bash\n").unwrap();
     mkfifo(&dir.join("pipe.safetensors"));
     std::os::unix::fs::symlink("/dev/zero", dir.join("zero")).unwrap();
 }

@@ -281,7 +281,6 @@ fn sniff(path: &Path, bytes: &[u8]) -> Option<Sniffed> {
     }
 }
 
-/// Maps and parses one file.
 /// How a file of no known format starts, in words (for a message that echoes none of its
 /// bytes).
 fn describe_start(bytes: &[u8]) -> &'static str {
@@ -300,6 +299,7 @@ fn describe_start(bytes: &[u8]) -> &'static str {
     }
 }
 
+/// Maps and parses one file.
 fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
     let map = map_file(path)?;
     let len = map.len;

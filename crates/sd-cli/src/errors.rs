@@ -21,6 +21,8 @@ fn flag(s: Setting) -> &'static str {
         Setting::Eta => "--eta",
         Setting::Strength => "--strength",
         Setting::FlowShift => "--flow-shift",
+        Setting::Prompt => "-p/--prompt-file",
+        Setting::NegativePrompt => "-n/--negative-prompt-file",
     }
 }
 
@@ -96,6 +98,9 @@ pub fn tiling_with_flag(e: VaeError) -> anyhow::Error {
 pub fn with_flag(e: PipelineError) -> anyhow::Error {
     match e {
         PipelineError::Vae(e @ (VaeError::Tiling { .. } | VaeError::TilingOff { .. })) => tiling_with_flag(e),
+        PipelineError::Setting { setting, value, problem } if value.is_empty() => {
+            anyhow::anyhow!("{}: {problem}", flag(setting))
+        }
         PipelineError::Setting { setting, value, problem } => anyhow::anyhow!("{} {value}: {problem}", flag(setting)),
         PipelineError::WorkingMemory { width, height, .. } => {
             anyhow::Error::new(e).context(format!("-W {width} -H {height}"))

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sd_models::files::safetensors::{header_bytes, HeaderEntry};
+use sd_models::files::safetensors::{header_bytes, to_bytes, HeaderEntry};
 use sd_models::files::DType;
 use sd_models::fixture::{tensor_table, Architecture};
 use sd_models::text::clip::{clip_specs, ClipConfig};
@@ -190,6 +190,42 @@ fn st(json: &str, data_len: usize) -> Vec<u8> {
     v.extend_from_slice(json.as_bytes());
     v.extend(std::iter::repeat_n(0u8, data_len));
     v
+}
+
+/// A LoRA file of f32 tensors, each filled with one value.
+fn lora_file(path: &Path, tensors: &[(String, Vec<u64>, f32)]) {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, s, v)| std::iter::repeat_n(v.to_le_bytes(), s.iter().product::<u64>() as usize).flatten().collect())
+        .collect();
+    let entries: Vec<(HeaderEntry<'_>, &[u8])> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((n, s, _), d)| (HeaderEntry { name: n, dtype: DType::F32, shape: s }, d.as_slice()))
+        .collect();
+    std::fs::write(path, to_bytes(&entries, &BTreeMap::new()).expect("a LoRA file")).unwrap();
+}
+
+/// The LoRA files of issue 32's cases in `dir`: `rows` (a `lora_up` of 320 rows for the
+/// 2560-row `ff.net.0.proj`), `alpha` (alpha 1e30), `ok` (a right one, alpha = rank), `notes`
+/// (text), `pipe` (a FIFO), `zero` (a link to /dev/zero), `adir` (a directory).
+fn lora_dir(dir: &Path) {
+    std::fs::create_dir_all(dir.join("adir")).unwrap();
+    let ff = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_ff_net_0_proj";
+    let q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let pair = |key: &str, up: u64, inner: u64, alpha: f32| {
+        vec![
+            (format!("{key}.lora_up.weight"), vec![up, 4], 0.01f32),
+            (format!("{key}.lora_down.weight"), vec![4, inner], 0.01),
+            (format!("{key}.alpha"), vec![], alpha),
+        ]
+    };
+    lora_file(&dir.join("rows.safetensors"), &pair(ff, 320, 320, 4.0));
+    lora_file(&dir.join("alpha.safetensors"), &pair(q, 320, 320, 1e30));
+    lora_file(&dir.join("ok.safetensors"), &pair(q, 320, 320, 4.0));
+    std::fs::write(dir.join("notes"), "root:x:0:0:root:/root:/bin/bash\n").unwrap();
+    mkfifo(&dir.join("pipe.safetensors"));
+    std::os::unix::fs::symlink("/dev/zero", dir.join("zero")).unwrap();
 }
 
 /// A hand-built GGUF file.
@@ -613,6 +649,9 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     std::os::unix::fs::symlink("adir", dir.join("link-to-dir.png")).unwrap();
     std::os::unix::fs::symlink("fifo", dir.join("link-to-fifo.png")).unwrap();
     png_64(&dir.join("init.png"));
+    lora_dir(&dir.join("loras"));
+    // Issue 32, row 18: a 1 MiB prompt (refused by its length before anything is loaded).
+    std::fs::write(dir.join("long-prompt.txt"), "a cat, ".repeat(1 << 20).as_bytes()[..1 << 20].to_vec()).unwrap();
     std::fs::write(dir.join("junk.safetensors"), st(r#"{"foo":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}}"#, 8))
         .unwrap();
     std::fs::write(
@@ -982,6 +1021,19 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             needles: vec![row[1].replace("{DIR}", &dir.display().to_string())],
         });
     }
+    // Issue 32, row 16: 5000 nested brackets (refused before anything is loaded, with the
+    // byte where the nesting passes the bound).
+    cases.push(Case {
+        name: "args -p (x5000".into(),
+        args: ["-m", &d("good.safetensors"), "-W", "64", "-H", "64", "--steps", "1", "-t", "1", "-o", &d("out.png")]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["-p".to_string(), "(".repeat(5000) + "cat"])
+            .collect(),
+        status: 1,
+        env: vec![],
+        needles: vec!["-p/--prompt-file: prompt brackets nest deeper than 256 levels at byte 256".into()],
+    });
     assert!(n_models + 5 >= 40, "at least 40 malformed model files, got {n_models} + 5");
     assert!(n_placement + 1 >= 40, "at least 40 placement strings, got {n_placement}");
     assert!(n_args >= 30, "at least 30 argument sets, got {n_args}");

@@ -151,6 +151,10 @@ pub enum Setting {
     Strength,
     /// [`GenerateParams::flow_shift`].
     FlowShift,
+    /// [`GenerateParams::prompt`].
+    Prompt,
+    /// [`GenerateParams::negative_prompt`].
+    NegativePrompt,
 }
 
 impl Setting {
@@ -166,6 +170,8 @@ impl Setting {
             Setting::Eta => "eta",
             Setting::Strength => "strength",
             Setting::FlowShift => "flow shift",
+            Setting::Prompt => "prompt",
+            Setting::NegativePrompt => "negative prompt",
         }
     }
 }
@@ -334,6 +340,18 @@ pub struct GenerateParams {
     pub vae_max_compute_bytes: Option<usize>,
 }
 
+/// The longest prompt (and negative prompt) accepted, in bytes. The reference has no limit;
+/// a prompt's cost grows with it (one text-encoder pass per 75 tokens, and CLIP's byte-pair
+/// merge is quadratic in a word's length: a 1 MiB prompt ran 25 minutes without a word).
+/// 16 KiB is several times the longest prompts written by hand (with LoRA tags) and
+/// tokenizes in well under a second in the worst case.
+const MAX_PROMPT_BYTES: usize = 16 * 1024;
+
+/// The largest magnitude of `--cfg-scale` and `--guidance`, and the largest `--eta`.
+const MAX_GUIDANCE: f32 = 100.0;
+/// The largest magnitude of `--flow-shift`.
+const MAX_FLOW_SHIFT: f32 = 50.0;
+
 impl GenerateParams {
     /// Checks what needs no model: a size, counts, finite numbers. What depends on the model
     /// or on the size it generates at (tiling, memory) is checked by
@@ -353,20 +371,38 @@ impl GenerateParams {
         if self.batch_count == 0 {
             return bad_setting(Setting::BatchCount, 0, "the batch count must be at least 1");
         }
-        if let Some(cfg) = self.cfg_scale.filter(|c| !c.is_finite()) {
-            return bad_setting(Setting::CfgScale, cfg, "not a finite number");
+        for (setting, text) in [(Setting::Prompt, &self.prompt), (Setting::NegativePrompt, &self.negative_prompt)] {
+            if text.len() > MAX_PROMPT_BYTES {
+                return bad_setting(
+                    setting,
+                    format!("({} bytes)", text.len()),
+                    format!("a prompt of at most {MAX_PROMPT_BYTES} bytes is accepted"),
+                );
+            }
+            // The weighting syntax, checked before anything is loaded (the encoders parse it again).
+            if let Err(e) = crate::text::parse_prompt_attention(text) {
+                return bad_setting(setting, "", e.to_string());
+            }
         }
-        if !self.guidance.is_finite() {
-            return bad_setting(Setting::Guidance, self.guidance, "not a finite number");
+        // Scales within what any UI offers (ComfyUI's widgets stop at 100) and far from where
+        // the sampler's arithmetic leaves f32: `--cfg-scale 1e30` times a difference of
+        // predictions is infinite, and the image black or noise.
+        let within = |v: f32, max: f32| v.abs() <= max; // false for NaN
+        if let Some(cfg) = self.cfg_scale.filter(|&c| !within(c, MAX_GUIDANCE)) {
+            return bad_setting(Setting::CfgScale, format!("{cfg:?}"), format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"));
         }
-        if let Some(eta) = self.eta.filter(|e| !e.is_finite() || *e < 0.0) {
-            return bad_setting(Setting::Eta, eta, "must be a finite number >= 0");
+        if !within(self.guidance, MAX_GUIDANCE) {
+            return bad_setting(Setting::Guidance, format!("{:?}", self.guidance), format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"));
+        }
+        if let Some(eta) = self.eta.filter(|&e| !(within(e, MAX_GUIDANCE) && e >= 0.0)) {
+            return bad_setting(Setting::Eta, format!("{eta:?}"), format!("must be a finite number from 0 to {MAX_GUIDANCE}"));
         }
         if !(0.0..=1.0).contains(&self.strength) {
             return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
         }
-        if let Some(shift) = self.flow_shift.filter(|s| !s.is_finite()) {
-            return bad_setting(Setting::FlowShift, shift, "not a finite number");
+        // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
+        if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
+            return bad_setting(Setting::FlowShift, format!("{shift:?}"), format!("must be a finite number from -{MAX_FLOW_SHIFT} to {MAX_FLOW_SHIFT}"));
         }
         Ok(ValidParams(self))
     }
@@ -1253,15 +1289,25 @@ mod tests {
     fn validate_names_the_setting_and_no_flag() {
         assert!(params().validate().is_ok());
         type Change = fn(&mut GenerateParams);
-        let cases: [(Change, Setting); 8] = [
+        let cases: [(Change, Setting); 18] = [
             (|p| p.width = 0, Setting::Width),
             (|p| p.height = 0, Setting::Height),
             (|p| p.steps = 0, Setting::Steps),
             (|p| p.steps = MAX_STEPS + 1, Setting::Steps),
             (|p| p.batch_count = 0, Setting::BatchCount),
             (|p| p.cfg_scale = Some(f32::NAN), Setting::CfgScale),
+            (|p| p.cfg_scale = Some(1e30), Setting::CfgScale),
+            (|p| p.cfg_scale = Some(-101.0), Setting::CfgScale),
+            (|p| p.guidance = f32::NAN, Setting::Guidance),
+            (|p| p.guidance = 1e30, Setting::Guidance),
+            (|p| p.eta = Some(f32::INFINITY), Setting::Eta),
             (|p| p.strength = 1.5, Setting::Strength),
+            (|p| p.strength = f32::NAN, Setting::Strength),
             (|p| p.flow_shift = Some(f32::INFINITY), Setting::FlowShift),
+            (|p| p.flow_shift = Some(100.0), Setting::FlowShift),
+            (|p| p.prompt = "x".repeat(MAX_PROMPT_BYTES + 1), Setting::Prompt),
+            (|p| p.prompt = "(".repeat(5000) + "cat", Setting::Prompt),
+            (|p| p.negative_prompt = "(x:1000)".into(), Setting::NegativePrompt),
         ];
         for (change, want) in cases {
             let mut p = params();
@@ -1278,5 +1324,10 @@ mod tests {
         let mut p = params();
         p.eta = Some(-1.0);
         assert!(matches!(p.validate(), Err(PipelineError::Setting { setting: Setting::Eta, .. })));
+        // The bounds themselves are accepted.
+        let mut p = params();
+        (p.cfg_scale, p.guidance, p.eta, p.flow_shift) = (Some(-100.0), 100.0, Some(100.0), Some(-50.0));
+        p.prompt = "(".repeat(40) + &"x".repeat(MAX_PROMPT_BYTES - 40);
+        assert!(p.validate().is_ok());
     }
 }

@@ -166,8 +166,9 @@ pub enum FilesError {
     Malformed { path: PathBuf, problem: FormatError },
 
     /// Neither safetensors nor GGUF.
-    #[error("'{}' is neither a safetensors nor a GGUF file (first bytes {first_bytes:02x?}); accepted: .safetensors, .gguf, or a diffusers folder with model_index.json", path.display())]
-    UnknownFormat { path: PathBuf, first_bytes: Vec<u8> },
+    /// (`what` describes how it starts; its bytes are never echoed: the file may be anyone's.)
+    #[error("'{}' is neither a safetensors nor a GGUF file ({what}); accepted: .safetensors, .gguf, or a diffusers folder with model_index.json", path.display())]
+    UnknownFormat { path: PathBuf, what: &'static str },
 
     /// A diffusers folder without its UNet, or with a malformed JSON file.
     #[error("diffusers folder '{}': {problem}", path.display())]

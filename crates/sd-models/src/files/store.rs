@@ -287,6 +287,24 @@ fn sniff(path: &Path, bytes: &[u8]) -> Option<Sniffed> {
     }
 }
 
+/// How a file of no known format starts, in words (for a message that echoes none of its
+/// bytes).
+fn describe_start(bytes: &[u8]) -> &'static str {
+    let head = &bytes[..bytes.len().min(512)];
+    if head.is_empty() {
+        "it is empty"
+    } else if head.starts_with(b"PK\x03\x04") {
+        "it is a ZIP archive, as PyTorch .ckpt/.pt files are: convert it to safetensors"
+    } else if head.starts_with(&[0x80]) {
+        "it is a Python pickle, as old PyTorch files are: convert it to safetensors"
+    } else if !head.contains(&0) && std::str::from_utf8(head).map_or_else(|e| e.error_len().is_none(), |_| true) {
+        // (A character cut by the 512-byte window is still text.)
+        "it is text"
+    } else {
+        "its first bytes match no model format"
+    }
+}
+
 /// Maps and parses one file.
 fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
     let map = map_file(path)?;
@@ -304,10 +322,7 @@ fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
             (FileFormat::Gguf { version: h.version, alignment: h.alignment }, h.metadata, h.tensors)
         }
         None => {
-            return Err(FilesError::UnknownFormat {
-                path: path.to_owned(),
-                first_bytes: bytes.iter().take(16).copied().collect(),
-            })
+            return Err(FilesError::UnknownFormat { path: path.to_owned(), what: describe_start(bytes) })
         }
     };
     tracing::debug!(path = %path.display(), ?format, ?role, tensors = raw.len(), "parsed model file header");

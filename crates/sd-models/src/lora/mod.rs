@@ -114,11 +114,11 @@ pub enum LoraBody {
     /// kohya's flat form (`_` for `.`, except inside the module names that contain `_`), then as [`LoraBody::Dotted`].
     Flat,
     /// A family's own renaming (a DiT's diffusers names): the body in the role's names and
-    /// the part of a fused weight it adapts. Part 0 is a whole weight or the first row block
-    /// of a fused one (`to_q` of a fused `qkv`); part `k` the rows after those of parts
-    /// `0..k` (the reference's `.weight.1`, `.weight.2` names). `None`: a module it does not
-    /// name.
-    Mapped(fn(&str) -> Option<(String, usize)>),
+    /// the part of a fused weight it adapts. Part `None` is a whole weight (its adapter must
+    /// have the weight's shape); `Some(0)` the first row block of a fused one (`to_q` of a
+    /// fused `qkv`); `Some(k)` the rows after those of parts `0..k` (the reference's
+    /// `.weight.1`, `.weight.2` names). `None` for the whole: a module it does not name.
+    Mapped(fn(&str) -> Option<(String, Option<usize>)>),
 }
 
 /// Why LoRA adapters cannot be used, naming the file and what is wrong.
@@ -133,6 +133,24 @@ pub enum LoraError {
         dir: PathBuf,
         /// The extensions tried.
         tried: String,
+    },
+    /// A tag names something that is not a regular file (a FIFO, a device, a directory).
+    #[error("LoRA '{name}': '{}' is {kind}, not a regular file", path.display())]
+    NotRegular {
+        /// The name in the tag.
+        name: String,
+        /// What it resolved to.
+        path: PathBuf,
+        /// What that is ("a FIFO (named pipe)").
+        kind: &'static str,
+    },
+    /// A tag that cannot be used: a name outside `--lora-model-dir`, a multiplier out of range.
+    #[error("LoRA tag '{name}': {problem}")]
+    Tag {
+        /// The name in the tag (control characters escaped).
+        name: String,
+        /// What is wrong.
+        problem: String,
     },
     /// The file cannot be opened or parsed (the cause names the file).
     #[error("LoRA file")]
@@ -174,10 +192,27 @@ pub enum LoraError {
         /// What does not fit.
         problem: String,
     },
+    /// The scale an adapter makes (multiplier x alpha / rank) is out of range.
+    #[error("LoRA file '{}', tensor '{tensor}': {problem}", path.display())]
+    Value {
+        /// The file.
+        path: PathBuf,
+        /// The adapter's key (or tensor) in the file.
+        tensor: String,
+        /// What is wrong, with the value.
+        problem: String,
+    },
     /// The request cannot be served.
     #[error("LoRA: {0}")]
     Unsupported(String),
 }
+
+/// The largest magnitude of an adapter's scale (multiplier x alpha / rank) accepted: the
+/// largest finite f16. Checkpoints store their weights in f16, so beyond it any delta element
+/// of magnitude 1 overflows the merged weight to infinity; trained adapters use scales near 1
+/// (alpha at most the rank, multipliers within a few units), so a larger one is a corrupt file
+/// or a typing error (`<lora:x:1e38>`), refused with the file and key.
+const MAX_SCALE: f32 = 65504.0;
 
 /// One adapter of one weight, ready to merge.
 #[derive(Debug)]
@@ -427,15 +462,15 @@ fn dotted(flat: &str) -> String {
     out.join(".")
 }
 
-/// Our internal name of the weight an adapter key adapts, through `table`, and the part of it
-/// the adapter covers ([`LoraBody::Mapped`]; 0 for a whole weight).
-fn target_of(key: &str, table: &[LoraPrefix]) -> Option<(String, usize)> {
+/// Our internal name of the weight an adapter key adapts, through `table`, and the row block
+/// of a fused weight it covers ([`LoraBody::Mapped`]; `None` for a whole weight).
+fn target_of(key: &str, table: &[LoraPrefix]) -> Option<(String, Option<usize>)> {
     let key = key.strip_prefix("lora.").unwrap_or(key);
     let row = table.iter().filter(|r| key.starts_with(r.prefix)).max_by_key(|r| r.prefix.len())?;
     let body = &key[row.prefix.len()..];
     let (body, part) = match row.body {
-        LoraBody::Dotted => (body.to_owned(), 0),
-        LoraBody::Flat => (dotted(body), 0),
+        LoraBody::Dotted => (body.to_owned(), None),
+        LoraBody::Flat => (dotted(body), None),
         LoraBody::Mapped(map) => map(body)?,
     };
     match normalize(&format!("{body}.weight"), row.role) {
@@ -506,7 +541,8 @@ impl LoraSet {
             let mut applied = 0usize;
             let total = keys.len();
             // The adapters of each weight, by part (a fused weight's row blocks, in order).
-            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind)>> = BTreeMap::new();
+            // (A whole weight's adapter is its part 0, marked not fused.)
+            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind, bool)>> = BTreeMap::new();
             for (base, parts) in &keys {
                 let Some(kind) = Kind::of(parts) else {
                     unmatched.push(format!("{base} (no up/down pair, diff, LoHa or LoKr factors)"));
@@ -526,23 +562,25 @@ impl LoraSet {
                 // Two keys of one file for the same weight (say kohya's and diffusers' names of
                 // one module): the first in name order is kept, as the reference keeps one tensor per name.
                 let slot = by_target.entry(target.clone()).or_default();
+                let (fused, part) = (part.is_some(), part.unwrap_or(0));
                 if slot.contains_key(&part) {
                     unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
                     continue;
                 }
-                slot.insert(part, (base, parts, kind));
+                slot.insert(part, (base, parts, kind, fused));
             }
             for (target, parts) in by_target {
                 let spec = by_name[target.as_str()];
                 // As the reference: the parts of a fused weight stack from part 0 on, and stop at
                 // the first one missing (what follows a gap adapts nothing).
                 let mut offset = 0usize;
-                for (k, (part, (base, key, kind))) in parts.into_iter().enumerate() {
+                for (k, (part, (base, key, kind, fused))) in parts.into_iter().enumerate() {
                     if part != k {
                         unmatched.push(format!("{base} (part {part} of '{target}' without part {k})"));
                         continue;
                     }
-                    let delta = read_delta(&files, path, base, key, kind, req.multiplier, spec, offset)?;
+                    let at = fused.then_some(offset);
+                    let delta = read_delta(&files, path, base, key, kind, req.multiplier, spec, at)?;
                     offset += delta.out;
                     set.deltas.entry(target.clone()).or_default().push(delta);
                     applied += 1;
@@ -603,6 +641,18 @@ fn merge_all(deltas: &[Delta], ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Result
     for d in deltas {
         let mut w = convert::to_f32(ty, &packed, n).map_err(|e| e.to_string())?;
         d.form.add_rows(&mut w, d.out, d.inner, d.offset, d.scale);
+        // Never an infinite weight made silently (the scale is bounded, the sum may still
+        // overflow: a large weight plus a large delta, or beyond f16's range).
+        let limit = if ty == GgmlType::GGML_TYPE_F16 { 65504.0 } else { f32::MAX };
+        if let Some(i) = w.iter().position(|x| !(x.abs() <= limit)) {
+            return Err(format!(
+                "the merged weight's element {i} is {} (beyond what {} holds): the adapter's scale {} is too \
+                 large for it",
+                w[i],
+                sd_backends::type_name(ty),
+                d.scale
+            ));
+        }
         packed = convert::pack_f32(ty, &w, row).map_err(|e| e.to_string())?;
     }
     Ok(packed)
@@ -663,8 +713,15 @@ fn rows_cols(shape: &[u64], n: usize) -> Option<(usize, usize)> {
     }
 }
 
-/// Reads the adapter `key` (of kind `kind`, [`Kind::of`]) for `target`, whose rows from
-/// `offset` it adapts, with `multiplier`.
+/// Reads the adapter `key` (of kind `kind`, [`Kind::of`]) for `target`, with `multiplier`:
+/// the whole weight (`at` `None`: the delta must have the weight's shape), or the row block
+/// of a fused weight from row `at` (the weight's row width, within its rows).
+///
+/// Every factor's shape is checked against the others and the delta's against the weight's
+/// (never added to some of its rows: the reference pads a delta with too few rows with zeros
+/// and warns; a file of the wrong model is refused here), and the scale
+/// `|multiplier x alpha / rank|` must be at most [`MAX_SCALE`] (non-finite values are refused
+/// as the file's tensors are read).
 ///
 /// Scale, as the reference: a LoRA's `scale` tensor, else `alpha / rank` (rank: `down`'s first
 /// dimension), else 1; a LoHa's `alpha / rank` (rank: `hada_w1_b`'s first dimension), else 1;
@@ -680,7 +737,7 @@ fn read_delta(
     kind: Kind,
     multiplier: f32,
     target: &TensorSpec,
-    offset: usize,
+    at: Option<usize>,
 ) -> Result<Delta, LoraError> {
     use forms::{Factor, FactorValues, Form};
     let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
@@ -809,13 +866,12 @@ fn read_delta(
     let want: i64 = target.ne.iter().product();
     let rows = target.ne.last().copied().unwrap_or(1).max(1);
     let conv = target.ne.len() == 4;
-    // A whole weight takes a delta of its own shape; a part of a fused one (offset, or fewer
-    // rows than the weight) takes the weight's row width, within its rows.
-    let whole = offset == 0 && out as i64 == rows;
-    let fits = if whole {
-        (out * inner) as i64 == want
-    } else {
-        !conv && inner as i64 * rows == want && (offset + out) as i64 <= rows
+    // A whole weight takes a delta of its own shape (rows and row width); a row block of a
+    // fused one takes the weight's row width, within its rows.
+    let offset = at.unwrap_or(0);
+    let fits = match at {
+        None => out as i64 == rows && (out * inner) as i64 == want,
+        Some(_) => !conv && inner as i64 * rows == want && (offset + out) as i64 <= rows,
     };
     if !fits {
         let torch: Vec<i64> = target.ne.iter().rev().copied().collect();
@@ -836,7 +892,20 @@ fn read_delta(
             target.name
         )));
     }
-    let scale = scale * multiplier;
+    // f32: a multiplier of 1e38 times an alpha of 2 is infinite, not refused as large.
+    let total = f64::from(scale) * f64::from(multiplier);
+    if !(total.abs() <= f64::from(MAX_SCALE)) {
+        let alpha = alpha.map_or(String::new(), |a| format!(" (alpha {a:e})"));
+        return Err(LoraError::Value {
+            path: path.to_path_buf(),
+            tensor: base.to_owned(),
+            problem: format!(
+                "the adapter's scale, multiplier x the file's scale{alpha}, is {multiplier:e} x {scale:e} = \
+                 {total:.3e}: at most {MAX_SCALE} in magnitude is accepted"
+            ),
+        });
+    }
+    let scale = total as f32;
     Ok(Delta { form, out, inner, offset, rows: rows as usize, scale, f16, conv })
 }
 

@@ -231,8 +231,8 @@ fn flux_table() -> &'static [LoraPrefix] {
 
 #[test]
 fn flux_keys_of_every_layout_reach_bfl_names_and_row_blocks() {
-    let dit = |s: &str| (format!("model.diffusion_model.{s}.weight"), 0usize);
-    let part = |s: &str, k: usize| (format!("model.diffusion_model.{s}.weight"), k);
+    let dit = |s: &str| (format!("model.diffusion_model.{s}.weight"), None);
+    let part = |s: &str, k: usize| (format!("model.diffusion_model.{s}.weight"), Some(k));
     let t = flux_table();
     for (key, want) in [
         ("lora_unet_double_blocks_0_img_attn_qkv", dit("double_blocks.0.img_attn.qkv")),
@@ -642,4 +642,124 @@ fn flux_fixtures_adapt_the_dit_clip_l_and_t5_in_kohya_and_dotted_names() {
     // The same values under both names (kohya's alpha halves the scale).
     let w = "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.o.weight";
     assert_eq!(sets[0].deltas[w][0].scale * 2.0, sets[1].deltas[w][0].scale);
+}
+
+/// Issue 32, row 15: an adapter with fewer rows than the (unfused) weight it names, or its
+/// rows and columns swapped, is refused with the file, key and both shapes; before, it was
+/// added to the weight's first rows.
+#[test]
+fn an_adapter_with_the_wrong_rows_or_columns_for_its_weight_is_refused() {
+    // ff.net.0.proj of the first transformer: [2560, 320].
+    let key = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_ff_net_0_proj";
+    let weight = "[2560, 320]";
+    let cases: Vec<(&str, Vec<(String, Vec<u64>)>, &str)> = vec![
+        (
+            "few-rows",
+            vec![(format!("{key}.lora_up.weight"), vec![320, 4]), (format!("{key}.lora_down.weight"), vec![4, 320])],
+            "[320, 4]",
+        ),
+        (
+            "swapped",
+            vec![(format!("{key}.lora_up.weight"), vec![320, 4]), (format!("{key}.lora_down.weight"), vec![4, 2560])],
+            "[4, 2560]",
+        ),
+        ("diff", vec![(format!("{key}.diff"), vec![320, 320])], "[320, 320]"),
+        (
+            "loha",
+            vec![
+                (format!("{key}.hada_w1_a"), vec![320, 2]),
+                (format!("{key}.hada_w1_b"), vec![2, 320]),
+                (format!("{key}.hada_w2_a"), vec![320, 2]),
+                (format!("{key}.hada_w2_b"), vec![2, 320]),
+            ],
+            "hada_w2_b [2, 320]",
+        ),
+        ("lokr", vec![(format!("{key}.lokr_w1"), vec![4, 4]), (format!("{key}.lokr_w2"), vec![80, 80])], "[80, 80]"),
+    ];
+    for (name, tensors, factor) in cases {
+        let file = format!("rows-{name}.safetensors");
+        let refs: Vec<(&str, Vec<u64>)> = tensors.iter().map(|(n, s)| (n.as_str(), s.clone())).collect();
+        let path = write_raw(&file, &refs);
+        let e = load(&[(&path, 1.0)]).unwrap_err();
+        assert!(matches!(e, LoraError::Shape { .. }), "{name}: {e}");
+        let e = e.to_string();
+        for needle in [file.as_str(), key, factor, weight, "ff.net.0.proj"] {
+            assert!(e.contains(needle), "{name}: no {needle:?} in {e}");
+        }
+    }
+    // The same adapter with the weight's rows applies.
+    let path = write_raw(
+        "rows-right.safetensors",
+        &[(&format!("{key}.lora_up.weight"), vec![2560, 4]), (&format!("{key}.lora_down.weight"), vec![4, 320])],
+    );
+    assert_eq!(load(&[(&path, 1.0)]).unwrap().targets(), 1);
+}
+
+/// Issue 32, row 16: alpha 1e30, a multiplier of 1e38, a NaN alpha or factor element are
+/// refused naming the file, key and value; a scale within the bound that still overflows a
+/// merged f16 weight fails the merge, never storing an infinity.
+#[test]
+fn absurd_scales_and_non_finite_values_are_refused_with_file_key_and_value() {
+    let key = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q";
+    let file = |name: &str, alpha: f32, up0: f32| {
+        let mut up = vec![0.01f32; 320 * 4];
+        up[0] = up0;
+        write_values(
+            name,
+            &[
+                (format!("{key}.lora_up.weight"), vec![320, 4], up),
+                (format!("{key}.lora_down.weight"), vec![4, 320], vec![0.01; 4 * 320]),
+                (format!("{key}.alpha"), vec![], vec![alpha]),
+            ],
+        )
+    };
+    let value_err = |path: &Path, m: f32| match load(&[(path, m)]) {
+        Err(e @ LoraError::Value { .. }) => e.to_string(),
+        other => panic!("{}: expected a value error, got {other:?}", path.display()),
+    };
+    let alpha = file("alpha-1e30.safetensors", 1e30, 0.01);
+    let e = value_err(&alpha, 1.0);
+    assert!(e.contains("alpha-1e30.safetensors") && e.contains(key) && e.contains("alpha 1e30"), "{e}");
+    assert!(e.contains("2.5e29") && e.contains("65504"), "{e}");
+    let sane = file("alpha-4.safetensors", 4.0, 0.01);
+    let e = value_err(&sane, 1e38);
+    assert!(e.contains("alpha-4.safetensors") && e.contains(key) && e.contains("1e38"), "{e}");
+    // Infinite in f32 (-3e38 x 4), still refused with its value.
+    let e = value_err(&file("alpha-16.safetensors", 16.0, 0.01), -3e38);
+    assert!(e.contains("-3e38") && e.contains("-1.200e39"), "{e}");
+    assert!(load(&[(&sane, 65504.0)]).is_ok(), "the bound itself is accepted");
+    // Non-finite values are refused as the file's tensors are read (the loader's check),
+    // naming the tensor and the file.
+    for (name, alpha, up0, tensor) in
+        [("alpha-nan.safetensors", f32::NAN, 0.01, "alpha"), ("up-inf.safetensors", 4.0, f32::INFINITY, "lora_up.weight")]
+    {
+        let path = file(name, alpha, up0);
+        let e = load(&[(&path, 1.0)]).unwrap_err();
+        let chain = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+        assert!(chain.contains(name) && chain.contains(&format!("{key}.{tensor}")), "{chain}");
+    }
+
+    // Scale 65504 x (4 x 0.01 x 0.01) = 26 is added to weights of 65500: beyond f16.
+    let set = load(&[(&sane, 65504.0)]).unwrap();
+    let name = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight";
+    let ne = [320i64, 320];
+    let w = convert::pack_f32(GgmlType::GGML_TYPE_F16, &vec![65500f32; 320 * 320], 320).unwrap();
+    let e = set.merge(name, GgmlType::GGML_TYPE_F16, &ne, &w).unwrap().unwrap_err();
+    assert!(e.contains("beyond what f16 holds") && e.contains("element 0"), "{e}");
+    // In f32 the same sum is finite and stored.
+    let w = convert::pack_f32(GgmlType::GGML_TYPE_F32, &vec![65500f32; 320 * 320], 320).unwrap();
+    assert!(set.merge(name, GgmlType::GGML_TYPE_F32, &ne, &w).unwrap().is_ok());
+}
+
+/// Issue 32, row 18: a file that is no LoRA is described, none of its bytes echoed.
+#[test]
+fn a_text_file_given_as_a_lora_is_described_not_echoed() {
+    for (name, what) in [("passwd", "it is text"), ("passwd.safetensors", "header length")] {
+        let path = temp(name);
+        std::fs::write(&path, "root:x:0:0:root:/root:/bin/bash\n").unwrap();
+        let e = load(&[(&path, 1.0)]).unwrap_err();
+        let chain = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+        assert!(chain.contains(&path.display().to_string()) && chain.contains(what), "{chain}");
+        assert!(!chain.contains("root:") && !chain.contains("72, 6f"), "{chain}");
+    }
 }

@@ -54,6 +54,14 @@ pub enum TokenizeError {
          weights must be normal f32 numbers such as 0.5 or 1.3"
     )]
     WeightOutOfRange { weight: String, offset: usize },
+    /// Brackets nested deeper than `prompt::MAX_NESTING` (each level multiplies a weight by 1.1 or
+    /// 1/1.1: 5000 levels make an infinite weight).
+    #[error("prompt brackets nest deeper than {max} levels at byte {offset}; escape a literal bracket as `\\(`")]
+    NestingTooDeep { offset: usize, max: usize },
+    /// A fragment whose weight (the product of its brackets' factors) is not finite or beyond
+    /// `prompt::MAX_WEIGHT` in magnitude.
+    #[error("prompt weight {weight:e} of `{text}` (the product of its brackets) is beyond {max} in magnitude")]
+    WeightTooLarge { weight: f32, text: String, max: f32 },
     /// A [`ChunkConfig`] whose chunks cannot hold BOS, EOS and one token.
     #[error("chunk length {0} is too short: a chunk holds BOS, EOS and at least one token (3 or more)")]
     ChunkTooShort(usize),

@@ -17,6 +17,12 @@
 //! - the reference aborts on a weight with no number (`(x:.)`) or out of `f32` range; we return
 //!   [`TokenizeError`].
 //!
+//! Bounds the reference lacks: brackets nest at most `MAX_NESTING` (256) levels (so parsing stays
+//! linear in the prompt's length: each closing bracket multiplies the fragments it encloses)
+//! and every weight, the product of its brackets' factors, is at most `MAX_WEIGHT` (100) in
+//! magnitude (5000 nested `(` make 1.1^5000, an infinite weight, which the reference feeds to
+//! the encoder: NaN conditioning, a black image). Both are [`TokenizeError`]s.
+//!
 //! A fragment is a `BREAK` exactly when its text is `BREAK` and its weight is -1 after merging
 //! (the reference's test), so `(BREAK)` is the text "BREAK" with weight -1.1.
 
@@ -30,6 +36,15 @@ pub enum PromptFragment {
     /// Pad the current chunk so the next text starts a new one.
     Break,
 }
+
+/// The deepest bracket nesting accepted (open `(` and `[` together).
+const MAX_NESTING: usize = 256;
+
+/// The largest magnitude of a fragment's weight: a token weighted beyond it outweighs its
+/// whole 77-token chunk a hundredfold, and CLIP hidden values of a few hundred times it
+/// approach f16's 65504, where the UNet's cross attention computes. `(x)` nested 48 deep is
+/// 1.1^48 = 97.
+const MAX_WEIGHT: f32 = 100.0;
 
 const ROUND_MULTIPLIER: f32 = 1.1;
 const SQUARE_MULTIPLIER: f32 = 1.0 / 1.1;
@@ -66,6 +81,9 @@ pub fn parse_prompt_attention(text: &str) -> Result<Vec<PromptFragment>, Tokeniz
     let mut pos = 0;
     while pos < text.len() {
         let (lexeme, len) = next_lexeme(text, pos);
+        if matches!(lexeme, Lexeme::OpenRound | Lexeme::OpenSquare) && round.len() + square.len() >= MAX_NESTING {
+            return Err(TokenizeError::NestingTooDeep { offset: pos, max: MAX_NESTING });
+        }
         pos += len;
         match lexeme {
             Lexeme::OpenRound => round.push(res.len()),
@@ -98,6 +116,13 @@ pub fn parse_prompt_attention(text: &str) -> Result<Vec<PromptFragment>, Tokeniz
         res.push((String::new(), 1.0));
     }
 
+    if let Some((t, w)) = res.iter().find(|(_, w)| !(w.abs() <= MAX_WEIGHT)) {
+        let mut text: String = t.chars().take(40).flat_map(char::escape_debug).collect();
+        if t.chars().nth(40).is_some() {
+            text.push_str("...");
+        }
+        return Err(TokenizeError::WeightTooLarge { weight: *w, text, max: MAX_WEIGHT });
+    }
     let mut merged: Vec<(String, f32)> = Vec::with_capacity(res.len());
     for (t, w) in res {
         match merged.last_mut() {
@@ -286,5 +311,42 @@ mod tests {
         assert!(matches!(parse_prompt_attention(&tiny), Err(TokenizeError::WeightOutOfRange { .. })));
         assert!(parse_prompt_attention(":.) x").is_ok(), "no open (: the weight is dropped unread");
         assert_eq!(parse_prompt_attention("(x:0.0)").unwrap(), vec![text("x", 0.0)]);
+    }
+
+    #[test]
+    fn deep_nesting_and_huge_weights_are_refused_never_infinite() {
+        // 5000 nested ( make 1.1^5000 = inf in the reference; refused at the first bracket too
+        // deep, with its offset.
+        let deep = "(".repeat(5000) + "cat";
+        assert_eq!(
+            parse_prompt_attention(&deep),
+            Err(TokenizeError::NestingTooDeep { offset: MAX_NESTING, max: MAX_NESTING })
+        );
+        // `(` and `[` count together; the deepest accepted nesting parses.
+        let open = "([".repeat(MAX_NESTING / 2);
+        let closed = open.clone() + "x" + &"])".repeat(MAX_NESTING / 2) + "(y)";
+        assert_eq!(parse_prompt_attention(&closed).unwrap().len(), 2, "closed brackets no longer count");
+        assert!(matches!(parse_prompt_attention(&(open + "[x")), Err(TokenizeError::NestingTooDeep { .. })));
+        // 1.1^48 = 97 is accepted, 1.1^49 = 107 is not; nor is an explicit weight beyond 100.
+        let ok = "(".repeat(48) + "x";
+        let w = match &parse_prompt_attention(&ok).unwrap()[..] {
+            [PromptFragment::Text { weight, .. }] => *weight,
+            other => panic!("{other:?}"),
+        };
+        assert!((w - 1.1f32.powi(48)).abs() < 0.01, "{w}");
+        for (prompt, weight) in [("(".repeat(49) + "x", 1.1f32.powi(49)), ("a (b:150) c".into(), 150.0)] {
+            match parse_prompt_attention(&prompt) {
+                Err(e @ TokenizeError::WeightTooLarge { .. }) => {
+                    let TokenizeError::WeightTooLarge { weight: got, .. } = &e else { unreachable!() };
+                    assert!((got - weight).abs() < 0.01 * weight, "{e}");
+                    assert!(e.to_string().contains("beyond 100"), "{e}");
+                }
+                other => panic!("{prompt}: expected WeightTooLarge, got {other:?}"),
+            }
+        }
+        assert!(parse_prompt_attention("(x:-150)").is_err(), "a magnitude bound");
+        // The fragment is quoted with control characters escaped.
+        let e = parse_prompt_attention("(a\x1b[2Jb:200)").unwrap_err().to_string();
+        assert!(e.contains("\\u{1b}") && !e.contains('\x1b'), "{e}");
     }
 }

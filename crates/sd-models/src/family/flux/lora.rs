@@ -25,10 +25,11 @@ pub(crate) const LORA_PREFIXES: [P; 9] = [
 ];
 
 /// A diffusers module path of the FLUX transformer (`transformer_blocks.3.attn.to_k`) as BFL's
-/// module path and the row block of it (`double_blocks.3.img_attn.qkv`, part 1).
-pub(crate) fn diffusers(body: &str) -> Option<(String, usize)> {
+/// module path and the row block of it (`double_blocks.3.img_attn.qkv`, part `Some(1)`;
+/// `None` for a weight adapted whole).
+pub(crate) fn diffusers(body: &str) -> Option<(String, Option<usize>)> {
     let seg: Vec<&str> = body.split('.').collect();
-    let whole = |s: String| Some((s, 0));
+    let whole = |s: String| Some((s, None));
     match seg.as_slice() {
         ["x_embedder"] => whole("img_in".into()),
         ["context_embedder"] => whole("txt_in".into()),
@@ -41,20 +42,20 @@ pub(crate) fn diffusers(body: &str) -> Option<(String, usize)> {
             let i: usize = i.parse().ok()?;
             let p = format!("double_blocks.{i}");
             let (leaf, part) = match rest {
-                ["norm1", "linear"] => ("img_mod.lin", 0),
-                ["norm1_context", "linear"] => ("txt_mod.lin", 0),
-                ["attn", "to_q"] => ("img_attn.qkv", 0),
-                ["attn", "to_k"] => ("img_attn.qkv", 1),
-                ["attn", "to_v"] => ("img_attn.qkv", 2),
-                ["attn", "add_q_proj"] => ("txt_attn.qkv", 0),
-                ["attn", "add_k_proj"] => ("txt_attn.qkv", 1),
-                ["attn", "add_v_proj"] => ("txt_attn.qkv", 2),
-                ["attn", "to_out", "0"] => ("img_attn.proj", 0),
-                ["attn", "to_add_out"] => ("txt_attn.proj", 0),
-                ["ff", "net", "0", "proj"] => ("img_mlp.0", 0),
-                ["ff", "net", "2"] => ("img_mlp.2", 0),
-                ["ff_context", "net", "0", "proj"] => ("txt_mlp.0", 0),
-                ["ff_context", "net", "2"] => ("txt_mlp.2", 0),
+                ["norm1", "linear"] => ("img_mod.lin", None),
+                ["norm1_context", "linear"] => ("txt_mod.lin", None),
+                ["attn", "to_q"] => ("img_attn.qkv", Some(0)),
+                ["attn", "to_k"] => ("img_attn.qkv", Some(1)),
+                ["attn", "to_v"] => ("img_attn.qkv", Some(2)),
+                ["attn", "add_q_proj"] => ("txt_attn.qkv", Some(0)),
+                ["attn", "add_k_proj"] => ("txt_attn.qkv", Some(1)),
+                ["attn", "add_v_proj"] => ("txt_attn.qkv", Some(2)),
+                ["attn", "to_out", "0"] => ("img_attn.proj", None),
+                ["attn", "to_add_out"] => ("txt_attn.proj", None),
+                ["ff", "net", "0", "proj"] => ("img_mlp.0", None),
+                ["ff", "net", "2"] => ("img_mlp.2", None),
+                ["ff_context", "net", "0", "proj"] => ("txt_mlp.0", None),
+                ["ff_context", "net", "2"] => ("txt_mlp.2", None),
                 _ => return None,
             };
             Some((format!("{p}.{leaf}"), part))
@@ -63,12 +64,12 @@ pub(crate) fn diffusers(body: &str) -> Option<(String, usize)> {
             let i: usize = i.parse().ok()?;
             let p = format!("single_blocks.{i}");
             let (leaf, part) = match rest {
-                ["norm", "linear"] => ("modulation.lin", 0),
-                ["attn", "to_q"] => ("linear1", 0),
-                ["attn", "to_k"] => ("linear1", 1),
-                ["attn", "to_v"] => ("linear1", 2),
-                ["proj_mlp"] => ("linear1", 3),
-                ["proj_out"] => ("linear2", 0),
+                ["norm", "linear"] => ("modulation.lin", None),
+                ["attn", "to_q"] => ("linear1", Some(0)),
+                ["attn", "to_k"] => ("linear1", Some(1)),
+                ["attn", "to_v"] => ("linear1", Some(2)),
+                ["proj_mlp"] => ("linear1", Some(3)),
+                ["proj_out"] => ("linear2", None),
                 _ => return None,
             };
             Some((format!("{p}.{leaf}"), part))

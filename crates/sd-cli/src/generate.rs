@@ -245,13 +245,22 @@ fn a1111_parameters(a: &GenerateArgs, r: &Request, i: usize, model: &str) -> Str
     s
 }
 
-/// Runs a generation: flags -> request -> plan -> pipeline -> images.
-pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
-    // What needs no model is checked before anything is opened or written; the rest once the
-    // model is known (`Pipeline::check_request`), with the outputs: all before the first
-    // weight is read.
-    let (params, loras) = a.params()?;
-    let report_to = crate::output::report_target(a.report_json.as_deref())?;
+/// A loaded pipeline, its placement plan and the model flags it came from.
+pub struct Loaded {
+    /// The pipeline.
+    pub pipeline: Pipeline,
+    /// The placement it runs with.
+    pub plan: sd_placement::Plan,
+    /// The model flags (`-m` filled with the fixture when none was given).
+    pub model: ModelArgs,
+    /// The devices and backends, kept as long as the pipeline.
+    _devices: (sd_backends::PluginRegistry, BackendManager),
+}
+
+/// Opens the model of `a`, plans its placement for images of `size` and builds the pipeline
+/// with `loras` (no weight is read yet): what a generation and `sd-cli serve` share.
+pub fn load(a: &GenerateArgs, dev: &DeviceArgs, size: (usize, usize), loras: &[sd_models::lora::LoraRequest]) -> Result<Loaded> {
+    let (w, h) = size;
     let model = a.model.or_fixture(ensure_fixture)?;
     let reg = crate::devices::open(dev)?;
     let files = sd_models::files::ModelFiles::open(&model.sources())?;
@@ -268,7 +277,6 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     };
     tracing::debug!("CPU extra weight buffer types {}", if extra_bufts { "on" } else { "off" });
     let manager = BackendManager::new(Some(threads)).with_cpu_extra_bufts(extra_bufts);
-    let (w, h) = (params.params().width, params.params().height);
     let speeds = |d: &sd_placement::ModelDescription, names: &[String]| -> Result<_> {
         let backends = reg
             .devices()
@@ -299,7 +307,19 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         flash_attn: a.diffusion_fa,
         placement,
     };
-    let pipeline = Pipeline::from_files(files, options)?.with_loras(&loras, a.lora.lora_apply_mode)?;
+    let pipeline = Pipeline::from_files(files, options)?.with_loras(loras, a.lora.lora_apply_mode)?;
+    Ok(Loaded { pipeline, plan, model, _devices: (reg, manager) })
+}
+
+/// Runs a generation: flags -> request -> plan -> pipeline -> images.
+pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
+    // What needs no model is checked before anything is opened or written; the rest once the
+    // model is known (`Pipeline::check_request`), with the outputs: all before the first
+    // weight is read.
+    let (params, loras) = a.params()?;
+    let report_to = crate::output::report_target(a.report_json.as_deref())?;
+    let (w, h) = (params.params().width, params.params().height);
+    let Loaded { pipeline, plan, model, .. } = load(a, dev, (w, h), &loras)?;
     let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
     let outputs = ImageOutput::plan(&a.output, request.params().batch_count, a.run.output_begin_idx).context("-o")?;
 
@@ -328,7 +348,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
 
 impl GenerateArgs {
     /// The request the flags make, checked as far as it can be without a model.
-    fn params(&self) -> Result<(ValidParams, Vec<sd_models::lora::LoraRequest>)> {
+    pub fn params(&self) -> Result<(ValidParams, Vec<sd_models::lora::LoraRequest>)> {
         self.run.check_mode()?;
         let tiling = TilingParams::from_cli(
             self.vae_tiling,

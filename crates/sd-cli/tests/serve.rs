@@ -228,6 +228,11 @@ fn queue_limit_cancel_progress_and_concurrent_clients() {
     let server = Serve::start(&model, &["--max-queue", "3"]);
     // A long job, two behind it: the queue is full.
     let long = server.submit(&native("a dog", 40, 1));
+    let t = Instant::now();
+    while server.job(&long)["status"] == "queued" {
+        assert!(t.elapsed() < Duration::from_secs(60), "the job did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let second = server.submit(&native("a cat", 1, 7));
     let third = server.submit(&native("a cat", 1, 8));
     let (status, v) = server.post("/sdcpp/v1/img_gen", &native("a cat", 1, 9));

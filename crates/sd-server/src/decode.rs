@@ -29,7 +29,7 @@ pub(crate) const MAX_STEPS: i64 = 1000;
 /// Largest decoded init image, in pixels per side and bytes (a decompression bomb stops
 /// here, before its pixels are allocated).
 const MAX_DECODED_SIDE: u32 = 8192;
-const MAX_DECODED_BYTES: u64 = 512 << 20;
+const MAX_DECODED_BYTES: u64 = 64 << 20;
 
 /// An HTTP error with a JSON body `{"error", "message", "field"}`.
 #[derive(Debug)]

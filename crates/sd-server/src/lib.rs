@@ -6,7 +6,7 @@
 //! a time, in the order they were accepted. The pipeline never leaves that thread: requests
 //! reach it only as decoded, validated jobs through the queue ([`jobs`]).
 //!
-//! The API families follow the reference's `examples/server/api.md` (upstream 97d2990):
+//! The API families follow stable-diffusion.cpp's `examples/server/api.md` (upstream 97d2990):
 //! - native async jobs: `GET /sdcpp/v1/capabilities`, `POST /sdcpp/v1/img_gen` (202 with
 //!   `{id, poll_url}`, 429 when the queue is full), `GET /sdcpp/v1/jobs/{id}`,
 //!   `POST /sdcpp/v1/jobs/{id}/cancel`;

@@ -40,10 +40,6 @@ impl Status {
             Status::Cancelled => "cancelled",
         }
     }
-
-    pub(crate) fn finished(self) -> bool {
-        matches!(self, Status::Completed | Status::Failed | Status::Cancelled)
-    }
 }
 
 /// Where a running job is.

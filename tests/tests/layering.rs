@@ -14,7 +14,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("sd-sched", 2),
     ("sd-vae", 3),
     ("sd-models", 4),
-    ("sd-cli", 5),
+    ("sd-server", 5),
+    ("sd-cli", 6),
     ("xtask", 9),
     ("sd-tests", 9),
 ];

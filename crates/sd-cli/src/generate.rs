@@ -217,7 +217,7 @@ fn prediction(s: &str) -> std::result::Result<FilePrediction, sd_models::samplin
     s.parse()
 }
 
-fn ensure_fixture() -> Result<PathBuf> {
+pub(crate) fn ensure_fixture() -> Result<PathBuf> {
     let path = fixture::cached_path(Family::Sd15, 42, WeightType::F16);
     if !path.is_file() {
         tracing::warn!(
@@ -264,26 +264,29 @@ fn a1111_parameters(a: &GenerateArgs, r: &Request, i: usize, model: &str) -> Str
     s
 }
 
-/// Runs a generation: flags -> request -> plan -> pipeline -> images.
-pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
-    // What needs no model is checked before anything is opened or written; the rest once the
-    // model is known (`Pipeline::check_request`), with the outputs: all before the first
-    // weight is read.
-    let (params, loras) = a.params()?;
-    let count = params.params().batch_count;
-    let outputs = ImageOutput::plan(&a.output, count, a.run.output_begin_idx, a.overwrite).context("-o")?;
-    let report_to = crate::output::report_target(a.report_json.as_deref())?;
-    let model = a.model.or_fixture(ensure_fixture)?;
-    // No output may be a file the run reads, or another output.
-    let files = model
-        .run_files()
-        .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
-        .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
-        .input(InputRole::InitImage, a.init_img.as_deref())
-        .loras(&loras);
-    let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
-    let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
-    files.check().map_err(crate::errors::same_file)?;
+/// A loaded pipeline, its placement plan and the model flags it came from.
+pub struct Loaded {
+    /// The pipeline.
+    pub pipeline: Pipeline,
+    /// The placement it runs with.
+    pub plan: sd_placement::Plan,
+    /// The model flags (`-m` filled with the fixture when none was given).
+    pub model: ModelArgs,
+    /// The devices and backends, kept as long as the pipeline.
+    _devices: (sd_backends::PluginRegistry, BackendManager),
+}
+
+/// Opens `model` (the model flags of `a`, the fixture filled in), plans its placement for
+/// images of `size` and builds the pipeline with `loras` (no weight is read yet): what a
+/// generation and `sd-cli serve` share.
+pub fn load(
+    a: &GenerateArgs,
+    dev: &DeviceArgs,
+    model: ModelArgs,
+    size: (usize, usize),
+    loras: &[sd_models::lora::LoraRequest],
+) -> Result<Loaded> {
+    let (w, h) = size;
     let reg = crate::devices::open(dev)?;
     let files = sd_models::files::ModelFiles::open(&model.sources())?;
     let threads = sd_backends::threads::resolve_threads(a.threads);
@@ -299,7 +302,6 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     };
     tracing::debug!("CPU extra weight buffer types {}", if extra_bufts { "on" } else { "off" });
     let manager = BackendManager::new(Some(threads)).with_cpu_extra_bufts(extra_bufts);
-    let (w, h) = (params.params().width, params.params().height);
     let speeds = |d: &sd_placement::ModelDescription, names: &[String]| -> Result<_> {
         let backends = reg
             .devices()
@@ -330,7 +332,32 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         flash_attn: a.diffusion_fa,
         placement,
     };
-    let pipeline = Pipeline::from_files(files, options)?.with_loras(&loras, a.lora.lora_apply_mode)?;
+    let pipeline = Pipeline::from_files(files, options)?.with_loras(loras, a.lora.lora_apply_mode)?;
+    Ok(Loaded { pipeline, plan, model, _devices: (reg, manager) })
+}
+
+/// Runs a generation: flags -> request -> plan -> pipeline -> images.
+pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
+    // What needs no model is checked before anything is opened or written; the rest once the
+    // model is known (`Pipeline::check_request`), with the outputs: all before the first
+    // weight is read.
+    let (params, loras) = a.params()?;
+    let count = params.params().batch_count;
+    let outputs = ImageOutput::plan(&a.output, count, a.run.output_begin_idx, a.overwrite).context("-o")?;
+    let report_to = crate::output::report_target(a.report_json.as_deref())?;
+    let model = a.model.or_fixture(ensure_fixture)?;
+    // No output may be a file the run reads, or another output.
+    let files = model
+        .run_files()
+        .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
+        .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
+        .input(InputRole::InitImage, a.init_img.as_deref())
+        .loras(&loras);
+    let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
+    let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
+    files.check().map_err(crate::errors::same_file)?;
+    let (w, h) = (params.params().width, params.params().height);
+    let Loaded { pipeline, plan, model, .. } = load(a, dev, model, (w, h), &loras)?;
     let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
 
     let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
@@ -358,7 +385,7 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
 
 impl GenerateArgs {
     /// The request the flags make, checked as far as it can be without a model.
-    fn params(&self) -> Result<(ValidParams, Vec<sd_models::lora::LoraRequest>)> {
+    pub fn params(&self) -> Result<(ValidParams, Vec<sd_models::lora::LoraRequest>)> {
         self.run.check_mode()?;
         let tiling = TilingParams::from_cli(
             self.vae_tiling,

@@ -2,7 +2,8 @@
 //!
 //! Flag names follow stable-diffusion.cpp's `sd-cli` so existing commands keep
 //! working. Subcommands: `plan` (print a placement plan without loading
-//! weights) and `rpc-server` (serve a local device to other machines); without
+//! weights), `rpc-server` (serve a local device to other machines) and `serve`
+//! (load the model once and serve it over HTTP, the `sd-server` crate); without
 //! a subcommand, `--list-devices` lists devices and otherwise an image is
 //! generated. Flags and commands that are ours, not the reference's, say so in
 //! `--help` (`[sd-rs]`).
@@ -25,6 +26,7 @@ mod output;
 mod plan;
 mod progress;
 mod rpc_server;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -100,6 +102,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// [sd-rs] Serve a local device to other machines over ggml's RPC protocol.
     RpcServer(rpc_server::RpcServerArgs),
+    /// [sd-rs] Load the model once and serve stable-diffusion.cpp's server APIs over HTTP
+    /// (native async jobs, OpenAI, A1111) on 127.0.0.1:1234.
+    Serve(Box<serve::ServeArgs>),
 }
 
 fn main() -> ExitCode {
@@ -133,6 +138,7 @@ fn main() -> ExitCode {
     } else {
         match cli.command {
             Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
+            Some(Command::Serve(args)) => serve::run(&args, &cli.devices),
             // Any error of `plan` is bad input (files, flags, profile): exit status 2.
             Some(Command::Plan(args)) => plan::run(&args, &cli.devices).or_else(|e| {
                 print_error(&e);

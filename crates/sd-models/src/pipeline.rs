@@ -128,6 +128,10 @@ pub enum PipelineError {
     /// LoRA adapters.
     #[error(transparent)]
     Lora(#[from] crate::lora::LoraError),
+    /// The run was cancelled through [`Pipeline::with_cancel`]'s flag (between two steps or
+    /// stages; nothing after the cancelled stage ran).
+    #[error("cancelled")]
+    Cancelled,
 }
 
 /// A setting of [`GenerateParams`], for errors: front ends map it to their own flag names.
@@ -524,6 +528,8 @@ pub struct Pipeline {
     opts: LoadOptions,
     /// LoRA adapters and the apply mode asked for (`crate::lora`; resolved per module).
     loras: Option<(Arc<crate::lora::LoraSet>, crate::lora::ApplyMode)>,
+    /// Set by another thread to stop the run at the next sampling step or stage.
+    cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -564,16 +570,24 @@ impl Pipeline {
         let parameterisation = if flow { "flow matching" } else { prediction.name() };
         tracing::info!("model: {} ({} tensors), prediction {parameterisation}", detected.arch, files.index().len());
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts, loras: None })
+        Ok(Self { files, family, prediction, opts, loras: None, cancel: None })
     }
 
     /// The pipeline with `requests`' LoRA adapters applied in `mode` (read and checked
     /// against the model now, before any weight is loaded). The mode of each module is
     /// resolved as its weights load (`crate::lora::runtime::resolve`), and said in the log.
     pub fn with_loras(mut self, requests: &[crate::lora::LoraRequest], mode: crate::lora::ApplyMode) -> Result<Self> {
+        self.set_loras(requests, mode)?;
+        Ok(self)
+    }
+
+    /// [`Pipeline::with_loras`] in place, for a server that applies each request's adapters
+    /// to one loaded pipeline (weights load per generation, so nothing of the previous
+    /// request's adapters stays). On an error the pipeline keeps no adapter.
+    pub fn set_loras(&mut self, requests: &[crate::lora::LoraRequest], mode: crate::lora::ApplyMode) -> Result<()> {
+        self.loras = None;
         if requests.is_empty() {
-            self.loras = None;
-            return Ok(self);
+            return Ok(());
         }
         let set = lora_set(&self.files, self.family.as_ref(), requests, self.opts.wtype)?;
         tracing::info!(
@@ -583,7 +597,22 @@ impl Pipeline {
             set.targets()
         );
         self.loras = Some((Arc::new(set), mode));
-        Ok(self)
+        Ok(())
+    }
+
+    /// The pipeline stopping a run with [`PipelineError::Cancelled`] at the next sampling step
+    /// or stage boundary once `flag` is set (the caller clears it before the next run).
+    pub fn with_cancel(mut self, flag: Arc<std::sync::atomic::AtomicBool>) -> Self {
+        self.cancel = Some(flag);
+        self
+    }
+
+    /// [`PipelineError::Cancelled`] when the cancel flag is set.
+    fn check_cancel(&self) -> Result<()> {
+        match &self.cancel {
+            Some(flag) if flag.load(std::sync::atomic::Ordering::Relaxed) => Err(PipelineError::Cancelled),
+            _ => Ok(()),
+        }
     }
 
     /// The multiple image sides must have for this model: VAE scale times the diffusion
@@ -919,6 +948,7 @@ impl Pipeline {
         let guided = cfg_scale != 1.0;
 
         // 1. Text.
+        self.check_cancel()?;
         let t = Instant::now();
         let (cond, uncond) = {
             let model = self.load_text()?;
@@ -1070,6 +1100,7 @@ impl Pipeline {
                 let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, cfg_scale, model);
                 let with_uncond = method.needs_uncond_denoised();
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
+                    self.check_cancel()?;
                     let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
@@ -1111,6 +1142,7 @@ impl Pipeline {
         }
 
         // 4. Decoding.
+        self.check_cancel()?;
         let t = Instant::now();
         let vae = self.load_first_stage(false)?;
         report.stage("vae load", t.elapsed().as_secs_f64());

@@ -1,0 +1,408 @@
+//! `sd-cli serve` over real HTTP on loopback: the three APIs give the images sd-cli gives for
+//! the same seed (bit for bit), per-request LoRAs leave the loaded model unchanged, the queue
+//! limit answers 429, cancel stops queued and generating jobs, concurrent clients each get
+//! their own seed's image, and bad input is a 4xx naming the field.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use common::{png_pixels, sd15_fixture, sd_cli};
+use serde_json::{json, Value};
+
+/// A running `sd-cli serve`, killed on drop.
+struct Serve {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+    key: Option<String>,
+}
+
+impl Serve {
+    /// `sd-cli serve -m MODEL -t 2 --listen-port 0 ARGS`, ready once it printed its address.
+    fn start(model: &Path, args: &[&str]) -> Serve {
+        let mut child = sd_cli()
+            .arg("serve")
+            .arg("-m")
+            .arg(model)
+            .args(["-t", "2", "--listen-port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(if std::env::var_os("SERVE_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let base = line.trim().strip_prefix("sd-server listening on ").unwrap_or_else(|| panic!("no address: {line:?}"));
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(300)))
+            .build()
+            .into();
+        let key = args.iter().position(|a| *a == "--api-key").map(|i| args[i + 1].to_string());
+        Serve { child, base: base.to_string(), agent, key }
+    }
+
+    /// `(status, JSON body)` of `method path` with `body` (raw text, sent as JSON).
+    fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+        let url = format!("{}{path}", self.base);
+        let auth = self.key.as_ref().map(|k| format!("Bearer {k}"));
+        let resp = match method {
+            "GET" => {
+                let mut r = self.agent.get(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call()
+            }
+            _ => {
+                let mut r = self.agent.post(&url).header("Content-Type", "application/json");
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.send(body.unwrap_or(""))
+            }
+        };
+        let mut resp = resp.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        let status = resp.status().as_u16();
+        let text = resp.body_mut().with_config().limit(64 << 20).read_to_string().unwrap();
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path} -> {status}: not JSON ({e}): {text}"));
+        (status, v)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.call("POST", path, Some(&body.to_string()))
+    }
+
+    /// Submits a native job: its id (202 asserted).
+    fn submit(&self, body: &Value) -> String {
+        let (status, v) = self.post("/sdcpp/v1/img_gen", body);
+        assert_eq!(status, 202, "{v}");
+        assert_eq!(v["poll_url"], format!("/sdcpp/v1/jobs/{}", v["id"].as_str().unwrap()));
+        v["id"].as_str().unwrap().to_string()
+    }
+
+    fn job(&self, id: &str) -> Value {
+        let (status, v) = self.call("GET", &format!("/sdcpp/v1/jobs/{id}"), None);
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    /// Polls job `id` until it is finished.
+    fn wait(&self, id: &str) -> Value {
+        let t = Instant::now();
+        loop {
+            let v = self.job(id);
+            if ["completed", "failed", "cancelled"].contains(&v["status"].as_str().unwrap()) {
+                return v;
+            }
+            assert!(t.elapsed() < Duration::from_secs(300), "job {id} did not finish: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sd-cli-serve-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// RGB pixels of a base64 PNG.
+fn b64_pixels(b64: &str) -> Vec<u8> {
+    png_pixels(&base64::engine::general_purpose::STANDARD.decode(b64).unwrap())
+}
+
+/// The pixels of the completed job `v`'s only image.
+fn job_pixels(v: &Value) -> Vec<u8> {
+    assert_eq!(v["status"], "completed", "{v}");
+    let images = v["result"]["images"].as_array().unwrap();
+    assert_eq!(images.len(), 1);
+    b64_pixels(images[0]["b64_json"].as_str().unwrap())
+}
+
+/// sd-cli's image for `prompt` at 64x64, `steps` euler steps, cfg 7, `seed` (2 threads).
+fn cli_image(model: &Path, dir: &Path, name: &str, prompt: &str, steps: u32, seed: u64, lora_dir: &Path) -> Vec<u8> {
+    let out = dir.join(name);
+    let o = sd_cli()
+        .arg("-m")
+        .arg(model)
+        .args(["-p", prompt, "-W", "64", "-H", "64", "--steps", &steps.to_string(), "--sampling-method", "euler"])
+        .args(["-s", &seed.to_string(), "--cfg-scale", "7", "-t", "2", "--lora-model-dir"])
+        .arg(lora_dir)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "sd-cli: {}", String::from_utf8_lossy(&o.stderr));
+    common::pixels(&out)
+}
+
+/// The native body of the images above.
+fn native(prompt: &str, steps: u32, seed: u64) -> Value {
+    json!({
+        "prompt": prompt, "width": 64, "height": 64, "seed": seed,
+        "sample_params": {"sample_steps": steps, "sample_method": "euler", "guidance": {"txt_cfg": 7.0}},
+    })
+}
+
+#[test]
+fn every_api_gives_sd_clis_image_and_loras_apply_per_request() {
+    let model = sd15_fixture();
+    let dir = out_dir("apis");
+    let kohya = sd_models::fixture::lora::LoraFixture {
+        layout: sd_models::fixture::lora::LoraLayout::Kohya,
+        rank: 4,
+        seed: 1,
+        scale: 0.1,
+        text_encoder: true,
+    };
+    sd_models::fixture::lora::write_lora(&dir.join("kohya.safetensors"), &kohya).unwrap();
+    let plain = cli_image(&model, &dir, "plain.png", "a cat", 2, 42, &dir);
+    let lora = cli_image(&model, &dir, "lora.png", "a cat<lora:kohya:1>", 2, 42, &dir);
+    assert_ne!(plain, lora, "the LoRA changes the image");
+
+    let server = Serve::start(&model, &["--lora-model-dir", dir.to_str().unwrap()]);
+    // Native async jobs: the plain image, the LoRA's, and the plain one again (the LoRA of
+    // the second request did not stay in the loaded model).
+    let id = server.submit(&native("a cat", 2, 42));
+    assert_eq!(job_pixels(&server.wait(&id)), plain, "native job vs sd-cli");
+    let mut with_lora = native("a cat", 2, 42);
+    with_lora["lora"] = json!([{"path": "kohya", "multiplier": 1.0}]);
+    let id = server.submit(&with_lora);
+    assert_eq!(job_pixels(&server.wait(&id)), lora, "native job with a LoRA vs sd-cli's <lora:kohya:1>");
+    let id = server.submit(&native("a cat", 2, 42));
+    assert_eq!(job_pixels(&server.wait(&id)), plain, "after a LoRA request the model is unchanged");
+    // A finished job can no longer be cancelled.
+    let (status, v) = server.post(&format!("/sdcpp/v1/jobs/{id}/cancel"), &json!({}));
+    assert_eq!(status, 409, "{v}");
+
+    // OpenAI, with the native fields in the prompt's extra-args block.
+    let extra = r#"{"seed": 42, "sample_params": {"sample_steps": 2, "sample_method": "euler", "guidance": {"txt_cfg": 7}}}"#;
+    let body = json!({"prompt": format!("a cat <sd_cpp_extra_args>{extra}</sd_cpp_extra_args>"), "size": "64x64", "n": 1});
+    let (status, v) = server.post("/v1/images/generations", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["output_format"], "png");
+    assert_eq!(b64_pixels(v["data"][0]["b64_json"].as_str().unwrap()), plain, "OpenAI vs sd-cli");
+
+    // A1111 txt2img by its own field names.
+    let body = json!({"prompt": "a cat", "width": 64, "height": 64, "steps": 2, "sampler_name": "Euler", "cfg_scale": 7, "seed": 42});
+    let (status, v) = server.post("/sdapi/v1/txt2img", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["parameters"]["sampler_name"], "Euler");
+    assert_eq!(b64_pixels(v["images"][0].as_str().unwrap()), plain, "sdapi txt2img vs sd-cli");
+
+    // The lists.
+    let (_, v) = server.call("GET", "/sdapi/v1/loras", None);
+    assert_eq!(v, json!([{"name": "kohya", "path": "kohya.safetensors"}]));
+    let (_, v) = server.call("GET", "/v1/models", None);
+    assert_eq!(v["data"][0]["id"], "sd-cpp-local");
+    let (_, v) = server.call("GET", "/sdcpp/v1/capabilities", None);
+    assert_eq!(v["limits"]["max_queue_size"], 64);
+    assert!(v["samplers"].as_array().unwrap().contains(&json!("euler")));
+    assert_eq!(v["model"]["path"], model.to_str().unwrap());
+    let (_, v) = server.call("GET", "/sdapi/v1/samplers", None);
+    assert!(v.as_array().unwrap().iter().any(|s| s["name"] == "euler_a"));
+    let (_, v) = server.call("GET", "/sdapi/v1/options", None);
+    assert_eq!(v["sd_model_checkpoint"], model.file_stem().unwrap().to_str().unwrap());
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn queue_limit_cancel_progress_and_concurrent_clients() {
+    let model = sd15_fixture();
+    let dir = out_dir("queue");
+    let server = Serve::start(&model, &["--max-queue", "3"]);
+    // A long job, two behind it: the queue is full.
+    let long = server.submit(&native("a dog", 40, 1));
+    let t = Instant::now();
+    while server.job(&long)["status"] == "queued" {
+        assert!(t.elapsed() < Duration::from_secs(60), "the job did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = server.submit(&native("a cat", 1, 7));
+    let third = server.submit(&native("a cat", 1, 8));
+    let (status, v) = server.post("/sdcpp/v1/img_gen", &native("a cat", 1, 9));
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(server.job(&third)["queue_position"], 2);
+    // A queued job is cancelled at once and leaves the queue.
+    let (status, v) = server.post(&format!("/sdcpp/v1/jobs/{third}/cancel"), &json!({}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["status"], "cancelled");
+    assert_eq!(server.job(&third)["error"]["code"], "cancelled");
+    // The generating job reports its steps, then stops at the next one when cancelled.
+    let t = Instant::now();
+    let progress = loop {
+        let v = server.job(&long);
+        if v["status"] == "generating" && v["progress"]["step"].as_u64().unwrap_or(0) >= 1 {
+            break v["progress"].clone();
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "no progress: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(progress["steps"], 40);
+    assert!(progress["elapsed"].as_f64().unwrap() > 0.0);
+    let (_, a1111) = server.call("GET", "/sdapi/v1/progress", None);
+    assert!(a1111["progress"].as_f64().unwrap() > 0.0, "{a1111}");
+    assert_eq!(a1111["state"]["job"], long.as_str());
+    let (status, _) = server.post(&format!("/sdcpp/v1/jobs/{long}/cancel"), &json!({}));
+    assert_eq!(status, 200);
+    let v = server.wait(&long);
+    assert_eq!(v["status"], "cancelled", "{v}");
+    assert!(v["started"].is_u64());
+    // The job behind it runs.
+    let second_pixels = job_pixels(&server.wait(&second));
+    drop(server);
+
+    // 4 clients x 2 jobs each, seeds 7 and 8: every job gets its seed's image.
+    let server = std::sync::Arc::new(Serve::start(&model, &[]));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let server = server.clone();
+            std::thread::spawn(move || {
+                (0..2u64)
+                    .map(|j| {
+                        let seed = 7 + (c + j) % 2;
+                        let id = server.submit(&native("a cat", 1, seed));
+                        (seed, id)
+                    })
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .map(|(seed, id)| (seed, job_pixels(&server.wait(&id))))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let results: Vec<(u64, Vec<u8>)> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    assert_eq!(results.len(), 8);
+    let seed7 = cli_image(&model, &dir, "seed7.png", "a cat", 1, 7, &dir);
+    assert_eq!(second_pixels, seed7, "the job queued behind a cancelled one vs sd-cli");
+    let seed8 = results.iter().find(|(s, _)| *s == 8).unwrap().1.clone();
+    assert_ne!(seed7, seed8);
+    for (seed, px) in &results {
+        assert_eq!(px, if *seed == 7 { &seed7 } else { &seed8 }, "seed {seed}");
+    }
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A PNG of `w` x `h` black pixels (small on disk, large decoded).
+fn black_png(w: u32, h: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut enc = png::Encoder::new(&mut out, w, h);
+    enc.set_color(png::ColorType::Rgb);
+    let mut writer = enc.write_header().unwrap();
+    writer.write_image_data(&vec![0u8; (w * h * 3) as usize]).unwrap();
+    writer.finish().unwrap();
+    out
+}
+
+#[test]
+fn bad_input_is_a_4xx_naming_the_field() {
+    let model = sd15_fixture();
+    let dir = out_dir("bad");
+    std::fs::write(dir.join("outside.safetensors"), b"x").unwrap();
+    let loras = dir.join("loras");
+    std::fs::create_dir_all(&loras).unwrap();
+    let server = Serve::start(
+        &model,
+        &["--lora-model-dir", loras.to_str().unwrap(), "--max-body-mib", "1", "--api-key", "sesame"],
+    );
+    let bomb = base64::engine::general_purpose::STANDARD.encode(black_png(6000, 6000));
+    let cases: &[(&str, &str, String, u16, Option<&str>)] = &[
+        ("/sdcpp/v1/img_gen", "malformed JSON", r#"{"prompt": "a"#.into(), 400, None),
+        ("/sdcpp/v1/img_gen", "empty body", "".into(), 400, None),
+        ("/sdcpp/v1/img_gen", "not an object", "[1, 2]".into(), 400, None),
+        ("/sdcpp/v1/img_gen", "wrong type", r#"{"width": "wide"}"#.into(), 400, Some("width")),
+        ("/sdcpp/v1/img_gen", "fraction for an integer", r#"{"height": 64.5}"#.into(), 400, Some("height")),
+        ("/sdcpp/v1/img_gen", "too small", r#"{"width": 8}"#.into(), 400, Some("width")),
+        ("/sdcpp/v1/img_gen", "too large", r#"{"height": 100000}"#.into(), 400, Some("height")),
+        ("/sdcpp/v1/img_gen", "zero steps", r#"{"sample_params": {"sample_steps": 0}}"#.into(), 400, Some("sample_params.sample_steps")),
+        ("/sdcpp/v1/img_gen", "negative steps", r#"{"sample_params": {"sample_steps": -3}}"#.into(), 400, Some("sample_params.sample_steps")),
+        ("/sdcpp/v1/img_gen", "not an object", r#"{"sample_params": 5}"#.into(), 400, Some("sample_params")),
+        ("/sdcpp/v1/img_gen", "unknown sampler", r#"{"sample_params": {"sample_method": "warp_drive"}}"#.into(), 400, Some("sample_params.sample_method")),
+        ("/sdcpp/v1/img_gen", "unknown scheduler", r#"{"sample_params": {"scheduler": "sometimes"}}"#.into(), 400, Some("sample_params.scheduler")),
+        ("/sdcpp/v1/img_gen", "batch too large", r#"{"batch_count": 1000}"#.into(), 400, Some("batch_count")),
+        ("/sdcpp/v1/img_gen", "strength", r#"{"strength": 2}"#.into(), 400, Some("strength")),
+        ("/sdcpp/v1/img_gen", "output format", r#"{"output_format": "gif"}"#.into(), 400, Some("output_format")),
+        ("/sdcpp/v1/img_gen", "base64 garbage", r#"{"init_image": "@@not base64@@"}"#.into(), 400, Some("init_image")),
+        ("/sdcpp/v1/img_gen", "not an image", json!({"init_image": base64::engine::general_purpose::STANDARD.encode(b"hello")}).to_string(), 400, Some("init_image")),
+        ("/sdcpp/v1/img_gen", "decompression bomb", json!({"init_image": bomb}).to_string(), 400, Some("init_image")),
+        ("/sdcpp/v1/img_gen", "unsupported mask", r#"{"mask_image": "abc"}"#.into(), 400, Some("mask_image")),
+        ("/sdcpp/v1/img_gen", "lora traversal", r#"{"lora": [{"path": "../outside", "multiplier": 1}]}"#.into(), 400, Some("lora[0].path")),
+        ("/sdcpp/v1/img_gen", "absolute lora", json!({"lora": [{"path": dir.join("outside.safetensors")}]}).to_string(), 400, Some("lora[0].path")),
+        ("/sdcpp/v1/img_gen", "missing lora", r#"{"lora": [{"path": "nothing"}]}"#.into(), 400, Some("lora[0].path")),
+        ("/sdcpp/v1/img_gen", "lora multiplier", r#"{"lora": [{"path": "x", "multiplier": "big"}]}"#.into(), 400, Some("lora[0].multiplier")),
+        ("/v1/images/generations", "no prompt", r#"{"size": "64x64"}"#.into(), 400, Some("prompt")),
+        ("/v1/images/generations", "bad size", r#"{"prompt": "a", "size": "big"}"#.into(), 400, Some("size")),
+        ("/v1/images/generations", "bad extra args", r#"{"prompt": "a <sd_cpp_extra_args>{nope</sd_cpp_extra_args>"}"#.into(), 400, Some("prompt")),
+        ("/v1/images/generations", "extra args field", r#"{"prompt": "a <sd_cpp_extra_args>{\"width\": 1}</sd_cpp_extra_args>"}"#.into(), 400, Some("width")),
+        ("/sdapi/v1/txt2img", "A1111 sampler", r#"{"prompt": "a", "sampler_name": "Warp"}"#.into(), 400, Some("sampler_name")),
+        ("/sdapi/v1/txt2img", "A1111 steps type", r#"{"prompt": "a", "steps": "many"}"#.into(), 400, Some("steps")),
+        ("/sdapi/v1/img2img", "no init image", r#"{"prompt": "a"}"#.into(), 400, Some("init_images")),
+        ("/sdapi/v1/img2img", "init image garbage", r#"{"prompt": "a", "init_images": ["data:image/png;base64,!!"]}"#.into(), 400, Some("init_images[0]")),
+    ];
+    for (path, what, body, status, field) in cases {
+        let (got, v) = server.call("POST", path, Some(body.as_str()));
+        assert_eq!(got, *status, "{what}: {v}");
+        assert_eq!(v["field"].as_str(), *field, "{what}: {v}");
+        assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
+    }
+    // Nothing was queued by any of them.
+    let (_, v) = server.call("GET", "/sdapi/v1/progress", None);
+    assert_eq!(v["state"]["job_count"], 0, "{v}");
+    let (status, _) = server.call("GET", "/sdcpp/v1/jobs/job_nothing", None);
+    assert_eq!(status, 404);
+    let (status, _) = server.call("POST", "/sdcpp/v1/jobs/job_nothing/cancel", Some("{}"));
+    assert_eq!(status, 404);
+    let (status, _) = server.call("GET", "/no/such/endpoint", None);
+    assert_eq!(status, 404);
+
+    // Without the key: 401.
+    let resp = server.agent.get(format!("{}/v1/models", server.base)).call().unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    let resp = server.agent.get(format!("{}/v1/models", server.base)).header("Authorization", "Bearer wrong").call().unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+
+    // A body over --max-body-mib: 413 before it is read (only its headers and a start sent).
+    let addr = server.base.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let head = format!(
+        "POST /sdcpp/v1/img_gen HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer sesame\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{\"prompt\": \"",
+        4 << 20
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        if reply.windows(4).any(|w| w == b"\r\n\r\n") && String::from_utf8_lossy(&reply).contains("}") {
+            break;
+        }
+    }
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    assert!(reply.contains("payload_too_large"), "{reply}");
+    // The server lives on.
+    let (status, _) = server.call("GET", "/v1/models", None);
+    assert_eq!(status, 200);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,392 @@
+//! The job queue: accepted jobs in FIFO order, their states and results, and the worker loop
+//! that runs them one at a time on the thread that owns the pipeline.
+//!
+//! Invariants: a job is in `queue` exactly while it is `Queued`; at most one job is
+//! `Generating` (`current`); the cancel flag shared with the pipeline is cleared under the
+//! lock when a job starts, and set only for the job in `current`, so a cancel never reaches
+//! the next job. Finished jobs are kept [`KEEP_SECONDS`] and then answer 410.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use sd_models::pipeline::{Pipeline, PipelineError, Progress};
+use serde_json::{json, Value};
+
+use crate::decode::JobSpec;
+use crate::Config;
+
+/// How long a finished job's result is kept (the reference's TTL).
+pub(crate) const KEEP_SECONDS: u64 = 600;
+
+/// A job's state, by the reference's names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    Queued,
+    Generating,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Status::Queued => "queued",
+            Status::Generating => "generating",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Where a running job is.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct JobProgress {
+    /// `text encode`, `sampling`, `decode`.
+    pub stage: &'static str,
+    /// Image (0-based) being sampled and images in the job.
+    pub image: usize,
+    pub images: usize,
+    /// Sampling steps finished for `image`, of `steps`.
+    pub step: usize,
+    pub steps: usize,
+}
+
+/// One accepted job.
+pub(crate) struct Job {
+    pub id: String,
+    pub status: Status,
+    pub created: u64,
+    pub started: Option<u64>,
+    pub completed: Option<u64>,
+    /// Taken by the worker when the job starts.
+    pub spec: Option<JobSpec>,
+    pub output_format: &'static str,
+    /// Base64 images once completed.
+    pub images: Vec<String>,
+    /// `(code, message)` of a failed or cancelled job.
+    pub error: Option<(&'static str, String)>,
+    /// A failure caused by the request (answered 400 by the synchronous APIs).
+    pub bad_request: bool,
+    pub progress: JobProgress,
+    pub started_at: Option<Instant>,
+    finished_at: Option<Instant>,
+    /// Synchronous handlers waiting for the job to finish.
+    waiters: Vec<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// The queue and every job, behind one lock.
+#[derive(Default)]
+pub(crate) struct State {
+    pub jobs: HashMap<String, Job>,
+    pub queue: VecDeque<String>,
+    pub current: Option<String>,
+    /// Ids of finished jobs dropped after [`KEEP_SECONDS`] (answered 410).
+    pub expired: HashSet<String>,
+    counter: u64,
+}
+
+/// What the HTTP side and the worker share.
+pub(crate) struct Shared {
+    pub config: Config,
+    state: Mutex<State>,
+    wake: Condvar,
+    cancel: Arc<AtomicBool>,
+}
+
+/// Why a job was not accepted.
+pub(crate) struct QueueFull;
+
+/// Why a job cannot be cancelled.
+pub(crate) enum CancelError {
+    NotFound,
+    Expired,
+    Finished(Status),
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl Shared {
+    pub(crate) fn new(config: Config, cancel: Arc<AtomicBool>) -> Shared {
+        Shared { config, state: Mutex::new(State::default()), wake: Condvar::new(), cancel }
+    }
+
+    /// The state, locked; finished jobs past their time are dropped first.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while the lock was held is our bug; the state is still consistent enough
+        // to answer requests, so the poison is ignored rather than spread to every request.
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let keep = Duration::from_secs(KEEP_SECONDS);
+        let old: Vec<String> = st
+            .jobs
+            .values()
+            .filter(|j| j.finished_at.is_some_and(|t| t.elapsed() > keep) && j.waiters.is_empty())
+            .map(|j| j.id.clone())
+            .collect();
+        for id in old {
+            st.jobs.remove(&id);
+            st.expired.insert(id);
+        }
+        st
+    }
+
+    /// Accepts `spec` at the end of the queue: the job's id, or [`QueueFull`] when
+    /// `max_queue` jobs are pending. With `wait`, also a receiver told when it finishes.
+    pub(crate) fn submit(
+        &self,
+        spec: JobSpec,
+        wait: bool,
+    ) -> Result<(String, u64, Option<tokio::sync::oneshot::Receiver<()>>), QueueFull> {
+        let mut st = self.lock();
+        let pending = st.queue.len() + usize::from(st.current.is_some());
+        if pending >= self.config.max_queue {
+            return Err(QueueFull);
+        }
+        st.counter += 1;
+        let created = unix_now();
+        let id = format!("job_{created:x}_{:08x}", st.counter);
+        let (tx, rx) = if wait {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let job = Job {
+            id: id.clone(),
+            status: Status::Queued,
+            created,
+            started: None,
+            completed: None,
+            output_format: spec.output.format.name(),
+            spec: Some(spec),
+            images: Vec::new(),
+            error: None,
+            bad_request: false,
+            progress: JobProgress::default(),
+            started_at: None,
+            finished_at: None,
+            waiters: tx.into_iter().collect(),
+        };
+        st.jobs.insert(id.clone(), job);
+        st.queue.push_back(id.clone());
+        drop(st);
+        self.wake.notify_one();
+        Ok((id, created, rx))
+    }
+
+    /// Cancels job `id`: a queued job leaves the queue at once, a generating one stops at
+    /// the next sampling step.
+    pub(crate) fn cancel(&self, id: &str) -> Result<Status, CancelError> {
+        let mut st = self.lock();
+        let Some(job) = st.jobs.get(id) else {
+            return Err(if st.expired.contains(id) { CancelError::Expired } else { CancelError::NotFound });
+        };
+        match job.status {
+            Status::Queued => {
+                st.queue.retain(|q| q != id);
+                finish(&mut st, id, Status::Cancelled, Some(("cancelled", "job cancelled by client".into())));
+                Ok(Status::Cancelled)
+            }
+            Status::Generating => {
+                self.cancel.store(true, Ordering::Relaxed);
+                Ok(Status::Generating)
+            }
+            s => Err(CancelError::Finished(s)),
+        }
+    }
+
+    /// Cancels the generating job, if any (A1111's interrupt); its id.
+    pub(crate) fn interrupt(&self) -> Option<String> {
+        let st = self.lock();
+        let id = st.current.clone()?;
+        self.cancel.store(true, Ordering::Relaxed);
+        Some(id)
+    }
+}
+
+/// Marks job `id` finished and wakes whoever waits on it.
+fn finish(st: &mut State, id: &str, status: Status, error: Option<(&'static str, String)>) {
+    if let Some(job) = st.jobs.get_mut(id) {
+        job.status = status;
+        job.completed = Some(unix_now());
+        job.finished_at = Some(Instant::now());
+        job.error = error;
+        job.spec = None;
+        for w in job.waiters.drain(..) {
+            let _ = w.send(());
+        }
+    }
+}
+
+/// The job JSON of the reference (`make_async_job_json`), with our `progress` added.
+pub(crate) fn job_json(st: &State, job: &Job) -> Value {
+    let position = match job.status {
+        Status::Queued => st.queue.iter().position(|q| *q == job.id).map_or(0, |p| p + 1),
+        _ => 0,
+    };
+    let result = (job.status == Status::Completed).then(|| {
+        let images: Vec<Value> =
+            job.images.iter().enumerate().map(|(i, b64)| json!({"index": i, "b64_json": b64})).collect();
+        json!({"output_format": job.output_format, "images": images})
+    });
+    let error = job.error.as_ref().map(|(code, message)| json!({"code": code, "message": message}));
+    let mut v = json!({
+        "id": job.id,
+        "kind": "img_gen",
+        "status": job.status.name(),
+        "created": job.created,
+        "started": job.started,
+        "completed": job.completed,
+        "queue_position": position,
+        "result": result,
+        "error": error,
+    });
+    if job.status == Status::Generating {
+        v["progress"] = progress_json(job);
+    }
+    v
+}
+
+/// `{stage, image, images, step, steps, fraction, elapsed, eta}` of a generating job
+/// (elapsed and ETA in seconds; the ETA from the sampling rate so far).
+pub(crate) fn progress_json(job: &Job) -> Value {
+    let p = &job.progress;
+    let elapsed = job.started_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let fraction = fraction(p);
+    let eta = (fraction > 0.0).then(|| elapsed / fraction - elapsed);
+    json!({
+        "stage": p.stage,
+        "image": p.image,
+        "images": p.images,
+        "step": p.step,
+        "steps": p.steps,
+        "fraction": fraction,
+        "elapsed": elapsed,
+        "eta": eta,
+    })
+}
+
+/// The share of the job's sampling steps done.
+pub(crate) fn fraction(p: &JobProgress) -> f64 {
+    let total = p.images * p.steps;
+    if total == 0 {
+        return 0.0;
+    }
+    (p.image * p.steps + p.step) as f64 / total as f64
+}
+
+/// Runs queued jobs on this thread, forever.
+pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
+    loop {
+        let (id, spec) = {
+            let mut st = shared.lock();
+            let id = loop {
+                if let Some(id) = st.queue.pop_front() {
+                    break id;
+                }
+                st = shared.wake.wait(st).unwrap_or_else(|p| p.into_inner());
+            };
+            // Cleared under the lock: a cancel for this job can only come after.
+            shared.cancel.store(false, Ordering::Relaxed);
+            st.current = Some(id.clone());
+            let job = st.jobs.get_mut(&id).expect("a queued job is in the map");
+            job.status = Status::Generating;
+            job.started = Some(unix_now());
+            job.started_at = Some(Instant::now());
+            let spec = job.spec.take().expect("a queued job has its request");
+            job.progress = JobProgress {
+                stage: "text encode",
+                image: 0,
+                images: spec.params.params().batch_count,
+                step: 0,
+                steps: spec.params.params().steps,
+            };
+            (id, spec)
+        };
+        tracing::info!("{id}: generating");
+        let outcome = run(shared, &mut pipeline, &id, spec);
+        let mut st = shared.lock();
+        st.current = None;
+        match outcome {
+            Ok(images) => {
+                if let Some(job) = st.jobs.get_mut(&id) {
+                    job.images = images;
+                }
+                finish(&mut st, &id, Status::Completed, None);
+                tracing::info!("{id}: completed");
+            }
+            Err(Failure::Cancelled) => {
+                finish(&mut st, &id, Status::Cancelled, Some(("cancelled", "job cancelled by client".into())));
+                tracing::info!("{id}: cancelled");
+            }
+            Err(Failure::Failed { message, bad_request }) => {
+                tracing::warn!("{id}: failed: {message}");
+                if let Some(job) = st.jobs.get_mut(&id) {
+                    job.bad_request = bad_request;
+                }
+                finish(&mut st, &id, Status::Failed, Some(("generation_failed", message)));
+            }
+        }
+    }
+}
+
+enum Failure {
+    Cancelled,
+    Failed { message: String, bad_request: bool },
+}
+
+/// The error and its causes, joined with `: `.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
+/// One job on the pipeline: its LoRAs set for this run only, the request checked against the
+/// model, the images generated and encoded.
+fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Result<Vec<String>, Failure> {
+    let failed = |e: &PipelineError, bad_request: bool| match e {
+        PipelineError::Cancelled => Failure::Cancelled,
+        e => Failure::Failed { message: chain(e), bad_request },
+    };
+    pipeline.set_loras(&spec.loras, shared.config.lora_apply_mode).map_err(|e| failed(&e, true))?;
+    let request = pipeline.check_request(spec.params).map_err(|e| failed(&e, true))?;
+    let mut on_progress = |p: Progress| {
+        let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(job) = st.jobs.get_mut(id) else { return };
+        let jp = &mut job.progress;
+        match p {
+            Progress::Step { image, images, step, steps, .. } => {
+                *jp = JobProgress { stage: "sampling", image, images, step: step + 1, steps };
+                if step + 1 == steps && image + 1 == images {
+                    jp.stage = "decode";
+                }
+            }
+            Progress::Stage { name: "text encode", .. } | Progress::Stage { name: "image encode", .. } => {
+                jp.stage = "sampling"
+            }
+            Progress::Stage { name: "decode", .. } => jp.stage = "encode image",
+            Progress::Stage { .. } => {}
+            Progress::Tile { .. } => jp.stage = "decode",
+        }
+    };
+    let images = pipeline.generate(&request, &mut on_progress);
+    // The loaded pipeline keeps no adapter between requests.
+    let _ = pipeline.set_loras(&[], shared.config.lora_apply_mode);
+    let images = images.map_err(|e| failed(&e, false))?;
+    images
+        .iter()
+        .map(|img| crate::images::encode_b64(img, spec.output))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Failure::Failed { message: format!("encoding the image: {e}"), bad_request: false })
+}

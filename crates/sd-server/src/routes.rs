@@ -1,0 +1,378 @@
+//! The HTTP routes of the three API families, the API key check and JSON errors for every
+//! rejection (bad JSON, too large a body, unknown route).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use sd_models::sampling::{SampleMethod, Scheduler};
+use serde_json::{json, Value};
+
+use crate::decode::{self, ApiError, JobSpec};
+use crate::jobs::{self, CancelError, QueueFull, Shared, Status};
+
+type AppState = Arc<Shared>;
+
+/// Every route, behind the API key check and the body limit.
+pub(crate) fn router(state: AppState) -> Router {
+    let limit = state.config.max_body;
+    Router::new()
+        .route("/sdcpp/v1/capabilities", get(capabilities))
+        .route("/sdcpp/v1/img_gen", post(img_gen))
+        .route("/sdcpp/v1/jobs/{id}", get(job))
+        .route("/sdcpp/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/images/generations", post(openai_generations))
+        .route("/v1/models", get(models))
+        .route("/sdapi/v1/txt2img", post(txt2img))
+        .route("/sdapi/v1/img2img", post(img2img))
+        .route("/sdapi/v1/samplers", get(samplers))
+        .route("/sdapi/v1/schedulers", get(schedulers))
+        .route("/sdapi/v1/loras", get(loras))
+        .route("/sdapi/v1/sd-models", get(sd_models_list))
+        .route("/sdapi/v1/options", get(options))
+        .route("/sdapi/v1/upscalers", get(upscalers))
+        .route("/sdapi/v1/latent-upscale-modes", get(latent_upscale_modes))
+        .route("/sdapi/v1/progress", get(progress))
+        .route("/sdapi/v1/interrupt", post(interrupt))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+/// `Authorization: Bearer KEY` when `--api-key` is set, and a declared `Content-Length` over
+/// the limit answered 413 before the body is read (a body without one is limited as it is
+/// read).
+async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "a valid 'Authorization: Bearer KEY' header is required")
+                .into_response();
+        }
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > state.config.max_body as u64) {
+        let message = format!("the body is larger than the limit of {} bytes", state.config.max_body);
+        return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message).into_response();
+    }
+    next.run(req).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+}
+
+/// The body's bytes, a rejection (413 for too large a body) as a JSON error.
+fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    b.map_err(|r| {
+        let status = r.status();
+        let error = if status == StatusCode::PAYLOAD_TOO_LARGE { "payload_too_large" } else { "invalid_request" };
+        ApiError::new(status, error, r.body_text())
+    })
+}
+
+fn queue_full() -> ApiError {
+    ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "job queue is full")
+}
+
+/// The model's file stem.
+fn model_stem(state: &Shared) -> String {
+    state.config.model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// LoRA files of the directory (top level): `{name, path}`.
+fn lora_list(state: &Shared) -> Vec<Value> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(&state.config.lora_dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if p.is_file() && ["safetensors", "gguf", "pt", "ckpt"].contains(&ext) {
+                let name = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+                let file = e.file_name().to_string_lossy().into_owned();
+                out.push(json!({"name": name, "path": file}));
+            }
+        }
+    }
+    out.sort_by(|a, b| a["path"].as_str().cmp(&b["path"].as_str()));
+    out
+}
+
+async fn capabilities(State(state): State<AppState>) -> Json<Value> {
+    let d = &state.config.defaults;
+    let defaults = json!({
+        "prompt": d.prompt,
+        "negative_prompt": d.negative_prompt,
+        "clip_skip": d.clip_skip,
+        "width": d.width,
+        "height": d.height,
+        "strength": d.strength,
+        "seed": d.seed,
+        "batch_count": d.batch_count,
+        "sample_params": {
+            "scheduler": d.scheduler.map(|s| s.name()).unwrap_or("default"),
+            "sample_method": d.method.map(|m| m.name()).unwrap_or("default"),
+            "sample_steps": d.steps,
+            "eta": d.eta,
+            "shifted_timestep": 0,
+            "flow_shift": d.flow_shift,
+            "guidance": {
+                "txt_cfg": d.cfg_scale,
+                "img_cfg": null,
+                "distilled_guidance": d.guidance,
+                "slg": {"layers": [], "layer_start": 0.01, "layer_end": 0.2, "scale": 0.0},
+            },
+        },
+        "lora": [],
+        "output_format": "png",
+        "output_compression": 100,
+    });
+    let features = json!({
+        "init_image": true, "mask_image": false, "control_image": false, "ip_adapter_image": false,
+        "ref_images": false, "lora": true, "vae_tiling": true, "hires": false, "cache": false,
+        "cancel_queued": true, "cancel_generating": true,
+    });
+    let formats = json!(["png", "jpeg", "webp"]);
+    let path = &state.config.model_path;
+    Json(json!({
+        "model": {
+            "name": path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+            "stem": model_stem(&state),
+            "path": path.to_string_lossy(),
+        },
+        "current_mode": "img_gen",
+        "supported_modes": ["img_gen"],
+        "defaults": defaults,
+        "defaults_by_mode": {"img_gen": defaults},
+        "output_formats": formats,
+        "output_formats_by_mode": {"img_gen": formats},
+        "features": features,
+        "features_by_mode": {"img_gen": features},
+        "samplers": SampleMethod::ALL.iter().map(|m| m.name()).collect::<Vec<_>>(),
+        "schedulers": Scheduler::ALL.iter().map(|s| s.name()).collect::<Vec<_>>(),
+        "loras": lora_list(&state),
+        "upscalers": [{"name": "None"}],
+        "limits": {
+            "min_width": decode::MIN_SIDE,
+            "max_width": decode::MAX_SIDE,
+            "min_height": decode::MIN_SIDE,
+            "max_height": decode::MAX_SIDE,
+            "max_batch_count": decode::MAX_BATCH,
+            "max_queue_size": state.config.max_queue,
+        },
+    }))
+}
+
+/// `POST /sdcpp/v1/img_gen`: 202 with the job's id and poll URL.
+async fn img_gen(State(state): State<AppState>, b: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let bytes = body(b)?;
+    let v = decode::parse_body(&bytes)?;
+    if v.as_object().is_some_and(|o| o.contains_key("sd_cpp_extra_args")) {
+        return Err(ApiError::field("sd_cpp_extra_args", "not used by the native API: put its fields in the body"));
+    }
+    let spec = decode::native(&v, &state.config)?;
+    let (id, created, _) = state.submit(spec, false).map_err(|QueueFull| queue_full())?;
+    let out = json!({
+        "id": id,
+        "kind": "img_gen",
+        "status": "queued",
+        "created": created,
+        "poll_url": format!("/sdcpp/v1/jobs/{id}"),
+    });
+    Ok((StatusCode::ACCEPTED, Json(out)).into_response())
+}
+
+fn job_missing(expired: bool) -> ApiError {
+    if expired {
+        ApiError::new(StatusCode::GONE, "job_expired", "job expired")
+    } else {
+        ApiError::new(StatusCode::NOT_FOUND, "job_not_found", "job not found")
+    }
+}
+
+async fn job(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let st = state.lock();
+    match st.jobs.get(&id) {
+        Some(job) => Ok(Json(jobs::job_json(&st, job))),
+        None => Err(job_missing(st.expired.contains(&id))),
+    }
+}
+
+/// `POST /sdcpp/v1/jobs/{id}/cancel`: the job as it is now (a generating job reports
+/// `generating` until it stops at its next step).
+async fn cancel(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    match state.cancel(&id) {
+        Ok(_) => {}
+        Err(CancelError::NotFound) => return Err(job_missing(false)),
+        Err(CancelError::Expired) => return Err(job_missing(true)),
+        Err(CancelError::Finished(s)) => {
+            return Err(ApiError::new(StatusCode::CONFLICT, "job_finished", format!("the job is already {}", s.name())))
+        }
+    }
+    let st = state.lock();
+    let job = st.jobs.get(&id).ok_or_else(|| job_missing(st.expired.contains(&id)))?;
+    Ok(Json(jobs::job_json(&st, job)))
+}
+
+/// Cancels a synchronous request's job when its handler is dropped (the client went away).
+struct CancelOnDrop {
+    state: AppState,
+    id: String,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!("{}: the client disconnected; cancelling", self.id);
+            let _ = self.state.cancel(&self.id);
+        }
+    }
+}
+
+/// Runs `spec` as a job and waits for it: the base64 images and their format.
+async fn run_sync(state: &AppState, spec: JobSpec) -> Result<(Vec<String>, &'static str), ApiError> {
+    let (id, _, rx) = state.submit(spec, true).map_err(|QueueFull| queue_full())?;
+    let mut guard = CancelOnDrop { state: state.clone(), id: id.clone(), armed: true };
+    if let Some(rx) = rx {
+        let _ = rx.await;
+    }
+    guard.armed = false;
+    let st = state.lock();
+    let Some(job) = st.jobs.get(&id) else {
+        return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "the job vanished"));
+    };
+    let message = job.error.as_ref().map(|(_, m)| m.clone()).unwrap_or_default();
+    match job.status {
+        Status::Completed => Ok((job.images.clone(), job.output_format)),
+        Status::Cancelled => Err(ApiError::new(StatusCode::CONFLICT, "cancelled", message)),
+        Status::Failed if job.bad_request => Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)),
+        _ => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "generation_failed", message)),
+    }
+}
+
+async fn openai_generations(
+    State(state): State<AppState>,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let bytes = body(b)?;
+    let v = decode::parse_body(&bytes)?;
+    let native = decode::openai(&v)?;
+    let spec = decode::native(&native, &state.config)?;
+    let (images, format) = run_sync(&state, spec).await?;
+    let data: Vec<Value> = images.into_iter().map(|b64| json!({"b64_json": b64})).collect();
+    Ok(Json(json!({"created": jobs::unix_now(), "output_format": format, "data": data})))
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": "sd-cpp-local", "object": "model", "owned_by": "local"}]}))
+}
+
+async fn sdapi_generate(state: AppState, b: Result<Bytes, BytesRejection>, img2img: bool) -> Result<Json<Value>, ApiError> {
+    let bytes = body(b)?;
+    let v = decode::parse_body(&bytes)?;
+    let mut native = decode::sdapi(&v, img2img)?;
+    // A1111 images are PNG.
+    native["output_format"] = json!("png");
+    let spec = decode::native(&native, &state.config)?;
+    let (images, _) = run_sync(&state, spec).await?;
+    Ok(Json(json!({"images": images, "parameters": v, "info": ""})))
+}
+
+async fn txt2img(State(state): State<AppState>, b: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    sdapi_generate(state, b, false).await
+}
+
+async fn img2img(State(state): State<AppState>, b: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    sdapi_generate(state, b, true).await
+}
+
+async fn samplers() -> Json<Value> {
+    let list: Vec<Value> = std::iter::once("default")
+        .chain(SampleMethod::ALL.iter().map(|m| m.name()))
+        .map(|n| json!({"name": n, "aliases": [n], "options": {}}))
+        .collect();
+    Json(Value::Array(list))
+}
+
+async fn schedulers() -> Json<Value> {
+    let list: Vec<Value> = Scheduler::ALL.iter().map(|s| json!({"name": s.name(), "label": s.name()})).collect();
+    Json(Value::Array(list))
+}
+
+async fn loras(State(state): State<AppState>) -> Json<Value> {
+    Json(Value::Array(lora_list(&state)))
+}
+
+async fn sd_models_list(State(state): State<AppState>) -> Json<Value> {
+    let stem = model_stem(&state);
+    let file = state.config.model_path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    Json(json!([{
+        "title": stem, "model_name": stem, "filename": file,
+        "hash": "00000000", "sha256": "0000000000000000000000000000000000000000000000000000000000000000",
+        "config": null,
+    }]))
+}
+
+async fn options(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({"samples_format": "png", "sd_model_checkpoint": model_stem(&state)}))
+}
+
+async fn upscalers() -> Json<Value> {
+    Json(json!([{"name": "None", "model_name": null, "model_path": null, "model_url": null, "scale": 4}]))
+}
+
+async fn latent_upscale_modes() -> Json<Value> {
+    Json(json!([]))
+}
+
+/// A1111's `GET /sdapi/v1/progress`: the generating job's share done, ETA and state.
+async fn progress(State(state): State<AppState>) -> Json<Value> {
+    let st = state.lock();
+    let queued = st.queue.len();
+    let current = st.current.as_ref().and_then(|id| st.jobs.get(id));
+    let (fraction, eta, p) = match current {
+        Some(job) => {
+            let p = jobs::progress_json(job);
+            (jobs::fraction(&job.progress), p["eta"].as_f64().unwrap_or(0.0), p)
+        }
+        None => (0.0, 0.0, Value::Null),
+    };
+    Json(json!({
+        "progress": fraction,
+        "eta_relative": eta,
+        "state": {
+            "skipped": false,
+            "interrupted": false,
+            "job": current.map(|j| j.id.clone()).unwrap_or_default(),
+            "job_count": queued + usize::from(current.is_some()),
+            "job_timestamp": current.map(|j| j.created.to_string()).unwrap_or_default(),
+            "job_no": 0,
+            "sampling_step": p["step"],
+            "sampling_steps": p["steps"],
+        },
+        "current_image": null,
+        "textinfo": current.map(|j| j.progress.stage),
+    }))
+}
+
+/// A1111's `POST /sdapi/v1/interrupt`: the generating job stops at its next step.
+async fn interrupt(State(state): State<AppState>) -> Json<Value> {
+    let id = state.interrupt();
+    Json(json!({"interrupted": id}))
+}

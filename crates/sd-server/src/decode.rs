@@ -345,6 +345,8 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::Eta => "sample_params.eta",
         Setting::Strength => "strength",
         Setting::FlowShift => "sample_params.flow_shift",
+        Setting::Prompt => "prompt",
+        Setting::NegativePrompt => "negative_prompt",
     }
 }
 

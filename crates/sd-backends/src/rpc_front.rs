@@ -93,6 +93,9 @@ struct Shared {
     allocated: Mutex<u64>,
     clients: AtomicUsize,
     spare: Mutex<Option<(Worker, TcpStream)>>,
+    /// A spare is being started: a client waits for it instead of starting a second worker
+    /// at the same time (two connections made at once could reach a server in either order).
+    refilling: AtomicUsize,
 }
 
 /// How often a waiting client's worker is looked at.
@@ -140,6 +143,13 @@ fn start_worker(spawn: &SpawnWorker) -> io::Result<(Worker, TcpStream)> {
 impl Shared {
     /// The spare worker if it is alive, else a new one; then a new spare is started.
     fn take_worker(self: &Arc<Self>) -> io::Result<(Worker, TcpStream)> {
+        let t = Instant::now();
+        while self.refilling.load(Ordering::SeqCst) > 0
+            && self.spare.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+            && t.elapsed() < WORKER_START
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).take();
         let ready = match spare {
             Some((mut w, s)) => {
@@ -153,7 +163,11 @@ impl Shared {
             None => start_worker(&*self.spawn),
         };
         let me = Arc::clone(self);
-        std::thread::spawn(move || me.refill());
+        self.refilling.fetch_add(1, Ordering::SeqCst);
+        std::thread::spawn(move || {
+            me.refill();
+            me.refilling.fetch_sub(1, Ordering::SeqCst);
+        });
         ready
     }
 
@@ -183,6 +197,7 @@ pub fn serve(listener: TcpListener, cfg: FrontConfig, spawn: Box<SpawnWorker>) -
         allocated: Mutex::new(0),
         clients: AtomicUsize::new(0),
         spare: Mutex::new(Some(first)),
+        refilling: AtomicUsize::new(0),
     });
     loop {
         let (stream, peer) = match listener.accept() {

@@ -490,7 +490,8 @@ mod tests {
     #[test]
     fn probe_refuses_answers_ggml_would_trust() {
         use crate::rpc_wire::cmd;
-        let cases: [(fn(u8, &[u8]) -> Vec<u8>, &str); 9] = [
+        type Answer = fn(u8, &[u8]) -> Vec<u8>;
+        let cases: [(Answer, &str); 9] = [
             (|c, _| answer_with(c, (c == cmd::DEVICE_COUNT).then(|| framed(&0u32.to_le_bytes()))), "no devices"),
             (
                 |c, _| answer_with(c, (c == cmd::DEVICE_COUNT).then(|| framed(&u32::MAX.to_le_bytes()))),

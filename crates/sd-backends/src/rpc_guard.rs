@@ -269,7 +269,7 @@ fn check_tensor(t: &WireTensor) -> Result<u64, Refused> {
 
 /// `ggml_nbytes` in 128 bits.
 fn extent(t: &WireTensor, blck: u64, size: u64) -> u128 {
-    if t.ne.iter().any(|&n| n == 0) {
+    if t.ne.contains(&0) {
         return 0;
     }
     let ne = t.ne.map(u128::from);
@@ -326,7 +326,7 @@ pub fn check_graph(payload: &[u8], n_devices: u32, limits: &GraphLimits) -> Resu
             return refuse(format!("graph tensor {i} has id 0"));
         }
         check_tensor(&t)?;
-        if t.ne.iter().any(|&n| n == 0) {
+        if t.ne.contains(&0) {
             return refuse(format!("graph tensor {} is empty (ne {:?})", t.id, t.ne));
         }
         if t.buffer == 0 {
@@ -512,7 +512,7 @@ fn same_shape(a: &Shape, b: &Shape) -> bool {
 
 /// ggml_can_repeat(a, b): every dim of b a multiple of a's.
 fn can_repeat(a: &Shape, b: &Shape) -> bool {
-    (0..4).all(|i| b.ne[i] % a.ne[i] == 0)
+    (0..4).all(|i| b.ne[i].is_multiple_of(a.ne[i]))
 }
 
 fn param_f32(t: &WireTensor, i: usize) -> f32 {
@@ -551,8 +551,8 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
     let n_srcs = srcs.iter().rposition(Option::is_some).map_or(0, |k| k + 1);
     // (required sources, optional sources after them)
     let arity = |req: usize, opt: usize| -> Result<Vec<Shape>, String> {
-        for k in 0..req {
-            ensure(srcs[k].is_some(), || format!("source {k} is missing"))?;
+        for (k, s) in srcs.iter().enumerate().take(req) {
+            ensure(s.is_some(), || format!("source {k} is missing"))?;
         }
         ensure(n_srcs <= req + opt, || format!("{n_srcs} sources (at most {})", req + opt))?;
         Ok(srcs.iter().take(req + opt).map(|s| s.map(Shape::of).unwrap_or(Shape::of(&WireTensor::default()))).collect())

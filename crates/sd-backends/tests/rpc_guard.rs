@@ -92,7 +92,7 @@ fn random_graph(r: &mut Rng, buf: u64, base: u64) -> (Vec<u64>, Vec<WireTensor>)
         let nb = [el, el * ne[0], el * ne[0] * ne[1], el * ne[0] * ne[1] * ne[2]];
         let bytes = u64::from(nb[3] * ne[3]);
         let t = WireTensor { id, ty, buffer: buf, data: base + at, ne, nb, flags: 16, ..WireTensor::default() };
-        at = (at + bytes + 63) / 64 * 64 % (1 << 19);
+        at = (at + bytes).div_ceil(64) * 64 % (1 << 19);
         ts.push(t);
         id
     };

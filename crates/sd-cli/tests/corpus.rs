@@ -651,7 +651,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     png_64(&dir.join("init.png"));
     lora_dir(&dir.join("loras"));
     // Issue 32, row 18: a 1 MiB prompt (refused by its length before anything is loaded).
-    std::fs::write(dir.join("long-prompt.txt"), "a cat, ".repeat(1 << 20).as_bytes()[..1 << 20].to_vec()).unwrap();
+    std::fs::write(dir.join("long-prompt.txt"), &"a cat, ".repeat(1 << 20).as_bytes()[..1 << 20]).unwrap();
     std::fs::write(dir.join("junk.safetensors"), st(r#"{"foo":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}}"#, 8))
         .unwrap();
     std::fs::write(

@@ -118,8 +118,11 @@ pub enum LoraBody {
     /// have the weight's shape); `Some(0)` the first row block of a fused one (`to_q` of a
     /// fused `qkv`); `Some(k)` the rows after those of parts `0..k` (the reference's
     /// `.weight.1`, `.weight.2` names). `None` for the whole: a module it does not name.
-    Mapped(fn(&str) -> Option<(String, Option<usize>)>),
+    Mapped(MapBody),
 }
+
+/// How a [`LoraBody::Mapped`] body names its module: the internal name, and the part.
+pub type MapBody = fn(&str) -> Option<(String, Option<usize>)>;
 
 /// Why LoRA adapters cannot be used, naming the file and what is wrong.
 #[derive(Debug, thiserror::Error)]
@@ -542,6 +545,7 @@ impl LoraSet {
             let total = keys.len();
             // The adapters of each weight, by part (a fused weight's row blocks, in order).
             // (A whole weight's adapter is its part 0, marked not fused.)
+            #[allow(clippy::type_complexity)] // built and read in this function only
             let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind, bool)>> = BTreeMap::new();
             for (base, parts) in &keys {
                 let Some(kind) = Kind::of(parts) else {
@@ -644,7 +648,7 @@ fn merge_all(deltas: &[Delta], ty: GgmlType, ne: &[i64], bytes: &[u8]) -> Result
         // Never an infinite weight made silently (the scale is bounded, the sum may still
         // overflow: a large weight plus a large delta, or beyond f16's range).
         let limit = if ty == GgmlType::GGML_TYPE_F16 { 65504.0 } else { f32::MAX };
-        if let Some(i) = w.iter().position(|x| !(x.abs() <= limit)) {
+        if let Some(i) = w.iter().position(|x| x.is_nan() || x.abs() > limit) {
             return Err(format!(
                 "the merged weight's element {i} is {} (beyond what {} holds): the adapter's scale {} is too \
                  large for it",
@@ -894,7 +898,7 @@ fn read_delta(
     }
     // f32: a multiplier of 1e38 times an alpha of 2 is infinite, not refused as large.
     let total = f64::from(scale) * f64::from(multiplier);
-    if !(total.abs() <= f64::from(MAX_SCALE)) {
+    if total.is_nan() || total.abs() > f64::from(MAX_SCALE) {
         let alpha = alpha.map_or(String::new(), |a| format!(" (alpha {a:e})"));
         return Err(LoraError::Value {
             path: path.to_path_buf(),

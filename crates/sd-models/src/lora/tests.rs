@@ -652,7 +652,8 @@ fn an_adapter_with_the_wrong_rows_or_columns_for_its_weight_is_refused() {
     // ff.net.0.proj of the first transformer: [2560, 320].
     let key = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_ff_net_0_proj";
     let weight = "[2560, 320]";
-    let cases: Vec<(&str, Vec<(String, Vec<u64>)>, &str)> = vec![
+    type Tensors = Vec<(String, Vec<u64>)>;
+    let cases: Vec<(&str, Tensors, &str)> = vec![
         (
             "few-rows",
             vec![(format!("{key}.lora_up.weight"), vec![320, 4]), (format!("{key}.lora_down.weight"), vec![4, 320])],

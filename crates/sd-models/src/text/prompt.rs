@@ -116,7 +116,7 @@ pub fn parse_prompt_attention(text: &str) -> Result<Vec<PromptFragment>, Tokeniz
         res.push((String::new(), 1.0));
     }
 
-    if let Some((t, w)) = res.iter().find(|(_, w)| !(w.abs() <= MAX_WEIGHT)) {
+    if let Some((t, w)) = res.iter().find(|(_, w)| w.is_nan() || w.abs() > MAX_WEIGHT) {
         let mut text: String = t.chars().take(40).flat_map(char::escape_debug).collect();
         if t.chars().nth(40).is_some() {
             text.push_str("...");

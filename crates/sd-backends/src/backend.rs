@@ -168,11 +168,11 @@ pub fn check_cpu_env() -> Result<()> {
         let value = raw.to_string_lossy().into_owned();
         let ok = raw.to_str().is_some()
             && if variable == CPU_EXTRA_BUFTS_ENV {
-            cpu_extra_bufts_from_env().is_ok()
-        } else {
-            // Exactly as the C++ compares: `OFF` would be on there.
-            ["", "on", "off", "1", "0"].contains(&value.as_str())
-        };
+                cpu_extra_bufts_from_env().is_ok()
+            } else {
+                // Exactly as the C++ compares: `OFF` would be on there.
+                ["", "on", "off", "1", "0"].contains(&value.as_str())
+            };
         if !ok {
             return Err(BackendError::BadEnv { variable, value, accepted });
         }

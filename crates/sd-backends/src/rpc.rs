@@ -503,7 +503,10 @@ mod tests {
                 |c, _| answer_with(c, (c == cmd::GET_ALIGNMENT).then(|| framed(&(1u64 << 40).to_le_bytes()))),
                 "alignment 1099511627776",
             ),
-            (|c, _| answer_with(c, (c == cmd::GET_MAX_SIZE).then(|| framed(&0u64.to_le_bytes()))), "maximum buffer size of 0"),
+            (
+                |c, _| answer_with(c, (c == cmd::GET_MAX_SIZE).then(|| framed(&0u64.to_le_bytes()))),
+                "maximum buffer size of 0",
+            ),
             (
                 |c, _| {
                     let free_above_total = [2u64.to_le_bytes(), 1u64.to_le_bytes()].concat();
@@ -512,9 +515,15 @@ mod tests {
                 "2 bytes of memory free of 1",
             ),
             // a keepalive frame where an answer belongs (the probe asked for none)
-            (|c, _| answer_with(c, (c == cmd::DEVICE_COUNT).then(|| u64::MAX.to_le_bytes().to_vec())), "malformed answer to DEVICE_COUNT"),
+            (
+                |c, _| answer_with(c, (c == cmd::DEVICE_COUNT).then(|| u64::MAX.to_le_bytes().to_vec())),
+                "malformed answer to DEVICE_COUNT",
+            ),
             // an answer of the wrong size
-            (|c, _| answer_with(c, (c == cmd::GET_ALIGNMENT).then(|| framed(&[1, 2]))), "malformed answer to GET_ALIGNMENT: 2 bytes"),
+            (
+                |c, _| answer_with(c, (c == cmd::GET_ALIGNMENT).then(|| framed(&[1, 2]))),
+                "malformed answer to GET_ALIGNMENT: 2 bytes",
+            ),
         ];
         for (answer, needle) in cases {
             let e = probe_error(answer);

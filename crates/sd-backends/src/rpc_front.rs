@@ -357,7 +357,9 @@ impl Client<'_> {
         };
         let max = match command {
             cmd::SET_TENSOR => TENSOR_SIZE as u64 + 9 + cfg.max_buffer_bytes,
-            cmd::GRAPH_COMPUTE => 12 + 8 * cfg.limits.max_nodes as u64 + TENSOR_SIZE as u64 * cfg.limits.max_tensors as u64,
+            cmd::GRAPH_COMPUTE => {
+                12 + 8 * cfg.limits.max_nodes as u64 + TENSOR_SIZE as u64 * cfg.limits.max_tensors as u64
+            }
             _ => size,
         };
         let fits = match expected {

@@ -217,9 +217,9 @@ fn type_layout(ty: u32) -> Option<(u64, u64)> {
 fn type_label(ty: u32) -> String {
     match type_layout(ty) {
         // SAFETY: a type that exists; ggml returns a static string.
-        Some(_) => unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(sys::ggml_type(ty))) }
-            .to_string_lossy()
-            .into_owned(),
+        Some(_) => {
+            unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(sys::ggml_type(ty))) }.to_string_lossy().into_owned()
+        }
         None => format!("type {ty}"),
     }
 }
@@ -590,7 +590,9 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
             type_in("the source", &s[0], FLOATS)?;
             type_in("the destination", &s[1], FLOATS)?;
             ensure(s[0].count() == s[1].count(), || "source and destination differ in element count".into())?;
-            ensure(d.ty == s[1].ty && d.ne == s[1].ne && d.nb == s[1].nb, || "the result is not its destination".into())?;
+            ensure(d.ty == s[1].ty && d.ne == s[1].ne && d.nb == s[1].nb, || {
+                "the result is not its destination".into()
+            })?;
             ensure(d.rows_contiguous() && s[1].rows_contiguous(), || "a destination with split rows".into())?;
         }
         o::GGML_OP_ADD | o::GGML_OP_SUB | o::GGML_OP_MUL | o::GGML_OP_DIV => {
@@ -622,11 +624,14 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
             })?;
             ensure(matches!(t.op_params[1], 0 | 1), || format!("swapped flag {}", t.op_params[1]))?;
             type_in("the operand", &s[0], FLOATS)?;
-            ensure(s[0].contiguous_n(1) && s[0].rows_contiguous() && d.ty == s[0].ty, || "an operand with split rows or another type".into())?;
+            ensure(s[0].contiguous_n(1) && s[0].rows_contiguous() && d.ty == s[0].ty, || {
+                "an operand with split rows or another type".into()
+            })?;
             if srcs[1].is_some() {
-                ensure(same_shape(&s[0], &s[1]) && s[1].ty == s[0].ty && s[1].contiguous_n(1) && s[1].rows_contiguous(), || {
-                    "halves of other shapes or types".into()
-                })?;
+                ensure(
+                    same_shape(&s[0], &s[1]) && s[1].ty == s[0].ty && s[1].contiguous_n(1) && s[1].rows_contiguous(),
+                    || "halves of other shapes or types".into(),
+                )?;
                 ensure(same_shape(&s[0], &d), || "a result of another shape".into())?;
             } else {
                 let a = &s[0];
@@ -638,22 +643,30 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
         o::GGML_OP_SCALE => {
             let s = arity(1, 0)?;
             type_in("the operand", &s[0], &[F32, BF16])?;
-            ensure(d.ty == s[0].ty && same_shape(&s[0], &d) && s[0].contiguous(), || "a scale of another shape".into())?;
+            ensure(d.ty == s[0].ty && same_shape(&s[0], &d) && s[0].contiguous(), || {
+                "a scale of another shape".into()
+            })?;
         }
         o::GGML_OP_CLAMP => {
             let s = arity(1, 0)?;
             type_in("the operand", &s[0], &[F32, F16])?;
-            ensure(d.ty == s[0].ty && same_shape(&s[0], &d) && s[0].rows_contiguous(), || "a clamp of another shape".into())?;
+            ensure(d.ty == s[0].ty && same_shape(&s[0], &d) && s[0].rows_contiguous(), || {
+                "a clamp of another shape".into()
+            })?;
         }
         o::GGML_OP_NORM | o::GGML_OP_GROUP_NORM => {
             let s = arity(1, 0)?;
             type_in("the operand", &s[0], &[F32])?;
-            ensure(d.ty == F32 && same_shape(&s[0], &d) && s[0].rows_contiguous(), || "a norm of another shape".into())?;
+            ensure(d.ty == F32 && same_shape(&s[0], &d) && s[0].rows_contiguous(), || {
+                "a norm of another shape".into()
+            })?;
             let eps = param_f32(t, if op == o::GGML_OP_NORM { 0 } else { 1 });
             ensure(eps.is_finite() && eps >= 0.0, || format!("epsilon {eps}"))?;
             if op == o::GGML_OP_GROUP_NORM {
                 let g = t.op_params[0];
-                ensure(g >= 1 && u64::from(g as u32) <= s[0].ne[2], || format!("{g} groups of {} channels", s[0].ne[2]))?;
+                ensure(g >= 1 && u64::from(g as u32) <= s[0].ne[2], || {
+                    format!("{g} groups of {} channels", s[0].ne[2])
+                })?;
             }
         }
         o::GGML_OP_SUM_ROWS | o::GGML_OP_MEAN => {
@@ -781,7 +794,9 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
             })?;
             type_in("the kernel", a, &[F16, F32])?;
             type_in("the input", b, &[F32])?;
-            ensure(a.contiguous() && b.rows_contiguous() && a.ne[2] == b.ne[2], || "kernel and input do not fit".into())?;
+            ensure(a.contiguous() && b.rows_contiguous() && a.ne[2] == b.ne[2], || {
+                "kernel and input do not fit".into()
+            })?;
             let ow = conv_out(b.ne[0], a.ne[0], s0, p0, d0).ok_or("the input is smaller than the kernel")?;
             let oh = conv_out(b.ne[1], a.ne[1], s1, p1, d1).ok_or("the input is smaller than the kernel")?;
             let expect = [ow, oh, a.ne[3], b.ne[3]];
@@ -819,7 +834,9 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
             type_in("q", q, &[F32])?;
             type_in("k", k, &[F16, F32])?;
             ensure(v.ty == k.ty, || "v and k of different types".into())?;
-            ensure(q.rows_contiguous() && k.rows_contiguous() && v.rows_contiguous(), || "operands with split rows".into())?;
+            ensure(q.rows_contiguous() && k.rows_contiguous() && v.rows_contiguous(), || {
+                "operands with split rows".into()
+            })?;
             ensure(
                 k.ne[0] == q.ne[0]
                     && v.ne[1] == k.ne[1]
@@ -935,7 +952,12 @@ mod tests {
             ("node id 0", vec![0], vec![a.clone()], "id 0"),
             ("an unknown node", vec![9], vec![a.clone()], "does not describe"),
             ("a missing source", vec![3], vec![node(3, o::GGML_OP_ADD, [16, 1, 1, 1], &[1, 7])], "does not describe"),
-            ("a Q8_1 weight", vec![3], vec![q81, f32t(2, [32, 1, 1, 1]), node(3, o::GGML_OP_MUL_MAT, [4, 1, 1, 1], &[1, 2])], "matrix product"),
+            (
+                "a Q8_1 weight",
+                vec![3],
+                vec![q81, f32t(2, [32, 1, 1, 1]), node(3, o::GGML_OP_MUL_MAT, [4, 1, 1, 1], &[1, 2])],
+                "matrix product",
+            ),
             ("zero groups", vec![3], vec![a.clone(), gn], "groups"),
             ("a zero stride", vec![3], vec![a.clone(), b3, im], "out of range"),
             ("an unknown unary op", vec![3], vec![a.clone(), gelu_back], "unary op"),

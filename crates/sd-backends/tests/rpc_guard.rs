@@ -19,9 +19,10 @@ fn free_port() -> u16 {
 
 /// A ggml server (on a thread with the stack the guard's depth needs) behind a front.
 fn start() -> String {
-    let reg: &'static PluginRegistry = Box::leak(Box::new(PluginRegistry::discover(&PluginSearch::only(vec![
-        std::path::PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR),
-    ]))));
+    let reg: &'static PluginRegistry =
+        Box::leak(Box::new(PluginRegistry::discover(&PluginSearch::only(vec![std::path::PathBuf::from(
+            ggml_sys::BUILD_PLUGIN_DIR,
+        )]))));
     let cpu = reg.device("cpu").unwrap();
     let worker_port = free_port();
     std::thread::Builder::new()
@@ -164,7 +165,10 @@ fn random_graph(r: &mut Rng, buf: u64, base: u64) -> (Vec<u64>, Vec<WireTensor>)
                 let i = r.below(nodes.len() as u64) as usize;
                 nodes[i] = r.pick(&[0, n + 1, nodes[0]]);
             }
-            _ => t.op = r.pick(&[o::GGML_OP_MAP_CUSTOM1.0, o::GGML_OP_CUSTOM.0, o::GGML_OP_MUL_MAT_ID.0, o::GGML_OP_ROPE.0]),
+            _ => {
+                t.op =
+                    r.pick(&[o::GGML_OP_MAP_CUSTOM1.0, o::GGML_OP_CUSTOM.0, o::GGML_OP_MUL_MAT_ID.0, o::GGML_OP_ROPE.0])
+            }
         }
     }
     (nodes, ts)

@@ -3,8 +3,8 @@
 //! The libraries name settings, devices and budgets, never a flag of this program; this is the
 //! one place that knows which flag sets what.
 
-use sd_models::output::{FileUse, InputRole, OutputError, OutputRole, SameFile};
 use sd_models::files::FileRole;
+use sd_models::output::{FileUse, InputRole, OutputError, OutputRole, SameFile};
 use sd_models::pipeline::{PipelineError, Setting};
 use sd_models::text::clip::ClipError;
 use sd_vae::{TilingOption, VaeError};

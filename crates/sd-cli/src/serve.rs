@@ -26,15 +26,11 @@ pub fn run(a: &ServeArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         anyhow::bail!("-p: LoRA tags in the default prompt are not applied by the server; requests name LoRAs in their `lora` field");
     }
     let defaults = defaults.params().clone();
-    let Loaded { pipeline, model, .. } = load(g, dev, g.model.or_fixture(crate::generate::ensure_fixture)?, (defaults.width, defaults.height), &[])?;
+    let Loaded { pipeline, model, .. } =
+        load(g, dev, g.model.or_fixture(crate::generate::ensure_fixture)?, (defaults.width, defaults.height), &[])?;
     let model_path = model.model.clone().or(model.diffusion_model.clone()).unwrap_or_default();
-    let config = sd_server::Config::new(
-        &a.server,
-        g.lora.lora_model_dir.clone(),
-        g.lora.lora_apply_mode,
-        model_path,
-        defaults,
-    );
+    let config =
+        sd_server::Config::new(&a.server, g.lora.lora_model_dir.clone(), g.lora.lora_apply_mode, model_path, defaults);
     sd_server::serve(pipeline, config, |addr| crate::out!("sd-server listening on http://{addr}"))
         .context("sd-cli serve")?;
     Ok(ExitCode::SUCCESS)

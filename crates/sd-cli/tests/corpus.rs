@@ -489,7 +489,9 @@ fn weight_cases(dir: &Path, cases: &mut Vec<Case>, plan: &dyn Fn(&str) -> Vec<St
     let d = |n: &str| dir.join(n).display().to_string();
     let generate = |m: &str| -> Vec<String> {
         let (m, out) = (d(m), d("out.png"));
-        ["-m", m.as_str(), "-W", "64", "-H", "64", "--steps", "1", "-t", "1", "-o", out.as_str()].map(String::from).to_vec()
+        ["-m", m.as_str(), "-W", "64", "-H", "64", "--steps", "1", "-t", "1", "-o", out.as_str()]
+            .map(String::from)
+            .to_vec()
     };
     let mut push = |name: &str, args: Vec<String>, status: i32, needles: &[&str]| {
         cases.push(Case {
@@ -848,7 +850,13 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     #[allow(clippy::type_complexity)]
     let issue32: Vec<(&str, Vec<String>, i32, Vec<(String, String)>, Vec<&str>)> = vec![
         ("plan no VAE", plan(&d("sd15-no-vae.safetensors")), 2, vec![], vec!["VAE", "missing", "--vae"]),
-        ("plan --taesd junk", with(&["--taesd", "{DIR}/junk.safetensors"]), 2, vec![], vec!["TAESD", "junk.safetensors"]),
+        (
+            "plan --taesd junk",
+            with(&["--taesd", "{DIR}/junk.safetensors"]),
+            2,
+            vec![],
+            vec!["TAESD", "junk.safetensors"],
+        ),
         (
             "plan report on the profile",
             with(&["--report-json", "{DIR}/profile.toml"]),
@@ -871,7 +879,13 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
             vec![],
             vec!["for '--ram-mib", "17592186044417 MiB is more bytes"],
         ),
-        ("SD_CPU_AMX_F16=OFF", with(&[]), 2, envs("SD_CPU_AMX_F16", "OFF"), vec!["SD_CPU_AMX_F16=\"OFF\"", "on, off, 1, 0"]),
+        (
+            "SD_CPU_AMX_F16=OFF",
+            with(&[]),
+            2,
+            envs("SD_CPU_AMX_F16", "OFF"),
+            vec!["SD_CPU_AMX_F16=\"OFF\"", "on, off, 1, 0"],
+        ),
         ("SD_CPU_F16_GEMM=no", with(&[]), 2, envs("SD_CPU_F16_GEMM", "no"), vec!["SD_CPU_F16_GEMM=\"no\"", "on, off"]),
         (
             "SD_CPU_EXTRA_BUFTS=maybe",

@@ -37,7 +37,8 @@ impl Serve {
             .unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let base = line.trim().strip_prefix("sd-server listening on ").unwrap_or_else(|| panic!("no address: {line:?}"));
+        let base =
+            line.trim().strip_prefix("sd-server listening on ").unwrap_or_else(|| panic!("no address: {line:?}"));
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(300)))
@@ -70,7 +71,8 @@ impl Serve {
         let mut resp = resp.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let status = resp.status().as_u16();
         let text = resp.body_mut().with_config().limit(64 << 20).read_to_string().unwrap();
-        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path} -> {status}: not JSON ({e}): {text}"));
+        let v = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{method} {path} -> {status}: not JSON ({e}): {text}"));
         (status, v)
     }
 
@@ -190,8 +192,10 @@ fn every_api_gives_sd_clis_image_and_loras_apply_per_request() {
     assert_eq!(status, 409, "{v}");
 
     // OpenAI, with the native fields in the prompt's extra-args block.
-    let extra = r#"{"seed": 42, "sample_params": {"sample_steps": 2, "sample_method": "euler", "guidance": {"txt_cfg": 7}}}"#;
-    let body = json!({"prompt": format!("a cat <sd_cpp_extra_args>{extra}</sd_cpp_extra_args>"), "size": "64x64", "n": 1});
+    let extra =
+        r#"{"seed": 42, "sample_params": {"sample_steps": 2, "sample_method": "euler", "guidance": {"txt_cfg": 7}}}"#;
+    let body =
+        json!({"prompt": format!("a cat <sd_cpp_extra_args>{extra}</sd_cpp_extra_args>"), "size": "64x64", "n": 1});
     let (status, v) = server.post("/v1/images/generations", &body);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["output_format"], "png");
@@ -330,30 +334,102 @@ fn bad_input_is_a_4xx_naming_the_field() {
         ("/sdcpp/v1/img_gen", "fraction for an integer", r#"{"height": 64.5}"#.into(), 400, Some("height")),
         ("/sdcpp/v1/img_gen", "too small", r#"{"width": 8}"#.into(), 400, Some("width")),
         ("/sdcpp/v1/img_gen", "too large", r#"{"height": 100000}"#.into(), 400, Some("height")),
-        ("/sdcpp/v1/img_gen", "zero steps", r#"{"sample_params": {"sample_steps": 0}}"#.into(), 400, Some("sample_params.sample_steps")),
-        ("/sdcpp/v1/img_gen", "negative steps", r#"{"sample_params": {"sample_steps": -3}}"#.into(), 400, Some("sample_params.sample_steps")),
+        (
+            "/sdcpp/v1/img_gen",
+            "zero steps",
+            r#"{"sample_params": {"sample_steps": 0}}"#.into(),
+            400,
+            Some("sample_params.sample_steps"),
+        ),
+        (
+            "/sdcpp/v1/img_gen",
+            "negative steps",
+            r#"{"sample_params": {"sample_steps": -3}}"#.into(),
+            400,
+            Some("sample_params.sample_steps"),
+        ),
         ("/sdcpp/v1/img_gen", "not an object", r#"{"sample_params": 5}"#.into(), 400, Some("sample_params")),
-        ("/sdcpp/v1/img_gen", "unknown sampler", r#"{"sample_params": {"sample_method": "warp_drive"}}"#.into(), 400, Some("sample_params.sample_method")),
-        ("/sdcpp/v1/img_gen", "unknown scheduler", r#"{"sample_params": {"scheduler": "sometimes"}}"#.into(), 400, Some("sample_params.scheduler")),
+        (
+            "/sdcpp/v1/img_gen",
+            "unknown sampler",
+            r#"{"sample_params": {"sample_method": "warp_drive"}}"#.into(),
+            400,
+            Some("sample_params.sample_method"),
+        ),
+        (
+            "/sdcpp/v1/img_gen",
+            "unknown scheduler",
+            r#"{"sample_params": {"scheduler": "sometimes"}}"#.into(),
+            400,
+            Some("sample_params.scheduler"),
+        ),
         ("/sdcpp/v1/img_gen", "batch too large", r#"{"batch_count": 1000}"#.into(), 400, Some("batch_count")),
         ("/sdcpp/v1/img_gen", "strength", r#"{"strength": 2}"#.into(), 400, Some("strength")),
         ("/sdcpp/v1/img_gen", "output format", r#"{"output_format": "gif"}"#.into(), 400, Some("output_format")),
         ("/sdcpp/v1/img_gen", "base64 garbage", r#"{"init_image": "@@not base64@@"}"#.into(), 400, Some("init_image")),
-        ("/sdcpp/v1/img_gen", "not an image", json!({"init_image": base64::engine::general_purpose::STANDARD.encode(b"hello")}).to_string(), 400, Some("init_image")),
+        (
+            "/sdcpp/v1/img_gen",
+            "not an image",
+            json!({"init_image": base64::engine::general_purpose::STANDARD.encode(b"hello")}).to_string(),
+            400,
+            Some("init_image"),
+        ),
         ("/sdcpp/v1/img_gen", "decompression bomb", json!({"init_image": bomb}).to_string(), 400, Some("init_image")),
         ("/sdcpp/v1/img_gen", "unsupported mask", r#"{"mask_image": "abc"}"#.into(), 400, Some("mask_image")),
-        ("/sdcpp/v1/img_gen", "lora traversal", r#"{"lora": [{"path": "../outside", "multiplier": 1}]}"#.into(), 400, Some("lora[0].path")),
-        ("/sdcpp/v1/img_gen", "absolute lora", json!({"lora": [{"path": dir.join("outside.safetensors")}]}).to_string(), 400, Some("lora[0].path")),
+        (
+            "/sdcpp/v1/img_gen",
+            "lora traversal",
+            r#"{"lora": [{"path": "../outside", "multiplier": 1}]}"#.into(),
+            400,
+            Some("lora[0].path"),
+        ),
+        (
+            "/sdcpp/v1/img_gen",
+            "absolute lora",
+            json!({"lora": [{"path": dir.join("outside.safetensors")}]}).to_string(),
+            400,
+            Some("lora[0].path"),
+        ),
         ("/sdcpp/v1/img_gen", "missing lora", r#"{"lora": [{"path": "nothing"}]}"#.into(), 400, Some("lora[0].path")),
-        ("/sdcpp/v1/img_gen", "lora multiplier", r#"{"lora": [{"path": "x", "multiplier": "big"}]}"#.into(), 400, Some("lora[0].multiplier")),
+        (
+            "/sdcpp/v1/img_gen",
+            "lora multiplier",
+            r#"{"lora": [{"path": "x", "multiplier": "big"}]}"#.into(),
+            400,
+            Some("lora[0].multiplier"),
+        ),
         ("/v1/images/generations", "no prompt", r#"{"size": "64x64"}"#.into(), 400, Some("prompt")),
         ("/v1/images/generations", "bad size", r#"{"prompt": "a", "size": "big"}"#.into(), 400, Some("size")),
-        ("/v1/images/generations", "bad extra args", r#"{"prompt": "a <sd_cpp_extra_args>{nope</sd_cpp_extra_args>"}"#.into(), 400, Some("prompt")),
-        ("/v1/images/generations", "extra args field", r#"{"prompt": "a <sd_cpp_extra_args>{\"width\": 1}</sd_cpp_extra_args>"}"#.into(), 400, Some("width")),
-        ("/sdapi/v1/txt2img", "A1111 sampler", r#"{"prompt": "a", "sampler_name": "Warp"}"#.into(), 400, Some("sampler_name")),
+        (
+            "/v1/images/generations",
+            "bad extra args",
+            r#"{"prompt": "a <sd_cpp_extra_args>{nope</sd_cpp_extra_args>"}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/images/generations",
+            "extra args field",
+            r#"{"prompt": "a <sd_cpp_extra_args>{\"width\": 1}</sd_cpp_extra_args>"}"#.into(),
+            400,
+            Some("width"),
+        ),
+        (
+            "/sdapi/v1/txt2img",
+            "A1111 sampler",
+            r#"{"prompt": "a", "sampler_name": "Warp"}"#.into(),
+            400,
+            Some("sampler_name"),
+        ),
         ("/sdapi/v1/txt2img", "A1111 steps type", r#"{"prompt": "a", "steps": "many"}"#.into(), 400, Some("steps")),
         ("/sdapi/v1/img2img", "no init image", r#"{"prompt": "a"}"#.into(), 400, Some("init_images")),
-        ("/sdapi/v1/img2img", "init image garbage", r#"{"prompt": "a", "init_images": ["data:image/png;base64,!!"]}"#.into(), 400, Some("init_images[0]")),
+        (
+            "/sdapi/v1/img2img",
+            "init image garbage",
+            r#"{"prompt": "a", "init_images": ["data:image/png;base64,!!"]}"#.into(),
+            400,
+            Some("init_images[0]"),
+        ),
     ];
     for (path, what, body, status, field) in cases {
         let (got, v) = server.call("POST", path, Some(body.as_str()));
@@ -374,7 +450,8 @@ fn bad_input_is_a_4xx_naming_the_field() {
     // Without the key: 401.
     let resp = server.agent.get(format!("{}/v1/models", server.base)).call().unwrap();
     assert_eq!(resp.status().as_u16(), 401);
-    let resp = server.agent.get(format!("{}/v1/models", server.base)).header("Authorization", "Bearer wrong").call().unwrap();
+    let resp =
+        server.agent.get(format!("{}/v1/models", server.base)).header("Authorization", "Bearer wrong").call().unwrap();
     assert_eq!(resp.status().as_u16(), 401);
 
     // A body over --max-body-mib: 413 before it is read (only its headers and a start sent).

@@ -129,9 +129,9 @@ fn first_bad_scale(ty: GgmlType, data: &[u8]) -> Option<(usize, u64, &'static st
             h & 0x7c00 == 0x7c00
         }
     };
-    data.chunks_exact(d.block_bytes() as usize).enumerate().find_map(|(i, block)| {
-        fields.iter().find(|f| bad(block, f)).map(|&(name, _, _)| (i, d.block_size(), name))
-    })
+    data.chunks_exact(d.block_bytes() as usize)
+        .enumerate()
+        .find_map(|(i, block)| fields.iter().find(|f| bad(block, f)).map(|&(name, _, _)| (i, d.block_size(), name)))
 }
 
 /// Index of the first `N`-byte element of `data` for which `bad` holds. Blocks are
@@ -418,7 +418,9 @@ mod tests {
                 // dequantize finite (mxfp4's 0xFF, 2^126, only overflows times quants of 12).
                 for byte in [0x00, 0x7f, 0xfe, 0xff] {
                     let data: Vec<u8> = match d {
-                        DType::MXFP4 => zeros.chunks(17).flat_map(|_| [[byte].as_slice(), &[0x11; 16]].concat()).collect(),
+                        DType::MXFP4 => {
+                            zeros.chunks(17).flat_map(|_| [[byte].as_slice(), &[0x11; 16]].concat()).collect()
+                        }
                         _ => vec![byte; zeros.len()],
                     };
                     let f = convert::to_f32(ty, &data, n).unwrap();

@@ -684,11 +684,14 @@ mod tests {
         let e = err(files().output(OutputRole::Image, &target("diffusers/unet/diffusion_pytorch_model.safetensors")));
         assert!(e.other_path.ends_with("unet/diffusion_pytorch_model.safetensors"), "{e}");
         // The report on the image: new (the same path spelled two ways) or existing.
-        let e = err(files().output(OutputRole::Image, &target("out.png")).output(OutputRole::Report, &target("./out.png")));
+        let e =
+            err(files().output(OutputRole::Image, &target("out.png")).output(OutputRole::Report, &target("./out.png")));
         assert_eq!(e.other, FileUse::Output(OutputRole::Image));
         std::fs::write(p("old.png"), b"old").unwrap();
         std::os::unix::fs::symlink("old.png", p("old-link.json")).unwrap();
-        let e = err(files().output(OutputRole::Image, &target("old.png")).output(OutputRole::Report, &target("old-link.json")));
+        let e = err(files()
+            .output(OutputRole::Image, &target("old.png"))
+            .output(OutputRole::Report, &target("old-link.json")));
         assert_eq!((e.output, e.other), (OutputRole::Report, FileUse::Output(OutputRole::Image)));
         // Distinct files pass; a missing input is no file of anyone's.
         files()
@@ -732,8 +735,8 @@ mod tests {
 /// Image formats a user may name in an output's extension that are not written here: such a
 /// name is refused rather than written as `<name>.png`.
 const UNWRITTEN_IMAGE_EXTENSIONS: [&str; 20] = [
-    "gif", "bmp", "tif", "tiff", "avif", "jxl", "heic", "heif", "ico", "tga", "ppm", "pgm", "pbm", "pnm", "qoi",
-    "exr", "hdr", "dds", "svg", "jp2",
+    "gif", "bmp", "tif", "tiff", "avif", "jxl", "heic", "heif", "ico", "tga", "ppm", "pgm", "pbm", "pnm", "qoi", "exr",
+    "hdr", "dds", "svg", "jp2",
 ];
 
 /// One image's output: a checked target and the format its name chose.
@@ -756,7 +759,12 @@ impl ImageOutput {
     /// unless `overwrite` (then it is replaced by a PNG). Something else that exists under
     /// such a name (a directory, a device) is taken as written, for the target checks to
     /// refuse it.
-    pub fn plan(output: &Path, count: usize, begin_idx: Option<i64>, overwrite: bool) -> Result<Vec<Self>, OutputError> {
+    pub fn plan(
+        output: &Path,
+        count: usize,
+        begin_idx: Option<i64>,
+        overwrite: bool,
+    ) -> Result<Vec<Self>, OutputError> {
         use crate::image_io::OutputFormat;
         let fail = |problem: String| OutputError::new(output, problem);
         let ext = output.extension().map(|e| e.to_string_lossy().to_ascii_lowercase());
@@ -794,7 +802,10 @@ impl ImageOutput {
                 }
             }
         }
-        paths.into_iter().map(|(path, format)| Ok(ImageOutput { target: OutputTarget::resolve(&path)?, format })).collect()
+        paths
+            .into_iter()
+            .map(|(path, format)| Ok(ImageOutput { target: OutputTarget::resolve(&path)?, format }))
+            .collect()
     }
 
     /// Encodes `img` with `parameters` (None: no metadata) and writes it.

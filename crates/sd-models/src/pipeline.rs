@@ -393,20 +393,36 @@ impl GenerateParams {
         // predictions is infinite, and the image black or noise.
         let within = |v: f32, max: f32| v.abs() <= max; // false for NaN
         if let Some(cfg) = self.cfg_scale.filter(|&c| !within(c, MAX_GUIDANCE)) {
-            return bad_setting(Setting::CfgScale, format!("{cfg:?}"), format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"));
+            return bad_setting(
+                Setting::CfgScale,
+                format!("{cfg:?}"),
+                format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
+            );
         }
         if !within(self.guidance, MAX_GUIDANCE) {
-            return bad_setting(Setting::Guidance, format!("{:?}", self.guidance), format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"));
+            return bad_setting(
+                Setting::Guidance,
+                format!("{:?}", self.guidance),
+                format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
+            );
         }
         if let Some(eta) = self.eta.filter(|&e| !(within(e, MAX_GUIDANCE) && e >= 0.0)) {
-            return bad_setting(Setting::Eta, format!("{eta:?}"), format!("must be a finite number from 0 to {MAX_GUIDANCE}"));
+            return bad_setting(
+                Setting::Eta,
+                format!("{eta:?}"),
+                format!("must be a finite number from 0 to {MAX_GUIDANCE}"),
+            );
         }
         if !(0.0..=1.0).contains(&self.strength) {
             return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
         }
         // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
         if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
-            return bad_setting(Setting::FlowShift, format!("{shift:?}"), format!("must be a finite number from -{MAX_FLOW_SHIFT} to {MAX_FLOW_SHIFT}"));
+            return bad_setting(
+                Setting::FlowShift,
+                format!("{shift:?}"),
+                format!("must be a finite number from -{MAX_FLOW_SHIFT} to {MAX_FLOW_SHIFT}"),
+            );
         }
         Ok(ValidParams(self))
     }

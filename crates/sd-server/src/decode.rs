@@ -214,7 +214,10 @@ pub(crate) fn sampler(path: &str, name: &str) -> Result<Option<SampleMethod>, Ap
         "euler_a_cfg_pp" | "k_euler_a_cfg_pp" => SampleMethod::EulerACfgPp,
         _ => {
             let known: Vec<&str> = SampleMethod::ALL.iter().map(|m| m.name()).collect();
-            return Err(ApiError::field(path, format!("unknown sampler '{}' (known: {})", clip(name), known.join(", "))));
+            return Err(ApiError::field(
+                path,
+                format!("unknown sampler '{}' (known: {})", clip(name), known.join(", ")),
+            ));
         }
     };
     Ok(Some(m))
@@ -415,7 +418,9 @@ pub(crate) fn native(body: &Value, config: &Config) -> Result<JobSpec, ApiError>
     let loras = loras(body, config)?;
     let output = output(body)?;
     let params = p.validate().map_err(|e| match e {
-        PipelineError::Setting { setting, value, problem } => ApiError::field(setting_field(setting), format!("{value}: {problem}")),
+        PipelineError::Setting { setting, value, problem } => {
+            ApiError::field(setting_field(setting), format!("{value}: {problem}"))
+        }
         e => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
     })?;
     Ok(JobSpec { params, loras, output })
@@ -449,7 +454,9 @@ fn loras(body: &Value, config: &Config) -> Result<Vec<LoraRequest>, ApiError> {
         if !entry.is_object() {
             return Err(ApiError::field(&format!("lora[{i}]"), "must be an object {path, multiplier}"));
         }
-        let name: String = field(entry, "path").map_err(|e| rename(e, &at("path")))?.ok_or_else(|| ApiError::field(&at("path"), "missing"))?;
+        let name: String = field(entry, "path")
+            .map_err(|e| rename(e, &at("path")))?
+            .ok_or_else(|| ApiError::field(&at("path"), "missing"))?;
         let multiplier = number(entry, "multiplier").map_err(|e| rename(e, &at("multiplier")))?.unwrap_or(1.0);
         if field::<bool>(entry, "is_high_noise").map_err(|e| rename(e, &at("is_high_noise")))? == Some(true) {
             return Err(ApiError::unsupported(&at("is_high_noise"), "a high-noise LoRA"));

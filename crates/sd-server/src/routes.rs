@@ -57,8 +57,12 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if given != Some(key.as_str()) {
-            return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "a valid 'Authorization: Bearer KEY' header is required")
-                .into_response();
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "a valid 'Authorization: Bearer KEY' header is required",
+            )
+            .into_response();
         }
     }
     let declared = req
@@ -283,7 +287,11 @@ async fn models() -> Json<Value> {
     Json(json!({"object": "list", "data": [{"id": "sd-cpp-local", "object": "model", "owned_by": "local"}]}))
 }
 
-async fn sdapi_generate(state: AppState, b: Result<Bytes, BytesRejection>, img2img: bool) -> Result<Json<Value>, ApiError> {
+async fn sdapi_generate(
+    state: AppState,
+    b: Result<Bytes, BytesRejection>,
+    img2img: bool,
+) -> Result<Json<Value>, ApiError> {
     let bytes = body(b)?;
     let v = decode::parse_body(&bytes)?;
     let mut native = decode::sdapi(&v, img2img)?;

@@ -137,7 +137,11 @@ pub(crate) fn generation_specs(
         let parts = if need_encoder { sd_vae::VaeParts::Full } else { sd_vae::VaeParts::DecoderOnly };
         ("VAE", sd_vae::vae_specs(&family.vae(), parts))
     };
-    Ok([("text encoder", family.text_specs(&dtype, wtype)), ("diffusion model", family.diffusion_specs(&dtype, wtype)), first])
+    Ok([
+        ("text encoder", family.text_specs(&dtype, wtype)),
+        ("diffusion model", family.diffusion_specs(&dtype, wtype)),
+        first,
+    ])
 }
 
 /// The family's TAESD, or an error when it takes none.

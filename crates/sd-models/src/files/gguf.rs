@@ -60,7 +60,10 @@ pub enum GgufArray {
     /// length checked) without keeping it: past what [`parse`] keeps of a file's metadata
     /// ([`KEPT_ELEMENTS`] elements, [`KEPT_STRING_BYTES`] bytes of strings). The loader reads
     /// no metadata array; such an array cannot be written back.
-    Unread { elem_type: u32, len: u64 },
+    Unread {
+        elem_type: u32,
+        len: u64,
+    },
     U8(Vec<u8>),
     I8(Vec<i8>),
     U16(Vec<u16>),

@@ -759,12 +759,14 @@ mod tests {
         let t5_gguf = ["token_embd.weight", "enc.blk.0.attn_q.weight"];
         let clip = ["text_model.embeddings.token_embedding.weight", "text_model.encoder.layers.0.mlp.fc1.weight"];
         let unet = ["input_blocks.0.0.weight", "time_embed.0.weight"];
-        let unet_diffusers = ["conv_in.weight", "down_blocks.0.resnets.0.conv1.weight", "time_embedding.linear_1.weight"];
+        let unet_diffusers =
+            ["conv_in.weight", "down_blocks.0.resnets.0.conv1.weight", "time_embedding.linear_1.weight"];
         let flux = ["double_blocks.0.img_attn.qkv.weight", "img_in.weight"];
         let vae = ["decoder.up.0.block.0.conv1.weight", "post_quant_conv.weight"];
         let vae_diffusers = ["encoder.down_blocks.0.resnets.0.conv1.weight", "decoder.conv_in.weight"];
         let taesd = ["decoder.layers.3.conv.0.weight", "encoder.layers.0.weight"];
-        let checkpoint = ["model.diffusion_model.input_blocks.0.0.weight", "first_stage_model.decoder.up.0.block.0.conv1.weight"];
+        let checkpoint =
+            ["model.diffusion_model.input_blocks.0.0.weight", "first_stage_model.decoder.up.0.block.0.conv1.weight"];
         let cases: [(&[&str], FileRole, Option<FileRole>); 16] = [
             (&t5, DiffusionModel, Some(T5xxl)),
             (&t5_gguf, DiffusionModel, Some(T5xxl)),

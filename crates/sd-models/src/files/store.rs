@@ -321,9 +321,7 @@ fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
             let h = gguf::parse(bytes).map_err(malformed)?;
             (FileFormat::Gguf { version: h.version, alignment: h.alignment }, h.metadata, h.tensors)
         }
-        None => {
-            return Err(FilesError::UnknownFormat { path: path.to_owned(), what: describe_start(bytes) })
-        }
+        None => return Err(FilesError::UnknownFormat { path: path.to_owned(), what: describe_start(bytes) }),
     };
     tracing::debug!(path = %path.display(), ?format, ?role, tensors = raw.len(), "parsed model file header");
     Ok(Parsed { file: SourceFile { path: path.to_owned(), format, role, len, metadata }, map, raw })

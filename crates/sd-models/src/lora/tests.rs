@@ -731,9 +731,10 @@ fn absurd_scales_and_non_finite_values_are_refused_with_file_key_and_value() {
     assert!(load(&[(&sane, 65504.0)]).is_ok(), "the bound itself is accepted");
     // Non-finite values are refused as the file's tensors are read (the loader's check),
     // naming the tensor and the file.
-    for (name, alpha, up0, tensor) in
-        [("alpha-nan.safetensors", f32::NAN, 0.01, "alpha"), ("up-inf.safetensors", 4.0, f32::INFINITY, "lora_up.weight")]
-    {
+    for (name, alpha, up0, tensor) in [
+        ("alpha-nan.safetensors", f32::NAN, 0.01, "alpha"),
+        ("up-inf.safetensors", 4.0, f32::INFINITY, "lora_up.weight"),
+    ] {
         let path = file(name, alpha, up0);
         let e = load(&[(&path, 1.0)]).unwrap_err();
         let chain = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());

@@ -215,13 +215,12 @@ fn type_layout(ty: u32) -> Option<(u64, u64)> {
 }
 
 fn type_label(ty: u32) -> String {
-    match type_layout(ty) {
-        // SAFETY: a type that exists; ggml returns a static string.
-        Some(_) => {
-            unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(sys::ggml_type(ty))) }.to_string_lossy().into_owned()
-        }
-        None => format!("type {ty}"),
+    if type_layout(ty).is_none() {
+        return format!("type {ty}");
     }
+    // SAFETY: a type that exists; ggml returns a static string.
+    let name = unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(sys::ggml_type(ty))) };
+    name.to_string_lossy().into_owned()
 }
 
 fn op_label(op: u32) -> String {
@@ -890,12 +889,7 @@ mod tests {
     }
 
     fn graph(nodes: &[u64], tensors: &[WireTensor]) -> Vec<u8> {
-        let mut p = 0u32.to_le_bytes().to_vec();
-        p.extend((nodes.len() as u32).to_le_bytes());
-        nodes.iter().for_each(|n| p.extend(n.to_le_bytes()));
-        p.extend((tensors.len() as u32).to_le_bytes());
-        tensors.iter().for_each(|t| p.extend(t.to_bytes()));
-        p
+        crate::rpc_wire::graph_payload(0, nodes, tensors)
     }
 
     fn check(nodes: &[u64], tensors: &[WireTensor]) -> Result<GraphStats, Refused> {

@@ -84,6 +84,17 @@ impl Default for WireTensor {
     }
 }
 
+/// The payload of a GRAPH_COMPUTE request for `device`: `| device u32 | n_nodes u32 |
+/// node ids u64... | n_tensors u32 | rpc_tensor... |`.
+pub fn graph_payload(device: u32, nodes: &[u64], tensors: &[WireTensor]) -> Vec<u8> {
+    let mut p = device.to_le_bytes().to_vec();
+    p.extend((nodes.len() as u32).to_le_bytes());
+    nodes.iter().for_each(|n| p.extend(n.to_le_bytes()));
+    p.extend((tensors.len() as u32).to_le_bytes());
+    tensors.iter().for_each(|t| p.extend(t.to_bytes()));
+    p
+}
+
 impl WireTensor {
     /// A contiguous f32 tensor of `n` elements at `data` in `buffer`.
     pub fn f32(id: u64, buffer: u64, data: u64, n: u32) -> Self {

@@ -175,12 +175,7 @@ fn random_graph(r: &mut Rng, buf: u64, base: u64) -> (Vec<u64>, Vec<WireTensor>)
 }
 
 fn payload(nodes: &[u64], ts: &[WireTensor]) -> Vec<u8> {
-    let mut p = 0u32.to_le_bytes().to_vec();
-    p.extend((nodes.len() as u32).to_le_bytes());
-    nodes.iter().for_each(|n| p.extend(n.to_le_bytes()));
-    p.extend((ts.len() as u32).to_le_bytes());
-    ts.iter().for_each(|t| p.extend(t.to_bytes()));
-    p
+    sd_backends::rpc_wire::graph_payload(0, nodes, ts)
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{sd15_fixture, sd_cli, Server};
+use common::{round_trip, sd15_fixture, sd_cli, Server};
 use sd_backends::rpc_wire::{cmd, WireClient, WireTensor};
 
 /// The exit status of a run whose RPC device was lost (distinct from 2, bad input).
@@ -135,18 +135,6 @@ fn a_bad_deadline_is_bad_input() {
         assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
         assert!(err.contains("--rpc-timeout") && err.contains(bad), "{bad}: {err}");
     }
-}
-
-/// A valid round trip on a fresh connection: the server still serves.
-fn round_trip(endpoint: &str) {
-    let mut c = WireClient::connect(endpoint, Duration::from_secs(5)).expect("the server accepts a new client");
-    let (buf, size) = c.alloc_buffer(1024).unwrap();
-    assert!(buf != 0 && size >= 1024);
-    let base = c.buffer_base(buf).unwrap();
-    let t = WireTensor::f32(1, buf, base, 16);
-    let data: Vec<u8> = (0..64).collect();
-    c.set_tensor(&t, 0, &data).unwrap();
-    assert_eq!(c.get_tensor(&t, 0, 64).unwrap(), data);
 }
 
 #[test]

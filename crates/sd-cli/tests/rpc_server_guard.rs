@@ -7,29 +7,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{sd_cli, Server};
+use common::{round_trip, sd_cli, Server};
 use ggml_sys as sys;
-use sd_backends::rpc_wire::{cmd, WireClient, WireTensor};
-
-/// A valid round trip on a fresh connection: the server still serves.
-fn round_trip(endpoint: &str) {
-    let mut c = WireClient::connect(endpoint, Duration::from_secs(5)).expect("the server accepts a new client");
-    let (buf, size) = c.alloc_buffer(1024).unwrap();
-    assert!(buf != 0 && size >= 1024);
-    let base = c.buffer_base(buf).unwrap();
-    let t = WireTensor::f32(1, buf, base, 16);
-    let data: Vec<u8> = (0..64).collect();
-    c.set_tensor(&t, 0, &data).unwrap();
-    assert_eq!(c.get_tensor(&t, 0, 64).unwrap(), data);
-}
+use sd_backends::rpc_wire::{cmd, graph_payload, WireClient, WireTensor};
 
 fn graph(nodes: &[u64], tensors: &[WireTensor]) -> Vec<u8> {
-    let mut p = 0u32.to_le_bytes().to_vec();
-    p.extend((nodes.len() as u32).to_le_bytes());
-    nodes.iter().for_each(|n| p.extend(n.to_le_bytes()));
-    p.extend((tensors.len() as u32).to_le_bytes());
-    tensors.iter().for_each(|t| p.extend(t.to_bytes()));
-    p
+    graph_payload(0, nodes, tensors)
 }
 
 fn node(id: u64, buf: u64, data: u64, op: sys::ggml_op, n: u32, srcs: &[u64]) -> WireTensor {

@@ -335,11 +335,9 @@ mod tests {
 #[cfg(test)]
 mod eviction_tests {
     use std::borrow::Cow;
-    use std::path::PathBuf;
-    use std::sync::OnceLock;
 
     use proptest::prelude::*;
-    use sd_backends::{Backend, GgmlType, PluginRegistry, PluginSearch};
+    use sd_backends::{Backend, GgmlType};
 
     use super::*;
     use crate::weights::{GroupId, ParamHome, SourceError, TensorSource, TensorSpec, Weights};
@@ -364,13 +362,7 @@ mod eviction_tests {
     }
 
     fn cpu() -> Arc<Backend> {
-        static CPU: OnceLock<Arc<Backend>> = OnceLock::new();
-        CPU.get_or_init(|| {
-            let search = PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]);
-            let reg: &'static PluginRegistry = Box::leak(Box::new(PluginRegistry::discover(&search)));
-            Arc::new(Backend::new(reg.device("cpu").unwrap()).unwrap())
-        })
-        .clone()
+        crate::test_cpu()
     }
 
     fn dev() -> String {

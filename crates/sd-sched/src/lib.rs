@@ -24,6 +24,19 @@ mod split;
 pub use split::BatchJob;
 pub mod weights;
 
+/// The CPU backend of the plugins this build compiled, one per test process (unit tests).
+#[cfg(test)]
+pub(crate) fn test_cpu() -> std::sync::Arc<sd_backends::Backend> {
+    use sd_backends::{Backend, PluginRegistry, PluginSearch};
+    static CPU: std::sync::OnceLock<std::sync::Arc<Backend>> = std::sync::OnceLock::new();
+    CPU.get_or_init(|| {
+        let search = PluginSearch::only(vec![std::path::PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]);
+        let reg: &'static PluginRegistry = Box::leak(Box::new(PluginRegistry::discover(&search)));
+        std::sync::Arc::new(Backend::new(reg.device("cpu").unwrap()).unwrap())
+    })
+    .clone()
+}
+
 pub use adapter::{add_linear_adapters, Adapter, AdapterTerm};
 pub use error::{NoRoom, Result, SchedError};
 pub use ledger::{Ledger, Ledgers};

@@ -932,10 +932,8 @@ impl Drop for InFlight<'_> {
 #[cfg(test)]
 mod tests {
     use std::borrow::Cow;
-    use std::path::PathBuf;
-    use std::sync::OnceLock;
 
-    use sd_backends::{GgmlType, PluginRegistry, PluginSearch};
+    use sd_backends::GgmlType;
 
     use super::*;
     use crate::ledger::Ledgers;
@@ -954,13 +952,7 @@ mod tests {
     }
 
     fn cpu() -> Arc<Backend> {
-        static CPU: OnceLock<Arc<Backend>> = OnceLock::new();
-        CPU.get_or_init(|| {
-            let search = PluginSearch::only(vec![PathBuf::from(ggml_sys::BUILD_PLUGIN_DIR)]);
-            let reg: &'static PluginRegistry = Box::leak(Box::new(PluginRegistry::discover(&search)));
-            Arc::new(Backend::new(reg.device("cpu").unwrap()).unwrap())
-        })
-        .clone()
+        crate::test_cpu()
     }
 
     /// Two groups (`m/b0`, `m/b1`) of one f32 N×N tensor each, homed in RAM.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sd_backends::rpc_wire::WireClient;
+use sd_backends::rpc_wire::{WireClient, WireTensor};
 use sd_models::fixture::{self, Family, WeightType};
 use sd_models::report::RunReport;
 
@@ -156,4 +156,16 @@ pub fn run_checked_env(model: &Path, out: &Path, args: &[&str], extra: &[&str], 
         }
     }
     report
+}
+
+/// A valid round trip on a fresh connection: the server still serves.
+pub fn round_trip(endpoint: &str) {
+    let mut c = WireClient::connect(endpoint, Duration::from_secs(5)).expect("the server accepts a new client");
+    let (buf, size) = c.alloc_buffer(1024).unwrap();
+    assert!(buf != 0 && size >= 1024);
+    let base = c.buffer_base(buf).unwrap();
+    let t = WireTensor::f32(1, buf, base, 16);
+    let data: Vec<u8> = (0..64).collect();
+    c.set_tensor(&t, 0, &data).unwrap();
+    assert_eq!(c.get_tensor(&t, 0, 64).unwrap(), data);
 }

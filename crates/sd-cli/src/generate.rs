@@ -293,12 +293,8 @@ pub fn load(
     tracing::debug!("{threads} CPU threads");
     let extra_bufts = match a.cpu_extra_bufts.as_deref() {
         Some(v) => v == "on",
-        None => sd_backends::backend::cpu_extra_bufts_from_env().map_err(|v| {
-            anyhow::anyhow!(
-                "{}={v:?} is not one of on, off, 1, 0, true, false",
-                sd_backends::backend::CPU_EXTRA_BUFTS_ENV
-            )
-        })?,
+        // a bad value was refused at start-up (`check_cpu_env` in main)
+        None => sd_backends::backend::cpu_extra_bufts_from_env().unwrap_or(true),
     };
     tracing::debug!("CPU extra weight buffer types {}", if extra_bufts { "on" } else { "off" });
     let manager = BackendManager::new(Some(threads)).with_cpu_extra_bufts(extra_bufts);

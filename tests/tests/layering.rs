@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 const LAYERS: &[(&str, u32)] = &[
     ("ggml-sys", 0),
     ("sd-placement", 0),
+    ("sd-sampling", 0),
     ("sd-backends", 1),
     ("sd-sched", 2),
     ("sd-vae", 3),
@@ -19,7 +20,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("xtask", 9),
     ("sd-tests", 9),
 ];
-const PURE: &[&str] = &["sd-placement"];
+const PURE: &[&str] = &["sd-placement", "sd-sampling"];
 const FFI: &[&str] = &["ggml-sys", "sd-backends", "libloading", "bindgen"];
 const DLOPEN_ALLOWED: &[&str] = &["sd-backends"];
 

@@ -15,7 +15,7 @@
 //! Measured when this was written (all 44 cases, 64x64, 4 steps, 2 threads): every case PASS,
 //! mean |diff| 0.14-0.21 levels, max 1-2 levels; both programs 3.6-5 s per image. The step
 //! arithmetic itself is compared bit for bit with the reference's own code in
-//! `crates/sd-models/src/sampling/tests.rs`.
+//! `crates/sd-sampling/src/tests.rs`.
 //!
 //! `--write-test-data` writes the reference PNGs of [`TEST_DATA_CASES`] (64x64, 3 steps) to
 //! `tests/data/ref-sd15-f16-seed42-64x64-<method>-<scheduler>3-cfg7.png` for

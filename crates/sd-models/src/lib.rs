@@ -25,7 +25,9 @@ pub mod output;
 pub mod pipeline;
 pub mod placement;
 pub mod report;
-pub mod sampling;
 pub mod speed;
 pub mod text;
 pub mod wtype;
+
+/// Samplers, schedules and noise: the `sd-sampling` crate, under its old path.
+pub use sd_sampling as sampling;

@@ -1005,7 +1005,7 @@ impl Pipeline {
             }
             (schedule, None) => schedule,
         };
-        let ctx = ScheduleContext { model: defaults.version, image_seq_len: lw * lh };
+        let ctx = ScheduleContext { ays: defaults.ays, image_seq_len: lw * lh };
         let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
         let sigmas = match &p.init_image {

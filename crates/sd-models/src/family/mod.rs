@@ -24,7 +24,7 @@ use sd_vae::{TaesdConfig, VaeConfig};
 
 use crate::files::{Detected, ModelFiles};
 use crate::pipeline::{PipelineError, Result};
-use crate::sampling::{ModelVersion, SampleMethod, Schedule};
+use crate::sampling::{AysLevels, SampleMethod, Schedule};
 use crate::text::conditioning::Conditioning;
 
 /// The storage type of each tensor in the files, by internal name (`crate::loader::dtype_of`).
@@ -192,8 +192,8 @@ pub struct DiffusionSettings {
 /// How a family samples when the user does not say.
 #[derive(Clone, Debug)]
 pub struct SamplingDefaults {
-    /// The family as the schedulers know it (`ays` has per-family noise levels).
-    pub version: ModelVersion,
+    /// Its Align Your Steps noise levels (`--scheduler ays`).
+    pub ays: AysLevels,
     /// `--sampling-method` when none is given.
     pub method: SampleMethod,
     /// The noise schedule of the diffusion model.

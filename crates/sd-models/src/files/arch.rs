@@ -25,6 +25,9 @@ pub struct ArchSpec {
     pub description: &'static str,
     /// Returns the detection when the tensors are of this architecture.
     pub detect: fn(&TensorIndex) -> Option<Detected>,
+    /// Tensors whose shapes the unknown-architecture error shows when the files hold them
+    /// (the ones `detect` reads).
+    pub notable: &'static [&'static str],
 }
 
 inventory::collect!(ArchSpec);
@@ -142,19 +145,21 @@ pub fn summarize(index: &TensorIndex) -> String {
     if top.len() > 8 {
         out += &format!(", and {} more", top.len() - 8);
     }
-    let notable = [
-        sd::TOKEN_EMBEDDING,
-        sd::UNET_CONV_IN,
-        sd::UNET_CROSS_ATTN_K,
-        "model.diffusion_model.middle_block.1.norm.weight",
-        sd::LABEL_EMB,
-        "first_stage_model.decoder.conv_in.weight",
-    ];
+    let mut notable: Vec<&str> = Vec::new();
+    for spec in registered() {
+        for n in spec.notable {
+            if !notable.contains(n) {
+                notable.push(n);
+            }
+        }
+    }
     let shapes: Vec<String> =
         notable.iter().filter_map(|n| index.get(n).map(|e| format!("{} {:?}", e.name, e.shape))).collect();
     if shapes.is_empty() {
         out += "; none of the SD tensors this build knows (";
-        out += &notable[..3].join(", ");
+        let mut firsts: Vec<&str> = registered().iter().filter_map(|s| s.notable.first().copied()).collect();
+        firsts.dedup();
+        out += &firsts.join(", ");
         out += ")";
     } else {
         out += "; notable: ";
@@ -163,116 +168,4 @@ pub fn summarize(index: &TensorIndex) -> String {
     let examples: Vec<&str> = index.entries().iter().take(3).map(|e| e.original_name.as_str()).collect();
     out += &format!("; first stored names: {}", examples.join(", "));
     out
-}
-
-/// SD 1.x and SD 2.x (UNet with CLIP ViT-L/14 or OpenCLIP ViT-H/14 text encoder).
-pub mod sd {
-    use super::*;
-
-    /// The text encoder's token embedding, `[vocab, width]`.
-    pub(super) const TOKEN_EMBEDDING: &str =
-        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
-    /// The UNet's input convolution, `[320, in_channels, 3, 3]`.
-    pub(super) const UNET_CONV_IN: &str = "model.diffusion_model.input_blocks.0.0.weight";
-    /// The UNet's class embedding of the ADM vector (SDXL), `[time_embed_dim, adm]`.
-    pub(crate) const LABEL_EMB: &str = "model.diffusion_model.label_emb.0.0.weight";
-    /// The first cross-attention key projection, `[320, context_dim]`.
-    pub(super) const UNET_CROSS_ATTN_K: &str =
-        "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight";
-
-    /// The facts both SD 1.x and 2.x detection read, as sd.cpp's `get_sd_version` does:
-    /// a UNet with a middle block and 4 latent input channels (9 is inpainting, 8 is
-    /// instruct-pix2pix; both other architectures), one text encoder (a second is SDXL),
-    /// and the context width from the text encoder's token embedding, or from the UNet's
-    /// cross-attention when only the UNet is given. When both are present they must agree.
-    fn context_width(index: &TensorIndex) -> Option<u64> {
-        let conv_in = index.get(UNET_CONV_IN)?;
-        if conv_in.shape.len() != 4 || conv_in.shape[1] != 4 {
-            return None;
-        }
-        if !index.with_prefix("model.diffusion_model.middle_block.1.").any(|_| true) {
-            return None;
-        }
-        if index.with_prefix("cond_stage_model.1.").any(|_| true) {
-            return None;
-        }
-        // A class embedding (label_emb) is SDXL's (or another ADM model's), not SD 1.x/2.x.
-        if index.get(LABEL_EMB).is_some() {
-            return None;
-        }
-        let from_te = index.get(TOKEN_EMBEDDING).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));
-        let from_unet = index.get(UNET_CROSS_ATTN_K).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));
-        match (from_te, from_unet) {
-            (Some(a), Some(b)) if a != b => None,
-            (a, b) => a.or(b),
-        }
-    }
-
-    fn detected(index: &TensorIndex, arch: &'static str, context_dim: u64) -> Detected {
-        let (prediction, prediction_source) = match prediction_from_metadata(index) {
-            Some((p, key)) => (Some(p), PredictionSource::Metadata { key }),
-            None if arch == "sd1" => (Some(Prediction::Eps), PredictionSource::ArchDefault),
-            None => (None, PredictionSource::Unknown),
-        };
-        Detected { arch, context_dim, prediction, prediction_source }
-    }
-
-    fn detect_sd1(index: &TensorIndex) -> Option<Detected> {
-        (context_width(index)? == 768).then(|| detected(index, "sd1", 768))
-    }
-
-    fn detect_sd2(index: &TensorIndex) -> Option<Detected> {
-        (context_width(index)? == 1024).then(|| detected(index, "sd2", 1024))
-    }
-
-    inventory::submit! {
-        ArchSpec { name: "sd1", description: "Stable Diffusion 1.x", detect: detect_sd1 }
-    }
-    inventory::submit! {
-        ArchSpec { name: "sd2", description: "Stable Diffusion 2.x", detect: detect_sd2 }
-    }
-}
-
-/// FLUX.1 dev and schnell (the diffusion transformer of `crate::diffusion::flux`).
-///
-/// Detected as the reference's model loader does: a `double_blocks.` tensor in the diffusion
-/// model, with `guidance_in.in_layer.weight` for dev and without it for schnell; the context
-/// width is `txt_in.weight`'s input width (T5-XXL's 4096). FLUX predicts a flow, which
-/// [`Prediction`] does not name yet: the prediction is left unknown for the flow sampler.
-pub mod flux {
-    use super::*;
-
-    /// The text projection, `[hidden, context_in_dim]` (PyTorch order).
-    pub(crate) const TXT_IN: &str = "model.diffusion_model.txt_in.weight";
-    /// Present in dev, absent in schnell.
-    pub(crate) const GUIDANCE_IN: &str = "model.diffusion_model.guidance_in.in_layer.weight";
-
-    fn context_width(index: &TensorIndex) -> Option<u64> {
-        if !index.with_prefix("model.diffusion_model.double_blocks.").any(|_| true) {
-            return None;
-        }
-        let txt_in = index.get(TXT_IN)?;
-        (txt_in.shape.len() == 2).then_some(txt_in.shape[1])
-    }
-
-    fn detected(arch: &'static str, context_dim: u64) -> Detected {
-        Detected { arch, context_dim, prediction: None, prediction_source: PredictionSource::Unknown }
-    }
-
-    fn detect_dev(index: &TensorIndex) -> Option<Detected> {
-        let width = context_width(index)?;
-        index.get(GUIDANCE_IN).is_some().then(|| detected("flux", width))
-    }
-
-    fn detect_schnell(index: &TensorIndex) -> Option<Detected> {
-        let width = context_width(index)?;
-        index.get(GUIDANCE_IN).is_none().then(|| detected("flux-schnell", width))
-    }
-
-    inventory::submit! {
-        ArchSpec { name: "flux", description: "FLUX.1-dev (guidance-distilled DiT)", detect: detect_dev }
-    }
-    inventory::submit! {
-        ArchSpec { name: "flux-schnell", description: "FLUX.1-schnell (timestep-distilled DiT)", detect: detect_schnell }
-    }
 }

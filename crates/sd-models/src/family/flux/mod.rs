@@ -8,13 +8,14 @@
 //! `--clip_l`, `--t5xxl` and `--vae`. Without CLIP-L the pooled vector is zeros (a warning, as
 //! in the reference); without T5 the prompt would be ignored, which the reference only warns
 //! about and we refuse. A T5 file with fewer than 24 blocks
-//! runs with the blocks it has (the reference refuses it). Detection is `crate::files::arch`'s
-//! `flux` module; this file registers the runtime of both architectures it detects.
+//! runs with the blocks it has (the reference refuses it). `detect.rs` registers
+//! the two architectures (`flux`, `flux-schnell`); this file registers their runtime.
 //!
 //! The distilled guidance of dev (`--guidance`, default 3.5) is a setting of the loaded
 //! model; `--cfg-scale` stays the classifier-free guidance of the sampler (1 for FLUX, which
 //! skips the negative prompt).
 
+mod detect;
 pub(crate) mod lora;
 
 use std::sync::Arc;
@@ -29,7 +30,7 @@ use super::{
 use crate::diffusion::flux::{self, FluxConfig, FluxModel};
 use crate::files::{Detected, ModelFiles};
 use crate::pipeline::{PipelineError, Result};
-use crate::sampling::{FlowSchedule, ModelVersion, SampleMethod};
+use crate::sampling::{AysLevels, FlowSchedule, SampleMethod};
 use crate::text::clip::ClipConfig;
 use crate::text::flux::FluxText;
 use crate::text::t5::T5Config;
@@ -201,11 +202,10 @@ impl Family for Flux {
     }
 
     fn sampling(&self) -> SamplingDefaults {
-        let version = ModelVersion::Flux;
         let schedule = FlowSchedule::flux_for(self.dit.guidance_embed).into();
         // FLUX.1's guidance is distilled (dev: `--guidance`; schnell: none): one evaluation
         // per step unless `--cfg-scale` asks for a negative pass.
-        SamplingDefaults { version, method: SampleMethod::default_for(version), schedule, cfg_scale: 1.0 }
+        SamplingDefaults { ays: AysLevels::Unpublished("FLUX"), method: SampleMethod::Euler, schedule, cfg_scale: 1.0 }
     }
 }
 
@@ -223,5 +223,27 @@ impl TextEncoder for FluxConditioner {
         request: &TextRequest<'_>,
     ) -> Result<crate::text::conditioning::Conditioning> {
         self.0.encode(runner, request.prompt).map_err(conditioner_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::NoiseSchedule;
+
+    /// The reference samples FLUX.1 with `euler` on its flow schedule at cfg 1 (guidance is
+    /// distilled); Align Your Steps has no FLUX levels.
+    #[test]
+    fn sampling_defaults() {
+        let flux = Flux {
+            arch: "flux",
+            dit: FluxConfig::dev(),
+            clip_l: None,
+            t5: Some(T5Config::xxl()),
+            tokenizer: Arc::new(ClipTokenizer::new()),
+        };
+        let d = flux.sampling();
+        assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::Euler, AysLevels::Unpublished("FLUX"), 1.0));
+        assert!(d.schedule.is_flow());
     }
 }

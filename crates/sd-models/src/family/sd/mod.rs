@@ -2,8 +2,10 @@
 //! OpenCLIP ViT-H/14 for 2.x), the `openaimodel` UNet, the KL-f8 VAE, a discrete DDPM
 //! schedule and `euler_a` by default, as the reference runs them.
 //!
-//! Detection stays in `crate::files::arch` (its `sd` module); this file registers the runtime
-//! of both architectures it detects.
+//! `detect.rs` registers the two architectures (`sd1`, `sd2`); this file registers their
+//! runtime.
+
+pub(crate) mod detect;
 
 use std::sync::Arc;
 
@@ -18,7 +20,7 @@ use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::{Detected, FileRole, ModelFiles};
 use crate::lora::{LoraBody, LoraPrefix};
 use crate::pipeline::{PipelineError, Result};
-use crate::sampling::{DiscreteSchedule, ModelVersion, SampleMethod};
+use crate::sampling::{AysLevels, DiscreteSchedule, SampleMethod, AYS_SD15};
 use crate::text::clip::{clip_specs, ClipConfig, ClipTextModel};
 use crate::text::conditioning::{encode_prompt, Conditioning};
 use crate::text::ClipTokenizer;
@@ -137,13 +139,8 @@ impl Family for Sd {
     }
 
     fn sampling(&self) -> SamplingDefaults {
-        let version = if self.arch == "sd2" { ModelVersion::Sd2 } else { ModelVersion::Sd1 };
-        SamplingDefaults {
-            version,
-            method: SampleMethod::default_for(version),
-            schedule: DiscreteSchedule::sd().into(),
-            cfg_scale: 7.0,
-        }
+        let ays = if self.arch == "sd2" { AysLevels::Unpublished("SD 2.x") } else { AysLevels::Table(&AYS_SD15) };
+        SamplingDefaults { ays, method: SampleMethod::EulerA, schedule: DiscreteSchedule::sd().into(), cfg_scale: 7.0 }
     }
 }
 
@@ -193,5 +190,22 @@ impl DiffusionModel for UNetModel {
         };
         let y: Vec<f32> = cond.iter().flat_map(|c| c.vector.iter().copied()).collect();
         Ok(self.eval_adm(runner, x, dims, timesteps, context, first.n_tokens, cond.len(), &y)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference samples SD 1.x and 2.x with `euler_a` at cfg 7; Align Your Steps has a
+    /// published table for 1.5 only.
+    #[test]
+    fn sampling_defaults_of_1x_and_2x() {
+        for (arch, ays) in [("sd1", AysLevels::Table(&AYS_SD15)), ("sd2", AysLevels::Unpublished("SD 2.x"))] {
+            let (clip, unet) = configs(arch).unwrap();
+            let sd = Sd { arch, clip, unet, tokenizer: Arc::new(ClipTokenizer::new()) };
+            let d = sd.sampling();
+            assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::EulerA, ays, 7.0), "{arch}");
+        }
     }
 }

@@ -16,12 +16,13 @@ use sd_backends::GgmlType;
 use sd_sched::{TensorSpec, Weights};
 use sd_vae::{TaesdConfig, VaeConfig};
 
+use super::sd::detect::LABEL_EMB;
 use super::{DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
-use crate::files::arch::{prediction_from_metadata, sd::LABEL_EMB};
+use crate::files::arch::prediction_from_metadata;
 use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
 use crate::pipeline::{PipelineError, Result};
-use crate::sampling::{DiscreteSchedule, ModelVersion, Prediction, SampleMethod};
+use crate::sampling::{AysLevels, DiscreteSchedule, Prediction, SampleMethod, AYS_SDXL};
 use crate::text::clip::ClipConfig;
 use crate::text::sdxl::SdxlText;
 use crate::text::ClipTokenizer;
@@ -48,7 +49,12 @@ fn detect(index: &TensorIndex) -> Option<Detected> {
 }
 
 inventory::submit! {
-    ArchSpec { name: "sdxl", description: "Stable Diffusion XL (base, Turbo, SSD-1B, Vega)", detect }
+    ArchSpec {
+        name: "sdxl",
+        description: "Stable Diffusion XL (base, Turbo, SSD-1B, Vega)",
+        detect,
+        notable: &[LABEL_EMB, "model.diffusion_model.input_blocks.0.0.weight"],
+    }
 }
 
 /// Where the second text encoder's (OpenCLIP bigG's) internal names start.
@@ -202,10 +208,9 @@ impl Family for Sdxl {
     }
 
     fn sampling(&self) -> SamplingDefaults {
-        let version = ModelVersion::Sdxl;
         SamplingDefaults {
-            version,
-            method: SampleMethod::default_for(version),
+            ays: AysLevels::Table(&AYS_SDXL),
+            method: SampleMethod::EulerA,
             schedule: DiscreteSchedule::sd().into(),
             cfg_scale: 7.0,
         }
@@ -233,5 +238,18 @@ mod tests {
         );
         let l = "cond_stage_model.transformer.text_model.encoder.layers.3.mlp.fc1.weight";
         assert_eq!(g(l), "cond_stage_model.transformer.text_model.encoder.layers.3");
+    }
+
+    /// The reference samples SDXL with `euler_a` at cfg 7, with NVIDIA's SDXL levels for `ays`.
+    #[test]
+    fn sampling_defaults() {
+        let sdxl = Sdxl {
+            clip_l: ClipConfig::vit_l14_sdxl(),
+            bigg: ClipConfig::vit_bigg14(),
+            unet: UNetConfig::sdxl(),
+            tokenizer: Arc::new(ClipTokenizer::new()),
+        };
+        let d = sdxl.sampling();
+        assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::EulerA, AysLevels::Table(&AYS_SDXL), 7.0));
     }
 }

@@ -12,7 +12,7 @@ use std::str::FromStr;
 
 use super::methods;
 use super::rng::NoiseRng;
-use super::schedule::{cpp_max, cpp_min, ModelVersion, Scheduler};
+use super::schedule::{cpp_max, cpp_min, Scheduler};
 use super::{parse_name, SamplingError, Step};
 
 /// A sampling method (`--sampling-method`), in the reference's enum order.
@@ -128,15 +128,6 @@ impl SampleMethod {
             SampleMethod::EulerCfgPp => "Euler CFG++",
             SampleMethod::EulerACfgPp => "Euler A CFG++",
             SampleMethod::EulerGe => "Euler GE",
-        }
-    }
-
-    /// The reference's default method for a model: `euler_a` for the UNet models (SD 1.x/2.x, SDXL),
-    /// `euler` for the DiT models (FLUX.1; the reference's `lcm` for PID models is not run here).
-    pub fn default_for(model: ModelVersion) -> SampleMethod {
-        match model {
-            ModelVersion::Sd1 | ModelVersion::Sd2 | ModelVersion::Sdxl => SampleMethod::EulerA,
-            ModelVersion::Flux => SampleMethod::Euler,
         }
     }
 

@@ -22,7 +22,7 @@
 //!
 //! A text-to-image run, as the reference does it per image (seed `s + batch_index`):
 //! ```
-//! use sd_models::sampling::*;
+//! use sd_sampling::*;
 //! # fn unet(_: ModelInput<'_>) -> Result<ModelOutput, SamplingError> { unimplemented!() }
 //! # fn run() -> Result<Vec<f32>, SamplingError> {
 //! let schedule = DiscreteSchedule::sd();
@@ -37,6 +37,8 @@
 //! The noise is drawn in the reference's tensor order (width fastest, then height, then channel),
 //! i.e. the row-major order of a `[C, H, W]` latent.
 
+#![forbid(unsafe_code)]
+
 pub mod denoiser;
 mod methods;
 pub mod rng;
@@ -50,8 +52,8 @@ pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
 pub use sampler::{sample, sample_flow, Denoised, SampleMethod};
 pub use schedule::{
-    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, DiscreteSchedule, FlowSchedule,
-    FlowShift, ModelVersion, NoiseSchedule, Schedule, ScheduleContext, Scheduler, TIMESTEPS,
+    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, AysLevels, DiscreteSchedule,
+    FlowSchedule, FlowShift, NoiseSchedule, Schedule, ScheduleContext, Scheduler, AYS_SD15, AYS_SDXL, TIMESTEPS,
 };
 
 /// Where a denoiser evaluation sits in the sampling loop.

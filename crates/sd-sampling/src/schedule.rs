@@ -212,7 +212,7 @@ pub enum FlowShift {
 }
 
 /// A flow-matching schedule: 1000 training timesteps `t = (i + 1) / 1000` mapped to sigmas by a
-/// time shift, scalings `c_skip = 1, c_out = -sigma, c_in = 1` ([`crate::sampling::Prediction::Flow`]).
+/// time shift, scalings `c_skip = 1, c_out = -sigma, c_in = 1` ([`crate::Prediction::Flow`]).
 ///
 /// FLUX.1's shift is constant (no resolution-dependent shift in the reference for FLUX.1; only
 /// FLUX.2 derives one from the image size): `mu` 1.15 for dev (the file has
@@ -358,25 +358,28 @@ impl NoiseSchedule for Schedule {
     }
 }
 
-/// The model family, where a default or a scheduler depends on it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum ModelVersion {
-    /// Stable Diffusion 1.x (and SD 1.x-shaped models such as SD-Turbo's base).
-    #[default]
-    Sd1,
-    /// Stable Diffusion 2.x.
-    Sd2,
-    /// Stable Diffusion XL (and its distilled UNets).
-    Sdxl,
-    /// FLUX.1 (dev, schnell): a flow-matching DiT.
-    Flux,
+/// Align Your Steps' noise levels for a model (`--scheduler ays`): NVIDIA publishes 10-step
+/// tables per model, so the model's family says which one it uses, or that it has none.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AysLevels {
+    /// A published 10-step table ([`AYS_SD15`], [`AYS_SDXL`]).
+    Table(&'static [f32; 11]),
+    /// No published table; the text names the model (`SD 2.x`) in the error.
+    Unpublished(&'static str),
+}
+
+impl Default for AysLevels {
+    /// The SD 1.5 table, as the reference uses when it is given no model.
+    fn default() -> Self {
+        AysLevels::Table(&AYS_SD15)
+    }
 }
 
 /// What a scheduler may depend on besides the step count and the noise schedule.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ScheduleContext {
-    /// The model family (`ays` has per-family noise levels).
-    pub model: ModelVersion,
+    /// The model's Align Your Steps levels (`ays`).
+    pub ays: AysLevels,
     /// Latent positions of the image, `(H / 8) * (W / 8)` (`ltx2` shifts by it; 0 means the
     /// reference's fallback of 4096).
     pub image_seq_len: usize,
@@ -476,14 +479,12 @@ impl Scheduler {
             Scheduler::Discrete => discrete(n, schedule),
             Scheduler::Karras => karras(n, schedule.sigma_min(), schedule.sigma_max()),
             Scheduler::Exponential => exponential(n, schedule.sigma_min(), schedule.sigma_max()),
-            Scheduler::Ays => match ctx.model {
-                ModelVersion::Sd1 => ays(n, &AYS_SD15),
-                ModelVersion::Sdxl => ays(n, &AYS_SDXL),
-                ModelVersion::Sd2 => {
-                    return Err(unsupported("Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not SD 2.x"))
-                }
-                ModelVersion::Flux => {
-                    return Err(unsupported("Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not FLUX"))
+            Scheduler::Ays => match ctx.ays {
+                AysLevels::Table(levels) => ays(n, levels),
+                AysLevels::Unpublished(model) => {
+                    return Err(unsupported(&format!(
+                        "Align Your Steps has noise levels for SD 1.5 (and SDXL/SVD), not {model}"
+                    )))
                 }
             },
             Scheduler::Gits => {
@@ -862,7 +863,7 @@ const GITS_1_20: [&[f32]; 19] = [
 
 /// Align Your Steps' 10-step noise levels for SD 1.5 (NVIDIA's published table).
 #[allow(clippy::excessive_precision)]
-const AYS_SD15: [f32; 11] = [
+pub const AYS_SD15: [f32; 11] = [
     14.6146412293,
     6.4745760956,
     3.8636745985,
@@ -878,7 +879,7 @@ const AYS_SD15: [f32; 11] = [
 
 /// Align Your Steps' 10-step noise levels for SDXL (NVIDIA's published table).
 #[allow(clippy::excessive_precision)]
-const AYS_SDXL: [f32; 11] = [
+pub const AYS_SDXL: [f32; 11] = [
     14.6146412293,
     6.3184485287,
     3.7681790315,

@@ -309,7 +309,7 @@ fn schedulers_match_reference() {
     for seq in [64usize, 256, 1024] {
         for n in [1usize, 2, 3, 4, 10] {
             let head = format!("schedule ltx2@{seq} {n}");
-            let ctx = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: seq };
+            let ctx = ScheduleContext { ays: AysLevels::Table(&AYS_SD15), image_seq_len: seq };
             assert_close(&head, &Scheduler::Ltx2.sigmas_for(n, &s, &ctx).unwrap(), &floats(&t, &head), MAX_ULPS);
         }
     }
@@ -319,11 +319,11 @@ fn schedulers_match_reference() {
 fn ays_uses_the_sdxl_noise_levels_for_sdxl() {
     // At 10 steps AYS is its table with the last level set to 0 (NVIDIA's SDXL table).
     let s = DiscreteSchedule::sd();
-    let xl = ScheduleContext { model: ModelVersion::Sdxl, image_seq_len: 64 };
+    let xl = ScheduleContext { ays: AysLevels::Table(&AYS_SDXL), image_seq_len: 64 };
     let sig = Scheduler::Ays.sigmas_for(10, &s, &xl).unwrap();
     assert_eq!(sig.len(), 11);
     assert_eq!((sig[1], sig[9], sig[10]), (6.318_448_5, 0.111_418_82, 0.0));
-    let sd1 = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: 64 };
+    let sd1 = ScheduleContext { ays: AysLevels::Table(&AYS_SD15), image_seq_len: 64 };
     assert_ne!(Scheduler::Ays.sigmas_for(10, &s, &sd1).unwrap()[1], sig[1]);
     // Other step counts interpolate the same table: descending to 0 from its first level.
     let sig = Scheduler::Ays.sigmas_for(4, &s, &xl).unwrap();
@@ -355,7 +355,7 @@ fn schedulers_reject_what_the_reference_cannot_compute() {
     let s = DiscreteSchedule::sd();
     let err = Scheduler::Gits.sigmas(1, &s).unwrap_err().to_string();
     assert!(err.contains("scheduler gits") && err.contains("2 steps"), "{err}");
-    let sd2 = ScheduleContext { model: ModelVersion::Sd2, image_seq_len: 64 };
+    let sd2 = ScheduleContext { ays: AysLevels::Unpublished("SD 2.x"), image_seq_len: 64 };
     let err = Scheduler::Ays.sigmas_for(10, &s, &sd2).unwrap_err().to_string();
     assert!(err.contains("scheduler ays") && err.contains("SD 2"), "{err}");
     // Everything else works on SD 2.x.
@@ -375,7 +375,7 @@ fn ays_and_ltx2_by_hand() {
     assert_eq!(ays[5], 1.394_380_5);
     assert_eq!(ays[10], 0.0);
     for seq in [64usize, 4096] {
-        let ctx = ScheduleContext { model: ModelVersion::Sd1, image_seq_len: seq };
+        let ctx = ScheduleContext { ays: AysLevels::Table(&AYS_SD15), image_seq_len: seq };
         let l = Scheduler::Ltx2.sigmas_for(4, &s, &ctx).unwrap();
         assert_eq!(l[0], 1.0, "ltx2 starts at 1");
         assert!((l[3] - 0.1).abs() < 1e-6, "ltx2 {seq}: {l:?}");
@@ -882,9 +882,6 @@ fn names_round_trip_and_match_the_reference_cli() {
     assert_eq!(SampleMethod::Heun.default_scheduler(), Scheduler::Discrete);
     assert_eq!(SampleMethod::Tcd.default_scheduler(), Scheduler::Lcm);
     assert_eq!(SampleMethod::DdimTrailing.default_scheduler(), Scheduler::Simple);
-    assert_eq!(SampleMethod::default_for(ModelVersion::Sd1), SampleMethod::EulerA);
-    assert_eq!(SampleMethod::default_for(ModelVersion::Sd2), SampleMethod::EulerA);
-    assert_eq!(SampleMethod::default_for(ModelVersion::Sdxl), SampleMethod::EulerA);
     let eta_one: Vec<SampleMethod> = SampleMethod::ALL.into_iter().filter(|m| m.default_eta() == 1.0).collect();
     assert_eq!(eta_one, [SampleMethod::EulerA, SampleMethod::DpmPp2sA, SampleMethod::ErSde, SampleMethod::EulerACfgPp]);
 }
@@ -948,7 +945,7 @@ fn schedulers_on_flow_schedules_match_reference() {
             for n in [1usize, 2, 4, 10, 20, 28] {
                 let head = format!("flow {name} schedule {} {n}", sched.name());
                 let Some(_) = t.get(&head) else { continue };
-                let ctx = ScheduleContext { model: ModelVersion::Flux, image_seq_len: 0 };
+                let ctx = ScheduleContext { ays: AysLevels::Unpublished("FLUX"), image_seq_len: 0 };
                 let want = floats(&t, &head);
                 assert_close(&head, &sched.sigmas_for(n, &f, &ctx).unwrap(), &want, MAX_ULPS);
                 assert_close(&head, &sched.sigmas_for(n, &as_schedule, &ctx).unwrap(), &want, MAX_ULPS);
@@ -957,10 +954,9 @@ fn schedulers_on_flow_schedules_match_reference() {
         }
     }
     assert!(checked >= 150, "only {checked} flow schedules compared");
-    let ctx = ScheduleContext { model: ModelVersion::Flux, image_seq_len: 0 };
+    let ctx = ScheduleContext { ays: AysLevels::Unpublished("FLUX"), image_seq_len: 0 };
     let e = Scheduler::Ays.sigmas_for(4, &FlowSchedule::flux(1.0), &ctx).unwrap_err().to_string();
     assert!(e.contains("ays") && e.contains("FLUX"), "{e}");
-    assert_eq!(SampleMethod::default_for(ModelVersion::Flux), SampleMethod::Euler);
     assert_eq!(SampleMethod::Euler.default_scheduler(), Scheduler::Discrete);
 }
 

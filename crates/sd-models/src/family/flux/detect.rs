@@ -1,0 +1,45 @@
+//! Detection of FLUX.1 dev and schnell files (the diffusion transformer of `crate::diffusion::flux`).
+//!
+//! Detected as the reference's model loader does: a `double_blocks.` tensor in the diffusion
+//! model, with `guidance_in.in_layer.weight` for dev and without it for schnell; the context
+//! width is `txt_in.weight`'s input width (T5-XXL's 4096). FLUX predicts a flow, which
+//! [`crate::files::Prediction`] does not name yet: the prediction is left unknown for the flow sampler.
+
+use crate::files::{ArchSpec, Detected, PredictionSource, TensorIndex};
+
+/// The text projection, `[hidden, context_in_dim]` (PyTorch order).
+pub(crate) const TXT_IN: &str = "model.diffusion_model.txt_in.weight";
+/// Present in dev, absent in schnell.
+pub(crate) const GUIDANCE_IN: &str = "model.diffusion_model.guidance_in.in_layer.weight";
+
+/// The tensors an unknown-architecture error shows when present.
+const NOTABLE: [&str; 2] = [TXT_IN, GUIDANCE_IN];
+
+fn context_width(index: &TensorIndex) -> Option<u64> {
+    if !index.with_prefix("model.diffusion_model.double_blocks.").any(|_| true) {
+        return None;
+    }
+    let txt_in = index.get(TXT_IN)?;
+    (txt_in.shape.len() == 2).then_some(txt_in.shape[1])
+}
+
+fn detected(arch: &'static str, context_dim: u64) -> Detected {
+    Detected { arch, context_dim, prediction: None, prediction_source: PredictionSource::Unknown }
+}
+
+fn detect_dev(index: &TensorIndex) -> Option<Detected> {
+    let width = context_width(index)?;
+    index.get(GUIDANCE_IN).is_some().then(|| detected("flux", width))
+}
+
+fn detect_schnell(index: &TensorIndex) -> Option<Detected> {
+    let width = context_width(index)?;
+    index.get(GUIDANCE_IN).is_none().then(|| detected("flux-schnell", width))
+}
+
+inventory::submit! {
+    ArchSpec { name: "flux", description: "FLUX.1-dev (guidance-distilled DiT)", detect: detect_dev, notable: &NOTABLE }
+}
+inventory::submit! {
+    ArchSpec { name: "flux-schnell", description: "FLUX.1-schnell (timestep-distilled DiT)", detect: detect_schnell, notable: &NOTABLE }
+}

@@ -1,0 +1,78 @@
+//! Detection of SD 1.x and SD 2.x files (UNet with CLIP ViT-L/14 or OpenCLIP ViT-H/14 text
+//! encoder), registered as two [`ArchSpec`]s.
+
+use crate::files::arch::prediction_from_metadata;
+use crate::files::{ArchSpec, Detected, Prediction, PredictionSource, TensorIndex};
+
+/// The text encoder's token embedding, `[vocab, width]`.
+pub(crate) const TOKEN_EMBEDDING: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
+/// The UNet's input convolution, `[320, in_channels, 3, 3]`.
+pub(crate) const UNET_CONV_IN: &str = "model.diffusion_model.input_blocks.0.0.weight";
+/// The UNet's class embedding of the ADM vector (SDXL), `[time_embed_dim, adm]`.
+pub(crate) const LABEL_EMB: &str = "model.diffusion_model.label_emb.0.0.weight";
+/// The first cross-attention key projection, `[320, context_dim]`.
+pub(crate) const UNET_CROSS_ATTN_K: &str =
+    "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight";
+
+/// The tensors an unknown-architecture error shows when present (their shapes tell SD 1.x,
+/// 2.x, SDXL and inpainting apart).
+const NOTABLE: [&str; 6] = [
+    TOKEN_EMBEDDING,
+    UNET_CONV_IN,
+    UNET_CROSS_ATTN_K,
+    "model.diffusion_model.middle_block.1.norm.weight",
+    LABEL_EMB,
+    "first_stage_model.decoder.conv_in.weight",
+];
+
+/// The facts both SD 1.x and 2.x detection read, as sd.cpp's `get_sd_version` does:
+/// a UNet with a middle block and 4 latent input channels (9 is inpainting, 8 is
+/// instruct-pix2pix; both other architectures), one text encoder (a second is SDXL),
+/// and the context width from the text encoder's token embedding, or from the UNet's
+/// cross-attention when only the UNet is given. When both are present they must agree.
+fn context_width(index: &TensorIndex) -> Option<u64> {
+    let conv_in = index.get(UNET_CONV_IN)?;
+    if conv_in.shape.len() != 4 || conv_in.shape[1] != 4 {
+        return None;
+    }
+    if !index.with_prefix("model.diffusion_model.middle_block.1.").any(|_| true) {
+        return None;
+    }
+    if index.with_prefix("cond_stage_model.1.").any(|_| true) {
+        return None;
+    }
+    // A class embedding (label_emb) is SDXL's (or another ADM model's), not SD 1.x/2.x.
+    if index.get(LABEL_EMB).is_some() {
+        return None;
+    }
+    let from_te = index.get(TOKEN_EMBEDDING).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));
+    let from_unet = index.get(UNET_CROSS_ATTN_K).and_then(|e| (e.shape.len() == 2).then_some(e.shape[1]));
+    match (from_te, from_unet) {
+        (Some(a), Some(b)) if a != b => None,
+        (a, b) => a.or(b),
+    }
+}
+
+fn detected(index: &TensorIndex, arch: &'static str, context_dim: u64) -> Detected {
+    let (prediction, prediction_source) = match prediction_from_metadata(index) {
+        Some((p, key)) => (Some(p), PredictionSource::Metadata { key }),
+        None if arch == "sd1" => (Some(Prediction::Eps), PredictionSource::ArchDefault),
+        None => (None, PredictionSource::Unknown),
+    };
+    Detected { arch, context_dim, prediction, prediction_source }
+}
+
+fn detect_sd1(index: &TensorIndex) -> Option<Detected> {
+    (context_width(index)? == 768).then(|| detected(index, "sd1", 768))
+}
+
+fn detect_sd2(index: &TensorIndex) -> Option<Detected> {
+    (context_width(index)? == 1024).then(|| detected(index, "sd2", 1024))
+}
+
+inventory::submit! {
+    ArchSpec { name: "sd1", description: "Stable Diffusion 1.x", detect: detect_sd1, notable: &NOTABLE }
+}
+inventory::submit! {
+    ArchSpec { name: "sd2", description: "Stable Diffusion 2.x", detect: detect_sd2, notable: &NOTABLE }
+}

@@ -13,7 +13,13 @@
 //!   is named in some other file of the repository (its callers), or is listed as public
 //!   API in `tests/public-api.txt` with the reason; an entry that no longer needs to be
 //!   there (the item is gone, or has gained an outside caller) is an error too. Without
-//!   outside callers an item is made `pub(crate)` or private, or deleted.
+//!   outside callers an item is made `pub(crate)` or private, or deleted;
+//! * shared code (every crate but the families', and the shared parts of `sd-models`: file
+//!   formats, loader, pipeline, placement wiring, reports; see [`SHARED`]) names no model
+//!   family in its identifiers (`sdxl`, `flux`, `sd15`, ... outside comments, strings and
+//!   tests): a family's knowledge lives in its folder under `crates/sd-models/src/family/`.
+//!   The names that still break the rule are listed in `tests/family-names.txt` with the
+//!   reason; a stale entry is an error.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -47,6 +53,29 @@ const GENERATED: &[&str] = &["crates/ggml-sys/src/bindings.rs"];
 
 /// The allow-list of public API without callers elsewhere in the repository.
 const PUBLIC_API: &str = "tests/public-api.txt";
+/// The allow-list of the family-names rule.
+const FAMILY_NAMES: &str = "tests/family-names.txt";
+/// Shared code: paths (a folder ends with `/`) where identifiers name no model family.
+const SHARED: &[&str] = &[
+    "crates/sd-placement/src/",
+    "crates/sd-sampling/src/",
+    "crates/sd-backends/src/",
+    "crates/sd-sched/src/",
+    "crates/sd-vae/src/",
+    "crates/sd-server/src/",
+    "crates/sd-cli/src/",
+    "crates/sd-models/src/files/",
+    "crates/sd-models/src/pipeline.rs",
+    "crates/sd-models/src/placement.rs",
+    "crates/sd-models/src/loader.rs",
+    "crates/sd-models/src/describe.rs",
+    "crates/sd-models/src/report.rs",
+];
+/// Words that name a model family (an identifier's parts are compared, case-insensitively).
+const FAMILY_WORDS: &[&str] = &[
+    "sd1", "sd15", "sd2", "sd21", "sd3", "sd35", "sdxl", "ssd1b", "vega", "flux", "flux1", "flux2", "chroma", "qwen",
+    "wan", "zimage",
+];
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
@@ -78,7 +107,7 @@ fn read_texts(files: &[String]) -> BTreeMap<String, String> {
     let root = repo_root();
     files
         .iter()
-        .filter(|f| f.ends_with(".rs") || f.ends_with(".md") || f.ends_with(PUBLIC_API))
+        .filter(|f| f.ends_with(".rs") || f.ends_with(".md") || f.ends_with(PUBLIC_API) || f.ends_with(FAMILY_NAMES))
         .filter(|f| !GENERATED.contains(&f.as_str()))
         .map(|f| (f.clone(), std::fs::read_to_string(root.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"))))
         .collect()
@@ -324,6 +353,104 @@ fn unmarked_pub_items(texts: &BTreeMap<String, String>, allowed: &HashMap<(Strin
 }
 
 // ---------------------------------------------------------------------------------------
+// Rule 4: shared code names no family
+
+/// The identifiers of Rust code with their lines, outside comments, string and character
+/// literals, and after the first `#[cfg(test)]` (tests may name the fixtures they use).
+fn code_identifiers(text: &str) -> Vec<(usize, String)> {
+    let text = text.split("#[cfg(test)]").next().unwrap_or("");
+    let b = text.as_bytes();
+    let (mut i, mut line, mut out) = (0usize, 1usize, Vec::new());
+    let skip_to = |from: usize, end: &str| text[from..].find(end).map_or(b.len(), |k| from + k + end.len());
+    while i < b.len() {
+        let c = b[i];
+        let next = b.get(i + 1).copied();
+        let start = i;
+        if c == b'/' && next == Some(b'/') {
+            i = skip_to(i, "\n");
+        } else if c == b'/' && next == Some(b'*') {
+            i = skip_to(i + 2, "*/");
+        } else if c == b'r'
+            && matches!(next, Some(b'"') | Some(b'#'))
+            && text[i + 1..].trim_start_matches('#').starts_with('"')
+        {
+            let hashes = text[i + 1..].bytes().take_while(|&h| h == b'#').count();
+            let close = format!("\"{}", "#".repeat(hashes));
+            i = skip_to(i + 2 + hashes, &close);
+        } else if c == b'"' {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if c == b'\'' && (next == Some(b'\\') || b.get(i + 2) == Some(&b'\'')) {
+            i += if next == Some(b'\\') { skip_to(i + 3, "'") - i } else { 3 };
+        } else if c.is_ascii_alphabetic() || c == b'_' {
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_') {
+                i += 1;
+            }
+            out.push((line, text[start..i].to_owned()));
+        } else {
+            i += 1;
+        }
+        line += text.as_bytes()[start..i.min(b.len())].iter().filter(|&&x| x == b'\n').count();
+    }
+    out
+}
+
+/// The lowercase parts of an identifier: split at `_` and at lower-to-upper case changes
+/// (`FluxFlowDenoiser` -> flux, flow, denoiser; `AYS_SD15` -> ays, sd15).
+fn identifier_parts(id: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    for word in id.split('_').filter(|w| !w.is_empty()) {
+        let mut cur = String::new();
+        let mut prev_lower = false;
+        for ch in word.chars() {
+            if ch.is_ascii_uppercase() && prev_lower {
+                parts.push(std::mem::take(&mut cur));
+            }
+            prev_lower = ch.is_ascii_lowercase() || ch.is_ascii_digit();
+            cur.push(ch.to_ascii_lowercase());
+        }
+        parts.push(cur);
+    }
+    parts
+}
+
+/// Identifiers of shared code that name a family and are not allowed, and stale entries.
+fn family_names_in_shared_code(
+    texts: &BTreeMap<String, String>,
+    allowed: &HashMap<(String, String), usize>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut used = BTreeSet::new();
+    let shared = |f: &str| SHARED.iter().any(|s| if s.ends_with('/') { f.starts_with(s) } else { f == *s });
+    for (file, text) in texts.iter().filter(|(f, _)| f.ends_with(".rs") && shared(f) && !f.ends_with("/tests.rs")) {
+        let mut seen = BTreeSet::new();
+        for (line, id) in code_identifiers(text) {
+            if !identifier_parts(&id).iter().any(|p| FAMILY_WORDS.contains(&p.as_str())) || !seen.insert(id.clone()) {
+                continue;
+            }
+            let key = (file.clone(), id.clone());
+            if !allowed.contains_key(&key) {
+                out.push(format!(
+                    "{file}:{line}: `{id}` names a model family in shared code: move the family's knowledge into \
+                     its folder (crates/sd-models/src/family/) and reach it through the family descriptor"
+                ));
+            }
+            used.insert(key);
+        }
+    }
+    for (key, line) in allowed {
+        if !used.contains(key) {
+            out.push(format!("{FAMILY_NAMES}:{line}: {} names no `{}` now: remove the entry", key.0, key.1));
+        }
+    }
+    out.sort();
+    out
+}
+
+// ---------------------------------------------------------------------------------------
 // The checks on the repository
 
 fn report(rule: &str, problems: Vec<String>, fix: &str) {
@@ -359,6 +486,14 @@ fn pub_items_have_outside_callers_or_are_listed_as_public_api() {
     let list = texts.get(PUBLIC_API).unwrap_or_else(|| panic!("{PUBLIC_API} is missing"));
     let allowed = allow_list(list).unwrap_or_else(|e| panic!("{e}"));
     report("public items", unmarked_pub_items(&texts, &allowed), "see the module doc of tests/tidy.rs");
+}
+
+#[test]
+fn shared_code_names_no_family() {
+    let texts = read_texts(&repo_files());
+    let list = texts.get(FAMILY_NAMES).unwrap_or_else(|| panic!("{FAMILY_NAMES} is missing"));
+    let allowed = allow_list(list).unwrap_or_else(|e| panic!("{e}"));
+    report("family names", family_names_in_shared_code(&texts, &allowed), "see the module doc of tests/tidy.rs");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -439,4 +574,31 @@ fn a_pub_item_without_outside_caller_is_reported_unless_listed() {
     assert!(p[2].contains("`listed_but_called` of a/src/lib.rs is named in other files"), "{p:?}");
     assert!(p[3].contains("declares no `pub gone`"), "{p:?}");
     assert!(allow_list("a/src/lib.rs Listed\n").is_err(), "an entry needs its reason");
+}
+
+#[test]
+fn a_family_named_in_shared_code_is_reported_unless_listed() {
+    let planted = texts(&[
+        (
+            "crates/sd-sampling/src/a.rs",
+            "//! A.\n// flux in a comment\nfn sigma_flux(x: f32) -> &'static str { let _c = 'x'; \"sdxl\" }\n\
+             #[cfg(test)]\nmod tests { fn sdxl_case() {} }\n",
+        ),
+        ("crates/sd-models/src/family/flux/mod.rs", "//! B.\nfn flux_only_here() {}\n"),
+        ("crates/sd-cli/src/b.rs", "//! C.\nstruct SdxlText;\nconst AYS_SD15: u8 = 0;\n"),
+    ]);
+    let none = HashMap::new();
+    let found = family_names_in_shared_code(&planted, &none);
+    assert_eq!(found.len(), 3, "{found:#?}");
+    assert!(found[0].starts_with("crates/sd-cli/src/b.rs:2: `SdxlText`"), "{found:#?}");
+    assert!(found[1].starts_with("crates/sd-cli/src/b.rs:3: `AYS_SD15`"), "{found:#?}");
+    assert!(found[2].starts_with("crates/sd-sampling/src/a.rs:3: `sigma_flux`"), "{found:#?}");
+    let listed = allow_list(
+        "crates/sd-cli/src/b.rs SdxlText  # r\ncrates/sd-cli/src/b.rs AYS_SD15  # r\n\
+         crates/sd-sampling/src/a.rs sigma_flux  # r\ncrates/sd-cli/src/b.rs Gone  # r\n",
+    )
+    .unwrap();
+    let found = family_names_in_shared_code(&planted, &listed);
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(found[0].contains("names no `Gone` now"), "{found:#?}");
 }

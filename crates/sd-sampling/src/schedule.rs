@@ -203,20 +203,19 @@ impl NoiseSchedule for DiscreteSchedule {
 /// Which flow-matching time shift a [`FlowSchedule`] applies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlowShift {
-    /// FLUX.1 (the reference's `FluxFlowDenoiser`): `sigma = e^mu / (e^mu + (1/t - 1))` with
-    /// `mu = shift`; the model reads the timestep `sigma` itself.
-    Flux,
-    /// SD3 (the reference's `DiscreteFlowDenoiser`): `sigma = shift t / (1 + (shift - 1) t)`;
-    /// the model reads `sigma * 1000`.
-    Sd3,
+    /// `sigma = e^mu / (e^mu + (1/t - 1))` with `mu = shift` (FLUX.1's; the reference's
+    /// `FluxFlowDenoiser`); the model reads the timestep `sigma` itself.
+    Exponential,
+    /// `sigma = shift t / (1 + (shift - 1) t)` (SD3's; the reference's
+    /// `DiscreteFlowDenoiser`); the model reads `sigma * 1000`.
+    Linear,
 }
 
 /// A flow-matching schedule: 1000 training timesteps `t = (i + 1) / 1000` mapped to sigmas by a
 /// time shift, scalings `c_skip = 1, c_out = -sigma, c_in = 1` ([`crate::Prediction::Flow`]).
 ///
-/// FLUX.1's shift is constant (no resolution-dependent shift in the reference for FLUX.1; only
-/// FLUX.2 derives one from the image size): `mu` 1.15 for dev (the file has
-/// `guidance_in`), 1.0 for schnell ([`FlowSchedule::flux_for`]), overridden by `--flow-shift`.
+/// A family picks the kind and its default shift (FLUX.1's `mu` is constant in the reference:
+/// only FLUX.2 derives one from the image size); `--flow-shift` overrides the shift.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FlowSchedule {
     kind: FlowShift,
@@ -224,20 +223,14 @@ pub struct FlowSchedule {
 }
 
 impl FlowSchedule {
-    /// FLUX.1's schedule with time shift `mu`.
-    pub fn flux(mu: f32) -> Self {
-        FlowSchedule { kind: FlowShift::Flux, shift: mu }
+    /// The exponential time shift with `mu` ([`FlowShift::Exponential`]).
+    pub fn exponential(mu: f32) -> Self {
+        FlowSchedule { kind: FlowShift::Exponential, shift: mu }
     }
 
-    /// FLUX.1's default: `mu` 1.15 for a model with distilled guidance (dev: its file has
-    /// `guidance_in.in_layer.weight`), 1.0 otherwise (schnell), as the reference decides it.
-    pub fn flux_for(has_guidance_embedding: bool) -> Self {
-        Self::flux(if has_guidance_embedding { 1.15 } else { 1.0 })
-    }
-
-    /// SD3's schedule with `shift` (the reference's default for SD3 is 3).
-    pub fn sd3(shift: f32) -> Self {
-        FlowSchedule { kind: FlowShift::Sd3, shift }
+    /// The linear time shift with `shift` ([`FlowShift::Linear`]).
+    pub fn linear(shift: f32) -> Self {
+        FlowSchedule { kind: FlowShift::Linear, shift }
     }
 
     /// The same kind with another shift (`--flow-shift`).
@@ -250,7 +243,7 @@ impl FlowSchedule {
         self.kind
     }
 
-    /// The shift (`mu` for FLUX.1).
+    /// The shift (`mu` of the exponential shift).
     pub fn shift(&self) -> f32 {
         self.shift
     }
@@ -278,12 +271,12 @@ impl NoiseSchedule for FlowSchedule {
     fn t_to_sigma(&self, t: f32) -> f32 {
         let t = (t + 1.0) / TIMESTEPS as f32;
         match self.kind {
-            FlowShift::Flux => {
+            FlowShift::Exponential => {
                 // `expf(mu) / (expf(mu) + powf(1/t - 1, 1.0f))`, all in float.
                 let e = self.shift.exp();
                 e / (e + (1.0 / t - 1.0).powf(1.0))
             }
-            FlowShift::Sd3 => {
+            FlowShift::Linear => {
                 if self.shift == 1.0 {
                     t
                 } else {
@@ -295,8 +288,8 @@ impl NoiseSchedule for FlowSchedule {
 
     fn sigma_to_t(&self, sigma: f32) -> f32 {
         match self.kind {
-            FlowShift::Flux => sigma,
-            FlowShift::Sd3 => sigma * 1000.0,
+            FlowShift::Exponential => sigma,
+            FlowShift::Linear => sigma * 1000.0,
         }
     }
 

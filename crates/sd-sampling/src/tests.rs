@@ -903,7 +903,11 @@ fn unknown_and_unimplemented_names_are_errors() {
 // Flow matching (FLUX.1, SD3)
 
 fn flows() -> [(&'static str, FlowSchedule); 3] {
-    [("flux1", FlowSchedule::flux(1.0)), ("flux1.15", FlowSchedule::flux(1.15)), ("sd3_3", FlowSchedule::sd3(3.0))]
+    [
+        ("flux1", FlowSchedule::exponential(1.0)),
+        ("flux1.15", FlowSchedule::exponential(1.15)),
+        ("sd3_3", FlowSchedule::linear(3.0)),
+    ]
 }
 
 /// Sigma range, t -> sigma, sigma -> timestep and the scalings of FLUX.1's (shift 1, 1.15) and
@@ -927,9 +931,7 @@ fn flow_schedules_match_reference() {
         assert!(f.is_flow());
     }
     // The defaults the reference picks for FLUX.1: 1.15 with a guidance embedding (dev), else 1.
-    assert_eq!(FlowSchedule::flux_for(true), FlowSchedule::flux(1.15));
-    assert_eq!(FlowSchedule::flux_for(false).shift(), 1.0);
-    assert_eq!(FlowSchedule::flux(1.0).with_shift(3.0), FlowSchedule::flux(3.0));
+    assert_eq!(FlowSchedule::exponential(1.0).with_shift(3.0), FlowSchedule::exponential(3.0));
     assert!(!NoiseSchedule::is_flow(&DiscreteSchedule::sd()));
 }
 
@@ -955,7 +957,7 @@ fn schedulers_on_flow_schedules_match_reference() {
     }
     assert!(checked >= 150, "only {checked} flow schedules compared");
     let ctx = ScheduleContext { ays: AysLevels::Unpublished("FLUX"), image_seq_len: 0 };
-    let e = Scheduler::Ays.sigmas_for(4, &FlowSchedule::flux(1.0), &ctx).unwrap_err().to_string();
+    let e = Scheduler::Ays.sigmas_for(4, &FlowSchedule::exponential(1.0), &ctx).unwrap_err().to_string();
     assert!(e.contains("ays") && e.contains("FLUX"), "{e}");
     assert_eq!(SampleMethod::Euler.default_scheduler(), Scheduler::Discrete);
 }
@@ -998,9 +1000,9 @@ fn samplers_on_flow_schedules_match_reference() {
         assert!(methods.iter().any(|c| c.1 == m), "{m} is not compared with the reference");
     }
     let runs = [
-        ("flux1", FlowSchedule::flux(1.0), Scheduler::Discrete, 4, 42u64, 16usize),
-        ("flux1.15", FlowSchedule::flux(1.15), Scheduler::Simple, 6, 7, 13),
-        ("sd3_3", FlowSchedule::sd3(3.0), Scheduler::Discrete, 5, 3, 16),
+        ("flux1", FlowSchedule::exponential(1.0), Scheduler::Discrete, 4, 42u64, 16usize),
+        ("flux1.15", FlowSchedule::exponential(1.15), Scheduler::Simple, 6, 7, 13),
+        ("sd3_3", FlowSchedule::linear(3.0), Scheduler::Discrete, 5, 3, 16),
     ];
     for (label, method, eta) in methods {
         for (flow_name, f, sched, steps, seed, numel) in runs {
@@ -1020,7 +1022,7 @@ fn samplers_on_flow_schedules_match_reference() {
         }
     }
     // The flow ancestral step differs from the discrete one (so the comparison above can fail).
-    let s = FlowSchedule::flux(1.0);
+    let s = FlowSchedule::exponential(1.0);
     let sigmas = Scheduler::Discrete.sigmas(4, &s).unwrap();
     let run = |flow: bool| {
         let mut rng = RngKind::Cuda.seeded(42);
@@ -1037,7 +1039,7 @@ fn samplers_on_flow_schedules_match_reference() {
 #[test]
 fn flow_guided_denoiser_matches_reference_composition() {
     let t = reference();
-    let f = FlowSchedule::flux(1.15);
+    let f = FlowSchedule::exponential(1.15);
     for cfg in [1.0_f32, 3.5] {
         let sigma = 0.7_f32;
         let x: Vec<f32> = PhiloxRng::new(5).randn(12).iter().map(|v| v * 2.0).collect();

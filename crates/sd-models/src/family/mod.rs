@@ -282,6 +282,86 @@ pub trait DiffusionModel {
 #[cfg(test)]
 mod tests {
     use super::block_group;
+    use crate::files::arch::{registered, BlockFn};
+    use crate::files::index::{FileFormat, SourceFile, TensorEntry};
+    use crate::files::{DType, FileRole, TensorIndex};
+
+    /// An index of these names (shapes that detect no architecture).
+    fn index_of(names: &[String]) -> TensorIndex {
+        let file = SourceFile {
+            path: "m.safetensors".into(),
+            format: FileFormat::Safetensors,
+            role: FileRole::Checkpoint,
+            len: 0,
+            metadata: vec![],
+        };
+        let entry = |name: &String| TensorEntry {
+            name: name.clone(),
+            original_name: name.clone(),
+            dtype: DType::F32,
+            shape: vec![1],
+            file: 0,
+            offset: 0,
+            len: 4,
+            part: None,
+        };
+        TensorIndex::new(vec![file], names.iter().map(entry).collect()).unwrap()
+    }
+
+    /// The block numbering the architecture `arch` registers, built for `index`.
+    fn numbering(arch: &str, index: &TensorIndex) -> BlockFn {
+        (registered().into_iter().find(|s| s.name == arch).unwrap().blocks)(index)
+    }
+
+    #[test]
+    fn blocks_follow_execution_order() {
+        let mut names: Vec<String> =
+            (0..12).map(|i| format!("model.diffusion_model.input_blocks.{i}.0.weight")).collect();
+        names.push("model.diffusion_model.middle_block.1.norm.weight".into());
+        names.push("model.diffusion_model.output_blocks.0.0.in_layers.0.weight".into());
+        names.push("model.diffusion_model.output_blocks.11.1.proj_out.weight".into());
+        names.push("model.diffusion_model.time_embed.0.weight".into());
+        names.push("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight".into());
+        names.push("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight".into());
+        names.push("first_stage_model.decoder.up.0.block.0.conv1.weight".into());
+        let idx = index_of(&names);
+        let blocks = numbering("sd1", &idx);
+        let b = |n: &str| blocks(n);
+        assert_eq!(b("model.diffusion_model.input_blocks.0.0.weight"), Some(0));
+        assert_eq!(b("model.diffusion_model.input_blocks.11.0.weight"), Some(11));
+        assert_eq!(b("model.diffusion_model.middle_block.1.norm.weight"), Some(12), "after the 12 input blocks");
+        assert_eq!(b("model.diffusion_model.output_blocks.0.0.in_layers.0.weight"), Some(13));
+        assert_eq!(b("model.diffusion_model.output_blocks.11.1.proj_out.weight"), Some(24));
+        assert_eq!(b("model.diffusion_model.time_embed.0.weight"), None);
+        assert_eq!(b("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), Some(7));
+        assert_eq!(b("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"), None);
+        assert_eq!(b("first_stage_model.decoder.up.0.block.0.conv1.weight"), None);
+        // Two text encoders (SDXL): the dominant second one's layers are the blocks.
+        let big_g = format!("{}text_model.encoder.layers.30.mlp.fc1.weight", crate::files::names::TE2_PREFIX);
+        names.push(big_g.clone());
+        let blocks = numbering("sdxl", &index_of(&names));
+        assert_eq!(blocks(&big_g), Some(30));
+        assert_eq!(blocks("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), None);
+        assert_eq!(blocks("model.diffusion_model.output_blocks.0.0.in_layers.0.weight"), Some(13));
+    }
+
+    #[test]
+    fn flux_blocks_and_t5_layers_are_numbered() {
+        let names = [
+            "model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
+            "model.diffusion_model.double_blocks.18.txt_mlp.0.weight",
+            "model.diffusion_model.single_blocks.0.linear1.weight",
+            "model.diffusion_model.single_blocks.37.linear2.weight",
+            "model.diffusion_model.img_in.weight",
+            "cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight",
+            "text_encoders.t5xxl.transformer.encoder.block.23.layer.1.DenseReluDense.wo.weight",
+            "text_encoders.t5xxl.transformer.shared.weight",
+        ];
+        let blocks = numbering("flux", &index_of(&names.map(String::from)));
+        let b: Vec<Option<u32>> = names.iter().map(|n| blocks(n)).collect();
+        // 19 double blocks, then the single ones; T5 is the dominant encoder, CLIP-L is not cut.
+        assert_eq!(b, [Some(0), Some(18), Some(19), Some(56), None, None, Some(23), None]);
+    }
 
     #[test]
     fn staging_groups_end_at_the_block_index() {

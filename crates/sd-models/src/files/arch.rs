@@ -12,6 +12,7 @@
 //! model graph, so here it is reported as unknown and left to the caller.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::error::FilesError;
 use super::index::TensorIndex;
@@ -28,6 +29,21 @@ pub struct ArchSpec {
     /// Tensors whose shapes the unknown-architecture error shows when the files hold them
     /// (the ones `detect` reads).
     pub notable: &'static [&'static str],
+    /// The family's block numbering of the files' tensors, in execution order: its
+    /// diffusion model's blocks and its dominant text encoder's layers. The one owner of
+    /// block numbers, read by plans and layer splits through [`TensorIndex::block_of`].
+    pub blocks: fn(&TensorIndex) -> BlockFn,
+}
+
+/// A block numbering built for one set of files: a tensor's internal name to its block.
+pub type BlockFn = Arc<dyn Fn(&str) -> Option<u32> + Send + Sync>;
+
+/// The block numbering of the one registered architecture that detects `index`; `None` when
+/// none or several do.
+pub(crate) fn block_numbering(index: &TensorIndex) -> Option<BlockFn> {
+    let mut found = inventory::iter::<ArchSpec>.into_iter().filter(|s| (s.detect)(index).is_some());
+    let spec = found.next()?;
+    found.next().is_none().then(|| (spec.blocks)(index))
 }
 
 inventory::collect!(ArchSpec);

@@ -167,28 +167,24 @@ pub struct TensorIndex {
     files: Vec<SourceFile>,
     entries: Vec<TensorEntry>,
     by_name: HashMap<String, usize>,
-    /// Number of UNet input blocks (highest `input_blocks.N` + 1), for block numbering.
-    unet_input_blocks: u32,
-    /// Whether a second text encoder is present (SDXL's bigG): then it is the dominant one,
-    /// whose layers are the text encoder's blocks.
-    has_te2: bool,
-    /// Whether T5-XXL is present (FLUX): then it is the dominant text encoder.
-    has_t5: bool,
-    /// Number of FLUX double-stream blocks (highest `double_blocks.N` + 1): the single-stream
-    /// blocks are numbered after them.
-    flux_double_blocks: u32,
+    /// The detected family's block numbering (`None` when the files are of no single
+    /// registered architecture: then no tensor has a block).
+    blocks: Option<Numbering>,
 }
 
-/// Where FLUX's double-stream blocks are numbered.
-const FLUX_DOUBLE: &str = "model.diffusion_model.double_blocks.";
-/// Where FLUX's single-stream blocks are numbered.
-const FLUX_SINGLE: &str = "model.diffusion_model.single_blocks.";
-/// Where T5-XXL's blocks are numbered.
-const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
+/// A family's block numbering ([`super::arch::ArchSpec::blocks`]), shared by clones of the index.
+#[derive(Clone)]
+struct Numbering(super::arch::BlockFn);
 
-/// `N` of `{prefix}N.…`.
-fn numbered(name: &str, prefix: &str) -> Option<u32> {
-    name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
+impl std::fmt::Debug for Numbering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Numbering")
+    }
+}
+
+/// `N` of `{prefix}N.…` (below 10,000, so that block arithmetic cannot overflow).
+pub fn numbered(name: &str, prefix: &str) -> Option<u32> {
+    name.strip_prefix(prefix)?.split('.').next()?.parse().ok().filter(|&n| n < 10_000)
 }
 
 impl TensorIndex {
@@ -218,16 +214,9 @@ impl TensorIndex {
             }
             by_name.insert(e.name.clone(), i);
         }
-        let unet_input_blocks = entries
-            .iter()
-            .filter_map(|e| unet_block(&e.name).and_then(|(kind, n)| (kind == UnetPart::Input).then_some(n)))
-            .max()
-            .map_or(0, |n| n + 1);
-        let has_te2 = entries.iter().any(|e| e.name.starts_with(TE2_PREFIX));
-        let has_t5 = entries.iter().any(|e| e.name.starts_with(T5_BLOCKS));
-        let flux_double_blocks =
-            entries.iter().filter_map(|e| numbered(&e.name, FLUX_DOUBLE)).max().map_or(0, |n| n + 1);
-        Ok(TensorIndex { files, entries, by_name, unet_input_blocks, has_te2, has_t5, flux_double_blocks })
+        let mut index = TensorIndex { files, entries, by_name, blocks: None };
+        index.blocks = super::arch::block_numbering(&index).map(Numbering);
+        Ok(index)
     }
 
     /// The files, indexed by [`TensorEntry::file`].
@@ -273,42 +262,18 @@ impl TensorIndex {
         component_of(&entry.name)
     }
 
-    /// The execution-order block of `entry` within its component, where it has one:
-    /// UNet `input_blocks.N` → N, `middle_block` → (number of input blocks),
-    /// `output_blocks.N` → (number of input blocks) + 1 + N; FLUX `double_blocks.N` → N,
-    /// `single_blocks.N` → (number of double blocks) + N; the dominant text encoder's layers
-    /// (T5 `encoder.block.N`, else CLIP `encoder.layers.N`) → N. Embeddings, final norms, the
-    /// UNet's `time_embed`/`out`, and every VAE/TAESD tensor have none.
+    /// The execution-order block of `entry` within its module, where it has one, as the
+    /// detected family numbers them ([`super::arch::ArchSpec::blocks`]): the diffusion
+    /// model's blocks, and the layers of the dominant text encoder. Embeddings, final norms,
+    /// first-stage tensors, and every tensor of files of no single registered architecture
+    /// have none.
     pub fn block(&self, entry: &TensorEntry) -> Option<u32> {
         self.block_of(&entry.name)
     }
 
     /// [`TensorIndex::block`] by internal name (a layer split's device of a tensor).
     pub fn block_of(&self, name: &str) -> Option<u32> {
-        if let Some((part, n)) = unet_block(name) {
-            return Some(match part {
-                UnetPart::Input => n,
-                UnetPart::Middle => self.unet_input_blocks,
-                UnetPart::Output => self.unet_input_blocks + 1 + n,
-            });
-        }
-        // FLUX's DiT: the double-stream blocks, then the single-stream ones.
-        if let Some(n) = numbered(name, FLUX_DOUBLE) {
-            return Some(n);
-        }
-        if let Some(n) = numbered(name, FLUX_SINGLE) {
-            return Some(self.flux_double_blocks + n);
-        }
-        // A layer split of the text encoder cuts the dominant encoder ("for te it applies to
-        // the dominant text encoder"): T5-XXL where it is present (FLUX), else the second CLIP
-        // where there are two (SDXL's bigG); the other encoder's layers stay with the
-        // non-block tensors on the main device.
-        if self.has_t5 {
-            return numbered(name, T5_BLOCKS);
-        }
-        let rest = if self.has_te2 { name.strip_prefix(TE2_PREFIX) } else { name.strip_prefix(TE_PREFIX) }?;
-        let rest = rest.strip_prefix("text_model.encoder.layers.")?;
-        rest.split('.').next()?.parse().ok()
+        self.blocks.as_ref().and_then(|b| (b.0)(name))
     }
 
     /// Fails on the first tensor of a model component (text encoder, UNet, VAE, TAESD) whose
@@ -334,28 +299,6 @@ impl TensorIndex {
         }
         Ok(())
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum UnetPart {
-    Input,
-    Middle,
-    Output,
-}
-
-fn unet_block(name: &str) -> Option<(UnetPart, u32)> {
-    let rest = name.strip_prefix(UNET_PREFIX)?;
-    if rest.starts_with("middle_block.") {
-        return Some((UnetPart::Middle, 0));
-    }
-    let (part, rest) = if let Some(r) = rest.strip_prefix("input_blocks.") {
-        (UnetPart::Input, r)
-    } else {
-        (UnetPart::Output, rest.strip_prefix("output_blocks.")?)
-    };
-    let n: u32 = rest.split('.').next()?.parse().ok()?;
-    // Refuse absurd indices so block arithmetic cannot overflow.
-    (n < 10_000).then_some((part, n))
 }
 
 #[cfg(test)]
@@ -405,55 +348,6 @@ mod tests {
         for (n, c) in cases {
             assert_eq!(component_of(n), c, "{n}");
         }
-    }
-
-    #[test]
-    fn blocks_follow_execution_order() {
-        let mut names: Vec<String> =
-            (0..12).map(|i| format!("model.diffusion_model.input_blocks.{i}.0.weight")).collect();
-        names.push("model.diffusion_model.middle_block.1.norm.weight".into());
-        names.push("model.diffusion_model.output_blocks.0.0.in_layers.0.weight".into());
-        names.push("model.diffusion_model.output_blocks.11.1.proj_out.weight".into());
-        names.push("model.diffusion_model.time_embed.0.weight".into());
-        names.push("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight".into());
-        names.push("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight".into());
-        names.push("first_stage_model.decoder.up.0.block.0.conv1.weight".into());
-        let idx = TensorIndex::new(vec![file()], names.iter().map(|n| entry(n)).collect()).unwrap();
-        let b = |n: &str| idx.block_of(n);
-        assert_eq!(b("model.diffusion_model.input_blocks.0.0.weight"), Some(0));
-        assert_eq!(b("model.diffusion_model.input_blocks.11.0.weight"), Some(11));
-        assert_eq!(b("model.diffusion_model.middle_block.1.norm.weight"), Some(12), "after the 12 input blocks");
-        assert_eq!(b("model.diffusion_model.output_blocks.0.0.in_layers.0.weight"), Some(13));
-        assert_eq!(b("model.diffusion_model.output_blocks.11.1.proj_out.weight"), Some(24));
-        assert_eq!(b("model.diffusion_model.time_embed.0.weight"), None);
-        assert_eq!(b("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), Some(7));
-        assert_eq!(b("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"), None);
-        assert_eq!(b("first_stage_model.decoder.up.0.block.0.conv1.weight"), None);
-        // Two text encoders (SDXL): the dominant second one's layers are the blocks.
-        let big_g = format!("{TE2_PREFIX}text_model.encoder.layers.30.mlp.fc1.weight");
-        names.push(big_g.clone());
-        let idx = TensorIndex::new(vec![file()], names.iter().map(|n| entry(n)).collect()).unwrap();
-        assert_eq!(idx.block_of(&big_g), Some(30));
-        assert_eq!(idx.block_of("cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight"), None);
-        assert_eq!(idx.block_of("model.diffusion_model.output_blocks.0.0.in_layers.0.weight"), Some(13));
-    }
-
-    #[test]
-    fn flux_blocks_and_t5_layers_are_numbered() {
-        let names = [
-            "model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
-            "model.diffusion_model.double_blocks.18.txt_mlp.0.weight",
-            "model.diffusion_model.single_blocks.0.linear1.weight",
-            "model.diffusion_model.single_blocks.37.linear2.weight",
-            "model.diffusion_model.img_in.weight",
-            "cond_stage_model.transformer.text_model.encoder.layers.7.mlp.fc1.weight",
-            "text_encoders.t5xxl.transformer.encoder.block.23.layer.1.DenseReluDense.wo.weight",
-            "text_encoders.t5xxl.transformer.shared.weight",
-        ];
-        let idx = TensorIndex::new(vec![file()], names.iter().map(|n| entry(n)).collect()).unwrap();
-        let b: Vec<Option<u32>> = names.iter().map(|n| idx.block_of(n)).collect();
-        // 19 double blocks, then the single ones; T5 is the dominant encoder, CLIP-L is not cut.
-        assert_eq!(b, [Some(0), Some(18), Some(19), Some(56), None, None, Some(23), None]);
     }
 
     #[test]

@@ -5,7 +5,12 @@
 //! width is `txt_in.weight`'s input width (T5-XXL's 4096). FLUX predicts a flow, which
 //! [`crate::files::Prediction`] does not name yet: the prediction is left unknown for the flow sampler.
 
+use std::sync::Arc;
+
+use crate::diffusion::flux;
+use crate::files::arch::BlockFn;
 use crate::files::{ArchSpec, Detected, PredictionSource, TensorIndex};
+use crate::text::{clip, t5};
 
 /// The text projection, `[hidden, context_in_dim]` (PyTorch order).
 pub(crate) const TXT_IN: &str = "model.diffusion_model.txt_in.weight";
@@ -27,6 +32,14 @@ fn detected(arch: &'static str, context_dim: u64) -> Detected {
     Detected { arch, context_dim, prediction: None, prediction_source: PredictionSource::Unknown }
 }
 
+/// FLUX blocks: the DiT's, and the layers of the dominant text encoder (T5-XXL where the
+/// files hold it, else CLIP-L); the other encoder's layers stay with the non-block tensors.
+fn blocks(index: &TensorIndex) -> BlockFn {
+    let dit = flux::block_numbering(index);
+    let has_t5 = index.entries().iter().any(|e| t5::block_of(&e.name).is_some());
+    Arc::new(move |name| dit(name).or_else(|| if has_t5 { t5::block_of(name) } else { clip::layer_of(name, 0) }))
+}
+
 fn detect_dev(index: &TensorIndex) -> Option<Detected> {
     let width = context_width(index)?;
     index.get(GUIDANCE_IN).is_some().then(|| detected("flux", width))
@@ -38,8 +51,8 @@ fn detect_schnell(index: &TensorIndex) -> Option<Detected> {
 }
 
 inventory::submit! {
-    ArchSpec { name: "flux", description: "FLUX.1-dev (guidance-distilled DiT)", detect: detect_dev, notable: &NOTABLE }
+    ArchSpec { name: "flux", description: "FLUX.1-dev (guidance-distilled DiT)", detect: detect_dev, notable: &NOTABLE, blocks }
 }
 inventory::submit! {
-    ArchSpec { name: "flux-schnell", description: "FLUX.1-schnell (timestep-distilled DiT)", detect: detect_schnell, notable: &NOTABLE }
+    ArchSpec { name: "flux-schnell", description: "FLUX.1-schnell (timestep-distilled DiT)", detect: detect_schnell, notable: &NOTABLE, blocks }
 }

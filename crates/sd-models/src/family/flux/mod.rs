@@ -47,6 +47,16 @@ const T5_PROBE: &str = "text_encoders.t5xxl.transformer.shared.weight";
 /// Where T5's blocks are numbered.
 const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
 
+/// FLUX.1's time shift `mu`: 1.15 for a model with distilled guidance (dev: its file has
+/// `guidance_in.in_layer.weight`), 1.0 otherwise (schnell), as the reference decides it.
+fn default_mu(has_guidance_embedding: bool) -> f32 {
+    if has_guidance_embedding {
+        1.15
+    } else {
+        1.0
+    }
+}
+
 /// FLUX built for a set of files.
 #[derive(Debug)]
 struct Flux {
@@ -202,7 +212,7 @@ impl Family for Flux {
     }
 
     fn sampling(&self) -> SamplingDefaults {
-        let schedule = FlowSchedule::flux_for(self.dit.guidance_embed).into();
+        let schedule = FlowSchedule::exponential(default_mu(self.dit.guidance_embed)).into();
         // FLUX.1's guidance is distilled (dev: `--guidance`; schnell: none): one evaluation
         // per step unless `--cfg-scale` asks for a negative pass.
         SamplingDefaults { ays: AysLevels::Unpublished("FLUX"), method: SampleMethod::Euler, schedule, cfg_scale: 1.0 }
@@ -229,7 +239,7 @@ impl TextEncoder for FluxConditioner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::NoiseSchedule;
+    use crate::sampling::{NoiseSchedule, Schedule};
 
     /// The reference samples FLUX.1 with `euler` on its flow schedule at cfg 1 (guidance is
     /// distilled); Align Your Steps has no FLUX levels.
@@ -245,5 +255,7 @@ mod tests {
         let d = flux.sampling();
         assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::Euler, AysLevels::Unpublished("FLUX"), 1.0));
         assert!(d.schedule.is_flow());
+        assert!(matches!(d.schedule, Schedule::Flow(f) if f == FlowSchedule::exponential(1.15)));
+        assert_eq!((default_mu(true), default_mu(false)), (1.15, 1.0));
     }
 }

@@ -1,8 +1,12 @@
 //! Detection of SD 1.x and SD 2.x files (UNet with CLIP ViT-L/14 or OpenCLIP ViT-H/14 text
 //! encoder), registered as two [`ArchSpec`]s.
 
-use crate::files::arch::prediction_from_metadata;
+use std::sync::Arc;
+
+use crate::diffusion::unet;
+use crate::files::arch::{prediction_from_metadata, BlockFn};
 use crate::files::{ArchSpec, Detected, Prediction, PredictionSource, TensorIndex};
+use crate::text::clip;
 
 /// The text encoder's token embedding, `[vocab, width]`.
 pub(crate) const TOKEN_EMBEDDING: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
@@ -62,6 +66,12 @@ fn detected(index: &TensorIndex, arch: &'static str, context_dim: u64) -> Detect
     Detected { arch, context_dim, prediction, prediction_source }
 }
 
+/// SD 1.x/2.x blocks: the UNet's, and the layers of its one CLIP text encoder.
+fn blocks(index: &TensorIndex) -> BlockFn {
+    let unet = unet::block_numbering(index);
+    Arc::new(move |name| unet(name).or_else(|| clip::layer_of(name, 0)))
+}
+
 fn detect_sd1(index: &TensorIndex) -> Option<Detected> {
     (context_width(index)? == 768).then(|| detected(index, "sd1", 768))
 }
@@ -71,8 +81,8 @@ fn detect_sd2(index: &TensorIndex) -> Option<Detected> {
 }
 
 inventory::submit! {
-    ArchSpec { name: "sd1", description: "Stable Diffusion 1.x", detect: detect_sd1, notable: &NOTABLE }
+    ArchSpec { name: "sd1", description: "Stable Diffusion 1.x", detect: detect_sd1, notable: &NOTABLE, blocks }
 }
 inventory::submit! {
-    ArchSpec { name: "sd2", description: "Stable Diffusion 2.x", detect: detect_sd2, notable: &NOTABLE }
+    ArchSpec { name: "sd2", description: "Stable Diffusion 2.x", detect: detect_sd2, notable: &NOTABLE, blocks }
 }

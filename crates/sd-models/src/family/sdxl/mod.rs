@@ -19,11 +19,11 @@ use sd_vae::{TaesdConfig, VaeConfig};
 use super::sd::detect::LABEL_EMB;
 use super::{DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
-use crate::files::arch::prediction_from_metadata;
+use crate::files::arch::{prediction_from_metadata, BlockFn};
 use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
 use crate::pipeline::{PipelineError, Result};
 use crate::sampling::{AysLevels, DiscreteSchedule, Prediction, SampleMethod, AYS_SDXL};
-use crate::text::clip::ClipConfig;
+use crate::text::clip::{self, ClipConfig};
 use crate::text::sdxl::SdxlText;
 use crate::text::ClipTokenizer;
 
@@ -48,12 +48,21 @@ fn detect(index: &TensorIndex) -> Option<Detected> {
     Some(Detected { arch: "sdxl", context_dim: CONTEXT_DIM, prediction, prediction_source })
 }
 
+/// SDXL blocks: the UNet's, and the layers of the dominant text encoder (bigG where the
+/// files hold it, else CLIP-L); the other encoder's layers stay with the non-block tensors.
+fn blocks(index: &TensorIndex) -> BlockFn {
+    let unet = unet::block_numbering(index);
+    let encoder = if index.entries().iter().any(|e| clip::layer_of(&e.name, 1).is_some()) { 1 } else { 0 };
+    Arc::new(move |name| unet(name).or_else(|| clip::layer_of(name, encoder)))
+}
+
 inventory::submit! {
     ArchSpec {
         name: "sdxl",
         description: "Stable Diffusion XL (base, Turbo, SSD-1B, Vega)",
         detect,
         notable: &[LABEL_EMB, "model.diffusion_model.input_blocks.0.0.weight"],
+        blocks,
     }
 }
 

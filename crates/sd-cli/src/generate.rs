@@ -311,7 +311,8 @@ pub fn load(
         Ok(sd_models::speed::device_speeds(&backends, &key, tokens, &sd_models::speed::cache_path())?)
     };
     let devices = crate::plan::machine_devices_from(&reg);
-    let plan = crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds)?;
+    let descriptions = crate::cost::descriptions(&reg);
+    let plan = crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, (w, h, a.steps)))?;
     plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,

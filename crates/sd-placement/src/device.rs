@@ -166,6 +166,10 @@ pub struct ProfileDevice {
     /// [`crate::PlanRequest::device_speeds`]); a positive number.
     #[serde(default)]
     pub speed_mib_s: Option<f64>,
+    /// The cost model's figures ([`crate::DeviceFigures`], a `[device.cost]` table), for
+    /// predicting plans on devices this machine does not have.
+    #[serde(default)]
+    pub cost: Option<crate::DeviceFigures>,
 }
 
 impl DeviceProfile {
@@ -183,6 +187,13 @@ impl DeviceProfile {
                     d.speed_mib_s.unwrap_or_default()
                 ),
             });
+        }
+        for d in &profile.devices {
+            if let Some(Err(reason)) = d.cost.as_ref().map(crate::DeviceFigures::check) {
+                return Err(PlanError::InvalidProfile {
+                    reason: format!("device '{}': [device.cost]: {reason}", d.name.trim()),
+                });
+            }
         }
         Ok(profile)
     }

@@ -1,0 +1,317 @@
+//! The cost model's inputs on this machine: the workload from the model's tensor shapes, device figures from calibration, a profile, the speed cache or nominal values; `sd-cli calibrate`.
+//!
+//! Calibration measures, per device, in a few seconds: f16 matmul throughput (the speed probe
+//! of `--split-by speed` at 512 activation rows: its bytes per second times the rows are
+//! FLOP/s), memory bandwidth (the same probe at one row, a matrix-vector product that reads
+//! the weight once), and the host link (the best of three uploads of a 32 MiB tensor, and of
+//! a 2-byte one for the latency). The probe's figures join the speed cache
+//! (`device-speeds.toml`, under the model key `calibration`); the device figures are kept
+//! beside it in `device-figures.json`, keyed by device name and description (the driver's
+//! description, an RPC device's endpoint). The other op classes (quantized matmuls,
+//! convolution, attention) are not measured and fall back to the f16 figure.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use sd_backends::{Backend, GgmlType};
+use sd_models::files::index::Component;
+use sd_models::files::ModelFiles;
+use sd_placement::{
+    nominal_figures, Device, DeviceFigures, DeviceProfile, DeviceType, Figures, Module, ModuleLoad, WeightShape,
+    WeightType, Workload,
+};
+use serde::{Deserialize, Serialize};
+
+/// Key of the calibration probe's figures in the speed cache.
+const CALIBRATION_KEY: &str = "calibration";
+/// Activation rows of the throughput probe.
+const PROBE_ROWS: u64 = 512;
+/// Bytes of the link probe's tensor.
+const LINK_BYTES: i64 = 32 << 20;
+/// Text-encoder tokens (CLIP's context).
+const TE_TOKENS: u64 = 77;
+
+/// Options of `calibrate`.
+#[derive(Args, Debug)]
+pub struct CalibrateArgs {
+    /// Print the figures as JSON.
+    #[arg(long = "json")]
+    pub json: bool,
+}
+
+/// One calibrated device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Entry {
+    device: String,
+    description: String,
+    figures: DeviceFigures,
+}
+
+/// The calibration file: a list of devices.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct CalibrationFile {
+    #[serde(default)]
+    device: Vec<Entry>,
+}
+
+fn figures_path() -> PathBuf {
+    sd_models::fixture::cache_dir().join("device-figures.json")
+}
+
+fn read_file() -> CalibrationFile {
+    let path = figures_path();
+    match sd_models::files::open::read_text(&path, 1 << 20) {
+        Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
+            tracing::warn!("{}: not a calibration file ({e}); ignored", path.display());
+            CalibrationFile::default()
+        }),
+        Err(_) => CalibrationFile::default(),
+    }
+}
+
+fn write_file(file: &CalibrationFile) -> Result<()> {
+    let path = figures_path();
+    let text = serde_json::to_string_pretty(file)?;
+    let tmp = path.with_extension(format!("json.{}", std::process::id()));
+    let written = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|_| std::fs::write(&tmp, text))
+        .and_then(|_| std::fs::rename(&tmp, &path));
+    if let Err(e) = written {
+        std::fs::remove_file(&tmp).ok();
+        return Err(e).with_context(|| format!("writing the calibration file {}", path.display()));
+    }
+    Ok(())
+}
+
+/// The weight type's class for the cost model.
+fn weight_type(d: sd_models::files::DType) -> WeightType {
+    use sd_models::files::DType as D;
+    match d {
+        D::F32 | D::F16 | D::BF16 | D::F64 | D::I8 | D::I16 | D::I32 | D::I64 => WeightType::Float,
+        D::Q8_0 | D::Q8_1 | D::Q8_K => WeightType::Q8,
+        _ => WeightType::Q4,
+    }
+}
+
+/// Key/value tokens of an attention whose query projection `name` is, by common naming
+/// schemes: `Some(0)` self attention, `Some(n)` cross attention over `n` text tokens.
+fn attention(name: &str) -> Option<u64> {
+    if name.contains("attn2.to_q") {
+        return Some(TE_TOKENS);
+    }
+    let self_attn = ["attn1.to_q", "attn.to_q", "self_attn.q_proj", "attn_1.q.", "attn.qkv", "attn.q."];
+    self_attn.iter().any(|k| name.contains(k)).then_some(0)
+}
+
+/// What a generation of `width` x `height` in `steps` steps computes: every tensor's shape
+/// from the model's headers, diffusion at the latent positions times 2 (a CFG batch) per
+/// step, the text encoder twice (prompt, negative prompt) at 77 tokens, the VAE once at 16
+/// times the latent positions (its convolutions run from the latent's size up to the
+/// image's: a middle figure).
+pub(crate) fn workload(files: &ModelFiles, width: usize, height: usize, steps: usize) -> Workload {
+    let index = files.index();
+    let mut weights = Vec::new();
+    for e in index.entries() {
+        let module = match index.component(e) {
+            Component::Diffusion => Module::Diffusion,
+            Component::TextEncoder(_) => Module::Te,
+            Component::Vae | Component::Taesd => Module::Vae,
+            _ => continue,
+        };
+        weights.push(WeightShape {
+            module,
+            block: index.block(e),
+            shape: e.shape.clone(),
+            ty: weight_type(e.dtype),
+            bytes: e.dtype.loaded_bytes(e.len, &e.shape),
+            attention_kv_tokens: attention(&e.name),
+        });
+    }
+    let latent = sd_models::speed::latent_tokens(width, height);
+    let steps = u32::try_from(steps).unwrap_or(u32::MAX);
+    Workload {
+        steps,
+        modules: vec![
+            ModuleLoad { module: Module::Diffusion, tokens: latent * 2, batch: 2, runs: steps },
+            ModuleLoad { module: Module::Te, tokens: TE_TOKENS, batch: 1, runs: 2 },
+            ModuleLoad { module: Module::Vae, tokens: latent * 16, batch: 1, runs: 1 },
+        ],
+        weights,
+    }
+}
+
+/// Device figures for planning, and whether every device has measured ones (calibration or a
+/// profile's `[device.cost]`): auto-fit chooses by time only then.
+/// `descriptions`: each device's description (the calibration key), empty for a profile.
+pub(crate) fn figures(
+    devices: &[Device],
+    descriptions: &BTreeMap<String, String>,
+    profile: Option<&DeviceProfile>,
+    speeds: &BTreeMap<String, f64>,
+) -> (Figures, bool) {
+    let file = if profile.is_some() { CalibrationFile::default() } else { read_file() };
+    let mut out = Figures { source: String::new(), ..Figures::default() };
+    let mut measured = true;
+    let mut sources: Vec<String> = Vec::new();
+    let mut cpu_listed = false;
+    for d in devices {
+        cpu_listed |= d.kind == DeviceType::Cpu;
+        let rpc = d.registry_name().eq_ignore_ascii_case("RPC");
+        let desc = descriptions.get(&d.name).cloned().unwrap_or_default();
+        let from_profile = profile.and_then(|p| p.devices.iter().find(|x| x.name.trim() == d.name.trim())?.cost.clone());
+        let calibrated = file.device.iter().find(|e| e.device == d.name && e.description == desc).map(|e| e.figures.clone());
+        let (f, src) = match (from_profile, calibrated) {
+            (Some(f), _) => (f, "profile"),
+            (None, Some(f)) => (f, "calibrated"),
+            (None, None) => {
+                measured = false;
+                let mut f = nominal_figures(d.kind, rpc);
+                match speeds.get(&d.name) {
+                    // The speed cache's figure at 512x512 (f16 block weights per second).
+                    Some(&s) => {
+                        f.matmul_f16 = s * sd_models::speed::latent_tokens(512, 512) as f64;
+                        (f, "speed cache")
+                    }
+                    None => (f, "nominal"),
+                }
+            }
+        };
+        sources.push(format!("{} {src}", d.name));
+        out.devices.insert(d.name.clone(), f);
+    }
+    if !cpu_listed {
+        // The planner adds a CPU device when none is listed.
+        let f = file.device.iter().find(|e| e.device == "CPU").map(|e| e.figures.clone());
+        measured &= f.is_some();
+        sources.push(format!("CPU {}", if f.is_some() { "calibrated" } else { "nominal" }));
+        out.devices.insert("CPU".into(), f.unwrap_or_else(|| nominal_figures(DeviceType::Cpu, false)));
+    }
+    out.source = sources.join(", ");
+    (out, measured)
+}
+
+/// A tensor source of zeros, borrowed (a load times the copy only).
+struct Zeros(Vec<u8>);
+
+impl sd_sched::TensorSource for Zeros {
+    fn load(&self, _: &str, _: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, sd_sched::SourceError> {
+        let n = (ne.iter().product::<i64>().max(0) as usize) * 2;
+        Ok(Cow::Borrowed(&self.0[..n.min(self.0.len())]))
+    }
+}
+
+/// Best seconds of three uploads of an f16 tensor of `bytes` to `backend`.
+fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<f64> {
+    let n = (bytes / 2).max(1);
+    let specs = vec![sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F16, ne: vec![n] }];
+    let mut w = sd_sched::Weights::new(specs)?;
+    w.allocate(backend.device().buffer_type())?;
+    let src = Zeros(vec![0u8; (n * 2) as usize]);
+    w.load_from(&src)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        w.load_from(&src)?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Measures one device.
+fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
+    let path = sd_models::speed::cache_path();
+    let name = backend.device().name();
+    let one = |rows: u64| -> Result<f64> {
+        let s = sd_models::speed::device_speeds(std::slice::from_ref(backend), CALIBRATION_KEY, rows, &path)?;
+        s.get(&name).copied().with_context(|| format!("no speed measured for {name}"))
+    };
+    let matmul_f16 = one(PROBE_ROWS)? * PROBE_ROWS as f64;
+    let memory_bytes_per_s = one(1)?;
+    let (link_bytes_per_s, link_latency_s) = if is_cpu {
+        (0.0, 0.0)
+    } else {
+        let latency = upload_s(backend, 2)?;
+        let big = upload_s(backend, LINK_BYTES)?;
+        (LINK_BYTES as f64 / (big - latency).max(1e-9), latency)
+    };
+    Ok(DeviceFigures { matmul_f16, memory_bytes_per_s, link_bytes_per_s, link_latency_s, ..Default::default() })
+}
+
+/// Runs `calibrate`: measures every device (the speed cache answers for probes already run)
+/// and stores the figures.
+pub fn run(args: &CalibrateArgs, dev_args: &crate::DeviceArgs) -> Result<ExitCode> {
+    let reg = crate::devices::open(dev_args)?;
+    let manager = sd_backends::BackendManager::new(None);
+    let mut file = read_file();
+    let mut measured = Vec::new();
+    for dev in reg.devices().into_iter().filter(|d| d.kind() != sd_backends::DeviceKind::Meta) {
+        let (name, description) = (dev.name(), dev.description());
+        let is_cpu = dev.kind() == sd_backends::DeviceKind::Cpu;
+        let backend = manager.get(dev)?;
+        let t0 = Instant::now();
+        let f = measure(&backend, is_cpu).with_context(|| format!("calibrating {name}"))?;
+        tracing::info!("{name}: calibrated in {:.1} s", t0.elapsed().as_secs_f64());
+        file.device.retain(|e| !(e.device == name && e.description == description));
+        file.device.push(Entry { device: name.clone(), description: description.clone(), figures: f.clone() });
+        measured.push(Entry { device: name, description, figures: f });
+    }
+    write_file(&file)?;
+    if args.json {
+        crate::out!("{}", serde_json::to_string_pretty(&measured)?);
+    } else {
+        for e in &measured {
+            let f = &e.figures;
+            crate::out!(
+                "{:<10} matmul f16 {:>8.1} GFLOP/s  memory {:>7.1} GB/s  link {}  ({})",
+                e.device,
+                f.matmul_f16 / 1e9,
+                f.memory_bytes_per_s / 1e9,
+                if f.link_bytes_per_s > 0.0 {
+                    format!("{:.2} GB/s, {:.2} ms", f.link_bytes_per_s / 1e9, f.link_latency_s * 1e3)
+                } else {
+                    "none (host memory)".into()
+                },
+                e.description
+            );
+        }
+        crate::out!("stored in {}", figures_path().display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Each device's description by name (the calibration key).
+pub(crate) fn descriptions(reg: &sd_backends::PluginRegistry) -> BTreeMap<String, String> {
+    reg.device_infos().into_iter().map(|i| (i.name, i.description)).collect()
+}
+
+/// The plan of `request` chosen by predicted time ([`sd_placement::plan_by_time`]). With
+/// figures that are not all measured, the ladder's plan is kept (the prediction and the
+/// alternatives are still given), and the reason says so.
+pub(crate) fn choose(
+    request: &sd_placement::PlanRequest,
+    work: &Workload,
+    figures: &Figures,
+    measured: bool,
+) -> Result<(sd_placement::Plan, sd_placement::Explain)> {
+    let (chosen, mut explain) = sd_placement::plan_by_time(request, work, figures)?;
+    if measured || explain.ladder.is_none() {
+        return Ok((chosen, explain));
+    }
+    let mut ladder = sd_placement::plan(request)?;
+    let reason = format!(
+        "auto-fit by time: the ladder's plan kept: not every device has measured figures ({}); run `sd-cli calibrate`",
+        figures.source
+    );
+    ladder.choice = Some(reason.clone());
+    explain.chosen = explain.ladder.clone().unwrap_or(explain.chosen);
+    explain.reason = reason;
+    Ok((ladder, explain))
+}

@@ -111,13 +111,67 @@ fn attention(name: &str) -> Option<u64> {
     self_attn.iter().any(|k| name.contains(k)).then_some(0)
 }
 
+/// A UNet's resolution levels: a third of its `input_blocks` (SD 1.x/2.x: 12, four levels;
+/// SDXL: 9, three); 0 without them.
+fn unet_levels<'a>(names: impl Iterator<Item = &'a str>) -> u32 {
+    let n = names.filter_map(|n| block_number(n, "input_blocks.")).max().map_or(0, |m| m + 1);
+    n / 3
+}
+
+fn block_number(name: &str, key: &str) -> Option<u32> {
+    let at = name.find(key)?;
+    name[at + key.len()..].split('.').next()?.parse().ok()
+}
+
+/// Activation rows of a weight whose module runs at `rows` (the diffusion model's) or whose
+/// VAE decodes `latent` positions: a UNet block at level `l` sees `rows / 4^l` (input block
+/// `i` is at level `i / 3`, output block `j` at `levels - 1 - j / 3`, the middle block at the
+/// deepest); the VAE decoder's `up.k` runs at `latent · 4^(3-k)`, its `conv_out` at the
+/// image's positions; the VAE encoder does not run in text-to-image. `None`: the module's own.
+fn level_rows(name: &str, levels: u32, rows: u64, latent: u64) -> Option<u64> {
+    if levels > 0 {
+        let level = if let Some(i) = block_number(name, "input_blocks.") {
+            Some(i / 3)
+        } else if let Some(j) = block_number(name, "output_blocks.") {
+            Some(levels.saturating_sub(1 + j / 3))
+        } else if name.contains("middle_block.") {
+            Some(levels - 1)
+        } else {
+            None
+        };
+        if let Some(l) = level {
+            return Some(rows >> (2 * l.min(16)));
+        }
+    }
+    if name.contains("first_stage_model.encoder.") || name.contains("tae.encoder.") {
+        return Some(0);
+    }
+    if name.contains("first_stage_model.decoder.") {
+        if let Some(k) = block_number(name, "decoder.up.") {
+            return Some(latent << (2 * 3u32.saturating_sub(k.min(3))));
+        }
+        if name.contains("decoder.conv_out") || name.contains("decoder.norm_out") {
+            return Some(latent * 64);
+        }
+        return Some(latent);
+    }
+    None
+}
+
 /// What a generation of `width` x `height` in `steps` steps computes: every tensor's shape
 /// from the model's headers, diffusion at the latent positions times 2 (a CFG batch) per
-/// step, the text encoder twice (prompt, negative prompt) at 77 tokens, the VAE once at 16
-/// times the latent positions (its convolutions run from the latent's size up to the
-/// image's: a middle figure).
+/// step (a UNet block at its level's positions, [`level_rows`]), the text encoder twice
+/// (prompt, negative prompt) at 77 tokens, the VAE once (its decoder's blocks at their
+/// resolutions; other VAE weights at 16 times the latent positions).
 pub(crate) fn workload(files: &ModelFiles, width: usize, height: usize, steps: usize) -> Workload {
     let index = files.index();
+    let latent = sd_models::speed::latent_tokens(width, height);
+    let steps = u32::try_from(steps).unwrap_or(u32::MAX);
+    // A DiT (Flux's double/single blocks, SD3's joint blocks) patchifies the latent by 2x2
+    // and runs guidance-distilled (one sample per step); a UNet runs a CFG batch of 2.
+    let dit = index.entries().iter().any(|e| e.name.contains("double_blocks.") || e.name.contains("joint_blocks."));
+    let (rows, batch) = if dit { (latent / 4, 1) } else { (latent * 2, 2) };
+    let levels = unet_levels(index.entries().iter().map(|e| e.name.as_str()));
     let mut weights = Vec::new();
     for e in index.entries() {
         let module = match index.component(e) {
@@ -133,14 +187,13 @@ pub(crate) fn workload(files: &ModelFiles, width: usize, height: usize, steps: u
             ty: weight_type(e.dtype),
             bytes: e.dtype.loaded_bytes(e.len, &e.shape),
             attention_kv_tokens: attention(&e.name),
+            rows: level_rows(&e.name, levels, rows, latent),
         });
     }
-    let latent = sd_models::speed::latent_tokens(width, height);
-    let steps = u32::try_from(steps).unwrap_or(u32::MAX);
     Workload {
         steps,
         modules: vec![
-            ModuleLoad { module: Module::Diffusion, tokens: latent * 2, batch: 2, runs: steps },
+            ModuleLoad { module: Module::Diffusion, tokens: rows, batch, runs: steps },
             ModuleLoad { module: Module::Te, tokens: TE_TOKENS, batch: 1, runs: 2 },
             ModuleLoad { module: Module::Vae, tokens: latent * 16, batch: 1, runs: 1 },
         ],

@@ -196,6 +196,11 @@ pub struct WeightShape {
     /// attention, as many as the queries).
     #[serde(default)]
     pub attention_kv_tokens: Option<u64>,
+    /// Activation rows this weight sees when they differ from its module's
+    /// ([`ModuleLoad::tokens`]): a UNet level's downsampled positions, `Some(0)` for a weight
+    /// that is not computed (a VAE's encoder in text-to-image).
+    #[serde(default)]
+    pub rows: Option<u64>,
 }
 
 /// How one module runs in a generation.
@@ -260,8 +265,9 @@ impl BlockCost {
 pub fn block_costs(weights: &[WeightShape], module: Module, tokens: u64) -> Vec<BlockCost> {
     let mut non_block = BlockCost::empty(None);
     let mut blocks: BTreeMap<u32, BlockCost> = BTreeMap::new();
-    let t = tokens as f64;
     for w in weights.iter().filter(|w| w.module == module) {
+        let rows = w.rows.unwrap_or(tokens);
+        let t = rows as f64;
         let c = match w.block {
             Some(b) => blocks.entry(b).or_insert_with(|| BlockCost::empty(Some(b))),
             None => &mut non_block,
@@ -277,15 +283,15 @@ pub fn block_costs(weights: &[WeightShape], module: Module, tokens: u64) -> Vec<
                     WeightType::Q4 => OpClass::MatmulQ4,
                 };
                 c.flops[class.index()] += 2.0 * dims[0] * dims[1] * t;
-                c.out_bytes = c.out_bytes.max(out.saturating_mul(tokens).saturating_mul(4));
+                c.out_bytes = c.out_bytes.max(out.saturating_mul(rows).saturating_mul(4));
             }
             4 => {
                 c.flops[OpClass::Conv.index()] += 2.0 * dims.iter().product::<f64>() * t;
-                c.out_bytes = c.out_bytes.max(out.saturating_mul(tokens).saturating_mul(4));
+                c.out_bytes = c.out_bytes.max(out.saturating_mul(rows).saturating_mul(4));
             }
             _ => {}
         }
-        if let Some(kv) = w.attention_kv_tokens {
+        if let (Some(kv), true) = (w.attention_kv_tokens, rows > 0) {
             let kv = if kv == 0 { t } else { kv as f64 };
             c.flops[OpClass::Attention.index()] += 4.0 * t * kv * out as f64;
         }

@@ -14,6 +14,7 @@ fn square(module: Module, blocks: u32, side: u64) -> (Component, Vec<WeightShape
         ty: WeightType::Float,
         bytes,
         attention_kv_tokens: None,
+        rows: None,
     }];
     for b in 0..blocks {
         tensors.push(Tensor::in_block(format!("{module}.blocks.{b}.weight"), bytes, b));
@@ -93,6 +94,7 @@ fn block_flops_and_bytes_from_shapes() {
         ty,
         bytes,
         attention_kv_tokens: kv,
+        rows: None,
     };
     let weights = vec![
         w(Some(0), vec![4, 3], WeightType::Float, 24, None),         // 2·4·3·10 = 240 matmul f16
@@ -102,17 +104,20 @@ fn block_flops_and_bytes_from_shapes() {
         w(Some(1), vec![5, 2], WeightType::Q4, 6, Some(7)),          // 2·10·10 = 200 q4; 4·10·7·5 cross attention
         w(None, vec![6, 2], WeightType::Float, 24, None),            // non-block: 2·12·10 = 240
         WeightShape { module: Module::Te, ..w(Some(0), vec![9, 9], WeightType::Float, 162, None) }, // not counted
+        WeightShape { rows: Some(0), ..w(Some(1), vec![9, 9], WeightType::Float, 162, Some(0)) }, // not computed
+        WeightShape { rows: Some(5), ..w(None, vec![2, 3], WeightType::Float, 12, None) }, // 2·6·5 = 60 at 5 rows
     ];
     let c = block_costs(&weights, Module::Diffusion, 10);
     assert_eq!(c.len(), 3);
     assert_eq!(c[0].index, None);
-    assert_eq!(c[0].weight_bytes, 24);
-    assert_eq!(c[0].flops, [240.0, 0.0, 0.0, 0.0, 0.0]);
+    assert_eq!(c[0].weight_bytes, 24 + 12);
+    assert_eq!(c[0].flops, [240.0 + 60.0, 0.0, 0.0, 0.0, 0.0]);
     assert_eq!(c[1].index, Some(0));
     assert_eq!(c[1].weight_bytes, 24 + 108 + 68 + 16);
     assert_eq!(c[1].flops, [240.0, 1280.0, 0.0, 1080.0, 3200.0]);
     assert_eq!(c[1].out_bytes, 8 * 10 * 4, "the widest output, f32, at 10 rows");
     assert_eq!(c[2].flops, [0.0, 0.0, 200.0, 0.0, 1400.0]);
+    assert_eq!(c[2].weight_bytes, 6 + 162, "a weight not computed is still moved");
     // A roofline: FLOPs by class at each class's rate, or the weight read, whichever is longer.
     let d = DeviceFigures { matmul_f16: 100.0, matmul_q8: 1280.0, conv: 1080.0, attention: 0.0, ..Default::default() };
     assert!(close(c[1].compute_s(&d), 2.4 + 1.0 + 1.0 + 32.0), "attention falls back to the f16 rate");

@@ -5,9 +5,9 @@
 //! FLOP/s), memory bandwidth (the same probe at one row, a matrix-vector product that reads
 //! the weight once), and the host link (the best of three uploads of a 32 MiB tensor, and of
 //! a 2-byte one for the latency). The probe's figures join the speed cache
-//! (`device-speeds.toml`, under the model key `calibration`); the device figures are kept
-//! beside it in `device-figures.json`, keyed by device name and description (the driver's
-//! description, an RPC device's endpoint). The other op classes (quantized matmuls,
+//! (`sd_models::speed::cache_path`, under the model key `calibration`); the device figures are
+//! kept beside it in a JSON file ([`figures_path`]), keyed by device name and description (the
+//! driver's description, an RPC device's endpoint). The other op classes (quantized matmuls,
 //! convolution, attention) are not measured and fall back to the f16 figure.
 
 use std::borrow::Cow;
@@ -60,6 +60,7 @@ struct CalibrationFile {
     device: Vec<Entry>,
 }
 
+/// The calibration file: a JSON file beside the speed cache.
 fn figures_path() -> PathBuf {
     sd_models::fixture::cache_dir().join("device-figures.json")
 }

@@ -247,11 +247,6 @@ impl BlockCost {
         BlockCost { index, flops: [0.0; 5], weight_bytes: 0, out_bytes: 0 }
     }
 
-    /// Total FLOPs.
-    pub fn total_flops(&self) -> f64 {
-        self.flops.iter().sum()
-    }
-
     /// Seconds on a device: `max(Σ FLOPs_c / rate_c, weight bytes / memory bandwidth)`.
     pub fn compute_s(&self, d: &DeviceFigures) -> f64 {
         let flops: f64 = OpClass::ALL.iter().map(|c| self.flops[c.index()] / d.rate(*c)).sum();

@@ -4,7 +4,7 @@
 //! of `--split-by speed` at 512 activation rows: its bytes per second times the rows are
 //! FLOP/s), memory bandwidth (the same probe at one row, a matrix-vector product that reads
 //! the weight once), and the host link (the best of three uploads of a 32 MiB tensor, and of
-//! a 2-byte one for the latency). The probe's figures join the speed cache
+//! a 2-byte read for the latency). The probe's figures join the speed cache
 //! (`sd_models::speed::cache_path`, under the model key `calibration`); the device figures are
 //! kept beside it in a JSON file ([`figures_path`]), keyed by device name and description (the
 //! driver's description, an RPC device's endpoint). The other op classes (quantized matmuls,
@@ -262,21 +262,27 @@ impl sd_sched::TensorSource for Zeros {
     }
 }
 
-/// Best seconds of three uploads of an f16 tensor of `bytes` to `backend`.
-fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<f64> {
+/// Best seconds of three uploads of an f16 tensor of `bytes` to `backend`, each followed by a
+/// 2-byte read (which waits for the upload: an RPC upload is not answered), and the best of a
+/// 2-byte read alone (the round trip).
+fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<(f64, f64)> {
     let n = (bytes / 2).max(1);
     let specs = vec![sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F16, ne: vec![n] }];
     let mut w = sd_sched::Weights::new(specs)?;
     w.allocate(backend.device().buffer_type())?;
     let src = Zeros(vec![0u8; (n * 2) as usize]);
     w.load_from(&src)?;
-    let mut best = f64::INFINITY;
+    let (mut best, mut trip) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..3 {
         let t0 = Instant::now();
         w.load_from(&src)?;
+        w.get("x")?.read_range(0, 2)?;
         best = best.min(t0.elapsed().as_secs_f64());
+        let t1 = Instant::now();
+        w.get("x")?.read_range(0, 2)?;
+        trip = trip.min(t1.elapsed().as_secs_f64());
     }
-    Ok(best)
+    Ok((best, trip))
 }
 
 /// Measures one device.
@@ -292,8 +298,7 @@ fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
     let (link_bytes_per_s, link_latency_s) = if is_cpu {
         (0.0, 0.0)
     } else {
-        let latency = upload_s(backend, 2)?;
-        let big = upload_s(backend, LINK_BYTES)?;
+        let (big, latency) = upload_s(backend, LINK_BYTES)?;
         (LINK_BYTES as f64 / (big - latency).max(1e-9), latency)
     };
     Ok(DeviceFigures { matmul_f16, memory_bytes_per_s, link_bytes_per_s, link_latency_s, ..Default::default() })

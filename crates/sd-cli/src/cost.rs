@@ -1,13 +1,14 @@
 //! The cost model's inputs on this machine: the workload from the model's tensor shapes, device figures from calibration, a profile, the speed cache or nominal values; `sd-cli calibrate`.
 //!
-//! Calibration measures, per device, in a few seconds: f16 matmul throughput (the speed probe
-//! of `--split-by speed` at 512 activation rows: its bytes per second times the rows are
-//! FLOP/s), memory bandwidth (the same probe at one row, a matrix-vector product that reads
-//! the weight once), and the host link (the best of three uploads of a 32 MiB tensor, and of
-//! a 2-byte read for the latency). The probe's figures join the speed cache
-//! (`sd_models::speed::cache_path`, under the model key `calibration`); the device figures are
-//! kept beside it in a JSON file ([`figures_path`]), keyed by device name and description (the
-//! driver's description, an RPC device's endpoint). The other op classes (quantized matmuls,
+//! Calibration measures, per device, in a few seconds: f16 matmul throughput (a probe shaped
+//! like the speed probe of `--split-by speed`, at 512 activation rows: its bytes per second
+//! times the rows are FLOP/s; each timed compute ends with a read of the output, which waits
+//! for it on an RPC device too), memory bandwidth (the same probe at one row, a
+//! matrix-vector product that reads the weight once), and the host link (the best of three
+//! uploads of a 32 MiB tensor, each followed by a read, and of a 2-byte read for the
+//! latency). The figures are kept beside the speed cache (`sd_models::speed::cache_path`) in
+//! a JSON file ([`figures_path`]), keyed by device name and description (the driver's
+//! description, an RPC device's endpoint). The other op classes (quantized matmuls,
 //! convolution, attention) are not measured and fall back to the f16 figure.
 
 use std::borrow::Cow;
@@ -28,8 +29,6 @@ use sd_placement::{
 };
 use serde::{Deserialize, Serialize};
 
-/// Key of the calibration probe's figures in the speed cache.
-const CALIBRATION_KEY: &str = "calibration";
 /// Activation rows of the throughput probe.
 const PROBE_ROWS: u64 = 512;
 /// Bytes of the link probe's tensor.
@@ -256,10 +255,44 @@ pub(crate) fn figures(
 struct Zeros(Vec<u8>);
 
 impl sd_sched::TensorSource for Zeros {
-    fn load(&self, _: &str, _: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, sd_sched::SourceError> {
-        let n = (ne.iter().product::<i64>().max(0) as usize) * 2;
+    fn load(&self, _: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, sd_sched::SourceError> {
+        let size = if ty == GgmlType::GGML_TYPE_F32 { 4 } else { 2 };
+        let n = (ne.iter().product::<i64>().max(0) as usize) * size;
         Ok(Cow::Borrowed(&self.0[..n.min(self.0.len())]))
     }
+}
+
+/// The matmul probe's weight side (a transformer projection of SD 1.x).
+const PROBE_SIDE: i64 = 1280;
+
+/// Bytes of f16 weight per second of a `[PROBE_SIDE]²` weight times `rows` f32 activations on
+/// `backend`: the best of three computes, each followed by a 4-byte read of the output (which
+/// waits for the compute on every backend, an RPC one included).
+fn matmul_bytes_per_s(backend: &Arc<Backend>, rows: u64) -> Result<f64> {
+    let rows = rows.clamp(1, 1 << 16) as i64;
+    let specs = vec![
+        sd_sched::TensorSpec { name: "w".into(), ty: GgmlType::GGML_TYPE_F16, ne: vec![PROBE_SIDE, PROBE_SIDE] },
+        sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F32, ne: vec![PROBE_SIDE, rows] },
+    ];
+    let mut w = sd_sched::Weights::new(specs)?;
+    w.allocate(backend.device().buffer_type())?;
+    w.load_from(&Zeros(vec![0u8; (PROBE_SIDE * PROBE_SIDE.max(rows) * 4) as usize]))?;
+    let g = sd_backends::Context::for_graph(8, 8)?;
+    let y = g.mul_mat(w.get("w")?, w.get("x")?);
+    let graph = g.new_graph(8);
+    graph.expand(y);
+    let mut runner = sd_sched::Runner::new("calibration", backend.clone());
+    runner.alloc(&graph)?;
+    runner.compute(&graph)?;
+    y.read_range(0, 4)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        runner.compute(&graph)?;
+        y.read_range(0, 4)?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok((PROBE_SIDE * PROBE_SIDE * 2) as f64 / best.max(1e-9))
 }
 
 /// Best seconds of three uploads of an f16 tensor of `bytes` to `backend`, each followed by a
@@ -287,14 +320,8 @@ fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<(f64, f64)> {
 
 /// Measures one device.
 fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
-    let path = sd_models::speed::cache_path();
-    let name = backend.device().name();
-    let one = |rows: u64| -> Result<f64> {
-        let s = sd_models::speed::device_speeds(std::slice::from_ref(backend), CALIBRATION_KEY, rows, &path)?;
-        s.get(&name).copied().with_context(|| format!("no speed measured for {name}"))
-    };
-    let matmul_f16 = one(PROBE_ROWS)? * PROBE_ROWS as f64;
-    let memory_bytes_per_s = one(1)?;
+    let matmul_f16 = matmul_bytes_per_s(backend, PROBE_ROWS)? * PROBE_ROWS as f64;
+    let memory_bytes_per_s = matmul_bytes_per_s(backend, 1)?;
     let (link_bytes_per_s, link_latency_s) = if is_cpu {
         (0.0, 0.0)
     } else {

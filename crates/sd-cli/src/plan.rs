@@ -246,7 +246,8 @@ pub(crate) type SpeedProbe<'a> =
 /// `--split-by speed`, `speeds` measures (or reads from its cache) the speeds of the devices
 /// the plan's layer splits use (a plan by memory first says which), for the model described.
 /// Auto-fit chooses by predicted time for images of `size` (width, height, steps) when every
-/// device has measured figures (`descriptions`: each device's, their key).
+/// device has measured figures (`descriptions`: each device's, their key). Returns the plan
+/// and its prediction.
 pub fn plan_for(
     model: &ModelArgs,
     files: &ModelFiles,
@@ -254,7 +255,7 @@ pub fn plan_for(
     devices: Vec<Device>,
     speeds: &SpeedProbe<'_>,
     (descriptions, size): (&std::collections::BTreeMap<String, String>, (usize, usize, usize)),
-) -> Result<Plan> {
+) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
     let description = describe(files, &model.extra())?;
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
@@ -276,11 +277,14 @@ pub fn plan_for(
         }
     }
     let (figures, measured) = crate::cost::figures(&request.devices, descriptions, None, &request.device_speeds);
-    let plan = if measured {
-        let work = crate::cost::workload(files, size.0, size.1, size.2);
-        crate::cost::choose(&request, &work, &figures, true)?.0
+    let work = crate::cost::workload(files, size.0, size.1, size.2);
+    let (plan, predicted) = if measured {
+        let (p, e) = crate::cost::choose(&request, &work, &figures, true)?;
+        (p, e.chosen)
     } else {
-        plan(&request)?
+        let p = plan(&request)?;
+        let predicted = sd_placement::predict(&p, &work, &figures);
+        (p, predicted)
     };
     for w in &plan.warnings {
         tracing::warn!("{w}");
@@ -291,7 +295,8 @@ pub fn plan_for(
             tracing::info!("{c}");
         }
     }
-    Ok(plan)
+    tracing::debug!("{}", predicted.render("predicted"));
+    Ok((plan, predicted))
 }
 
 /// The LoRA files the prompt's tags name, read and checked against the model: with

@@ -351,6 +351,9 @@ pub struct Prediction {
     pub peak: Vec<(String, u64)>,
     /// Modules that could not be predicted, with the reason; the totals leave them out.
     pub unpredicted: Vec<String>,
+    /// Where the figures come from ([`Figures::source`]).
+    #[serde(default)]
+    pub figures: String,
 }
 
 impl Prediction {
@@ -372,6 +375,7 @@ pub fn predict(plan: &Plan, work: &Workload, figures: &Figures) -> Prediction {
         modules: Vec::new(),
         peak: plan.devices.iter().map(|d| (d.device.clone(), d.used_bytes)).collect(),
         unpredicted: Vec::new(),
+        figures: figures.source.clone(),
     };
     for m in &plan.modules {
         let Some(load) = work.modules.iter().find(|l| l.module == m.module) else {

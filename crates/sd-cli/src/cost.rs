@@ -4,12 +4,13 @@
 //! like the speed probe of `--split-by speed`, at 512 activation rows: its bytes per second
 //! times the rows are FLOP/s; each timed compute ends with a read of the output, which waits
 //! for it on an RPC device too), memory bandwidth (the same probe at one row, a
-//! matrix-vector product that reads the weight once), and the host link (the best of three
+//! matrix-vector product that reads the weight once), convolution throughput (a 3x3
+//! convolution of 320 channels over 32x32 positions, through ggml's im2col), and the host link (the best of three
 //! uploads of a 32 MiB tensor, each followed by a read, and of a 2-byte read for the
 //! latency). The figures are kept beside the speed cache (`sd_models::speed::cache_path`) in
 //! a JSON file ([`figures_path`]), keyed by device name and description (the driver's
 //! description, an RPC device's endpoint). The other op classes (quantized matmuls,
-//! convolution, attention) are not measured and fall back to the f16 figure.
+//! attention) are not measured and fall back to the f16 figure.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -42,6 +43,10 @@ pub struct CalibrateArgs {
     /// Print the figures as JSON.
     #[arg(long = "json")]
     pub json: bool,
+    /// CPU threads of the local CPU device (as a generation's `-t`; default: the physical
+    /// cores).
+    #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub threads: i64,
 }
 
 /// One calibrated device.
@@ -266,20 +271,43 @@ impl sd_sched::TensorSource for Zeros {
 const PROBE_SIDE: i64 = 1280;
 
 /// Bytes of f16 weight per second of a `[PROBE_SIDE]²` weight times `rows` f32 activations on
-/// `backend`: the best of three computes, each followed by a 4-byte read of the output (which
-/// waits for the compute on every backend, an RPC one included).
+/// `backend` ([`probe_s`]).
 fn matmul_bytes_per_s(backend: &Arc<Backend>, rows: u64) -> Result<f64> {
     let rows = rows.clamp(1, 1 << 16) as i64;
+    let w = vec![PROBE_SIDE, PROBE_SIDE];
+    let s = probe_s(backend, w, vec![PROBE_SIDE, rows], |g, w, x| g.mul_mat(w, x))?;
+    Ok((PROBE_SIDE * PROBE_SIDE * 2) as f64 / s)
+}
+
+/// Convolution FLOP/s: a 3x3 convolution of 320 channels over 32x32 positions (a UNet's first
+/// level at 256x256), through ggml's im2col and matmul as the models run it ([`probe_s`]).
+fn conv_flops_per_s(backend: &Arc<Backend>) -> Result<f64> {
+    const C: i64 = 320;
+    const SIDE: i64 = 32;
+    let s = probe_s(backend, vec![3, 3, C, C], vec![SIDE, SIDE, C, 1], |g, k, x| g.conv_2d(k, x, 1, 1, 1, 1, 1, 1))?;
+    Ok((2 * 9 * C * C * SIDE * SIDE) as f64 / s)
+}
+
+/// The best seconds of three computes of `op(w, x)` (`w` f16, `x` f32, shapes innermost
+/// first) on `backend`, each followed by a 4-byte read of the output (which waits for the
+/// compute on every backend, an RPC one included).
+fn probe_s(
+    backend: &Arc<Backend>,
+    w_ne: Vec<i64>,
+    x_ne: Vec<i64>,
+    op: impl for<'c> Fn(&'c sd_backends::Context, sd_backends::Tensor<'_>, sd_backends::Tensor<'_>) -> sd_backends::Tensor<'c>,
+) -> Result<f64> {
+    let largest = w_ne.iter().product::<i64>().max(x_ne.iter().product::<i64>());
     let specs = vec![
-        sd_sched::TensorSpec { name: "w".into(), ty: GgmlType::GGML_TYPE_F16, ne: vec![PROBE_SIDE, PROBE_SIDE] },
-        sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F32, ne: vec![PROBE_SIDE, rows] },
+        sd_sched::TensorSpec { name: "w".into(), ty: GgmlType::GGML_TYPE_F16, ne: w_ne },
+        sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F32, ne: x_ne },
     ];
     let mut w = sd_sched::Weights::new(specs)?;
     w.allocate(backend.device().buffer_type())?;
-    w.load_from(&Zeros(vec![0u8; (PROBE_SIDE * PROBE_SIDE.max(rows) * 4) as usize]))?;
-    let g = sd_backends::Context::for_graph(8, 8)?;
-    let y = g.mul_mat(w.get("w")?, w.get("x")?);
-    let graph = g.new_graph(8);
+    w.load_from(&Zeros(vec![0u8; (largest * 4) as usize]))?;
+    let g = sd_backends::Context::for_graph(16, 16)?;
+    let y = op(&g, w.get("w")?, w.get("x")?);
+    let graph = g.new_graph(16);
     graph.expand(y);
     let mut runner = sd_sched::Runner::new("calibration", backend.clone());
     runner.alloc(&graph)?;
@@ -292,7 +320,7 @@ fn matmul_bytes_per_s(backend: &Arc<Backend>, rows: u64) -> Result<f64> {
         y.read_range(0, 4)?;
         best = best.min(t0.elapsed().as_secs_f64());
     }
-    Ok((PROBE_SIDE * PROBE_SIDE * 2) as f64 / best.max(1e-9))
+    Ok(best.max(1e-9))
 }
 
 /// Best seconds of three uploads of an f16 tensor of `bytes` to `backend`, each followed by a
@@ -322,20 +350,21 @@ fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<(f64, f64)> {
 fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
     let matmul_f16 = matmul_bytes_per_s(backend, PROBE_ROWS)? * PROBE_ROWS as f64;
     let memory_bytes_per_s = matmul_bytes_per_s(backend, 1)?;
+    let conv = conv_flops_per_s(backend)?;
     let (link_bytes_per_s, link_latency_s) = if is_cpu {
         (0.0, 0.0)
     } else {
         let (big, latency) = upload_s(backend, LINK_BYTES)?;
         (LINK_BYTES as f64 / (big - latency).max(1e-9), latency)
     };
-    Ok(DeviceFigures { matmul_f16, memory_bytes_per_s, link_bytes_per_s, link_latency_s, ..Default::default() })
+    Ok(DeviceFigures { matmul_f16, conv, memory_bytes_per_s, link_bytes_per_s, link_latency_s, ..Default::default() })
 }
 
 /// Runs `calibrate`: measures every device (the speed cache answers for probes already run)
 /// and stores the figures.
 pub fn run(args: &CalibrateArgs, dev_args: &crate::DeviceArgs) -> Result<ExitCode> {
     let reg = crate::devices::open(dev_args)?;
-    let manager = sd_backends::BackendManager::new(None);
+    let manager = sd_backends::BackendManager::new(Some(sd_backends::threads::resolve_threads(args.threads)));
     let mut file = read_file();
     let mut measured = Vec::new();
     for dev in reg.devices().into_iter().filter(|d| d.kind() != sd_backends::DeviceKind::Meta) {
@@ -356,9 +385,10 @@ pub fn run(args: &CalibrateArgs, dev_args: &crate::DeviceArgs) -> Result<ExitCod
         for e in &measured {
             let f = &e.figures;
             crate::out!(
-                "{:<10} matmul f16 {:>8.1} GFLOP/s  memory {:>7.1} GB/s  link {}  ({})",
+                "{:<10} matmul f16 {:>8.1} GFLOP/s  conv {:>8.1} GFLOP/s  memory {:>7.1} GB/s  link {}  ({})",
                 e.device,
                 f.matmul_f16 / 1e9,
+                f.conv / 1e9,
                 f.memory_bytes_per_s / 1e9,
                 if f.link_bytes_per_s > 0.0 {
                     format!("{:.2} GB/s, {:.2} ms", f.link_bytes_per_s / 1e9, f.link_latency_s * 1e3)

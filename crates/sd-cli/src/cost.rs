@@ -47,6 +47,11 @@ pub struct CalibrateArgs {
     /// cores).
     #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub threads: i64,
+    /// Instead of probing, fit the calibrated throughputs to a generation's run report
+    /// (`--report-json`): each device's figures are scaled by its modules' predicted compute
+    /// time over their measured one (the probes' best case against the model's real kernels).
+    #[arg(long = "from-report", value_name = "PATH")]
+    pub from_report: Option<PathBuf>,
 }
 
 /// One calibrated device.
@@ -364,6 +369,9 @@ fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
 /// and stores the figures.
 pub fn run(args: &CalibrateArgs, dev_args: &crate::DeviceArgs) -> Result<ExitCode> {
     let reg = crate::devices::open(dev_args)?;
+    if let Some(path) = &args.from_report {
+        return fit(path, &descriptions(&reg));
+    }
     let manager = sd_backends::BackendManager::new(Some(sd_backends::threads::resolve_threads(args.threads)));
     let mut file = read_file();
     let mut measured = Vec::new();
@@ -430,4 +438,49 @@ pub(crate) fn choose(
     explain.chosen = explain.ladder.clone().unwrap_or(explain.chosen);
     explain.reason = reason;
     Ok((ladder, explain))
+}
+
+/// `calibrate --from-report`: scales each device's calibrated throughputs so that the report's
+/// prediction of its single-device modules' compute matches the measured compute.
+fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Result<ExitCode> {
+    let text = sd_models::files::open::read_text(path, 256 << 20).context("--from-report")?;
+    let report = sd_models::report::RunReport::from_json(&text).with_context(|| format!("{}", path.display()))?;
+    let predicted = report.predicted.as_ref().with_context(|| {
+        format!("{}: the report has no prediction (written by an older sd-cli, or by `plan`)", path.display())
+    })?;
+    // Per device: (measured seconds, predicted seconds).
+    let mut per: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for r in report.runners.iter().filter(|r| r.stages.is_empty()) {
+        let Some(module) = Module::parse(&r.name) else { continue };
+        let Some(m) = predicted.modules.iter().find(|m| m.module == module) else { continue };
+        let e = per.entry(r.device.clone()).or_default();
+        e.0 += r.stats.compute_secs;
+        e.1 += m.compute_s * r.stats.runs as f64;
+    }
+    if per.is_empty() {
+        anyhow::bail!("{}: no module ran on one device with a prediction to fit", path.display());
+    }
+    let mut file = read_file();
+    for (device, (measured, predicted)) in &per {
+        let description = descriptions.get(device).cloned().unwrap_or_default();
+        let Some(e) = file.device.iter_mut().find(|e| &e.device == device && e.description == description) else {
+            anyhow::bail!("{device} ({description}) has no calibrated figures to fit: run `sd-cli calibrate` first");
+        };
+        if *measured <= 0.0 || *predicted <= 0.0 {
+            continue;
+        }
+        let factor = measured / predicted;
+        let f = &mut e.figures;
+        for v in [&mut f.matmul_f16, &mut f.matmul_q8, &mut f.matmul_q4, &mut f.conv, &mut f.attention] {
+            *v /= factor;
+        }
+        crate::out!(
+            "{device}: measured compute {measured:.2} s against {predicted:.2} s predicted: throughputs scaled by 1/{factor:.2} \
+             (matmul f16 now {:.1} GFLOP/s)",
+            f.matmul_f16 / 1e9
+        );
+    }
+    write_file(&file)?;
+    crate::out!("stored in {}", figures_path().display());
+    Ok(ExitCode::SUCCESS)
 }

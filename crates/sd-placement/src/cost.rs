@@ -23,7 +23,8 @@
 //!
 //! * params resident on the computing device: the blocks' compute, one graph per run;
 //! * params elsewhere (another device, RAM, disk): after the first run, the leading blocks that
-//!   fit the device's room stay resident (sd-sched's planner evicts from the last segment
+//!   fit the device's room (its budget less resident params, the graph's workspace estimated
+//!   from its widest activations, and the planning headroom) stay resident (sd-sched's planner evicts from the last segment
 //!   backward) and the others are streamed each run, one segment per block, the next segment's
 //!   weights prefetched while the current one computes: `t_0 + Σ max(c_i, t_{i+1})`, where
 //!   `t_i` is segment `i`'s transfer and `c_i` its compute;
@@ -366,6 +367,15 @@ impl Prediction {
 /// Room the runtime keeps for planning (sd-sched's `PLANNING_HEADROOM`).
 const HEADROOM: u64 = 128 * MIB;
 
+/// Activations live at once in a module's graph, as a multiple of its widest block output
+/// (ggml's allocator reuses buffers: a block's input, output, residual and a few temporaries).
+const LIVE_ACTIVATIONS: u64 = 16;
+
+/// The workspace a module's graph needs: [`LIVE_ACTIVATIONS`] times its widest block output.
+fn workspace_estimate(costs: &[BlockCost]) -> u64 {
+    costs.iter().map(|c| c.out_bytes).max().unwrap_or(0).saturating_mul(LIVE_ACTIVATIONS)
+}
+
 /// Predicts `plan` for `work` with `figures`.
 pub fn predict(plan: &Plan, work: &Workload, figures: &Figures) -> Prediction {
     let mut out = Prediction {
@@ -454,10 +464,12 @@ fn module_time(
                 });
             }
             // Params elsewhere: the room left on the computing device for this module's
-            // replicas once warm.
+            // replicas once warm: the budget less the resident params, the workspace and the
+            // planning headroom. The workspace is what the graph's activations need
+            // ([`workspace_estimate`]), not the plan's reserve (a bound for planning).
+            let workspace = workspace_estimate(costs).min(m.compute_reserve_bytes);
             let room = plan.devices.iter().find(|d| d.device.eq_ignore_ascii_case(rt)).and_then(|d| {
-                d.budget_bytes
-                    .map(|b| b.saturating_sub(d.param_bytes).saturating_sub(d.compute_bytes).saturating_sub(HEADROOM))
+                d.budget_bytes.map(|b| b.saturating_sub(d.param_bytes).saturating_sub(workspace).saturating_sub(HEADROOM))
             });
             let total: u64 = costs.iter().map(|c| c.weight_bytes).sum();
             let largest = costs.iter().map(|c| c.weight_bytes).max().unwrap_or(0);

@@ -229,8 +229,10 @@ pub(crate) fn figures(
         cpu_listed |= d.kind == DeviceType::Cpu;
         let rpc = d.registry_name().eq_ignore_ascii_case("RPC");
         let desc = descriptions.get(&d.name).cloned().unwrap_or_default();
-        let from_profile = profile.and_then(|p| p.devices.iter().find(|x| x.name.trim() == d.name.trim())?.cost.clone());
-        let calibrated = file.device.iter().find(|e| e.device == d.name && e.description == desc).map(|e| e.figures.clone());
+        let from_profile =
+            profile.and_then(|p| p.devices.iter().find(|x| x.name.trim() == d.name.trim())?.cost.clone());
+        let calibrated =
+            file.device.iter().find(|e| e.device == d.name && e.description == desc).map(|e| e.figures.clone());
         let (f, src) = match (from_profile, calibrated) {
             (Some(f), _) => (f, "profile"),
             (None, Some(f)) => (f, "calibrated"),
@@ -300,7 +302,11 @@ fn probe_s(
     backend: &Arc<Backend>,
     w_ne: Vec<i64>,
     x_ne: Vec<i64>,
-    op: impl for<'c> Fn(&'c sd_backends::Context, sd_backends::Tensor<'_>, sd_backends::Tensor<'_>) -> sd_backends::Tensor<'c>,
+    op: impl for<'c> Fn(
+        &'c sd_backends::Context,
+        sd_backends::Tensor<'_>,
+        sd_backends::Tensor<'_>,
+    ) -> sd_backends::Tensor<'c>,
 ) -> Result<f64> {
     let largest = w_ne.iter().product::<i64>().max(x_ne.iter().product::<i64>());
     let specs = vec![

@@ -314,7 +314,8 @@ pub fn load(
     };
     let devices = crate::plan::machine_devices_from(&reg);
     let descriptions = crate::cost::descriptions(&reg);
-    let (plan, predicted) = crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, (w, h, a.steps)))?;
+    let (plan, predicted) =
+        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, (w, h, a.steps)))?;
     plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,

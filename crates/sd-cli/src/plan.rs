@@ -387,7 +387,9 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let explain = explain.filter(|_| args.explain);
     if args.json {
         match &explain {
-            Some(e) => crate::out!("{}", serde_json::to_string_pretty(&serde_json::json!({ "plan": p, "explain": e }))?),
+            Some(e) => {
+                crate::out!("{}", serde_json::to_string_pretty(&serde_json::json!({ "plan": p, "explain": e }))?)
+            }
             None => crate::out!("{}", p.to_json()),
         }
     } else {

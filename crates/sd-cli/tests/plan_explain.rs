@@ -79,7 +79,8 @@ fn explain_predicts_and_auto_fit_chooses_the_faster_gpu() {
 #[test]
 fn a_slower_alternative_never_replaces_the_ladder() {
     // GPU1 as slow as GPU0: nothing is 5% faster than the ladder's plan.
-    let p = profile("even", "matmul_f16 = 2e12\nmemory_bytes_per_s = 2e11\nlink_bytes_per_s = 1e10\nlink_latency_s = 1e-5");
+    let p =
+        profile("even", "matmul_f16 = 2e12\nmemory_bytes_per_s = 2e11\nlink_bytes_per_s = 1e10\nlink_latency_s = 1e-5");
     let (chosen, e) = explained(&p, &[]);
     assert_eq!(chosen.main_device, "GPU0", "{}", e.render());
     assert!(e.reason.contains("ladder's plan kept"), "{}", e.reason);

@@ -56,7 +56,8 @@ pub struct Explain {
 impl Explain {
     /// The explanation for a person.
     pub fn render(&self) -> String {
-        let mut o = format!("prediction (figures: {}):\n", if self.figures.is_empty() { "given" } else { &self.figures });
+        let mut o =
+            format!("prediction (figures: {}):\n", if self.figures.is_empty() { "given" } else { &self.figures });
         o.push_str(&self.chosen.render("  chosen plan"));
         if let Some(l) = &self.ladder {
             o.push_str(&l.render("  ladder plan"));
@@ -100,7 +101,10 @@ pub fn plan_by_time(req: &PlanRequest, work: &Workload, figures: &Figures) -> Re
             "--auto-fit ladder: the seeds' ladder, predicted only".to_string()
         };
         ladder.choice = Some(reason.clone());
-        return Ok((ladder, Explain { chosen: ladder_pred, ladder: None, alternatives: Vec::new(), reason, figures: source }));
+        return Ok((
+            ladder,
+            Explain { chosen: ladder_pred, ladder: None, alternatives: Vec::new(), reason, figures: source },
+        ));
     }
     let mut alts: Vec<(Alternative, Plan, Prediction)> = Vec::new();
     for (backend, params) in candidates(&ladder) {

@@ -468,19 +468,23 @@ fn module_time(
             // planning headroom. The workspace is what the graph's activations need
             // ([`workspace_estimate`]), not the plan's reserve (a bound for planning).
             let workspace = workspace_estimate(costs).min(m.compute_reserve_bytes);
-            let room = plan.devices.iter().find(|d| d.device.eq_ignore_ascii_case(rt)).and_then(|d| {
-                d.budget_bytes.map(|b| b.saturating_sub(d.param_bytes).saturating_sub(workspace).saturating_sub(HEADROOM))
-            });
+            let room = plan
+                .devices
+                .iter()
+                .find(|d| d.device.eq_ignore_ascii_case(rt))
+                .and_then(|d| d.budget_bytes.map(|b| b.saturating_sub(d.param_bytes).saturating_sub(workspace)));
             let total: u64 = costs.iter().map(|c| c.weight_bytes).sum();
             let largest = costs.iter().map(|c| c.weight_bytes).max().unwrap_or(0);
             let kept = match room {
                 None => total,
+                // Every replica stays once loaded (the planning headroom only decides whether
+                // the graph runs whole).
                 Some(r) if r >= total => total,
-                // Leading segments stay while the rest has room for a streamed segment and its
-                // prefetched neighbour.
+                // Leading segments stay while the rest has room for the headroom, a streamed
+                // segment and its prefetched neighbour.
                 Some(r) => {
                     let mut kept = 0u64;
-                    let limit = r.saturating_sub(largest.saturating_mul(2));
+                    let limit = r.saturating_sub(HEADROOM).saturating_sub(largest.saturating_mul(2));
                     for c in costs {
                         if kept.saturating_add(c.weight_bytes) > limit {
                             break;
@@ -592,7 +596,8 @@ pub fn nominal(kind: DeviceType, rpc: bool) -> DeviceFigures {
         DeviceType::Igpu => (2e12, 50e9, 20e9),
         DeviceType::Accel => (200e9, 20e9, 0.0),
     };
-    let mut d = DeviceFigures { matmul_f16: flops, memory_bytes_per_s: mem, link_bytes_per_s: link, ..Default::default() };
+    let mut d =
+        DeviceFigures { matmul_f16: flops, memory_bytes_per_s: mem, link_bytes_per_s: link, ..Default::default() };
     if rpc {
         d.link_bytes_per_s = 100e6;
         d.link_latency_s = 1e-3;

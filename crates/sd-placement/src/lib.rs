@@ -107,9 +107,9 @@ pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
 pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange};
 pub use spec::{
-    parse_auto_fit, parse_auto_fit_mode, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies, parse_split_by,
-    parse_split_mode, Assignment, AutoFitMode, Entry, Flags, MaxVram, ParamsValue, RuntimeValue, SplitBy, SplitMode,
-    PIPELINE_COPIES_ENV,
+    parse_auto_fit, parse_auto_fit_mode, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies,
+    parse_split_by, parse_split_mode, Assignment, AutoFitMode, Entry, Flags, MaxVram, ParamsValue, RuntimeValue,
+    SplitBy, SplitMode, PIPELINE_COPIES_ENV,
 };
 pub use split::{partition as layer_partition, partition_by_speed as layer_partition_by_speed};
 pub use units::{fmt_bytes, GIB, MIB};

@@ -97,12 +97,12 @@ fn block_flops_and_bytes_from_shapes() {
         rows: None,
     };
     let weights = vec![
-        w(Some(0), vec![4, 3], WeightType::Float, 24, None),         // 2·4·3·10 = 240 matmul f16
-        w(Some(0), vec![2, 3, 3, 3], WeightType::Float, 108, None),  // 2·54·10 = 1080 conv
-        w(Some(0), vec![8, 8], WeightType::Q8, 68, Some(0)),         // 2·64·10 = 1280 q8; 4·10·10·8 attention
-        w(Some(0), vec![8], WeightType::Float, 16, None),            // a norm: bytes only
-        w(Some(1), vec![5, 2], WeightType::Q4, 6, Some(7)),          // 2·10·10 = 200 q4; 4·10·7·5 cross attention
-        w(None, vec![6, 2], WeightType::Float, 24, None),            // non-block: 2·12·10 = 240
+        w(Some(0), vec![4, 3], WeightType::Float, 24, None), // 2·4·3·10 = 240 matmul f16
+        w(Some(0), vec![2, 3, 3, 3], WeightType::Float, 108, None), // 2·54·10 = 1080 conv
+        w(Some(0), vec![8, 8], WeightType::Q8, 68, Some(0)), // 2·64·10 = 1280 q8; 4·10·10·8 attention
+        w(Some(0), vec![8], WeightType::Float, 16, None),    // a norm: bytes only
+        w(Some(1), vec![5, 2], WeightType::Q4, 6, Some(7)),  // 2·10·10 = 200 q4; 4·10·7·5 cross attention
+        w(None, vec![6, 2], WeightType::Float, 24, None),    // non-block: 2·12·10 = 240
         WeightShape { module: Module::Te, ..w(Some(0), vec![9, 9], WeightType::Float, 162, None) }, // not counted
         WeightShape { rows: Some(0), ..w(Some(1), vec![9, 9], WeightType::Float, 162, Some(0)) }, // not computed
         WeightShape { rows: Some(5), ..w(None, vec![2, 3], WeightType::Float, 12, None) }, // 2·6·5 = 60 at 5 rows
@@ -191,12 +191,10 @@ fn params_in_ram_stream_what_the_budget_cannot_keep() {
 #[test]
 fn layer_split_with_pipeline_copies() {
     // 4 blocks on two GPUs split by memory 2 + 2 (embed with the first); GPU1 twice as slow.
-    let c = case(vec![Device::gpu("GPU0", 16 * GIB, 16 * GIB), Device::gpu("GPU1", 16 * GIB, 16 * GIB)], 4, 0, 1024, 64, 1);
-    let flags = Flags {
-        backend: Some("diffusion=GPU0&GPU1".into()),
-        pipeline_copies: Some("2".into()),
-        ..Flags::default()
-    };
+    let c =
+        case(vec![Device::gpu("GPU0", 16 * GIB, 16 * GIB), Device::gpu("GPU1", 16 * GIB, 16 * GIB)], 4, 0, 1024, 64, 1);
+    let flags =
+        Flags { backend: Some("diffusion=GPU0&GPU1".into()), pipeline_copies: Some("2".into()), ..Flags::default() };
     let p = plan(&request(&c, flags)).map_err(|e| e.to_string()).unwrap();
     let d = &p.modules[0];
     assert_eq!(d.split.len(), 2);
@@ -244,7 +242,12 @@ fn auto_fit_by_time_moves_a_streamed_text_encoder_to_the_cpu() {
     assert_eq!(te.runtime, ["CPU"], "{}", explain.render());
     let l = explain.ladder.as_ref().unwrap();
     assert!(explain.chosen.total_s < l.total_s * (1.0 - MARGIN));
-    assert!(chosen.choice.as_deref().unwrap().contains("against the ladder's"), "{}\n{}", explain.render(), ladder.render());
+    assert!(
+        chosen.choice.as_deref().unwrap().contains("against the ladder's"),
+        "{}\n{}",
+        explain.render(),
+        ladder.render()
+    );
     assert!(!explain.alternatives.is_empty());
     assert!(explain.alternatives.windows(2).all(|w| w[0].total_s <= w[1].total_s));
     // The chosen plan's equivalent flags reproduce it.

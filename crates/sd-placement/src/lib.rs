@@ -71,6 +71,13 @@
 //! [`parse_max_vram`], [`parse_auto_fit`],
 //! [`resolve_device`], [`Module::parse`]) are public for tools that only validate flags.
 //!
+//! # Predicted time
+//!
+//! [`predict`] gives a plan's seconds per step, per module run, bytes moved per step and peak
+//! per device from device and link [`Figures`] and a [`Workload`] (weight shapes, token counts,
+//! runs); [`plan_by_time`] is auto-fit choosing the fastest plan that fits, the ladder's plan
+//! as the floor (`--auto-fit ladder` keeps it), with an [`Explain`] of the choice.
+//!
 //! # Main types
 //!
 //! [`PlanRequest`] (input), [`Plan`] (output: per-module [`ModulePlan`], per-device

@@ -175,7 +175,7 @@ fn params_in_ram_stream_what_the_budget_cannot_keep() {
     let workspace = 16 * side * 16 * 4;
     let room = budget - gpu.param_bytes - workspace - 128 * MIB - 2 * per;
     let kept_segments = room / per; // leading segments (embed first) that stay
-    assert!(kept_segments >= 1 && kept_segments < 41, "{kept_segments}");
+    assert!((1..41).contains(&kept_segments), "{kept_segments}");
     let streamed = (41 - kept_segments) * per;
     let f = figs(&[("GPU0", 1e24, 1e9, 0.0), ("CPU", 1e9, 0.0, 0.0)]);
     let pred = predict(&p, &c.work, &f);

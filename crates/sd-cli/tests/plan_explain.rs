@@ -96,3 +96,48 @@ fn bad_figures_in_a_profile_are_refused_naming_the_device_and_field() {
     assert!(err.contains("GPU1") && err.contains("matmul_f16"), "{err}");
     std::fs::remove_file(&p).ok();
 }
+
+#[test]
+fn calibrate_stores_figures_that_plan_explain_uses() {
+    let cache = std::env::temp_dir().join(format!("sd-cli-calibrate-{}", std::process::id()));
+    let o = sd_cli().env("SD_CACHE_DIR", &cache).args(["calibrate", "-t", "1", "--json"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let cpu = v.as_array().unwrap().iter().find(|e| e["device"] == "CPU").expect("the CPU calibrated");
+    for k in ["matmul_f16", "conv", "memory_bytes_per_s"] {
+        let x = cpu["figures"][k].as_f64().unwrap();
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+    assert!(cache.join("device-figures.json").is_file());
+    // This machine's plan now predicts from the calibrated CPU figures.
+    let o = sd_cli()
+        .env("SD_CACHE_DIR", &cache)
+        .arg("plan")
+        .arg("-m")
+        .arg(sd15_fixture())
+        .args(["--backend", "cpu", "--explain", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let e: Explain = serde_json::from_value(v["explain"].clone()).unwrap();
+    assert!(e.figures.contains("CPU calibrated"), "{}", e.figures);
+    assert!(e.chosen.complete() && e.chosen.step_s > 0.0, "{}", e.render());
+    // Fitting needs a generation's report with a prediction: a plan's report has none.
+    let report = cache.join("plan.json");
+    let o = sd_cli()
+        .env("SD_CACHE_DIR", &cache)
+        .arg("plan")
+        .arg("-m")
+        .arg(sd15_fixture())
+        .args(["--backend", "cpu", "--report-json"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = sd_cli().env("SD_CACHE_DIR", &cache).args(["calibrate", "--from-report"]).arg(&report).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no prediction") && err.contains("plan.json"), "{err}");
+    std::fs::remove_dir_all(&cache).ok();
+}

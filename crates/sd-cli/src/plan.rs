@@ -46,8 +46,10 @@ pub struct PlacementArgs {
     /// budget, only live free memory limits segmented execution.
     #[arg(long = "max-vram", value_name = "SPEC", allow_hyphen_values = true)]
     pub max_vram: Option<String>,
-    /// Automatic placement: `on` (default unless --backend/--params-backend are given) or `off`.
-    #[arg(long = "auto-fit", value_name = "on|off")]
+    /// Automatic placement: `on` (default unless --backend/--params-backend are given; by
+    /// predicted time when every device has measured figures, see `sd-cli calibrate`), `off`,
+    /// or `ladder` ([sd-rs]: the first-fit ladder only, never replaced by a faster prediction).
+    #[arg(long = "auto-fit", value_name = "on|off|ladder")]
     pub auto_fit: Option<String>,
     /// Deprecated: `te=cpu` in front of --backend.
     #[arg(long = "clip-on-cpu")]

@@ -129,6 +129,9 @@ impl Device {
 /// row_split = true    # optional, default false
 /// registry = "CUDA"   # optional, default: the name without trailing digits
 /// speed_mib_s = 2000  # optional: MiB of block weights evaluated per second (--split-by speed)
+/// [device.cost]       # optional: the cost model's figures (DeviceFigures), e.g.
+/// matmul_f16 = 2e13   # FLOP/s
+/// link_bytes_per_s = 1.2e10
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

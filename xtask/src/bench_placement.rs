@@ -21,7 +21,9 @@
 //!   the one placement configuration the reference runs too (it has no RPC).
 //!
 //! Peak RSS is each client's `wait4` `ru_maxrss`; times are the programs' own: ours
-//! from `sd-cli`'s run report (`--report-json`), the reference's from its log line.
+//! from `sd-cli`'s run report (`--report-json`), the reference's from its log line. Beside
+//! each measured step time, the cost model's prediction from the same report (`predicted`,
+//! from the devices' `sd-cli calibrate` figures where they have them, else nominal ones).
 
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -137,11 +139,16 @@ struct Runs {
     unet: Vec<UnetSummary>,
     high_water_mib: Vec<f64>,
     modules: Vec<(String, f64)>,
+    /// The cost model's seconds per step, from each run's report (`predicted`).
+    predicted_step_s: Vec<f64>,
 }
 
 impl Runs {
     fn step(&self) -> Option<f64> {
         median(&self.timings.iter().flat_map(|t| t.steps_s.clone()).collect::<Vec<_>>())
+    }
+    fn predicted(&self) -> Option<f64> {
+        median(&self.predicted_step_s)
     }
     fn med(&self, f: impl Fn(&Timings) -> Option<f64>) -> Option<f64> {
         median(&self.timings.iter().filter_map(f).collect::<Vec<_>>())
@@ -265,6 +272,7 @@ fn print_a(r: &[Runs; 7]) {
     row("client peak RSS (wait4)", &rss, &q, mib);
     row("client peak RssAnon (sampled)", &anon, &q, mib);
     row("per step (median)", &x.map(Runs::step), &q, fmt_s);
+    row("predicted per step (cost model)", &x.map(Runs::predicted), &[], fmt_s);
     row("generation", &x.map(|r| r.med(|t| t.generation_s)), &q, fmt_s);
     row(
         "UNet params copied to RPC0",
@@ -298,6 +306,7 @@ fn print_b(r: &[Runs; 7]) {
     let bound = [0, 1].map(|i| compute[i].zip(copy[i]).map(|(c, t)| c.max(t)));
     let ratio = [0, 1].map(|i| step_per_run[i].zip(bound[i]).map(|(s, b)| s / b));
     row("per step (median)", &x.map(Runs::step), &q, fmt_s);
+    row("predicted per step (cost model)", &x.map(Runs::predicted), &[], fmt_s);
     row("UNet runs per step", &x.map(runs_per_step), &[], plain);
     row("step per UNet run", &step_per_run, &q, fmt_s);
     row("  compute per run", &compute, &q, fmt_s);
@@ -321,6 +330,7 @@ fn print_c(r: &[Runs; 7]) {
     header(&["ours", "reference", "ours/ref"]);
     let q = [(0, 1)];
     row("per step (median)", &x.map(Runs::step), &q, fmt_s);
+    row("predicted per step (cost model)", &x.map(Runs::predicted), &[], fmt_s);
     row("text encode (1)", &x.map(|r| r.med(|t| t.text_encode_s)), &q, fmt_s);
     row("decode (1)", &x.map(|r| r.med(|t| t.decode_s)), &q, fmt_s);
     row("whole run (wall)", &x.map(|r| median(&r.wall_s)), &q, fmt_s);
@@ -394,6 +404,7 @@ pub fn run(args: Args) -> Result<()> {
                 r.high_water_mib.extend(high_water(report, "RPC0").map(|(h, _)| h));
                 r.modules = module_params(report);
             }
+            r.predicted_step_s.extend(report.as_ref().and_then(|r| r.predicted.as_ref()).map(|p| p.step_s));
             r.timings.push(t);
             r.wall_s.push(m.wall_s);
             r.rss_kib.push(m.max_rss_kib);

@@ -270,6 +270,8 @@ pub struct Loaded {
     pub pipeline: Pipeline,
     /// The placement it runs with.
     pub plan: sd_placement::Plan,
+    /// The cost model's prediction for it (from measured figures where the devices have them).
+    pub predicted: sd_placement::Prediction,
     /// The model flags (`-m` filled with the fixture when none was given).
     pub model: ModelArgs,
     /// The devices and backends, kept as long as the pipeline.
@@ -311,7 +313,9 @@ pub fn load(
         Ok(sd_models::speed::device_speeds(&backends, &key, tokens, &sd_models::speed::cache_path())?)
     };
     let devices = crate::plan::machine_devices_from(&reg);
-    let plan = crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds)?;
+    let descriptions = crate::cost::descriptions(&reg);
+    let (plan, predicted) =
+        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, (w, h, a.steps)))?;
     plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,
@@ -329,7 +333,7 @@ pub fn load(
         placement,
     };
     let pipeline = Pipeline::from_files(files, options)?.with_loras(loras, a.lora.lora_apply_mode)?;
-    Ok(Loaded { pipeline, plan, model, _devices: (reg, manager) })
+    Ok(Loaded { pipeline, plan, predicted, model, _devices: (reg, manager) })
 }
 
 /// Runs a generation: flags -> request -> plan -> pipeline -> images.
@@ -353,11 +357,12 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
     files.check().map_err(crate::errors::same_file)?;
     let (w, h) = (params.params().width, params.params().height);
-    let Loaded { pipeline, plan, model, .. } = load(a, dev, model, (w, h), &loras)?;
+    let Loaded { pipeline, plan, predicted, model, .. } = load(a, dev, model, (w, h), &loras)?;
     let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
 
     let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
     report.plan = Some(plan.clone());
+    report.predicted = Some(predicted);
     let start = std::time::Instant::now();
     let mut reporter = crate::progress::Reporter::new(std::io::stderr().is_terminal());
     let images = pipeline.generate_reported(&request, &mut |p: Progress| reporter.event(&p), &mut report);

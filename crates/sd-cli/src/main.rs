@@ -17,6 +17,7 @@ macro_rules! out {
     }};
 }
 
+mod cost;
 mod devices;
 mod errors;
 mod generate;
@@ -100,6 +101,9 @@ struct Cli {
 enum Command {
     /// [sd-rs] Print a placement plan from the model files' headers (no weights are read).
     Plan(plan::PlanArgs),
+    /// [sd-rs] Measure each device's compute, memory and link figures (a few seconds) for the
+    /// cost model that `plan --explain` and auto-fit by time use.
+    Calibrate(cost::CalibrateArgs),
     /// [sd-rs] Serve a local device to other machines over ggml's RPC protocol.
     RpcServer(rpc_server::RpcServerArgs),
     /// [sd-rs] Load the model once and serve stable-diffusion.cpp's server APIs over HTTP
@@ -139,6 +143,7 @@ fn main() -> ExitCode {
         match cli.command {
             Some(Command::RpcServer(args)) => rpc_server::run(&args, &cli.devices),
             Some(Command::Serve(args)) => serve::run(&args, &cli.devices),
+            Some(Command::Calibrate(args)) => cost::run(&args, &cli.devices),
             // Any error of `plan` is bad input (files, flags, profile): exit status 2.
             Some(Command::Plan(args)) => plan::run(&args, &cli.devices).or_else(|e| {
                 print_error(&e);

@@ -46,8 +46,10 @@ pub struct PlacementArgs {
     /// budget, only live free memory limits segmented execution.
     #[arg(long = "max-vram", value_name = "SPEC", allow_hyphen_values = true)]
     pub max_vram: Option<String>,
-    /// Automatic placement: `on` (default unless --backend/--params-backend are given) or `off`.
-    #[arg(long = "auto-fit", value_name = "on|off")]
+    /// Automatic placement: `on` (default unless --backend/--params-backend are given; by
+    /// predicted time when every device has measured figures, see `sd-cli calibrate`), `off`,
+    /// or `ladder` ([sd-rs]: the first-fit ladder only, never replaced by a faster prediction).
+    #[arg(long = "auto-fit", value_name = "on|off|ladder")]
     pub auto_fit: Option<String>,
     /// Deprecated: `te=cpu` in front of --backend.
     #[arg(long = "clip-on-cpu")]
@@ -183,6 +185,11 @@ pub struct PlanArgs {
     /// Print the plan as JSON.
     #[arg(long = "json")]
     pub json: bool,
+    /// [sd-rs] Also predict the plan's seconds per step and per module (and the auto-fit
+    /// ladder's, and the fastest alternatives) for a 512x512 image in 20 steps, from the
+    /// devices' figures (`sd-cli calibrate`, a profile's `[device.cost]`, else nominal).
+    #[arg(long = "explain")]
+    pub explain: bool,
     /// [sd-rs] Also write a JSON run report (the plan part) to PATH.
     #[arg(long = "report-json", value_name = "PATH")]
     pub report_json: Option<PathBuf>,
@@ -210,12 +217,6 @@ pub(crate) fn ram_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb: u64 = text.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
-}
-
-/// This machine's devices as the planner sees them.
-fn machine_devices(args: &DeviceArgs) -> Result<Vec<Device>> {
-    let reg = crate::devices::open(args)?;
-    Ok(machine_devices_from(&reg))
 }
 
 /// The planner's view of a registry's devices.
@@ -246,13 +247,17 @@ pub(crate) type SpeedProbe<'a> =
 /// The placement plan of a generation on this machine's `devices`, its warnings logged. With
 /// `--split-by speed`, `speeds` measures (or reads from its cache) the speeds of the devices
 /// the plan's layer splits use (a plan by memory first says which), for the model described.
+/// Auto-fit chooses by predicted time for images of `size` (width, height, steps) when every
+/// device has measured figures (`descriptions`: each device's, their key). Returns the plan
+/// and its prediction.
 pub fn plan_for(
     model: &ModelArgs,
     files: &ModelFiles,
     placement: &PlacementArgs,
     devices: Vec<Device>,
     speeds: &SpeedProbe<'_>,
-) -> Result<Plan> {
+    (descriptions, size): (&std::collections::BTreeMap<String, String>, (usize, usize, usize)),
+) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
     let description = describe(files, &model.extra())?;
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
@@ -273,14 +278,27 @@ pub fn plan_for(
             request.device_speeds = speeds(&request.model, &names)?;
         }
     }
-    let plan = plan(&request)?;
+    let (figures, measured) = crate::cost::figures(&request.devices, descriptions, None, &request.device_speeds);
+    let work = crate::cost::workload(files, size.0, size.1, size.2);
+    let (plan, predicted) = if measured {
+        let (p, e) = crate::cost::choose(&request, &work, &figures, true)?;
+        (p, e.chosen)
+    } else {
+        let p = plan(&request)?;
+        let predicted = sd_placement::predict(&p, &work, &figures);
+        (p, predicted)
+    };
     for w in &plan.warnings {
         tracing::warn!("{w}");
     }
     if plan.auto_fit {
         tracing::info!("auto-fit: --backend \"{}\" --params-backend \"{}\"", plan.backend, plan.params_backend);
+        if let Some(c) = &plan.choice {
+            tracing::info!("{c}");
+        }
     }
-    Ok(plan)
+    tracing::debug!("{}", predicted.render("predicted"));
+    Ok((plan, predicted))
 }
 
 /// The LoRA files the prompt's tags name, read and checked against the model: with
@@ -319,14 +337,17 @@ fn lora_bytes(args: &PlanArgs, files: &ModelFiles, model: &mut sd_placement::Mod
 
 /// Runs `plan`.
 pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
-    let (devices, profile_ram, device_speeds) = match &args.devices {
+    let (devices, profile_ram, device_speeds, profile, descriptions) = match &args.devices {
         Some(p) => {
             let text = sd_models::files::open::read_text(p, MAX_PROFILE_BYTES).context("--devices")?;
             let prof =
                 DeviceProfile::from_toml_str(&text).with_context(|| format!("device profile {}", p.display()))?;
-            (prof.devices(), prof.ram_available_bytes(), prof.device_speeds())
+            (prof.devices(), prof.ram_available_bytes(), prof.device_speeds(), Some(prof), Default::default())
         }
-        None => (machine_devices(dev_args)?, ram_available(), Default::default()),
+        None => {
+            let reg = crate::devices::open(dev_args)?;
+            (machine_devices_from(&reg), ram_available(), Default::default(), None, crate::cost::descriptions(&reg))
+        }
     };
     let ram = args.ram_mib.map(|m| m * MIB).or(profile_ram);
     let sources = args.model.sources();
@@ -353,14 +374,31 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         let files = args.model.run_files().input(InputRole::DeviceProfile, args.devices.as_deref()).loras(&loras);
         files.output(OutputRole::Report, t).check().map_err(crate::errors::same_file)?;
     }
-    let p = plan(&request)?;
+    let (figures, measured) =
+        crate::cost::figures(&request.devices, &descriptions, profile.as_ref(), &request.device_speeds);
+    let (p, explain) = if measured || args.explain {
+        let work = crate::cost::workload(&files, 512, 512, 20);
+        let (p, e) = crate::cost::choose(&request, &work, &figures, measured)?;
+        (p, Some(e))
+    } else {
+        (plan(&request)?, None)
+    };
     let mut report = sd_models::report::RunReport::new("plan", crate::output::command_line());
     report.plan = Some(p.clone());
     crate::output::write_report(report_to.as_ref(), &report)?;
+    let explain = explain.filter(|_| args.explain);
     if args.json {
-        crate::out!("{}", p.to_json());
+        match &explain {
+            Some(e) => {
+                crate::out!("{}", serde_json::to_string_pretty(&serde_json::json!({ "plan": p, "explain": e }))?)
+            }
+            None => crate::out!("{}", p.to_json()),
+        }
     } else {
         crate::out!("{}", p.render());
+        if let Some(e) = &explain {
+            crate::out!("{}", e.render());
+        }
         for line in &lora_lines {
             crate::out!("{line}");
         }

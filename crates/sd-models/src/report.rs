@@ -44,6 +44,10 @@ pub struct RunReport {
     pub stages: Vec<StageTime>,
     /// Wall time of each sampling step.
     pub steps: Vec<StepTime>,
+    /// The cost model's prediction for the plan the run followed (`sd_placement::predict`),
+    /// to set beside the measured `steps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<sd_placement::Prediction>,
 }
 
 /// A report that cannot be read back.
@@ -142,6 +146,7 @@ impl RunReport {
             devices: Vec::new(),
             stages: Vec::new(),
             steps: Vec::new(),
+            predicted: None,
         }
     }
 

@@ -129,6 +129,9 @@ impl Device {
 /// row_split = true    # optional, default false
 /// registry = "CUDA"   # optional, default: the name without trailing digits
 /// speed_mib_s = 2000  # optional: MiB of block weights evaluated per second (--split-by speed)
+/// [device.cost]       # optional: the cost model's figures (DeviceFigures), e.g.
+/// matmul_f16 = 2e13   # FLOP/s
+/// link_bytes_per_s = 1.2e10
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -166,6 +169,10 @@ pub struct ProfileDevice {
     /// [`crate::PlanRequest::device_speeds`]); a positive number.
     #[serde(default)]
     pub speed_mib_s: Option<f64>,
+    /// The cost model's figures ([`crate::DeviceFigures`], a `[device.cost]` table), for
+    /// predicting plans on devices this machine does not have.
+    #[serde(default)]
+    pub cost: Option<crate::DeviceFigures>,
 }
 
 impl DeviceProfile {
@@ -183,6 +190,13 @@ impl DeviceProfile {
                     d.speed_mib_s.unwrap_or_default()
                 ),
             });
+        }
+        for d in &profile.devices {
+            if let Some(Err(reason)) = d.cost.as_ref().map(crate::DeviceFigures::check) {
+                return Err(PlanError::InvalidProfile {
+                    reason: format!("device '{}': [device.cost]: {reason}", d.name.trim()),
+                });
+            }
         }
         Ok(profile)
     }

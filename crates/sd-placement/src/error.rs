@@ -145,10 +145,18 @@ pub enum PlanError {
         entry: String,
     },
     /// `--auto-fit` other than on/off.
-    #[error("--auto-fit: invalid value '{token}'; accepted: on, off")]
+    #[error("--auto-fit: invalid value '{token}'; accepted: on, off, ladder")]
     InvalidAutoFit {
         /// The value.
         token: String,
+    },
+    /// A device's cost figures are not usable numbers.
+    #[error("cost figures of device '{device}': {reason}")]
+    InvalidFigures {
+        /// The device.
+        device: String,
+        /// What is wrong.
+        reason: String,
     },
     /// A split mode other than layer/row.
     #[error("--split-mode: invalid mode '{token}' in '{entry}'; accepted: layer, row")]

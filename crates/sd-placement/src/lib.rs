@@ -71,6 +71,13 @@
 //! [`parse_max_vram`], [`parse_auto_fit`],
 //! [`resolve_device`], [`Module::parse`]) are public for tools that only validate flags.
 //!
+//! # Predicted time
+//!
+//! [`predict`] gives a plan's seconds per step, per module run, bytes moved per step and peak
+//! per device from device and link [`Figures`] and a [`Workload`] (weight shapes, token counts,
+//! runs); [`plan_by_time`] is auto-fit choosing the fastest plan that fits, the ladder's plan
+//! as the floor (`--auto-fit ladder` keeps it), with an [`Explain`] of the choice.
+//!
 //! # Main types
 //!
 //! [`PlanRequest`] (input), [`Plan`] (output: per-module [`ModulePlan`], per-device
@@ -81,6 +88,8 @@
 
 mod autofit;
 mod budget;
+mod choose;
+mod cost;
 mod device;
 mod error;
 mod explicit;
@@ -94,15 +103,20 @@ mod units;
 
 pub use autofit::ram_reserve;
 pub use budget::BudgetRule;
+pub use choose::{plan_by_time, Alternative, Explain, MARGIN};
+pub use cost::{
+    block_costs, nominal as nominal_figures, pipelined_s, predict, streamed_s, BlockCost, DeviceFigures, Figures,
+    ModuleLoad, ModuleTime, OpClass, Prediction, WeightShape, WeightType, Workload,
+};
 pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceType, ProfileDevice};
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
 pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange};
 pub use spec::{
-    parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies, parse_split_by,
-    parse_split_mode, Assignment, Entry, Flags, MaxVram, ParamsValue, RuntimeValue, SplitBy, SplitMode,
-    PIPELINE_COPIES_ENV,
+    parse_auto_fit, parse_auto_fit_mode, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies,
+    parse_split_by, parse_split_mode, Assignment, AutoFitMode, Entry, Flags, MaxVram, ParamsValue, RuntimeValue,
+    SplitBy, SplitMode, PIPELINE_COPIES_ENV,
 };
 pub use split::{partition as layer_partition, partition_by_speed as layer_partition_by_speed};
 pub use units::{fmt_bytes, GIB, MIB};

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::autofit::{auto_fit, ram_reserve};
 use crate::budget::{resolve_budgets, Budget, BudgetRule};
+use crate::cost::fmt_secs;
 use crate::device::{validate_names, Device, DeviceType};
 use crate::error::PlanError;
 use crate::explicit::{explicit, Sizing};
@@ -247,6 +248,9 @@ pub struct Plan {
     pub memory_check: MemoryCheck,
     /// Things a person should know.
     pub warnings: Vec<String>,
+    /// How auto-fit by time chose (one line; [`crate::plan_by_time`]); absent from [`plan`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub choice: Option<String>,
 }
 
 fn one() -> u32 {
@@ -383,6 +387,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         modules,
         memory_check,
         warnings,
+        choice: None,
     })
 }
 
@@ -728,6 +733,9 @@ impl Plan {
             let _ = write!(o, " --pipeline-copies {}", self.pipeline_copies);
         }
         let _ = writeln!(o);
+        if let Some(c) = &self.choice {
+            let _ = writeln!(o, "{c}");
+        }
         if !self.warnings.is_empty() {
             let _ = writeln!(o, "warnings:");
             for w in &self.warnings {
@@ -735,14 +743,5 @@ impl Plan {
             }
         }
         o
-    }
-}
-
-/// Seconds for a person: `1.23 s`, `45.6 ms`.
-fn fmt_secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.2} s")
-    } else {
-        format!("{:.1} ms", s * 1000.0)
     }
 }

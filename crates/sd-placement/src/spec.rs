@@ -507,12 +507,32 @@ fn parse_gib(token: &str, entry: &str) -> Result<f64, PlanError> {
     }
 }
 
-/// Parses `--auto-fit`: absent = on; `on` or `off` (case-insensitive).
+/// Parses `--auto-fit`: absent = on; `on`, `off` or `ladder` (case-insensitive). `ladder` is
+/// auto-fit as the seeds define it (on, never by predicted time).
 pub fn parse_auto_fit(value: Option<&str>) -> Result<bool, PlanError> {
+    Ok(parse_auto_fit_mode(value)? != AutoFitMode::Off)
+}
+
+/// What `--auto-fit` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AutoFitMode {
+    /// `off`: explicit placement only.
+    Off,
+    /// `ladder`: the seeds' first-fit ladder, never replaced by a faster prediction.
+    Ladder,
+    /// `on` (the default): the ladder, replaced by an alternative predicted faster when device
+    /// figures are known ([`crate::plan_by_time`]).
+    Time,
+}
+
+/// Parses `--auto-fit` into its mode: absent or `on` = [`AutoFitMode::Time`].
+pub fn parse_auto_fit_mode(value: Option<&str>) -> Result<AutoFitMode, PlanError> {
     match value.map(|v| v.trim().to_lowercase()) {
-        None => Ok(true),
-        Some(v) if v == "on" => Ok(true),
-        Some(v) if v == "off" => Ok(false),
+        None => Ok(AutoFitMode::Time),
+        Some(v) if v == "on" => Ok(AutoFitMode::Time),
+        Some(v) if v == "off" => Ok(AutoFitMode::Off),
+        Some(v) if v == "ladder" => Ok(AutoFitMode::Ladder),
         Some(_) => Err(PlanError::InvalidAutoFit { token: value.unwrap_or_default().to_string() }),
     }
 }

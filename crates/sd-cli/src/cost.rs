@@ -1,0 +1,492 @@
+//! The cost model's inputs on this machine: the workload from the model's tensor shapes, device figures from calibration, a profile, the speed cache or nominal values; `sd-cli calibrate`.
+//!
+//! Calibration measures, per device, in a few seconds: f16 matmul throughput (a probe shaped
+//! like the speed probe of `--split-by speed`, at 512 activation rows: its bytes per second
+//! times the rows are FLOP/s; each timed compute ends with a read of the output, which waits
+//! for it on an RPC device too), memory bandwidth (the same probe at one row, a
+//! matrix-vector product that reads the weight once), convolution throughput (a 3x3
+//! convolution of 320 channels over 32x32 positions, through ggml's im2col), and the host link (the best of three
+//! uploads of a 32 MiB tensor, each followed by a read, and of a 2-byte read for the
+//! latency). The figures are kept beside the speed cache (`sd_models::speed::cache_path`) in
+//! a JSON file ([`figures_path`]), keyed by device name and description (the driver's
+//! description, an RPC device's endpoint). The other op classes (quantized matmuls,
+//! attention) are not measured and fall back to the f16 figure.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+use sd_backends::{Backend, GgmlType};
+use sd_models::files::index::Component;
+use sd_models::files::ModelFiles;
+use sd_placement::{
+    nominal_figures, Device, DeviceFigures, DeviceProfile, DeviceType, Figures, Module, ModuleLoad, WeightShape,
+    WeightType, Workload,
+};
+use serde::{Deserialize, Serialize};
+
+/// Activation rows of the throughput probe.
+const PROBE_ROWS: u64 = 512;
+/// Bytes of the link probe's tensor.
+const LINK_BYTES: i64 = 32 << 20;
+/// Text-encoder tokens (CLIP's context).
+const TE_TOKENS: u64 = 77;
+
+/// Options of `calibrate`.
+#[derive(Args, Debug)]
+pub struct CalibrateArgs {
+    /// Print the figures as JSON.
+    #[arg(long = "json")]
+    pub json: bool,
+    /// CPU threads of the local CPU device (as a generation's `-t`; default: the physical
+    /// cores).
+    #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub threads: i64,
+    /// Instead of probing, fit the calibrated throughputs to a generation's run report
+    /// (`--report-json`): each device's figures are scaled by its modules' predicted compute
+    /// time over their measured one (the probes' best case against the model's real kernels).
+    #[arg(long = "from-report", value_name = "PATH")]
+    pub from_report: Option<PathBuf>,
+}
+
+/// One calibrated device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Entry {
+    device: String,
+    description: String,
+    figures: DeviceFigures,
+}
+
+/// The calibration file: a list of devices.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct CalibrationFile {
+    #[serde(default)]
+    device: Vec<Entry>,
+}
+
+/// The calibration file: a JSON file beside the speed cache.
+fn figures_path() -> PathBuf {
+    sd_models::fixture::cache_dir().join("device-figures.json")
+}
+
+fn read_file() -> CalibrationFile {
+    let path = figures_path();
+    match sd_models::files::open::read_text(&path, 1 << 20) {
+        Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
+            tracing::warn!("{}: not a calibration file ({e}); ignored", path.display());
+            CalibrationFile::default()
+        }),
+        Err(_) => CalibrationFile::default(),
+    }
+}
+
+fn write_file(file: &CalibrationFile) -> Result<()> {
+    let path = figures_path();
+    let text = serde_json::to_string_pretty(file)?;
+    let tmp = path.with_extension(format!("json.{}", std::process::id()));
+    let written = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|_| std::fs::write(&tmp, text))
+        .and_then(|_| std::fs::rename(&tmp, &path));
+    if let Err(e) = written {
+        std::fs::remove_file(&tmp).ok();
+        return Err(e).with_context(|| format!("writing the calibration file {}", path.display()));
+    }
+    Ok(())
+}
+
+/// The weight type's class for the cost model.
+fn weight_type(d: sd_models::files::DType) -> WeightType {
+    use sd_models::files::DType as D;
+    match d {
+        D::F32 | D::F16 | D::BF16 | D::F64 | D::I8 | D::I16 | D::I32 | D::I64 => WeightType::Float,
+        D::Q8_0 | D::Q8_1 | D::Q8_K => WeightType::Q8,
+        _ => WeightType::Q4,
+    }
+}
+
+/// Key/value tokens of an attention whose query projection `name` is, by common naming
+/// schemes: `Some(0)` self attention, `Some(n)` cross attention over `n` text tokens.
+fn attention(name: &str) -> Option<u64> {
+    if name.contains("attn2.to_q") {
+        return Some(TE_TOKENS);
+    }
+    let self_attn = ["attn1.to_q", "attn.to_q", "self_attn.q_proj", "attn_1.q.", "attn.qkv", "attn.q."];
+    self_attn.iter().any(|k| name.contains(k)).then_some(0)
+}
+
+/// A UNet's resolution levels: a third of its `input_blocks` (SD 1.x/2.x: 12, four levels;
+/// SDXL: 9, three); 0 without them.
+fn unet_levels<'a>(names: impl Iterator<Item = &'a str>) -> u32 {
+    let n = names.filter_map(|n| block_number(n, "input_blocks.")).max().map_or(0, |m| m + 1);
+    n / 3
+}
+
+fn block_number(name: &str, key: &str) -> Option<u32> {
+    let at = name.find(key)?;
+    name[at + key.len()..].split('.').next()?.parse().ok()
+}
+
+/// Activation rows of a weight whose module runs at `rows` (the diffusion model's) or whose
+/// VAE decodes `latent` positions: a UNet block at level `l` sees `rows / 4^l` (input block
+/// `i` is at level `i / 3`, output block `j` at `levels - 1 - j / 3`, the middle block at the
+/// deepest); the VAE decoder's `up.k` runs at `latent · 4^(3-k)`, its `conv_out` at the
+/// image's positions; the VAE encoder does not run in text-to-image. `None`: the module's own.
+fn level_rows(name: &str, levels: u32, rows: u64, latent: u64) -> Option<u64> {
+    if levels > 0 {
+        let level = if let Some(i) = block_number(name, "input_blocks.") {
+            Some(i / 3)
+        } else if let Some(j) = block_number(name, "output_blocks.") {
+            Some(levels.saturating_sub(1 + j / 3))
+        } else if name.contains("middle_block.") {
+            Some(levels - 1)
+        } else {
+            None
+        };
+        if let Some(l) = level {
+            return Some(rows >> (2 * l.min(16)));
+        }
+    }
+    if name.contains("first_stage_model.encoder.") || name.contains("tae.encoder.") {
+        return Some(0);
+    }
+    if name.contains("first_stage_model.decoder.") {
+        if let Some(k) = block_number(name, "decoder.up.") {
+            return Some(latent << (2 * 3u32.saturating_sub(k.min(3))));
+        }
+        if name.contains("decoder.conv_out") || name.contains("decoder.norm_out") {
+            return Some(latent * 64);
+        }
+        return Some(latent);
+    }
+    None
+}
+
+/// What a generation of `width` x `height` in `steps` steps computes: every tensor's shape
+/// from the model's headers, diffusion at the latent positions times 2 (a CFG batch) per
+/// step (a UNet block at its level's positions, [`level_rows`]), the text encoder twice
+/// (prompt, negative prompt) at 77 tokens, the VAE once (its decoder's blocks at their
+/// resolutions; other VAE weights at 16 times the latent positions).
+pub(crate) fn workload(files: &ModelFiles, width: usize, height: usize, steps: usize) -> Workload {
+    let index = files.index();
+    let latent = sd_models::speed::latent_tokens(width, height);
+    let steps = u32::try_from(steps).unwrap_or(u32::MAX);
+    // A DiT (Flux's double/single blocks, SD3's joint blocks) patchifies the latent by 2x2
+    // and runs guidance-distilled (one sample per step); a UNet runs a CFG batch of 2.
+    let dit = index.entries().iter().any(|e| e.name.contains("double_blocks.") || e.name.contains("joint_blocks."));
+    let (rows, batch) = if dit { (latent / 4, 1) } else { (latent * 2, 2) };
+    let levels = unet_levels(index.entries().iter().map(|e| e.name.as_str()));
+    let mut weights = Vec::new();
+    for e in index.entries() {
+        let module = match index.component(e) {
+            Component::Diffusion => Module::Diffusion,
+            Component::TextEncoder(_) => Module::Te,
+            Component::Vae | Component::Taesd => Module::Vae,
+            _ => continue,
+        };
+        weights.push(WeightShape {
+            module,
+            block: index.block(e),
+            shape: e.shape.clone(),
+            ty: weight_type(e.dtype),
+            bytes: e.dtype.loaded_bytes(e.len, &e.shape),
+            attention_kv_tokens: attention(&e.name),
+            rows: level_rows(&e.name, levels, rows, latent),
+        });
+    }
+    Workload {
+        steps,
+        modules: vec![
+            ModuleLoad { module: Module::Diffusion, tokens: rows, batch, runs: steps },
+            ModuleLoad { module: Module::Te, tokens: TE_TOKENS, batch: 1, runs: 2 },
+            ModuleLoad { module: Module::Vae, tokens: latent * 16, batch: 1, runs: 1 },
+        ],
+        weights,
+    }
+}
+
+/// Device figures for planning, and whether every device has measured ones (calibration or a
+/// profile's `[device.cost]`): auto-fit chooses by time only then.
+/// `descriptions`: each device's description (the calibration key), empty for a profile.
+pub(crate) fn figures(
+    devices: &[Device],
+    descriptions: &BTreeMap<String, String>,
+    profile: Option<&DeviceProfile>,
+    speeds: &BTreeMap<String, f64>,
+) -> (Figures, bool) {
+    let file = if profile.is_some() { CalibrationFile::default() } else { read_file() };
+    let mut out = Figures { source: String::new(), ..Figures::default() };
+    let mut measured = true;
+    let mut sources: Vec<String> = Vec::new();
+    let mut cpu_listed = false;
+    for d in devices {
+        cpu_listed |= d.kind == DeviceType::Cpu;
+        let rpc = d.registry_name().eq_ignore_ascii_case("RPC");
+        let desc = descriptions.get(&d.name).cloned().unwrap_or_default();
+        let from_profile =
+            profile.and_then(|p| p.devices.iter().find(|x| x.name.trim() == d.name.trim())?.cost.clone());
+        let calibrated =
+            file.device.iter().find(|e| e.device == d.name && e.description == desc).map(|e| e.figures.clone());
+        let (f, src) = match (from_profile, calibrated) {
+            (Some(f), _) => (f, "profile"),
+            (None, Some(f)) => (f, "calibrated"),
+            (None, None) => {
+                measured = false;
+                let mut f = nominal_figures(d.kind, rpc);
+                match speeds.get(&d.name) {
+                    // The speed cache's figure at 512x512 (f16 block weights per second).
+                    Some(&s) => {
+                        f.matmul_f16 = s * sd_models::speed::latent_tokens(512, 512) as f64;
+                        (f, "speed cache")
+                    }
+                    None => (f, "nominal"),
+                }
+            }
+        };
+        sources.push(format!("{} {src}", d.name));
+        out.devices.insert(d.name.clone(), f);
+    }
+    if !cpu_listed {
+        // The planner adds a CPU device when none is listed.
+        let f = file.device.iter().find(|e| e.device == "CPU").map(|e| e.figures.clone());
+        measured &= f.is_some();
+        sources.push(format!("CPU {}", if f.is_some() { "calibrated" } else { "nominal" }));
+        out.devices.insert("CPU".into(), f.unwrap_or_else(|| nominal_figures(DeviceType::Cpu, false)));
+    }
+    out.source = sources.join(", ");
+    (out, measured)
+}
+
+/// A tensor source of zeros, borrowed (a load times the copy only).
+struct Zeros(Vec<u8>);
+
+impl sd_sched::TensorSource for Zeros {
+    fn load(&self, _: &str, ty: GgmlType, ne: &[i64]) -> Result<Cow<'_, [u8]>, sd_sched::SourceError> {
+        let size = if ty == GgmlType::GGML_TYPE_F32 { 4 } else { 2 };
+        let n = (ne.iter().product::<i64>().max(0) as usize) * size;
+        Ok(Cow::Borrowed(&self.0[..n.min(self.0.len())]))
+    }
+}
+
+/// The matmul probe's weight side (a transformer projection of SD 1.x).
+const PROBE_SIDE: i64 = 1280;
+
+/// Bytes of f16 weight per second of a `[PROBE_SIDE]²` weight times `rows` f32 activations on
+/// `backend` ([`probe_s`]).
+fn matmul_bytes_per_s(backend: &Arc<Backend>, rows: u64) -> Result<f64> {
+    let rows = rows.clamp(1, 1 << 16) as i64;
+    let w = vec![PROBE_SIDE, PROBE_SIDE];
+    let s = probe_s(backend, w, vec![PROBE_SIDE, rows], |g, w, x| g.mul_mat(w, x))?;
+    Ok((PROBE_SIDE * PROBE_SIDE * 2) as f64 / s)
+}
+
+/// Convolution FLOP/s: a 3x3 convolution of 320 channels over 32x32 positions (a UNet's first
+/// level at 256x256), through ggml's im2col and matmul as the models run it ([`probe_s`]).
+fn conv_flops_per_s(backend: &Arc<Backend>) -> Result<f64> {
+    const C: i64 = 320;
+    const SIDE: i64 = 32;
+    let s = probe_s(backend, vec![3, 3, C, C], vec![SIDE, SIDE, C, 1], |g, k, x| g.conv_2d(k, x, 1, 1, 1, 1, 1, 1))?;
+    Ok((2 * 9 * C * C * SIDE * SIDE) as f64 / s)
+}
+
+/// The best seconds of three computes of `op(w, x)` (`w` f16, `x` f32, shapes innermost
+/// first) on `backend`, each followed by a 4-byte read of the output (which waits for the
+/// compute on every backend, an RPC one included).
+fn probe_s(
+    backend: &Arc<Backend>,
+    w_ne: Vec<i64>,
+    x_ne: Vec<i64>,
+    op: impl for<'c> Fn(
+        &'c sd_backends::Context,
+        sd_backends::Tensor<'_>,
+        sd_backends::Tensor<'_>,
+    ) -> sd_backends::Tensor<'c>,
+) -> Result<f64> {
+    let largest = w_ne.iter().product::<i64>().max(x_ne.iter().product::<i64>());
+    let specs = vec![
+        sd_sched::TensorSpec { name: "w".into(), ty: GgmlType::GGML_TYPE_F16, ne: w_ne },
+        sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F32, ne: x_ne },
+    ];
+    let mut w = sd_sched::Weights::new(specs)?;
+    w.allocate(backend.device().buffer_type())?;
+    w.load_from(&Zeros(vec![0u8; (largest * 4) as usize]))?;
+    let g = sd_backends::Context::for_graph(16, 16)?;
+    let y = op(&g, w.get("w")?, w.get("x")?);
+    let graph = g.new_graph(16);
+    graph.expand(y);
+    let mut runner = sd_sched::Runner::new("calibration", backend.clone());
+    runner.alloc(&graph)?;
+    runner.compute(&graph)?;
+    y.read_range(0, 4)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        runner.compute(&graph)?;
+        y.read_range(0, 4)?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best.max(1e-9))
+}
+
+/// Best seconds of three uploads of an f16 tensor of `bytes` to `backend`, each followed by a
+/// 2-byte read (which waits for the upload: an RPC upload is not answered), and the best of a
+/// 2-byte read alone (the round trip).
+fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<(f64, f64)> {
+    let n = (bytes / 2).max(1);
+    let specs = vec![sd_sched::TensorSpec { name: "x".into(), ty: GgmlType::GGML_TYPE_F16, ne: vec![n] }];
+    let mut w = sd_sched::Weights::new(specs)?;
+    w.allocate(backend.device().buffer_type())?;
+    let src = Zeros(vec![0u8; (n * 2) as usize]);
+    w.load_from(&src)?;
+    let (mut best, mut trip) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        w.load_from(&src)?;
+        w.get("x")?.read_range(0, 2)?;
+        best = best.min(t0.elapsed().as_secs_f64());
+        let t1 = Instant::now();
+        w.get("x")?.read_range(0, 2)?;
+        trip = trip.min(t1.elapsed().as_secs_f64());
+    }
+    Ok((best, trip))
+}
+
+/// Measures one device.
+fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
+    let matmul_f16 = matmul_bytes_per_s(backend, PROBE_ROWS)? * PROBE_ROWS as f64;
+    let memory_bytes_per_s = matmul_bytes_per_s(backend, 1)?;
+    let conv = conv_flops_per_s(backend)?;
+    let (link_bytes_per_s, link_latency_s) = if is_cpu {
+        (0.0, 0.0)
+    } else {
+        let (big, latency) = upload_s(backend, LINK_BYTES)?;
+        (LINK_BYTES as f64 / (big - latency).max(1e-9), latency)
+    };
+    Ok(DeviceFigures { matmul_f16, conv, memory_bytes_per_s, link_bytes_per_s, link_latency_s, ..Default::default() })
+}
+
+/// Runs `calibrate`: measures every device (the speed cache answers for probes already run)
+/// and stores the figures.
+pub fn run(args: &CalibrateArgs, dev_args: &crate::DeviceArgs) -> Result<ExitCode> {
+    let reg = crate::devices::open(dev_args)?;
+    if let Some(path) = &args.from_report {
+        return fit(path, &descriptions(&reg));
+    }
+    let manager = sd_backends::BackendManager::new(Some(sd_backends::threads::resolve_threads(args.threads)));
+    let mut file = read_file();
+    let mut measured = Vec::new();
+    for dev in reg.devices().into_iter().filter(|d| d.kind() != sd_backends::DeviceKind::Meta) {
+        let (name, description) = (dev.name(), dev.description());
+        let is_cpu = dev.kind() == sd_backends::DeviceKind::Cpu;
+        let backend = manager.get(dev)?;
+        let t0 = Instant::now();
+        let f = measure(&backend, is_cpu).with_context(|| format!("calibrating {name}"))?;
+        tracing::info!("{name}: calibrated in {:.1} s", t0.elapsed().as_secs_f64());
+        file.device.retain(|e| !(e.device == name && e.description == description));
+        file.device.push(Entry { device: name.clone(), description: description.clone(), figures: f.clone() });
+        measured.push(Entry { device: name, description, figures: f });
+    }
+    write_file(&file)?;
+    if args.json {
+        crate::out!("{}", serde_json::to_string_pretty(&measured)?);
+    } else {
+        for e in &measured {
+            let f = &e.figures;
+            crate::out!(
+                "{:<10} matmul f16 {:>8.1} GFLOP/s  conv {:>8.1} GFLOP/s  memory {:>7.1} GB/s  link {}  ({})",
+                e.device,
+                f.matmul_f16 / 1e9,
+                f.conv / 1e9,
+                f.memory_bytes_per_s / 1e9,
+                if f.link_bytes_per_s > 0.0 {
+                    format!("{:.2} GB/s, {:.2} ms", f.link_bytes_per_s / 1e9, f.link_latency_s * 1e3)
+                } else {
+                    "none (host memory)".into()
+                },
+                e.description
+            );
+        }
+        crate::out!("stored in {}", figures_path().display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Each device's description by name (the calibration key).
+pub(crate) fn descriptions(reg: &sd_backends::PluginRegistry) -> BTreeMap<String, String> {
+    reg.device_infos().into_iter().map(|i| (i.name, i.description)).collect()
+}
+
+/// The plan of `request` chosen by predicted time ([`sd_placement::plan_by_time`]). With
+/// figures that are not all measured, the ladder's plan is kept (the prediction and the
+/// alternatives are still given), and the reason says so.
+pub(crate) fn choose(
+    request: &sd_placement::PlanRequest,
+    work: &Workload,
+    figures: &Figures,
+    measured: bool,
+) -> Result<(sd_placement::Plan, sd_placement::Explain)> {
+    let (chosen, mut explain) = sd_placement::plan_by_time(request, work, figures)?;
+    if measured || explain.ladder.is_none() {
+        return Ok((chosen, explain));
+    }
+    let mut ladder = sd_placement::plan(request)?;
+    let reason = format!(
+        "auto-fit by time: the ladder's plan kept: not every device has measured figures ({}); run `sd-cli calibrate`",
+        figures.source
+    );
+    ladder.choice = Some(reason.clone());
+    explain.chosen = explain.ladder.clone().unwrap_or(explain.chosen);
+    explain.reason = reason;
+    Ok((ladder, explain))
+}
+
+/// `calibrate --from-report`: scales each device's calibrated throughputs so that the report's
+/// prediction of its single-device modules' compute matches the measured compute.
+fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Result<ExitCode> {
+    let text = sd_models::files::open::read_text(path, 256 << 20).context("--from-report")?;
+    let report = sd_models::report::RunReport::from_json(&text).with_context(|| format!("{}", path.display()))?;
+    let predicted = report.predicted.as_ref().with_context(|| {
+        format!("{}: the report has no prediction (written by an older sd-cli, or by `plan`)", path.display())
+    })?;
+    // Per device: (measured seconds, predicted seconds).
+    let mut per: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for r in report.runners.iter().filter(|r| r.stages.is_empty()) {
+        let Some(module) = Module::parse(&r.name) else { continue };
+        let Some(m) = predicted.modules.iter().find(|m| m.module == module) else { continue };
+        let e = per.entry(r.device.clone()).or_default();
+        e.0 += r.stats.compute_secs;
+        e.1 += m.compute_s * r.stats.runs as f64;
+    }
+    if per.is_empty() {
+        anyhow::bail!("{}: no module ran on one device with a prediction to fit", path.display());
+    }
+    let mut file = read_file();
+    for (device, (measured, predicted)) in &per {
+        let description = descriptions.get(device).cloned().unwrap_or_default();
+        let Some(e) = file.device.iter_mut().find(|e| &e.device == device && e.description == description) else {
+            anyhow::bail!("{device} ({description}) has no calibrated figures to fit: run `sd-cli calibrate` first");
+        };
+        if *measured <= 0.0 || *predicted <= 0.0 {
+            continue;
+        }
+        let factor = measured / predicted;
+        let f = &mut e.figures;
+        for v in [&mut f.matmul_f16, &mut f.matmul_q8, &mut f.matmul_q4, &mut f.conv, &mut f.attention] {
+            *v /= factor;
+        }
+        crate::out!(
+            "{device}: measured compute {measured:.2} s against {predicted:.2} s predicted: throughputs scaled by 1/{factor:.2} \
+             (matmul f16 now {:.1} GFLOP/s)",
+            f.matmul_f16 / 1e9
+        );
+    }
+    write_file(&file)?;
+    crate::out!("stored in {}", figures_path().display());
+    Ok(ExitCode::SUCCESS)
+}

@@ -64,7 +64,7 @@ const SHARED: &[&str] = &[
     "crates/sd-vae/src/",
     "crates/sd-server/src/",
     "crates/sd-cli/src/",
-    "crates/sd-models/src/files/",
+    "crates/sd-formats/src/",
     "crates/sd-models/src/pipeline.rs",
     "crates/sd-models/src/placement.rs",
     "crates/sd-models/src/loader.rs",

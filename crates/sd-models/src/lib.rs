@@ -15,7 +15,6 @@
 pub mod describe;
 pub mod diffusion;
 pub mod family;
-pub mod files;
 pub mod fixture;
 pub mod health;
 pub mod image_io;
@@ -31,3 +30,10 @@ pub mod wtype;
 
 /// Samplers, schedules and noise: the `sd-sampling` crate, under its old path.
 pub use sd_sampling as sampling;
+
+/// Model files, the tensor index and the architecture registry: the `sd-formats` crate,
+/// under its old path.
+pub use sd_formats as files;
+
+#[cfg(test)]
+mod files_tests;

@@ -59,7 +59,7 @@
 //!   `model.text_projection`, …) is mapped as above under `cond_stage_model.1.transformer.`,
 //!   the fused `in_proj` split the same way; `conditioner.embedders.0.open_clip.` →
 //!   `cond_stage_model.` (SGM SD 2.x). `text_projection` keeps its stored orientation, as in
-//!   the reference (see `crate::text::clip`). Names the body maps do not cover
+//!   the reference (see `sd_models::text::clip`). Names the body maps do not cover
 //!   (`logit_scale`, `position_ids`) keep the renamed prefix, body unchanged. Diffusers `text_encoder_2/` and `--clip_g`
 //!   files are HF CLIP (`text_model.…`, `text_projection.weight`) under
 //!   `cond_stage_model.1.transformer.` ([`FileRole::TextEncoder`] 1).

@@ -43,9 +43,6 @@ mod raw;
 pub mod safetensors;
 pub mod store;
 
-#[cfg(test)]
-mod tests;
-
 pub use arch::{ArchSpec, Detected, Prediction, PredictionSource};
 pub use dtype::DType;
 pub use error::{FilesError, FormatError};

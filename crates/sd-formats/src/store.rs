@@ -181,7 +181,7 @@ impl ModelFiles {
     /// The memory map of source file `file` (an index into [`TensorIndex::files`]), so the
     /// loader can release pages it has copied; `None` for an empty (unmapped) file.
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
-    pub(crate) fn mmap(&self, file: usize) -> Option<&Mmap> {
+    pub fn mmap(&self, file: usize) -> Option<&Mmap> {
         match &self.maps.get(file)?.map {
             Mapping::Map(m) => Some(m),
             Mapping::Empty => None,

@@ -187,7 +187,7 @@ fn parse_entry(name: &str, value: &Value, data_len: u64) -> Result<RawTensor, Fo
 }
 
 /// Bytes that `shape` (row-major, outermost first) of `dtype` occupies.
-pub(crate) fn expected_bytes(name: &str, dtype: DType, shape: &[u64]) -> Result<u64, FormatError> {
+pub fn expected_bytes(name: &str, dtype: DType, shape: &[u64]) -> Result<u64, FormatError> {
     let overflow = || FormatError::ShapeOverflow { tensor: name.to_owned(), shape: shape.to_vec() };
     let n: u64 = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(overflow)?;
     let ne0 = shape.last().copied().unwrap_or(1);

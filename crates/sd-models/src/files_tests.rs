@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
 
-use super::gguf::{GgufArray, GgufValue};
-use super::*;
+use crate::files::gguf::{GgufArray, GgufValue};
+use crate::files::*;
 
 // ---------------------------------------------------------------------------------------
 // Byte builders, written from the format descriptions (not from our writers).

@@ -48,7 +48,7 @@ pub(crate) fn block_numbering(index: &TensorIndex) -> Option<BlockFn> {
 
 inventory::collect!(ArchSpec);
 
-pub use crate::sampling::Prediction;
+pub use sd_sampling::Prediction;
 
 /// Where the prediction type came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,7 +88,7 @@ const PREDICTION_KEYS: &[&str] =
 
 /// The prediction type the files declare: a metadata key of [`PREDICTION_KEYS`], or a
 /// `v_pred` marker tensor (the convention sd.cpp reads for SDXL v-pred files).
-pub(crate) fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
+pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, String)> {
     for &key in PREDICTION_KEYS {
         let Some((file, value)) = index.metadata(key) else { continue };
         let Some(s) = value.as_str() else {

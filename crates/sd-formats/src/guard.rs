@@ -161,7 +161,7 @@ mod tests {
     #[test]
     fn a_fault_inside_a_map_ends_the_run_with_a_message_naming_the_file() {
         if let Some(path) = std::env::var_os("SD_GUARD_CHILD") {
-            let files = crate::files::ModelFiles::open_model(&path).unwrap();
+            let files = crate::ModelFiles::open_model(&path).unwrap();
             let e = files.index().entries()[0].clone();
             std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
             let sum: u64 = files.bytes(&e).iter().map(|&b| u64::from(b)).sum();
@@ -177,7 +177,7 @@ mod tests {
         bytes.resize(bytes.len() + 4 * n, 1);
         std::fs::write(&path, &bytes).unwrap();
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "files::guard::tests::a_fault_inside_a_map_ends_the_run_with_a_message_naming_the_file"])
+            .args(["--exact", "guard::tests::a_fault_inside_a_map_ends_the_run_with_a_message_naming_the_file"])
             .args(["--nocapture", "--test-threads=1"])
             .env("SD_GUARD_CHILD", &path)
             .output()

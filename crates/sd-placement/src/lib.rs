@@ -45,6 +45,7 @@
 //!     model: ModelDescription {
 //!         components: vec![diffusion, te, vae],
 //!         files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 17 * GIB }],
+//!         compute_bytes: Default::default(), // no estimates: the fixed reserves of backend.md
 //!     },
 //!     device_speeds: Default::default(), // no measured speeds (see --split-by speed)
 //! };
@@ -98,7 +99,10 @@ pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceTy
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
-pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange};
+pub use plan::{
+    plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange,
+    PLAN_SCHEMA_VERSION,
+};
 pub use spec::{
     parse_auto_fit, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies, parse_split_by,
     parse_split_mode, Assignment, Entry, Flags, MaxVram, ParamsValue, RuntimeValue, SplitBy, SplitMode,

@@ -392,6 +392,9 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
             Some(module_plan(s, p, &devices, copies, by, &speeds))
         })
         .collect();
+    if auto {
+        rpc_default_note(&modules, &devices, &mut warnings);
+    }
     let fits = device_usage.iter().all(|u| u.fits) && memory_check.verdict != Verdict::Refuse;
     let (backend_eq, params_eq, split_eq) = equivalent_flags(&placements, &devices);
     Ok(Plan {
@@ -411,6 +414,29 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         memory_check,
         warnings,
     })
+}
+
+/// Says when auto-fit computes the text encoder or the VAE on a remote (RPC) device: ggml
+/// reports RPC devices as GPUs, and auto-fit (as stable-diffusion.cpp's, whose default device
+/// is the first GPU) places every module on its main GPU, so `--rpc-servers` alone moves them
+/// off this machine; the note names the flag that keeps them here.
+fn rpc_default_note(modules: &[ModulePlan], devices: &[Device], warnings: &mut Vec<String>) {
+    let is_rpc =
+        |name: &str| devices.iter().any(|d| d.name.trim() == name && d.registry.trim().eq_ignore_ascii_case("rpc"));
+    let moved: Vec<(&str, &str)> = modules
+        .iter()
+        .filter(|m| matches!(m.module, Module::Te | Module::Vae))
+        .filter_map(|m| m.runtime.first().filter(|d| is_rpc(d)).map(|d| (m.module.name(), d.as_str())))
+        .collect();
+    if moved.is_empty() {
+        return;
+    }
+    let list = moved.iter().map(|(m, d)| format!("{m} on {d}")).collect::<Vec<_>>().join(", ");
+    let keep = moved.iter().map(|(m, _)| format!("{m}=cpu")).collect::<Vec<_>>().join(",");
+    warnings.push(format!(
+        "{list}: ggml reports RPC devices as GPUs and auto-fit computes on the main GPU, as \
+         stable-diffusion.cpp does; --backend \"{keep}\" (with the other modules' devices) keeps them on this machine"
+    ));
 }
 
 /// Fails when the pipeline copies alone break a budget: a device over its budget with `copies`

@@ -382,3 +382,23 @@ fn compute_estimates_replace_the_fixed_reserve() {
     assert_eq!(rpc.compute_bytes, 300 * MIB, "{}", p.render());
     assert!(rpc.used_bytes <= 512 * MIB, "{}", p.render());
 }
+
+/// Issue 39: with only a remote device as GPU, auto-fit computes te and vae there too (as
+/// stable-diffusion.cpp's default device, the first GPU, does), and the plan says so with
+/// the flag that keeps them local; a local GPU's plan has no such note, nor one with
+/// explicit --backend.
+#[test]
+fn auto_fit_on_an_rpc_device_says_te_and_vae_moved() {
+    let model = mib_model((1640, 56), (235, 72), (160, 4));
+    let rpc = vec![Device::gpu("RPC0", 8 * GIB, 8 * GIB).with_registry("RPC"), Device::cpu()];
+    let p = plan(&request(rpc.clone(), Some(16 * GIB), model.clone(), Flags::default())).unwrap();
+    assert_eq!(module(&p, Module::Te).runtime, ["RPC0"]);
+    let note = p.warnings.iter().find(|w| w.contains("RPC devices as GPUs")).expect("the note");
+    assert!(note.starts_with("te on RPC0, vae on RPC0:") && note.contains("--backend \"te=cpu,vae=cpu\""), "{note}");
+
+    let local = vec![gpu("CUDA0", 8.0), Device::cpu()];
+    let p = plan(&request(local, Some(16 * GIB), model.clone(), Flags::default())).unwrap();
+    assert!(!p.warnings.iter().any(|w| w.contains("RPC devices")), "{:?}", p.warnings);
+    let p = plan(&request(rpc, Some(16 * GIB), model, flags(Some("diffusion=RPC0,te=RPC0,vae=RPC0"), None))).unwrap();
+    assert!(!p.warnings.iter().any(|w| w.contains("RPC devices")), "{:?}", p.warnings);
+}

@@ -77,7 +77,8 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
 
 /// Estimated compute buffers of one graph per module for images of `width` x `height`, the
 /// planner's reserves ([`ModelDescription::compute_bytes`]); empty when no family sd-rs runs
-/// detects the files (the planner then keeps backend.md's fixed 2 GiB / 1 GiB).
+/// detects the files (the planner then keeps the fixed 2 GiB / 1 GiB of stable-diffusion.cpp's
+/// auto-fit).
 ///
 /// diffusion: the family's attention scores of one sample (none with flash attention) plus
 /// its activations (latent positions x 2560 f32, about eight tensors of a 320-channel first

@@ -29,7 +29,7 @@ pub struct InstallArgs {
     #[arg(long = "prefix", value_name = "DIR")]
     pub prefix: PathBuf,
     #[command(flatten)]
-    pub build: BuildArgs,
+    build: BuildArgs,
 }
 
 /// Options of `dist`.
@@ -39,12 +39,12 @@ pub struct DistArgs {
     #[arg(long = "out", value_name = "DIR")]
     pub out: Option<PathBuf>,
     #[command(flatten)]
-    pub build: BuildArgs,
+    build: BuildArgs,
 }
 
 /// Which `sd-cli` is installed.
 #[derive(clap::Args, Debug)]
-pub struct BuildArgs {
+pub(crate) struct BuildArgs {
     /// Cargo profile to build sd-cli with (default release).
     #[arg(long = "profile", default_value = "release")]
     pub profile: String,
@@ -62,7 +62,7 @@ pub fn install(a: &InstallArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs `dist`: the installed layout in `sd-rs-<version>-<arch>-<os>/`, archived as `.tar.gz`.
+/// Runs `dist`: the installed layout in `sd-rs-<version>-<arch>-<os>/`, archived as a gzipped tar.
 pub fn dist(a: &DistArgs) -> Result<()> {
     let bin = built_sd_cli(&a.build)?;
     let out = a.out.clone().unwrap_or_else(|| crate::workspace_root().join("target/dist"));
@@ -102,7 +102,7 @@ fn built_sd_cli(a: &BuildArgs) -> Result<PathBuf> {
 
 /// Lays out `bin`, this build's core library and default plugins, and the licenses under
 /// `prefix` (see the module's documentation).
-pub fn lay_out(bin: &Path, prefix: &Path) -> Result<()> {
+fn lay_out(bin: &Path, prefix: &Path) -> Result<()> {
     let os = TargetOs::current();
     let (bin_dir, lib_dir) = (prefix.join("bin"), prefix.join("lib"));
     let plugin_dir = prefix.join(sd_backends::registry::INSTALL_PLUGIN_DIR);
@@ -165,7 +165,7 @@ const RELATIVE_RUN_PATH: &str = "$ORIGIN:$ORIGIN/../lib";
 /// overwriting the build tree's absolute directory with NUL bytes (the dynamic string table
 /// keeps its size; the string just ends earlier): what `chrpath -r` does. Whether an entry
 /// was removed.
-pub fn keep_relative_run_path(exe: &mut [u8]) -> bool {
+fn keep_relative_run_path(exe: &mut [u8]) -> bool {
     let needle = format!("{RELATIVE_RUN_PATH}:");
     let Some(at) = exe.windows(needle.len()).position(|w| w == needle.as_bytes()) else { return false };
     let colon = at + needle.len() - 1;

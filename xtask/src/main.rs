@@ -50,8 +50,8 @@ enum Command {
     /// Install sd-cli, the core library and the default plugins under --prefix DIR
     /// (DIR/bin/sd-cli runs wherever DIR is moved).
     Install(install::InstallArgs),
-    /// Make the release archive target/dist/sd-rs-<version>-<arch>-<os>.tar.gz (the install
-    /// layout: binary, core library, default plugins, licenses).
+    /// Make the release archive in target/dist: sd-rs-<version>-<arch>-<os> as a gzipped
+    /// tar (the install layout: binary, core library, default plugins, licenses).
     Dist(install::DistArgs),
     /// Regenerate crates/ggml-sys/src/bindings.rs from the pinned headers (needs libclang; the
     /// default build never does).

@@ -72,6 +72,8 @@
 //! [`parse_max_vram`], [`parse_auto_fit`],
 //! [`resolve_device`], [`Module::parse`]) are public for tools that only validate flags.
 //!
+//! The rules, each with its test, are in [`rules`].
+//!
 //! # Main types
 //!
 //! [`PlanRequest`] (input), [`Plan`] (output: per-module [`ModulePlan`], per-device
@@ -79,6 +81,16 @@
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+/// The placement rules this crate implements, each with the test that checks it
+/// (`RULES.md` of this crate, rendered here).
+#[doc = include_str!("../RULES.md")]
+pub mod rules {}
+
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
 
 mod autofit;
 mod budget;

@@ -32,6 +32,9 @@
 mod compile;
 #[path = "../../plugins/manifest.rs"]
 mod manifest;
+#[path = "src/names.rs"]
+#[allow(dead_code)] // the build uses the naming half; the loader the parsing half
+mod names;
 #[path = "build/patch.rs"]
 mod patch;
 
@@ -157,8 +160,9 @@ fn run() -> Result<(), String> {
         &rpc,
         &cpu,
     )?;
+    let os = names::TargetOs::from_target_os(&std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default());
     let plugin_files: Vec<String> =
-        libs.iter().map(|l| l.file.clone()).filter(|f| !f.starts_with("libggml-base")).collect();
+        libs.iter().map(|l| l.file.clone()).filter(|f| !names::is_core_file(os, f)).collect();
     // The registry package is immutable; a local tree is identified by its files' times.
     let salt = match &local {
         Some(_) => tree_stamp(&ggml_src),
@@ -167,10 +171,9 @@ fn run() -> Result<(), String> {
     let t = std::time::Instant::now();
     // the names the plugins link by (-lggml-base) and load by (the soname)
     let aliases = || -> Result<(), String> {
-        let core = format!("libggml-base.so.{}", pin.ggml_version);
-        let major = pin.ggml_version.split('.').next().unwrap_or("0");
-        for alias in [format!("libggml-base.so.{major}"), "libggml-base.so".to_string()] {
-            install(&built_lib_dir.join(&core), &built_lib_dir.join(alias))?;
+        let core = names::core_names(os, &pin.ggml_version);
+        for alias in core.aliases {
+            install(&built_lib_dir.join(&core.file), &built_lib_dir.join(alias))?;
         }
         Ok(())
     };
@@ -189,7 +192,7 @@ fn run() -> Result<(), String> {
     // `cargo test` only when they lie inside the profile's output directory, so
     // the core library is copied there (the build itself is shared by profiles).
     let profile_dir = out_dir.ancestors().nth(3).ok_or("unexpected OUT_DIR layout")?;
-    let lib_dir = copy_core_libs(&built_lib_dir, &profile_dir.join("ggml-lib"))?;
+    let lib_dir = copy_core_libs(os, &built_lib_dir, &profile_dir.join("ggml-lib"))?;
 
     let api_version = backend_api_version(&ggml_src)?;
     let headers_sha256 = headers_sha256(&manifest_dir, &ggml_src)?;
@@ -422,13 +425,13 @@ fn target_dir(out_dir: &Path) -> Result<PathBuf, String> {
     })
 }
 
-/// Copies `libggml-base.so*` (keeping the soname link) into `dest`.
-fn copy_core_libs(from: &Path, dest: &Path) -> Result<PathBuf, String> {
+/// Copies the core library under each of its names (`libggml-base.so*`) into `dest`.
+fn copy_core_libs(os: names::TargetOs, from: &Path, dest: &Path) -> Result<PathBuf, String> {
     fs::create_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?;
     for entry in fs::read_dir(from).map_err(|e| format!("{}: {e}", from.display()))? {
         let path = entry.map_err(|e| e.to_string())?.path();
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        if name.starts_with("libggml-base.so") && !name.ends_with(".tmp") {
+        if names::is_core_file(os, name) && !name.ends_with(".tmp") {
             // Copy the real file under each name: symlinks are resolved by fs::read.
             install(&path, &dest.join(name))?;
         }

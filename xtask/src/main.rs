@@ -8,6 +8,7 @@ mod bindings;
 mod fixture;
 mod fuzz;
 mod ggml;
+mod install;
 mod parity;
 mod parity_flux;
 mod parity_flux_vae;
@@ -46,6 +47,12 @@ struct Cli {
 enum Command {
     /// Build backend plugins from the pinned ggml and install them.
     Plugins(plugins::Args),
+    /// Install sd-cli, the core library and the default plugins under --prefix DIR
+    /// (DIR/bin/sd-cli runs wherever DIR is moved).
+    Install(install::InstallArgs),
+    /// Make the release archive in target/dist: sd-rs-<version>-<arch>-<os> as a gzipped
+    /// tar (the install layout: binary, core library, default plugins, licenses).
+    Dist(install::DistArgs),
     /// Regenerate crates/ggml-sys/src/bindings.rs from the pinned headers (needs libclang; the
     /// default build never does).
     Bindings,
@@ -105,6 +112,8 @@ fn main() -> Result<()> {
     };
     match command {
         Command::Plugins(a) => plugins::run(a),
+        Command::Install(a) => install::install(&a),
+        Command::Dist(a) => install::dist(&a),
         Command::Bindings => bindings::run(),
         Command::Fixture(a) => fixture::run(a),
         Command::Parity(a) => parity::run(a),

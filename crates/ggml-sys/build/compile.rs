@@ -232,9 +232,12 @@ pub fn plan(
     extra.extend(omp.iter().cloned());
     extra.extend(includes(src, &spec.base.includes));
     extra.push(format!("-I{}", gen_include.display()));
+    // every file name from the one naming function for the target (src/names.rs)
+    let os = crate::names::TargetOs::from_target_os(&std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default());
+    let core = crate::names::core_names(os, version);
     libs.push(Library {
-        file: format!("libggml-base.so.{version}"),
-        soname: Some(format!("libggml-base.so.{}", version.split('.').next().unwrap_or("0"))),
+        file: core.file,
+        soname: Some(core.soname),
         jobs: spec.base.sources.iter().map(|s| job("ggml-base", s, &extra)).collect(),
         links_base: false,
         extra_key: String::new(),
@@ -256,7 +259,7 @@ pub fn plan(
     let rpc_jobs =
         spec.rpc.sources.iter().map(|s| patched_job(rpc, &spec.rpc.target, s, &backend)).collect::<Result<_, _>>()?;
     libs.push(Library {
-        file: format!("lib{}.so", spec.rpc.target),
+        file: crate::names::plugin_file(os, &spec.rpc.target),
         soname: None,
         jobs: rpc_jobs,
         links_base: true,
@@ -306,7 +309,7 @@ pub fn plan(
         fe.extend(includes_patched(src, cpu, &spec.cpu.feats_includes));
         jobs.push(patched_job(cpu, &target, &spec.cpu.feats_source, &fe)?);
         libs.push(Library {
-            file: format!("lib{target}.so"),
+            file: crate::names::plugin_file(os, &target),
             soname: None,
             jobs,
             links_base: true,

@@ -25,6 +25,7 @@
 #[allow(clippy::undocumented_unsafe_blocks)]
 mod bindings;
 pub use bindings::*;
+pub mod names;
 include!(concat!(env!("OUT_DIR"), "/build_info.rs"));
 
 use std::os::raw::{c_char, c_int};

@@ -2,12 +2,19 @@
 //!
 //! Search order (first directory that has a backend wins for that backend):
 //! 1. directories given explicitly (`--plugin-dir`),
-//! 2. `SD_PLUGIN_PATH` (a `:`-separated list),
-//! 3. the directory of the running executable,
-//! 4. the install directory fixed at build time ([`ggml_sys::BUILD_PLUGIN_DIR`]).
+//! 2. beside the running executable: its own directory (ggml's convention for dynamic
+//!    backends), then `<its directory>/../lib/sd-rs/plugins` ([`INSTALL_PLUGIN_DIR`], where
+//!    `cargo xtask install` and `cargo xtask dist` put them),
+//! 3. `SD_PLUGIN_PATH` (a `:`-separated list; `;` on Windows),
+//! 4. the build tree's plugin directory, fixed at build time ([`ggml_sys::BUILD_PLUGIN_DIR`]).
+//!
+//! So an installed or unpacked `sd-cli` uses its own plugins wherever it is moved, and a
+//! plugin built later (`cargo xtask plugins --backend vulkan --out DIR`) dropped into that
+//! directory is picked up.
 //!
 //! The current working directory is never searched. A plugin file is
-//! `libggml-<backend>[-<variant>].so`; among the variants of one backend in one
+//! `libggml-<backend>[-<variant>].so` (`ggml-<backend>[-<variant>].dll` on Windows; ggml's
+//! convention, [`ggml_sys::names`]); among the variants of one backend in one
 //! directory the highest `ggml_backend_score` wins (0 = unusable on this CPU).
 //! Loading follows the contract of ggml's dynamic backends: dlopen, score, call
 //! `ggml_backend_init`, check the registration's `api_version`, keep it. Loaded
@@ -27,6 +34,11 @@ use crate::device::Device;
 use crate::error::{BackendError, Result};
 use crate::rpc;
 
+/// The plugin directory of an installation, relative to its prefix, the parent of the
+/// executable's directory (`PREFIX/bin/sd-cli` -> `PREFIX/lib/sd-rs/plugins`); the core
+/// library lies in `PREFIX/lib`, which the executable's run path (`$ORIGIN/../lib`) names.
+pub const INSTALL_PLUGIN_DIR: &str = "lib/sd-rs/plugins";
+
 /// Where to look for plugins, in priority order.
 #[derive(Clone, Debug, Default)]
 pub struct PluginSearch {
@@ -36,13 +48,13 @@ pub struct PluginSearch {
     pub use_env: bool,
     /// Also search the executable's directory.
     pub use_exe_dir: bool,
-    /// Also search the build-time install directory.
+    /// Also search the build tree's plugin directory.
     pub use_install_dir: bool,
 }
 
 impl PluginSearch {
-    /// The standard order: explicit dirs, then `SD_PLUGIN_PATH`, the executable's
-    /// directory and the install directory.
+    /// The standard order: explicit dirs, the executable's directory and the installed
+    /// plugin directory beside it, `SD_PLUGIN_PATH`, the build tree.
     pub fn standard(explicit: Vec<PathBuf>) -> Self {
         Self { explicit, use_env: true, use_exe_dir: true, use_install_dir: true }
     }
@@ -56,6 +68,13 @@ impl PluginSearch {
     pub fn directories(&self) -> Vec<(PathBuf, &'static str)> {
         let mut dirs: Vec<(PathBuf, &'static str)> =
             self.explicit.iter().map(|d| (d.clone(), "--plugin-dir")).collect();
+        if self.use_exe_dir {
+            if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
+                let installed = dir.parent().map(|prefix| prefix.join(INSTALL_PLUGIN_DIR));
+                dirs.push((dir, "executable directory"));
+                dirs.extend(installed.map(|d| (d, "installed beside the executable")));
+            }
+        }
         if self.use_env {
             if let Some(v) = std::env::var_os("SD_PLUGIN_PATH") {
                 dirs.extend(
@@ -63,13 +82,8 @@ impl PluginSearch {
                 );
             }
         }
-        if self.use_exe_dir {
-            if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
-                dirs.push((dir, "executable directory"));
-            }
-        }
         if self.use_install_dir {
-            dirs.push((PathBuf::from(sys::BUILD_PLUGIN_DIR), "install directory"));
+            dirs.push((PathBuf::from(sys::BUILD_PLUGIN_DIR), "build tree"));
         }
         // A relative path would resolve against the working directory: make it
         // absolute now so that the meaning is fixed and visible in logs.
@@ -418,13 +432,13 @@ impl PluginRegistry {
     }
 }
 
-/// `libggml-cpu-haswell.so` -> `cpu`; `libggml-rpc.so` -> `rpc`; other files -> None.
+/// `libggml-cpu-haswell.so` -> `cpu`; `libggml-rpc.so` -> `rpc` (`ggml-rpc.dll` on Windows:
+/// the names of `ggml_sys::names`); other files -> None.
 fn backend_name_of(path: &Path) -> Option<String> {
     let file = path.file_name()?.to_str()?;
-    let stem = file.strip_prefix("libggml-")?.strip_suffix(std::env::consts::DLL_SUFFIX)?;
-    let name = stem.split('-').next()?;
-    // libggml-base is the core library, not a plugin.
-    (!name.is_empty() && name != "base").then(|| name.to_ascii_lowercase())
+    let target = sys::names::plugin_target(sys::names::TargetOs::current(), file)?;
+    let name = target.strip_prefix("ggml-")?.split('-').next()?;
+    (!name.is_empty()).then(|| name.to_ascii_lowercase())
 }
 
 fn open_library(path: &Path) -> std::result::Result<Library, SkipReason> {

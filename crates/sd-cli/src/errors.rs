@@ -9,6 +9,28 @@ use sd_models::pipeline::{PipelineError, Setting};
 use sd_models::text::clip::ClipError;
 use sd_vae::{TilingOption, VaeError};
 
+/// The marker of an error found while checking a run's input, before its first expensive
+/// stage: bad input, exit status 2 (as every error of `plan` is). Added as an outer context
+/// whose text is empty (the report leaves it out); the errors under it keep their types.
+#[derive(Debug)]
+pub struct BadInput;
+
+impl std::fmt::Display for BadInput {
+    fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        Ok(())
+    }
+}
+
+/// `e` marked as bad input ([`BadInput`]).
+pub fn bad_input(e: anyhow::Error) -> anyhow::Error {
+    e.context(BadInput)
+}
+
+/// Whether `e` was found checking the input ([`bad_input`]).
+pub fn is_bad_input(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<BadInput>().is_some()
+}
+
 /// The flag that sets `s`.
 fn flag(s: Setting) -> &'static str {
     match s {

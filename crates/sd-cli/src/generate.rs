@@ -314,8 +314,9 @@ pub fn load(
     };
     let devices = crate::plan::machine_devices_from(&reg);
     let descriptions = crate::cost::descriptions(&reg);
+    let size = (w, h, a.steps);
     let (plan, predicted) =
-        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, (w, h, a.steps)))?;
+        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, size, a.diffusion_fa))?;
     plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,
@@ -340,25 +341,9 @@ pub fn load(
 pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // What needs no model is checked before anything is opened or written; the rest once the
     // model is known (`Pipeline::check_request`), with the outputs: all before the first
-    // weight is read.
-    let (params, loras) = a.params()?;
-    let count = params.params().batch_count;
-    let outputs = ImageOutput::plan(&a.output, count, a.run.output_begin_idx, a.overwrite).context("-o")?;
-    let report_to = crate::output::report_target(a.report_json.as_deref())?;
-    let model = a.model.or_fixture(ensure_fixture)?;
-    // No output may be a file the run reads, or another output.
-    let files = model
-        .run_files()
-        .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
-        .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
-        .input(InputRole::InitImage, a.init_img.as_deref())
-        .loras(&loras);
-    let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
-    let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
-    files.check().map_err(crate::errors::same_file)?;
-    let (w, h) = (params.params().width, params.params().height);
-    let Loaded { pipeline, plan, predicted, model, .. } = load(a, dev, model, (w, h), &loras)?;
-    let request = pipeline.check_request(params).map_err(crate::errors::with_flag)?;
+    // weight is read. An error there is bad input (exit status 2, as `plan` gives for it).
+    let (loaded, request, outputs, report_to) = validate(a, dev).map_err(crate::errors::bad_input)?;
+    let Loaded { pipeline, plan, predicted, model, .. } = loaded;
 
     let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
     report.plan = Some(plan.clone());
@@ -382,6 +367,33 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     crate::output::write_report(report_to.as_ref(), &report)?;
     tracing::info!("generation took {:.2} s", start.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
+}
+
+/// A generation's input checked: the pipeline built and the request checked against it, the
+/// outputs planned (nothing read but headers, nothing written).
+type Validated = (Loaded, Request, Vec<ImageOutput>, Option<sd_models::output::OutputTarget>);
+
+/// Everything a generation checks before its first expensive stage.
+fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
+    let (params, loras) = a.params()?;
+    let count = params.params().batch_count;
+    let outputs = ImageOutput::plan(&a.output, count, a.run.output_begin_idx, a.overwrite).context("-o")?;
+    let report_to = crate::output::report_target(a.report_json.as_deref())?;
+    let model = a.model.or_fixture(ensure_fixture)?;
+    // No output may be a file the run reads, or another output.
+    let files = model
+        .run_files()
+        .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
+        .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
+        .input(InputRole::InitImage, a.init_img.as_deref())
+        .loras(&loras);
+    let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
+    let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
+    files.check().map_err(crate::errors::same_file)?;
+    let (w, h) = (params.params().width, params.params().height);
+    let loaded = load(a, dev, model, (w, h), &loras)?;
+    let request = loaded.pipeline.check_request(params).map_err(crate::errors::with_flag)?;
+    Ok((loaded, request, outputs, report_to))
 }
 
 impl GenerateArgs {
@@ -413,6 +425,10 @@ impl GenerateArgs {
         } else {
             self.seed as u64
         };
+        if self.seed < 0 {
+            // The image's metadata carries it too; printed so a run without metadata repeats.
+            tracing::info!("random seed {seed} (-s {seed} repeats this image)");
+        }
         let params = GenerateParams {
             prompt,
             negative_prompt,

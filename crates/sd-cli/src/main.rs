@@ -26,6 +26,7 @@ mod logging;
 mod output;
 mod plan;
 mod progress;
+mod reference_flags;
 mod rpc_server;
 mod serve;
 
@@ -63,7 +64,8 @@ pub struct DeviceArgs {
 }
 
 /// Exit status when a remote (RPC) device was lost during the run (1 is any other
-/// failure, 2 bad input).
+/// failure, 2 bad input: any error of `plan`, and a generation's found before its first
+/// expensive stage, so that both give 2 for the same bad input).
 const EXIT_DEVICE_LOST: u8 = 3;
 
 #[derive(Parser, Debug)]
@@ -121,6 +123,19 @@ fn main() -> ExitCode {
     }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
+        Err(e) if e.kind() == clap::error::ErrorKind::UnknownArgument => {
+            // A flag of stable-diffusion.cpp's that we lack: said so, not "did you mean".
+            let arg = match e.get(clap::error::ContextKind::InvalidArg) {
+                // one this program takes elsewhere (`plan --steps`): clap's message is right
+                Some(clap::error::ContextValue::String(a)) if !takes_flag(a) => reference_flags::not_implemented(a),
+                _ => None,
+            };
+            match arg {
+                Some(msg) => eprintln!("error: {}", printable(&msg)),
+                None => eprint!("{}", printable(&e.render().to_string())),
+            }
+            return ExitCode::from(2);
+        }
         Err(e) if e.use_stderr() => {
             // clap quotes the argument it refuses as given: escaped here like our messages.
             eprint!("{}", printable(&e.render().to_string()));
@@ -180,8 +195,19 @@ fn main() -> ExitCode {
     }
     match result {
         Ok(code) => code,
+        Err(e) if errors::is_bad_input(&e) => ExitCode::from(2),
         Err(_) => ExitCode::FAILURE,
     }
+}
+
+/// Whether the top-level command takes flag `arg` (`--steps`, `-W`, `--steps=3`).
+fn takes_flag(arg: &str) -> bool {
+    use clap::CommandFactory as _;
+    let flag = arg.split_once('=').map_or(arg, |(f, _)| f);
+    Cli::command().get_arguments().any(|a| match flag.strip_prefix("--") {
+        Some(long) => a.get_long_and_visible_aliases().is_some_and(|l| l.contains(&long)),
+        None => flag.strip_prefix('-').and_then(|s| s.chars().next()).is_some_and(|c| a.get_short() == Some(c)),
+    })
 }
 
 /// Prints `e` and the hints that name flags for it; returns the printed message.
@@ -209,7 +235,8 @@ fn printable(s: &str) -> String {
 /// The error and its causes, joined with `: ` (each error describes its own layer only, so
 /// nothing repeats).
 fn report(e: &anyhow::Error) -> String {
-    e.chain().map(|cause| cause.to_string()).collect::<Vec<_>>().join(": ")
+    // a marker layer (`errors::BadInput`) has no text
+    e.chain().map(|cause| cause.to_string()).filter(|s| !s.is_empty()).collect::<Vec<_>>().join(": ")
 }
 
 #[cfg(test)]
@@ -228,5 +255,16 @@ mod tests {
         let inner = std::io::Error::other("disk on fire");
         let e = anyhow::Error::new(inner).context("reading model.safetensors").context("loading");
         assert_eq!(report(&e), "loading: reading model.safetensors: disk on fire");
+    }
+
+    #[test]
+    fn bad_input_is_marked_without_changing_the_message_or_the_causes() {
+        let inner = std::io::Error::other("no such file");
+        let e = anyhow::Error::new(inner).context("-m model.safetensors");
+        assert!(!crate::errors::is_bad_input(&e));
+        let e = crate::errors::bad_input(e);
+        assert!(crate::errors::is_bad_input(&e));
+        assert_eq!(report(&e), "-m model.safetensors: no such file");
+        assert!(e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some()), "hints still find the causes");
     }
 }

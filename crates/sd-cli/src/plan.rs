@@ -182,14 +182,23 @@ pub struct PlanArgs {
     /// Available RAM in MiB (overrides the machine's or the profile's figure).
     #[arg(long = "ram-mib", value_name = "N", allow_negative_numbers = true, value_parser = ram_mib)]
     pub ram_mib: Option<u64>,
-    /// Print the plan as JSON.
+    /// Print the plan as JSON (its `schema_version` first).
     #[arg(long = "json")]
     pub json: bool,
     /// [sd-rs] Also predict the plan's seconds per step and per module (and the auto-fit
-    /// ladder's, and the fastest alternatives) for a 512x512 image in 20 steps, from the
+    /// ladder's, and the fastest alternatives) for an image of -W x -H in 20 steps, from the
     /// devices' figures (`sd-cli calibrate`, a profile's `[device.cost]`, else nominal).
     #[arg(long = "explain")]
     pub explain: bool,
+    /// Image width the compute reserves are estimated for (default 512).
+    #[arg(short = 'W', long = "width", default_value_t = 512, value_parser = crate::generate::whole::<usize>)]
+    pub width: usize,
+    /// Image height the compute reserves are estimated for (default 512).
+    #[arg(short = 'H', long = "height", default_value_t = 512, value_parser = crate::generate::whole::<usize>)]
+    pub height: usize,
+    /// Flash attention in the diffusion model (a smaller compute reserve).
+    #[arg(long = "diffusion-fa")]
+    pub diffusion_fa: bool,
     /// [sd-rs] Also write a JSON run report (the plan part) to PATH.
     #[arg(long = "report-json", value_name = "PATH")]
     pub report_json: Option<PathBuf>,
@@ -244,22 +253,25 @@ pub fn machine_devices_from(reg: &sd_backends::PluginRegistry) -> Vec<Device> {
 pub(crate) type SpeedProbe<'a> =
     dyn Fn(&sd_placement::ModelDescription, &[String]) -> Result<std::collections::BTreeMap<String, f64>> + 'a;
 
-/// The placement plan of a generation on this machine's `devices`, its warnings logged. With
+/// The placement plan of a generation of `size` images on this machine's `devices`, its
+/// warnings logged; each module's compute reserve is estimated from the model and the size
+/// (`sd_models::describe::compute_estimates`). With
 /// `--split-by speed`, `speeds` measures (or reads from its cache) the speeds of the devices
 /// the plan's layer splits use (a plan by memory first says which), for the model described.
 /// Auto-fit chooses by predicted time for images of `size` (width, height, steps) when every
-/// device has measured figures (`descriptions`: each device's, their key). Returns the plan
-/// and its prediction.
+/// device has measured figures (`descriptions`: each device's, their key); `flash_attn` is
+/// `--diffusion-fa`. Returns the plan and its prediction.
 pub fn plan_for(
     model: &ModelArgs,
     files: &ModelFiles,
     placement: &PlacementArgs,
     devices: Vec<Device>,
     speeds: &SpeedProbe<'_>,
-    (descriptions, size): (&std::collections::BTreeMap<String, String>, (usize, usize, usize)),
+    (descriptions, size, flash_attn): (&std::collections::BTreeMap<String, String>, (usize, usize, usize), bool),
 ) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
-    let description = describe(files, &model.extra())?;
+    let mut description = describe(files, &model.extra())?;
+    description.compute_bytes = sd_models::describe::compute_estimates(files, size.0, size.1, flash_attn);
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
     let mut request = PlanRequest {
         flags,
@@ -352,17 +364,19 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let ram = args.ram_mib.map(|m| m * MIB).or(profile_ram);
     let sources = args.model.sources();
     let files = ModelFiles::open(&sources)?;
-    // A model a family runs but cannot load (tensors missing or misshapen) has no plan.
-    sd_models::family::check_runnable(&files)?;
     let mut model = describe(&files, &args.model.extra())?;
+    // A model a family runs but cannot load (tensors missing or misshapen), or of an unknown
+    // architecture, has no plan: refused as a generation refuses it.
+    sd_models::family::check_runnable(&files)?;
+    model.compute_bytes = sd_models::describe::compute_estimates(&files, args.width, args.height, args.diffusion_fa);
     let lora_lines = lora_bytes(args, &files, &mut model)?;
     // A profile's speeds; else `plan` runs nothing: speeds measured by an earlier generation
-    // (at 512x512), if cached.
+    // (at this size), if cached.
     let device_speeds = match args.devices {
         Some(_) => device_speeds,
         None => sd_models::speed::cached_speeds(
             &sd_models::speed::model_key(&model),
-            sd_models::speed::latent_tokens(512, 512),
+            sd_models::speed::latent_tokens(args.width, args.height),
             &sd_models::speed::cache_path(),
         ),
     };
@@ -377,7 +391,7 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (figures, measured) =
         crate::cost::figures(&request.devices, &descriptions, profile.as_ref(), &request.device_speeds);
     let (p, explain) = if measured || args.explain {
-        let work = crate::cost::workload(&files, 512, 512, 20);
+        let work = crate::cost::workload(&files, args.width, args.height, 20);
         let (p, e) = crate::cost::choose(&request, &work, &figures, measured)?;
         (p, Some(e))
     } else {

@@ -135,7 +135,8 @@ fn version_names_ggml_and_the_plugin_directories() {
     let out = sd_cli().arg("--version").output().unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains(&format!("ggml {}", ggml_sys::GGML_VERSION)), "{s}");
-    assert!(s.contains("install directory") && s.contains("executable directory"), "{s}");
+    assert!(s.contains("build tree") && s.contains("executable directory"), "{s}");
+    assert!(s.contains("installed beside the executable"), "{s}");
     let cwd = std::env::current_dir().unwrap();
     assert!(
         !s.lines().any(|l| l.trim().starts_with(&format!("{} (", cwd.display()))),

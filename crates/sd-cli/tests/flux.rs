@@ -211,7 +211,7 @@ fn flux_bad_inputs_are_clear_errors() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.code() == Some(1) && err.contains("T5-XXL") && err.contains("--t5xxl"), "{err}");
+    assert!(o.status.code() == Some(2) && err.contains("T5-XXL") && err.contains("--t5xxl"), "{err}");
     assert!(!d.join("no-t5.png").exists());
     // A guidance that is not a number is named.
     let (png, _, err) = run(&d, "nan", &["-p", "a cat", "--guidance", "nan"]);

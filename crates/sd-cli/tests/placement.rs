@@ -390,3 +390,30 @@ fn auto_fit_over_two_remote_devices_that_cannot_hold_the_unet_runs_the_all_cpu_i
     assert!(rpc0.high_water_bytes <= 1 << 30, "{rpc0:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Issue 39: a layer-split module's log names the split, never "runs on" its main device
+/// alone (the CPU was named after "layer split over CPU&RPC0"); and a random seed (`-s -1`)
+/// is printed, so that the image can be made again.
+#[test]
+fn a_split_is_logged_as_a_split_and_a_random_seed_is_printed() {
+    let model = fixture();
+    let dir = std::env::temp_dir().join(format!("sd-cli-split-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let server = Server::start();
+    let out = sd_cli()
+        .arg("-m")
+        .arg(&model)
+        .args(["-W", "64", "-H", "64", "--steps", "1", "-t", "2", "-s", "-1", "--cfg-scale", "1"])
+        .args(["--rpc", server.endpoint.as_str(), "--backend", "diffusion=CPU&RPC0,te=cpu,vae=cpu", "-o"])
+        .arg(dir.join("split.png"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("diffusion: layer split over CPU&RPC0"), "{err}");
+    assert!(err.contains("diffusion: split over CPU&RPC0"), "{err}");
+    assert!(!err.contains("diffusion: runs on"), "{err}");
+    let seed = err.split("random seed ").nth(1).and_then(|s| s.split_whitespace().next()).expect("the seed printed");
+    assert!(seed.parse::<u64>().is_ok(), "{err}");
+    assert!(err.contains(&format!("-s {seed} repeats this image")), "{err}");
+}

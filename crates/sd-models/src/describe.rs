@@ -72,7 +72,45 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
         let files: Vec<String> = index.files().iter().map(|f| format!("'{}'", f.path.display())).collect();
         return Err(FilesError::NoModelTensors { files: files.join(", "), tensors: index.len() });
     }
-    Ok(ModelDescription { components: comps, files: sources })
+    Ok(ModelDescription { components: comps, files: sources, compute_bytes: Default::default() })
+}
+
+/// Estimated compute buffers of one graph per module for images of `width` x `height`, the
+/// planner's reserves ([`ModelDescription::compute_bytes`]); empty when no family sd-rs runs
+/// detects the files (the planner then keeps the fixed 2 GiB / 1 GiB of stable-diffusion.cpp's
+/// auto-fit).
+///
+/// diffusion: the family's attention scores of one sample (none with flash attention) plus
+/// its activations (latent positions x 2560 f32, about eight tensors of a 320-channel first
+/// level) and 64 MiB; te: 64 MiB, 256 MiB with a T5-XXL (512 tokens of 4096 channels, 64
+/// heads' scores); vae: the decoder's buffer, about fourteen 128-channel f32 images of the
+/// output size, for at most a 256x256-pixel tile (a decode whose buffer does not fit its
+/// device is retried in such tiles), and 64 MiB. Measured on SD 1.5 at 512x512: the UNet's
+/// largest segment 542 MiB of workspace (estimate 616 MiB), the VAE 1.72 GiB untiled and
+/// about 0.43 GiB per 256x256 tile (estimate 0.5 GiB). ggml's allocator measures the real
+/// buffers at run time; these are what a small budget is planned with, instead of a fixed
+/// reserve that refuses it outright.
+pub fn compute_estimates(
+    files: &ModelFiles,
+    width: usize,
+    height: usize,
+    flash_attn: bool,
+) -> std::collections::BTreeMap<Module, u64> {
+    const MIB: f64 = 1048576.0;
+    let mut out = std::collections::BTreeMap::new();
+    // the caller has detected (and logged) the architecture already: this repeat is silent
+    let silent = tracing::subscriber::NoSubscriber::default();
+    let Ok(detected) = tracing::subscriber::with_default(silent, || files.detect(None)) else { return out };
+    let Ok(family) = crate::family::for_detected(&detected, files) else { return out };
+    let tokens = (width / 8) as f64 * (height / 8) as f64;
+    let diffusion = family.attention_bytes(tokens, 1.0, flash_attn) + tokens * 2560.0 * 4.0 + 64.0 * MIB;
+    let t5 = family.arch().contains("flux") || files.index().files().iter().any(|f| f.role == files::FileRole::T5xxl);
+    let te = if t5 { 256.0 * MIB } else { 64.0 * MIB };
+    let vae = 14.0 * 128.0 * 4.0 * (width * height).min(256 * 256) as f64 + 64.0 * MIB;
+    for (m, b) in [(Module::Diffusion, diffusion), (Module::Te, te), (Module::Vae, vae)] {
+        out.insert(m, b.min(u64::MAX as f64) as u64);
+    }
+    out
 }
 
 /// Adds to `desc` the tensors a LoRA applied at run time puts in each module

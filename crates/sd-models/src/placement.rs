@@ -209,12 +209,22 @@ impl Wiring<'_> {
                 }
             }
         };
-        tracing::info!(
-            "{}: runs on {runtime}, params {} ({})",
-            module.name(),
-            home.describe(),
-            sd_placement::fmt_bytes(m.param_bytes)
-        );
+        if m.split.len() >= 2 && matches!(m.params, ParamsHome::Split(_)) {
+            // The split's own line named its devices; `runtime` is only its main device.
+            tracing::info!(
+                "{}: split over {}, each device holding its part's params ({})",
+                module.name(),
+                m.runtime.join("&"),
+                sd_placement::fmt_bytes(m.param_bytes)
+            );
+        } else {
+            tracing::info!(
+                "{}: runs on {runtime}, params {} ({})",
+                module.name(),
+                home.describe(),
+                sd_placement::fmt_bytes(m.param_bytes)
+            );
+        }
         Ok(home)
     }
 }

@@ -22,7 +22,11 @@ fn model() -> ModelDescription {
             .collect();
         components.push(Component { module, tensors });
     }
-    ModelDescription { components, files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 20 * GIB }] }
+    ModelDescription {
+        compute_bytes: Default::default(),
+        components,
+        files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 20 * GIB }],
+    }
 }
 
 fn devices() -> Vec<Device> {

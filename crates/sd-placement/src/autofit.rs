@@ -59,7 +59,7 @@ fn room(comps: &[&ComponentSummary], decided: &[Loc], i: usize, full_for_offload
     let mut compute = 0u64;
     let mut staging = 0u64;
     for (k, c) in comps.iter().enumerate() {
-        let r = c.module.compute_reserve();
+        let r = c.compute_reserve;
         compute = compute.max(r);
         let offloaded_or_open = match decided.get(k) {
             Some(Loc::Main) => false,

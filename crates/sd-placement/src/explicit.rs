@@ -216,7 +216,7 @@ fn multi_device(
         let unknown: Vec<String> = list.iter().filter(|&&d| sizing.speeds[d].is_none()).map(|&d| name(d)).collect();
         if unknown.is_empty() {
             let speeds: Vec<f64> = list.iter().map(|&d| sizing.speeds[d].unwrap_or(1.0)).collect();
-            let reserve = module.compute_reserve().saturating_mul(u64::from(sizing.copies.max(1)));
+            let reserve = s.compute_reserve.saturating_mul(u64::from(sizing.copies.max(1)));
             let caps: Vec<Option<u64>> = list.iter().map(|&d| speed_cap(budgets, d, reserve)).collect();
             let ranges = partition_by_speed(&block_bytes, s.non_block_bytes, &speeds, &caps);
             if ranges.is_none() {

@@ -45,6 +45,7 @@
 //!     model: ModelDescription {
 //!         components: vec![diffusion, te, vae],
 //!         files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: 17 * GIB }],
+//!         compute_bytes: Default::default(), // no estimates: the fixed reserves of backend.md
 //!     },
 //!     device_speeds: Default::default(), // no measured speeds (see --split-by speed)
 //! };
@@ -78,6 +79,8 @@
 //! runs); [`plan_by_time`] is auto-fit choosing the fastest plan that fits, the ladder's plan
 //! as the floor (`--auto-fit ladder` keeps it), with an [`Explain`] of the choice.
 //!
+//! The rules, each with its test, are in [`rules`].
+//!
 //! # Main types
 //!
 //! [`PlanRequest`] (input), [`Plan`] (output: per-module [`ModulePlan`], per-device
@@ -85,6 +88,16 @@
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+/// The placement rules this crate implements, each with the test that checks it
+/// (`RULES.md` of this crate, rendered here).
+#[doc = include_str!("../RULES.md")]
+pub mod rules {}
+
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
 
 mod autofit;
 mod budget;
@@ -112,7 +125,10 @@ pub use device::{default_device, resolve_device, Device, DeviceProfile, DeviceTy
 pub use error::{Flag, PlanError};
 pub use memcheck::{estimate as memory_estimate, gpu_figure, MemoryCheck, Verdict};
 pub use model::{Component, ModelDescription, Module, SourceFile, Tensor};
-pub use plan::{plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange};
+pub use plan::{
+    plan, DeviceUsage, ModulePlan, ParamsHome, Plan, PlanRequest, PredictedTime, SplitKind, SplitRange,
+    PLAN_SCHEMA_VERSION,
+};
 pub use spec::{
     parse_auto_fit, parse_auto_fit_mode, parse_backend, parse_max_vram, parse_params_backend, parse_pipeline_copies,
     parse_split_by, parse_split_mode, Assignment, AutoFitMode, Entry, Flags, MaxVram, ParamsValue, RuntimeValue,

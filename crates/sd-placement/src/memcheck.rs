@@ -11,7 +11,9 @@
 //! system memory, so nothing is refused there"); else `warn` when it exceeds the computing GPU's
 //! figure (part of the model stays in system memory, slower); else `ok`. `skipped` when the
 //! computing device reports no memory, when RAM is unknown on the CPU path, or with
-//! `--no-memory-check`.
+//! `--no-memory-check`. A plan that keeps every weight on two or more discrete GPUs (none in
+//! RAM, none on disk) is compared with those GPUs' figures together: `ok` when they hold the
+//! estimate, else `warn` that their memory is short (nothing of the model is in system memory).
 
 use serde::{Deserialize, Serialize};
 
@@ -65,6 +67,31 @@ pub fn gpu_figure(d: &Device) -> Option<u64> {
         (Some(f), _) if f > 0 => Some(f),
         (None, Some(t)) if t > 0 => Some(t),
         _ => None,
+    }
+}
+
+/// A `warn` of [`check`] for a plan whose weights all live on the discrete GPUs `gpus` (name,
+/// figure): `ok` when their figures together hold the estimate, else a `warn` saying that
+/// their memory, not system memory, is what is short.
+pub(crate) fn spread_over_gpus(mc: &mut MemoryCheck, gpus: &[(String, u64)]) {
+    if mc.verdict != Verdict::Warn {
+        return;
+    }
+    let sum = gpus.iter().fold(0u64, |a, (_, f)| a.saturating_add(*f));
+    let names = gpus.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(" + ");
+    if mc.estimate_bytes <= sum {
+        mc.verdict = Verdict::Ok;
+        mc.message = format!(
+            "ok: estimated {} fits {names} ({}), over which the plan places every weight",
+            fmt_bytes(mc.estimate_bytes),
+            fmt_bytes(sum)
+        );
+    } else {
+        mc.message = format!(
+            "warn: estimated {} exceeds {names} ({}), which hold every weight: compute buffers may not fit beside them",
+            fmt_bytes(mc.estimate_bytes),
+            fmt_bytes(sum)
+        );
     }
 }
 

@@ -4,6 +4,8 @@
 //! (module) the tensors' names, byte sizes and, where it has them, the index of the transformer
 //! block each tensor belongs to; plus the sizes of the source files (for the memory check).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{GIB, MIB};
@@ -106,8 +108,10 @@ impl Module {
         matches!(self, Module::Diffusion | Module::Te)
     }
 
-    /// Initial compute reserve: "2 GiB for diffusion and text encoders, 1 GiB for VAE". backend.md
-    /// gives no figure for the other modules; we use the VAE's 1 GiB for them.
+    /// The fixed compute reserve of backend.md's auto-fit, used for a module whose estimate the
+    /// description does not give ([`ModelDescription::compute_bytes`]): "2 GiB for diffusion
+    /// and text encoders, 1 GiB for VAE". backend.md gives no figure for the other modules; we
+    /// use the VAE's 1 GiB for them.
     pub fn compute_reserve(self) -> u64 {
         match self {
             Module::Diffusion | Module::Te => 2 * GIB,
@@ -193,6 +197,12 @@ pub struct ModelDescription {
     /// stands in for them.
     #[serde(default)]
     pub files: Vec<SourceFile>,
+    /// Estimated compute buffer per module for the run's image size (working tensors of one
+    /// graph, from the model's family: `sd_models::describe::compute_estimates` fills it for
+    /// the families sd-rs runs). A module absent here is reserved [`Module::compute_reserve`]'s
+    /// fixed figure, which is far too much for small images and small budgets.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub compute_bytes: BTreeMap<Module, u64>,
 }
 
 /// Per-module figures derived from the tensors (merged components).
@@ -201,6 +211,8 @@ pub(crate) struct ComponentSummary {
     pub module: Module,
     pub param_bytes: u64,
     pub largest_tensor: u64,
+    /// The compute reserve of one graph: the description's estimate, else the fixed one.
+    pub compute_reserve: u64,
     /// Distinct blocks in ascending order with their bytes and largest tensor.
     pub blocks: Vec<BlockSummary>,
     pub non_block_bytes: u64,
@@ -228,6 +240,7 @@ impl ModelDescription {
                 module,
                 param_bytes: 0,
                 largest_tensor: 0,
+                compute_reserve: self.compute_bytes.get(&module).copied().unwrap_or(module.compute_reserve()),
                 blocks: Vec::new(),
                 non_block_bytes: 0,
                 largest_non_block: 0,

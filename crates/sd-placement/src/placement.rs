@@ -92,8 +92,8 @@ fn range_bytes(s: &ComponentSummary, r: &Range) -> (u64, u64) {
 /// of its cross-device inputs and a compute buffer per copy: the reserve is `copies` times the
 /// module's (conservative: a micro-batch is smaller than the whole batch). Other layouts do not
 /// pipeline and keep one reserve.
-pub(crate) fn reserve(p: &Placement, copies: u32) -> u64 {
-    let r = p.module.compute_reserve();
+pub(crate) fn reserve(s: &ComponentSummary, p: &Placement, copies: u32) -> u64 {
+    let r = s.compute_reserve;
     match p.layout {
         Layout::Layer(_) => r.saturating_mul(u64::from(copies.max(1))),
         _ => r,
@@ -120,7 +120,7 @@ pub(crate) fn account(
         let Some(s) = summaries.iter().find(|s| s.module == p.module) else {
             continue;
         };
-        let r = reserve(p, copies);
+        let r = reserve(s, p, copies);
         match &p.layout {
             Layout::Single(rt) => match p.params {
                 Params::Device(d) if d != *rt => {

@@ -11,7 +11,7 @@ use crate::cost::fmt_secs;
 use crate::device::{validate_names, Device, DeviceType};
 use crate::error::PlanError;
 use crate::explicit::{explicit, Sizing};
-use crate::memcheck::{check, MemoryCheck, Verdict};
+use crate::memcheck::{check, gpu_figure, spread_over_gpus, MemoryCheck, Verdict};
 use crate::model::{ComponentSummary, ModelDescription, Module};
 use crate::placement::{account, names, reserve, Layout, Params, Placement, Usage};
 use crate::spec::{
@@ -214,9 +214,18 @@ pub struct DeviceUsage {
     pub fits: bool,
 }
 
+/// The version of [`Plan`]'s JSON layout (`schema_version`, the first field of
+/// `sd-cli plan --json` and of a run report's plan): raised when a field is renamed, removed
+/// or changes meaning; a field added leaves it.
+pub const PLAN_SCHEMA_VERSION: u32 = 1;
+
 /// A placement plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
+    /// [`PLAN_SCHEMA_VERSION`] when the plan was made (a reader refuses a version it does not
+    /// know).
+    #[serde(default = "schema_version")]
+    pub schema_version: u32,
     /// Whether auto-fit made the placement.
     pub auto_fit: bool,
     /// Every device within its budget and the memory check not refusing.
@@ -255,6 +264,10 @@ pub struct Plan {
 
 fn one() -> u32 {
     1
+}
+
+fn schema_version() -> u32 {
+    PLAN_SCHEMA_VERSION
 }
 
 /// Makes a plan. Errors only on bad input (flags, devices); a plan that does not fit is a
@@ -356,7 +369,20 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     if !from_files {
         warnings.push("no source file sizes given: the memory check uses the sum of tensor sizes".into());
     }
-    let memory_check = check(&devices, ram, main, file_bytes, flags.no_memory_check);
+    let mut memory_check = check(&devices, ram, main, file_bytes, flags.no_memory_check);
+    // Every weight on discrete GPUs (none in RAM or on disk): nothing stays in system memory,
+    // whatever one GPU's figure says; the check compares with the GPUs holding them.
+    let holding: Vec<(String, Option<u64>)> = devices
+        .iter()
+        .zip(&device_usage)
+        .filter(|(_, u)| u.param_bytes > 0)
+        .map(|(d, _)| (d.name.trim().to_string(), (d.kind == DeviceType::Gpu).then(|| gpu_figure(d)).flatten()))
+        .collect();
+    let on_disk = placements.iter().any(|p| matches!(p.params, Params::Disk));
+    if !on_disk && holding.len() > 1 && holding.iter().all(|(_, f)| f.is_some()) {
+        let gpus: Vec<(String, u64)> = holding.into_iter().map(|(n, f)| (n, f.unwrap_or(0))).collect();
+        spread_over_gpus(&mut memory_check, &gpus);
+    }
     if matches!(memory_check.verdict, Verdict::Warn | Verdict::Refuse) {
         warnings.push(format!("memory check: {}", memory_check.message));
     }
@@ -370,9 +396,13 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
             Some(module_plan(s, p, &devices, copies, by, &speeds))
         })
         .collect();
+    if auto {
+        rpc_default_note(&modules, &devices, &mut warnings);
+    }
     let fits = device_usage.iter().all(|u| u.fits) && memory_check.verdict != Verdict::Refuse;
     let (backend_eq, params_eq, split_eq) = equivalent_flags(&placements, &devices);
     Ok(Plan {
+        schema_version: PLAN_SCHEMA_VERSION,
         auto_fit: auto,
         fits,
         main_device: devices[main].name.trim().to_string(),
@@ -389,6 +419,29 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
         warnings,
         choice: None,
     })
+}
+
+/// Says when auto-fit computes the text encoder or the VAE on a remote (RPC) device: ggml
+/// reports RPC devices as GPUs, and auto-fit (as stable-diffusion.cpp's, whose default device
+/// is the first GPU) places every module on its main GPU, so `--rpc-servers` alone moves them
+/// off this machine; the note names the flag that keeps them here.
+fn rpc_default_note(modules: &[ModulePlan], devices: &[Device], warnings: &mut Vec<String>) {
+    let is_rpc =
+        |name: &str| devices.iter().any(|d| d.name.trim() == name && d.registry.trim().eq_ignore_ascii_case("rpc"));
+    let moved: Vec<(&str, &str)> = modules
+        .iter()
+        .filter(|m| matches!(m.module, Module::Te | Module::Vae))
+        .filter_map(|m| m.runtime.first().filter(|d| is_rpc(d)).map(|d| (m.module.name(), d.as_str())))
+        .collect();
+    if moved.is_empty() {
+        return;
+    }
+    let list = moved.iter().map(|(m, d)| format!("{m} on {d}")).collect::<Vec<_>>().join(", ");
+    let keep = moved.iter().map(|(m, _)| format!("{m}=cpu")).collect::<Vec<_>>().join(",");
+    warnings.push(format!(
+        "{list}: ggml reports RPC devices as GPUs and auto-fit computes on the main GPU, as \
+         stable-diffusion.cpp does; --backend \"{keep}\" (with the other modules' devices) keeps them on this machine"
+    ));
 }
 
 /// Fails when the pipeline copies alone break a budget: a device over its budget with `copies`
@@ -544,7 +597,7 @@ fn module_plan(
         runtime,
         params,
         param_bytes: s.param_bytes,
-        compute_reserve_bytes: reserve(p, copies),
+        compute_reserve_bytes: reserve(s, p, copies),
         staging_bytes: if offloaded { largest } else { 0 },
         split_mode,
         split,

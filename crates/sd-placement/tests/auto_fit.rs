@@ -350,3 +350,55 @@ fn other_gpus_store_weights_only() {
     let main = device(&p, "CUDA0");
     assert_eq!((main.param_bytes, main.compute_bytes, main.staging_bytes), (0, 2048 * MIB, 910 * MIB));
 }
+
+/// Issue 39: a module's estimated compute buffer (`ModelDescription::compute_bytes`, from the
+/// model and the image size) replaces backend.md's fixed reserve, so a small budget plans as
+/// it runs: an SD 1.5-sized model computing on a 512 MiB device with its params in RAM does
+/// not fit with the fixed 2 GiB reserve and fits with a 300 MiB estimate; the estimate is
+/// what the plan reports and counts.
+#[test]
+fn compute_estimates_replace_the_fixed_reserve() {
+    let devices = vec![Device::gpu("RPC0", 8 * GIB, 8 * GIB).with_registry("RPC"), Device::cpu()];
+    let flags = Flags {
+        backend: Some("RPC0".into()),
+        params_backend: Some("cpu".into()),
+        max_vram: Some("RPC0=0.5".into()),
+        ..Flags::default()
+    };
+    let model = mib_model((1640, 56), (235, 72), (160, 4));
+    let fixed = plan(&request(devices.clone(), Some(16 * GIB), model.clone(), flags.clone())).unwrap();
+    assert!(!fixed.fits, "the fixed 2 GiB reserve does not fit a 512 MiB budget");
+    assert_eq!(module(&fixed, Module::Diffusion).compute_reserve_bytes, 2 * GIB);
+
+    let mut estimated = model;
+    estimated.compute_bytes =
+        [(Module::Diffusion, 300 * MIB), (Module::Te, 20 * MIB), (Module::Vae, 200 * MIB)].into_iter().collect();
+    let p = plan(&request(devices, Some(16 * GIB), estimated, flags)).unwrap();
+    assert!(p.fits, "{}", p.render());
+    assert_eq!(module(&p, Module::Diffusion).compute_reserve_bytes, 300 * MIB);
+    assert_eq!(module(&p, Module::Vae).compute_reserve_bytes, 200 * MIB);
+    let rpc = p.devices.iter().find(|d| d.device == "RPC0").unwrap();
+    // the largest reserve of the modules computing there, plus the staged largest tensors
+    assert_eq!(rpc.compute_bytes, 300 * MIB, "{}", p.render());
+    assert!(rpc.used_bytes <= 512 * MIB, "{}", p.render());
+}
+
+/// Issue 39: with only a remote device as GPU, auto-fit computes te and vae there too (as
+/// stable-diffusion.cpp's default device, the first GPU, does), and the plan says so with
+/// the flag that keeps them local; a local GPU's plan has no such note, nor one with
+/// explicit --backend.
+#[test]
+fn auto_fit_on_an_rpc_device_says_te_and_vae_moved() {
+    let model = mib_model((1640, 56), (235, 72), (160, 4));
+    let rpc = vec![Device::gpu("RPC0", 8 * GIB, 8 * GIB).with_registry("RPC"), Device::cpu()];
+    let p = plan(&request(rpc.clone(), Some(16 * GIB), model.clone(), Flags::default())).unwrap();
+    assert_eq!(module(&p, Module::Te).runtime, ["RPC0"]);
+    let note = p.warnings.iter().find(|w| w.contains("RPC devices as GPUs")).expect("the note");
+    assert!(note.starts_with("te on RPC0, vae on RPC0:") && note.contains("--backend \"te=cpu,vae=cpu\""), "{note}");
+
+    let local = vec![gpu("CUDA0", 8.0), Device::cpu()];
+    let p = plan(&request(local, Some(16 * GIB), model.clone(), Flags::default())).unwrap();
+    assert!(!p.warnings.iter().any(|w| w.contains("RPC devices")), "{:?}", p.warnings);
+    let p = plan(&request(rpc, Some(16 * GIB), model, flags(Some("diffusion=RPC0,te=RPC0,vae=RPC0"), None))).unwrap();
+    assert!(!p.warnings.iter().any(|w| w.contains("RPC devices")), "{:?}", p.warnings);
+}

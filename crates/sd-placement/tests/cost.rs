@@ -45,7 +45,7 @@ fn case(devices: Vec<Device>, d_blocks: u32, t_blocks: u32, side: u64, tokens: u
     }
     Case {
         devices,
-        model: ModelDescription { components, files: vec![] },
+        model: ModelDescription { components, ..Default::default() },
         work: Workload { steps, modules, weights: ws },
     }
 }

@@ -26,7 +26,11 @@ fn model() -> ModelDescription {
                 .collect(),
         })
         .collect();
-    ModelDescription { components, files: vec![SourceFile { role: "<file>".into(), bytes: 9 * GIB }] }
+    ModelDescription {
+        compute_bytes: Default::default(),
+        components,
+        files: vec![SourceFile { role: "<file>".into(), bytes: 9 * GIB }],
+    }
 }
 
 /// Strings made of the placement language's own characters and words, plus anything.

@@ -32,6 +32,7 @@ fn example_profile() {
         devices: d,
         ram_available_bytes: p.ram_available_bytes(),
         model: ModelDescription {
+            compute_bytes: Default::default(),
             components: vec![Component { module: Module::Vae, tensors: vec![Tensor::new("v", MIB)] }],
             files: vec![],
         },
@@ -66,6 +67,7 @@ fn profile_speeds_feed_the_plan() {
     assert_eq!(speeds.len(), 2, "RPC2 gives none: {speeds:?}");
     assert_eq!((speeds["RPC0"], speeds["RPC1"]), (1000.0 * MIB as f64, 3000.5 * MIB as f64));
     let model = ModelDescription {
+        compute_bytes: Default::default(),
         components: vec![Component {
             module: Module::Diffusion,
             tensors: (0..8).map(|b| Tensor::in_block(format!("blocks.{b}.w"), 100 * MIB, b)).collect(),

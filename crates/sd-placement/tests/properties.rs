@@ -59,6 +59,7 @@ fn arb_model() -> impl Strategy<Value = ModelDescription> {
         })
         .collect();
     (each, 0u64..=64 * 1024).prop_map(|(cs, file_mib)| ModelDescription {
+        compute_bytes: Default::default(),
         components: cs.into_iter().flatten().collect(),
         files: vec![SourceFile { role: "<file>".into(), bytes: file_mib * MIB }],
     })

@@ -16,6 +16,7 @@ fn blocky(nb: u32) -> ModelDescription {
         }
     }
     ModelDescription {
+        compute_bytes: Default::default(),
         components: vec![
             Component { module: Module::Diffusion, tensors: d },
             comp(Module::Te, 200 * MIB, 20 * MIB, Some(4)),
@@ -338,7 +339,11 @@ fn row_split_conservative_bound() {
         for b in 0..40 {
             d.push(Tensor::in_block(format!("blocks.{b}.w"), 256 * MIB, b));
         }
-        ModelDescription { components: vec![Component { module: Module::Diffusion, tensors: d }], files: vec![] }
+        ModelDescription {
+            compute_bytes: Default::default(),
+            components: vec![Component { module: Module::Diffusion, tensors: d }],
+            files: vec![],
+        }
     };
     let layer = run(devs(), model(), "diffusion=cuda0&cuda1", None, Some("layer"), None);
     assert!(layer.fits, "{}", layer.render());

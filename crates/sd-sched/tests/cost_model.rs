@@ -40,7 +40,10 @@ fn predicted_bytes(n: u32, budget_gib: f64) -> u64 {
         },
         devices: vec![Device::gpu("GPU0", 24 * GIB, 24 * GIB)],
         ram_available_bytes: Some(64 * GIB),
-        model: ModelDescription { components: vec![Component { module: Module::Diffusion, tensors }], files: vec![] },
+        model: ModelDescription {
+            components: vec![Component { module: Module::Diffusion, tensors }],
+            ..Default::default()
+        },
         device_speeds: Default::default(),
     };
     let p = plan(&req).unwrap();

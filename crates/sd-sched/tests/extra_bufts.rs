@@ -50,7 +50,7 @@ fn documented(extra: &[String], ty: GgmlType, ne: &[i64]) -> &'static str {
     if extra.iter().any(|e| e == "AMX") && amx_k.is_some_and(|k| cols % k == 0) && rows % 32 == 0 {
         return "AMX";
     }
-    let avx2 = cfg!(target_arch = "x86_64") && std::arch::is_x86_feature_detected!("avx2");
+    let avx2 = has_avx2();
     if extra.iter().any(|e| e == "CPU_REPACK")
         && avx2
         && [GgmlType::GGML_TYPE_Q4_0, GgmlType::GGML_TYPE_Q4_K, GgmlType::GGML_TYPE_IQ4_NL].contains(&ty)
@@ -91,7 +91,7 @@ fn each_tensor_gets_the_buffer_type_the_documented_rule_gives() {
         moved += usize::from(got != "CPU");
         assert_eq!(weight_buffer_type(&off, &s).name(), "CPU", "{ty:?} {ne:?} with the extra types off");
     }
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if has_avx2() {
         assert!(moved >= 3, "q4_0, q4_K and iq4_nl matrices are repacked on AVX2");
     }
 
@@ -176,7 +176,7 @@ fn products_with_repacked_weights_match_the_plain_buffer_and_are_charged() {
 #[test]
 fn other_uses_and_reads_of_repacked_weights_are_refused() {
     let backend = cpu(true);
-    if !std::arch::is_x86_feature_detected!("avx2") {
+    if !has_avx2() {
         return; // no repacked layout for q4_0 on this CPU: nothing to refuse
     }
     let ledgers = Ledgers::with_budgets(HashMap::new());
@@ -199,4 +199,14 @@ fn other_uses_and_reads_of_repacked_weights_are_refused() {
     ids.set_i32(&[0, 3]).unwrap();
     let err = runner.compute(&graph).unwrap_err().to_string();
     assert!(err.contains(&extra) && err.contains("GET_ROWS"), "{err}");
+}
+
+/// Whether the CPU has AVX2; false off x86 (the detection macro exists on x86 only, and the
+/// tests must compile on aarch64 too).
+#[allow(clippy::needless_return)] // one of the two returns is compiled
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
 }

@@ -103,15 +103,15 @@ fn same_layout(stored: &[u64], want: &[i64]) -> bool {
     stored.eq(want.iter().copied().filter(|&d| d != 1))
 }
 
-/// For `sd-cli plan` (headers only): when a registered family runs the detected files, every
-/// tensor its text encoder and diffusion model need is there with its shape. Files no family
-/// runs (an architecture detected but without a runtime, or none detected) pass: a plan
-/// describes any model from its headers.
+/// For `sd-cli plan` (headers only): the files' architecture is detected (an unknown one is
+/// refused with the same error a generation gives), and when a registered family runs it,
+/// every tensor its text encoder and diffusion model need is there with its shape. An
+/// architecture detected but without a runtime passes: a plan describes it from its headers.
 ///
 /// The same modules as a generation checks before it loads ([`generation_specs`]), the
 /// first stage's decoder included: `plan` and a generation refuse the same files.
 pub fn check_runnable(files: &ModelFiles) -> Result<()> {
-    let Ok(detected) = files.detect(None) else { return Ok(()) };
+    let detected = files.detect(None)?;
     if !inventory::iter::<FamilySpec>.into_iter().any(|f| f.arch == detected.arch) {
         return Ok(());
     }

@@ -31,7 +31,7 @@ fn model() -> ModelDescription {
             .collect();
         components.push(Component { module: m, tensors });
     }
-    ModelDescription {
+    ModelDescription { compute_bytes: Default::default(),
         components,
         files: vec![SourceFile {
             role: "<file>".into(),

@@ -42,7 +42,7 @@ pub fn all_modules_model() -> ModelDescription {
         let blocks = if matches!(m, Module::Diffusion | Module::Te) { Some(8) } else { None };
         components.push(Component { module: m, tensors: tensors(m.name(), 17, 64 * MIB, 8 * MIB, blocks) });
     }
-    ModelDescription { components, files: vec![] }
+    ModelDescription { compute_bytes: Default::default(), components, files: vec![] }
 }
 
 pub fn simple_model(diffusion: u64, te: u64, vae: u64) -> ModelDescription {
@@ -60,7 +60,11 @@ pub fn simple_model(diffusion: u64, te: u64, vae: u64) -> ModelDescription {
         components.push(Component { module: Module::Vae, tensors: tensors("vae", 20, vae, vae / 20, None) });
     }
     let total = diffusion + te + vae;
-    ModelDescription { components, files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: total }] }
+    ModelDescription {
+        compute_bytes: Default::default(),
+        components,
+        files: vec![SourceFile { role: "<checkpoint file>".into(), bytes: total }],
+    }
 }
 
 pub fn request(devices: Vec<Device>, ram: Option<u64>, model: ModelDescription, flags: Flags) -> PlanRequest {
@@ -90,6 +94,7 @@ pub fn device<'a>(p: &'a Plan, name: &str) -> &'a DeviceUsage {
 /// The UNet has no transformer blocks a layer split recognizes (upstream excludes UNet blocks).
 pub fn sd15_f16() -> ModelDescription {
     ModelDescription {
+        compute_bytes: Default::default(),
         components: vec![
             Component {
                 module: Module::Diffusion,
@@ -110,6 +115,7 @@ pub fn sd15_f16() -> ModelDescription {
 /// tensors; largest the G token embedding 49408x1280 = 126,484,480 B); VAE as SD 1.5.
 pub fn sdxl_f16() -> ModelDescription {
     ModelDescription {
+        compute_bytes: Default::default(),
         components: vec![
             Component {
                 module: Module::Diffusion,
@@ -173,6 +179,7 @@ pub fn flux_dev_q8() -> ModelDescription {
     let vae = tensors("vae", 244, 335_304_388, 9_437_184, None);
     let diff_bytes: u64 = diff.iter().map(|t| t.bytes).sum();
     ModelDescription {
+        compute_bytes: Default::default(),
         components: vec![
             Component { module: Module::Diffusion, tensors: diff },
             Component { module: Module::Te, tensors: te },
@@ -206,7 +213,11 @@ pub fn mib_model(d: (u64, u64), t: (u64, u64), v: (u64, u64)) -> ModelDescriptio
         }
     }
     let total = (d.0 + t.0 + v.0) * MIB;
-    ModelDescription { components, files: vec![SourceFile { role: "<model file>".into(), bytes: total }] }
+    ModelDescription {
+        compute_bytes: Default::default(),
+        components,
+        files: vec![SourceFile { role: "<model file>".into(), bytes: total }],
+    }
 }
 
 /// A GPU whose default budget (free - 512 MiB) is `budget_mib`.

@@ -1,0 +1,50 @@
+//! The public API, committed: `public-api.txt` lists every `pub` declaration of `src/` (its first line), so that a change to what other tools depend on (an item or field added, renamed or removed, a signature changed) shows in review as a change of that file. Regenerate with `UPDATE_PUBLIC_API=1 cargo test -p sd-placement --test public_api` and judge the diff by semver: a removal or a change is breaking, an addition is a minor version (a field added to a struct without `..Default::default()` users is breaking too).
+
+use std::path::Path;
+
+/// Every line of `src/` that declares a `pub` item, field or variant-bearing type, as
+/// `file: declaration`, in file and line order.
+fn public_lines(src: &Path) -> String {
+    let mut files: Vec<_> = std::fs::read_dir(src).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    let mut out = String::new();
+    for f in files.iter().filter(|f| f.extension().is_some_and(|e| e == "rs")) {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(f).unwrap();
+        let mut in_tests = false;
+        for line in text.lines() {
+            let t = line.trim();
+            if t == "#[cfg(test)]" {
+                in_tests = true;
+            }
+            if in_tests {
+                continue;
+            }
+            if t.starts_with("pub ") {
+                let decl = t.trim_end_matches('{').trim_end();
+                out.push_str(&format!("{name}: {decl}\n"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_public_api_is_the_committed_one() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let now = public_lines(&root.join("src"));
+    let file = root.join("public-api.txt");
+    if std::env::var_os("UPDATE_PUBLIC_API").is_some() {
+        std::fs::write(&file, &now).unwrap();
+    }
+    let committed = std::fs::read_to_string(&file).unwrap_or_default();
+    if committed != now {
+        let gone: Vec<&str> = committed.lines().filter(|l| !now.lines().any(|n| n == *l)).collect();
+        let new: Vec<&str> = now.lines().filter(|l| !committed.lines().any(|c| c == *l)).collect();
+        panic!(
+            "the public API changed; rerun with UPDATE_PUBLIC_API=1 and judge the diff by semver\nremoved or changed:\n  {}\nadded:\n  {}",
+            gone.join("\n  "),
+            new.join("\n  ")
+        );
+    }
+}

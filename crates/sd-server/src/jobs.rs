@@ -55,6 +55,16 @@ pub(crate) struct JobProgress {
     pub steps: usize,
 }
 
+/// The latest preview of a generating job.
+#[derive(Clone, Debug)]
+pub(crate) struct Preview {
+    /// Image (0-based) of the batch, and the sampling steps done for it.
+    pub image: usize,
+    pub step: usize,
+    /// PNG, base64.
+    pub b64: String,
+}
+
 /// One accepted job.
 pub(crate) struct Job {
     pub id: String,
@@ -72,6 +82,8 @@ pub(crate) struct Job {
     /// A failure caused by the request (answered 400 by the synchronous APIs).
     pub bad_request: bool,
     pub progress: JobProgress,
+    /// The latest preview while generating.
+    pub preview: Option<Preview>,
     pub started_at: Option<Instant>,
     finished_at: Option<Instant>,
     /// Synchronous handlers waiting for the job to finish.
@@ -95,6 +107,8 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     cancel: Arc<AtomicBool>,
+    /// Bumped on every change of any job (server-sent events wait on it).
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 /// Why a job was not accepted.
@@ -113,7 +127,35 @@ pub(crate) fn unix_now() -> u64 {
 
 impl Shared {
     pub(crate) fn new(config: Config, cancel: Arc<AtomicBool>) -> Shared {
-        Shared { config, state: Mutex::new(State::default()), wake: Condvar::new(), cancel }
+        Shared {
+            config,
+            state: Mutex::new(State::default()),
+            wake: Condvar::new(),
+            cancel,
+            changes: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// Tells the event streams that a job changed.
+    pub(crate) fn changed(&self) {
+        self.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// A receiver told of every change from now on.
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Replaces the generating job's preview.
+    pub(crate) fn set_preview(&self, image: usize, step: usize, b64: String) {
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(id) = st.current.clone() else { return };
+            if let Some(job) = st.jobs.get_mut(&id) {
+                job.preview = Some(Preview { image, step, b64 });
+            }
+        }
+        self.changed();
     }
 
     /// The state, locked; finished jobs past their time are dropped first.
@@ -168,6 +210,7 @@ impl Shared {
             error: None,
             bad_request: false,
             progress: JobProgress::default(),
+            preview: None,
             started_at: None,
             finished_at: None,
             waiters: tx.into_iter().collect(),
@@ -176,6 +219,7 @@ impl Shared {
         st.queue.push_back(id.clone());
         drop(st);
         self.wake.notify_one();
+        self.changed();
         Ok((id, created, rx))
     }
 
@@ -190,6 +234,8 @@ impl Shared {
             Status::Queued => {
                 st.queue.retain(|q| q != id);
                 finish(&mut st, id, Status::Cancelled, Some(("cancelled", "job cancelled by client".into())));
+                drop(st);
+                self.changed();
                 Ok(Status::Cancelled)
             }
             Status::Generating => {
@@ -217,6 +263,7 @@ fn finish(st: &mut State, id: &str, status: Status, error: Option<(&'static str,
         job.finished_at = Some(Instant::now());
         job.error = error;
         job.spec = None;
+        job.preview = None;
         for w in job.waiters.drain(..) {
             let _ = w.send(());
         }
@@ -248,6 +295,9 @@ pub(crate) fn job_json(st: &State, job: &Job) -> Value {
     });
     if job.status == Status::Generating {
         v["progress"] = progress_json(job);
+        if let Some(p) = &job.preview {
+            v["preview"] = json!({"image": p.image, "step": p.step, "format": "png", "b64_json": p.b64});
+        }
     }
     v
 }
@@ -308,7 +358,11 @@ pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
             };
             (id, spec)
         };
-        tracing::info!("{id}: generating");
+        shared.changed();
+        let p = spec.params.params();
+        tracing::info!("{id}: generating {}x{}, {} steps, {} images", p.width, p.height, p.steps, p.batch_count);
+        // Prompts are the user's text: only at debug level (logs may leave the machine).
+        tracing::debug!("{id}: prompt {:?}, negative prompt {:?}", p.prompt, p.negative_prompt);
         let outcome = run(shared, &mut pipeline, &id, spec);
         let mut st = shared.lock();
         st.current = None;
@@ -332,12 +386,33 @@ pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
                 finish(&mut st, &id, Status::Failed, Some(("generation_failed", message)));
             }
         }
+        drop(st);
+        shared.changed();
     }
 }
 
 enum Failure {
     Cancelled,
     Failed { message: String, bad_request: bool },
+}
+
+/// `message` with the model file and the request's LoRA files named by their roles
+/// (`<checkpoint file>`, `<lora file>`, `<lora-model-dir>`): the message is logged and
+/// answered, and both may leave the machine.
+pub(crate) fn roles(message: String, config: &Config, loras: &[sd_models::lora::LoraRequest]) -> String {
+    let mut m = message;
+    for l in loras {
+        m = m.replace(&*l.path.to_string_lossy(), "<lora file>");
+    }
+    let model = config.model_path.to_string_lossy();
+    if !model.is_empty() {
+        m = m.replace(&*model, "<checkpoint file>");
+    }
+    // Only a directory given in full: a relative one (`.`) would match text anywhere.
+    if config.lora_dir.is_absolute() && config.lora_dir.parent().is_some() {
+        m = m.replace(&*config.lora_dir.to_string_lossy(), "<lora-model-dir>");
+    }
+    m
 }
 
 /// The error and its causes, joined with `: `.
@@ -357,7 +432,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Result<Vec<String>, Failure> {
     let failed = |e: &PipelineError, bad_request: bool| match e {
         PipelineError::Cancelled => Failure::Cancelled,
-        e => Failure::Failed { message: chain(e), bad_request },
+        e => Failure::Failed { message: roles(chain(e), &shared.config, &spec.loras), bad_request },
     };
     pipeline.set_loras(&spec.loras, shared.config.lora_apply_mode).map_err(|e| failed(&e, true))?;
     let request = pipeline.check_request(spec.params).map_err(|e| failed(&e, true))?;
@@ -379,6 +454,8 @@ fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Res
             Progress::Stage { .. } => {}
             Progress::Tile { .. } => jp.stage = "decode",
         }
+        drop(st);
+        shared.changed();
     };
     let images = pipeline.generate(&request, &mut on_progress);
     // The loaded pipeline keeps no adapter between requests.

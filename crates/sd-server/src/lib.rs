@@ -23,6 +23,8 @@
 mod decode;
 mod images;
 mod jobs;
+mod page;
+mod preview;
 mod routes;
 
 use std::net::{IpAddr, SocketAddr};
@@ -51,6 +53,10 @@ pub struct ServerArgs {
     /// [sd-rs] Largest request body in MiB (larger ones are answered 413).
     #[arg(long = "max-body-mib", value_name = "MIB", default_value_t = 32)]
     pub max_body_mib: usize,
+    /// [sd-rs] A generating job's preview (its latent projected to RGB, PNG) is renewed
+    /// every N sampling steps and at the last; 0: no previews.
+    #[arg(long = "preview-interval", value_name = "N", default_value_t = 1)]
+    pub preview_interval: usize,
 }
 
 /// Everything the server needs besides the pipeline.
@@ -64,6 +70,8 @@ pub struct Config {
     pub max_queue: usize,
     /// Largest request body in bytes.
     pub max_body: usize,
+    /// Sampling steps between previews (0: none).
+    pub preview_interval: usize,
     /// The directory every request's LoRA names are confined to.
     pub lora_dir: PathBuf,
     /// How LoRAs are applied (`--lora-apply-mode`).
@@ -88,6 +96,7 @@ impl Config {
             api_key: args.api_key.clone(),
             max_queue: args.max_queue.max(1),
             max_body: args.max_body_mib.saturating_mul(1 << 20),
+            preview_interval: args.preview_interval,
             lora_dir,
             lora_apply_mode,
             model_path,
@@ -133,8 +142,8 @@ pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr))
         );
     }
     let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let pipeline = pipeline.with_cancel(cancel.clone());
-    let state = Arc::new(jobs::Shared::new(config, cancel));
+    let state = Arc::new(jobs::Shared::new(config, cancel.clone()));
+    let pipeline = pipeline.with_cancel(cancel).with_latent_hook(preview::hook(state.clone()));
     let app = routes::router(state.clone());
     let listener = {
         let _guard = runtime.enter();

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::multipart::{Multipart, MultipartError, MultipartRejection};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};
@@ -11,6 +12,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use base64::Engine as _;
 use sd_models::sampling::{SampleMethod, Scheduler};
 use serde_json::{json, Value};
 
@@ -23,11 +25,14 @@ type AppState = Arc<Shared>;
 pub(crate) fn router(state: AppState) -> Router {
     let limit = state.config.max_body;
     Router::new()
+        .route("/", get(index))
         .route("/sdcpp/v1/capabilities", get(capabilities))
         .route("/sdcpp/v1/img_gen", post(img_gen))
         .route("/sdcpp/v1/jobs/{id}", get(job))
         .route("/sdcpp/v1/jobs/{id}/cancel", post(cancel))
+        .route("/sdcpp/v1/jobs/{id}/events", get(job_events))
         .route("/v1/images/generations", post(openai_generations))
+        .route("/v1/images/edits", post(openai_edits))
         .route("/v1/models", get(models))
         .route("/sdapi/v1/txt2img", post(txt2img))
         .route("/sdapi/v1/img2img", post(img2img))
@@ -50,7 +55,9 @@ pub(crate) fn router(state: AppState) -> Router {
 /// the limit answered 413 before the body is read (a body without one is limited as it is
 /// read).
 async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.config.api_key {
+    // The page holds no data; its API calls carry the key.
+    let page = req.method() == axum::http::Method::GET && req.uri().path() == "/";
+    if let Some(key) = state.config.api_key.as_ref().filter(|_| !page) {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -75,6 +82,52 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
         return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message).into_response();
     }
     next.run(req).await
+}
+
+async fn index() -> axum::response::Html<&'static str> {
+    axum::response::Html(crate::page::INDEX_HTML)
+}
+
+/// `GET /sdcpp/v1/jobs/{id}/events`: server-sent events, one per change of the job (event
+/// name: its status; data: the job JSON of `GET /sdcpp/v1/jobs/{id}`, with progress and
+/// preview), the last one when it is finished.
+async fn job_events(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    {
+        let st = state.lock();
+        if !st.jobs.contains_key(&id) {
+            return Err(job_missing(st.expired.contains(&id)));
+        }
+    }
+    let rx = state.subscribe();
+    let stream = futures_util::stream::unfold(Some((state, id, rx, String::new())), |s| async move {
+        let (state, id, mut rx, last) = s?;
+        loop {
+            let (v, status) = {
+                let st = state.lock();
+                match st.jobs.get(&id) {
+                    Some(job) => (jobs::job_json(&st, job), job.status),
+                    // Expired while followed (a client that kept the stream open 600 s).
+                    None => return None,
+                }
+            };
+            // A change is a change of anything but the clock (elapsed and ETA move always).
+            let mut key = v.clone();
+            if let Some(p) = key.get_mut("progress").and_then(Value::as_object_mut) {
+                p.remove("elapsed");
+                p.remove("eta");
+            }
+            let key = key.to_string();
+            let finished = !matches!(status, Status::Queued | Status::Generating);
+            if key != last {
+                let event = Event::default().event(status.name()).data(v.to_string());
+                let next = (!finished).then_some((state, id, rx, key));
+                return Some((Ok::<_, std::convert::Infallible>(event), next));
+            }
+            rx.changed().await.ok()?;
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
 }
 
 async fn not_found() -> ApiError {
@@ -283,6 +336,80 @@ async fn openai_generations(
     Ok(Json(json!({"created": jobs::unix_now(), "output_format": format, "data": data})))
 }
 
+/// A multipart error as a JSON error (413 for too large a body).
+fn multipart_error(e: MultipartError) -> ApiError {
+    let status = e.status();
+    let error = if status == StatusCode::PAYLOAD_TOO_LARGE { "payload_too_large" } else { "invalid_request" };
+    ApiError::new(status, error, format!("multipart body: {}", e.body_text()))
+}
+
+/// `POST /v1/images/edits` (multipart): `prompt`, one image as `image` or `image[]`, an
+/// optional `mask`, `n`, `size`, `output_format`, `output_compression`. The image is the
+/// init image of an image-to-image run (its size unless `size` is given); a mask must ask to
+/// repaint everything (white everywhere), as this server does not inpaint yet.
+async fn openai_edits(
+    State(state): State<AppState>,
+    form: Result<Multipart, MultipartRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let mut form = form.map_err(|r| ApiError::new(r.status(), "invalid_request", r.body_text()))?;
+    let mut body = serde_json::Map::new();
+    let mut images: Vec<(String, Bytes)> = Vec::new();
+    let mut mask: Option<Bytes> = None;
+    while let Some(field) = form.next_field().await.map_err(multipart_error)? {
+        let name = field.name().unwrap_or("").to_string();
+        match name.as_str() {
+            "image" | "image[]" => images.push((name, field.bytes().await.map_err(multipart_error)?)),
+            "mask" => mask = Some(field.bytes().await.map_err(multipart_error)?),
+            "prompt" | "size" | "output_format" | "response_format" | "model" | "user" | "quality" => {
+                let text = field.text().await.map_err(multipart_error)?;
+                body.insert(name, json!(text));
+            }
+            "n" | "output_compression" => {
+                let text = field.text().await.map_err(multipart_error)?;
+                let n: i64 = text.trim().parse().map_err(|_| ApiError::field(&name, "not an integer"))?;
+                body.insert(name, json!(n));
+            }
+            _ => {
+                let shown: String = name.chars().take(40).flat_map(char::escape_debug).collect();
+                return Err(ApiError::field(&shown, "not a field of /v1/images/edits"));
+            }
+        }
+    }
+    let (image_field, image) = match images.len() {
+        0 => return Err(ApiError::field("image", "missing: the image to edit")),
+        1 => images.pop().expect("one image"),
+        n => return Err(ApiError::field("image[]", format!("{n} images: this server edits one image per request"))),
+    };
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    let init = decode::image(&image_field, &b64(&image))?;
+    if let Some(mask) = mask {
+        let m = decode::image("mask", &b64(&mask))?;
+        if (m.width, m.height) != (init.width, init.height) {
+            return Err(ApiError::field(
+                "mask",
+                format!("{}x{} is not the image's size {}x{}", m.width, m.height, init.width, init.height),
+            ));
+        }
+        if m.rgb.iter().any(|&v| v != 255) {
+            return Err(ApiError::field(
+                "mask",
+                "a partial mask (inpainting) is not supported by this server yet; a mask white everywhere is",
+            ));
+        }
+    }
+    let v = Value::Object(body);
+    let mut native = decode::openai(&v)?;
+    if native.get("width").is_none() {
+        native["width"] = json!(init.width);
+        native["height"] = json!(init.height);
+    }
+    native["init_image"] = json!(b64(&image));
+    let spec = decode::native(&native, &state.config)?;
+    let (images, format) = run_sync(&state, spec).await?;
+    let data: Vec<Value> = images.into_iter().map(|b64| json!({"b64_json": b64})).collect();
+    Ok(Json(json!({"created": jobs::unix_now(), "output_format": format, "data": data})))
+}
+
 async fn models() -> Json<Value> {
     Json(json!({"object": "list", "data": [{"id": "sd-cpp-local", "object": "model", "owned_by": "local"}]}))
 }
@@ -294,7 +421,7 @@ async fn sdapi_generate(
 ) -> Result<Json<Value>, ApiError> {
     let bytes = body(b)?;
     let v = decode::parse_body(&bytes)?;
-    let mut native = decode::sdapi(&v, img2img)?;
+    let mut native = decode::sdapi(&v, img2img, &state.config.lora_dir)?;
     // A1111 images are PNG.
     native["output_format"] = json!("png");
     let spec = decode::native(&native, &state.config)?;
@@ -374,7 +501,7 @@ async fn progress(State(state): State<AppState>) -> Json<Value> {
             "sampling_step": p["step"],
             "sampling_steps": p["steps"],
         },
-        "current_image": null,
+        "current_image": current.and_then(|j| j.preview.as_ref()).map(|p| p.b64.clone()),
         "textinfo": current.map(|j| j.progress.stage),
     }))
 }

@@ -271,13 +271,14 @@ fn queue_limit_cancel_progress_and_concurrent_clients() {
     let second_pixels = job_pixels(&server.wait(&second));
     drop(server);
 
-    // 4 clients x 2 jobs each, seeds 7 and 8: every job gets its seed's image.
+    // 8 clients x 3 jobs each, seeds 7 and 8: every job gets its seed's image (FIFO, no job
+    // lost).
     let server = std::sync::Arc::new(Serve::start(&model, &[]));
-    let clients: Vec<_> = (0..4)
+    let clients: Vec<_> = (0..8)
         .map(|c| {
             let server = server.clone();
             std::thread::spawn(move || {
-                (0..2u64)
+                (0..3u64)
                     .map(|j| {
                         let seed = 7 + (c + j) % 2;
                         let id = server.submit(&native("a cat", 1, seed));
@@ -291,7 +292,7 @@ fn queue_limit_cancel_progress_and_concurrent_clients() {
         })
         .collect();
     let results: Vec<(u64, Vec<u8>)> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
-    assert_eq!(results.len(), 8);
+    assert_eq!(results.len(), 24);
     let seed7 = cli_image(&model, &dir, "seed7.png", "a cat", 1, 7, &dir);
     assert_eq!(second_pixels, seed7, "the job queued behind a cancelled one vs sd-cli");
     let seed8 = results.iter().find(|(s, _)| *s == 8).unwrap().1.clone();
@@ -845,4 +846,120 @@ fn the_page_generates_in_a_real_browser_with_progress_and_preview() {
     drop(browser);
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn models_switch_among_the_models_dir_and_a_failed_switch_keeps_the_old_model() {
+    use sd_models::fixture::{ensure_cached, Family, WeightType};
+    let dir = out_dir("models");
+    let models = dir.join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    std::os::unix::fs::symlink(sd15_fixture(), models.join("sd15.safetensors")).unwrap();
+    std::os::unix::fs::symlink(ensure_cached(Family::Sd21, 42, WeightType::F16).unwrap().0, models.join("sd21.safetensors"))
+        .unwrap();
+    std::fs::write(dir.join("secret.safetensors"), b"outside").unwrap();
+    let sd15 = cli_image(&models.join("sd15.safetensors"), &dir, "sd15.png", "a cat", 1, 42, &dir);
+    let sd21 = cli_image(&models.join("sd21.safetensors"), &dir, "sd21.png", "a cat", 1, 42, &dir);
+    assert_ne!(sd15, sd21);
+    let server = Serve::start(&models.join("sd15.safetensors"), &["--models-dir", models.to_str().unwrap()]);
+    let (_, v) = server.call("GET", "/sdapi/v1/sd-models", None);
+    let titles: Vec<&str> = v.as_array().unwrap().iter().map(|m| m["title"].as_str().unwrap()).collect();
+    assert_eq!(titles, ["sd15", "sd21"]);
+    let image = || job_pixels(&server.wait(&server.submit(&native("a cat", 1, 42))));
+
+    let (status, v) = server.post("/sdapi/v1/options", &json!({"sd_model_checkpoint": "sd21"}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(server.call("GET", "/sdapi/v1/options", None).1["sd_model_checkpoint"], "sd21");
+    assert_eq!(image(), sd21, "after switching to sd21");
+    // A1111's title form, `name [hash]`.
+    let (status, v) = server.post("/sdapi/v1/options", &json!({"sd_model_checkpoint": "sd15.safetensors [00000000]"}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(image(), sd15, "after switching back to sd15");
+
+    // Names outside the directory, unknown names and options the server does not set: 400.
+    for (body, field) in [
+        (json!({"sd_model_checkpoint": "../secret"}), "sd_model_checkpoint"),
+        (json!({"sd_model_checkpoint": dir.join("secret.safetensors")}), "sd_model_checkpoint"),
+        (json!({"sd_model_checkpoint": "nothing"}), "sd_model_checkpoint"),
+        (json!({"sd_model_checkpoint": 5}), "sd_model_checkpoint"),
+        (json!({"CLIP_stop_at_last_layers": 2}), "CLIP_stop_at_last_layers"),
+    ] {
+        let (status, v) = server.post("/sdapi/v1/options", &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["field"], field, "{body}: {v}");
+    }
+    // A checkpoint that does not load: the switch fails, the old model serves on.
+    std::fs::write(models.join("broken.safetensors"), b"not a checkpoint").unwrap();
+    let (status, v) = server.post("/sdapi/v1/options", &json!({"sd_model_checkpoint": "broken"}));
+    assert_eq!(status, 500, "{v}");
+    assert!(!v["message"].as_str().unwrap().contains(models.to_str().unwrap()), "paths named by role: {v}");
+    assert_eq!(server.call("GET", "/sdapi/v1/options", None).1["sd_model_checkpoint"], "sd15");
+    assert_eq!(image(), sd15, "after a failed switch");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The resident set of process `pid`, and its high-water mark, in KiB.
+fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let get = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap()
+    };
+    (get("VmRSS:"), get("VmHWM:"))
+}
+
+#[test]
+fn a_client_that_disconnects_and_a_hundred_jobs_leave_the_server_as_it_was() {
+    let model = sd15_fixture();
+    let server = Serve::start(&model, &[]);
+    // A synchronous client that goes away mid-generation: its job ends (cancelled), the
+    // server serves on.
+    let addr = server.base.strip_prefix("http://").unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    let body = json!({"prompt": "a dog", "width": 64, "height": 64, "steps": 200, "seed": 3}).to_string();
+    write!(
+        s,
+        "POST /sdapi/v1/txt2img HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let t = Instant::now();
+    let job = loop {
+        let (_, v) = server.call("GET", "/sdapi/v1/progress", None);
+        if v["state"]["sampling_step"].as_u64().unwrap_or(0) >= 1 {
+            break v["state"]["job"].as_str().unwrap().to_string();
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "the job did not start: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    drop(s);
+    let v = server.wait(&job);
+    assert_eq!(v["status"], "cancelled", "{v}");
+    assert!(v["progress"].is_null());
+
+    // 100 tiny jobs one after the other: the resident set stays within the first job's
+    // high-water mark and a margin.
+    let pid = server.child.id();
+    let tiny = json!({"prompt": "a cat", "width": 64, "height": 64, "seed": 1,
+        "sample_params": {"sample_steps": 1, "sample_method": "euler", "guidance": {"txt_cfg": 1.0}}});
+    let first = job_pixels(&server.wait(&server.submit(&tiny)));
+    let (_, hwm_first) = rss_kib(pid);
+    let mut rss = Vec::new();
+    for i in 1..100 {
+        let v = server.wait(&server.submit(&tiny));
+        assert_eq!(job_pixels(&v), first, "job {i}");
+        rss.push(rss_kib(pid).0);
+    }
+    const MARGIN_KIB: u64 = 64 << 10;
+    let (max_rss, last) = (*rss.iter().max().unwrap(), *rss.last().unwrap());
+    assert!(
+        max_rss <= hwm_first + MARGIN_KIB,
+        "RSS grew: {max_rss} KiB at most after 100 jobs, the first job's high-water {hwm_first} KiB (last {last} KiB)"
+    );
+    eprintln!("RSS: first job's high-water {hwm_first} KiB; after 100 jobs at most {max_rss} KiB, last {last} KiB");
+    drop(server);
 }

@@ -7,6 +7,7 @@
 //! the next job. Finished jobs are kept [`KEEP_SECONDS`] and then answer 410.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -55,6 +56,14 @@ pub(crate) struct JobProgress {
     pub steps: usize,
 }
 
+/// What a job does.
+pub(crate) enum Work {
+    /// Generate images.
+    Generate(JobSpec),
+    /// Replace the loaded model by this checkpoint.
+    Switch(PathBuf),
+}
+
 /// The latest preview of a generating job.
 #[derive(Clone, Debug)]
 pub(crate) struct Preview {
@@ -73,7 +82,7 @@ pub(crate) struct Job {
     pub started: Option<u64>,
     pub completed: Option<u64>,
     /// Taken by the worker when the job starts.
-    pub spec: Option<JobSpec>,
+    pub spec: Option<Work>,
     pub output_format: &'static str,
     /// Base64 images once completed.
     pub images: Vec<String>,
@@ -109,6 +118,9 @@ pub(crate) struct Shared {
     cancel: Arc<AtomicBool>,
     /// Bumped on every change of any job (server-sent events wait on it).
     changes: tokio::sync::watch::Sender<u64>,
+    /// The checkpoint loaded now (None while none is: a switch whose model and the old one
+    /// both failed to load).
+    model: Mutex<Option<PathBuf>>,
 }
 
 /// Why a job was not accepted.
@@ -128,12 +140,18 @@ pub(crate) fn unix_now() -> u64 {
 impl Shared {
     pub(crate) fn new(config: Config, cancel: Arc<AtomicBool>) -> Shared {
         Shared {
-            config,
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
             cancel,
             changes: tokio::sync::watch::Sender::new(0),
+            model: Mutex::new(Some(config.model_path.clone())),
+            config,
         }
+    }
+
+    /// The checkpoint loaded now.
+    pub(crate) fn model_path(&self) -> Option<PathBuf> {
+        self.model.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Tells the event streams that a job changed.
@@ -181,7 +199,7 @@ impl Shared {
     /// `max_queue` jobs are pending. With `wait`, also a receiver told when it finishes.
     pub(crate) fn submit(
         &self,
-        spec: JobSpec,
+        spec: Work,
         wait: bool,
     ) -> Result<(String, u64, Option<tokio::sync::oneshot::Receiver<()>>), QueueFull> {
         let mut st = self.lock();
@@ -204,7 +222,10 @@ impl Shared {
             created,
             started: None,
             completed: None,
-            output_format: spec.output.format.name(),
+            output_format: match &spec {
+                Work::Generate(g) => g.output.format.name(),
+                Work::Switch(_) => "png",
+            },
             spec: Some(spec),
             images: Vec::new(),
             error: None,
@@ -330,8 +351,52 @@ pub(crate) fn fraction(p: &JobProgress) -> f64 {
     (p.image * p.steps + p.step) as f64 / total as f64
 }
 
+/// `pipeline` with the server's cancel flag and preview hook.
+pub(crate) fn hooked(shared: &Arc<Shared>, pipeline: Pipeline) -> Pipeline {
+    pipeline.with_cancel(shared.cancel.clone()).with_latent_hook(crate::preview::hook(shared.clone()))
+}
+
+/// Replaces the loaded model by `path`: the old one is dropped first (its memory returns
+/// before the new one's is taken); when the new one fails to load, the old one is loaded
+/// again.
+fn switch(
+    shared: &Arc<Shared>,
+    pipeline: &mut Option<Pipeline>,
+    load: &mut crate::Loader,
+    path: &Path,
+) -> Result<Vec<String>, Failure> {
+    let old = shared.model_path();
+    if old.as_deref() == Some(path) && pipeline.is_some() {
+        return Ok(Vec::new());
+    }
+    *pipeline = None;
+    *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    tracing::info!("loading <checkpoint file> '{}'", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default());
+    let error = match load(path) {
+        Ok(p) => {
+            *pipeline = Some(hooked(shared, p));
+            *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.to_path_buf());
+            return Ok(Vec::new());
+        }
+        Err(e) => e,
+    };
+    let message = roles(error.replace(&*path.to_string_lossy(), "<checkpoint file>"), &shared.config, &[]);
+    tracing::warn!("the model switch failed: {message}");
+    if let Some(old) = old {
+        match load(&old) {
+            Ok(p) => {
+                *pipeline = Some(hooked(shared, p));
+                *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = Some(old);
+            }
+            Err(e) => tracing::error!("the previous model could not be loaded again: {}", roles(e, &shared.config, &[])),
+        }
+    }
+    Err(Failure::Failed { message: format!("loading the model: {message}"), bad_request: false })
+}
+
 /// Runs queued jobs on this thread, forever.
-pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
+pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Loader) {
+    let mut pipeline = Some(pipeline);
     loop {
         let (id, spec) = {
             let mut st = shared.lock();
@@ -349,21 +414,35 @@ pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
             job.started = Some(unix_now());
             job.started_at = Some(Instant::now());
             let spec = job.spec.take().expect("a queued job has its request");
-            job.progress = JobProgress {
-                stage: "text encode",
-                image: 0,
-                images: spec.params.params().batch_count,
-                step: 0,
-                steps: spec.params.params().steps,
+            job.progress = match &spec {
+                Work::Generate(spec) => JobProgress {
+                    stage: "text encode",
+                    image: 0,
+                    images: spec.params.params().batch_count,
+                    step: 0,
+                    steps: spec.params.params().steps,
+                },
+                Work::Switch(_) => JobProgress { stage: "load model", ..JobProgress::default() },
             };
             (id, spec)
         };
         shared.changed();
-        let p = spec.params.params();
-        tracing::info!("{id}: generating {}x{}, {} steps, {} images", p.width, p.height, p.steps, p.batch_count);
-        // Prompts are the user's text: only at debug level (logs may leave the machine).
-        tracing::debug!("{id}: prompt {:?}, negative prompt {:?}", p.prompt, p.negative_prompt);
-        let outcome = run(shared, &mut pipeline, &id, spec);
+        let outcome = match spec {
+            Work::Generate(spec) => {
+                let p = spec.params.params();
+                tracing::info!("{id}: generating {}x{}, {} steps, {} images", p.width, p.height, p.steps, p.batch_count);
+                // Prompts are the user's text: only at debug level (logs may leave the machine).
+                tracing::debug!("{id}: prompt {:?}, negative prompt {:?}", p.prompt, p.negative_prompt);
+                match pipeline.as_mut() {
+                    Some(pipeline) => run(shared, pipeline, &id, spec),
+                    None => Err(Failure::Failed {
+                        message: "no model is loaded (the last model switch failed): switch to a model first".into(),
+                        bad_request: false,
+                    }),
+                }
+            }
+            Work::Switch(path) => switch(shared, &mut pipeline, &mut load, &path),
+        };
         let mut st = shared.lock();
         st.current = None;
         match outcome {

@@ -57,6 +57,10 @@ pub struct ServerArgs {
     /// every N sampling steps and at the last; 0: no previews.
     #[arg(long = "preview-interval", value_name = "N", default_value_t = 1)]
     pub preview_interval: usize,
+    /// Directory of the checkpoints `POST /sdapi/v1/options {"sd_model_checkpoint": NAME}`
+    /// may switch to (its top level; the old model is freed before the new one loads).
+    #[arg(long = "models-dir", value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
 }
 
 /// Everything the server needs besides the pipeline.
@@ -72,6 +76,8 @@ pub struct Config {
     pub max_body: usize,
     /// Sampling steps between previews (0: none).
     pub preview_interval: usize,
+    /// The checkpoints a request may switch to.
+    pub models_dir: Option<PathBuf>,
     /// The directory every request's LoRA names are confined to.
     pub lora_dir: PathBuf,
     /// How LoRAs are applied (`--lora-apply-mode`).
@@ -97,6 +103,7 @@ impl Config {
             max_queue: args.max_queue.max(1),
             max_body: args.max_body_mib.saturating_mul(1 << 20),
             preview_interval: args.preview_interval,
+            models_dir: args.models_dir.clone(),
             lora_dir,
             lora_apply_mode,
             model_path,
@@ -122,9 +129,19 @@ pub enum ServerError {
     Runtime(#[source] std::io::Error),
 }
 
+/// Loads the checkpoint at a path with the server's context flags (model switching): the
+/// pipeline, or the error's message.
+pub type Loader = Box<dyn FnMut(&std::path::Path) -> Result<Pipeline, String>>;
+
 /// Serves `pipeline` until the process ends: binds `config.listen`, calls `ready` with the
-/// bound address, then runs the queued jobs on this thread.
-pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr)) -> Result<(), ServerError> {
+/// bound address, then runs the queued jobs on this thread (`load` loads the checkpoints a
+/// model switch asks for).
+pub fn serve(
+    pipeline: Pipeline,
+    config: Config,
+    load: Loader,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<(), ServerError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -142,8 +159,8 @@ pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr))
         );
     }
     let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let state = Arc::new(jobs::Shared::new(config, cancel.clone()));
-    let pipeline = pipeline.with_cancel(cancel).with_latent_hook(preview::hook(state.clone()));
+    let state = Arc::new(jobs::Shared::new(config, cancel));
+    let pipeline = jobs::hooked(&state, pipeline);
     let app = routes::router(state.clone());
     let listener = {
         let _guard = runtime.enter();
@@ -156,6 +173,6 @@ pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr))
     });
     tracing::info!("listening on http://{bound}");
     ready(bound);
-    jobs::work(&state, pipeline);
+    jobs::work(&state, pipeline, load);
     Ok(())
 }

@@ -17,7 +17,7 @@ use sd_models::sampling::{SampleMethod, Scheduler};
 use serde_json::{json, Value};
 
 use crate::decode::{self, ApiError, JobSpec};
-use crate::jobs::{self, CancelError, QueueFull, Shared, Status};
+use crate::jobs::{self, CancelError, QueueFull, Shared, Status, Work};
 
 type AppState = Arc<Shared>;
 
@@ -40,7 +40,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/sdapi/v1/schedulers", get(schedulers))
         .route("/sdapi/v1/loras", get(loras))
         .route("/sdapi/v1/sd-models", get(sd_models_list))
-        .route("/sdapi/v1/options", get(options))
+        .route("/sdapi/v1/options", get(options).post(set_options))
         .route("/sdapi/v1/upscalers", get(upscalers))
         .route("/sdapi/v1/latent-upscale-modes", get(latent_upscale_modes))
         .route("/sdapi/v1/progress", get(progress))
@@ -147,9 +147,28 @@ fn queue_full() -> ApiError {
     ApiError::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "job queue is full")
 }
 
-/// The model's file stem.
+/// The loaded model's file stem.
 fn model_stem(state: &Shared) -> String {
-    state.config.model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    let path = state.model_path().unwrap_or_default();
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Checkpoint files at the top level of `--models-dir`, sorted.
+fn model_files(state: &Shared) -> Vec<std::path::PathBuf> {
+    let Some(dir) = &state.config.models_dir else { return Vec::new() };
+    let mut out: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file())
+        .filter(|p| {
+            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+            ["safetensors", "gguf", "ckpt", "pt", "sft"].contains(&ext)
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// LoRA files of the directory (top level): `{name, path}`.
@@ -205,7 +224,7 @@ async fn capabilities(State(state): State<AppState>) -> Json<Value> {
         "cancel_queued": true, "cancel_generating": true,
     });
     let formats = json!(["png", "jpeg", "webp"]);
-    let path = &state.config.model_path;
+    let path = &state.model_path().unwrap_or_default();
     Json(json!({
         "model": {
             "name": path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -243,7 +262,7 @@ async fn img_gen(State(state): State<AppState>, b: Result<Bytes, BytesRejection>
         return Err(ApiError::field("sd_cpp_extra_args", "not used by the native API: put its fields in the body"));
     }
     let spec = decode::native(&v, &state.config)?;
-    let (id, created, _) = state.submit(spec, false).map_err(|QueueFull| queue_full())?;
+    let (id, created, _) = state.submit(Work::Generate(spec), false).map_err(|QueueFull| queue_full())?;
     let out = json!({
         "id": id,
         "kind": "img_gen",
@@ -304,7 +323,12 @@ impl Drop for CancelOnDrop {
 
 /// Runs `spec` as a job and waits for it: the base64 images and their format.
 async fn run_sync(state: &AppState, spec: JobSpec) -> Result<(Vec<String>, &'static str), ApiError> {
-    let (id, _, rx) = state.submit(spec, true).map_err(|QueueFull| queue_full())?;
+    run_work(state, Work::Generate(spec)).await
+}
+
+/// Runs `work` as a job and waits for it.
+async fn run_work(state: &AppState, work: Work) -> Result<(Vec<String>, &'static str), ApiError> {
+    let (id, _, rx) = state.submit(work, true).map_err(|QueueFull| queue_full())?;
     let mut guard = CancelOnDrop { state: state.clone(), id: id.clone(), armed: true };
     if let Some(rx) = rx {
         let _ = rx.await;
@@ -454,18 +478,77 @@ async fn loras(State(state): State<AppState>) -> Json<Value> {
     Json(Value::Array(lora_list(&state)))
 }
 
+/// The loaded model, or the checkpoints of `--models-dir` when it is given.
 async fn sd_models_list(State(state): State<AppState>) -> Json<Value> {
-    let stem = model_stem(&state);
-    let file = state.config.model_path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    Json(json!([{
-        "title": stem, "model_name": stem, "filename": file,
-        "hash": "00000000", "sha256": "0000000000000000000000000000000000000000000000000000000000000000",
-        "config": null,
-    }]))
+    let mut files = model_files(&state);
+    if files.is_empty() {
+        files.extend(state.model_path());
+    }
+    let list: Vec<Value> = files
+        .iter()
+        .map(|p| {
+            let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let file = p.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            json!({
+                "title": stem, "model_name": stem, "filename": file,
+                "hash": "00000000", "sha256": "0000000000000000000000000000000000000000000000000000000000000000",
+                "config": null,
+            })
+        })
+        .collect();
+    Json(Value::Array(list))
 }
 
 async fn options(State(state): State<AppState>) -> Json<Value> {
     Json(json!({"samples_format": "png", "sd_model_checkpoint": model_stem(&state)}))
+}
+
+/// `POST /sdapi/v1/options`: `sd_model_checkpoint` switches to a checkpoint of
+/// `--models-dir` (by file name, stem, or A1111's `title [hash]`), queued behind the jobs
+/// before it; `samples_format` may only be `png`.
+async fn set_options(State(state): State<AppState>, b: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let bytes = body(b)?;
+    let v = decode::parse_body(&bytes)?;
+    for key in v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()).unwrap_or_default() {
+        if key != "sd_model_checkpoint" && key != "samples_format" {
+            let shown: String = key.chars().take(40).flat_map(char::escape_debug).collect();
+            return Err(ApiError::field(&shown, "not an option this server sets"));
+        }
+    }
+    if let Some(f) = decode::field::<String>(&v, "samples_format")? {
+        if f != "png" {
+            return Err(ApiError::field("samples_format", "only png"));
+        }
+    }
+    let Some(name) = decode::field::<String>(&v, "sd_model_checkpoint")? else { return Ok(Json(json!({}))) };
+    // A1111 clients send the title, `name [hash]`.
+    let name = match name.rfind(" [") {
+        Some(i) if name.ends_with(']') => name[..i].to_string(),
+        _ => name,
+    };
+    const F: &str = "sd_model_checkpoint";
+    if name.contains(['/', '\\']) || name == ".." || name.is_empty() {
+        return Err(ApiError::field(F, "a checkpoint is named by its file name in --models-dir (no path)"));
+    }
+    if state.config.models_dir.is_none() {
+        if name == model_stem(&state) {
+            return Ok(Json(json!({})));
+        }
+        return Err(ApiError::field(F, "the server was started without --models-dir: it serves one model"));
+    }
+    let files = model_files(&state);
+    let matches = |p: &&std::path::PathBuf| {
+        p.file_name().is_some_and(|n| n.to_string_lossy() == name)
+            || p.file_stem().is_some_and(|n| n.to_string_lossy() == name)
+    };
+    let Some(path) = files.iter().find(matches).cloned() else {
+        let known: Vec<String> =
+            files.iter().filter_map(|p| p.file_stem()).map(|s| s.to_string_lossy().into_owned()).collect();
+        let shown: String = name.chars().take(60).flat_map(char::escape_debug).collect();
+        return Err(ApiError::field(F, format!("no checkpoint '{shown}' in --models-dir (known: {})", known.join(", "))));
+    };
+    run_work(&state, Work::Switch(path)).await?;
+    Ok(Json(json!({})))
 }
 
 async fn upscalers() -> Json<Value> {

@@ -10,15 +10,20 @@
 //! - native async jobs: `GET /sdcpp/v1/capabilities`, `POST /sdcpp/v1/img_gen` (202 with
 //!   `{id, poll_url}`, 429 when the queue is full), `GET /sdcpp/v1/jobs/{id}`,
 //!   `POST /sdcpp/v1/jobs/{id}/cancel`;
-//! - OpenAI: `POST /v1/images/generations`, `GET /v1/models`;
+//! - OpenAI: `POST /v1/images/generations`, `POST /v1/images/edits`, `GET /v1/models`;
 //! - A1111: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/img2img`, the `GET /sdapi/v1/...`
-//!   lists, and (beyond the reference) `GET /sdapi/v1/progress`, `POST /sdapi/v1/interrupt`.
+//!   lists, and (beyond the reference) `GET /sdapi/v1/progress`, `POST /sdapi/v1/interrupt`,
+//!   `POST /sdapi/v1/options` (model switching among `--models-dir`);
+//! - beyond the reference: `GET /sdcpp/v1/jobs/{id}/events` (server-sent events), previews
+//!   in the job JSON ([`preview`]), and the web page at `/` ([`page`]).
 //!
-//! What it refuses: prompt-embedded `<lora:...>` tags (the reference's rule: LoRAs come from
-//! the `lora` field), LoRA names that leave `--lora-model-dir`, and every field the runtime
-//! cannot honour (masks, reference images, hires fix, custom sigmas): a 400 naming the field,
-//! never a silent default. Bad input never reaches the pipeline: every body is decoded and
-//! checked on the HTTP side ([`decode`]).
+//! LoRAs come from the `lora` field, and in sdapi prompts from A1111's `<lora:name:weight>`
+//! tags too (the reference parses tags in no API; A1111 clients write them); the native and
+//! OpenAI prompts keep tags as text, as the reference does. What it refuses: LoRA and model
+//! names that leave their directories, and every field the runtime cannot honour (partial
+//! masks, reference images, hires fix, custom sigmas): a 400 naming the field, never a silent
+//! default. Bad input never reaches the pipeline: every body is decoded and checked on the
+//! HTTP side ([`decode`]).
 
 mod decode;
 mod images;

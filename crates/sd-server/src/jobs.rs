@@ -59,7 +59,7 @@ pub(crate) struct JobProgress {
 /// What a job does.
 pub(crate) enum Work {
     /// Generate images.
-    Generate(JobSpec),
+    Generate(Box<JobSpec>),
     /// Replace the loaded model by this checkpoint.
     Switch(PathBuf),
 }
@@ -429,6 +429,7 @@ pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Lo
         shared.changed();
         let outcome = match spec {
             Work::Generate(spec) => {
+                let spec = *spec;
                 let p = spec.params.params();
                 tracing::info!("{id}: generating {}x{}, {} steps, {} images", p.width, p.height, p.steps, p.batch_count);
                 // Prompts are the user's text: only at debug level (logs may leave the machine).

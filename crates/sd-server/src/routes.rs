@@ -262,7 +262,7 @@ async fn img_gen(State(state): State<AppState>, b: Result<Bytes, BytesRejection>
         return Err(ApiError::field("sd_cpp_extra_args", "not used by the native API: put its fields in the body"));
     }
     let spec = decode::native(&v, &state.config)?;
-    let (id, created, _) = state.submit(Work::Generate(spec), false).map_err(|QueueFull| queue_full())?;
+    let (id, created, _) = state.submit(Work::Generate(Box::new(spec)), false).map_err(|QueueFull| queue_full())?;
     let out = json!({
         "id": id,
         "kind": "img_gen",
@@ -323,7 +323,7 @@ impl Drop for CancelOnDrop {
 
 /// Runs `spec` as a job and waits for it: the base64 images and their format.
 async fn run_sync(state: &AppState, spec: JobSpec) -> Result<(Vec<String>, &'static str), ApiError> {
-    run_work(state, Work::Generate(spec)).await
+    run_work(state, Work::Generate(Box::new(spec))).await
 }
 
 /// Runs `work` as a job and waits for it.

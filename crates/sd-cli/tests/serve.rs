@@ -485,9 +485,11 @@ fn bad_input_is_a_4xx_naming_the_field() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A multipart/form-data body of `parts` (`name`, file name for a file, bytes): its
-/// content type and bytes.
-fn multipart(parts: &[(&str, Option<&str>, &[u8])]) -> (String, Vec<u8>) {
+/// A part of a multipart body: name, file name (for a file), bytes.
+type Part<'a> = (&'a str, Option<&'a str>, &'a [u8]);
+
+/// A multipart/form-data body of `parts`: its content type and bytes.
+fn multipart(parts: &[Part<'_>]) -> (String, Vec<u8>) {
     let boundary = "sd-rs-test-boundary-7MA4YWxkTrZu0gW";
     let mut body = Vec::new();
     for (name, file, bytes) in parts {
@@ -590,9 +592,7 @@ fn sd_server_alias_lora_tags_edits_events_previews_and_json_logs() {
     let server = Serve { child, base, agent, key: None };
 
     // A1111 prompts take <lora:name:weight> tags, confined to --lora-model-dir.
-    let a1111 = |prompt: &str| {
-        json!({"prompt": prompt, "width": 64, "height": 64, "steps": 2, "sampler_name": "Euler", "cfg_scale": 7, "seed": 42})
-    };
+    let a1111 = |prompt: &str| json!({"prompt": prompt, "width": 64, "height": 64, "steps": 2, "sampler_name": "Euler", "cfg_scale": 7, "seed": 42});
     let (status, v) = server.post("/sdapi/v1/txt2img", &a1111("a cat<lora:kohya:1>"));
     assert_eq!(status, 200, "{v}");
     assert_eq!(b64_pixels(v["images"][0].as_str().unwrap()), lora, "sdapi <lora:kohya:1> vs sd-cli's");
@@ -609,7 +609,7 @@ fn sd_server_alias_lora_tags_edits_events_previews_and_json_logs() {
     let prompt = format!("a cat {extra}");
     let white = flat_png(64, 64, [255, 255, 255]);
     let grey = flat_png(64, 64, [128, 128, 128]);
-    let edit = |parts: &[(&str, Option<&str>, &[u8])]| {
+    let edit = |parts: &[Part<'_>]| {
         let (ct, body) = multipart(parts);
         let mut resp = server
             .agent
@@ -618,7 +618,8 @@ fn sd_server_alias_lora_tags_edits_events_previews_and_json_logs() {
             .send(&body[..])
             .unwrap();
         let status = resp.status().as_u16();
-        let v: Value = serde_json::from_str(&resp.body_mut().with_config().limit(64 << 20).read_to_string().unwrap()).unwrap();
+        let v: Value =
+            serde_json::from_str(&resp.body_mut().with_config().limit(64 << 20).read_to_string().unwrap()).unwrap();
         (status, v)
     };
     let (status, v) = edit(&[("prompt", None, prompt.as_bytes()), ("image", Some("init.png"), &init_png)]);
@@ -631,7 +632,7 @@ fn sd_server_alias_lora_tags_edits_events_previews_and_json_logs() {
     ]);
     assert_eq!(status, 200, "{v}");
     assert_eq!(b64_pixels(v["data"][0]["b64_json"].as_str().unwrap()), edited, "a white mask edits everything");
-    let bad: [(&[(&str, Option<&str>, &[u8])], &str); 5] = [
+    let bad: [(&[Part<'_>], &str); 5] = [
         (&[("prompt", None, b"a cat"), ("image", Some("i.png"), &init_png), ("mask", Some("m.png"), &grey)], "mask"),
         (&[("prompt", None, b"a cat")], "image"),
         (&[("image", Some("i.png"), &init_png)], "prompt"),
@@ -751,8 +752,8 @@ impl Browser {
         }
         .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let status = resp.status().as_u16();
-        let v: Value = serde_json::from_str(&resp.body_mut().with_config().limit(64 << 20).read_to_string().unwrap())
-            .unwrap();
+        let v: Value =
+            serde_json::from_str(&resp.body_mut().with_config().limit(64 << 20).read_to_string().unwrap()).unwrap();
         assert_eq!(status, 200, "{method} {path}: {v}");
         v["value"].clone()
     }
@@ -808,7 +809,9 @@ fn the_page_generates_in_a_real_browser_with_progress_and_preview() {
         std::thread::sleep(Duration::from_millis(50));
     }
     browser.type_into("#prompt", "a cat");
-    for (css, v) in [("#width", "64"), ("#height", "64"), ("#steps", &steps.to_string()), ("#seed", "42"), ("#cfg", "7")] {
+    for (css, v) in
+        [("#width", "64"), ("#height", "64"), ("#steps", &steps.to_string()), ("#seed", "42"), ("#cfg", "7")]
+    {
         browser.type_into(css, v);
     }
     browser.eval("const s = document.getElementById('sampler'); s.value = 'euler'; return s.value");
@@ -855,8 +858,11 @@ fn models_switch_among_the_models_dir_and_a_failed_switch_keeps_the_old_model() 
     let models = dir.join("models");
     std::fs::create_dir_all(&models).unwrap();
     std::os::unix::fs::symlink(sd15_fixture(), models.join("sd15.safetensors")).unwrap();
-    std::os::unix::fs::symlink(ensure_cached(Family::Sd21, 42, WeightType::F16).unwrap().0, models.join("sd21.safetensors"))
-        .unwrap();
+    std::os::unix::fs::symlink(
+        ensure_cached(Family::Sd21, 42, WeightType::F16).unwrap().0,
+        models.join("sd21.safetensors"),
+    )
+    .unwrap();
     std::fs::write(dir.join("secret.safetensors"), b"outside").unwrap();
     let sd15 = cli_image(&models.join("sd15.safetensors"), &dir, "sd15.png", "a cat", 1, 42, &dir);
     let sd21 = cli_image(&models.join("sd21.safetensors"), &dir, "sd21.png", "a cat", 1, 42, &dir);

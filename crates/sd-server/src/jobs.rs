@@ -388,7 +388,9 @@ fn switch(
                 *pipeline = Some(hooked(shared, p));
                 *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = Some(old);
             }
-            Err(e) => tracing::error!("the previous model could not be loaded again: {}", roles(e, &shared.config, &[])),
+            Err(e) => {
+                tracing::error!("the previous model could not be loaded again: {}", roles(e, &shared.config, &[]))
+            }
         }
     }
     Err(Failure::Failed { message: format!("loading the model: {message}"), bad_request: false })
@@ -431,7 +433,13 @@ pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Lo
             Work::Generate(spec) => {
                 let spec = *spec;
                 let p = spec.params.params();
-                tracing::info!("{id}: generating {}x{}, {} steps, {} images", p.width, p.height, p.steps, p.batch_count);
+                tracing::info!(
+                    "{id}: generating {}x{}, {} steps, {} images",
+                    p.width,
+                    p.height,
+                    p.steps,
+                    p.batch_count
+                );
                 // Prompts are the user's text: only at debug level (logs may leave the machine).
                 tracing::debug!("{id}: prompt {:?}, negative prompt {:?}", p.prompt, p.negative_prompt);
                 match pipeline.as_mut() {

@@ -81,7 +81,7 @@ pub(crate) fn hook(shared: Arc<Shared>) -> LatentHook {
             return;
         }
         let done = l.step + 1;
-        if done % every != 0 && done != l.steps {
+        if !done.is_multiple_of(every) && done != l.steps {
             return;
         }
         if let Some(b64) = png_b64(l) {

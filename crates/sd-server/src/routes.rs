@@ -545,7 +545,10 @@ async fn set_options(State(state): State<AppState>, b: Result<Bytes, BytesReject
         let known: Vec<String> =
             files.iter().filter_map(|p| p.file_stem()).map(|s| s.to_string_lossy().into_owned()).collect();
         let shown: String = name.chars().take(60).flat_map(char::escape_debug).collect();
-        return Err(ApiError::field(F, format!("no checkpoint '{shown}' in --models-dir (known: {})", known.join(", "))));
+        return Err(ApiError::field(
+            F,
+            format!("no checkpoint '{shown}' in --models-dir (known: {})", known.join(", ")),
+        ));
     };
     run_work(&state, Work::Switch(path)).await?;
     Ok(Json(json!({})))

@@ -496,9 +496,12 @@ pub(crate) fn roles(message: String, config: &Config, loras: &[sd_models::lora::
     if !model.is_empty() {
         m = m.replace(&*model, "<checkpoint file>");
     }
-    // Only a directory given in full: a relative one (`.`) would match text anywhere.
-    if config.lora_dir.is_absolute() && config.lora_dir.parent().is_some() {
-        m = m.replace(&*config.lora_dir.to_string_lossy(), "<lora-model-dir>");
+    // Only directories given in full: a relative one (`.`) would match text anywhere.
+    let dirs = [(Some(&config.lora_dir), "<lora-model-dir>"), (config.models_dir.as_ref(), "<models-dir>")];
+    for (dir, role) in dirs {
+        if let Some(dir) = dir.filter(|d| d.is_absolute() && d.parent().is_some()) {
+            m = m.replace(&*dir.to_string_lossy(), role);
+        }
     }
     m
 }

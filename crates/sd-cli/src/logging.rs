@@ -1,4 +1,5 @@
-//! The tracing subscriber of the binary: info by default, `-v` debug, `-vv` trace.
+//! The tracing subscriber of the binary: info by default, `-v` debug, `-vv` trace; text, or
+//! JSON lines with `--log-format json`.
 //!
 //! `RUST_LOG` overrides the level. ggml's own messages arrive under the target
 //! `ggml` (see sd-backends' log bridge).
@@ -7,15 +8,34 @@ use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `fields.message`.
+    Json,
+}
+
 /// Installs the subscriber; logs go to stderr so stdout stays for data (JSON). Colours only
 /// on a terminal, and never with `NO_COLOR` set.
-pub fn init(verbose: u8) {
+pub fn init(verbose: u8, format: LogFormat) {
     let level = match verbose {
         0 => "info",
         1 => "debug",
         _ => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    if format == LogFormat::Json {
+        let _ = tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(|| AboveBars)
+            .with_ansi(false)
+            .with_target(true)
+            .try_init();
+        return;
+    }
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(|| AboveBars)

@@ -86,6 +86,10 @@ struct Cli {
     /// Debug logging (`-v`), trace logging (`-vv`).
     #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
     verbose: u8,
+    /// [sd-rs] Log lines as text, or as JSON objects one per line (for front-ends that
+    /// collect logs).
+    #[arg(long = "log-format", value_enum, default_value_t = logging::LogFormat::Text, global = true)]
+    log_format: logging::LogFormat,
     #[command(flatten)]
     devices: DeviceArgs,
     /// List the available devices and exit.
@@ -146,7 +150,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    logging::init(cli.verbose);
+    logging::init(cli.verbose, cli.log_format);
     // Switches the CPU kernels read behind our back: a value they would ignore is bad input.
     if let Err(e) = sd_backends::backend::check_cpu_env() {
         print_error(&e.into());

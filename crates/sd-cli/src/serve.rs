@@ -26,12 +26,25 @@ pub fn run(a: &ServeArgs, dev: &DeviceArgs) -> Result<ExitCode> {
         anyhow::bail!("-p: LoRA tags in the default prompt are not applied by the server; requests name LoRAs in their `lora` field");
     }
     let defaults = defaults.params().clone();
-    let Loaded { pipeline, model, .. } =
-        load(g, dev, g.model.or_fixture(crate::generate::ensure_fixture)?, (defaults.width, defaults.height), &[])?;
+    if let Some(dir) = &a.server.models_dir {
+        if !dir.is_dir() {
+            anyhow::bail!("--models-dir '{}' is not a directory", dir.display());
+        }
+    }
+    let size = (defaults.width, defaults.height);
+    let Loaded { pipeline, model, .. } = load(g, dev, g.model.or_fixture(crate::generate::ensure_fixture)?, size, &[])?;
     let model_path = model.model.clone().or(model.diffusion_model.clone()).unwrap_or_default();
+    // A model switch loads another checkpoint with the same context flags.
+    let (g2, dev2) = (g.clone(), dev.clone());
+    let loader: sd_server::Loader = Box::new(move |path: &std::path::Path| {
+        let mut m = model.clone();
+        m.model = Some(path.to_path_buf());
+        m.diffusion_model = None;
+        load(&g2, &dev2, m, size, &[]).map(|l| l.pipeline).map_err(|e| format!("{e:#}"))
+    });
     let config =
         sd_server::Config::new(&a.server, g.lora.lora_model_dir.clone(), g.lora.lora_apply_mode, model_path, defaults);
-    sd_server::serve(pipeline, config, |addr| crate::out!("sd-server listening on http://{addr}"))
+    sd_server::serve(pipeline, config, loader, |addr| crate::out!("sd-server listening on http://{addr}"))
         .context("sd-cli serve")?;
     Ok(ExitCode::SUCCESS)
 }

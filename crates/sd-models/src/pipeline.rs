@@ -546,7 +546,33 @@ pub struct Pipeline {
     loras: Option<(Arc<crate::lora::LoraSet>, crate::lora::ApplyMode)>,
     /// Set by another thread to stop the run at the next sampling step or stage.
     cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Called with each sampling step's denoised latent (previews).
+    latent_hook: Option<LatentHook>,
 }
+
+/// One image's denoised latent after a sampling step, as [`Pipeline::with_latent_hook`]'s
+/// hook sees it: planar `channels x height x width` (latent pixels), in the diffusion
+/// model's scaling.
+#[derive(Debug)]
+pub struct StepLatent<'a> {
+    /// The image (0-based) of the batch.
+    pub image: usize,
+    /// The step (0-based) just finished, of `steps`.
+    pub step: usize,
+    /// Sampling steps of the image.
+    pub steps: usize,
+    /// Latent channels.
+    pub channels: usize,
+    /// Latent width.
+    pub width: usize,
+    /// Latent height.
+    pub height: usize,
+    /// The denoised estimate.
+    pub latent: &'a [f32],
+}
+
+/// A hook called after each sampling step (on the generating thread; keep it cheap).
+pub type LatentHook = Arc<dyn Fn(&StepLatent<'_>) + Send + Sync>;
 
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -586,7 +612,7 @@ impl Pipeline {
         let parameterisation = if flow { "flow matching" } else { prediction.name() };
         tracing::info!("model: {} ({} tensors), prediction {parameterisation}", detected.arch, files.index().len());
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts, loras: None, cancel: None })
+        Ok(Self { files, family, prediction, opts, loras: None, cancel: None, latent_hook: None })
     }
 
     /// The pipeline with `requests`' LoRA adapters applied in `mode` (read and checked
@@ -620,6 +646,13 @@ impl Pipeline {
     /// or stage boundary once `flag` is set (the caller clears it before the next run).
     pub fn with_cancel(mut self, flag: Arc<std::sync::atomic::AtomicBool>) -> Self {
         self.cancel = Some(flag);
+        self
+    }
+
+    /// The pipeline calling `hook` with every image's denoised latent after each sampling
+    /// step (a server's previews).
+    pub fn with_latent_hook(mut self, hook: LatentHook) -> Self {
+        self.latent_hook = Some(hook);
         self
     }
 
@@ -1133,6 +1166,20 @@ impl Pipeline {
                             });
                         }
                         step_start = Instant::now();
+                        if let Some(hook) = &self.latent_hook {
+                            for (k, b) in images.clone().enumerate() {
+                                let Some(latent) = out.pred.get(k * per_image..(k + 1) * per_image) else { break };
+                                hook(&StepLatent {
+                                    image: b,
+                                    step: step.index,
+                                    steps: step.count,
+                                    channels,
+                                    width: lw,
+                                    height: lh,
+                                    latent,
+                                });
+                            }
+                        }
                     }
                     Ok(out)
                 };

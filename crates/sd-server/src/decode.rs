@@ -553,9 +553,18 @@ pub(crate) fn openai(body: &Value) -> Result<Value, ApiError> {
     Ok(v)
 }
 
-/// `POST /sdapi/v1/txt2img` and `img2img` as a native body.
-pub(crate) fn sdapi(body: &Value, img2img: bool) -> Result<Value, ApiError> {
+/// `POST /sdapi/v1/txt2img` and `img2img` as a native body. A1111's `<lora:name:weight>` tags
+/// in the prompt are taken out and added to `lora` (names confined to `lora_dir`, as the
+/// field's are).
+pub(crate) fn sdapi(body: &Value, img2img: bool, lora_dir: &Path) -> Result<Value, ApiError> {
     let (prompt, extra) = compat_prompt(body, false)?;
+    let (prompt, tagged) = sd_models::lora::tags::extract(&prompt, lora_dir).map_err(|e| {
+        // The directory is the server's, named by its role.
+        let dir = lora_dir.to_string_lossy();
+        let message = e.to_string();
+        let message = if lora_dir.is_absolute() { message.replace(&*dir, "<lora-model-dir>") } else { message };
+        ApiError::field("prompt", message)
+    })?;
     let mut out = Map::new();
     out.insert("prompt".into(), json!(prompt));
     put(&mut out, "negative_prompt", field::<String>(body, "negative_prompt")?.map(Value::from));
@@ -606,6 +615,19 @@ pub(crate) fn sdapi(body: &Value, img2img: bool) -> Result<Value, ApiError> {
     let mut v = Value::Object(out);
     if let Some(extra) = extra {
         merge(&mut v, extra);
+    }
+    if !tagged.is_empty() {
+        let mut list = match v.get("lora") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(l)) => l.clone(),
+            Some(_) => return Err(ApiError::field("lora", "must be a list of {path, multiplier}")),
+        };
+        for l in tagged {
+            // The tag's file, named relative to the directory (checked again with the list's).
+            let rel = l.path.strip_prefix(lora_dir).unwrap_or(&l.path);
+            list.push(json!({"path": rel.to_string_lossy(), "multiplier": l.multiplier}));
+        }
+        v["lora"] = Value::Array(list);
     }
     Ok(v)
 }

@@ -7,6 +7,7 @@
 //! the next job. Finished jobs are kept [`KEEP_SECONDS`] and then answer 410.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -55,6 +56,24 @@ pub(crate) struct JobProgress {
     pub steps: usize,
 }
 
+/// What a job does.
+pub(crate) enum Work {
+    /// Generate images.
+    Generate(Box<JobSpec>),
+    /// Replace the loaded model by this checkpoint.
+    Switch(PathBuf),
+}
+
+/// The latest preview of a generating job.
+#[derive(Clone, Debug)]
+pub(crate) struct Preview {
+    /// Image (0-based) of the batch, and the sampling steps done for it.
+    pub image: usize,
+    pub step: usize,
+    /// PNG, base64.
+    pub b64: String,
+}
+
 /// One accepted job.
 pub(crate) struct Job {
     pub id: String,
@@ -63,7 +82,7 @@ pub(crate) struct Job {
     pub started: Option<u64>,
     pub completed: Option<u64>,
     /// Taken by the worker when the job starts.
-    pub spec: Option<JobSpec>,
+    pub spec: Option<Work>,
     pub output_format: &'static str,
     /// Base64 images once completed.
     pub images: Vec<String>,
@@ -72,6 +91,8 @@ pub(crate) struct Job {
     /// A failure caused by the request (answered 400 by the synchronous APIs).
     pub bad_request: bool,
     pub progress: JobProgress,
+    /// The latest preview while generating.
+    pub preview: Option<Preview>,
     pub started_at: Option<Instant>,
     finished_at: Option<Instant>,
     /// Synchronous handlers waiting for the job to finish.
@@ -95,6 +116,11 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     cancel: Arc<AtomicBool>,
+    /// Bumped on every change of any job (server-sent events wait on it).
+    changes: tokio::sync::watch::Sender<u64>,
+    /// The checkpoint loaded now (None while none is: a switch whose model and the old one
+    /// both failed to load).
+    model: Mutex<Option<PathBuf>>,
 }
 
 /// Why a job was not accepted.
@@ -113,7 +139,41 @@ pub(crate) fn unix_now() -> u64 {
 
 impl Shared {
     pub(crate) fn new(config: Config, cancel: Arc<AtomicBool>) -> Shared {
-        Shared { config, state: Mutex::new(State::default()), wake: Condvar::new(), cancel }
+        Shared {
+            state: Mutex::new(State::default()),
+            wake: Condvar::new(),
+            cancel,
+            changes: tokio::sync::watch::Sender::new(0),
+            model: Mutex::new(Some(config.model_path.clone())),
+            config,
+        }
+    }
+
+    /// The checkpoint loaded now.
+    pub(crate) fn model_path(&self) -> Option<PathBuf> {
+        self.model.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Tells the event streams that a job changed.
+    pub(crate) fn changed(&self) {
+        self.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// A receiver told of every change from now on.
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Replaces the generating job's preview.
+    pub(crate) fn set_preview(&self, image: usize, step: usize, b64: String) {
+        {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(id) = st.current.clone() else { return };
+            if let Some(job) = st.jobs.get_mut(&id) {
+                job.preview = Some(Preview { image, step, b64 });
+            }
+        }
+        self.changed();
     }
 
     /// The state, locked; finished jobs past their time are dropped first.
@@ -139,7 +199,7 @@ impl Shared {
     /// `max_queue` jobs are pending. With `wait`, also a receiver told when it finishes.
     pub(crate) fn submit(
         &self,
-        spec: JobSpec,
+        spec: Work,
         wait: bool,
     ) -> Result<(String, u64, Option<tokio::sync::oneshot::Receiver<()>>), QueueFull> {
         let mut st = self.lock();
@@ -162,12 +222,16 @@ impl Shared {
             created,
             started: None,
             completed: None,
-            output_format: spec.output.format.name(),
+            output_format: match &spec {
+                Work::Generate(g) => g.output.format.name(),
+                Work::Switch(_) => "png",
+            },
             spec: Some(spec),
             images: Vec::new(),
             error: None,
             bad_request: false,
             progress: JobProgress::default(),
+            preview: None,
             started_at: None,
             finished_at: None,
             waiters: tx.into_iter().collect(),
@@ -176,6 +240,7 @@ impl Shared {
         st.queue.push_back(id.clone());
         drop(st);
         self.wake.notify_one();
+        self.changed();
         Ok((id, created, rx))
     }
 
@@ -190,6 +255,8 @@ impl Shared {
             Status::Queued => {
                 st.queue.retain(|q| q != id);
                 finish(&mut st, id, Status::Cancelled, Some(("cancelled", "job cancelled by client".into())));
+                drop(st);
+                self.changed();
                 Ok(Status::Cancelled)
             }
             Status::Generating => {
@@ -217,6 +284,7 @@ fn finish(st: &mut State, id: &str, status: Status, error: Option<(&'static str,
         job.finished_at = Some(Instant::now());
         job.error = error;
         job.spec = None;
+        job.preview = None;
         for w in job.waiters.drain(..) {
             let _ = w.send(());
         }
@@ -248,6 +316,9 @@ pub(crate) fn job_json(st: &State, job: &Job) -> Value {
     });
     if job.status == Status::Generating {
         v["progress"] = progress_json(job);
+        if let Some(p) = &job.preview {
+            v["preview"] = json!({"image": p.image, "step": p.step, "format": "png", "b64_json": p.b64});
+        }
     }
     v
 }
@@ -280,8 +351,54 @@ pub(crate) fn fraction(p: &JobProgress) -> f64 {
     (p.image * p.steps + p.step) as f64 / total as f64
 }
 
+/// `pipeline` with the server's cancel flag and preview hook.
+pub(crate) fn hooked(shared: &Arc<Shared>, pipeline: Pipeline) -> Pipeline {
+    pipeline.with_cancel(shared.cancel.clone()).with_latent_hook(crate::preview::hook(shared.clone()))
+}
+
+/// Replaces the loaded model by `path`: the old one is dropped first (its memory returns
+/// before the new one's is taken); when the new one fails to load, the old one is loaded
+/// again.
+fn switch(
+    shared: &Arc<Shared>,
+    pipeline: &mut Option<Pipeline>,
+    load: &mut crate::Loader,
+    path: &Path,
+) -> Result<Vec<String>, Failure> {
+    let old = shared.model_path();
+    if old.as_deref() == Some(path) && pipeline.is_some() {
+        return Ok(Vec::new());
+    }
+    *pipeline = None;
+    *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    tracing::info!("loading <checkpoint file> '{}'", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default());
+    let error = match load(path) {
+        Ok(p) => {
+            *pipeline = Some(hooked(shared, p));
+            *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.to_path_buf());
+            return Ok(Vec::new());
+        }
+        Err(e) => e,
+    };
+    let message = roles(error.replace(&*path.to_string_lossy(), "<checkpoint file>"), &shared.config, &[]);
+    tracing::warn!("the model switch failed: {message}");
+    if let Some(old) = old {
+        match load(&old) {
+            Ok(p) => {
+                *pipeline = Some(hooked(shared, p));
+                *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = Some(old);
+            }
+            Err(e) => {
+                tracing::error!("the previous model could not be loaded again: {}", roles(e, &shared.config, &[]))
+            }
+        }
+    }
+    Err(Failure::Failed { message: format!("loading the model: {message}"), bad_request: false })
+}
+
 /// Runs queued jobs on this thread, forever.
-pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
+pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Loader) {
+    let mut pipeline = Some(pipeline);
     loop {
         let (id, spec) = {
             let mut st = shared.lock();
@@ -299,17 +416,42 @@ pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
             job.started = Some(unix_now());
             job.started_at = Some(Instant::now());
             let spec = job.spec.take().expect("a queued job has its request");
-            job.progress = JobProgress {
-                stage: "text encode",
-                image: 0,
-                images: spec.params.params().batch_count,
-                step: 0,
-                steps: spec.params.params().steps,
+            job.progress = match &spec {
+                Work::Generate(spec) => JobProgress {
+                    stage: "text encode",
+                    image: 0,
+                    images: spec.params.params().batch_count,
+                    step: 0,
+                    steps: spec.params.params().steps,
+                },
+                Work::Switch(_) => JobProgress { stage: "load model", ..JobProgress::default() },
             };
             (id, spec)
         };
-        tracing::info!("{id}: generating");
-        let outcome = run(shared, &mut pipeline, &id, spec);
+        shared.changed();
+        let outcome = match spec {
+            Work::Generate(spec) => {
+                let spec = *spec;
+                let p = spec.params.params();
+                tracing::info!(
+                    "{id}: generating {}x{}, {} steps, {} images",
+                    p.width,
+                    p.height,
+                    p.steps,
+                    p.batch_count
+                );
+                // Prompts are the user's text: only at debug level (logs may leave the machine).
+                tracing::debug!("{id}: prompt {:?}, negative prompt {:?}", p.prompt, p.negative_prompt);
+                match pipeline.as_mut() {
+                    Some(pipeline) => run(shared, pipeline, &id, spec),
+                    None => Err(Failure::Failed {
+                        message: "no model is loaded (the last model switch failed): switch to a model first".into(),
+                        bad_request: false,
+                    }),
+                }
+            }
+            Work::Switch(path) => switch(shared, &mut pipeline, &mut load, &path),
+        };
         let mut st = shared.lock();
         st.current = None;
         match outcome {
@@ -332,12 +474,36 @@ pub(crate) fn work(shared: &Shared, mut pipeline: Pipeline) {
                 finish(&mut st, &id, Status::Failed, Some(("generation_failed", message)));
             }
         }
+        drop(st);
+        shared.changed();
     }
 }
 
 enum Failure {
     Cancelled,
     Failed { message: String, bad_request: bool },
+}
+
+/// `message` with the model file and the request's LoRA files named by their roles
+/// (`<checkpoint file>`, `<lora file>`, `<lora-model-dir>`): the message is logged and
+/// answered, and both may leave the machine.
+pub(crate) fn roles(message: String, config: &Config, loras: &[sd_models::lora::LoraRequest]) -> String {
+    let mut m = message;
+    for l in loras {
+        m = m.replace(&*l.path.to_string_lossy(), "<lora file>");
+    }
+    let model = config.model_path.to_string_lossy();
+    if !model.is_empty() {
+        m = m.replace(&*model, "<checkpoint file>");
+    }
+    // Only directories given in full: a relative one (`.`) would match text anywhere.
+    let dirs = [(Some(&config.lora_dir), "<lora-model-dir>"), (config.models_dir.as_ref(), "<models-dir>")];
+    for (dir, role) in dirs {
+        if let Some(dir) = dir.filter(|d| d.is_absolute() && d.parent().is_some()) {
+            m = m.replace(&*dir.to_string_lossy(), role);
+        }
+    }
+    m
 }
 
 /// The error and its causes, joined with `: `.
@@ -357,7 +523,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Result<Vec<String>, Failure> {
     let failed = |e: &PipelineError, bad_request: bool| match e {
         PipelineError::Cancelled => Failure::Cancelled,
-        e => Failure::Failed { message: chain(e), bad_request },
+        e => Failure::Failed { message: roles(chain(e), &shared.config, &spec.loras), bad_request },
     };
     pipeline.set_loras(&spec.loras, shared.config.lora_apply_mode).map_err(|e| failed(&e, true))?;
     let request = pipeline.check_request(spec.params).map_err(|e| failed(&e, true))?;
@@ -379,6 +545,8 @@ fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Res
             Progress::Stage { .. } => {}
             Progress::Tile { .. } => jp.stage = "decode",
         }
+        drop(st);
+        shared.changed();
     };
     let images = pipeline.generate(&request, &mut on_progress);
     // The loaded pipeline keeps no adapter between requests.

@@ -10,19 +10,26 @@
 //! - native async jobs: `GET /sdcpp/v1/capabilities`, `POST /sdcpp/v1/img_gen` (202 with
 //!   `{id, poll_url}`, 429 when the queue is full), `GET /sdcpp/v1/jobs/{id}`,
 //!   `POST /sdcpp/v1/jobs/{id}/cancel`;
-//! - OpenAI: `POST /v1/images/generations`, `GET /v1/models`;
+//! - OpenAI: `POST /v1/images/generations`, `POST /v1/images/edits`, `GET /v1/models`;
 //! - A1111: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/img2img`, the `GET /sdapi/v1/...`
-//!   lists, and (beyond the reference) `GET /sdapi/v1/progress`, `POST /sdapi/v1/interrupt`.
+//!   lists, and (beyond the reference) `GET /sdapi/v1/progress`, `POST /sdapi/v1/interrupt`,
+//!   `POST /sdapi/v1/options` (model switching among `--models-dir`);
+//! - beyond the reference: `GET /sdcpp/v1/jobs/{id}/events` (server-sent events), previews
+//!   in the job JSON ([`preview`]), and the web page at `/` ([`page`]).
 //!
-//! What it refuses: prompt-embedded `<lora:...>` tags (the reference's rule: LoRAs come from
-//! the `lora` field), LoRA names that leave `--lora-model-dir`, and every field the runtime
-//! cannot honour (masks, reference images, hires fix, custom sigmas): a 400 naming the field,
-//! never a silent default. Bad input never reaches the pipeline: every body is decoded and
-//! checked on the HTTP side ([`decode`]).
+//! LoRAs come from the `lora` field, and in sdapi prompts from A1111's `<lora:name:weight>`
+//! tags too (the reference parses tags in no API; A1111 clients write them); the native and
+//! OpenAI prompts keep tags as text, as the reference does. What it refuses: LoRA and model
+//! names that leave their directories, and every field the runtime cannot honour (partial
+//! masks, reference images, hires fix, custom sigmas): a 400 naming the field, never a silent
+//! default. Bad input never reaches the pipeline: every body is decoded and checked on the
+//! HTTP side ([`decode`]).
 
 mod decode;
 mod images;
 mod jobs;
+mod page;
+mod preview;
 mod routes;
 
 use std::net::{IpAddr, SocketAddr};
@@ -51,6 +58,14 @@ pub struct ServerArgs {
     /// [sd-rs] Largest request body in MiB (larger ones are answered 413).
     #[arg(long = "max-body-mib", value_name = "MIB", default_value_t = 32)]
     pub max_body_mib: usize,
+    /// [sd-rs] A generating job's preview (its latent projected to RGB, PNG) is renewed
+    /// every N sampling steps and at the last; 0: no previews.
+    #[arg(long = "preview-interval", value_name = "N", default_value_t = 1)]
+    pub preview_interval: usize,
+    /// Directory of the checkpoints `POST /sdapi/v1/options {"sd_model_checkpoint": NAME}`
+    /// may switch to (its top level; the old model is freed before the new one loads).
+    #[arg(long = "models-dir", value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
 }
 
 /// Everything the server needs besides the pipeline.
@@ -64,6 +79,10 @@ pub struct Config {
     pub max_queue: usize,
     /// Largest request body in bytes.
     pub max_body: usize,
+    /// Sampling steps between previews (0: none).
+    pub preview_interval: usize,
+    /// The checkpoints a request may switch to.
+    pub models_dir: Option<PathBuf>,
     /// The directory every request's LoRA names are confined to.
     pub lora_dir: PathBuf,
     /// How LoRAs are applied (`--lora-apply-mode`).
@@ -88,6 +107,8 @@ impl Config {
             api_key: args.api_key.clone(),
             max_queue: args.max_queue.max(1),
             max_body: args.max_body_mib.saturating_mul(1 << 20),
+            preview_interval: args.preview_interval,
+            models_dir: args.models_dir.clone(),
             lora_dir,
             lora_apply_mode,
             model_path,
@@ -113,9 +134,19 @@ pub enum ServerError {
     Runtime(#[source] std::io::Error),
 }
 
+/// Loads the checkpoint at a path with the server's context flags (model switching): the
+/// pipeline, or the error's message.
+pub type Loader = Box<dyn FnMut(&std::path::Path) -> Result<Pipeline, String>>;
+
 /// Serves `pipeline` until the process ends: binds `config.listen`, calls `ready` with the
-/// bound address, then runs the queued jobs on this thread.
-pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr)) -> Result<(), ServerError> {
+/// bound address, then runs the queued jobs on this thread (`load` loads the checkpoints a
+/// model switch asks for).
+pub fn serve(
+    pipeline: Pipeline,
+    config: Config,
+    load: Loader,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<(), ServerError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -133,8 +164,8 @@ pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr))
         );
     }
     let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let pipeline = pipeline.with_cancel(cancel.clone());
     let state = Arc::new(jobs::Shared::new(config, cancel));
+    let pipeline = jobs::hooked(&state, pipeline);
     let app = routes::router(state.clone());
     let listener = {
         let _guard = runtime.enter();
@@ -147,6 +178,6 @@ pub fn serve(pipeline: Pipeline, config: Config, ready: impl FnOnce(SocketAddr))
     });
     tracing::info!("listening on http://{bound}");
     ready(bound);
-    jobs::work(&state, pipeline);
+    jobs::work(&state, pipeline, load);
     Ok(())
 }

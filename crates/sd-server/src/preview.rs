@@ -13,8 +13,9 @@ use sd_models::pipeline::{LatentHook, StepLatent};
 
 use crate::jobs::Shared;
 
-/// RGB weights of each SD 1.x latent channel.
-const SD1_RGB: [[f32; 3]; 4] =
+/// RGB weights of each channel of a 4-channel KL-f8 latent (the SD 1.x autoencoder's
+/// latent space, which SD 2.x and SDXL share closely enough for a preview).
+const KL_F8_RGB: [[f32; 3]; 4] =
     [[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721], [-0.2120, -0.2616, -0.7177]];
 
 /// Longest side of a preview, in pixels.
@@ -32,7 +33,7 @@ pub(crate) fn project(l: &StepLatent<'_>) -> Option<Vec<u8>> {
     if l.channels == 4 {
         for (i, px) in rgb.chunks_exact_mut(3).enumerate() {
             for (k, out) in px.iter_mut().enumerate() {
-                let v: f32 = (0..4).map(|c| plane(c)[i] * SD1_RGB[c][k]).sum();
+                let v: f32 = (0..4).map(|c| plane(c)[i] * KL_F8_RGB[c][k]).sum();
                 *out = byte(if v.is_finite() { v } else { 0.0 });
             }
         }
@@ -106,7 +107,7 @@ mod tests {
             v[c] = 1.0;
             let rgb = project(&latent(4, &v)).unwrap();
             for k in 0..3 {
-                assert_eq!(rgb[k], ((SD1_RGB[c][k] + 1.0) * 127.5).round() as u8, "channel {c}, colour {k}");
+                assert_eq!(rgb[k], ((KL_F8_RGB[c][k] + 1.0) * 127.5).round() as u8, "channel {c}, colour {k}");
             }
         }
         // A zero latent is mid grey; a non-finite value does not poison the pixel.

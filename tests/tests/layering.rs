@@ -129,3 +129,25 @@ fn pure_crates_forbid_unsafe() {
         assert!(text.contains("#![forbid(unsafe_code)]"), "{} must forbid unsafe code", lib.display());
     }
 }
+
+/// `cargo run -p CRATE` (the README's commands) needs one binary to run: a package with
+/// several names the one it runs (`default-run`), as sd-cli does beside its sd-server alias.
+#[test]
+fn cargo_run_picks_a_binary_in_every_package() {
+    let meta = sd_tests::cargo_metadata();
+    let members: BTreeSet<&str> =
+        meta["workspace_members"].as_array().unwrap().iter().filter_map(|m| m.as_str()).collect();
+    let mut without = Vec::new();
+    for p in meta["packages"].as_array().unwrap().iter().filter(|p| members.contains(p["id"].as_str().unwrap())) {
+        let bins = p["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["kind"].as_array().unwrap().iter().any(|k| k == "bin"))
+            .count();
+        if bins > 1 && p["default_run"].is_null() {
+            without.push(p["name"].as_str().unwrap().to_owned());
+        }
+    }
+    assert!(without.is_empty(), "packages with several binaries and no `default-run`: {without:?}");
+}

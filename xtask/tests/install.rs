@@ -6,7 +6,10 @@
 //! plugin paths `--list-devices --json` reports).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
+
+mod common;
+use common::run;
 
 fn xtask() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xtask"))
@@ -17,18 +20,6 @@ fn built_sd_cli() -> PathBuf {
     let p = Path::new(env!("CARGO_BIN_EXE_xtask")).with_file_name(format!("sd-cli{}", std::env::consts::EXE_SUFFIX));
     assert!(p.is_file(), "{} is missing: build it first (cargo build -p sd-cli)", p.display());
     p
-}
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 /// `sd-cli` under `root` with nothing of the environment pointing at the build tree.

@@ -161,10 +161,9 @@ fn native(prompt: &str, steps: u32, seed: u64) -> Value {
     })
 }
 
-#[test]
-fn every_api_gives_sd_clis_image_and_loras_apply_per_request() {
-    let model = sd15_fixture();
-    let dir = out_dir("apis");
+/// Writes a kohya LoRA `kohya.safetensors` into `dir` and returns sd-cli's "a cat" (2 steps,
+/// seed 42) without and with `<lora:kohya:1>`.
+fn plain_and_kohya_images(model: &Path, dir: &Path) -> (Vec<u8>, Vec<u8>) {
     let kohya = sd_models::fixture::lora::LoraFixture {
         layout: sd_models::fixture::lora::LoraLayout::Kohya,
         rank: 4,
@@ -173,8 +172,16 @@ fn every_api_gives_sd_clis_image_and_loras_apply_per_request() {
         text_encoder: true,
     };
     sd_models::fixture::lora::write_lora(&dir.join("kohya.safetensors"), &kohya).unwrap();
-    let plain = cli_image(&model, &dir, "plain.png", "a cat", 2, 42, &dir);
-    let lora = cli_image(&model, &dir, "lora.png", "a cat<lora:kohya:1>", 2, 42, &dir);
+    let plain = cli_image(model, dir, "plain.png", "a cat", 2, 42, dir);
+    let lora = cli_image(model, dir, "lora.png", "a cat<lora:kohya:1>", 2, 42, dir);
+    (plain, lora)
+}
+
+#[test]
+fn every_api_gives_sd_clis_image_and_loras_apply_per_request() {
+    let model = sd15_fixture();
+    let dir = out_dir("apis");
+    let (plain, lora) = plain_and_kohya_images(&model, &dir);
     assert_ne!(plain, lora, "the LoRA changes the image");
 
     let server = Serve::start(&model, &["--lora-model-dir", dir.to_str().unwrap()]);
@@ -545,16 +552,7 @@ fn events(server: &Serve, id: &str) -> Vec<(String, Value)> {
 fn sd_server_alias_lora_tags_edits_events_previews_and_json_logs() {
     let model = sd15_fixture();
     let dir = out_dir("alias");
-    let kohya = sd_models::fixture::lora::LoraFixture {
-        layout: sd_models::fixture::lora::LoraLayout::Kohya,
-        rank: 4,
-        seed: 1,
-        scale: 0.1,
-        text_encoder: true,
-    };
-    sd_models::fixture::lora::write_lora(&dir.join("kohya.safetensors"), &kohya).unwrap();
-    let plain = cli_image(&model, &dir, "plain.png", "a cat", 2, 42, &dir);
-    let lora = cli_image(&model, &dir, "lora.png", "a cat<lora:kohya:1>", 2, 42, &dir);
+    let (plain, lora) = plain_and_kohya_images(&model, &dir);
     // sd-cli's img2img of the plain image (strength 0.75), for the edits endpoint.
     common::write_init_png(&dir.join("init.png"), false);
     let init_png = std::fs::read(dir.join("init.png")).unwrap();

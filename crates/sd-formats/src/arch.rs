@@ -41,9 +41,15 @@ pub type BlockFn = Arc<dyn Fn(&str) -> Option<u32> + Send + Sync>;
 /// The block numbering of the one registered architecture that detects `index`; `None` when
 /// none or several do.
 pub(crate) fn block_numbering(index: &TensorIndex) -> Option<BlockFn> {
-    let mut found = inventory::iter::<ArchSpec>.into_iter().filter(|s| (s.detect)(index).is_some());
-    let spec = found.next()?;
-    found.next().is_none().then(|| (spec.blocks)(index))
+    match matching(index).as_slice() {
+        [(spec, _)] => Some((spec.blocks)(index)),
+        _ => None,
+    }
+}
+
+/// The registered architectures that detect `index`, sorted by name, with their detections.
+fn matching(index: &TensorIndex) -> Vec<(&'static ArchSpec, Detected)> {
+    registered().into_iter().filter_map(|s| (s.detect)(index).map(|d| (s, d))).collect()
 }
 
 inventory::collect!(ArchSpec);
@@ -118,12 +124,15 @@ pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, Stri
 /// Detects the architecture of `index` with the registered specs; `prediction` overrides
 /// what the files say.
 pub fn detect(index: &TensorIndex, prediction: Option<Prediction>) -> Result<Detected, FilesError> {
-    let specs = registered();
-    let found: Vec<(&ArchSpec, Detected)> = specs.iter().filter_map(|s| (s.detect)(index).map(|d| (*s, d))).collect();
+    let found = matching(index);
     match found.len() {
         0 => Err(FilesError::UnknownArchitecture {
             files: index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", "),
-            known: specs.iter().map(|s| format!("{} ({})", s.name, s.description)).collect::<Vec<_>>().join(", "),
+            known: registered()
+                .iter()
+                .map(|s| format!("{} ({})", s.name, s.description))
+                .collect::<Vec<_>>()
+                .join(", "),
             found: summarize(index),
         }),
         1 => {

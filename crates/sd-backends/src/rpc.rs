@@ -336,11 +336,14 @@ pub fn serve(
              anyone who can reach this address can use the device and read its memory"
         );
     }
-    // ggml aborts when bind fails; find out first.
-    drop(std::net::TcpListener::bind(addr).map_err(|e| BackendError::RpcUnreachable {
-        endpoint: endpoint.clone(),
-        reason: format!("cannot listen: {e}"),
-    })?);
+    // ggml only prints when bind fails; find out first (unless the socket was handed over
+    // already bound: rpc_front::spawn_worker)
+    if std::env::var_os("SDRS_RPC_LISTEN_FD").is_none() {
+        drop(std::net::TcpListener::bind(addr).map_err(|e| BackendError::RpcUnreachable {
+            endpoint: endpoint.clone(),
+            reason: format!("cannot listen: {e}"),
+        })?);
+    }
     let rpc = registry
         .plugins()
         .iter()

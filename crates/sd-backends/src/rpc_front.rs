@@ -83,6 +83,50 @@ impl Drop for Worker {
     }
 }
 
+/// The descriptor number a worker's inherited listening socket has (the patched ggml
+/// server adopts it when `SDRS_RPC_LISTEN_FD` names it).
+#[cfg(unix)]
+const WORKER_LISTEN_FD: i32 = 3;
+
+/// Starts `cmd` as a worker listening on a loopback port bound here. On Unix the socket
+/// itself is handed to the worker (as descriptor 3, named by `SDRS_RPC_LISTEN_FD`), so the
+/// port is never free between its choice and the worker's listen: another process cannot
+/// take it, and a connection made before the worker is ready waits in the backlog. Elsewhere
+/// the port is chosen here and bound again by the worker (`--worker-port` names it either way).
+pub fn spawn_worker(cmd: &mut std::process::Command) -> io::Result<Worker> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    cmd.arg("--worker-port").arg(addr.port().to_string());
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd as _;
+        use std::os::unix::process::CommandExt as _;
+        let fd = listener.as_raw_fd();
+        cmd.env("SDRS_RPC_LISTEN_FD", WORKER_LISTEN_FD.to_string());
+        // SAFETY: between fork and exec only dup2 runs (async-signal-safe); the new
+        // descriptor does not have close-on-exec, so the worker inherits it.
+        unsafe {
+            cmd.pre_exec(move || {
+                // dup2 onto itself keeps close-on-exec: clear it instead
+                let ok = if fd == WORKER_LISTEN_FD {
+                    libc::fcntl(fd, libc::F_SETFD, 0) >= 0
+                } else {
+                    libc::dup2(fd, WORKER_LISTEN_FD) >= 0
+                };
+                if !ok {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(unix))]
+    drop(listener);
+    let child = cmd.spawn()?;
+    // the parent's copy closes here (on Unix): a worker that dies leaves no listener behind
+    Ok(Worker { addr, child: Some(child) })
+}
+
 /// Starts a worker (it may still be starting when this returns).
 pub type SpawnWorker = dyn Fn() -> io::Result<Worker> + Send + Sync;
 

@@ -19,7 +19,8 @@ pub struct RpcServerArgs {
     /// unless the network is trusted.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Port to listen on.
+    /// Port to listen on (0: a free port, named in the log line that says where the
+    /// server listens).
     #[arg(long, default_value_t = 50052, allow_negative_numbers = true, value_parser = crate::generate::whole::<u16>)]
     pub port: u16,
     /// Device to serve (default: the first GPU, else the CPU).
@@ -84,20 +85,20 @@ pub fn run(args: &RpcServerArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     cfg.idle_timeout = std::time::Duration::from_secs(args.idle_timeout);
     let exe = std::env::current_exe().context("locating sd-cli to start the server's workers")?;
     let spawn = move || -> std::io::Result<sd_backends::rpc_front::Worker> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let mut worker = std::process::Command::new(&exe);
-        worker.args(std::env::args_os().skip(1)).arg("--worker-port").arg(port.to_string());
+        worker.args(std::env::args_os().skip(1));
         // ggml prints an abort's backtrace through a debugger child that inherits the
         // listening socket and outlives the worker
         if std::env::var_os("GGML_NO_BACKTRACE").is_none() {
             worker.env("GGML_NO_BACKTRACE", "1");
         }
         worker.stdout(std::process::Stdio::null());
-        let child = worker.spawn()?;
-        Ok(sd_backends::rpc_front::Worker { addr: ([127, 0, 0, 1], port).into(), child: Some(child) })
+        sd_backends::rpc_front::spawn_worker(&mut worker)
     };
+    // the port bound (`--port 0` asks the system for a free one)
+    let bound = listener.local_addr().map_or(endpoint, |a| a.to_string());
     tracing::info!(
-        "RPC server listening on {endpoint}, serving {} ({} MiB for buffers, {} clients at once, {threads} threads)",
+        "RPC server listening on {bound}, serving {} ({} MiB for buffers, {} clients at once, {threads} threads)",
         device.name(),
         max_buffer_bytes >> 20,
         args.max_clients

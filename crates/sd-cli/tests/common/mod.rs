@@ -25,6 +25,8 @@ pub fn sd15_fixture() -> PathBuf {
 pub struct Server {
     pub child: Child,
     pub endpoint: String,
+    /// The server's stderr.
+    pub log: PathBuf,
 }
 
 impl Server {
@@ -32,28 +34,48 @@ impl Server {
         Self::start_with(&[])
     }
 
-    /// A server with more `rpc-server` flags.
+    /// A server with more `rpc-server` flags. It listens on a port the system picks
+    /// (`--port 0`; the port is read from its log), so no other process can take the port
+    /// between its choice and the bind. Its log is kept in a file and printed when a test
+    /// fails while the server lives (`RPC_FAULTS_SERVER_LOG` adds `-v`).
     pub fn start_with(extra: &[&str]) -> Self {
         use std::os::unix::process::CommandExt;
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let log = std::env::var_os("RPC_FAULTS_SERVER_LOG").is_some();
-        let child = sd_cli()
-            .args(["rpc-server", "--host", "127.0.0.1", "--port", &port.to_string(), "--threads", "2"])
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let log = std::env::temp_dir().join(format!("sd-rs-test-rpc-server-{}-{n}.log", std::process::id()));
+        let verbose = std::env::var_os("RPC_FAULTS_SERVER_LOG").is_some();
+        let mut child = sd_cli()
+            .args(["rpc-server", "--host", "127.0.0.1", "--port", "0", "--threads", "2"])
             .args(extra)
-            .args(log.then_some("-v"))
+            .args(verbose.then_some("-v"))
+            .env("NO_COLOR", "1")
             .process_group(0)
             .stdout(Stdio::null())
-            .stderr(if log { Stdio::inherit() } else { Stdio::null() })
+            .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
-        let endpoint = format!("127.0.0.1:{port}");
         let t = Instant::now();
-        // ready once it answers the handshake (a bare connect may reach the backlog first)
+        let endpoint = loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            // the front's line (its workers log where they listen too)
+            let front = text.lines().find(|l| l.contains("MiB for buffers"));
+            if let Some(at) = front.and_then(|l| l.find("listening on ").map(|at| &l[at..])) {
+                let rest = &at["listening on ".len()..];
+                let end = rest.find(|c: char| c != '.' && c != ':' && !c.is_ascii_digit()).unwrap_or(rest.len());
+                break rest[..end].to_string();
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("rpc-server exited while starting ({status}):\n{text}");
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "rpc-server did not start:\n{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // ready once it answers the handshake
         while WireClient::connect(&endpoint, Duration::from_secs(2)).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(20), "rpc-server did not start");
+            assert!(t.elapsed() < Duration::from_secs(60), "rpc-server at {endpoint} did not answer");
             std::thread::sleep(Duration::from_millis(50));
         }
-        Self { child, endpoint }
+        Self { child, endpoint, log }
     }
 
     /// Sends `sig` to the server's process group.
@@ -77,6 +99,15 @@ impl Drop for Server {
         self.try_signal("-CONT");
         self.try_signal("-KILL");
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(60).collect();
+            eprintln!("--- rpc-server {} (last lines of its log):", self.endpoint);
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 

@@ -5,7 +5,7 @@
 
 use sd_models::files::FileRole;
 use sd_models::output::{FileUse, InputRole, OutputError, OutputRole, SameFile};
-use sd_models::pipeline::{PipelineError, Setting};
+use sd_models::pipeline::{Notice, PipelineError, Setting};
 use sd_models::text::clip::ClipError;
 use sd_vae::{TilingOption, VaeError};
 
@@ -58,6 +58,22 @@ fn role_flag(role: FileRole) -> &'static str {
         FileRole::TextEncoder(_) => "--clip_l (or --clip_g)",
         FileRole::Taesd => "--taesd",
         FileRole::T5xxl => "--t5xxl",
+    }
+}
+
+/// The one flag that names a file of `role` (a first text encoder is CLIP-L's).
+fn one_role_flag(role: FileRole) -> &'static str {
+    match role {
+        FileRole::TextEncoder(0) => "--clip_l",
+        r => role_flag(r),
+    }
+}
+
+/// A notice of the loaded model ([`sd_models::pipeline::Notice`]) with the flag that changes it.
+pub fn notice(n: &Notice) -> String {
+    match n {
+        Notice::PredictionAssumed => format!("{n} (--prediction v for 768-v models)"),
+        Notice::MissingOptional { role, .. } => format!("{n} (give it with {})", one_role_flag(*role)),
     }
 }
 
@@ -152,6 +168,16 @@ pub fn hints(e: &anyhow::Error) -> Vec<String> {
         }
         if let Some(OutputError { needs_consent: true, .. }) = cause.downcast_ref() {
             out.push("--overwrite replaces it with the image (a PNG); or name the output .png, .jpg or .webp".into());
+        }
+        match cause.downcast_ref::<PipelineError>() {
+            Some(PipelineError::MisplacedFile { found, .. }) => {
+                out.push(format!("give it as {}", one_role_flag(*found)))
+            }
+            Some(PipelineError::MissingComponent { role, .. }) => {
+                out.push(format!("give it with {}", role_flag(*role)))
+            }
+            Some(PipelineError::NoTaesd { .. }) => out.push("drop --taesd to decode with the VAE".into()),
+            _ => {}
         }
         if let Some(sd_models::files::FilesError::NoModel) = cause.downcast_ref() {
             out.push("pass -m/--model, or --diffusion-model with its components".into());

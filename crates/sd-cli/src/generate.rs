@@ -334,6 +334,9 @@ pub fn load(
         placement,
     };
     let pipeline = Pipeline::from_files(files, options)?.with_loras(loras, a.lora.lora_apply_mode)?;
+    for n in pipeline.notices() {
+        tracing::warn!("{}", crate::errors::notice(n));
+    }
     Ok(Loaded { pipeline, plan, predicted, model, _devices: (reg, manager) })
 }
 

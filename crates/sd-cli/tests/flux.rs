@@ -213,6 +213,22 @@ fn flux_bad_inputs_are_clear_errors() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.code() == Some(2) && err.contains("T5-XXL") && err.contains("--t5xxl"), "{err}");
     assert!(!d.join("no-t5.png").exists());
+    // Without CLIP-L it runs (the pooled vector is zeros, as in the reference), saying so and
+    // naming the flag that gives the encoder.
+    let o = sd_cli()
+        .arg("--diffusion-model")
+        .arg(&f.dit)
+        .arg("--t5xxl")
+        .arg(&f.t5)
+        .arg("--vae")
+        .arg(&f.vae)
+        .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "1", "-o"])
+        .arg(d.join("no-clip.png"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && d.join("no-clip.png").exists(), "{err}");
+    assert!(err.contains("no CLIP-L text encoder") && err.contains("give it with --clip_l"), "{err}");
     // A guidance that is not a number is named.
     let (png, _, err) = run(&d, "nan", &["-p", "a cat", "--guidance", "nan"]);
     assert!(png.is_none() && err.contains("guidance"), "{err}");

@@ -132,6 +132,64 @@ pub enum PipelineError {
     /// stages; nothing after the cancelled stage ran).
     #[error("cancelled")]
     Cancelled,
+    /// A file given in one role holds the component of another, as its tensors' shapes show
+    /// (SDXL's CLIP-L given where its OpenCLIP bigG goes). Front ends name the two roles'
+    /// options.
+    #[error("'{}' {problem}", path.display())]
+    MisplacedFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The role it was given in.
+        given: crate::files::FileRole,
+        /// The role its tensors belong to.
+        found: crate::files::FileRole,
+        /// What its tensors show.
+        problem: String,
+    },
+    /// A component the family cannot run without is in none of the files.
+    #[error("{family} needs {what}")]
+    MissingComponent {
+        /// The family ("FLUX.1").
+        family: &'static str,
+        /// The role of the file that brings it.
+        role: crate::files::FileRole,
+        /// The component and how its absence was seen.
+        what: String,
+    },
+    /// A tiny autoencoder was given to a family that has none.
+    #[error("the {family} family has no tiny autoencoder (TAESD) yet")]
+    NoTaesd {
+        /// The family's architecture name.
+        family: &'static str,
+    },
+}
+
+/// Something about the loaded model a user should know, found while loading; front ends word
+/// it with their own option names ([`Pipeline::notices`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Notice {
+    /// The files do not say whether the model predicts eps or v: eps is assumed.
+    PredictionAssumed,
+    /// An optional component is missing, and what that does.
+    MissingOptional {
+        /// The role of the file that would bring it.
+        role: crate::files::FileRole,
+        /// The component.
+        what: &'static str,
+        /// What its absence does.
+        effect: &'static str,
+    },
+}
+
+impl std::fmt::Display for Notice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Notice::PredictionAssumed => {
+                write!(f, "the model files do not say whether the model predicts eps or v; assuming eps")
+            }
+            Notice::MissingOptional { what, effect, .. } => write!(f, "no {what}: {effect}"),
+        }
+    }
 }
 
 /// A setting of [`GenerateParams`], for errors: front ends map it to their own flag names.
@@ -542,6 +600,8 @@ pub struct Pipeline {
     family: Box<dyn Family>,
     prediction: Prediction,
     opts: LoadOptions,
+    /// What loading found that a user should know.
+    notices: Vec<Notice>,
     /// LoRA adapters and the apply mode asked for (`crate::lora`; resolved per module).
     loras: Option<(Arc<crate::lora::LoraSet>, crate::lora::ApplyMode)>,
     /// Set by another thread to stop the run at the next sampling step or stage.
@@ -598,12 +658,13 @@ impl Pipeline {
         let detected = files.detect(opts.prediction)?;
         let family = crate::family::for_detected(&detected, &files)?;
         let flow = family.sampling().schedule.is_flow();
+        let mut notices = family.notices();
         let prediction = detected.prediction.unwrap_or_else(|| {
             // A flow-matching model's parameterisation comes with its schedule.
             if flow {
                 return Prediction::Eps;
             }
-            tracing::warn!("the model files do not say whether the model predicts eps or v; assuming eps (use --prediction v for 768-v models)");
+            notices.push(Notice::PredictionAssumed);
             Prediction::Eps
         });
         if let PredictionSource::Metadata { key } = &detected.prediction_source {
@@ -612,7 +673,13 @@ impl Pipeline {
         let parameterisation = if flow { "flow matching" } else { prediction.name() };
         tracing::info!("model: {} ({} tensors), prediction {parameterisation}", detected.arch, files.index().len());
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts, loras: None, cancel: None, latent_hook: None })
+        Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None })
+    }
+
+    /// What loading found that a user should know (front ends print these with their own
+    /// option names; the library does not log them).
+    pub fn notices(&self) -> &[Notice] {
+        &self.notices
     }
 
     /// The pipeline with `requests`' LoRA adapters applied in `mode` (read and checked

@@ -146,12 +146,7 @@ pub(crate) fn generation_specs(
 
 /// The family's TAESD, or an error when it takes none.
 pub(crate) fn taesd_config(family: &dyn Family) -> Result<TaesdConfig> {
-    family.taesd().ok_or_else(|| {
-        PipelineError::Invalid(format!(
-            "--taesd: the {} family has no tiny autoencoder yet; drop --taesd to decode with the VAE",
-            family.arch()
-        ))
-    })
+    family.taesd().ok_or_else(|| PipelineError::NoTaesd { family: family.arch() })
 }
 
 /// The staging group of a text-encoder or VAE tensor: its name up to the first block index
@@ -241,7 +236,12 @@ pub trait Family: Send + Sync + Debug {
 
     /// The VAE's configuration.
     fn vae(&self) -> VaeConfig;
-    /// The TAESD configuration (`--taesd`); `None`: the family takes no TAESD yet.
+    /// What loading found that a user should know (a missing optional encoder).
+    fn notices(&self) -> Vec<crate::pipeline::Notice> {
+        Vec::new()
+    }
+
+    /// The TAESD configuration; `None`: the family takes no TAESD yet.
     fn taesd(&self) -> Option<TaesdConfig>;
 
     /// Sampling defaults.

@@ -28,8 +28,8 @@ use super::{
     DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest,
 };
 use crate::diffusion::flux::{self, FluxConfig, FluxModel};
-use crate::files::{Detected, ModelFiles};
-use crate::pipeline::{PipelineError, Result};
+use crate::files::{Detected, FileRole, ModelFiles};
+use crate::pipeline::{Notice, PipelineError, Result};
 use crate::sampling::{AysLevels, FlowSchedule, SampleMethod};
 use crate::text::clip::ClipConfig;
 use crate::text::flux::FluxText;
@@ -81,17 +81,14 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
         let xxl = T5Config::xxl();
         T5Config { n_layers: if blocks == 0 { xxl.n_layers } else { blocks }, ..xxl }
     });
-    if clip_l.is_none() {
-        tracing::warn!("no CLIP-L text encoder (--clip_l): FLUX's pooled vector is zeros, prompt adherence degrades");
-    }
     if t5.is_none() {
         // The reference warns and samples with a zero context, which ignores the prompt: no
         // user wants that image, so it is refused here.
-        return Err(PipelineError::Invalid(
-            "FLUX.1 needs its T5-XXL text encoder (no text_encoders.t5xxl tensors in the files): give it \
-             with --t5xxl t5xxl_fp16.safetensors (or a GGUF of it)"
-                .into(),
-        ));
+        return Err(PipelineError::MissingComponent {
+            family: "FLUX.1",
+            role: FileRole::T5xxl,
+            what: "its T5-XXL text encoder (no text_encoders.t5xxl tensors in the files)".into(),
+        });
     }
     Ok(Box::new(Flux { arch: detected.arch, dit, clip_l, t5, tokenizer: Arc::new(ClipTokenizer::new()) }))
 }
@@ -203,6 +200,15 @@ impl Family for Flux {
     }
 
     /// TAEF1, FLUX's 16-channel tiny autoencoder.
+    fn notices(&self) -> Vec<Notice> {
+        let no_clip = Notice::MissingOptional {
+            role: FileRole::TextEncoder(0),
+            what: "CLIP-L text encoder",
+            effect: "FLUX's pooled vector is zeros, prompt adherence degrades",
+        };
+        self.clip_l.is_none().then_some(no_clip).into_iter().collect()
+    }
+
     fn taesd(&self) -> Option<TaesdConfig> {
         Some(TaesdConfig::flux())
     }

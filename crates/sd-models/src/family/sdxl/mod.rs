@@ -20,7 +20,7 @@ use super::sd::detect::LABEL_EMB;
 use super::{DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::arch::{prediction_from_metadata, BlockFn};
-use crate::files::{ArchSpec, Detected, ModelFiles, PredictionSource, TensorIndex};
+use crate::files::{ArchSpec, Detected, FileRole, ModelFiles, PredictionSource, TensorIndex};
 use crate::pipeline::{PipelineError, Result};
 use crate::sampling::{AysLevels, DiscreteSchedule, Prediction, SampleMethod, AYS_SDXL};
 use crate::text::clip::{self, ClipConfig};
@@ -85,27 +85,30 @@ struct Sdxl {
     tokenizer: Arc<ClipTokenizer>,
 }
 
-/// Each text encoder's token embedding, its width, and the flag that gives it alone.
+/// Each text encoder's token embedding, its width, and its name.
 const ENCODER_WIDTHS: [(&str, u64, &str); 2] = [
-    ("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", 768, "--clip_l"),
-    ("cond_stage_model.1.transformer.text_model.embeddings.token_embedding.weight", 1280, "--clip_g"),
+    ("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight", 768, "CLIP ViT-L/14"),
+    ("cond_stage_model.1.transformer.text_model.embeddings.token_embedding.weight", 1280, "OpenCLIP ViT-bigG/14"),
 ];
 
-/// A CLIP-L file given as `--clip_g` or a bigG one as `--clip_l` is named with the flag it
+/// A CLIP-L file given in bigG's role or a bigG one in CLIP-L's is named with the role it
 /// belongs to (rather than as a tensor of the wrong shape).
 fn check_encoder_files(index: &TensorIndex) -> Result<()> {
-    for (i, (name, width, flag)) in ENCODER_WIDTHS.iter().enumerate() {
+    for (i, (name, width, encoder)) in ENCODER_WIDTHS.iter().enumerate() {
         let Some(e) = index.get(name) else { continue };
         let got = e.ne().first().copied().unwrap_or(0);
-        let (_, other_width, other_flag) = ENCODER_WIDTHS[1 - i];
+        let (_, other_width, other) = ENCODER_WIDTHS[1 - i];
         if got != *width && got == other_width {
-            return Err(PipelineError::Invalid(format!(
-                "'{}' holds a text encoder {got} wide (tensor '{}') where SDXL's {flag} encoder is {width} \
-                 wide: it looks like the {} encoder; give it as {other_flag}",
-                index.files()[e.file].path.display(),
-                e.original_name,
-                if other_width == 768 { "CLIP ViT-L/14" } else { "OpenCLIP ViT-bigG/14" },
-            )));
+            return Err(PipelineError::MisplacedFile {
+                path: index.files()[e.file].path.clone(),
+                given: FileRole::TextEncoder(i as u8),
+                found: FileRole::TextEncoder(1 - i as u8),
+                problem: format!(
+                    "holds a text encoder {got} wide (tensor '{}') where SDXL's {encoder} encoder is {width} wide: \
+                     it looks like the {other} encoder",
+                    e.original_name
+                ),
+            });
         }
     }
     Ok(())

@@ -38,17 +38,9 @@ pub struct ArchSpec {
 /// A block numbering built for one set of files: a tensor's internal name to its block.
 pub type BlockFn = Arc<dyn Fn(&str) -> Option<u32> + Send + Sync>;
 
-/// The block numbering of the one registered architecture that detects `index`; `None` when
-/// none or several do.
-pub(crate) fn block_numbering(index: &TensorIndex) -> Option<BlockFn> {
-    match matching(index).as_slice() {
-        [(spec, _)] => Some((spec.blocks)(index)),
-        _ => None,
-    }
-}
-
-/// The registered architectures that detect `index`, sorted by name, with their detections.
-fn matching(index: &TensorIndex) -> Vec<(&'static ArchSpec, Detected)> {
+/// The registered architectures that detect `index`, sorted by name, with their detections
+/// (run once, when the index is built: [`TensorIndex::matched`]).
+pub(crate) fn matching(index: &TensorIndex) -> Vec<(&'static ArchSpec, Detected)> {
     registered().into_iter().filter_map(|s| (s.detect)(index).map(|d| (s, d))).collect()
 }
 
@@ -124,7 +116,7 @@ pub fn prediction_from_metadata(index: &TensorIndex) -> Option<(Prediction, Stri
 /// Detects the architecture of `index` with the registered specs; `prediction` overrides
 /// what the files say.
 pub fn detect(index: &TensorIndex, prediction: Option<Prediction>) -> Result<Detected, FilesError> {
-    let found = matching(index);
+    let found = index.matched();
     match found.len() {
         0 => Err(FilesError::UnknownArchitecture {
             files: index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", "),
@@ -136,7 +128,7 @@ pub fn detect(index: &TensorIndex, prediction: Option<Prediction>) -> Result<Det
             found: summarize(index),
         }),
         1 => {
-            let (spec, mut d) = found.into_iter().next().expect("one element");
+            let (spec, mut d) = found[0].clone();
             if let Some(p) = prediction {
                 d.prediction = Some(p);
                 d.prediction_source = PredictionSource::Override;

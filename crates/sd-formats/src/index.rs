@@ -170,6 +170,10 @@ pub struct TensorIndex {
     /// The detected family's block numbering (`None` when the files are of no single
     /// registered architecture: then no tensor has a block).
     blocks: Option<Numbering>,
+    /// The registered architectures that detect these tensors, found once when the index is
+    /// built (the index never changes after): read by the block numbering and by
+    /// [`super::arch::detect`].
+    matched: Vec<(&'static super::arch::ArchSpec, super::arch::Detected)>,
 }
 
 /// A family's block numbering ([`super::arch::ArchSpec::blocks`]), shared by clones of the index.
@@ -214,9 +218,18 @@ impl TensorIndex {
             }
             by_name.insert(e.name.clone(), i);
         }
-        let mut index = TensorIndex { files, entries, by_name, blocks: None };
-        index.blocks = super::arch::block_numbering(&index).map(Numbering);
+        let mut index = TensorIndex { files, entries, by_name, blocks: None, matched: Vec::new() };
+        index.matched = super::arch::matching(&index);
+        index.blocks = match index.matched.as_slice() {
+            [(spec, _)] => Some(Numbering((spec.blocks)(&index))),
+            _ => None,
+        };
         Ok(index)
+    }
+
+    /// The registered architectures that detect these tensors, with their detections.
+    pub(crate) fn matched(&self) -> &[(&'static super::arch::ArchSpec, super::arch::Detected)] {
+        &self.matched
     }
 
     /// The files, indexed by [`TensorEntry::file`].

@@ -51,7 +51,7 @@ pub struct Args {
 
 /// The configuration of the Qwen3 model in `files`, as the reference infers it: depth from the
 /// layer names, width and vocabulary from the embedding, SwiGLU width from layer 0's gate.
-pub fn config_of(files: &ModelFiles) -> Result<Qwen3Config> {
+fn config_of(files: &ModelFiles) -> Result<Qwen3Config> {
     let idx = files.index();
     let shape = |name: &str| -> Result<Vec<u64>> {
         let full = format!("{}.model.{name}", sd_models::text::qwen3::LLM_PREFIX);

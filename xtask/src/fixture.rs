@@ -64,7 +64,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|clip-l|taesd|taef1", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -431,6 +431,7 @@ mod tests {
             Args {
                 family: Target::Model(Family::Sd21),
                 layers: None,
+                intermediate: None,
                 double: None,
                 single: None,
                 hidden: None,
@@ -457,6 +458,11 @@ mod tests {
             (l.family, l.layout, l.hidden, l.double),
             (Target::LoraFlux, LoraLayout::Diffusers, Some(256), Some(2))
         );
+        let q = parse("qwen3 --layers 3 --hidden 256 --intermediate 512 --std 0.03 -o q.safetensors").unwrap();
+        assert_eq!(
+            (q.family, q.layers, q.hidden, q.intermediate, q.std),
+            (Target::Qwen3, Some(3), Some(256), Some(512), Some(0.03))
+        );
         let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
         assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
         let f = parse("flux-schnell --double 2 --single 1 --hidden 256 --type q8_0").unwrap();
@@ -475,12 +481,13 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|clip-l|taesd|taef1>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),
             ("t5xxl --layers 0", "--layers"),
-            ("t5xxl --layers 25", "--layers"),
+            ("t5xxl --layers 37", "--layers"),
+            ("qwen3 --intermediate 8", "--intermediate"),
             ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),

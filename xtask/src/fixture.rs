@@ -8,6 +8,7 @@
 //!                     [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-sdxl|lora-vega|lora-ssd-1b [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
+//! cargo xtask fixture qwen3 [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
 //! cargo xtask fixture clip-l [--seed N] [--type ...] [-o FILE]
@@ -51,8 +52,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
-    self, flux, flux_vae, t5, taesd, Component, Family, FileFormat, FixtureReport, FixtureRequest, WeightType,
+    self, flux, flux_vae, qwen3, t5, taesd, Component, Family, FileFormat, FixtureReport, FixtureRequest, WeightType,
 };
+use sd_models::text::qwen3::Qwen3Config;
 use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
@@ -62,18 +64,21 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|clip-l|taesd|taef1", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1", value_parser = target)]
     family: Target,
-    /// t5xxl only: encoder blocks (1 to 24).
-    #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=24))]
+    /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28).
+    #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
     layers: Option<u32>,
+    /// qwen3 only: the SwiGLU width (default 9728, Qwen3-4B's; a multiple of 32).
+    #[arg(long = "intermediate", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=65536))]
+    intermediate: Option<u32>,
     /// flux only: double-stream blocks (0 to 19, default 19).
     #[arg(long = "double", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=19))]
     double: Option<u32>,
     /// flux only: single-stream blocks (0 to 38, default 38).
     #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
     single: Option<u32>,
-    /// flux only: the width, a multiple of 128 from 128 to 3072 (default 3072).
+    /// flux, qwen3: the width, a multiple of 128 from 128 to 3072 (default 3072; qwen3: 2560).
     #[arg(long = "hidden", value_name = "N", value_parser = hidden_width)]
     hidden: Option<u32>,
     /// Seed of the random weights.
@@ -126,6 +131,8 @@ enum Target {
     /// A LoRA for an SDXL-layout fixture (SDXL, SSD-1B, Vega).
     LoraSdxl(Family),
     T5xxl,
+    /// A Qwen3 LLM text encoder (`--llm`).
+    Qwen3,
     /// FLUX.1-dev (`schnell: false`) or -schnell.
     Flux {
         schnell: bool,
@@ -147,6 +154,7 @@ fn target(s: &str) -> Result<Target, String> {
         "lora-vega" => Ok(Target::LoraSdxl(Family::Vega)),
         "lora-ssd-1b" => Ok(Target::LoraSdxl(Family::Ssd1b)),
         "t5xxl" => Ok(Target::T5xxl),
+        "qwen3" => Ok(Target::Qwen3),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
         "flux-vae" => Ok(Target::FluxVae),
@@ -155,7 +163,7 @@ fn target(s: &str) -> Result<Target, String> {
         "taef1" => Ok(Target::Taesd { z_channels: 16 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, flux, flux-schnell, flux-vae, clip-l, taesd, taef1")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, flux-vae, clip-l, taesd, taef1")),
     }
 }
 
@@ -186,6 +194,7 @@ pub fn run(args: Args) -> Result<()> {
     let family = match args.family {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
+        Target::Qwen3 => return run_qwen3(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::FluxVae => return run_flux_vae(&args),
         Target::ClipL => return run_clip_l(&args),
@@ -193,7 +202,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::LoraSd15 | Target::LoraFlux | Target::LoraSdxl(_) => return run_lora(&args),
     };
     if args.layers.is_some() {
-        bail!("--layers applies to t5xxl fixtures only");
+        bail!("--layers applies to t5xxl and qwen3 fixtures only");
     }
     if args.double.is_some() || args.single.is_some() || args.hidden.is_some() {
         bail!("--double, --single and --hidden apply to flux fixtures only");
@@ -248,11 +257,53 @@ fn run_t5xxl(args: &Args) -> Result<()> {
     if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms {
         bail!("--only, --std, --std-everywhere and --plain-norms apply to checkpoint families, not t5xxl");
     }
+    if args.layers.is_some_and(|l| l > 24) || args.intermediate.is_some() || args.hidden.is_some() {
+        bail!("t5xxl takes --layers 1 to 24 and no --hidden or --intermediate");
+    }
     let cfg = T5Config { n_layers: args.layers.unwrap_or(24) as usize, ..T5Config::xxl() };
     let (path, format) = output(args, || t5::cached_t5xxl_path(cfg.n_layers, args.seed, args.wtype))?;
     let start = Instant::now();
     let report = t5::write_t5xxl(&path, &cfg, args.seed, args.wtype, format)?;
     let what = format!("t5xxl fixture, {} blocks, seed {}, {}", cfg.n_layers, args.seed, args.wtype);
+    print_written(&report, &what, start);
+    Ok(())
+}
+
+/// `cargo xtask fixture qwen3 ...`: a Qwen3 `--llm` file (Qwen3-4B's heads), Hugging Face
+/// names in safetensors, llama.cpp's in GGUF; `-o` is required unless every size is the
+/// default (the cache entry names seed, type and depth only).
+fn run_qwen3(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms {
+        bail!("--only, --std-everywhere and --plain-norms apply to checkpoint families, not qwen3");
+    }
+    let full = Qwen3Config::qwen3_4b();
+    let cfg = Qwen3Config {
+        n_layers: args.layers.map_or(full.n_layers, |l| l as usize),
+        hidden: args.hidden.map_or(full.hidden, |h| h as usize),
+        intermediate: args.intermediate.map_or(full.intermediate, |i| i as usize),
+        ..full.clone()
+    };
+    if cfg.n_layers == 28 {
+        bail!("the reference reads a 28-layer Qwen3 as Qwen3-1.7B (16 heads): choose another depth");
+    }
+    if !cfg.intermediate.is_multiple_of(32) {
+        bail!("--intermediate {} is not a multiple of 32 (quantized blocks)", cfg.intermediate);
+    }
+    let modified = cfg.hidden != full.hidden || cfg.intermediate != full.intermediate || args.std.is_some();
+    if modified && args.output.is_none() {
+        bail!("a qwen3 fixture with --hidden, --intermediate or --std needs -o FILE");
+    }
+    let (path, format) = output(args, || {
+        let format = FileFormat::for_type(args.wtype);
+        fixture::cache_dir().join(format!("qwen3-fixture-seed{}-{}-{}l.{}", args.seed, args.wtype, cfg.n_layers, format.extension()))
+    })?;
+    let start = Instant::now();
+    let report = qwen3::write_qwen3(&path, &cfg, args.seed, args.std, args.wtype, format)?;
+    let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
+    let what = format!(
+        "qwen3 fixture, {} layers, width {}, SwiGLU {}, seed {}, {}{std}",
+        cfg.n_layers, cfg.hidden, cfg.intermediate, args.seed, args.wtype
+    );
     print_written(&report, &what, start);
     Ok(())
 }
@@ -380,6 +431,7 @@ mod tests {
             Args {
                 family: Target::Model(Family::Sd21),
                 layers: None,
+                intermediate: None,
                 double: None,
                 single: None,
                 hidden: None,
@@ -406,6 +458,11 @@ mod tests {
             (l.family, l.layout, l.hidden, l.double),
             (Target::LoraFlux, LoraLayout::Diffusers, Some(256), Some(2))
         );
+        let q = parse("qwen3 --layers 3 --hidden 256 --intermediate 512 --std 0.03 -o q.safetensors").unwrap();
+        assert_eq!(
+            (q.family, q.layers, q.hidden, q.intermediate, q.std),
+            (Target::Qwen3, Some(3), Some(256), Some(512), Some(0.03))
+        );
         let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
         assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
         let f = parse("flux-schnell --double 2 --single 1 --hidden 256 --type q8_0").unwrap();
@@ -424,12 +481,13 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|flux|flux-schnell|flux-vae|clip-l|taesd|taef1>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),
             ("t5xxl --layers 0", "--layers"),
-            ("t5xxl --layers 25", "--layers"),
+            ("t5xxl --layers 37", "--layers"),
+            ("qwen3 --intermediate 8", "--intermediate"),
             ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),

@@ -14,6 +14,7 @@ mod parity_flux;
 mod parity_flux_vae;
 mod parity_ops;
 mod parity_samplers;
+mod parity_qwen3;
 mod parity_t5;
 mod plugins;
 mod profile;

@@ -123,6 +123,36 @@ impl Context {
         Tensor::from_raw(unsafe { sys::ggml_norm(self.as_raw(), a.as_raw(), eps) })
     }
 
+    /// RMS normalisation over ne[0] without a weight: `a / sqrt(mean(a^2) + eps)`.
+    pub fn rms_norm<'c>(&'c self, a: Tensor<'_>, eps: f32) -> Tensor<'c> {
+        // SAFETY: live context and operand.
+        Tensor::from_raw(unsafe { sys::ggml_rms_norm(self.as_raw(), a.as_raw(), eps) })
+    }
+
+    /// Rotary position embedding in the NeoX layout (pairs `i` and `i + n_dims/2` of ne[0]),
+    /// without YaRN scaling: a `[D, H, L, N]`, `pos` i32 `[L]`; angle `pos * base^(-2i/n_dims)`.
+    /// `n_ctx_orig` only matters to YaRN and is passed through as the model's own.
+    pub fn rope_neox<'c>(&'c self, a: Tensor<'_>, pos: Tensor<'_>, n_dims: i32, n_ctx_orig: i32, base: f32) -> Tensor<'c> {
+        // SAFETY: live context and operands; no frequency-factor tensor (null).
+        Tensor::from_raw(unsafe {
+            sys::ggml_rope_ext(
+                self.as_raw(),
+                a.as_raw(),
+                pos.as_raw(),
+                std::ptr::null_mut(),
+                n_dims,
+                sys::GGML_ROPE_TYPE_NEOX as i32,
+                n_ctx_orig,
+                base,
+                1.0,
+                0.0,
+                1.0,
+                32.0,
+                1.0,
+            )
+        })
+    }
+
     /// Group normalisation over (ne[0], ne[1], ne[2]/groups) without affine parameters.
     pub fn group_norm<'c>(&'c self, a: Tensor<'_>, groups: i32, eps: f32) -> Tensor<'c> {
         // SAFETY: live context and operand.

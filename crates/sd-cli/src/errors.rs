@@ -58,6 +58,7 @@ fn role_flag(role: FileRole) -> &'static str {
         FileRole::TextEncoder(_) => "--clip_l (or --clip_g)",
         FileRole::Taesd => "--taesd",
         FileRole::T5xxl => "--t5xxl",
+        FileRole::Llm => "--llm",
     }
 }
 

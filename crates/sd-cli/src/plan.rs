@@ -149,6 +149,8 @@ impl ModelArgs {
             clip_g: self.clip_g.clone(),
             taesd: self.taesd.clone(),
             t5xxl: self.t5xxl.clone(),
+            // Planning only for now: `extra` describes it from its header.
+            llm: None,
         }
     }
 

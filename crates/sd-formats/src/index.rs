@@ -76,7 +76,7 @@ pub enum Component {
     /// `model.diffusion_model.*`
     Diffusion,
     /// `cond_stage_model.transformer.*` (0), `cond_stage_model.1.*` (1) or
-    /// `text_encoders.t5xxl.transformer.*` (2).
+    /// `text_encoders.t5xxl.transformer.*` (2) or `text_encoders.llm.*` (3).
     TextEncoder(u8),
     /// `first_stage_model.*`
     Vae,
@@ -156,6 +156,8 @@ pub fn prefix_component(name: &str) -> Component {
         Component::Taesd
     } else if name.starts_with(super::names::T5XXL_PREFIX) {
         Component::TextEncoder(2)
+    } else if name.starts_with(super::names::LLM_PREFIX) {
+        Component::TextEncoder(3)
     } else {
         Component::Other
     }

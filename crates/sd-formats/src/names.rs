@@ -86,6 +86,11 @@ pub enum FileRole {
     /// (`encoder.block.N...`, `shared.weight`) or llama.cpp's GGUF names (`enc.blk.N.attn_q`,
     /// `token_embd`), read under `text_encoders.t5xxl.transformer.`.
     T5xxl,
+    /// An LLM text encoder alone (`--llm`; Qwen3 for Z-Image and FLUX.2 klein): Hugging Face
+    /// names (`model.layers.N.self_attn.q_proj.weight`, `model.embed_tokens.weight`) or
+    /// llama.cpp's GGUF names (`blk.N.attn_q.weight`, `token_embd.weight`), read under
+    /// `text_encoders.llm.`.
+    Llm,
 }
 
 impl FileRole {
@@ -98,6 +103,7 @@ impl FileRole {
             FileRole::TextEncoder(_) => "a CLIP text encoder",
             FileRole::Taesd => "a TAESD",
             FileRole::T5xxl => "a T5 text encoder",
+            FileRole::Llm => "an LLM text encoder",
         }
     }
 
@@ -220,6 +226,33 @@ const T5_LLAMA_NAMES: [(&str, &str); 14] = [
     ("attn_rel_b.", "layer.0.SelfAttention.relative_attention_bias."),
     ("token_embd.", "shared."),
 ];
+pub const LLM_PREFIX: &str = "text_encoders.llm.";
+/// llama.cpp's LLM names and the Hugging Face names they stand for, applied in this order,
+/// each to its first occurrence (the text-model part of the reference's `llm_name_map` in
+/// `name_conversion.cpp`).
+const LLM_LLAMA_NAMES: [(&str, &str); 21] = [
+    ("attn_sinks.weight", "self_attn.sinks"),
+    ("token_embd.", "model.embed_tokens."),
+    ("blk.", "model.layers."),
+    ("attn_q.", "self_attn.q_proj."),
+    ("attn_k.", "self_attn.k_proj."),
+    ("attn_v.", "self_attn.v_proj."),
+    ("attn_q_norm.", "self_attn.q_norm."),
+    ("attn_k_norm.", "self_attn.k_norm."),
+    ("attn_output.", "self_attn.o_proj."),
+    ("attn_norm.", "input_layernorm."),
+    ("attn_post_norm.", "post_attention_norm."),
+    ("ffn_gate_inp.", "mlp.router."),
+    ("ffn_gate_exps.", "mlp.experts.gate_proj."),
+    ("ffn_up_exps.", "mlp.experts.up_proj."),
+    ("ffn_down_exps.", "mlp.experts.down_proj."),
+    ("ffn_down.", "mlp.down_proj."),
+    ("ffn_gate.", "mlp.gate_proj."),
+    ("ffn_up.", "mlp.up_proj."),
+    ("ffn_post_norm.", "post_ffw_norm."),
+    ("ffn_norm.", "post_attention_layernorm."),
+    ("output_norm.", "model.norm."),
+];
 const OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
 /// SDXL's second encoder in open_clip layout, after the `conditioner.embedders.1.` rename.
 const OPEN_CLIP2_PREFIX: &str = "cond_stage_model.1.model.";
@@ -240,6 +273,17 @@ pub fn t5xxl_name(original: &str) -> String {
         }
     }
     format!("{T5XXL_PREFIX}{body}")
+}
+
+/// The internal name of a tensor stored as `original` in an `--llm` file.
+pub fn llm_name(original: &str) -> String {
+    let mut body = strip_any(original, &[LLM_PREFIX]).to_owned();
+    for (from, to) in LLM_LLAMA_NAMES {
+        if let Some(pos) = body.find(from) {
+            body.replace_range(pos..pos + from.len(), to);
+        }
+    }
+    format!("{LLM_PREFIX}{body}")
 }
 
 /// The internal name(s) of the tensor stored as `original` in a file of `role`.
@@ -278,6 +322,7 @@ pub fn normalize(original: &str, role: FileRole) -> Normalized {
             Normalized::One(format!("{TAESD_PREFIX}{body}"))
         }
         FileRole::T5xxl => Normalized::One(t5xxl_name(original)),
+        FileRole::Llm => Normalized::One(llm_name(original)),
     }
 }
 

@@ -25,7 +25,7 @@ use super::safetensors::{self, expected_bytes};
 use super::RawTensor;
 
 /// The model files a user named (the reference's `-m`, `--diffusion-model`, `--vae`,
-/// `--clip_l`, `--clip_g`, `--taesd`, `--t5xxl`).
+/// `--clip_l`, `--clip_g`, `--taesd`, `--t5xxl`, `--llm`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelSources {
     /// `-m`: a single-file checkpoint (safetensors or GGUF) or a diffusers folder.
@@ -42,6 +42,8 @@ pub struct ModelSources {
     pub taesd: Option<PathBuf>,
     /// `--t5xxl`: the T5-XXL text encoder alone.
     pub t5xxl: Option<PathBuf>,
+    /// `--llm`: an LLM text encoder alone (Qwen3 for Z-Image and FLUX.2 klein).
+    pub llm: Option<PathBuf>,
 }
 
 impl ModelSources {
@@ -114,6 +116,7 @@ impl ModelFiles {
             (&sources.clip_g, FileRole::TextEncoder(1)),
             (&sources.taesd, FileRole::Taesd),
             (&sources.t5xxl, FileRole::T5xxl),
+            (&sources.llm, FileRole::Llm),
         ];
         for (path, role) in components {
             if let Some(p) = path {
@@ -229,6 +232,7 @@ fn replaced_component(role: FileRole) -> Option<Component> {
         FileRole::TextEncoder(i) => Some(Component::TextEncoder(i)),
         FileRole::Taesd => Some(Component::Taesd),
         FileRole::T5xxl => Some(Component::TextEncoder(2)),
+        FileRole::Llm => Some(Component::TextEncoder(3)),
         FileRole::Checkpoint => None,
     }
 }

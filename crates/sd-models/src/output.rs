@@ -397,7 +397,7 @@ impl RunFiles {
     /// The model files of `sources`, each with its role.
     pub fn model_sources(self, sources: &crate::files::ModelSources) -> Self {
         // Destructured, so that a new kind of model file cannot be left out.
-        let crate::files::ModelSources { model, diffusion_model, vae, clip_l, clip_g, taesd, t5xxl } = sources;
+        let crate::files::ModelSources { model, diffusion_model, vae, clip_l, clip_g, taesd, t5xxl, llm } = sources;
         self.input(InputRole::Model, model.as_deref())
             .input(InputRole::DiffusionModel, diffusion_model.as_deref())
             .input(InputRole::Vae, vae.as_deref())
@@ -405,6 +405,7 @@ impl RunFiles {
             .input(InputRole::ClipG, clip_g.as_deref())
             .input(InputRole::Taesd, taesd.as_deref())
             .input(InputRole::T5xxl, t5xxl.as_deref())
+            .input(InputRole::Llm, llm.as_deref())
     }
 
     /// The LoRA files of a request.

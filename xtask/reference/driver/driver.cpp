@@ -540,4 +540,118 @@ int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, in
     return tensor_to_c(hidden, out, err, err_len) ? 0 : 1;
 }
 
+
+int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, float** out_weights,
+                         size_t* out_len, char* err, size_t err_len) {
+    *out_ids     = nullptr;
+    *out_weights = nullptr;
+    *out_len     = 0;
+    if (prompt == nullptr) {
+        set_err(err, err_len, "prompt is NULL");
+        return 1;
+    }
+    // One tokenizer per process: its constructor parses the embedded merges.
+    static Qwen2Tokenizer tokenizer;
+    std::vector<int> ids;
+    std::vector<float> weights;
+    if (!zimage) {
+        ids = tokenizer.encode(prompt);
+        weights.assign(ids.size(), 1.0f);
+    } else {
+        // LLMEmbedder::get_learned_condition (Z-Image, no reference image) and its tokenize.
+        std::vector<std::pair<std::string, float>> parts;
+        parts.emplace_back("<|im_start|>user\n", 1.f);
+        for (const auto& item : parse_prompt_attention(prompt)) {
+            parts.push_back(item);
+        }
+        parts.emplace_back("<|im_end|>\n<|im_start|>assistant\n", 1.f);
+        for (const auto& item : parts) {
+            std::vector<int> curr = tokenizer.encode(item.first, nullptr);
+            ids.insert(ids.end(), curr.begin(), curr.end());
+            weights.insert(weights.end(), curr.size(), item.second);
+        }
+        std::vector<float> mask;
+        tokenizer.pad_tokens(ids, &weights, &mask, 0, 100000000);
+    }
+    size_t n  = ids.size();
+    auto* pid = static_cast<int32_t*>(malloc(sizeof(int32_t) * (n == 0 ? 1 : n)));
+    auto* pw  = static_cast<float*>(malloc(sizeof(float) * (n == 0 ? 1 : n)));
+    if (pid == nullptr || pw == nullptr) {
+        free(pid);
+        free(pw);
+        set_err(err, err_len, "out of memory for %zu tokens", n);
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pid[i] = ids[i];
+        pw[i]  = weights[i];
+    }
+    *out_ids     = pid;
+    *out_weights = pw;
+    *out_len     = n;
+    return 0;
+}
+
+int sdref_llm_encode(const char* llm_path, const int32_t* ids, size_t n_ids, int out_layer,
+                     int n_threads, sdref_tensor* out, char* err, size_t err_len) {
+    *out = sdref_tensor{};
+    if (llm_path == nullptr || ids == nullptr || n_ids == 0) {
+        set_err(err, err_len, "llm encode needs a file and at least one token id");
+        return 1;
+    }
+    // One loaded LLM per process, never destroyed (see sdref_t5_encode).
+    struct LoadedLLM {
+        std::string path;
+        ggml_backend_t backend = nullptr;
+        std::shared_ptr<ModelManager> manager;
+        LLM::LLMRunner* runner = nullptr;
+    };
+    static LoadedLLM* loaded = nullptr;
+    const std::string prefix = "text_encoders.llm";
+    if (loaded != nullptr && loaded->path != llm_path) {
+        set_err(err, err_len, "this process already loaded an LLM from '%s'", loaded->path.c_str());
+        return 1;
+    }
+    if (loaded == nullptr) {
+        ggml_backend_t backend = sd_backend_cpu_init();
+        if (backend == nullptr) {
+            set_err(err, err_len, "cannot start sd.cpp's CPU backend");
+            return 1;
+        }
+        auto manager        = std::make_shared<ModelManager>();
+        ModelLoader& loader = manager->loader();
+        if (!loader.init_from_file_and_convert_name(llm_path, prefix + ".")) {
+            set_err(err, err_len, "sd.cpp cannot read '%s' as an LLM file", llm_path);
+            return 1;
+        }
+        auto* runner = new LLM::LLMRunner(LLM::LLMArch::QWEN3, backend, loader.get_tensor_storage_map(), prefix, false,
+                                          manager);
+        if (!manager->register_runner_params("llm", *runner, prefix, ModelManager::ResidencyMode::ParamBackend,
+                                             backend, backend) ||
+            !manager->validate_registered_tensors()) {
+            set_err(err, err_len, "sd.cpp's LLM runner cannot take the tensors of '%s' (see its log)", llm_path);
+            return 1;
+        }
+        loaded = new LoadedLLM{llm_path, backend, manager, runner};
+    }
+    std::vector<int32_t> v(ids, ids + n_ids);
+    sd::Tensor<int32_t> input({static_cast<int64_t>(n_ids)}, v);
+    // LLMEmbedder::encode_prompt's mask: all tokens real (no padding), causal.
+    const size_t n                     = n_ids;
+    const float masked_attention_value = -std::numeric_limits<float>::max() / 4.0f;
+    sd::Tensor<float> mask({static_cast<int64_t>(n), static_cast<int64_t>(n)});
+    for (size_t i1 = 0; i1 < n; ++i1) {
+        for (size_t i0 = 0; i0 < n; ++i0) {
+            mask[static_cast<int64_t>(i0 + n * i1)] = i0 > i1 ? masked_attention_value : 0.0f;
+        }
+    }
+    std::set<int> out_layers = {out_layer};
+    sd::Tensor<float> hidden = loaded->runner->compute(n_threads, input, mask, {}, out_layers, false, false, true, false);
+    if (hidden.empty()) {
+        set_err(err, err_len, "sd.cpp's LLM compute failed (see its log)");
+        return 1;
+    }
+    return tensor_to_c(hidden, out, err, err_len) ? 0 : 1;
+}
+
 }  // extern "C"

@@ -141,6 +141,25 @@ void sdref_t5_tokens_free(int32_t* ids, float* weights);
 int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, int n_threads,
                     sdref_tensor* out, char* err, size_t err_len);
 
+
+/* Qwen2 BPE token ids for `prompt`, by sd.cpp's own Qwen2Tokenizer. zimage false: the
+ * tokenizer's encode of the whole prompt, nothing else (weights all 1). zimage true: what
+ * LLMEmbedder::tokenize gives the LLM for Z-Image without reference images: the fragments
+ * "<|im_start|>user\n" (weight 1), parse_prompt_attention of the prompt, and
+ * "<|im_end|>\n<|im_start|>assistant\n" (weight 1), each encoded on its own, then
+ * pad_tokens(0, 100000000) (no BOS/EOS, no padding). No model is needed. Free the arrays with
+ * sdref_t5_tokens_free. */
+int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, float** out_weights,
+                         size_t* out_len, char* err, size_t err_len);
+
+/* The hidden states sd.cpp's LLMRunner (arch QWEN3, as Z-Image and FLUX.2 klein use it) gives
+ * for `n_ids` token ids with out_layers = {out_layer} (Z-Image: 35; a layer past the file's
+ * depth gives the final norm's output), the causal mask LLMEmbedder builds, and the weights of
+ * the `--llm` file `llm_path` read as sd.cpp reads that flag (prefix text_encoders.llm., its
+ * name conversion). No token weights applied. out: ne = {hidden, n_ids}. */
+int sdref_llm_encode(const char* llm_path, const int32_t* ids, size_t n_ids, int out_layer,
+                     int n_threads, sdref_tensor* out, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

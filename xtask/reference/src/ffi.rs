@@ -135,6 +135,25 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn sdref_t5_tokens_free(ids: *mut i32, weights: *mut f32);
+    fn sdref_qwen2_tokenize(
+        prompt: *const c_char,
+        zimage: bool,
+        out_ids: *mut *mut i32,
+        out_weights: *mut *mut f32,
+        out_len: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn sdref_llm_encode(
+        llm_path: *const c_char,
+        ids: *const i32,
+        n_ids: usize,
+        out_layer: c_int,
+        n_threads: c_int,
+        out: *mut RawTensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn sdref_t5_encode(
         t5xxl_path: *const c_char,
         ids: *const i32,
@@ -183,6 +202,46 @@ pub fn t5_encode(path: &str, ids: &[i32], threads: i32) -> Result<Tensor, String
         return Err(err.message());
     }
     take_raw(out).ok_or_else(|| "T5 returned no tensor".to_owned())
+}
+
+/// sd.cpp's Qwen2 token ids and weights for `prompt` (see `sdref_qwen2_tokenize` in
+/// driver/sdref_driver.h): the tokenizer's `encode` alone, or Z-Image's template around it.
+pub fn qwen2_tokenize(prompt: &str, zimage: bool) -> Result<(Vec<i32>, Vec<f32>), String> {
+    let prompt = CString::new(prompt).map_err(|_| "the prompt holds a NUL byte".to_owned())?;
+    let mut ids: *mut i32 = std::ptr::null_mut();
+    let mut weights: *mut f32 = std::ptr::null_mut();
+    let mut len = 0usize;
+    let mut err = ErrBuf::new();
+    // SAFETY: valid NUL-terminated prompt and out-pointers; no context is involved.
+    let rc = unsafe {
+        sdref_qwen2_tokenize(prompt.as_ptr(), zimage, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len())
+    };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    // SAFETY: on success the driver returned two malloc'd arrays of `len` values each.
+    let out =
+        unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
+    // SAFETY: the arrays came from sdref_qwen2_tokenize (malloc'd, as sdref_t5_tokens_free expects)
+    // and are freed once.
+    unsafe { sdref_t5_tokens_free(ids, weights) };
+    Ok(out)
+}
+
+/// sd.cpp's Qwen3 hidden states for `ids` with `out_layers = {out_layer}`, weights from the
+/// `--llm` file `path` (see `sdref_llm_encode` in driver/sdref_driver.h).
+pub fn llm_encode(path: &str, ids: &[i32], out_layer: i32, threads: i32) -> Result<Tensor, String> {
+    let path = CString::new(path).map_err(|_| "the path holds a NUL byte".to_owned())?;
+    let mut out = empty_raw();
+    let mut err = ErrBuf::new();
+    // SAFETY: valid path string, `ids.len()` ids, valid out-pointers.
+    let rc = unsafe {
+        sdref_llm_encode(path.as_ptr(), ids.as_ptr(), ids.len(), out_layer, threads, &mut out, err.ptr(), err.0.len())
+    };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    take_raw(out).ok_or_else(|| "the LLM returned no tensor".to_owned())
 }
 
 /// Log level numbers of sd.cpp's `sd_log_level_t`.

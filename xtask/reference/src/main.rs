@@ -17,6 +17,10 @@
 //! - `t5-encode`: sd.cpp's T5-XXL on a `--t5xxl` file alone, for a prompt tokenized as FLUX
 //!   does, each 256-id chunk encoded on its own; the raw hidden states (before the token
 //!   weights) as raw f32.
+//! - `qwen-tokens`: sd.cpp's Qwen2 tokenizer on a list of prompts (raw, or Z-Image's chat
+//!   template with the prompt's weights), as JSON; no model is loaded.
+//! - `llm-encode`: sd.cpp's Qwen3 LLM on an `--llm` file alone, for a prompt tokenized as
+//!   Z-Image does; the hidden states of `--out-layer` (before the token weights) as raw f32.
 //! - `info`: sd.cpp's version and the CPU features its ggml was built for.
 
 mod ffi;
@@ -54,6 +58,10 @@ enum Command {
     T5Tokens(T5Tokens),
     /// Dump sd.cpp's raw T5-XXL hidden states for a prompt (FLUX's tokenization); only --t5xxl.
     T5Encode(T5Encode),
+    /// Print sd.cpp's Qwen2 token ids (raw, or Z-Image's template and weights); no model needed.
+    QwenTokens(QwenTokens),
+    /// Dump sd.cpp's Qwen3 hidden states for a prompt (Z-Image's tokenization); only --llm.
+    LlmEncode(LlmEncode),
     /// Print sd.cpp's version and system info.
     Info,
 }
@@ -254,6 +262,38 @@ struct T5Tokens {
 }
 
 #[derive(Args, Debug)]
+struct QwenTokens {
+    /// A JSON file holding an array of prompt strings; the output is a JSON array with, per
+    /// prompt, {"prompt", "ids", "weights"} on stdout.
+    #[arg(long = "prompts")]
+    prompts: PathBuf,
+    /// Z-Image's chat template and prompt weighting around each prompt (else encode alone).
+    #[arg(long = "zimage")]
+    zimage: bool,
+}
+
+#[derive(Args, Debug)]
+struct LlmEncode {
+    /// The Qwen3 file (safetensors with HF names or GGUF with llama.cpp names).
+    #[arg(long = "llm")]
+    llm: String,
+    #[arg(short = 'p', long = "prompt", default_value = "")]
+    prompt: String,
+    /// The layer whose output is taken (Z-Image: 35); past the file's depth: the final norm.
+    #[arg(long = "out-layer", default_value_t = 35)]
+    out_layer: i32,
+    /// Threads; <= 0 means the number of physical cores.
+    #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true)]
+    threads: i32,
+    /// Output raw f32 file, torch shape [tokens, hidden]; sidecar OUTPUT.json with the ids.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// Also echo sd.cpp's DEBUG log lines.
+    #[arg(short = 'v', long = "verbose")]
+    verbose: bool,
+}
+
+#[derive(Args, Debug)]
 struct T5Encode {
     /// The T5-XXL file (all 24 blocks).
     #[arg(long = "t5xxl")]
@@ -339,6 +379,8 @@ fn main() -> ExitCode {
         Command::VaeDecode(a) => vae_decode(a),
         Command::T5Tokens(a) => t5_tokens(a),
         Command::T5Encode(a) => t5_encode(a),
+        Command::QwenTokens(a) => qwen_tokens(a),
+        Command::LlmEncode(a) => llm_encode(a),
         Command::Info => {
             println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));
@@ -511,6 +553,43 @@ fn t5_tokens(a: T5Tokens) -> Res<()> {
         out.push(json!({ "prompt": p, "ids": ids, "weights": weights }));
     }
     println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+fn qwen_tokens(a: QwenTokens) -> Res<()> {
+    let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let mut out = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let (ids, weights) = ffi::qwen2_tokenize(&p, a.zimage).map_err(|e| format!("prompt {p:?}: {e}"))?;
+        out.push(json!({ "prompt": p, "ids": ids, "weights": weights }));
+    }
+    println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+fn llm_encode(a: LlmEncode) -> Res<()> {
+    start(a.verbose);
+    let (ids, _) = ffi::qwen2_tokenize(&a.prompt, true)?;
+    let t0 = Instant::now();
+    let t = ffi::llm_encode(&a.llm, &ids, a.out_layer, a.threads)?;
+    let ms = timing::ms(t0.elapsed().as_secs_f64());
+    let tokens = ids.len() as i64;
+    let width = t.data.len() as i64 / tokens.max(1);
+    let out = Tensor::from_torch_shape(&[tokens, width], t.data);
+    let mut m = meta(&[
+        ("source", json!(format!("stable-diffusion.cpp, {SDCPP_ORIGIN}"))),
+        ("model", json!(a.llm)),
+        ("prompt", json!(a.prompt)),
+        ("ids", json!(ids)),
+        ("out_layer", json!(a.out_layer)),
+    ]);
+    m.insert("what".into(), json!("Qwen3 hidden states (LLMRunner, QWEN3) for Z-Image's template, before the token weights"));
+    rawio::write_tensor(&a.output, &out, m)?;
+    eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());
+    eprintln!("SDREF_TIMING llm_encode_ms={ms}");
+    print_rss();
     Ok(())
 }
 

@@ -143,6 +143,8 @@ enum ParityCommand {
     Ops(crate::parity_ops::Args),
     /// Our T5-XXL encoder against the reference's on a full `--t5xxl` file.
     T5(crate::parity_t5::Args),
+    /// Our Qwen3 LLM encoder against the reference's on one `--llm` file (Z-Image's tokens).
+    Qwen3(crate::parity_qwen3::Args),
     /// Our FLUX transformer against the reference's on one diffusion-model file.
     FluxDit(crate::parity_flux::Args),
     /// Our FLUX.1 VAE decode against the reference's (needs a FLUX.1 diffusion model file).
@@ -185,6 +187,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::Samplers(a)) => return crate::parity_samplers::run(a),
         Some(ParityCommand::Ops(a)) => return crate::parity_ops::run(a),
         Some(ParityCommand::T5(a)) => return crate::parity_t5::run(a),
+        Some(ParityCommand::Qwen3(a)) => return crate::parity_qwen3::run(a),
         Some(ParityCommand::FluxDit(a)) => return crate::parity_flux::run(a),
         Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
         None => {}

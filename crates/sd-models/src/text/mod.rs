@@ -16,6 +16,9 @@
 //!
 //! - [`T5Tokenizer`] is T5's SentencePiece unigram tokenizer (`t5_tokenizer.rs`) as the
 //!   reference runs it, with FLUX's 256-id chunks; [`t5`] is the T5 v1.1 encoder.
+//! - [`Qwen2Tokenizer`] is Qwen2's byte-level BPE (`qwen2_tokenizer.rs`, the vocabulary in
+//!   `data/qwen2_merges.txt.gz`) for the Qwen3 LLM encoder ([`qwen3`]), with each family's
+//!   [`ChatTemplate`].
 //! - `flux` is FLUX's conditioner: T5-XXL's hidden states and CLIP-L's pooled output.
 //! - [`sdxl`] is SDXL's conditioner over CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 (both in
 //!   [`clip`]): concatenated hidden states and the ADM vector.
@@ -29,6 +32,8 @@ pub mod clip;
 pub mod conditioning;
 pub(crate) mod flux;
 mod prompt;
+mod qwen2_tokenizer;
+pub mod qwen3;
 pub mod sdxl;
 pub mod t5;
 mod t5_tokenizer;
@@ -36,6 +41,7 @@ mod tokenizer;
 
 pub use chunk::{Chunk, ChunkConfig};
 pub use prompt::{parse_prompt_attention, PromptFragment};
+pub use qwen2_tokenizer::{ChatTemplate, Qwen2Tokenizer, QWEN2_ENDOFTEXT_ID, QWEN2_VOCAB_SIZE};
 pub use t5_tokenizer::{T5Tokenizer, FLUX_T5_CHUNK_LEN, T5_EOS_ID, T5_PAD_ID, T5_UNK_ID, T5_VOCAB_PIECES};
 pub use tokenizer::{ClipTokenizer, BOS_ID, EOS_ID, VOCAB_SIZE};
 

@@ -264,61 +264,71 @@ impl Vocab {
         };
         let mut sym: Vec<u32> = init.iter().map(|&b| self.byte_id[b as usize]).collect();
         sym.push(self.byte_eow_id[last as usize]);
-        let n = sym.len();
-        const NONE: usize = usize::MAX;
-        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
-        let mut next: Vec<usize> = (0..n).map(|i| if i + 1 == n { NONE } else { i + 1 }).collect();
-        let mut alive = vec![true; n];
-        // (rank, left slot, right slot, left symbol, right symbol, merged symbol)
-        type Queued = Reverse<(u32, usize, usize, u32, u32, u32)>;
-        let queue = |heap: &mut BinaryHeap<Queued>, sym: &[u32], i: usize, j: usize| {
-            if i != NONE && j != NONE {
-                if let Some(&(rank, merged)) = self.merges.get(&(sym[i], sym[j])) {
-                    heap.push(Reverse((rank, i, j, sym[i], sym[j], merged)));
-                }
-            }
-        };
-        let mut heap: BinaryHeap<Queued> = BinaryHeap::with_capacity(n);
-        for i in 1..n {
-            queue(&mut heap, &sym, i - 1, i);
-        }
-        let mut merged_slots = Vec::new();
-        while let Some(&Reverse((rank, ..))) = heap.peek() {
-            merged_slots.clear();
-            while let Some(&Reverse((r, i, j, left, right, merged))) = heap.peek() {
-                if r != rank {
-                    break;
-                }
-                heap.pop();
-                if !alive[i] || !alive[j] || next[i] != j || sym[i] != left || sym[j] != right {
-                    continue;
-                }
-                sym[i] = merged;
-                alive[j] = false;
-                next[i] = next[j];
-                if next[j] != NONE {
-                    prev[next[j]] = i;
-                }
-                merged_slots.push(i);
-            }
-            for &i in &merged_slots {
-                if alive[i] {
-                    queue(&mut heap, &sym, prev[i], i);
-                    queue(&mut heap, &sym, i, next[i]);
-                }
+        merge_symbols(&self.merges, sym, out);
+    }
+}
+
+/// Merges the symbols `sym` of one word by rank and appends the result to `out`: the BPE of
+/// [`Vocab::bpe`] over any vocabulary whose `merges` map (left id, right id) to (rank, merged
+/// id) (the Qwen2 tokenizer shares it).
+pub(super) fn merge_symbols(merges: &HashMap<(u32, u32), (u32, u32)>, mut sym: Vec<u32>, out: &mut Vec<u32>) {
+    let n = sym.len();
+    if n == 0 {
+        return;
+    }
+    const NONE: usize = usize::MAX;
+    let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+    let mut next: Vec<usize> = (0..n).map(|i| if i + 1 == n { NONE } else { i + 1 }).collect();
+    let mut alive = vec![true; n];
+    // (rank, left slot, right slot, left symbol, right symbol, merged symbol)
+    type Queued = Reverse<(u32, usize, usize, u32, u32, u32)>;
+    let queue = |heap: &mut BinaryHeap<Queued>, sym: &[u32], i: usize, j: usize| {
+        if i != NONE && j != NONE {
+            if let Some(&(rank, merged)) = merges.get(&(sym[i], sym[j])) {
+                heap.push(Reverse((rank, i, j, sym[i], sym[j], merged)));
             }
         }
-        let mut i = 0; // slot 0 stays: a merge keeps its left slot
-        while i != NONE {
-            out.push(sym[i]);
-            i = next[i];
+    };
+    let mut heap: BinaryHeap<Queued> = BinaryHeap::with_capacity(n);
+    for i in 1..n {
+        queue(&mut heap, &sym, i - 1, i);
+    }
+    let mut merged_slots = Vec::new();
+    while let Some(&Reverse((rank, ..))) = heap.peek() {
+        merged_slots.clear();
+        while let Some(&Reverse((r, i, j, left, right, merged))) = heap.peek() {
+            if r != rank {
+                break;
+            }
+            heap.pop();
+            if !alive[i] || !alive[j] || next[i] != j || sym[i] != left || sym[j] != right {
+                continue;
+            }
+            sym[i] = merged;
+            alive[j] = false;
+            next[i] = next[j];
+            if next[j] != NONE {
+                prev[next[j]] = i;
+            }
+            merged_slots.push(i);
         }
+        for &i in &merged_slots {
+            if alive[i] {
+                queue(&mut heap, &sym, prev[i], i);
+                queue(&mut heap, &sym, i, next[i]);
+            }
+        }
+    }
+    let mut i = 0; // slot 0 stays: a merge keeps its left slot
+    while i != NONE {
+        out.push(sym[i]);
+        i = next[i];
     }
 }
 
 /// CLIP's reversible byte -> printable character table, in vocabulary order: printable
 /// Latin-1 bytes map to themselves, the others to U+0100 onwards.
-fn bytes_to_unicode() -> Vec<(u8, char)> {
+pub(super) fn bytes_to_unicode() -> Vec<(u8, char)> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut table: Vec<(u8, char)> = (0..=255u8).filter(|&b| printable(b)).map(|b| (b, char::from(b))).collect();
     for (n, b) in (0..=255u8).filter(|&b| !printable(b)).enumerate() {

@@ -1,0 +1,382 @@
+//! The Qwen3 dense decoder as a text encoder (Z-Image's and FLUX.2 klein's LLM) as a ggml graph.
+//!
+//! References: the Qwen3 technical report (2025) and Hugging Face `modeling_qwen3.py`
+//! (`Qwen3Model`, whose tensor names the files use); stable-diffusion.cpp `model/te/llm.hpp`
+//! (`LLMArch::QWEN3`, the reference we must match).
+//!
+//! # Design
+//!
+//! * **Embedding**: `get_rows` of `model.embed_tokens.weight` (`[hidden, vocab]`), no scaling.
+//!   The table keeps the file's (or `--type`'s) type when ggml can gather rows of it, else f32.
+//! * **Layers** (pre-norm): `x + attn(rms(x))`, then `x + mlp(rms(x))`; RMSNorm is ggml's
+//!   `rms_norm` times the f32 weight, eps 1e-6.
+//! * **Attention**: grouped-query (32 query heads, 8 key/value heads of 128 for Qwen3-4B; query
+//!   head `h` reads key/value head `h / 4`, through ggml's broadcasting matmul), no biases,
+//!   an RMSNorm over each head's 128 values of q and k (`q_norm`, `k_norm`), then NeoX RoPE
+//!   (base 1e6, positions 0..L), scores scaled by `1/sqrt(head_dim)` in f32 with a causal
+//!   mask of `-f32::MAX/4` (the reference's value), softmax, `o_proj`.
+//! * **MLP**: SwiGLU, `down(silu(gate x) * up x)`.
+//! * **Output**: the reference's `out_layers = {L}`: the hidden states after layer `L`
+//!   (1-based; Z-Image takes 35 of 36, the second to last), without the final norm; when `L`
+//!   is not a layer of the model (0, or past its depth, as in a reduced-depth fixture), the
+//!   final `model.norm`'s output. Layers after `L` are not computed.
+//!
+//! Tensor names are the reference's internal ones under `text_encoders.llm` (`--llm` files
+//! are read under it): `model.embed_tokens.weight`, `model.layers.N.input_layernorm.weight`,
+//! `model.layers.N.self_attn.{q,k,v,o}_proj.weight`, `model.layers.N.self_attn.{q,k}_norm.weight`,
+//! `model.layers.N.post_attention_layernorm.weight`, `model.layers.N.mlp.{gate,up,down}_proj.weight`,
+//! `model.norm.weight` (llama.cpp's GGUF names, `blk.N.attn_q.weight` and so on, are mapped
+//! onto these by `sd_formats::names`). Graph cuts: `llm.prelude` after the embedding and
+//! `llm.layers.N` after each layer, so `te` can be segmented and split by layer.
+
+use sd_backends::{BackendError, Context, GgmlType, Tensor};
+use sd_sched::{Runner, SchedError, TensorSpec, Weights};
+
+use crate::wtype::SpecSink;
+
+/// Where the LLM's tensors live in the internal naming (no trailing dot).
+pub const LLM_PREFIX: &str = "text_encoders.llm";
+
+/// The layer of an LLM tensor: `model.layers.N`.
+pub fn block_of(name: &str) -> Option<u32> {
+    crate::files::index::numbered(name, "text_encoders.llm.model.layers.")
+}
+
+/// Errors of the Qwen3 encoder.
+#[derive(Debug, thiserror::Error)]
+pub enum Qwen3Error {
+    /// A configuration that cannot describe an encoder.
+    #[error("invalid Qwen3 configuration: {0}")]
+    Config(String),
+    /// A token id the embedding table has no row for.
+    #[error("token id {id} at position {position} is outside the LLM's embedding table of {vocab} rows")]
+    TokenId { id: u32, position: usize, vocab: usize },
+    /// No token ids at all.
+    #[error("the LLM needs at least one token id")]
+    NoTokens,
+    /// A parameter missing from the weight set given to the model.
+    #[error("LLM weight `{0}` is missing from the weight set")]
+    MissingWeight(String),
+    /// A parameter whose shape disagrees with the architecture.
+    #[error("LLM weight `{name}` has shape {got:?}, the architecture needs {expected:?}")]
+    WeightShape { name: String, expected: Vec<i64>, got: Vec<i64> },
+    /// Weights declared but not given storage.
+    #[error("the LLM weights have no storage yet: allocate and load them before encoding")]
+    NotAllocated,
+    /// Allocating or running the graph failed.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// Reading or writing tensor data failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Result alias of this module.
+pub type Result<T, E = Qwen3Error> = std::result::Result<T, E>;
+
+/// Hyper-parameters of a Qwen3 dense model used as a text encoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Qwen3Config {
+    /// Name prefix of every parameter (no trailing dot).
+    pub prefix: &'static str,
+    /// Rows of `model.embed_tokens.weight`.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (a divisor of `n_heads`).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Width of the SwiGLU feed-forward.
+    pub intermediate: usize,
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// RoPE frequency base.
+    pub rope_base: f32,
+    /// The context length RoPE was trained for (ggml's `n_ctx_orig`; unused without YaRN).
+    pub rope_ctx: usize,
+}
+
+impl Qwen3Config {
+    /// Qwen3-4B, Z-Image's and FLUX.2 klein 4B's encoder: 36 layers of width 2560, 32 query
+    /// and 8 key/value heads of 128, SwiGLU 9728, 151936 embedding rows, RoPE base 1e6.
+    pub fn qwen3_4b() -> Self {
+        Self {
+            prefix: LLM_PREFIX,
+            vocab_size: 151_936,
+            hidden: 2560,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            intermediate: 9728,
+            n_layers: 36,
+            eps: 1e-6,
+            rope_base: 1_000_000.0,
+            rope_ctx: 40960,
+        }
+    }
+
+    /// Checks that the numbers describe an encoder the graph can be built for.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Qwen3Error::Config(m));
+        if [self.vocab_size, self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate, self.n_layers]
+            .contains(&0)
+        {
+            return bad(format!("vocabulary, widths, heads and layers must be non-zero: {self:?}"));
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!("{} query heads are not a multiple of {} key/value heads", self.n_heads, self.n_kv_heads));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(format!("RoPE needs an even head width, not {}", self.head_dim));
+        }
+        let positive = |v: f32, above: f32| v.is_finite() && v > above;
+        if self.vocab_size > i32::MAX as usize || !positive(self.eps, 0.0) || !positive(self.rope_base, 1.0) {
+            return bad(format!("vocabulary must fit i32, eps be positive and the RoPE base above 1: {self:?}"));
+        }
+        Ok(())
+    }
+
+    fn name(&self, suffix: &str) -> String {
+        format!("{}.model.{suffix}", self.prefix)
+    }
+
+    fn layer(&self, i: usize, suffix: &str) -> String {
+        format!("{}.model.layers.{i}.{suffix}", self.prefix)
+    }
+}
+
+/// Whether the parameter `name` is read with `get_rows` rather than multiplied.
+pub fn is_gathered(name: &str) -> bool {
+    name.ends_with(".embed_tokens.weight")
+}
+
+/// The parameters of a Qwen3 encoder with the types the reference stores them in.
+///
+/// `dtype_of(name)` is the type the file stores the tensor `name` (internal name) in, `None`
+/// when the file lacks it; `wtype` is the `--type` override, `None` to keep file types.
+pub fn qwen3_specs(
+    cfg: &Qwen3Config,
+    dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+    wtype: Option<GgmlType>,
+) -> Vec<TensorSpec> {
+    let mut b = SpecSink::new(dtype_of, wtype);
+    let (d, ff) = (cfg.hidden as i64, cfg.intermediate as i64);
+    let (q, kv, hd) = ((cfg.n_heads * cfg.head_dim) as i64, (cfg.n_kv_heads * cfg.head_dim) as i64, cfg.head_dim as i64);
+    let embed = cfg.name("embed_tokens.weight");
+    let ty = crate::wtype::loaded_type(&embed, d, dtype_of(&embed), wtype);
+    let ty = if super::clip::gathers_rows(ty) && sd_backends::convert::fits_blocks(ty, d) { ty } else { GgmlType::GGML_TYPE_F32 };
+    b.push(embed, ty, &[d, cfg.vocab_size as i64]);
+    for i in 0..cfg.n_layers {
+        b.push(cfg.layer(i, "input_layernorm.weight"), GgmlType::GGML_TYPE_F32, &[d]);
+        b.linear(&cfg.layer(i, "self_attn.q_proj"), d, q, false);
+        b.linear(&cfg.layer(i, "self_attn.k_proj"), d, kv, false);
+        b.linear(&cfg.layer(i, "self_attn.v_proj"), d, kv, false);
+        b.linear(&cfg.layer(i, "self_attn.o_proj"), q, d, false);
+        b.push(cfg.layer(i, "self_attn.q_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
+        b.push(cfg.layer(i, "self_attn.k_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
+        b.push(cfg.layer(i, "post_attention_layernorm.weight"), GgmlType::GGML_TYPE_F32, &[d]);
+        b.linear(&cfg.layer(i, "mlp.gate_proj"), d, ff, false);
+        b.linear(&cfg.layer(i, "mlp.up_proj"), d, ff, false);
+        b.linear(&cfg.layer(i, "mlp.down_proj"), ff, d, false);
+    }
+    b.push(cfg.name("norm.weight"), GgmlType::GGML_TYPE_F32, &[d]);
+    b.specs
+}
+
+/// Whether a Qwen3 parameter is cut by output rows in a graph-level row split: the matmul
+/// weights of the layers (q/k/v/o projections, gate, up and down).
+pub fn row_splittable(spec: &TensorSpec) -> bool {
+    const LEAVES: [&str; 7] = [
+        ".self_attn.q_proj.weight",
+        ".self_attn.k_proj.weight",
+        ".self_attn.v_proj.weight",
+        ".self_attn.o_proj.weight",
+        ".mlp.gate_proj.weight",
+        ".mlp.up_proj.weight",
+        ".mlp.down_proj.weight",
+    ];
+    let matrix = spec.ne.len() >= 2 && spec.ne[2..].iter().all(|&d| d == 1);
+    matrix && spec.name.contains(".model.layers.") && LEAVES.iter().any(|l| spec.name.ends_with(l))
+}
+
+/// The causal mask `[L, L]` (key fastest): 0 where the key is at or before the query,
+/// `-f32::MAX / 4` after it, as the reference's LLM conditioner builds it.
+pub fn causal_mask(len: usize) -> Vec<f32> {
+    let masked = -f32::MAX / 4.0;
+    (0..len).flat_map(|q| (0..len).map(move |k| if k > q { masked } else { 0.0 })).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Layers
+// ---------------------------------------------------------------------------------------
+
+fn get<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
+    w.get(name).map_err(|_| Qwen3Error::MissingWeight(name.to_string()))
+}
+
+/// `W x` for the linear layer `name` (no bias), row-split and LoRA aware ([`Weights::linear`]).
+fn linear<'g>(g: &'g Context, w: &Weights, name: &str, x: Tensor<'_>) -> Result<Tensor<'g>> {
+    w.linear(g, name, None, x).map_err(|_| Qwen3Error::MissingWeight(name.to_string()))
+}
+
+/// Graph inputs besides the ids.
+#[derive(Clone, Copy)]
+struct Inputs<'g> {
+    /// i32 `[L]`: 0..L.
+    pos: Tensor<'g>,
+    /// f32 `[L, L]`: [`causal_mask`].
+    mask: Tensor<'g>,
+}
+
+fn rms_norm<'g>(g: &'g Context, cfg: &Qwen3Config, x: Tensor<'_>, weight: Tensor<'_>) -> Tensor<'g> {
+    g.mul(g.rms_norm(x, cfg.eps), weight)
+}
+
+/// Grouped-query self-attention of `x` `[hidden, L]` (one sequence).
+fn attention<'g>(g: &'g Context, w: &Weights, cfg: &Qwen3Config, i: usize, x: Tensor<'_>, inputs: Inputs<'_>) -> Result<Tensor<'g>> {
+    let l = x.shape()[1];
+    let (h, kvh, d) = (cfg.n_heads as i64, cfg.n_kv_heads as i64, cfg.head_dim as i64);
+    let lin = |p: &str, x| linear(g, w, &cfg.layer(i, &format!("self_attn.{p}_proj.weight")), x);
+    let q = g.reshape(lin("q", x)?, &[d, h, l, 1]);
+    let k = g.reshape(lin("k", x)?, &[d, kvh, l, 1]);
+    let v = g.reshape(lin("v", x)?, &[d, kvh, l, 1]);
+    let q = rms_norm(g, cfg, q, get(w, &cfg.layer(i, "self_attn.q_norm.weight"))?);
+    let k = rms_norm(g, cfg, k, get(w, &cfg.layer(i, "self_attn.k_norm.weight"))?);
+    let rope = |t: Tensor<'g>| g.rope_neox(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base);
+    let (q, k) = (rope(q), rope(k));
+    // [d, heads, L] -> [d, L, heads]
+    let q = g.cont(g.permute(q, [0, 2, 1, 3]));
+    let k = g.cont(g.permute(k, [0, 2, 1, 3]));
+    let v = g.cont(g.permute(v, [1, 2, 0, 3])); // [L, d, kv heads]
+    let kq = g.mul_mat_prec_f32(k, q); // [L_k, L_q, heads]: query head h reads kv head h / (h/kvh)
+    let kq = g.soft_max_ext(kq, Some(inputs.mask), 1.0 / (d as f32).sqrt(), 0.0);
+    let kqv = g.mul_mat(v, kq); // [d, L_q, heads]
+    let kqv = g.cont(g.permute(kqv, [0, 2, 1, 3])); // [d, heads, L]
+    lin("o", g.reshape(kqv, &[d * h, l]))
+}
+
+/// `down(silu(gate x) * up x)`.
+fn mlp<'g>(g: &'g Context, w: &Weights, cfg: &Qwen3Config, i: usize, x: Tensor<'_>) -> Result<Tensor<'g>> {
+    let lin = |p: &str, x| linear(g, w, &cfg.layer(i, &format!("mlp.{p}_proj.weight")), x);
+    let h = g.mul(g.silu(lin("gate", x)?), lin("up", x)?);
+    lin("down", h)
+}
+
+/// Builds the graph: `ids` (i32 `[L]`) to the hidden states `[hidden, L]` of `out_layer` (see
+/// the module doc). `cuts` receives `llm.prelude` and `llm.layers.N`.
+fn forward<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &Qwen3Config,
+    ids: Tensor<'_>,
+    inputs: Inputs<'_>,
+    out_layer: usize,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+) -> Result<Tensor<'g>> {
+    let layers = if (1..=cfg.n_layers).contains(&out_layer) { out_layer } else { cfg.n_layers };
+    let _span = tracing::trace_span!("qwen3.forward", layers, tokens = ids.shape()[0]).entered();
+    let mut x = g.get_rows(get(w, &cfg.name("embed_tokens.weight"))?, ids);
+    cuts.push(("llm.prelude".to_string(), x));
+    for i in 0..layers {
+        let a = rms_norm(g, cfg, x, get(w, &cfg.layer(i, "input_layernorm.weight"))?);
+        x = g.add(x, attention(g, w, cfg, i, a, inputs)?);
+        let f = rms_norm(g, cfg, x, get(w, &cfg.layer(i, "post_attention_layernorm.weight"))?);
+        x = g.add(x, mlp(g, w, cfg, i, f)?);
+        cuts.push((format!("llm.layers.{i}"), x));
+    }
+    if layers == out_layer {
+        return Ok(x);
+    }
+    Ok(rms_norm(g, cfg, x, get(w, &cfg.name("norm.weight"))?))
+}
+
+/// Checks that `weights` holds every parameter of `cfg` with its shape and has storage.
+fn check_weights(cfg: &Qwen3Config, weights: &Weights) -> Result<()> {
+    cfg.validate()?;
+    if !weights.is_allocated() {
+        return Err(Qwen3Error::NotAllocated);
+    }
+    let have: std::collections::HashMap<&str, &TensorSpec> = weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
+    for want in qwen3_specs(cfg, &|_| None, None) {
+        let got = match have.get(want.name.as_str()) {
+            Some(got) => Some(got.ne.clone()),
+            None if weights.is_row_split() => weights.declared_ne(&want.name),
+            None => None,
+        };
+        match got {
+            None => return Err(Qwen3Error::MissingWeight(want.name)),
+            Some(got) if got != want.ne => return Err(Qwen3Error::WeightShape { name: want.name, expected: want.ne, got }),
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// A Qwen3 encoder over borrowed weights. Build it with [`Qwen3Encoder::new`], which checks them.
+#[derive(Clone, Copy, Debug)]
+pub struct Qwen3Encoder<'a> {
+    cfg: &'a Qwen3Config,
+    weights: &'a Weights,
+}
+
+impl<'a> Qwen3Encoder<'a> {
+    /// An encoder for `cfg` over `weights`, which must hold every parameter of `cfg` (and may
+    /// hold others).
+    pub fn new(cfg: &'a Qwen3Config, weights: &'a Weights) -> Result<Self> {
+        check_weights(cfg, weights)?;
+        Ok(Self { cfg, weights })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &'a Qwen3Config {
+        self.cfg
+    }
+
+    /// Encodes one sequence of `ids` (causal, no padding) and returns the hidden states of
+    /// `out_layer` (see the module doc): `hidden` values per token, tokens in order, before
+    /// any prompt weighting.
+    pub fn encode_ids(&self, runner: &mut Runner, ids: &[u32], out_layer: usize) -> Result<Vec<f32>> {
+        let cfg = self.cfg;
+        if ids.is_empty() {
+            return Err(Qwen3Error::NoTokens);
+        }
+        let input: Vec<i32> = ids
+            .iter()
+            .enumerate()
+            .map(|(position, &id)| {
+                if (id as usize) < cfg.vocab_size {
+                    Ok(id as i32)
+                } else {
+                    Err(Qwen3Error::TokenId { id, position, vocab: cfg.vocab_size })
+                }
+            })
+            .collect::<Result<_>>()?;
+        let len = ids.len();
+        let graph_size = 64 * (cfg.n_layers + 2);
+        let g = Context::for_graph(2 * graph_size, graph_size).map_err(Qwen3Error::Backend)?;
+        let ids_t = g.new_tensor(GgmlType::GGML_TYPE_I32, &[len as i64]).set_name("llm_ids").set_input();
+        let inputs = Inputs {
+            pos: g.new_tensor(GgmlType::GGML_TYPE_I32, &[len as i64]).set_name("llm_pos").set_input(),
+            mask: g.new_f32(&[len as i64, len as i64]).set_name("llm_mask").set_input(),
+        };
+        let mut cuts = Vec::new();
+        let out = forward(&g, self.weights, cfg, ids_t, inputs, out_layer, &mut cuts)?.set_output();
+        let pos: Vec<i32> = (0..len as i32).collect();
+        let mask = causal_mask(len);
+        runner.run(self.weights, &g, graph_size, &cuts, out, &mut || {
+            ids_t.set_i32(&input)?;
+            inputs.pos.set_i32(&pos)?;
+            inputs.mask.set_f32(&mask)?;
+            Ok(())
+        })?;
+        Ok(out.get_f32()?)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -3,7 +3,12 @@
 //! ```text
 //! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|1024|both] [--type f16,q8_0] [--runs N] [--threads N]
 //!                   [--loras N] [--lora-apply-mode auto|immediately|at_runtime] [--reference both|default|llamafile]
+//!                   [--server-requests N] [--server-size 64..128] [--server-only] [--sd-cli PATH]
 //! ```
+//!
+//! After the table, the server row (`bench_server.rs`): `--server-requests` (10) jobs of
+//! 2 steps at `--server-size` (128) to one `sd-cli serve` against as many `sd-cli` runs, with
+//! the bytes of weights each staged anew, first and later.
 //!
 //! Three programs run as child processes on a fixture with the same flags: euler, seed 42,
 //! the prompt "a photo of a cat", 256x256 with 4 steps and 512x512 with 2 steps, `--type` as
@@ -150,6 +155,20 @@ pub struct Args {
     /// `file` passes no `--type` (each tensor as stored).
     #[arg(long = "type", value_name = "f16,q8_0", value_delimiter = ',', default_value = "f16", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     types: Vec<String>,
+    /// Requests of the server row: N to one `sd-cli serve` against N `sd-cli` runs of the same
+    /// job, 2 steps at `--server-size` (`bench_server.rs`); 0: no server row.
+    #[arg(long = "server-requests", value_name = "N", default_value_t = 10)]
+    server_requests: u32,
+    /// Image side of the server row's job.
+    #[arg(long = "server-size", value_name = "64|128", default_value_t = 128, value_parser = clap::value_parser!(u32).range(64..=128))]
+    server_size: u32,
+    /// Only the server row: no reference is built, no main table is run.
+    #[arg(long = "server-only")]
+    server_only: bool,
+    /// The sd-cli to run instead of building one (`--release`) first, e.g. `target/debug/sd-cli`
+    /// for a smoke run.
+    #[arg(long = "sd-cli", value_name = "PATH")]
+    sd_cli: Option<PathBuf>,
 }
 
 impl Args {
@@ -511,8 +530,8 @@ struct Contender {
 
 /// The programs of `cargo xtask bench`, ours first: sd.cpp's default build and the build with
 /// ggml's llamafile GEMM kernels (`cmake -DGGML_LLAMAFILE=ON`, the fastest a user can build).
-fn contenders(which: References) -> Result<Vec<Contender>> {
-    let mut who = vec![Contender { label: "ours", exe: build_sd_cli()?, ours: true }];
+fn contenders(which: References, ours: PathBuf) -> Result<Vec<Contender>> {
+    let mut who = vec![Contender { label: "ours", exe: ours, ours: true }];
     if which != References::Llamafile {
         who.push(Contender { label: "reference", exe: reference::build()?, ours: false });
     }
@@ -578,13 +597,25 @@ fn print_table(w: &Workload, s: Setting, ty: &str, threads: u32, runs: usize, wh
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
-    eprintln!("bench: building sd-cli (release) and the reference");
-    let who = contenders(args.reference)?;
+    let ours = match &args.sd_cli {
+        Some(exe) => exe.clone(),
+        None => {
+            eprintln!("bench: building sd-cli (release)");
+            build_sd_cli()?
+        }
+    };
+    let who = if args.server_only {
+        Vec::new()
+    } else {
+        eprintln!("bench: building the reference");
+        contenders(args.reference, ours.clone())?
+    };
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let work = Workload::prepare(&args, &dir)?;
     let mut results: Vec<(Setting, &str, Vec<Side>)> = Vec::new();
-    for s in args.settings() {
+    let settings = if args.server_only { Vec::new() } else { args.settings() };
+    for s in settings {
         for ty in &args.types {
             let mut sides: Vec<Side> = who.iter().map(|_| Side::default()).collect();
             for i in 0..args.runs {
@@ -639,12 +670,24 @@ pub fn run(args: Args) -> Result<()> {
             results.push((s, ty.as_str(), sides));
         }
     }
+    let server = if args.server_requests > 0 {
+        let s = Setting { side: args.server_size, steps: 2 };
+        let row = crate::bench_server::run(&ours, &work.model, work.cfg, s, args.threads, args.server_requests as usize, &dir)?;
+        Some((s, row))
+    } else {
+        None
+    };
     let mut load = String::new();
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         load = l.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
     }
     for (s, ty, sides) in &results {
         print_table(&work, *s, ty, args.threads, args.runs as usize, &who, sides);
+    }
+    if let Some((s, row)) = &server {
+        // The row's job has no LoRA whatever --loras says.
+        let label = work.label.split(", ").next().unwrap_or_default();
+        crate::bench_server::print(row, label, *s, args.threads);
     }
     println!("\nload average at the end (1, 5, 15 min): {load}");
     for (s, ty, sides) in &results {

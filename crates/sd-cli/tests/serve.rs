@@ -968,3 +968,57 @@ fn a_client_that_disconnects_and_forty_jobs_leave_the_server_as_it_was() {
     assert!(idle_last <= idle_first + MARGIN_KIB, "the idle RSS grew from {idle_first} KiB to {idle_last} KiB");
     drop(server);
 }
+
+/// `(module, reused, staged bytes)` of each module in a completed job's run report.
+fn staging(v: &Value) -> Vec<(String, bool, u64)> {
+    assert_eq!(v["status"], "completed", "{v}");
+    let report: sd_models::report::RunReport = serde_json::from_value(v["report"].clone()).unwrap();
+    report.staging.iter().map(|s| (s.module.clone(), s.reused, s.staged_bytes)).collect()
+}
+
+#[test]
+fn the_loaded_weights_stay_staged_between_requests_and_a_switch_frees_them() {
+    let dir = out_dir("kept");
+    let models = dir.join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    // Two names of one checkpoint: switching between them loads it anew.
+    std::os::unix::fs::symlink(sd15_fixture(), models.join("a.safetensors")).unwrap();
+    std::os::unix::fs::symlink(sd15_fixture(), models.join("b.safetensors")).unwrap();
+    let server = Serve::start(&models.join("a.safetensors"), &["--models-dir", models.to_str().unwrap()]);
+    let pid = server.child.id();
+    let body = native("a cat", 1, 42);
+
+    // The first request loads every module; the second reuses them all and stages nothing.
+    let first = server.wait(&server.submit(&body));
+    let loaded = staging(&first);
+    let modules: Vec<&str> = loaded.iter().map(|(m, _, _)| m.as_str()).collect();
+    assert_eq!(modules, ["te", "unet", "vae"], "{loaded:?}");
+    assert!(loaded.iter().all(|(_, reused, bytes)| !reused && *bytes > 0), "the first request loads: {loaded:?}");
+    let second = server.wait(&server.submit(&body));
+    let kept = staging(&second);
+    assert_eq!(kept.len(), 3, "{kept:?}");
+    assert!(kept.iter().all(|(_, reused, bytes)| *reused && *bytes == 0), "the second request reuses: {kept:?}");
+    assert_eq!(job_pixels(&second), job_pixels(&first), "the kept weights give the first request's image");
+
+    // A different request (another seed and guidance, img2img) reuses them too.
+    let other = json!({"prompt": "a dog", "width": 64, "height": 64, "seed": 7,
+        "sample_params": {"sample_steps": 1, "sample_method": "euler", "guidance": {"txt_cfg": 1.0}}});
+    let v = server.wait(&server.submit(&other));
+    assert!(staging(&v).iter().all(|(_, reused, bytes)| *reused && *bytes == 0), "{:?}", staging(&v));
+
+    // A switch frees the kept weights before the new model loads: the resident set does not
+    // hold two models (the checkpoint is 2 GiB), and the new model's first request loads
+    // every module anew, as many bytes as the first model's did.
+    let (before, _) = rss_kib(pid);
+    let (status, v) = server.post("/sdapi/v1/options", &json!({"sd_model_checkpoint": "b"}));
+    assert_eq!(status, 200, "{v}");
+    let switched = server.wait(&server.submit(&body));
+    assert_eq!(staging(&switched), loaded, "the switched-to model loads anew");
+    assert_eq!(job_pixels(&switched), job_pixels(&first));
+    let (after, _) = rss_kib(pid);
+    eprintln!("RSS with model a kept: {before} KiB; after the switch to b and a request: {after} KiB");
+    const MARGIN_KIB: u64 = 512 << 10;
+    assert!(after <= before + MARGIN_KIB, "the resident set grew from {before} KiB to {after} KiB over the switch");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,7 +14,8 @@
 //!
 //! Memory: each module's weights are loaded for its phase and released after
 //! it (text encoder after encoding, UNet after sampling), so the peak is the
-//! largest phase rather than the sum.
+//! largest phase rather than the sum; a server keeps them between generations instead
+//! ([`Pipeline::generate_keeping`], `pipeline/kept.rs`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,6 +35,9 @@ use crate::sampling::{
     ModelOutput, NoiseSchedule, Prediction, RngKind, SampleMethod, Schedule, ScheduleContext, Scheduler,
 };
 use crate::text::conditioning::Conditioning;
+
+mod kept;
+pub use kept::KeptWeights;
 
 /// Errors of a generation, each naming the stage and what failed.
 #[derive(Debug, thiserror::Error)]
@@ -1047,16 +1051,19 @@ impl Pipeline {
         report: &mut RunReport,
     ) -> Result<Vec<Image>> {
         report.settings = Some(Settings::of(request));
-        let images = self.generate_into(request, progress, report);
+        let images = self.generate_into(request, progress, report, None);
         report.devices = DeviceReport::all(&self.opts.placement.ledgers);
         images
     }
 
+    /// The generation; with `kept`, each module is taken from it when kept there and put
+    /// back after its stage ([`KeptWeights`]).
     fn generate_into(
         &self,
         request: &Request,
         progress: &mut dyn FnMut(Progress),
         report: &mut RunReport,
+        mut kept: Option<&mut KeptWeights>,
     ) -> Result<Vec<Image>> {
         let (p, method, scheduler, cfg_scale) = (&request.params, request.method, request.scheduler, request.cfg_scale);
         let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
@@ -1067,7 +1074,13 @@ impl Pipeline {
         self.check_cancel()?;
         let t = Instant::now();
         let (cond, uncond) = {
-            let model = self.load_text()?;
+            let reused = kept.as_deref_mut().and_then(|k| k.te.take());
+            let fresh = reused.is_none();
+            let model = match reused {
+                Some(m) => m,
+                None => kept::load_or_free(&mut kept, || self.load_text())?,
+            };
+            let start = kept::begin(model.weights(), !fresh);
             report.stage("te load", t.elapsed().as_secs_f64());
             let t_encode = Instant::now();
             let mut runner = self.runner("te", &self.opts.devices.te, self.opts.devices.te_split.as_ref());
@@ -1087,6 +1100,10 @@ impl Pipeline {
             }
             tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());
             record_module(report, "te", model.weights(), &runner);
+            kept::record(report, "te", model.weights(), start);
+            if let Some(k) = kept.as_deref_mut() {
+                k.te = Some(model);
+            }
             report.stage("text encode", t_encode.elapsed().as_secs_f64());
             (cond, uncond)
         };
@@ -1113,7 +1130,14 @@ impl Pipeline {
             Some(image) => {
                 let image = crate::image_io::to_planar(image);
                 let t = Instant::now();
-                let vae = self.load_first_stage(true)?;
+                // A kept decoder without its encoder is freed for the full VAE.
+                let reused = kept.as_deref_mut().and_then(|k| k.vae.take()).filter(|(encoder, _)| *encoder);
+                let was_kept = reused.is_some();
+                let vae = match reused {
+                    Some((_, vae)) => vae,
+                    None => kept::load_or_free(&mut kept, || self.load_first_stage(true))?,
+                };
+                let start = vae.params().and_then(|w| kept::begin(w, was_kept));
                 report.stage("vae load (encode)", t.elapsed().as_secs_f64());
                 let t_encode = Instant::now();
                 let mut runner = self.runner("vae", &self.opts.devices.vae, None);
@@ -1137,6 +1161,10 @@ impl Pipeline {
                 init_latent = Some(latent);
                 if let Some(w) = vae.params() {
                     record_module(report, "vae", w, &runner);
+                    kept::record(report, "vae", w, start);
+                }
+                if let Some(k) = kept.as_deref_mut() {
+                    k.vae = Some((true, vae));
                 }
                 report.stage("image encode", t_encode.elapsed().as_secs_f64());
                 let secs = t.elapsed().as_secs_f64();
@@ -1153,7 +1181,14 @@ impl Pipeline {
         let mut latents = Vec::with_capacity(p.batch_count);
         {
             let t = Instant::now();
-            let unet = self.load_diffusion(p.guidance)?;
+            let key = p.guidance.to_bits();
+            let reused = kept.as_deref_mut().and_then(|k| k.unet.take()).filter(|(g, _)| *g == key);
+            let was_kept = reused.is_some();
+            let unet = match reused {
+                Some((_, unet)) => unet,
+                None => kept::load_or_free(&mut kept, || self.load_diffusion(p.guidance))?,
+            };
+            let start = kept::begin(unet.weights(), was_kept);
             report.stage("unet load", t.elapsed().as_secs_f64());
             let t = Instant::now();
             let mut runner =
@@ -1268,13 +1303,24 @@ impl Pipeline {
                 moved.copy_nanos as f64 * 1e-9
             );
             record_module(report, "unet", unet.weights(), &runner);
+            kept::record(report, "unet", unet.weights(), start);
             report.stage("sampling", t.elapsed().as_secs_f64());
+            drop(runner);
+            if let Some(k) = kept.as_deref_mut() {
+                k.unet = Some((key, unet));
+            }
         }
 
         // 4. Decoding.
         self.check_cancel()?;
         let t = Instant::now();
-        let vae = self.load_first_stage(false)?;
+        let reused = kept.as_deref_mut().and_then(|k| k.vae.take());
+        let was_kept = reused.is_some();
+        let (encoder, vae) = match reused {
+            Some(v) => v,
+            None => (false, kept::load_or_free(&mut kept, || self.load_first_stage(false))?),
+        };
+        let start = vae.params().and_then(|w| kept::begin(w, was_kept));
         report.stage("vae load", t.elapsed().as_secs_f64());
         let t_decode = Instant::now();
         let mut runner = self.runner("vae", &self.opts.devices.vae, None);
@@ -1305,6 +1351,11 @@ impl Pipeline {
         tracing::debug!("vae; {}", runner.summary());
         if let Some(w) = vae.params() {
             record_module(report, "vae", w, &runner);
+            kept::record(report, "vae", w, start);
+        }
+        drop(runner);
+        if let Some(k) = kept.as_deref_mut() {
+            k.vae = Some((encoder, vae));
         }
         report.stage("decode", t_decode.elapsed().as_secs_f64());
         let secs = t.elapsed().as_secs_f64();

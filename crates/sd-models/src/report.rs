@@ -48,6 +48,25 @@ pub struct RunReport {
     /// to set beside the measured `steps`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted: Option<sd_placement::Prediction>,
+    /// Each module's weights as the run used them, in the order they ran: loaded anew or
+    /// reused from an earlier run (a server's kept weights), and the bytes staged anew.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub staging: Vec<Staging>,
+}
+
+/// One module's weights in one run: what was staged anew and what was reused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Staging {
+    /// `te`, `unet` or `vae`.
+    pub module: String,
+    /// Whether the weights were kept from an earlier run (`Pipeline::generate_keeping`)
+    /// rather than loaded for this one.
+    pub reused: bool,
+    /// Bytes the run put into the module's home copy (RAM or another device: read from the
+    /// model files when loaded anew) and uploaded to its computing device (a pinned load,
+    /// staging and prefetches): 0 for weights kept pinned on their device, only what the
+    /// placement streams by design for parameters kept elsewhere.
+    pub staged_bytes: u64,
 }
 
 /// A report that cannot be read back.
@@ -147,6 +166,7 @@ impl RunReport {
             stages: Vec::new(),
             steps: Vec::new(),
             predicted: None,
+            staging: Vec::new(),
         }
     }
 
@@ -173,6 +193,11 @@ impl RunReport {
     /// The last report of the runner named `name`.
     pub fn runner(&self, name: &str) -> Option<&RunnerReport> {
         self.runners.iter().rev().find(|r| r.name == name)
+    }
+
+    /// Bytes staged anew by the whole run ([`Staging::staged_bytes`] summed).
+    pub fn staged_bytes(&self) -> u64 {
+        self.staging.iter().map(|s| s.staged_bytes).sum()
     }
 
     /// The managed memory of `device`.

@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use sd_models::pipeline::{Pipeline, PipelineError, Progress};
+use sd_models::pipeline::{KeptWeights, Pipeline, PipelineError, Progress};
+use sd_models::report::RunReport;
 use serde_json::{json, Value};
 
 use crate::decode::JobSpec;
@@ -86,6 +87,8 @@ pub(crate) struct Job {
     pub output_format: &'static str,
     /// Base64 images once completed.
     pub images: Vec<String>,
+    /// The run report of a completed generation (what was staged anew and what reused).
+    pub report: Option<RunReport>,
     /// `(code, message)` of a failed or cancelled job.
     pub error: Option<(&'static str, String)>,
     /// A failure caused by the request (answered 400 by the synchronous APIs).
@@ -228,6 +231,7 @@ impl Shared {
             },
             spec: Some(spec),
             images: Vec::new(),
+            report: None,
             error: None,
             bad_request: false,
             progress: JobProgress::default(),
@@ -314,6 +318,10 @@ pub(crate) fn job_json(st: &State, job: &Job) -> Value {
         "result": result,
         "error": error,
     });
+    if let Some(report) = &job.report {
+        // Serialising plain structs of numbers and strings cannot fail.
+        v["report"] = serde_json::to_value(report).unwrap_or(Value::Null);
+    }
     if job.status == Status::Generating {
         v["progress"] = progress_json(job);
         if let Some(p) = &job.preview {
@@ -356,19 +364,21 @@ pub(crate) fn hooked(shared: &Arc<Shared>, pipeline: Pipeline) -> Pipeline {
     pipeline.with_cancel(shared.cancel.clone()).with_latent_hook(crate::preview::hook(shared.clone()))
 }
 
-/// Replaces the loaded model by `path`: the old one is dropped first (its memory returns
-/// before the new one's is taken); when the new one fails to load, the old one is loaded
-/// again.
+/// Replaces the loaded model by `path`: the old one and its kept weights are dropped first
+/// (their memory returns before the new one's is taken); when the new one fails to load,
+/// the old one is loaded again.
 fn switch(
     shared: &Arc<Shared>,
     pipeline: &mut Option<Pipeline>,
+    kept: &mut KeptWeights,
     load: &mut crate::Loader,
     path: &Path,
-) -> Result<Vec<String>, Failure> {
+) -> Result<Outcome, Failure> {
     let old = shared.model_path();
     if old.as_deref() == Some(path) && pipeline.is_some() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     }
+    kept.clear();
     *pipeline = None;
     *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = None;
     tracing::info!("loading <checkpoint file> '{}'", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default());
@@ -376,7 +386,7 @@ fn switch(
         Ok(p) => {
             *pipeline = Some(hooked(shared, p));
             *shared.model.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.to_path_buf());
-            return Ok(Vec::new());
+            return Ok((Vec::new(), None));
         }
         Err(e) => e,
     };
@@ -399,6 +409,8 @@ fn switch(
 /// Runs queued jobs on this thread, forever.
 pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Loader) {
     let mut pipeline = Some(pipeline);
+    // The loaded model's weights, kept staged from one generation to the next.
+    let mut kept = KeptWeights::new();
     loop {
         let (id, spec) = {
             let mut st = shared.lock();
@@ -443,21 +455,22 @@ pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Lo
                 // Prompts are the user's text: only at debug level (logs may leave the machine).
                 tracing::debug!("{id}: prompt {:?}, negative prompt {:?}", p.prompt, p.negative_prompt);
                 match pipeline.as_mut() {
-                    Some(pipeline) => run(shared, pipeline, &id, spec),
+                    Some(pipeline) => run(shared, pipeline, &mut kept, &id, spec),
                     None => Err(Failure::Failed {
                         message: "no model is loaded (the last model switch failed): switch to a model first".into(),
                         bad_request: false,
                     }),
                 }
             }
-            Work::Switch(path) => switch(shared, &mut pipeline, &mut load, &path),
+            Work::Switch(path) => switch(shared, &mut pipeline, &mut kept, &mut load, &path),
         };
         let mut st = shared.lock();
         st.current = None;
         match outcome {
-            Ok(images) => {
+            Ok((images, report)) => {
                 if let Some(job) = st.jobs.get_mut(&id) {
                     job.images = images;
+                    job.report = report;
                 }
                 finish(&mut st, &id, Status::Completed, None);
                 tracing::info!("{id}: completed");
@@ -478,6 +491,9 @@ pub(crate) fn work(shared: &Arc<Shared>, pipeline: Pipeline, mut load: crate::Lo
         shared.changed();
     }
 }
+
+/// A finished job's images (base64) and, for a generation, its run report.
+type Outcome = (Vec<String>, Option<RunReport>);
 
 enum Failure {
     Cancelled,
@@ -519,8 +535,14 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// One job on the pipeline: its LoRAs set for this run only, the request checked against the
-/// model, the images generated and encoded.
-fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Result<Vec<String>, Failure> {
+/// model, the images generated (reusing the weights `kept` from the last job) and encoded.
+fn run(
+    shared: &Shared,
+    pipeline: &mut Pipeline,
+    kept: &mut KeptWeights,
+    id: &str,
+    spec: JobSpec,
+) -> Result<Outcome, Failure> {
     let failed = |e: &PipelineError, bad_request: bool| match e {
         PipelineError::Cancelled => Failure::Cancelled,
         e => Failure::Failed { message: roles(chain(e), &shared.config, &spec.loras), bad_request },
@@ -548,13 +570,21 @@ fn run(shared: &Shared, pipeline: &mut Pipeline, id: &str, spec: JobSpec) -> Res
         drop(st);
         shared.changed();
     };
-    let images = pipeline.generate(&request, &mut on_progress);
+    let mut report = RunReport::new("serve", Vec::new());
+    let images = pipeline.generate_keeping(&request, &mut on_progress, &mut report, kept);
     // The loaded pipeline keeps no adapter between requests.
     let _ = pipeline.set_loras(&[], shared.config.lora_apply_mode);
     let images = images.map_err(|e| failed(&e, false))?;
-    images
+    let reused: Vec<&str> = report.staging.iter().filter(|s| s.reused).map(|s| s.module.as_str()).collect();
+    tracing::info!(
+        "{id}: staged {:.1} MiB of weights anew; reused the kept weights of {}",
+        report.staged_bytes() as f64 / 1048576.0,
+        if reused.is_empty() { "no module".to_string() } else { reused.join(", ") }
+    );
+    let images = images
         .iter()
         .map(|img| crate::images::encode_b64(img, spec.output))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Failure::Failed { message: format!("encoding the image: {e}"), bad_request: false })
+        .map_err(|e| Failure::Failed { message: format!("encoding the image: {e}"), bad_request: false })?;
+    Ok((images, Some(report)))
 }

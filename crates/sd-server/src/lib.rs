@@ -26,6 +26,8 @@
 //! HTTP side ([`decode`]).
 
 mod decode;
+#[doc(hidden)]
+pub mod fuzzing;
 mod images;
 mod jobs;
 mod page;

@@ -106,9 +106,9 @@ fn rpc_endpoints(list: &str) -> Result<Vec<&str>> {
 /// plugin could not provide it.
 pub fn name_unusable_plugins(err: anyhow::Error, reg: &PluginRegistry) -> anyhow::Error {
     use sd_backends::SkipReason;
-    let unknown_device = err
-        .chain()
-        .any(|e| matches!(e.downcast_ref::<sd_placement::PlanError>(), Some(sd_placement::PlanError::UnknownDevice { .. })));
+    let unknown_device = err.chain().any(|e| {
+        matches!(e.downcast_ref::<sd_placement::PlanError>(), Some(sd_placement::PlanError::UnknownDevice { .. }))
+    });
     let unusable: Vec<String> = reg
         .skipped()
         .iter()

@@ -208,7 +208,8 @@ fn placements_that_move_computation_to_another_kind_of_device_stay_within_the_bo
     for (i, (what, flags)) in cases.into_iter().enumerate() {
         let (px, report) = generate(&model, &dir, &format!("cross{i}"), &flags);
         assert_within_bound(what, &px, &cpu);
-        let device = |runner: &str| report.runner(runner).unwrap_or_else(|| panic!("{what}: no {runner}")).device.clone();
+        let device =
+            |runner: &str| report.runner(runner).unwrap_or_else(|| panic!("{what}: no {runner}")).device.clone();
         match i {
             0 => assert_eq!([device("te"), device("unet"), device("vae")], ["CPU", "Vulkan0", "CPU"], "{what}"),
             _ => {

@@ -112,8 +112,14 @@ pub fn name_unusable_plugins(err: anyhow::Error, reg: &PluginRegistry) -> anyhow
     let unusable: Vec<String> = reg
         .skipped()
         .iter()
-        // a CPU variant that lost to a better one, or a copy found twice, is not unusable
-        .filter(|s| !matches!(s.reason, SkipReason::Superseded { .. } | SkipReason::Shadowed { .. }))
+        // a CPU variant for another CPU or that lost to a better one, or a copy found twice,
+        // is normal operation
+        .filter(|s| {
+            !matches!(
+                s.reason,
+                SkipReason::Superseded { .. } | SkipReason::Shadowed { .. } | SkipReason::UnusableOnThisCpu
+            )
+        })
         .map(|s| format!("{}: {}", s.path.display(), s.reason))
         .collect();
     if !unknown_device || unusable.is_empty() {

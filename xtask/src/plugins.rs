@@ -86,10 +86,23 @@ fn fetch_toolkit(m: &Manifest) -> Result<()> {
     };
     let script = crate::workspace_root().join("plugins").join(&m.name).join(script);
     let dest = fetched_toolkit(m);
+    // A toolkit this same script fetched is kept (the script pins every package version, so
+    // its text names the toolkit): a second build skips the package lists' download.
+    let stamp = dest.join(".fetched-by-sha256");
+    let script_hash = {
+        use sha2::{Digest, Sha256};
+        let text = std::fs::read(&script).with_context(|| script.display().to_string())?;
+        Sha256::digest(&text).iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    if dest.join("VERSIONS").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == script_hash) {
+        println!("the {} toolkit: already fetched into {} by this {}", m.name, dest.display(), script.display());
+        return Ok(());
+    }
     let st = Command::new("bash").arg(&script).arg(&dest).status().with_context(|| script.display().to_string())?;
     if !st.success() {
         bail!("fetching the {} toolkit failed ({}, {st}); nothing was built", m.name, script.display());
     }
+    std::fs::write(&stamp, script_hash).with_context(|| stamp.display().to_string())?;
     Ok(())
 }
 

@@ -137,7 +137,11 @@ impl fmt::Display for SkipReason {
                 "backend API version mismatch: the plugin reports {found}, this build of ggml expects {expected}"
             ),
             Self::UnusableOnThisCpu => write!(f, "unusable on this CPU (score 0)"),
-            Self::InitFailed => write!(f, "`ggml_backend_init` returned no registration"),
+            Self::InitFailed => write!(
+                f,
+                "`ggml_backend_init` returned no registration (the backend could not start: a GPU plugin whose \
+                 driver is missing or failed, e.g. no Vulkan driver for the Vulkan plugin)"
+            ),
             Self::Superseded { by, score, winner_score } => {
                 write!(f, "variant with score {score} superseded by {} (score {winner_score})", by.display())
             }

@@ -100,6 +100,34 @@ fn rpc_endpoints(list: &str) -> Result<Vec<&str>> {
     Ok(endpoints)
 }
 
+/// `err` with the plugins that were found but give no device (with why) when it is an unknown
+/// device: a GPU plugin whose driver cannot start (e.g. Vulkan without a Vulkan driver)
+/// leaves its devices out and the CPU runs on, so asking for its device must say which
+/// plugin could not provide it.
+pub fn name_unusable_plugins(err: anyhow::Error, reg: &PluginRegistry) -> anyhow::Error {
+    use sd_backends::SkipReason;
+    let unknown_device = err.chain().any(|e| {
+        matches!(e.downcast_ref::<sd_placement::PlanError>(), Some(sd_placement::PlanError::UnknownDevice { .. }))
+    });
+    let unusable: Vec<String> = reg
+        .skipped()
+        .iter()
+        // a CPU variant for another CPU or that lost to a better one, or a copy found twice,
+        // is normal operation
+        .filter(|s| {
+            !matches!(
+                s.reason,
+                SkipReason::Superseded { .. } | SkipReason::Shadowed { .. } | SkipReason::UnusableOnThisCpu
+            )
+        })
+        .map(|s| format!("{}: {}", s.path.display(), s.reason))
+        .collect();
+    if !unknown_device || unusable.is_empty() {
+        return err;
+    }
+    err.context(format!("plugins found that give no device: {}", unusable.join("; ")))
+}
+
 fn mib(b: u64) -> String {
     format!("{} MiB", b / (1024 * 1024))
 }

@@ -316,7 +316,8 @@ pub fn load(
     let descriptions = crate::cost::descriptions(&reg);
     let size = (w, h, a.steps);
     let (plan, predicted) =
-        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, size, a.diffusion_fa))?;
+        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, size, a.diffusion_fa))
+            .map_err(|e| crate::devices::name_unusable_plugins(e, &reg))?;
     plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,

@@ -15,8 +15,9 @@ mod common;
 
 use std::path::Path;
 
-use common::{level_diff, pixels, run_checked_env, sd15_fixture, sd_cli};
+use common::{level_diff, pixels, run_checked_env, sd15_fixture, sd_cli, Server};
 use sd_models::report::{HomeReport, Residency, RunReport};
+use sd_placement::BudgetRule;
 
 /// The environment of every sd-cli run here.
 const VK_ENV: [(&str, &str); 3] =
@@ -60,11 +61,31 @@ fn vulkan0(test: &str) -> Option<serde_json::Value> {
 /// One SD 1.5 fixture generation (64x64, one euler step, no guidance, seed 42) with `extra`
 /// flags into `dir/name.png`; its pixels and run report (budgets checked).
 fn generate(model: &Path, dir: &Path, name: &str, extra: &[&str]) -> (Vec<u8>, RunReport) {
+    let (mut images, report) = generate_batch(model, dir, name, 42, 1, extra);
+    (images.remove(0), report)
+}
+
+/// [`generate`] of `batch` images from `seed`: each image's pixels (`name.png`, or
+/// `name_0.png`, `name_1.png`, ... for a batch) and the run report.
+fn generate_batch(
+    model: &Path,
+    dir: &Path,
+    name: &str,
+    seed: u64,
+    batch: usize,
+    extra: &[&str],
+) -> (Vec<Vec<u8>>, RunReport) {
+    let (seed, batch_s) = (seed.to_string(), batch.to_string());
     let args = ["-p", "a cat", "-W", "64", "-H", "64", "--steps", "1", "--sampling-method", "euler"];
-    let args = [&args[..], &["-s", "42", "--cfg-scale", "1", "-t", "2"]].concat();
+    let args = [&args[..], &["-s", &seed, "-b", &batch_s, "--cfg-scale", "1", "-t", "2"]].concat();
     let out = dir.join(format!("{name}.png"));
     let report = run_checked_env(model, &out, &args, extra, &VK_ENV);
-    (pixels(&out), report)
+    let images = if batch == 1 {
+        vec![pixels(&out)]
+    } else {
+        (0..batch).map(|i| pixels(&dir.join(format!("{name}_{i}.png")))).collect()
+    };
+    (images, report)
 }
 
 fn scratch(what: &str) -> std::path::PathBuf {
@@ -153,5 +174,155 @@ fn placements_that_move_only_weights_give_one_image_on_vulkan0() {
             }
         }
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `what`'s image within the cross-kernel bound of the CPU's.
+fn assert_within_bound(what: &str, px: &[u8], cpu: &[u8]) {
+    let (mean, max) = level_diff(px, cpu);
+    eprintln!("{what}: mean {mean:.3}, max {max} levels from the CPU image");
+    assert!(mean <= MEAN_BOUND && max <= MAX_BOUND, "{what}: mean {mean:.3}, max {max} levels from the CPU image");
+}
+
+/// The devices a runner's stages ran on.
+fn stage_devices(report: &RunReport, runner: &str, what: &str) -> std::collections::BTreeSet<String> {
+    let r = report.runner(runner).unwrap_or_else(|| panic!("{what}: no {runner} runner: {:?}", report.runners));
+    r.stages.iter().map(|s| s.device.clone()).collect()
+}
+
+#[test]
+fn placements_that_move_computation_to_another_kind_of_device_stay_within_the_bound() {
+    let test = "placements_that_move_computation_to_another_kind_of_device_stay_within_the_bound";
+    let Some(_) = vulkan0(test) else { return };
+    let model = sd15_fixture();
+    let dir = scratch("cross");
+    let (cpu, _) = generate(&model, &dir, "cpu", &["--backend", "cpu"]);
+    // The server's own process has no GGML_VK_VISIBLE_DEVICES: it serves its CPU.
+    let server = Server::start();
+    let rpc = server.endpoint.as_str();
+    let cases: [(&str, Vec<&str>); 3] = [
+        ("te and vae on the CPU", vec!["--backend", "diffusion=Vulkan0,te=cpu,vae=cpu"]),
+        ("layer split Vulkan0&CPU", vec!["--backend", "diffusion=Vulkan0&CPU,te=cpu,vae=Vulkan0"]),
+        ("Vulkan0 with an RPC server", vec!["--rpc", rpc, "--backend", "diffusion=Vulkan0&RPC0,te=RPC0,vae=Vulkan0"]),
+    ];
+    for (i, (what, flags)) in cases.into_iter().enumerate() {
+        let (px, report) = generate(&model, &dir, &format!("cross{i}"), &flags);
+        assert_within_bound(what, &px, &cpu);
+        let device =
+            |runner: &str| report.runner(runner).unwrap_or_else(|| panic!("{what}: no {runner}")).device.clone();
+        match i {
+            0 => assert_eq!([device("te"), device("unet"), device("vae")], ["CPU", "Vulkan0", "CPU"], "{what}"),
+            _ => {
+                let other = if i == 1 { "CPU" } else { "RPC0" };
+                let ran = stage_devices(&report, "unet", what);
+                assert!(ran.contains("Vulkan0") && ran.contains(other), "{what}: the UNet ran on {ran:?}");
+                let unet = report.module("unet").unwrap_or_else(|| panic!("{what}: no unet module"));
+                assert_eq!(unet.devices, ["Vulkan0", other], "{what}");
+                assert_eq!(device("vae"), "Vulkan0", "{what}");
+                let stats = &report.runner("unet").unwrap().stats;
+                assert!(stats.cross_device_copies > 0, "{what}: {stats:?}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn pipeline_copies_give_each_image_of_a_batch_bit_for_bit_on_vulkan0() {
+    let Some(_) = vulkan0("pipeline_copies_give_each_image_of_a_batch_bit_for_bit_on_vulkan0") else { return };
+    let model = sd15_fixture();
+    let dir = scratch("pipeline");
+    // Without guidance the micro-batches are the batch's images, sampled in lockstep: a
+    // micro-batch of one image runs the graph an image sampled alone runs (seed 42 + b).
+    let split = ["--backend", "diffusion=Vulkan0&CPU,te=cpu,vae=cpu"];
+    let alone: Vec<Vec<u8>> = [42, 43]
+        .into_iter()
+        .map(|seed| generate_batch(&model, &dir, &format!("alone{seed}"), seed, 1, &split).0.remove(0))
+        .collect();
+    assert!(alone[0] != alone[1], "two seeds, two images");
+    let piped: Vec<&str> = split.iter().copied().chain(["--pipeline-copies", "2"]).collect();
+    let (images, report) = generate_batch(&model, &dir, "piped", 42, 2, &piped);
+    for (b, (px, want)) in images.iter().zip(&alone).enumerate() {
+        assert!(px == want, "pipeline copies 2, image {b}: differs from the image sampled alone");
+    }
+    let s = &report.runner("unet").expect("a unet runner").stats;
+    assert_eq!((s.pipelined_runs, s.runs), (1, 2), "the step pipelined, one image per micro-batch: {s:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn without_a_vulkan_driver_the_cpu_still_works_and_the_log_names_the_plugin() {
+    let test = "without_a_vulkan_driver_the_cpu_still_works_and_the_log_names_the_plugin";
+    let Some(vk) = vulkan0(test) else { return };
+    let plugin = vk["plugin"].as_str().unwrap().to_string();
+    let file = Path::new(&plugin).file_name().unwrap().to_string_lossy().into_owned();
+    // The Vulkan loader finds no driver (both the old and the new variable's name).
+    let missing = std::env::temp_dir().join(format!("sd-rs-no-such-icd-{}.json", std::process::id()));
+    let missing = missing.to_str().unwrap();
+    let no_driver = [("VK_ICD_FILENAMES", missing), ("VK_DRIVER_FILES", missing), ("NO_COLOR", "1")];
+    let out = sd_cli().args(["--list-devices", "--json"]).envs(VK_ENV).envs(no_driver).output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "--list-devices without a driver failed:\n{log}");
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = list.as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"CPU") && !names.contains(&"Vulkan0"), "{names:?}");
+    assert!(log.contains(&file), "the log names the plugin that gave no device ({file}):\n{log}");
+    // Asking for Vulkan0 is an error naming the plugin that could not start, not a crash.
+    let model = sd15_fixture();
+    let dir = scratch("no-driver");
+    let out = sd_cli()
+        .arg("-m")
+        .arg(&model)
+        .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "1", "--backend", "Vulkan0", "-o"])
+        .arg(dir.join("vk.png"))
+        .envs(VK_ENV)
+        .envs(no_driver)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "bad input (exit status 2), not a crash:\n{log}");
+    assert!(log.contains("Vulkan0") && log.contains(&file), "the error names the device and the plugin:\n{log}");
+    // The CPU still runs.
+    let args = ["-p", "a cat", "-W", "64", "-H", "64", "--steps", "1", "--sampling-method", "euler", "-s", "42"];
+    let env: Vec<(&str, &str)> = VK_ENV.iter().chain(&no_driver).copied().collect();
+    let extra = ["--backend", "cpu", "--cfg-scale", "1", "-t", "2"];
+    let report = run_checked_env(&model, &dir.join("cpu.png"), &args, &extra, &env);
+    assert_eq!(report.runner("unet").map(|r| r.device.as_str()), Some("CPU"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_planner_budgets_vulkan0_from_the_free_memory_its_driver_reports() {
+    let Some(vk) = vulkan0("the_planner_budgets_vulkan0_from_the_free_memory_its_driver_reports") else { return };
+    let model = sd15_fixture();
+    let dir = scratch("plan");
+    let plan = |name: &str, extra: &[&str]| {
+        let report = dir.join(format!("{name}.json"));
+        let o = sd_cli()
+            .arg("plan")
+            .arg("-m")
+            .arg(&model)
+            .args(["--backend", "Vulkan0"])
+            .args(extra)
+            .arg("--report-json")
+            .arg(&report)
+            .envs(VK_ENV)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "plan {extra:?}:\n{}", String::from_utf8_lossy(&o.stderr));
+        let r = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        let plan = r.plan.expect("the plan");
+        plan.devices.into_iter().find(|d| d.device == "Vulkan0").expect("Vulkan0 in the plan")
+    };
+    // No --max-vram: free memory less 512 MiB, free as the driver reports it now.
+    let d = plan("default", &[]);
+    let (free, total) = (d.free_bytes.expect("a free figure"), d.total_bytes.expect("a total"));
+    assert_eq!(Some(total), vk["memory_total"].as_u64(), "{d:?}");
+    assert!(0 < free && free <= total, "{d:?}");
+    assert_eq!((d.budget_rule, d.budget_bytes), (BudgetRule::FreeMinusMargin, Some(free - (512 << 20))), "{d:?}");
+    assert!(d.fits && d.used_bytes > 0, "the SD 1.5 fixture fits lavapipe's memory: {d:?}");
+    // --max-vram 0: the free memory itself.
+    let d = plan("free", &["--max-vram", "Vulkan0=0"]);
+    assert_eq!((d.budget_rule, d.budget_bytes), (BudgetRule::Free, d.free_bytes), "{d:?}");
     std::fs::remove_dir_all(&dir).ok();
 }

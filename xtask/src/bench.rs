@@ -672,7 +672,15 @@ pub fn run(args: Args) -> Result<()> {
     }
     let server = if args.server_requests > 0 {
         let s = Setting { side: args.server_size, steps: 2 };
-        let row = crate::bench_server::run(&ours, &work.model, work.cfg, s, args.threads, args.server_requests as usize, &dir)?;
+        let row = crate::bench_server::run(
+            &ours,
+            &work.model,
+            work.cfg,
+            s,
+            args.threads,
+            args.server_requests as usize,
+            &dir,
+        )?;
         Some((s, row))
     } else {
         None

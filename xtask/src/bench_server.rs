@@ -115,7 +115,8 @@ pub(crate) fn run(
     dir: &Path,
 ) -> Result<ServerRow> {
     let mut row = ServerRow::default();
-    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(3600))).build().into();
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(3600))).build().into();
     let body = job_body(s, cfg);
     eprintln!("bench: server row: {n} requests to one sd-cli serve");
     let t = Instant::now();
@@ -153,7 +154,8 @@ pub(crate) fn print(row: &ServerRow, label: &str, s: Setting, threads: u32) {
     let mib = |b: Option<u64>| b.map_or_else(|| "?".to_owned(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
     let server_all = row.server_first_s + row.server_later_s.iter().sum::<f64>();
     let cli_all: f64 = row.cli_s.iter().sum();
-    let (server_later, cli_later) = (median(&row.server_later_s), median(&row.cli_s.get(1..).unwrap_or_default().to_vec()));
+    let (server_later, cli_later) =
+        (median(&row.server_later_s), median(&row.cli_s.get(1..).unwrap_or_default().to_vec()));
     println!();
     println!(
         "server row: {label}, {0}x{0}, {1} steps euler, seed 42, -t {threads}: {n} requests to one sd-server against {n} sd-cli runs",
@@ -168,7 +170,12 @@ pub(crate) fn print(row: &ServerRow, label: &str, s: Setting, threads: u32) {
     line(&format!("all {n} images"), Some(server_all), Some(cli_all));
     let first = |v: &[u64]| v.first().copied();
     let later = |v: &[u64]| v.get(1..).and_then(|l| l.iter().max().copied());
-    println!("  {:<40} {:>12} {:>12}", "weights staged anew, first", mib(first(&row.server_staged)), mib(first(&row.cli_staged)));
+    println!(
+        "  {:<40} {:>12} {:>12}",
+        "weights staged anew, first",
+        mib(first(&row.server_staged)),
+        mib(first(&row.cli_staged))
+    );
     println!(
         "  {:<40} {:>12} {:>12}",
         "weights staged anew, later (largest)",

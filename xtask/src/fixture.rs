@@ -295,7 +295,13 @@ fn run_qwen3(args: &Args) -> Result<()> {
     }
     let (path, format) = output(args, || {
         let format = FileFormat::for_type(args.wtype);
-        fixture::cache_dir().join(format!("qwen3-fixture-seed{}-{}-{}l.{}", args.seed, args.wtype, cfg.n_layers, format.extension()))
+        fixture::cache_dir().join(format!(
+            "qwen3-fixture-seed{}-{}-{}l.{}",
+            args.seed,
+            args.wtype,
+            cfg.n_layers,
+            format.extension()
+        ))
     })?;
     let start = Instant::now();
     let report = qwen3::write_qwen3(&path, &cfg, args.seed, args.std, args.wtype, format)?;

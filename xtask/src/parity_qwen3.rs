@@ -59,7 +59,9 @@ fn config_of(files: &ModelFiles) -> Result<Qwen3Config> {
     };
     let embed = shape("embed_tokens.weight")?;
     let gate = shape("layers.0.mlp.gate_proj.weight")?;
-    let layers = (0..).take_while(|i| idx.get(&format!("text_encoders.llm.model.layers.{i}.input_layernorm.weight")).is_some()).count();
+    let layers = (0..)
+        .take_while(|i| idx.get(&format!("text_encoders.llm.model.layers.{i}.input_layernorm.weight")).is_some())
+        .count();
     let cfg = Qwen3Config {
         vocab_size: embed[0] as usize,
         hidden: embed[1] as usize,

@@ -132,7 +132,14 @@ impl Context {
     /// Rotary position embedding in the NeoX layout (pairs `i` and `i + n_dims/2` of ne[0]),
     /// without YaRN scaling: a `[D, H, L, N]`, `pos` i32 `[L]`; angle `pos * base^(-2i/n_dims)`.
     /// `n_ctx_orig` only matters to YaRN and is passed through as the model's own.
-    pub fn rope_neox<'c>(&'c self, a: Tensor<'_>, pos: Tensor<'_>, n_dims: i32, n_ctx_orig: i32, base: f32) -> Tensor<'c> {
+    pub fn rope_neox<'c>(
+        &'c self,
+        a: Tensor<'_>,
+        pos: Tensor<'_>,
+        n_dims: i32,
+        n_ctx_orig: i32,
+        base: f32,
+    ) -> Tensor<'c> {
         // SAFETY: live context and operands; no frequency-factor tensor (null).
         Tensor::from_raw(unsafe {
             sys::ggml_rope_ext(

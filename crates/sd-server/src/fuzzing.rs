@@ -84,7 +84,8 @@ impl Harness {
                 Err(e) => match e {},
             };
             let status = resp.status().as_u16();
-            let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.map(|b| b.to_vec()).unwrap_or_default();
+            let bytes =
+                axum::body::to_bytes(resp.into_body(), usize::MAX).await.map(|b| b.to_vec()).unwrap_or_default();
             (status, bytes)
         })
     }

@@ -274,7 +274,8 @@ impl Vocab {
         let letter = |i: usize| i < n && self.is_letter(chars[i].1);
         let number = |i: usize| i < n && chars[i].1.is_ascii_digit();
         // `[^\s\p{L}\p{N}]` with C's isspace for `\s`.
-        let other = |i: usize| i < n && !self.is_letter(chars[i].1) && !chars[i].1.is_ascii_digit() && !c_isspace(chars[i].1);
+        let other =
+            |i: usize| i < n && !self.is_letter(chars[i].1) && !chars[i].1.is_ascii_digit() && !c_isspace(chars[i].1);
         let newline = |i: usize| i < n && matches!(chars[i].1, '\r' | '\n');
         let mut pieces = Vec::new();
         let mut i = 0;

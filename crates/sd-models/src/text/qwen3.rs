@@ -123,13 +123,24 @@ impl Qwen3Config {
     /// Checks that the numbers describe an encoder the graph can be built for.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Qwen3Error::Config(m));
-        if [self.vocab_size, self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate, self.n_layers]
-            .contains(&0)
+        if [
+            self.vocab_size,
+            self.hidden,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.intermediate,
+            self.n_layers,
+        ]
+        .contains(&0)
         {
             return bad(format!("vocabulary, widths, heads and layers must be non-zero: {self:?}"));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return bad(format!("{} query heads are not a multiple of {} key/value heads", self.n_heads, self.n_kv_heads));
+            return bad(format!(
+                "{} query heads are not a multiple of {} key/value heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("RoPE needs an even head width, not {}", self.head_dim));
@@ -166,10 +177,15 @@ pub fn qwen3_specs(
 ) -> Vec<TensorSpec> {
     let mut b = SpecSink::new(dtype_of, wtype);
     let (d, ff) = (cfg.hidden as i64, cfg.intermediate as i64);
-    let (q, kv, hd) = ((cfg.n_heads * cfg.head_dim) as i64, (cfg.n_kv_heads * cfg.head_dim) as i64, cfg.head_dim as i64);
+    let (q, kv, hd) =
+        ((cfg.n_heads * cfg.head_dim) as i64, (cfg.n_kv_heads * cfg.head_dim) as i64, cfg.head_dim as i64);
     let embed = cfg.name("embed_tokens.weight");
     let ty = crate::wtype::loaded_type(&embed, d, dtype_of(&embed), wtype);
-    let ty = if super::clip::gathers_rows(ty) && sd_backends::convert::fits_blocks(ty, d) { ty } else { GgmlType::GGML_TYPE_F32 };
+    let ty = if super::clip::gathers_rows(ty) && sd_backends::convert::fits_blocks(ty, d) {
+        ty
+    } else {
+        GgmlType::GGML_TYPE_F32
+    };
     b.push(embed, ty, &[d, cfg.vocab_size as i64]);
     for i in 0..cfg.n_layers {
         b.push(cfg.layer(i, "input_layernorm.weight"), GgmlType::GGML_TYPE_F32, &[d]);
@@ -238,7 +254,14 @@ fn rms_norm<'g>(g: &'g Context, cfg: &Qwen3Config, x: Tensor<'_>, weight: Tensor
 }
 
 /// Grouped-query self-attention of `x` `[hidden, L]` (one sequence).
-fn attention<'g>(g: &'g Context, w: &Weights, cfg: &Qwen3Config, i: usize, x: Tensor<'_>, inputs: Inputs<'_>) -> Result<Tensor<'g>> {
+fn attention<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &Qwen3Config,
+    i: usize,
+    x: Tensor<'_>,
+    inputs: Inputs<'_>,
+) -> Result<Tensor<'g>> {
     let l = x.shape()[1];
     let (h, kvh, d) = (cfg.n_heads as i64, cfg.n_kv_heads as i64, cfg.head_dim as i64);
     let lin = |p: &str, x| linear(g, w, &cfg.layer(i, &format!("self_attn.{p}_proj.weight")), x);
@@ -301,7 +324,8 @@ fn check_weights(cfg: &Qwen3Config, weights: &Weights) -> Result<()> {
     if !weights.is_allocated() {
         return Err(Qwen3Error::NotAllocated);
     }
-    let have: std::collections::HashMap<&str, &TensorSpec> = weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
+    let have: std::collections::HashMap<&str, &TensorSpec> =
+        weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
     for want in qwen3_specs(cfg, &|_| None, None) {
         let got = match have.get(want.name.as_str()) {
             Some(got) => Some(got.ne.clone()),
@@ -310,7 +334,9 @@ fn check_weights(cfg: &Qwen3Config, weights: &Weights) -> Result<()> {
         };
         match got {
             None => return Err(Qwen3Error::MissingWeight(want.name)),
-            Some(got) if got != want.ne => return Err(Qwen3Error::WeightShape { name: want.name, expected: want.ne, got }),
+            Some(got) if got != want.ne => {
+                return Err(Qwen3Error::WeightShape { name: want.name, expected: want.ne, got })
+            }
             Some(_) => {}
         }
     }

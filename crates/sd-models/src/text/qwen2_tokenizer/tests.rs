@@ -148,13 +148,14 @@ fn bpe_merges_as_the_reference_passes_do() {
         }
         word.iter().map(|s| id_of[s.as_str()]).collect()
     };
-    for piece in ["internationalization", "aaaaaaaaaaaaaaaaa", " antidisestablishmentarianism", "日本語のテキスト", "🐱‍👤🐱"] {
+    for piece in
+        ["internationalization", "aaaaaaaaaaaaaaaaa", " antidisestablishmentarianism", "日本語のテキスト", "🐱‍👤🐱"]
+    {
         let mut heap = Vec::new();
         merge_symbols(&v.merges, piece.bytes().map(|b| v.byte_id[b as usize]).collect(), &mut heap);
         assert_eq!(heap, by_passes(piece), "{piece:?}");
     }
 }
-
 
 /// Ids and weights computed by the reference's own tokenizer (data/gen_qwen2_tokenizer_cases.py).
 const CASES: &str = include_str!("../../../data/qwen2_tokenizer_cases.json");

@@ -12,7 +12,16 @@ const F16: GgmlType = GgmlType::GGML_TYPE_F16;
 
 /// Real head layout ratio (4 query heads per key/value head), tiny widths.
 fn tiny() -> Qwen3Config {
-    Qwen3Config { vocab_size: 1000, hidden: 48, n_heads: 8, n_kv_heads: 2, head_dim: 16, intermediate: 80, n_layers: 3, ..Qwen3Config::qwen3_4b() }
+    Qwen3Config {
+        vocab_size: 1000,
+        hidden: 48,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 16,
+        intermediate: 80,
+        n_layers: 3,
+        ..Qwen3Config::qwen3_4b()
+    }
 }
 
 /// Norm gains 1 +- 0.2, embeddings of scale 1, linear weights of variance ~1/fan_in.
@@ -59,7 +68,12 @@ fn reference(cfg: &Qwen3Config, ids: &[u32], out_layer: usize) -> Vec<f64> {
 
 /// The encoder in f64, as the module doc defines it, on the weights `value_of(internal name,
 /// ne)` gives.
-fn reference_with(cfg: &Qwen3Config, ids: &[u32], out_layer: usize, value_of: &dyn Fn(&str, &[i64]) -> Vec<f32>) -> Vec<f64> {
+fn reference_with(
+    cfg: &Qwen3Config,
+    ids: &[u32],
+    out_layer: usize,
+    value_of: &dyn Fn(&str, &[i64]) -> Vec<f32>,
+) -> Vec<f64> {
     let specs = qwen3_specs(cfg, &|_| None, None);
     let p = |name: String| -> Vec<f64> {
         let spec = specs.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}"));
@@ -77,7 +91,9 @@ fn reference_with(cfg: &Qwen3Config, ids: &[u32], out_layer: usize, value_of: &d
         let k = linear(&a, &b("self_attn.k_proj.weight"), kvh * hd);
         let v = linear(&a, &b("self_attn.v_proj.weight"), kvh * hd);
         let (qn, kn) = (b("self_attn.q_norm.weight"), b("self_attn.k_norm.weight"));
-        let head = |t: &[f64], n: usize, w: &[f64], pos: usize| rope(&rms(&t[n * hd..(n + 1) * hd], w, eps), pos, cfg.rope_base as f64);
+        let head = |t: &[f64], n: usize, w: &[f64], pos: usize| {
+            rope(&rms(&t[n * hd..(n + 1) * hd], w, eps), pos, cfg.rope_base as f64)
+        };
         let mut att = vec![vec![0.0; h * hd]; l];
         for hq in 0..h {
             let hk = hq / (h / kvh);
@@ -85,7 +101,9 @@ fn reference_with(cfg: &Qwen3Config, ids: &[u32], out_layer: usize, value_of: &d
                 let qv = head(&q[tq], hq, &qn, tq);
                 // Causal: keys 0..=tq.
                 let s: Vec<f64> = (0..=tq)
-                    .map(|tk| qv.iter().zip(head(&k[tk], hk, &kn, tk)).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|tk| {
+                        qv.iter().zip(head(&k[tk], hk, &kn, tk)).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                    })
                     .collect();
                 let max = s.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
@@ -102,8 +120,11 @@ fn reference_with(cfg: &Qwen3Config, ids: &[u32], out_layer: usize, value_of: &d
         let f: Rows = x.iter().map(|r| rms(r, &b("post_attention_layernorm.weight"), eps)).collect();
         let gate = linear(&f, &b("mlp.gate_proj.weight"), cfg.intermediate);
         let up = linear(&f, &b("mlp.up_proj.weight"), cfg.intermediate);
-        let hid: Rows =
-            gate.iter().zip(&up).map(|(g, u)| g.iter().zip(u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect()).collect();
+        let hid: Rows = gate
+            .iter()
+            .zip(&up)
+            .map(|(g, u)| g.iter().zip(u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect())
+            .collect();
         let o = linear(&hid, &b("mlp.down_proj.weight"), dm);
         x = x.iter().zip(&o).map(|(a, b)| a.iter().zip(b).map(|(p, q)| p + q).collect()).collect();
     }
@@ -123,7 +144,8 @@ fn qwen3_4b_has_the_published_parameter_count_and_names() {
     // Qwen/Qwen3-4B without its (tied) lm_head: 4,022,468,096 parameters.
     assert_eq!(total, 4_022_468_096);
     assert_eq!(specs.len(), 1 + 36 * 11 + 1);
-    let find = |n: &str| specs.iter().find(|s| s.name == format!("{LLM_PREFIX}.model.{n}")).unwrap_or_else(|| panic!("{n}"));
+    let find =
+        |n: &str| specs.iter().find(|s| s.name == format!("{LLM_PREFIX}.model.{n}")).unwrap_or_else(|| panic!("{n}"));
     assert_eq!(find("embed_tokens.weight").ne, [2560, 151_936]);
     assert_eq!(find("layers.35.self_attn.q_proj.weight").ne, [2560, 4096]);
     assert_eq!(find("layers.35.self_attn.k_proj.weight").ne, [2560, 1024]);
@@ -181,7 +203,11 @@ fn bad_input_is_an_error_not_a_crash() {
         Err(Qwen3Error::WeightShape { name, .. }) => assert!(name.contains("mlp."), "{name}"),
         other => panic!("expected WeightShape, got {other:?}"),
     }
-    for bad in [Qwen3Config { n_kv_heads: 3, ..cfg.clone() }, Qwen3Config { head_dim: 15, ..cfg.clone() }, Qwen3Config { n_layers: 0, ..cfg }] {
+    for bad in [
+        Qwen3Config { n_kv_heads: 3, ..cfg.clone() },
+        Qwen3Config { head_dim: 15, ..cfg.clone() },
+        Qwen3Config { n_layers: 0, ..cfg },
+    ] {
         assert!(matches!(bad.validate(), Err(Qwen3Error::Config(_))), "{bad:?}");
     }
 }

@@ -154,8 +154,7 @@ pub(crate) fn print(row: &ServerRow, label: &str, s: Setting, threads: u32) {
     let mib = |b: Option<u64>| b.map_or_else(|| "?".to_owned(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
     let server_all = row.server_first_s + row.server_later_s.iter().sum::<f64>();
     let cli_all: f64 = row.cli_s.iter().sum();
-    let (server_later, cli_later) =
-        (median(&row.server_later_s), median(&row.cli_s.get(1..).unwrap_or_default().to_vec()));
+    let (server_later, cli_later) = (median(&row.server_later_s), median(row.cli_s.get(1..).unwrap_or_default()));
     println!();
     println!(
         "server row: {label}, {0}x{0}, {1} steps euler, seed 42, -t {threads}: {n} requests to one sd-server against {n} sd-cli runs",

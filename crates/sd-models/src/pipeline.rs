@@ -1354,7 +1354,7 @@ impl Pipeline {
             kept::record(report, "vae", w, start);
         }
         drop(runner);
-        if let Some(k) = kept.as_deref_mut() {
+        if let Some(k) = kept {
             k.vae = Some((encoder, vae));
         }
         report.stage("decode", t_decode.elapsed().as_secs_f64());

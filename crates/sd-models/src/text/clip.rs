@@ -654,24 +654,11 @@ fn check_weights(cfg: &ClipConfig, weights: &Weights) -> Result<()> {
     if !weights.is_allocated() {
         return Err(ClipError::NotAllocated);
     }
-    let have: std::collections::HashMap<&str, &TensorSpec> =
-        weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
-    for want in clip_specs(cfg, &|_| None, None) {
-        // A weight cut for a row split is there as its chunks, with its whole shape declared.
-        let got = match have.get(want.name.as_str()) {
-            Some(got) => Some(got.ne.clone()),
-            None if weights.is_row_split() => weights.declared_ne(&want.name),
-            None => None,
-        };
-        match got {
-            None => return Err(ClipError::MissingWeight(want.name)),
-            Some(got) if got != want.ne => {
-                return Err(ClipError::WeightShape { name: want.name, expected: want.ne, got })
-            }
-            Some(_) => {}
-        }
+    match super::first_mismatch(weights, clip_specs(cfg, &|_| None, None)) {
+        None => Ok(()),
+        Some(super::SpecMismatch::Missing(name)) => Err(ClipError::MissingWeight(name)),
+        Some(super::SpecMismatch::Shape { name, expected, got }) => Err(ClipError::WeightShape { name, expected, got }),
     }
-    Ok(())
 }
 
 /// A CLIP text transformer with its weights, ready to encode token ids.

@@ -76,5 +76,36 @@ pub enum TokenizeError {
     T5ChunkTooShort(usize),
 }
 
+/// A parameter an encoder needs that its weights lack, or hold with another shape.
+#[derive(Debug)]
+pub(crate) enum SpecMismatch {
+    /// Not in the weights.
+    Missing(String),
+    /// Another shape than the encoder's.
+    Shape { name: String, expected: Vec<i64>, got: Vec<i64> },
+}
+
+/// The first of `wanted` that `weights` lacks or holds with another shape. A weight cut for a
+/// row split is there as its chunks, with its whole shape declared.
+pub(crate) fn first_mismatch(weights: &sd_sched::Weights, wanted: Vec<sd_sched::TensorSpec>) -> Option<SpecMismatch> {
+    let have: std::collections::HashMap<&str, &sd_sched::TensorSpec> =
+        weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
+    for want in wanted {
+        let got = match have.get(want.name.as_str()) {
+            Some(got) => Some(got.ne.clone()),
+            None if weights.is_row_split() => weights.declared_ne(&want.name),
+            None => None,
+        };
+        match got {
+            None => return Some(SpecMismatch::Missing(want.name)),
+            Some(got) if got != want.ne => {
+                return Some(SpecMismatch::Shape { name: want.name, expected: want.ne, got })
+            }
+            Some(_) => {}
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests;

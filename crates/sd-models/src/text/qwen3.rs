@@ -324,23 +324,13 @@ fn check_weights(cfg: &Qwen3Config, weights: &Weights) -> Result<()> {
     if !weights.is_allocated() {
         return Err(Qwen3Error::NotAllocated);
     }
-    let have: std::collections::HashMap<&str, &TensorSpec> =
-        weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
-    for want in qwen3_specs(cfg, &|_| None, None) {
-        let got = match have.get(want.name.as_str()) {
-            Some(got) => Some(got.ne.clone()),
-            None if weights.is_row_split() => weights.declared_ne(&want.name),
-            None => None,
-        };
-        match got {
-            None => return Err(Qwen3Error::MissingWeight(want.name)),
-            Some(got) if got != want.ne => {
-                return Err(Qwen3Error::WeightShape { name: want.name, expected: want.ne, got })
-            }
-            Some(_) => {}
+    match super::first_mismatch(weights, qwen3_specs(cfg, &|_| None, None)) {
+        None => Ok(()),
+        Some(super::SpecMismatch::Missing(name)) => Err(Qwen3Error::MissingWeight(name)),
+        Some(super::SpecMismatch::Shape { name, expected, got }) => {
+            Err(Qwen3Error::WeightShape { name, expected, got })
         }
     }
-    Ok(())
 }
 
 /// A Qwen3 encoder over borrowed weights. Build it with [`Qwen3Encoder::new`], which checks them.

@@ -369,24 +369,11 @@ fn check_weights(cfg: &T5Config, weights: &Weights) -> Result<()> {
     if !weights.is_allocated() {
         return Err(T5Error::NotAllocated);
     }
-    let have: std::collections::HashMap<&str, &TensorSpec> =
-        weights.specs().iter().map(|s| (s.name.as_str(), s)).collect();
-    for want in t5_specs(cfg, &|_| None, None) {
-        // A weight cut for a row split is there as its chunks, with its whole shape declared.
-        let got = match have.get(want.name.as_str()) {
-            Some(got) => Some(got.ne.clone()),
-            None if weights.is_row_split() => weights.declared_ne(&want.name),
-            None => None,
-        };
-        match got {
-            None => return Err(T5Error::MissingWeight(want.name)),
-            Some(got) if got != want.ne => {
-                return Err(T5Error::WeightShape { name: want.name, expected: want.ne, got })
-            }
-            Some(_) => {}
-        }
+    match super::first_mismatch(weights, t5_specs(cfg, &|_| None, None)) {
+        None => Ok(()),
+        Some(super::SpecMismatch::Missing(name)) => Err(T5Error::MissingWeight(name)),
+        Some(super::SpecMismatch::Shape { name, expected, got }) => Err(T5Error::WeightShape { name, expected, got }),
     }
-    Ok(())
 }
 
 /// A T5 encoder over borrowed weights. Build it with [`T5Encoder::new`], which checks them.

@@ -221,6 +221,11 @@ impl WireClient {
         self.recv()
     }
 
+    /// This end's address: how the server names the client in its log.
+    pub fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.stream.local_addr()
+    }
+
     /// Whether the server has closed this connection: end of stream or a reset within
     /// the read timeout (a timeout or a byte of data means it is still open).
     pub fn is_closed(&mut self) -> bool {

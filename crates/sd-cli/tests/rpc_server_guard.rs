@@ -126,10 +126,10 @@ fn an_idle_client_blocks_nobody_and_is_dropped() {
     let server = Server::start_with(&["--idle-timeout", "3", "--max-clients", "2"]);
     let mut idle = WireClient::connect(&server.endpoint, Duration::from_secs(10)).unwrap();
     let t = Instant::now();
-    round_trip(&server.endpoint);
+    let passer = round_trip(&server.endpoint);
     assert!(t.elapsed() < Duration::from_secs(3), "another client waited {:?}", t.elapsed());
     // two clients at once: a third is closed (once the round trip's client has left)
-    std::thread::sleep(Duration::from_millis(500));
+    server.wait_gone(passer);
     let _second = WireClient::connect(&server.endpoint, Duration::from_secs(10)).unwrap();
     assert!(WireClient::connect(&server.endpoint, Duration::from_secs(5)).is_err(), "a third client was served");
     // the idle one is dropped after its deadline

@@ -71,11 +71,36 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         };
         // ready once it answers the handshake
-        while WireClient::connect(&endpoint, Duration::from_secs(2)).is_err() {
+        let probe = loop {
+            if let Ok(c) = WireClient::connect(&endpoint, Duration::from_secs(2)) {
+                break c.local_addr().unwrap();
+            }
             assert!(t.elapsed() < Duration::from_secs(60), "rpc-server at {endpoint} did not answer");
             std::thread::sleep(Duration::from_millis(50));
+        };
+        let server = Self { child, endpoint, log };
+        // the probe holds one of --max-clients until the server has seen it leave
+        server.wait_gone(probe);
+        server
+    }
+
+    /// Waits until the server's log says that the client at `client` has left (it counts
+    /// against `--max-clients` until then).
+    pub fn wait_gone(&self, client: std::net::SocketAddr) {
+        let t = Instant::now();
+        let gone = [
+            format!("RPC client {client} disconnected"),
+            format!("RPC client {client} lost"),
+            format!("RPC client {client} dropped"),
+        ];
+        loop {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            if gone.iter().any(|g| text.contains(g.as_str())) {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "the server never logged that {client} left:\n{text}");
+            std::thread::sleep(Duration::from_millis(20));
         }
-        Self { child, endpoint, log }
     }
 
     /// Sends `sig` to the server's process group.
@@ -189,9 +214,11 @@ pub fn run_checked_env(model: &Path, out: &Path, args: &[&str], extra: &[&str], 
     report
 }
 
-/// A valid round trip on a fresh connection: the server still serves.
-pub fn round_trip(endpoint: &str) {
+/// A valid round trip on a fresh connection: the server still serves. Returns the
+/// client's address (see [`Server::wait_gone`]).
+pub fn round_trip(endpoint: &str) -> std::net::SocketAddr {
     let mut c = WireClient::connect(endpoint, Duration::from_secs(5)).expect("the server accepts a new client");
+    let me = c.local_addr().unwrap();
     let (buf, size) = c.alloc_buffer(1024).unwrap();
     assert!(buf != 0 && size >= 1024);
     let base = c.buffer_base(buf).unwrap();
@@ -199,4 +226,5 @@ pub fn round_trip(endpoint: &str) {
     let data: Vec<u8> = (0..64).collect();
     c.set_tensor(&t, 0, &data).unwrap();
     assert_eq!(c.get_tensor(&t, 0, 64).unwrap(), data);
+    me
 }

@@ -1,39 +1,13 @@
 //! The device commands of sd-cli, run as a user runs them: a real binary, real plugins, a real RPC server.
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Stdio;
 
-fn sd_cli() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sd-cli"))
-}
+mod common;
+use common::sd_cli;
+use std::time::{Duration, Instant};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-struct Server(Child);
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_server(port: u16) -> Server {
-    let child = sd_cli()
-        .args(["rpc-server", "--port", &port.to_string(), "--threads", "1"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let server = Server(child);
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(20), "rpc-server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    server
 }
 
 fn devices_json(extra: &[&str]) -> Vec<serde_json::Value> {
@@ -67,9 +41,8 @@ fn list_devices_json_shows_the_cpu_with_real_memory() {
 
 #[test]
 fn rpc_server_devices_join_the_list() {
-    let port = free_port();
-    let _server = start_server(port);
-    let endpoint = format!("127.0.0.1:{port}");
+    let server = common::Server::start();
+    let endpoint = server.endpoint.clone();
     // `--rpc-servers` is the reference's name, `--rpc` ours: the same flag.
     for flag in ["--rpc-servers", "--rpc"] {
         let devices = devices_json(&[flag, &endpoint]);
@@ -113,21 +86,27 @@ fn rpc_server_on_a_busy_port_fails_cleanly() {
 
 #[test]
 fn rpc_server_warns_off_loopback() {
-    let port = free_port();
+    use std::io::BufRead;
     let mut child = sd_cli()
-        .args(["rpc-server", "--host", "0.0.0.0", "--port", &port.to_string()])
+        .args(["rpc-server", "--host", "0.0.0.0", "--port", "0"])
+        .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() && t.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(50));
+    // the warning comes before the line saying where it listens (or the process ends)
+    let mut err = String::new();
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        err.push_str(&line);
+        err.push('\n');
+        if line.contains("listening on") {
+            break;
+        }
     }
     let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no authentication"), "{err}");
+    let _ = child.wait();
+    assert!(err.contains("no authentication") && err.contains("listening on 0.0.0.0:"), "{err}");
 }
 
 #[test]

@@ -22,12 +22,13 @@
 //! [`predict`] replays each module of a plan as the runtime executes it:
 //!
 //! * params resident on the computing device: the blocks' compute, one graph per run;
-//! * params elsewhere (another device, RAM, disk): after the first run, the leading blocks that
-//!   fit the device's room (its budget less resident params, the graph's workspace estimated
-//!   from its widest activations, and the planning headroom) stay resident (sd-sched's planner evicts from the last segment
-//!   backward) and the others are streamed each run, one segment per block, the next segment's
-//!   weights prefetched while the current one computes: `t_0 + Σ max(c_i, t_{i+1})`, where
-//!   `t_i` is segment `i`'s transfer and `c_i` its compute;
+//! * params elsewhere (another device, RAM, disk): the blocks that stay resident once warm are
+//!   the ones the executor's segment planner ([`crate::segments`]) keeps, replayed here for
+//!   three runs on the room the plan leaves the module (the device's budget and free memory
+//!   less the params resident there), one segment per block with a workspace of its widest
+//!   activations; the others are streamed each run, the next segment's weights prefetched while
+//!   the current one computes: `t_0 + Σ max(c_i, t_{i+1})`, where `t_i` is segment `i`'s
+//!   transfer (0 for a kept block) and `c_i` its compute;
 //! * a layer split: the stages in sequence plus each boundary's activation copy (device to
 //!   host to device); with `m` micro-batches (`--pipeline-copies`, at most the batch) a stage
 //!   takes `s/m` per micro-batch and the run `Σ s_j/m + (m-1)·max s_j/m`;
@@ -35,9 +36,9 @@
 //!
 //! The peak on each device is the plan's own accounting ([`crate::DeviceUsage::used_bytes`]).
 //!
-//! This crate cannot use sd-sched's `Simulator` (sd-sched sits above it in the layering and
-//! depends on ggml); sd-sched's tests check that the bytes this model streams per step equal
-//! what its `Simulator` transfers for the same blocks and budget.
+//! The segment planner is the executor's own (sd-sched re-exports [`crate::segments`]), so
+//! the bytes predicted per step are what the executor's schedules copy for the same segments
+//! and room; sd-sched's tests check this against its `Simulator` on equal blocks.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -47,8 +48,8 @@ use serde::{Deserialize, Serialize};
 use crate::device::DeviceType;
 use crate::model::Module;
 use crate::plan::{ModulePlan, ParamsHome, Plan, SplitKind};
+use crate::segments::{DeviceState, Estimate, ModuleGraph, Options, ParamGroup, Segment, Simulator};
 use crate::units::fmt_bytes;
-use crate::MIB;
 
 /// A class of operation whose throughput a device reports separately.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -364,16 +365,44 @@ impl Prediction {
     }
 }
 
-/// Room the runtime keeps for planning (sd-sched's `PLANNING_HEADROOM`).
-const HEADROOM: u64 = 128 * MIB;
-
 /// Activations live at once in a module's graph, as a multiple of its widest block output
 /// (ggml's allocator reuses buffers: a block's input, output, residual and a few temporaries).
 const LIVE_ACTIVATIONS: u64 = 16;
 
-/// The workspace a module's graph needs: [`LIVE_ACTIVATIONS`] times its widest block output.
-fn workspace_estimate(costs: &[BlockCost]) -> u64 {
-    costs.iter().map(|c| c.out_bytes).max().unwrap_or(0).saturating_mul(LIVE_ACTIVATIONS)
+/// Runs the executor's planner ([`crate::segments`]) has to settle: the first copies every
+/// block, the second may still evict what the first left, the third is the steady state.
+const RUNS_TO_WARM: usize = 3;
+
+/// Which of `costs` (one segment each, in order) a warm run copies to `device`: the segment
+/// planner the executor follows, replayed for [`RUNS_TO_WARM`] runs. Each segment's workspace
+/// is [`LIVE_ACTIVATIONS`] times its output, at most the module's compute reserve.
+fn streamed_when_warm(
+    module: Module,
+    costs: &[BlockCost],
+    reserve: u64,
+    device: DeviceState,
+) -> Result<Vec<bool>, String> {
+    let group = |i: usize| format!("{}/{i}", module.name());
+    let segments = costs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let groups = if c.weight_bytes > 0 { vec![ParamGroup::new(group(i), c.weight_bytes)] } else { Vec::new() };
+            Segment::new(group(i), groups, c.out_bytes.saturating_mul(LIVE_ACTIVATIONS).min(reserve))
+        })
+        .collect();
+    let graph = ModuleGraph { name: module.name().to_string(), segments };
+    let name = device.name.clone();
+    let mut sim = Simulator::new(device);
+    let mut last = None;
+    for _ in 0..RUNS_TO_WARM {
+        let (_, report) = sim.run(&graph, &Options::default(), &mut Estimate).map_err(|e| format!("{name}: {e}"))?;
+        last = Some(report);
+    }
+    let report = last.unwrap_or_default();
+    let moved: std::collections::HashSet<&str> =
+        report.loaded.iter().chain(&report.prefetched).map(String::as_str).collect();
+    Ok((0..costs.len()).map(|i| moved.contains(group(i).as_str())).collect())
 }
 
 /// Predicts `plan` for `work` with `figures`.
@@ -463,44 +492,24 @@ fn module_time(
                     how: format!("resident on {rt}, one graph"),
                 });
             }
-            // Params elsewhere: the room left on the computing device for this module's
-            // replicas once warm: the budget less the resident params, the workspace and the
-            // planning headroom. The workspace is what the graph's activations need
-            // ([`workspace_estimate`]), not the plan's reserve (a bound for planning).
-            let workspace = workspace_estimate(costs).min(m.compute_reserve_bytes);
-            let room = plan
-                .devices
-                .iter()
-                .find(|d| d.device.eq_ignore_ascii_case(rt))
-                .and_then(|d| d.budget_bytes.map(|b| b.saturating_sub(d.param_bytes).saturating_sub(workspace)));
+            // Params elsewhere: which blocks stay once warm is what the executor's own planner
+            // decides; replay it on the room the plan leaves this module on the device.
             let total: u64 = costs.iter().map(|c| c.weight_bytes).sum();
-            let largest = costs.iter().map(|c| c.weight_bytes).max().unwrap_or(0);
-            let kept = match room {
-                None => total,
-                // Every replica stays once loaded (the planning headroom only decides whether
-                // the graph runs whole).
-                Some(r) if r >= total => total,
-                // Leading segments stay while the rest has room for the headroom, a streamed
-                // segment and its prefetched neighbour.
-                Some(r) => {
-                    let mut kept = 0u64;
-                    let limit = r.saturating_sub(HEADROOM).saturating_sub(largest.saturating_mul(2));
-                    for c in costs {
-                        if kept.saturating_add(c.weight_bytes) > limit {
-                            break;
-                        }
-                        kept = kept.saturating_add(c.weight_bytes);
-                    }
-                    kept
-                }
-            };
+            let usage = plan.devices.iter().find(|d| d.device.eq_ignore_ascii_case(rt));
+            let others = usage.map_or(0, |d| d.param_bytes);
+            let device = DeviceState::new(
+                rt.clone(),
+                usage.and_then(|d| d.budget_bytes).map(|b| b.saturating_sub(others)),
+                usage.and_then(|d| d.free_bytes).map(|f| f.saturating_sub(others)),
+            );
+            let streamed_blocks = streamed_when_warm(m.module, costs, m.compute_reserve_bytes, device)?;
             let first: Vec<(f64, f64)> = costs
                 .iter()
                 .zip(&compute)
                 .map(|(c, &cs)| Ok((transfer_s(figures, &m.params, f, c.weight_bytes)?, cs + f.link_latency_s)))
                 .collect::<Result<_, String>>()?;
             let first_run_s = streamed_s(&first);
-            if kept == total {
+            if !streamed_blocks.iter().any(|&b| b) {
                 let run_s = compute_s + f.link_latency_s;
                 return Ok(ModuleTime {
                     module: m.module,
@@ -512,16 +521,14 @@ fn module_time(
                     how: format!("params on {}, copied to {rt} once, resident after the first run", m.params),
                 });
             }
-            let mut acc = 0u64;
             let mut streamed = 0u64;
             let mut warm = Vec::with_capacity(costs.len());
-            for (c, &(t, cs)) in costs.iter().zip(&first) {
-                acc = acc.saturating_add(c.weight_bytes);
-                if acc <= kept {
-                    warm.push((0.0, cs));
-                } else {
+            for ((c, &(t, cs)), &moved) in costs.iter().zip(&first).zip(&streamed_blocks) {
+                if moved {
                     streamed = streamed.saturating_add(c.weight_bytes);
                     warm.push((t, cs));
+                } else {
+                    warm.push((0.0, cs));
                 }
             }
             Ok(ModuleTime {
@@ -534,7 +541,7 @@ fn module_time(
                 how: format!(
                     "params on {}, segmented on {rt}: {} stay resident, {} streamed per run with prefetch",
                     m.params,
-                    fmt_bytes(kept),
+                    fmt_bytes(total - streamed),
                     fmt_bytes(streamed)
                 ),
             })

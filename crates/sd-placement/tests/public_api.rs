@@ -2,14 +2,26 @@
 
 use std::path::Path;
 
-/// Every line of `src/` that declares a `pub` item, field or variant-bearing type, as
+/// Every line of `src/` (and its folders) that declares a `pub` item, field or variant-bearing type, as
 /// `file: declaration`, in file and line order.
 fn public_lines(src: &Path) -> String {
-    let mut files: Vec<_> = std::fs::read_dir(src).unwrap().map(|e| e.unwrap().path()).collect();
+    fn rs_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rs_files(&p, out);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    rs_files(src, &mut files);
     files.sort();
     let mut out = String::new();
-    for f in files.iter().filter(|f| f.extension().is_some_and(|e| e == "rs")) {
-        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+    for f in &files {
+        // `segments/mod.rs` for a module's files
+        let name = f.strip_prefix(src).unwrap().to_string_lossy().replace('\\', "/");
         let text = std::fs::read_to_string(f).unwrap();
         let mut in_tests = false;
         for line in text.lines() {

@@ -10,12 +10,15 @@
 //! tensor bytes come from a [`TensorSource`] the caller provides.
 //!
 //! The planning half (segment lists, merging, eviction order) is pure logic and
-//! uses no ggml type; the execution half uses `sd-backends`.
+//! uses no ggml type: it lives in `sd_placement::segments`, re-exported here as [`plan`];
+//! the execution half uses `sd-backends`.
 
 pub mod adapter;
 pub mod error;
 pub mod ledger;
-pub mod plan;
+/// The segment planner (pure logic, in sd-placement so that its cost model replays the same
+/// schedules): [`sd_placement::segments`].
+pub use sd_placement::segments as plan;
 pub mod profile;
 pub mod report;
 pub mod rowsplit;

@@ -431,7 +431,9 @@ impl Runner {
             // SAFETY: removes the marker set above; the tensors had no storage before.
             unsafe { t.detach_storage() };
         }
-        Ok(schedule?)
+        let schedule = schedule?;
+        tracing::debug!("{schedule}");
+        Ok(schedule)
     }
 
     /// Performs the schedule's steps in order. A prefetch allocated but not yet filled is

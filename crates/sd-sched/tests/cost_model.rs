@@ -1,14 +1,14 @@
 //! sd-placement's cost model against this crate's segment planner: the bytes the model says a streamed module copies per warm run are what the `Simulator` transfers.
 //!
-//! sd-placement cannot call the planner (it sits below this crate in the layering), so its
-//! residency rule (leading segments stay resident in the room the budget leaves) is checked
-//! here, on equal blocks under several budgets.
+//! The model replays the planner this crate executes (`sd_placement::segments`, re-exported
+//! as `sd_sched::plan`); checked here on equal blocks under several budgets, against a
+//! simulator fed by this test rather than by the model.
 
 use sd_placement::{
     plan, predict, Component, Device, DeviceFigures, Figures, Flags, ModelDescription, Module, ModuleLoad, PlanRequest,
     Tensor, WeightShape, WeightType, Workload, GIB,
 };
-use sd_sched::plan::{DeviceState, Estimate, ModuleGraph, Options, ParamGroup, Segment, Simulator, MIB};
+use sd_sched::plan::{DeviceState, Estimate, ModuleGraph, Options, ParamGroup, Segment, Simulator};
 
 /// `n` blocks of one f16 weight `[5120, 10240]` (100 MiB) at 64 rows: the widest output is
 /// 5120·64·4 bytes, the model's workspace 16 times that (20 MiB).
@@ -76,22 +76,21 @@ fn simulated_bytes(n: u32, budget_gib: f64) -> u64 {
 
 #[test]
 fn streamed_bytes_per_warm_run_against_the_simulator() {
-    // Where the module's weights and workspace fit the budget both stream nothing once warm.
-    // Below that the planner merges adjacent segments and keeps room for a merged neighbour to
-    // be prefetched, so it mostly streams more than the model's per-block rule (at most 8 of
-    // 30 blocks more here; 2 fewer once): the bound asserted is a quarter of the blocks, plus one.
+    // The model replays the executor's planner, so it streams exactly what the simulator
+    // transfers, under budgets where everything fits (nothing streams) and where most streams.
+    let mut streamed_some = false;
     for n in [12u32, 20, 30] {
         for budget in [0.6f64, 0.8, 1.0, 1.5, 2.0, 2.5, 3.0] {
             let (model, sim) = (predicted_bytes(n, budget), simulated_bytes(n, budget));
-            let blocks = |b: u64| b / BLOCK;
-            let case = format!(
+            assert_eq!(
+                model,
+                sim,
                 "{n} blocks of 100 MiB under {budget} GiB: the model streams {} blocks, the simulator {}",
-                blocks(model),
-                blocks(sim)
+                model / BLOCK,
+                sim / BLOCK
             );
-            assert_eq!(model == 0, sim == 0, "{case}");
-            assert!(blocks(model.abs_diff(sim)) <= u64::from(n) / 4 + 1, "{case}");
+            streamed_some |= sim > 0;
         }
     }
-    let _ = MIB;
+    assert!(streamed_some);
 }

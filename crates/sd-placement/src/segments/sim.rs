@@ -43,7 +43,9 @@ impl RunReport {
     }
 }
 
-/// An action a schedule must not take, or a state it must not reach.
+/// An action a schedule must not take, or a state it must not reach. Each variant's fields are
+/// the values its message names.
+#[allow(missing_docs)]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Violation {
     /// Managed bytes above the explicit budget.

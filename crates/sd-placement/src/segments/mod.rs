@@ -1,5 +1,8 @@
 //! Segment planning: monolithic or segmented, merging, loads, evictions and prefetch, as plain data.
 //!
+//! It lives in this pure crate so that the cost model ([`crate::predict`]) replays the very
+//! schedules the executor will follow; sd-sched re-exports it as `sd_sched::plan`.
+//!
 //! # What it is for
 //!
 //! A module's graph (UNet, text encoder, VAE) carries cut markers at block boundaries, which
@@ -87,7 +90,8 @@
 //!
 //! # What the executor asks of it
 //!
-//! The planner's vocabulary is wider than what [`crate::Runner`] uses today: the runner
+//! The planner's vocabulary is wider than what sd-sched's `Runner` (the executor, which re-exports this module as
+//! `sd_sched::plan`) uses today: the runner
 //! declares no [`CutOutput`]s (its cut tensors and graph inputs share one buffer for the
 //! whole run, passed as [`DeviceState::fixed`]), so its schedules contain no
 //! [`Action::AllocCut`]/[`Action::ReleaseCut`]; it sets [`DeviceState::async_transfer`] to
@@ -105,7 +109,7 @@
 //! # Use
 //!
 //! ```
-//! use sd_sched::plan::{plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup,
+//! use sd_placement::segments::{plan, Action, DeviceState, Estimate, Mode, ModuleGraph, Options, ParamGroup,
 //!                      Segment, Simulator, MIB};
 //!
 //! // Eight 100 MiB blocks with 50 MiB of workspace each, on a device with a 600 MiB budget.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use sd_placement::fmt_bytes;
+use crate::fmt_bytes;
 
 /// A plan that cannot be made.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -137,7 +137,6 @@ pub fn plan(
         base_segments: n,
         segments,
     };
-    tracing::debug!("{schedule}");
     Ok(schedule)
 }
 
@@ -578,7 +577,7 @@ impl MergedWorkspace for Memo<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{ParamGroup, Segment};
+    use crate::segments::{ParamGroup, Segment};
 
     fn module(groups: &[&[&str]]) -> ModuleGraph {
         let segments = groups
@@ -608,7 +607,7 @@ mod tests {
         let m = module(&[&["a"], &["b"], &["c"]]);
         let mut d = DeviceState::new("D", Some(100), None);
         for (g, pinned) in [("a", false), ("x", false), ("c", true), ("b", false), ("y", true), ("z", false)] {
-            d.replicas.push(crate::plan::Replica { group: g.into(), bytes: 1, pinned });
+            d.replicas.push(crate::segments::Replica { group: g.into(), bytes: 1, pinned });
         }
         let facts = Facts::new(&m, &d).unwrap();
         let ctx = Ctx::new(&m, &d, &Options::default(), &facts);

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use sd_placement::fmt_bytes;
+use crate::fmt_bytes;
 
 /// How the graph runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -24,9 +24,9 @@
 //! * params resident on the computing device: the blocks' compute, one graph per run;
 //! * params elsewhere (another device, RAM, disk): the blocks that stay resident once warm are
 //!   the ones the executor's segment planner ([`crate::segments`]) keeps, replayed here for
-//!   three runs on the room the plan leaves the module (the device's budget and free memory
-//!   less the params resident there), one segment per block with a workspace of its widest
-//!   activations; the others are streamed each run, the next segment's weights prefetched while
+//!   three runs on the device's budget and free memory (other modules' weights there do not
+//!   count: modules run one after another, and the ledger evicts idle replicas of any module),
+//!   one segment per block with a workspace of its widest activations; the others are streamed each run, the next segment's weights prefetched while
 //!   the current one computes: `t_0 + Σ max(c_i, t_{i+1})`, where `t_i` is segment `i`'s
 //!   transfer (0 for a kept block) and `c_i` its compute;
 //! * a layer split: the stages in sequence plus each boundary's activation copy (device to
@@ -493,15 +493,13 @@ fn module_time(
                 });
             }
             // Params elsewhere: which blocks stay once warm is what the executor's own planner
-            // decides; replay it on the room the plan leaves this module on the device.
+            // decides; replay it on the device's budget and free memory. Other modules' weights
+            // there do not count: modules run one after another, and the ledger evicts idle
+            // replicas of any module when a charge needs the room.
             let total: u64 = costs.iter().map(|c| c.weight_bytes).sum();
             let usage = plan.devices.iter().find(|d| d.device.eq_ignore_ascii_case(rt));
-            let others = usage.map_or(0, |d| d.param_bytes);
-            let device = DeviceState::new(
-                rt.clone(),
-                usage.and_then(|d| d.budget_bytes).map(|b| b.saturating_sub(others)),
-                usage.and_then(|d| d.free_bytes).map(|f| f.saturating_sub(others)),
-            );
+            let device =
+                DeviceState::new(rt.clone(), usage.and_then(|d| d.budget_bytes), usage.and_then(|d| d.free_bytes));
             let streamed_blocks = streamed_when_warm(m.module, costs, m.compute_reserve_bytes, device)?;
             let first: Vec<(f64, f64)> = costs
                 .iter()

@@ -164,7 +164,7 @@ fn params_in_ram_stream_what_the_budget_cannot_keep() {
     // 40 blocks + embed of about 64 MiB each (2.6 GiB), params in RAM, computed on a GPU with a
     // 2.5 GiB budget. Once warm, what stays is what the executor's segment planner keeps: the
     // same 41 segments (workspace 16 times the widest f32 output: 16·side·16 rows·4 bytes)
-    // replayed on the room the plan leaves, until the third run.
+    // replayed on the device's budget and free memory, until the third run.
     let side = 4096 * 1448 / 1024; // about 64 MiB per f16 weight
     let c = case(vec![Device::gpu("GPU0", 3 * GIB, 8 * GIB)], 40, 0, side, 16, 2);
     let flags = Flags { backend: Some("GPU0".into()), params_backend: Some("CPU".into()), ..Flags::default() };
@@ -184,9 +184,7 @@ fn params_in_ram_stream_what_the_budget_cannot_keep() {
             })
             .collect(),
     };
-    let room = |b: Option<u64>| b.map(|b| b - gpu.param_bytes);
-    let mut sim =
-        segments::Simulator::new(segments::DeviceState::new("GPU0", room(gpu.budget_bytes), room(gpu.free_bytes)));
+    let mut sim = segments::Simulator::new(segments::DeviceState::new("GPU0", gpu.budget_bytes, gpu.free_bytes));
     let runs: Vec<_> =
         (0..3).map(|_| sim.run(&graph, &segments::Options::default(), &mut segments::Estimate).unwrap().1).collect();
     let streamed = runs[2].transferred();

@@ -1,0 +1,247 @@
+//! Upscaling an image with an ESRGAN model file (the `upscaler` module): open and check the file, load it on a device, run it.
+//!
+//! What stable-diffusion.cpp's upscaler does (`src/upscaler.cpp`, its `upscale` C API), on our
+//! graph ([`sd_vae::Esrgan`]): the image's bytes become `[0, 1]` floats, the network runs in
+//! tiles of `tile` pixels (128 by default, one graph when the image fits), and the output is
+//! rounded back to bytes as every image of the pipeline is. Repeats feed each output to the
+//! next pass. [`UpscalerFile::open`] reads headers only and refuses a file that is not an
+//! ESRGAN model (naming the tensor), so callers check before any weight is read;
+//! [`UpscalerFile::load`] reads the weights onto a backend.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sd_backends::{Backend, GgmlType};
+use sd_sched::{MappedBytes, Runner, SourceError, TensorSource};
+use sd_vae::{esrgan_canonical_name, Esrgan, EsrganConfig, VaeError};
+
+use crate::files::{FilesError, ModelFiles};
+use crate::loader::FileSource;
+use crate::pipeline::Image;
+use crate::report::RunReport;
+
+/// The reference's default tile size (input pixels).
+pub const DEFAULT_TILE: usize = sd_vae::esrgan::DEFAULT_TILE;
+/// The largest side an upscaled image may have (a repeat count that would pass it is refused
+/// before anything runs).
+pub const MAX_SIDE: usize = 16384;
+
+/// Errors of the upscaler.
+#[derive(Debug, thiserror::Error)]
+pub enum UpscaleError {
+    /// The file cannot be opened or read as a model file.
+    #[error("upscale model '{}'", path.display())]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: FilesError,
+    },
+    /// The file opened, but it is not an ESRGAN model (or lacks a tensor of one).
+    #[error("upscale model '{}' is not a usable ESRGAN model", path.display())]
+    Layout {
+        /// The file.
+        path: PathBuf,
+        /// The tensor and what is wrong with it.
+        #[source]
+        source: VaeError,
+    },
+    /// The upscaled image would be larger than [`MAX_SIDE`].
+    #[error("upscaling a {width}x{height} image {passes} time(s) by {scale} gives {out_w}x{out_h} pixels, more than {MAX_SIDE} per side")]
+    TooLarge {
+        /// Input width.
+        width: usize,
+        /// Input height.
+        height: usize,
+        /// Passes asked for.
+        passes: usize,
+        /// The model's factor.
+        scale: usize,
+        /// Output width (saturated).
+        out_w: usize,
+        /// Output height (saturated).
+        out_h: usize,
+    },
+    /// No passes asked for.
+    #[error("the number of upscaling passes must be at least 1")]
+    NoPasses,
+    /// Loading the weights or running the network failed.
+    #[error("upscaler on {device}")]
+    Run {
+        /// The device.
+        device: String,
+        /// The network's error.
+        #[source]
+        source: VaeError,
+    },
+}
+
+/// A checked ESRGAN file: its configuration and its tensors under RRDBNet names, nothing loaded.
+pub struct UpscalerFile {
+    path: PathBuf,
+    files: ModelFiles,
+    config: EsrganConfig,
+    /// RRDBNet name -> the index's name.
+    names: HashMap<String, String>,
+}
+
+impl std::fmt::Debug for UpscalerFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpscalerFile").field("path", &self.path).field("config", &self.config).finish()
+    }
+}
+
+impl UpscalerFile {
+    /// Opens `path` (safetensors or GGUF; the original ESRGAN names are renamed), reads the
+    /// configuration from its tensors and checks every tensor the network reads.
+    pub fn open(path: &Path) -> Result<Self, UpscaleError> {
+        let files =
+            ModelFiles::open_model(path).map_err(|source| UpscaleError::Open { path: path.to_path_buf(), source })?;
+        let names: HashMap<String, String> = files
+            .index()
+            .entries()
+            .iter()
+            .map(|e| (esrgan_canonical_name(&e.original_name), e.name.clone()))
+            .collect();
+        let config = EsrganConfig::from_tensors(names.keys().map(String::as_str), |n| {
+            names.get(n).and_then(|i| files.index().get(i)).map(|e| e.ne())
+        })
+        .map_err(|source| UpscaleError::Layout { path: path.to_path_buf(), source })?;
+        Ok(Self { path: path.to_path_buf(), files, config, names })
+    }
+
+    /// The network's configuration.
+    pub fn config(&self) -> &EsrganConfig {
+        &self.config
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes of the parameters as they are loaded (f16 kernels, f32 biases), for plans.
+    pub fn param_bytes(&self) -> u64 {
+        sd_vae::esrgan_specs(&self.config)
+            .iter()
+            .map(|s| {
+                let n: i64 = s.ne.iter().product();
+                n as u64 * if s.ty == GgmlType::GGML_TYPE_F16 { 2 } else { 4 }
+            })
+            .sum()
+    }
+
+    /// Checks that `passes` passes over a `width` x `height` image stay within [`MAX_SIDE`].
+    pub fn check_passes(&self, width: usize, height: usize, passes: usize) -> Result<(), UpscaleError> {
+        if passes == 0 {
+            return Err(UpscaleError::NoPasses);
+        }
+        let scale = self.config.scale;
+        let grow = |side: usize| (0..passes).try_fold(side, |s, _| s.checked_mul(scale).filter(|&v| v <= MAX_SIDE));
+        match (grow(width), grow(height)) {
+            (Some(_), Some(_)) => Ok(()),
+            _ => {
+                let big = |side: usize| scale.checked_pow(passes as u32).and_then(|f| side.checked_mul(f)).unwrap_or(usize::MAX);
+                Err(UpscaleError::TooLarge { width, height, passes, scale, out_w: big(width), out_h: big(height) })
+            }
+        }
+    }
+
+    /// Loads the weights onto `backend`'s device.
+    pub fn load(self, backend: Arc<Backend>) -> Result<Upscaler, UpscaleError> {
+        let device = backend.device().name();
+        let run = |source| UpscaleError::Run { device: device.clone(), source };
+        let source = Renamed { inner: FileSource::new(&self.files), names: &self.names };
+        let net = Esrgan::load(self.config.clone(), &source, backend.device().buffer_type()).map_err(run)?;
+        let runner = Runner::new(sd_vae::esrgan::MODULE, backend);
+        Ok(Upscaler { file: self, net, runner, tile: DEFAULT_TILE })
+    }
+}
+
+/// The file's tensors under RRDBNet names.
+struct Renamed<'a> {
+    inner: FileSource<'a>,
+    names: &'a HashMap<String, String>,
+}
+
+impl Renamed<'_> {
+    fn name<'n>(&'n self, name: &'n str) -> &'n str {
+        self.names.get(name).map_or(name, String::as_str)
+    }
+}
+
+impl TensorSource for Renamed<'_> {
+    fn load(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<std::borrow::Cow<'_, [u8]>, SourceError> {
+        self.inner.load_tensor(self.name(name), ty, ne)
+    }
+
+    fn release(&self, name: &str) {
+        self.inner.release(self.name(name))
+    }
+
+    fn mapped(&self, name: &str, ty: GgmlType, ne: &[i64]) -> Result<Option<MappedBytes>, SourceError> {
+        self.inner.mapped_tensor(self.name(name), ty, ne)
+    }
+}
+
+/// An ESRGAN model loaded on a device.
+pub struct Upscaler {
+    file: UpscalerFile,
+    net: Esrgan,
+    runner: Runner,
+    tile: usize,
+}
+
+impl std::fmt::Debug for Upscaler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upscaler").field("file", &self.file).field("tile", &self.tile).finish()
+    }
+}
+
+impl Upscaler {
+    /// Sets the tile size in input pixels (0: never tile); the default is [`DEFAULT_TILE`].
+    pub fn with_tile(mut self, tile: usize) -> Self {
+        self.tile = tile;
+        self
+    }
+
+    /// The checked file it was loaded from.
+    pub fn file(&self) -> &UpscalerFile {
+        &self.file
+    }
+
+    /// Upscales `image` `passes` times; `report` gets the module, its runner and the stage
+    /// `upscale` (the time of all passes).
+    pub fn upscale(&mut self, image: &Image, passes: usize, report: &mut RunReport) -> Result<Image, UpscaleError> {
+        self.file.check_passes(image.width, image.height, passes)?;
+        let t = std::time::Instant::now();
+        let mut img = image.clone();
+        for pass in 0..passes {
+            let s = self.file.config.scale;
+            tracing::info!(
+                "upscaling from {}x{} to {}x{} (pass {} of {passes})",
+                img.width,
+                img.height,
+                img.width * s,
+                img.height * s,
+                pass + 1
+            );
+            let planar = crate::image_io::to_planar(&img);
+            let out = self
+                .net
+                .upscale(&mut self.runner, &planar, [img.width, img.height], self.tile, None, &mut |d, n| {
+                    tracing::debug!("upscaler tile {d}/{n}")
+                })
+                .map_err(|source| UpscaleError::Run { device: self.runner.backend().device().name(), source })?;
+            img = crate::pipeline::planar_to_rgb8(&out, img.width * s, img.height * s, sd_vae::ImageRange::ZeroToOne);
+        }
+        let secs = t.elapsed().as_secs_f64();
+        tracing::info!("upscaling took {secs:.2} s");
+        report.modules.push(crate::report::ModuleReport::of(sd_vae::esrgan::MODULE, self.net.weights(), &self.runner));
+        report.runners.push(crate::report::RunnerReport::of(&self.runner, self.net.weights()));
+        report.stage("upscale", secs);
+        Ok(img)
+    }
+}

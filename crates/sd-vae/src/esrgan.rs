@@ -42,7 +42,7 @@ const SLOPE: f32 = 0.2;
 /// Residual scale of the dense blocks and the RRDBs.
 const RESIDUAL: f32 = 0.2;
 /// Target overlap of the tiles (the reference's upscaler).
-pub const TILE_OVERLAP: f32 = 0.25;
+pub(crate) const TILE_OVERLAP: f32 = 0.25;
 /// The reference's default tile size in input pixels (`--upscale-tile-size`).
 pub const DEFAULT_TILE: usize = 128;
 /// The smallest tile an allocation retry goes down to.

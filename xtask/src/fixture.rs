@@ -479,6 +479,8 @@ mod tests {
                 double: None,
                 single: None,
                 hidden: None,
+                blocks: None,
+                features: None,
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),

@@ -123,7 +123,13 @@ pub fn run(args: Args) -> Result<()> {
         let ours = up.upscale(&img, passes, &mut report)?;
         let ours_s = t.elapsed().as_secs_f64();
         if (ours.width, ours.height) != (reference.width, reference.height) {
-            bail!("{name}: ours is {}x{}, the reference's {}x{}", ours.width, ours.height, reference.width, reference.height);
+            bail!(
+                "{name}: ours is {}x{}, the reference's {}x{}",
+                ours.width,
+                ours.height,
+                reference.width,
+                reference.height
+            );
         }
         let (mean, max) = level_diff(&ours.rgb, &reference.rgb);
         let pass = mean <= 1.0 && max <= 8;

@@ -387,13 +387,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
 
 /// A generation's input checked: the pipeline built and the request checked against it, the
 /// outputs planned (nothing read but headers, nothing written).
-type Validated = (
-    Loaded,
-    Request,
-    Vec<ImageOutput>,
-    Option<sd_models::output::OutputTarget>,
-    Option<crate::upscale::Planned>,
-);
+type Validated =
+    (Loaded, Request, Vec<ImageOutput>, Option<sd_models::output::OutputTarget>, Option<crate::upscale::Planned>);
 
 /// Everything a generation checks before its first expensive stage.
 fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {

@@ -75,7 +75,10 @@ impl UpscaleArgs {
         if let Some(spec) = a.placement.params_backend.as_deref() {
             let assigned = sd_placement::parse_params_backend(spec)?;
             if let Some(e) = assigned.modules.get(&Module::Upscaler) {
-                bail!("--params-backend {}: the upscaler keeps its parameters on its device (not implemented)", e.entry);
+                bail!(
+                    "--params-backend {}: the upscaler keeps its parameters on its device (not implemented)",
+                    e.entry
+                );
             }
         }
         let reg = crate::devices::open(dev)?;
@@ -94,7 +97,13 @@ impl UpscaleArgs {
         let backend = manager.get(reg.device(&name)?)?;
         let c = file.config();
         tracing::info!("upscaler: {} on {name} ({} MiB of parameters)", c.describe(), file.param_bytes() >> 20);
-        Ok(Some(Planned { file, backend, tile: self.upscale_tile_size, repeats: self.upscale_repeats, _devices: (reg, manager) }))
+        Ok(Some(Planned {
+            file,
+            backend,
+            tile: self.upscale_tile_size,
+            repeats: self.upscale_repeats,
+            _devices: (reg, manager),
+        }))
     }
 }
 

@@ -706,6 +706,18 @@ fn esrgan_upscale_mode() {
     let m = r.module("upscaler").expect("the report names the upscaler module");
     assert!(m.param_bytes > 0 && !m.devices.is_empty(), "{m:?}");
 
+    // The same model as GGUF, and under the original ESRGAN names (`model.N`): the same image.
+    let f = fixture::esrgan::EsrganFixture { scale: 4, blocks: 2, features: 16, std: None, seed: 7 };
+    let gguf = dir.join("esrgan-x4.gguf");
+    f.write(&gguf, WeightType::F16, fixture::FileFormat::Gguf).unwrap();
+    let old = dir.join("esrgan-x4-original.safetensors");
+    f.write_original_layout(&old, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    for (model, what) in [(&gguf, "gguf"), (&old, "original names")] {
+        let out = dir.join(format!("{what}.png"));
+        check_ok(&upscale_run(model, &input, &out, &[]));
+        assert_eq!(pixels(&out).2, pa, "{what}");
+    }
+
     // 64 pixels fit the default 128-pixel tile: the same as no tiling; 32-pixel tiles blend.
     let b = dir.join("b.png");
     check_ok(&upscale_run(&x4, &input, &b, &["--upscale-tile-size", "0"]));

@@ -37,7 +37,7 @@ pub enum UpscaleError {
         path: PathBuf,
         /// Why.
         #[source]
-        source: FilesError,
+        source: Box<FilesError>,
     },
     /// The file opened, but it is not an ESRGAN model (or lacks a tensor of one).
     #[error("upscale model '{}' is not a usable ESRGAN model", path.display())]
@@ -46,7 +46,7 @@ pub enum UpscaleError {
         path: PathBuf,
         /// The tensor and what is wrong with it.
         #[source]
-        source: VaeError,
+        source: Box<VaeError>,
     },
     /// The upscaled image would be larger than [`MAX_SIDE`].
     #[error("upscaling a {width}x{height} image {passes} time(s) by {scale} gives {out_w}x{out_h} pixels, more than {MAX_SIDE} per side")]
@@ -74,7 +74,7 @@ pub enum UpscaleError {
         device: String,
         /// The network's error.
         #[source]
-        source: VaeError,
+        source: Box<VaeError>,
     },
 }
 
@@ -97,18 +97,14 @@ impl UpscalerFile {
     /// Opens `path` (safetensors or GGUF; the original ESRGAN names are renamed), reads the
     /// configuration from its tensors and checks every tensor the network reads.
     pub fn open(path: &Path) -> Result<Self, UpscaleError> {
-        let files =
-            ModelFiles::open_model(path).map_err(|source| UpscaleError::Open { path: path.to_path_buf(), source })?;
-        let names: HashMap<String, String> = files
-            .index()
-            .entries()
-            .iter()
-            .map(|e| (esrgan_canonical_name(&e.original_name), e.name.clone()))
-            .collect();
+        let files = ModelFiles::open_model(path)
+            .map_err(|e| UpscaleError::Open { path: path.to_path_buf(), source: Box::new(e) })?;
+        let names: HashMap<String, String> =
+            files.index().entries().iter().map(|e| (esrgan_canonical_name(&e.original_name), e.name.clone())).collect();
         let config = EsrganConfig::from_tensors(names.keys().map(String::as_str), |n| {
             names.get(n).and_then(|i| files.index().get(i)).map(|e| e.ne())
         })
-        .map_err(|source| UpscaleError::Layout { path: path.to_path_buf(), source })?;
+        .map_err(|e| UpscaleError::Layout { path: path.to_path_buf(), source: Box::new(e) })?;
         Ok(Self { path: path.to_path_buf(), files, config, names })
     }
 
@@ -143,7 +139,9 @@ impl UpscalerFile {
         match (grow(width), grow(height)) {
             (Some(_), Some(_)) => Ok(()),
             _ => {
-                let big = |side: usize| scale.checked_pow(passes as u32).and_then(|f| side.checked_mul(f)).unwrap_or(usize::MAX);
+                let big = |side: usize| {
+                    scale.checked_pow(passes as u32).and_then(|f| side.checked_mul(f)).unwrap_or(usize::MAX)
+                };
                 Err(UpscaleError::TooLarge { width, height, passes, scale, out_w: big(width), out_h: big(height) })
             }
         }
@@ -152,7 +150,7 @@ impl UpscalerFile {
     /// Loads the weights onto `backend`'s device.
     pub fn load(self, backend: Arc<Backend>) -> Result<Upscaler, UpscaleError> {
         let device = backend.device().name();
-        let run = |source| UpscaleError::Run { device: device.clone(), source };
+        let run = |e| UpscaleError::Run { device: device.clone(), source: Box::new(e) };
         let source = Renamed { inner: FileSource::new(&self.files), names: &self.names };
         let net = Esrgan::load(self.config.clone(), &source, backend.device().buffer_type()).map_err(run)?;
         let runner = Runner::new(sd_vae::esrgan::MODULE, backend);
@@ -234,7 +232,10 @@ impl Upscaler {
                 .upscale(&mut self.runner, &planar, [img.width, img.height], self.tile, None, &mut |d, n| {
                     tracing::debug!("upscaler tile {d}/{n}")
                 })
-                .map_err(|source| UpscaleError::Run { device: self.runner.backend().device().name(), source })?;
+                .map_err(|e| UpscaleError::Run {
+                    device: self.runner.backend().device().name(),
+                    source: Box::new(e),
+                })?;
             img = crate::pipeline::planar_to_rgb8(&out, img.width * s, img.height * s, sd_vae::ImageRange::ZeroToOne);
         }
         let secs = t.elapsed().as_secs_f64();

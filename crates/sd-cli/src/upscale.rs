@@ -6,7 +6,7 @@
 //! `esrgan`, `hires`), else on the default device. The work is `sd_models::upscale`'s; this
 //! file parses flags, checks inputs before the first expensive stage, and picks the device.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -19,6 +19,7 @@ use sd_models::upscale::{Upscaler, UpscalerFile};
 use sd_placement::{Flag, Module, RuntimeValue};
 
 use crate::generate::GenerateArgs;
+use crate::plan::PlacementArgs;
 use crate::DeviceArgs;
 
 /// Most passes `--upscale-repeats` takes (the image size limit usually stops earlier).
@@ -65,6 +66,40 @@ pub struct Planned {
     _devices: (PluginRegistry, BackendManager),
 }
 
+/// The device `--backend upscaler=DEVICE` (aliases `esrgan`, `hires`) names among `devices`,
+/// else the default device (a GPU, else the CPU). `--params-backend` for it is refused: its
+/// parameters live on its device.
+pub fn upscaler_device(placement: &PlacementArgs, devices: &[sd_placement::Device]) -> Result<usize> {
+    if let Some(spec) = placement.params_backend.as_deref() {
+        let assigned = sd_placement::parse_params_backend(spec)?;
+        if let Some(e) = assigned.modules.get(&Module::Upscaler) {
+            bail!("--params-backend {}: the upscaler keeps its parameters on its device (not implemented)", e.entry);
+        }
+    }
+    let assigned = placement.backend.as_deref().map(sd_placement::parse_backend).transpose()?;
+    Ok(match assigned.as_ref().and_then(|s| s.get(Module::Upscaler)) {
+        Some(e) => match &e.value {
+            RuntimeValue::Device(token) => sd_placement::resolve_device(devices, token, Flag::Backend, &e.entry)?,
+            RuntimeValue::List(_) => bail!("--backend {}: the upscaler runs on one device", e.entry),
+        },
+        None => sd_placement::default_device(devices).context("no device to run the upscaler on")?,
+    })
+}
+
+/// The plan's line for `--upscale-model` (`sd-cli plan`): the model, its device and its
+/// parameter bytes, from the file's header.
+pub fn plan_line(path: &Path, placement: &PlacementArgs, devices: &[sd_placement::Device]) -> Result<String> {
+    let file = UpscalerFile::open(path).context("--upscale-model")?;
+    let device = &devices[upscaler_device(placement, devices)?];
+    Ok(format!(
+        "upscaler: {} on {}, {} of parameters (--upscale-model {})",
+        file.config().describe(),
+        device.name,
+        sd_placement::fmt_bytes(file.param_bytes()),
+        path.display()
+    ))
+}
+
 impl UpscaleArgs {
     /// Opens and checks `--upscale-model` for images of `size` and resolves its device; `None`
     /// without `--upscale-model`.
@@ -72,38 +107,16 @@ impl UpscaleArgs {
         let Some(path) = &self.upscale_model else { return Ok(None) };
         let file = UpscalerFile::open(path).context("--upscale-model")?;
         file.check_passes(size.0, size.1, self.upscale_repeats).context("--upscale-repeats")?;
-        if let Some(spec) = a.placement.params_backend.as_deref() {
-            let assigned = sd_placement::parse_params_backend(spec)?;
-            if let Some(e) = assigned.modules.get(&Module::Upscaler) {
-                bail!(
-                    "--params-backend {}: the upscaler keeps its parameters on its device (not implemented)",
-                    e.entry
-                );
-            }
-        }
         let reg = crate::devices::open(dev)?;
         let devices = crate::plan::machine_devices_from(&reg);
-        let assigned = a.placement.backend.as_deref().map(sd_placement::parse_backend).transpose()?;
-        let index = match assigned.as_ref().and_then(|s| s.get(Module::Upscaler)) {
-            Some(e) => match &e.value {
-                RuntimeValue::Device(token) => sd_placement::resolve_device(&devices, token, Flag::Backend, &e.entry)?,
-                RuntimeValue::List(_) => bail!("--backend {}: the upscaler runs on one device", e.entry),
-            },
-            None => sd_placement::default_device(&devices).context("no device to run the upscaler on")?,
-        };
-        let name = devices[index].registry_name();
+        let name = devices[upscaler_device(&a.placement, &devices)?].registry_name();
         let threads = sd_backends::threads::resolve_threads(a.threads);
         let manager = BackendManager::new(Some(threads));
         let backend = manager.get(reg.device(&name)?)?;
         let c = file.config();
         tracing::info!("upscaler: {} on {name} ({} MiB of parameters)", c.describe(), file.param_bytes() >> 20);
-        Ok(Some(Planned {
-            file,
-            backend,
-            tile: self.upscale_tile_size,
-            repeats: self.upscale_repeats,
-            _devices: (reg, manager),
-        }))
+        let (tile, repeats) = (self.upscale_tile_size, self.upscale_repeats);
+        Ok(Some(Planned { file, backend, tile, repeats, _devices: (reg, manager) }))
     }
 }
 

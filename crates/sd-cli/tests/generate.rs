@@ -731,6 +731,20 @@ fn esrgan_upscale_mode() {
     check_ok(&upscale_run(&x2, &input, &d, &["--upscale-repeats", "2"]));
     assert_eq!((pixels(&d).0, pixels(&d).1), (256, 256), "two x2 passes");
 
+    // `plan` shows the upscaler and its device from the header alone.
+    let o = sd_cli()
+        .arg("plan")
+        .arg("-m")
+        .arg(fixture(Family::Sd15))
+        .arg("--upscale-model")
+        .arg(&x4)
+        .args(["--backend", "esrgan=cpu"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(text.contains("upscaler: ESRGAN x4, 2 blocks, 16 features") && text.contains(" on CPU"), "{text}");
+
     let e = dir.join("e.png");
     let o = upscale_run(&x4, &input, &e, &["--upscale-repeats", "8"]);
     let err = String::from_utf8_lossy(&o.stderr);

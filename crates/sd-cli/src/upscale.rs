@@ -69,7 +69,7 @@ pub struct Planned {
 /// The device `--backend upscaler=DEVICE` (aliases `esrgan`, `hires`) names among `devices`,
 /// else the default device (a GPU, else the CPU). `--params-backend` for it is refused: its
 /// parameters live on its device.
-pub fn upscaler_device(placement: &PlacementArgs, devices: &[sd_placement::Device]) -> Result<usize> {
+fn upscaler_device(placement: &PlacementArgs, devices: &[sd_placement::Device]) -> Result<usize> {
     if let Some(spec) = placement.params_backend.as_deref() {
         let assigned = sd_placement::parse_params_backend(spec)?;
         if let Some(e) = assigned.modules.get(&Module::Upscaler) {

@@ -61,6 +61,7 @@ fn tile_size(s: &str) -> std::result::Result<usize, String> {
 pub struct Planned {
     file: UpscalerFile,
     backend: Arc<Backend>,
+    budget: Option<u64>,
     tile: usize,
     repeats: usize,
     _devices: (PluginRegistry, BackendManager),
@@ -100,6 +101,27 @@ pub fn plan_line(path: &Path, placement: &PlacementArgs, devices: &[sd_placement
     ))
 }
 
+/// The upscaler's budget on `device` from `--max-vram` (its entry for the device, else the
+/// default): positive GiB, or negative: the device's free memory less that many GiB; 0 or
+/// none: no budget.
+fn budget_of(spec: Option<&str>, device: &sd_placement::Device) -> Result<Option<u64>> {
+    let Some(spec) = spec else { return Ok(None) };
+    let m = sd_placement::parse_max_vram(spec)?;
+    let own = m.devices.iter().find(|e| e.value.0.eq_ignore_ascii_case(&device.name)).map(|e| e.value.1);
+    let gib = match own.or(m.default) {
+        Some(g) => g,
+        None => return Ok(None),
+    };
+    const GIB: f64 = (1u64 << 30) as f64;
+    Ok(if gib > 0.0 {
+        Some((gib * GIB) as u64)
+    } else if gib < 0.0 {
+        device.free_bytes.map(|free| free.saturating_sub((-gib * GIB) as u64))
+    } else {
+        None
+    })
+}
+
 impl UpscaleArgs {
     /// Opens and checks `--upscale-model` for images of `size` and resolves its device; `None`
     /// without `--upscale-model`.
@@ -109,14 +131,16 @@ impl UpscaleArgs {
         file.check_passes(size.0, size.1, self.upscale_repeats).context("--upscale-repeats")?;
         let reg = crate::devices::open(dev)?;
         let devices = crate::plan::machine_devices_from(&reg);
-        let name = devices[upscaler_device(&a.placement, &devices)?].registry_name();
+        let device = &devices[upscaler_device(&a.placement, &devices)?];
+        let budget = budget_of(a.placement.max_vram.as_deref(), device)?;
+        let name = device.registry_name();
         let threads = sd_backends::threads::resolve_threads(a.threads);
         let manager = BackendManager::new(Some(threads));
         let backend = manager.get(reg.device(&name)?)?;
         let c = file.config();
         tracing::info!("upscaler: {} on {name} ({} MiB of parameters)", c.describe(), file.param_bytes() >> 20);
         let (tile, repeats) = (self.upscale_tile_size, self.upscale_repeats);
-        Ok(Some(Planned { file, backend, tile, repeats, _devices: (reg, manager) }))
+        Ok(Some(Planned { file, backend, budget, tile, repeats, _devices: (reg, manager) }))
     }
 }
 
@@ -124,7 +148,7 @@ impl Planned {
     /// Loads the weights and upscales each image.
     pub fn run(self, images: Vec<Image>, report: &mut sd_models::report::RunReport) -> Result<Vec<Image>> {
         let t = std::time::Instant::now();
-        let mut up: Upscaler = self.file.load(self.backend)?.with_tile(self.tile);
+        let mut up: Upscaler = self.file.load_with_budget(self.backend, self.budget)?.with_tile(self.tile);
         report.stage("upscaler load", t.elapsed().as_secs_f64());
         images.iter().map(|img| Ok(up.upscale(img, self.repeats, report)?)).collect()
     }

@@ -727,6 +727,12 @@ fn esrgan_upscale_mode() {
     let (mean, _) = diff(&a, &c);
     assert!(mean > 0.0 && mean < 32.0, "tiled vs whole: mean {mean}");
 
+    // A budget below the whole image's compute buffer: retried with 32-pixel tiles, the same
+    // image as asking for them.
+    let budgeted = dir.join("budgeted.png");
+    check_ok(&upscale_run(&x4, &input, &budgeted, &["--upscale-tile-size", "0", "--max-vram", "0.008"]));
+    assert_eq!(pixels(&budgeted).2, pixels(&c).2, "the budget-driven retry is the 32-pixel tiled run");
+
     let d = dir.join("d.png");
     check_ok(&upscale_run(&x2, &input, &d, &["--upscale-repeats", "2"]));
     assert_eq!((pixels(&d).0, pixels(&d).1), (256, 256), "two x2 passes");

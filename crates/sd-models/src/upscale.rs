@@ -147,13 +147,20 @@ impl UpscalerFile {
         }
     }
 
-    /// Loads the weights onto `backend`'s device.
+    /// Loads the weights onto `backend`'s device (graphs without a memory budget).
     pub fn load(self, backend: Arc<Backend>) -> Result<Upscaler, UpscaleError> {
+        self.load_with_budget(backend, None)
+    }
+
+    /// [`UpscalerFile::load`] with the device's memory budget in bytes: a graph whose compute
+    /// buffer would pass it is retried with smaller tiles (the device's `--max-vram`).
+    pub fn load_with_budget(self, backend: Arc<Backend>, budget: Option<u64>) -> Result<Upscaler, UpscaleError> {
         let device = backend.device().name();
         let run = |e| UpscaleError::Run { device: device.clone(), source: Box::new(e) };
         let source = Renamed { inner: FileSource::new(&self.files), names: &self.names };
         let net = Esrgan::load(self.config.clone(), &source, backend.device().buffer_type()).map_err(run)?;
-        let runner = Runner::new(sd_vae::esrgan::MODULE, backend);
+        let ledger = sd_sched::Ledger::new(backend.device().name(), budget);
+        let runner = Runner::with_ledger(sd_vae::esrgan::MODULE, backend, ledger, Default::default());
         Ok(Upscaler { file: self, net, runner, tile: DEFAULT_TILE })
     }
 }

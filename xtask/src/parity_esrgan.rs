@@ -1,10 +1,10 @@
 //! `cargo xtask parity esrgan`: our ESRGAN upscaler against the reference's on the same model and images.
 //!
 //! ```text
-//! cargo xtask parity esrgan [--model FILE] [--blocks N] [--seed S] [--threads N]
+//! cargo xtask parity esrgan [--model FILE] [--scale 4|2|1] [--blocks N] [--seed S] [--threads N]
 //! ```
 //!
-//! The model defaults to an ESRGAN x4 fixture of the real layout (64 features and growth 32,
+//! The model defaults to an ESRGAN fixture (x4, or `--scale`) of the real layout (64 features and growth 32,
 //! the only widths the reference takes; `--blocks` RRDBs, default 2; `--seed`), written into
 //! the fixture cache when missing. Each case upscales one PNG with `sdref upscale` (sd.cpp's
 //! `new_upscaler_ctx` + `upscale`, as its CLI's `-M upscale`) and with `sd_models::upscale`
@@ -35,6 +35,9 @@ pub struct Args {
     /// The ESRGAN model (default: the x4 fixture of the cache).
     #[arg(long = "model", value_name = "FILE")]
     model: Option<PathBuf>,
+    /// Factor of the default fixture.
+    #[arg(long = "scale", default_value_t = 4, value_parser = factor)]
+    scale: u32,
     /// RRDB blocks of the default fixture.
     #[arg(long = "blocks", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=23))]
     blocks: u32,
@@ -44,6 +47,15 @@ pub struct Args {
     /// CPU threads of both programs.
     #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+}
+
+fn factor(s: &str) -> Result<u32, String> {
+    match s.trim() {
+        "1" => Ok(1),
+        "2" => Ok(2),
+        "4" => Ok(4),
+        _ => Err("1, 2 or 4".into()),
+    }
 }
 
 /// Mean and largest absolute difference in levels.
@@ -74,7 +86,13 @@ pub fn run(args: Args) -> Result<()> {
     let model = match &args.model {
         Some(p) => p.clone(),
         None => {
-            let f = EsrganFixture { scale: 4, blocks: args.blocks as usize, features: 64, std: None, seed: args.seed };
+            let f = EsrganFixture {
+                scale: args.scale as usize,
+                blocks: args.blocks as usize,
+                features: 64,
+                std: None,
+                seed: args.seed,
+            };
             let p = f.cached_path(WeightType::F16);
             if !p.exists() {
                 let dir = sd_models::fixture::cache_dir();
@@ -156,8 +174,9 @@ mod tests {
 
     #[test]
     fn parses_the_documented_command_line() {
-        let a: Args = crate::parse_test("--blocks 3 --seed 5 -t 1").unwrap();
-        assert_eq!((a.model, a.blocks, a.seed, a.threads), (None, 3, 5, 1));
+        let a: Args = crate::parse_test("--blocks 3 --seed 5 -t 1 --scale 2").unwrap();
+        assert_eq!((a.model, a.scale, a.blocks, a.seed, a.threads), (None, 2, 3, 5, 1));
         assert!(crate::parse_test::<Args>("--blocks 0").is_err());
+        assert!(crate::parse_test::<Args>("--scale 3").is_err());
     }
 }

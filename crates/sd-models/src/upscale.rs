@@ -105,6 +105,18 @@ impl UpscalerFile {
             names.get(n).and_then(|i| files.index().get(i)).map(|e| e.ne())
         })
         .map_err(|e| UpscaleError::Layout { path: path.to_path_buf(), source: Box::new(e) })?;
+        // Images are RGB in and out (as the reference's, which fixes 3 channels).
+        for (tensor, channels, side) in
+            [("conv_first.weight", config.in_ch, "input"), ("conv_last.weight", config.out_ch, "output")]
+        {
+            if channels != 3 {
+                let source = VaeError::UpscalerLayout {
+                    tensor: tensor.into(),
+                    message: format!("{channels} {side} channels; RGB images need 3"),
+                };
+                return Err(UpscaleError::Layout { path: path.to_path_buf(), source: Box::new(source) });
+            }
+        }
         Ok(Self { path: path.to_path_buf(), files, config, names })
     }
 
@@ -135,15 +147,20 @@ impl UpscalerFile {
             return Err(UpscaleError::NoPasses);
         }
         let scale = self.config.scale;
-        let grow = |side: usize| (0..passes).try_fold(side, |s, _| s.checked_mul(scale).filter(|&v| v <= MAX_SIDE));
-        match (grow(width), grow(height)) {
-            (Some(_), Some(_)) => Ok(()),
-            _ => {
-                let big = |side: usize| {
-                    scale.checked_pow(passes as u32).and_then(|f| side.checked_mul(f)).unwrap_or(usize::MAX)
-                };
-                Err(UpscaleError::TooLarge { width, height, passes, scale, out_w: big(width), out_h: big(height) })
-            }
+        // `scale^passes * side`, saturated (an x1 model never grows).
+        let out = |side: usize| {
+            u32::try_from(passes).ok().and_then(|p| scale.checked_pow(p)).and_then(|f| side.checked_mul(f))
+        };
+        match (out(width), out(height)) {
+            (Some(w), Some(h)) if w <= MAX_SIDE && h <= MAX_SIDE => Ok(()),
+            (w, h) => Err(UpscaleError::TooLarge {
+                width,
+                height,
+                passes,
+                scale,
+                out_w: w.unwrap_or(usize::MAX),
+                out_h: h.unwrap_or(usize::MAX),
+            }),
         }
     }
 
@@ -251,5 +268,70 @@ impl Upscaler {
         report.runners.push(crate::report::RunnerReport::of(&self.runner, self.net.weights()));
         report.stage("upscale", secs);
         Ok(img)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::esrgan::EsrganFixture;
+    use crate::fixture::{write_table, FileFormat, WeightType};
+
+    const F: EsrganFixture = EsrganFixture { scale: 2, blocks: 1, features: 8, std: None, seed: 3 };
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sd-models-upscale-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn layout_tensor(e: UpscaleError) -> String {
+        match e {
+            UpscaleError::Layout { source, .. } => match *source {
+                VaeError::UpscalerLayout { tensor, .. } => tensor,
+                other => panic!("{other:?}"),
+            },
+            other => panic!("expected a layout error, got {other:?}"),
+        }
+    }
+
+    /// A file is checked from its header: a missing tensor and a one-channel output are named;
+    /// passes are at least 1 and may not make an image larger than MAX_SIDE.
+    #[test]
+    fn files_and_passes_are_checked_before_loading() {
+        let d = dir("checks");
+        let good = d.join("good.safetensors");
+        F.write(&good, WeightType::F16, FileFormat::Safetensors).unwrap();
+        let file = UpscalerFile::open(&good).unwrap();
+        assert_eq!((file.config().scale, file.config().num_block, file.config().num_feat), (2, 1, 8));
+        assert!(file.check_passes(64, 64, 1).is_ok());
+        assert!(matches!(file.check_passes(64, 64, 0), Err(UpscaleError::NoPasses)));
+        match file.check_passes(64, 48, 9) {
+            Err(UpscaleError::TooLarge { out_w: 32768, out_h: 24576, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(file.check_passes(64, 48, 8).is_ok(), "16384 x 12288 fits");
+        assert!(matches!(file.check_passes(64, 48, usize::MAX), Err(UpscaleError::TooLarge { .. })));
+
+        let missing = d.join("missing.safetensors");
+        let table: Vec<_> = F.table().into_iter().filter(|t| t.name != "body.0.rdb2.conv4.weight").collect();
+        write_table(&missing, table, WeightType::F16, FileFormat::Safetensors, &[], 3).unwrap();
+        assert_eq!(layout_tensor(UpscalerFile::open(&missing).unwrap_err()), "body.0.rdb2.conv4.weight");
+
+        let gray = d.join("gray.safetensors");
+        let table: Vec<_> = F
+            .table()
+            .into_iter()
+            .map(|mut t| {
+                if t.name.starts_with("conv_last.") {
+                    t.shape[0] = 1;
+                }
+                t
+            })
+            .collect();
+        write_table(&gray, table, WeightType::F16, FileFormat::Safetensors, &[], 3).unwrap();
+        assert_eq!(layout_tensor(UpscalerFile::open(&gray).unwrap_err()), "conv_last.weight");
+        let _ = std::fs::remove_dir_all(&d);
     }
 }

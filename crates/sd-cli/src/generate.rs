@@ -412,7 +412,8 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
     let loaded = load(a, dev, model, (w, h), &loras)?;
     let request = loaded.pipeline.check_request(params).map_err(crate::errors::with_flag)?;
     let size = (request.params().width, request.params().height);
-    let upscaler = a.upscale.plan(a, dev, size)?;
+    let (reg, manager) = &loaded._devices;
+    let upscaler = a.upscale.plan(a, (reg, manager), size)?;
     Ok((loaded, request, outputs, report_to, upscaler))
 }
 

@@ -64,7 +64,8 @@ pub struct Planned {
     budget: Option<u64>,
     tile: usize,
     repeats: usize,
-    _devices: (PluginRegistry, BackendManager),
+    /// The devices of `-M upscale` (a generation's upscaler shares the pipeline's).
+    _devices: Option<(PluginRegistry, BackendManager)>,
 }
 
 /// The device `--backend upscaler=DEVICE` (aliases `esrgan`, `hires`) names among `devices`,
@@ -123,24 +124,27 @@ fn budget_of(spec: Option<&str>, device: &sd_placement::Device) -> Result<Option
 }
 
 impl UpscaleArgs {
-    /// Opens and checks `--upscale-model` for images of `size` and resolves its device; `None`
-    /// without `--upscale-model`.
-    pub fn plan(&self, a: &GenerateArgs, dev: &DeviceArgs, size: (usize, usize)) -> Result<Option<Planned>> {
+    /// Opens and checks `--upscale-model` for images of `size` and resolves its device among
+    /// `reg`'s, its backend from `manager` (a generation's, so that the upscaler shares the
+    /// pipeline's backends and RPC connections); `None` without `--upscale-model`.
+    pub fn plan(
+        &self,
+        a: &GenerateArgs,
+        (reg, manager): (&PluginRegistry, &BackendManager),
+        size: (usize, usize),
+    ) -> Result<Option<Planned>> {
         let Some(path) = &self.upscale_model else { return Ok(None) };
         let file = UpscalerFile::open(path).context("--upscale-model")?;
         file.check_passes(size.0, size.1, self.upscale_repeats).context("--upscale-repeats")?;
-        let reg = crate::devices::open(dev)?;
-        let devices = crate::plan::machine_devices_from(&reg);
+        let devices = crate::plan::machine_devices_from(reg);
         let device = &devices[upscaler_device(&a.placement, &devices)?];
         let budget = budget_of(a.placement.max_vram.as_deref(), device)?;
         let name = device.registry_name();
-        let threads = sd_backends::threads::resolve_threads(a.threads);
-        let manager = BackendManager::new(Some(threads));
         let backend = manager.get(reg.device(&name)?)?;
         let c = file.config();
         tracing::info!("upscaler: {} on {name} ({} MiB of parameters)", c.describe(), file.param_bytes() >> 20);
         let (tile, repeats) = (self.upscale_tile_size, self.upscale_repeats);
-        Ok(Some(Planned { file, backend, budget, tile, repeats, _devices: (reg, manager) }))
+        Ok(Some(Planned { file, backend, budget, tile, repeats, _devices: None }))
     }
 }
 
@@ -187,6 +191,10 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
     let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
     files.check().map_err(crate::errors::same_file)?;
     let image = sd_models::image_io::read_image(input).context("-i")?;
-    let planned = u.plan(a, dev, (image.width, image.height))?.expect("--upscale-model was checked above");
+    let reg = crate::devices::open(dev)?;
+    let manager = BackendManager::new(Some(sd_backends::threads::resolve_threads(a.threads)));
+    let mut planned =
+        u.plan(a, (&reg, &manager), (image.width, image.height))?.expect("--upscale-model was checked above");
+    planned._devices = Some((reg, manager));
     Ok((planned, image, outputs, report_to))
 }

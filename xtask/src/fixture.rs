@@ -64,7 +64,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -81,6 +81,12 @@ pub struct Args {
     /// flux, qwen3: the width, a multiple of 128 from 128 to 3072 (default 3072; qwen3: 2560).
     #[arg(long = "hidden", value_name = "N", value_parser = hidden_width)]
     hidden: Option<u32>,
+    /// esrgan: RRDB blocks (default 23, RealESRGAN_x4plus; esrgan-anime: 6).
+    #[arg(long = "blocks", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    blocks: Option<u32>,
+    /// esrgan: feature channels (default 64, the only width the reference takes; growth is half).
+    #[arg(long = "features", value_name = "F", value_parser = clap::value_parser!(u32).range(2..=256))]
+    features: Option<u32>,
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
@@ -144,6 +150,11 @@ enum Target {
     Taesd {
         z_channels: usize,
     },
+    /// An ESRGAN upscaler of this factor and default block count.
+    Esrgan {
+        scale: usize,
+        blocks: usize,
+    },
 }
 
 fn target(s: &str) -> Result<Target, String> {
@@ -161,9 +172,12 @@ fn target(s: &str) -> Result<Target, String> {
         "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
         "taef1" => Ok(Target::Taesd { z_channels: 16 }),
+        "esrgan" | "esrgan-x4" => Ok(Target::Esrgan { scale: 4, blocks: 23 }),
+        "esrgan-anime" => Ok(Target::Esrgan { scale: 4, blocks: 6 }),
+        "esrgan-x2" => Ok(Target::Esrgan { scale: 2, blocks: 23 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, flux-vae, clip-l, taesd, taef1")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, flux-vae, clip-l, taesd, taef1, esrgan, esrgan-anime, esrgan-x2")),
     }
 }
 
@@ -199,6 +213,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::FluxVae => return run_flux_vae(&args),
         Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
+        Target::Esrgan { scale, blocks } => return run_esrgan(&args, scale, blocks),
         Target::LoraSd15 | Target::LoraFlux | Target::LoraSdxl(_) => return run_lora(&args),
     };
     if args.layers.is_some() {
@@ -326,6 +341,29 @@ fn run_flux_vae(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask fixture esrgan|esrgan-anime|esrgan-x2 [--blocks N] [--features F] [--std S] ...`.
+fn run_esrgan(args: &Args, scale: usize, blocks: usize) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to esrgan");
+    }
+    let fixture = fixture::esrgan::EsrganFixture {
+        scale,
+        blocks: args.blocks.map_or(blocks, |b| b as usize),
+        features: args.features.map_or(64, |f| f as usize),
+        std: args.std,
+        seed: args.seed,
+    };
+    let (path, format) = output(args, || fixture.cached_path(args.wtype))?;
+    let start = Instant::now();
+    let report = fixture.write(&path, args.wtype, format)?;
+    let what = format!(
+        "ESRGAN x{scale} fixture, {} blocks, {} features, seed {}, {}",
+        fixture.blocks, fixture.features, args.seed, args.wtype
+    );
+    print_written(&report, &what, start);
+    Ok(())
+}
+
 /// `cargo xtask fixture taesd|taef1 ...`.
 fn run_taesd(args: &Args, z_channels: usize) -> Result<()> {
     if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
@@ -441,6 +479,8 @@ mod tests {
                 double: None,
                 single: None,
                 hidden: None,
+                blocks: None,
+                features: None,
                 seed: 7,
                 wtype: WeightType::Q8_0,
                 output: Some("m.gguf".into()),
@@ -480,6 +520,9 @@ mod tests {
         assert_eq!((v.family, v.wtype, v.output), (Target::FluxVae, WeightType::F32, Some("ae.safetensors".into())));
         assert_eq!(parse("taef1 --seed 3").unwrap().family, Target::Taesd { z_channels: 16 });
         assert_eq!(parse("taesd").unwrap().family, Target::Taesd { z_channels: 4 });
+        let e = parse("esrgan --blocks 2 --features 16 --std 0.02 --seed 5").unwrap();
+        assert_eq!((e.family, e.blocks, e.features), (Target::Esrgan { scale: 4, blocks: 23 }, Some(2), Some(16)));
+        assert_eq!(parse("esrgan-anime").unwrap().family, Target::Esrgan { scale: 4, blocks: 6 });
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
     }
@@ -487,7 +530,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|esrgan|esrgan-anime|esrgan-x2>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

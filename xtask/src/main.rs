@@ -11,6 +11,7 @@ mod fuzz;
 mod ggml;
 mod install;
 mod parity;
+mod parity_esrgan;
 mod parity_flux;
 mod parity_flux_vae;
 mod parity_ops;
@@ -76,7 +77,8 @@ enum Command {
     /// --fuzz N --model PATH`: random cases on any checkpoint; `parity samplers`: every
     /// sampling method and scheduler; `parity ops`: each ggml op against the reference's;
     /// `parity t5 --t5xxl FILE`: the T5-XXL encoder; `parity flux-dit --vae FILE`: the FLUX
-    /// transformer; `parity flux-vae --diffusion-model FILE`: the FLUX.1 VAE.
+    /// transformer; `parity flux-vae --diffusion-model FILE`: the FLUX.1 VAE; `parity esrgan`:
+    /// the ESRGAN upscaler.
     Parity(parity::Args),
     /// Time sd-cli against the reference, alternating runs, with ratios.
     Bench(bench::Args),

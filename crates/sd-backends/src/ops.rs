@@ -111,6 +111,13 @@ impl Context {
         Tensor::from_raw(unsafe { sys::ggml_scale(self.as_raw(), a.as_raw(), s) })
     }
 
+    /// Leaky ReLU: `x` where positive, `slope * x` elsewhere; `inplace` writes over `a`
+    /// (ESRGAN's activations, as stable-diffusion.cpp builds them).
+    pub fn leaky_relu<'c>(&'c self, a: Tensor<'_>, slope: f32, inplace: bool) -> Tensor<'c> {
+        // SAFETY: live context and operand.
+        Tensor::from_raw(unsafe { sys::ggml_leaky_relu(self.as_raw(), a.as_raw(), slope, inplace) })
+    }
+
     /// Clamps to [min, max].
     pub fn clamp<'c>(&'c self, a: Tensor<'_>, min: f32, max: f32) -> Tensor<'c> {
         // SAFETY: live context and operand.

@@ -103,6 +103,7 @@ fn input_flag(r: InputRole) -> &'static str {
         InputRole::InitImage => "-i",
         InputRole::Lora => "a <lora:> tag of -p",
         InputRole::DeviceProfile => "--devices",
+        InputRole::UpscaleModel => "--upscale-model",
     }
 }
 

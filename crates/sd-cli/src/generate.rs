@@ -31,6 +31,8 @@ pub struct GenerateArgs {
     pub run: RunArgs,
     #[command(flatten)]
     pub lora: LoraArgs,
+    #[command(flatten)]
+    pub upscale: crate::upscale::UpscaleArgs,
     /// The prompt (`<lora:name:multiplier>` tags apply LoRA files of --lora-model-dir).
     #[arg(short = 'p', long = "prompt", default_value = "")]
     pub prompt: String,
@@ -346,7 +348,10 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     // What needs no model is checked before anything is opened or written; the rest once the
     // model is known (`Pipeline::check_request`), with the outputs: all before the first
     // weight is read. An error there is bad input (exit status 2, as `plan` gives for it).
-    let (loaded, request, outputs, report_to) = validate(a, dev).map_err(crate::errors::bad_input)?;
+    if a.run.mode.as_deref() == Some("upscale") {
+        return crate::upscale::run_mode(a, dev);
+    }
+    let (loaded, request, outputs, report_to, upscaler) = validate(a, dev).map_err(crate::errors::bad_input)?;
     let Loaded { pipeline, plan, predicted, model, .. } = loaded;
 
     let mut report = sd_models::report::RunReport::new("generate", crate::output::command_line());
@@ -363,6 +368,13 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     for line in pipeline.device_report() {
         tracing::debug!("{line}");
     }
+    // As the reference: each image is replaced by its upscaled self before it is saved.
+    let images = match upscaler {
+        Some(u) => u.run(images, &mut report).inspect_err(|_| {
+            let _ = crate::output::write_report(report_to.as_ref(), &report);
+        })?,
+        None => images,
+    };
     let name = model.name();
     let text = |i: usize| (!a.run.disable_image_metadata).then(|| a1111_parameters(a, &request, i, &name));
     let t = std::time::Instant::now();
@@ -375,7 +387,8 @@ pub fn run(a: &GenerateArgs, dev: &DeviceArgs) -> Result<ExitCode> {
 
 /// A generation's input checked: the pipeline built and the request checked against it, the
 /// outputs planned (nothing read but headers, nothing written).
-type Validated = (Loaded, Request, Vec<ImageOutput>, Option<sd_models::output::OutputTarget>);
+type Validated =
+    (Loaded, Request, Vec<ImageOutput>, Option<sd_models::output::OutputTarget>, Option<crate::upscale::Planned>);
 
 /// Everything a generation checks before its first expensive stage.
 fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
@@ -390,6 +403,7 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
         .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
         .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
         .input(InputRole::InitImage, a.init_img.as_deref())
+        .input(InputRole::UpscaleModel, a.upscale.upscale_model.as_deref())
         .loras(&loras);
     let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
     let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
@@ -397,7 +411,10 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
     let (w, h) = (params.params().width, params.params().height);
     let loaded = load(a, dev, model, (w, h), &loras)?;
     let request = loaded.pipeline.check_request(params).map_err(crate::errors::with_flag)?;
-    Ok((loaded, request, outputs, report_to))
+    let size = (request.params().width, request.params().height);
+    let (reg, manager) = &loaded._devices;
+    let upscaler = a.upscale.plan(a, (reg, manager), size)?;
+    Ok((loaded, request, outputs, report_to, upscaler))
 }
 
 impl GenerateArgs {

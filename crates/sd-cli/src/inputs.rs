@@ -18,8 +18,9 @@ const DEFAULT_SIDE: usize = 512;
 /// name the outputs.
 #[derive(Args, Debug, Clone, Default)]
 pub struct RunArgs {
-    /// Run mode: img_gen (the default). The reference's other modes (vid_gen, convert,
-    /// upscale, metadata) are not implemented here and are refused.
+    /// Run mode: img_gen (the default), or upscale (the -i image with --upscale-model). The
+    /// reference's other modes (vid_gen, convert, metadata) are not implemented here and are
+    /// refused.
     #[arg(short = 'M', long = "mode", value_name = "MODE")]
     pub mode: Option<String>,
     /// Read the prompt from this file (its whole contents, as the reference reads it).
@@ -38,12 +39,16 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    /// Refuses modes other than `img_gen` with a message naming them.
+    /// Refuses modes other than `img_gen` with a message naming them (`sd-cli` runs
+    /// `upscale` before it asks: `upscale.rs`).
     pub fn check_mode(&self) -> Result<()> {
         match self.mode.as_deref() {
             None | Some("img_gen") => Ok(()),
             Some(m) if MODES.contains(&m) => {
-                bail!("-M {m}: only img_gen is implemented by sd-rs (the reference's modes: {})", MODES.join(", "))
+                bail!(
+                    "-M {m}: only img_gen (and, without a subcommand, upscale) is implemented by sd-rs (the reference's modes: {})",
+                    MODES.join(", ")
+                )
             }
             Some(m) => bail!("-M {m}: invalid mode, must be one of [{}]", MODES.join(", ")),
         }

@@ -29,6 +29,7 @@ mod progress;
 mod reference_flags;
 mod rpc_server;
 mod serve;
+mod upscale;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -204,6 +204,9 @@ pub struct PlanArgs {
     /// [sd-rs] Also write a JSON run report (the plan part) to PATH.
     #[arg(long = "report-json", value_name = "PATH")]
     pub report_json: Option<PathBuf>,
+    /// An ESRGAN model to plan beside the generation (its device from `--backend upscaler=`).
+    #[arg(long = "upscale-model", value_name = "PATH")]
+    pub upscale_model: Option<PathBuf>,
     /// A prompt whose `<lora:name:multiplier>` tags name the LoRA files to count.
     #[arg(short = 'p', long = "prompt", default_value = "")]
     pub prompt: String,
@@ -382,6 +385,10 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
             &sd_models::speed::cache_path(),
         ),
     };
+    let upscaler_line = match &args.upscale_model {
+        Some(path) => Some(crate::upscale::plan_line(path, &args.placement, &devices)?),
+        None => None,
+    };
     let request =
         PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
     let report_to = crate::output::report_target(args.report_json.as_deref())?;
@@ -415,7 +422,7 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         if let Some(e) = &explain {
             crate::out!("{}", e.render());
         }
-        for line in &lora_lines {
+        for line in lora_lines.iter().chain(&upscaler_line) {
             crate::out!("{line}");
         }
     }

@@ -1,7 +1,7 @@
 //! stable-diffusion.cpp's flags, for the answer to one this program lacks.
 //!
 //! An unknown flag that the reference's `sd-cli` takes is refused as "not implemented by
-//! sd-rs" (as `-M upscale` is), never with clap's "a similar argument exists" guess, which
+//! sd-rs" (as `-M vid_gen` is), never with clap's "a similar argument exists" guess, which
 //! pointed `--control-net` at `--control-net-cpu` and `--fa` at `--offload-to-cpu`.
 
 /// Every flag of stable-diffusion.cpp's `sd-cli` (`examples/common/common.cpp` and

@@ -25,6 +25,12 @@ pub fn run(a: &ServeArgs, dev: &DeviceArgs) -> Result<ExitCode> {
     if !loras.is_empty() {
         anyhow::bail!("-p: LoRA tags in the default prompt are not applied by the server; requests name LoRAs in their `lora` field");
     }
+    if let Some(m) = &g.upscale.upscale_model {
+        anyhow::bail!(
+            "--upscale-model {}: the server does not upscale its images (use sd-cli -M upscale on them)",
+            m.display()
+        );
+    }
     let defaults = defaults.params().clone();
     if let Some(dir) = &a.server.models_dir {
         if !dir.is_dir() {

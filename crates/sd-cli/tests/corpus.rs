@@ -659,6 +659,8 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     lora_dir(&dir.join("loras"));
     // Issue 32, row 18: a 1 MiB prompt (refused by its length before anything is loaded).
     std::fs::write(dir.join("long-prompt.txt"), &"a cat, ".repeat(1 << 20).as_bytes()[..1 << 20]).unwrap();
+    // An ESRGAN model as PyTorch saves it (a pickle): refused with "convert it to safetensors".
+    std::fs::write(dir.join("esrgan.pth"), b"\x80\x02}q\x00.").unwrap();
     std::fs::write(dir.join("junk.safetensors"), st(r#"{"foo":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}}"#, 8))
         .unwrap();
     std::fs::write(

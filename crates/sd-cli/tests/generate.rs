@@ -664,3 +664,116 @@ fn sd15_with_taesd_matches_the_reference() {
     assert!(mean > 4.0 * MEAN_TOL, "the TAESD image is the VAE's: mean {mean:.3}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A narrow ESRGAN fixture of the real layout (2 blocks, 16 features) of factor `scale`.
+fn esrgan_fixture(dir: &Path, scale: usize) -> PathBuf {
+    let path = dir.join(format!("esrgan-x{scale}.safetensors"));
+    let f = fixture::esrgan::EsrganFixture { scale, blocks: 2, features: 16, std: None, seed: 7 };
+    f.write(&path, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    path
+}
+
+fn upscale_run(model: &Path, input: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    sd_cli()
+        .args(["-M", "upscale", "-t", "2", "--upscale-model"])
+        .arg(model)
+        .arg("-i")
+        .arg(input)
+        .arg("-o")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// `-M upscale` upscales the -i image by the model's factor (repeats compound), reports the
+/// upscaler module and stage, agrees with itself whether or not an image within one tile is
+/// tiled, and refuses a repeat count whose image would be too large before loading anything.
+#[test]
+fn esrgan_upscale_mode() {
+    let dir = out_dir("esrgan");
+    let (x4, x2) = (esrgan_fixture(&dir, 4), esrgan_fixture(&dir, 2));
+    let input = dir.join("in.png");
+    write_init_png(&input, false);
+
+    let (a, report) = (dir.join("a.png"), dir.join("a.json"));
+    let o = upscale_run(&x4, &input, &a, &["--report-json", report.to_str().unwrap()]);
+    check_ok(&o);
+    let (w, h, pa) = pixels(&a);
+    assert_eq!((w, h), (256, 256));
+    let r = sd_models::report::RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert!(r.stages.iter().any(|s| s.name == "upscale"), "{:?}", r.stages);
+    let m = r.module("upscaler").expect("the report names the upscaler module");
+    assert!(m.param_bytes > 0 && !m.devices.is_empty(), "{m:?}");
+
+    // The same model as GGUF, and under the original ESRGAN names (`model.N`): the same image.
+    let f = fixture::esrgan::EsrganFixture { scale: 4, blocks: 2, features: 16, std: None, seed: 7 };
+    let gguf = dir.join("esrgan-x4.gguf");
+    f.write(&gguf, WeightType::F16, fixture::FileFormat::Gguf).unwrap();
+    let old = dir.join("esrgan-x4-original.safetensors");
+    f.write_original_layout(&old, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    for (model, what) in [(&gguf, "gguf"), (&old, "original names")] {
+        let out = dir.join(format!("{what}.png"));
+        check_ok(&upscale_run(model, &input, &out, &[]));
+        assert_eq!(pixels(&out).2, pa, "{what}");
+    }
+
+    // 64 pixels fit the default 128-pixel tile: the same as no tiling; 32-pixel tiles blend.
+    let b = dir.join("b.png");
+    check_ok(&upscale_run(&x4, &input, &b, &["--upscale-tile-size", "0"]));
+    assert_eq!(pixels(&b).2, pa, "one tile is the whole image");
+    let c = dir.join("c.png");
+    check_ok(&upscale_run(&x4, &input, &c, &["--upscale-tile-size", "32"]));
+    let (mean, _) = diff(&a, &c);
+    assert!(mean > 0.0 && mean < 32.0, "tiled vs whole: mean {mean}");
+
+    // A budget below the whole image's compute buffer: retried with 32-pixel tiles, the same
+    // image as asking for them.
+    let budgeted = dir.join("budgeted.png");
+    check_ok(&upscale_run(&x4, &input, &budgeted, &["--upscale-tile-size", "0", "--max-vram", "0.008"]));
+    assert_eq!(pixels(&budgeted).2, pixels(&c).2, "the budget-driven retry is the 32-pixel tiled run");
+
+    let d = dir.join("d.png");
+    check_ok(&upscale_run(&x2, &input, &d, &["--upscale-repeats", "2"]));
+    assert_eq!((pixels(&d).0, pixels(&d).1), (256, 256), "two x2 passes");
+
+    // `plan` shows the upscaler and its device from the header alone.
+    let o = sd_cli()
+        .arg("plan")
+        .arg("-m")
+        .arg(fixture(Family::Sd15))
+        .arg("--upscale-model")
+        .arg(&x4)
+        .args(["--backend", "esrgan=cpu"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(text.contains("upscaler: ESRGAN x4, 2 blocks, 16 features") && text.contains(" on CPU"), "{text}");
+
+    let e = dir.join("e.png");
+    let o = upscale_run(&x4, &input, &e, &["--upscale-repeats", "8"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--upscale-repeats") && err.contains("more than 16384"), "{err}");
+    assert!(!e.exists());
+}
+
+/// With a generation, `--upscale-model` upscales the decoded image before it is saved, on the
+/// device `--backend upscaler=` names.
+#[test]
+fn esrgan_after_generation() {
+    let dir = out_dir("esrgan-gen");
+    let x2 = esrgan_fixture(&dir, 2);
+    let (plain, up) = (dir.join("plain.png"), dir.join("up.png"));
+    check_ok(&generate_steps(&fixture(Family::Sd15), &plain, 2, 1, &[]));
+    let model = x2.to_str().unwrap();
+    let o = generate_steps(&fixture(Family::Sd15), &up, 2, 1, &["--upscale-model", model, "--backend", "upscaler=cpu"]);
+    check_ok(&o);
+    let (w, h, _) = pixels(&up);
+    assert_eq!((w, h), (128, 128));
+    // The upscaled image of the plain one, from -M upscale, is the same.
+    let again = dir.join("again.png");
+    check_ok(&upscale_run(&x2, &plain, &again, &[]));
+    assert_eq!(diff(&up, &again), (0.0, 0));
+}

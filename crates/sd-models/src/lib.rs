@@ -26,6 +26,7 @@ pub mod placement;
 pub mod report;
 pub mod speed;
 pub mod text;
+pub mod upscale;
 pub mod wtype;
 
 /// Samplers, schedules and noise: the `sd-sampling` crate, under its old path.

@@ -296,6 +296,8 @@ pub enum InputRole {
     Lora,
     /// A device profile.
     DeviceProfile,
+    /// An ESRGAN upscaler.
+    UpscaleModel,
 }
 
 impl InputRole {
@@ -315,6 +317,7 @@ impl InputRole {
             InputRole::InitImage => "the init image",
             InputRole::Lora => "the LoRA",
             InputRole::DeviceProfile => "the device profile",
+            InputRole::UpscaleModel => "the upscale model",
         }
     }
 }

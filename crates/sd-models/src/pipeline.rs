@@ -1454,7 +1454,7 @@ fn encode_latent(
     Ok(latent)
 }
 
-fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {
+pub(crate) fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {
     let plane = w * h;
     let mut rgb = vec![0u8; plane * 3];
     for i in 0..plane {

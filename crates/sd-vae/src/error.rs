@@ -27,6 +27,14 @@ pub enum VaeError {
         /// What was expected and what was given.
         message: String,
     },
+    /// An upscaler file that lacks a tensor the network reads, or holds one of another shape.
+    #[error("upscaler: tensor `{tensor}`: {message}")]
+    UpscalerLayout {
+        /// The tensor (in the RRDBNet naming).
+        tensor: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The compute buffer of a graph could not be allocated, or it is larger than the cap.
     /// This is the failure the decode path retries with smaller tiles.
     #[error("{device}: cannot allocate {bytes} bytes for the {module} compute buffer{}",
@@ -78,6 +86,10 @@ impl VaeError {
 
     pub(crate) fn tiling(option: crate::tiling::TilingOption, message: impl Into<String>) -> Self {
         VaeError::Tiling { option, message: message.into() }
+    }
+
+    pub(crate) fn upscaler(tensor: &str, message: impl Into<String>) -> Self {
+        VaeError::UpscalerLayout { tensor: tensor.to_string(), message: message.into() }
     }
 
     pub(crate) fn input(module: &'static str, message: impl Into<String>) -> Self {

@@ -16,6 +16,9 @@
 //!   [`encode_tiled`]: the main paths, with tiling and the allocation-failure retry of
 //!   the decode path. The tiling arithmetic is pure logic in [`tiling`].
 //!
+//! * [`Esrgan`] with [`EsrganConfig::from_tensors`] and [`esrgan_specs`]: ESRGAN /
+//!   Real-ESRGAN (RRDBNet), the `upscaler` module (`esrgan.rs`), images in `[0, 1]`, tiled.
+//!
 //! Where the latent scale factor is applied (0.18215 for SD 1.x/2.x): **by the caller**,
 //! outside every graph, as stable-diffusion.cpp does:
 //! * text-to-image: `model.diffusion_to_vae(&mut latent)` (AutoencoderKL: `x / 0.18215`;
@@ -35,6 +38,7 @@
 //! images; that is the pipeline's job.
 
 pub mod error;
+pub mod esrgan;
 pub mod kl;
 pub mod nn;
 pub mod run;
@@ -42,6 +46,7 @@ pub mod tae;
 pub mod tiling;
 
 pub use error::{Result, VaeError};
+pub use esrgan::{canonical_name as esrgan_canonical_name, esrgan_specs, Esrgan, EsrganConfig};
 pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, VaeConfig, VaeLayout, VaeParts};
 pub use nn::GraphOptions;
 pub use run::{

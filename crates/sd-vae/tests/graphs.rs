@@ -552,3 +552,163 @@ fn vae_layout_is_read_from_the_file_and_checked() {
     let e = VaeLayout::of_tensors(|_| Some(vec![16, 512])).unwrap_err().to_string();
     assert!(e.contains("[16, 512]"), "{e}");
 }
+
+/// A narrow ESRGAN of the real layout: 2 blocks, 8 features, growth 4.
+fn tiny_esrgan(scale: usize) -> sd_vae::EsrganConfig {
+    sd_vae::EsrganConfig { scale, num_block: 2, num_feat: 8, num_grow_ch: 4, ..sd_vae::EsrganConfig::x4plus() }
+}
+
+/// ESRGAN in f64: each dense block concatenates its input with every earlier output,
+/// leaky ReLU 0.2, residual scale 0.2, nearest x2 before each up conv.
+fn esrgan_reference(p: &Params, cfg: &sd_vae::EsrganConfig, x: &Act) -> Act {
+    let lrelu = |a: Act| Act { data: a.data.iter().map(|&v| if v > 0.0 { v } else { 0.2 * v }).collect(), ..a };
+    let scaled_add =
+        |a: &Act, b: &Act| Act { data: a.data.iter().zip(&b.data).map(|(u, v)| 0.2 * u + v).collect(), ..a.clone() };
+    let (f, g) = (cfg.num_feat, cfg.num_grow_ch);
+    let feat = p.conv("conv_first", x, f, 3, 1, 1, true);
+    let mut body = feat.clone();
+    for i in 0..cfg.num_block {
+        let mut out = body.clone();
+        for k in 1..=3 {
+            let mut cat = out.clone();
+            for j in 1..=4 {
+                let y = lrelu(p.conv(&format!("body.{i}.rdb{k}.conv{j}"), &cat, g, 3, 1, 1, true));
+                // Planar [c][h][w]: concatenating channels appends the planes.
+                cat = Act::new(cat.w, cat.h, cat.c + g, [cat.data, y.data].concat());
+            }
+            let x5 = p.conv(&format!("body.{i}.rdb{k}.conv5"), &cat, f, 3, 1, 1, true);
+            out = scaled_add(&x5, &out);
+        }
+        body = scaled_add(&out, &body);
+    }
+    let mut feat = feat.add(&p.conv("conv_body", &body, f, 3, 1, 1, true));
+    let ups: &[&str] = match cfg.scale {
+        4 => &["conv_up1", "conv_up2"],
+        2 => &["conv_up1"],
+        _ => &[],
+    };
+    for name in ups {
+        let (w, h) = (feat.w * 2, feat.h * 2);
+        let mut d = vec![0.0; w * h * f];
+        for c in 0..f {
+            for y in 0..h {
+                for xx in 0..w {
+                    d[(c * h + y) * w + xx] = feat.data[(c * feat.h + y / 2) * feat.w + xx / 2];
+                }
+            }
+        }
+        feat = lrelu(p.conv(name, &Act::new(w, h, f, d), f, 3, 1, 1, true));
+    }
+    let hr = lrelu(p.conv("conv_hr", &feat, f, 3, 1, 1, true));
+    p.conv("conv_last", &hr, cfg.out_ch, 3, 1, 1, true)
+}
+
+fn esrgan_input(w: usize, h: usize, seed: u64) -> (Vec<f32>, Act) {
+    let v: Vec<f32> = uniform(3 * w * h, seed).into_iter().map(|x| 0.5 + 0.5 * x).collect();
+    let a = Act::from_f32(w, h, 3, &v);
+    (v, a)
+}
+
+#[test]
+fn esrgan_matches_the_f64_reference_at_each_scale() {
+    let mut runner = cpu_runner("upscaler");
+    let p = Params { src: &SRC };
+    for scale in [4, 2, 1] {
+        let cfg = tiny_esrgan(scale);
+        let net = sd_vae::Esrgan::load(cfg.clone(), &SRC, runner.backend().device().buffer_type()).unwrap();
+        let (x, a) = esrgan_input(6, 5, 70 + scale as u64);
+        let got = net.upscale(&mut runner, &x, [6, 5], 0, None, &mut |_, _| {}).unwrap();
+        let want = esrgan_reference(&p, &cfg, &a);
+        assert_eq!((want.w, want.h), (6 * scale, 5 * scale));
+        check(&format!("esrgan x{scale}"), &got, &want);
+    }
+}
+
+/// The configuration comes from the tensors; a file that is not an ESRGAN, or lacks a
+/// tensor or has one of the wrong shape, is refused naming the tensor.
+#[test]
+fn esrgan_config_is_read_from_the_tensor_names() {
+    use std::collections::HashMap;
+    let table = |cfg: &sd_vae::EsrganConfig| -> HashMap<String, Vec<u64>> {
+        sd_vae::esrgan_specs(cfg).into_iter().map(|s| (s.name, s.ne.iter().map(|&n| n as u64).collect())).collect()
+    };
+    let read = |t: &HashMap<String, Vec<u64>>| {
+        sd_vae::EsrganConfig::from_tensors(t.keys().map(String::as_str), |n| t.get(n).cloned())
+    };
+    for cfg in [
+        sd_vae::EsrganConfig::x4plus(),
+        tiny_esrgan(2),
+        tiny_esrgan(1),
+        sd_vae::EsrganConfig { num_block: 6, ..sd_vae::EsrganConfig::x4plus() },
+    ] {
+        assert_eq!(read(&table(&cfg)).unwrap(), cfg);
+    }
+    let layout_err = |t: &HashMap<String, Vec<u64>>| match read(t) {
+        Err(sd_vae::VaeError::UpscalerLayout { tensor, message }) => (tensor, message),
+        other => panic!("expected a layout error, got {other:?}"),
+    };
+    let mut t = table(&tiny_esrgan(4));
+    t.remove("body.1.rdb3.conv5.bias");
+    assert_eq!(layout_err(&t).0, "body.1.rdb3.conv5.bias");
+    let mut t = table(&tiny_esrgan(4));
+    t.insert("body.0.rdb2.conv3.weight".into(), vec![3, 3, 16, 5]);
+    let (tensor, message) = layout_err(&t);
+    assert_eq!(tensor, "body.0.rdb2.conv3.weight");
+    assert!(message.contains("[3, 3, 16, 4]"), "{message}");
+    let mut t = table(&tiny_esrgan(4));
+    t.remove("conv_up1.weight");
+    assert_eq!(layout_err(&t).0, "conv_up1.weight");
+    // A VAE is not an upscaler.
+    let vae: HashMap<String, Vec<u64>> =
+        [("first_stage_model.decoder.conv_in.weight".to_string(), vec![3, 3, 4, 512])].into();
+    let (tensor, message) = layout_err(&vae);
+    assert_eq!(tensor, "conv_first.weight");
+    assert!(message.contains("not an ESRGAN"), "{message}");
+}
+
+#[test]
+fn esrgan_original_layout_names_map_to_rrdbnet() {
+    for (old, new) in [
+        ("model.0.weight", "conv_first.weight"),
+        ("model.1.sub.3.RDB2.conv5.0.bias", "body.3.rdb2.conv5.bias"),
+        ("model.1.sub.23.weight", "conv_body.weight"),
+        ("model.3.bias", "conv_up1.bias"),
+        ("model.6.weight", "conv_up2.weight"),
+        ("model.8.weight", "conv_hr.weight"),
+        ("model.10.bias", "conv_last.bias"),
+        ("conv_first.weight", "conv_first.weight"),
+        ("body.0.rdb1.conv1.weight", "body.0.rdb1.conv1.weight"),
+    ] {
+        assert_eq!(sd_vae::esrgan_canonical_name(old), new, "{old}");
+    }
+}
+
+/// Tiling: an image within one tile is exactly the whole graph; a larger one is tiled into
+/// an output of the right size; a compute cap between the needs of the whole image and of
+/// 16-pixel tiles makes the whole-image run retry with 16-pixel tiles, whose result it is.
+#[test]
+fn esrgan_tiles_and_retries_under_a_cap() {
+    let mut runner = cpu_runner("upscaler");
+    let net = sd_vae::Esrgan::load(tiny_esrgan(2), &SRC, runner.backend().device().buffer_type()).unwrap();
+    let (x, _) = esrgan_input(32, 24, 81);
+    let whole = net.upscale(&mut runner, &x, [32, 24], 0, None, &mut |_, _| {}).unwrap();
+    assert!(whole == net.upscale(&mut runner, &x, [32, 24], 32, None, &mut |_, _| {}).unwrap());
+    let mut seen = Vec::new();
+    let tiled = net.upscale(&mut runner, &x, [32, 24], 16, None, &mut |d, n| seen.push((d, n))).unwrap();
+    assert_eq!(tiled.len(), 3 * 64 * 48);
+    assert!(!seen.is_empty() && seen.iter().all(|&(_, n)| n == seen.len()), "{seen:?}");
+    assert_ne!(tiled, whole, "tiles see less context than the whole");
+    let (d, m) = max_diff(&tiled, &whole.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    assert!(d < 0.5 * m, "blended tiles stray from the whole image: {d} (max {m})");
+
+    let mut need = |d: [usize; 2]| match net.upscale_graph(&mut runner, &x[..3 * d[0] * d[1]], d, Some(0)) {
+        Err(sd_vae::VaeError::Alloc { bytes, .. }) => bytes,
+        other => panic!("expected a capped allocation failure, got {other:?}"),
+    };
+    let cap = need([16, 16]);
+    assert!(cap < need([32, 24]));
+    let retried = net.upscale(&mut runner, &x, [32, 24], 0, Some(cap), &mut |_, _| {}).unwrap();
+    assert!(retried == tiled, "the retried run differs from the 16-pixel tiled run");
+    let e = net.upscale(&mut runner, &x, [32, 24], 0, Some(1024), &mut |_, _| {}).unwrap_err();
+    assert!(e.is_alloc(), "{e}");
+}

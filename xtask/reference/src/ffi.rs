@@ -75,8 +75,29 @@ struct RawTensor {
     n_dims: c_int,
 }
 
+#[repr(C)]
+struct RawUpscaler {
+    _private: [u8; 0],
+}
+
 type LogCb = extern "C" fn(level: c_int, text: *const c_char, data: *mut c_void);
 type ProgressCb = extern "C" fn(step: c_int, steps: c_int, seconds: f32, data: *mut c_void);
+
+// sd.cpp's own C API (include/stable-diffusion.h), in libstable-diffusion.a.
+extern "C" {
+    fn new_upscaler_ctx(
+        esrgan_path: *const c_char,
+        direct: bool,
+        n_threads: c_int,
+        tile_size: c_int,
+        backend: *const c_char,
+        params_backend: *const c_char,
+    ) -> *mut RawUpscaler;
+    fn free_upscaler_ctx(ctx: *mut RawUpscaler);
+    fn upscale(ctx: *mut RawUpscaler, input_image: RawImage, upscale_factor: u32) -> RawImage;
+    fn get_upscale_factor(ctx: *mut RawUpscaler) -> c_int;
+    fn free(p: *mut c_void);
+}
 
 extern "C" {
     fn sdref_set_callbacks(log_cb: Option<LogCb>, progress_cb: Option<ProgressCb>, data: *mut c_void);
@@ -242,6 +263,53 @@ pub fn llm_encode(path: &str, ids: &[i32], out_layer: i32, threads: i32) -> Resu
         return Err(err.message());
     }
     take_raw(out).ok_or_else(|| "the LLM returned no tensor".to_owned())
+}
+
+/// sd.cpp's ESRGAN upscaler (`new_upscaler_ctx`, `upscale`, as its CLI's `--upscale-model`
+/// path calls them): `repeats` passes over an RGB image, tiles of `tile` pixels; returns the
+/// model's factor and the image.
+pub fn upscale_image(
+    path: &str,
+    threads: i32,
+    tile: i32,
+    backend: Option<&str>,
+    input: Image,
+    repeats: u32,
+) -> Result<(i32, Image), String> {
+    let mut strings = Strings::default();
+    let path = strings.opt(Some(path))?;
+    let backend = strings.opt(backend)?;
+    if input.channels != 3 || input.data.len() != (input.width * input.height * 3) as usize {
+        return Err("the input is not an RGB image".into());
+    }
+    // SAFETY: valid NUL-terminated strings kept alive by `strings`; a null backend is the default.
+    let ctx = unsafe { new_upscaler_ctx(path, false, threads, tile, backend, ptr::null()) };
+    if ctx.is_null() {
+        return Err("new_upscaler_ctx failed (see the log)".into());
+    }
+    // SAFETY: a live context.
+    let factor = unsafe { get_upscale_factor(ctx) };
+    let mut img = input;
+    let mut result = Ok(());
+    for _ in 0..repeats {
+        let raw = RawImage { width: img.width, height: img.height, channel: 3, data: img.data.as_mut_ptr() };
+        // SAFETY: a live context; `raw` points at `img.data`, which outlives the call and which
+        // sd.cpp only reads.
+        let out = unsafe { upscale(ctx, raw, factor as u32) };
+        if out.data.is_null() {
+            result = Err("upscale failed (see the log)".to_owned());
+            break;
+        }
+        let n = (out.width * out.height * out.channel) as usize;
+        // SAFETY: sd.cpp malloc'ed `n` bytes at `out.data`; copied, then freed once.
+        let data = unsafe { std::slice::from_raw_parts(out.data, n) }.to_vec();
+        // SAFETY: as above.
+        unsafe { free(out.data as *mut c_void) };
+        img = Image { width: out.width, height: out.height, channels: out.channel, data };
+    }
+    // SAFETY: the context from new_upscaler_ctx, freed once.
+    unsafe { free_upscaler_ctx(ctx) };
+    result.map(|()| (factor, img))
 }
 
 /// Log level numbers of sd.cpp's `sd_log_level_t`.

@@ -21,6 +21,8 @@
 //!   template with the prompt's weights), as JSON; no model is loaded.
 //! - `llm-encode`: sd.cpp's Qwen3 LLM on an `--llm` file alone, for a prompt tokenized as
 //!   Z-Image does; the hidden states of `--out-layer` (before the token weights) as raw f32.
+//! - `upscale`: sd.cpp's ESRGAN upscaler (`new_upscaler_ctx`, `upscale`) on a PNG, as its
+//!   CLI's `-M upscale` runs it; writes the PNG and an `SDREF_TIMING` line.
 //! - `info`: sd.cpp's version and the CPU features its ggml was built for.
 
 mod ffi;
@@ -54,6 +56,8 @@ enum Command {
     Unet(Unet),
     /// Dump a VAE decode, before clamping and uint8 conversion.
     VaeDecode(VaeDecode),
+    /// Upscale a PNG with an ESRGAN model, as sd.cpp's CLI `-M upscale` does.
+    Upscale(Upscale),
     /// Print sd.cpp's T5 token ids (and FLUX's per-token weights) for prompts; no model needed.
     T5Tokens(T5Tokens),
     /// Dump sd.cpp's raw T5-XXL hidden states for a prompt (FLUX's tokenization); only --t5xxl.
@@ -345,6 +349,40 @@ struct Unet {
 }
 
 #[derive(Args, Debug)]
+struct Upscale {
+    /// The ESRGAN model.
+    #[arg(long = "upscale-model")]
+    model: String,
+    /// The PNG to upscale.
+    #[arg(short = 'i', long = "init-img")]
+    input: PathBuf,
+    /// The output PNG.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// Passes.
+    #[arg(long = "upscale-repeats", default_value_t = 1)]
+    repeats: u32,
+    /// Tile size in input pixels (sd.cpp's CLI default 128).
+    #[arg(long = "upscale-tile-size", default_value_t = 128)]
+    tile: i32,
+    #[arg(short = 't', long = "threads", default_value_t = -1)]
+    threads: i32,
+    /// sd.cpp's backend spec (default: its default device).
+    #[arg(long = "backend")]
+    backend: Option<String>,
+}
+
+fn upscale_png(a: Upscale) -> Res<()> {
+    let (width, height, data) = read_png_rgb(&a.input)?;
+    let start = Instant::now();
+    let input = ffi::Image { width, height, channels: 3, data };
+    let (factor, img) = ffi::upscale_image(&a.model, a.threads, a.tile, a.backend.as_deref(), input, a.repeats)?;
+    eprintln!("SDREF_TIMING upscale {:.3}", start.elapsed().as_secs_f64());
+    eprintln!("sdref: x{factor}, {width}x{height} -> {}x{}", img.width, img.height);
+    write_png(&a.output, &img)
+}
+
+#[derive(Args, Debug)]
 struct VaeDecode {
     #[command(flatten)]
     model: ModelArgs,
@@ -381,6 +419,7 @@ fn main() -> ExitCode {
         Command::T5Encode(a) => t5_encode(a),
         Command::QwenTokens(a) => qwen_tokens(a),
         Command::LlmEncode(a) => llm_encode(a),
+        Command::Upscale(a) => upscale_png(a),
         Command::Info => {
             println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));

@@ -149,6 +149,8 @@ enum ParityCommand {
     FluxDit(crate::parity_flux::Args),
     /// Our FLUX.1 VAE decode against the reference's (needs a FLUX.1 diffusion model file).
     FluxVae(crate::parity_flux_vae::Args),
+    /// Our ESRGAN upscaler against the reference's (`-M upscale`), whole and tiled.
+    Esrgan(crate::parity_esrgan::Args),
 }
 
 /// The positional family argument.
@@ -190,6 +192,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::Qwen3(a)) => return crate::parity_qwen3::run(a),
         Some(ParityCommand::FluxDit(a)) => return crate::parity_flux::run(a),
         Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
+        Some(ParityCommand::Esrgan(a)) => return crate::parity_esrgan::run(a),
         None => {}
     }
     if args.fuzz.active() {

@@ -592,3 +592,83 @@ fn flux_reads_an_fp8_e4m3_t5_as_its_f16_values() {
     assert!(te_a > 2 * file - (1 << 20), "te {te_a} should count T5's e4m3 file ({file} bytes) widened to f16");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+// --- Z-Image: the other 16-channel DiT family, on FLUX's VAE --------------------------------
+
+/// Z-Image's component files: a reduced DiT (width 256, one refiner of each kind, two layers,
+/// captions 256 wide) and a Qwen3 `--llm` cut to 2 layers of width 256 (the reference takes
+/// both: `cargo xtask parity zimage`). Written once per process into the fixture cache.
+fn zimage_files() -> &'static (PathBuf, PathBuf) {
+    static FILES: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    FILES.get_or_init(|| {
+        use sd_models::diffusion::zimage::ZImageConfig;
+        use sd_models::fixture::{qwen3, zimage};
+        use sd_models::text::qwen3::Qwen3Config;
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let cfg = ZImageConfig::reduced(256, 2, 1, 256);
+        let dit = zimage::cached_zimage_path(&cfg, 42, WeightType::F16);
+        if !dit.exists() {
+            zimage::write_zimage(&dit, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+        }
+        let llm_cfg = Qwen3Config { n_layers: 2, hidden: 256, intermediate: 512, ..Qwen3Config::qwen3_4b() };
+        let llm = fixture::cache_dir().join("qwen3-fixture-seed42-f16-2l-h256-i512.safetensors");
+        if !llm.exists() {
+            qwen3::write_qwen3(&llm, &llm_cfg, 42, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+        }
+        (dit, llm)
+    })
+}
+
+/// `sd-cli` with `pre` (a subcommand), Z-Image's files (`--llm`, `--vae` left out when
+/// `false`) and `extra`.
+fn zimage_cli(pre: &[&str], llm: bool, vae: bool, extra: &[&str]) -> std::process::Output {
+    let (dit, llm_path) = zimage_files();
+    let mut c = sd_cli();
+    c.env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off").args(pre).arg("--diffusion-model").arg(dit);
+    if llm {
+        c.arg("--llm").arg(llm_path);
+    }
+    if vae {
+        c.arg("--vae").arg(&files().vae);
+    }
+    c.args(extra).output().unwrap()
+}
+
+#[test]
+fn zimage_generates_reads_the_prompt_and_plans() {
+    let d = dir("zimage");
+    let gen = |name: &str, prompt: &str| {
+        let out = d.join(format!("{name}.png"));
+        let o = zimage_cli(&[], true, true, &["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "Z-Image generation failed:\n{err}");
+        (std::fs::read(&out).unwrap(), err)
+    };
+    let (cat, err) = gen("cat", "a photo of a cat");
+    assert!(err.contains("model: zimage") && err.contains("flow matching"), "{err}");
+    let px = pixels(&cat);
+    assert_eq!(px.len(), 64 * 64 * 3);
+    assert!(px.iter().any(|&v| v != px[0]), "a flat image");
+    let (again, _) = gen("again", "a photo of a cat");
+    assert!(again == cat, "the same seed gives the same image");
+    let (dog, _) = gen("dog", "a photo of a dog");
+    assert!(dog != cat, "the prompt reaches the image (through Qwen3)");
+    // `plan` from the headers: every module sized, the LLM's layers te's blocks.
+    let o = zimage_cli(&["plan"], true, true, &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && out.contains("zimage"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn zimage_without_its_llm_or_vae_is_a_clear_error() {
+    let d = dir("zimage-bad");
+    for (llm, vae, needle) in [(false, true, "--llm"), (true, false, "--vae")] {
+        let out = d.join("x.png");
+        let o = zimage_cli(&[], llm, vae, &["-p", "a cat", "-W", "64", "-H", "64", "-o", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.code() == Some(2) && err.contains("Z-Image needs") && err.contains(needle), "{err}");
+        assert!(!out.exists());
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -62,7 +62,7 @@ const NORM_EPS: f32 = 1e-5;
 /// The final LayerNorm's epsilon.
 const FINAL_EPS: f32 = 1e-6;
 /// RoPE channels per axis (index, row, column).
-pub const AXES_DIM: [i64; 3] = [32, 48, 48];
+const AXES_DIM: [i64; 3] = [32, 48, 48];
 /// RoPE base.
 const THETA: f32 = 256.0;
 /// The SwiGLU width is rounded up to a multiple of this.
@@ -127,7 +127,7 @@ impl ZImageConfig {
     }
 
     /// Width of the adaLN input (the timestep embedding's output).
-    pub fn adaln_dim(&self) -> i64 {
+    fn adaln_dim(&self) -> i64 {
         self.hidden_size.min(ADALN_EMBED_DIM)
     }
 
@@ -395,7 +395,7 @@ pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) 
 // ---------------------------------------------------------------------------------------
 
 /// Pad tokens that bring `n` to a multiple of 32 (the reference's `bound_mod`).
-pub fn pad_len(n: usize) -> usize {
+fn pad_len(n: usize) -> usize {
     (SEQ_MULTI_OF - n % SEQ_MULTI_OF) % SEQ_MULTI_OF
 }
 
@@ -570,7 +570,7 @@ fn pad_tokens<'g>(g: &'g Context, w: &Weights, token: &str, x: Tensor<'g>, pad: 
 
 /// The inputs of one Z-Image evaluation, as graph tensors.
 #[derive(Clone, Copy, Debug)]
-pub struct ZImageInputs<'g> {
+pub(crate) struct ZImageInputs<'g> {
     /// The latent `[W, H, C, 1]`.
     pub x: Tensor<'g>,
     /// The model's timestep `[1]`: `1000 - 1000 sigma`.
@@ -613,7 +613,7 @@ fn tokens<'g>(g: &'g Context, x: Tensor<'g>, from: usize, len: usize) -> Tensor<
 
 /// The Z-Image graph: the latent `[W, H, C, 1]` to the prediction of the same shape. Pushes
 /// the cuts described in the module documentation.
-pub fn forward<'g>(
+pub(crate) fn forward<'g>(
     g: &'g Context,
     w: &Weights,
     cfg: &ZImageConfig,

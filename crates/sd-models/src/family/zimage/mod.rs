@@ -40,9 +40,9 @@ const VAE_SCALE_FACTOR: usize = 8;
 /// The DiT reads 2x2 patches of the latent.
 const PATCH: usize = 2;
 /// The LLM layer whose hidden states are the caption (1-based; the reference's `{35}`).
-pub const OUT_LAYER: usize = 35;
+const OUT_LAYER: usize = 35;
 /// SD3's linear time shift of Z-Image (the reference's `default_flow_shift` 3).
-pub const FLOW_SHIFT: f32 = 3.0;
+const FLOW_SHIFT: f32 = 3.0;
 /// Qwen3's token embedding under the internal names (`--llm` files land there).
 const LLM_PROBE: &str = "text_encoders.llm.model.embed_tokens.weight";
 /// The VAE's decoder input convolution (`--vae` files land there).

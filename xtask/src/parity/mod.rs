@@ -149,6 +149,8 @@ enum ParityCommand {
     FluxDit(crate::parity_flux::Args),
     /// Our FLUX.1 VAE decode against the reference's (needs a FLUX.1 diffusion model file).
     FluxVae(crate::parity_flux_vae::Args),
+    /// A whole Z-Image generation (DiT, Qwen3 `--llm`, FLUX VAE), ours against the reference's.
+    Zimage(crate::parity_zimage::Args),
 }
 
 /// The positional family argument.
@@ -190,6 +192,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::Qwen3(a)) => return crate::parity_qwen3::run(a),
         Some(ParityCommand::FluxDit(a)) => return crate::parity_flux::run(a),
         Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
+        Some(ParityCommand::Zimage(a)) => return crate::parity_zimage::run(a),
         None => {}
     }
     if args.fuzz.active() {

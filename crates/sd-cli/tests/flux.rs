@@ -672,3 +672,38 @@ fn zimage_without_its_llm_or_vae_is_a_clear_error() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn zimage_segmented_under_a_budget_gives_the_cpu_image() {
+    // The DiT (8.6 MiB of weights) computes on an RPC server under a 4 MiB budget, params in
+    // RAM: it runs in segments at its block cuts, and the image is the all-CPU one.
+    let d = dir("zimage-seg");
+    let gen = |name: &str, more: &[&str]| {
+        let (out, report) = (d.join(format!("{name}.png")), d.join(format!("{name}.json")));
+        let base = ["-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
+        let o = zimage_cli(&[], true, true, &[&base[..], &["--report-json", report.to_str().unwrap()], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        (std::fs::read(&out).unwrap(), report, err)
+    };
+    let (cpu, _, _) = gen("cpu", &["--backend", "cpu"]);
+    let server = common::Server::start();
+    let placed = [
+        "--rpc",
+        server.endpoint.as_str(),
+        "--max-vram",
+        "RPC0=0.00390625",
+        "--backend",
+        "diffusion=RPC0,te=cpu,vae=cpu",
+        "--params-backend",
+        "diffusion=cpu",
+    ];
+    let (png, report, err) = gen("rpc", &placed);
+    assert!(png == cpu, "the segmented image differs from the CPU one:\n{err}");
+    let unet = report.module("unet").unwrap();
+    let s = &report.runner("unet").unwrap().stats;
+    assert_eq!((unet.devices.as_slice(), unet.residency), (&["RPC0".to_string()][..], Residency::Segmented));
+    assert!(s.segmented_runs == 2 && s.max_segments > 1, "both steps in segments: {s:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -55,11 +55,12 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use sd_models::diffusion::zimage::ZImageConfig;
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
-    self, flux, flux_vae, qwen3, t5, taesd, zimage, Component, Family, FileFormat, FixtureReport, FixtureRequest, WeightType,
+    self, flux, flux_vae, qwen3, t5, taesd, zimage, Component, Family, FileFormat, FixtureReport, FixtureRequest,
+    WeightType,
 };
-use sd_models::diffusion::zimage::ZImageConfig;
 use sd_models::text::qwen3::Qwen3Config;
 use sd_models::text::t5::T5Config;
 
@@ -336,7 +337,8 @@ fn run_qwen3(args: &Args) -> Result<()> {
 /// `cargo xtask fixture zimage ...`: a Z-Image transformer; `-o` is required with `--std`
 /// (the cache entry names the sizes, seed and type only).
 fn run_zimage(args: &Args) -> Result<()> {
-    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.double.is_some() || args.single.is_some() {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.double.is_some() || args.single.is_some()
+    {
         bail!("--only, --std-everywhere, --plain-norms, --double and --single do not apply to zimage fixtures");
     }
     if args.intermediate.is_some() {
@@ -521,8 +523,10 @@ mod tests {
             (q.family, q.layers, q.hidden, q.intermediate, q.std),
             (Target::Qwen3, Some(3), Some(256), Some(512), Some(0.03))
         );
-        let z = parse("zimage --layers 2 --refiner-layers 1 --seed 3 --std 0.02 --hidden 256 --cap-dim 256 -o z.safetensors")
-            .unwrap();
+        let z = parse(
+            "zimage --layers 2 --refiner-layers 1 --seed 3 --std 0.02 --hidden 256 --cap-dim 256 -o z.safetensors",
+        )
+        .unwrap();
         assert_eq!(
             (z.family, z.layers, z.refiner_layers, z.seed, z.std, z.hidden, z.cap_dim),
             (Target::ZImage, Some(2), Some(1), 3, Some(0.02), Some(256), Some(256))

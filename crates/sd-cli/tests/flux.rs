@@ -7,6 +7,11 @@
 //! `--cfg-scale`, the sampler, `--taesd` and the init image reaching the image, the placements
 //! (params in RAM or on disk, segmented under budgets, layer and row splits) giving the all-CPU
 //! image, `plan` from the headers, clear errors.
+//!
+//! Z-Image (the other 16-channel DiT family, on FLUX's VAE) at the end: a reduced DiT and a
+//! 2-layer Qwen3 `--llm` generate deterministically, read the prompt, plan from the headers, run
+//! segmented on an RPC server under a budget, and refuse to run without `--llm` or `--vae`
+//! (the parity with the reference on these files: `cargo xtask parity zimage`).
 
 mod common;
 
@@ -639,7 +644,12 @@ fn zimage_generates_reads_the_prompt_and_plans() {
     let d = dir("zimage");
     let gen = |name: &str, prompt: &str| {
         let out = d.join(format!("{name}.png"));
-        let o = zimage_cli(&[], true, true, &["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()]);
+        let o = zimage_cli(
+            &[],
+            true,
+            true,
+            &["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()],
+        );
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "Z-Image generation failed:\n{err}");
         (std::fs::read(&out).unwrap(), err)
@@ -680,7 +690,8 @@ fn zimage_segmented_under_a_budget_gives_the_cpu_image() {
     let d = dir("zimage-seg");
     let gen = |name: &str, more: &[&str]| {
         let (out, report) = (d.join(format!("{name}.png")), d.join(format!("{name}.json")));
-        let base = ["-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
+        let base =
+            ["-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
         let o = zimage_cli(&[], true, true, &[&base[..], &["--report-json", report.to_str().unwrap()], more].concat());
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "{name}:\n{err}");

@@ -161,7 +161,9 @@ impl ZImageConfig {
         let matrix = |rel: &str| -> Result<(i64, i64)> {
             let full = format!("{PREFIX}.{rel}");
             match find(rel).map(|ne| ne.as_slice()) {
-                Some([a, b, rest @ ..]) if *a > 0 && *b > 0 && rest.iter().all(|&d| d == 1) => Ok((*a as i64, *b as i64)),
+                Some([a, b, rest @ ..]) if *a > 0 && *b > 0 && rest.iter().all(|&d| d == 1) => {
+                    Ok((*a as i64, *b as i64))
+                }
                 Some(ne) => bad(format!("tensor '{full}' has ggml shape {ne:?}, expected a matrix")),
                 None => bad(format!("tensor '{full}' is missing: it gives the model's widths")),
             }
@@ -181,7 +183,9 @@ impl ZImageConfig {
         cfg.cap_feat_dim = cap;
         let (_, out) = matrix("final_layer.linear.weight")?;
         if out % (PATCH * PATCH) != 0 {
-            return bad(format!("tensor '{PREFIX}.final_layer.linear.weight' has {out} outputs, not whole 2x2 patches"));
+            return bad(format!(
+                "tensor '{PREFIX}.final_layer.linear.weight' has {out} outputs, not whole 2x2 patches"
+            ));
         }
         cfg.out_channels = out / (PATCH * PATCH);
         let mut refiners = (0usize, 0usize);
@@ -595,7 +599,10 @@ fn check_inputs(cfg: &ZImageConfig, i: &ZImageInputs<'_>) -> Result<()> {
     }
     let [cd, lt, cn, _] = i.context.shape();
     if cd != cfg.cap_feat_dim || cn != 1 || lt <= 0 {
-        return bad(format!("context shape [{cd}, {lt}, {cn}] does not fit [{}, tokens, 1] (ggml order)", cfg.cap_feat_dim));
+        return bad(format!(
+            "context shape [{cd}, {lt}, {cn}] does not fit [{}, tokens, 1] (ggml order)",
+            cfg.cap_feat_dim
+        ));
     }
     let li = image_tokens(wd as usize, ht as usize);
     let tokens = lt as usize + pad_len(lt as usize) + li + pad_len(li);
@@ -666,8 +673,7 @@ pub(crate) fn forward<'g>(
                 cuts.push((format!("zimage.layers.{i}"), joint));
             }
             Block::Final => {
-                let scale =
-                    blocks::linear(g, w, &name("final_layer.adaLN_modulation.1"), g.silu(t_emb), true)?; // [h, 1]
+                let scale = blocks::linear(g, w, &name("final_layer.adaLN_modulation.1"), g.silu(t_emb), true)?; // [h, 1]
                 let x = modulate(g, g.norm(joint, FINAL_EPS), scale);
                 let y = blocks::linear(g, w, &name("final_layer.linear"), x, true)?; // [4C, L, 1]
                 let y = g.cont(tokens(g, y, lt, n_img));
@@ -706,7 +712,11 @@ pub struct ZImageModel {
 
 impl ZImageModel {
     /// Declares the parameters of `cfg` (no storage yet).
-    pub fn new(cfg: ZImageConfig, dtype_of: &dyn Fn(&str) -> Option<GgmlType>, wtype: Option<GgmlType>) -> Result<Self> {
+    pub fn new(
+        cfg: ZImageConfig,
+        dtype_of: &dyn Fn(&str) -> Option<GgmlType>,
+        wtype: Option<GgmlType>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let weights = Weights::new(zimage_specs(&cfg, dtype_of, wtype))?;
         Ok(Self { cfg, weights, flash_attn: false })

@@ -169,12 +169,7 @@ impl Qwen3Config {
         };
         let embed = shape("embed_tokens.weight")?;
         let gate = shape("layers.0.mlp.gate_proj.weight")?;
-        let layers = index
-            .entries()
-            .iter()
-            .filter_map(|e| block_of(&e.name))
-            .max()
-            .map_or(0, |n| n as usize + 1);
+        let layers = index.entries().iter().filter_map(|e| block_of(&e.name)).max().map_or(0, |n| n as usize + 1);
         let cfg = Self {
             vocab_size: embed[0] as usize,
             hidden: embed[1] as usize,

@@ -16,7 +16,10 @@ fn tiny() -> ZImageConfig {
 }
 
 fn file(cfg: &ZImageConfig) -> Vec<(String, Vec<u64>)> {
-    zimage_specs(cfg, &|_| Some(F16), None).into_iter().map(|s| (s.name, s.ne.iter().map(|&d| d as u64).collect())).collect()
+    zimage_specs(cfg, &|_| Some(F16), None)
+        .into_iter()
+        .map(|s| (s.name, s.ne.iter().map(|&d| d as u64).collect()))
+        .collect()
 }
 
 /// RMSNorm weights 1 +- 0.2, pad tokens and biases of scale 0.1, linear weights of variance ~1/fan_in.
@@ -75,7 +78,10 @@ fn groups_and_blocks_follow_the_graph() {
     assert_eq!(group_of("model.diffusion_model.final_layer.linear.bias"), "final_layer");
     assert_eq!(group_of("model.diffusion_model.x_pad_token"), "prelude");
     let l = layout(&ZImageConfig::reduced(256, 2, 2, 64));
-    assert_eq!(l[1..5], [Block::ContextRefiner(0), Block::ContextRefiner(1), Block::NoiseRefiner(0), Block::NoiseRefiner(1)]);
+    assert_eq!(
+        l[1..5],
+        [Block::ContextRefiner(0), Block::ContextRefiner(1), Block::NoiseRefiner(0), Block::NoiseRefiner(1)]
+    );
 }
 
 #[test]

@@ -21,7 +21,12 @@ const NOTABLE: [&str; 1] = [CAP_NORM];
 fn detect(index: &TensorIndex) -> Option<Detected> {
     let cap = index.get(CAP_NORM)?;
     let width = *cap.shape.first()?;
-    Some(Detected { arch: "zimage", context_dim: width, prediction: None, prediction_source: PredictionSource::Unknown })
+    Some(Detected {
+        arch: "zimage",
+        context_dim: width,
+        prediction: None,
+        prediction_source: PredictionSource::Unknown,
+    })
 }
 
 /// Z-Image blocks: the DiT's (context refiners, noise refiners, layers) and the LLM's layers.

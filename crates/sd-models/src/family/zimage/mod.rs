@@ -167,7 +167,12 @@ impl Family for ZImage {
 
     fn sampling(&self) -> SamplingDefaults {
         let schedule = FlowSchedule::linear(FLOW_SHIFT).into();
-        SamplingDefaults { ays: AysLevels::Unpublished("Z-Image"), method: SampleMethod::Euler, schedule, cfg_scale: 1.0 }
+        SamplingDefaults {
+            ays: AysLevels::Unpublished("Z-Image"),
+            method: SampleMethod::Euler,
+            schedule,
+            cfg_scale: 1.0,
+        }
     }
 }
 

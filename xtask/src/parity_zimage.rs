@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo xtask parity zimage [--diffusion-model FILE --llm FILE --vae FILE] [-p PROMPT] [--size N]
-//!                           [--steps N] [--cfg-scale S] [--seed N] [--threads N] [--sd-cli EXE]
+//!                           [--steps N] [--cfg-scale S] [--seed N] [--threads N] [--flash] [--sd-cli EXE]
 //! ```
 //!
 //! Without files it writes (once, in the fixture cache) the fixtures `sd-cli`'s tests use: a
@@ -56,6 +56,10 @@ pub struct Args {
     /// CPU threads of both programs.
     #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+    /// Flash attention in the diffusion model of both programs (`--diffusion-fa`: k and v
+    /// scaled by 1/128 before their f16 cast, as the reference's Z-Image does).
+    #[arg(long = "flash")]
+    flash: bool,
     /// Our executable (default: `sd-cli` built in release).
     #[arg(long = "sd-cli", value_name = "EXE")]
     sd_cli: Option<PathBuf>,
@@ -115,6 +119,7 @@ pub fn run(args: Args) -> Result<()> {
     ]
     .iter()
     .map(|s| (*s).to_owned())
+    .chain(args.flash.then(|| "--diffusion-fa".to_owned()))
     .collect();
     let files = |c: &mut Command| {
         c.arg("--diffusion-model").arg(&dit).arg("--llm").arg(&llm).arg("--vae").arg(&vae);
@@ -131,7 +136,8 @@ pub fn run(args: Args) -> Result<()> {
     c.args(&flags).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
     let ours_s = run_ok(c, "sd-cli")?;
     let (diff, shape) = png_diff(&ours_png, &ref_png)?;
-    let what = format!("png {} euler{} cfg{}", args.size, args.steps, args.cfg_scale);
+    let fa = if args.flash { " fa" } else { "" };
+    let what = format!("png {} euler{} cfg{}{fa}", args.size, args.steps, args.cfg_scale);
     let row = Row { family: "zimage", what, shape, diff, tol: Tolerance::PNG };
     row.print_timed(ref_s, ours_s);
     anyhow::ensure!(row.pass(), "Z-Image: our image differs from the reference's beyond {}", Tolerance::PNG.describe());

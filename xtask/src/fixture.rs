@@ -10,6 +10,7 @@
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture qwen3 [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
+//! cargo xtask fixture zimage [--layers N] [--refiner-layers N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
 //! cargo xtask fixture clip-l [--seed N] [--type ...] [-o FILE]
 //! ```
@@ -27,7 +28,11 @@
 //! write a FLUX.1 transformer (`--diffusion-model`, the names of BFL's `flux1-dev.safetensors`;
 //! `sd_models::fixture::flux`): full size (width 3072, 19 double and 38 single blocks, 24 GB
 //! at f16) unless `--hidden` (a multiple of 128: heads of 128), `--double` or `--single` say
-//! less; the cache entry names the sizes. `flux-vae` writes FLUX.1's autoencoder as BFL's
+//! less; the cache entry names the sizes. `zimage` writes a Z-Image transformer
+//! (`--diffusion-model`, the names of ComfyUI's `z_image_turbo_bf16.safetensors`;
+//! `sd_models::fixture::zimage`): full size (width 3840, 30 layers, 2 + 2 refiners, captions
+//! 2560 wide) unless `--hidden`, `--layers`, `--refiner-layers` or `--cap-dim` (the `--llm`'s
+//! width: a reduced qwen3 fixture's `--hidden`) say less. `flux-vae` writes FLUX.1's autoencoder as BFL's
 //! `ae.safetensors` names it (`--vae`: bare `encoder.*` / `decoder.*`, 16 latent channels, no
 //! quant convs; `sd_models::fixture::flux_vae`), full size (83.8M parameters). `clip-l` writes
 //! the sd15 fixture's CLIP-L alone under the bare names of `clip_l.safetensors` (`--clip_l`
@@ -50,9 +55,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use sd_models::diffusion::zimage::ZImageConfig;
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
-    self, flux, flux_vae, qwen3, t5, taesd, Component, Family, FileFormat, FixtureReport, FixtureRequest, WeightType,
+    self, flux, flux_vae, qwen3, t5, taesd, zimage, Component, Family, FileFormat, FixtureReport, FixtureRequest,
+    WeightType,
 };
 use sd_models::text::qwen3::Qwen3Config;
 use sd_models::text::t5::T5Config;
@@ -64,9 +71,9 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
     family: Target,
-    /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28).
+    /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
     layers: Option<u32>,
     /// qwen3 only: the SwiGLU width (default 9728, Qwen3-4B's; a multiple of 32).
@@ -78,7 +85,13 @@ pub struct Args {
     /// flux only: single-stream blocks (0 to 38, default 38).
     #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
     single: Option<u32>,
-    /// flux, qwen3: the width, a multiple of 128 from 128 to 3072 (default 3072; qwen3: 2560).
+    /// zimage only: noise and context refiner layers, each (0 to 2, default 2).
+    #[arg(long = "refiner-layers", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=2))]
+    refiner_layers: Option<u32>,
+    /// zimage only: the caption width, the `--llm`'s hidden size (default 2560, Qwen3-4B's).
+    #[arg(long = "cap-dim", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=8192))]
+    cap_dim: Option<u32>,
+    /// flux, qwen3, zimage: the width, a multiple of 128 from 128 to 3840 (default 3072; qwen3: 2560; zimage: 3840).
     #[arg(long = "hidden", value_name = "N", value_parser = hidden_width)]
     hidden: Option<u32>,
     /// esrgan: RRDB blocks (default 23, RealESRGAN_x4plus; esrgan-anime: 6).
@@ -139,6 +152,8 @@ enum Target {
     T5xxl,
     /// A Qwen3 LLM text encoder (`--llm`).
     Qwen3,
+    /// A Z-Image transformer (`--diffusion-model`).
+    ZImage,
     /// FLUX.1-dev (`schnell: false`) or -schnell.
     Flux {
         schnell: bool,
@@ -166,6 +181,7 @@ fn target(s: &str) -> Result<Target, String> {
         "lora-ssd-1b" => Ok(Target::LoraSdxl(Family::Ssd1b)),
         "t5xxl" => Ok(Target::T5xxl),
         "qwen3" => Ok(Target::Qwen3),
+        "zimage" | "z-image" => Ok(Target::ZImage),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
         "flux-vae" => Ok(Target::FluxVae),
@@ -177,15 +193,15 @@ fn target(s: &str) -> Result<Target, String> {
         "esrgan-x2" => Ok(Target::Esrgan { scale: 2, blocks: 23 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, flux-vae, clip-l, taesd, taef1, esrgan, esrgan-anime, esrgan-x2")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2")),
     }
 }
 
 fn hidden_width(s: &str) -> Result<u32, String> {
     s.parse()
         .ok()
-        .filter(|v: &u32| (128..=3072).contains(v) && v.is_multiple_of(128))
-        .ok_or_else(|| "a multiple of 128 from 128 to 3072 (heads of 128)".into())
+        .filter(|v: &u32| (128..=3840).contains(v) && v.is_multiple_of(128))
+        .ok_or_else(|| "a multiple of 128 from 128 to 3840 (heads of 128)".into())
 }
 
 fn weight_type(s: &str) -> Result<WeightType, String> {
@@ -209,6 +225,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
         Target::Qwen3 => return run_qwen3(&args),
+        Target::ZImage => return run_zimage(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::FluxVae => return run_flux_vae(&args),
         Target::ClipL => return run_clip_l(&args),
@@ -221,6 +238,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.double.is_some() || args.single.is_some() || args.hidden.is_some() {
         bail!("--double, --single and --hidden apply to flux fixtures only");
+    }
+    if args.refiner_layers.is_some() || args.cap_dim.is_some() {
+        bail!("--refiner-layers and --cap-dim apply to zimage fixtures only");
     }
     if args.output.is_none() && (args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms) {
         bail!("a modified fixture (--only, --std, --std-everywhere, --plain-norms) needs -o FILE");
@@ -324,6 +344,38 @@ fn run_qwen3(args: &Args) -> Result<()> {
     let what = format!(
         "qwen3 fixture, {} layers, width {}, SwiGLU {}, seed {}, {}{std}",
         cfg.n_layers, cfg.hidden, cfg.intermediate, args.seed, args.wtype
+    );
+    print_written(&report, &what, start);
+    Ok(())
+}
+
+/// `cargo xtask fixture zimage ...`: a Z-Image transformer; `-o` is required with `--std`
+/// (the cache entry names the sizes, seed and type only).
+fn run_zimage(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.double.is_some() || args.single.is_some()
+    {
+        bail!("--only, --std-everywhere, --plain-norms, --double and --single do not apply to zimage fixtures");
+    }
+    if args.intermediate.is_some() {
+        bail!("--intermediate applies to qwen3 fixtures only (the SwiGLU width of zimage follows --hidden)");
+    }
+    let full = ZImageConfig::turbo();
+    let cfg = ZImageConfig::reduced(
+        args.hidden.map_or(full.hidden_size, i64::from),
+        args.layers.map_or(full.num_layers, |l| l as usize),
+        args.refiner_layers.map_or(full.num_refiner_layers, |r| r as usize),
+        args.cap_dim.map_or(full.cap_feat_dim, i64::from),
+    );
+    if args.std.is_some() && args.output.is_none() {
+        bail!("a zimage fixture with --std needs -o FILE");
+    }
+    let (path, format) = output(args, || zimage::cached_zimage_path(&cfg, args.seed, args.wtype))?;
+    let start = Instant::now();
+    let report = zimage::write_zimage(&path, &cfg, args.seed, args.std, args.wtype, format)?;
+    let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
+    let what = format!(
+        "zimage fixture, width {}, {} layers + {} refiners each, captions {}, seed {}, {}{std}",
+        cfg.hidden_size, cfg.num_layers, cfg.num_refiner_layers, cfg.cap_feat_dim, args.seed, args.wtype
     );
     print_written(&report, &what, start);
     Ok(())
@@ -476,6 +528,8 @@ mod tests {
                 family: Target::Model(Family::Sd21),
                 layers: None,
                 intermediate: None,
+                refiner_layers: None,
+                cap_dim: None,
                 double: None,
                 single: None,
                 hidden: None,
@@ -509,6 +563,14 @@ mod tests {
             (q.family, q.layers, q.hidden, q.intermediate, q.std),
             (Target::Qwen3, Some(3), Some(256), Some(512), Some(0.03))
         );
+        let z = parse(
+            "zimage --layers 2 --refiner-layers 1 --seed 3 --std 0.02 --hidden 256 --cap-dim 256 -o z.safetensors",
+        )
+        .unwrap();
+        assert_eq!(
+            (z.family, z.layers, z.refiner_layers, z.seed, z.std, z.hidden, z.cap_dim),
+            (Target::ZImage, Some(2), Some(1), 3, Some(0.02), Some(256), Some(256))
+        );
         let t = parse("t5xxl --layers 2 --type q8_0").unwrap();
         assert_eq!((t.family, t.layers, t.wtype), (Target::T5xxl, Some(2), WeightType::Q8_0));
         let f = parse("flux-schnell --double 2 --single 1 --hidden 256 --type q8_0").unwrap();
@@ -530,13 +592,14 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|esrgan|esrgan-anime|esrgan-x2>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),
             ("t5xxl --layers 0", "--layers"),
             ("t5xxl --layers 37", "--layers"),
             ("qwen3 --intermediate 8", "--intermediate"),
+            ("zimage --refiner-layers 3", "--refiner-layers"),
             ("sd3", "sd3"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),

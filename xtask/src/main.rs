@@ -18,6 +18,7 @@ mod parity_ops;
 mod parity_qwen3;
 mod parity_samplers;
 mod parity_t5;
+mod parity_zimage;
 mod plugins;
 mod profile;
 mod reference;
@@ -78,7 +79,7 @@ enum Command {
     /// sampling method and scheduler; `parity ops`: each ggml op against the reference's;
     /// `parity t5 --t5xxl FILE`: the T5-XXL encoder; `parity flux-dit --vae FILE`: the FLUX
     /// transformer; `parity flux-vae --diffusion-model FILE`: the FLUX.1 VAE; `parity esrgan`:
-    /// the ESRGAN upscaler.
+    /// the ESRGAN upscaler; `parity zimage`: a whole Z-Image generation.
     Parity(parity::Args),
     /// Time sd-cli against the reference, alternating runs, with ratios.
     Bench(bench::Args),
@@ -155,6 +156,8 @@ mod tests {
             "parity ops --ref-lib /r --plugin /p.so",
             "parity --compare-runs /a /b",
             "parity samplers --steps 3",
+            "parity zimage --steps 1 --sd-cli target/debug/sd-cli",
+            "fixture zimage --layers 2 --refiner-layers 1 --hidden 256 --cap-dim 256 --std 0.02 -o z.safetensors",
             "parity --fuzz 2 --model m.safetensors",
             "bench --size both --runs 1",
             "bench-variants --variants all",

@@ -49,28 +49,9 @@ pub struct Args {
     threads: u32,
 }
 
-/// The configuration of the Qwen3 model in `files`, as the reference infers it: depth from the
-/// layer names, width and vocabulary from the embedding, SwiGLU width from layer 0's gate.
+/// The configuration of the Qwen3 model in `files` ([`Qwen3Config::from_index`]).
 fn config_of(files: &ModelFiles) -> Result<Qwen3Config> {
-    let idx = files.index();
-    let shape = |name: &str| -> Result<Vec<u64>> {
-        let full = format!("{}.model.{name}", sd_models::text::qwen3::LLM_PREFIX);
-        Ok(idx.get(&full).with_context(|| format!("the file has no `{full}`"))?.shape.clone())
-    };
-    let embed = shape("embed_tokens.weight")?;
-    let gate = shape("layers.0.mlp.gate_proj.weight")?;
-    let layers = (0..)
-        .take_while(|i| idx.get(&format!("text_encoders.llm.model.layers.{i}.input_layernorm.weight")).is_some())
-        .count();
-    let cfg = Qwen3Config {
-        vocab_size: embed[0] as usize,
-        hidden: embed[1] as usize,
-        intermediate: gate[0] as usize,
-        n_layers: layers,
-        ..Qwen3Config::qwen3_4b()
-    };
-    cfg.validate()?;
-    Ok(cfg)
+    Ok(Qwen3Config::from_index(files.index())?)
 }
 
 /// Entry point of `cargo xtask parity qwen3`.

@@ -653,13 +653,13 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
                 "a clamp of another shape".into()
             })?;
         }
-        o::GGML_OP_NORM | o::GGML_OP_GROUP_NORM => {
+        o::GGML_OP_NORM | o::GGML_OP_RMS_NORM | o::GGML_OP_GROUP_NORM => {
             let s = arity(1, 0)?;
             type_in("the operand", &s[0], &[F32])?;
             ensure(d.ty == F32 && same_shape(&s[0], &d) && s[0].rows_contiguous(), || {
                 "a norm of another shape".into()
             })?;
-            let eps = param_f32(t, if op == o::GGML_OP_NORM { 0 } else { 1 });
+            let eps = param_f32(t, if op == o::GGML_OP_GROUP_NORM { 1 } else { 0 });
             ensure(eps.is_finite() && eps >= 0.0, || format!("epsilon {eps}"))?;
             if op == o::GGML_OP_GROUP_NORM {
                 let g = t.op_params[0];

@@ -111,7 +111,7 @@ pub struct ModelArgs {
     /// The T5-XXL text encoder alone (FLUX's).
     #[arg(long = "t5xxl", value_name = "PATH")]
     pub t5xxl: Option<PathBuf>,
-    /// An LLM text encoder (planning only for now).
+    /// An LLM text encoder (Z-Image's Qwen3).
     #[arg(long = "llm", value_name = "PATH")]
     pub llm: Option<PathBuf>,
     /// The tiny autoencoder (TAESD) used instead of the VAE.
@@ -149,25 +149,19 @@ impl ModelArgs {
             clip_g: self.clip_g.clone(),
             taesd: self.taesd.clone(),
             t5xxl: self.t5xxl.clone(),
-            // Planning only for now: `extra` describes it from its header.
-            llm: None,
+            llm: self.llm.clone(),
         }
     }
 
     /// These files as inputs of a run (every model file flag), for the outputs' check.
     pub fn run_files(&self) -> RunFiles {
-        RunFiles::default().model_sources(&self.sources()).input(InputRole::Llm, self.llm.as_deref())
+        RunFiles::default().model_sources(&self.sources())
     }
 
-    /// Files described from headers only.
+    /// Files described from headers only: none now that every model file flag is loaded
+    /// (`--llm` is Z-Image's text encoder); the hook stays for flags of later families.
     pub fn extra(&self) -> Vec<ExtraFile> {
-        let mut v = Vec::new();
-        for (flag, path, dominant) in [("--llm", &self.llm, true)] {
-            if let Some(p) = path {
-                v.push(ExtraFile { flag: flag.into(), path: p.clone(), dominant });
-            }
-        }
-        v
+        Vec::new()
     }
 }
 

@@ -7,6 +7,11 @@
 //! `--cfg-scale`, the sampler, `--taesd` and the init image reaching the image, the placements
 //! (params in RAM or on disk, segmented under budgets, layer and row splits) giving the all-CPU
 //! image, `plan` from the headers, clear errors.
+//!
+//! Z-Image (the other 16-channel DiT family, on FLUX's VAE) at the end: a reduced DiT and a
+//! 2-layer Qwen3 `--llm` generate deterministically, read the prompt, plan from the headers, run
+//! segmented on an RPC server under a budget, and refuse to run without `--llm` or `--vae`
+//! (the parity with the reference on these files: `cargo xtask parity zimage`).
 
 mod common;
 
@@ -590,5 +595,126 @@ fn flux_reads_an_fp8_e4m3_t5_as_its_f16_values() {
     assert_eq!(te_a, te_b, "te's bytes: e4m3 file {te_a}, f16 file {te_b}");
     let file = std::fs::metadata(&e4m3).unwrap().len();
     assert!(te_a > 2 * file - (1 << 20), "te {te_a} should count T5's e4m3 file ({file} bytes) widened to f16");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+// --- Z-Image: the other 16-channel DiT family, on FLUX's VAE --------------------------------
+
+/// Z-Image's component files: a reduced DiT (width 256, one refiner of each kind, two layers,
+/// captions 256 wide) and a Qwen3 `--llm` cut to 2 layers of width 256 (the reference takes
+/// both: `cargo xtask parity zimage`). Written once per process into the fixture cache.
+fn zimage_files() -> &'static (PathBuf, PathBuf) {
+    static FILES: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    FILES.get_or_init(|| {
+        use sd_models::diffusion::zimage::ZImageConfig;
+        use sd_models::fixture::{qwen3, zimage};
+        use sd_models::text::qwen3::Qwen3Config;
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let cfg = ZImageConfig::reduced(256, 2, 1, 256);
+        let dit = zimage::cached_zimage_path(&cfg, 42, WeightType::F16);
+        if !dit.exists() {
+            zimage::write_zimage(&dit, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+        }
+        let llm_cfg = Qwen3Config { n_layers: 2, hidden: 256, intermediate: 512, ..Qwen3Config::qwen3_4b() };
+        let llm = fixture::cache_dir().join("qwen3-fixture-seed42-f16-2l-h256-i512.safetensors");
+        if !llm.exists() {
+            qwen3::write_qwen3(&llm, &llm_cfg, 42, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+        }
+        (dit, llm)
+    })
+}
+
+/// `sd-cli` with `pre` (a subcommand), Z-Image's files (`--llm`, `--vae` left out when
+/// `false`) and `extra`.
+fn zimage_cli(pre: &[&str], llm: bool, vae: bool, extra: &[&str]) -> std::process::Output {
+    let (dit, llm_path) = zimage_files();
+    let mut c = sd_cli();
+    c.env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off").args(pre).arg("--diffusion-model").arg(dit);
+    if llm {
+        c.arg("--llm").arg(llm_path);
+    }
+    if vae {
+        c.arg("--vae").arg(&files().vae);
+    }
+    c.args(extra).output().unwrap()
+}
+
+#[test]
+fn zimage_generates_reads_the_prompt_and_plans() {
+    let d = dir("zimage");
+    let gen = |name: &str, prompt: &str| {
+        let out = d.join(format!("{name}.png"));
+        let o = zimage_cli(
+            &[],
+            true,
+            true,
+            &["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()],
+        );
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "Z-Image generation failed:\n{err}");
+        (std::fs::read(&out).unwrap(), err)
+    };
+    let (cat, err) = gen("cat", "a photo of a cat");
+    assert!(err.contains("model: zimage") && err.contains("flow matching"), "{err}");
+    let px = pixels(&cat);
+    assert_eq!(px.len(), 64 * 64 * 3);
+    assert!(px.iter().any(|&v| v != px[0]), "a flat image");
+    let (again, _) = gen("again", "a photo of a cat");
+    assert!(again == cat, "the same seed gives the same image");
+    let (dog, _) = gen("dog", "a photo of a dog");
+    assert!(dog != cat, "the prompt reaches the image (through Qwen3)");
+    // `plan` from the headers: every module sized, the LLM's layers te's blocks.
+    let o = zimage_cli(&["plan"], true, true, &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && out.contains("zimage"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn zimage_without_its_llm_or_vae_is_a_clear_error() {
+    let d = dir("zimage-bad");
+    for (llm, vae, needle) in [(false, true, "--llm"), (true, false, "--vae")] {
+        let out = d.join("x.png");
+        let o = zimage_cli(&[], llm, vae, &["-p", "a cat", "-W", "64", "-H", "64", "-o", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.code() == Some(2) && err.contains("Z-Image needs") && err.contains(needle), "{err}");
+        assert!(!out.exists());
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn zimage_segmented_under_a_budget_gives_the_cpu_image() {
+    // The DiT (8.6 MiB of weights) computes on an RPC server under a 4 MiB budget, params in
+    // RAM: it runs in segments at its block cuts, and the image is the all-CPU one.
+    let d = dir("zimage-seg");
+    let gen = |name: &str, more: &[&str]| {
+        let (out, report) = (d.join(format!("{name}.png")), d.join(format!("{name}.json")));
+        let base =
+            ["-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
+        let o = zimage_cli(&[], true, true, &[&base[..], &["--report-json", report.to_str().unwrap()], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        (std::fs::read(&out).unwrap(), report, err)
+    };
+    let (cpu, _, _) = gen("cpu", &["--backend", "cpu"]);
+    let server = common::Server::start();
+    let placed = [
+        "--rpc",
+        server.endpoint.as_str(),
+        "--max-vram",
+        "RPC0=0.00390625",
+        "--backend",
+        "diffusion=RPC0,te=cpu,vae=cpu",
+        "--params-backend",
+        "diffusion=cpu",
+    ];
+    let (png, report, err) = gen("rpc", &placed);
+    assert!(png == cpu, "the segmented image differs from the CPU one:\n{err}");
+    let unet = report.module("unet").unwrap();
+    let s = &report.runner("unet").unwrap().stats;
+    assert_eq!((unet.devices.as_slice(), unet.residency), (&["RPC0".to_string()][..], Residency::Segmented));
+    assert!(s.segmented_runs == 2 && s.max_segments > 1, "both steps in segments: {s:?}");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -886,7 +886,9 @@ impl Pipeline {
         let specs = self.family.text_specs(&dtype, self.opts.wtype);
         let (mut w, src) = self.module_weights("te", specs, home, d.te_split.as_ref())?;
         // Embedding tables are read by `get_rows`, never by a product: no repacked layout.
-        w.keep_in_device_buffer(&|n| crate::text::clip::is_gathered(n) || crate::text::t5::is_gathered(n));
+        w.keep_in_device_buffer(&|n| {
+            crate::text::clip::is_gathered(n) || crate::text::t5::is_gathered(n) || crate::text::qwen3::is_gathered(n)
+        });
         let group_of = |name: &str| self.family.text_group(name);
         let rows = |spec: &TensorSpec| self.family.text_row_splittable(spec);
         self.place(&mut w, "te", home, &d.te, d.te_split.as_ref(), &group_of, &rows, src)?;

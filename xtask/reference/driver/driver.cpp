@@ -206,7 +206,7 @@ sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
     p.clip_g_path          = opt_str(o->clip_g_path);
     p.t5xxl_path           = opt_str(o->t5xxl_path);
     p.clip_vision_path                = "";
-    p.llm_path                        = "";
+    p.llm_path                        = opt_str(o->llm_path);
     p.llm_vision_path                 = "";
     p.high_noise_diffusion_model_path = "";
     p.uncond_diffusion_model_path     = "";

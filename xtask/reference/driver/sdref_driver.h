@@ -47,6 +47,7 @@ typedef struct {
     bool vae_conv_direct;
     bool enable_mmap;
     const char* lora_apply_mode; /* "auto" | "immediately" | "at_runtime"; NULL: immediately */
+    const char* llm_path;        /* the LLM text encoder (--llm: Z-Image's Qwen3); NULL: none */
 } sdref_ctx_opts;
 
 typedef struct {

@@ -37,6 +37,7 @@ struct RawCtxOpts {
     vae_conv_direct: bool,
     enable_mmap: bool,
     lora_apply_mode: *const c_char,
+    llm_path: *const c_char,
 }
 
 #[repr(C)]
@@ -424,6 +425,8 @@ pub struct CtxOptions {
     pub vae_conv_direct: bool,
     pub mmap: bool,
     pub lora_apply_mode: Option<String>,
+    /// The LLM text encoder (`--llm`).
+    pub llm: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -538,6 +541,7 @@ impl Context {
             vae_conv_direct: o.vae_conv_direct,
             enable_mmap: o.mmap,
             lora_apply_mode: s.opt(o.lora_apply_mode.as_deref())?,
+            llm_path: s.opt(o.llm.as_deref())?,
         };
         let mut err = ErrBuf::new();
         // SAFETY: every pointer in `raw_opts` is null or points into `s`,

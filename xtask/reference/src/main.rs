@@ -91,6 +91,9 @@ struct ModelArgs {
     /// Path to a standalone T5-XXL text encoder.
     #[arg(long = "t5xxl")]
     t5xxl: Option<String>,
+    /// Path to an LLM text encoder (Z-Image's Qwen3).
+    #[arg(long = "llm")]
+    llm: Option<String>,
     /// Path to a tiny autoencoder (TAESD, TAESDXL, TAEF1), used instead of the VAE.
     #[arg(long = "taesd")]
     taesd: Option<String>,
@@ -174,6 +177,7 @@ impl ModelArgs {
             vae_conv_direct: self.vae_conv_direct,
             mmap: self.mmap,
             lora_apply_mode: self.lora_apply_mode.clone(),
+            llm: self.llm.clone(),
         }
     }
 

@@ -151,6 +151,8 @@ enum ParityCommand {
     FluxVae(crate::parity_flux_vae::Args),
     /// Our ESRGAN upscaler against the reference's (`-M upscale`), whole and tiled.
     Esrgan(crate::parity_esrgan::Args),
+    /// A whole Z-Image generation (DiT, Qwen3 `--llm`, FLUX VAE), ours against the reference's.
+    Zimage(crate::parity_zimage::Args),
 }
 
 /// The positional family argument.
@@ -193,6 +195,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::FluxDit(a)) => return crate::parity_flux::run(a),
         Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
         Some(ParityCommand::Esrgan(a)) => return crate::parity_esrgan::run(a),
+        Some(ParityCommand::Zimage(a)) => return crate::parity_zimage::run(a),
         None => {}
     }
     if args.fuzz.active() {

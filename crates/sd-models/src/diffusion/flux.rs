@@ -361,7 +361,7 @@ pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) 
 // ---------------------------------------------------------------------------------------
 
 /// `n` values from `start` to `end` as the reference spaces them in f32.
-fn linspace(start: f32, end: f32, n: usize) -> Vec<f32> {
+pub(super) fn linspace(start: f32, end: f32, n: usize) -> Vec<f32> {
     if n == 1 {
         return vec![start];
     }
@@ -371,7 +371,7 @@ fn linspace(start: f32, end: f32, n: usize) -> Vec<f32> {
 
 /// The rotation matrices of one axis for positions `pos`: per position `dim / 2` blocks of
 /// `[cos, -sin, sin, cos]`.
-fn rope_axis(pos: &[f32], dim: usize, theta: f32) -> Vec<Vec<f32>> {
+pub(super) fn rope_axis(pos: &[f32], dim: usize, theta: f32) -> Vec<Vec<f32>> {
     let half = dim / 2;
     let scale = linspace(0.0, (dim as f32 - 2.0) / dim as f32, half);
     let omega: Vec<f32> = scale.iter().map(|&s| 1.0 / theta.powf(s)).collect();
@@ -514,18 +514,39 @@ fn apply_rope<'g>(g: &'g Context, x: Tensor<'g>, pe: Tensor<'g>) -> Tensor<'g> {
 
 /// Attention with RoPE: q, k, v `[head_dim, heads, L, 1]` -> `[hidden, L, 1]`.
 fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, s: &Shared<'g>) -> Tensor<'g> {
-    let [d, heads, l, _] = v.shape();
-    let q = apply_rope(g, q, s.pe); // [d, L, heads]
-    let k = apply_rope(g, k, s.pe);
+    rope_attention(g, q, k, v, s.pe, s.kernel, 1.0)
+}
+
+/// The reference's `Rope::attention`: q `[head_dim, heads, L, 1]`, k and v `[head_dim,
+/// kv_heads, L, 1]` (query head `h` reads key/value head `h / (heads / kv_heads)`, by ggml's
+/// broadcasting matmul) -> `[head_dim * heads, L, 1]`. `kv_scale` is the reference's overflow
+/// guard of the flash path (k and v scaled before the f16 cast, the output scaled back); the
+/// plain path ignores it, as the reference's does.
+pub(super) fn rope_attention<'g>(
+    g: &'g Context,
+    q: Tensor<'g>,
+    k: Tensor<'g>,
+    v: Tensor<'g>,
+    pe: Tensor<'g>,
+    kernel: AttnKernel,
+    kv_scale: f32,
+) -> Tensor<'g> {
+    let [d, heads, l, _] = q.shape();
+    let kv_heads = v.shape()[1];
+    let q = apply_rope(g, q, pe); // [d, L, heads]
+    let k = apply_rope(g, k, pe);
     let scale = 1.0 / (d as f32).sqrt();
-    let flash = match s.kernel {
+    let flash = match kernel {
         AttnKernel::Plain => None,
         AttnKernel::Flash | AttnKernel::FlashWhereSupported(_) => {
-            let k16 = g.cast(k, GgmlType::GGML_TYPE_F16);
-            let v16 = g.cast(g.reshape(g.cont(g.permute(v, [0, 2, 1, 3])), &[d, l, heads]), GgmlType::GGML_TYPE_F16);
-            let out = g.flash_attn_ext(q, k16, v16, None, scale); // [d, heads, L, 1]
-            match s.kernel {
+            let scaled = |t: Tensor<'g>| if kv_scale != 1.0 { g.scale(t, kv_scale) } else { t };
+            let k16 = g.cast(scaled(k), GgmlType::GGML_TYPE_F16);
+            let v = scaled(g.reshape(g.cont(g.permute(v, [0, 2, 1, 3])), &[d, l, kv_heads]));
+            let v16 = g.cast(v, GgmlType::GGML_TYPE_F16);
+            let out = g.flash_attn_ext(q, k16, v16, None, scale / kv_scale); // [d, heads, L, 1]
+            match kernel {
                 AttnKernel::FlashWhereSupported(dev) if !dev.supports_op(out) => None,
+                _ if kv_scale != 1.0 => Some(g.scale(out, 1.0 / kv_scale)),
                 _ => Some(out),
             }
         }
@@ -533,7 +554,7 @@ fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, s:
     if let Some(out) = flash {
         return g.reshape(out, &[d * heads, l, 1]);
     }
-    let vt = g.reshape(g.cont(g.permute(v, [1, 2, 0, 3])), &[l, d, heads]); // [L, d, heads]
+    let vt = g.reshape(g.cont(g.permute(v, [1, 2, 0, 3])), &[l, d, kv_heads]); // [L, d, kv_heads]
     let kq = g.mul_mat_prec_f32(k, q); // [Lk, Lq, heads]
                                        // The reference scales in its own node, then takes a plain softmax: the same single
                                        // multiply as the fused scale.

@@ -28,6 +28,7 @@
 pub mod blocks;
 pub mod flux;
 pub mod unet;
+pub mod zimage;
 
 #[cfg(test)]
 mod tests;

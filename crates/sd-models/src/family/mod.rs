@@ -15,6 +15,7 @@
 pub mod flux;
 pub mod sd;
 pub mod sdxl;
+pub mod zimage;
 
 use std::fmt::Debug;
 

@@ -152,6 +152,35 @@ impl Qwen3Config {
         Ok(())
     }
 
+    /// The configuration of the Qwen3 model in `index`, as the reference infers it: depth from
+    /// the layer names (`model.layers.N`), width and vocabulary from the embedding, SwiGLU width
+    /// from layer 0's gate; heads stay Qwen3-4B's. Errors name the missing or malformed tensor.
+    pub fn from_index(index: &crate::files::TensorIndex) -> Result<Self> {
+        let shape = |suffix: &str| -> Result<Vec<u64>> {
+            let full = format!("{LLM_PREFIX}.model.{suffix}");
+            match index.get(&full) {
+                Some(e) if e.shape.len() == 2 => Ok(e.shape.clone()),
+                Some(e) => Err(Qwen3Error::Config(format!(
+                    "tensor '{}' has shape {:?}, expected a matrix",
+                    e.original_name, e.shape
+                ))),
+                None => Err(Qwen3Error::MissingWeight(full)),
+            }
+        };
+        let embed = shape("embed_tokens.weight")?;
+        let gate = shape("layers.0.mlp.gate_proj.weight")?;
+        let layers = index.entries().iter().filter_map(|e| block_of(&e.name)).max().map_or(0, |n| n as usize + 1);
+        let cfg = Self {
+            vocab_size: embed[0] as usize,
+            hidden: embed[1] as usize,
+            intermediate: gate[0] as usize,
+            n_layers: layers,
+            ..Self::qwen3_4b()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     fn name(&self, suffix: &str) -> String {
         format!("{}.model.{suffix}", self.prefix)
     }

@@ -1,0 +1,145 @@
+//! `cargo xtask parity zimage`: a whole Z-Image generation, ours against the reference's.
+//!
+//! ```text
+//! cargo xtask parity zimage [--diffusion-model FILE --llm FILE --vae FILE] [-p PROMPT] [--size N]
+//!                           [--steps N] [--cfg-scale S] [--seed N] [--threads N] [--flash] [--sd-cli EXE]
+//! ```
+//!
+//! Without files it writes (once, in the fixture cache) the fixtures `sd-cli`'s tests use: a
+//! reduced Z-Image DiT (width 256, one refiner of each kind, two layers, captions 256 wide,
+//! `sd_models::fixture::zimage`), a Qwen3 `--llm` of 2 layers of width 256 (SwiGLU 512) and
+//! the full-size FLUX.1 VAE; the reference reads depths and widths from the tensors, so it
+//! runs them as they are (its `out_layers = {35}` is past the LLM's depth: both programs take
+//! the final norm's output). Both programs generate one image with the same files, prompt,
+//! seed, size, steps, sampler (`euler`, the flow schedule with Z-Image's shift 3) and cfg
+//! scale (default 1); the PNGs are compared with the issue's image bound
+//! (`Tolerance::PNG`). `sd-cli` is built in release unless `--sd-cli` names one.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context as _, Result};
+use sd_models::diffusion::zimage::ZImageConfig;
+use sd_models::fixture::{self, flux_vae, qwen3, zimage, FileFormat, WeightType};
+use sd_models::text::qwen3::Qwen3Config;
+
+use crate::parity::{png_diff, run_ok, Row, Tolerance};
+use crate::reference;
+
+/// `cargo xtask parity zimage` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// A Z-Image diffusion model (default: the reduced fixture).
+    #[arg(long = "diffusion-model", value_name = "FILE", requires_all = ["llm", "vae"])]
+    diffusion_model: Option<PathBuf>,
+    /// Its Qwen3 LLM (default: the reduced fixture).
+    #[arg(long = "llm", value_name = "FILE", requires = "diffusion_model")]
+    llm: Option<PathBuf>,
+    /// A FLUX.1 VAE (default: the fixture).
+    #[arg(long = "vae", value_name = "FILE", requires = "diffusion_model")]
+    vae: Option<PathBuf>,
+    /// The prompt.
+    #[arg(short = 'p', long = "prompt", default_value = "a (red:1.2) fox in the snow")]
+    prompt: String,
+    /// Image side in pixels (a multiple of 16).
+    #[arg(long = "size", default_value_t = 64, value_parser = clap::value_parser!(u32).range(16..=1024))]
+    size: u32,
+    /// Sampling steps.
+    #[arg(long = "steps", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=50))]
+    steps: u32,
+    /// Classifier-free guidance scale (above 1 runs the negative prompt too).
+    #[arg(long = "cfg-scale", default_value_t = 1.0)]
+    cfg_scale: f32,
+    /// Seed.
+    #[arg(long = "seed", default_value_t = 42)]
+    seed: u64,
+    /// CPU threads of both programs.
+    #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: u32,
+    /// Flash attention in the diffusion model of both programs (`--diffusion-fa`: k and v
+    /// scaled by 1/128 before their f16 cast, as the reference's Z-Image does).
+    #[arg(long = "flash")]
+    flash: bool,
+    /// Our executable (default: `sd-cli` built in release).
+    #[arg(long = "sd-cli", value_name = "EXE")]
+    sd_cli: Option<PathBuf>,
+}
+
+/// The fixtures of the default run, written once.
+fn fixtures() -> Result<(PathBuf, PathBuf, PathBuf)> {
+    std::fs::create_dir_all(fixture::cache_dir())?;
+    let cfg = ZImageConfig::reduced(256, 2, 1, 256);
+    let dit = zimage::cached_zimage_path(&cfg, 42, WeightType::F16);
+    if !dit.is_file() {
+        zimage::write_zimage(&dit, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors)?;
+    }
+    let llm_cfg = Qwen3Config { n_layers: 2, hidden: 256, intermediate: 512, ..Qwen3Config::qwen3_4b() };
+    let llm = fixture::cache_dir().join("qwen3-fixture-seed42-f16-2l-h256-i512.safetensors");
+    if !llm.is_file() {
+        qwen3::write_qwen3(&llm, &llm_cfg, 42, None, WeightType::F16, FileFormat::Safetensors)?;
+    }
+    let vae = flux_vae::cached_flux_vae_path(42, WeightType::F16);
+    if !vae.is_file() {
+        flux_vae::write_flux_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
+    }
+    Ok((dit, llm, vae))
+}
+
+/// Entry point of `cargo xtask parity zimage`.
+pub fn run(args: Args) -> Result<()> {
+    let (dit, llm, vae) = match (&args.diffusion_model, &args.llm, &args.vae) {
+        (Some(d), Some(l), Some(v)) => (d.clone(), l.clone(), v.clone()),
+        _ => fixtures()?,
+    };
+    let sdref = reference::build()?;
+    let ours = match &args.sd_cli {
+        Some(p) => p.clone(),
+        None => crate::parity::build_sd_cli()?,
+    };
+    let dir = crate::workspace_root().join("target/parity/zimage");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let side = args.size.to_string();
+    let flags: Vec<String> = [
+        "-p",
+        &args.prompt,
+        "-W",
+        &side,
+        "-H",
+        &side,
+        "--steps",
+        &args.steps.to_string(),
+        "--sampling-method",
+        "euler",
+        "--cfg-scale",
+        &args.cfg_scale.to_string(),
+        "-s",
+        &args.seed.to_string(),
+        "-t",
+        &args.threads.to_string(),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain(args.flash.then(|| "--diffusion-fa".to_owned()))
+    .collect();
+    let files = |c: &mut Command| {
+        c.arg("--diffusion-model").arg(&dit).arg("--llm").arg(&llm).arg("--vae").arg(&vae);
+    };
+    let ref_png = dir.join("txt2img.ref.png");
+    let mut c = Command::new(&sdref);
+    c.arg("txt2img");
+    files(&mut c);
+    c.args(&flags).arg("-o").arg(&ref_png);
+    let ref_s = run_ok(c, "sdref txt2img")?;
+    let ours_png = dir.join("txt2img.ours.png");
+    let mut c = Command::new(&ours);
+    files(&mut c);
+    c.args(&flags).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
+    let ours_s = run_ok(c, "sd-cli")?;
+    let (diff, shape) = png_diff(&ours_png, &ref_png)?;
+    let fa = if args.flash { " fa" } else { "" };
+    let what = format!("png {} euler{} cfg{}{fa}", args.size, args.steps, args.cfg_scale);
+    let row = Row { family: "zimage", what, shape, diff, tol: Tolerance::PNG };
+    row.print_timed(ref_s, ours_s);
+    anyhow::ensure!(row.pass(), "Z-Image: our image differs from the reference's beyond {}", Tolerance::PNG.describe());
+    Ok(())
+}

@@ -182,7 +182,7 @@ pub struct PlanArgs {
     #[arg(long = "json")]
     pub json: bool,
     /// [sd-rs] Also predict the plan's seconds per step and per module (and the auto-fit
-    /// ladder's, and the fastest alternatives) for an image of -W x -H in 20 steps, from the
+    /// ladder's, and the fastest alternatives) for an image of -W x -H in --steps steps, from the
     /// devices' figures (`sd-cli calibrate`, a profile's `[device.cost]`, else nominal).
     #[arg(long = "explain")]
     pub explain: bool,
@@ -192,6 +192,9 @@ pub struct PlanArgs {
     /// Image height the compute reserves are estimated for (default 512).
     #[arg(short = 'H', long = "height", default_value_t = 512, value_parser = crate::generate::whole::<usize>)]
     pub height: usize,
+    /// Sampling steps that --explain predicts (default 20, as a generation's).
+    #[arg(long = "steps", default_value_t = 20, value_parser = plan_steps)]
+    pub steps: usize,
     /// Flash attention in the diffusion model (a smaller compute reserve).
     #[arg(long = "diffusion-fa")]
     pub diffusion_fa: bool,
@@ -206,6 +209,15 @@ pub struct PlanArgs {
     pub prompt: String,
     #[command(flatten)]
     pub lora: crate::generate::LoraArgs,
+}
+
+/// `--steps` of `plan`: from 1 to 100000.
+fn plan_steps(s: &str) -> std::result::Result<usize, String> {
+    let n: usize = crate::generate::whole(s)?;
+    if !(1..=100_000).contains(&n) {
+        return Err(format!("{n} steps: from 1 to 100000"));
+    }
+    Ok(n)
 }
 
 /// `--ram-mib`: a whole number of MiB whose bytes fit in 64 bits.
@@ -394,7 +406,7 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (figures, measured) =
         crate::cost::figures(&request.devices, &descriptions, profile.as_ref(), &request.device_speeds);
     let (p, explain) = if measured || args.explain {
-        let work = crate::cost::workload(&files, args.width, args.height, 20);
+        let work = crate::cost::workload(&files, args.width, args.height, args.steps);
         let (p, e) = crate::cost::choose(&request, &work, &figures, measured)?;
         (p, Some(e))
     } else {

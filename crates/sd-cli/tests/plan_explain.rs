@@ -50,6 +50,13 @@ fn explain_predicts_and_auto_fit_chooses_the_faster_gpu() {
     let ladder = e.ladder.as_ref().expect("the ladder's prediction");
     assert!(e.chosen.step_s > 0.0 && e.chosen.step_s < ladder.step_s, "{}", e.render());
     assert!(e.chosen.modules.iter().any(|m| m.module.name() == "diffusion" && m.runs == 20));
+    // --steps, as a generation's: the diffusion model runs once per step
+    let (_, e8) = explained(&p, &["--steps", "8"]);
+    assert!(e8.chosen.modules.iter().any(|m| m.module.name() == "diffusion" && m.runs == 8), "{}", e8.render());
+    assert!(e8.chosen.total_s < e.chosen.total_s);
+    let o = plan(&p, &["--explain", "--steps", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--steps"), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!e.alternatives.is_empty() && e.alternatives[0].total_s <= e.chosen.total_s * 1.000001);
     assert!(chosen.choice.as_deref().unwrap_or("").contains("against the ladder's"), "{:?}", chosen.choice);
     // The table says the same.

@@ -691,24 +691,15 @@ pub struct FluxInputs<'g> {
 }
 
 fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
+    let (wd, ht, lt) = super::check_dit_inputs(
+        MODEL,
+        i.x.shape(),
+        i.context.shape(),
+        PATCH,
+        cfg.latent_channels(),
+        cfg.context_in_dim,
+    )?;
     let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
-    let [wd, ht, c, n] = i.x.shape();
-    if n != 1 {
-        return bad(format!("a batch of {n}: FLUX evaluates one sample per graph"));
-    }
-    if wd <= 0 || ht <= 0 || wd % PATCH != 0 || ht % PATCH != 0 {
-        return bad(format!("latent size {wd}x{ht} is not a positive multiple of {PATCH}"));
-    }
-    if c != cfg.latent_channels() {
-        return bad(format!("latent has {c} channels, the model takes {}", cfg.latent_channels()));
-    }
-    let [cd, lt, cn, _] = i.context.shape();
-    if cd != cfg.context_in_dim || cn != 1 || lt <= 0 {
-        return bad(format!(
-            "context shape [{cd}, {lt}, {cn}] does not fit [{}, tokens, 1] (ggml order)",
-            cfg.context_in_dim
-        ));
-    }
     if cfg.vec_in_dim > 0 && i.y.shape()[..2] != [cfg.vec_in_dim, 1] {
         return bad(format!("pooled vector shape {:?}, the model takes [{}, 1]", i.y.shape(), cfg.vec_in_dim));
     }

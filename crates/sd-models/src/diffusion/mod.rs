@@ -93,6 +93,35 @@ fn summarize(problems: &[TensorProblem]) -> String {
 /// Result alias of this module.
 pub type Result<T, E = DiffusionError> = std::result::Result<T, E>;
 
+/// The checks every patchified DiT (FLUX, Z-Image) makes on its inputs: one latent
+/// `[W, H, C, 1]` with sides that are positive multiples of `patch` and `channels` channels,
+/// and a context `[context_dim, L, 1]` of at least one token (ggml order). Returns `(W, H, L)`.
+pub(crate) fn check_dit_inputs(
+    model: &'static str,
+    x: [i64; 4],
+    context: [i64; 4],
+    patch: i64,
+    channels: i64,
+    context_dim: i64,
+) -> Result<(i64, i64, i64)> {
+    let bad = |reason: String| Err(DiffusionError::Input { model, reason });
+    let [wd, ht, c, n] = x;
+    if n != 1 {
+        return bad(format!("a batch of {n}: {model} evaluates one sample per graph"));
+    }
+    if wd <= 0 || ht <= 0 || wd % patch != 0 || ht % patch != 0 {
+        return bad(format!("latent size {wd}x{ht} is not a positive multiple of {patch}"));
+    }
+    if c != channels {
+        return bad(format!("latent has {c} channels, the model takes {channels}"));
+    }
+    let [cd, lt, cn, _] = context;
+    if cd != context_dim || cn != 1 || lt <= 0 {
+        return bad(format!("context shape [{cd}, {lt}, {cn}] does not fit [{context_dim}, tokens, 1] (ggml order)"));
+    }
+    Ok((wd, ht, lt))
+}
+
 /// Builds a graph over f32 inputs of the given shapes (ggml order), computes it on the
 /// runner's backend and returns the output's values and shape.
 ///

@@ -1217,3 +1217,26 @@ fn the_graph_fits_its_declared_size() {
         assert!(tensors * 3 / 2 < unet::GRAPH_SIZE, "{tensors} tensors");
     }
 }
+
+#[test]
+fn dit_input_checks_name_the_model_and_the_shape() {
+    let ok = super::check_dit_inputs("Z-Image", [8, 6, 16, 1], [32, 5, 1, 1], 2, 16, 32).unwrap();
+    assert_eq!(ok, (8, 6, 5));
+    let cases = [
+        ("a batch of 2: Z-Image", [8, 6, 16, 2], [32, 5, 1, 1]),
+        ("latent size 7x6", [7, 6, 16, 1], [32, 5, 1, 1]),
+        ("latent size 0x6", [0, 6, 16, 1], [32, 5, 1, 1]),
+        ("latent has 4 channels, the model takes 16", [8, 6, 4, 1], [32, 5, 1, 1]),
+        ("context shape [31, 5, 1]", [8, 6, 16, 1], [31, 5, 1, 1]),
+        ("context shape [32, 0, 1]", [8, 6, 16, 1], [32, 0, 1, 1]),
+        ("context shape [32, 5, 2]", [8, 6, 16, 1], [32, 5, 2, 1]),
+    ];
+    for (needle, x, context) in cases {
+        match super::check_dit_inputs("Z-Image", x, context, 2, 16, 32) {
+            Err(e @ DiffusionError::Input { model: "Z-Image", .. }) => {
+                assert!(e.to_string().contains(needle), "{needle}: {e}")
+            }
+            other => panic!("{needle}: expected an input error, got {other:?}"),
+        }
+    }
+}

@@ -586,28 +586,13 @@ pub(crate) struct ZImageInputs<'g> {
 }
 
 fn check_inputs(cfg: &ZImageConfig, i: &ZImageInputs<'_>) -> Result<()> {
-    let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
-    let [wd, ht, c, n] = i.x.shape();
-    if n != 1 {
-        return bad(format!("a batch of {n}: Z-Image evaluates one sample per graph"));
-    }
-    if wd <= 0 || ht <= 0 || wd % PATCH != 0 || ht % PATCH != 0 {
-        return bad(format!("latent size {wd}x{ht} is not a positive multiple of {PATCH}"));
-    }
-    if c != cfg.in_channels {
-        return bad(format!("latent has {c} channels, the model takes {}", cfg.in_channels));
-    }
-    let [cd, lt, cn, _] = i.context.shape();
-    if cd != cfg.cap_feat_dim || cn != 1 || lt <= 0 {
-        return bad(format!(
-            "context shape [{cd}, {lt}, {cn}] does not fit [{}, tokens, 1] (ggml order)",
-            cfg.cap_feat_dim
-        ));
-    }
+    let (wd, ht, lt) =
+        super::check_dit_inputs(MODEL, i.x.shape(), i.context.shape(), PATCH, cfg.in_channels, cfg.cap_feat_dim)?;
     let li = image_tokens(wd as usize, ht as usize);
     let tokens = lt as usize + pad_len(lt as usize) + li + pad_len(li);
     if i.pe.shape() != [2, 2, cfg.head_dim / 2, tokens as i64] {
-        return bad(format!("pe shape {:?} does not fit {tokens} tokens", i.pe.shape()));
+        let reason = format!("pe shape {:?} does not fit {tokens} tokens", i.pe.shape());
+        return Err(DiffusionError::Input { model: MODEL, reason });
     }
     Ok(())
 }

@@ -1004,15 +1004,8 @@ impl crate::family::DiffusionModel for FluxModel {
         cond: &[&crate::text::conditioning::Conditioning],
     ) -> crate::pipeline::Result<Vec<f32>> {
         let per = self.cfg.latent_channels() as usize * w * h;
+        super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
-        if cond.is_empty() || x.len() != per * cond.len() || timesteps.len() != cond.len() {
-            return bad(format!(
-                "{} latent values and {} timesteps for {} conditionings of {per} values each",
-                x.len(),
-                timesteps.len(),
-                cond.len()
-            ));
-        }
         let guidance = self.cfg.guidance_embed.then_some(self.guidance);
         let mut samples = Vec::with_capacity(cond.len());
         for (i, c) in cond.iter().enumerate() {

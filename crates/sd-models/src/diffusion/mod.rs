@@ -93,6 +93,17 @@ fn summarize(problems: &[TensorProblem]) -> String {
 /// Result alias of this module.
 pub type Result<T, E = DiffusionError> = std::result::Result<T, E>;
 
+/// The pipeline's batch for a DiT evaluated one sample per graph (FLUX, Z-Image): `x` holds
+/// `conds` latents of `per` values each, with one timestep each.
+pub(crate) fn check_batch(model: &'static str, per: usize, x: usize, timesteps: usize, conds: usize) -> Result<()> {
+    if conds == 0 || x != per * conds || timesteps != conds {
+        let reason =
+            format!("{x} latent values and {timesteps} timesteps for {conds} conditionings of {per} values each");
+        return Err(DiffusionError::Input { model, reason });
+    }
+    Ok(())
+}
+
 /// The checks every patchified DiT (FLUX, Z-Image) makes on its inputs: one latent
 /// `[W, H, C, 1]` with sides that are positive multiples of `patch` and `channels` channels,
 /// and a context `[context_dim, L, 1]` of at least one token (ggml order). Returns `(W, H, L)`.

@@ -1240,3 +1240,16 @@ fn dit_input_checks_name_the_model_and_the_shape() {
         }
     }
 }
+
+#[test]
+fn dit_batches_hold_one_latent_and_one_timestep_per_conditioning() {
+    assert!(super::check_batch("FLUX", 4, 8, 2, 2).is_ok());
+    for (x, t, c) in [(8, 2, 0), (7, 2, 2), (8, 1, 2), (0, 0, 0)] {
+        match super::check_batch("FLUX", 4, x, t, c) {
+            Err(e @ DiffusionError::Input { model: "FLUX", .. }) => {
+                assert!(e.to_string().contains(&format!("{x} latent values and {t} timesteps for {c}")), "{e}")
+            }
+            other => panic!("{x}/{t}/{c}: expected an input error, got {other:?}"),
+        }
+    }
+}

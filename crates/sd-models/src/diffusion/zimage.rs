@@ -779,15 +779,8 @@ impl crate::family::DiffusionModel for ZImageModel {
         cond: &[&crate::text::conditioning::Conditioning],
     ) -> crate::pipeline::Result<Vec<f32>> {
         let per = self.cfg.in_channels as usize * w * h;
+        super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
-        if cond.is_empty() || x.len() != per * cond.len() || timesteps.len() != cond.len() {
-            return bad(format!(
-                "{} latent values and {} timesteps for {} conditionings of {per} values each",
-                x.len(),
-                timesteps.len(),
-                cond.len()
-            ));
-        }
         let mut out = Vec::with_capacity(x.len());
         for (i, c) in cond.iter().enumerate() {
             if c.hidden_size != self.cfg.cap_feat_dim as usize {

@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: our `sd-cli` and the reference (`sdref`), alternating, same fixture and settings.
 //!
 //! ```text
-//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|1024|both] [--type f16,q8_0] [--runs N] [--threads N]
+//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|1024|both] [--type f16,q8_0,gguf:q4_K] [--runs N] [--threads N]
 //!                   [--loras N] [--lora-apply-mode auto|immediately|at_runtime] [--reference both|default|llamafile]
 //!                   [--server-requests N] [--server-size 64..128] [--server-only] [--sd-cli PATH]
 //! ```
@@ -152,7 +152,9 @@ pub struct Args {
     #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
     /// Weight types (`--type` of every program; the fixtures are f16, FLUX's T5-XXL q8_0);
-    /// `file` passes no `--type` (each tensor as stored).
+    /// `file` passes no `--type` (each tensor as stored); `gguf:TYPE` (sd15 and vega) runs both
+    /// on the model's fixture written as a GGUF file of TYPE (q8_0, q4_K, q6_K, ...: the files
+    /// people download; cached beside the f16 one), with no `--type`.
     #[arg(long = "type", value_name = "f16,q8_0", value_delimiter = ',', default_value = "f16", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     types: Vec<String>,
     /// Requests of the server row: N to one `sd-cli serve` against N `sd-cli` runs of the same
@@ -410,7 +412,24 @@ fn ref_command_with(exe: &Path, model: &[OsString], cfg: &str, s: Setting, threa
     c
 }
 
+/// The family and file type a `--type` entry `gguf:TYPE` asks for; `None` for other entries.
+fn gguf_type(model: Model, ty: &str) -> Result<Option<(Family, sd_models::fixture::WeightType)>> {
+    let Some(name) = ty.strip_prefix("gguf:") else { return Ok(None) };
+    let family = match model {
+        Model::Sd15 => Family::Sd15,
+        Model::Vega => Family::Vega,
+        Model::Flux => anyhow::bail!("--type {ty}: GGUF fixtures are written for --model sd15 and vega only"),
+    };
+    let wtype = sd_models::fixture::WeightType::parse(name)
+        .ok_or_else(|| anyhow::anyhow!("--type {ty}: {}", sd_models::fixture::FixtureError::UnknownType(name.to_owned())))?;
+    if !wtype.is_quantized() {
+        anyhow::bail!("--type {ty}: not a quantized type (a GGUF fixture of {wtype} would be the plain --type {wtype})");
+    }
+    Ok(Some((family, wtype)))
+}
+
 /// The files and settings of a `--model`, with its LoRA fixtures.
+#[derive(Clone)]
 struct Workload {
     /// What the table heading calls it.
     label: String,
@@ -480,6 +499,19 @@ impl Workload {
             n => format!("{label}, {n} LoRA(s) {}", args.lora_apply_mode),
         };
         Ok(Workload { label, model, cfg, loras, lora_dir, lora_mode: args.lora_apply_mode.clone() })
+    }
+
+    /// This workload for the `--type` entry `ty`: for `gguf:TYPE`, the model's fixture as a
+    /// GGUF file of TYPE (written once, cached), else unchanged.
+    fn for_type(&self, model: Model, ty: &str) -> Result<Workload> {
+        let Some((family, wtype)) = gguf_type(model, ty)? else { return Ok(self.clone()) };
+        let path = sd_models::fixture::cached_path(family, 42, wtype);
+        if !path.is_file() {
+            eprintln!("bench: writing the {} fixture as {} ({})", family.name(), wtype, path.display());
+        }
+        let (path, _) = sd_models::fixture::ensure_cached(family, 42, wtype)
+            .with_context(|| format!("cannot write the {} fixture as {wtype}", family.name()))?;
+        Ok(Workload { model: vec!["-m".into(), path.into()], ..self.clone() })
     }
 
     fn ours(&self, exe: &Path, s: Setting, threads: u32, out: &Path) -> Command {
@@ -596,6 +628,9 @@ fn print_table(w: &Workload, s: Setting, ty: &str, threads: u32, runs: usize, wh
 
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
+    for ty in &args.types {
+        gguf_type(args.model, ty)?;
+    }
     let root = workspace_root();
     let ours = match &args.sd_cli {
         Some(exe) => exe.clone(),
@@ -617,6 +652,7 @@ pub fn run(args: Args) -> Result<()> {
     let settings = if args.server_only { Vec::new() } else { args.settings() };
     for s in settings {
         for ty in &args.types {
+            let work = work.for_type(args.model, ty)?;
             let mut sides: Vec<Side> = who.iter().map(|_| Side::default()).collect();
             for i in 0..args.runs {
                 // forward on even rounds, backward on odd ones: load drift falls on every column
@@ -633,7 +669,7 @@ pub fn run(args: Args) -> Result<()> {
                     } else {
                         work.reference(&c.exe, s, args.threads, &out)
                     };
-                    if ty != "file" {
+                    if ty != "file" && !ty.starts_with("gguf:") {
                         cmd.args(["--type", ty]);
                     }
                     eprintln!("bench: {0}x{0} {ty} run {1}/{2}: {3}", s.side, i + 1, args.runs, c.label);
@@ -737,6 +773,20 @@ mod tests {
         let x: Args = crate::parse_test("--model vega --size 1024").unwrap();
         assert_eq!(x.settings(), vec![SETTING_1024]);
         assert_eq!(d.types, ["f16"]);
+        // gguf:TYPE names a quantized fixture file of sd15 or vega; anything else is refused
+        // before any build.
+        let g: Args = crate::parse_test("--type gguf:q4_K,gguf:Q6_K,f16").unwrap();
+        assert_eq!(gguf_type(g.model, &g.types[0]).unwrap(), Some((Family::Sd15, sd_models::fixture::WeightType::Q4K)));
+        assert_eq!(gguf_type(Model::Vega, &g.types[1]).unwrap(), Some((Family::Vega, sd_models::fixture::WeightType::Q6K)));
+        assert_eq!(gguf_type(g.model, &g.types[2]).unwrap(), None);
+        for (model, bad, says) in [
+            (Model::Flux, "gguf:q8_0", "sd15 and vega only"),
+            (Model::Sd15, "gguf:q3_K", "unknown weight type 'q3_K'"),
+            (Model::Sd15, "gguf:f16", "not a quantized type"),
+        ] {
+            let e = gguf_type(model, bad).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains(says), "{bad}: {e}");
+        }
         for (line, needle) in [
             ("--size 128", "128"),
             ("--runs 0", "--runs"),

@@ -1,7 +1,7 @@
 //! `cargo xtask fixture`: write a checkpoint with a real family's layout and random weights.
 //!
 //! ```text
-//! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0]
+//! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0|q4_K|q5_K|q6_K]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! cargo xtask fixture lora-sd15 --layout kohya|peft|loha|lokr|tucker|tucker-loha|diff [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-flux --layout kohya|peft|diffusers [--hidden N --double N --single N] [--schnell-dit]
@@ -103,7 +103,7 @@ pub struct Args {
     /// Seed of the random weights.
     #[arg(long = "seed", short = 's', default_value_t = 42, allow_negative_numbers = true)]
     seed: u64,
-    /// Weight type: f32, f16, q8_0, q5_0, q4_0, f8_e4m3 (safetensors only: fp8 e4m3fn).
+    /// Weight type: f32, f16, q8_0, q5_0, q4_0, q4_K, q5_K, q6_K (GGUF only: quantized types), f8_e4m3 (safetensors only: fp8 e4m3fn).
     #[arg(long = "type", value_name = "TYPE", default_value = "f16", value_parser = weight_type)]
     wtype: WeightType,
     /// Output file (`.safetensors` or `.gguf`: the extension chooses the format).

@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: our `sd-cli` and the reference (`sdref`), alternating, same fixture and settings.
 //!
 //! ```text
-//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|1024|both] [--type f16,q8_0,gguf:q4_K] [--runs N] [--threads N]
+//! cargo xtask bench [--model sd15|vega|flux] [--size 256|512|1024|both | --sizes 256,512,768,1024] [--type f16,q8_0,gguf:q4_K] [--runs N] [--threads N]
 //!                   [--loras N] [--lora-apply-mode auto|immediately|at_runtime] [--reference both|default|llamafile]
 //!                   [--server-requests N] [--server-size 64..128] [--server-only] [--sd-cli PATH]
 //! ```
@@ -145,6 +145,11 @@ pub struct Args {
     /// Image side (256: 4 steps, 512: 2 steps) or both.
     #[arg(long = "size", value_enum, default_value_t = Sizes::Both)]
     size: Sizes,
+    /// Image sides to run instead of --size (e.g. 256,512,768,1024; 4 steps up to 256, 2 up
+    /// to 512, else 1), followed by a cost-against-size table: per-step time and peak RSS per
+    /// size, their growth exponents against pixels, and FLOP/s against a measured FMA peak.
+    #[arg(long = "sizes", value_name = "256,512,...", value_delimiter = ',', value_parser = crate::bench_sizes::side, conflicts_with = "size")]
+    sizes: Vec<u32>,
     /// Runs of each program per setting.
     #[arg(long = "runs", value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     runs: u32,
@@ -175,6 +180,9 @@ pub struct Args {
 
 impl Args {
     fn settings(&self) -> Vec<Setting> {
+        if !self.sizes.is_empty() {
+            return self.sizes.iter().map(|&side| Setting { side, steps: crate::bench_sizes::steps_for(side) }).collect();
+        }
         match self.size {
             Sizes::S256 => vec![SETTING_256],
             Sizes::S512 => vec![SETTING_512],
@@ -626,6 +634,54 @@ fn print_table(w: &Workload, s: Setting, ty: &str, threads: u32, runs: usize, wh
     println!("  (3) ours: its load stages (a LoRA merged immediately is merged there); reference: new_sd_ctx + loading tensors.");
 }
 
+/// The cost-against-size tables of `--sizes` (`bench_sizes.rs`): one profiled run of ours per
+/// size counts the diffusion model's FLOPs per step, the FMA probe gives the machine's peak.
+fn print_growth(
+    args: &Args,
+    work: &Workload,
+    ours: &Path,
+    dir: &Path,
+    who: &[Contender],
+    results: &[(Setting, &str, Vec<Side>)],
+) -> Result<()> {
+    let mut flops = Vec::new();
+    for &side in &args.sizes {
+        let s = Setting { side, steps: 1 };
+        let out = dir.join(format!("profile-{side}.png"));
+        let mut cmd = work.ours(ours, s, args.threads, &out);
+        cmd.arg("--profile");
+        eprintln!("bench: counting FLOPs of one step at {side}x{side} (sd-cli --profile)");
+        let m = run_measured(&mut cmd)?;
+        let f = m.check("sd-cli --profile").ok().and_then(|_| read_report(&report_path(&out)).ok()).and_then(|r| {
+            let unet = r.runners.iter().find(|r| r.name == "unet" || r.name == "diffusion")?;
+            Some(unet.profile.as_ref()?.ops.values().map(|e| e.flops).sum::<f64>())
+        });
+        flops.push(f);
+    }
+    eprintln!("bench: measuring this machine's FMA peak on {} thread(s)", args.threads);
+    let peak = crate::bench_sizes::fma_peak_gflops(args.threads);
+    for ty in &args.types {
+        let columns: Vec<(&str, Vec<crate::bench_sizes::Point>)> = who
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let points = results
+                    .iter()
+                    .filter(|(_, t, _)| t == ty)
+                    .map(|(s, _, sides)| crate::bench_sizes::Point {
+                        side: s.side,
+                        step_s: sides[k].step_median(),
+                        rss_mib: sides[k].rss_mib(),
+                    })
+                    .collect();
+                (c.label, points)
+            })
+            .collect();
+        crate::bench_sizes::print(&work.label, ty, args.threads, &columns, &flops, peak);
+    }
+    Ok(())
+}
+
 /// Entry point of `cargo xtask bench ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
     for ty in &args.types {
@@ -728,6 +784,9 @@ pub fn run(args: Args) -> Result<()> {
     for (s, ty, sides) in &results {
         print_table(&work, *s, ty, args.threads, args.runs as usize, &who, sides);
     }
+    if !args.sizes.is_empty() && !results.is_empty() {
+        print_growth(&args, &work, &ours, &dir, &who, &results)?;
+    }
     if let Some((s, row)) = &server {
         // The row's job has no LoRA whatever --loras says.
         let label = work.label.split(", ").next().unwrap_or_default();
@@ -773,6 +832,10 @@ mod tests {
         let x: Args = crate::parse_test("--model vega --size 1024").unwrap();
         assert_eq!(x.settings(), vec![SETTING_1024]);
         assert_eq!(d.types, ["f16"]);
+        let z: Args = crate::parse_test("--sizes 256,768").unwrap();
+        assert_eq!(z.settings(), vec![SETTING_256, Setting { side: 768, steps: 1 }]);
+        assert!(crate::parse_test::<Args>("--sizes 256,700").is_err());
+        assert!(crate::parse_test::<Args>("--sizes 256 --size 512").is_err());
         // gguf:TYPE names a quantized fixture file of sd15 or vega; anything else is refused
         // before any build.
         let g: Args = crate::parse_test("--type gguf:q4_K,gguf:Q6_K,f16").unwrap();

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_placement;
 mod bench_server;
+mod bench_sizes;
 mod bench_split;
 mod bench_variants;
 mod bindings;

@@ -181,7 +181,11 @@ pub struct Args {
 impl Args {
     fn settings(&self) -> Vec<Setting> {
         if !self.sizes.is_empty() {
-            return self.sizes.iter().map(|&side| Setting { side, steps: crate::bench_sizes::steps_for(side) }).collect();
+            return self
+                .sizes
+                .iter()
+                .map(|&side| Setting { side, steps: crate::bench_sizes::steps_for(side) })
+                .collect();
         }
         match self.size {
             Sizes::S256 => vec![SETTING_256],
@@ -428,10 +432,13 @@ fn gguf_type(model: Model, ty: &str) -> Result<Option<(Family, sd_models::fixtur
         Model::Vega => Family::Vega,
         Model::Flux => anyhow::bail!("--type {ty}: GGUF fixtures are written for --model sd15 and vega only"),
     };
-    let wtype = sd_models::fixture::WeightType::parse(name)
-        .ok_or_else(|| anyhow::anyhow!("--type {ty}: {}", sd_models::fixture::FixtureError::UnknownType(name.to_owned())))?;
+    let wtype = sd_models::fixture::WeightType::parse(name).ok_or_else(|| {
+        anyhow::anyhow!("--type {ty}: {}", sd_models::fixture::FixtureError::UnknownType(name.to_owned()))
+    })?;
     if !wtype.is_quantized() {
-        anyhow::bail!("--type {ty}: not a quantized type (a GGUF fixture of {wtype} would be the plain --type {wtype})");
+        anyhow::bail!(
+            "--type {ty}: not a quantized type (a GGUF fixture of {wtype} would be the plain --type {wtype})"
+        );
     }
     Ok(Some((family, wtype)))
 }
@@ -840,7 +847,10 @@ mod tests {
         // before any build.
         let g: Args = crate::parse_test("--type gguf:q4_K,gguf:Q6_K,f16").unwrap();
         assert_eq!(gguf_type(g.model, &g.types[0]).unwrap(), Some((Family::Sd15, sd_models::fixture::WeightType::Q4K)));
-        assert_eq!(gguf_type(Model::Vega, &g.types[1]).unwrap(), Some((Family::Vega, sd_models::fixture::WeightType::Q6K)));
+        assert_eq!(
+            gguf_type(Model::Vega, &g.types[1]).unwrap(),
+            Some((Family::Vega, sd_models::fixture::WeightType::Q6K))
+        );
         assert_eq!(gguf_type(g.model, &g.types[2]).unwrap(), None);
         for (model, bad, says) in [
             (Model::Flux, "gguf:q8_0", "sd15 and vega only"),

@@ -23,7 +23,7 @@ pub fn steps_for(side: u32) -> u32 {
 /// `--sizes`: image sides that are multiples of 64 from 64 to 2048.
 pub fn side(s: &str) -> Result<u32, String> {
     let n: u32 = s.trim().parse().map_err(|_| format!("'{s}' is not an image side (64, 128, ... 2048)"))?;
-    if !(64..=2048).contains(&n) || n % 64 != 0 {
+    if !(64..=2048).contains(&n) || !n.is_multiple_of(64) {
         return Err(format!("{n}: an image side is a multiple of 64 from 64 to 2048"));
     }
     Ok(n)
@@ -31,7 +31,7 @@ pub fn side(s: &str) -> Result<u32, String> {
 
 /// The exponent `k` of the least-squares fit `y = c x^k` through `(x, y)` points with positive
 /// coordinates; `None` with fewer than two distinct `x`.
-pub fn growth_exponent(points: &[(f64, f64)]) -> Option<f64> {
+fn growth_exponent(points: &[(f64, f64)]) -> Option<f64> {
     let p: Vec<(f64, f64)> =
         points.iter().filter(|(x, y)| *x > 0.0 && *y > 0.0).map(|(x, y)| (x.ln(), y.ln())).collect();
     let n = p.len() as f64;
@@ -99,7 +99,7 @@ mod x86 {
 
     /// `rounds` rounds of [`LANES`] independent 16-wide FMAs.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn fma_avx512(rounds: u64) {
+    pub(super) unsafe fn fma_avx512(rounds: u64) {
         let (a, b) = (_mm512_set1_ps(black_box(0.999_999)), _mm512_set1_ps(black_box(1e-7)));
         let mut acc = [_mm512_set1_ps(1.0); LANES];
         for _ in 0..rounds {
@@ -112,7 +112,7 @@ mod x86 {
 
     /// `rounds` rounds of [`LANES`] independent 8-wide FMAs.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn fma_avx2(rounds: u64) {
+    pub(super) unsafe fn fma_avx2(rounds: u64) {
         let (a, b) = (_mm256_set1_ps(black_box(0.999_999)), _mm256_set1_ps(black_box(1e-7)));
         let mut acc = [_mm256_set1_ps(1.0); LANES];
         for _ in 0..rounds {
@@ -183,7 +183,8 @@ mod tests {
 
     #[test]
     fn the_growth_exponent_of_a_power_law_is_its_power() {
-        let pts: Vec<(f64, f64)> = [256.0f64, 512.0, 768.0, 1024.0].iter().map(|s| (s * s, 3.0 * (s * s).powf(1.3))).collect();
+        let pts: Vec<(f64, f64)> =
+            [256.0f64, 512.0, 768.0, 1024.0].iter().map(|s| (s * s, 3.0 * (s * s).powf(1.3))).collect();
         assert!((growth_exponent(&pts).unwrap() - 1.3).abs() < 1e-9);
         // Noise around a linear law still fits close to 1.
         let noisy = [(1.0, 1.1), (2.0, 1.9), (4.0, 4.2), (8.0, 7.8)];

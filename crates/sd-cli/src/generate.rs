@@ -317,9 +317,16 @@ pub fn load(
     let devices = crate::plan::machine_devices_from(&reg);
     let descriptions = crate::cost::descriptions(&reg);
     let size = (w, h, a.steps);
-    let (plan, predicted) =
-        crate::plan::plan_for(&model, &files, &a.placement, devices, &speeds, (&descriptions, size, a.diffusion_fa))
-            .map_err(|e| crate::devices::name_unusable_plugins(e, &reg))?;
+    let (plan, predicted) = crate::plan::plan_for(
+        &model,
+        &files,
+        &a.placement,
+        devices,
+        &speeds,
+        (&descriptions, size, a.diffusion_fa),
+        a.wtype.map(|t| t.0),
+    )
+    .map_err(|e| crate::devices::name_unusable_plugins(e, &reg))?;
     plan.ensure_loadable()?;
     let sched = sd_sched::plan::Options {
         disable_prefetch: a.disable_prefetch,

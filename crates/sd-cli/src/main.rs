@@ -106,7 +106,8 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 #[allow(clippy::large_enum_variant)] // parsed once per process
 enum Command {
-    /// [sd-rs] Print a placement plan from the model files' headers (no weights are read).
+    /// [sd-rs] Print a placement plan from the model files' headers (no weights are read); takes
+    /// a generation's flags, so `sd-cli plan` followed by a generation's flags plans that run.
     Plan(plan::PlanArgs),
     /// [sd-rs] Measure each device's compute, memory and link figures (a few seconds) for the
     /// cost model that `plan --explain` and auto-fit by time use.

@@ -165,13 +165,13 @@ impl ModelArgs {
     }
 }
 
-/// Options of `plan`.
+/// Options of `plan`: a generation's flags (a generation's command line with `plan` in front
+/// plans that generation; the flags a plan does not use are accepted and ignored), and the
+/// plan's own.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub placement: PlacementArgs,
+    pub generation: crate::generate::GenerateArgs,
     /// Plan for the devices of a TOML profile instead of this machine's.
     #[arg(long = "devices", value_name = "PROFILE.toml")]
     pub devices: Option<PathBuf>,
@@ -186,39 +186,34 @@ pub struct PlanArgs {
     /// devices' figures (`sd-cli calibrate`, a profile's `[device.cost]`, else nominal).
     #[arg(long = "explain")]
     pub explain: bool,
-    /// Image width the compute reserves are estimated for (default 512).
-    #[arg(short = 'W', long = "width", default_value_t = 512, value_parser = crate::generate::whole::<usize>)]
-    pub width: usize,
-    /// Image height the compute reserves are estimated for (default 512).
-    #[arg(short = 'H', long = "height", default_value_t = 512, value_parser = crate::generate::whole::<usize>)]
-    pub height: usize,
-    /// Sampling steps that --explain predicts (default 20, as a generation's).
-    #[arg(long = "steps", default_value_t = 20, value_parser = plan_steps)]
-    pub steps: usize,
-    /// Flash attention in the diffusion model (a smaller compute reserve).
-    #[arg(long = "diffusion-fa")]
-    pub diffusion_fa: bool,
-    /// [sd-rs] Also write a JSON run report (the plan part) to PATH.
-    #[arg(long = "report-json", value_name = "PATH")]
-    pub report_json: Option<PathBuf>,
-    /// An ESRGAN model to plan beside the generation (its device from `--backend upscaler=`).
-    #[arg(long = "upscale-model", value_name = "PATH")]
-    pub upscale_model: Option<PathBuf>,
-    /// A prompt whose `<lora:name:multiplier>` tags name the LoRA files to count.
-    #[arg(short = 'p', long = "prompt", default_value = "")]
-    pub prompt: String,
-    #[command(flatten)]
-    pub lora: crate::generate::LoraArgs,
 }
 
-/// `--steps` of `plan`: from 1 to 100000.
-fn plan_steps(s: &str) -> std::result::Result<usize, String> {
-    let n: usize = crate::generate::whole(s)?;
-    if !(1..=100_000).contains(&n) {
-        return Err(format!("{n} steps: from 1 to 100000"));
-    }
-    Ok(n)
+/// What a plan takes from a generation's flags: the image size (-W/-H, else the init image's,
+/// else 512), the steps, the prompt (its LoRA tags), resolved as the generation resolves them.
+struct Planned {
+    width: usize,
+    height: usize,
+    steps: usize,
+    prompt: String,
 }
+
+impl PlanArgs {
+    fn planned(&self) -> Result<Planned> {
+        let g = &self.generation;
+        if !(1..=MAX_STEPS).contains(&g.steps) {
+            anyhow::bail!("--steps {}: a plan is made for 1 to {MAX_STEPS} steps", g.steps);
+        }
+        // A mode that does not run has no plan either (`-M vid_gen` is refused as generation
+        // refuses it).
+        g.run.check_mode()?;
+        let (width, height, _) = crate::inputs::resolve_size(g.width, g.height, g.init_img.as_deref())?;
+        let (prompt, _) = g.run.prompts(&g.prompt, &g.negative_prompt)?;
+        Ok(Planned { width, height, steps: g.steps, prompt })
+    }
+}
+
+/// Most sampling steps a plan predicts for.
+const MAX_STEPS: usize = 100_000;
 
 /// `--ram-mib`: a whole number of MiB whose bytes fit in 64 bits.
 fn ram_mib(s: &str) -> std::result::Result<u64, String> {
@@ -271,7 +266,8 @@ pub(crate) type SpeedProbe<'a> =
 /// the plan's layer splits use (a plan by memory first says which), for the model described.
 /// Auto-fit chooses by predicted time for images of `size` (width, height, steps) when every
 /// device has measured figures (`descriptions`: each device's, their key); `flash_attn` is
-/// `--diffusion-fa`. Returns the plan and its prediction.
+/// `--diffusion-fa`; `wtype` is `--type` (the weights' bytes as loaded). Returns the plan and its
+/// prediction.
 pub fn plan_for(
     model: &ModelArgs,
     files: &ModelFiles,
@@ -279,9 +275,10 @@ pub fn plan_for(
     devices: Vec<Device>,
     speeds: &SpeedProbe<'_>,
     (descriptions, size, flash_attn): (&std::collections::BTreeMap<String, String>, (usize, usize, usize), bool),
+    wtype: Option<sd_backends::GgmlType>,
 ) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
-    let mut description = describe(files, &model.extra())?;
+    let mut description = describe(files, &model.extra(), wtype)?;
     description.compute_bytes = sd_models::describe::compute_estimates(files, size.0, size.1, flash_attn);
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
     let mut request = PlanRequest {
@@ -327,16 +324,21 @@ pub fn plan_for(
 /// The LoRA files the prompt's tags name, read and checked against the model: with
 /// `--lora-apply-mode at_runtime` their adapter tensors join the modules they adapt in `model`
 /// (so the plan counts their bytes); the lines to print say what each mode costs.
-fn lora_bytes(args: &PlanArgs, files: &ModelFiles, model: &mut sd_placement::ModelDescription) -> Result<Vec<String>> {
+fn lora_bytes(
+    lora: &crate::generate::LoraArgs,
+    prompt: &str,
+    files: &ModelFiles,
+    model: &mut sd_placement::ModelDescription,
+) -> Result<Vec<String>> {
     use sd_models::lora::ApplyMode;
-    let (_, loras) = args.lora.extract(&args.prompt)?;
+    let (_, loras) = lora.extract(prompt)?;
     if loras.is_empty() {
         return Ok(Vec::new());
     }
     let file_bytes: u64 = loras.iter().filter_map(|l| std::fs::metadata(&l.path).ok()).map(|m| m.len()).sum();
     let set = sd_models::pipeline::lora_set_for(files, &loras, None)?;
     let mib = |b: u64| b as f64 / MIB as f64;
-    let mode = args.lora.lora_apply_mode;
+    let mode = lora.lora_apply_mode;
     let mut lines = vec![format!(
         "LoRA: {} files, {:.1} MiB read into RAM, {} weights adapted (--lora-apply-mode {})",
         loras.len(),
@@ -373,40 +375,41 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         }
     };
     let ram = args.ram_mib.map(|m| m * MIB).or(profile_ram);
-    let sources = args.model.sources();
+    let g = &args.generation;
+    let want = args.planned()?;
+    let sources = g.model.sources();
     let files = ModelFiles::open(&sources)?;
-    let mut model = describe(&files, &args.model.extra())?;
+    let mut model = describe(&files, &g.model.extra(), g.wtype.map(|t| t.0))?;
     // A model a family runs but cannot load (tensors missing or misshapen), or of an unknown
     // architecture, has no plan: refused as a generation refuses it.
     sd_models::family::check_runnable(&files)?;
-    model.compute_bytes = sd_models::describe::compute_estimates(&files, args.width, args.height, args.diffusion_fa);
-    let lora_lines = lora_bytes(args, &files, &mut model)?;
+    model.compute_bytes = sd_models::describe::compute_estimates(&files, want.width, want.height, g.diffusion_fa);
+    let lora_lines = lora_bytes(&g.lora, &want.prompt, &files, &mut model)?;
     // A profile's speeds; else `plan` runs nothing: speeds measured by an earlier generation
     // (at this size), if cached.
     let device_speeds = match args.devices {
         Some(_) => device_speeds,
         None => sd_models::speed::cached_speeds(
             &sd_models::speed::model_key(&model),
-            sd_models::speed::latent_tokens(args.width, args.height),
+            sd_models::speed::latent_tokens(want.width, want.height),
             &sd_models::speed::cache_path(),
         ),
     };
-    let upscaler_line = match &args.upscale_model {
-        Some(path) => Some(crate::upscale::plan_line(path, &args.placement, &devices)?),
+    let upscaler_line = match &g.upscale.upscale_model {
+        Some(path) => Some(crate::upscale::plan_line(path, &g.placement, &devices)?),
         None => None,
     };
-    let request =
-        PlanRequest { flags: args.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
-    let report_to = crate::output::report_target(args.report_json.as_deref())?;
+    let request = PlanRequest { flags: g.placement.flags(), devices, ram_available_bytes: ram, model, device_speeds };
+    let report_to = crate::output::report_target(g.report_json.as_deref())?;
     if let Some(t) = &report_to {
-        let (_, loras) = args.lora.extract(&args.prompt)?;
-        let files = args.model.run_files().input(InputRole::DeviceProfile, args.devices.as_deref()).loras(&loras);
+        let (_, loras) = g.lora.extract(&want.prompt)?;
+        let files = g.model.run_files().input(InputRole::DeviceProfile, args.devices.as_deref()).loras(&loras);
         files.output(OutputRole::Report, t).check().map_err(crate::errors::same_file)?;
     }
     let (figures, measured) =
         crate::cost::figures(&request.devices, &descriptions, profile.as_ref(), &request.device_speeds);
     let (p, explain) = if measured || args.explain {
-        let work = crate::cost::workload(&files, args.width, args.height, args.steps);
+        let work = crate::cost::workload(&files, want.width, want.height, want.steps);
         let (p, e) = crate::cost::choose(&request, &work, &figures, measured)?;
         (p, Some(e))
     } else {

@@ -148,3 +148,99 @@ fn calibrate_stores_figures_that_plan_explain_uses() {
     assert!(err.contains("no prediction") && err.contains("plan.json"), "{err}");
     std::fs::remove_dir_all(&cache).ok();
 }
+
+/// A generation's command line with `plan` in front plans that generation: every flag of a
+/// generation is accepted (those a plan does not use are ignored), the ones it uses are read
+/// as the generation reads them (-W/-H, the init image's size, --steps, the prompt's LoRA
+/// tags, --type), and a mode that does not run is refused as generation refuses it.
+#[test]
+fn plan_takes_a_generations_flags_and_counts_type_as_loaded() {
+    let dir = std::env::temp_dir().join(format!("sd-cli-plan-generation-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = sd15_fixture();
+    let plan_json = |args: &[&str]| -> Plan {
+        let o = sd_cli().arg("plan").arg("-m").arg(&model).args(args).arg("--json").output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let out = dir.join("never-written.png");
+    let generation = [
+        "-p",
+        "a cat",
+        "-n",
+        "blurry",
+        "--cfg-scale",
+        "5",
+        "--sampling-method",
+        "euler_a",
+        "--scheduler",
+        "karras",
+        "-s",
+        "7",
+        "-b",
+        "2",
+        "-t",
+        "1",
+        "--rng",
+        "std_default",
+        "--vae-tiling",
+        "--clip-skip",
+        "2",
+        "--strength",
+        "0.5",
+        "-o",
+        out.to_str().unwrap(),
+        "-W",
+        "320",
+        "-H",
+        "256",
+        "--steps",
+        "3",
+    ];
+    let p = plan_json(&generation);
+    assert!(p.fits && !out.exists(), "a plan writes no image");
+    let base = plan_json(&[]);
+    let diffusion = |p: &Plan| p.modules.iter().find(|m| m.module.name() == "diffusion").unwrap().clone();
+    // The size is used: a 320x256 image reserves less compute than the default 512x512.
+    assert!(diffusion(&p).compute_reserve_bytes < diffusion(&base).compute_reserve_bytes, "{p:?}");
+    // --type: linear weights as the loader converts them. Checked against a real load of the
+    // same weights (ggml's CPU extra buffer types off: on the CPU they may take more room).
+    let q8 = plan_json(&["--type", "q8_0"]);
+    assert!(diffusion(&q8).param_bytes < diffusion(&base).param_bytes * 9 / 10, "{q8:?}");
+    let report = dir.join("run.json");
+    let o = sd_cli()
+        .arg("-m")
+        .arg(&model)
+        .args(["-p", "a cat", "-W", "64", "-H", "64", "--steps", "1", "--type", "q8_0", "--cpu-extra-bufts", "off"])
+        .arg("-o")
+        .arg(dir.join("q8.png"))
+        .arg("--report-json")
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let loaded = |name: &str| {
+        r["modules"].as_array().unwrap().iter().find(|m| m["module"] == name).unwrap()["param_bytes"].as_u64().unwrap()
+    };
+    for (planned, name) in [
+        (diffusion(&q8).param_bytes, "unet"),
+        (q8.modules.iter().find(|m| m.module.name() == "te").unwrap().param_bytes, "te"),
+    ] {
+        let got = loaded(name);
+        assert!(planned.abs_diff(got) * 100 < got, "{name}: planned {planned} bytes, loaded {got}");
+    }
+    // Refusals name the flag.
+    for (args, needle) in [
+        (&["--steps", "0"][..], "--steps 0"),
+        (&["-M", "vid_gen"][..], "-M vid_gen"),
+        (&["-W", "0"][..], "-W 0"),
+        (&["-i", "/nonexistent/init.png"][..], "/nonexistent/init.png"),
+    ] {
+        let o = sd_cli().arg("plan").arg("-m").arg(&model).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use sd_backends::GgmlType;
 use sd_placement::{Component as PComponent, ModelDescription, Module, SourceFile, Tensor};
 
 use crate::files::{self, Component, FilesError, FormatError, ModelFiles};
@@ -38,7 +39,11 @@ fn role_of(role: files::FileRole) -> String {
 }
 
 /// Describes the opened model plus extra header-only files.
-pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescription, FilesError> {
+pub fn describe(
+    model: &ModelFiles,
+    extra: &[ExtraFile],
+    wtype: Option<GgmlType>,
+) -> Result<ModelDescription, FilesError> {
     let index = model.index();
     let mut comps: Vec<PComponent> = Vec::new();
     let mut push = |module: Module, t: Tensor| match comps.iter_mut().find(|c| c.module == module) {
@@ -49,7 +54,7 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
     for e in index.entries() {
         match module_of(files::index::component_of(&e.name)) {
             Some(m) => {
-                let bytes = e.dtype.loaded_bytes(e.len, &e.shape);
+                let bytes = loaded_bytes(&e.name, e.dtype, e.len, &e.shape, wtype);
                 push(m, Tensor { name: e.name.clone(), bytes, block: index.block(e) })
             }
             None => ignored += 1,
@@ -73,6 +78,20 @@ pub fn describe(model: &ModelFiles, extra: &[ExtraFile]) -> Result<ModelDescript
         return Err(FilesError::NoModelTensors { files: files.join(", "), tensors: index.len() });
     }
     Ok(ModelDescription { components: comps, files: sources, compute_bytes: Default::default() })
+}
+
+/// Bytes of the tensor `name` (`stored` bytes of `dtype` in the file, `shape` outermost first)
+/// once loaded with the `--type` override `wtype`: the linear layers' weights (two-dimensional)
+/// that [`crate::wtype::converts`] names take `wtype`'s size, as the loader stores them;
+/// convolution kernels, norms, biases and kept tensors their file type's loaded size.
+fn loaded_bytes(name: &str, dtype: sd_formats::DType, stored: u64, shape: &[u64], wtype: Option<GgmlType>) -> u64 {
+    let ne0 = shape.last().copied().unwrap_or(1);
+    match wtype {
+        Some(w) if shape.len() == 2 && crate::wtype::converts(name, ne0 as i64, w) => {
+            sd_backends::row_size(w, shape.iter().product::<u64>() as i64) as u64
+        }
+        _ => dtype.loaded_bytes(stored, shape),
+    }
 }
 
 /// Estimated compute buffers of one graph per module for images of `width` x `height`, the

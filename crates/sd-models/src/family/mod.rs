@@ -12,6 +12,7 @@
 //! detects its files). [`for_detected`] picks the spec whose `arch` is the detected one.
 //! SD 1.x and 2.x are [`sd`].
 
+pub mod chroma;
 pub mod flux;
 pub mod sd;
 pub mod sdxl;

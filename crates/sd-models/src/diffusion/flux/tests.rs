@@ -401,7 +401,7 @@ fn block_case(double: bool) -> (Vec<f32>, Vec<f64>) {
     ];
     let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
     let (got, _) = run_graph(&mut runner, &ins, 4096, |g, t| {
-        let s = Shared { vec: t[2], pe: t[3], eps: t[4], kernel: AttnKernel::Plain };
+        let s = Shared { vec: t[2], pe: t[3], eps: t[4], kernel: AttnKernel::Plain, mask: None };
         if double {
             let (i, x) = double_block(g, &w, &cfg, 0, t[0], t[1], &s)?;
             // txt then img, one output.
@@ -469,7 +469,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let mut ncuts = 0;
     let (got, shape) = run_graph(&mut runner, &ins, graph_size(&cfg), |g, t| {
         let fi =
-            FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: Some(t[4]), pe: t[5], eps: t[6] };
+            FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: Some(t[4]), pe: t[5], eps: t[6], mod_index: None, mask: None };
         let mut cuts = Vec::new();
         let out = forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut cuts)?;
         ncuts = cuts.len();
@@ -495,7 +495,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
 
     // Bad inputs are errors naming what is wrong.
     let err = run_graph(&mut runner, &ins, graph_size(&cfg), |g, t| {
-        let fi = FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: None, pe: t[5], eps: t[6] };
+        let fi = FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: None, pe: t[5], eps: t[6], mod_index: None, mask: None };
         forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut Vec::new())
     })
     .unwrap_err()
@@ -504,7 +504,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let odd: Vec<(Vec<i64>, Vec<f32>)> = vec![(vec![5, 4, c as i64, 1], vec![0.0; 5 * 4 * c])];
     let ins_odd: Vec<(&[i64], &[f32])> = odd.iter().map(|(s, d)| (s.as_slice(), d.as_slice())).collect();
     let err = run_graph(&mut runner, &ins_odd, 64, |g, t| {
-        let fi = FluxInputs { x: t[0], timestep: t[0], context: t[0], y: t[0], guidance: None, pe: t[0], eps: t[0] };
+        let fi = FluxInputs { x: t[0], timestep: t[0], context: t[0], y: t[0], guidance: None, pe: t[0], eps: t[0], mod_index: None, mask: None };
         forward(g, &w, &FluxConfig::schnell(), &fi, AttnKernel::Plain, &mut Vec::new())
     })
     .unwrap_err()
@@ -526,7 +526,7 @@ fn flash_attention_stays_close_to_plain() {
             vec![(vec![hs, n], &x), (vec![hs, 1], &vec), (vec![2, 2, cfg.head_dim() / 2, n], &pe), (vec![1], &[1e-6])];
         let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
         run_graph(runner, &ins, 4096, |g, t| {
-            single_block(g, &w, &cfg, 0, t[0], &Shared { vec: t[1], pe: t[2], eps: t[3], kernel })
+            single_block(g, &w, &cfg, 0, t[0], &Shared { vec: t[1], pe: t[2], eps: t[3], kernel, mask: None })
         })
         .unwrap()
         .0

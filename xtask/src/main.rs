@@ -12,6 +12,7 @@ mod ggml;
 mod install;
 mod parity;
 mod parity_esrgan;
+mod parity_chroma;
 mod parity_flux;
 mod parity_flux_vae;
 mod parity_ops;

@@ -203,7 +203,10 @@ mod tests {
     #[test]
     fn the_points_of_full_chroma() {
         // 3 + the approximator's 12 + 19 double blocks of 5 + 38 single blocks of 3.
-        let cfg = FluxConfig { chroma: Some(sd_models::diffusion::flux::chroma::ChromaConfig::released()), ..FluxConfig::schnell() };
+        let cfg = FluxConfig {
+            chroma: Some(sd_models::diffusion::flux::chroma::ChromaConfig::released()),
+            ..FluxConfig::schnell()
+        };
         assert_eq!(chroma_points(&cfg), 3 + 12 + 95 + 114);
     }
 }

@@ -825,7 +825,10 @@ pub fn forward<'g>(
                 let c = cfg.chroma.as_ref().expect("matched");
                 img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x), true)?;
                 let (Some(gd), Some(index)) = (inputs.guidance, inputs.mod_index) else {
-                    return Err(DiffusionError::Input { model: MODEL, reason: "Chroma needs guidance and row indices".into() });
+                    return Err(DiffusionError::Input {
+                        model: MODEL,
+                        reason: "Chroma needs guidance and row indices".into(),
+                    });
                 };
                 vec = chroma::modulation_vectors(g, w, c, inputs.timestep, gd, index, inputs.eps)?;
                 txt = blocks::linear(g, w, &name("txt_in"), inputs.context, true)?;
@@ -1121,7 +1124,8 @@ impl crate::family::DiffusionModel for FluxModel {
         super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
         // The reference fills Chroma's guidance with 0 whatever `--guidance` says.
-        let guidance = if self.cfg.chroma.is_some() { Some(0.0) } else { self.cfg.guidance_embed.then_some(self.guidance) };
+        let guidance =
+            if self.cfg.chroma.is_some() { Some(0.0) } else { self.cfg.guidance_embed.then_some(self.guidance) };
         let mut samples = Vec::with_capacity(cond.len());
         for (i, c) in cond.iter().enumerate() {
             if c.hidden_size != self.cfg.context_in_dim as usize {

@@ -35,9 +35,9 @@ use crate::wtype::SpecSink;
 /// Rows of the approximator's output (the reference's `mod_index_length`).
 pub const MOD_INDEX_LEN: usize = 344;
 /// Double blocks the reference's offsets assume.
-pub const REFERENCE_DOUBLE: usize = 19;
+const REFERENCE_DOUBLE: usize = 19;
 /// Single blocks the reference's offsets assume.
-pub const REFERENCE_SINGLE: usize = 38;
+const REFERENCE_SINGLE: usize = 38;
 /// Width of the approximator's input (timestep, guidance and index embeddings).
 const IN_DIM: i64 = 64;
 /// Width of the timestep and guidance embeddings.

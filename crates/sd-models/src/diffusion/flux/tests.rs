@@ -468,8 +468,17 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), d.as_slice())).collect();
     let mut ncuts = 0;
     let (got, shape) = run_graph(&mut runner, &ins, graph_size(&cfg), |g, t| {
-        let fi =
-            FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: Some(t[4]), pe: t[5], eps: t[6], mod_index: None, mask: None };
+        let fi = FluxInputs {
+            x: t[0],
+            timestep: t[1],
+            context: t[2],
+            y: t[3],
+            guidance: Some(t[4]),
+            pe: t[5],
+            eps: t[6],
+            mod_index: None,
+            mask: None,
+        };
         let mut cuts = Vec::new();
         let out = forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut cuts)?;
         ncuts = cuts.len();
@@ -495,7 +504,17 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
 
     // Bad inputs are errors naming what is wrong.
     let err = run_graph(&mut runner, &ins, graph_size(&cfg), |g, t| {
-        let fi = FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: None, pe: t[5], eps: t[6], mod_index: None, mask: None };
+        let fi = FluxInputs {
+            x: t[0],
+            timestep: t[1],
+            context: t[2],
+            y: t[3],
+            guidance: None,
+            pe: t[5],
+            eps: t[6],
+            mod_index: None,
+            mask: None,
+        };
         forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut Vec::new())
     })
     .unwrap_err()
@@ -504,7 +523,17 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let odd: Vec<(Vec<i64>, Vec<f32>)> = vec![(vec![5, 4, c as i64, 1], vec![0.0; 5 * 4 * c])];
     let ins_odd: Vec<(&[i64], &[f32])> = odd.iter().map(|(s, d)| (s.as_slice(), d.as_slice())).collect();
     let err = run_graph(&mut runner, &ins_odd, 64, |g, t| {
-        let fi = FluxInputs { x: t[0], timestep: t[0], context: t[0], y: t[0], guidance: None, pe: t[0], eps: t[0], mod_index: None, mask: None };
+        let fi = FluxInputs {
+            x: t[0],
+            timestep: t[0],
+            context: t[0],
+            y: t[0],
+            guidance: None,
+            pe: t[0],
+            eps: t[0],
+            mod_index: None,
+            mask: None,
+        };
         forward(g, &w, &FluxConfig::schnell(), &fi, AttnKernel::Plain, &mut Vec::new())
     })
     .unwrap_err()

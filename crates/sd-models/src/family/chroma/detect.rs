@@ -30,7 +30,12 @@ fn detect(index: &TensorIndex) -> Option<Detected> {
     }
     let txt_in = index.get(TXT_IN)?;
     let width = (txt_in.shape.len() == 2).then_some(txt_in.shape[1])?;
-    Some(Detected { arch: "chroma", context_dim: width, prediction: None, prediction_source: PredictionSource::Unknown })
+    Some(Detected {
+        arch: "chroma",
+        context_dim: width,
+        prediction: None,
+        prediction_source: PredictionSource::Unknown,
+    })
 }
 
 /// Chroma blocks: the DiT's (double blocks, then single blocks) and T5's layers.

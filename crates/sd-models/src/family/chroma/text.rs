@@ -106,7 +106,8 @@ mod tests {
         let mut w = Weights::new(t5_specs(&cfg, &|_| Some(GgmlType::GGML_TYPE_F32), None)).unwrap();
         w.allocate(backend().device().buffer_type()).unwrap();
         w.load_from(&RANDOM).unwrap();
-        let text = ChromaText { t5: cfg.clone(), weights: w, tokenizer: T5Tokenizer::new(), mask_pad: DEFAULT_MASK_PAD };
+        let text =
+            ChromaText { t5: cfg.clone(), weights: w, tokenizer: T5Tokenizer::new(), mask_pad: DEFAULT_MASK_PAD };
         let mut runner = Runner::new("te", backend());
         let c = text.encode(&mut runner, "a photo of a cat").unwrap();
         assert_eq!((c.hidden_size, c.n_tokens, c.vector.len()), (32, CHUNK_LEN, CHUNK_LEN));

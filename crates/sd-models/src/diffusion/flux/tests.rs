@@ -633,3 +633,74 @@ fn segmented_under_a_budget_equals_the_whole_graph() {
     assert!(stats.max_segments >= 4, "{stats:?}");
     assert!(high <= budget, "high-water {high} above the budget {budget}");
 }
+
+// --- Chroma ------------------------------------------------------------------------------
+
+/// [`tiny`] as Chroma: no guidance or vector embedders, an approximator 64 wide with 2 layers.
+fn tiny_chroma() -> FluxConfig {
+    let approx = chroma::ChromaConfig { inner: 64, layers: 2, dit_mask: true };
+    FluxConfig { vec_in_dim: 0, guidance_embed: false, chroma: Some(approx), depth: 2, depth_single_blocks: 2, ..tiny() }
+}
+
+#[test]
+fn chroma_masked_tokens_act_as_absent_and_the_timestep_reaches_the_output() {
+    let cfg = tiny_chroma();
+    let specs = flux_specs(&cfg, &|_| None, None);
+    assert!(specs.iter().all(|s| !s.name.contains("_mod.lin") && !s.name.contains("modulation.lin")));
+    assert!(specs.iter().any(|s| s.name.ends_with("distilled_guidance_layer.norms.1.scale")));
+    let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+    m.weights.allocate(backend().device().buffer_type()).unwrap();
+    m.weights.load_from(&RANDOM).unwrap();
+    let mut runner = Runner::new("chroma", backend());
+    let (w, h, l, masked) = (4usize, 6usize, 5usize, 2usize);
+    let x = inputs(cfg.latent_channels() as usize * w * h, "chroma-x", 1.0);
+    let ctx = inputs(l * cfg.context_in_dim as usize, "chroma-c", 1.0);
+    let mask: Vec<f32> = (0..l).map(|i| if i + masked >= l { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let with_mask = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
+    // Text ids are all zero for RoPE, so tokens no query may read are tokens that are not there.
+    let kept = (l - masked) * cfg.context_in_dim as usize;
+    let absent = m.eval(&mut runner, &x, (w, h), 0.6, &ctx[..kept], l - masked, &[], Some(0.0)).unwrap();
+    let (max, _) = diff(&with_mask, &absent.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    assert!(max < 1e-4, "masked tokens changed the output by {max:e}");
+    let unmasked = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &[], Some(0.0)).unwrap();
+    assert_ne!(unmasked, with_mask, "the mask reaches the output");
+    let zeros = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &vec![0.0; l], Some(0.0)).unwrap();
+    assert_eq!(zeros, unmasked, "an all-open mask is no mask");
+    let later = m.eval(&mut runner, &x, (w, h), 0.3, &ctx, l, &[], Some(0.0)).unwrap();
+    assert_ne!(later, unmasked, "the timestep reaches the approximator");
+    // Without the DiT mask option the conditioner's mask is not read.
+    m.cfg.chroma.as_mut().unwrap().dit_mask = false;
+    let off = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
+    assert_eq!(off, unmasked);
+    // Bad inputs are errors naming what is wrong.
+    let e = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask[..2], Some(0.0)).unwrap_err().to_string();
+    assert!(e.contains("mask"), "{e}");
+}
+
+#[test]
+fn chroma_segmented_under_a_budget_equals_the_whole_graph() {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use sd_sched::{Ledgers, ParamHome};
+    let cfg = tiny_chroma();
+    let (w, h, l) = (4usize, 6usize, 3usize);
+    let x = inputs(cfg.latent_channels() as usize * w * h, "cseg-x", 1.0);
+    let ctx = inputs(l * cfg.context_in_dim as usize, "cseg-c", 1.0);
+    let mask = [0.0, 0.0, f32::NEG_INFINITY];
+    let run = |home: ParamHome, budget: Option<u64>| {
+        let b = backend();
+        let dev = b.device().name();
+        let ledgers = Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
+        let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RANDOM)).unwrap();
+        let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
+        let out = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
+        (out, runner.stats().clone())
+    };
+    let (whole, stats) = run(ParamHome::Compute, None);
+    assert_eq!(stats.segmented_runs, 0);
+    let (seg, stats) = run(ParamHome::Disk, Some(10 << 20));
+    assert_eq!(seg, whole, "segmented = whole (same kernels)");
+    assert!(stats.segmented_runs == 1 && stats.max_segments >= 4, "{stats:?}");
+}

@@ -621,12 +621,17 @@ mod tests {
         assert_eq!(parse("esrgan-anime").unwrap().family, Target::Esrgan { scale: 4, blocks: 6 });
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
+        let c = parse("chroma --double 2 --single 1 --hidden 256 --seed 9 --std 0.02 -o c.safetensors").unwrap();
+        assert_eq!(
+            (c.family, c.double, c.single, c.hidden, c.std),
+            (Target::Chroma, Some(2), Some(1), Some(256), Some(0.02))
+        );
     }
 
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

@@ -739,13 +739,28 @@ fn chroma_dit() -> &'static PathBuf {
     })
 }
 
+/// Chroma's T5: one block (its 512-token chunks make T5 the costly stage), the fp8 fixture
+/// that `flux_reads_an_fp8_e4m3_t5_as_its_f16_values` shares.
+fn chroma_t5() -> &'static PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let path = t5::cached_t5xxl_path(1, 42, WeightType::F8E4M3);
+        if !path.exists() {
+            let cfg = T5Config { n_layers: 1, ..T5Config::xxl() };
+            t5::write_t5xxl(&path, &cfg, 42, WeightType::F8E4M3, FileFormat::Safetensors).unwrap();
+        }
+        path
+    })
+}
+
 /// `sd-cli` with `pre` (a subcommand), Chroma's DiT, `--t5xxl` and `--vae` (each left out when
 /// `false`) and `extra`.
 fn chroma_cli(pre: &[&str], t5: bool, vae: bool, extra: &[&str]) -> std::process::Output {
     let mut c = sd_cli();
     c.env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off").args(pre).arg("--diffusion-model").arg(chroma_dit());
     if t5 {
-        c.arg("--t5xxl").arg(&files().t5);
+        c.arg("--t5xxl").arg(chroma_t5());
     }
     if vae {
         c.arg("--vae").arg(&files().vae);

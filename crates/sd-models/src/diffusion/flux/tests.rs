@@ -639,7 +639,14 @@ fn segmented_under_a_budget_equals_the_whole_graph() {
 /// [`tiny`] as Chroma: no guidance or vector embedders, an approximator 64 wide with 2 layers.
 fn tiny_chroma() -> FluxConfig {
     let approx = chroma::ChromaConfig { inner: 64, layers: 2, dit_mask: true };
-    FluxConfig { vec_in_dim: 0, guidance_embed: false, chroma: Some(approx), depth: 2, depth_single_blocks: 2, ..tiny() }
+    FluxConfig {
+        vec_in_dim: 0,
+        guidance_embed: false,
+        chroma: Some(approx),
+        depth: 2,
+        depth_single_blocks: 2,
+        ..tiny()
+    }
 }
 
 #[test]

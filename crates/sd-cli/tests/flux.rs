@@ -793,6 +793,23 @@ fn chroma_generates_with_its_negative_prompt_and_plans() {
     assert!(dog != cat, "the prompt reaches the image (through T5)");
     let (neg, _) = gen("neg", "a photo of a cat", "a dark room", &[]);
     assert!(neg != cat, "the negative prompt reaches the image (real CFG)");
+    // The reference's --model-args keys: without the DiT mask the padding is attended to.
+    let (unmasked, _) = gen("unmasked", "a photo of a cat", "blurry", &["--model-args", "chroma_use_dit_mask=false"]);
+    assert!(unmasked != cat, "chroma_use_dit_mask=false reaches the image");
+    for (args, needle) in [
+        ("chroma_use_t5_mask=true", "not supported"),
+        ("chroma_t5_mask_pad=x", "chroma_t5_mask_pad=x"),
+        ("flux_thing=1", "'flux_thing'"),
+    ] {
+        let o = chroma_cli(
+            &[],
+            true,
+            true,
+            &["-p", "a cat", "--model-args", args, "-o", d.join("bad.png").to_str().unwrap()],
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "{args}: {err}");
+    }
     // `plan` from the headers.
     let o = chroma_cli(&["plan"], true, true, &["--steps", "2"]);
     let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
@@ -824,6 +841,20 @@ fn chroma_without_t5_or_vae_is_a_clear_error_and_never_runs_as_flux() {
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && text.contains("flux") && !text.contains("chroma"), "{text}");
+    // FLUX.1 takes no --model-args: Chroma's keys are refused by name, before any weight loads.
+    let o = sd_cli()
+        .env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off")
+        .arg("--diffusion-model")
+        .arg(&files().dit)
+        .arg("--t5xxl")
+        .arg(&files().t5)
+        .arg("--vae")
+        .arg(&files().vae)
+        .args(["-p", "a cat", "--model-args", "chroma_use_dit_mask=false", "-o", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("'chroma_use_dit_mask'") && err.contains("flux"), "{err}");
     assert!(!out.exists());
     let _ = std::fs::remove_dir_all(&d);
 }

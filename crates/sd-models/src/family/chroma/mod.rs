@@ -11,8 +11,9 @@
 //!
 //! Guidance is real classifier-free guidance with the negative prompt: `--cfg-scale` defaults
 //! to the reference's 7; the approximator's guidance input is 0 whatever `--guidance` says (the
-//! reference fills it with 0). The reference's `--model-args` keys for Chroma keep their
-//! defaults here: `chroma_use_dit_mask` on, `chroma_use_t5_mask` off, `chroma_t5_mask_pad` 1.
+//! reference fills it with 0). `--model-args` takes the reference's keys for Chroma:
+//! `chroma_use_dit_mask` (default true), `chroma_t5_mask_pad` (default 1) and
+//! `chroma_use_t5_mask` (false only: T5 here takes no attention mask); another key is an error.
 //!
 //! LoRA: Chroma's LoRAs use FLUX.1's names (kohya `lora_unet_double_blocks_*`, BFL's dotted
 //! names, diffusers' `transformer.*`), so FLUX.1's table serves; keys of modules Chroma pruned
@@ -61,6 +62,8 @@ const VAE_PROBE: &str = "first_stage_model.decoder.conv_in.weight";
 struct Chroma {
     dit: FluxConfig,
     t5: T5Config,
+    /// `chroma_t5_mask_pad`.
+    mask_pad: usize,
 }
 
 fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
@@ -98,7 +101,7 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
             t5.d_model, dit.context_in_dim
         )));
     }
-    Ok(Box::new(Chroma { dit, t5 }))
+    Ok(Box::new(Chroma { dit, t5, mask_pad: text::DEFAULT_MASK_PAD }))
 }
 
 inventory::submit! { FamilySpec { arch: "chroma", build } }
@@ -128,7 +131,7 @@ impl Family for Chroma {
             t5: self.t5.clone(),
             weights,
             tokenizer: T5Tokenizer::new(),
-            mask_pad: text::DEFAULT_MASK_PAD,
+            mask_pad: self.mask_pad,
         }))
     }
 
@@ -184,6 +187,42 @@ impl Family for Chroma {
         Some(TaesdConfig::flux())
     }
 
+    /// The reference's Chroma options: `chroma_use_dit_mask` (true/false), `chroma_t5_mask_pad`
+    /// (a count), `chroma_use_t5_mask` (only false: T5 here takes no attention mask).
+    fn set_model_args(&mut self, args: &[(String, String)]) -> Result<()> {
+        let bad = |key: &str, value: &str, want: &str| {
+            Err(PipelineError::Invalid(format!("model argument {key}={value}: {want}")))
+        };
+        for (key, value) in args {
+            let flag = match value.to_ascii_lowercase().as_str() {
+                "true" | "1" | "on" => Some(true),
+                "false" | "0" | "off" => Some(false),
+                _ => None,
+            };
+            match key.as_str() {
+                "chroma_use_dit_mask" => match flag {
+                    Some(on) => self.dit.chroma.as_mut().expect("built with an approximator").dit_mask = on,
+                    None => return bad(key, value, "true or false"),
+                },
+                "chroma_use_t5_mask" => match flag {
+                    Some(false) => {}
+                    Some(true) => return bad(key, value, "T5's attention mask is not supported here (T5 attends to its padding, the reference's default)"),
+                    None => return bad(key, value, "true or false"),
+                },
+                "chroma_t5_mask_pad" => match value.parse::<usize>() {
+                    Ok(n) => self.mask_pad = n,
+                    Err(_) => return bad(key, value, "a count of padding tokens (0 or more)"),
+                },
+                _ => {
+                    return Err(PipelineError::Invalid(format!(
+                        "model argument '{key}': Chroma takes chroma_use_dit_mask, chroma_use_t5_mask, chroma_t5_mask_pad"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
         &super::flux::lora::LORA_PREFIXES
     }
@@ -216,7 +255,7 @@ mod tests {
     /// Euler on FLUX's flow schedule without shift, real CFG at the reference's 7.
     #[test]
     fn sampling_defaults() {
-        let c = Chroma { dit: FluxConfig::schnell(), t5: T5Config::xxl() };
+        let c = Chroma { dit: FluxConfig::schnell(), t5: T5Config::xxl(), mask_pad: 1 };
         let d = c.sampling();
         assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::Euler, AysLevels::Unpublished("Chroma"), 7.0));
         assert!(matches!(d.schedule, Schedule::Flow(f) if f == FlowSchedule::exponential(1.0)));

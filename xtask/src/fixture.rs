@@ -11,6 +11,7 @@
 //! cargo xtask fixture qwen3 [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture zimage [--layers N] [--refiner-layers N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
+//! cargo xtask fixture chroma [--double N] [--single N] [--hidden N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
 //! cargo xtask fixture clip-l [--seed N] [--type ...] [-o FILE]
 //! ```
@@ -71,7 +72,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -79,10 +80,10 @@ pub struct Args {
     /// qwen3 only: the SwiGLU width (default 9728, Qwen3-4B's; a multiple of 32).
     #[arg(long = "intermediate", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=65536))]
     intermediate: Option<u32>,
-    /// flux only: double-stream blocks (0 to 19, default 19).
+    /// flux, chroma: double-stream blocks (0 to 19, default 19).
     #[arg(long = "double", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=19))]
     double: Option<u32>,
-    /// flux only: single-stream blocks (0 to 38, default 38).
+    /// flux, chroma: single-stream blocks (0 to 38, default 38).
     #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
     single: Option<u32>,
     /// zimage only: noise and context refiner layers, each (0 to 2, default 2).
@@ -91,7 +92,7 @@ pub struct Args {
     /// zimage only: the caption width, the `--llm`'s hidden size (default 2560, Qwen3-4B's).
     #[arg(long = "cap-dim", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=8192))]
     cap_dim: Option<u32>,
-    /// flux, qwen3, zimage: the width, a multiple of 128 from 128 to 3840 (default 3072; qwen3: 2560; zimage: 3840).
+    /// flux, chroma, qwen3, zimage: the width, a multiple of 128 from 128 to 3840 (default 3072; qwen3: 2560; zimage: 3840).
     #[arg(long = "hidden", value_name = "N", value_parser = hidden_width)]
     hidden: Option<u32>,
     /// esrgan: RRDB blocks (default 23, RealESRGAN_x4plus; esrgan-anime: 6).
@@ -154,6 +155,8 @@ enum Target {
     Qwen3,
     /// A Z-Image transformer (`--diffusion-model`).
     ZImage,
+    /// A Chroma transformer (FLUX.1-schnell's blocks with the approximator).
+    Chroma,
     /// FLUX.1-dev (`schnell: false`) or -schnell.
     Flux {
         schnell: bool,
@@ -184,6 +187,7 @@ fn target(s: &str) -> Result<Target, String> {
         "zimage" | "z-image" => Ok(Target::ZImage),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
+        "chroma" => Ok(Target::Chroma),
         "flux-vae" => Ok(Target::FluxVae),
         "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
@@ -193,7 +197,7 @@ fn target(s: &str) -> Result<Target, String> {
         "esrgan-x2" => Ok(Target::Esrgan { scale: 2, blocks: 23 }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2")),
     }
 }
 
@@ -227,6 +231,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::Qwen3 => return run_qwen3(&args),
         Target::ZImage => return run_zimage(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
+        Target::Chroma => return run_chroma(&args),
         Target::FluxVae => return run_flux_vae(&args),
         Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
@@ -237,7 +242,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--layers applies to t5xxl and qwen3 fixtures only");
     }
     if args.double.is_some() || args.single.is_some() || args.hidden.is_some() {
-        bail!("--double, --single and --hidden apply to flux fixtures only");
+        bail!("--double, --single and --hidden apply to flux and chroma fixtures only");
     }
     if args.refiner_layers.is_some() || args.cap_dim.is_some() {
         bail!("--refiner-layers and --cap-dim apply to zimage fixtures only");
@@ -487,6 +492,35 @@ fn flux_config(args: &Args, schnell: bool) -> sd_models::diffusion::flux::FluxCo
     )
 }
 
+/// `cargo xtask fixture chroma ...`: the released approximator (5120 wide, 5 layers, which the
+/// reference builds whatever the file holds) with reduced blocks.
+fn run_chroma(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to chroma fixtures");
+    }
+    let cfg = flux::reduced_chroma(
+        args.hidden.unwrap_or(3072) as i64,
+        args.double.unwrap_or(19) as usize,
+        args.single.unwrap_or(38) as usize,
+    );
+    if cfg.depth + cfg.depth_single_blocks == 0 {
+        bail!("--double 0 --single 0 leaves no block: give at least one");
+    }
+    if args.std.is_some() && args.output.is_none() {
+        bail!("a chroma fixture with --std needs -o FILE");
+    }
+    let (path, format) = output(args, || flux::cached_chroma_path(&cfg, args.seed, args.wtype))?;
+    let start = Instant::now();
+    let report = flux::write_chroma(&path, &cfg, args.seed, args.std, args.wtype, format)?;
+    let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
+    let what = format!(
+        "chroma fixture, width {}, {} double + {} single blocks, seed {}, {}{std}",
+        cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, args.seed, args.wtype
+    );
+    print_written(&report, &what, start);
+    Ok(())
+}
+
 fn run_flux(args: &Args, schnell: bool) -> Result<()> {
     if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
         bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux fixtures");
@@ -587,12 +621,17 @@ mod tests {
         assert_eq!(parse("esrgan-anime").unwrap().family, Target::Esrgan { scale: 4, blocks: 6 });
         let d = parse("sd-turbo").unwrap();
         assert_eq!((d.seed, d.wtype, d.output, d.only, d.std), (42, WeightType::F16, None, None, None));
+        let c = parse("chroma --double 2 --single 1 --hidden 256 --seed 9 --std 0.02 -o c.safetensors").unwrap();
+        assert_eq!(
+            (c.family, c.double, c.single, c.hidden, c.std),
+            (Target::Chroma, Some(2), Some(1), Some(256), Some(0.02))
+        );
     }
 
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

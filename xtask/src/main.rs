@@ -12,6 +12,7 @@ mod fuzz;
 mod ggml;
 mod install;
 mod parity;
+mod parity_chroma;
 mod parity_esrgan;
 mod parity_flux;
 mod parity_flux_vae;

@@ -116,6 +116,10 @@ pub struct GenerateArgs {
     /// Flash attention in the diffusion model.
     #[arg(long = "diffusion-fa")]
     pub diffusion_fa: bool,
+    /// The model family's options, KEY=VALUE[,KEY=VALUE...] as the reference names them
+    /// (Chroma: chroma_use_dit_mask, chroma_use_t5_mask, chroma_t5_mask_pad).
+    #[arg(long = "model-args", value_name = "KEY=VALUE,...", value_parser = model_args)]
+    pub(crate) model_args: Option<FamilyArgs>,
     /// Tile the VAE.
     #[arg(long = "vae-tiling")]
     pub vae_tiling: bool,
@@ -342,6 +346,7 @@ pub fn load(
         devices,
         flash_attn: a.diffusion_fa,
         placement,
+        model_args: a.model_args.clone().map(|m| m.0).unwrap_or_default(),
     };
     let pipeline = Pipeline::from_files(files, options)?.with_loras(loras, a.lora.lora_apply_mode)?;
     for n in pipeline.notices() {
@@ -480,4 +485,19 @@ impl GenerateArgs {
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }
+}
+
+/// `--model-args`: `(key, value)` pairs.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct FamilyArgs(pub(crate) Vec<(String, String)>);
+
+fn model_args(s: &str) -> Result<FamilyArgs, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => out.push((k.trim().to_owned(), v.trim().to_owned())),
+            _ => return Err(format!("'{part}': KEY=VALUE expected")),
+        }
+    }
+    Ok(FamilyArgs(out))
 }

@@ -718,3 +718,143 @@ fn zimage_segmented_under_a_budget_gives_the_cpu_image() {
     assert!(s.segmented_runs == 2 && s.max_segments > 1, "both steps in segments: {s:?}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+// --- Chroma: FLUX.1-schnell's blocks with the distilled-guidance approximator, T5 only --------
+
+/// Chroma's DiT: width 256, 2 double and 1 single block, an approximator 256 wide with 2
+/// layers (ours reads its size from the file; the reference's parity fixture has the released
+/// 5120 x 5: `cargo xtask parity chroma`). Written once per process into the fixture cache.
+fn chroma_dit() -> &'static PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        use sd_models::diffusion::flux::chroma::ChromaConfig;
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let approx = ChromaConfig { inner: 256, layers: 2, ..ChromaConfig::released() };
+        let cfg = sd_models::diffusion::flux::FluxConfig { chroma: Some(approx), ..flux::reduced_chroma(256, 2, 1) };
+        let path = flux::cached_chroma_path(&cfg, 42, WeightType::F16);
+        if !path.exists() {
+            flux::write_chroma(&path, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+        }
+        path
+    })
+}
+
+/// Chroma's T5: one block (its 512-token chunks make T5 the costly stage), the fp8 fixture
+/// that `flux_reads_an_fp8_e4m3_t5_as_its_f16_values` shares.
+fn chroma_t5() -> &'static PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let path = t5::cached_t5xxl_path(1, 42, WeightType::F8E4M3);
+        if !path.exists() {
+            let cfg = T5Config { n_layers: 1, ..T5Config::xxl() };
+            t5::write_t5xxl(&path, &cfg, 42, WeightType::F8E4M3, FileFormat::Safetensors).unwrap();
+        }
+        path
+    })
+}
+
+/// `sd-cli` with `pre` (a subcommand), Chroma's DiT, `--t5xxl` and `--vae` (each left out when
+/// `false`) and `extra`.
+fn chroma_cli(pre: &[&str], t5: bool, vae: bool, extra: &[&str]) -> std::process::Output {
+    let mut c = sd_cli();
+    c.env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off").args(pre).arg("--diffusion-model").arg(chroma_dit());
+    if t5 {
+        c.arg("--t5xxl").arg(chroma_t5());
+    }
+    if vae {
+        c.arg("--vae").arg(&files().vae);
+    }
+    c.args(extra).output().unwrap()
+}
+
+#[test]
+fn chroma_generates_with_its_negative_prompt_and_plans() {
+    let d = dir("chroma");
+    let gen = |name: &str, prompt: &str, negative: &str, more: &[&str]| {
+        let out = d.join(format!("{name}.png"));
+        let base = ["-p", prompt, "-n", negative, "-W", "64", "-H", "64", "--steps", "1", "-s", "7"];
+        let o = chroma_cli(&[], true, true, &[&base[..], more, &["-o", out.to_str().unwrap()]].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "Chroma generation failed:\n{err}");
+        (std::fs::read(&out).unwrap(), err)
+    };
+    let (cat, err) = gen("cat", "a photo of a cat", "blurry", &[]);
+    assert!(err.contains("model: chroma") && err.contains("flow matching"), "{err}");
+    let px = pixels(&cat);
+    assert_eq!(px.len(), 64 * 64 * 3);
+    assert!(px.iter().any(|&v| v != px[0]), "a flat image");
+    // The same seed gives the same image; the approximator's guidance input is 0 whatever
+    // --guidance says, and a --clip_l is ignored with a warning, as in the reference.
+    let clip = files().clip_l.to_str().unwrap();
+    let (again, err) = gen("again", "a photo of a cat", "blurry", &["--guidance", "5", "--clip_l", clip]);
+    assert!(again == cat && err.contains("CLIP-L text encoder (--clip_l) is ignored"), "{err}");
+    let (dog, _) = gen("dog", "a photo of a dog", "blurry", &[]);
+    assert!(dog != cat, "the prompt reaches the image (through T5)");
+    let (neg, _) = gen("neg", "a photo of a cat", "a dark room", &[]);
+    assert!(neg != cat, "the negative prompt reaches the image (real CFG)");
+    // The reference's --model-args keys: without the DiT mask the padding is attended to.
+    let (unmasked, _) = gen("unmasked", "a photo of a cat", "blurry", &["--model-args", "chroma_use_dit_mask=false"]);
+    assert!(unmasked != cat, "chroma_use_dit_mask=false reaches the image");
+    for (args, needle) in [
+        ("chroma_use_t5_mask=true", "not supported"),
+        ("chroma_t5_mask_pad=x", "chroma_t5_mask_pad=x"),
+        ("flux_thing=1", "'flux_thing'"),
+    ] {
+        let o = chroma_cli(
+            &[],
+            true,
+            true,
+            &["-p", "a cat", "--model-args", args, "-o", d.join("bad.png").to_str().unwrap()],
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "{args}: {err}");
+    }
+    // `plan` from the headers.
+    let o = chroma_cli(&["plan"], true, true, &["--steps", "2"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && out.contains("chroma"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn chroma_without_t5_or_vae_is_a_clear_error_and_never_runs_as_flux() {
+    let d = dir("chroma-bad");
+    for (t5, vae, needle) in [(false, true, "--t5xxl"), (true, false, "--vae")] {
+        let out = d.join("x.png");
+        let o = chroma_cli(&[], t5, vae, &["-p", "a cat", "-W", "64", "-H", "64", "-o", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.code() == Some(2) && err.contains("Chroma needs") && err.contains(needle), "{err}");
+        assert!(!out.exists());
+    }
+    // The FLUX.1 DiT with Chroma's flags (no --clip_l) is still FLUX.1.
+    let out = d.join("flux.png");
+    let o = sd_cli()
+        .env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off")
+        .args(["plan", "--diffusion-model"])
+        .arg(&files().dit)
+        .arg("--t5xxl")
+        .arg(&files().t5)
+        .arg("--vae")
+        .arg(&files().vae)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && text.contains("flux") && !text.contains("chroma"), "{text}");
+    // FLUX.1 takes no --model-args: Chroma's keys are refused by name, before any weight loads.
+    let o = sd_cli()
+        .env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off")
+        .arg("--diffusion-model")
+        .arg(&files().dit)
+        .arg("--t5xxl")
+        .arg(&files().t5)
+        .arg("--vae")
+        .arg(&files().vae)
+        .args(["-p", "a cat", "--model-args", "chroma_use_dit_mask=false", "-o", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("'chroma_use_dit_mask'") && err.contains("flux"), "{err}");
+    assert!(!out.exists());
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -294,6 +294,9 @@ pub struct LoadOptions {
     pub flash_attn: bool,
     /// Where parameters live, device budgets, segmented-execution flags.
     pub placement: Placement,
+    /// `--model-args`: the family's options as `(key, value)`, as the reference names them
+    /// (`chroma_use_dit_mask`); a key the family does not take is an error.
+    pub model_args: Vec<(String, String)>,
 }
 
 /// Where each module's parameters live (`--params-backend`).
@@ -660,7 +663,8 @@ impl Pipeline {
     /// checks the tensors against it.
     pub fn from_files(files: ModelFiles, opts: LoadOptions) -> Result<Self> {
         let detected = files.detect(opts.prediction)?;
-        let family = crate::family::for_detected(&detected, &files)?;
+        let mut family = crate::family::for_detected(&detected, &files)?;
+        family.set_model_args(&opts.model_args)?;
         let flow = family.sampling().schedule.is_flow();
         let mut notices = family.notices();
         let prediction = detected.prediction.unwrap_or_else(|| {

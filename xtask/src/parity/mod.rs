@@ -147,6 +147,8 @@ enum ParityCommand {
     Qwen3(crate::parity_qwen3::Args),
     /// Our FLUX transformer against the reference's on one diffusion-model file.
     FluxDit(crate::parity_flux::Args),
+    /// Our Chroma transformer against the reference's (masked and unmasked), on one file.
+    Chroma(crate::parity_chroma::Args),
     /// Our FLUX.1 VAE decode against the reference's (needs a FLUX.1 diffusion model file).
     FluxVae(crate::parity_flux_vae::Args),
     /// Our ESRGAN upscaler against the reference's (`-M upscale`), whole and tiled.
@@ -193,6 +195,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::T5(a)) => return crate::parity_t5::run(a),
         Some(ParityCommand::Qwen3(a)) => return crate::parity_qwen3::run(a),
         Some(ParityCommand::FluxDit(a)) => return crate::parity_flux::run(a),
+        Some(ParityCommand::Chroma(a)) => return crate::parity_chroma::run(a),
         Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
         Some(ParityCommand::Esrgan(a)) => return crate::parity_esrgan::run(a),
         Some(ParityCommand::Zimage(a)) => return crate::parity_zimage::run(a),

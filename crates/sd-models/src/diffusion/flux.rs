@@ -55,6 +55,8 @@ use crate::files::index::numbered;
 use crate::files::TensorIndex;
 use crate::wtype::SpecSink;
 
+pub mod chroma;
+
 const MODEL: &str = "FLUX";
 /// Internal prefix of every FLUX parameter (BFL's bare names and ComfyUI's
 /// `model.diffusion_model.` names both land here).
@@ -101,6 +103,9 @@ pub struct FluxConfig {
     pub qkv_bias: bool,
     /// Whether the model embeds a distilled guidance scale (dev; schnell has none).
     pub guidance_embed: bool,
+    /// Chroma: the distilled-guidance approximator in place of the embedders and the
+    /// modulation projections ([`chroma`]); `None` for FLUX.1.
+    pub chroma: Option<chroma::ChromaConfig>,
 }
 
 impl FluxConfig {
@@ -120,6 +125,7 @@ impl FluxConfig {
             mlp_ratio: 4,
             qkv_bias: true,
             guidance_embed: true,
+            chroma: None,
         }
     }
 
@@ -169,6 +175,11 @@ impl FluxConfig {
             if rel == "single_blocks.0.norm.key_norm.scale" || rel == "double_blocks.0.txt_attn.norm.key_norm.scale" {
                 head_dim = Some(ne.first().copied().unwrap_or(0));
             }
+        }
+        cfg.chroma = chroma::from_file(tensors)?;
+        if cfg.chroma.is_some() {
+            // Chroma has no vector_in: the conditioner's vector is the text mask.
+            cfg.vec_in_dim = 0;
         }
         let txt_name = format!("{PREFIX}.txt_in.weight");
         match txt_in.as_deref() {
@@ -220,6 +231,15 @@ impl FluxConfig {
         }
         if !(self.theta.is_finite() && self.theta > 1.0) {
             return bad(format!("RoPE theta {} must be above 1", self.theta));
+        }
+        if let Some(c) = &self.chroma {
+            if self.guidance_embed || self.vec_in_dim != 0 {
+                return bad("a Chroma model has neither guidance_in nor vector_in".into());
+            }
+            if c.inner <= 0 || c.layers == 0 {
+                return bad(format!("the approximator needs a positive width and layers: {c:?}"));
+            }
+            chroma::validate(self.depth, self.depth_single_blocks)?;
         }
         Ok(())
     }
@@ -285,6 +305,11 @@ pub fn flux_specs(
         match block {
             Block::Prelude => {
                 s.linear(&name("img_in"), cfg.in_channels, h, true);
+                if let Some(c) = &cfg.chroma {
+                    chroma::specs(&mut s, c, h);
+                    s.linear(&name("txt_in"), cfg.context_in_dim, h, true);
+                    continue;
+                }
                 mlp_embedder_specs(&mut s, &name("time_in"), TIME_DIM, h);
                 if cfg.vec_in_dim > 0 {
                     mlp_embedder_specs(&mut s, &name("vector_in"), cfg.vec_in_dim, h);
@@ -297,7 +322,9 @@ pub fn flux_specs(
             Block::Double(i) => {
                 for stream in ["img", "txt"] {
                     let p = name(&format!("double_blocks.{i}.{stream}"));
-                    s.linear(&format!("{p}_mod.lin"), h, 6 * h, true);
+                    if cfg.chroma.is_none() {
+                        s.linear(&format!("{p}_mod.lin"), h, 6 * h, true);
+                    }
                     s.linear(&format!("{p}_attn.qkv"), h, 3 * h, cfg.qkv_bias);
                     qk_norm_specs(&mut s, &format!("{p}_attn"), hd);
                     s.linear(&format!("{p}_attn.proj"), h, h, true);
@@ -310,11 +337,15 @@ pub fn flux_specs(
                 s.linear(&format!("{p}.linear1"), h, 3 * h + mlp, true);
                 s.linear(&format!("{p}.linear2"), h + mlp, h, true);
                 qk_norm_specs(&mut s, &p, hd);
-                s.linear(&format!("{p}.modulation.lin"), h, 3 * h, true);
+                if cfg.chroma.is_none() {
+                    s.linear(&format!("{p}.modulation.lin"), h, 3 * h, true);
+                }
             }
             Block::Final => {
                 s.linear(&name("final_layer.linear"), h, cfg.out_channels, true);
-                s.linear(&name("final_layer.adaLN_modulation.1"), h, 2 * h, true);
+                if cfg.chroma.is_none() {
+                    s.linear(&name("final_layer.adaLN_modulation.1"), h, 2 * h, true);
+                }
             }
         }
     }
@@ -438,6 +469,8 @@ pub struct Shared<'g> {
     pub eps: Tensor<'g>,
     /// The attention kernel.
     pub kernel: AttnKernel,
+    /// Chroma's DiT mask `[txt + img tokens]` (0 or -inf), added to the scores over the keys.
+    pub mask: Option<Tensor<'g>>,
 }
 
 fn weight<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
@@ -514,14 +547,17 @@ fn apply_rope<'g>(g: &'g Context, x: Tensor<'g>, pe: Tensor<'g>) -> Tensor<'g> {
 
 /// Attention with RoPE: q, k, v `[head_dim, heads, L, 1]` -> `[hidden, L, 1]`.
 fn attention<'g>(g: &'g Context, q: Tensor<'g>, k: Tensor<'g>, v: Tensor<'g>, s: &Shared<'g>) -> Tensor<'g> {
-    rope_attention(g, q, k, v, s.pe, s.kernel, 1.0)
+    rope_attention(g, q, k, v, s.pe, s.kernel, 1.0, s.mask)
 }
 
 /// The reference's `Rope::attention`: q `[head_dim, heads, L, 1]`, k and v `[head_dim,
 /// kv_heads, L, 1]` (query head `h` reads key/value head `h / (heads / kv_heads)`, by ggml's
 /// broadcasting matmul) -> `[head_dim * heads, L, 1]`. `kv_scale` is the reference's overflow
 /// guard of the flash path (k and v scaled before the f16 cast, the output scaled back); the
-/// plain path ignores it, as the reference's does.
+/// plain path ignores it, as the reference's does. `mask` `[L]` (Chroma's DiT mask) is added
+/// to the scaled scores over the keys, as the reference's plain path does; a masked
+/// attention always takes the plain path here.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn rope_attention<'g>(
     g: &'g Context,
     q: Tensor<'g>,
@@ -530,6 +566,7 @@ pub(super) fn rope_attention<'g>(
     pe: Tensor<'g>,
     kernel: AttnKernel,
     kv_scale: f32,
+    mask: Option<Tensor<'g>>,
 ) -> Tensor<'g> {
     let [d, heads, l, _] = q.shape();
     let kv_heads = v.shape()[1];
@@ -537,6 +574,7 @@ pub(super) fn rope_attention<'g>(
     let k = apply_rope(g, k, pe);
     let scale = 1.0 / (d as f32).sqrt();
     let flash = match kernel {
+        _ if mask.is_some() => None,
         AttnKernel::Plain => None,
         AttnKernel::Flash | AttnKernel::FlashWhereSupported(_) => {
             let scaled = |t: Tensor<'g>| if kv_scale != 1.0 { g.scale(t, kv_scale) } else { t };
@@ -558,7 +596,11 @@ pub(super) fn rope_attention<'g>(
     let kq = g.mul_mat_prec_f32(k, q); // [Lk, Lq, heads]
                                        // The reference scales in its own node, then takes a plain softmax: the same single
                                        // multiply as the fused scale.
-    let kq = g.soft_max_ext(kq, None, scale, 0.0);
+    let kq = match mask {
+        // The reference's order: scale, add the mask, softmax.
+        Some(m) => g.soft_max_ext(g.add(g.scale(kq, scale), m), None, 1.0, 0.0),
+        None => g.soft_max_ext(kq, None, scale, 0.0),
+    };
     let kqv = g.mul_mat(vt, kq); // [d, Lq, heads]
     let kqv = g.cont(g.permute(g.reshape(kqv, &[d, l, heads, 1]), [0, 2, 1, 3])); // [d, heads, L, 1]
     g.reshape(kqv, &[d * heads, l, 1])
@@ -582,8 +624,14 @@ pub fn double_block<'g>(
     s: &Shared<'g>,
 ) -> Result<(Tensor<'g>, Tensor<'g>)> {
     let p = name(&format!("double_blocks.{i}"));
-    let img_mod = modulation(g, w, &format!("{p}.img_mod.lin"), s.vec, 6)?;
-    let txt_mod = modulation(g, w, &format!("{p}.txt_mod.lin"), s.vec, 6)?;
+    let (img_mod, txt_mod) = if cfg.chroma.is_some() {
+        chroma::double_mods(g, s.vec, i)
+    } else {
+        (
+            modulation(g, w, &format!("{p}.img_mod.lin"), s.vec, 6)?,
+            modulation(g, w, &format!("{p}.txt_mod.lin"), s.vec, 6)?,
+        )
+    };
     let qkv_of = |stream: &str, x: Tensor<'g>, m: &[Tensor<'g>]| -> Result<[Tensor<'g>; 3]> {
         let x = modulate(g, layer_norm(g, x), m[0], m[1]);
         let qkv = blocks::linear(g, w, &format!("{p}.{stream}_attn.qkv"), x, cfg.qkv_bias)?;
@@ -622,7 +670,11 @@ pub fn single_block<'g>(
 ) -> Result<Tensor<'g>> {
     let p = name(&format!("single_blocks.{i}"));
     let (h, mlp_w) = (cfg.hidden_size, cfg.mlp_hidden());
-    let m = modulation(g, w, &format!("{p}.modulation.lin"), s.vec, 3)?;
+    let m = if cfg.chroma.is_some() {
+        chroma::single_mods(g, s.vec, i)
+    } else {
+        modulation(g, w, &format!("{p}.modulation.lin"), s.vec, 3)?
+    };
     let x_mod = modulate(g, layer_norm(g, x), m[0], m[1]);
     let qkv_mlp = blocks::linear(g, w, &format!("{p}.linear1"), x_mod, true)?; // [3h + mlp, L, 1]
     let [q, k, v] = split_qkv(g, w, cfg, &p, qkv_mlp, s.eps)?;
@@ -636,7 +688,18 @@ pub fn single_block<'g>(
 }
 
 /// The final layer on the img tokens `[hidden, L_img, 1]` -> `[out_channels, L_img, 1]`.
-fn final_layer<'g>(g: &'g Context, w: &Weights, img: Tensor<'g>, vec: Tensor<'g>) -> Result<Tensor<'g>> {
+fn final_layer<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &FluxConfig,
+    img: Tensor<'g>,
+    vec: Tensor<'g>,
+) -> Result<Tensor<'g>> {
+    if cfg.chroma.is_some() {
+        let (shift, scale) = chroma::final_mods(g, vec);
+        let x = modulate(g, layer_norm(g, img), shift, scale);
+        return blocks::linear(g, w, &name("final_layer.linear"), x, true);
+    }
     let h = vec.shape()[0];
     let m = blocks::linear(g, w, &name("final_layer.adaLN_modulation.1"), g.silu(vec), true)?; // [2h, 1]
     let nb = m.nb();
@@ -688,6 +751,10 @@ pub struct FluxInputs<'g> {
     pub pe: Tensor<'g>,
     /// RMSNorm's epsilon `[1]`.
     pub eps: Tensor<'g>,
+    /// Chroma: the approximator's row indices `[344]` (0..344).
+    pub mod_index: Option<Tensor<'g>>,
+    /// Chroma's DiT mask `[L_txt + L_img]`: the text mask, then zeros for the image tokens.
+    pub mask: Option<Tensor<'g>>,
 }
 
 fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
@@ -703,13 +770,22 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
     if cfg.vec_in_dim > 0 && i.y.shape()[..2] != [cfg.vec_in_dim, 1] {
         return bad(format!("pooled vector shape {:?}, the model takes [{}, 1]", i.y.shape(), cfg.vec_in_dim));
     }
-    if cfg.guidance_embed != i.guidance.is_some() {
+    let guided = cfg.guidance_embed || cfg.chroma.is_some();
+    if guided != i.guidance.is_some() {
         return bad(format!(
             "the model {} a guidance input",
-            if cfg.guidance_embed { "embeds guidance (dev) and needs" } else { "has no guidance embedding, yet got" }
+            if guided { "embeds guidance (dev, Chroma) and needs" } else { "has no guidance embedding, yet got" }
         ));
     }
+    if cfg.chroma.is_some() != i.mod_index.is_some() {
+        return bad("the approximator's row indices go with a Chroma model, and only with one".into());
+    }
     let tokens = lt + (wd / PATCH) * (ht / PATCH);
+    if let Some(m) = i.mask {
+        if cfg.chroma.is_none() || m.shape()[0] != tokens || m.shape()[1..].iter().any(|&d| d != 1) {
+            return bad(format!("a DiT mask of shape {:?} (Chroma only, one value per token: {tokens})", m.shape()));
+        }
+    }
     if i.pe.shape() != [2, 2, cfg.head_dim() / 2, tokens] {
         return bad(format!("pe shape {:?} does not fit {tokens} tokens", i.pe.shape()));
     }
@@ -745,6 +821,22 @@ pub fn forward<'g>(
     let mut out = None;
     for block in layout(cfg) {
         match block {
+            Block::Prelude if cfg.chroma.is_some() => {
+                let c = cfg.chroma.as_ref().expect("matched");
+                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x), true)?;
+                let (Some(gd), Some(index)) = (inputs.guidance, inputs.mod_index) else {
+                    return Err(DiffusionError::Input {
+                        model: MODEL,
+                        reason: "Chroma needs guidance and row indices".into(),
+                    });
+                };
+                vec = chroma::modulation_vectors(g, w, c, inputs.timestep, gd, index, inputs.eps)?;
+                txt = blocks::linear(g, w, &name("txt_in"), inputs.context, true)?;
+                cuts.push(("flux.prelude.img".into(), img));
+                cuts.push(("flux.prelude.txt".into(), txt));
+                cuts.push(("flux.prelude.vec".into(), vec));
+                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: inputs.mask });
+            }
             Block::Prelude => {
                 img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x), true)?;
                 vec = scalar_embedding(g, w, &name("time_in"), inputs.timestep)?;
@@ -760,7 +852,7 @@ pub fn forward<'g>(
                 cuts.push(("flux.prelude.img".into(), img));
                 cuts.push(("flux.prelude.txt".into(), txt));
                 cuts.push(("flux.prelude.vec".into(), vec));
-                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel });
+                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: None });
             }
             Block::Double(i) => {
                 let s = shared.as_ref().expect("the prelude comes first");
@@ -784,7 +876,7 @@ pub fn forward<'g>(
                     }
                     None => img,
                 };
-                let y = final_layer(g, w, img_tokens, vec)?;
+                let y = final_layer(g, w, cfg, img_tokens, vec)?;
                 out = Some(unpatchify(g, y, wd, ht));
             }
         }
@@ -873,7 +965,7 @@ impl FluxModel {
             let ctxs: Vec<Context> = chunk.iter().map(|_| Context::for_graph(size, size)).collect::<Result<_, _>>()?;
             let mut graphs = Vec::with_capacity(chunk.len());
             for (g, s) in ctxs.iter().zip(chunk) {
-                graphs.push(self.graph(g, (w, h), s.n_ctx_tokens, guidance.is_some(), kernel)?);
+                graphs.push(self.graph(g, (w, h), s.n_ctx_tokens, guidance.is_some(), self.masked(s), kernel)?);
             }
             let mut set_inputs = || -> std::result::Result<(), sd_sched::SchedError> {
                 for ((ins, _, _), s) in graphs.iter().zip(chunk) {
@@ -919,10 +1011,20 @@ impl FluxModel {
                 s.n_ctx_tokens * cd
             ));
         }
-        if s.y.len() != cfg.vec_in_dim as usize {
+        if cfg.chroma.is_some() {
+            if !s.y.is_empty() && s.y.len() != s.n_ctx_tokens {
+                return bad(format!("the text mask has {} values for {} tokens", s.y.len(), s.n_ctx_tokens));
+            }
+        } else if s.y.len() != cfg.vec_in_dim as usize {
             return bad(format!("pooled vector has {} values, the model takes {}", s.y.len(), cfg.vec_in_dim));
         }
         Ok(())
+    }
+
+    /// Whether a sample's graph takes Chroma's DiT mask: a Chroma model with the mask on
+    /// (`chroma_use_dit_mask`) and a conditioning that carries one.
+    fn masked(&self, s: &Sample<'_>) -> bool {
+        self.cfg.chroma.as_ref().is_some_and(|c| c.dit_mask) && !s.y.is_empty()
     }
 
     /// The graph of one sample in `g`: its inputs, output and cuts.
@@ -933,6 +1035,7 @@ impl FluxModel {
         (w, h): (usize, usize),
         n_ctx_tokens: usize,
         guided: bool,
+        masked: bool,
         kernel: AttnKernel,
     ) -> Result<(FluxInputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
         let cfg = &self.cfg;
@@ -946,6 +1049,11 @@ impl FluxModel {
             guidance: guided.then(|| g.new_f32(&[1]).set_name("guidance").set_input()),
             pe: g.new_f32(&[2, 2, cfg.head_dim() / 2, tokens]).set_name("pe").set_input(),
             eps: g.new_f32(&[1]).set_name("rms_eps").set_input(),
+            mod_index: cfg
+                .chroma
+                .is_some()
+                .then(|| g.new_f32(&[chroma::MOD_INDEX_LEN as i64]).set_name("mod_index").set_input()),
+            mask: masked.then(|| g.new_f32(&[tokens]).set_name("dit_mask").set_input()),
         };
         let mut cuts = Vec::new();
         let out = forward(g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
@@ -971,6 +1079,15 @@ impl FluxModel {
         }
         ins.pe.set_f32(&rope_pe(&self.cfg, s.n_ctx_tokens, (w, h)))?;
         ins.eps.set_f32(&[EPS])?;
+        if let Some(t) = ins.mod_index {
+            t.set_f32(&chroma::mod_index_values())?;
+        }
+        if let Some(t) = ins.mask {
+            // The text mask, then zeros for the image tokens (the reference's ggml_pad).
+            let mut m = s.y.to_vec();
+            m.resize(s.n_ctx_tokens + image_tokens(w, h), 0.0);
+            t.set_f32(&m)?;
+        }
         Ok(())
     }
 }
@@ -1006,7 +1123,9 @@ impl crate::family::DiffusionModel for FluxModel {
         let per = self.cfg.latent_channels() as usize * w * h;
         super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
-        let guidance = self.cfg.guidance_embed.then_some(self.guidance);
+        // The reference fills Chroma's guidance with 0 whatever `--guidance` says.
+        let guidance =
+            if self.cfg.chroma.is_some() { Some(0.0) } else { self.cfg.guidance_embed.then_some(self.guidance) };
         let mut samples = Vec::with_capacity(cond.len());
         for (i, c) in cond.iter().enumerate() {
             if c.hidden_size != self.cfg.context_in_dim as usize {

@@ -480,7 +480,7 @@ fn attention<'g>(
     let q = rms(g, w, &format!("{p}.q_norm"), g.cont(part(heads, 0)))?;
     let k = rms(g, w, &format!("{p}.k_norm"), g.cont(part(kv, heads)))?;
     let v = part(kv, heads + kv);
-    let a = rope_attention(g, q, k, v, pe, kernel, GUARD_SCALE); // [hidden, L, 1]
+    let a = rope_attention(g, q, k, v, pe, kernel, GUARD_SCALE, None); // [hidden, L, 1]
     blocks::linear(g, w, &format!("{p}.out"), a, false)
 }
 

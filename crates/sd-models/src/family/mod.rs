@@ -12,6 +12,7 @@
 //! detects its files). [`for_detected`] picks the spec whose `arch` is the detected one.
 //! SD 1.x and 2.x are [`sd`].
 
+pub mod chroma;
 pub mod flux;
 pub mod sd;
 pub mod sdxl;
@@ -247,6 +248,18 @@ pub trait Family: Send + Sync + Debug {
 
     /// Sampling defaults.
     fn sampling(&self) -> SamplingDefaults;
+
+    /// `--model-args`: the family's options, `(key, value)` as the reference names them. The
+    /// default takes none: any key is an error naming it.
+    fn set_model_args(&mut self, args: &[(String, String)]) -> Result<()> {
+        match args.first() {
+            Some((key, _)) => Err(PipelineError::Invalid(format!(
+                "model argument '{key}': the {} model takes no model arguments",
+                self.arch()
+            ))),
+            None => Ok(()),
+        }
+    }
 
     /// Where LoRA keys point (`crate::lora`): one row per key prefix. Empty: the family takes
     /// no LoRA yet.

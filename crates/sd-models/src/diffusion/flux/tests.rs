@@ -401,7 +401,7 @@ fn block_case(double: bool) -> (Vec<f32>, Vec<f64>) {
     ];
     let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
     let (got, _) = run_graph(&mut runner, &ins, 4096, |g, t| {
-        let s = Shared { vec: t[2], pe: t[3], eps: t[4], kernel: AttnKernel::Plain };
+        let s = Shared { vec: t[2], pe: t[3], eps: t[4], kernel: AttnKernel::Plain, mask: None };
         if double {
             let (i, x) = double_block(g, &w, &cfg, 0, t[0], t[1], &s)?;
             // txt then img, one output.
@@ -468,8 +468,17 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), d.as_slice())).collect();
     let mut ncuts = 0;
     let (got, shape) = run_graph(&mut runner, &ins, graph_size(&cfg), |g, t| {
-        let fi =
-            FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: Some(t[4]), pe: t[5], eps: t[6] };
+        let fi = FluxInputs {
+            x: t[0],
+            timestep: t[1],
+            context: t[2],
+            y: t[3],
+            guidance: Some(t[4]),
+            pe: t[5],
+            eps: t[6],
+            mod_index: None,
+            mask: None,
+        };
         let mut cuts = Vec::new();
         let out = forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut cuts)?;
         ncuts = cuts.len();
@@ -495,7 +504,17 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
 
     // Bad inputs are errors naming what is wrong.
     let err = run_graph(&mut runner, &ins, graph_size(&cfg), |g, t| {
-        let fi = FluxInputs { x: t[0], timestep: t[1], context: t[2], y: t[3], guidance: None, pe: t[5], eps: t[6] };
+        let fi = FluxInputs {
+            x: t[0],
+            timestep: t[1],
+            context: t[2],
+            y: t[3],
+            guidance: None,
+            pe: t[5],
+            eps: t[6],
+            mod_index: None,
+            mask: None,
+        };
         forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut Vec::new())
     })
     .unwrap_err()
@@ -504,7 +523,17 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let odd: Vec<(Vec<i64>, Vec<f32>)> = vec![(vec![5, 4, c as i64, 1], vec![0.0; 5 * 4 * c])];
     let ins_odd: Vec<(&[i64], &[f32])> = odd.iter().map(|(s, d)| (s.as_slice(), d.as_slice())).collect();
     let err = run_graph(&mut runner, &ins_odd, 64, |g, t| {
-        let fi = FluxInputs { x: t[0], timestep: t[0], context: t[0], y: t[0], guidance: None, pe: t[0], eps: t[0] };
+        let fi = FluxInputs {
+            x: t[0],
+            timestep: t[0],
+            context: t[0],
+            y: t[0],
+            guidance: None,
+            pe: t[0],
+            eps: t[0],
+            mod_index: None,
+            mask: None,
+        };
         forward(g, &w, &FluxConfig::schnell(), &fi, AttnKernel::Plain, &mut Vec::new())
     })
     .unwrap_err()
@@ -526,7 +555,7 @@ fn flash_attention_stays_close_to_plain() {
             vec![(vec![hs, n], &x), (vec![hs, 1], &vec), (vec![2, 2, cfg.head_dim() / 2, n], &pe), (vec![1], &[1e-6])];
         let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
         run_graph(runner, &ins, 4096, |g, t| {
-            single_block(g, &w, &cfg, 0, t[0], &Shared { vec: t[1], pe: t[2], eps: t[3], kernel })
+            single_block(g, &w, &cfg, 0, t[0], &Shared { vec: t[1], pe: t[2], eps: t[3], kernel, mask: None })
         })
         .unwrap()
         .0
@@ -603,4 +632,82 @@ fn segmented_under_a_budget_equals_the_whole_graph() {
     assert_eq!(stats.segmented_runs, 1, "{stats:?}");
     assert!(stats.max_segments >= 4, "{stats:?}");
     assert!(high <= budget, "high-water {high} above the budget {budget}");
+}
+
+// --- Chroma ------------------------------------------------------------------------------
+
+/// [`tiny`] as Chroma: no guidance or vector embedders, an approximator 64 wide with 2 layers.
+fn tiny_chroma() -> FluxConfig {
+    let approx = chroma::ChromaConfig { inner: 64, layers: 2, dit_mask: true };
+    FluxConfig {
+        vec_in_dim: 0,
+        guidance_embed: false,
+        chroma: Some(approx),
+        depth: 2,
+        depth_single_blocks: 2,
+        ..tiny()
+    }
+}
+
+#[test]
+fn chroma_masked_tokens_act_as_absent_and_the_timestep_reaches_the_output() {
+    let cfg = tiny_chroma();
+    let specs = flux_specs(&cfg, &|_| None, None);
+    assert!(specs.iter().all(|s| !s.name.contains("_mod.lin") && !s.name.contains("modulation.lin")));
+    assert!(specs.iter().any(|s| s.name.ends_with("distilled_guidance_layer.norms.1.scale")));
+    let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+    m.weights.allocate(backend().device().buffer_type()).unwrap();
+    m.weights.load_from(&RANDOM).unwrap();
+    let mut runner = Runner::new("chroma", backend());
+    let (w, h, l, masked) = (4usize, 6usize, 5usize, 2usize);
+    let x = inputs(cfg.latent_channels() as usize * w * h, "chroma-x", 1.0);
+    let ctx = inputs(l * cfg.context_in_dim as usize, "chroma-c", 1.0);
+    let mask: Vec<f32> = (0..l).map(|i| if i + masked >= l { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let with_mask = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
+    // Text ids are all zero for RoPE, so tokens no query may read are tokens that are not there.
+    let kept = (l - masked) * cfg.context_in_dim as usize;
+    let absent = m.eval(&mut runner, &x, (w, h), 0.6, &ctx[..kept], l - masked, &[], Some(0.0)).unwrap();
+    let (max, _) = diff(&with_mask, &absent.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    assert!(max < 1e-4, "masked tokens changed the output by {max:e}");
+    let unmasked = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &[], Some(0.0)).unwrap();
+    assert_ne!(unmasked, with_mask, "the mask reaches the output");
+    let zeros = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &vec![0.0; l], Some(0.0)).unwrap();
+    assert_eq!(zeros, unmasked, "an all-open mask is no mask");
+    let later = m.eval(&mut runner, &x, (w, h), 0.3, &ctx, l, &[], Some(0.0)).unwrap();
+    assert_ne!(later, unmasked, "the timestep reaches the approximator");
+    // Without the DiT mask option the conditioner's mask is not read.
+    m.cfg.chroma.as_mut().unwrap().dit_mask = false;
+    let off = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
+    assert_eq!(off, unmasked);
+    // Bad inputs are errors naming what is wrong.
+    let e = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask[..2], Some(0.0)).unwrap_err().to_string();
+    assert!(e.contains("mask"), "{e}");
+}
+
+#[test]
+fn chroma_segmented_under_a_budget_equals_the_whole_graph() {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use sd_sched::{Ledgers, ParamHome};
+    let cfg = tiny_chroma();
+    let (w, h, l) = (4usize, 6usize, 3usize);
+    let x = inputs(cfg.latent_channels() as usize * w * h, "cseg-x", 1.0);
+    let ctx = inputs(l * cfg.context_in_dim as usize, "cseg-c", 1.0);
+    let mask = [0.0, 0.0, f32::NEG_INFINITY];
+    let run = |home: ParamHome, budget: Option<u64>| {
+        let b = backend();
+        let dev = b.device().name();
+        let ledgers = Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
+        let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RANDOM)).unwrap();
+        let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
+        let out = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
+        (out, runner.stats().clone())
+    };
+    let (whole, stats) = run(ParamHome::Compute, None);
+    assert_eq!(stats.segmented_runs, 0);
+    let (seg, stats) = run(ParamHome::Disk, Some(10 << 20));
+    assert_eq!(seg, whole, "segmented = whole (same kernels)");
+    assert!(stats.segmented_runs == 1 && stats.max_segments >= 4, "{stats:?}");
 }

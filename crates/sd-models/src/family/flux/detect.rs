@@ -21,6 +21,10 @@ pub(crate) const GUIDANCE_IN: &str = "model.diffusion_model.guidance_in.in_layer
 const NOTABLE: [&str; 2] = [TXT_IN, GUIDANCE_IN];
 
 fn context_width(index: &TensorIndex) -> Option<u64> {
+    // A Chroma file (FLUX.1-schnell's blocks with an approximator) is Chroma's, never FLUX.1's.
+    if super::super::chroma::is_chroma(index) {
+        return None;
+    }
     if !index.with_prefix("model.diffusion_model.double_blocks.").any(|_| true) {
         return None;
     }

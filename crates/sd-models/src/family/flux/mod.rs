@@ -103,7 +103,7 @@ fn conditioner_error(e: crate::text::flux::FluxTextError) -> PipelineError {
 
 /// Whether a DiT parameter is cut by output rows in a row split: the matmul weights of the
 /// double and single blocks (attention qkv and projections, MLPs, modulations).
-fn dit_row_splittable(spec: &TensorSpec) -> bool {
+pub(crate) fn dit_row_splittable(spec: &TensorSpec) -> bool {
     const LEAVES: [&str; 8] = [
         "_attn.qkv.weight",
         "_attn.proj.weight",

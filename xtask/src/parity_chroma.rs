@@ -1,0 +1,212 @@
+//! `cargo xtask parity chroma`: our Chroma transformer against the reference's on one file.
+//!
+//! ```text
+//! cargo xtask parity chroma [--diffusion-model FILE] [--vae FILE] [--size WxH] [--tokens N]
+//!                           [--masked N] [--timestep T] [--seed N] [--threads N]
+//! ```
+//!
+//! Without `--diffusion-model` it writes (once, in the fixture cache) a reduced Chroma fixture:
+//! width 256 (2 heads of 128), 2 double and 2 single blocks, the released approximator (5120
+//! wide, 5 layers: the reference builds that one whatever the file holds), every matrix
+//! N(0, 0.02), seed 7, f16 (`sd_models::fixture::flux::write_chroma`). Without `--vae` it
+//! uses the FLUX.1 VAE fixture (the reference loads a FLUX-style model only with one; it is
+//! not run).
+//!
+//! Both programs evaluate the model on the same seeded inputs (a 16-channel latent of
+//! `--size`, a random T5-wide context of `--tokens` tokens, the sampler's t), twice: with the
+//! DiT mask (the last `--masked` tokens -inf, the rest 0, as the conditioner's text mask
+//! marks padding) and with an all-zero mask (ours takes no mask then: the unmasked path). The
+//! reference runs `sdref unet` with the mask as its `y` (Chroma's `FluxRunner` reads `y` as
+//! the mask, `chroma_use_dit_mask` on by default, and fills the guidance with 0). The raw
+//! outputs are compared with `Tolerance::rounding_points` over the f16 rounding points of
+//! the longest path ([`chroma_points`]).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use sd_models::diffusion::flux::{FluxConfig, FluxModel};
+use sd_models::files::{ModelFiles, ModelSources};
+use sd_models::fixture::{flux, flux_vae, FileFormat, WeightType};
+use sd_models::loader::{dtype_of, FileSource};
+use sd_sched::Runner;
+
+use crate::parity::{read_raw, write_raw, Tolerance, Verdict};
+use crate::reference;
+
+/// f16 rounding points on the longest path through `cfg`: `img_in`, `txt_in` and the final
+/// linear (3); the approximator's `in_proj`, two products per layer and `out_proj`; per
+/// double block qkv, projection, two MLP products and the GELU table (5); per single block
+/// `linear1`, the GELU table and `linear2` (3). The attention products are f32 in both.
+fn chroma_points(cfg: &FluxConfig) -> u32 {
+    let layers = cfg.chroma.as_ref().map_or(0, |c| c.layers);
+    (3 + 2 + 2 * layers + 5 * cfg.depth + 3 * cfg.depth_single_blocks) as u32
+}
+
+/// `cargo xtask parity chroma` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// A Chroma diffusion model (default: the reduced fixture, written on first use).
+    #[arg(long = "diffusion-model", value_name = "FILE")]
+    diffusion_model: Option<PathBuf>,
+    /// A 16-channel FLUX VAE, which the reference needs to load the model (default: the fixture).
+    #[arg(long = "vae", value_name = "FILE")]
+    vae: Option<PathBuf>,
+    /// Latent size, WxH (even numbers).
+    #[arg(long = "size", default_value = "8x8", value_parser = latent_size)]
+    size: (usize, usize),
+    /// Context tokens.
+    #[arg(long = "tokens", default_value_t = 12, value_parser = clap::value_parser!(u32).range(2..=512))]
+    tokens: u32,
+    /// Tokens masked out (-inf) at the end of the context in the masked run.
+    #[arg(long = "masked", default_value_t = 5)]
+    masked: u32,
+    /// The sampler's t (sigma).
+    #[arg(long = "timestep", default_value_t = 0.6)]
+    timestep: f32,
+    /// Seed of the inputs.
+    #[arg(long = "seed", default_value_t = 3)]
+    seed: u64,
+    /// CPU threads of both programs.
+    #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: u32,
+}
+
+fn latent_size(s: &str) -> Result<(usize, usize), String> {
+    let (w, h) = s.split_once('x').ok_or("WxH, e.g. 8x8")?;
+    let parse = |v: &str| v.parse::<usize>().ok().filter(|&n| n > 0 && n % 2 == 0 && n <= 256);
+    match (parse(w), parse(h)) {
+        (Some(w), Some(h)) => Ok((w, h)),
+        _ => Err(format!("'{s}': even sizes from 2 to 256, WxH")),
+    }
+}
+
+/// Approximately normal values (Irwin-Hall of 4 uniforms), seeded.
+fn normal(seed: u64, salt: u64, n: usize) -> Vec<f32> {
+    let mut s = (seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1;
+    let mut uniform = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n).map(|_| ((0..4).map(|_| uniform()).sum::<f64>() - 2.0) as f32 * 3f32.sqrt()).collect()
+}
+
+/// The default files: the reduced Chroma fixture and the FLUX VAE fixture.
+fn fixtures() -> Result<(PathBuf, PathBuf)> {
+    let cfg = flux::reduced_chroma(256, 2, 2);
+    let dir = sd_models::fixture::cache_dir();
+    std::fs::create_dir_all(&dir)?;
+    let dit = dir.join("chroma-std0.02-seed7-f16-h256-d2-s2-a5120x5.safetensors");
+    if !dit.is_file() {
+        flux::write_chroma(&dit, &cfg, 7, Some(0.02), WeightType::F16, FileFormat::Safetensors)?;
+    }
+    let vae = flux_vae::cached_flux_vae_path(42, WeightType::F16);
+    if !vae.is_file() {
+        flux_vae::write_flux_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
+    }
+    Ok((dit, vae))
+}
+
+/// Entry point of `cargo xtask parity chroma`.
+pub fn run(args: Args) -> Result<()> {
+    if args.masked >= args.tokens {
+        bail!("--masked {} must leave at least one of the {} tokens open", args.masked, args.tokens);
+    }
+    let (fixture_dit, fixture_vae) = fixtures()?;
+    let model = args.diffusion_model.clone().unwrap_or(fixture_dit);
+    let vae = args.vae.clone().unwrap_or(fixture_vae);
+    let exe = reference::build()?;
+    let dir = std::env::temp_dir().join(format!("parity-chroma-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+
+    let cpu = crate::parity::Cpu::new(args.threads)?;
+    let files = ModelFiles::open(&ModelSources { diffusion_model: Some(model.clone()), ..Default::default() })?;
+    let tensors: Vec<(String, Vec<u64>)> = files.index().entries().iter().map(|e| (e.name.clone(), e.ne())).collect();
+    let cfg = FluxConfig::from_file(&tensors)?;
+    if cfg.chroma.is_none() {
+        bail!("{} is no Chroma model (no distilled_guidance_layer)", model.display());
+    }
+    let mut m = FluxModel::new(cfg.clone(), &dtype_of(&files), None)?;
+    m.weights.allocate(cpu.backend.device().buffer_type())?;
+    m.weights.load_from(&FileSource::new(&files))?;
+    let mut runner = Runner::new("chroma", cpu.backend.clone());
+
+    let (w, h) = args.size;
+    let (c, l, cd) = (cfg.latent_channels() as usize, args.tokens as usize, cfg.context_in_dim as usize);
+    let x = normal(args.seed, 1, c * w * h);
+    let ctx = normal(args.seed, 2, l * cd);
+    let mut failed = false;
+    for masked in [args.masked as usize, 0] {
+        let mask: Vec<f32> = (0..l).map(|i| if i + masked >= l { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let ours_mask: &[f32] = if masked == 0 { &[] } else { &mask };
+        let t = Instant::now();
+        let ours = m.eval(&mut runner, &x, (w, h), args.timestep, &ctx, l, ours_mask, Some(0.0))?;
+        let ours_s = t.elapsed().as_secs_f64();
+
+        let (xp, cp, yp, op) = (dir.join("x.f32"), dir.join("c.f32"), dir.join("y.f32"), dir.join("out.f32"));
+        write_raw(&xp, &[1, c, h, w], &x, "latent")?;
+        write_raw(&cp, &[1, l, cd], &ctx, "context")?;
+        write_raw(&yp, &[1, l], &mask, "Chroma's DiT mask")?;
+        let s = |p: &PathBuf| p.to_str().map(str::to_owned).context("a temporary path is not UTF-8");
+        let t = Instant::now();
+        let status = Command::new(&exe)
+            .args(["unet", "--diffusion-model", &s(&model)?, "--vae", &s(&vae)?, "--latent", &s(&xp)?])
+            .args(["--context", &s(&cp)?, "--y", &s(&yp)?, "-o", &s(&op)?])
+            .args(["--timestep", &args.timestep.to_string(), "--guidance", "0"])
+            .args(["-t", &args.threads.to_string()])
+            .status()
+            .context("running sdref unet")?;
+        if !status.success() {
+            bail!("sdref unet failed on the Chroma model: {status}");
+        }
+        let ref_s = t.elapsed().as_secs_f64();
+        let (shape, reference) = read_raw(&op)?;
+        if shape != [1, c, h, w] {
+            bail!("the reference's output has shape {shape:?}, expected [1, {c}, {h}, {w}]");
+        }
+        let v = Verdict::of(&ours, &reference, Tolerance::rounding_points(chroma_points(&cfg)))?;
+        println!(
+            "chroma {} (width {}, {}+{} blocks, approximator {:?}) {w}x{h}, {l} tokens ({masked} masked), t {}: {}  sdref {ref_s:.1} s (with loading)  ours {ours_s:.2} s  {}",
+            model.display(),
+            cfg.hidden_size,
+            cfg.depth,
+            cfg.depth_single_blocks,
+            cfg.chroma.as_ref().map(|a| (a.inner, a.layers)),
+            args.timestep,
+            v.figures,
+            v.word()
+        );
+        failed |= !v.pass;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if failed {
+        bail!("the Chroma outputs differ beyond the bound");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_command_line() {
+        let a: Args = crate::parse_test("--size 8x12 --tokens 4 --masked 2 --timestep 0.5").unwrap();
+        assert_eq!((a.size, a.tokens, a.masked, a.timestep), ((8, 12), 4, 2, 0.5));
+        let e = crate::parse_test::<Args>("--size 7x8").unwrap_err();
+        assert!(format!("{e:#}").contains("even"), "{e:#}");
+    }
+
+    #[test]
+    fn the_points_of_full_chroma() {
+        // 3 + the approximator's 12 + 19 double blocks of 5 + 38 single blocks of 3.
+        let cfg = FluxConfig {
+            chroma: Some(sd_models::diffusion::flux::chroma::ChromaConfig::released()),
+            ..FluxConfig::schnell()
+        };
+        assert_eq!(chroma_points(&cfg), 3 + 12 + 95 + 114);
+    }
+}

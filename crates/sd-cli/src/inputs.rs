@@ -117,6 +117,17 @@ pub fn resolve_size(width: i64, height: i64, init_img: Option<&Path>) -> Result<
     }
 }
 
+/// The `--mask` image as the reference's CLI reads it: grey (stb_image's luma), fitted to
+/// `width x height` like the init image (centre crop to the aspect ratio, box resize).
+pub fn read_mask(path: &Path, width: usize, height: usize) -> Result<Image> {
+    let img = image_io::read_image(path).context("--mask")?;
+    let gray = image_io::to_gray(&img);
+    if (gray.width, gray.height) != (width, height) {
+        tracing::info!("--mask {}: {}x{} fitted to {width}x{height}", path.display(), gray.width, gray.height);
+    }
+    image_io::fit_image(&gray, width, height).with_context(|| format!("--mask {}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -228,6 +228,11 @@ pub trait Family: Send + Sync + Debug {
     fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>>;
     /// Channels of a latent.
     fn latent_channels(&self) -> usize;
+    /// Channels the diffusion model takes beside the latent's: an inpainting UNet's mask and
+    /// masked-image latent (`latent_channels() + 1`); 0 for other models.
+    fn concat_channels(&self) -> usize {
+        0
+    }
     /// Image sides are multiples of this (VAE scale x the diffusion model's down factor).
     fn spatial_multiple(&self) -> usize;
     /// A lower bound of the diffusion model's largest working tensor in bytes, for `tokens`

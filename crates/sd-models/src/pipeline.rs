@@ -688,7 +688,12 @@ impl Pipeline {
             tracing::info!("prediction {} (from `{key}`)", prediction.name());
         }
         let parameterisation = if flow { "flow matching" } else { prediction.name() };
-        tracing::info!("model: {} ({} tensors), prediction {parameterisation}", detected.arch, files.index().len());
+        let kind = if family.concat_channels() > 0 { " inpainting" } else { "" };
+        tracing::info!(
+            "model: {}{kind} ({} tensors), prediction {parameterisation}",
+            detected.arch,
+            files.index().len()
+        );
         let files = Arc::new(files);
         Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None })
     }
@@ -1244,6 +1249,10 @@ impl Pipeline {
         // The denoised estimate keeps the init latent outside the mask (dilated for an
         // inpainting UNet). Without a mask the reference's mask is all ones: nothing to keep.
         let denoise_mask = latent_mask.map(|m| if concat.is_some() { inpaint::dilate3(&m, (lw, lh)) } else { m });
+        if concat.is_some() && (p.init_image.is_none() || p.mask.is_none()) {
+            // The reference's warning; it then runs as this does.
+            tracing::warn!("an inpainting model needs both an init image (-i) and a mask (--mask)");
+        }
 
         // 3. Sampling.
         let mut latents = Vec::with_capacity(p.batch_count);

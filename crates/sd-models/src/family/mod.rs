@@ -42,6 +42,14 @@ pub struct FamilySpec {
 
 inventory::collect!(FamilySpec);
 
+/// Whether `files` hold an inpainting model: an SD 1.x/2.x/SDXL UNet whose input convolution
+/// takes 9 channels (the latent, the mask, the masked image's latent), as the reference tells
+/// `SD 1.x Inpaint` (and 2.x, SDXL) apart.
+pub fn is_inpainting(files: &ModelFiles) -> bool {
+    let conv_in = files.index().get(sd::detect::UNET_CONV_IN);
+    conv_in.is_some_and(|e| e.shape.len() == 4 && e.shape[1] == 9)
+}
+
 /// The family that runs `detected`, built for `files`; an error when no family is
 /// registered for the architecture.
 pub fn for_detected(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {

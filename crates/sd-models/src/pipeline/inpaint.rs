@@ -80,7 +80,12 @@ mod tests {
     use super::*;
 
     fn gray(w: usize, h: usize, v: impl Fn(usize, usize) -> u8) -> Image {
-        let rgb = (0..h).flat_map(|y| (0..w).flat_map(move |x| [v(x, y); 3]).collect::<Vec<_>>()).collect();
+        let mut rgb = Vec::with_capacity(w * h * 3);
+        for y in 0..h {
+            for x in 0..w {
+                rgb.extend_from_slice(&[v(x, y); 3]);
+            }
+        }
         Image { width: w, height: h, rgb }
     }
 

@@ -670,13 +670,13 @@ fn fused_projection_that_cannot_be_split_is_an_error() {
 #[test]
 fn unknown_architectures_list_what_was_found() {
     let dir = tempfile::tempdir().unwrap();
-    // Inpainting (9 input channels) is another architecture.
+    // instruct-pix2pix (8 input channels) is another architecture.
     let mut ts = sd1_checkpoint();
-    ts[0] = t("model.diffusion_model.input_blocks.0.0.weight", DType::F16, &[2, 9, 3, 3], 1);
-    let p = write(dir.path(), "inpaint.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
+    ts[0] = t("model.diffusion_model.input_blocks.0.0.weight", DType::F16, &[2, 8, 3, 3], 1);
+    let p = write(dir.path(), "pix2pix.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
     let msg = ModelFiles::open_model(&p).unwrap().detect(None).unwrap_err().to_string();
     assert!(msg.contains("unknown model architecture") && msg.contains("sd1") && msg.contains("sd2"), "{msg}");
-    assert!(msg.contains("model.diffusion_model.input_blocks.0.0.weight [2, 9, 3, 3]"), "{msg}");
+    assert!(msg.contains("model.diffusion_model.input_blocks.0.0.weight [2, 8, 3, 3]"), "{msg}");
     assert!(msg.contains("model.diffusion_model.* ("), "{msg}");
 
     // Text encoder and UNet disagree on the context width.

@@ -781,8 +781,9 @@ fn esrgan_after_generation() {
 /// The inpainting mask of the parity tests: 64x64 grey, white (repaint) on `x >= 24,
 /// 16 <= y < 48` (latent-block aligned), black elsewhere.
 fn write_mask_png(path: &Path) {
-    let data: Vec<u8> =
-        (0..64u32).flat_map(|y| (0..64u32).map(move |x| if x >= 24 && (16..48).contains(&y) { 255 } else { 0 })).collect();
+    let data: Vec<u8> = (0..64u32)
+        .flat_map(|y| (0..64u32).map(move |x| if x >= 24 && (16..48).contains(&y) { 255 } else { 0 }))
+        .collect();
     let mut enc = png::Encoder::new(std::io::BufWriter::new(std::fs::File::create(path).unwrap()), 64, 64);
     enc.set_color(png::ColorType::Grayscale);
     enc.set_depth(png::BitDepth::Eight);

@@ -489,7 +489,11 @@ impl GenerateParams {
         }
         if let (Some(mask), None) = (&self.mask, &self.init_image) {
             let size = format!("({}x{})", mask.width, mask.height);
-            return bad_setting(Setting::Mask, size, "a mask needs an init image (img2img) to keep the unmasked part of");
+            return bad_setting(
+                Setting::Mask,
+                size,
+                "a mask needs an init image (img2img) to keep the unmasked part of",
+            );
         }
         // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
         if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {

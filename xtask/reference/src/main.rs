@@ -541,7 +541,11 @@ fn txt2img(a: Txt2Img) -> Res<()> {
                 return Err(format!("{} is {w}x{h}, but {width}x{height} was asked; resize it first", path.display()));
             }
             // stb_image's RGB-to-luma conversion (stbi__compute_y), as `stbi_load(.., 1)` does.
-            Some(rgb.chunks_exact(3).map(|p| ((p[0] as u32 * 77 + p[1] as u32 * 150 + p[2] as u32 * 29) >> 8) as u8).collect())
+            Some(
+                rgb.chunks_exact(3)
+                    .map(|p| ((p[0] as u32 * 77 + p[1] as u32 * 150 + p[2] as u32 * 29) >> 8) as u8)
+                    .collect(),
+            )
         }
     };
 

@@ -1,7 +1,7 @@
 //! `cargo xtask fixture`: write a checkpoint with a real family's layout and random weights.
 //!
 //! ```text
-//! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega [--seed N] [--type f32|f16|q8_0|q5_0|q4_0|q4_K|q5_K|q6_K]
+//! cargo xtask fixture sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint [--seed N] [--type f32|f16|q8_0|q5_0|q4_0|q4_K|q5_K|q6_K]
 //!                     [-o FILE.safetensors|FILE.gguf] [--only unet,text,vae] [--std S]
 //! cargo xtask fixture lora-sd15 --layout kohya|peft|loha|lokr|tucker|tucker-loha|diff [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-flux --layout kohya|peft|diffusers [--hidden N --double N --single N] [--schnell-dit]
@@ -68,11 +68,11 @@ use sd_models::text::t5::T5Config;
 /// `cargo xtask fixture` flags.
 #[derive(clap::Args, Debug, PartialEq)]
 pub struct Args {
-    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b or vega; or lora-sd15 / lora-flux (a LoRA
+    /// The family: sd15, sd21, sd-turbo, sdxl, ssd-1b, vega or sd15-inpaint; or lora-sd15 / lora-flux (a LoRA
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -631,7 +631,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

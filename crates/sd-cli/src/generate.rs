@@ -101,6 +101,10 @@ pub struct GenerateArgs {
     /// img2img: how much to change the init image (0..1).
     #[arg(long = "strength", default_value_t = 0.75)]
     pub strength: f32,
+    /// Inpainting (with -i): the mask image, white where the init image is repainted, black
+    /// where it is kept; read as grey, centre-cropped and resized like the init image.
+    #[arg(long = "mask", value_name = "FILE")]
+    pub mask: Option<PathBuf>,
     /// Skip the last N-1 text-encoder layers (<= 0: the model's default).
     #[arg(long = "clip-skip", default_value_t = -1, allow_hyphen_values = true)]
     pub clip_skip: i64,
@@ -415,6 +419,7 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
         .input(InputRole::PromptFile, a.run.prompt_file.as_deref())
         .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
         .input(InputRole::InitImage, a.init_img.as_deref())
+        .input(InputRole::Mask, a.mask.as_deref())
         .input(InputRole::UpscaleModel, a.upscale.upscale_model.as_deref())
         .loras(&loras);
     let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
@@ -447,6 +452,14 @@ impl GenerateArgs {
         // the size to the model.
         let (width, height, init_image) =
             crate::inputs::resolve_size(self.width, self.height, self.init_img.as_deref())?;
+        let mask = match &self.mask {
+            None => None,
+            Some(path) if init_image.is_none() => anyhow::bail!(
+                "--mask {}: a mask needs an init image (-i): it marks which part of that image is repainted",
+                path.display()
+            ),
+            Some(path) => Some(crate::inputs::read_mask(path, width, height)?),
+        };
         if prompt.is_empty() {
             tracing::warn!("the prompt is empty (-p): generating unconditioned");
         }
@@ -479,6 +492,7 @@ impl GenerateArgs {
             eta: self.eta,
             init_image,
             strength: self.strength,
+            mask,
             tiling,
             vae_max_compute_bytes: None,
             flow_shift: self.flow_shift,

@@ -117,6 +117,17 @@ pub fn resolve_size(width: i64, height: i64, init_img: Option<&Path>) -> Result<
     }
 }
 
+/// The `--mask` image as the reference's CLI reads it: grey (stb_image's luma), fitted to
+/// `width x height` like the init image (centre crop to the aspect ratio, box resize).
+pub fn read_mask(path: &Path, width: usize, height: usize) -> Result<Image> {
+    let img = image_io::read_image(path).context("--mask")?;
+    let gray = image_io::to_gray(&img);
+    if (gray.width, gray.height) != (width, height) {
+        tracing::info!("--mask {}: {}x{} fitted to {width}x{height}", path.display(), gray.width, gray.height);
+    }
+    image_io::fit_image(&gray, width, height).with_context(|| format!("--mask {}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +176,27 @@ mod tests {
         }
         let e = format!("{:#}", resolve_size(64, 64, Some(&dir.join("missing.webp"))).unwrap_err());
         assert!(e.contains("-i") && e.contains("missing.webp"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A mask of another size is centre-cropped and resized like the init image (the
+    /// reference's CLI loads both with the same function), after turning grey as stb_image does.
+    #[test]
+    fn a_mask_is_read_grey_and_fitted_like_the_init_image() {
+        let dir = std::env::temp_dir().join(format!("sd-cli-mask-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("mask.png");
+        // 128x96, red (luma 76) on the left half, white on the right half.
+        let rgb = (0..96).flat_map(|_| (0..128).flat_map(|x| if x < 64 { [255, 0, 0] } else { [255; 3] })).collect();
+        image_io::save_image(&p, &Image { width: 128, height: 96, rgb }, image_io::OutputFormat::Png, None).unwrap();
+        let m = read_mask(&p, 64, 64).unwrap();
+        assert_eq!((m.width, m.height), (64, 64));
+        assert!(m.rgb.chunks_exact(3).all(|px| px[0] == px[1] && px[1] == px[2]), "grey in every channel");
+        // The 96x96 centre crop starts at x = 16: the white half begins at 48 of 96, 32 of 64.
+        let row: Vec<u8> = (0..64).map(|x| m.rgb[(10 * 64 + x) * 3]).collect();
+        assert!(row[..32].iter().all(|&v| v == 76) && row[32..].iter().all(|&v| v == 255), "{row:?}");
+        let e = format!("{:#}", read_mask(&dir.join("none.png"), 64, 64).unwrap_err());
+        assert!(e.contains("--mask") && e.contains("none.png"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -431,6 +431,11 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         if let Some(e) = &explain {
             crate::out!("{}", e.render());
         }
+        if sd_models::family::is_inpainting(&files) {
+            crate::out!(
+                "model: inpainting (the UNet takes the latent, a mask and the masked image's latent: -i, --mask)"
+            );
+        }
         for line in lora_lines.iter().chain(&upscaler_line) {
             crate::out!("{line}");
         }

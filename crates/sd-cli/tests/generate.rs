@@ -777,3 +777,85 @@ fn esrgan_after_generation() {
     check_ok(&upscale_run(&x2, &plain, &again, &[]));
     assert_eq!(diff(&up, &again), (0.0, 0));
 }
+
+/// The inpainting mask of the parity tests: 64x64 grey, white (repaint) on `x >= 24,
+/// 16 <= y < 48` (latent-block aligned), black elsewhere.
+fn write_mask_png(path: &Path) {
+    let data: Vec<u8> = (0..64u32)
+        .flat_map(|y| (0..64u32).map(move |x| if x >= 24 && (16..48).contains(&y) { 255 } else { 0 }))
+        .collect();
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(std::fs::File::create(path).unwrap()), 64, 64);
+    enc.set_color(png::ColorType::Grayscale);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header().unwrap().write_image_data(&data).unwrap();
+}
+
+/// The SD 1.5 inpainting fixture of the parity test (`cargo xtask fixture sd15-inpaint --seed 7
+/// --std 0.01`: a seed and weights unlike the default fixture's), written once into the cache.
+fn inpaint_fixture() -> PathBuf {
+    let path = fixture::cache_dir().join("sd15-inpaint-std0.01-seed7-f16.safetensors");
+    if !path.exists() {
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let mut req =
+            fixture::FixtureRequest::family(Family::Sd15Inpaint, 7, WeightType::F16, fixture::FileFormat::Safetensors);
+        req.weight_std = Some(0.01);
+        fixture::write_fixture(&path, &req).unwrap();
+    }
+    path
+}
+
+/// `-i` + `--mask` with a normal checkpoint: the reference's latent masking (the denoised
+/// estimate keeps the init image's latent outside the mask) within the parity tolerance.
+#[test]
+fn sd15_inpaint_with_a_normal_checkpoint_matches_the_reference() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("inpaint-sd15");
+    let (init, mask, out) = (dir.join("init.png"), dir.join("mask.png"), dir.join("out.png"));
+    write_init_png(&init, false);
+    write_mask_png(&mask);
+    check_ok(&generate(&model, &out, 2, &["-i", init.to_str().unwrap(), "--mask", mask.to_str().unwrap()]));
+    let data = workspace().join("tests/data");
+    let (mean, max) = diff(&out, &data.join("ref-sd15-f16-seed42-64x64-euler2-cfg7-inpaint-mask.png"));
+    assert!(mean <= MEAN_TOL && max <= MAX_TOL, "inpaint (sd15) vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An inpainting checkpoint (9-channel UNet input: latent, mask, masked image's latent): the
+/// reference's image within the parity tolerance, and the same image bit for bit with the
+/// diffusion model's parameters read from disk on demand.
+#[test]
+fn sd15_inpainting_checkpoint_matches_the_reference_and_any_placement() {
+    let model = inpaint_fixture();
+    let dir = out_dir("inpaint-9ch");
+    let (init, mask) = (dir.join("init.png"), dir.join("mask.png"));
+    write_init_png(&init, false);
+    write_mask_png(&mask);
+    let args = ["-i", init.to_str().unwrap(), "--mask", mask.to_str().unwrap()];
+    let (a, b) = (dir.join("a.png"), dir.join("b.png"));
+    check_ok(&generate(&model, &a, 2, &args));
+    let data = workspace().join("tests/data");
+    let (mean, max) = diff(&a, &data.join("ref-sd15-inpaint-std0.01-seed7-f16-64x64-euler2-cfg7-mask.png"));
+    assert!(mean <= MEAN_TOL && max <= MAX_TOL, "inpainting model vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+    check_ok(&generate(&model, &b, 2, &[&args[..], &["--params-backend", "diffusion=disk"]].concat()));
+    assert_eq!(pixels(&a), pixels(&b), "diffusion params on disk changed the inpainted image");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn mask_bad_inputs_are_clear_errors() {
+    let m = Path::new("/nonexistent/model.safetensors");
+    let dir = out_dir("mask-bad");
+    let (init, mask, junk) = (dir.join("init.png"), dir.join("mask.png"), dir.join("junk.png"));
+    write_init_png(&init, false);
+    write_mask_png(&mask);
+    std::fs::write(&junk, b"not an image").unwrap();
+    let (init, mask, junk) = (init.to_str().unwrap(), mask.to_str().unwrap(), junk.to_str().unwrap());
+    // Before the model is read (the model path does not exist): each error names the flag.
+    let e = fails(&["-p", "x", "--mask", mask], Some(m));
+    assert!(e.contains("--mask") && e.contains("needs an init image (-i)"), "{e}");
+    let e = fails(&["-p", "x", "-i", init, "--mask", junk], Some(m));
+    assert!(e.contains("--mask") && e.contains("junk.png") && !e.contains("/nonexistent"), "{e}");
+    let e = fails(&["-p", "x", "-i", init, "--mask", "/nonexistent/mask.png"], Some(m));
+    assert!(e.contains("--mask") && e.contains("/nonexistent/mask.png"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

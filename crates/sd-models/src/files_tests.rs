@@ -586,6 +586,26 @@ fn sd1_checkpoint_is_detected_with_components_and_blocks() {
     assert_eq!((d.prediction, d.prediction_source), (Some(Prediction::V), PredictionSource::Override));
 }
 
+/// An inpainting checkpoint (UNet input convolution of 9 channels) is SD 1.x and reported as
+/// inpainting; 8 channels (instruct-pix2pix, which sd-rs does not run) is no architecture.
+#[test]
+fn sd1_inpainting_checkpoint_is_detected_by_its_input_channels() {
+    let dir = tempfile::tempdir().unwrap();
+    for (channels, want) in [(4u64, Some(false)), (9, Some(true)), (8, None)] {
+        let mut ts = sd1_checkpoint();
+        ts[0] = t("model.diffusion_model.input_blocks.0.0.weight", DType::F16, &[2, channels, 3, 3], 1);
+        let name = format!("sd15-{channels}.safetensors");
+        let p = write(dir.path(), &name, &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
+        let files = ModelFiles::open_model(&p).unwrap();
+        let arch = files.detect(None).ok().map(|d| d.arch);
+        assert_eq!(arch.is_some(), want.is_some(), "{channels} channels: {arch:?}");
+        if let Some(inpainting) = want {
+            assert_eq!(arch, Some("sd1"));
+            assert_eq!(crate::family::is_inpainting(&files), inpainting, "{channels} channels");
+        }
+    }
+}
+
 #[test]
 fn sd2_open_clip_checkpoint_gets_hf_names_and_split_qkv_views() {
     let dir = tempfile::tempdir().unwrap();
@@ -650,13 +670,13 @@ fn fused_projection_that_cannot_be_split_is_an_error() {
 #[test]
 fn unknown_architectures_list_what_was_found() {
     let dir = tempfile::tempdir().unwrap();
-    // Inpainting (9 input channels) is another architecture.
+    // instruct-pix2pix (8 input channels) is another architecture.
     let mut ts = sd1_checkpoint();
-    ts[0] = t("model.diffusion_model.input_blocks.0.0.weight", DType::F16, &[2, 9, 3, 3], 1);
-    let p = write(dir.path(), "inpaint.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
+    ts[0] = t("model.diffusion_model.input_blocks.0.0.weight", DType::F16, &[2, 8, 3, 3], 1);
+    let p = write(dir.path(), "pix2pix.safetensors", &safetensors::to_bytes(&specs(&ts), &BTreeMap::new()).unwrap());
     let msg = ModelFiles::open_model(&p).unwrap().detect(None).unwrap_err().to_string();
     assert!(msg.contains("unknown model architecture") && msg.contains("sd1") && msg.contains("sd2"), "{msg}");
-    assert!(msg.contains("model.diffusion_model.input_blocks.0.0.weight [2, 9, 3, 3]"), "{msg}");
+    assert!(msg.contains("model.diffusion_model.input_blocks.0.0.weight [2, 8, 3, 3]"), "{msg}");
     assert!(msg.contains("model.diffusion_model.* ("), "{msg}");
 
     // Text encoder and UNet disagree on the context width.

@@ -292,6 +292,8 @@ pub enum InputRole {
     NegativePromptFile,
     /// The init image of img2img.
     InitImage,
+    /// The mask of inpainting.
+    Mask,
     /// A LoRA file.
     Lora,
     /// A device profile.
@@ -315,6 +317,7 @@ impl InputRole {
             InputRole::PromptFile => "the prompt file",
             InputRole::NegativePromptFile => "the negative prompt file",
             InputRole::InitImage => "the init image",
+            InputRole::Mask => "the mask",
             InputRole::Lora => "the LoRA",
             InputRole::DeviceProfile => "the device profile",
             InputRole::UpscaleModel => "the upscale model",

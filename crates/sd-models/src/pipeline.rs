@@ -36,6 +36,7 @@ use crate::sampling::{
 };
 use crate::text::conditioning::Conditioning;
 
+mod inpaint;
 mod kept;
 pub use kept::KeptWeights;
 
@@ -215,6 +216,8 @@ pub enum Setting {
     Eta,
     /// [`GenerateParams::strength`].
     Strength,
+    /// [`GenerateParams::mask`].
+    Mask,
     /// [`GenerateParams::flow_shift`].
     FlowShift,
     /// [`GenerateParams::prompt`].
@@ -235,6 +238,7 @@ impl Setting {
             Setting::Guidance => "guidance",
             Setting::Eta => "eta",
             Setting::Strength => "strength",
+            Setting::Mask => "mask",
             Setting::FlowShift => "flow shift",
             Setting::Prompt => "prompt",
             Setting::NegativePrompt => "negative prompt",
@@ -400,6 +404,11 @@ pub struct GenerateParams {
     pub init_image: Option<Image>,
     /// img2img: `--strength`, how much to change the init image (0..1).
     pub strength: f32,
+    /// Inpainting: `--mask`, a grey image (its first channel is read; `image_io::to_gray` makes
+    /// one from a colour image) of any size, fitted like the init image: white where the
+    /// image is repainted, black where the init image is kept. `None`: repaint everything (the
+    /// reference's all-white mask). Needs [`GenerateParams::init_image`].
+    pub mask: Option<Image>,
     /// `--flow-shift`: the time shift of a flow-matching schedule (FLUX.1's `mu`, SD3's
     /// shift) instead of the model's default; models without a flow schedule ignore it.
     pub flow_shift: Option<f32>,
@@ -480,6 +489,14 @@ impl GenerateParams {
         }
         if !(0.0..=1.0).contains(&self.strength) {
             return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
+        }
+        if let (Some(mask), None) = (&self.mask, &self.init_image) {
+            let size = format!("({}x{})", mask.width, mask.height);
+            return bad_setting(
+                Setting::Mask,
+                size,
+                "a mask needs an init image (img2img) to keep the unmasked part of",
+            );
         }
         // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
         if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
@@ -679,7 +696,12 @@ impl Pipeline {
             tracing::info!("prediction {} (from `{key}`)", prediction.name());
         }
         let parameterisation = if flow { "flow matching" } else { prediction.name() };
-        tracing::info!("model: {} ({} tensors), prediction {parameterisation}", detected.arch, files.index().len());
+        let kind = if family.concat_channels() > 0 { " inpainting" } else { "" };
+        tracing::info!(
+            "model: {}{kind} ({} tensors), prediction {parameterisation}",
+            detected.arch,
+            files.index().len()
+        );
         let files = Arc::new(files);
         Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None })
     }
@@ -989,6 +1011,10 @@ impl Pipeline {
             // The library's rule for an init image of another size than the (aligned) request.
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
+        if let Some(mask) = &mut p.mask {
+            // The same rule for the mask (the reference resizes it as the init image, nearest).
+            *mask = crate::image_io::resize_nearest(mask, p.width, p.height);
+        }
         self.check_model_limits(&p)?;
         Ok(Request { params: p, method, scheduler, cfg_scale })
     }
@@ -1131,10 +1157,24 @@ impl Pipeline {
         let ctx = ScheduleContext { ays: defaults.ays, image_seq_len: lw * lh };
         let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
         let mut init_latent: Option<Vec<f32>> = None;
+        // Inpainting: the mask at pixel and latent resolution; an inpainting checkpoint also
+        // takes the masked image's latent (`inpaint.rs`).
+        let concat_channels = self.family.concat_channels();
+        if concat_channels != 0 && concat_channels != channels + 1 {
+            return Err(PipelineError::Invalid(format!(
+                "the {} model's UNet takes {concat_channels} channels beside the latent's {channels}:                  only inpainting's {} (mask and masked image) are supported",
+                self.family.arch(),
+                channels + 1
+            )));
+        }
+        let pixel_mask = p.mask.as_ref().map(inpaint::pixel_mask);
+        let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), VAE_SCALE));
+        let mut masked_latent: Option<Vec<f32>> = None;
         let sigmas = match &p.init_image {
             None => full,
             Some(image) => {
                 let image = crate::image_io::to_planar(image);
+                let planar = (concat_channels > 0).then(|| image.clone());
                 let t = Instant::now();
                 // A kept decoder without its encoder is freed for the full VAE.
                 let reused = kept.as_deref_mut().and_then(|k| k.vae.take()).filter(|(encoder, _)| *encoder);
@@ -1165,6 +1205,31 @@ impl Pipeline {
                     &mut on_tile,
                 )?;
                 init_latent = Some(latent);
+                if concat_channels > 0 {
+                    // The reference encodes the masked image next, drawing from the same generator.
+                    let ones;
+                    let m = match &pixel_mask {
+                        Some(m) => m,
+                        None => {
+                            ones = vec![1.0; p.width * p.height];
+                            &ones
+                        }
+                    };
+                    let masked = inpaint::masked_image(planar.as_deref().unwrap_or_default(), m);
+                    let px: Vec<f32> = match vae.image_range() {
+                        sd_vae::ImageRange::MinusOneToOne => masked.iter().map(|v| v * 2.0 - 1.0).collect(),
+                        sd_vae::ImageRange::ZeroToOne => masked,
+                    };
+                    masked_latent = Some(encode_latent(
+                        vae.as_ref(),
+                        &mut runner,
+                        &px,
+                        (p.width, p.height),
+                        &p.tiling,
+                        rng.as_mut(),
+                        &mut on_tile,
+                    )?);
+                }
                 if let Some(w) = vae.params() {
                     record_module(report, "vae", w, &runner);
                     kept::record(report, "vae", w, start);
@@ -1181,6 +1246,20 @@ impl Pipeline {
         };
         if sigmas.len() < 2 {
             return bad_setting(Setting::Strength, p.strength, "too low: no sampling step remains");
+        }
+        // An inpainting UNet's extra channels (the same for every image and both passes):
+        // without an init image, a mask of ones and a zero masked latent, as the reference.
+        let concat = (concat_channels > 0).then(|| {
+            let ones = vec![1.0; lw * lh];
+            let zeros = vec![0.0; channels * lw * lh];
+            inpaint::concat(latent_mask.as_deref().unwrap_or(&ones), masked_latent.as_deref().unwrap_or(&zeros))
+        });
+        // The denoised estimate keeps the init latent outside the mask (dilated for an
+        // inpainting UNet). Without a mask the reference's mask is all ones: nothing to keep.
+        let denoise_mask = latent_mask.map(|m| if concat.is_some() { inpaint::dilate3(&m, (lw, lh)) } else { m });
+        if concat.is_some() && (p.init_image.is_none() || p.mask.is_none()) {
+            // The reference's warning; it then runs as this does.
+            tracing::warn!("an inpainting model needs both an init image (-i) and a mask (--mask)");
         }
 
         // 3. Sampling.
@@ -1232,10 +1311,19 @@ impl Pipeline {
                 let warned = std::cell::Cell::new(false);
                 let n_images = images.len();
                 let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
+                    let with_concat: Vec<f32>;
+                    let x = match &concat {
+                        None => inp.x,
+                        Some(c) => {
+                            with_concat =
+                                inp.x.chunks_exact(per_image).flat_map(|xi| xi.iter().chain(c).copied()).collect();
+                            &with_concat
+                        }
+                    };
                     let out = eval_guided(
                         unet.as_ref(),
                         &mut runner,
-                        inp.x,
+                        x,
                         (lw, lh),
                         n_images,
                         inp.timestep,
@@ -1258,7 +1346,10 @@ impl Pipeline {
                 let with_uncond = method.needs_uncond_denoised();
                 let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
                     self.check_cancel()?;
-                    let out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
+                    let mut out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
+                    if let (Some(m), Some(init)) = (&denoise_mask, &init_latent) {
+                        inpaint::blend(&mut out.pred, init, m);
+                    }
                     if step.last_eval {
                         let secs = step_start.elapsed().as_secs_f64();
                         // In lockstep one step serves every image: each is reported with it.
@@ -1405,7 +1496,8 @@ fn eval_guided(
             xx.extend_from_slice(x);
             let both: Vec<&Conditioning> = conds.iter().copied().chain(std::iter::repeat_n(u, images)).collect();
             let mut out = model.eval(runner, &xx, dims, &[&times[..], &times[..]].concat(), &both)?;
-            let un = out.split_off(x.len());
+            // Each half is one output per image (an inpainting UNet's input has more channels).
+            let un = out.split_off(out.len() / 2);
             Ok(ModelOutput { cond: out, uncond: Some(un) })
         }
         Some(u) => {
@@ -1498,6 +1590,7 @@ mod tests {
             eta: None,
             init_image: None,
             strength: 0.75,
+            mask: None,
             tiling: TilingParams::default(),
             vae_max_compute_bytes: None,
             flow_shift: None,

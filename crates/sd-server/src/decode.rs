@@ -347,6 +347,7 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::Guidance => "sample_params.guidance.distilled_guidance",
         Setting::Eta => "sample_params.eta",
         Setting::Strength => "strength",
+        Setting::Mask => "mask_image",
         Setting::FlowShift => "sample_params.flow_shift",
         Setting::Prompt => "prompt",
         Setting::NegativePrompt => "negative_prompt",

@@ -46,6 +46,7 @@ impl Harness {
             eta: None,
             init_image: None,
             strength: 0.75,
+            mask: None,
             tiling: sd_vae::TilingParams::default(),
             vae_max_compute_bytes: None,
             flow_shift: None,

@@ -296,6 +296,10 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
         g.init_image = sd_image_t{static_cast<uint32_t>(o->width), static_cast<uint32_t>(o->height), 3,
                                   const_cast<uint8_t*>(o->init_rgb)};
     }
+    if (o->mask_gray != nullptr) {
+        g.mask_image = sd_image_t{static_cast<uint32_t>(o->width), static_cast<uint32_t>(o->height), 1,
+                                  const_cast<uint8_t*>(o->mask_gray)};
+    }
 
     sd_image_t* images = generate_image(ctx->sd_ctx, &g);
     if (images == nullptr) {

@@ -68,6 +68,7 @@ typedef struct {
     int lora_count;                 /* LoRA files applied (in the context's lora_apply_mode) */
     const char* const* lora_paths;  /* lora_count paths */
     const float* lora_multipliers;  /* lora_count multipliers */
+    const uint8_t* mask_gray;       /* NULL: no mask (all 255, as the CLI passes); else width*height bytes */
 } sdref_gen_opts;
 
 typedef struct {

@@ -59,6 +59,7 @@ struct RawGenOpts {
     lora_count: c_int,
     lora_paths: *const *const c_char,
     lora_multipliers: *const f32,
+    mask_gray: *const u8,
 }
 
 #[repr(C)]
@@ -448,6 +449,8 @@ pub struct GenOptions {
     pub vae_tiling: bool,
     /// LoRA files and multipliers, applied immediately (merged into the weights).
     pub loras: Vec<(String, f32)>,
+    /// The inpainting mask, gray8, `width * height` bytes (255: repaint); `None`: no mask.
+    pub mask_gray: Option<Vec<u8>>,
 }
 
 pub struct Image {
@@ -560,6 +563,12 @@ impl Context {
                 return Err(format!("init image has {} bytes, {}x{} RGB needs {want}", rgb.len(), o.width, o.height));
             }
         }
+        if let Some(gray) = &o.mask_gray {
+            let want = o.width as usize * o.height as usize;
+            if gray.len() != want {
+                return Err(format!("mask has {} bytes, {}x{} gray needs {want}", gray.len(), o.width, o.height));
+            }
+        }
         let mut s = Strings::default();
         let mut lora_paths: Vec<*const c_char> = Vec::with_capacity(o.loras.len());
         for (path, _) in &o.loras {
@@ -584,6 +593,7 @@ impl Context {
             lora_count: lora_paths.len() as c_int,
             lora_paths: if lora_paths.is_empty() { ptr::null() } else { lora_paths.as_ptr() },
             lora_multipliers: if lora_mults.is_empty() { ptr::null() } else { lora_mults.as_ptr() },
+            mask_gray: o.mask_gray.as_ref().map_or(ptr::null(), |v| v.as_ptr()),
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

@@ -224,6 +224,10 @@ struct Txt2Img {
     /// Init image (PNG) for img2img.
     #[arg(short = 'i', long = "init-img")]
     init_img: Option<PathBuf>,
+    /// Inpainting mask (PNG, the size of the image; white: repaint), read as gray the way
+    /// the reference's CLI reads it (stb_image's luma of RGB).
+    #[arg(long = "mask")]
+    mask: Option<PathBuf>,
     /// Decode with the tiled VAE.
     #[arg(long = "vae-tiling")]
     vae_tiling: bool,
@@ -529,6 +533,22 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         }
     };
 
+    let mask_gray = match &a.mask {
+        None => None,
+        Some(path) => {
+            let (w, h, rgb) = read_png_rgb(path)?;
+            if (w as i32, h as i32) != (width, height) {
+                return Err(format!("{} is {w}x{h}, but {width}x{height} was asked; resize it first", path.display()));
+            }
+            // stb_image's RGB-to-luma conversion (stbi__compute_y), as `stbi_load(.., 1)` does.
+            Some(
+                rgb.chunks_exact(3)
+                    .map(|p| ((p[0] as u32 * 77 + p[1] as u32 * 150 + p[2] as u32 * 29) >> 8) as u8)
+                    .collect(),
+            )
+        }
+    };
+
     let (mut ctx, load_s) = load(&a.model)?;
     let gen = GenOptions {
         prompt: a.prompt.clone(),
@@ -546,6 +566,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         init_rgb,
         vae_tiling: a.vae_tiling,
         loras: a.lora.iter().map(|l| parse_lora(l)).collect::<Res<Vec<_>>>()?,
+        mask_gray,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

@@ -43,6 +43,14 @@ pub struct FamilySpec {
 
 inventory::collect!(FamilySpec);
 
+/// Whether `files` hold an inpainting model: an SD 1.x/2.x/SDXL UNet whose input convolution
+/// takes 9 channels (the latent, the mask, the masked image's latent), as the reference tells
+/// `SD 1.x Inpaint` (and 2.x, SDXL) apart.
+pub fn is_inpainting(files: &ModelFiles) -> bool {
+    let conv_in = files.index().get(sd::detect::UNET_CONV_IN);
+    conv_in.is_some_and(|e| e.shape.len() == 4 && e.shape[1] == 9)
+}
+
 /// The family that runs `detected`, built for `files`; an error when no family is
 /// registered for the architecture.
 pub fn for_detected(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
@@ -229,6 +237,11 @@ pub trait Family: Send + Sync + Debug {
     fn load_diffusion(&self, weights: Weights, settings: &DiffusionSettings) -> Result<Box<dyn DiffusionModel>>;
     /// Channels of a latent.
     fn latent_channels(&self) -> usize;
+    /// Channels the diffusion model takes beside the latent's: an inpainting UNet's mask and
+    /// masked-image latent (`latent_channels() + 1`); 0 for other models.
+    fn concat_channels(&self) -> usize {
+        0
+    }
     /// Image sides are multiples of this (VAE scale x the diffusion model's down factor).
     fn spatial_multiple(&self) -> usize;
     /// A lower bound of the diffusion model's largest working tensor in bytes, for `tokens`

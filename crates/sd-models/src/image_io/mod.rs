@@ -256,6 +256,17 @@ pub fn resize_box(img: &Image, width: usize, height: usize) -> Image {
     Image { width, height, rgb }
 }
 
+/// The image in grey, as the reference's CLI reads a mask (`stbi_load` with one channel):
+/// stb_image's luma `(77 R + 150 G + 29 B) >> 8` in all three channels (grey stays grey).
+pub fn to_gray(img: &Image) -> Image {
+    let rgb = img
+        .rgb
+        .chunks_exact(3)
+        .flat_map(|p| [((p[0] as u32 * 77 + p[1] as u32 * 150 + p[2] as u32 * 29) >> 8) as u8; 3])
+        .collect();
+    Image { width: img.width, height: img.height, rgb }
+}
+
 /// Nearest-neighbour resize with the index rule `src = dst * src_len / dst_len`: what the
 /// reference's library does to an init image whose size differs from the (aligned) request.
 pub fn resize_nearest(img: &Image, width: usize, height: usize) -> Image {

@@ -29,14 +29,18 @@ const NOTABLE: [&str; 6] = [
     "first_stage_model.decoder.conv_in.weight",
 ];
 
+/// The UNet input channels of the SD 1.x/2.x/SDXL checkpoints we run: 4 (the latent), or 9
+/// for an inpainting checkpoint (the latent, the mask and the masked image's latent).
+pub(crate) const INPUT_CHANNELS: [u64; 2] = [4, 9];
+
 /// The facts both SD 1.x and 2.x detection read, as sd.cpp's `get_sd_version` does:
-/// a UNet with a middle block and 4 latent input channels (9 is inpainting, 8 is
-/// instruct-pix2pix; both other architectures), one text encoder (a second is SDXL),
+/// a UNet with a middle block and 4 latent input channels, or 9 (inpainting; 8 is
+/// instruct-pix2pix, another architecture), one text encoder (a second is SDXL),
 /// and the context width from the text encoder's token embedding, or from the UNet's
 /// cross-attention when only the UNet is given. When both are present they must agree.
 fn context_width(index: &TensorIndex) -> Option<u64> {
     let conv_in = index.get(UNET_CONV_IN)?;
-    if conv_in.shape.len() != 4 || conv_in.shape[1] != 4 {
+    if conv_in.shape.len() != 4 || !INPUT_CHANNELS.contains(&conv_in.shape[1]) {
         return None;
     }
     if !index.with_prefix("model.diffusion_model.middle_block.1.").any(|_| true) {

@@ -61,9 +61,13 @@ struct Sd {
     tokenizer: Arc<ClipTokenizer>,
 }
 
-fn build(detected: &Detected, _files: &ModelFiles) -> Result<Box<dyn Family>> {
-    let (clip, unet) = configs(detected.arch)
+fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+    let (clip, mut unet) = configs(detected.arch)
         .ok_or_else(|| PipelineError::Invalid(format!("`{}` is not an SD 1.x / 2.x architecture", detected.arch)))?;
+    // An inpainting checkpoint's UNet takes 9 channels (detection admits only 4 or 9).
+    if let Some(e) = files.index().get(detect::UNET_CONV_IN).filter(|e| e.shape.len() == 4) {
+        unet.in_channels = e.shape[1] as i64;
+    }
     Ok(Box::new(Sd { arch: detected.arch, clip, unet, tokenizer: Arc::new(ClipTokenizer::new()) }))
 }
 
@@ -111,7 +115,11 @@ impl Family for Sd {
     }
 
     fn latent_channels(&self) -> usize {
-        self.unet.in_channels as usize
+        self.unet.out_channels as usize
+    }
+
+    fn concat_channels(&self) -> usize {
+        (self.unet.in_channels - self.unet.out_channels) as usize
     }
 
     fn spatial_multiple(&self) -> usize {

@@ -38,7 +38,7 @@ fn detect(index: &TensorIndex) -> Option<Detected> {
         return None;
     }
     let conv_in = index.get("model.diffusion_model.input_blocks.0.0.weight")?;
-    if conv_in.shape.len() != 4 || conv_in.shape[1] != 4 {
+    if conv_in.shape.len() != 4 || !crate::family::sd::detect::INPUT_CHANNELS.contains(&conv_in.shape[1]) {
         return None;
     }
     let (prediction, prediction_source) = match prediction_from_metadata(index) {
@@ -192,7 +192,11 @@ impl Family for Sdxl {
     }
 
     fn latent_channels(&self) -> usize {
-        self.unet.in_channels as usize
+        self.unet.out_channels as usize
+    }
+
+    fn concat_channels(&self) -> usize {
+        (self.unet.in_channels - self.unet.out_channels) as usize
     }
 
     fn spatial_multiple(&self) -> usize {

@@ -54,7 +54,7 @@ pub struct Args {
     #[arg(long = "vae", value_name = "FILE")]
     vae: Option<PathBuf>,
     /// Latent size, WxH (even numbers).
-    #[arg(long = "size", default_value = "8x8", value_parser = latent_size)]
+    #[arg(long = "size", default_value = "8x8", value_parser = crate::parity_flux::latent_size)]
     size: (usize, usize),
     /// Context tokens.
     #[arg(long = "tokens", default_value_t = 12, value_parser = clap::value_parser!(u32).range(2..=512))]
@@ -71,27 +71,6 @@ pub struct Args {
     /// CPU threads of both programs.
     #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
-}
-
-fn latent_size(s: &str) -> Result<(usize, usize), String> {
-    let (w, h) = s.split_once('x').ok_or("WxH, e.g. 8x8")?;
-    let parse = |v: &str| v.parse::<usize>().ok().filter(|&n| n > 0 && n % 2 == 0 && n <= 256);
-    match (parse(w), parse(h)) {
-        (Some(w), Some(h)) => Ok((w, h)),
-        _ => Err(format!("'{s}': even sizes from 2 to 256, WxH")),
-    }
-}
-
-/// Approximately normal values (Irwin-Hall of 4 uniforms), seeded.
-fn normal(seed: u64, salt: u64, n: usize) -> Vec<f32> {
-    let mut s = (seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1;
-    let mut uniform = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
-    (0..n).map(|_| ((0..4).map(|_| uniform()).sum::<f64>() - 2.0) as f32 * 3f32.sqrt()).collect()
 }
 
 /// The default files: the reduced Chroma fixture and the FLUX VAE fixture.
@@ -136,8 +115,8 @@ pub fn run(args: Args) -> Result<()> {
 
     let (w, h) = args.size;
     let (c, l, cd) = (cfg.latent_channels() as usize, args.tokens as usize, cfg.context_in_dim as usize);
-    let x = normal(args.seed, 1, c * w * h);
-    let ctx = normal(args.seed, 2, l * cd);
+    let x = crate::parity_flux::normal(args.seed, 1, c * w * h);
+    let ctx = crate::parity_flux::normal(args.seed, 2, l * cd);
     let mut failed = false;
     for masked in [args.masked as usize, 0] {
         let mask: Vec<f32> = (0..l).map(|i| if i + masked >= l { f32::NEG_INFINITY } else { 0.0 }).collect();

@@ -74,7 +74,8 @@ pub struct Args {
     flash: bool,
 }
 
-fn latent_size(s: &str) -> Result<(usize, usize), String> {
+/// A latent size `WxH` (even, 2 to 256 each), for the DiT parity commands.
+pub(crate) fn latent_size(s: &str) -> Result<(usize, usize), String> {
     let (w, h) = s.split_once('x').ok_or("WxH, e.g. 16x16")?;
     let parse = |v: &str| v.parse::<usize>().ok().filter(|&n| n > 0 && n % 2 == 0 && n <= 256);
     match (parse(w), parse(h)) {
@@ -84,7 +85,7 @@ fn latent_size(s: &str) -> Result<(usize, usize), String> {
 }
 
 /// Approximately normal values (Irwin-Hall of 4 uniforms), seeded.
-fn normal(seed: u64, salt: u64, n: usize) -> Vec<f32> {
+pub(crate) fn normal(seed: u64, salt: u64, n: usize) -> Vec<f32> {
     let mut s = (seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1;
     let mut uniform = move || {
         s ^= s << 13;

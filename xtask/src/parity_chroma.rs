@@ -3,7 +3,15 @@
 //! ```text
 //! cargo xtask parity chroma [--diffusion-model FILE] [--vae FILE] [--size WxH] [--tokens N]
 //!                           [--masked N] [--timestep T] [--seed N] [--threads N]
+//! cargo xtask parity chroma --image [--diffusion-model FILE] [--vae FILE] [--t5xxl FILE]
+//!                           [--threads N] [--sd-cli EXE]
 //! ```
+//!
+//! `--image` compares whole generations instead (`IMAGE_CASES`: txt2img with a weighted
+//! prompt and a negative prompt, txt2img without one, img2img from the reference's image of
+//! the case before), on the same files, as PNGs within the image bound (`Tolerance::PNG`). The
+//! reference needs a T5-XXL with all 24 layers: without `--t5xxl` the q8_0 fixture (4.8 GB) is
+//! written once in the fixture cache; a run takes 4–5 minutes per case on two cores.
 //!
 //! Without `--diffusion-model` it writes (once, in the fixture cache) a reduced Chroma fixture:
 //! width 256 (2 heads of 128), 2 double and 2 single blocks, the released approximator (5120
@@ -71,6 +79,18 @@ pub struct Args {
     /// CPU threads of both programs.
     #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
+    /// Whole images instead of one diffusion-model evaluation: `sd-cli` and the reference
+    /// generate the same three images (txt2img with a weighted prompt and a negative prompt,
+    /// txt2img without a negative prompt, img2img), compared with the image bound.
+    #[arg(long = "image")]
+    image: bool,
+    /// With --image: the T5-XXL (default: the 24-layer q8_0 fixture, 4.8 GB, written on first
+    /// use; the reference needs every layer).
+    #[arg(long = "t5xxl", value_name = "FILE", requires = "image")]
+    t5xxl: Option<PathBuf>,
+    /// With --image: our executable (default: `sd-cli` built in release).
+    #[arg(long = "sd-cli", value_name = "EXE", requires = "image")]
+    sd_cli: Option<PathBuf>,
 }
 
 /// The default files: the reduced Chroma fixture and the FLUX VAE fixture.
@@ -89,6 +109,128 @@ fn fixtures() -> Result<(PathBuf, PathBuf)> {
     Ok((dit, vae))
 }
 
+/// The cases of `--image`: a name and the generation flags both programs take (the img2img
+/// case's `-i` is the reference's image of the case before it).
+const IMAGE_CASES: [(&str, &[&str]); 3] = [
+    (
+        "txt2img, weighted prompt, negative prompt",
+        &[
+            "-p",
+            "a red cat on a (blue:1.2) sofa",
+            "-n",
+            "blurry, low quality",
+            "-W",
+            "128",
+            "-H",
+            "96",
+            "--steps",
+            "3",
+            "--cfg-scale",
+            "4",
+            "--sampling-method",
+            "euler",
+            "-s",
+            "1234",
+        ],
+    ),
+    (
+        "txt2img, no negative prompt",
+        &[
+            "-p",
+            "a lighthouse at dusk, oil painting",
+            "-W",
+            "64",
+            "-H",
+            "128",
+            "--steps",
+            "2",
+            "--cfg-scale",
+            "3",
+            "--sampling-method",
+            "dpm++2m",
+            "-s",
+            "77",
+        ],
+    ),
+    (
+        "img2img of the image above",
+        &[
+            "-p",
+            "a (quiet:0.8) harbor",
+            "-n",
+            "fog",
+            "--strength",
+            "0.6",
+            "--steps",
+            "3",
+            "--cfg-scale",
+            "5",
+            "--sampling-method",
+            "euler_a",
+            "-s",
+            "5",
+        ],
+    ),
+];
+
+/// `--image`: whole generations of both programs on the same files, compared as PNGs.
+fn images(args: &Args, dit: &std::path::Path, vae: &std::path::Path) -> Result<()> {
+    use crate::parity::{png_diff, run_ok, Row};
+    let t5 = match &args.t5xxl {
+        Some(p) => p.clone(),
+        None => {
+            let p = sd_models::fixture::t5::cached_t5xxl_path(24, 42, WeightType::Q8_0);
+            if !p.is_file() {
+                eprintln!("parity: writing the 24-layer T5-XXL fixture {} (4.8 GB)", p.display());
+                let cfg = sd_models::text::t5::T5Config::xxl();
+                sd_models::fixture::t5::write_t5xxl(&p, &cfg, 42, WeightType::Q8_0, FileFormat::Gguf)?;
+            }
+            p
+        }
+    };
+    let sdref = reference::build()?;
+    let ours = match &args.sd_cli {
+        Some(p) => p.clone(),
+        None => crate::parity::build_sd_cli()?,
+    };
+    let dir = crate::workspace_root().join("target/parity/chroma");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let files = |c: &mut Command| {
+        c.arg("--diffusion-model").arg(dit).arg("--t5xxl").arg(&t5).arg("--vae").arg(vae);
+        c.args(["-t", &args.threads.to_string()]);
+    };
+    let mut failed = false;
+    let mut init: Option<PathBuf> = None;
+    for (i, (name, flags)) in IMAGE_CASES.iter().enumerate() {
+        let (ref_png, ours_png) = (dir.join(format!("case{i}.ref.png")), dir.join(format!("case{i}.ours.png")));
+        let with_init = |c: &mut Command| {
+            if flags.contains(&"--strength") {
+                c.arg("-i").arg(init.as_ref().expect("an img2img case follows a txt2img one"));
+            }
+        };
+        let mut c = Command::new(&sdref);
+        c.arg("txt2img");
+        files(&mut c);
+        with_init(&mut c);
+        c.args(*flags).arg("-o").arg(&ref_png);
+        let ref_s = run_ok(c, "sdref txt2img")?;
+        let mut c = Command::new(&ours);
+        files(&mut c);
+        with_init(&mut c);
+        c.args(*flags).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
+        let ours_s = run_ok(c, "sd-cli")?;
+        let (diff, shape) = png_diff(&ours_png, &ref_png)?;
+        let row = Row { family: "chroma", what: (*name).to_owned(), shape, diff, tol: Tolerance::PNG };
+        row.print_timed(ref_s, ours_s);
+        failed |= !row.pass();
+        init = Some(ref_png);
+    }
+    if failed {
+        bail!("Chroma: an image differs from the reference's beyond {}", Tolerance::PNG.describe());
+    }
+    Ok(())
+}
+
 /// Entry point of `cargo xtask parity chroma`.
 pub fn run(args: Args) -> Result<()> {
     if args.masked >= args.tokens {
@@ -97,6 +239,9 @@ pub fn run(args: Args) -> Result<()> {
     let (fixture_dit, fixture_vae) = fixtures()?;
     let model = args.diffusion_model.clone().unwrap_or(fixture_dit);
     let vae = args.vae.clone().unwrap_or(fixture_vae);
+    if args.image {
+        return images(&args, &model, &vae);
+    }
     let exe = reference::build()?;
     let dir = std::env::temp_dir().join(format!("parity-chroma-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -177,6 +322,13 @@ mod tests {
         assert_eq!((a.size, a.tokens, a.masked, a.timestep), ((8, 12), 4, 2, 0.5));
         let e = crate::parse_test::<Args>("--size 7x8").unwrap_err();
         assert!(format!("{e:#}").contains("even"), "{e:#}");
+        let i: Args = crate::parse_test("--image --t5xxl t5.gguf --sd-cli ./sd-cli").unwrap();
+        assert!(i.image && i.t5xxl.is_some() && i.sd_cli.is_some());
+        // --t5xxl and --sd-cli only mean something for whole images.
+        assert!(crate::parse_test::<Args>("--t5xxl t5.gguf").is_err());
+        // The img2img case follows a txt2img one, whose image it starts from.
+        let first_img2img = IMAGE_CASES.iter().position(|(_, f)| f.contains(&"--strength")).unwrap();
+        assert!(first_img2img > 0);
     }
 
     #[test]

@@ -1162,7 +1162,8 @@ impl Pipeline {
         let concat_channels = self.family.concat_channels();
         if concat_channels != 0 && concat_channels != channels + 1 {
             return Err(PipelineError::Invalid(format!(
-                "the {} model's UNet takes {concat_channels} channels beside the latent's {channels}:                  only inpainting's {} (mask and masked image) are supported",
+                "the {} model's UNet takes {concat_channels} channels beside the latent's {channels}: \
+                 only inpainting's {} (mask and masked image) are supported",
                 self.family.arch(),
                 channels + 1
             )));
@@ -1174,7 +1175,6 @@ impl Pipeline {
             None => full,
             Some(image) => {
                 let image = crate::image_io::to_planar(image);
-                let planar = (concat_channels > 0).then(|| image.clone());
                 let t = Instant::now();
                 // A kept decoder without its encoder is freed for the full VAE.
                 let reused = kept.as_deref_mut().and_then(|k| k.vae.take()).filter(|(encoder, _)| *encoder);
@@ -1187,10 +1187,15 @@ impl Pipeline {
                 report.stage("vae load (encode)", t.elapsed().as_secs_f64());
                 let t_encode = Instant::now();
                 let mut runner = self.runner("vae", &self.opts.devices.vae, None);
-                let px: Vec<f32> = match vae.image_range() {
-                    sd_vae::ImageRange::MinusOneToOne => image.iter().map(|v| v * 2.0 - 1.0).collect(),
-                    sd_vae::ImageRange::ZeroToOne => image,
+                // Pixels in [0, 1] as the VAE takes them.
+                let range = vae.image_range();
+                let to_vae = |x: &[f32]| -> Vec<f32> {
+                    match range {
+                        sd_vae::ImageRange::MinusOneToOne => x.iter().map(|v| v * 2.0 - 1.0).collect(),
+                        sd_vae::ImageRange::ZeroToOne => x.to_vec(),
+                    }
                 };
+                let px = to_vae(&image);
                 let mut rng = p.rng.seeded(p.seed);
                 let mut on_tile = |done: usize, tiles: usize| {
                     progress(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
@@ -1215,11 +1220,7 @@ impl Pipeline {
                             &ones
                         }
                     };
-                    let masked = inpaint::masked_image(planar.as_deref().unwrap_or_default(), m);
-                    let px: Vec<f32> = match vae.image_range() {
-                        sd_vae::ImageRange::MinusOneToOne => masked.iter().map(|v| v * 2.0 - 1.0).collect(),
-                        sd_vae::ImageRange::ZeroToOne => masked,
-                    };
+                    let px = to_vae(&inpaint::masked_image(&image, m));
                     masked_latent = Some(encode_latent(
                         vae.as_ref(),
                         &mut runner,

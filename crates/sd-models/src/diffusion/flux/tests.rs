@@ -600,29 +600,44 @@ fn the_pipeline_interface_evaluates_each_sample_alone() {
     assert!(source.contains("txt_in"), "{err}: {source}");
 }
 
-#[test]
-fn segmented_under_a_budget_equals_the_whole_graph() {
+/// One evaluation of a model of `cfg` (random f32 weights) with its parameters in `home` under
+/// an optional device `budget`: the output, the runner's statistics and the ledger's high-water
+/// mark. The segmented-execution tests compare these across placements.
+#[allow(clippy::too_many_arguments)]
+fn eval_placed(
+    cfg: &FluxConfig,
+    home: sd_sched::ParamHome,
+    budget: Option<u64>,
+    x: &[f32],
+    (w, h): (usize, usize),
+    (ctx, l): (&[f32], usize),
+    y: &[f32],
+    guidance: f32,
+) -> (Vec<f32>, sd_sched::RunStats, u64) {
     use std::collections::HashMap;
     use std::sync::Arc;
+    let b = backend();
+    let dev = b.device().name();
+    let ledgers =
+        sd_sched::Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
+    let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
+    m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RANDOM)).unwrap();
+    let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
+    let out = m.eval(&mut runner, x, (w, h), 0.6, ctx, l, y, Some(guidance)).unwrap();
+    let high = ledgers.get(&dev).high_water();
+    (out, runner.stats().clone(), high)
+}
 
-    use sd_sched::{Ledgers, ParamHome};
+#[test]
+fn segmented_under_a_budget_equals_the_whole_graph() {
+    use sd_sched::ParamHome;
     // Two double blocks (9.4 MB each in f32) and two single blocks (3.9 MB): 28 MB in all.
     let cfg = FluxConfig { depth: 2, depth_single_blocks: 2, ..tiny() };
     let (w, h, l) = (4usize, 6usize, 3usize);
     let x = inputs(cfg.latent_channels() as usize * w * h, "seg-x", 1.0);
     let ctx = inputs(l * cfg.context_in_dim as usize, "seg-c", 1.0);
     let y = inputs(cfg.vec_in_dim as usize, "seg-y", 1.0);
-    let run = |home: ParamHome, budget: Option<u64>| {
-        let b = backend();
-        let dev = b.device().name();
-        let ledgers = Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
-        let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
-        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RANDOM)).unwrap();
-        let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
-        let out = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &y, Some(3.5)).unwrap();
-        let high = ledgers.get(&dev).high_water();
-        (out, runner.stats().clone(), high)
-    };
+    let run = |home: ParamHome, budget: Option<u64>| eval_placed(&cfg, home, budget, &x, (w, h), (&ctx, l), &y, 3.5);
     let (whole, stats, _) = run(ParamHome::Compute, None);
     assert_eq!(stats.segmented_runs, 0);
     // One double block and a little more: every block runs in a segment of its own.
@@ -686,24 +701,15 @@ fn chroma_masked_tokens_act_as_absent_and_the_timestep_reaches_the_output() {
 
 #[test]
 fn chroma_segmented_under_a_budget_equals_the_whole_graph() {
-    use std::collections::HashMap;
-    use std::sync::Arc;
-
-    use sd_sched::{Ledgers, ParamHome};
+    use sd_sched::ParamHome;
     let cfg = tiny_chroma();
     let (w, h, l) = (4usize, 6usize, 3usize);
     let x = inputs(cfg.latent_channels() as usize * w * h, "cseg-x", 1.0);
     let ctx = inputs(l * cfg.context_in_dim as usize, "cseg-c", 1.0);
     let mask = [0.0, 0.0, f32::NEG_INFINITY];
     let run = |home: ParamHome, budget: Option<u64>| {
-        let b = backend();
-        let dev = b.device().name();
-        let ledgers = Ledgers::with_budgets(budget.map(|v| HashMap::from([(dev.clone(), v)])).unwrap_or_default());
-        let mut m = FluxModel::new(cfg.clone(), &|_| Some(F32), None).unwrap();
-        m.weights.place("flux", home, b.clone(), &ledgers, &group_of, Arc::new(RANDOM)).unwrap();
-        let mut runner = Runner::with_ledger("flux", b, ledgers.get(&dev), Default::default());
-        let out = m.eval(&mut runner, &x, (w, h), 0.6, &ctx, l, &mask, Some(0.0)).unwrap();
-        (out, runner.stats().clone())
+        let (out, stats, _) = eval_placed(&cfg, home, budget, &x, (w, h), (&ctx, l), &mask, 0.0);
+        (out, stats)
     };
     let (whole, stats) = run(ParamHome::Compute, None);
     assert_eq!(stats.segmented_runs, 0);

@@ -184,18 +184,19 @@ mod tests {
     use super::*;
     use std::process::Command;
 
-    fn dir_with(files: &[&str]) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("sd-lora-tags-{}-{}", std::process::id(), files.join("-")));
-        std::fs::create_dir_all(&dir).unwrap();
+    /// A directory holding `files`, removed with the value.
+    fn dir_with(files: &[&str]) -> tempfile::TempDir {
+        let dir = tempfile::Builder::new().prefix("sd-lora-tags-").tempdir().unwrap();
         for f in files {
-            std::fs::write(dir.join(f), b"x").unwrap();
+            std::fs::write(dir.path().join(f), b"x").unwrap();
         }
         dir
     }
 
     #[test]
     fn tags_are_removed_looked_up_and_summed() {
-        let dir = dir_with(&["style.safetensors", "b.gguf", "b.safetensors"]);
+        let tmp = dir_with(&["style.safetensors", "b.gguf", "b.safetensors"]);
+        let dir = tmp.path();
         let (p, loras) =
             extract("a cat <lora:style:0.8>, <lora:b:-1> sitting<lora:style:0.2> <lora:x:abc>", &dir).unwrap();
         assert_eq!(p, "a cat ,  sitting ");
@@ -209,7 +210,8 @@ mod tests {
 
     #[test]
     fn not_tags_are_kept() {
-        let dir = dir_with(&[]);
+        let tmp = dir_with(&[]);
+        let dir = tmp.path();
         for s in ["<lora:>", "<lora::1>", "<lora:x>", "<lora:a:", "x < y <lora", "<lora:n:>"] {
             assert_eq!(extract(s, &dir).unwrap(), (s.to_string(), vec![]), "{s}");
         }
@@ -217,7 +219,8 @@ mod tests {
 
     #[test]
     fn a_missing_file_names_it_and_the_directory() {
-        let dir = dir_with(&[]);
+        let tmp = dir_with(&[]);
+        let dir = tmp.path();
         let e = extract("<lora:nothing_here:1>", &dir).unwrap_err().to_string();
         assert!(
             e.contains("nothing_here") && e.contains(&dir.display().to_string()) && e.contains(".safetensors"),
@@ -229,7 +232,8 @@ mod tests {
     /// named as what it is; nothing of the tag is echoed raw.
     #[test]
     fn names_are_confined_to_the_directory_and_must_be_regular_files() {
-        let dir = dir_with(&["inside.safetensors"]);
+        let tmp = dir_with(&["inside.safetensors"]);
+        let dir = tmp.path();
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         std::fs::write(dir.join("sub/deeper.gguf"), b"x").unwrap();
         let (_, loras) = extract("<lora:sub/deeper:1><lora:./inside:1>", &dir).unwrap();

@@ -28,20 +28,39 @@ fn sd_table() -> &'static [LoraPrefix] {
     &crate::family::sd::LORA_PREFIXES
 }
 
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sd-lora-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A file path in a directory of its own, removed with the value (a run of these tests
+/// writes about 200 MB of fixtures).
+struct Temp {
+    path: PathBuf,
+    _dir: tempfile::TempDir,
 }
 
-fn write_fixture(layout: crate::fixture::lora::LoraLayout, rank: u64, name: &str) -> PathBuf {
+impl std::ops::Deref for Temp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for Temp {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn temp(name: &str) -> Temp {
+    let dir = tempfile::Builder::new().prefix("sd-lora-").tempdir().unwrap();
+    Temp { path: dir.path().join(name), _dir: dir }
+}
+
+fn write_fixture(layout: crate::fixture::lora::LoraLayout, rank: u64, name: &str) -> Temp {
     let path = temp(name);
     let req = crate::fixture::lora::LoraFixture { layout, rank, seed: 7, scale: 0.05, text_encoder: true };
     crate::fixture::lora::write_lora(&path, &req).unwrap();
     path
 }
 
-fn write_raw(name: &str, tensors: &[(&str, Vec<u64>)]) -> PathBuf {
+fn write_raw(name: &str, tensors: &[(&str, Vec<u64>)]) -> Temp {
     use crate::files::safetensors::{to_bytes, HeaderEntry};
     let data: Vec<Vec<u8>> = tensors.iter().map(|(_, s)| vec![0u8; 4 * s.iter().product::<u64>() as usize]).collect();
     let entries: Vec<(HeaderEntry<'_>, &[u8])> = tensors
@@ -92,7 +111,7 @@ fn the_merge_adds_scale_up_down_and_multiplier_zero_changes_no_bit() {
     let merged = one.merge(name, GgmlType::GGML_TYPE_F16, &ne, &bytes).unwrap().unwrap();
     let merged = convert::to_f32(GgmlType::GGML_TYPE_F16, &merged, n as i64).unwrap();
     // Independently: the file's up [320, 4, 1, 1] and down [4, 320, 3, 3], in f64.
-    let files = ModelFiles::open_model(&kohya).unwrap();
+    let files = ModelFiles::open_model(&*kohya).unwrap();
     let key = "lora_unet_down_blocks_0_resnets_0_conv1";
     let (_, up) = matrix(&files, &format!("{key}.lora_up.weight"), &kohya).unwrap();
     let (_, down) = matrix(&files, &format!("{key}.lora_down.weight"), &kohya).unwrap();
@@ -191,7 +210,7 @@ fn runtime_adapters_are_the_files_matrices_shaped_for_their_layers() {
         }
     }
     let src = AdapterSource::new(Arc::new(Model), set.clone());
-    let files = ModelFiles::open_model(&kohya).unwrap();
+    let files = ModelFiles::open_model(&*kohya).unwrap();
     let key = "lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight";
     let (e, _) = files.tensor(&files.index().entries().iter().find(|e| e.original_name == key).unwrap().name).unwrap();
     let ne: Vec<i64> = e.ne().iter().map(|&v| v as i64).collect();
@@ -265,7 +284,7 @@ fn flux_keys_of_every_layout_reach_bfl_names_and_row_blocks() {
 }
 
 /// A safetensors file of f32 tensors with the given values.
-fn write_values(name: &str, tensors: &[(String, Vec<u64>, Vec<f32>)]) -> PathBuf {
+fn write_values(name: &str, tensors: &[(String, Vec<u64>, Vec<f32>)]) -> Temp {
     use crate::files::safetensors::{to_bytes, HeaderEntry};
     let data: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let entries: Vec<(HeaderEntry<'_>, &[u8])> = tensors
@@ -373,7 +392,7 @@ fn an_sdxl_kohya_lora_adapts_the_unet_and_both_text_encoders() {
     for cfg in [crate::text::clip::ClipConfig::vit_l14_sdxl(), crate::text::clip::ClipConfig::vit_bigg14()] {
         targets.extend(crate::text::clip::clip_specs(&cfg, &f16, None));
     }
-    let req = [LoraRequest { path: path.clone(), multiplier: 1.0 }];
+    let req = [LoraRequest { path: path.to_path_buf(), multiplier: 1.0 }];
     let set = LoraSet::load(&req, "sdxl", &crate::family::sdxl::LORA_PREFIXES, &targets).unwrap();
     // Every adapter written applies: 2 transformers x 12 modules (Vega's middle block has
     // none), 3 resnet modules, 2 encoders x 2 layers x 6.
@@ -630,7 +649,7 @@ fn flux_fixtures_adapt_the_dit_clip_l_and_t5_in_kohya_and_dotted_names() {
         let path = temp(name);
         let req = LoraFixture { layout, rank: 4, seed: 1, scale: 0.05, text_encoder: true };
         let n = write_flux_lora(&path, &cfg, &req).unwrap();
-        let req = [LoraRequest { path, multiplier: 1.0 }];
+        let req = [LoraRequest { path: path.to_path_buf(), multiplier: 1.0 }];
         let set = LoraSet::load(&req, "flux", flux_table(), &targets).unwrap();
         // 13 DiT weights, CLIP-L's layers 0 and 11 x 6, T5's block 0 x 7: every adapter applies.
         assert_eq!((n, set.targets()), (32, 32), "{layout:?}");

@@ -64,6 +64,9 @@ enum Command {
     Bindings,
     /// Write a checkpoint with the real layout and random weights.
     Fixture(fixture::Args),
+    /// Measure sd-placement's presets (module and block sizes of SD 1.5, SDXL and FLUX.1-dev
+    /// at f16, q8_0 and q4_K) from the real layouts and rewrite crates/sd-placement/presets.json.
+    Presets,
     /// Build the stable-diffusion.cpp reference harness (sdref) and print its path.
     Reference {
         /// Build it without AVX512-FP16, into target/reference-f32acc: f32 accumulation of
@@ -106,6 +109,23 @@ pub(crate) fn parse_test<T: clap::Args>(line: &str) -> Result<T> {
     One::<T>::try_parse_from(argv).map(|o| o.args).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
+/// `cargo xtask presets`: measures every preset (sparse layout files in a temporary
+/// directory) and rewrites the file sd-placement embeds.
+fn write_presets() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("sd-presets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let measured = sd_models::presets::measure_all(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let presets = measured?;
+    let path = workspace_root().join("crates/sd-placement/presets.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&presets)? + "\n")?;
+    for p in &presets {
+        println!("{} {}: {:.1} MiB", p.name, p.weight_type, p.total_bytes() as f64 / 1048576.0);
+    }
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
@@ -123,6 +143,7 @@ fn main() -> Result<()> {
         Command::Dist(a) => install::dist(&a),
         Command::Bindings => bindings::run(),
         Command::Fixture(a) => fixture::run(a),
+        Command::Presets => write_presets(),
         Command::Parity(a) => parity::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchPlacement(a) => bench_placement::run(a),

@@ -23,6 +23,7 @@ pub mod lora;
 pub mod output;
 pub mod pipeline;
 pub mod placement;
+pub mod presets;
 pub mod report;
 pub mod speed;
 pub mod text;

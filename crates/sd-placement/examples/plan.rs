@@ -1,10 +1,8 @@
-//! Plans a FLUX.1-dev-sized model on the devices of a TOML profile (a file given as the first argument, or the built-in one) and prints the plan.
+//! Plans FLUX.1-dev (the q8_0 preset) on the devices of a TOML profile (a file given as the first argument, or the built-in one) and prints the plan.
 //!
 //! `cargo run -p sd-placement --example plan [PROFILE.toml] [--json]`
 
-use sd_placement::{
-    plan, Component, DeviceProfile, Flags, ModelDescription, Module, PlanRequest, SourceFile, Tensor, MIB,
-};
+use sd_placement::{plan, presets, DeviceProfile, Flags, PlanRequest};
 
 /// Two 12 GiB GPUs and 32 GiB of RAM, in the profile format of `sd-cli plan --devices`.
 const PROFILE: &str = r#"
@@ -21,23 +19,6 @@ free_mib = 12288
 name = "CPU"
 type = "cpu"
 "#;
-
-/// A FLUX.1-dev-sized model: 57 transformer blocks of 206 MiB (q8_0), a 9 GiB T5-XXL and
-/// CLIP-L, a 160 MiB VAE.
-fn flux_dev() -> ModelDescription {
-    let dit = (0..57).map(|b| Tensor::in_block(format!("dit.{b}.w"), 206 * MIB, b)).collect();
-    let te = (0..24).map(|l| Tensor::in_block(format!("t5.{l}.w"), 388 * MIB, l)).collect();
-    let vae = vec![Tensor::new("vae.w", 160 * MIB)];
-    ModelDescription {
-        components: vec![
-            Component { module: Module::Diffusion, tensors: dit },
-            Component { module: Module::Te, tensors: te },
-            Component { module: Module::Vae, tensors: vae },
-        ],
-        files: vec![SourceFile { role: "<diffusion model file>".into(), bytes: 57 * 206 * MIB }],
-        compute_bytes: Default::default(),
-    }
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -57,7 +38,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         devices: profile.devices(),
         ram_available_bytes: profile.ram_available_bytes(),
-        model: flux_dev(),
+        // FLUX.1-dev's measured sizes, its weights converted to q8_0 on load
+        model: presets::find("flux-dev", "q8_0").ok_or("no flux-dev q8_0 preset")?.description(),
         device_speeds: profile.device_speeds(),
     };
     let p = plan(&request)?;

@@ -110,6 +110,7 @@ mod memcheck;
 mod model;
 mod placement;
 mod plan;
+pub mod presets;
 pub mod segments;
 mod spec;
 mod split;

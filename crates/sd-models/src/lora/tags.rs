@@ -198,7 +198,7 @@ mod tests {
         let tmp = dir_with(&["style.safetensors", "b.gguf", "b.safetensors"]);
         let dir = tmp.path();
         let (p, loras) =
-            extract("a cat <lora:style:0.8>, <lora:b:-1> sitting<lora:style:0.2> <lora:x:abc>", &dir).unwrap();
+            extract("a cat <lora:style:0.8>, <lora:b:-1> sitting<lora:style:0.2> <lora:x:abc>", dir).unwrap();
         assert_eq!(p, "a cat ,  sitting ");
         // b: .gguf comes before .safetensors; sorted by path; style summed to 1.0.
         assert_eq!(loras.len(), 2);
@@ -213,7 +213,7 @@ mod tests {
         let tmp = dir_with(&[]);
         let dir = tmp.path();
         for s in ["<lora:>", "<lora::1>", "<lora:x>", "<lora:a:", "x < y <lora", "<lora:n:>"] {
-            assert_eq!(extract(s, &dir).unwrap(), (s.to_string(), vec![]), "{s}");
+            assert_eq!(extract(s, dir).unwrap(), (s.to_string(), vec![]), "{s}");
         }
     }
 
@@ -221,7 +221,7 @@ mod tests {
     fn a_missing_file_names_it_and_the_directory() {
         let tmp = dir_with(&[]);
         let dir = tmp.path();
-        let e = extract("<lora:nothing_here:1>", &dir).unwrap_err().to_string();
+        let e = extract("<lora:nothing_here:1>", dir).unwrap_err().to_string();
         assert!(
             e.contains("nothing_here") && e.contains(&dir.display().to_string()) && e.contains(".safetensors"),
             "{e}"
@@ -236,10 +236,10 @@ mod tests {
         let dir = tmp.path();
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         std::fs::write(dir.join("sub/deeper.gguf"), b"x").unwrap();
-        let (_, loras) = extract("<lora:sub/deeper:1><lora:./inside:1>", &dir).unwrap();
+        let (_, loras) = extract("<lora:sub/deeper:1><lora:./inside:1>", dir).unwrap();
         assert_eq!(loras.len(), 2);
         for name in ["/etc/passwd", "../inside", "sub/../../x", "sub/../inside"] {
-            let e = extract(&format!("<lora:{name}:1>"), &dir).unwrap_err();
+            let e = extract(&format!("<lora:{name}:1>"), dir).unwrap_err();
             assert!(matches!(e, LoraError::Tag { .. }), "{name}: {e}");
             let e = e.to_string();
             assert!(e.contains(name) && e.contains("--lora-model-dir") && e.contains("'..'"), "{e}");
@@ -251,19 +251,19 @@ mod tests {
         std::os::unix::fs::symlink("/dev/zero", dir.join("zero")).unwrap();
         std::fs::create_dir_all(dir.join("folder.gguf")).unwrap();
         for (name, kind) in [("pipe", "a FIFO"), ("zero", "a character device"), ("folder", "a directory")] {
-            let e = extract(&format!("<lora:{name}:1>"), &dir).unwrap_err();
+            let e = extract(&format!("<lora:{name}:1>"), dir).unwrap_err();
             assert!(matches!(e, LoraError::NotRegular { .. }), "{name}: {e}");
             let e = e.to_string();
             assert!(e.contains(kind) && e.contains("not a regular file") && !e.contains("not found"), "{e}");
         }
         // Control characters of a tag are escaped in the message.
-        let e = extract("<lora:a\x1b[2Jb:1>", &dir).unwrap_err().to_string();
+        let e = extract("<lora:a\x1b[2Jb:1>", dir).unwrap_err().to_string();
         assert!(e.contains("\\u{1b}") && !e.contains('\x1b'), "{e}");
         // A multiplier beyond f32 is refused (the reference drops the tag); 1e38 is a number
         // (its scale is judged with the file's alpha when the file is read).
-        let e = extract("<lora:inside:1e99>", &dir).unwrap_err().to_string();
+        let e = extract("<lora:inside:1e99>", dir).unwrap_err().to_string();
         assert!(e.contains("inside") && e.contains("'1e99' is out of range"), "{e}");
-        assert_eq!(extract("<lora:inside:1e38>", &dir).unwrap().1[0].multiplier, 1e38);
+        assert_eq!(extract("<lora:inside:1e38>", dir).unwrap().1[0].multiplier, 1e38);
     }
 
     #[test]

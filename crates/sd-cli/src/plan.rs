@@ -178,6 +178,11 @@ pub struct PlanArgs {
     /// Available RAM in MiB (overrides the machine's or the profile's figure).
     #[arg(long = "ram-mib", value_name = "N", allow_negative_numbers = true, value_parser = ram_mib)]
     pub ram_mib: Option<u64>,
+    /// [sd-rs] Plan a named model instead of files: `sd15`, `sdxl` or `flux-dev`, at `:f16`,
+    /// `:q8_0` or `:q4_K` (else --type's, else f16): sd-placement's sizes measured from the
+    /// released files' layouts. Compute buffers get the fixed reserves.
+    #[arg(long = "preset", value_name = "NAME[:TYPE]")]
+    pub preset: Option<String>,
     /// Print the plan as JSON (its `schema_version` first).
     #[arg(long = "json")]
     pub json: bool,
@@ -360,6 +365,37 @@ fn lora_bytes(
     Ok(lines)
 }
 
+/// `--preset NAME[:TYPE]`: the preset's description, refused beside model files, LoRA tags
+/// and `--explain` (which need the files).
+fn preset(
+    arg: &str,
+    sources: &sd_models::files::ModelSources,
+    args: &PlanArgs,
+    prompt: &str,
+    wtype: Option<sd_backends::GgmlType>,
+) -> Result<sd_placement::ModelDescription> {
+    use sd_placement::presets;
+    if *sources != sd_models::files::ModelSources::default() {
+        anyhow::bail!(
+            "--preset {arg}: plans a named model without files; drop the model file flags (-m, --diffusion-model, ...)"
+        );
+    }
+    if args.explain {
+        anyhow::bail!("--preset {arg}: --explain needs the model's files (its workload comes from them)");
+    }
+    if prompt.contains("<lora:") {
+        anyhow::bail!("--preset {arg}: a preset has no files to check the prompt's <lora:...> tags against");
+    }
+    let (name, wtype) = match arg.split_once(':') {
+        Some((n, t)) => (n, t.to_string()),
+        None => (arg, wtype.map_or_else(|| "f16".to_string(), |t| sd_backends::type_name(t))),
+    };
+    match presets::find(name, &wtype) {
+        Some(p) => Ok(p.description()),
+        None => anyhow::bail!("--preset {arg}: no preset '{name}' at type '{wtype}'; presets: {}", presets::names()),
+    }
+}
+
 /// Runs `plan`.
 pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (devices, profile_ram, device_speeds, profile, descriptions) = match &args.devices {
@@ -378,13 +414,23 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let g = &args.generation;
     let want = args.planned()?;
     let sources = g.model.sources();
-    let files = ModelFiles::open(&sources)?;
-    let mut model = describe(&files, &g.model.extra(), g.wtype.map(|t| t.0))?;
-    // A model a family runs but cannot load (tensors missing or misshapen), or of an unknown
-    // architecture, has no plan: refused as a generation refuses it.
-    sd_models::family::check_runnable(&files)?;
-    model.compute_bytes = sd_models::describe::compute_estimates(&files, want.width, want.height, g.diffusion_fa);
-    let lora_lines = lora_bytes(&g.lora, &want.prompt, &files, &mut model)?;
+    let (files, mut model) = match &args.preset {
+        Some(name) => (None, preset(name, &sources, args, &want.prompt, g.wtype.map(|t| t.0))?),
+        None => {
+            let files = ModelFiles::open(&sources)?;
+            let mut model = describe(&files, &g.model.extra(), g.wtype.map(|t| t.0))?;
+            // A model a family runs but cannot load (tensors missing or misshapen), or of an
+            // unknown architecture, has no plan: refused as a generation refuses it.
+            sd_models::family::check_runnable(&files)?;
+            model.compute_bytes =
+                sd_models::describe::compute_estimates(&files, want.width, want.height, g.diffusion_fa);
+            (Some(files), model)
+        }
+    };
+    let lora_lines = match &files {
+        Some(files) => lora_bytes(&g.lora, &want.prompt, files, &mut model)?,
+        None => Vec::new(),
+    };
     // A profile's speeds; else `plan` runs nothing: speeds measured by an earlier generation
     // (at this size), if cached.
     let device_speeds = match args.devices {
@@ -408,8 +454,8 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     }
     let (figures, measured) =
         crate::cost::figures(&request.devices, &descriptions, profile.as_ref(), &request.device_speeds);
-    let (p, explain) = if measured || args.explain {
-        let work = crate::cost::workload(&files, want.width, want.height, want.steps);
+    let (p, explain) = if let (Some(files), true) = (&files, measured || args.explain) {
+        let work = crate::cost::workload(files, want.width, want.height, want.steps);
         let (p, e) = crate::cost::choose(&request, &work, &figures, measured)?;
         (p, Some(e))
     } else {
@@ -431,7 +477,7 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
         if let Some(e) = &explain {
             crate::out!("{}", e.render());
         }
-        if sd_models::family::is_inpainting(&files) {
+        if files.as_ref().is_some_and(sd_models::family::is_inpainting) {
             crate::out!(
                 "model: inpainting (the UNet takes the latent, a mask and the masked image's latent: -i, --mask)"
             );

@@ -244,3 +244,54 @@ fn plan_takes_a_generations_flags_and_counts_type_as_loaded() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `plan --preset NAME[:TYPE]` plans a family without its files, from sd-placement's measured
+/// sizes; `--type` picks the type when the name has none; what a preset cannot answer is
+/// refused naming the flag.
+#[test]
+fn plan_presets_a_family_without_files() {
+    let p = profile("preset", FAST);
+    let preset = |args: &[&str]| sd_cli().arg("plan").arg("--devices").arg(&p).args(args).output().unwrap();
+    let planned = |args: &[&str]| -> Plan {
+        let o = preset(&[args, &["--json"]].concat());
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let diffusion = |p: &Plan| p.modules.iter().find(|m| m.module.name() == "diffusion").unwrap().param_bytes;
+    for (args, name, wtype) in [
+        (&["--preset", "flux-dev:q4_K"][..], "flux-dev", "q4_K"),
+        (&["--preset", "flux-dev", "--type", "q8_0"], "flux-dev", "q8_0"),
+        (&["--preset", "sdxl"], "sdxl", "f16"),
+    ] {
+        let plan = planned(args);
+        let want = sd_placement::presets::find(name, wtype).unwrap();
+        let sizes = want.modules.iter().find(|m| m.module.name() == "diffusion").unwrap();
+        assert_eq!(diffusion(&plan), sizes.other_bytes + sizes.blocks.iter().map(|b| b.bytes).sum::<u64>(), "{args:?}");
+        assert_eq!(plan.modules.len(), 3, "{args:?}");
+    }
+    // FLUX.1-dev at q8_0 (17 GiB) does not fit a 16 GiB GPU whole: auto-fit streams or splits.
+    assert!(diffusion(&planned(&["--preset", "flux-dev:q8_0"])) > 11 << 30);
+    for (args, says) in [
+        (&["--preset", "sd3"][..], "no preset 'sd3'"),
+        (&["--preset", "sdxl:q5_1"], "sd15 (f16, q8_0, q4_K)"),
+        (&["--preset", "sdxl", "--explain"], "--explain"),
+        (&["--preset", "sd15", "-p", "a cat <lora:style:1>"], "<lora:"),
+    ] {
+        let o = preset(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("--preset") && err.contains(says), "{args:?}: {err}");
+    }
+    let o = sd_cli()
+        .arg("plan")
+        .arg("--preset")
+        .arg("sd15")
+        .arg("-m")
+        .arg(sd15_fixture())
+        .arg("--devices")
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("drop the model file flags"));
+}

@@ -388,7 +388,7 @@ fn preset(
     }
     let (name, wtype) = match arg.split_once(':') {
         Some((n, t)) => (n, t.to_string()),
-        None => (arg, wtype.map_or_else(|| "f16".to_string(), |t| sd_backends::type_name(t))),
+        None => (arg, wtype.map_or_else(|| "f16".to_string(), sd_backends::type_name)),
     };
     match presets::find(name, &wtype) {
         Some(p) => Ok(p.description()),

@@ -112,13 +112,50 @@ fn weight_type(d: sd_models::files::DType) -> WeightType {
 }
 
 /// Key/value tokens of an attention whose query projection `name` is, by common naming
-/// schemes: `Some(0)` self attention, `Some(n)` cross attention over `n` text tokens.
+/// schemes: `Some(0)` self attention, `Some(n)` cross attention over `n` text tokens. (A FLUX-
+/// style DiT's attention is marked on its output projections instead: [`dit_rows`].)
 fn attention(name: &str) -> Option<u64> {
     if name.contains("attn2.to_q") {
         return Some(TE_TOKENS);
     }
-    let self_attn = ["attn1.to_q", "attn.to_q", "self_attn.q_proj", "attn_1.q.", "attn.qkv", "attn.q."];
+    let self_attn = ["attn1.to_q", "attn.to_q", "self_attn.q_proj", "attn_1.q.", "attn.q."];
     self_attn.iter().any(|k| name.contains(k)).then_some(0)
+}
+
+/// A FLUX-style DiT's weight (FLUX.1, Chroma): its activation rows and attention, from its
+/// name. Image tokens `img`, text tokens `txt`, `batch` samples per evaluation. The
+/// modulation layers run on one vector per sample (Chroma's approximator on its 344 rows), the
+/// text stream on the text tokens, single blocks on both streams joined; the joint attention
+/// of `img + txt` tokens is counted once per stream at its output projection (whose rows are
+/// the width, unlike a fused qkv's three).
+fn dit_rows(name: &str, img: u64, txt: u64, batch: u64) -> (u64, Option<u64>) {
+    const MODULATION: [&str; 7] =
+        ["_mod.lin", "modulation.lin", "time_in.", "vector_in.", "guidance_in.", "adaLN_modulation", "approximator"];
+    if name.contains("distilled_guidance_layer.") {
+        return (344 * batch, None);
+    }
+    if MODULATION.iter().any(|k| name.contains(k)) {
+        return (batch, None);
+    }
+    if name.contains("single_blocks.") {
+        let attention = name.contains(".linear2.").then_some(0);
+        return ((img + txt) * batch, attention);
+    }
+    let joint = (name.contains("img_attn.proj") || name.contains("txt_attn.proj")).then_some(img + txt);
+    if name.contains("txt_in.") || name.contains(".txt_attn.") || name.contains(".txt_mlp.") {
+        return (txt * batch, joint);
+    }
+    (img * batch, joint)
+}
+
+/// What `workload` is for: the image size, the steps and the CFG scale asked for (`None`: the
+/// family's default, which guides SD and Chroma and not FLUX.1's distilled models).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RunShape {
+    pub width: usize,
+    pub height: usize,
+    pub steps: usize,
+    pub cfg_scale: Option<f32>,
 }
 
 /// A UNet's resolution levels: a third of its `input_blocks` (SD 1.x/2.x: 12, four levels;
@@ -168,19 +205,26 @@ fn level_rows(name: &str, levels: u32, rows: u64, latent: u64) -> Option<u64> {
     None
 }
 
-/// What a generation of `width` x `height` in `steps` steps computes: every tensor's shape
-/// from the model's headers, diffusion at the latent positions times 2 (a CFG batch) per
-/// step (a UNet block at its level's positions, [`level_rows`]), the text encoder twice
-/// (prompt, negative prompt) at 77 tokens, the VAE once (its decoder's blocks at their
-/// resolutions; other VAE weights at 16 times the latent positions).
-pub(crate) fn workload(files: &ModelFiles, width: usize, height: usize, steps: usize) -> Workload {
+/// What a generation of `run`'s size in its steps computes: every tensor's shape from the
+/// model's headers. A UNet runs at the latent positions per sample (a block at its level's
+/// positions, [`level_rows`]), a DiT at a quarter of them (2x2 patches) beside the text tokens
+/// ([`dit_rows`]); with guidance (cfg ≠ 1) each step evaluates two samples and the text
+/// encoder runs twice (prompt, negative prompt). CLIP reads 77 tokens, T5 a chunk (FLUX.1:
+/// 256, Chroma: 512). The VAE runs once (its decoder's blocks at their resolutions; other VAE
+/// weights at 16 times the latent positions).
+pub(crate) fn workload(files: &ModelFiles, run: RunShape) -> Workload {
     let index = files.index();
-    let latent = sd_models::speed::latent_tokens(width, height);
-    let steps = u32::try_from(steps).unwrap_or(u32::MAX);
-    // A DiT (Flux's double/single blocks, SD3's joint blocks) patchifies the latent by 2x2
-    // and runs guidance-distilled (one sample per step); a UNet runs a CFG batch of 2.
-    let dit = index.entries().iter().any(|e| e.name.contains("double_blocks.") || e.name.contains("joint_blocks."));
-    let (rows, batch) = if dit { (latent / 4, 1) } else { (latent * 2, 2) };
+    let latent = sd_models::speed::latent_tokens(run.width, run.height);
+    let steps = u32::try_from(run.steps).unwrap_or(u32::MAX);
+    let has = |key: &str| index.entries().iter().any(|e| e.name.contains(key));
+    // A FLUX-style DiT patchifies the latent by 2x2; FLUX.1 is guidance-distilled (one sample
+    // per step at its default), Chroma (its approximator) and the UNets are not.
+    let dit = has("double_blocks.");
+    let chroma = has("distilled_guidance_layer.");
+    let guided = run.cfg_scale.map_or(!dit || chroma, |c| c != 1.0);
+    let batch: u64 = if guided { 2 } else { 1 };
+    let t5_tokens: u64 = if chroma { 512 } else { 256 };
+    let rows = if dit { latent / 4 * batch } else { latent * batch };
     let levels = unet_levels(index.entries().iter().map(|e| e.name.as_str()));
     let mut weights = Vec::new();
     for e in index.entries() {
@@ -190,21 +234,29 @@ pub(crate) fn workload(files: &ModelFiles, width: usize, height: usize, steps: u
             Component::Vae | Component::Taesd => Module::Vae,
             _ => continue,
         };
+        let (rows, attention) = match module {
+            Module::Diffusion if dit => {
+                let (r, a) = dit_rows(&e.name, latent / 4, t5_tokens, batch);
+                (Some(r), a)
+            }
+            Module::Te if e.name.starts_with("text_encoders.t5xxl.") => (Some(t5_tokens), attention(&e.name)),
+            _ => (level_rows(&e.name, levels, rows, latent), attention(&e.name)),
+        };
         weights.push(WeightShape {
             module,
             block: index.block(e),
             shape: e.shape.clone(),
             ty: weight_type(e.dtype),
             bytes: e.dtype.loaded_bytes(e.len, &e.shape),
-            attention_kv_tokens: attention(&e.name),
-            rows: level_rows(&e.name, levels, rows, latent),
+            attention_kv_tokens: attention,
+            rows,
         });
     }
     Workload {
         steps,
         modules: vec![
-            ModuleLoad { module: Module::Diffusion, tokens: rows, batch, runs: steps },
-            ModuleLoad { module: Module::Te, tokens: TE_TOKENS, batch: 1, runs: 2 },
+            ModuleLoad { module: Module::Diffusion, tokens: rows, batch: batch as u32, runs: steps },
+            ModuleLoad { module: Module::Te, tokens: TE_TOKENS, batch: 1, runs: batch as u32 },
             ModuleLoad { module: Module::Vae, tokens: latent * 16, batch: 1, runs: 1 },
         ],
         weights,
@@ -489,4 +541,50 @@ fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Resul
     write_file(&file)?;
     crate::out!("stored in {}", figures_path().display());
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// FLUX.1-dev's real layout (sparse header-only files) at 1024x1024: each stream's rows
+    /// and the text encoders' tokens and runs, with and without guidance.
+    #[test]
+    fn a_flux_workload_has_each_streams_rows_and_t5s_tokens() {
+        let dir = std::env::temp_dir().join(format!("sd-cli-cost-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sources = sd_models::presets::write_layouts("flux-dev", &dir).unwrap();
+        let files = ModelFiles::open(&sources).unwrap();
+        let run = RunShape { width: 1024, height: 1024, steps: 20, cfg_scale: None };
+        let work = workload(&files, run);
+        let guided = workload(&files, RunShape { cfg_scale: Some(3.5), ..run });
+        drop(files);
+        let _ = std::fs::remove_dir_all(&dir);
+        let (img, txt) = (4096, 256);
+        let rows_of = |w: &Workload, module: Module, shape: &[u64]| -> Vec<(Option<u64>, Option<u64>)> {
+            let mut v: Vec<_> = w
+                .weights
+                .iter()
+                .filter(|s| s.module == module && s.shape == shape)
+                .map(|s| (s.rows, s.attention_kv_tokens))
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        // A double block's modulation (18432 x 3072) runs on one vector per sample.
+        assert_eq!(rows_of(&work, Module::Diffusion, &[18432, 3072]), [(Some(1), None)]);
+        assert_eq!(rows_of(&guided, Module::Diffusion, &[18432, 3072]), [(Some(2), None)]);
+        // The MLPs' first layers (12288 x 3072): image rows and text rows.
+        assert_eq!(rows_of(&work, Module::Diffusion, &[12288, 3072]), [(Some(txt), None), (Some(img), None)]);
+        // A single block's linear2 (3072 x 15360): both streams, with their self attention.
+        assert_eq!(rows_of(&work, Module::Diffusion, &[3072, 15360]), [(Some(img + txt), Some(0))]);
+        // The attention output projections (3072 x 3072) carry the joint attention.
+        assert!(rows_of(&work, Module::Diffusion, &[3072, 3072]).contains(&(Some(img), Some(img + txt))));
+        // T5-XXL's feed-forward (10240 x 4096) reads a 256-token chunk; the encoders run once
+        // without guidance and twice with it.
+        assert_eq!(rows_of(&work, Module::Te, &[10240, 4096]), [(Some(txt), None)]);
+        let te_runs = |w: &Workload| w.modules.iter().find(|m| m.module == Module::Te).unwrap().runs;
+        assert_eq!((te_runs(&work), te_runs(&guided)), (1, 2));
+    }
 }

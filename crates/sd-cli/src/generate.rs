@@ -324,14 +324,14 @@ pub fn load(
     };
     let devices = crate::plan::machine_devices_from(&reg);
     let descriptions = crate::cost::descriptions(&reg);
-    let size = (w, h, a.steps);
+    let run = crate::cost::RunShape { width: w, height: h, steps: a.steps, cfg_scale: a.cfg_scale };
     let (plan, predicted) = crate::plan::plan_for(
         &model,
         &files,
         &a.placement,
         devices,
         &speeds,
-        (&descriptions, size, a.diffusion_fa),
+        (&descriptions, run, a.diffusion_fa),
         a.wtype.map(|t| t.0),
     )
     .map_err(|e| crate::devices::name_unusable_plugins(e, &reg))?;

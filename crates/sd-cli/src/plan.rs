@@ -279,12 +279,12 @@ pub fn plan_for(
     placement: &PlacementArgs,
     devices: Vec<Device>,
     speeds: &SpeedProbe<'_>,
-    (descriptions, size, flash_attn): (&std::collections::BTreeMap<String, String>, (usize, usize, usize), bool),
+    (descriptions, run, flash_attn): (&std::collections::BTreeMap<String, String>, crate::cost::RunShape, bool),
     wtype: Option<sd_backends::GgmlType>,
 ) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
     let mut description = describe(files, &model.extra(), wtype)?;
-    description.compute_bytes = sd_models::describe::compute_estimates(files, size.0, size.1, flash_attn);
+    description.compute_bytes = sd_models::describe::compute_estimates(files, run.width, run.height, flash_attn);
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
     let mut request = PlanRequest {
         flags,
@@ -304,7 +304,7 @@ pub fn plan_for(
         }
     }
     let (figures, measured) = crate::cost::figures(&request.devices, descriptions, None, &request.device_speeds);
-    let work = crate::cost::workload(files, size.0, size.1, size.2);
+    let work = crate::cost::workload(files, run);
     let (plan, predicted) = if measured {
         let (p, e) = crate::cost::choose(&request, &work, &figures, true)?;
         (p, e.chosen)
@@ -455,7 +455,9 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let (figures, measured) =
         crate::cost::figures(&request.devices, &descriptions, profile.as_ref(), &request.device_speeds);
     let (p, explain) = if let (Some(files), true) = (&files, measured || args.explain) {
-        let work = crate::cost::workload(files, want.width, want.height, want.steps);
+        let run =
+            crate::cost::RunShape { width: want.width, height: want.height, steps: want.steps, cfg_scale: g.cfg_scale };
+        let work = crate::cost::workload(files, run);
         let (p, e) = crate::cost::choose(&request, &work, &figures, measured)?;
         (p, Some(e))
     } else {

@@ -38,20 +38,18 @@ pub enum PresetError {
     Unknown(String),
 }
 
-/// The description of family `name` loaded with `wtype`, from f16 layout files written in `dir`
-/// (sparse: they take no disk space; removed before returning).
-pub fn measure(name: &str, wtype: Option<GgmlType>, dir: &Path) -> Result<sd_placement::ModelDescription, PresetError> {
+/// Writes the f16 layout files of family `name` (`sd15`, `sdxl`, `flux-dev`) in `dir`: sparse
+/// files of the released layout (headers only; their tensors read as zeros), as the flags
+/// that load them. Each costs a header's bytes of disk.
+pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError> {
     let f16 = WeightType::F16;
     let same = |n: &str| n.to_string();
-    let mut written = Vec::new();
-    let mut write = |file: &str, table: &[fixture::arch::FixtureTensor], rename: &dyn Fn(&str) -> String| {
+    let write = |file: &str, table: &[fixture::arch::FixtureTensor], rename: &dyn Fn(&str) -> String| {
         let path = dir.join(file);
-        let r = fixture::write_layout(&path, table, f16, rename);
-        written.push(path.clone());
-        r.map(|_| path)
+        fixture::write_layout(&path, table, f16, rename).map(|_| path)
     };
     let checkpoint = |family: Family| FixtureRequest::family(family, 0, f16, FileFormat::Safetensors).tensor_table();
-    let sources = match name {
+    Ok(match name {
         "sd15" => ModelSources::model(write("sd15.safetensors", &checkpoint(Family::Sd15)?, &same)?),
         "sdxl" => ModelSources::model(write("sdxl.safetensors", &checkpoint(Family::Sdxl)?, &same)?),
         "flux-dev" => {
@@ -71,12 +69,28 @@ pub fn measure(name: &str, wtype: Option<GgmlType>, dir: &Path) -> Result<sd_pla
             }
         }
         other => return Err(PresetError::Unknown(other.to_string())),
-    };
-    let described = ModelFiles::open(&sources)
-        .and_then(|files| crate::describe::describe(&files, &[], wtype))
-        .map_err(PresetError::from);
-    for path in written {
-        let _ = std::fs::remove_file(path);
+    })
+}
+
+/// The file names [`write_layouts`] writes.
+const LAYOUT_FILES: [&str; 6] = [
+    "sd15.safetensors",
+    "sdxl.safetensors",
+    "flux1-dev.safetensors",
+    "clip_l.safetensors",
+    "t5xxl.safetensors",
+    "ae.safetensors",
+];
+
+/// The description of family `name` loaded with `wtype`, from [`write_layouts`] files written
+/// in `dir` (removed before returning).
+pub fn measure(name: &str, wtype: Option<GgmlType>, dir: &Path) -> Result<sd_placement::ModelDescription, PresetError> {
+    let described = write_layouts(name, dir).and_then(|sources| {
+        let files = ModelFiles::open(&sources)?;
+        Ok(crate::describe::describe(&files, &[], wtype)?)
+    });
+    for file in LAYOUT_FILES {
+        let _ = std::fs::remove_file(dir.join(file));
     }
     described
 }

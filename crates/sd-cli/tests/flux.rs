@@ -671,6 +671,44 @@ fn zimage_generates_reads_the_prompt_and_plans() {
 }
 
 #[test]
+fn zimage_loras_apply_in_every_layout_and_mode() {
+    use sd_models::diffusion::zimage::ZImageConfig;
+    use sd_models::fixture::lora::{write_zimage_lora, LoraFixture, LoraLayout};
+    let d = dir("zimage-lora");
+    let cfg = ZImageConfig::reduced(256, 2, 1, 256);
+    let lora = |layout, seed| LoraFixture { layout, rank: 4, seed, scale: 0.05, text_encoder: false };
+    // One set of values in kohya's and the original dotted names (kohya's alpha = rank / 2
+    // halves the scale), another in diffusers' (qkv adapted per row block).
+    write_zimage_lora(&d.join("kohya.safetensors"), &cfg, &lora(LoraLayout::Kohya, 1)).unwrap();
+    write_zimage_lora(&d.join("peft.safetensors"), &cfg, &lora(LoraLayout::Peft, 1)).unwrap();
+    write_zimage_lora(&d.join("diffusers.safetensors"), &cfg, &lora(LoraLayout::Diffusers, 2)).unwrap();
+    let dir_arg = d.display().to_string();
+    let gen = |name: &str, prompt: &str, more: &[&str]| -> Vec<u8> {
+        let out = d.join(format!("{name}.png"));
+        let base = ["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "--lora-model-dir", &dir_arg];
+        let o = zimage_cli(&[], true, true, &[&base[..], &["-o", out.to_str().unwrap()], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        assert!(!err.contains("name no tensor"), "{name}: an adapter was not used:\n{err}");
+        std::fs::read(&out).unwrap()
+    };
+    let base = gen("base", "a photo of a cat", &[]);
+    let kohya = gen("kohya", "a photo of a cat<lora:kohya:1>", &[]);
+    assert!(kohya != base, "the kohya LoRA reaches the image");
+    assert!(gen("zero", "a photo of a cat<lora:kohya:0>", &[]) == base, "multiplier 0 changed the image");
+    assert!(gen("peft", "a photo of a cat<lora:peft:0.5>", &[]) == kohya, "kohya and dotted layouts differ");
+    let rt = gen("kohya-rt", "a photo of a cat<lora:kohya:1>", &["--lora-apply-mode", "at_runtime"]);
+    let (mean, max) = level_diff(&rt, &kohya);
+    assert!(mean <= 1.0 && max <= 8, "at_runtime vs immediately: mean {mean:.3}, max {max}");
+    let diffusers = gen("diffusers", "a photo of a cat<lora:diffusers:1>", &[]);
+    assert!(diffusers != base && diffusers != kohya, "the diffusers LoRA reaches the image");
+    let drt = gen("diffusers-rt", "a photo of a cat<lora:diffusers:1>", &["--lora-apply-mode", "at_runtime"]);
+    let (mean, max) = level_diff(&drt, &diffusers);
+    assert!(mean <= 1.0 && max <= 8, "diffusers at_runtime vs immediately: mean {mean:.3}, max {max}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
 fn zimage_without_its_llm_or_vae_is_a_clear_error() {
     let d = dir("zimage-bad");
     for (llm, vae, needle) in [(false, true, "--llm"), (true, false, "--vae")] {

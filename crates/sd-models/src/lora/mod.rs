@@ -372,8 +372,9 @@ fn split_key(name: &str) -> Option<(&str, Slot)> {
 /// the UNet, CLIP, FLUX DiT and T5 modules, LDM and diffusers layouts, that contain `_`).
 /// The reference's list (`convert_sep_to_dot`) lacks FLUX's `final_layer`, `img_in`,
 /// `txt_in`, `time_in`, `vector_in`, `guidance_in`, `in_layer`, `out_layer` and
-/// `adaLN_modulation`, so it drops kohya adapters of those modules; here they apply.
-const KEEP_UNDERSCORE: [&str; 63] = [
+/// `adaLN_modulation`, and Z-Image's `feed_forward`, `noise_refiner`, `context_refiner`,
+/// `t_embedder` and `cap_embedder`, so it drops kohya adapters of those modules; here they apply.
+const KEEP_UNDERSCORE: [&str; 69] = [
     "final_layer_norm",
     "conv_norm_out",
     "time_emb_proj",
@@ -437,11 +438,17 @@ const KEEP_UNDERSCORE: [&str; 63] = [
     "adaLN_modulation",
     "wi_0",
     "wi_1",
+    "feed_forward",
+    "noise_refiner",
+    "context_refiner",
+    "t_embedder",
+    "cap_embedder",
+    "x_embedder",
 ];
 
 /// A kohya flat body (`down_blocks_0_attentions_0_proj_in`) made dotted
 /// (`down_blocks.0.attentions.0.proj_in`).
-fn dotted(flat: &str) -> String {
+pub(crate) fn dotted(flat: &str) -> String {
     let parts: Vec<&str> = flat.split('_').collect();
     let mut out: Vec<String> = Vec::with_capacity(parts.len());
     let mut i = 0;

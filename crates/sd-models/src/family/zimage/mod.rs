@@ -19,6 +19,7 @@
 //! `--cfg-scale` set).
 
 mod detect;
+mod lora;
 
 use sd_backends::GgmlType;
 use sd_sched::{Runner, TensorSpec, Weights};
@@ -101,6 +102,10 @@ fn conditioner_error(e: impl std::error::Error + Send + Sync + 'static) -> Pipel
 impl Family for ZImage {
     fn arch(&self) -> &'static str {
         "zimage"
+    }
+
+    fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
+        &lora::LORA_PREFIXES
     }
 
     fn text_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {

@@ -64,7 +64,7 @@ enum Command {
     Bindings,
     /// Write a checkpoint with the real layout and random weights.
     Fixture(fixture::Args),
-    /// Measure sd-placement's presets (module and block sizes of SD 1.5, SDXL and FLUX.1-dev
+    /// Measure sd-placement's presets (module and block sizes of SD 1.5, SDXL, FLUX.1-dev and Z-Image Turbo
     /// at f16, q8_0 and q4_K) from the real layouts and rewrite crates/sd-placement/presets.json.
     Presets,
     /// Build the stable-diffusion.cpp reference harness (sdref) and print its path.

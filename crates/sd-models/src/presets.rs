@@ -14,10 +14,11 @@ use crate::fixture::{self, Family, FileFormat, FixtureError, FixtureRequest, Wei
 use crate::text::t5::T5Config;
 
 /// The families with presets: name, what the sizes stand for.
-const FAMILIES: [(&str, &str); 3] = [
+const FAMILIES: [(&str, &str); 4] = [
     ("sd15", "Stable Diffusion 1.5: one checkpoint (UNet, CLIP ViT-L/14, VAE), no EMA weights"),
     ("sdxl", "SDXL base 1.0: one checkpoint (UNet, CLIP ViT-L/14 and OpenCLIP ViT-bigG, VAE)"),
     ("flux-dev", "FLUX.1-dev: the transformer, clip_l, t5xxl (encoder only) and ae files"),
+    ("zimage-turbo", "Z-Image Turbo: the transformer, Qwen3-4B (--llm) and FLUX.1's ae files"),
 ];
 
 /// The weight types with presets: name, and the `--type` a load converts to (`None`: as stored, f16).
@@ -38,7 +39,7 @@ pub enum PresetError {
     Unknown(String),
 }
 
-/// Writes the f16 layout files of family `name` (`sd15`, `sdxl`, `flux-dev`) in `dir`: sparse
+/// Writes the f16 layout files of family `name` (`sd15`, `sdxl`, `flux-dev`, `zimage-turbo`) in `dir`: sparse
 /// files of the released layout (headers only; their tensors read as zeros), as the flags
 /// that load them. Each costs a header's bytes of disk.
 pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError> {
@@ -68,18 +69,33 @@ pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError
                 ..ModelSources::default()
             }
         }
+        "zimage-turbo" => {
+            let llm = crate::text::qwen3::Qwen3Config::qwen3_4b();
+            ModelSources {
+                diffusion_model: Some(write(
+                    "z_image_turbo.safetensors",
+                    &fixture::zimage::zimage_tensor_table(&crate::diffusion::zimage::ZImageConfig::turbo(), None),
+                    &same,
+                )?),
+                llm: Some(write("qwen_3_4b.safetensors", &fixture::qwen3::qwen3_tensor_table(&llm, None), &same)?),
+                vae: Some(write("ae.safetensors", &fixture::flux_vae::flux_vae_tensor_table(), &same)?),
+                ..ModelSources::default()
+            }
+        }
         other => return Err(PresetError::Unknown(other.to_string())),
     })
 }
 
 /// The file names [`write_layouts`] writes.
-const LAYOUT_FILES: [&str; 6] = [
+const LAYOUT_FILES: [&str; 8] = [
     "sd15.safetensors",
     "sdxl.safetensors",
     "flux1-dev.safetensors",
     "clip_l.safetensors",
     "t5xxl.safetensors",
     "ae.safetensors",
+    "z_image_turbo.safetensors",
+    "qwen_3_4b.safetensors",
 ];
 
 /// The description of family `name` loaded with `wtype`, from [`write_layouts`] files written
@@ -136,6 +152,9 @@ mod tests {
         assert_eq!(blocks("flux-dev", sd_placement::Module::Diffusion), 57);
         assert_eq!(blocks("flux-dev", sd_placement::Module::Te), 24);
         assert!(blocks("sd15", sd_placement::Module::Diffusion) > 10);
+        // Z-Image Turbo: 2 + 2 refiners and 30 layers; Qwen3-4B's 36 layers.
+        assert_eq!(blocks("zimage-turbo", sd_placement::Module::Diffusion), 34);
+        assert_eq!(blocks("zimage-turbo", sd_placement::Module::Te), 36);
     }
 
     /// A plan from a preset is the plan from the files it was measured on (file sizes aside:

@@ -1,7 +1,7 @@
 //! `cargo xtask parity zimage`: a whole Z-Image generation, ours against the reference's.
 //!
 //! ```text
-//! cargo xtask parity zimage [--diffusion-model FILE --llm FILE --vae FILE] [-p PROMPT] [--size N]
+//! cargo xtask parity zimage [--diffusion-model FILE --llm FILE --vae FILE] [-p PROMPT] [--size N [--height N]]
 //!                           [--steps N] [--cfg-scale S] [--seed N] [--threads N] [--flash] [--loras]
 //!                           [--sd-cli EXE]
 //! ```
@@ -45,6 +45,9 @@ pub struct Args {
     /// Image side in pixels (a multiple of 16).
     #[arg(long = "size", default_value_t = 64, value_parser = clap::value_parser!(u32).range(16..=1024))]
     size: u32,
+    /// Image height when it differs from the width (`--size`), a multiple of 16.
+    #[arg(long = "height", value_parser = clap::value_parser!(u32).range(16..=1024))]
+    height: Option<u32>,
     /// Sampling steps.
     #[arg(long = "steps", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=50))]
     steps: u32,
@@ -61,6 +64,12 @@ pub struct Args {
     /// scaled by 1/128 before their f16 cast, as the reference's Z-Image does).
     #[arg(long = "flash")]
     flash: bool,
+    /// The fixtures' seed (the DiT's and the LLM's weights; default 42, the tests' files).
+    #[arg(long = "fixture-seed", default_value_t = 42, conflicts_with = "diffusion_model")]
+    fixture_seed: u64,
+    /// Draw the fixtures' matrices N(0, STD) instead of their initialisers' scales.
+    #[arg(long = "std", conflicts_with = "diffusion_model")]
+    std: Option<f64>,
     /// Our executable (default: `sd-cli` built in release).
     #[arg(long = "sd-cli", value_name = "EXE")]
     sd_cli: Option<PathBuf>,
@@ -71,18 +80,22 @@ pub struct Args {
     loras: bool,
 }
 
-/// The fixtures of the default run, written once.
-fn fixtures() -> Result<(PathBuf, PathBuf, PathBuf)> {
+/// The fixtures of the default run (the DiT and LLM of `seed`, `std`), written once.
+fn fixtures(seed: u64, std: Option<f64>) -> Result<(PathBuf, PathBuf, PathBuf)> {
     std::fs::create_dir_all(fixture::cache_dir())?;
+    let tag = std.map_or(String::new(), |s| format!("-std{s}"));
     let cfg = ZImageConfig::reduced(256, 2, 1, 256);
-    let dit = zimage::cached_zimage_path(&cfg, 42, WeightType::F16);
+    let mut dit = zimage::cached_zimage_path(&cfg, seed, WeightType::F16);
+    if std.is_some() {
+        dit = dit.with_file_name(format!("zimage{tag}-seed{seed}-f16-h256-l2-r1-c256.safetensors"));
+    }
     if !dit.is_file() {
-        zimage::write_zimage(&dit, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors)?;
+        zimage::write_zimage(&dit, &cfg, seed, std, WeightType::F16, FileFormat::Safetensors)?;
     }
     let llm_cfg = Qwen3Config { n_layers: 2, hidden: 256, intermediate: 512, ..Qwen3Config::qwen3_4b() };
-    let llm = fixture::cache_dir().join("qwen3-fixture-seed42-f16-2l-h256-i512.safetensors");
+    let llm = fixture::cache_dir().join(format!("qwen3-fixture{tag}-seed{seed}-f16-2l-h256-i512.safetensors"));
     if !llm.is_file() {
-        qwen3::write_qwen3(&llm, &llm_cfg, 42, None, WeightType::F16, FileFormat::Safetensors)?;
+        qwen3::write_qwen3(&llm, &llm_cfg, seed, std, WeightType::F16, FileFormat::Safetensors)?;
     }
     let vae = flux_vae::cached_flux_vae_path(42, WeightType::F16);
     if !vae.is_file() {
@@ -95,7 +108,7 @@ fn fixtures() -> Result<(PathBuf, PathBuf, PathBuf)> {
 pub fn run(args: Args) -> Result<()> {
     let (dit, llm, vae) = match (&args.diffusion_model, &args.llm, &args.vae) {
         (Some(d), Some(l), Some(v)) => (d.clone(), l.clone(), v.clone()),
-        _ => fixtures()?,
+        _ => fixtures(args.fixture_seed, args.std)?,
     };
     let sdref = reference::build()?;
     let ours = match &args.sd_cli {
@@ -105,13 +118,14 @@ pub fn run(args: Args) -> Result<()> {
     let dir = crate::workspace_root().join("target/parity/zimage");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let side = args.size.to_string();
+    let height = args.height.unwrap_or(args.size).to_string();
     let flags: Vec<String> = [
         "-p",
         &args.prompt,
         "-W",
         &side,
         "-H",
-        &side,
+        &height,
         "--steps",
         &args.steps.to_string(),
         "--sampling-method",
@@ -157,7 +171,7 @@ pub fn run(args: Args) -> Result<()> {
     let (ours_png, ref_png, ref_s, ours_s) = generate("txt2img", "", None)?;
     let (diff, shape) = png_diff(&ours_png, &ref_png)?;
     let fa = if args.flash { " fa" } else { "" };
-    let what = format!("png {} euler{} cfg{}{fa}", args.size, args.steps, args.cfg_scale);
+    let what = format!("png {side}x{height} euler{} cfg{}{fa}", args.steps, args.cfg_scale);
     let row = Row { family: "zimage", what, shape, diff, tol: Tolerance::PNG };
     row.print_timed(ref_s, ours_s);
     let mut failed = Vec::new();

@@ -491,24 +491,9 @@ fn flux_loras_apply_in_every_layout_and_mode() {
         let (png, _, err) = run(&d, name, &args.concat());
         png.unwrap_or_else(|| panic!("{name}: {err}"))
     };
-    let kohya = gen("kohya", "a photo of a cat<lora:kohya:1>", &[]);
-    assert!(kohya != base, "the kohya LoRA reaches the image");
-    // Multiplier 0 is no LoRA, bit for bit.
-    assert!(gen("zero", "a photo of a cat<lora:kohya:0>", &[]) == base, "multiplier 0 changed the image");
-    // The same adapters under BFL's dotted names (ComfyUI's, no alpha) at half the multiplier:
-    // the same merged weights, so the same image.
-    assert!(gen("peft", "a photo of a cat<lora:peft:0.5>", &[]) == kohya, "kohya and dotted layouts differ");
-    // In the graph instead of merged: the same image within rounding.
-    let rt = gen("kohya-rt", "a photo of a cat<lora:kohya:1>", &["--lora-apply-mode", "at_runtime"]);
-    let (mean, max) = level_diff(&rt, &kohya);
-    assert!(mean <= 1.0 && max <= 8, "at_runtime vs immediately: mean {mean:.3}, max {max}");
     // diffusers' split q/k/v (and a single block's proj_mlp) adapt row blocks of the fused
     // weights, merged or in the graph (an `up` padded with zeros), with params on disk too.
-    let diffusers = gen("diffusers", "a photo of a cat<lora:diffusers:1>", &[]);
-    assert!(diffusers != base && diffusers != kohya, "the diffusers LoRA reaches the image");
-    let drt = gen("diffusers-rt", "a photo of a cat<lora:diffusers:1>", &["--lora-apply-mode", "at_runtime"]);
-    let (mean, max) = level_diff(&drt, &diffusers);
-    assert!(mean <= 1.0 && max <= 8, "diffusers at_runtime vs immediately: mean {mean:.3}, max {max}");
+    let diffusers = check_lora_layouts(&gen, &base);
     // Params on disk, merged at each staging (auto would add them in the graph there): the
     // same image as on the device, bit for bit.
     let disk = ["--params-backend", "disk", "--lora-apply-mode", "immediately"];
@@ -526,6 +511,27 @@ fn flux_loras_apply_in_every_layout_and_mode() {
         level_diff(&merged, base).0
     );
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The LoRA files `kohya`, `peft` (the same values, dotted names, no alpha) and `diffusers`
+/// (other values, split projections) in the lora directory `gen` (name, prompt, extra flags →
+/// PNG bytes) generates with: each reaches the image, kohya's at 1 is the dotted one's at 0.5
+/// (kohya's alpha = rank / 2) bit for bit, multiplier 0 is no LoRA, and in the graph
+/// (`at_runtime`) equals merged within rounding. Returns the merged diffusers image.
+fn check_lora_layouts(gen: &dyn Fn(&str, &str, &[&str]) -> Vec<u8>, base: &[u8]) -> Vec<u8> {
+    let kohya = gen("kohya", "a photo of a cat<lora:kohya:1>", &[]);
+    assert!(kohya != base, "the kohya LoRA reaches the image");
+    assert!(gen("zero", "a photo of a cat<lora:kohya:0>", &[]) == base, "multiplier 0 changed the image");
+    assert!(gen("peft", "a photo of a cat<lora:peft:0.5>", &[]) == kohya, "kohya and dotted layouts differ");
+    let rt = gen("kohya-rt", "a photo of a cat<lora:kohya:1>", &["--lora-apply-mode", "at_runtime"]);
+    let (mean, max) = level_diff(&rt, &kohya);
+    assert!(mean <= 1.0 && max <= 8, "at_runtime vs immediately: mean {mean:.3}, max {max}");
+    let diffusers = gen("diffusers", "a photo of a cat<lora:diffusers:1>", &[]);
+    assert!(diffusers != base && diffusers != kohya, "the diffusers LoRA reaches the image");
+    let drt = gen("diffusers-rt", "a photo of a cat<lora:diffusers:1>", &["--lora-apply-mode", "at_runtime"]);
+    let (mean, max) = level_diff(&drt, &diffusers);
+    assert!(mean <= 1.0 && max <= 8, "diffusers at_runtime vs immediately: mean {mean:.3}, max {max}");
+    diffusers
 }
 
 /// Writes the tensors of the safetensors file `from` whose names start with `prefix` to `to`.
@@ -693,18 +699,7 @@ fn zimage_loras_apply_in_every_layout_and_mode() {
         std::fs::read(&out).unwrap()
     };
     let base = gen("base", "a photo of a cat", &[]);
-    let kohya = gen("kohya", "a photo of a cat<lora:kohya:1>", &[]);
-    assert!(kohya != base, "the kohya LoRA reaches the image");
-    assert!(gen("zero", "a photo of a cat<lora:kohya:0>", &[]) == base, "multiplier 0 changed the image");
-    assert!(gen("peft", "a photo of a cat<lora:peft:0.5>", &[]) == kohya, "kohya and dotted layouts differ");
-    let rt = gen("kohya-rt", "a photo of a cat<lora:kohya:1>", &["--lora-apply-mode", "at_runtime"]);
-    let (mean, max) = level_diff(&rt, &kohya);
-    assert!(mean <= 1.0 && max <= 8, "at_runtime vs immediately: mean {mean:.3}, max {max}");
-    let diffusers = gen("diffusers", "a photo of a cat<lora:diffusers:1>", &[]);
-    assert!(diffusers != base && diffusers != kohya, "the diffusers LoRA reaches the image");
-    let drt = gen("diffusers-rt", "a photo of a cat<lora:diffusers:1>", &["--lora-apply-mode", "at_runtime"]);
-    let (mean, max) = level_diff(&drt, &diffusers);
-    assert!(mean <= 1.0 && max <= 8, "diffusers at_runtime vs immediately: mean {mean:.3}, max {max}");
+    check_lora_layouts(&gen, &base);
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -493,7 +493,7 @@ fn flux_loras_apply_in_every_layout_and_mode() {
     };
     // diffusers' split q/k/v (and a single block's proj_mlp) adapt row blocks of the fused
     // weights, merged or in the graph (an `up` padded with zeros), with params on disk too.
-    let diffusers = check_lora_layouts(&gen, &base);
+    let diffusers = check_lora_layouts(&gen, base);
     // Params on disk, merged at each staging (auto would add them in the graph there): the
     // same image as on the device, bit for bit.
     let disk = ["--params-backend", "disk", "--lora-apply-mode", "immediately"];
@@ -518,7 +518,7 @@ fn flux_loras_apply_in_every_layout_and_mode() {
 /// PNG bytes) generates with: each reaches the image, kohya's at 1 is the dotted one's at 0.5
 /// (kohya's alpha = rank / 2) bit for bit, multiplier 0 is no LoRA, and in the graph
 /// (`at_runtime`) equals merged within rounding. Returns the merged diffusers image.
-fn check_lora_layouts(gen: &dyn Fn(&str, &str, &[&str]) -> Vec<u8>, base: &[u8]) -> Vec<u8> {
+fn check_lora_layouts(gen: &impl Fn(&str, &str, &[&str]) -> Vec<u8>, base: &[u8]) -> Vec<u8> {
     let kohya = gen("kohya", "a photo of a cat<lora:kohya:1>", &[]);
     assert!(kohya != base, "the kohya LoRA reaches the image");
     assert!(gen("zero", "a photo of a cat<lora:kohya:0>", &[]) == base, "multiplier 0 changed the image");

@@ -117,6 +117,9 @@ pub struct ModelArgs {
     /// The tiny autoencoder (TAESD) used instead of the VAE.
     #[arg(long = "taesd", visible_alias = "tae", value_name = "PATH")]
     pub taesd: Option<PathBuf>,
+    /// A ControlNet (SD 1.x), the `controlnet` module; its input is --control-image.
+    #[arg(long = "control-net", value_name = "PATH")]
+    pub control_net: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -158,10 +161,18 @@ impl ModelArgs {
         RunFiles::default().model_sources(&self.sources())
     }
 
-    /// Files described from headers only: none now that every model file flag is loaded
-    /// (`--llm` is Z-Image's text encoder); the hook stays for flags of later families.
+    /// Files described from headers only beside the model's: the ControlNet (the
+    /// `controlnet` module, loaded from its own file).
     pub fn extra(&self) -> Vec<ExtraFile> {
-        Vec::new()
+        self.control_net
+            .iter()
+            .map(|path| ExtraFile {
+                flag: "--control-net".into(),
+                path: path.clone(),
+                dominant: false,
+                module: sd_placement::Module::ControlNet,
+            })
+            .collect()
     }
 }
 

@@ -11,8 +11,7 @@
 const REFERENCE: &[&str] = &[
     "--ad-model", "--ad-negative-prompt", "--ad-prompt", "--audio-vae", "--auto-fit", "--backend", "--cache-mode",
     "--cache-option", "--canny", "--cfg-scale", "--circular", "--circularx", "--circulary", "--clip-on-cpu",
-    "--clip-skip", "--clip_g", "--clip_l", "--clip_vision", "--color", "--control-image", "--control-net",
-    "--control-net-cpu", "--control-strength", "--control-video", "--convert-name", "--diffusion-conv-direct",
+    "--clip-skip", "--clip_g", "--clip_l", "--clip_vision", "--color", "--control-video", "--convert-name", "--diffusion-conv-direct",
     "--diffusion-fa", "--diffusion-model", "--disable-auto-resize-ref-image", "--disable-image-metadata",
     "--eager-load", "--embd-dir", "--embeddings-connectors", "--end-img", "--eta", "--extra-ad-args",
     "--extra-sample-args", "--extra-tiling-args", "--fa", "--flow-shift", "--force-sdxl-vae-conv-scale", "--fps",

@@ -97,6 +97,12 @@ struct ModelArgs {
     /// Path to a tiny autoencoder (TAESD, TAESDXL, TAEF1), used instead of the VAE.
     #[arg(long = "taesd")]
     taesd: Option<String>,
+    /// Path to a ControlNet (the library's `control_net_path`).
+    #[arg(long = "control-net")]
+    control_net: Option<String>,
+    /// Run the ControlNet on the CPU (prepends `controlnet=cpu` to the backend).
+    #[arg(long = "control-net-cpu")]
+    control_net_cpu: bool,
     /// Threads; <= 0 means the number of physical cores (sd.cpp's default).
     #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true)]
     threads: i32,
@@ -178,6 +184,8 @@ impl ModelArgs {
             mmap: self.mmap,
             lora_apply_mode: self.lora_apply_mode.clone(),
             llm: self.llm.clone(),
+            control_net: self.control_net.clone(),
+            control_net_cpu: self.control_net_cpu,
         }
     }
 
@@ -228,6 +236,12 @@ struct Txt2Img {
     /// the reference's CLI reads it (stb_image's luma of RGB).
     #[arg(long = "mask")]
     mask: Option<PathBuf>,
+    /// Control image (PNG, RGB, of any size: the library resizes it to the image's size).
+    #[arg(long = "control-image")]
+    control_image: Option<PathBuf>,
+    /// Strength of the ControlNet's residuals (the library's default 0.9).
+    #[arg(long = "control-strength", default_value_t = 0.9)]
+    control_strength: f32,
     /// Decode with the tiled VAE.
     #[arg(long = "vae-tiling")]
     vae_tiling: bool,
@@ -549,6 +563,10 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         }
     };
 
+    let control = match &a.control_image {
+        None => None,
+        Some(path) => Some(read_png_rgb(path)?),
+    };
     let (mut ctx, load_s) = load(&a.model)?;
     let gen = GenOptions {
         prompt: a.prompt.clone(),
@@ -567,6 +585,8 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         vae_tiling: a.vae_tiling,
         loras: a.lora.iter().map(|l| parse_lora(l)).collect::<Res<Vec<_>>>()?,
         mask_gray,
+        control,
+        control_strength: a.control_strength,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

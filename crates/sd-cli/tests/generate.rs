@@ -867,7 +867,8 @@ fn controlnet_fixtures() -> (PathBuf, PathBuf) {
     let model = fixture::cache_dir().join("sd15-std0.01-seed11-f16.safetensors");
     std::fs::create_dir_all(fixture::cache_dir()).unwrap();
     if !model.exists() {
-        let mut req = fixture::FixtureRequest::family(Family::Sd15, 11, WeightType::F16, fixture::FileFormat::Safetensors);
+        let mut req =
+            fixture::FixtureRequest::family(Family::Sd15, 11, WeightType::F16, fixture::FileFormat::Safetensors);
         req.weight_std = Some(0.01);
         fixture::write_fixture(&model, &req).unwrap();
     }
@@ -894,22 +895,24 @@ fn write_upscaled_png(src: &Path, dst: &Path, k: u32) {
 
 /// ControlNet (txt2img, cfg 7: the ControlNet runs for the cond and the uncond pass): the
 /// reference's image within the parity tolerance, far from the image without the ControlNet
-/// (the residuals matter), the same image bit for bit with its parameters on disk or on the
-/// CPU by `--control-net-cpu`, and with a control image of twice the size (resized to the
-/// same hint).
+/// (the residuals matter), and the same image bit for bit with its parameters on disk, and on
+/// the CPU by `--control-net-cpu` with a control image of twice the size (2x2 blocks, resized to
+/// the same hint).
 #[test]
 fn sd15_controlnet_matches_the_reference_and_any_placement() {
     let (model, cn) = controlnet_fixtures();
     let dir = out_dir("controlnet");
     let data = workspace().join("tests/data");
     let control = data.join("control-64x64.png");
-    let args = ["--control-net", cn.to_str().unwrap(), "--control-image", control.to_str().unwrap()];
-    let run = |name: &str, extra: &[&str]| {
+    let big = dir.join("control-128.png");
+    write_upscaled_png(&control, &big, 2);
+    let run = |name: &str, control: &Path, extra: &[&str]| {
         let out = dir.join(name);
+        let args = ["--control-net", cn.to_str().unwrap(), "--control-image", control.to_str().unwrap()];
         check_ok(&generate(&model, &out, 2, &[&args[..], extra].concat()));
         out
     };
-    let a = run("a.png", &[]);
+    let a = run("a.png", &control, &[]);
     let (mean, max) = diff(&a, &data.join("ref-sd15-std0.01-seed11-f16-cn-std0.02-seed7-64x64-euler2-cfg7.png"));
     eprintln!("ControlNet vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
     assert!(mean <= MEAN_TOL && max <= MAX_TOL, "ControlNet vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
@@ -917,17 +920,14 @@ fn sd15_controlnet_matches_the_reference_and_any_placement() {
     check_ok(&generate(&model, &plain, 2, &[]));
     let (mean, _) = diff(&a, &plain);
     assert!(mean > 3.0, "the ControlNet changed the image by only {mean:.3} levels (mean)");
-    for (name, extra) in [("disk.png", &["--params-backend", "controlnet=disk"][..]), ("cpu.png", &["--control-net-cpu"][..])] {
-        let b = run(name, extra);
-        assert_eq!(pixels(&a), pixels(&b), "{extra:?} changed the image");
-    }
-    let big = dir.join("control-128.png");
-    write_upscaled_png(&control, &big, 2);
-    let c = dir.join("big.png");
-    let mut with_big = args;
-    with_big[3] = big.to_str().unwrap();
-    check_ok(&generate(&model, &c, 2, &with_big));
-    assert_eq!(pixels(&a), pixels(&c), "a 128x128 control image of 2x2 blocks gave another image");
+    let b = run("disk.png", &control, &["--params-backend", "controlnet=disk"]);
+    assert_eq!(pixels(&a), pixels(&b), "the ControlNet's params on disk changed the image");
+    let c = run("cpu.png", &big, &["--control-net-cpu"]);
+    assert_eq!(
+        pixels(&a),
+        pixels(&c),
+        "--control-net-cpu with a 128x128 control image of 2x2 blocks changed the image"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -971,5 +971,35 @@ fn controlnet_bad_inputs_are_clear_errors() {
     assert!(e.contains("--control-image") && e.contains("junk.png"), "{e}");
     let e = fails(&["-p", "x", "--control-strength", "nan"], Some(m));
     assert!(e.contains("--control-strength"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `plan` counts the ControlNet as the `controlnet` module, sized from its header, and takes its
+/// placement (`--params-backend controlnet=disk`, `--control-net-cpu`) like any module's.
+#[test]
+fn plan_counts_the_controlnet_module_and_its_placement() {
+    let (model, cn) = controlnet_fixtures();
+    let dir = out_dir("controlnet-plan");
+    let report = dir.join("plan.json");
+    let o = sd_cli()
+        .arg("plan")
+        .arg("-m")
+        .arg(&model)
+        .arg("--control-net")
+        .arg(&cn)
+        .args(["--params-backend", "controlnet=disk", "--control-net-cpu", "--report-json"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let text = std::fs::read_to_string(&report).unwrap();
+    let plan = sd_models::report::RunReport::from_json(&text).unwrap().plan.expect("the plan");
+    let m = plan.modules.iter().find(|m| m.module.name() == "controlnet").unwrap_or_else(|| panic!("{plan:?}"));
+    // Tensor bytes are the file less its header.
+    let file = std::fs::metadata(&cn).unwrap().len();
+    assert!(m.param_bytes <= file && m.param_bytes + (1 << 20) > file, "{m:?} vs {file}");
+    assert_eq!(m.params, sd_placement::ParamsHome::Disk, "{m:?}");
+    assert_eq!(m.runtime, ["CPU"], "{m:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -139,17 +139,15 @@ impl ControlNetFile {
                 (format!("{prefix}{bare}"), e.name.clone())
             })
             .collect();
-        let ne_of = |name: &str| -> Option<Vec<u64>> {
-            names.get(name).and_then(|n| files.index().get(n)).map(|e| e.ne())
-        };
+        let ne_of =
+            |name: &str| -> Option<Vec<u64>> { names.get(name).and_then(|n| files.index().get(n)).map(|e| e.ne()) };
         if ne_of(&format!("{prefix}input_hint_block.0.weight")).is_none() {
             return Err(ControlNetError::NotControlNet { path: p() });
         }
         // The widths the file shows.
         let skips = (0..).take_while(|i| ne_of(&format!("{prefix}zero_convs.{i}.0.weight")).is_some()).count();
-        let model_channels = ne_of(&format!("{prefix}input_blocks.0.0.weight"))
-            .filter(|ne| ne.len() == 4)
-            .map_or(0, |ne| ne[3] as i64);
+        let model_channels =
+            ne_of(&format!("{prefix}input_blocks.0.0.weight")).filter(|ne| ne.len() == 4).map_or(0, |ne| ne[3] as i64);
         let mut attn: Vec<&String> =
             names.keys().filter(|n| n.ends_with(".transformer_blocks.0.attn2.to_k.weight")).collect();
         attn.sort();
@@ -213,9 +211,8 @@ impl ControlNetFile {
 
     /// The parameters as they load, with the `--type` override `wtype`.
     pub fn specs(&self, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
-        let dtype = |name: &str| {
-            self.names.get(name).and_then(|n| self.files.index().get(n)).and_then(|e| ggml_type(e.dtype))
-        };
+        let dtype =
+            |name: &str| self.names.get(name).and_then(|n| self.files.index().get(n)).and_then(|e| ggml_type(e.dtype));
         controlnet_specs(&self.config, &dtype, wtype)
     }
 

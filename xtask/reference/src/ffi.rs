@@ -581,7 +581,11 @@ impl Context {
         }
         if let Some((w, h, rgb)) = &o.control {
             if rgb.len() != *w as usize * *h as usize * 3 || *w == 0 || *h == 0 {
-                return Err(format!("control image has {} bytes, {w}x{h} RGB needs {}", rgb.len(), *w as usize * *h as usize * 3));
+                return Err(format!(
+                    "control image has {} bytes, {w}x{h} RGB needs {}",
+                    rgb.len(),
+                    *w as usize * *h as usize * 3
+                ));
             }
         }
         if let Some(gray) = &o.mask_gray {
@@ -661,7 +665,17 @@ impl Context {
         let mut err = ErrBuf::new();
         // SAFETY: live context, valid prompt string, valid out-pointers.
         let rc = unsafe {
-            sdref_encode_text(self.raw, prompt, clip_skip, width, height, &mut cross, &mut vector, err.ptr(), err.0.len())
+            sdref_encode_text(
+                self.raw,
+                prompt,
+                clip_skip,
+                width,
+                height,
+                &mut cross,
+                &mut vector,
+                err.ptr(),
+                err.0.len(),
+            )
         };
         if rc != 0 {
             return Err(err.message());

@@ -629,8 +629,8 @@ fn meta(pairs: &[(&str, serde_json::Value)]) -> Map<String, serde_json::Value> {
 
 fn t5_tokens(a: T5Tokens) -> Res<()> {
     let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
-    let prompts: Vec<String> =
-        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
         let (ids, weights) = ffi::t5_tokenize(&p, a.raw, a.chunk_len).map_err(|e| format!("prompt {p:?}: {e}"))?;
@@ -642,8 +642,8 @@ fn t5_tokens(a: T5Tokens) -> Res<()> {
 
 fn qwen_tokens(a: QwenTokens) -> Res<()> {
     let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
-    let prompts: Vec<String> =
-        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
         let (ids, weights) = ffi::qwen2_tokenize(&p, a.zimage).map_err(|e| format!("prompt {p:?}: {e}"))?;
@@ -669,7 +669,10 @@ fn llm_encode(a: LlmEncode) -> Res<()> {
         ("ids", json!(ids)),
         ("out_layer", json!(a.out_layer)),
     ]);
-    m.insert("what".into(), json!("Qwen3 hidden states (LLMRunner, QWEN3) for Z-Image's template, before the token weights"));
+    m.insert(
+        "what".into(),
+        json!("Qwen3 hidden states (LLMRunner, QWEN3) for Z-Image's template, before the token weights"),
+    );
     rawio::write_tensor(&a.output, &out, m)?;
     eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());
     eprintln!("SDREF_TIMING llm_encode_ms={ms}");
@@ -798,11 +801,53 @@ mod tests {
     #[test]
     fn the_cli_accepts_the_reference_flag_names() {
         let cli = Cli::try_parse_from([
-            "sdref", "txt2img", "-m", "m.safetensors", "-p", "a cat", "-n", "blurry", "-W", "256", "-H", "256",
-            "--steps", "4", "--cfg-scale", "7", "--sampling-method", "euler", "--scheduler", "discrete", "-s", "42",
-            "-b", "1", "-o", "x.png", "-t", "2", "--rng", "std_default", "--strength", "0.5", "--vae-tiling",
-            "--diffusion-fa", "--backend", "cpu", "--params-backend", "disk", "--max-vram", "-1",
-            "--offload-to-cpu", "--type", "f16", "--clip_l", "c.safetensors", "--vae", "v.safetensors",
+            "sdref",
+            "txt2img",
+            "-m",
+            "m.safetensors",
+            "-p",
+            "a cat",
+            "-n",
+            "blurry",
+            "-W",
+            "256",
+            "-H",
+            "256",
+            "--steps",
+            "4",
+            "--cfg-scale",
+            "7",
+            "--sampling-method",
+            "euler",
+            "--scheduler",
+            "discrete",
+            "-s",
+            "42",
+            "-b",
+            "1",
+            "-o",
+            "x.png",
+            "-t",
+            "2",
+            "--rng",
+            "std_default",
+            "--strength",
+            "0.5",
+            "--vae-tiling",
+            "--diffusion-fa",
+            "--backend",
+            "cpu",
+            "--params-backend",
+            "disk",
+            "--max-vram",
+            "-1",
+            "--offload-to-cpu",
+            "--type",
+            "f16",
+            "--clip_l",
+            "c.safetensors",
+            "--vae",
+            "v.safetensors",
         ])
         .unwrap();
         let Command::Txt2img(a) = cli.command else { panic!("not txt2img") };

@@ -27,7 +27,7 @@ pub const PREFIX: &str = "control_model";
 /// reference's bound is 1536 nodes; ours keeps the UNet's margin).
 pub const GRAPH_SIZE: usize = 8192;
 /// Channels of the control image (RGB).
-pub const HINT_CHANNELS: i64 = 3;
+const HINT_CHANNELS: i64 = 3;
 
 const MODEL: &str = "ControlNet";
 
@@ -67,7 +67,7 @@ impl ControlNetConfig {
     }
 
     /// Channels and downsampling factor of each residual, in output order.
-    pub fn residual_shapes(&self) -> Vec<(i64, i64)> {
+    fn residual_shapes(&self) -> Vec<(i64, i64)> {
         let layout = layout_under(&self.unet, PREFIX);
         let mut ds = 1;
         let mut out = Vec::new();
@@ -231,9 +231,11 @@ impl ControlResiduals {
     /// Each residual holds `batch` samples.
     pub(crate) fn check(&self, batch: usize) -> Result<()> {
         let ok = self.values.len() == self.shapes.len()
-            && self.values.iter().zip(&self.shapes).all(|(v, ne)| {
-                ne[3] == batch as i64 && v.len() as i64 == ne.iter().product::<i64>()
-            });
+            && self
+                .values
+                .iter()
+                .zip(&self.shapes)
+                .all(|(v, ne)| ne[3] == batch as i64 && v.len() as i64 == ne.iter().product::<i64>());
         if ok {
             Ok(())
         } else {

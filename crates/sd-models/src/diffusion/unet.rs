@@ -592,7 +592,11 @@ fn forward_with<'g>(
         if c.tensors.len() != skips.len() + 1 {
             return Err(DiffusionError::Input {
                 model: MODEL,
-                reason: format!("{} control residuals for {} skip connections and the middle block", c.tensors.len(), skips.len()),
+                reason: format!(
+                    "{} control residuals for {} skip connections and the middle block",
+                    c.tensors.len(),
+                    skips.len()
+                ),
             });
         }
         // The reference scales each residual in place, then adds it (unet.hpp).

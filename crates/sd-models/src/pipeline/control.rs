@@ -33,7 +33,18 @@ impl ControlStage {
         let y: Vec<f32> = conds.iter().flat_map(|c| c.vector.iter().copied()).collect();
         let hint: Vec<f32> = std::iter::repeat_n(&self.hint, conds.len()).flatten().copied().collect();
         let n = conds.len();
-        let r = self.model.eval(&mut self.runner, x, dims, &hint, timesteps, &context, first.n_tokens, n, &y, self.strength)?;
+        let r = self.model.eval(
+            &mut self.runner,
+            x,
+            dims,
+            &hint,
+            timesteps,
+            &context,
+            first.n_tokens,
+            n,
+            &y,
+            self.strength,
+        )?;
         Ok(r)
     }
 }

@@ -214,7 +214,18 @@ impl DiffusionModel for UNetModel {
             &joined
         };
         let y: Vec<f32> = cond.iter().flat_map(|c| c.vector.iter().copied()).collect();
-        Ok(UNetModel::eval_controlled(self, runner, x, dims, timesteps, context, first.n_tokens, cond.len(), &y, controls)?)
+        Ok(UNetModel::eval_controlled(
+            self,
+            runner,
+            x,
+            dims,
+            timesteps,
+            context,
+            first.n_tokens,
+            cond.len(),
+            &y,
+            controls,
+        )?)
     }
 }
 

@@ -109,6 +109,10 @@ pub struct GenerateArgs {
     /// centre-cropped and resized to the generated size like the init image.
     #[arg(long = "control-image", value_name = "FILE")]
     pub control_image: Option<PathBuf>,
+    /// ControlNet: turn the control image into its Canny edges first (the reference's
+    /// preprocessor and thresholds), for a canny ControlNet given a photo.
+    #[arg(long = "canny")]
+    pub canny: bool,
     /// ControlNet: the factor of its residuals.
     #[arg(long = "control-strength", value_name = "F", default_value_t = 0.9, allow_hyphen_values = true)]
     pub control_strength: f32,
@@ -474,6 +478,15 @@ impl GenerateArgs {
             None => None,
             Some(path) => Some(crate::inputs::read_control_image(path, width, height)?),
         };
+        let control_image = match control_image {
+            Some(img) if self.canny => {
+                Some(sd_models::image_io::canny::canny(&img, sd_models::image_io::canny::CLI_PARAMS))
+            }
+            other => other,
+        };
+        if self.canny && control_image.is_none() {
+            tracing::warn!("--canny without --control-image: nothing to preprocess");
+        }
         if prompt.is_empty() {
             tracing::warn!("the prompt is empty (-p): generating unconditioned");
         }

@@ -1693,6 +1693,8 @@ mod tests {
             tiling: TilingParams::default(),
             vae_max_compute_bytes: None,
             flow_shift: None,
+            control_image: None,
+            control_strength: 0.9,
         }
     }
 

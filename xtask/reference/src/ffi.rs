@@ -105,6 +105,30 @@ extern "C" {
     fn upscale(ctx: *mut RawUpscaler, input_image: RawImage, upscale_factor: u32) -> RawImage;
     fn get_upscale_factor(ctx: *mut RawUpscaler) -> c_int;
     fn free(p: *mut c_void);
+    fn preprocess_canny(image: RawImage, high: f32, low: f32, weak: f32, strong: f32, inverse: bool) -> bool;
+}
+
+/// sd.cpp's `preprocess_canny` on an RGB8 image of `width x height`, in place, with the
+/// thresholds and levels given.
+#[allow(clippy::too_many_arguments)]
+pub fn canny(
+    rgb: &mut [u8],
+    width: u32,
+    height: u32,
+    (high, low, weak, strong): (f32, f32, f32, f32),
+    inverse: bool,
+) -> Result<(), String> {
+    if rgb.len() != width as usize * height as usize * 3 {
+        return Err(format!("{} bytes for a {width}x{height} RGB image", rgb.len()));
+    }
+    let img = RawImage { width, height, channel: 3, data: rgb.as_mut_ptr() };
+    // SAFETY: `img` points at `rgb`, `width * height * 3` writable bytes (checked above), alive for
+    // the call; sd.cpp writes the edges back in place and keeps no pointer.
+    if unsafe { preprocess_canny(img, high, low, weak, strong, inverse) } {
+        Ok(())
+    } else {
+        Err("preprocess_canny failed".into())
+    }
 }
 
 extern "C" {

@@ -58,6 +58,8 @@ enum Command {
     VaeDecode(VaeDecode),
     /// Upscale a PNG with an ESRGAN model, as sd.cpp's CLI `-M upscale` does.
     Upscale(Upscale),
+    /// Canny edges of a PNG with sd.cpp's `preprocess_canny` (the CLI's `--canny` thresholds).
+    Canny(Canny),
     /// Print sd.cpp's T5 token ids (and FLUX's per-token weights) for prompts; no model needed.
     T5Tokens(T5Tokens),
     /// Dump sd.cpp's raw T5-XXL hidden states for a prompt (FLUX's tokenization); only --t5xxl.
@@ -371,6 +373,28 @@ struct Unet {
 }
 
 #[derive(Args, Debug)]
+struct Canny {
+    /// The PNG (RGB).
+    #[arg(short = 'i', long = "input")]
+    input: PathBuf,
+    /// The output PNG.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// White background, black edges.
+    #[arg(long = "inverse")]
+    inverse: bool,
+}
+
+/// `sdref canny`: the reference CLI's `--canny` on one image (0.08, 0.08, 0.8, 1.0).
+fn canny_png(a: Canny) -> Res<()> {
+    let (w, h, mut rgb) = read_png_rgb(&a.input)?;
+    ffi::canny(&mut rgb, w, h, (0.08, 0.08, 0.8, 1.0), a.inverse)?;
+    write_png(&a.output, &ffi::Image { width: w, height: h, channels: 3, data: rgb })?;
+    eprintln!("sdref: wrote {}", a.output.display());
+    Ok(())
+}
+
+#[derive(Args, Debug)]
 struct Upscale {
     /// The ESRGAN model.
     #[arg(long = "upscale-model")]
@@ -442,6 +466,7 @@ fn main() -> ExitCode {
         Command::QwenTokens(a) => qwen_tokens(a),
         Command::LlmEncode(a) => llm_encode(a),
         Command::Upscale(a) => upscale_png(a),
+        Command::Canny(a) => canny_png(a),
         Command::Info => {
             println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));

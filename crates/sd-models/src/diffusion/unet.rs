@@ -857,7 +857,7 @@ impl UNetModel {
 
     /// The graph of one evaluation of `batch` samples in `g`: its inputs, output and cuts
     /// (block outputs; the last cut, the output itself, left out).
-    #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn graph<'g>(
         &'g self,
         g: &'g Context,

@@ -115,17 +115,11 @@ pub fn canny(img: &Image, p: CannyParams) -> Image {
             if angle < 0.0 {
                 angle += 180.0;
             }
-            let (q, r) = if (0.0 >= angle && angle < 22.5) || (157.5 >= angle && angle <= 180.0) {
-                (g.at(x, y + 1), g.at(x, y - 1))
-            } else if 22.5 >= angle && angle < 67.5 {
-                (g.at(x + 1, y - 1), g.at(x - 1, y + 1))
-            } else if 67.5 >= angle && angle < 112.5 {
-                (g.at(x + 1, y), g.at(x - 1, y))
-            } else if 112.5 >= angle && angle < 157.5 {
-                (g.at(x - 1, y - 1), g.at(x + 1, y + 1))
-            } else {
-                (1.0, 1.0)
-            };
+            // The reference writes five direction tests (`0 >= angle && angle < 22.5 || 157.5 >=
+            // angle && angle <= 180`, `22.5 >= angle && angle < 67.5`, ...); with its operands they
+            // reduce to this: up to 157.5 degrees the vertical neighbours, above it none (1.0,
+            // which only the maximum passes). A NaN angle passes no test, as there.
+            let (q, r) = if angle <= 157.5 { (g.at(x, y + 1), g.at(x, y - 1)) } else { (1.0, 1.0) };
             let cur = g.at(x, y);
             e[y * w + x] = if cur >= q && cur >= r { cur } else { 0.0 };
         }

@@ -244,3 +244,69 @@ impl TensorSource for Renamed {
         FileSource::new(&self.0.files).mapped_tensor(self.name(name), ty, ne)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diffusion::UNetConfig;
+    use crate::fixture::controlnet::ControlNetFixture;
+    use crate::fixture::{write_table, write_table_renamed, FileFormat, WeightType};
+
+    /// A narrow SD 1.x layout (32 model channels) for files written in milliseconds.
+    fn narrow() -> UNetConfig {
+        UNetConfig { model_channels: 32, time_embed_dim: 128, ..UNetConfig::sd15() }
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sd-models-controlnet-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// The file is checked from its header: `control_model.` names and bare ones open alike (the
+    /// reference strips the prefix); a missing tensor is named with its shape; a model family
+    /// without a ControlNet, and a ControlNet of other widths, are refused naming the file.
+    #[test]
+    fn files_are_checked_against_the_model_before_loading() {
+        let d = dir("checks");
+        let f = ControlNetFixture { unet: narrow(), std: None, seed: 3 };
+        let cfg = || Some(ControlNetConfig::for_unet(&narrow()));
+        let good = d.join("good.safetensors");
+        f.write(&good, WeightType::F16, FileFormat::Safetensors).unwrap();
+        let file = ControlNetFile::open(&good, "sd1", cfg()).unwrap();
+        assert_eq!(file.config().residuals(), 13);
+        assert_eq!(file.specs(None).len(), f.table().len());
+
+        let bare = d.join("bare.safetensors");
+        let strip = |n: &str| n.strip_prefix("control_model.").unwrap_or(n).to_string();
+        write_table_renamed(&bare, f.table(), WeightType::F16, FileFormat::Safetensors, &[], 3, &strip).unwrap();
+        assert!(ControlNetFile::open(&bare, "sd1", cfg()).is_ok());
+
+        let missing = d.join("missing.safetensors");
+        let table = f.table().into_iter().filter(|t| t.name != "control_model.input_hint_block.8.weight").collect();
+        write_table(&missing, table, WeightType::F16, FileFormat::Safetensors, &[], 3).unwrap();
+        match ControlNetFile::open(&missing, "sd1", cfg()) {
+            Err(ControlNetError::Tensors { problems, .. }) => {
+                assert_eq!(
+                    problems,
+                    [TensorProblem::Missing {
+                        name: "control_model.input_hint_block.8.weight".into(),
+                        expected: vec![3, 3, 32, 96]
+                    }]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+
+        let e = ControlNetFile::open(&good, "flux", None).unwrap_err().to_string();
+        assert!(e.contains("flux") && e.contains("good.safetensors"), "{e}");
+        let sd21 = Some(ControlNetConfig::for_unet(&UNetConfig { context_dim: 1024, ..narrow() }));
+        let e = ControlNetFile::open(&good, "sd2", sd21).unwrap_err().to_string();
+        assert!(
+            e.contains("good.safetensors") && e.contains("context width 768") && e.contains("context width 1024"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

@@ -176,6 +176,20 @@ impl ModelArgs {
     }
 }
 
+/// The planner's description of `files` and the extra files of `model`, an extra file that
+/// cannot be read named with its flag (`--control-net`).
+fn describe_model(
+    files: &ModelFiles,
+    model: &ModelArgs,
+    wtype: Option<sd_backends::GgmlType>,
+) -> Result<sd_placement::ModelDescription> {
+    let extra = model.extra();
+    for x in &extra {
+        sd_models::files::open::open_regular(&x.path).with_context(|| x.flag.clone())?;
+    }
+    Ok(describe(files, &extra, wtype)?)
+}
+
 /// Options of `plan`: a generation's flags (a generation's command line with `plan` in front
 /// plans that generation; the flags a plan does not use are accepted and ignored), and the
 /// plan's own.
@@ -289,7 +303,7 @@ pub fn plan_for(
     wtype: Option<sd_backends::GgmlType>,
 ) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
-    let mut description = describe(files, &model.extra(), wtype)?;
+    let mut description = describe_model(files, model, wtype)?;
     description.compute_bytes = sd_models::describe::compute_estimates(files, size.0, size.1, flash_attn);
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
     let mut request = PlanRequest {
@@ -390,7 +404,7 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let want = args.planned()?;
     let sources = g.model.sources();
     let files = ModelFiles::open(&sources)?;
-    let mut model = describe(&files, &g.model.extra(), g.wtype.map(|t| t.0))?;
+    let mut model = describe_model(&files, &g.model, g.wtype.map(|t| t.0))?;
     // A model a family runs but cannot load (tensors missing or misshapen), or of an unknown
     // architecture, has no plan: refused as a generation refuses it.
     sd_models::family::check_runnable(&files)?;

@@ -1083,7 +1083,10 @@ impl Pipeline {
         p.tiling.validate([p.width, p.height], VAE_SCALE)?;
         self.family.check_text(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
-        for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
+        // A ControlNet's working set is the UNet's first half: its attention as large.
+        let control =
+            (self.control_net.is_some() && p.control_image.is_some()).then_some(&self.opts.devices.controlnet);
+        for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae].into_iter().chain(control) {
             let device = backend.device();
             let (_, total) = device.memory();
             if total > 0 && need > total as f64 {

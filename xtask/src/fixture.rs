@@ -72,7 +72,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -173,6 +173,10 @@ enum Target {
         scale: usize,
         blocks: usize,
     },
+    /// A ControlNet (`--control-net`) for SD 1.x (`sdxl: false`) or SDXL.
+    ControlNet {
+        sdxl: bool,
+    },
 }
 
 fn target(s: &str) -> Result<Target, String> {
@@ -195,9 +199,11 @@ fn target(s: &str) -> Result<Target, String> {
         "esrgan" | "esrgan-x4" => Ok(Target::Esrgan { scale: 4, blocks: 23 }),
         "esrgan-anime" => Ok(Target::Esrgan { scale: 4, blocks: 6 }),
         "esrgan-x2" => Ok(Target::Esrgan { scale: 2, blocks: 23 }),
+        "controlnet-sd15" => Ok(Target::ControlNet { sdxl: false }),
+        "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => Family::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
@@ -236,6 +242,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
         Target::Esrgan { scale, blocks } => return run_esrgan(&args, scale, blocks),
+        Target::ControlNet { sdxl } => return run_controlnet(&args, sdxl),
         Target::LoraSd15 | Target::LoraFlux | Target::LoraSdxl(_) => return run_lora(&args),
     };
     if args.layers.is_some() {
@@ -418,6 +425,25 @@ fn run_esrgan(args: &Args, scale: usize, blocks: usize) -> Result<()> {
         fixture.blocks, fixture.features, args.seed, args.wtype
     );
     print_written(&report, &what, start);
+    Ok(())
+}
+
+/// `cargo xtask fixture controlnet-sd15|controlnet-sdxl [--std S] [--seed N] [-o FILE]`.
+fn run_controlnet(args: &Args, sdxl: bool) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to ControlNet fixtures");
+    }
+    let fixture = if sdxl {
+        fixture::controlnet::ControlNetFixture::sdxl(args.std, args.seed)
+    } else {
+        fixture::controlnet::ControlNetFixture::sd15(args.std, args.seed)
+    };
+    let (path, format) = output(args, || fixture.cached_path(args.wtype))?;
+    let start = Instant::now();
+    let report = fixture.write(&path, args.wtype, format)?;
+    let std = args.std.map(|s| format!(", std {s}")).unwrap_or_default();
+    let family = if sdxl { "SDXL" } else { "SD 1.x" };
+    print_written(&report, &format!("{family} ControlNet fixture, seed {}{std}, {}", args.seed, args.wtype), start);
     Ok(())
 }
 
@@ -631,7 +657,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

@@ -46,6 +46,7 @@ fn flag(s: Setting) -> &'static str {
         Setting::FlowShift => "--flow-shift",
         Setting::Prompt => "-p/--prompt-file",
         Setting::NegativePrompt => "-n/--negative-prompt-file",
+        Setting::ControlStrength => "--control-strength",
     }
 }
 
@@ -106,6 +107,8 @@ fn input_flag(r: InputRole) -> &'static str {
         InputRole::Lora => "a <lora:> tag of -p",
         InputRole::DeviceProfile => "--devices",
         InputRole::UpscaleModel => "--upscale-model",
+        InputRole::ControlNet => "--control-net",
+        InputRole::ControlImage => "--control-image",
     }
 }
 

@@ -105,6 +105,17 @@ pub struct GenerateArgs {
     /// where it is kept; read as grey, centre-cropped and resized like the init image.
     #[arg(long = "mask", value_name = "FILE")]
     pub mask: Option<PathBuf>,
+    /// ControlNet (with --control-net): the control image (an edge map, a pose...), RGB,
+    /// centre-cropped and resized to the generated size like the init image.
+    #[arg(long = "control-image", value_name = "FILE")]
+    pub control_image: Option<PathBuf>,
+    /// ControlNet: turn the control image into its Canny edges first (the reference's
+    /// preprocessor and thresholds), for a canny ControlNet given a photo.
+    #[arg(long = "canny")]
+    pub canny: bool,
+    /// ControlNet: the factor of its residuals.
+    #[arg(long = "control-strength", value_name = "F", default_value_t = 0.9, allow_hyphen_values = true)]
+    pub control_strength: f32,
     /// Skip the last N-1 text-encoder layers (<= 0: the model's default).
     #[arg(long = "clip-skip", default_value_t = -1, allow_hyphen_values = true)]
     pub clip_skip: i64,
@@ -351,6 +362,7 @@ pub fn load(
         flash_attn: a.diffusion_fa,
         placement,
         model_args: a.model_args.clone().map(|m| m.0).unwrap_or_default(),
+        control_net: model.control_net.clone(),
     };
     let pipeline = Pipeline::from_files(files, options)?.with_loras(loras, a.lora.lora_apply_mode)?;
     for n in pipeline.notices() {
@@ -420,6 +432,8 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
         .input(InputRole::NegativePromptFile, a.run.negative_prompt_file.as_deref())
         .input(InputRole::InitImage, a.init_img.as_deref())
         .input(InputRole::Mask, a.mask.as_deref())
+        .input(InputRole::ControlNet, model.control_net.as_deref())
+        .input(InputRole::ControlImage, a.control_image.as_deref())
         .input(InputRole::UpscaleModel, a.upscale.upscale_model.as_deref())
         .loras(&loras);
     let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
@@ -460,6 +474,19 @@ impl GenerateArgs {
             ),
             Some(path) => Some(crate::inputs::read_mask(path, width, height)?),
         };
+        let control_image = match &self.control_image {
+            None => None,
+            Some(path) => Some(crate::inputs::read_control_image(path, width, height)?),
+        };
+        let control_image = match control_image {
+            Some(img) if self.canny => {
+                Some(sd_models::image_io::canny::canny(&img, sd_models::image_io::canny::CLI_PARAMS))
+            }
+            other => other,
+        };
+        if self.canny && control_image.is_none() {
+            tracing::warn!("--canny without --control-image: nothing to preprocess");
+        }
         if prompt.is_empty() {
             tracing::warn!("the prompt is empty (-p): generating unconditioned");
         }
@@ -496,6 +523,8 @@ impl GenerateArgs {
             tiling,
             vae_max_compute_bytes: None,
             flow_shift: self.flow_shift,
+            control_image,
+            control_strength: self.control_strength,
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }

@@ -117,6 +117,16 @@ pub fn resolve_size(width: i64, height: i64, init_img: Option<&Path>) -> Result<
     }
 }
 
+/// The `--control-image` as the reference's CLI reads it: RGB, fitted to `width x height` like
+/// the init image.
+pub fn read_control_image(path: &Path, width: usize, height: usize) -> Result<Image> {
+    let img = image_io::read_image(path).context("--control-image")?;
+    if (img.width, img.height) != (width, height) {
+        tracing::info!("--control-image {}: {}x{} fitted to {width}x{height}", path.display(), img.width, img.height);
+    }
+    image_io::fit_image(&img, width, height).with_context(|| format!("--control-image {}", path.display()))
+}
+
 /// The `--mask` image as the reference's CLI reads it: grey (stb_image's luma), fitted to
 /// `width x height` like the init image (centre crop to the aspect ratio, box resize).
 pub fn read_mask(path: &Path, width: usize, height: usize) -> Result<Image> {

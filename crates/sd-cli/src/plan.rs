@@ -117,6 +117,9 @@ pub struct ModelArgs {
     /// The tiny autoencoder (TAESD) used instead of the VAE.
     #[arg(long = "taesd", visible_alias = "tae", value_name = "PATH")]
     pub taesd: Option<PathBuf>,
+    /// A ControlNet (SD 1.x), the `controlnet` module; its input is --control-image.
+    #[arg(long = "control-net", value_name = "PATH")]
+    pub control_net: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -158,11 +161,33 @@ impl ModelArgs {
         RunFiles::default().model_sources(&self.sources())
     }
 
-    /// Files described from headers only: none now that every model file flag is loaded
-    /// (`--llm` is Z-Image's text encoder); the hook stays for flags of later families.
+    /// Files described from headers only beside the model's: the ControlNet (the
+    /// `controlnet` module, loaded from its own file).
     pub fn extra(&self) -> Vec<ExtraFile> {
-        Vec::new()
+        self.control_net
+            .iter()
+            .map(|path| ExtraFile {
+                flag: "--control-net".into(),
+                path: path.clone(),
+                dominant: false,
+                module: sd_placement::Module::ControlNet,
+            })
+            .collect()
     }
+}
+
+/// The planner's description of `files` and the extra files of `model`, an extra file that
+/// cannot be read named with its flag (`--control-net`).
+fn describe_model(
+    files: &ModelFiles,
+    model: &ModelArgs,
+    wtype: Option<sd_backends::GgmlType>,
+) -> Result<sd_placement::ModelDescription> {
+    let extra = model.extra();
+    for x in &extra {
+        sd_models::files::open::open_regular(&x.path).with_context(|| x.flag.clone())?;
+    }
+    Ok(describe(files, &extra, wtype)?)
 }
 
 /// Options of `plan`: a generation's flags (a generation's command line with `plan` in front
@@ -283,7 +308,7 @@ pub fn plan_for(
     wtype: Option<sd_backends::GgmlType>,
 ) -> Result<(Plan, sd_placement::Prediction)> {
     let flags = placement.flags();
-    let mut description = describe(files, &model.extra(), wtype)?;
+    let mut description = describe_model(files, model, wtype)?;
     description.compute_bytes = sd_models::describe::compute_estimates(files, run.width, run.height, flash_attn);
     let by_speed = sd_placement::parse_split_by(flags.split_by.as_deref())? == sd_placement::SplitBy::Speed;
     let mut request = PlanRequest {
@@ -415,10 +440,15 @@ pub fn run(args: &PlanArgs, dev_args: &DeviceArgs) -> Result<ExitCode> {
     let want = args.planned()?;
     let sources = g.model.sources();
     let (files, mut model) = match &args.preset {
-        Some(name) => (None, preset(name, &sources, args, &want.prompt, g.wtype.map(|t| t.0))?),
+        Some(name) => {
+            if let Some(x) = g.model.extra().first() {
+                anyhow::bail!("--preset {name}: plans a named model without files; drop {}", x.flag);
+            }
+            (None, preset(name, &sources, args, &want.prompt, g.wtype.map(|t| t.0))?)
+        }
         None => {
             let files = ModelFiles::open(&sources)?;
-            let mut model = describe(&files, &g.model.extra(), g.wtype.map(|t| t.0))?;
+            let mut model = describe_model(&files, &g.model, g.wtype.map(|t| t.0))?;
             // A model a family runs but cannot load (tensors missing or misshapen), or of an
             // unknown architecture, has no plan: refused as a generation refuses it.
             sd_models::family::check_runnable(&files)?;

@@ -859,3 +859,147 @@ fn mask_bad_inputs_are_clear_errors() {
     assert!(e.contains("--mask") && e.contains("/nonexistent/mask.png"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The SD 1.5 fixture of the ControlNet parity test (`cargo xtask fixture sd15 --seed 11 --std
+/// 0.01`) and its ControlNet (`cargo xtask fixture controlnet-sd15 --seed 7 --std 0.02`): seeds
+/// and weights unlike the default fixtures', written once into the cache.
+fn controlnet_fixtures() -> (PathBuf, PathBuf) {
+    let model = fixture::cache_dir().join("sd15-std0.01-seed11-f16.safetensors");
+    std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+    if !model.exists() {
+        let mut req =
+            fixture::FixtureRequest::family(Family::Sd15, 11, WeightType::F16, fixture::FileFormat::Safetensors);
+        req.weight_std = Some(0.01);
+        fixture::write_fixture(&model, &req).unwrap();
+    }
+    let cn = fixture::controlnet::ControlNetFixture::sd15(Some(0.02), 7);
+    let path = cn.cached_path(WeightType::F16);
+    if !path.exists() {
+        cn.write(&path, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    }
+    (model, path)
+}
+
+/// `img` (RGB8, `w x h`) with every pixel repeated `k x k` times.
+fn write_upscaled_png(src: &Path, dst: &Path, k: u32) {
+    let (w, h, rgb) = pixels(src);
+    let data: Vec<u8> = (0..h * k)
+        .flat_map(|y| (0..w * k).map(move |x| ((y / k) * w + x / k) as usize))
+        .flat_map(|i| rgb[3 * i..3 * i + 3].to_vec())
+        .collect();
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(std::fs::File::create(dst).unwrap()), w * k, h * k);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header().unwrap().write_image_data(&data).unwrap();
+}
+
+/// ControlNet (txt2img, cfg 7: the ControlNet runs for the cond and the uncond pass): the
+/// reference's image within the parity tolerance, far from the image without the ControlNet
+/// (the residuals matter), and the same image bit for bit with its parameters on disk, and on
+/// the CPU by `--control-net-cpu` with a control image of twice the size (2x2 blocks, resized to
+/// the same hint).
+#[test]
+fn sd15_controlnet_matches_the_reference_and_any_placement() {
+    let (model, cn) = controlnet_fixtures();
+    let dir = out_dir("controlnet");
+    let data = workspace().join("tests/data");
+    let control = data.join("control-64x64.png");
+    let big = dir.join("control-128.png");
+    write_upscaled_png(&control, &big, 2);
+    let run = |name: &str, control: &Path, extra: &[&str]| {
+        let out = dir.join(name);
+        let args = ["--control-net", cn.to_str().unwrap(), "--control-image", control.to_str().unwrap()];
+        check_ok(&generate(&model, &out, 2, &[&args[..], extra].concat()));
+        out
+    };
+    let a = run("a.png", &control, &[]);
+    let (mean, max) = diff(&a, &data.join("ref-sd15-std0.01-seed11-f16-cn-std0.02-seed7-64x64-euler2-cfg7.png"));
+    eprintln!("ControlNet vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+    assert!(mean <= MEAN_TOL && max <= MAX_TOL, "ControlNet vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+    let plain = dir.join("plain.png");
+    check_ok(&generate(&model, &plain, 2, &[]));
+    let (mean, _) = diff(&a, &plain);
+    assert!(mean > 3.0, "the ControlNet changed the image by only {mean:.3} levels (mean)");
+    let b = run("disk.png", &control, &["--params-backend", "controlnet=disk"]);
+    assert_eq!(pixels(&a), pixels(&b), "the ControlNet's params on disk changed the image");
+    let c = run("cpu.png", &big, &["--control-net-cpu"]);
+    assert_eq!(
+        pixels(&a),
+        pixels(&c),
+        "--control-net-cpu with a 128x128 control image of 2x2 blocks changed the image"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A ControlNet for another family, a file that is no ControlNet, an unreadable control image and
+/// a strength that is not a number: each a clear error naming the flag or file, before any weight
+/// is read.
+#[test]
+fn controlnet_bad_inputs_are_clear_errors() {
+    let dir = out_dir("controlnet-bad");
+    let model = fixture(Family::Sd15);
+    let control = workspace().join("tests/data/control-64x64.png");
+    let control = control.to_str().unwrap();
+    // An SDXL-shaped ControlNet (context 2048, a class embedding, 9 skips), narrow to stay small.
+    let sdxl = dir.join("sdxl-cn.safetensors");
+    let unet = sd_models::diffusion::UNetConfig {
+        model_channels: 64,
+        time_embed_dim: 256,
+        transformer_depth: vec![1, 1, 1],
+        ..sd_models::diffusion::UNetConfig::sdxl()
+    };
+    let f = fixture::controlnet::ControlNetFixture { unet, std: None, seed: 1 };
+    f.write(&sdxl, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    let base = ["-p", "x", "-W", "64", "-H", "64", "--control-image", control];
+    let e = fails(&[&base[..], &["--control-net", sdxl.to_str().unwrap()]].concat(), Some(&model));
+    assert!(
+        e.contains("sdxl-cn.safetensors") && e.contains("context width 2048") && e.contains("context width 768"),
+        "{e}"
+    );
+    // A file without a hint encoder (the TAESD fixture).
+    let taesd = fixture::taesd::cached_taesd_path(4, 42, WeightType::F16);
+    if !taesd.exists() {
+        fixture::taesd::write_taesd(&taesd, 4, 42, WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    }
+    let e = fails(&[&base[..], &["--control-net", taesd.to_str().unwrap()]].concat(), Some(&model));
+    assert!(e.contains("is not a ControlNet") && e.contains("input_hint_block.0.weight"), "{e}");
+    // Before the model is read (the model path does not exist).
+    let m = Path::new("/nonexistent/model.safetensors");
+    let junk = dir.join("junk.png");
+    std::fs::write(&junk, b"not an image").unwrap();
+    let e = fails(&["-p", "x", "--control-image", junk.to_str().unwrap()], Some(m));
+    assert!(e.contains("--control-image") && e.contains("junk.png"), "{e}");
+    let e = fails(&["-p", "x", "--control-strength", "nan"], Some(m));
+    assert!(e.contains("--control-strength"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `plan` counts the ControlNet as the `controlnet` module, sized from its header, and takes its
+/// placement (`--params-backend controlnet=disk`, `--control-net-cpu`) like any module's.
+#[test]
+fn plan_counts_the_controlnet_module_and_its_placement() {
+    let (model, cn) = controlnet_fixtures();
+    let dir = out_dir("controlnet-plan");
+    let report = dir.join("plan.json");
+    let o = sd_cli()
+        .arg("plan")
+        .arg("-m")
+        .arg(&model)
+        .arg("--control-net")
+        .arg(&cn)
+        .args(["--params-backend", "controlnet=disk", "--control-net-cpu", "--report-json"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let text = std::fs::read_to_string(&report).unwrap();
+    let plan = sd_models::report::RunReport::from_json(&text).unwrap().plan.expect("the plan");
+    let m = plan.modules.iter().find(|m| m.module.name() == "controlnet").unwrap_or_else(|| panic!("{plan:?}"));
+    // Tensor bytes are the file less its header.
+    let file = std::fs::metadata(&cn).unwrap().len();
+    assert!(m.param_bytes <= file && m.param_bytes + (1 << 20) > file, "{m:?} vs {file}");
+    assert_eq!(m.params, sd_placement::ParamsHome::Disk, "{m:?}");
+    assert_eq!(m.runtime, ["CPU"], "{m:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

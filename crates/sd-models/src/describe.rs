@@ -22,6 +22,8 @@ pub struct ExtraFile {
     pub path: PathBuf,
     /// Whether it is the dominant text encoder (T5-XXL, an LLM): its layers get block indices.
     pub dominant: bool,
+    /// The module its tensors belong to.
+    pub module: Module,
 }
 
 fn module_of(c: Component) -> Option<Module> {
@@ -70,7 +72,7 @@ pub fn describe(
         sources.push(SourceFile { role: format!("<{} file>", x.flag.trim_start_matches('-')), bytes: len });
         for (name, bytes) in tensors {
             let block = if x.dominant { layer_index(&name) } else { None };
-            push(Module::Te, Tensor { name, bytes, block });
+            push(x.module, Tensor { name, bytes, block });
         }
     }
     if comps.is_empty() {

@@ -12,6 +12,7 @@
 //! - [`image_io`]: image files in and out (PNG, JPEG, WebP, BMP), init-image fitting,
 //!   generation parameters in the files, output names.
 
+pub mod controlnet;
 pub mod describe;
 pub mod diffusion;
 pub mod family;

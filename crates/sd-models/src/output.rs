@@ -300,6 +300,10 @@ pub enum InputRole {
     DeviceProfile,
     /// An ESRGAN upscaler.
     UpscaleModel,
+    /// A ControlNet.
+    ControlNet,
+    /// The ControlNet's control image.
+    ControlImage,
 }
 
 impl InputRole {
@@ -321,6 +325,8 @@ impl InputRole {
             InputRole::Lora => "the LoRA",
             InputRole::DeviceProfile => "the device profile",
             InputRole::UpscaleModel => "the upscale model",
+            InputRole::ControlNet => "the ControlNet",
+            InputRole::ControlImage => "the control image",
         }
     }
 }

@@ -24,6 +24,7 @@ use sd_backends::{Backend, GgmlType};
 use sd_sched::{Ledgers, MappedBytes, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
+use crate::diffusion::controlnet::{ControlNetModel, ControlResiduals};
 use crate::family::{block_group, DiffusionModel, DiffusionSettings, Family, TextEncoder, TextRequest};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
@@ -36,6 +37,7 @@ use crate::sampling::{
 };
 use crate::text::conditioning::Conditioning;
 
+mod control;
 mod inpaint;
 mod kept;
 pub use kept::KeptWeights;
@@ -118,6 +120,9 @@ pub enum PipelineError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A ControlNet file, or running the ControlNet.
+    #[error(transparent)]
+    ControlNet(#[from] crate::controlnet::ControlNetError),
     /// Loading or running the UNet.
     #[error("diffusion model")]
     Diffusion(#[from] crate::diffusion::DiffusionError),
@@ -224,6 +229,8 @@ pub enum Setting {
     Prompt,
     /// [`GenerateParams::negative_prompt`].
     NegativePrompt,
+    /// [`GenerateParams::control_strength`].
+    ControlStrength,
 }
 
 impl Setting {
@@ -242,6 +249,7 @@ impl Setting {
             Setting::FlowShift => "flow shift",
             Setting::Prompt => "prompt",
             Setting::NegativePrompt => "negative prompt",
+            Setting::ControlStrength => "control strength",
         }
     }
 }
@@ -281,6 +289,8 @@ pub struct ModuleDevices {
     pub te_split: Option<LayerSplit>,
     /// The UNet's layer split (its main device is `diffusion`).
     pub diffusion_split: Option<LayerSplit>,
+    /// ControlNet.
+    pub controlnet: Arc<Backend>,
 }
 
 /// How to load the model.
@@ -301,6 +311,9 @@ pub struct LoadOptions {
     /// `--model-args`: the family's options as `(key, value)`, as the reference names them
     /// (`chroma_use_dit_mask`); a key the family does not take is an error.
     pub model_args: Vec<(String, String)>,
+    /// A ControlNet file (`crate::controlnet`), checked against the model when the pipeline is
+    /// built.
+    pub control_net: Option<std::path::PathBuf>,
 }
 
 /// Where each module's parameters live (`--params-backend`).
@@ -312,11 +325,18 @@ pub struct ModuleHomes {
     pub diffusion: ParamHome,
     /// VAE / TAESD.
     pub vae: ParamHome,
+    /// ControlNet.
+    pub controlnet: ParamHome,
 }
 
 impl Default for ModuleHomes {
     fn default() -> Self {
-        Self { te: ParamHome::Compute, diffusion: ParamHome::Compute, vae: ParamHome::Compute }
+        Self {
+            te: ParamHome::Compute,
+            diffusion: ParamHome::Compute,
+            vae: ParamHome::Compute,
+            controlnet: ParamHome::Compute,
+        }
     }
 }
 
@@ -416,6 +436,13 @@ pub struct GenerateParams {
     pub tiling: TilingParams,
     /// Cap on one VAE graph's compute buffer (triggers the tiled retry).
     pub vae_max_compute_bytes: Option<usize>,
+    /// `--control-image`: the ControlNet's hint, an RGB image of any size (fitted to the
+    /// generated size as the reference fits it, nearest). Without a ControlNet it is unused, as
+    /// in the reference.
+    pub control_image: Option<Image>,
+    /// `--control-strength`: the factor of the ControlNet's residuals (the reference's default
+    /// 0.9).
+    pub control_strength: f32,
 }
 
 /// The longest prompt (and negative prompt) accepted, in bytes. The reference has no limit;
@@ -496,6 +523,13 @@ impl GenerateParams {
                 Setting::Mask,
                 size,
                 "a mask needs an init image (img2img) to keep the unmasked part of",
+            );
+        }
+        if !within(self.control_strength, MAX_GUIDANCE) {
+            return bad_setting(
+                Setting::ControlStrength,
+                format!("{:?}", self.control_strength),
+                format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
             );
         }
         // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
@@ -632,6 +666,8 @@ pub struct Pipeline {
     cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Called with each sampling step's denoised latent (previews).
     latent_hook: Option<LatentHook>,
+    /// The checked ControlNet file ([`LoadOptions::control_net`]).
+    control_net: Option<Arc<crate::controlnet::ControlNetFile>>,
 }
 
 /// One image's denoised latent after a sampling step, as [`Pipeline::with_latent_hook`]'s
@@ -702,8 +738,16 @@ impl Pipeline {
             detected.arch,
             files.index().len()
         );
+        let control_net = match &opts.control_net {
+            None => None,
+            Some(path) => {
+                let file = crate::controlnet::ControlNetFile::open(path, family.arch(), family.control_net())?;
+                tracing::info!("ControlNet: '{}'", path.display());
+                Some(Arc::new(file))
+            }
+        };
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None })
+        Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None, control_net })
     }
 
     /// What loading found that a user should know (front ends print these with their own
@@ -934,6 +978,17 @@ impl Pipeline {
         self.family.load_diffusion(w, &settings)
     }
 
+    /// The ControlNet's weights placed on its device, when there is one.
+    fn load_control_net(&self) -> Result<Option<ControlNetModel>> {
+        let Some(file) = &self.control_net else { return Ok(None) };
+        let home = &self.opts.placement.homes.controlnet;
+        let mut w = Weights::new(file.specs(self.opts.wtype))?;
+        let group = |name: &str| crate::diffusion::unet::group_of(name);
+        self.place(&mut w, "controlnet", home, &self.opts.devices.controlnet, None, &group, &|_| false, file.source())?;
+        let cfg = file.config().clone();
+        Ok(Some(ControlNetModel { cfg, weights: w, flash_attn: self.opts.flash_attn }))
+    }
+
     /// The family's TAESD configuration, or an error naming `--taesd` when it has none.
     fn taesd_config(&self) -> Result<sd_vae::TaesdConfig> {
         crate::family::taesd_config(self.family.as_ref())
@@ -1015,6 +1070,10 @@ impl Pipeline {
             // The same rule for the mask (the reference resizes it as the init image, nearest).
             *mask = crate::image_io::resize_nearest(mask, p.width, p.height);
         }
+        if let Some(image) = &mut p.control_image {
+            // And for the control image (`sd_image_to_tensor`'s nearest interpolation).
+            *image = crate::image_io::resize_nearest(image, p.width, p.height);
+        }
         self.check_model_limits(&p)?;
         Ok(Request { params: p, method, scheduler, cfg_scale })
     }
@@ -1024,7 +1083,10 @@ impl Pipeline {
         p.tiling.validate([p.width, p.height], VAE_SCALE)?;
         self.family.check_text(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
-        for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae] {
+        // A ControlNet's working set is the UNet's first half: its attention as large.
+        let control =
+            (self.control_net.is_some() && p.control_image.is_some()).then_some(&self.opts.devices.controlnet);
+        for backend in [&self.opts.devices.diffusion, &self.opts.devices.vae].into_iter().chain(control) {
             let device = backend.device();
             let (_, total) = device.memory();
             if total > 0 && need > total as f64 {
@@ -1276,6 +1338,26 @@ impl Pipeline {
             };
             let start = kept::begin(unet.weights(), was_kept);
             report.stage("unet load", t.elapsed().as_secs_f64());
+            // The ControlNet, loaded for sampling and released after it.
+            let mut control = match (&p.control_image, self.control_net.is_some()) {
+                (Some(image), true) => {
+                    let t = Instant::now();
+                    match kept::load_or_free(&mut kept, || self.load_control_net())? {
+                        Some(model) => {
+                            report.stage("controlnet load", t.elapsed().as_secs_f64());
+                            let runner = self.runner("controlnet", &self.opts.devices.controlnet, None);
+                            let hint = crate::image_io::to_planar(image);
+                            Some(control::ControlStage { model, runner, hint, strength: p.control_strength })
+                        }
+                        None => None,
+                    }
+                }
+                (Some(_), false) => {
+                    tracing::warn!("a control image without a ControlNet is not used");
+                    None
+                }
+                (None, _) => None,
+            };
             let t = Instant::now();
             let mut runner =
                 self.runner("unet", &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
@@ -1330,6 +1412,7 @@ impl Pipeline {
                         inp.timestep,
                         &cond,
                         uncond.as_ref().filter(|_| inp.uncond),
+                        control.as_mut().map(|c| (c, inp.x)),
                     )?;
                     // One warning per image: a broken model is broken at every step.
                     if !warned.get() {
@@ -1402,6 +1485,11 @@ impl Pipeline {
             );
             record_module(report, "unet", unet.weights(), &runner);
             kept::record(report, "unet", unet.weights(), start);
+            if let Some(c) = &control {
+                tracing::debug!("controlnet params {}; {}", c.model.weights.home_description(), c.runner.summary());
+                record_module(report, "controlnet", &c.model.weights, &c.runner);
+            }
+            drop(control);
             report.stage("sampling", t.elapsed().as_secs_f64());
             drop(runner);
             if let Some(k) = kept.as_deref_mut() {
@@ -1483,12 +1571,20 @@ fn eval_guided(
     timestep: f32,
     cond: &Conditioning,
     uncond: Option<&Conditioning>,
+    mut control: Option<(&mut control::ControlStage, &[f32])>,
 ) -> Result<ModelOutput> {
     let times = vec![timestep; images];
     let conds = vec![cond; images];
+    // The ControlNet's residuals for a batch of `n` copies of the latents under `cs`.
+    let mut residuals = |n: usize, cs: &[&Conditioning]| -> Result<Option<ControlResiduals>> {
+        let Some((stage, latent)) = control.as_mut() else { return Ok(None) };
+        let lx: Vec<f32> = std::iter::repeat_n(*latent, n).flatten().copied().collect();
+        Ok(Some(stage.residuals(&lx, dims, &vec![timestep; cs.len()], cs)?))
+    };
     match uncond {
         None => {
-            let c = model.eval(runner, x, dims, &times, &conds)?;
+            let r = residuals(1, &conds)?;
+            let c = model.eval_controlled(runner, x, dims, &times, &conds, r.as_ref())?;
             Ok(ModelOutput { cond: c, uncond: None })
         }
         Some(u) if u.batches_with(cond) => {
@@ -1496,14 +1592,19 @@ fn eval_guided(
             xx.extend_from_slice(x);
             xx.extend_from_slice(x);
             let both: Vec<&Conditioning> = conds.iter().copied().chain(std::iter::repeat_n(u, images)).collect();
-            let mut out = model.eval(runner, &xx, dims, &[&times[..], &times[..]].concat(), &both)?;
+            let r = residuals(2, &both)?;
+            let times2 = [&times[..], &times[..]].concat();
+            let mut out = model.eval_controlled(runner, &xx, dims, &times2, &both, r.as_ref())?;
             // Each half is one output per image (an inpainting UNet's input has more channels).
             let un = out.split_off(out.len() / 2);
             Ok(ModelOutput { cond: out, uncond: Some(un) })
         }
         Some(u) => {
-            let c = model.eval(runner, x, dims, &times, &conds)?;
-            let un = model.eval(runner, x, dims, &times, &vec![u; images])?;
+            let r = residuals(1, &conds)?;
+            let c = model.eval_controlled(runner, x, dims, &times, &conds, r.as_ref())?;
+            let uncs = vec![u; images];
+            let r = residuals(1, &uncs)?;
+            let un = model.eval_controlled(runner, x, dims, &times, &uncs, r.as_ref())?;
             Ok(ModelOutput { cond: c, uncond: Some(un) })
         }
     }
@@ -1595,6 +1696,8 @@ mod tests {
             tiling: TilingParams::default(),
             vae_max_compute_bytes: None,
             flow_shift: None,
+            control_image: None,
+            control_strength: 0.9,
         }
     }
 

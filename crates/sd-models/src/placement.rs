@@ -89,11 +89,13 @@ impl RuntimePlacement {
             vae: wiring.backend(Module::Vae)?,
             te_split: wiring.split(Module::Te)?,
             diffusion_split: wiring.split(Module::Diffusion)?,
+            controlnet: wiring.backend(Module::ControlNet)?,
         };
         let homes = ModuleHomes {
             te: wiring.home(Module::Te, &devices.te)?,
             diffusion: wiring.home(Module::Diffusion, &devices.diffusion)?,
             vae: wiring.home(Module::Vae, &devices.vae)?,
+            controlnet: wiring.home(Module::ControlNet, &devices.controlnet)?,
         };
         let placement = Placement {
             homes,

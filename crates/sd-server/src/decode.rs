@@ -351,6 +351,7 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::FlowShift => "sample_params.flow_shift",
         Setting::Prompt => "prompt",
         Setting::NegativePrompt => "negative_prompt",
+        Setting::ControlStrength => "control_strength",
     }
 }
 

@@ -50,6 +50,8 @@ impl Harness {
             tiling: sd_vae::TilingParams::default(),
             vae_max_compute_bytes: None,
             flow_shift: None,
+            control_image: None,
+            control_strength: 0.9,
         };
         let config = Config {
             listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -197,6 +197,9 @@ sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
     if (o->vae_on_cpu) {
         backend = prepend_assignment(backend, "vae=cpu");
     }
+    if (o->control_net_cpu) {
+        backend = prepend_assignment(backend, "controlnet=cpu");
+    }
 
     // sd.cpp's CLI passes "" (never NULL) for unset paths; do the same.
     p.model_path           = opt_str(o->model_path);
@@ -213,7 +216,7 @@ sdref_ctx* sdref_ctx_new(const sdref_ctx_opts* o, char* err, size_t err_len) {
     p.embeddings_connectors_path      = "";
     p.audio_vae_path                  = "";
     p.taesd_path                      = opt_str(o->taesd_path);
-    p.control_net_path                = "";
+    p.control_net_path                = opt_str(o->control_net_path);
     p.photo_maker_path                = "";
     p.tensor_type_rules               = "";
     p.n_threads                       = o->n_threads > 0 ? o->n_threads : sd_get_num_physical_cores();
@@ -299,6 +302,11 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
     if (o->mask_gray != nullptr) {
         g.mask_image = sd_image_t{static_cast<uint32_t>(o->width), static_cast<uint32_t>(o->height), 1,
                                   const_cast<uint8_t*>(o->mask_gray)};
+    }
+    if (o->control_rgb != nullptr) {
+        g.control_image = sd_image_t{static_cast<uint32_t>(o->control_width), static_cast<uint32_t>(o->control_height), 3,
+                                     const_cast<uint8_t*>(o->control_rgb)};
+        g.control_strength = o->control_strength;
     }
 
     sd_image_t* images = generate_image(ctx->sd_ctx, &g);

@@ -48,6 +48,8 @@ typedef struct {
     bool enable_mmap;
     const char* lora_apply_mode; /* "auto" | "immediately" | "at_runtime"; NULL: immediately */
     const char* llm_path;        /* the LLM text encoder (--llm: Z-Image's Qwen3); NULL: none */
+    const char* control_net_path; /* a ControlNet (--control-net); NULL: none */
+    bool control_net_cpu;        /* prepends "controlnet=cpu" to backend */
 } sdref_ctx_opts;
 
 typedef struct {
@@ -69,6 +71,10 @@ typedef struct {
     const char* const* lora_paths;  /* lora_count paths */
     const float* lora_multipliers;  /* lora_count multipliers */
     const uint8_t* mask_gray;       /* NULL: no mask (all 255, as the CLI passes); else width*height bytes */
+    const uint8_t* control_rgb;     /* NULL: no control image; else control_width*control_height*3 bytes */
+    int control_width;              /* of any size: the library resizes it to width x height */
+    int control_height;
+    float control_strength;
 } sdref_gen_opts;
 
 typedef struct {

@@ -38,6 +38,8 @@ struct RawCtxOpts {
     enable_mmap: bool,
     lora_apply_mode: *const c_char,
     llm_path: *const c_char,
+    control_net_path: *const c_char,
+    control_net_cpu: bool,
 }
 
 #[repr(C)]
@@ -60,6 +62,10 @@ struct RawGenOpts {
     lora_paths: *const *const c_char,
     lora_multipliers: *const f32,
     mask_gray: *const u8,
+    control_rgb: *const u8,
+    control_width: c_int,
+    control_height: c_int,
+    control_strength: f32,
 }
 
 #[repr(C)]
@@ -99,6 +105,30 @@ extern "C" {
     fn upscale(ctx: *mut RawUpscaler, input_image: RawImage, upscale_factor: u32) -> RawImage;
     fn get_upscale_factor(ctx: *mut RawUpscaler) -> c_int;
     fn free(p: *mut c_void);
+    fn preprocess_canny(image: RawImage, high: f32, low: f32, weak: f32, strong: f32, inverse: bool) -> bool;
+}
+
+/// sd.cpp's `preprocess_canny` on an RGB8 image of `width x height`, in place, with the
+/// thresholds and levels given.
+#[allow(clippy::too_many_arguments)]
+pub fn canny(
+    rgb: &mut [u8],
+    width: u32,
+    height: u32,
+    (high, low, weak, strong): (f32, f32, f32, f32),
+    inverse: bool,
+) -> Result<(), String> {
+    if rgb.len() != width as usize * height as usize * 3 {
+        return Err(format!("{} bytes for a {width}x{height} RGB image", rgb.len()));
+    }
+    let img = RawImage { width, height, channel: 3, data: rgb.as_mut_ptr() };
+    // SAFETY: `img` points at `rgb`, `width * height * 3` writable bytes (checked above), alive for
+    // the call; sd.cpp writes the edges back in place and keeps no pointer.
+    if unsafe { preprocess_canny(img, high, low, weak, strong, inverse) } {
+        Ok(())
+    } else {
+        Err("preprocess_canny failed".into())
+    }
 }
 
 extern "C" {
@@ -428,6 +458,10 @@ pub struct CtxOptions {
     pub lora_apply_mode: Option<String>,
     /// The LLM text encoder (`--llm`).
     pub llm: Option<String>,
+    /// A ControlNet (`--control-net`).
+    pub control_net: Option<String>,
+    /// `--control-net-cpu`.
+    pub control_net_cpu: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -451,6 +485,10 @@ pub struct GenOptions {
     pub loras: Vec<(String, f32)>,
     /// The inpainting mask, gray8, `width * height` bytes (255: repaint); `None`: no mask.
     pub mask_gray: Option<Vec<u8>>,
+    /// The control image: RGB8 of its own size (width, height, bytes); the library resizes it.
+    pub control: Option<(u32, u32, Vec<u8>)>,
+    /// `--control-strength`.
+    pub control_strength: f32,
 }
 
 pub struct Image {
@@ -545,6 +583,8 @@ impl Context {
             enable_mmap: o.mmap,
             lora_apply_mode: s.opt(o.lora_apply_mode.as_deref())?,
             llm_path: s.opt(o.llm.as_deref())?,
+            control_net_path: s.opt(o.control_net.as_deref())?,
+            control_net_cpu: o.control_net_cpu,
         };
         let mut err = ErrBuf::new();
         // SAFETY: every pointer in `raw_opts` is null or points into `s`,
@@ -561,6 +601,15 @@ impl Context {
             let want = o.width as usize * o.height as usize * 3;
             if rgb.len() != want {
                 return Err(format!("init image has {} bytes, {}x{} RGB needs {want}", rgb.len(), o.width, o.height));
+            }
+        }
+        if let Some((w, h, rgb)) = &o.control {
+            if rgb.len() != *w as usize * *h as usize * 3 || *w == 0 || *h == 0 {
+                return Err(format!(
+                    "control image has {} bytes, {w}x{h} RGB needs {}",
+                    rgb.len(),
+                    *w as usize * *h as usize * 3
+                ));
             }
         }
         if let Some(gray) = &o.mask_gray {
@@ -594,6 +643,10 @@ impl Context {
             lora_paths: if lora_paths.is_empty() { ptr::null() } else { lora_paths.as_ptr() },
             lora_multipliers: if lora_mults.is_empty() { ptr::null() } else { lora_mults.as_ptr() },
             mask_gray: o.mask_gray.as_ref().map_or(ptr::null(), |v| v.as_ptr()),
+            control_rgb: o.control.as_ref().map_or(ptr::null(), |(_, _, v)| v.as_ptr()),
+            control_width: o.control.as_ref().map_or(0, |c| c.0 as c_int),
+            control_height: o.control.as_ref().map_or(0, |c| c.1 as c_int),
+            control_strength: o.control_strength,
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;
@@ -636,7 +689,17 @@ impl Context {
         let mut err = ErrBuf::new();
         // SAFETY: live context, valid prompt string, valid out-pointers.
         let rc = unsafe {
-            sdref_encode_text(self.raw, prompt, clip_skip, width, height, &mut cross, &mut vector, err.ptr(), err.0.len())
+            sdref_encode_text(
+                self.raw,
+                prompt,
+                clip_skip,
+                width,
+                height,
+                &mut cross,
+                &mut vector,
+                err.ptr(),
+                err.0.len(),
+            )
         };
         if rc != 0 {
             return Err(err.message());

@@ -58,6 +58,8 @@ enum Command {
     VaeDecode(VaeDecode),
     /// Upscale a PNG with an ESRGAN model, as sd.cpp's CLI `-M upscale` does.
     Upscale(Upscale),
+    /// Canny edges of a PNG with sd.cpp's `preprocess_canny` (the CLI's `--canny` thresholds).
+    Canny(Canny),
     /// Print sd.cpp's T5 token ids (and FLUX's per-token weights) for prompts; no model needed.
     T5Tokens(T5Tokens),
     /// Dump sd.cpp's raw T5-XXL hidden states for a prompt (FLUX's tokenization); only --t5xxl.
@@ -97,6 +99,12 @@ struct ModelArgs {
     /// Path to a tiny autoencoder (TAESD, TAESDXL, TAEF1), used instead of the VAE.
     #[arg(long = "taesd")]
     taesd: Option<String>,
+    /// Path to a ControlNet (the library's `control_net_path`).
+    #[arg(long = "control-net")]
+    control_net: Option<String>,
+    /// Run the ControlNet on the CPU (prepends `controlnet=cpu` to the backend).
+    #[arg(long = "control-net-cpu")]
+    control_net_cpu: bool,
     /// Threads; <= 0 means the number of physical cores (sd.cpp's default).
     #[arg(short = 't', long = "threads", default_value_t = -1, allow_negative_numbers = true)]
     threads: i32,
@@ -178,6 +186,8 @@ impl ModelArgs {
             mmap: self.mmap,
             lora_apply_mode: self.lora_apply_mode.clone(),
             llm: self.llm.clone(),
+            control_net: self.control_net.clone(),
+            control_net_cpu: self.control_net_cpu,
         }
     }
 
@@ -228,6 +238,12 @@ struct Txt2Img {
     /// the reference's CLI reads it (stb_image's luma of RGB).
     #[arg(long = "mask")]
     mask: Option<PathBuf>,
+    /// Control image (PNG, RGB, of any size: the library resizes it to the image's size).
+    #[arg(long = "control-image")]
+    control_image: Option<PathBuf>,
+    /// Strength of the ControlNet's residuals (the library's default 0.9).
+    #[arg(long = "control-strength", default_value_t = 0.9)]
+    control_strength: f32,
     /// Decode with the tiled VAE.
     #[arg(long = "vae-tiling")]
     vae_tiling: bool,
@@ -357,6 +373,28 @@ struct Unet {
 }
 
 #[derive(Args, Debug)]
+struct Canny {
+    /// The PNG (RGB).
+    #[arg(short = 'i', long = "input")]
+    input: PathBuf,
+    /// The output PNG.
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+    /// White background, black edges.
+    #[arg(long = "inverse")]
+    inverse: bool,
+}
+
+/// `sdref canny`: the reference CLI's `--canny` on one image (0.08, 0.08, 0.8, 1.0).
+fn canny_png(a: Canny) -> Res<()> {
+    let (w, h, mut rgb) = read_png_rgb(&a.input)?;
+    ffi::canny(&mut rgb, w, h, (0.08, 0.08, 0.8, 1.0), a.inverse)?;
+    write_png(&a.output, &ffi::Image { width: w, height: h, channels: 3, data: rgb })?;
+    eprintln!("sdref: wrote {}", a.output.display());
+    Ok(())
+}
+
+#[derive(Args, Debug)]
 struct Upscale {
     /// The ESRGAN model.
     #[arg(long = "upscale-model")]
@@ -428,6 +466,7 @@ fn main() -> ExitCode {
         Command::QwenTokens(a) => qwen_tokens(a),
         Command::LlmEncode(a) => llm_encode(a),
         Command::Upscale(a) => upscale_png(a),
+        Command::Canny(a) => canny_png(a),
         Command::Info => {
             println!("sd.cpp version: {} ({SDCPP_ORIGIN})", ffi::sdcpp_version());
             println!("sd.cpp source: {}", env!("SDREF_SDCPP_DIR"));
@@ -549,6 +588,10 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         }
     };
 
+    let control = match &a.control_image {
+        None => None,
+        Some(path) => Some(read_png_rgb(path)?),
+    };
     let (mut ctx, load_s) = load(&a.model)?;
     let gen = GenOptions {
         prompt: a.prompt.clone(),
@@ -567,6 +610,8 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         vae_tiling: a.vae_tiling,
         loras: a.lora.iter().map(|l| parse_lora(l)).collect::<Res<Vec<_>>>()?,
         mask_gray,
+        control,
+        control_strength: a.control_strength,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;
@@ -609,8 +654,8 @@ fn meta(pairs: &[(&str, serde_json::Value)]) -> Map<String, serde_json::Value> {
 
 fn t5_tokens(a: T5Tokens) -> Res<()> {
     let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
-    let prompts: Vec<String> =
-        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
         let (ids, weights) = ffi::t5_tokenize(&p, a.raw, a.chunk_len).map_err(|e| format!("prompt {p:?}: {e}"))?;
@@ -622,8 +667,8 @@ fn t5_tokens(a: T5Tokens) -> Res<()> {
 
 fn qwen_tokens(a: QwenTokens) -> Res<()> {
     let text = std::fs::read_to_string(&a.prompts).map_err(|e| format!("{}: {e}", a.prompts.display()))?;
-    let prompts: Vec<String> =
-        serde_json::from_str(&text).map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
+    let prompts: Vec<String> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
         let (ids, weights) = ffi::qwen2_tokenize(&p, a.zimage).map_err(|e| format!("prompt {p:?}: {e}"))?;
@@ -649,7 +694,10 @@ fn llm_encode(a: LlmEncode) -> Res<()> {
         ("ids", json!(ids)),
         ("out_layer", json!(a.out_layer)),
     ]);
-    m.insert("what".into(), json!("Qwen3 hidden states (LLMRunner, QWEN3) for Z-Image's template, before the token weights"));
+    m.insert(
+        "what".into(),
+        json!("Qwen3 hidden states (LLMRunner, QWEN3) for Z-Image's template, before the token weights"),
+    );
     rawio::write_tensor(&a.output, &out, m)?;
     eprintln!("sdref: wrote {} shape {:?}", a.output.display(), out.shape_torch());
     eprintln!("SDREF_TIMING llm_encode_ms={ms}");
@@ -778,11 +826,53 @@ mod tests {
     #[test]
     fn the_cli_accepts_the_reference_flag_names() {
         let cli = Cli::try_parse_from([
-            "sdref", "txt2img", "-m", "m.safetensors", "-p", "a cat", "-n", "blurry", "-W", "256", "-H", "256",
-            "--steps", "4", "--cfg-scale", "7", "--sampling-method", "euler", "--scheduler", "discrete", "-s", "42",
-            "-b", "1", "-o", "x.png", "-t", "2", "--rng", "std_default", "--strength", "0.5", "--vae-tiling",
-            "--diffusion-fa", "--backend", "cpu", "--params-backend", "disk", "--max-vram", "-1",
-            "--offload-to-cpu", "--type", "f16", "--clip_l", "c.safetensors", "--vae", "v.safetensors",
+            "sdref",
+            "txt2img",
+            "-m",
+            "m.safetensors",
+            "-p",
+            "a cat",
+            "-n",
+            "blurry",
+            "-W",
+            "256",
+            "-H",
+            "256",
+            "--steps",
+            "4",
+            "--cfg-scale",
+            "7",
+            "--sampling-method",
+            "euler",
+            "--scheduler",
+            "discrete",
+            "-s",
+            "42",
+            "-b",
+            "1",
+            "-o",
+            "x.png",
+            "-t",
+            "2",
+            "--rng",
+            "std_default",
+            "--strength",
+            "0.5",
+            "--vae-tiling",
+            "--diffusion-fa",
+            "--backend",
+            "cpu",
+            "--params-backend",
+            "disk",
+            "--max-vram",
+            "-1",
+            "--offload-to-cpu",
+            "--type",
+            "f16",
+            "--clip_l",
+            "c.safetensors",
+            "--vae",
+            "v.safetensors",
         ])
         .unwrap();
         let Command::Txt2img(a) = cli.command else { panic!("not txt2img") };

@@ -26,6 +26,7 @@
 //! UNet returns its raw output.
 
 pub mod blocks;
+pub mod controlnet;
 pub mod flux;
 pub mod unet;
 pub mod zimage;

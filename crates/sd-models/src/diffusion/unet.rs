@@ -320,9 +320,15 @@ impl Layout {
 
 /// Walks the module tree of `cfg` (the constructor of `UNetModel`).
 pub fn layout(cfg: &UNetConfig) -> Layout {
+    layout_under(cfg, PREFIX)
+}
+
+/// [`layout`] with the modules named under `prefix` instead of [`PREFIX`] (a ControlNet's copy
+/// of the input and middle blocks, `super::controlnet`).
+pub(crate) fn layout_under(cfg: &UNetConfig, prefix: &str) -> Layout {
     let mc = cfg.model_channels;
     let levels = cfg.channel_mult.len();
-    let name = |s: String| format!("{PREFIX}.{s}");
+    let name = |s: String| format!("{prefix}.{s}");
     let mut input = vec![Block {
         name: "input_blocks.0".into(),
         layers: vec![(name("input_blocks.0.0".into()), Layer::Stem { inp: cfg.in_channels, out: mc })],
@@ -483,7 +489,7 @@ pub fn forward<'g>(
     flash_attn: bool,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    forward_with(g, w, cfg, x, timesteps, context, None, AttnKernel::from_flag(flash_attn), cuts)
+    forward_with(g, w, cfg, x, timesteps, context, None, AttnKernel::from_flag(flash_attn), None, cuts)
 }
 
 /// [`forward`] for a model with a class embedding (SDXL): `y` is the ADM vector [adm, N].
@@ -499,7 +505,17 @@ pub fn forward_adm<'g>(
     flash_attn: bool,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    forward_with(g, w, cfg, x, timesteps, context, Some(y), AttnKernel::from_flag(flash_attn), cuts)
+    forward_with(g, w, cfg, x, timesteps, context, Some(y), AttnKernel::from_flag(flash_attn), None, cuts)
+}
+
+/// A ControlNet's residuals in a UNet graph: one per skip connection (input block order) and
+/// the middle block's last, each scaled by `strength` and added as the reference adds them.
+#[derive(Clone, Copy)]
+pub(crate) struct GraphControls<'a, 'g> {
+    /// Residuals, `[W, H, C, N]` each: the skips' then the middle block's.
+    pub tensors: &'a [Tensor<'g>],
+    /// `--control-strength`.
+    pub strength: f32,
 }
 
 /// [`forward`] with an explicit attention kernel choice.
@@ -513,6 +529,7 @@ fn forward_with<'g>(
     context: Tensor<'g>,
     y: Option<Tensor<'g>>,
     kernel: AttnKernel,
+    controls: Option<GraphControls<'_, 'g>>,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
     check_shapes(cfg, x.shape(), timesteps.shape(), context.shape())?;
@@ -571,9 +588,27 @@ fn forward_with<'g>(
         skips.push(h);
     }
     h = run_block(&layout.middle, h, cuts)?;
+    if let Some(c) = controls {
+        if c.tensors.len() != skips.len() + 1 {
+            return Err(DiffusionError::Input {
+                model: MODEL,
+                reason: format!(
+                    "{} control residuals for {} skip connections and the middle block",
+                    c.tensors.len(),
+                    skips.len()
+                ),
+            });
+        }
+        // The reference scales each residual in place, then adds it (unet.hpp).
+        let middle = g.scale(c.tensors[skips.len()], c.strength);
+        h = g.add(h, middle);
+    }
     cuts.push((layout.middle.name.clone(), h));
     for block in &layout.output {
-        let skip = skips.pop().expect("the layout has one skip per output block");
+        let mut skip = skips.pop().expect("the layout has one skip per output block");
+        if let Some(c) = controls {
+            skip = g.add(skip, g.scale(c.tensors[skips.len()], c.strength));
+        }
         h = g.concat(h, skip, 2);
         h = run_block(block, h, cuts)?;
         cuts.push((block.name.clone(), h));
@@ -747,6 +782,24 @@ impl UNetModel {
         batch: usize,
         y: &[f32],
     ) -> Result<Vec<f32>> {
+        self.eval_controlled(runner, x, (w, h), timesteps, context, n_ctx_tokens, batch, y, None)
+    }
+
+    /// [`eval_adm`](Self::eval_adm) with a ControlNet's residuals added to the skip
+    /// connections and the middle block (`None`: none), as the reference adds them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn eval_controlled(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        context: &[f32],
+        n_ctx_tokens: usize,
+        batch: usize,
+        y: &[f32],
+        controls: Option<&super::controlnet::ControlResiduals>,
+    ) -> Result<Vec<f32>> {
         let _span = tracing::trace_span!("unet", w, h, batch, n_ctx_tokens).entered();
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
         let cin = self.cfg.in_channels as usize;
@@ -781,20 +834,30 @@ impl UNetModel {
         } else {
             AttnKernel::Plain
         };
+        if let Some(c) = controls {
+            c.check(batch)?;
+        }
         let m = runner.micro_batches(batch);
-        if m > 1 {
+        // Residuals are per evaluation: a pipelined split runs the whole batch as one graph.
+        if m > 1 && controls.is_none() {
             let inputs = EvalInputs { x, dims: (w, h), timesteps, context, n_ctx_tokens, batch, y };
             return self.eval_pipelined(runner, m, &inputs, kernel);
         }
         let g = Context::for_graph(GRAPH_SIZE, GRAPH_SIZE)?;
-        let (ins, out, cuts) = self.graph(&g, (w, h), batch, ctx_batch, n_ctx_tokens, kernel)?;
-        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || ins.set(x, timesteps, context, y))?;
+        let (ins, out, cuts) = self.graph(&g, (w, h), batch, ctx_batch, n_ctx_tokens, kernel, controls)?;
+        runner.run(&self.weights, &g, GRAPH_SIZE, &cuts, out, &mut || {
+            ins.set(x, timesteps, context, y)?;
+            for (t, v) in ins.controls.iter().zip(controls.map(|c| &c.values[..]).unwrap_or_default()) {
+                t.set_f32(v)?;
+            }
+            Ok(())
+        })?;
         Ok(out.get_f32()?)
     }
 
     /// The graph of one evaluation of `batch` samples in `g`: its inputs, output and cuts
     /// (block outputs; the last cut, the output itself, left out).
-    #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn graph<'g>(
         &'g self,
         g: &'g Context,
@@ -803,6 +866,7 @@ impl UNetModel {
         ctx_batch: usize,
         n_ctx_tokens: usize,
         kernel: AttnKernel,
+        controls: Option<&super::controlnet::ControlResiduals>,
     ) -> Result<(Inputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
         let cin = self.cfg.in_channels;
         let cd = self.cfg.context_dim;
@@ -810,11 +874,22 @@ impl UNetModel {
         let tt = g.new_f32(&[batch as i64]).set_name("timesteps").set_input();
         let tc = g.new_f32(&[cd, n_ctx_tokens as i64, ctx_batch as i64]).set_name("context").set_input();
         let ty = self.cfg.adm_in_channels.map(|adm| g.new_f32(&[adm, batch as i64]).set_name("y").set_input());
+        let control_tensors: Vec<Tensor<'g>> = controls
+            .map(|c| {
+                c.shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, ne)| g.new_f32(ne).set_name(&format!("control{i}")).set_input())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let graph_controls = controls.map(|c| GraphControls { tensors: &control_tensors, strength: c.strength });
         let mut cuts = Vec::new();
-        let out = forward_with(g, &self.weights, &self.cfg, tx, tt, tc, ty, kernel, &mut cuts)?.set_output();
+        let out =
+            forward_with(g, &self.weights, &self.cfg, tx, tt, tc, ty, kernel, graph_controls, &mut cuts)?.set_output();
         // The last cut is the output itself.
         cuts.pop();
-        Ok((Inputs { x: tx, t: tt, context: tc, y: ty }, out, cuts))
+        Ok((Inputs { x: tx, t: tt, context: tc, y: ty, controls: control_tensors }, out, cuts))
     }
 
     /// [`eval`](Self::eval) as `m` micro-batches of consecutive samples, which a split runner
@@ -838,7 +913,7 @@ impl UNetModel {
         let mut parts = Vec::with_capacity(m);
         for (g, &(a, b)) in ctxs.iter().zip(&bounds) {
             let ctx_batch = if shared_ctx { 1 } else { b - a };
-            parts.push(self.graph(g, (w, h), b - a, ctx_batch, n_ctx_tokens, kernel)?);
+            parts.push(self.graph(g, (w, h), b - a, ctx_batch, n_ctx_tokens, kernel, None)?);
         }
         let jobs: Vec<sd_sched::BatchJob<'_>> = ctxs
             .iter()
@@ -884,6 +959,8 @@ struct Inputs<'g> {
     context: Tensor<'g>,
     /// The ADM vectors of a model with a class embedding.
     y: Option<Tensor<'g>>,
+    /// A ControlNet's residuals (none without one).
+    controls: Vec<Tensor<'g>>,
 }
 
 impl Inputs<'_> {

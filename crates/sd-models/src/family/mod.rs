@@ -279,6 +279,12 @@ pub trait Family: Send + Sync + Debug {
     fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
         &[]
     }
+
+    /// The ControlNet that fits the diffusion model (`crate::controlnet`); `None`: the family
+    /// takes no ControlNet yet.
+    fn control_net(&self) -> Option<crate::diffusion::controlnet::ControlNetConfig> {
+        None
+    }
 }
 
 /// A loaded conditioner.
@@ -304,6 +310,23 @@ pub trait DiffusionModel {
         timesteps: &[f32],
         cond: &[&Conditioning],
     ) -> Result<Vec<f32>>;
+
+    /// [`DiffusionModel::eval`] with a ControlNet's residuals for the batch (`None`: none). The
+    /// default takes none: residuals are an error naming the model.
+    fn eval_controlled(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        dims: (usize, usize),
+        timesteps: &[f32],
+        cond: &[&Conditioning],
+        controls: Option<&crate::diffusion::controlnet::ControlResiduals>,
+    ) -> Result<Vec<f32>> {
+        match controls {
+            None => self.eval(runner, x, dims, timesteps, cond),
+            Some(_) => Err(PipelineError::Invalid("this diffusion model takes no ControlNet residuals".into())),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -602,3 +602,5 @@ fn has_index_pattern(text: &str) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+pub mod canny;

@@ -16,6 +16,7 @@ use sd_vae::{TaesdConfig, VaeConfig};
 use super::{
     DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest,
 };
+use crate::diffusion::controlnet::{ControlNetConfig, ControlResiduals};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
 use crate::files::{Detected, FileRole, ModelFiles};
 use crate::lora::{LoraBody, LoraPrefix};
@@ -146,6 +147,10 @@ impl Family for Sd {
         &LORA_PREFIXES
     }
 
+    fn control_net(&self) -> Option<ControlNetConfig> {
+        Some(ControlNetConfig::for_unet(&self.unet))
+    }
+
     fn sampling(&self) -> SamplingDefaults {
         let ays = if self.arch == "sd2" { AysLevels::Unpublished("SD 2.x") } else { AysLevels::Table(&AYS_SD15) };
         SamplingDefaults { ays, method: SampleMethod::EulerA, schedule: DiscreteSchedule::sd().into(), cfg_scale: 7.0 }
@@ -181,6 +186,18 @@ impl DiffusionModel for UNetModel {
         timesteps: &[f32],
         cond: &[&Conditioning],
     ) -> Result<Vec<f32>> {
+        DiffusionModel::eval_controlled(self, runner, x, dims, timesteps, cond, None)
+    }
+
+    fn eval_controlled(
+        &self,
+        runner: &mut Runner,
+        x: &[f32],
+        dims: (usize, usize),
+        timesteps: &[f32],
+        cond: &[&Conditioning],
+        controls: Option<&ControlResiduals>,
+    ) -> Result<Vec<f32>> {
         let first = cond.first().ok_or_else(|| PipelineError::Invalid("a UNet batch needs a conditioning".into()))?;
         if let Some(other) = cond.iter().find(|c| !c.batches_with(first)) {
             return Err(PipelineError::Invalid(format!(
@@ -197,7 +214,18 @@ impl DiffusionModel for UNetModel {
             &joined
         };
         let y: Vec<f32> = cond.iter().flat_map(|c| c.vector.iter().copied()).collect();
-        Ok(self.eval_adm(runner, x, dims, timesteps, context, first.n_tokens, cond.len(), &y)?)
+        Ok(UNetModel::eval_controlled(
+            self,
+            runner,
+            x,
+            dims,
+            timesteps,
+            context,
+            first.n_tokens,
+            cond.len(),
+            &y,
+            controls,
+        )?)
     }
 }
 

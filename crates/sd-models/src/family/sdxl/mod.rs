@@ -223,6 +223,13 @@ impl Family for Sdxl {
         &LORA_PREFIXES
     }
 
+    /// SDXL's ControlNet as the reference builds it for every SDXL-family model (Vega and
+    /// SSD-1B included): the base SDXL layout, whatever blocks a distilled UNet dropped (its
+    /// skip connections keep their shapes).
+    fn control_net(&self) -> Option<crate::diffusion::controlnet::ControlNetConfig> {
+        Some(crate::diffusion::controlnet::ControlNetConfig::for_unet(&UNetConfig::sdxl()))
+    }
+
     fn sampling(&self) -> SamplingDefaults {
         SamplingDefaults {
             ays: AysLevels::Table(&AYS_SDXL),

@@ -209,21 +209,21 @@ fn level_rows(name: &str, levels: u32, rows: u64, latent: u64) -> Option<u64> {
 /// model's headers. A UNet runs at the latent positions per sample (a block at its level's
 /// positions, [`level_rows`]), a DiT at a quarter of them (2x2 patches) beside the text tokens
 /// ([`dit_rows`]); with guidance (cfg ≠ 1) each step evaluates two samples and the text
-/// encoder runs twice (prompt, negative prompt). CLIP reads 77 tokens, T5 a chunk (FLUX.1:
-/// 256, Chroma: 512). The VAE runs once (its decoder's blocks at their resolutions; other VAE
+/// encoder runs twice (prompt, negative prompt). CLIP reads 77 tokens, T5 a chunk (the
+/// family's `text_tokens`: FLUX.1 256, Chroma 512). The VAE runs once (its decoder's blocks at their resolutions; other VAE
 /// weights at 16 times the latent positions).
 pub(crate) fn workload(files: &ModelFiles, run: RunShape) -> Workload {
     let index = files.index();
     let latent = sd_models::speed::latent_tokens(run.width, run.height);
     let steps = u32::try_from(run.steps).unwrap_or(u32::MAX);
-    let has = |key: &str| index.entries().iter().any(|e| e.name.contains(key));
-    // A FLUX-style DiT patchifies the latent by 2x2; FLUX.1 is guidance-distilled (one sample
-    // per step at its default), Chroma (its approximator) and the UNets are not.
-    let dit = has("double_blocks.");
-    let chroma = has("distilled_guidance_layer.");
-    let guided = run.cfg_scale.map_or(!dit || chroma, |c| c != 1.0);
+    // A FLUX-style DiT patchifies the latent by 2x2. Guidance (two samples per step) and the
+    // text chunk are the family's: FLUX.1 is guidance-distilled, Chroma and the UNets are not.
+    let dit = index.entries().iter().any(|e| e.name.contains("double_blocks."));
+    let family = sd_models::family::of_files_quietly(files);
+    let default_cfg = family.as_ref().map_or(7.0, |f| f.sampling().cfg_scale);
+    let guided = run.cfg_scale.unwrap_or(default_cfg) != 1.0;
     let batch: u64 = if guided { 2 } else { 1 };
-    let t5_tokens: u64 = if chroma { 512 } else { 256 };
+    let t5_tokens: u64 = family.as_ref().map_or(TE_TOKENS, |f| f.text_tokens());
     let rows = if dit { latent / 4 * batch } else { latent * batch };
     let levels = unet_levels(index.entries().iter().map(|e| e.name.as_str()));
     let mut weights = Vec::new();

@@ -119,10 +119,7 @@ pub fn compute_estimates(
 ) -> std::collections::BTreeMap<Module, u64> {
     const MIB: f64 = 1048576.0;
     let mut out = std::collections::BTreeMap::new();
-    // the caller has detected (and logged) the architecture already: this repeat is silent
-    let silent = tracing::subscriber::NoSubscriber::default();
-    let Ok(detected) = tracing::subscriber::with_default(silent, || files.detect(None)) else { return out };
-    let Ok(family) = crate::family::for_detected(&detected, files) else { return out };
+    let Some(family) = crate::family::of_files_quietly(files) else { return out };
     let tokens = (width / 8) as f64 * (height / 8) as f64;
     let diffusion = family.attention_bytes(tokens, 1.0, flash_attn) + tokens * 2560.0 * 4.0 + 64.0 * MIB;
     let t5 = family.arch().contains("flux") || files.index().files().iter().any(|f| f.role == files::FileRole::T5xxl);

@@ -113,6 +113,14 @@ fn same_layout(stored: &[u64], want: &[i64]) -> bool {
     stored.eq(want.iter().copied().filter(|&d| d != 1))
 }
 
+/// The family of `files`, detected without logging (a caller has detected and logged it
+/// already), or `None` when it is unknown.
+pub fn of_files_quietly(files: &ModelFiles) -> Option<Box<dyn Family>> {
+    let silent = tracing::subscriber::NoSubscriber::default();
+    let detected = tracing::subscriber::with_default(silent, || files.detect(None)).ok()?;
+    for_detected(&detected, files).ok()
+}
+
 /// For `sd-cli plan` (headers only): the files' architecture is detected (an unknown one is
 /// refused with the same error a generation gives), and when a registered family runs it,
 /// every tensor its text encoder and diffusion model need is there with its shape. An
@@ -248,6 +256,12 @@ pub trait Family: Send + Sync + Debug {
     /// latent positions and `batch` samples (the first level's attention scores unless
     /// flash attention).
     fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64;
+
+    /// Text tokens of one prompt chunk as the diffusion model reads them (the cost model's
+    /// text rows): CLIP's 77 unless the family says otherwise (a T5 chunk).
+    fn text_tokens(&self) -> u64 {
+        77
+    }
 
     /// The VAE's configuration.
     fn vae(&self) -> VaeConfig;

@@ -170,6 +170,11 @@ impl Family for Chroma {
     }
 
     /// The joint attention's scores over text (512 tokens) and image tokens, f32.
+    /// T5 reads the prompt in chunks of 512 tokens.
+    fn text_tokens(&self) -> u64 {
+        text::CHUNK_LEN as u64
+    }
+
     fn attention_bytes(&self, tokens: f64, _batch: f64, flash_attn: bool) -> f64 {
         if flash_attn {
             return 0.0;

@@ -184,6 +184,11 @@ impl Family for Flux {
     }
 
     /// The joint attention's scores over text and image tokens (heads x tokens²), f32.
+    /// T5 reads the prompt in chunks of 256 tokens.
+    fn text_tokens(&self) -> u64 {
+        crate::text::FLUX_T5_CHUNK_LEN as u64
+    }
+
     fn attention_bytes(&self, tokens: f64, batch: f64, flash_attn: bool) -> f64 {
         if flash_attn {
             return 0.0;

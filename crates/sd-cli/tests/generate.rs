@@ -1003,3 +1003,38 @@ fn plan_counts_the_controlnet_module_and_its_placement() {
     assert_eq!(m.runtime, ["CPU"], "{m:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The hires fix with the default latent upscaler (bilinear), 64x64 -> 128x128 (the default
+/// `--hires-scale` 2), 2 second-pass steps at the default denoising strength 0.7: the
+/// reference's image within the parity tolerance; and the first pass alone is not it.
+#[test]
+fn sd15_hires_latent_matches_the_reference() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("hires-latent");
+    let out = dir.join("hires.png");
+    check_ok(&generate(&model, &out, 2, &["--hires", "--hires-steps", "2"]));
+    let data = workspace().join("tests/data");
+    let (mean, max) = diff(&out, &data.join("ref-sd15-f16-seed42-64x64-euler2-cfg7-hires-latent-128x128-steps2.png"));
+    assert!(mean <= MEAN_TOL && max <= MAX_TOL, "hires (Latent) vs stable-diffusion.cpp: mean {mean:.3}, max {max}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hires_bad_inputs_are_clear_errors() {
+    let m = Path::new("/nonexistent/model.safetensors");
+    let e = fails(&["--hires", "--hires-scale", "0"], Some(m));
+    assert!(e.contains("--hires-scale 0"), "{e}");
+    let e = fails(&["--hires", "--hires-scale", "100"], Some(m));
+    assert!(e.contains("--hires-scale 100"), "{e}");
+    let e = fails(&["--hires", "--hires-denoising-strength", "1.5"], Some(m));
+    assert!(e.contains("--hires-denoising-strength"), "{e}");
+    let e = fails(&["--hires", "--hires-upscaler", "Latent (bilinear)"], Some(m));
+    assert!(e.contains("--hires-upscaler 'Latent (bilinear)'") && e.contains("Latent (nearest-exact)"), "{e}");
+    let e = fails(&["--hires", "--hires-upscaler", "Lanczos"], Some(m));
+    assert!(e.contains("--hires-upscaler Lanczos") && e.contains("not implemented"), "{e}");
+    let e = fails(&["--hires", "--hires-upscalers-dir", "/nonexistent/upscalers"], Some(m));
+    assert!(e.contains("--hires-upscalers-dir /nonexistent/upscalers"), "{e}");
+    // A hires target far past any device is refused before sampling, naming its size.
+    let e = fails(&["--hires", "--hires-width", "1000000", "-p", "x"], Some(&fixture(Family::Sd15)));
+    assert!(e.contains("1000000"), "{e}");
+}

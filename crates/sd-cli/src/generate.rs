@@ -543,8 +543,8 @@ pub struct HiresArgs {
     #[arg(long = "hires")]
     pub hires: bool,
     /// Hires fix: the upscaler, one of `Latent`, `Latent (nearest)`, `Latent (nearest-exact)`,
-    /// `Latent (antialiased)`, `Latent (bicubic)`, `Latent (bicubic antialiased)` or `None`
-    /// (no hires pass).
+    /// `Latent (antialiased)`, `Latent (bicubic)`, `Latent (bicubic antialiased)`, `Lanczos`,
+    /// `Nearest` (the decoded image resized) or `None` (no hires pass).
     #[arg(long = "hires-upscaler", value_name = "NAME", default_value = "Latent")]
     pub hires_upscaler: String,
     /// Hires fix: the directory of upscaler models (for `--hires-upscaler MODEL-NAME`).
@@ -588,15 +588,11 @@ impl HiresArgs {
                 tracing::warn!("--hires with --hires-upscaler None: no hires pass");
                 return Ok(None);
             }
-            (None, "Lanczos" | "Nearest") => anyhow::bail!(
-                "--hires-upscaler {name}: the image upscalers are not implemented by sd-rs yet; the latent \
-                 ones are (`Latent`, `Latent (nearest)`, `Latent (nearest-exact)`, `Latent (antialiased)`, \
-                 `Latent (bicubic)`, `Latent (bicubic antialiased)`)"
-            ),
             (None, _) => anyhow::bail!(
                 "--hires-upscaler '{name}': not an upscaler: the latent modes are `Latent`, `Latent (nearest)`, \
                  `Latent (nearest-exact)`, `Latent (antialiased)`, `Latent (bicubic)` and `Latent (bicubic \
-                 antialiased)` (model upscalers from --hires-upscalers-dir are not implemented by sd-rs yet)"
+                 antialiased)`, the image ones `Lanczos` and `Nearest` (model upscalers from \
+                 --hires-upscalers-dir are not implemented by sd-rs yet)"
             ),
         };
         let side = |v: i64| usize::try_from(v.max(0)).unwrap_or(0);

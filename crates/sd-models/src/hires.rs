@@ -6,8 +6,9 @@
 //! `a = -0.75`; the antialiased modes widen the filter by the downscale factor and normalise).
 //! The second pass's schedule is [`second_pass_sigmas`].
 
-/// How the first pass's result is enlarged (`--hires-upscaler`): the reference's latent modes.
-/// The image upscalers (`Lanczos`, `Nearest`, an ESRGAN model) are not implemented yet.
+/// How the first pass's result is enlarged (`--hires-upscaler`): the reference's latent modes,
+/// or its image upscalers, which decode the latent, resize the image and encode it again. An
+/// ESRGAN model (the reference's `Model`) is not implemented yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HiresUpscaler {
     /// `Latent`: bilinear.
@@ -22,17 +23,23 @@ pub enum HiresUpscaler {
     LatentBicubic,
     /// `Latent (bicubic antialiased)`.
     LatentBicubicAntialiased,
+    /// `Lanczos`: the decoded image, Lanczos-3.
+    Lanczos,
+    /// `Nearest`: the decoded image, nearest.
+    Nearest,
 }
 
 impl HiresUpscaler {
     /// Every mode, in the reference's order.
-    pub const ALL: [HiresUpscaler; 6] = [
+    pub const ALL: [HiresUpscaler; 8] = [
         HiresUpscaler::Latent,
         HiresUpscaler::LatentNearest,
         HiresUpscaler::LatentNearestExact,
         HiresUpscaler::LatentAntialiased,
         HiresUpscaler::LatentBicubic,
         HiresUpscaler::LatentBicubicAntialiased,
+        HiresUpscaler::Lanczos,
+        HiresUpscaler::Nearest,
     ];
 
     /// The reference's name (`sd_hires_upscaler_name`).
@@ -44,12 +51,19 @@ impl HiresUpscaler {
             HiresUpscaler::LatentAntialiased => "Latent (antialiased)",
             HiresUpscaler::LatentBicubic => "Latent (bicubic)",
             HiresUpscaler::LatentBicubicAntialiased => "Latent (bicubic antialiased)",
+            HiresUpscaler::Lanczos => "Lanczos",
+            HiresUpscaler::Nearest => "Nearest",
         }
     }
 
     /// The mode named `name` (the reference's names, exactly).
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|u| u.name() == name)
+    }
+
+    /// Whether it resizes the latent (else the decoded image).
+    pub fn is_latent(self) -> bool {
+        !matches!(self, HiresUpscaler::Lanczos | HiresUpscaler::Nearest)
     }
 
     fn filter(self) -> (Filter, bool) {
@@ -60,6 +74,8 @@ impl HiresUpscaler {
             HiresUpscaler::LatentAntialiased => (Filter::Linear, true),
             HiresUpscaler::LatentBicubic => (Filter::Cubic, false),
             HiresUpscaler::LatentBicubicAntialiased => (Filter::Cubic, true),
+            HiresUpscaler::Lanczos => (Filter::Lanczos, false),
+            HiresUpscaler::Nearest => (Filter::Nearest, false),
         }
     }
 }
@@ -136,6 +152,8 @@ pub(crate) enum Filter {
     Linear,
     /// Keys' cubic, `a = -0.75`, support 2.
     Cubic,
+    /// Lanczos, radius 3, weights normalised.
+    Lanczos,
 }
 
 /// One output index's inputs and weights along an axis.
@@ -149,10 +167,14 @@ fn contributors(input: usize, output: usize, filter: Filter, antialias: bool) ->
                 let centre = (out as f64 + 0.5) * scale - 0.5;
                 vec![(((centre + 0.5).floor() as i64).clamp(0, last) as usize, 1.0)]
             }
-            Filter::Linear | Filter::Cubic => {
+            Filter::Linear | Filter::Cubic | Filter::Lanczos => {
                 let fscale = if antialias { scale.max(1.0) } else { 1.0 };
                 let centre = (out as f64 + 0.5) * scale - 0.5;
-                let support = if filter == Filter::Linear { 1.0 } else { 2.0 } * fscale;
+                let support = match filter {
+                    Filter::Linear => 1.0,
+                    Filter::Cubic => 2.0,
+                    _ => 3.0,
+                } * fscale;
                 let (start, end) = ((centre - support).ceil() as i64, (centre + support).floor() as i64);
                 let mut taps = Vec::new();
                 let mut sum = 0.0;
@@ -164,8 +186,10 @@ fn contributors(input: usize, output: usize, filter: Filter, antialias: bool) ->
                         } else {
                             0.0
                         }
-                    } else {
+                    } else if filter == Filter::Cubic {
                         cubic(x)
+                    } else {
+                        lanczos(x)
                     };
                     if w == 0.0 {
                         continue;
@@ -173,7 +197,7 @@ fn contributors(input: usize, output: usize, filter: Filter, antialias: bool) ->
                     taps.push((i.clamp(0, last) as usize, w));
                     sum += w;
                 }
-                if antialias && sum.abs() > 1e-12 {
+                if (antialias || filter == Filter::Lanczos) && sum.abs() > 1e-12 {
                     for t in &mut taps {
                         t.1 /= sum;
                     }
@@ -185,6 +209,23 @@ fn contributors(input: usize, output: usize, filter: Filter, antialias: bool) ->
             }
         })
         .collect()
+}
+
+fn sinc(x: f64) -> f64 {
+    if x.abs() < 1e-12 {
+        1.0
+    } else {
+        let px = std::f64::consts::PI * x;
+        px.sin() / px
+    }
+}
+
+fn lanczos(x: f64) -> f64 {
+    if x >= 3.0 {
+        0.0
+    } else {
+        sinc(x) * sinc(x / 3.0)
+    }
 }
 
 fn cubic(x: f64) -> f64 {
@@ -243,6 +284,23 @@ pub(crate) fn upscale_latent(
     resize_planes(latent, from, to, filter, antialias)
 }
 
+/// The decoded image (3 planes of `from` pixels, in [0, 1]) upscaled to `to` with `upscaler`'s
+/// image filter and clamped to [0, 1], as the reference's image upscalers.
+pub(crate) fn upscale_image(
+    image: &[f32],
+    from: (usize, usize),
+    to: (usize, usize),
+    upscaler: HiresUpscaler,
+) -> Vec<f32> {
+    let (filter, antialias) = upscaler.filter();
+    tracing::info!("hires {} image upscale {}x{} -> {}x{}", upscaler.name(), from.0, from.1, to.0, to.1);
+    let mut out = resize_planes(image, from, to, filter, antialias);
+    for v in &mut out {
+        *v = v.clamp(0.0, 1.0);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -253,7 +311,8 @@ mod tests {
             assert_eq!(HiresUpscaler::from_name(u.name()), Some(u));
         }
         assert_eq!(HiresUpscaler::from_name("latent"), None);
-        assert_eq!(HiresUpscaler::from_name("Lanczos"), None);
+        assert_eq!(HiresUpscaler::from_name("lanczos"), None);
+        assert!(HiresUpscaler::LatentNearest.is_latent() && !HiresUpscaler::Lanczos.is_latent());
     }
 
     #[test]
@@ -286,7 +345,7 @@ mod tests {
         assert_eq!(near, vec![0.0, 0.0, 4.0, 4.0]);
         // Two planes stay apart; a constant stays constant under every filter.
         for (f, aa) in
-            [(Filter::Cubic, false), (Filter::Cubic, true), (Filter::Linear, true), (Filter::NearestExact, false)]
+            [(Filter::Lanczos, false), (Filter::Cubic, false), (Filter::Cubic, true), (Filter::Linear, true), (Filter::NearestExact, false)]
         {
             let out = resize_planes(&[2.0; 6 * 2], (3, 2), (7, 5), f, aa);
             assert_eq!(out.len(), 7 * 5 * 2);

@@ -1137,6 +1137,10 @@ impl Pipeline {
             let mut big = p.clone();
             (big.width, big.height, big.init_image, big.hires) = (aw, ah, None, None);
             self.check_model_limits(&big)?;
+            if !h.upscaler.is_latent() {
+                // The image upscalers encode again: the encoder's weights too.
+                self.check_tensors(true)?;
+            }
         }
         if let Some(h) = &mut p.hires {
             let (tw, th) = h.target_size(p.width, p.height);
@@ -1449,16 +1453,25 @@ impl Pipeline {
                 passes.push((hw, hh, tail));
             }
             let mut upscaled: Option<Vec<Vec<f32>>> = None;
+            // An image upscaler's VAE (encoder and decoder) and the first pass's latents: each
+            // image is upscaled with its own generator, which its encoding draws from first.
+            let mut image_upscale: Option<(Box<dyn FirstStage>, Runner, Vec<Vec<f32>>)> = None;
             for (pass, (lw, lh, sigmas)) in passes.into_iter().enumerate() {
                 if pass == 1 {
                     if let Some(h) = &p.hires {
                         let first = std::mem::take(&mut latents);
-                        upscaled = Some(
-                            first
-                                .iter()
-                                .map(|l| crate::hires::upscale_latent(l, (lw0, lh0), (lw, lh), h.upscaler))
-                                .collect(),
-                        );
+                        if h.upscaler.is_latent() {
+                            upscaled = Some(
+                                first
+                                    .iter()
+                                    .map(|l| crate::hires::upscale_latent(l, (lw0, lh0), (lw, lh), h.upscaler))
+                                    .collect(),
+                            );
+                        } else {
+                            let vae = self.load_first_stage(true)?;
+                            let runner = self.runner("vae", &self.opts.devices.vae, None);
+                            image_upscale = Some((vae, runner, first));
+                        }
                     }
                 }
                 // Images are sampled one after the other, each from its own generator, as in the
@@ -1480,11 +1493,24 @@ impl Pipeline {
                         images.clone().map(|b| p.rng.seeded(p.seed.wrapping_add(b as u64))).collect();
                     let mut x = Vec::with_capacity(per_image * images.len());
                     for (k, rng) in rngs.iter_mut().enumerate() {
-                        let noise = rng.randn(per_image);
-                        let init = match &upscaled {
-                            Some(u) => Some(&u[first + k][..]),
-                            None => init_latent.as_deref(),
+                        let from_image;
+                        let init = match (&upscaled, &mut image_upscale, &p.hires) {
+                            (Some(u), _, _) => Some(&u[first + k][..]),
+                            (None, Some((vae, vae_runner, firsts)), Some(h)) => {
+                                from_image = hires_image_upscale(
+                                    vae.as_ref(),
+                                    vae_runner,
+                                    &firsts[first + k],
+                                    ((lw0, lh0), (lw, lh)),
+                                    h.upscaler,
+                                    &p.tiling,
+                                    rng.as_mut(),
+                                )?;
+                                Some(&from_image[..])
+                            }
+                            _ => init_latent.as_deref(),
                         };
+                        let noise = rng.randn(per_image);
                         x.extend(match init {
                             None => txt2img_latent(&noise, sigmas[0]),
                             Some(init) => match &schedule {
@@ -1759,6 +1785,38 @@ fn encode_latent(
     };
     vae.vae_to_diffusion(&mut latent);
     Ok(latent)
+}
+
+/// The hires fix's image upscalers: the first pass's `latent` decoded, resized in pixels as
+/// [`crate::hires::upscale_image`] and encoded again (the encoder sampling from `rng`), as
+/// the reference's `upscale_hires_latent`; sizes are the latent's, `(from, to)`.
+fn hires_image_upscale(
+    vae: &dyn FirstStage,
+    runner: &mut Runner,
+    latent: &[f32],
+    (from, to): ((usize, usize), (usize, usize)),
+    upscaler: crate::hires::HiresUpscaler,
+    tiling: &TilingParams,
+    rng: &mut dyn crate::sampling::NoiseRng,
+) -> Result<Vec<f32>> {
+    let mut latent = latent.to_vec();
+    vae.diffusion_to_vae(&mut latent);
+    let channels = latent.len() / (from.0 * from.1);
+    let img = sd_vae::decode_tiled_observed(vae, runner, &latent, from, channels, tiling, None, &mut |_, _| {})?;
+    let range = vae.image_range();
+    // The decoder's output in [0, 1] (the reference clamps a [-1, 1] decoder's output there).
+    let unit: Vec<f32> = match range {
+        sd_vae::ImageRange::MinusOneToOne => img.iter().map(|v| ((v + 1.0) * 0.5).clamp(0.0, 1.0)).collect(),
+        sd_vae::ImageRange::ZeroToOne => img,
+    };
+    let (pw, ph) = (from.0 * VAE_SCALE, from.1 * VAE_SCALE);
+    let (tw, th) = (to.0 * VAE_SCALE, to.1 * VAE_SCALE);
+    let up = crate::hires::upscale_image(&unit, (pw, ph), (tw, th), upscaler);
+    let px: Vec<f32> = match range {
+        sd_vae::ImageRange::MinusOneToOne => up.iter().map(|v| v * 2.0 - 1.0).collect(),
+        sd_vae::ImageRange::ZeroToOne => up,
+    };
+    encode_latent(vae, runner, &px, (tw, th), tiling, rng, &mut |_, _| {})
 }
 
 pub(crate) fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {

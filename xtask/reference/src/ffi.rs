@@ -502,6 +502,7 @@ pub struct GenOptions {
 }
 
 /// The library's `sd_hires_params_t` (the CLI's `--hires-*` flags).
+#[derive(Debug, Clone)]
 pub struct HiresOptions {
     /// `--hires-upscaler`: the library's name (`Latent`, `Lanczos`, `Model`, ...).
     pub upscaler: String,

@@ -117,7 +117,7 @@ pub struct GenerateArgs {
     #[arg(long = "control-strength", value_name = "F", default_value_t = 0.9, allow_hyphen_values = true)]
     pub control_strength: f32,
     #[command(flatten)]
-    pub hires: HiresArgs,
+    pub(crate) hires: HiresArgs,
     /// Skip the last N-1 text-encoder layers (<= 0: the model's default).
     #[arg(long = "clip-skip", default_value_t = -1, allow_hyphen_values = true)]
     pub clip_skip: i64,
@@ -538,7 +538,7 @@ impl GenerateArgs {
 
 /// The hires fix's flags (the reference's names and defaults).
 #[derive(Args, Debug, Clone)]
-pub struct HiresArgs {
+pub(crate) struct HiresArgs {
     /// Hires fix: sample again at a larger size from the first result upscaled.
     #[arg(long = "hires")]
     pub hires: bool,

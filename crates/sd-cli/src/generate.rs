@@ -442,7 +442,20 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
     let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
     files.check().map_err(crate::errors::same_file)?;
     let (w, h) = (params.params().width, params.params().height);
-    let loaded = load(a, dev, model, (w, h), &loras)?;
+    // The hires fix's upscaler model, checked from its header before anything is loaded.
+    let hires_model = match a.hires.model_path()? {
+        Some(path) => Some(
+            sd_models::upscale::UpscalerFile::open(&path)
+                .with_context(|| format!("--hires-upscaler {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let mut loaded = load(a, dev, model, (w, h), &loras)?;
+    if let Some(file) = hires_model {
+        let (reg, manager) = &loaded._devices;
+        let up = crate::upscale::load_hires_model(a, (reg, manager), file, (w, h), a.hires.hires_upscale_tile_size)?;
+        loaded.pipeline.set_hires_model(up);
+    }
     let request = loaded.pipeline.check_request(params).map_err(crate::errors::with_flag)?;
     let size = match &request.params().hires {
         Some(h) => (h.width, h.height),
@@ -572,6 +585,29 @@ pub(crate) struct HiresArgs {
 }
 
 impl HiresArgs {
+    /// The upscaler model `--hires-upscaler` names (None for a built-in upscaler or without
+    /// `--hires`): a file, or a name in `--hires-upscalers-dir` (the file itself, or with the
+    /// extension `.safetensors`, `.gguf`, `.pth` or `.bin`).
+    pub(crate) fn model_path(&self) -> Result<Option<PathBuf>> {
+        let name = self.hires_upscaler.as_str();
+        let builtin = sd_models::hires::HiresUpscaler::from_name(name)
+            .is_some_and(|u| u != sd_models::hires::HiresUpscaler::Model);
+        if !self.hires || builtin || name == "None" {
+            return Ok(None);
+        }
+        if let Some(dir) = &self.hires_upscalers_dir {
+            let found = ["", ".safetensors", ".gguf", ".pth", ".bin"]
+                .iter()
+                .map(|ext| dir.join(format!("{name}{ext}")))
+                .find(|p| p.is_file());
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        let path = PathBuf::from(name);
+        Ok(path.is_file().then_some(path))
+    }
+
     /// The hires fix the flags ask for (None without `--hires` or with `--hires-upscaler None`).
     fn params(&self) -> Result<Option<sd_models::hires::HiresParams>> {
         use sd_models::hires::{HiresParams, HiresUpscaler};
@@ -582,8 +618,9 @@ impl HiresArgs {
             anyhow::bail!("--hires-upscalers-dir {}: not a directory", dir.display());
         }
         let name = self.hires_upscaler.as_str();
-        let upscaler = match (HiresUpscaler::from_name(name), name) {
+        let upscaler = match (HiresUpscaler::from_name(name).filter(|u| *u != HiresUpscaler::Model), name) {
             (Some(u), _) => u,
+            (None, _) if self.model_path()?.is_some() => HiresUpscaler::Model,
             (None, "None") => {
                 tracing::warn!("--hires with --hires-upscaler None: no hires pass");
                 return Ok(None);
@@ -591,8 +628,8 @@ impl HiresArgs {
             (None, _) => anyhow::bail!(
                 "--hires-upscaler '{name}': not an upscaler: the latent modes are `Latent`, `Latent (nearest)`, \
                  `Latent (nearest-exact)`, `Latent (antialiased)`, `Latent (bicubic)` and `Latent (bicubic \
-                 antialiased)`, the image ones `Lanczos` and `Nearest` (model upscalers from \
-                 --hires-upscalers-dir are not implemented by sd-rs yet)"
+                 antialiased)`, the image ones `Lanczos` and `Nearest`, or an upscaler model: a file, \
+                 or a name in --hires-upscalers-dir"
             ),
         };
         let side = |v: i64| usize::try_from(v.max(0)).unwrap_or(0);

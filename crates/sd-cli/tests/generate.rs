@@ -1024,6 +1024,22 @@ fn sd15_hires_matches_the_reference() {
             failed.push(format!("{upscaler}: mean {mean:.3}, max {max}"));
         }
     }
+    // An ESRGAN model (x2, 2 blocks of 64 features, seed 42: `cargo xtask parity esrgan`'s
+    // fixture), named in --hires-upscalers-dir.
+    let f = fixture::esrgan::EsrganFixture { scale: 2, blocks: 2, features: 64, std: None, seed: 42 };
+    let ups = dir.join("upscalers");
+    std::fs::create_dir_all(&ups).unwrap();
+    f.write(&ups.join("x2.safetensors"), WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    let out = dir.join("model.png");
+    let args =
+        ["--hires", "--hires-steps", "2", "--hires-upscalers-dir", ups.to_str().unwrap(), "--hires-upscaler", "x2"];
+    check_ok(&generate(&model, &out, 2, &args));
+    let reference = data.join("ref-sd15-f16-seed42-64x64-euler2-cfg7-hires-esrgan-x2-b2-f64-seed42-128x128-steps2.png");
+    let (mean, max) = diff(&out, &reference);
+    eprintln!("hires model: mean {mean:.3}, max {max}");
+    if !(mean <= MEAN_TOL && max <= MAX_TOL) {
+        failed.push(format!("ESRGAN x2: mean {mean:.3}, max {max}"));
+    }
     assert!(failed.is_empty(), "hires vs stable-diffusion.cpp: {failed:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -1040,7 +1056,11 @@ fn hires_bad_inputs_are_clear_errors() {
     let e = fails(&["--hires", "--hires-upscaler", "Latent (bilinear)"], Some(m));
     assert!(e.contains("--hires-upscaler 'Latent (bilinear)'") && e.contains("Latent (nearest-exact)"), "{e}");
     let e = fails(&["--hires", "--hires-upscaler", "my-esrgan"], Some(m));
-    assert!(e.contains("--hires-upscaler 'my-esrgan'") && e.contains("not implemented"), "{e}");
+    assert!(e.contains("--hires-upscaler 'my-esrgan'") && e.contains("--hires-upscalers-dir"), "{e}");
+    // A file that is no upscaler: named, from its header, before the checkpoint loads.
+    let sd15 = fixture(Family::Sd15);
+    let e = fails(&["--hires", "--hires-upscaler", sd15.to_str().unwrap()], Some(m));
+    assert!(e.contains("--hires-upscaler") && e.contains(sd15.to_str().unwrap()), "{e}");
     let e = fails(&["--hires", "--hires-upscalers-dir", "/nonexistent/upscalers"], Some(m));
     assert!(e.contains("--hires-upscalers-dir /nonexistent/upscalers"), "{e}");
     // A hires target far past any device is refused before sampling, naming its size.

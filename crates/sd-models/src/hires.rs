@@ -8,7 +8,7 @@
 
 /// How the first pass's result is enlarged (`--hires-upscaler`): the reference's latent modes,
 /// or its image upscalers, which decode the latent, resize the image and encode it again. An
-/// ESRGAN model (the reference's `Model`) is not implemented yet.
+/// ESRGAN model (the reference's `Model`, given to [`crate::pipeline::Pipeline::set_hires_model`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HiresUpscaler {
     /// `Latent`: bilinear.
@@ -27,11 +27,13 @@ pub enum HiresUpscaler {
     Lanczos,
     /// `Nearest`: the decoded image, nearest.
     Nearest,
+    /// `Model`: the decoded image through an ESRGAN model, then nearest to the target.
+    Model,
 }
 
 impl HiresUpscaler {
     /// Every mode, in the reference's order.
-    pub const ALL: [HiresUpscaler; 8] = [
+    pub const ALL: [HiresUpscaler; 9] = [
         HiresUpscaler::Latent,
         HiresUpscaler::LatentNearest,
         HiresUpscaler::LatentNearestExact,
@@ -40,6 +42,7 @@ impl HiresUpscaler {
         HiresUpscaler::LatentBicubicAntialiased,
         HiresUpscaler::Lanczos,
         HiresUpscaler::Nearest,
+        HiresUpscaler::Model,
     ];
 
     /// The reference's name (`sd_hires_upscaler_name`).
@@ -53,6 +56,7 @@ impl HiresUpscaler {
             HiresUpscaler::LatentBicubicAntialiased => "Latent (bicubic antialiased)",
             HiresUpscaler::Lanczos => "Lanczos",
             HiresUpscaler::Nearest => "Nearest",
+            HiresUpscaler::Model => "Model",
         }
     }
 
@@ -63,7 +67,7 @@ impl HiresUpscaler {
 
     /// Whether it resizes the latent (else the decoded image).
     pub fn is_latent(self) -> bool {
-        !matches!(self, HiresUpscaler::Lanczos | HiresUpscaler::Nearest)
+        !matches!(self, HiresUpscaler::Lanczos | HiresUpscaler::Nearest | HiresUpscaler::Model)
     }
 
     fn filter(self) -> (Filter, bool) {
@@ -75,7 +79,7 @@ impl HiresUpscaler {
             HiresUpscaler::LatentBicubic => (Filter::Cubic, false),
             HiresUpscaler::LatentBicubicAntialiased => (Filter::Cubic, true),
             HiresUpscaler::Lanczos => (Filter::Lanczos, false),
-            HiresUpscaler::Nearest => (Filter::Nearest, false),
+            HiresUpscaler::Nearest | HiresUpscaler::Model => (Filter::Nearest, false),
         }
     }
 }
@@ -344,9 +348,13 @@ mod tests {
         let near = resize_planes(&[0.0, 4.0], (2, 1), (4, 1), Filter::Nearest, false);
         assert_eq!(near, vec![0.0, 0.0, 4.0, 4.0]);
         // Two planes stay apart; a constant stays constant under every filter.
-        for (f, aa) in
-            [(Filter::Lanczos, false), (Filter::Cubic, false), (Filter::Cubic, true), (Filter::Linear, true), (Filter::NearestExact, false)]
-        {
+        for (f, aa) in [
+            (Filter::Lanczos, false),
+            (Filter::Cubic, false),
+            (Filter::Cubic, true),
+            (Filter::Linear, true),
+            (Filter::NearestExact, false),
+        ] {
             let out = resize_planes(&[2.0; 6 * 2], (3, 2), (7, 5), f, aa);
             assert_eq!(out.len(), 7 * 5 * 2);
             assert!(out.iter().all(|v| (v - 2.0).abs() < 1e-5), "{f:?} {aa}: {out:?}");

@@ -703,6 +703,8 @@ pub struct Pipeline {
     cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Called with each sampling step's denoised latent (previews).
     latent_hook: Option<LatentHook>,
+    /// The hires fix's upscaler model (`--hires-upscaler` naming one).
+    hires_model: Option<std::sync::Mutex<crate::upscale::Upscaler>>,
     /// The checked ControlNet file ([`LoadOptions::control_net`]).
     control_net: Option<Arc<crate::controlnet::ControlNetFile>>,
 }
@@ -784,7 +786,18 @@ impl Pipeline {
             }
         };
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None, control_net })
+        Ok(Self {
+            files,
+            family,
+            prediction,
+            opts,
+            notices,
+            loras: None,
+            cancel: None,
+            latent_hook: None,
+            control_net,
+            hires_model: None,
+        })
     }
 
     /// What loading found that a user should know (front ends print these with their own
@@ -835,6 +848,11 @@ impl Pipeline {
     }
 
     /// [`PipelineError::Cancelled`] when the cancel flag is set.
+    /// Gives the hires fix its upscaler model ([`HiresUpscaler::Model`](crate::hires::HiresUpscaler::Model)).
+    pub fn set_hires_model(&mut self, upscaler: crate::upscale::Upscaler) {
+        self.hires_model = Some(std::sync::Mutex::new(upscaler));
+    }
+
     fn check_cancel(&self) -> Result<()> {
         match &self.cancel {
             Some(flag) if flag.load(std::sync::atomic::Ordering::Relaxed) => Err(PipelineError::Cancelled),
@@ -1137,6 +1155,9 @@ impl Pipeline {
             let mut big = p.clone();
             (big.width, big.height, big.init_image, big.hires) = (aw, ah, None, None);
             self.check_model_limits(&big)?;
+            if h.upscaler == crate::hires::HiresUpscaler::Model && self.hires_model.is_none() {
+                return bad_setting(Setting::Hires, "", "the Model upscaler needs an upscaler model");
+            }
             if !h.upscaler.is_latent() {
                 // The image upscalers encode again: the encoder's weights too.
                 self.check_tensors(true)?;
@@ -1498,6 +1519,7 @@ impl Pipeline {
                             (Some(u), _, _) => Some(&u[first + k][..]),
                             (None, Some((vae, vae_runner, firsts)), Some(h)) => {
                                 from_image = hires_image_upscale(
+                                    self.hires_model.as_ref(),
                                     vae.as_ref(),
                                     vae_runner,
                                     &firsts[first + k],
@@ -1790,7 +1812,9 @@ fn encode_latent(
 /// The hires fix's image upscalers: the first pass's `latent` decoded, resized in pixels as
 /// [`crate::hires::upscale_image`] and encoded again (the encoder sampling from `rng`), as
 /// the reference's `upscale_hires_latent`; sizes are the latent's, `(from, to)`.
+#[allow(clippy::too_many_arguments)]
 fn hires_image_upscale(
+    model: Option<&std::sync::Mutex<crate::upscale::Upscaler>>,
     vae: &dyn FirstStage,
     runner: &mut Runner,
     latent: &[f32],
@@ -1811,7 +1835,15 @@ fn hires_image_upscale(
     };
     let (pw, ph) = (from.0 * VAE_SCALE, from.1 * VAE_SCALE);
     let (tw, th) = (to.0 * VAE_SCALE, to.1 * VAE_SCALE);
-    let up = crate::hires::upscale_image(&unit, (pw, ph), (tw, th), upscaler);
+    let up = match (upscaler, model) {
+        (crate::hires::HiresUpscaler::Model, Some(m)) => {
+            let mut m = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (out, size) = m.upscale_planar(&unit, (pw, ph)).map_err(|e| PipelineError::Invalid(e.to_string()))?;
+            // Not clamped, as the reference; nearest to the target when the model's factor misses it.
+            crate::hires::resize_planes(&out, size, (tw, th), crate::hires::Filter::Nearest, false)
+        }
+        _ => crate::hires::upscale_image(&unit, (pw, ph), (tw, th), upscaler),
+    };
     let px: Vec<f32> = match range {
         sd_vae::ImageRange::MinusOneToOne => up.iter().map(|v| v * 2.0 - 1.0).collect(),
         sd_vae::ImageRange::ZeroToOne => up,

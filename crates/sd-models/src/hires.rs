@@ -4,7 +4,7 @@
 //! The latent upscalers resize the latent's planes with the reference's filters
 //! (`core/tensor.hpp`'s `interpolate`: half-pixel centres, edge clamping, PyTorch's bicubic
 //! `a = -0.75`; the antialiased modes widen the filter by the downscale factor and normalise).
-//! The second pass's schedule is [`second_pass_sigmas`].
+//! The second pass's schedule: [`second_pass_schedule_steps`].
 
 /// How the first pass's result is enlarged (`--hires-upscaler`): the reference's latent modes,
 /// or its image upscalers, which decode the latent, resize the image and encode it again. An

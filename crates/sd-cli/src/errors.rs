@@ -47,6 +47,10 @@ fn flag(s: Setting) -> &'static str {
         Setting::Prompt => "-p/--prompt-file",
         Setting::NegativePrompt => "-n/--negative-prompt-file",
         Setting::ControlStrength => "--control-strength",
+        Setting::HiresScale => "--hires-scale",
+        Setting::HiresSize => "--hires-width/--hires-height",
+        Setting::HiresDenoisingStrength => "--hires-denoising-strength",
+        Setting::Hires => "--hires",
     }
 }
 

@@ -116,6 +116,8 @@ pub struct GenerateArgs {
     /// ControlNet: the factor of its residuals.
     #[arg(long = "control-strength", value_name = "F", default_value_t = 0.9, allow_hyphen_values = true)]
     pub control_strength: f32,
+    #[command(flatten)]
+    pub(crate) hires: HiresArgs,
     /// Skip the last N-1 text-encoder layers (<= 0: the model's default).
     #[arg(long = "clip-skip", default_value_t = -1, allow_hyphen_values = true)]
     pub clip_skip: i64,
@@ -440,9 +442,25 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
     let files = report_to.iter().fold(files, |f, t| f.output(OutputRole::Report, t));
     files.check().map_err(crate::errors::same_file)?;
     let (w, h) = (params.params().width, params.params().height);
-    let loaded = load(a, dev, model, (w, h), &loras)?;
+    // The hires fix's upscaler model, checked from its header before anything is loaded.
+    let hires_model = match a.hires.model_path()? {
+        Some(path) => Some(
+            sd_models::upscale::UpscalerFile::open(&path)
+                .with_context(|| format!("--hires-upscaler {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let mut loaded = load(a, dev, model, (w, h), &loras)?;
+    if let Some(file) = hires_model {
+        let (reg, manager) = &loaded._devices;
+        let up = crate::upscale::load_hires_model(a, (reg, manager), file, (w, h), a.hires.hires_upscale_tile_size)?;
+        loaded.pipeline.set_hires_model(up);
+    }
     let request = loaded.pipeline.check_request(params).map_err(crate::errors::with_flag)?;
-    let size = (request.params().width, request.params().height);
+    let size = match &request.params().hires {
+        Some(h) => (h.width, h.height),
+        None => (request.params().width, request.params().height),
+    };
     let (reg, manager) = &loaded._devices;
     let upscaler = a.upscale.plan(a, (reg, manager), size)?;
     Ok((loaded, request, outputs, report_to, upscaler))
@@ -525,8 +543,104 @@ impl GenerateArgs {
             flow_shift: self.flow_shift,
             control_image,
             control_strength: self.control_strength,
+            hires: self.hires.params()?,
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
+    }
+}
+
+/// The hires fix's flags (the reference's names and defaults).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct HiresArgs {
+    /// Hires fix: sample again at a larger size from the first result upscaled.
+    #[arg(long = "hires")]
+    pub hires: bool,
+    /// Hires fix: the upscaler, one of `Latent`, `Latent (nearest)`, `Latent (nearest-exact)`,
+    /// `Latent (antialiased)`, `Latent (bicubic)`, `Latent (bicubic antialiased)`, `Lanczos`,
+    /// `Nearest` (the decoded image resized) or `None` (no hires pass).
+    #[arg(long = "hires-upscaler", value_name = "NAME", default_value = "Latent")]
+    pub hires_upscaler: String,
+    /// Hires fix: the directory of upscaler models (for `--hires-upscaler MODEL-NAME`).
+    #[arg(long = "hires-upscalers-dir", value_name = "DIR")]
+    pub hires_upscalers_dir: Option<PathBuf>,
+    /// Hires fix: the target's factor of the generated size, when neither
+    /// `--hires-width` nor `--hires-height` is given.
+    #[arg(long = "hires-scale", value_name = "F", default_value_t = 2.0, allow_hyphen_values = true)]
+    pub hires_scale: f32,
+    /// Hires fix: the target width (0: the height, else from the scale).
+    #[arg(long = "hires-width", value_name = "N", default_value_t = 0, value_parser = image_side)]
+    pub hires_width: i64,
+    /// Hires fix: the target height (0: the width, else from the scale).
+    #[arg(long = "hires-height", value_name = "N", default_value_t = 0, value_parser = image_side)]
+    pub hires_height: i64,
+    /// Hires fix: the second pass's steps (0: `--steps`).
+    #[arg(long = "hires-steps", value_name = "N", default_value_t = 0, value_parser = whole::<usize>)]
+    pub hires_steps: usize,
+    /// Hires fix: how much the second pass changes the upscaled image (0..1).
+    #[arg(long = "hires-denoising-strength", value_name = "F", default_value_t = 0.7, allow_hyphen_values = true)]
+    pub hires_denoising_strength: f32,
+    /// Hires fix: the tile size of an upscaler model.
+    #[arg(long = "hires-upscale-tile-size", value_name = "N", default_value_t = 128, value_parser = whole::<usize>)]
+    pub hires_upscale_tile_size: usize,
+}
+
+impl HiresArgs {
+    /// The upscaler model `--hires-upscaler` names (None for a built-in upscaler or without
+    /// `--hires`): a file, or a name in `--hires-upscalers-dir` (the file itself, or with the
+    /// extension `.safetensors`, `.gguf`, `.pth` or `.bin`).
+    pub(crate) fn model_path(&self) -> Result<Option<PathBuf>> {
+        let name = self.hires_upscaler.as_str();
+        let builtin = sd_models::hires::HiresUpscaler::from_name(name)
+            .is_some_and(|u| u != sd_models::hires::HiresUpscaler::Model);
+        if !self.hires || builtin || name == "None" {
+            return Ok(None);
+        }
+        if let Some(dir) = &self.hires_upscalers_dir {
+            let found = ["", ".safetensors", ".gguf", ".pth", ".bin"]
+                .iter()
+                .map(|ext| dir.join(format!("{name}{ext}")))
+                .find(|p| p.is_file());
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        let path = PathBuf::from(name);
+        Ok(path.is_file().then_some(path))
+    }
+
+    /// The hires fix the flags ask for (None without `--hires` or with `--hires-upscaler None`).
+    fn params(&self) -> Result<Option<sd_models::hires::HiresParams>> {
+        use sd_models::hires::{HiresParams, HiresUpscaler};
+        if !self.hires {
+            return Ok(None);
+        }
+        if let Some(dir) = self.hires_upscalers_dir.as_deref().filter(|d| !d.is_dir()) {
+            anyhow::bail!("--hires-upscalers-dir {}: not a directory", dir.display());
+        }
+        let name = self.hires_upscaler.as_str();
+        let upscaler = match (HiresUpscaler::from_name(name).filter(|u| *u != HiresUpscaler::Model), name) {
+            (Some(u), _) => u,
+            (None, _) if self.model_path()?.is_some() => HiresUpscaler::Model,
+            (None, "None") => {
+                tracing::warn!("--hires with --hires-upscaler None: no hires pass");
+                return Ok(None);
+            }
+            (None, _) => anyhow::bail!(
+                "--hires-upscaler '{name}': not an upscaler: the latent modes are `Latent`, `Latent (nearest)`, \
+                 `Latent (nearest-exact)`, `Latent (antialiased)`, `Latent (bicubic)` and `Latent (bicubic \
+                 antialiased)`, the image ones `Lanczos` and `Nearest`, or an upscaler model: a file, \
+                 or a name in --hires-upscalers-dir"
+            ),
+        };
+        let side = |v: i64| usize::try_from(v.max(0)).unwrap_or(0);
+        Ok(Some(HiresParams {
+            upscaler,
+            scale: self.hires_scale,
+            width: side(self.hires_width),
+            height: side(self.hires_height),
+            steps: self.hires_steps,
+            denoising_strength: self.hires_denoising_strength,
+        }))
     }
 }
 

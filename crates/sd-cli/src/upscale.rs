@@ -148,6 +148,25 @@ impl UpscaleArgs {
     }
 }
 
+/// The hires fix's upscaler model `file` (opened and checked for images of `size`), loaded on
+/// the upscaler's device (as `--upscale-model`'s), its tile `tile`.
+pub(crate) fn load_hires_model(
+    a: &GenerateArgs,
+    (reg, manager): (&PluginRegistry, &BackendManager),
+    file: UpscalerFile,
+    size: (usize, usize),
+    tile: usize,
+) -> Result<Upscaler> {
+    file.check_passes(size.0, size.1, 1).context("--hires-upscaler")?;
+    let devices = crate::plan::machine_devices_from(reg);
+    let device = &devices[upscaler_device(&a.placement, &devices)?];
+    let budget = budget_of(a.placement.max_vram.as_deref(), device)?;
+    let name = device.registry_name();
+    let backend = manager.get(reg.device(&name)?)?;
+    tracing::info!("hires upscaler: {} on {name}", file.config().describe());
+    Ok(file.load_with_budget(backend, budget).context("--hires-upscaler")?.with_tile(tile))
+}
+
 impl Planned {
     /// Loads the weights and upscales each image.
     pub fn run(self, images: Vec<Image>, report: &mut sd_models::report::RunReport) -> Result<Vec<Image>> {

@@ -1003,3 +1003,67 @@ fn plan_counts_the_controlnet_module_and_its_placement() {
     assert_eq!(m.runtime, ["CPU"], "{m:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The hires fix, 64x64 -> 128x128 (the default `--hires-scale` 2), 2 second-pass steps at
+/// the default denoising strength 0.7, with the default latent upscaler (bilinear) and the
+/// image upscalers (decode, resize, encode): the reference's image within the parity
+/// tolerance, each.
+#[test]
+fn sd15_hires_matches_the_reference() {
+    let model = fixture(Family::Sd15);
+    let dir = out_dir("hires");
+    let data = workspace().join("tests/data");
+    let mut failed = Vec::new();
+    for (upscaler, name) in [("Latent", "latent"), ("Lanczos", "lanczos"), ("Nearest", "nearest")] {
+        let out = dir.join(format!("{name}.png"));
+        check_ok(&generate(&model, &out, 2, &["--hires", "--hires-steps", "2", "--hires-upscaler", upscaler]));
+        let reference = data.join(format!("ref-sd15-f16-seed42-64x64-euler2-cfg7-hires-{name}-128x128-steps2.png"));
+        let (mean, max) = diff(&out, &reference);
+        eprintln!("hires {upscaler}: mean {mean:.3}, max {max}");
+        if !(mean <= MEAN_TOL && max <= MAX_TOL) {
+            failed.push(format!("{upscaler}: mean {mean:.3}, max {max}"));
+        }
+    }
+    // An ESRGAN model (x2, 2 blocks of 64 features, seed 42: `cargo xtask parity esrgan`'s
+    // fixture), named in --hires-upscalers-dir.
+    let f = fixture::esrgan::EsrganFixture { scale: 2, blocks: 2, features: 64, std: None, seed: 42 };
+    let ups = dir.join("upscalers");
+    std::fs::create_dir_all(&ups).unwrap();
+    f.write(&ups.join("x2.safetensors"), WeightType::F16, fixture::FileFormat::Safetensors).unwrap();
+    let out = dir.join("model.png");
+    let args =
+        ["--hires", "--hires-steps", "2", "--hires-upscalers-dir", ups.to_str().unwrap(), "--hires-upscaler", "x2"];
+    check_ok(&generate(&model, &out, 2, &args));
+    let reference = data.join("ref-sd15-f16-seed42-64x64-euler2-cfg7-hires-esrgan-x2-b2-f64-seed42-128x128-steps2.png");
+    let (mean, max) = diff(&out, &reference);
+    eprintln!("hires model: mean {mean:.3}, max {max}");
+    if !(mean <= MEAN_TOL && max <= MAX_TOL) {
+        failed.push(format!("ESRGAN x2: mean {mean:.3}, max {max}"));
+    }
+    assert!(failed.is_empty(), "hires vs stable-diffusion.cpp: {failed:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hires_bad_inputs_are_clear_errors() {
+    let m = Path::new("/nonexistent/model.safetensors");
+    let e = fails(&["--hires", "--hires-scale", "0"], Some(m));
+    assert!(e.contains("--hires-scale 0"), "{e}");
+    let e = fails(&["--hires", "--hires-scale", "100"], Some(m));
+    assert!(e.contains("--hires-scale 100"), "{e}");
+    let e = fails(&["--hires", "--hires-denoising-strength", "1.5"], Some(m));
+    assert!(e.contains("--hires-denoising-strength"), "{e}");
+    let e = fails(&["--hires", "--hires-upscaler", "Latent (bilinear)"], Some(m));
+    assert!(e.contains("--hires-upscaler 'Latent (bilinear)'") && e.contains("Latent (nearest-exact)"), "{e}");
+    let e = fails(&["--hires", "--hires-upscaler", "my-esrgan"], Some(m));
+    assert!(e.contains("--hires-upscaler 'my-esrgan'") && e.contains("--hires-upscalers-dir"), "{e}");
+    // A file that is no upscaler: named, from its header, before the checkpoint loads.
+    let sd15 = fixture(Family::Sd15);
+    let e = fails(&["--hires", "--hires-upscaler", sd15.to_str().unwrap()], Some(m));
+    assert!(e.contains("--hires-upscaler") && e.contains(sd15.to_str().unwrap()), "{e}");
+    let e = fails(&["--hires", "--hires-upscalers-dir", "/nonexistent/upscalers"], Some(m));
+    assert!(e.contains("--hires-upscalers-dir /nonexistent/upscalers"), "{e}");
+    // A hires target far past any device is refused before sampling, naming its size.
+    let e = fails(&["--hires", "--hires-width", "1000000", "-p", "x"], Some(&fixture(Family::Sd15)));
+    assert!(e.contains("1000000"), "{e}");
+}

@@ -18,6 +18,7 @@ pub mod diffusion;
 pub mod family;
 pub mod fixture;
 pub mod health;
+pub mod hires;
 pub mod image_io;
 pub mod loader;
 pub mod lora;

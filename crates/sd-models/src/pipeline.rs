@@ -231,6 +231,14 @@ pub enum Setting {
     NegativePrompt,
     /// [`GenerateParams::control_strength`].
     ControlStrength,
+    /// [`HiresParams::scale`](crate::hires::HiresParams::scale).
+    HiresScale,
+    /// [`HiresParams::width`](crate::hires::HiresParams::width) and `height`.
+    HiresSize,
+    /// [`HiresParams::denoising_strength`](crate::hires::HiresParams::denoising_strength).
+    HiresDenoisingStrength,
+    /// [`GenerateParams::hires`] beside another setting it cannot run with.
+    Hires,
 }
 
 impl Setting {
@@ -250,6 +258,10 @@ impl Setting {
             Setting::Prompt => "prompt",
             Setting::NegativePrompt => "negative prompt",
             Setting::ControlStrength => "control strength",
+            Setting::HiresScale => "hires scale",
+            Setting::HiresSize => "hires size",
+            Setting::HiresDenoisingStrength => "hires denoising strength",
+            Setting::Hires => "hires fix",
         }
     }
 }
@@ -443,6 +455,9 @@ pub struct GenerateParams {
     /// `--control-strength`: the factor of the ControlNet's residuals (the reference's default
     /// 0.9).
     pub control_strength: f32,
+    /// `--hires`: the hires fix's second pass (None: one pass). [`Pipeline::check_request`]
+    /// resolves its `width` and `height` to the aligned target size.
+    pub hires: Option<crate::hires::HiresParams>,
 }
 
 /// The longest prompt (and negative prompt) accepted, in bytes. The reference has no limit;
@@ -531,6 +546,28 @@ impl GenerateParams {
                 format!("{:?}", self.control_strength),
                 format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
             );
+        }
+        if let Some(h) = &self.hires {
+            if h.width == 0 && h.height == 0 && !(h.scale > 0.0 && h.scale <= crate::hires::MAX_HIRES_SCALE) {
+                return bad_setting(
+                    Setting::HiresScale,
+                    format!("{:?}", h.scale),
+                    format!(
+                        "must be a number above 0 and at most {} (or give the target's width or height)",
+                        crate::hires::MAX_HIRES_SCALE
+                    ),
+                );
+            }
+            if !(0.0..=1.0).contains(&h.denoising_strength) {
+                return bad_setting(Setting::HiresDenoisingStrength, h.denoising_strength, "must be between 0 and 1");
+            }
+            if h.steps > MAX_STEPS {
+                return bad_setting(Setting::Steps, h.steps, format!("at most {MAX_STEPS} hires steps are accepted"));
+            }
+            let (tw, th) = h.target_size(self.width, self.height);
+            if tw == 0 || th == 0 {
+                return bad_setting(Setting::HiresSize, format!("{tw}x{th}"), "the target's sides must be positive");
+            }
         }
         // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
         if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
@@ -666,6 +703,8 @@ pub struct Pipeline {
     cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Called with each sampling step's denoised latent (previews).
     latent_hook: Option<LatentHook>,
+    /// The hires fix's upscaler model (`--hires-upscaler` naming one).
+    hires_model: Option<std::sync::Mutex<crate::upscale::Upscaler>>,
     /// The checked ControlNet file ([`LoadOptions::control_net`]).
     control_net: Option<Arc<crate::controlnet::ControlNetFile>>,
 }
@@ -747,7 +786,18 @@ impl Pipeline {
             }
         };
         let files = Arc::new(files);
-        Ok(Self { files, family, prediction, opts, notices, loras: None, cancel: None, latent_hook: None, control_net })
+        Ok(Self {
+            files,
+            family,
+            prediction,
+            opts,
+            notices,
+            loras: None,
+            cancel: None,
+            latent_hook: None,
+            control_net,
+            hires_model: None,
+        })
     }
 
     /// What loading found that a user should know (front ends print these with their own
@@ -798,6 +848,11 @@ impl Pipeline {
     }
 
     /// [`PipelineError::Cancelled`] when the cancel flag is set.
+    /// Gives the hires fix its upscaler model ([`HiresUpscaler::Model`](crate::hires::HiresUpscaler::Model)).
+    pub fn set_hires_model(&mut self, upscaler: crate::upscale::Upscaler) {
+        self.hires_model = Some(std::sync::Mutex::new(upscaler));
+    }
+
     fn check_cancel(&self) -> Result<()> {
         match &self.cancel {
             Some(flag) if flag.load(std::sync::atomic::Ordering::Relaxed) => Err(PipelineError::Cancelled),
@@ -1075,6 +1130,43 @@ impl Pipeline {
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
         self.check_model_limits(&p)?;
+        if let Some(h) = &p.hires {
+            if p.mask.is_some() || self.family.concat_channels() != 0 {
+                return bad_setting(
+                    Setting::Hires,
+                    "",
+                    "the hires fix with inpainting is not implemented by sd-rs yet",
+                );
+            }
+            if p.control_image.is_some() && self.control_net.is_some() {
+                return bad_setting(
+                    Setting::Hires,
+                    "",
+                    "the hires fix with a ControlNet is not implemented by sd-rs yet",
+                );
+            }
+            let (tw, th) = h.target_size(p.width, p.height);
+            let multiple = self.spatial_multiple();
+            let (aw, ah) = align_up(tw, th, multiple);
+            if (aw, ah) != (tw, th) {
+                tracing::warn!("align hires target up {tw}x{th} to {aw}x{ah} (multiple={multiple})");
+            }
+            // The second pass's memory, as the first's.
+            let mut big = p.clone();
+            (big.width, big.height, big.init_image, big.hires) = (aw, ah, None, None);
+            self.check_model_limits(&big)?;
+            if h.upscaler == crate::hires::HiresUpscaler::Model && self.hires_model.is_none() {
+                return bad_setting(Setting::Hires, "", "the Model upscaler needs an upscaler model");
+            }
+            if !h.upscaler.is_latent() {
+                // The image upscalers encode again: the encoder's weights too.
+                self.check_tensors(true)?;
+            }
+        }
+        if let Some(h) = &mut p.hires {
+            let (tw, th) = h.target_size(p.width, p.height);
+            (h.width, h.height) = align_up(tw, th, self.spatial_multiple());
+        }
         Ok(Request { params: p, method, scheduler, cfg_scale })
     }
 
@@ -1326,7 +1418,7 @@ impl Pipeline {
         }
 
         // 3. Sampling.
-        let mut latents = Vec::with_capacity(p.batch_count);
+        let mut latents: Vec<Vec<f32>> = Vec::with_capacity(p.batch_count);
         {
             let t = Instant::now();
             let key = p.guidance.to_bits();
@@ -1361,118 +1453,179 @@ impl Pipeline {
             let t = Instant::now();
             let mut runner =
                 self.runner("unet", &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
-            // Images are sampled one after the other, each from its own generator, as in the
-            // reference. A split module that overlaps micro-batches across its devices
-            // (`pipeline_copies` > 1) samples the batch's images in lockstep instead: one model
-            // evaluation per step covers every image, so the micro-batches have images to
-            // overlap even without guidance. Each image still draws its noise from its own
-            // generator, in its own order (`ImagesRng`), so the sampling math is the same.
-            let per_image = channels * lh * lw;
-            let groups: Vec<std::ops::Range<usize>> = if runner.micro_batches(p.batch_count) > 1 {
-                tracing::debug!("{} images sampled in lockstep for the pipelined split", p.batch_count);
-                std::iter::once(0..p.batch_count).collect()
-            } else {
-                (0..p.batch_count).map(|b| b..b + 1).collect()
-            };
-            for images in groups {
-                let first = images.start;
-                let mut rngs: Vec<Box<dyn crate::sampling::NoiseRng>> =
-                    images.clone().map(|b| p.rng.seeded(p.seed.wrapping_add(b as u64))).collect();
-                let mut x = Vec::with_capacity(per_image * images.len());
-                for rng in &mut rngs {
-                    let noise = rng.randn(per_image);
-                    x.extend(match &init_latent {
-                        None => txt2img_latent(&noise, sigmas[0]),
-                        Some(init) => match &schedule {
-                            Schedule::Flow(flow) => flow.noised_latent(init, &noise, sigmas[0])?,
-                            Schedule::Discrete(_) => noised_latent(init, &noise, sigmas[0])?,
-                        },
-                    });
+            // The passes: the generated size, then the hires fix's target from the first pass's
+            // latents upscaled (the reference's second sampling, each image's generator seeded
+            // again as for the first).
+            let (lw0, lh0) = (lw, lh);
+            let mut passes = vec![(lw, lh, sigmas.clone())];
+            if let Some(h) = &p.hires {
+                let (hw, hh) = (h.width / VAE_SCALE, h.height / VAE_SCALE);
+                let steps = crate::hires::second_pass_schedule_steps(h, p.steps);
+                let ctx = ScheduleContext { ays: defaults.ays, image_seq_len: hw * hh };
+                let full = scheduler.sigmas_for(steps, &schedule, &ctx)?;
+                let tail = img2img_sigmas(&full, h.strength())?;
+                tracing::info!(
+                    "hires fix: {}x{}, scheduler steps {steps}, denoising strength {:.2}, {} sigmas",
+                    h.width,
+                    h.height,
+                    h.strength(),
+                    tail.len()
+                );
+                passes.push((hw, hh, tail));
+            }
+            let mut upscaled: Option<Vec<Vec<f32>>> = None;
+            // An image upscaler's VAE (encoder and decoder) and the first pass's latents: each
+            // image is upscaled with its own generator, which its encoding draws from first.
+            let mut image_upscale: Option<(Box<dyn FirstStage>, Runner, Vec<Vec<f32>>)> = None;
+            for (pass, (lw, lh, sigmas)) in passes.into_iter().enumerate() {
+                if pass == 1 {
+                    if let Some(h) = &p.hires {
+                        let first = std::mem::take(&mut latents);
+                        if h.upscaler.is_latent() {
+                            upscaled = Some(
+                                first
+                                    .iter()
+                                    .map(|l| crate::hires::upscale_latent(l, (lw0, lh0), (lw, lh), h.upscaler))
+                                    .collect(),
+                            );
+                        } else {
+                            let vae = self.load_first_stage(true)?;
+                            let runner = self.runner("vae", &self.opts.devices.vae, None);
+                            image_upscale = Some((vae, runner, first));
+                        }
+                    }
                 }
-                let mut rng = ImagesRng(rngs);
-                let mut step_start = Instant::now();
-                let warned = std::cell::Cell::new(false);
-                let n_images = images.len();
-                let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
-                    let with_concat: Vec<f32>;
-                    let x = match &concat {
-                        None => inp.x,
-                        Some(c) => {
-                            with_concat =
-                                inp.x.chunks_exact(per_image).flat_map(|xi| xi.iter().chain(c).copied()).collect();
-                            &with_concat
-                        }
-                    };
-                    let out = eval_guided(
-                        unet.as_ref(),
-                        &mut runner,
-                        x,
-                        (lw, lh),
-                        n_images,
-                        inp.timestep,
-                        &cond,
-                        uncond.as_ref().filter(|_| inp.uncond),
-                        control.as_mut().map(|c| (c, inp.x)),
-                    )?;
-                    // One warning per image: a broken model is broken at every step.
-                    if !warned.get() {
-                        let which = match n_images {
-                            1 => format!("image {}", first + 1),
-                            n => format!("images {} to {}", first + 1, first + n),
-                        };
-                        let stage = format!("diffusion model output at timestep {:.0} of {which}", inp.timestep);
-                        warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
-                    }
-                    Ok(out)
+                // Images are sampled one after the other, each from its own generator, as in the
+                // reference. A split module that overlaps micro-batches across its devices
+                // (`pipeline_copies` > 1) samples the batch's images in lockstep instead: one model
+                // evaluation per step covers every image, so the micro-batches have images to
+                // overlap even without guidance. Each image still draws its noise from its own
+                // generator, in its own order (`ImagesRng`), so the sampling math is the same.
+                let per_image = channels * lh * lw;
+                let groups: Vec<std::ops::Range<usize>> = if runner.micro_batches(p.batch_count) > 1 {
+                    tracing::debug!("{} images sampled in lockstep for the pipelined split", p.batch_count);
+                    std::iter::once(0..p.batch_count).collect()
+                } else {
+                    (0..p.batch_count).map(|b| b..b + 1).collect()
                 };
-                let steps = &mut report.steps;
-                let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, cfg_scale, model);
-                let with_uncond = method.needs_uncond_denoised();
-                let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
-                    self.check_cancel()?;
-                    let mut out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
-                    if let (Some(m), Some(init)) = (&denoise_mask, &init_latent) {
-                        inpaint::blend(&mut out.pred, init, m);
+                for images in groups {
+                    let first = images.start;
+                    let mut rngs: Vec<Box<dyn crate::sampling::NoiseRng>> =
+                        images.clone().map(|b| p.rng.seeded(p.seed.wrapping_add(b as u64))).collect();
+                    let mut x = Vec::with_capacity(per_image * images.len());
+                    for (k, rng) in rngs.iter_mut().enumerate() {
+                        let from_image;
+                        let init = match (&upscaled, &mut image_upscale, &p.hires) {
+                            (Some(u), _, _) => Some(&u[first + k][..]),
+                            (None, Some((vae, vae_runner, firsts)), Some(h)) => {
+                                from_image = hires_image_upscale(
+                                    self.hires_model.as_ref(),
+                                    vae.as_ref(),
+                                    vae_runner,
+                                    &firsts[first + k],
+                                    ((lw0, lh0), (lw, lh)),
+                                    h.upscaler,
+                                    &p.tiling,
+                                    rng.as_mut(),
+                                )?;
+                                Some(&from_image[..])
+                            }
+                            _ => init_latent.as_deref(),
+                        };
+                        let noise = rng.randn(per_image);
+                        x.extend(match init {
+                            None => txt2img_latent(&noise, sigmas[0]),
+                            Some(init) => match &schedule {
+                                Schedule::Flow(flow) => flow.noised_latent(init, &noise, sigmas[0])?,
+                                Schedule::Discrete(_) => noised_latent(init, &noise, sigmas[0])?,
+                            },
+                        });
                     }
-                    if step.last_eval {
-                        let secs = step_start.elapsed().as_secs_f64();
-                        // In lockstep one step serves every image: each is reported with it.
-                        for b in images.clone() {
-                            steps.push(StepTime { image: b, step: step.index, seconds: secs });
-                            // The front end shows it (sd-cli: a bar, or an info line).
-                            progress(Progress::Step {
-                                image: b,
-                                images: p.batch_count,
-                                step: step.index,
-                                steps: step.count,
-                                seconds: secs,
-                            });
+                    let mut rng = ImagesRng(rngs);
+                    let mut step_start = Instant::now();
+                    let warned = std::cell::Cell::new(false);
+                    let n_images = images.len();
+                    let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
+                        let with_concat: Vec<f32>;
+                        let x = match &concat {
+                            None => inp.x,
+                            Some(c) => {
+                                with_concat =
+                                    inp.x.chunks_exact(per_image).flat_map(|xi| xi.iter().chain(c).copied()).collect();
+                                &with_concat
+                            }
+                        };
+                        let out = eval_guided(
+                            unet.as_ref(),
+                            &mut runner,
+                            x,
+                            (lw, lh),
+                            n_images,
+                            inp.timestep,
+                            &cond,
+                            uncond.as_ref().filter(|_| inp.uncond),
+                            control.as_mut().map(|c| (c, inp.x)),
+                        )?;
+                        // One warning per image: a broken model is broken at every step.
+                        if !warned.get() {
+                            let which = match n_images {
+                                1 => format!("image {}", first + 1),
+                                n => format!("images {} to {}", first + 1, first + n),
+                            };
+                            let stage = format!("diffusion model output at timestep {:.0} of {which}", inp.timestep);
+                            warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
                         }
-                        step_start = Instant::now();
-                        if let Some(hook) = &self.latent_hook {
-                            for (k, b) in images.clone().enumerate() {
-                                let Some(latent) = out.pred.get(k * per_image..(k + 1) * per_image) else { break };
-                                hook(&StepLatent {
+                        Ok(out)
+                    };
+                    let steps = &mut report.steps;
+                    let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, cfg_scale, model);
+                    let with_uncond = method.needs_uncond_denoised();
+                    let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
+                        self.check_cancel()?;
+                        let mut out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
+                        if let (Some(m), Some(init)) = (&denoise_mask, &init_latent) {
+                            inpaint::blend(&mut out.pred, init, m);
+                        }
+                        if step.last_eval {
+                            let secs = step_start.elapsed().as_secs_f64();
+                            // In lockstep one step serves every image: each is reported with it.
+                            for b in images.clone() {
+                                steps.push(StepTime { image: b, step: step.index, seconds: secs });
+                                // The front end shows it (sd-cli: a bar, or an info line).
+                                progress(Progress::Step {
                                     image: b,
+                                    images: p.batch_count,
                                     step: step.index,
                                     steps: step.count,
-                                    channels,
-                                    width: lw,
-                                    height: lh,
-                                    latent,
+                                    seconds: secs,
                                 });
                             }
+                            step_start = Instant::now();
+                            if let Some(hook) = &self.latent_hook {
+                                for (k, b) in images.clone().enumerate() {
+                                    let Some(latent) = out.pred.get(k * per_image..(k + 1) * per_image) else { break };
+                                    hook(&StepLatent {
+                                        image: b,
+                                        step: step.index,
+                                        steps: step.count,
+                                        channels,
+                                        width: lw,
+                                        height: lh,
+                                        latent,
+                                    });
+                                }
+                            }
                         }
-                    }
-                    Ok(out)
-                };
-                let eta = p.eta.unwrap_or_else(|| method.default_eta());
-                let out = if schedule.is_flow() {
-                    sample_flow(method, &mut denoise, x, &sigmas, &mut rng, eta)?
-                } else {
-                    sample(method, &mut denoise, x, &sigmas, &mut rng, eta)?
-                };
-                latents.extend(out.chunks_exact(per_image).map(<[f32]>::to_vec));
+                        Ok(out)
+                    };
+                    let eta = p.eta.unwrap_or_else(|| method.default_eta());
+                    let out = if schedule.is_flow() {
+                        sample_flow(method, &mut denoise, x, &sigmas, &mut rng, eta)?
+                    } else {
+                        sample(method, &mut denoise, x, &sigmas, &mut rng, eta)?
+                    };
+                    latents.extend(out.chunks_exact(per_image).map(<[f32]>::to_vec));
+                }
             }
             let moved = unet.weights().stats();
             tracing::debug!(
@@ -1497,7 +1650,9 @@ impl Pipeline {
             }
         }
 
-        // 4. Decoding.
+        // 4. Decoding, at the hires target's size after a hires pass.
+        let (out_w, out_h) = p.hires.as_ref().map_or((p.width, p.height), |h| (h.width, h.height));
+        let (lw, lh) = (out_w / VAE_SCALE, out_h / VAE_SCALE);
         self.check_cancel()?;
         let t = Instant::now();
         let reused = kept.as_deref_mut().and_then(|k| k.vae.take());
@@ -1532,7 +1687,7 @@ impl Pipeline {
                 sd_vae::ImageRange::ZeroToOne => (0.0, 1.0),
             };
             health::check(&format!("VAE decoder (image {})", images.len() + 1), &img, health::Expect::Image { lo, hi });
-            images.push(planar_to_rgb8(&img, p.width, p.height, vae.image_range()));
+            images.push(planar_to_rgb8(&img, out_w, out_h, vae.image_range()));
         }
         tracing::debug!("vae; {}", runner.summary());
         if let Some(w) = vae.params() {
@@ -1654,6 +1809,48 @@ fn encode_latent(
     Ok(latent)
 }
 
+/// The hires fix's image upscalers: the first pass's `latent` decoded, resized in pixels as
+/// [`crate::hires::upscale_image`] and encoded again (the encoder sampling from `rng`), as
+/// the reference's `upscale_hires_latent`; sizes are the latent's, `(from, to)`.
+#[allow(clippy::too_many_arguments)]
+fn hires_image_upscale(
+    model: Option<&std::sync::Mutex<crate::upscale::Upscaler>>,
+    vae: &dyn FirstStage,
+    runner: &mut Runner,
+    latent: &[f32],
+    (from, to): ((usize, usize), (usize, usize)),
+    upscaler: crate::hires::HiresUpscaler,
+    tiling: &TilingParams,
+    rng: &mut dyn crate::sampling::NoiseRng,
+) -> Result<Vec<f32>> {
+    let mut latent = latent.to_vec();
+    vae.diffusion_to_vae(&mut latent);
+    let channels = latent.len() / (from.0 * from.1);
+    let img = sd_vae::decode_tiled_observed(vae, runner, &latent, from, channels, tiling, None, &mut |_, _| {})?;
+    let range = vae.image_range();
+    // The decoder's output in [0, 1] (the reference clamps a [-1, 1] decoder's output there).
+    let unit: Vec<f32> = match range {
+        sd_vae::ImageRange::MinusOneToOne => img.iter().map(|v| ((v + 1.0) * 0.5).clamp(0.0, 1.0)).collect(),
+        sd_vae::ImageRange::ZeroToOne => img,
+    };
+    let (pw, ph) = (from.0 * VAE_SCALE, from.1 * VAE_SCALE);
+    let (tw, th) = (to.0 * VAE_SCALE, to.1 * VAE_SCALE);
+    let up = match (upscaler, model) {
+        (crate::hires::HiresUpscaler::Model, Some(m)) => {
+            let mut m = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (out, size) = m.upscale_planar(&unit, (pw, ph)).map_err(|e| PipelineError::Invalid(e.to_string()))?;
+            // Not clamped, as the reference; nearest to the target when the model's factor misses it.
+            crate::hires::resize_planes(&out, size, (tw, th), crate::hires::Filter::Nearest, false)
+        }
+        _ => crate::hires::upscale_image(&unit, (pw, ph), (tw, th), upscaler),
+    };
+    let px: Vec<f32> = match range {
+        sd_vae::ImageRange::MinusOneToOne => up.iter().map(|v| v * 2.0 - 1.0).collect(),
+        sd_vae::ImageRange::ZeroToOne => up,
+    };
+    encode_latent(vae, runner, &px, (tw, th), tiling, rng, &mut |_, _| {})
+}
+
 pub(crate) fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {
     let plane = w * h;
     let mut rgb = vec![0u8; plane * 3];
@@ -1698,6 +1895,7 @@ mod tests {
             flow_shift: None,
             control_image: None,
             control_strength: 0.9,
+            hires: None,
         }
     }
 

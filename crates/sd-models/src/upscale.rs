@@ -234,6 +234,26 @@ impl Upscaler {
         &self.file
     }
 
+    /// Upscales a planar RGB image in [0, 1] of `(w, h)` once, in f32 (not rounded to 8 bits,
+    /// not clamped), as the reference's hires fix runs its upscaler model; gives the image
+    /// and its size.
+    pub(crate) fn upscale_planar(
+        &mut self,
+        planar: &[f32],
+        (w, h): (usize, usize),
+    ) -> Result<(Vec<f32>, (usize, usize)), UpscaleError> {
+        self.file.check_passes(w, h, 1)?;
+        let s = self.file.config.scale;
+        tracing::info!("hires Model upscale {w}x{h} -> {}x{}", w * s, h * s);
+        let out = self
+            .net
+            .upscale(&mut self.runner, planar, [w, h], self.tile, None, &mut |d, n| {
+                tracing::debug!("upscaler tile {d}/{n}")
+            })
+            .map_err(|e| UpscaleError::Run { device: self.runner.backend().device().name(), source: Box::new(e) })?;
+        Ok((out, (w * s, h * s)))
+    }
+
     /// Upscales `image` `passes` times; `report` gets the module, its runner and the stage
     /// `upscale` (the time of all passes).
     pub fn upscale(&mut self, image: &Image, passes: usize, report: &mut RunReport) -> Result<Image, UpscaleError> {

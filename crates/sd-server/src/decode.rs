@@ -352,6 +352,10 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::Prompt => "prompt",
         Setting::NegativePrompt => "negative_prompt",
         Setting::ControlStrength => "control_strength",
+        Setting::HiresScale => "hires.scale",
+        Setting::HiresSize => "hires.target_width",
+        Setting::HiresDenoisingStrength => "hires.denoising_strength",
+        Setting::Hires => "hires.enabled",
     }
 }
 

@@ -52,6 +52,7 @@ impl Harness {
             flow_shift: None,
             control_image: None,
             control_strength: 0.9,
+            hires: None,
         };
         let config = Config {
             listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),

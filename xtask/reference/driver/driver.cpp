@@ -308,6 +308,21 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
                                      const_cast<uint8_t*>(o->control_rgb)};
         g.control_strength = o->control_strength;
     }
+    if (o->hires_upscaler != nullptr) {
+        g.hires.enabled  = true;
+        g.hires.upscaler = str_to_sd_hires_upscaler(o->hires_upscaler);
+        if (g.hires.upscaler == SD_HIRES_UPSCALER_COUNT) {
+            set_err(err, err_len, "unknown hires upscaler '%s'", o->hires_upscaler);
+            return 1;
+        }
+        g.hires.model_path         = o->hires_model_path;
+        g.hires.scale              = o->hires_scale;
+        g.hires.target_width       = o->hires_width;
+        g.hires.target_height      = o->hires_height;
+        g.hires.steps              = o->hires_steps;
+        g.hires.denoising_strength = o->hires_denoising_strength;
+        g.hires.upscale_tile_size  = o->hires_upscale_tile_size;
+    }
 
     sd_image_t* images = generate_image(ctx->sd_ctx, &g);
     if (images == nullptr) {

@@ -75,6 +75,14 @@ typedef struct {
     int control_width;              /* of any size: the library resizes it to width x height */
     int control_height;
     float control_strength;
+    const char* hires_upscaler;     /* NULL: no hires fix; else sd_hires_upscaler_name's name ("Latent", ...) */
+    const char* hires_model_path;   /* the upscaler model of "Model"; NULL: none */
+    float hires_scale;
+    int hires_width;
+    int hires_height;
+    int hires_steps;
+    float hires_denoising_strength;
+    int hires_upscale_tile_size;
 } sdref_gen_opts;
 
 typedef struct {

@@ -66,6 +66,14 @@ struct RawGenOpts {
     control_width: c_int,
     control_height: c_int,
     control_strength: f32,
+    hires_upscaler: *const c_char,
+    hires_model_path: *const c_char,
+    hires_scale: f32,
+    hires_width: c_int,
+    hires_height: c_int,
+    hires_steps: c_int,
+    hires_denoising_strength: f32,
+    hires_upscale_tile_size: c_int,
 }
 
 #[repr(C)]
@@ -489,6 +497,23 @@ pub struct GenOptions {
     pub control: Option<(u32, u32, Vec<u8>)>,
     /// `--control-strength`.
     pub control_strength: f32,
+    /// The hires fix (`--hires`); `None`: one pass.
+    pub hires: Option<HiresOptions>,
+}
+
+/// The library's `sd_hires_params_t` (the CLI's `--hires-*` flags).
+#[derive(Debug, Clone)]
+pub struct HiresOptions {
+    /// `--hires-upscaler`: the library's name (`Latent`, `Lanczos`, `Model`, ...).
+    pub upscaler: String,
+    /// The model of `Model`.
+    pub model_path: Option<String>,
+    pub scale: f32,
+    pub width: i32,
+    pub height: i32,
+    pub steps: i32,
+    pub denoising_strength: f32,
+    pub upscale_tile_size: i32,
 }
 
 pub struct Image {
@@ -647,6 +672,14 @@ impl Context {
             control_width: o.control.as_ref().map_or(0, |c| c.0 as c_int),
             control_height: o.control.as_ref().map_or(0, |c| c.1 as c_int),
             control_strength: o.control_strength,
+            hires_upscaler: s.opt(o.hires.as_ref().map(|h| h.upscaler.as_str()))?,
+            hires_model_path: s.opt(o.hires.as_ref().and_then(|h| h.model_path.as_deref()))?,
+            hires_scale: o.hires.as_ref().map_or(2.0, |h| h.scale),
+            hires_width: o.hires.as_ref().map_or(0, |h| h.width),
+            hires_height: o.hires.as_ref().map_or(0, |h| h.height),
+            hires_steps: o.hires.as_ref().map_or(0, |h| h.steps),
+            hires_denoising_strength: o.hires.as_ref().map_or(0.7, |h| h.denoising_strength),
+            hires_upscale_tile_size: o.hires.as_ref().map_or(128, |h| h.upscale_tile_size),
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

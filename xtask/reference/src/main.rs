@@ -244,6 +244,25 @@ struct Txt2Img {
     /// Strength of the ControlNet's residuals (the library's default 0.9).
     #[arg(long = "control-strength", default_value_t = 0.9)]
     control_strength: f32,
+    /// The hires fix: a second pass at the target size from the first result upscaled.
+    #[arg(long = "hires")]
+    hires: bool,
+    /// The library's upscaler name (`Latent`, `Latent (nearest)`, ..., `Lanczos`, `Nearest`),
+    /// or an upscaler model's path (the library's `Model`).
+    #[arg(long = "hires-upscaler", default_value = "Latent")]
+    hires_upscaler: String,
+    #[arg(long = "hires-scale", default_value_t = 2.0)]
+    hires_scale: f32,
+    #[arg(long = "hires-width", default_value_t = 0)]
+    hires_width: i32,
+    #[arg(long = "hires-height", default_value_t = 0)]
+    hires_height: i32,
+    #[arg(long = "hires-steps", default_value_t = 0)]
+    hires_steps: i32,
+    #[arg(long = "hires-denoising-strength", default_value_t = 0.7)]
+    hires_denoising_strength: f32,
+    #[arg(long = "hires-upscale-tile-size", default_value_t = 128)]
+    hires_upscale_tile_size: i32,
     /// Decode with the tiled VAE.
     #[arg(long = "vae-tiling")]
     vae_tiling: bool,
@@ -612,6 +631,20 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         mask_gray,
         control,
         control_strength: a.control_strength,
+        hires: a.hires.then(|| {
+            // A path names a model (the CLI resolves a name in --hires-upscalers-dir to one).
+            let is_model = std::path::Path::new(&a.hires_upscaler).is_file();
+            ffi::HiresOptions {
+                upscaler: if is_model { "Model".into() } else { a.hires_upscaler.clone() },
+                model_path: is_model.then(|| a.hires_upscaler.clone()),
+                scale: a.hires_scale,
+                width: a.hires_width,
+                height: a.hires_height,
+                steps: a.hires_steps,
+                denoising_strength: a.hires_denoising_strength,
+                upscale_tile_size: a.hires_upscale_tile_size,
+            }
+        }),
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

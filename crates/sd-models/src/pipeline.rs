@@ -1476,7 +1476,7 @@ impl Pipeline {
             let mut upscaled: Option<Vec<Vec<f32>>> = None;
             // An image upscaler's VAE (encoder and decoder) and the first pass's latents: each
             // image is upscaled with its own generator, which its encoding draws from first.
-            let mut image_upscale: Option<(Box<dyn FirstStage>, Runner, Vec<Vec<f32>>)> = None;
+            let mut image_upscale: Option<ImageUpscale> = None;
             for (pass, (lw, lh, sigmas)) in passes.into_iter().enumerate() {
                 if pass == 1 {
                     if let Some(h) = &p.hires {
@@ -1705,6 +1705,10 @@ impl Pipeline {
         Ok(images)
     }
 }
+
+/// A hires fix's image upscaler state between the passes: the VAE (encoder and decoder), its
+/// runner, and the first pass's latents.
+type ImageUpscale = (Box<dyn FirstStage>, Runner, Vec<Vec<f32>>);
 
 /// Adds `module`'s residency and its runner's work to `report`.
 fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Runner) {

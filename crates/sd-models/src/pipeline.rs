@@ -1473,27 +1473,20 @@ impl Pipeline {
                 );
                 passes.push((hw, hh, tail));
             }
-            let mut upscaled: Option<Vec<Vec<f32>>> = None;
-            // An image upscaler's VAE (encoder and decoder) and the first pass's latents: each
-            // image is upscaled with its own generator, which its encoding draws from first.
-            let mut image_upscale: Option<ImageUpscale> = None;
+            // Where each pass's images start from: the init latent (or noise), then the first
+            // pass's latents upscaled.
+            let mut start_from = PassStart::Init;
             for (pass, (lw, lh, sigmas)) in passes.into_iter().enumerate() {
-                if pass == 1 {
-                    if let Some(h) = &p.hires {
-                        let first = std::mem::take(&mut latents);
-                        if h.upscaler.is_latent() {
-                            upscaled = Some(
-                                first
-                                    .iter()
-                                    .map(|l| crate::hires::upscale_latent(l, (lw0, lh0), (lw, lh), h.upscaler))
-                                    .collect(),
-                            );
-                        } else {
-                            let vae = self.load_first_stage(true)?;
-                            let runner = self.runner("vae", &self.opts.devices.vae, None);
-                            image_upscale = Some((vae, runner, first));
-                        }
-                    }
+                if let (1, Some(h)) = (pass, &p.hires) {
+                    let first = std::mem::take(&mut latents);
+                    start_from = if h.upscaler.is_latent() {
+                        let up = |l: &Vec<f32>| crate::hires::upscale_latent(l, (lw0, lh0), (lw, lh), h.upscaler);
+                        PassStart::Latents(first.iter().map(up).collect())
+                    } else {
+                        let vae = self.load_first_stage(true)?;
+                        let runner = self.runner("vae", &self.opts.devices.vae, None);
+                        PassStart::Images(Box::new(ImageUpscale { vae, runner, latents: first, upscaler: h.upscaler }))
+                    };
                 }
                 // Images are sampled one after the other, each from its own generator, as in the
                 // reference. A split module that overlaps micro-batches across its devices
@@ -1515,22 +1508,22 @@ impl Pipeline {
                     let mut x = Vec::with_capacity(per_image * images.len());
                     for (k, rng) in rngs.iter_mut().enumerate() {
                         let from_image;
-                        let init = match (&upscaled, &mut image_upscale, &p.hires) {
-                            (Some(u), _, _) => Some(&u[first + k][..]),
-                            (None, Some((vae, vae_runner, firsts)), Some(h)) => {
+                        let init = match &mut start_from {
+                            PassStart::Init => init_latent.as_deref(),
+                            PassStart::Latents(u) => Some(&u[first + k][..]),
+                            PassStart::Images(state) => {
                                 from_image = hires_image_upscale(
                                     self.hires_model.as_ref(),
-                                    vae.as_ref(),
-                                    vae_runner,
-                                    &firsts[first + k],
+                                    state.vae.as_ref(),
+                                    &mut state.runner,
+                                    &state.latents[first + k],
                                     ((lw0, lh0), (lw, lh)),
-                                    h.upscaler,
+                                    state.upscaler,
                                     &p.tiling,
                                     rng.as_mut(),
                                 )?;
                                 Some(&from_image[..])
                             }
-                            _ => init_latent.as_deref(),
                         };
                         let noise = rng.randn(per_image);
                         x.extend(match init {
@@ -1706,9 +1699,26 @@ impl Pipeline {
     }
 }
 
-/// A hires fix's image upscaler state between the passes: the VAE (encoder and decoder), its
-/// runner, and the first pass's latents.
-type ImageUpscale = (Box<dyn FirstStage>, Runner, Vec<Vec<f32>>);
+/// Where a sampling pass's images start from.
+enum PassStart {
+    /// The init latent (img2img), else noise.
+    Init,
+    /// The hires fix's latent upscaler: the first pass's latents, upscaled.
+    Latents(Vec<Vec<f32>>),
+    /// The hires fix's image upscaler: each image is decoded, upscaled and encoded with its
+    /// own generator, which its encoding draws from first.
+    Images(Box<ImageUpscale>),
+}
+
+/// [`PassStart::Images`]' state.
+struct ImageUpscale {
+    /// The VAE (encoder and decoder) and its runner.
+    vae: Box<dyn FirstStage>,
+    runner: Runner,
+    /// The first pass's latents.
+    latents: Vec<Vec<f32>>,
+    upscaler: crate::hires::HiresUpscaler,
+}
 
 /// Adds `module`'s residency and its runner's work to `report`.
 fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Runner) {

@@ -18,7 +18,7 @@ use sd_backends::{Context, GgmlType, Tensor};
 use sd_sched::{Runner, TensorSpec, Weights};
 
 use super::blocks::{self, AttnKernel, SpecSink};
-use super::unet::{layout_under, Layer, UNetConfig};
+use super::unet::{block_specs, layout_under, run_layers, time_embedding, time_embedding_specs, Layer, UNetConfig};
 use super::{DiffusionError, Result};
 
 /// Prefix of every ControlNet tensor's name.
@@ -100,27 +100,14 @@ pub fn controlnet_specs(
 ) -> Vec<TensorSpec> {
     let u = &cfg.unet;
     let mut s = SpecSink::new(dtype_of, wtype);
-    let (mc, temb) = (u.model_channels, u.time_embed_dim);
-    s.linear(&format!("{PREFIX}.time_embed.0"), mc, temb, true);
-    s.linear(&format!("{PREFIX}.time_embed.2"), temb, temb, true);
-    if let Some(adm) = u.adm_in_channels {
-        s.linear(&format!("{PREFIX}.label_emb.0.0"), adm, temb, true);
-        s.linear(&format!("{PREFIX}.label_emb.0.2"), temb, temb, true);
-    }
+    let mc = u.model_channels;
+    time_embedding_specs(&mut s, PREFIX, u);
     for (i, inp, out, _) in HINT_CONVS {
         s.conv2d(&format!("{PREFIX}.input_hint_block.{i}"), inp, if out == 0 { mc } else { out }, 3);
     }
     let layout = layout_under(u, PREFIX);
     for block in layout.input.iter().chain(std::iter::once(&layout.middle)) {
-        for (p, layer) in &block.layers {
-            match layer {
-                Layer::Stem { inp, out } => s.conv2d(p, *inp, *out, 3),
-                Layer::Res { inp, out } => blocks::res_block_specs(&mut s, p, *inp, *out, temb),
-                Layer::Transformer(t) => blocks::spatial_transformer_specs(&mut s, p, t),
-                Layer::Down { ch } => blocks::downsample_specs(&mut s, p, *ch),
-                Layer::Up { ch } => blocks::upsample_specs(&mut s, p, *ch),
-            }
-        }
+        block_specs(&mut s, block, u.time_embed_dim);
     }
     for (i, (ch, _)) in cfg.residual_shapes().iter().enumerate() {
         let name = if i + 1 == cfg.residuals() {
@@ -170,16 +157,7 @@ pub fn forward<'g>(
     }
     let context = if cn != n { g.repeat(context, g.new_f32(&[cd, lc, n])) } else { context };
 
-    let t_emb = g.timestep_embedding(timesteps, u.model_channels as i32, 10000);
-    let mut emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.0"), t_emb, true)?;
-    emb = g.silu(emb);
-    emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.2"), emb, true)?;
-    if let Some(y) = y {
-        let mut label = blocks::linear(g, w, &format!("{PREFIX}.label_emb.0.0"), y, true)?;
-        label = g.silu(label);
-        label = blocks::linear(g, w, &format!("{PREFIX}.label_emb.0.2"), label, true)?;
-        emb = g.add(emb, label);
-    }
+    let emb = time_embedding(g, w, PREFIX, u.model_channels, timesteps, y)?;
 
     let mut guided = hint;
     for (k, (i, _, _, stride)) in HINT_CONVS.iter().enumerate() {
@@ -190,18 +168,8 @@ pub fn forward<'g>(
     }
 
     let layout = layout_under(u, PREFIX);
-    let run_block = |block: &super::unet::Block, mut h: Tensor<'g>| -> Result<Tensor<'g>> {
-        for (p, layer) in &block.layers {
-            h = match layer {
-                Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
-                Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
-                Layer::Transformer(t) => blocks::spatial_transformer(g, w, p, h, context, t, kernel)?,
-                Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
-                Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
-            };
-        }
-        Ok(h)
-    };
+    let run_block =
+        |block: &super::unet::Block, h: Tensor<'g>| run_layers(g, w, block, h, (emb, context), kernel, None);
     let mut outs = Vec::with_capacity(layout.input.len() + 1);
     let mut h = x;
     for (i, block) in layout.input.iter().enumerate() {

@@ -410,27 +410,38 @@ pub fn unet_specs(
     wtype: Option<GgmlType>,
 ) -> Vec<TensorSpec> {
     let mut s = SpecSink::new(dtype_of, wtype);
-    let (mc, temb) = (cfg.model_channels, cfg.time_embed_dim);
-    s.linear(&format!("{PREFIX}.time_embed.0"), mc, temb, true);
-    s.linear(&format!("{PREFIX}.time_embed.2"), temb, temb, true);
-    if let Some(adm) = cfg.adm_in_channels {
-        s.linear(&format!("{PREFIX}.label_emb.0.0"), adm, temb, true);
-        s.linear(&format!("{PREFIX}.label_emb.0.2"), temb, temb, true);
-    }
+    time_embedding_specs(&mut s, PREFIX, cfg);
     for block in layout(cfg).blocks() {
-        for (p, layer) in &block.layers {
-            match layer {
-                Layer::Stem { inp, out } => s.conv2d(p, *inp, *out, 3),
-                Layer::Res { inp, out } => blocks::res_block_specs(&mut s, p, *inp, *out, temb),
-                Layer::Transformer(t) => blocks::spatial_transformer_specs(&mut s, p, t),
-                Layer::Down { ch } => blocks::downsample_specs(&mut s, p, *ch),
-                Layer::Up { ch } => blocks::upsample_specs(&mut s, p, *ch),
-            }
-        }
+        block_specs(&mut s, block, cfg.time_embed_dim);
     }
+    let mc = cfg.model_channels;
     s.norm(&format!("{PREFIX}.out.0"), mc);
     s.conv2d(&format!("{PREFIX}.out.2"), mc, cfg.out_channels, 3);
     s.specs
+}
+
+/// The specs of [`time_embedding`]'s weights under `prefix`.
+pub(crate) fn time_embedding_specs(s: &mut SpecSink<'_>, prefix: &str, cfg: &UNetConfig) {
+    let (mc, temb) = (cfg.model_channels, cfg.time_embed_dim);
+    s.linear(&format!("{prefix}.time_embed.0"), mc, temb, true);
+    s.linear(&format!("{prefix}.time_embed.2"), temb, temb, true);
+    if let Some(adm) = cfg.adm_in_channels {
+        s.linear(&format!("{prefix}.label_emb.0.0"), adm, temb, true);
+        s.linear(&format!("{prefix}.label_emb.0.2"), temb, temb, true);
+    }
+}
+
+/// The specs of one layout block's layers ([`run_layers`]), with timestep embeddings `temb` wide.
+pub(crate) fn block_specs(s: &mut SpecSink<'_>, block: &Block, temb: i64) {
+    for (p, layer) in &block.layers {
+        match layer {
+            Layer::Stem { inp, out } => s.conv2d(p, *inp, *out, 3),
+            Layer::Res { inp, out } => blocks::res_block_specs(s, p, *inp, *out, temb),
+            Layer::Transformer(t) => blocks::spatial_transformer_specs(s, p, t),
+            Layer::Down { ch } => blocks::downsample_specs(s, p, *ch),
+            Layer::Up { ch } => blocks::upsample_specs(s, p, *ch),
+        }
+    }
 }
 
 /// Checks a file's UNet tensors against `specs`.
@@ -508,6 +519,60 @@ pub fn forward_adm<'g>(
     forward_with(g, w, cfg, x, timesteps, context, Some(y), AttnKernel::from_flag(flash_attn), None, cuts)
 }
 
+/// The timestep embedding of a UNet (or its ControlNet copy) whose weights are under `prefix`,
+/// plus SDXL's class embedding of the ADM vector `y` when given: [temb, N].
+pub(crate) fn time_embedding<'g>(
+    g: &'g Context,
+    w: &Weights,
+    prefix: &str,
+    model_channels: i64,
+    timesteps: Tensor<'g>,
+    y: Option<Tensor<'g>>,
+) -> Result<Tensor<'g>> {
+    let t_emb = g.timestep_embedding(timesteps, model_channels as i32, MAX_PERIOD); // [mc, N]
+    let mut emb = blocks::linear(g, w, &format!("{prefix}.time_embed.0"), t_emb, true)?;
+    emb = g.silu(emb);
+    emb = blocks::linear(g, w, &format!("{prefix}.time_embed.2"), emb, true)?;
+    if let Some(y) = y {
+        let mut label = blocks::linear(g, w, &format!("{prefix}.label_emb.0.0"), y, true)?;
+        label = g.silu(label);
+        label = blocks::linear(g, w, &format!("{prefix}.label_emb.0.2"), label, true)?;
+        emb = g.add(emb, label);
+    }
+    Ok(emb)
+}
+
+/// The layers of one layout block on `h`, with the timestep embedding and the context
+/// (`(emb, context)`). With `cuts` (the weights' prefix and the cut list), each spatial
+/// transformer pushes a graph cut after each of its transformer blocks but the last, named
+/// after the layer without the prefix.
+pub(crate) fn run_layers<'g>(
+    g: &'g Context,
+    w: &Weights,
+    block: &Block,
+    mut h: Tensor<'g>,
+    (emb, context): (Tensor<'g>, Tensor<'g>),
+    kernel: AttnKernel,
+    mut cuts: Option<(&str, &mut Vec<(String, Tensor<'g>)>)>,
+) -> Result<Tensor<'g>> {
+    for (p, layer) in &block.layers {
+        h = match layer {
+            Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
+            Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
+            Layer::Transformer(t) => {
+                let cut = cuts.as_mut().map(|(prefix, list)| {
+                    let rel = p.strip_prefix(*prefix).and_then(|r| r.strip_prefix('.')).unwrap_or(p);
+                    (rel, &mut **list)
+                });
+                blocks::spatial_transformer_cut(g, w, p, h, context, t, kernel, cut)?
+            }
+            Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
+            Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
+        };
+    }
+    Ok(h)
+}
+
 /// A ControlNet's residuals in a UNet graph: one per skip connection (input block order) and
 /// the middle block's last, each scaled by `strength` and added as the reference adds them.
 #[derive(Clone, Copy)]
@@ -550,34 +615,12 @@ fn forward_with<'g>(
     // A context shared by the whole batch is repeated per sample, as the reference does.
     let context = if cn != n { g.repeat(context, g.new_f32(&[cd, lc, n])) } else { context };
 
-    let t_emb = g.timestep_embedding(timesteps, cfg.model_channels as i32, MAX_PERIOD); // [mc, N]
-    let mut emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.0"), t_emb, true)?;
-    emb = g.silu(emb);
-    emb = blocks::linear(g, w, &format!("{PREFIX}.time_embed.2"), emb, true)?; // [temb, N]
-    if let Some(y) = y {
-        // SDXL's class embedding of the ADM vector, added to the timestep embedding.
-        let mut label = blocks::linear(g, w, &format!("{PREFIX}.label_emb.0.0"), y, true)?;
-        label = g.silu(label);
-        label = blocks::linear(g, w, &format!("{PREFIX}.label_emb.0.2"), label, true)?;
-        emb = g.add(emb, label);
-    }
+    let emb = time_embedding(g, w, PREFIX, cfg.model_channels, timesteps, y)?; // [temb, N]
     cuts.push(("time_embed".into(), emb));
 
     let layout = layout(cfg);
-    let run_block = |block: &Block, mut h: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>| -> Result<Tensor<'g>> {
-        for (p, layer) in &block.layers {
-            h = match layer {
-                Layer::Stem { .. } => blocks::conv2d(g, w, p, h, 1, 1)?,
-                Layer::Res { .. } => blocks::res_block(g, w, p, h, emb)?,
-                Layer::Transformer(t) => {
-                    let rel = p.strip_prefix(&format!("{PREFIX}.")).unwrap_or(p);
-                    blocks::spatial_transformer_cut(g, w, p, h, context, t, kernel, Some((rel, &mut *cuts)))?
-                }
-                Layer::Down { .. } => blocks::downsample(g, w, p, h)?,
-                Layer::Up { .. } => blocks::upsample(g, w, p, h)?,
-            };
-        }
-        Ok(h)
+    let run_block = |block: &Block, h: Tensor<'g>, cuts: &mut Vec<(String, Tensor<'g>)>| {
+        run_layers(g, w, block, h, (emb, context), kernel, Some((PREFIX, cuts)))
     };
 
     let mut skips = Vec::with_capacity(layout.input.len());

@@ -3,10 +3,10 @@
 //! Calibration measures, per device, in a few seconds: f16 matmul throughput (a probe shaped
 //! like the speed probe of `--split-by speed`, at 512 activation rows: its bytes per second
 //! times the rows are FLOP/s; each timed compute ends with a read of the output, which waits
-//! for it on an RPC device too), memory bandwidth (the same probe at one row, a
-//! matrix-vector product that reads the weight once), convolution throughput (a 3x3
+//! for it on an RPC device too), memory bandwidth (a matrix-vector product through a 50 MiB
+//! f16 weight, larger than the caches, which reads the weight once), convolution throughput (a 3x3
 //! convolution of 320 channels over 32x32 positions, through ggml's im2col), and the host link (the best of three
-//! uploads of a 32 MiB tensor, each followed by a read, and of a 2-byte read for the
+//! uploads of a 128 MiB tensor, each followed by a read, and of a 2-byte read for the
 //! latency). The figures are kept beside the speed cache (`sd_models::speed::cache_path`) in
 //! a JSON file ([`figures_path`]), keyed by device name and description (the driver's
 //! description, an RPC device's endpoint). The other op classes (quantized matmuls,
@@ -32,8 +32,9 @@ use serde::{Deserialize, Serialize};
 
 /// Activation rows of the throughput probe.
 const PROBE_ROWS: u64 = 512;
-/// Bytes of the link probe's tensor.
-const LINK_BYTES: i64 = 32 << 20;
+/// Bytes of the link probe's tensor (as large as a UNet segment, so the link's setup costs
+/// weigh what they weigh in streaming).
+const LINK_BYTES: i64 = 128 << 20;
 /// Text-encoder tokens (CLIP's context).
 const TE_TOKENS: u64 = 77;
 
@@ -48,8 +49,11 @@ pub struct CalibrateArgs {
     #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub threads: i64,
     /// Instead of probing, fit the calibrated throughputs to a generation's run report
-    /// (`--report-json`): each device's figures are scaled by its modules' predicted compute
-    /// time over their measured one (the probes' best case against the model's real kernels).
+    /// (`--report-json`): each device's figures are scaled by its measured compute time over
+    /// the predicted one (the probes' best case against the model's real kernels), of the
+    /// diffusion model where it ran on the device, else of its other modules. A block takes
+    /// the longer of its compute and its weights' read, so one fit is exact only where compute
+    /// bounds every block: fitting again to a new run's report refines it.
     #[arg(long = "from-report", value_name = "PATH")]
     pub from_report: Option<PathBuf>,
 }
@@ -287,10 +291,10 @@ pub(crate) fn figures(
             file.device.iter().find(|e| e.device == d.name && e.description == desc).map(|e| e.figures.clone());
         let (f, src) = match (from_profile, calibrated) {
             (Some(f), _) => (f, "profile"),
-            (None, Some(f)) => (f, "calibrated"),
+            (None, Some(f)) => (with_host(f, d.kind, rpc, &desc), "calibrated"),
             (None, None) => {
                 measured = false;
-                let mut f = nominal_figures(d.kind, rpc);
+                let mut f = with_host(nominal_figures(d.kind, rpc), d.kind, rpc, &desc);
                 match speeds.get(&d.name) {
                     // The speed cache's figure at 512x512 (f16 block weights per second).
                     Some(&s) => {
@@ -309,10 +313,42 @@ pub(crate) fn figures(
         let f = file.device.iter().find(|e| e.device == "CPU").map(|e| e.figures.clone());
         measured &= f.is_some();
         sources.push(format!("CPU {}", if f.is_some() { "calibrated" } else { "nominal" }));
-        out.devices.insert("CPU".into(), f.unwrap_or_else(|| nominal_figures(DeviceType::Cpu, false)));
+        let f = f.unwrap_or_else(|| nominal_figures(DeviceType::Cpu, false));
+        out.devices.insert("CPU".into(), with_host(f, DeviceType::Cpu, false, ""));
     }
     out.source = sources.join(", ");
     (out, measured)
+}
+
+/// `f` with its [`DeviceFigures::host`]: the machine whose cores the device computes with, when
+/// others may share them. The local CPU and an RPC server on loopback compute on this
+/// machine (`localhost`); another RPC server on its endpoint's host (two servers on one host
+/// share it); a GPU or accelerator has compute of its own (empty).
+fn with_host(mut f: DeviceFigures, kind: DeviceType, rpc: bool, description: &str) -> DeviceFigures {
+    f.host = if kind == DeviceType::Cpu && !rpc {
+        "localhost".into()
+    } else if rpc {
+        rpc_host(description)
+    } else {
+        String::new()
+    };
+    f
+}
+
+/// The host of an RPC endpoint `host:port` (`[v6]:port`), `localhost` for a loopback one.
+fn rpc_host(endpoint: &str) -> String {
+    let e = endpoint.trim();
+    let host = match e.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(rest),
+        None => e.rsplit_once(':').map_or(e, |(h, _)| h),
+    };
+    let loopback =
+        host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if loopback {
+        "localhost".into()
+    } else {
+        host.to_ascii_lowercase()
+    }
 }
 
 /// A tensor source of zeros, borrowed (a load times the copy only).
@@ -332,11 +368,19 @@ const PROBE_SIDE: i64 = 1280;
 /// Bytes of f16 weight per second of a `[PROBE_SIDE]²` weight times `rows` f32 activations on
 /// `backend` ([`probe_s`]).
 fn matmul_bytes_per_s(backend: &Arc<Backend>, rows: u64) -> Result<f64> {
-    let rows = rows.clamp(1, 1 << 16) as i64;
-    let w = vec![PROBE_SIDE, PROBE_SIDE];
-    let s = probe_s(backend, w, vec![PROBE_SIDE, rows], |g, w, x| g.mul_mat(w, x))?;
-    Ok((PROBE_SIDE * PROBE_SIDE * 2) as f64 / s)
+    gemm_bytes_per_s(backend, PROBE_SIDE, PROBE_SIDE, rows)
 }
+
+/// Bytes of f16 weight per second of an `[out, inp]` weight times `rows` f32 activations.
+fn gemm_bytes_per_s(backend: &Arc<Backend>, out: i64, inp: i64, rows: u64) -> Result<f64> {
+    let rows = rows.clamp(1, 1 << 16) as i64;
+    let s = probe_s(backend, vec![inp, out], vec![inp, rows], |g, w, x| g.mul_mat(w, x))?;
+    Ok((out * inp * 2) as f64 / s)
+}
+
+/// The memory probe's weight, `[MEMORY_OUT, PROBE_SIDE]` f16 (50 MiB): larger than the caches,
+/// so a matrix-vector product through it reads memory, as a model's weights are read.
+const MEMORY_OUT: i64 = 20480;
 
 /// Convolution FLOP/s: a 3x3 convolution of 320 channels over 32x32 positions (a UNet's first
 /// level at 256x256), through ggml's im2col and matmul as the models run it ([`probe_s`]).
@@ -412,7 +456,7 @@ fn upload_s(backend: &Arc<Backend>, bytes: i64) -> Result<(f64, f64)> {
 /// Measures one device.
 fn measure(backend: &Arc<Backend>, is_cpu: bool) -> Result<DeviceFigures> {
     let matmul_f16 = matmul_bytes_per_s(backend, PROBE_ROWS)? * PROBE_ROWS as f64;
-    let memory_bytes_per_s = matmul_bytes_per_s(backend, 1)?;
+    let memory_bytes_per_s = gemm_bytes_per_s(backend, MEMORY_OUT, PROBE_SIDE, 1)?;
     let conv = conv_flops_per_s(backend)?;
     let (link_bytes_per_s, link_latency_s) = if is_cpu {
         (0.0, 0.0)
@@ -498,6 +542,34 @@ pub(crate) fn choose(
     Ok((ladder, explain))
 }
 
+/// Per device of a run report, the compute to fit: `(measured seconds, predicted seconds,
+/// whether of the diffusion model)` of its single-device modules. The diffusion model alone
+/// sets a device's factor where it ran there: it is what a step runs, and the modules'
+/// kernels differ in how far they fall short of the probes (the SD 1.5 UNet by about 1.3x
+/// more than its VAE on this project's two-core machine).
+fn fit_times(
+    report: &sd_models::report::RunReport,
+    predicted: &sd_placement::Prediction,
+) -> BTreeMap<String, (f64, f64, bool)> {
+    let mut per: BTreeMap<String, (f64, f64, bool)> = BTreeMap::new();
+    for r in report.runners.iter().filter(|r| r.stages.is_empty()) {
+        let Some(module) = Module::parse(&r.name) else { continue };
+        let Some(m) = predicted.modules.iter().find(|m| m.module == module) else { continue };
+        let (measured, predicted) = (r.stats.compute_secs, m.compute_s * r.stats.runs as f64);
+        let diffusion = module == Module::Diffusion;
+        let e = per.entry(r.device.clone()).or_default();
+        match (e.2, diffusion) {
+            (true, false) => {}
+            (false, true) => *e = (measured, predicted, true),
+            _ => {
+                e.0 += measured;
+                e.1 += predicted;
+            }
+        }
+    }
+    per
+}
+
 /// `calibrate --from-report`: scales each device's calibrated throughputs so that the report's
 /// prediction of its single-device modules' compute matches the measured compute.
 fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Result<ExitCode> {
@@ -506,20 +578,12 @@ fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Resul
     let predicted = report.predicted.as_ref().with_context(|| {
         format!("{}: the report has no prediction (written by an older sd-cli, or by `plan`)", path.display())
     })?;
-    // Per device: (measured seconds, predicted seconds).
-    let mut per: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    for r in report.runners.iter().filter(|r| r.stages.is_empty()) {
-        let Some(module) = Module::parse(&r.name) else { continue };
-        let Some(m) = predicted.modules.iter().find(|m| m.module == module) else { continue };
-        let e = per.entry(r.device.clone()).or_default();
-        e.0 += r.stats.compute_secs;
-        e.1 += m.compute_s * r.stats.runs as f64;
-    }
+    let per = fit_times(&report, predicted);
     if per.is_empty() {
         anyhow::bail!("{}: no module ran on one device with a prediction to fit", path.display());
     }
     let mut file = read_file();
-    for (device, (measured, predicted)) in &per {
+    for (device, (measured, predicted, diffusion)) in &per {
         let description = descriptions.get(device).cloned().unwrap_or_default();
         let Some(e) = file.device.iter_mut().find(|e| &e.device == device && e.description == description) else {
             anyhow::bail!("{device} ({description}) has no calibrated figures to fit: run `sd-cli calibrate` first");
@@ -533,8 +597,9 @@ fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Resul
             *v /= factor;
         }
         crate::out!(
-            "{device}: measured compute {measured:.2} s against {predicted:.2} s predicted: throughputs scaled by 1/{factor:.2} \
+            "{device}: measured compute {measured:.2} s against {predicted:.2} s predicted{}: throughputs scaled by 1/{factor:.2} \
              (matmul f16 now {:.1} GFLOP/s)",
+            if *diffusion { " (the diffusion model's)" } else { "" },
             f.matmul_f16 / 1e9
         );
     }
@@ -546,6 +611,66 @@ fn fit(path: &std::path::Path, descriptions: &BTreeMap<String, String>) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fit_takes_the_diffusion_models_compute_where_it_ran() {
+        use sd_models::report::{RunReport, RunnerReport};
+        let runner = |name: &str, device: &str, runs, compute_secs| RunnerReport {
+            name: name.into(),
+            device: device.into(),
+            stats: sd_sched::RunStats { runs, compute_secs, ..Default::default() },
+            uploaded_bytes: 0,
+            upload_seconds: 0.0,
+            stages: Vec::new(),
+            profile: None,
+        };
+        let module = |module, compute_s| sd_placement::ModuleTime {
+            module,
+            runs: 1,
+            run_s: compute_s,
+            first_run_s: compute_s,
+            compute_s,
+            bytes_per_run: 0,
+            how: String::new(),
+        };
+        let mut r = RunReport::new("generate", Vec::new());
+        // te before the UNet on GPU0: the UNet alone counts there; te and the VAE on the CPU
+        // both count.
+        r.runners = vec![
+            runner("te", "GPU0", 2, 0.5),
+            runner("unet", "GPU0", 4, 8.0),
+            runner("te", "CPU", 1, 0.3),
+            runner("vae", "CPU", 1, 3.0),
+        ];
+        let p = sd_placement::Prediction {
+            step_s: 0.0,
+            bytes_per_step: 0,
+            total_s: 0.0,
+            modules: vec![module(Module::Te, 0.1), module(Module::Diffusion, 0.5), module(Module::Vae, 1.0)],
+            peak: Vec::new(),
+            unpredicted: Vec::new(),
+            figures: String::new(),
+        };
+        let t = fit_times(&r, &p);
+        assert_eq!(t["GPU0"], (8.0, 2.0, true));
+        let (m, q, d) = t["CPU"];
+        assert!((m - 3.3).abs() < 1e-12 && (q - 1.1).abs() < 1e-12 && !d, "{:?}", t["CPU"]);
+    }
+
+    #[test]
+    fn devices_on_one_machine_name_its_host() {
+        assert_eq!(rpc_host("127.0.0.1:50052"), "localhost");
+        assert_eq!(rpc_host("127.3.4.5:1"), "localhost");
+        assert_eq!(rpc_host("LocalHost:50052"), "localhost");
+        assert_eq!(rpc_host("[::1]:50052"), "localhost");
+        assert_eq!(rpc_host("Box-7.lan:50052"), "box-7.lan");
+        assert_eq!(rpc_host("[fe80::2]:9"), "fe80::2");
+        assert_eq!(rpc_host("10.0.0.7:1"), rpc_host("10.0.0.7:2"), "two servers on one host share it");
+        let f = || nominal_figures(DeviceType::Gpu, true);
+        assert_eq!(with_host(f(), DeviceType::Gpu, true, "127.0.0.1:9").host, "localhost");
+        assert_eq!(with_host(f(), DeviceType::Cpu, false, "Intel Xeon").host, "localhost");
+        assert_eq!(with_host(f(), DeviceType::Gpu, false, "NVIDIA H100").host, "", "a GPU computes on its own");
+    }
 
     /// FLUX.1-dev's real layout (sparse header-only files) at 1024x1024: each stream's rows
     /// and the text encoders' tokens and runs, with and without guidance.

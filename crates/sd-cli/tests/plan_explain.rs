@@ -85,12 +85,21 @@ fn explain_predicts_and_auto_fit_chooses_the_faster_gpu() {
 
 #[test]
 fn a_slower_alternative_never_replaces_the_ladder() {
-    // GPU1 as slow as GPU0: nothing is 5% faster than the ladder's plan.
+    // GPU1 as slow as GPU0, and one image's two guidance passes in one micro-batch
+    // (`--pipeline-copies 1`, which auto-fit then keeps): nothing is 5% faster than the
+    // ladder's plan.
     let p =
         profile("even", "matmul_f16 = 2e12\nmemory_bytes_per_s = 2e11\nlink_bytes_per_s = 1e10\nlink_latency_s = 1e-5");
-    let (chosen, e) = explained(&p, &[]);
+    let (chosen, e) = explained(&p, &["--pipeline-copies", "1"]);
     assert_eq!(chosen.main_device, "GPU0", "{}", e.render());
     assert!(e.reason.contains("ladder's plan kept"), "{}", e.reason);
+    assert!(e.alternatives.iter().all(|a| a.pipeline_copies == 1), "{}", e.render());
+    // Left to auto-fit, the copies are an alternative too: the two GPUs split the UNet and
+    // overlap the guidance passes, and the reason gives the flags that reproduce it.
+    let (split, e) = explained(&p, &[]);
+    assert_eq!(split.pipeline_copies, 2, "{}", e.render());
+    assert!(split.modules.iter().any(|m| m.module.name() == "diffusion" && m.split.len() == 2), "{}", e.render());
+    assert!(e.reason.contains("--pipeline-copies 2"), "{}", e.reason);
     std::fs::remove_file(&p).ok();
 }
 

@@ -4,8 +4,10 @@
 //! (`--backend`, `--params-backend`), so each one is planned, validated and accounted by
 //! [`crate::plan`] exactly as if typed, and the chosen plan's equivalent flags reproduce it:
 //! for every computing device (each GPU and the CPU), diffusion on it alone or layer-split
-//! with one other device; the text encoder and the VAE on it or on the CPU; each module's
-//! params on its computing device or in RAM. An alternative is chosen only when it fits, is
+//! with one other device (with one or two pipeline copies when the user set none); the text
+//! encoder and the VAE on it or on the CPU; each module's params on its computing device or
+//! in RAM. Segment budgets are not varied: a smaller budget for the same placement only
+//! streams more. An alternative is chosen only when it fits, is
 //! predicted completely ([`crate::cost::predict`]) and is predicted at least [`MARGIN`] faster
 //! per generation than the ladder's plan; otherwise the ladder's plan stands. `--auto-fit
 //! ladder` keeps the ladder's plan whatever the prediction.
@@ -25,6 +27,27 @@ pub const MARGIN: f64 = 0.05;
 /// Alternatives kept in [`Explain::alternatives`].
 const TOP: usize = 5;
 
+fn one() -> u32 {
+    1
+}
+
+/// Pipeline copies an alternative with a layer split tries, when the user gave none: none
+/// (one micro-batch at a time) and two (an image's two guidance passes overlap on the
+/// split's devices).
+const COPIES: [u32; 2] = [1, 2];
+
+/// The flags that reproduce an alternative, for a person.
+fn flags_of(a: &Alternative) -> String {
+    let mut o = format!("--backend \"{}\"", a.backend);
+    if !a.params_backend.is_empty() {
+        o.push_str(&format!(" --params-backend \"{}\"", a.params_backend));
+    }
+    if a.pipeline_copies > 1 {
+        o.push_str(&format!(" --pipeline-copies {}", a.pipeline_copies));
+    }
+    o
+}
+
 /// One alternative placement and its prediction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Alternative {
@@ -32,6 +55,9 @@ pub struct Alternative {
     pub backend: String,
     /// Its `--params-backend`.
     pub params_backend: String,
+    /// Its `--pipeline-copies` (1 unless a module is layer-split).
+    #[serde(default = "one")]
+    pub pipeline_copies: u32,
     /// Predicted seconds per step.
     pub step_s: f64,
     /// Predicted seconds per generation.
@@ -66,15 +92,10 @@ impl Explain {
             o.push_str("  top alternatives:\n");
             for a in &self.alternatives {
                 o.push_str(&format!(
-                    "    {:>9} per step, {:>9} per generation: --backend \"{}\"{}\n",
+                    "    {:>9} per step, {:>9} per generation: {}\n",
                     fmt_secs(a.step_s),
                     fmt_secs(a.total_s),
-                    a.backend,
-                    if a.params_backend.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" --params-backend \"{}\"", a.params_backend)
-                    }
+                    flags_of(a)
                 ));
             }
         }
@@ -107,10 +128,22 @@ pub fn plan_by_time(req: &PlanRequest, work: &Workload, figures: &Figures) -> Re
         ));
     }
     let mut alts: Vec<(Alternative, Plan, Prediction)> = Vec::new();
+    // A layer split's pipeline copies are varied only when the user set none.
+    let copies_given = req.flags.pipeline_copies.is_some()
+        || req.flags.pipeline_copies_env.as_deref().is_some_and(|v| !v.trim().is_empty());
+    let mut tries: Vec<(String, String, Option<u32>)> = Vec::new();
     for (backend, params) in candidates(&ladder) {
+        if backend.contains('&') && !copies_given {
+            tries.extend(COPIES.iter().map(|&c| (backend.clone(), params.clone(), Some(c))));
+        } else {
+            tries.push((backend, params, None));
+        }
+    }
+    for (backend, params, copies) in tries {
         let flags = Flags {
             backend: Some(backend.clone()),
             params_backend: (!params.is_empty()).then(|| params.clone()),
+            pipeline_copies: copies.map(|c| c.to_string()).or_else(|| req.flags.pipeline_copies.clone()),
             auto_fit: None,
             clip_on_cpu: false,
             vae_on_cpu: false,
@@ -127,12 +160,16 @@ pub fn plan_by_time(req: &PlanRequest, work: &Workload, figures: &Figures) -> Re
         if !pred.complete() || !pred.total_s.is_finite() {
             continue;
         }
-        if alts.iter().any(|(a, _, _)| a.backend == p.backend && a.params_backend == p.params_backend) {
+        let same = |a: &Alternative| {
+            a.backend == p.backend && a.params_backend == p.params_backend && a.pipeline_copies == p.pipeline_copies
+        };
+        if alts.iter().any(|(a, _, _)| same(a)) {
             continue;
         }
         let a = Alternative {
             backend: p.backend.clone(),
             params_backend: p.params_backend.clone(),
+            pipeline_copies: p.pipeline_copies,
             step_s: pred.step_s,
             total_s: pred.total_s,
         };
@@ -166,9 +203,8 @@ pub fn plan_by_time(req: &PlanRequest, work: &Workload, figures: &Figures) -> Re
     };
     let reason = if ladder_ok {
         format!(
-            "auto-fit by time: --backend \"{}\"{} predicted {} per generation ({} per step) against the ladder's {} ({} per step)",
-            a.backend,
-            if a.params_backend.is_empty() { String::new() } else { format!(" --params-backend \"{}\"", a.params_backend) },
+            "auto-fit by time: {} predicted {} per generation ({} per step) against the ladder's {} ({} per step)",
+            flags_of(&a),
             fmt_secs(a.total_s),
             fmt_secs(a.step_s),
             fmt_secs(ladder_pred.total_s),
@@ -176,8 +212,8 @@ pub fn plan_by_time(req: &PlanRequest, work: &Workload, figures: &Figures) -> Re
         )
     } else {
         format!(
-            "auto-fit by time: the ladder's plan does not fit; --backend \"{}\" fits, predicted {} per generation",
-            a.backend,
+            "auto-fit by time: the ladder's plan does not fit; {} fits, predicted {} per generation",
+            flags_of(&a),
             fmt_secs(a.total_s)
         )
     };

@@ -31,7 +31,9 @@
 //!   transfer (0 for a kept block) and `c_i` its compute;
 //! * a layer split: the stages in sequence plus each boundary's activation copy (device to
 //!   host to device); with `m` micro-batches (`--pipeline-copies`, at most the batch) a stage
-//!   takes `s/m` per micro-batch and the run `Σ s_j/m + (m-1)·max s_j/m`;
+//!   takes `s/m` per micro-batch and the run `Σ s_j/m + (m-1)·max s_j/m`, except when two
+//!   stages' devices compute on one host's cores ([`DeviceFigures::host`]): they take turns,
+//!   so the stages run in sequence (`m = 1`);
 //! * a row split is not predicted (listed in [`Prediction::unpredicted`]).
 //!
 //! The peak on each device is the plan's own accounting ([`crate::DeviceUsage::used_bytes`]).
@@ -98,6 +100,11 @@ pub struct DeviceFigures {
     /// Seconds of one round trip to the device (a graph launch or a transfer; an RPC
     /// endpoint's network latency).
     pub link_latency_s: f64,
+    /// The machine whose cores and memory the device computes with, when other devices may
+    /// share them (the local CPU and RPC servers on loopback: `localhost`; RPC servers: their
+    /// host); empty for a device with compute of its own (a GPU). Devices naming one host do
+    /// not overlap in a pipelined layer split: they take turns on the same cores.
+    pub host: String,
 }
 
 impl DeviceFigures {
@@ -446,6 +453,22 @@ fn figures_of<'a>(figures: &'a Figures, name: &str) -> Result<&'a DeviceFigures,
     figures.device(name).ok_or_else(|| format!("no figures for device {name}"))
 }
 
+/// The host two of `devices` share ([`DeviceFigures::host`]), if any.
+fn shared_host<'a>(figures: &'a Figures, devices: impl Iterator<Item = &'a str>) -> Result<Option<&'a str>, String> {
+    let mut seen: Vec<&str> = Vec::new();
+    for d in devices {
+        let host = figures_of(figures, d)?.host.trim();
+        if host.is_empty() {
+            continue;
+        }
+        if seen.iter().any(|h| h.eq_ignore_ascii_case(host)) {
+            return Ok(Some(host));
+        }
+        seen.push(host);
+    }
+    Ok(None)
+}
+
 /// Seconds to bring `bytes` of weights from `home` to device `to` (through the host).
 fn transfer_s(figures: &Figures, home: &ParamsHome, to: &DeviceFigures, bytes: u64) -> Result<f64, String> {
     if bytes == 0 {
@@ -576,17 +599,14 @@ fn module_time(
                 }
                 stages.push(s);
             }
-            let micro = plan.pipeline_copies.min(load.batch).max(1);
+            let shared = shared_host(figures, m.split.iter().map(|r| r.device.as_str()))?;
+            let micro = if shared.is_some() { 1 } else { plan.pipeline_copies.min(load.batch).max(1) };
             let run_s = pipelined_s(&stages, micro);
-            Ok(ModuleTime {
-                module: m.module,
-                runs,
-                run_s,
-                first_run_s: run_s,
-                compute_s,
-                bytes_per_run: bytes,
-                how: format!("layer split over {} stages, {micro} micro-batch(es)", stages.len()),
-            })
+            let mut how = format!("layer split over {} stages, {micro} micro-batch(es)", stages.len());
+            if let Some(host) = shared {
+                how.push_str(&format!(" (stages share the cores of {host}: they take turns, no overlap)"));
+            }
+            Ok(ModuleTime { module: m.module, runs, run_s, first_run_s: run_s, compute_s, bytes_per_run: bytes, how })
         }
     }
 }

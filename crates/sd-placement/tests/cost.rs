@@ -228,6 +228,21 @@ fn layer_split_with_pipeline_copies() {
     assert!(pred.complete(), "{:?}", pred.unpredicted);
     assert!(close(pred.step_s, (s0 + s1) / 2.0 + s0.max(s1) / 2.0), "{} vs {}", pred.step_s, s0 + s1);
     assert_eq!(pred.bytes_per_step, 2 * 1024 * 64 * 4);
+
+    // The same two devices computing on one machine's cores (two RPC servers on one host)
+    // take turns: the stages run in sequence whatever the copies, and the plan says why.
+    let mut shared = f.clone();
+    for d in ["GPU0", "GPU1"] {
+        shared.devices.get_mut(d).unwrap().host = "10.0.0.7".into();
+    }
+    let seq = predict(&p, &c.work, &shared);
+    assert!(close(seq.step_s, s0 + s1), "{} vs {}", seq.step_s, s0 + s1);
+    assert!(seq.modules[0].how.contains("share the cores of 10.0.0.7"), "{}", seq.modules[0].how);
+    // Hosts that differ (or a device with compute of its own) still overlap.
+    shared.devices.get_mut("GPU1").unwrap().host = "10.0.0.8".into();
+    assert!(close(predict(&p, &c.work, &shared).step_s, pred.step_s));
+    shared.devices.get_mut("GPU1").unwrap().host.clear();
+    assert!(close(predict(&p, &c.work, &shared).step_s, pred.step_s));
 }
 
 #[test]

@@ -4,6 +4,9 @@
 //! cargo xtask bench-placement [--runs N] [--threads N] [--size 256|512]
 //! ```
 //!
+//! (`--split` measures layer splits instead, `bench_split.rs`; `--truth` the cost model's
+//! predictions, `bench_truth.rs`.)
+//!
 //! One `sd-cli rpc-server` child serves the CPU on a free loopback port for the
 //! whole benchmark (killed at the end, also on error); the runs use the SD 1.5 f16
 //! fixture with `cargo xtask bench`'s settings (euler, cfg 7, seed 42, "a photo of
@@ -53,8 +56,11 @@ pub struct Args {
     #[arg(long = "threads", short = 't', value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     threads: u32,
     /// Measure layer splits over two RPC servers instead (`bench_split.rs`).
-    #[arg(long = "split")]
+    #[arg(long = "split", conflicts_with = "truth")]
     split: bool,
+    /// Measure the cost model's predictions against runs instead (`bench_truth.rs`).
+    #[arg(long = "truth")]
+    truth: bool,
     /// With `--split`: images per run (`-b`); a batch gives the pipeline more micro-batches
     /// (each image's two guidance passes), sampled in lockstep under copies > 1.
     #[arg(long = "batch", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), requires = "split")]
@@ -344,6 +350,9 @@ pub fn run(args: Args) -> Result<()> {
     if args.split {
         return crate::bench_split::run(args.size, args.runs, args.batch);
     }
+    if args.truth {
+        return crate::bench_truth::run(args.runs);
+    }
     let s = args.size.setting();
     eprintln!("bench-placement: building sd-cli (release) and the reference");
     let ours_exe = build_sd_cli()?;
@@ -492,12 +501,17 @@ mod tests {
     #[test]
     fn parses_the_documented_command_line() {
         let parse = crate::parse_test::<Args>;
-        assert_eq!(parse("").unwrap(), Args { size: Size::S256, runs: 2, threads: 2, split: false, batch: 1 });
+        assert_eq!(
+            parse("").unwrap(),
+            Args { size: Size::S256, runs: 2, threads: 2, split: false, truth: false, batch: 1 }
+        );
         assert_eq!(
             parse("--runs 1 --threads 4 --size 512").unwrap(),
-            Args { size: Size::S512, runs: 1, threads: 4, split: false, batch: 1 }
+            Args { size: Size::S512, runs: 1, threads: 4, split: false, truth: false, batch: 1 }
         );
         assert_eq!(parse("--split --batch 2").unwrap().batch, 2);
+        assert!(parse("--truth --runs 1").unwrap().truth);
+        assert!(parse("--truth --split").is_err(), "one measurement at a time");
         assert!(parse("--batch 2").is_err(), "--batch needs --split");
         assert_eq!(parse("--size 512").unwrap().size.setting(), bench::SETTING_512);
         for (line, needle) in

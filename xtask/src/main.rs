@@ -5,6 +5,7 @@ mod bench_placement;
 mod bench_server;
 mod bench_sizes;
 mod bench_split;
+mod bench_truth;
 mod bench_variants;
 mod bindings;
 mod fixture;

@@ -171,6 +171,16 @@ impl Runs {
     }
 }
 
+/// What every placement benchmark starts with: the release `sd-cli`, the SD 1.5 f16 fixture
+/// and the output folder `target/bench`.
+pub(crate) fn bench_inputs() -> Result<(PathBuf, PathBuf, PathBuf)> {
+    let exe = build_sd_cli()?;
+    let model = ensure_fixture(Family::Sd15)?;
+    let dir = workspace_root().join("target/bench");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok((exe, model, dir))
+}
+
 /// The `sd-cli rpc-server` child; killed and reaped on drop.
 pub(crate) struct RpcServer {
     child: Child,
@@ -355,11 +365,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let s = args.size.setting();
     eprintln!("bench-placement: building sd-cli (release) and the reference");
-    let ours_exe = build_sd_cli()?;
+    let (ours_exe, model, dir) = bench_inputs()?;
     let ref_exe = reference::build()?;
-    let model = ensure_fixture(Family::Sd15)?;
-    let dir = workspace_root().join("target/bench");
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let (mut server, addr) = RpcServer::start(&ours_exe, args.threads, dir.join("placement-rpc-server.log"))?;
     eprintln!("bench-placement: rpc-server on {addr}");
     let mut results: [Runs; 7] = Default::default();

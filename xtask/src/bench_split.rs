@@ -25,14 +25,11 @@
 
 use std::path::Path;
 
-use anyhow::{Context as _, Result};
-use sd_models::fixture::Family;
+use anyhow::Result;
 use sd_models::report::RunReport;
 
 use crate::bench::{self, fmt_ratio, fmt_s, median, Size};
-use crate::bench_placement::RpcServer;
-use crate::parity::{build_sd_cli, ensure_fixture};
-use crate::workspace_root;
+use crate::bench_placement::{bench_inputs, RpcServer};
 
 /// One configuration: its name and the flags after `--rpc A,B[,C]`.
 struct Config {
@@ -121,10 +118,7 @@ fn figures(r: &RunReport, batch: u32, into: &mut Figures) {
 pub fn run(size: Size, runs: u32, batch: u32) -> Result<()> {
     let s = size.setting();
     eprintln!("bench-placement --split: building sd-cli (release)");
-    let exe = build_sd_cli()?;
-    let model = ensure_fixture(Family::Sd15)?;
-    let dir = workspace_root().join("target/bench");
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let (exe, model, dir) = bench_inputs()?;
     let log = |n: &str| dir.join(format!("split-rpc-server-{n}.log"));
     let (mut a, addr_a) = RpcServer::start(&exe, 1, log("a"))?;
     let (mut b, addr_b) = RpcServer::start(&exe, 1, log("b"))?;

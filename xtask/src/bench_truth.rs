@@ -30,13 +30,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context as _, Result};
-use sd_models::fixture::Family;
 use sd_models::report::RunReport;
 
 use crate::bench::{self, fmt_ratio, fmt_s, median, Setting};
-use crate::bench_placement::RpcServer;
-use crate::parity::{build_sd_cli, ensure_fixture};
-use crate::workspace_root;
+use crate::bench_placement::{bench_inputs, RpcServer};
 
 /// Passes of the fit runs (see [`run`]).
 const FIT_PASSES: usize = 2;
@@ -177,10 +174,7 @@ fn run_checked(mut c: Command, what: &str) -> Result<String> {
 /// Entry point of `cargo xtask bench-placement --truth`.
 pub fn run(runs: u32) -> Result<()> {
     eprintln!("bench-placement --truth: building sd-cli (release)");
-    let exe = build_sd_cli()?;
-    let model = ensure_fixture(Family::Sd15)?;
-    let dir = workspace_root().join("target/bench");
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let (exe, model, dir) = bench_inputs()?;
     let log = |n: &str| dir.join(format!("truth-rpc-server-{n}.log"));
     let (mut a, addr_a) = RpcServer::start(&exe, 1, log("0"))?;
     let (mut b, addr_b) = RpcServer::start(&exe, 1, log("1"))?;
@@ -212,42 +206,40 @@ pub fn run(runs: u32) -> Result<()> {
         schedule.extend(order.into_iter().map(|k| (format!("round {}/{runs}", round + 1), k)));
     }
     for (i, (stage, k)) in schedule.into_iter().enumerate() {
-        {
-            let p = &PLACEMENTS[k];
-            let out = dir.join(format!("truth-{i}.png"));
-            let mut cmd = bench::our_command(&exe, &model, SETTING, 1, &out);
-            cmd.env("SD_CACHE_DIR", &cache).args(["--rpc", &rpc]).args(p.flags);
-            eprintln!("bench-placement --truth: {stage}: {}", p.name);
-            let m = bench::run_measured(&mut cmd)?;
-            m.check(p.name)?;
-            for server in [&mut a, &mut b, &mut c] {
-                server.check_alive()?;
-            }
-            let path = bench::report_path(&out);
-            let report = bench::read_report(&path)?;
-            let r = &mut results[k];
-            if p.role == Role::Fit {
-                // The table shows the last pass of each fit run.
-                *r = Runs::default();
-            }
-            r.step_s.extend(warm_step(&report));
-            r.generation_s.extend(bench::ours_timings(&report).generation_s);
-            if let Some(pred) = &report.predicted {
-                r.predicted_step_s.push(pred.step_s);
-                r.predicted_total_s.push(pred.total_s);
-            }
-            if let Some(plan) = &report.plan {
-                r.placement = if plan.params_backend.is_empty() {
-                    plan.backend.clone()
-                } else {
-                    format!("{} / params {}", plan.backend, plan.params_backend)
-                };
-            }
-            if p.role == Role::Fit {
-                let path = path.to_str().context("the report's path is not UTF-8")?;
-                let fit = sd_cli(&exe, &cache, &["calibrate", "--from-report", path], &rpc);
-                fitted.push_str(&run_checked(fit, "calibrate --from-report")?);
-            }
+        let p = &PLACEMENTS[k];
+        let out = dir.join(format!("truth-{i}.png"));
+        let mut cmd = bench::our_command(&exe, &model, SETTING, 1, &out);
+        cmd.env("SD_CACHE_DIR", &cache).args(["--rpc", &rpc]).args(p.flags);
+        eprintln!("bench-placement --truth: {stage}: {}", p.name);
+        let m = bench::run_measured(&mut cmd)?;
+        m.check(p.name)?;
+        for server in [&mut a, &mut b, &mut c] {
+            server.check_alive()?;
+        }
+        let path = bench::report_path(&out);
+        let report = bench::read_report(&path)?;
+        let r = &mut results[k];
+        if p.role == Role::Fit {
+            // The table shows the last pass of each fit run.
+            *r = Runs::default();
+        }
+        r.step_s.extend(warm_step(&report));
+        r.generation_s.extend(bench::ours_timings(&report).generation_s);
+        if let Some(pred) = &report.predicted {
+            r.predicted_step_s.push(pred.step_s);
+            r.predicted_total_s.push(pred.total_s);
+        }
+        if let Some(plan) = &report.plan {
+            r.placement = if plan.params_backend.is_empty() {
+                plan.backend.clone()
+            } else {
+                format!("{} / params {}", plan.backend, plan.params_backend)
+            };
+        }
+        if p.role == Role::Fit {
+            let path = path.to_str().context("the report's path is not UTF-8")?;
+            let fit = sd_cli(&exe, &cache, &["calibrate", "--from-report", path], &rpc);
+            fitted.push_str(&run_checked(fit, "calibrate --from-report")?);
         }
     }
     drop((a, b, c));

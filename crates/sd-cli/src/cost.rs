@@ -291,10 +291,10 @@ pub(crate) fn figures(
             file.device.iter().find(|e| e.device == d.name && e.description == desc).map(|e| e.figures.clone());
         let (f, src) = match (from_profile, calibrated) {
             (Some(f), _) => (f, "profile"),
-            (None, Some(f)) => (with_host(f, d.kind, rpc, &desc), "calibrated"),
+            (None, Some(f)) => (f, "calibrated"),
             (None, None) => {
                 measured = false;
-                let mut f = with_host(nominal_figures(d.kind, rpc), d.kind, rpc, &desc);
+                let mut f = nominal_figures(d.kind, rpc);
                 match speeds.get(&d.name) {
                     // The speed cache's figure at 512x512 (f16 block weights per second).
                     Some(&s) => {
@@ -306,6 +306,8 @@ pub(crate) fn figures(
             }
         };
         sources.push(format!("{} {src}", d.name));
+        // A profile says its devices' hosts itself; for this machine's they are derived.
+        let f = if src == "profile" { f } else { with_host(f, d.kind, rpc, &desc) };
         out.devices.insert(d.name.clone(), f);
     }
     if !cpu_listed {

@@ -11,7 +11,7 @@
 //! * `image <i>/<n> step <s>/<steps> took <seconds> s`
 //! * `<stage> image <i>/<n> tile <t>/<tiles>` (`stage` is `decode` or `image encode`)
 //!
-//! (stage durations are logged by the pipeline itself: `text encoding took ...`).
+//! (stage durations are logged by the pipeline itself: `text encode took ...`).
 
 use std::sync::Mutex;
 

@@ -201,7 +201,7 @@ fn flux_bad_inputs_are_clear_errors() {
     let taesd = taesd_file(4).display().to_string();
     let (png, _, err) = run(&d, "taesd", &["-p", "a cat", "--taesd", &taesd]);
     assert!(png.is_none() && err.contains("decoder.layers.0.weight"), "{err}");
-    assert!(!err.contains("text encoding took"), "validated first: {err}");
+    assert!(!err.contains("text encode took"), "validated first: {err}");
     // Without T5 the prompt would be ignored: refused, naming the flag.
     let f = files();
     let o = sd_cli()

@@ -18,26 +18,22 @@
 //! ([`Pipeline::generate_keeping`], `pipeline/kept.rs`).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use sd_backends::{Backend, GgmlType};
 use sd_sched::{Ledgers, MappedBytes, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
-use crate::diffusion::controlnet::{ControlNetModel, ControlResiduals};
-use crate::family::{block_group, DiffusionModel, DiffusionSettings, Family, TextEncoder, TextRequest};
+use crate::diffusion::controlnet::ControlNetModel;
+use crate::family::{block_group, DiffusionModel, DiffusionSettings, Family, TextEncoder};
 use crate::files::{ModelFiles, ModelSources, PredictionSource};
 use crate::health;
 use crate::loader::{dtype_of, FileSource};
 use crate::placement::LayerSplit;
-use crate::report::{DeviceReport, ModuleReport, RunReport, RunnerReport, Settings, StepTime};
-use crate::sampling::{
-    img2img_sigmas, noised_latent, sample, sample_flow, txt2img_latent, Denoised, GuidedDenoiser, ModelInput,
-    ModelOutput, NoiseSchedule, Prediction, RngKind, SampleMethod, Schedule, ScheduleContext, Scheduler,
-};
-use crate::text::conditioning::Conditioning;
+use crate::report::{DeviceReport, RunReport, Settings};
+use crate::sampling::{NoiseSchedule, Prediction, RngKind, SampleMethod, Scheduler};
 
 mod control;
+mod generate;
 mod inpaint;
 mod kept;
 pub use kept::KeptWeights;
@@ -477,6 +473,16 @@ impl GenerateParams {
     /// or on the size it generates at (tiling, memory) is checked by
     /// [`Pipeline::check_request`], which takes the [`ValidParams`] this gives.
     pub fn validate(self) -> Result<ValidParams> {
+        self.check_sizes()?;
+        self.check_prompts()?;
+        self.check_scales()?;
+        self.check_img2img()?;
+        self.check_hires()?;
+        Ok(ValidParams(self))
+    }
+
+    /// The image's sides, the steps and the batch count.
+    fn check_sizes(&self) -> Result<()> {
         for (setting, v) in [(Setting::Width, self.width), (Setting::Height, self.height)] {
             if v == 0 {
                 return bad_setting(setting, v, "image sides must be positive");
@@ -491,6 +497,11 @@ impl GenerateParams {
         if self.batch_count == 0 {
             return bad_setting(Setting::BatchCount, 0, "the batch count must be at least 1");
         }
+        Ok(())
+    }
+
+    /// The prompts' lengths and weighting syntax.
+    fn check_prompts(&self) -> Result<()> {
         for (setting, text) in [(Setting::Prompt, &self.prompt), (Setting::NegativePrompt, &self.negative_prompt)] {
             if text.len() > MAX_PROMPT_BYTES {
                 return bad_setting(
@@ -504,6 +515,12 @@ impl GenerateParams {
                 return bad_setting(setting, "", e.to_string());
             }
         }
+        Ok(())
+    }
+
+    /// The guidance scales, eta, the ControlNet's strength and the flow shift: finite and within
+    /// what any UI offers.
+    fn check_scales(&self) -> Result<()> {
         // Scales within what any UI offers (ComfyUI's widgets stop at 100) and far from where
         // the sampler's arithmetic leaves f32: `--cfg-scale 1e30` times a difference of
         // predictions is infinite, and the image black or noise.
@@ -529,6 +546,26 @@ impl GenerateParams {
                 format!("must be a finite number from 0 to {MAX_GUIDANCE}"),
             );
         }
+        if !within(self.control_strength, MAX_GUIDANCE) {
+            return bad_setting(
+                Setting::ControlStrength,
+                format!("{:?}", self.control_strength),
+                format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
+            );
+        }
+        // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
+        if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
+            return bad_setting(
+                Setting::FlowShift,
+                format!("{shift:?}"),
+                format!("must be a finite number from -{MAX_FLOW_SHIFT} to {MAX_FLOW_SHIFT}"),
+            );
+        }
+        Ok(())
+    }
+
+    /// img2img's strength, and a mask only with an init image.
+    fn check_img2img(&self) -> Result<()> {
         if !(0.0..=1.0).contains(&self.strength) {
             return bad_setting(Setting::Strength, self.strength, "must be between 0 and 1");
         }
@@ -540,13 +577,11 @@ impl GenerateParams {
                 "a mask needs an init image (img2img) to keep the unmasked part of",
             );
         }
-        if !within(self.control_strength, MAX_GUIDANCE) {
-            return bad_setting(
-                Setting::ControlStrength,
-                format!("{:?}", self.control_strength),
-                format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
-            );
-        }
+        Ok(())
+    }
+
+    /// The hires fix's scale or target size, strength and steps.
+    fn check_hires(&self) -> Result<()> {
         if let Some(h) = &self.hires {
             if h.width == 0 && h.height == 0 && !(h.scale > 0.0 && h.scale <= crate::hires::MAX_HIRES_SCALE) {
                 return bad_setting(
@@ -569,15 +604,7 @@ impl GenerateParams {
                 return bad_setting(Setting::HiresSize, format!("{tw}x{th}"), "the target's sides must be positive");
             }
         }
-        // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
-        if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
-            return bad_setting(
-                Setting::FlowShift,
-                format!("{shift:?}"),
-                format!("must be a finite number from -{MAX_FLOW_SHIFT} to {MAX_FLOW_SHIFT}"),
-            );
-        }
-        Ok(ValidParams(self))
+        Ok(())
     }
 }
 
@@ -1243,626 +1270,16 @@ impl Pipeline {
     }
 
     /// The generation; with `kept`, each module is taken from it when kept there and put
-    /// back after its stage ([`KeptWeights`]).
+    /// back after its stage ([`KeptWeights`]). The stages are in `pipeline/generate.rs`.
     fn generate_into(
         &self,
         request: &Request,
         progress: &mut dyn FnMut(Progress),
         report: &mut RunReport,
-        mut kept: Option<&mut KeptWeights>,
+        kept: Option<&mut KeptWeights>,
     ) -> Result<Vec<Image>> {
-        let (p, method, scheduler, cfg_scale) = (&request.params, request.method, request.scheduler, request.cfg_scale);
-        let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
-        let channels = self.family.latent_channels();
-        let guided = cfg_scale != 1.0;
-
-        // 1. Text.
-        self.check_cancel()?;
-        let t = Instant::now();
-        let (cond, uncond) = {
-            let reused = kept.as_deref_mut().and_then(|k| k.te.take());
-            let fresh = reused.is_none();
-            let model = match reused {
-                Some(m) => m,
-                None => kept::load_or_free(&mut kept, || self.load_text())?,
-            };
-            let start = kept::begin(model.weights(), !fresh);
-            report.stage("te load", t.elapsed().as_secs_f64());
-            let t_encode = Instant::now();
-            let mut runner = self.runner("te", &self.opts.devices.te, self.opts.devices.te_split.as_ref());
-            let text = |prompt, negative| TextRequest {
-                prompt,
-                clip_skip: p.clip_skip,
-                width: p.width,
-                height: p.height,
-                negative,
-            };
-            let cond = model.encode(&mut runner, &text(&p.prompt, false))?;
-            let uncond = if guided { Some(model.encode(&mut runner, &text(&p.negative_prompt, true))?) } else { None };
-            health::check("text encoder (prompt)", &cond.data, ACTIVATIONS);
-            // A conditioning may be zero by design (SDXL's empty negative prompt).
-            if let Some(u) = uncond.as_ref().filter(|u| !u.zeroed) {
-                health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
-            }
-            tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());
-            record_module(report, "te", model.weights(), &runner);
-            kept::record(report, "te", model.weights(), start);
-            if let Some(k) = kept.as_deref_mut() {
-                k.te = Some(model);
-            }
-            report.stage("text encode", t_encode.elapsed().as_secs_f64());
-            (cond, uncond)
-        };
-        let secs = t.elapsed().as_secs_f64();
-        tracing::info!("text encoding took {secs:.2} s");
-        progress(Progress::Stage { name: "text encode", seconds: secs });
-
-        // 2. Schedule and, for img2img, the init latent.
-        let defaults = self.family.sampling();
-        let schedule = match (defaults.schedule, p.flow_shift) {
-            (Schedule::Flow(flow), Some(shift)) => Schedule::Flow(flow.with_shift(shift)),
-            (schedule, Some(shift)) => {
-                // The reference sets a shift on flow denoisers only.
-                tracing::info!("flow shift {shift} ignored: the {} model has no flow schedule", self.family.arch());
-                schedule
-            }
-            (schedule, None) => schedule,
-        };
-        let ctx = ScheduleContext { ays: defaults.ays, image_seq_len: lw * lh };
-        let full = scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
-        let mut init_latent: Option<Vec<f32>> = None;
-        // Inpainting: the mask at pixel and latent resolution; an inpainting checkpoint also
-        // takes the masked image's latent (`inpaint.rs`).
-        let concat_channels = self.family.concat_channels();
-        if concat_channels != 0 && concat_channels != channels + 1 {
-            return Err(PipelineError::Invalid(format!(
-                "the {} model's UNet takes {concat_channels} channels beside the latent's {channels}: \
-                 only inpainting's {} (mask and masked image) are supported",
-                self.family.arch(),
-                channels + 1
-            )));
-        }
-        let pixel_mask = p.mask.as_ref().map(inpaint::pixel_mask);
-        let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), VAE_SCALE));
-        let mut masked_latent: Option<Vec<f32>> = None;
-        let sigmas = match &p.init_image {
-            None => full,
-            Some(image) => {
-                let image = crate::image_io::to_planar(image);
-                let t = Instant::now();
-                // A kept decoder without its encoder is freed for the full VAE.
-                let reused = kept.as_deref_mut().and_then(|k| k.vae.take()).filter(|(encoder, _)| *encoder);
-                let was_kept = reused.is_some();
-                let vae = match reused {
-                    Some((_, vae)) => vae,
-                    None => kept::load_or_free(&mut kept, || self.load_first_stage(true))?,
-                };
-                let start = vae.params().and_then(|w| kept::begin(w, was_kept));
-                report.stage("vae load (encode)", t.elapsed().as_secs_f64());
-                let t_encode = Instant::now();
-                let mut runner = self.runner("vae", &self.opts.devices.vae, None);
-                // Pixels in [0, 1] as the VAE takes them.
-                let range = vae.image_range();
-                let to_vae = |x: &[f32]| -> Vec<f32> {
-                    match range {
-                        sd_vae::ImageRange::MinusOneToOne => x.iter().map(|v| v * 2.0 - 1.0).collect(),
-                        sd_vae::ImageRange::ZeroToOne => x.to_vec(),
-                    }
-                };
-                let px = to_vae(&image);
-                let mut rng = p.rng.seeded(p.seed);
-                let mut on_tile = |done: usize, tiles: usize| {
-                    progress(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
-                };
-                let latent = encode_latent(
-                    vae.as_ref(),
-                    &mut runner,
-                    &px,
-                    (p.width, p.height),
-                    &p.tiling,
-                    rng.as_mut(),
-                    &mut on_tile,
-                )?;
-                init_latent = Some(latent);
-                if concat_channels > 0 {
-                    // The reference encodes the masked image next, drawing from the same generator.
-                    let ones;
-                    let m = match &pixel_mask {
-                        Some(m) => m,
-                        None => {
-                            ones = vec![1.0; p.width * p.height];
-                            &ones
-                        }
-                    };
-                    let px = to_vae(&inpaint::masked_image(&image, m));
-                    masked_latent = Some(encode_latent(
-                        vae.as_ref(),
-                        &mut runner,
-                        &px,
-                        (p.width, p.height),
-                        &p.tiling,
-                        rng.as_mut(),
-                        &mut on_tile,
-                    )?);
-                }
-                if let Some(w) = vae.params() {
-                    record_module(report, "vae", w, &runner);
-                    kept::record(report, "vae", w, start);
-                }
-                if let Some(k) = kept.as_deref_mut() {
-                    k.vae = Some((true, vae));
-                }
-                report.stage("image encode", t_encode.elapsed().as_secs_f64());
-                let secs = t.elapsed().as_secs_f64();
-                tracing::info!("init image encoded in {secs:.2} s");
-                progress(Progress::Stage { name: "image encode", seconds: secs });
-                img2img_sigmas(&full, p.strength)?
-            }
-        };
-        if sigmas.len() < 2 {
-            return bad_setting(Setting::Strength, p.strength, "too low: no sampling step remains");
-        }
-        // An inpainting UNet's extra channels (the same for every image and both passes):
-        // without an init image, a mask of ones and a zero masked latent, as the reference.
-        let concat = (concat_channels > 0).then(|| {
-            let ones = vec![1.0; lw * lh];
-            let zeros = vec![0.0; channels * lw * lh];
-            inpaint::concat(latent_mask.as_deref().unwrap_or(&ones), masked_latent.as_deref().unwrap_or(&zeros))
-        });
-        // The denoised estimate keeps the init latent outside the mask (dilated for an
-        // inpainting UNet). Without a mask the reference's mask is all ones: nothing to keep.
-        let denoise_mask = latent_mask.map(|m| if concat.is_some() { inpaint::dilate3(&m, (lw, lh)) } else { m });
-        if concat.is_some() && (p.init_image.is_none() || p.mask.is_none()) {
-            // The reference's warning; it then runs as this does.
-            tracing::warn!("an inpainting model needs both an init image (-i) and a mask (--mask)");
-        }
-
-        // 3. Sampling.
-        let mut latents: Vec<Vec<f32>> = Vec::with_capacity(p.batch_count);
-        {
-            let t = Instant::now();
-            let key = p.guidance.to_bits();
-            let reused = kept.as_deref_mut().and_then(|k| k.unet.take()).filter(|(g, _)| *g == key);
-            let was_kept = reused.is_some();
-            let unet = match reused {
-                Some((_, unet)) => unet,
-                None => kept::load_or_free(&mut kept, || self.load_diffusion(p.guidance))?,
-            };
-            let start = kept::begin(unet.weights(), was_kept);
-            report.stage("unet load", t.elapsed().as_secs_f64());
-            // The ControlNet, loaded for sampling and released after it.
-            let mut control = match (&p.control_image, self.control_net.is_some()) {
-                (Some(image), true) => {
-                    let t = Instant::now();
-                    match kept::load_or_free(&mut kept, || self.load_control_net())? {
-                        Some(model) => {
-                            report.stage("controlnet load", t.elapsed().as_secs_f64());
-                            let runner = self.runner("controlnet", &self.opts.devices.controlnet, None);
-                            let hint = crate::image_io::to_planar(image);
-                            Some(control::ControlStage { model, runner, hint, strength: p.control_strength })
-                        }
-                        None => None,
-                    }
-                }
-                (Some(_), false) => {
-                    tracing::warn!("a control image without a ControlNet is not used");
-                    None
-                }
-                (None, _) => None,
-            };
-            let t = Instant::now();
-            let mut runner =
-                self.runner("unet", &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
-            // The passes: the generated size, then the hires fix's target from the first pass's
-            // latents upscaled (the reference's second sampling, each image's generator seeded
-            // again as for the first).
-            let (lw0, lh0) = (lw, lh);
-            let mut passes = vec![(lw, lh, sigmas.clone())];
-            if let Some(h) = &p.hires {
-                let (hw, hh) = (h.width / VAE_SCALE, h.height / VAE_SCALE);
-                let steps = crate::hires::second_pass_schedule_steps(h, p.steps);
-                let ctx = ScheduleContext { ays: defaults.ays, image_seq_len: hw * hh };
-                let full = scheduler.sigmas_for(steps, &schedule, &ctx)?;
-                let tail = img2img_sigmas(&full, h.strength())?;
-                tracing::info!(
-                    "hires fix: {}x{}, scheduler steps {steps}, denoising strength {:.2}, {} sigmas",
-                    h.width,
-                    h.height,
-                    h.strength(),
-                    tail.len()
-                );
-                passes.push((hw, hh, tail));
-            }
-            // Where each pass's images start from: the init latent (or noise), then the first
-            // pass's latents upscaled.
-            let mut start_from = PassStart::Init;
-            for (pass, (lw, lh, sigmas)) in passes.into_iter().enumerate() {
-                if let (1, Some(h)) = (pass, &p.hires) {
-                    let first = std::mem::take(&mut latents);
-                    start_from = if h.upscaler.is_latent() {
-                        let up = |l: &Vec<f32>| crate::hires::upscale_latent(l, (lw0, lh0), (lw, lh), h.upscaler);
-                        PassStart::Latents(first.iter().map(up).collect())
-                    } else {
-                        let vae = self.load_first_stage(true)?;
-                        let runner = self.runner("vae", &self.opts.devices.vae, None);
-                        PassStart::Images(Box::new(ImageUpscale { vae, runner, latents: first, upscaler: h.upscaler }))
-                    };
-                }
-                // Images are sampled one after the other, each from its own generator, as in the
-                // reference. A split module that overlaps micro-batches across its devices
-                // (`pipeline_copies` > 1) samples the batch's images in lockstep instead: one model
-                // evaluation per step covers every image, so the micro-batches have images to
-                // overlap even without guidance. Each image still draws its noise from its own
-                // generator, in its own order (`ImagesRng`), so the sampling math is the same.
-                let per_image = channels * lh * lw;
-                let groups: Vec<std::ops::Range<usize>> = if runner.micro_batches(p.batch_count) > 1 {
-                    tracing::debug!("{} images sampled in lockstep for the pipelined split", p.batch_count);
-                    std::iter::once(0..p.batch_count).collect()
-                } else {
-                    (0..p.batch_count).map(|b| b..b + 1).collect()
-                };
-                for images in groups {
-                    let first = images.start;
-                    let mut rngs: Vec<Box<dyn crate::sampling::NoiseRng>> =
-                        images.clone().map(|b| p.rng.seeded(p.seed.wrapping_add(b as u64))).collect();
-                    let mut x = Vec::with_capacity(per_image * images.len());
-                    for (k, rng) in rngs.iter_mut().enumerate() {
-                        let from_image;
-                        let init = match &mut start_from {
-                            PassStart::Init => init_latent.as_deref(),
-                            PassStart::Latents(u) => Some(&u[first + k][..]),
-                            PassStart::Images(state) => {
-                                from_image = hires_image_upscale(
-                                    self.hires_model.as_ref(),
-                                    state.vae.as_ref(),
-                                    &mut state.runner,
-                                    &state.latents[first + k],
-                                    ((lw0, lh0), (lw, lh)),
-                                    state.upscaler,
-                                    &p.tiling,
-                                    rng.as_mut(),
-                                )?;
-                                Some(&from_image[..])
-                            }
-                        };
-                        let noise = rng.randn(per_image);
-                        x.extend(match init {
-                            None => txt2img_latent(&noise, sigmas[0]),
-                            Some(init) => match &schedule {
-                                Schedule::Flow(flow) => flow.noised_latent(init, &noise, sigmas[0])?,
-                                Schedule::Discrete(_) => noised_latent(init, &noise, sigmas[0])?,
-                            },
-                        });
-                    }
-                    let mut rng = ImagesRng(rngs);
-                    let mut step_start = Instant::now();
-                    let warned = std::cell::Cell::new(false);
-                    let n_images = images.len();
-                    let model = |inp: ModelInput<'_>| -> Result<ModelOutput> {
-                        let with_concat: Vec<f32>;
-                        let x = match &concat {
-                            None => inp.x,
-                            Some(c) => {
-                                with_concat =
-                                    inp.x.chunks_exact(per_image).flat_map(|xi| xi.iter().chain(c).copied()).collect();
-                                &with_concat
-                            }
-                        };
-                        let out = eval_guided(
-                            unet.as_ref(),
-                            &mut runner,
-                            x,
-                            (lw, lh),
-                            n_images,
-                            inp.timestep,
-                            &cond,
-                            uncond.as_ref().filter(|_| inp.uncond),
-                            control.as_mut().map(|c| (c, inp.x)),
-                        )?;
-                        // One warning per image: a broken model is broken at every step.
-                        if !warned.get() {
-                            let which = match n_images {
-                                1 => format!("image {}", first + 1),
-                                n => format!("images {} to {}", first + 1, first + n),
-                            };
-                            let stage = format!("diffusion model output at timestep {:.0} of {which}", inp.timestep);
-                            warned.set(health::check(&stage, &out.cond, ACTIVATIONS));
-                        }
-                        Ok(out)
-                    };
-                    let steps = &mut report.steps;
-                    let mut denoiser = GuidedDenoiser::new(&schedule, self.prediction, cfg_scale, model);
-                    let with_uncond = method.needs_uncond_denoised();
-                    let mut denoise = |x: &[f32], sigma: f32, step: crate::sampling::Step| -> Result<Denoised> {
-                        self.check_cancel()?;
-                        let mut out = denoiser.denoise_full::<PipelineError>(x, sigma, step, with_uncond)?;
-                        if let (Some(m), Some(init)) = (&denoise_mask, &init_latent) {
-                            inpaint::blend(&mut out.pred, init, m);
-                        }
-                        if step.last_eval {
-                            let secs = step_start.elapsed().as_secs_f64();
-                            // In lockstep one step serves every image: each is reported with it.
-                            for b in images.clone() {
-                                steps.push(StepTime { image: b, step: step.index, seconds: secs });
-                                // The front end shows it (sd-cli: a bar, or an info line).
-                                progress(Progress::Step {
-                                    image: b,
-                                    images: p.batch_count,
-                                    step: step.index,
-                                    steps: step.count,
-                                    seconds: secs,
-                                });
-                            }
-                            step_start = Instant::now();
-                            if let Some(hook) = &self.latent_hook {
-                                for (k, b) in images.clone().enumerate() {
-                                    let Some(latent) = out.pred.get(k * per_image..(k + 1) * per_image) else { break };
-                                    hook(&StepLatent {
-                                        image: b,
-                                        step: step.index,
-                                        steps: step.count,
-                                        channels,
-                                        width: lw,
-                                        height: lh,
-                                        latent,
-                                    });
-                                }
-                            }
-                        }
-                        Ok(out)
-                    };
-                    let eta = p.eta.unwrap_or_else(|| method.default_eta());
-                    let out = if schedule.is_flow() {
-                        sample_flow(method, &mut denoise, x, &sigmas, &mut rng, eta)?
-                    } else {
-                        sample(method, &mut denoise, x, &sigmas, &mut rng, eta)?
-                    };
-                    latents.extend(out.chunks_exact(per_image).map(<[f32]>::to_vec));
-                }
-            }
-            let moved = unet.weights().stats();
-            tracing::debug!(
-                "unet params {}; {}; copied {:.1} MiB to {} in {:.2} s",
-                unet.weights().home_description(),
-                runner.summary(),
-                moved.copied_bytes as f64 / 1048576.0,
-                runner.backends().iter().map(|b| b.device().name()).collect::<Vec<_>>().join("&"),
-                moved.copy_nanos as f64 * 1e-9
-            );
-            record_module(report, "unet", unet.weights(), &runner);
-            kept::record(report, "unet", unet.weights(), start);
-            if let Some(c) = &control {
-                tracing::debug!("controlnet params {}; {}", c.model.weights.home_description(), c.runner.summary());
-                record_module(report, "controlnet", &c.model.weights, &c.runner);
-            }
-            drop(control);
-            report.stage("sampling", t.elapsed().as_secs_f64());
-            drop(runner);
-            if let Some(k) = kept.as_deref_mut() {
-                k.unet = Some((key, unet));
-            }
-        }
-
-        // 4. Decoding, at the hires target's size after a hires pass.
-        let (out_w, out_h) = p.hires.as_ref().map_or((p.width, p.height), |h| (h.width, h.height));
-        let (lw, lh) = (out_w / VAE_SCALE, out_h / VAE_SCALE);
-        self.check_cancel()?;
-        let t = Instant::now();
-        let reused = kept.as_deref_mut().and_then(|k| k.vae.take());
-        let was_kept = reused.is_some();
-        let (encoder, vae) = match reused {
-            Some(v) => v,
-            None => (false, kept::load_or_free(&mut kept, || self.load_first_stage(false))?),
-        };
-        let start = vae.params().and_then(|w| kept::begin(w, was_kept));
-        report.stage("vae load", t.elapsed().as_secs_f64());
-        let t_decode = Instant::now();
-        let mut runner = self.runner("vae", &self.opts.devices.vae, None);
-        let mut images = Vec::with_capacity(latents.len());
-        let images_n = latents.len();
-        for (image, mut latent) in latents.into_iter().enumerate() {
-            vae.diffusion_to_vae(&mut latent);
-            let mut on_tile = |done: usize, tiles: usize| {
-                progress(Progress::Tile { stage: "decode", image, images: images_n, done, tiles })
-            };
-            let img = sd_vae::decode_tiled_observed(
-                vae.as_ref(),
-                &mut runner,
-                &latent,
-                (lw, lh),
-                channels,
-                &p.tiling,
-                p.vae_max_compute_bytes,
-                &mut on_tile,
-            )?;
-            let (lo, hi) = match vae.image_range() {
-                sd_vae::ImageRange::MinusOneToOne => (-1.0, 1.0),
-                sd_vae::ImageRange::ZeroToOne => (0.0, 1.0),
-            };
-            health::check(&format!("VAE decoder (image {})", images.len() + 1), &img, health::Expect::Image { lo, hi });
-            images.push(planar_to_rgb8(&img, out_w, out_h, vae.image_range()));
-        }
-        tracing::debug!("vae; {}", runner.summary());
-        if let Some(w) = vae.params() {
-            record_module(report, "vae", w, &runner);
-            kept::record(report, "vae", w, start);
-        }
-        drop(runner);
-        if let Some(k) = kept {
-            k.vae = Some((encoder, vae));
-        }
-        report.stage("decode", t_decode.elapsed().as_secs_f64());
-        let secs = t.elapsed().as_secs_f64();
-        tracing::info!("decoding took {secs:.2} s");
-        progress(Progress::Stage { name: "decode", seconds: secs });
-        Ok(images)
+        self.run_stages(request, &mut generate::RunOutputs { kept, report, progress })
     }
-}
-
-/// Where a sampling pass's images start from.
-enum PassStart {
-    /// The init latent (img2img), else noise.
-    Init,
-    /// The hires fix's latent upscaler: the first pass's latents, upscaled.
-    Latents(Vec<Vec<f32>>),
-    /// The hires fix's image upscaler: each image is decoded, upscaled and encoded with its
-    /// own generator, which its encoding draws from first.
-    Images(Box<ImageUpscale>),
-}
-
-/// [`PassStart::Images`]' state.
-struct ImageUpscale {
-    /// The VAE (encoder and decoder) and its runner.
-    vae: Box<dyn FirstStage>,
-    runner: Runner,
-    /// The first pass's latents.
-    latents: Vec<Vec<f32>>,
-    upscaler: crate::hires::HiresUpscaler,
-}
-
-/// Adds `module`'s residency and its runner's work to `report`.
-fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Runner) {
-    report.modules.push(ModuleReport::of(module, w, runner));
-    report.runners.push(RunnerReport::of(runner, w));
-}
-
-/// One guided model evaluation of `images` latents (concatenated in `x`, sampled in lockstep):
-/// every image's cond pass and then every image's uncond pass as one batch when their shapes
-/// agree (the same numbers as separate runs to a few f16 ulps, fewer graph launches), else the
-/// cond passes and the uncond passes as two batches.
-#[allow(clippy::too_many_arguments)]
-fn eval_guided(
-    model: &dyn DiffusionModel,
-    runner: &mut Runner,
-    x: &[f32],
-    dims: (usize, usize),
-    images: usize,
-    timestep: f32,
-    cond: &Conditioning,
-    uncond: Option<&Conditioning>,
-    mut control: Option<(&mut control::ControlStage, &[f32])>,
-) -> Result<ModelOutput> {
-    let times = vec![timestep; images];
-    let conds = vec![cond; images];
-    // The ControlNet's residuals for a batch of `n` copies of the latents under `cs`.
-    let mut residuals = |n: usize, cs: &[&Conditioning]| -> Result<Option<ControlResiduals>> {
-        let Some((stage, latent)) = control.as_mut() else { return Ok(None) };
-        let lx: Vec<f32> = std::iter::repeat_n(*latent, n).flatten().copied().collect();
-        Ok(Some(stage.residuals(&lx, dims, &vec![timestep; cs.len()], cs)?))
-    };
-    match uncond {
-        None => {
-            let r = residuals(1, &conds)?;
-            let c = model.eval_controlled(runner, x, dims, &times, &conds, r.as_ref())?;
-            Ok(ModelOutput { cond: c, uncond: None })
-        }
-        Some(u) if u.batches_with(cond) => {
-            let mut xx = Vec::with_capacity(2 * x.len());
-            xx.extend_from_slice(x);
-            xx.extend_from_slice(x);
-            let both: Vec<&Conditioning> = conds.iter().copied().chain(std::iter::repeat_n(u, images)).collect();
-            let r = residuals(2, &both)?;
-            let times2 = [&times[..], &times[..]].concat();
-            let mut out = model.eval_controlled(runner, &xx, dims, &times2, &both, r.as_ref())?;
-            // Each half is one output per image (an inpainting UNet's input has more channels).
-            let un = out.split_off(out.len() / 2);
-            Ok(ModelOutput { cond: out, uncond: Some(un) })
-        }
-        Some(u) => {
-            let r = residuals(1, &conds)?;
-            let c = model.eval_controlled(runner, x, dims, &times, &conds, r.as_ref())?;
-            let uncs = vec![u; images];
-            let r = residuals(1, &uncs)?;
-            let un = model.eval_controlled(runner, x, dims, &times, &uncs, r.as_ref())?;
-            Ok(ModelOutput { cond: c, uncond: Some(un) })
-        }
-    }
-}
-
-/// The sampler's noise for images sampled in lockstep: a draw for all of them (their latents
-/// concatenated) takes an equal share from each image's own generator, in image order, so each
-/// image gets the values it would get sampled alone.
-struct ImagesRng(Vec<Box<dyn crate::sampling::NoiseRng>>);
-
-impl crate::sampling::NoiseRng for ImagesRng {
-    fn randn(&mut self, n: usize) -> Vec<f32> {
-        match self.0.as_mut_slice() {
-            many if !many.is_empty() && n.is_multiple_of(many.len()) => {
-                let share = n / many.len();
-                many.iter_mut().flat_map(|r| r.randn(share)).collect()
-            }
-            // A draw that is not one share per image (no sampler makes one): nothing, which the
-            // sampler reports as noise of the wrong length rather than using another image's.
-            _ => Vec::new(),
-        }
-    }
-}
-
-/// Encodes an image (in the model's range) to a diffusion-space latent.
-fn encode_latent(
-    vae: &dyn FirstStage,
-    runner: &mut Runner,
-    px: &[f32],
-    (w, h): (usize, usize),
-    tiling: &TilingParams,
-    rng: &mut dyn crate::sampling::NoiseRng,
-    on_tile: &mut dyn FnMut(usize, usize),
-) -> Result<Vec<f32>> {
-    let (out, c) = sd_vae::encode_tiled_observed(vae, runner, px, (w, h), 3, tiling, None, on_tile)?;
-    let s = vae.scale_factor();
-    let (lw, lh) = (w / s, h / s);
-    let latent_c = vae.latent_channels();
-    let mut latent = if c == 2 * latent_c {
-        let dist = sd_vae::LatentDistribution::from_moments(&out, (lw, lh), c)?;
-        let noise = rng.randn(latent_c * lw * lh);
-        dist.sample(&noise)?
-    } else {
-        out
-    };
-    vae.vae_to_diffusion(&mut latent);
-    Ok(latent)
-}
-
-/// The hires fix's image upscalers: the first pass's `latent` decoded, resized in pixels as
-/// [`crate::hires::upscale_image`] and encoded again (the encoder sampling from `rng`), as
-/// the reference's `upscale_hires_latent`; sizes are the latent's, `(from, to)`.
-#[allow(clippy::too_many_arguments)]
-fn hires_image_upscale(
-    model: Option<&std::sync::Mutex<crate::upscale::Upscaler>>,
-    vae: &dyn FirstStage,
-    runner: &mut Runner,
-    latent: &[f32],
-    (from, to): ((usize, usize), (usize, usize)),
-    upscaler: crate::hires::HiresUpscaler,
-    tiling: &TilingParams,
-    rng: &mut dyn crate::sampling::NoiseRng,
-) -> Result<Vec<f32>> {
-    let mut latent = latent.to_vec();
-    vae.diffusion_to_vae(&mut latent);
-    let channels = latent.len() / (from.0 * from.1);
-    let img = sd_vae::decode_tiled_observed(vae, runner, &latent, from, channels, tiling, None, &mut |_, _| {})?;
-    let range = vae.image_range();
-    // The decoder's output in [0, 1] (the reference clamps a [-1, 1] decoder's output there).
-    let unit: Vec<f32> = match range {
-        sd_vae::ImageRange::MinusOneToOne => img.iter().map(|v| ((v + 1.0) * 0.5).clamp(0.0, 1.0)).collect(),
-        sd_vae::ImageRange::ZeroToOne => img,
-    };
-    let (pw, ph) = (from.0 * VAE_SCALE, from.1 * VAE_SCALE);
-    let (tw, th) = (to.0 * VAE_SCALE, to.1 * VAE_SCALE);
-    let up = match (upscaler, model) {
-        (crate::hires::HiresUpscaler::Model, Some(m)) => {
-            let mut m = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (out, size) = m.upscale_planar(&unit, (pw, ph)).map_err(|e| PipelineError::Invalid(e.to_string()))?;
-            // Not clamped, as the reference; nearest to the target when the model's factor misses it.
-            crate::hires::resize_planes(&out, size, (tw, th), crate::hires::Filter::Nearest, false)
-        }
-        _ => crate::hires::upscale_image(&unit, (pw, ph), (tw, th), upscaler),
-    };
-    let px: Vec<f32> = match range {
-        sd_vae::ImageRange::MinusOneToOne => up.iter().map(|v| v * 2.0 - 1.0).collect(),
-        sd_vae::ImageRange::ZeroToOne => up,
-    };
-    encode_latent(vae, runner, &px, (tw, th), tiling, rng, &mut |_, _| {})
 }
 
 pub(crate) fn planar_to_rgb8(img: &[f32], w: usize, h: usize, range: sd_vae::ImageRange) -> Image {

@@ -19,7 +19,10 @@
 //!   family in its identifiers (`sdxl`, `flux`, `sd15`, ... outside comments, strings and
 //!   tests): a family's knowledge lives in its folder under `crates/sd-models/src/family/`.
 //!   The names that still break the rule are listed in `tests/family-names.txt` with the
-//!   reason; a stale entry is an error.
+//!   reason; a stale entry is an error;
+//! * the orchestration reads as named steps: no function of the pipeline, the sampler, the
+//!   weights' placement or the LoRA reader (see [`SHORT_FUNCTIONS`]) takes more than
+//!   [`MAX_FUNCTION_LINES`] lines, tests excepted.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -71,6 +74,18 @@ const SHARED: &[&str] = &[
     "crates/sd-models/src/describe.rs",
     "crates/sd-models/src/report.rs",
 ];
+/// Files whose functions stay short (a folder ends with `/`): the generation's stages, the
+/// sampler's loop, the weights' placement and the LoRA reader.
+const SHORT_FUNCTIONS: &[&str] = &[
+    "crates/sd-models/src/pipeline.rs",
+    "crates/sd-models/src/pipeline/",
+    "crates/sd-models/src/lora/",
+    "crates/sd-sampling/src/sampler.rs",
+    "crates/sd-sched/src/weights.rs",
+];
+/// The most lines a function of [`SHORT_FUNCTIONS`] may take, signature and closing brace
+/// included.
+const MAX_FUNCTION_LINES: usize = 80;
 /// Words that name a model family (an identifier's parts are compared, case-insensitively).
 const FAMILY_WORDS: &[&str] = &[
     "sd1", "sd15", "sd2", "sd21", "sd3", "sd35", "sdxl", "ssd1b", "vega", "flux", "flux1", "flux2", "chroma", "qwen",
@@ -450,6 +465,52 @@ fn family_names_in_shared_code(
     out
 }
 
+/// The functions of [`SHORT_FUNCTIONS`]' files longer than [`MAX_FUNCTION_LINES`]. A function
+/// starts at its `fn` line and ends at the first `}` line at its indentation; a file's test
+/// module (from `#[cfg(test)]` at the start of a line) and `tests.rs` files are not read.
+fn long_functions(texts: &BTreeMap<String, String>) -> Vec<String> {
+    let listed = |f: &str| SHORT_FUNCTIONS.iter().any(|s| if s.ends_with('/') { f.starts_with(s) } else { f == *s });
+    let mut out = Vec::new();
+    for (file, text) in texts.iter().filter(|(f, _)| f.ends_with(".rs") && listed(f) && !f.ends_with("tests.rs")) {
+        let code = text.split("\n#[cfg(test)]").next().unwrap_or_default();
+        let lines: Vec<&str> = code.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let Some(name) = fn_name(line) else { continue };
+            if line.contains('{') && line.trim_end().ends_with('}') {
+                continue; // a function on one line
+            }
+            let indent = line.len() - line.trim_start().len();
+            let closes = |l: &&str| l.len() - l.trim_start().len() == indent && l.trim_start().starts_with('}');
+            let Some(end) = lines[i..].iter().position(closes) else { continue };
+            if end + 1 > MAX_FUNCTION_LINES {
+                out.push(format!(
+                    "{file}:{}: `fn {name}` takes {} lines (at most {MAX_FUNCTION_LINES}): cut it into named steps",
+                    i + 1,
+                    end + 1
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The name of the function a line opens (`pub(crate) async fn name(` ...), none for a
+/// declaration without a body (a trait's `fn f();`).
+fn fn_name(line: &str) -> Option<&str> {
+    let t = line.trim_start();
+    if t.starts_with("//") || t.trim_end().ends_with(';') {
+        return None;
+    }
+    let words: Vec<&str> = t.split_whitespace().collect();
+    let at = words.iter().position(|w| *w == "fn")?;
+    let qualifiers = |w: &&str| w.starts_with("pub") || ["const", "async", "unsafe", "extern", "\"C\""].contains(w);
+    if !words[..at].iter().all(qualifiers) {
+        return None;
+    }
+    let name = words.get(at + 1)?;
+    Some(name.split(['(', '<']).next().unwrap_or(name))
+}
+
 // ---------------------------------------------------------------------------------------
 // The checks on the repository
 
@@ -494,6 +555,11 @@ fn shared_code_names_no_family() {
     let list = texts.get(FAMILY_NAMES).unwrap_or_else(|| panic!("{FAMILY_NAMES} is missing"));
     let allowed = allow_list(list).unwrap_or_else(|e| panic!("{e}"));
     report("family names", family_names_in_shared_code(&texts, &allowed), "see the module doc of tests/tidy.rs");
+}
+
+#[test]
+fn orchestration_functions_are_short() {
+    report("short functions", long_functions(&read_texts(&repo_files())), "see the module doc of tests/tidy.rs");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -601,4 +667,24 @@ fn a_family_named_in_shared_code_is_reported_unless_listed() {
     let found = family_names_in_shared_code(&planted, &listed);
     assert_eq!(found.len(), 1, "{found:#?}");
     assert!(found[0].contains("names no `Gone` now"), "{found:#?}");
+}
+
+#[test]
+fn a_long_orchestration_function_is_reported() {
+    let body = |n: usize| "    let x = 1;\n".repeat(n);
+    let long = format!("//! A.\npub(super) fn stage(\n    a: u8,\n) -> u8 {{\n{}    0\n}}\n", body(76));
+    let at_limit = format!("//! B.\nfn fits() {{\n{}}}\n", body(78));
+    let in_tests = format!("//! C.\nfn f() {{}}\nfn g() {{\n}}\n#[cfg(test)]\nmod tests {{\n    fn long() {{\n{}    }}\n}}\n", body(90));
+    let t = texts(&[
+        ("crates/sd-models/src/pipeline/a.rs", &long),
+        ("crates/sd-models/src/pipeline.rs", &at_limit),
+        ("crates/sd-sched/src/weights.rs", &in_tests),
+        ("crates/sd-sched/src/other.rs", &long),
+    ]);
+    let found = long_functions(&t);
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(found[0].starts_with("crates/sd-models/src/pipeline/a.rs:2: `fn stage` takes 81 lines"), "{found:#?}");
+    assert_eq!(fn_name("    fn f();"), None);
+    assert_eq!(fn_name("    pub unsafe extern \"C\" fn g<T>(x: T) {"), Some("g"));
+    assert_eq!(fn_name("    let f = |x| x; // fn in a comment"), None);
 }

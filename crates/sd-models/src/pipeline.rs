@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use sd_backends::{Backend, GgmlType};
 use sd_sched::{Ledgers, MappedBytes, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
+use sd_placement::Module;
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
 use crate::diffusion::controlnet::ControlNetModel;
@@ -667,7 +668,8 @@ pub struct Image {
 /// [`Pipeline::generate`] gets every event (a front end draws progress from them).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Progress {
-    /// A stage finished (`text encode`, `image encode`, `decode`), with its duration.
+    /// A stage finished (`text encode`, `image encode`, `sampling`, `decode`), with its
+    /// duration (module loads included).
     Stage { name: &'static str, seconds: f64 },
     /// Sampling step `step` (0-based) of `steps` finished for image `image` (0-based) of
     /// the `images` of the batch, taking `seconds`.
@@ -933,13 +935,14 @@ impl Pipeline {
     /// and served by [`crate::lora::runtime::AdapterSource`].
     fn module_weights(
         &self,
-        module: &str,
+        module: Module,
         mut specs: Vec<TensorSpec>,
         home: &ParamHome,
         split: Option<&LayerSplit>,
     ) -> Result<(Weights, Arc<dyn TensorSource + Send + Sync>)> {
         use crate::lora::runtime::{resolve, AdapterSource, ModuleWeights};
         use crate::lora::ApplyMode;
+        let module = crate::report::module_name(module);
         let files: Arc<dyn TensorSource + Send + Sync> = Arc::new(SharedFiles(self.files.clone()));
         let Some((set, requested)) = &self.loras else { return Ok((Weights::new(specs)?, files)) };
         let adapted: Vec<&TensorSpec> = specs.iter().filter(|s| set.adapts(&s.name)).collect();
@@ -980,7 +983,7 @@ impl Pipeline {
     fn place(
         &self,
         w: &mut Weights,
-        module: &str,
+        module: Module,
         home: &ParamHome,
         compute: &Arc<Backend>,
         split: Option<&LayerSplit>,
@@ -989,6 +992,7 @@ impl Pipeline {
         src: Arc<dyn TensorSource + Send + Sync>,
     ) -> Result<()> {
         use crate::lora::runtime::adapted_weight;
+        let module = crate::report::module_name(module);
         let p = &self.opts.placement;
         let group_of = |name: &str| group_of(adapted_weight(name));
         w.use_in_place(!p.no_mmap);
@@ -1008,9 +1012,9 @@ impl Pipeline {
         Ok(())
     }
 
-    fn runner(&self, name: &str, backend: &Arc<Backend>, split: Option<&LayerSplit>) -> Runner {
+    fn runner(&self, module: Module, backend: &Arc<Backend>, split: Option<&LayerSplit>) -> Runner {
         let p = &self.opts.placement;
-        let mut runner = self.runner_on(name, backend, split);
+        let mut runner = self.runner_on(crate::report::module_name(module), backend, split);
         runner.set_profiling(p.profile);
         runner
     }
@@ -1036,14 +1040,14 @@ impl Pipeline {
         let d = &self.opts.devices;
         let home = &self.opts.placement.homes.te;
         let specs = self.family.text_specs(&dtype, self.opts.wtype);
-        let (mut w, src) = self.module_weights("te", specs, home, d.te_split.as_ref())?;
+        let (mut w, src) = self.module_weights(Module::Te, specs, home, d.te_split.as_ref())?;
         // Embedding tables are read by `get_rows`, never by a product: no repacked layout.
         w.keep_in_device_buffer(&|n| {
             crate::text::clip::is_gathered(n) || crate::text::t5::is_gathered(n) || crate::text::qwen3::is_gathered(n)
         });
         let group_of = |name: &str| self.family.text_group(name);
         let rows = |spec: &TensorSpec| self.family.text_row_splittable(spec);
-        self.place(&mut w, "te", home, &d.te, d.te_split.as_ref(), &group_of, &rows, src)?;
+        self.place(&mut w, Module::Te, home, &d.te, d.te_split.as_ref(), &group_of, &rows, src)?;
         self.family.load_text(w)
     }
 
@@ -1052,10 +1056,10 @@ impl Pipeline {
         let d = &self.opts.devices;
         let home = &self.opts.placement.homes.diffusion;
         let specs = self.family.diffusion_specs(&dtype, self.opts.wtype);
-        let (mut w, src) = self.module_weights("unet", specs, home, d.diffusion_split.as_ref())?;
+        let (mut w, src) = self.module_weights(Module::Diffusion, specs, home, d.diffusion_split.as_ref())?;
         let group_of = |name: &str| self.family.diffusion_group(name);
         let rows = |spec: &TensorSpec| self.family.diffusion_row_splittable(spec);
-        self.place(&mut w, "unet", home, &d.diffusion, d.diffusion_split.as_ref(), &group_of, &rows, src)?;
+        self.place(&mut w, Module::Diffusion, home, &d.diffusion, d.diffusion_split.as_ref(), &group_of, &rows, src)?;
         let settings = DiffusionSettings { flash_attn: self.opts.flash_attn, guidance };
         self.family.load_diffusion(w, &settings)
     }
@@ -1066,7 +1070,7 @@ impl Pipeline {
         let home = &self.opts.placement.homes.controlnet;
         let mut w = Weights::new(file.specs(self.opts.wtype))?;
         let group = |name: &str| crate::diffusion::unet::group_of(name);
-        self.place(&mut w, "controlnet", home, &self.opts.devices.controlnet, None, &group, &|_| false, file.source())?;
+        self.place(&mut w, Module::ControlNet, home, &self.opts.devices.controlnet, None, &group, &|_| false, file.source())?;
         let cfg = file.config().clone();
         Ok(Some(ControlNetModel { cfg, weights: w, flash_attn: self.opts.flash_attn }))
     }
@@ -1084,13 +1088,13 @@ impl Pipeline {
             let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
             let cfg = self.taesd_config()?;
             let mut w = Weights::new(sd_vae::taesd_specs(&cfg, parts)).map_err(vae_err)?;
-            self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false, self.source())?;
+            self.place(&mut w, Module::Vae, home, backend, None, &block_group, &|_| false, self.source())?;
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
         let cfg = self.family.vae();
         let mut w = Weights::new(sd_vae::vae_specs(&cfg, parts)).map_err(vae_err)?;
-        self.place(&mut w, "vae", home, backend, None, &block_group, &|_| false, self.source())?;
+        self.place(&mut w, Module::Vae, home, backend, None, &block_group, &|_| false, self.source())?;
         Ok(Box::new(AutoencoderKl::from_weights(cfg, w)?))
     }
 

@@ -9,6 +9,7 @@
 //! The [`SCHEMA`] version changes whenever a field is renamed, removed or changes meaning
 //! (adding a field keeps it); readers check it first.
 
+use sd_placement::Module;
 use sd_placement::Plan;
 pub use sd_sched::{DeviceReport, HomeReport, ModuleReport, Residency, RunnerReport};
 use serde::{Deserialize, Serialize};
@@ -52,6 +53,19 @@ pub struct RunReport {
     /// reused from an earlier run (a server's kept weights), and the bytes staged anew.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub staging: Vec<Staging>,
+}
+
+/// The name a run report, the log and a runner give `module`: `te`, `unet` (any diffusion
+/// model), `vae`, `controlnet`, and the placement's name for the others. The report's layout
+/// ([`SCHEMA`] 1) keeps these; the code names a module by [`Module`] only.
+pub fn module_name(module: Module) -> &'static str {
+    match module {
+        Module::Diffusion => "unet",
+        Module::Te => "te",
+        Module::Vae => "vae",
+        Module::ControlNet => "controlnet",
+        other => other.name(),
+    }
 }
 
 /// One module's weights in one run: what was staged anew and what was reused.

@@ -146,11 +146,13 @@ impl Linear {
         out.push(spec(format!("{}.bias", self.name), GgmlType::GGML_TYPE_F32, &[self.out_features]));
     }
 
-    /// `x` is `[in, L, N]`; returns `[out, L, N]`.
+    /// `x` is `[in, L, N]`; returns `[out, L, N]`. The product is the model families' one
+    /// linear layer ([`Weights::linear`]), so a LoRA applied at run time or a row split
+    /// reaches the VAE's projections as it reaches theirs.
     pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'_>) -> Result<Tensor<'g>> {
-        let w = f.get(&format!("{}.weight", self.name))?;
+        let weight = format!("{}.weight", self.name);
         let b = f.get(&format!("{}.bias", self.name))?;
-        Ok(f.ctx.add(f.ctx.mul_mat(w, x), b))
+        f.weights.linear(f.ctx, &weight, Some(b), x).map_err(|e| VaeError::Weights { module: f.module, source: e })
     }
 }
 

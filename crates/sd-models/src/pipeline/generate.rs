@@ -18,7 +18,9 @@ use super::{
 use crate::diffusion::controlnet::ControlResiduals;
 use crate::family::{DiffusionModel, TextRequest};
 use crate::health;
-use crate::report::{ModuleReport, RunReport, RunnerReport, StepTime};
+use sd_placement::Module;
+
+use crate::report::{module_name, ModuleReport, RunReport, RunnerReport, StepTime};
 use crate::sampling::{
     img2img_sigmas, noised_latent, sample, sample_flow, txt2img_latent, Denoised, GuidedDenoiser, ModelInput,
     ModelOutput, NoiseRng, NoiseSchedule, Schedule, ScheduleContext, Step,
@@ -149,7 +151,7 @@ impl Pipeline {
         };
         let start = kept::begin(model.weights(), !fresh);
         clock.lap(out.report, "te load");
-        let mut runner = self.runner("te", &self.opts.devices.te, self.opts.devices.te_split.as_ref());
+        let mut runner = self.runner(Module::Te, &self.opts.devices.te, self.opts.devices.te_split.as_ref());
         let text = |prompt, negative| TextRequest {
             prompt,
             clip_skip: p.clip_skip,
@@ -165,9 +167,9 @@ impl Pipeline {
         if let Some(u) = uncond.as_ref().filter(|u| !u.zeroed) {
             health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
         }
-        tracing::debug!("te params {}; {}", model.weights().home_description(), runner.summary());
-        record_module(out.report, "te", model.weights(), &runner);
-        kept::record(out.report, "te", model.weights(), start);
+        tracing::debug!("{} params {}; {}", module_name(Module::Te), model.weights().home_description(), runner.summary());
+        record_module(out.report, Module::Te, model.weights(), &runner);
+        kept::record(out.report, Module::Te, model.weights(), start);
         drop(runner);
         if let Some(k) = out.kept.as_deref_mut() {
             k.te = Some(model);
@@ -268,7 +270,7 @@ impl Pipeline {
         };
         let start = vae.params().and_then(|w| kept::begin(w, was_kept));
         clock.lap(out.report, "vae load (encode)");
-        let mut runner = self.runner("vae", &self.opts.devices.vae, None);
+        let mut runner = self.runner(Module::Vae, &self.opts.devices.vae, None);
         let mut rng = p.rng.seeded(p.seed);
         let (init, masked_latent) = {
             let mut on_tile = |done: usize, tiles: usize| {
@@ -290,8 +292,8 @@ impl Pipeline {
             (init, masked_latent)
         };
         if let Some(w) = vae.params() {
-            record_module(out.report, "vae", w, &runner);
-            kept::record(out.report, "vae", w, start);
+            record_module(out.report, Module::Vae, w, &runner);
+            kept::record(out.report, Module::Vae, w, start);
         }
         if let Some(k) = out.kept.as_deref_mut() {
             k.vae = Some((true, vae));
@@ -320,7 +322,7 @@ impl Pipeline {
         let staged_from = kept::begin(unet.weights(), was_kept);
         clock.lap(out.report, "unet load");
         let mut control = self.control_stage(request, &mut clock, out)?;
-        let mut runner = self.runner("unet", &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
+        let mut runner = self.runner(Module::Diffusion, &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
         let first_dims = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let mut latents: Vec<Vec<f32>> = Vec::with_capacity(p.batch_count);
         // Where each pass's images start from: the init latent (or noise), then the first
@@ -346,11 +348,11 @@ impl Pipeline {
             runner.backends().iter().map(|b| b.device().name()).collect::<Vec<_>>().join("&"),
             moved.copy_nanos as f64 * 1e-9
         );
-        record_module(out.report, "unet", unet.weights(), &runner);
-        kept::record(out.report, "unet", unet.weights(), staged_from);
+        record_module(out.report, Module::Diffusion, unet.weights(), &runner);
+        kept::record(out.report, Module::Diffusion, unet.weights(), staged_from);
         if let Some(c) = &control {
             tracing::debug!("controlnet params {}; {}", c.model.weights.home_description(), c.runner.summary());
-            record_module(out.report, "controlnet", &c.model.weights, &c.runner);
+            record_module(out.report, Module::ControlNet, &c.model.weights, &c.runner);
         }
         drop(control);
         clock.finish(out);
@@ -376,7 +378,7 @@ impl Pipeline {
                     return Ok(None);
                 };
                 clock.lap(out.report, "controlnet load");
-                let runner = self.runner("controlnet", &self.opts.devices.controlnet, None);
+                let runner = self.runner(Module::ControlNet, &self.opts.devices.controlnet, None);
                 let hint = crate::image_io::to_planar(image);
                 Ok(Some(ControlStage { model, runner, hint, strength: p.control_strength }))
             }
@@ -427,7 +429,7 @@ impl Pipeline {
             return Ok(PassStart::Latents(latents.iter().map(up).collect()));
         }
         let vae = self.load_first_stage(true)?;
-        let runner = self.runner("vae", &self.opts.devices.vae, None);
+        let runner = self.runner(Module::Vae, &self.opts.devices.vae, None);
         Ok(PassStart::Images(Box::new(ImageUpscale { vae, runner, latents, upscaler: h.upscaler })))
     }
 
@@ -575,7 +577,7 @@ impl Pipeline {
         };
         let start = vae.params().and_then(|w| kept::begin(w, was_kept));
         clock.lap(out.report, "vae load");
-        let mut runner = self.runner("vae", &self.opts.devices.vae, None);
+        let mut runner = self.runner(Module::Vae, &self.opts.devices.vae, None);
         let count = latents.len();
         let mut images = Vec::with_capacity(count);
         for (image, latent) in latents.into_iter().enumerate() {
@@ -586,8 +588,8 @@ impl Pipeline {
         }
         tracing::debug!("vae; {}", runner.summary());
         if let Some(w) = vae.params() {
-            record_module(out.report, "vae", w, &runner);
-            kept::record(out.report, "vae", w, start);
+            record_module(out.report, Module::Vae, w, &runner);
+            kept::record(out.report, Module::Vae, w, start);
         }
         drop(runner);
         if let Some(k) = out.kept.as_deref_mut() {
@@ -686,8 +688,8 @@ fn to_vae_range(vae: &dyn FirstStage, x: &[f32]) -> Vec<f32> {
 }
 
 /// Adds `module`'s residency and its runner's work to `report`.
-fn record_module(report: &mut RunReport, module: &str, w: &Weights, runner: &Runner) {
-    report.modules.push(ModuleReport::of(module, w, runner));
+fn record_module(report: &mut RunReport, module: Module, w: &Weights, runner: &Runner) {
+    report.modules.push(ModuleReport::of(module_name(module), w, runner));
     report.runners.push(RunnerReport::of(runner, w));
 }
 /// One guided model evaluation of `images` latents (concatenated in `x`, sampled in lockstep):

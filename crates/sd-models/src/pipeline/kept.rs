@@ -18,7 +18,9 @@ use sd_vae::FirstStage;
 use super::{Image, Pipeline, PipelineError, Progress, Request, Result};
 use crate::family::{DiffusionModel, TextEncoder};
 use crate::files::ModelFiles;
-use crate::report::{DeviceReport, RunReport, Settings, Staging};
+use sd_placement::Module;
+
+use crate::report::{module_name, DeviceReport, RunReport, Settings, Staging};
 
 /// The loaded modules of a pipeline kept between its generations (see the module docs).
 #[derive(Default)]
@@ -104,7 +106,7 @@ pub(super) fn begin(w: &Weights, reused: bool) -> Option<u64> {
 }
 
 /// Records in `report` what `module`'s use in this run staged anew (`start` from [`begin`]).
-pub(super) fn record(report: &mut RunReport, module: &str, w: &Weights, start: Option<u64>) {
+pub(super) fn record(report: &mut RunReport, module: Module, w: &Weights, start: Option<u64>) {
     let copied = w.stats().copied_bytes;
     let staged_bytes = match start {
         Some(before) => copied.saturating_sub(before),
@@ -114,7 +116,7 @@ pub(super) fn record(report: &mut RunReport, module: &str, w: &Weights, start: O
             HomeReport::Compute | HomeReport::Disk => copied,
         },
     };
-    report.staging.push(Staging { module: module.to_string(), reused: start.is_some(), staged_bytes });
+    report.staging.push(Staging { module: module_name(module).to_string(), reused: start.is_some(), staged_bytes });
 }
 
 impl Pipeline {

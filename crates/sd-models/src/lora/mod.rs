@@ -518,6 +518,95 @@ fn matrix(files: &ModelFiles, name: &str, path: &Path) -> Result<(Vec<u64>, Vec<
     Ok((shape, v))
 }
 
+/// An adapter key of a file matched to the weight it adapts ([`match_targets`]).
+struct Matched<'k> {
+    /// The key.
+    base: &'k str,
+    /// Its tensors.
+    parts: &'k Parts,
+    kind: Kind,
+    /// Whether it adapts a row block of a fused weight (else the whole weight, as part 0).
+    fused: bool,
+}
+
+/// The adapters of each weight, by part (a fused weight's row blocks, in order).
+type ByTarget<'k> = BTreeMap<String, BTreeMap<usize, Matched<'k>>>;
+
+/// The tensors of `files` grouped by adapter key and slot, and the names of the tensors of
+/// kinds not applied (`diff_b`, `dora_scale`, ...).
+fn adapter_keys(files: &ModelFiles) -> (BTreeMap<String, Parts>, Vec<String>) {
+    let mut keys: BTreeMap<String, Parts> = BTreeMap::new();
+    let mut other: Vec<String> = Vec::new();
+    for e in files.index().entries() {
+        match split_key(&e.original_name) {
+            Some((base, slot)) => {
+                keys.entry(base.to_owned()).or_default().0.insert(slot, e.name.clone());
+            }
+            None => other.push(e.original_name.clone()),
+        }
+    }
+    (keys, other)
+}
+
+/// Matches each adapter key to the weight of `by_name` it names through `table`; the keys
+/// that cannot be used (no complete kind, a Tucker-decomposed LoKr, no such weight, a second
+/// adapter of one weight) go to `unmatched` with the reason.
+fn match_targets<'k>(
+    keys: &'k BTreeMap<String, Parts>,
+    table: &[LoraPrefix],
+    by_name: &HashMap<&str, &TensorSpec>,
+    unmatched: &mut Vec<String>,
+) -> ByTarget<'k> {
+    let mut by_target = ByTarget::new();
+    for (base, parts) in keys {
+        let Some(kind) = Kind::of(parts) else {
+            unmatched.push(format!("{base} (no up/down pair, diff, LoHa or LoKr factors)"));
+            continue;
+        };
+        // As the reference: a LoKr factor's Tucker core is not read (it would drop the
+        // core and apply the rest; here the key is reported instead).
+        if kind == Kind::Lokr && parts.0.contains_key(&Slot::LokrT2) {
+            unmatched.push(format!("{base} (a Tucker-decomposed lokr: not applied)"));
+            continue;
+        }
+        let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str())) else {
+            unmatched.push(base.clone());
+            continue;
+        };
+        // Two keys of one file for the same weight (say kohya's and diffusers' names of
+        // one module): the first in name order is kept, as the reference keeps one tensor per name.
+        let slot = by_target.entry(target.clone()).or_default();
+        let (fused, part) = (part.is_some(), part.unwrap_or(0));
+        if slot.contains_key(&part) {
+            unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
+            continue;
+        }
+        slot.insert(part, Matched { base, parts, kind, fused });
+    }
+    by_target
+}
+
+/// Warns about what the file at `path` has that is not applied: tensors of other kinds
+/// (`other`) and adapter keys that name no weight of the `family` model (`unmatched`, of `total`).
+fn warn_left_out(path: &Path, family: &str, total: usize, other: &[String], unmatched: &[String]) {
+    if !other.is_empty() {
+        let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+        tracing::warn!(
+            "LoRA '{}': {} tensors of kinds not applied (diff_b, dora_scale; first: {first})",
+            path.display(),
+            other.len()
+        );
+    }
+    if !unmatched.is_empty() {
+        let first = unmatched.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+        tracing::warn!(
+            "LoRA '{}': {} of its {total} adapters name no tensor of the {family} model (first: {first})",
+            path.display(),
+            unmatched.len()
+        );
+    }
+}
+
 impl LoraSet {
     /// Reads `requests` (in order) for a model of `family` whose weights are `targets`, with
     /// the family's key `table`. Keys that name no weight are reported as a warning (count and
@@ -532,95 +621,70 @@ impl LoraSet {
         let by_name: HashMap<&str, &TensorSpec> = targets.iter().map(|s| (s.name.as_str(), s)).collect();
         let mut set = LoraSet::default();
         for req in requests {
-            let path = &req.path;
-            let file_err = |source| LoraError::File { path: path.clone(), source: Box::new(source) };
-            let files = ModelFiles::open_model(path).map_err(file_err)?;
-            set.file_bytes += files.index().files().iter().map(|f| f.len).sum::<u64>();
-            set.files += 1;
-            let mut keys: BTreeMap<String, Parts> = BTreeMap::new();
-            let mut other: Vec<String> = Vec::new();
-            for e in files.index().entries() {
-                match split_key(&e.original_name) {
-                    Some((base, slot)) => {
-                        keys.entry(base.to_owned()).or_default().0.insert(slot, e.name.clone());
-                    }
-                    None => other.push(e.original_name.clone()),
-                }
-            }
-            let mut unmatched: Vec<String> = Vec::new();
-            let mut applied = 0usize;
-            let total = keys.len();
-            // The adapters of each weight, by part (a fused weight's row blocks, in order).
-            // (A whole weight's adapter is its part 0, marked not fused.)
-            #[allow(clippy::type_complexity)] // built and read in this function only
-            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind, bool)>> = BTreeMap::new();
-            for (base, parts) in &keys {
-                let Some(kind) = Kind::of(parts) else {
-                    unmatched.push(format!("{base} (no up/down pair, diff, LoHa or LoKr factors)"));
-                    continue;
-                };
-                // As the reference: a LoKr factor's Tucker core is not read (it would drop the
-                // core and apply the rest; here the key is reported instead).
-                if kind == Kind::Lokr && parts.0.contains_key(&Slot::LokrT2) {
-                    unmatched.push(format!("{base} (a Tucker-decomposed lokr: not applied)"));
-                    continue;
-                }
-                let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str()))
-                else {
-                    unmatched.push(base.clone());
-                    continue;
-                };
-                // Two keys of one file for the same weight (say kohya's and diffusers' names of
-                // one module): the first in name order is kept, as the reference keeps one tensor per name.
-                let slot = by_target.entry(target.clone()).or_default();
-                let (fused, part) = (part.is_some(), part.unwrap_or(0));
-                if slot.contains_key(&part) {
-                    unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
-                    continue;
-                }
-                slot.insert(part, (base, parts, kind, fused));
-            }
-            for (target, parts) in by_target {
-                let spec = by_name[target.as_str()];
-                // As the reference: the parts of a fused weight stack from part 0 on, and stop at
-                // the first one missing (what follows a gap adapts nothing).
-                let mut offset = 0usize;
-                for (k, (part, (base, key, kind, fused))) in parts.into_iter().enumerate() {
-                    if part != k {
-                        unmatched.push(format!("{base} (part {part} of '{target}' without part {k})"));
-                        continue;
-                    }
-                    let at = fused.then_some(offset);
-                    let r = KeyReader { files: &files, path, base, key };
-                    let delta = read_delta(&r, kind, req.multiplier, spec, at)?;
-                    offset += delta.out;
-                    set.deltas.entry(target.clone()).or_default().push(delta);
-                    applied += 1;
-                }
-            }
-            if applied == 0 {
-                let first = keys.keys().chain(other.iter()).take(3).cloned().collect::<Vec<_>>().join(", ");
-                return Err(LoraError::NothingMatches { path: path.clone(), family, keys: total, first });
-            }
-            if !other.is_empty() {
-                let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
-                tracing::warn!(
-                    "LoRA '{}': {} tensors of kinds not applied (diff_b, dora_scale; first: {first})",
-                    path.display(),
-                    other.len()
-                );
-            }
-            if !unmatched.is_empty() {
-                let first = unmatched.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
-                tracing::warn!(
-                    "LoRA '{}': {} of its {total} adapters name no tensor of the {family} model (first: {first})",
-                    path.display(),
-                    unmatched.len()
-                );
-            }
-            tracing::info!("LoRA '{}' x{}: {applied} of {total} adapters applied", path.display(), req.multiplier);
+            set.add_file(req, family, table, &by_name)?;
         }
         Ok(set)
+    }
+
+    /// Reads the file of `req` into the set: every adapter key that names one of the weights
+    /// `by_name` through `table`, read as a [`Delta`]. A file of which no key applies is an
+    /// error; keys and tensors left out are reported as warnings.
+    fn add_file(
+        &mut self,
+        req: &LoraRequest,
+        family: &'static str,
+        table: &[LoraPrefix],
+        by_name: &HashMap<&str, &TensorSpec>,
+    ) -> Result<(), LoraError> {
+        let path = &req.path;
+        let file_err = |source| LoraError::File { path: path.clone(), source: Box::new(source) };
+        let files = ModelFiles::open_model(path).map_err(file_err)?;
+        self.file_bytes += files.index().files().iter().map(|f| f.len).sum::<u64>();
+        self.files += 1;
+        let (keys, other) = adapter_keys(&files);
+        let mut unmatched: Vec<String> = Vec::new();
+        let total = keys.len();
+        let by_target = match_targets(&keys, table, by_name, &mut unmatched);
+        let applied = self.read_targets(&files, req, by_target, by_name, &mut unmatched)?;
+        if applied == 0 {
+            let first = keys.keys().chain(other.iter()).take(3).cloned().collect::<Vec<_>>().join(", ");
+            return Err(LoraError::NothingMatches { path: path.clone(), family, keys: total, first });
+        }
+        warn_left_out(path, family, total, &other, &unmatched);
+        tracing::info!("LoRA '{}' x{}: {applied} of {total} adapters applied", path.display(), req.multiplier);
+        Ok(())
+    }
+
+    /// Reads the adapters `by_target` matched in `files` (the file of `req`) and adds them to
+    /// the set; returns how many were read. As the reference, the parts of a fused weight stack
+    /// from part 0 on and stop at the first one missing: what follows a gap adapts nothing and
+    /// goes to `unmatched`.
+    fn read_targets(
+        &mut self,
+        files: &ModelFiles,
+        req: &LoraRequest,
+        by_target: ByTarget<'_>,
+        by_name: &HashMap<&str, &TensorSpec>,
+        unmatched: &mut Vec<String>,
+    ) -> Result<usize, LoraError> {
+        let mut applied = 0usize;
+        for (target, parts) in by_target {
+            let spec = by_name[target.as_str()];
+            let mut offset = 0usize;
+            for (k, (part, m)) in parts.into_iter().enumerate() {
+                if part != k {
+                    unmatched.push(format!("{} (part {part} of '{target}' without part {k})", m.base));
+                    continue;
+                }
+                let at = m.fused.then_some(offset);
+                let r = KeyReader { files, path: &req.path, base: m.base, key: m.parts };
+                let delta = read_delta(&r, m.kind, req.multiplier, spec, at)?;
+                offset += delta.out;
+                self.deltas.entry(target.clone()).or_default().push(delta);
+                applied += 1;
+            }
+        }
+        Ok(applied)
     }
 
     /// Bytes of the adapter files read.

@@ -365,6 +365,7 @@ where
     sample_on(method, denoise, x, sigmas, rng, eta, true)
 }
 
+/// Checks the schedule, then runs `method`'s step loop over it ([`sample`], [`sample_flow`]).
 fn sample_on<E, D, R>(
     method: SampleMethod,
     denoise: &mut D,
@@ -382,191 +383,273 @@ where
     if sigmas.len() < 2 {
         return Err(SamplingError::EmptySchedule(sigmas.len()).into());
     }
-    let steps = sigmas.len() - 1;
-    let n = x.len();
-    let mut ev = Evals { denoise, steps, n };
-    let noise = |rng: &mut dyn NoiseRng| draw::<E>(rng, n);
-    let mut x = x;
-
+    let ev = &mut Evals { denoise, steps: sigmas.len() - 1, n: x.len() };
     match method {
-        SampleMethod::Euler => {
-            for i in 0..steps {
-                let sigma = sigmas[i];
-                let den = ev.pred(&x, sigma, i, true)?;
-                let dt = sigmas[i + 1] - sigma;
-                for (xv, &dv) in x.iter_mut().zip(&den) {
-                    let d = (*xv - dv) / sigma;
-                    *xv += d * dt;
+        SampleMethod::Euler => euler(ev, x, sigmas),
+        // DDIM is Euler ancestral on the simple schedule (the reference runs the same loop).
+        SampleMethod::EulerA | SampleMethod::DdimTrailing => euler_ancestral(ev, x, sigmas, rng, eta, flow),
+        SampleMethod::Heun => heun(ev, x, sigmas),
+        SampleMethod::Dpm2 => dpm2(ev, x, sigmas),
+        SampleMethod::DpmPp2sA if flow => methods::dpmpp_2s_a_flow(ev, x, sigmas, rng, eta),
+        SampleMethod::DpmPp2sA => dpmpp_2s_a(ev, x, sigmas, rng, eta),
+        SampleMethod::DpmPp2m => dpmpp_2m(ev, x, sigmas),
+        SampleMethod::Lcm => lcm(ev, x, sigmas, rng, flow),
+        SampleMethod::DpmPp2mV2 => methods::dpmpp_2m_v2(ev, x, sigmas),
+        SampleMethod::Ipndm => methods::ipndm(ev, x, sigmas, false),
+        SampleMethod::IpndmV => methods::ipndm(ev, x, sigmas, true),
+        SampleMethod::Tcd => methods::tcd(ev, x, sigmas, rng, eta),
+        SampleMethod::ResMultistep => methods::res_multistep(ev, x, sigmas, rng, eta, flow),
+        SampleMethod::Res2s => methods::res_2s(ev, x, sigmas, rng, eta, flow),
+        SampleMethod::ErSde => methods::er_sde(ev, x, sigmas, rng, eta, flow),
+        SampleMethod::EulerCfgPp => methods::euler_cfg_pp(ev, x, sigmas, None),
+        SampleMethod::EulerACfgPp => methods::euler_cfg_pp(ev, x, sigmas, Some((rng, eta))),
+        SampleMethod::EulerGe => methods::euler_ge(ev, x, sigmas, rng, eta, flow),
+    }
+}
+
+/// Euler: one step along the derivative `(x - D) / sigma` per denoiser call.
+fn euler<D, R, E>(ev: &mut Evals<'_, D>, mut x: Vec<f32>, sigmas: &[f32]) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let sigma = sigmas[i];
+        let den = ev.pred(&x, sigma, i, true)?;
+        let dt = sigmas[i + 1] - sigma;
+        for (xv, &dv) in x.iter_mut().zip(&den) {
+            let d = (*xv - dv) / sigma;
+            *xv += d * dt;
+        }
+    }
+    Ok(x)
+}
+
+/// Euler ancestral (and DDIM trailing): a deterministic step down to `sigma_down`, then fresh
+/// noise of scale `sigma_up`; with `eta` 0 the plain interpolation towards the denoised estimate.
+fn euler_ancestral<D, R, E>(
+    ev: &mut Evals<'_, D>,
+    mut x: Vec<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn NoiseRng,
+    eta: f32,
+    flow: bool,
+) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let sigma = sigmas[i];
+        let sigma_to = sigmas[i + 1];
+        let den = ev.pred(&x, sigma, i, true)?;
+        if sigma_to == 0.0 {
+            x = den;
+        } else if eta == 0.0 {
+            let ratio = sigma_to / sigma;
+            // `(1.0 - ratio)` is a double expression in the reference.
+            let keep = (1.0_f64 - f64::from(ratio)) as f32;
+            for (xv, &dv) in x.iter_mut().zip(&den) {
+                *xv = ratio * *xv + keep * dv;
+            }
+        } else {
+            let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma, sigma_to, eta, flow);
+            let ratio = sigma_down / sigma;
+            let keep = 1.0 - ratio;
+            for (xv, &dv) in x.iter_mut().zip(&den) {
+                *xv = ratio * *xv + keep * dv;
+            }
+            if sigma_up > 0.0 {
+                if flow {
+                    for xv in x.iter_mut() {
+                        *xv *= alpha_scale;
+                    }
+                }
+                let z = draw::<E>(rng, ev.n)?;
+                for (xv, &zv) in x.iter_mut().zip(&z) {
+                    *xv += zv * sigma_up;
                 }
             }
         }
-        SampleMethod::EulerA | SampleMethod::DdimTrailing => {
-            // DDIM is Euler ancestral on the simple schedule (the reference runs the same loop).
-            for i in 0..steps {
-                let sigma = sigmas[i];
-                let sigma_to = sigmas[i + 1];
-                let den = ev.pred(&x, sigma, i, true)?;
-                if sigma_to == 0.0 {
-                    x = den;
-                } else if eta == 0.0 {
-                    let ratio = sigma_to / sigma;
-                    // `(1.0 - ratio)` is a double expression in the reference.
-                    let keep = (1.0_f64 - f64::from(ratio)) as f32;
-                    for (xv, &dv) in x.iter_mut().zip(&den) {
-                        *xv = ratio * *xv + keep * dv;
-                    }
-                } else {
-                    let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma, sigma_to, eta, flow);
-                    let ratio = sigma_down / sigma;
-                    let keep = 1.0 - ratio;
-                    for (xv, &dv) in x.iter_mut().zip(&den) {
-                        *xv = ratio * *xv + keep * dv;
-                    }
-                    if sigma_up > 0.0 {
-                        if flow {
-                            for xv in x.iter_mut() {
-                                *xv *= alpha_scale;
-                            }
-                        }
-                        let z = noise(rng)?;
-                        for (xv, &zv) in x.iter_mut().zip(&z) {
-                            *xv += zv * sigma_up;
-                        }
-                    }
-                }
+    }
+    Ok(x)
+}
+
+/// Heun: an Euler step, then the average of its derivative and the derivative at its end
+/// (a plain Euler step for the last, to sigma 0).
+fn heun<D, R, E>(ev: &mut Evals<'_, D>, mut x: Vec<f32>, sigmas: &[f32]) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let den = ev.pred(&x, s, i, s_next == 0.0)?;
+        let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
+        let dt = s_next - s;
+        if s_next == 0.0 {
+            for (xv, &dv) in x.iter_mut().zip(&d) {
+                *xv += dv * dt;
+            }
+        } else {
+            let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt).collect();
+            let den2 = ev.pred(&x2, s_next, i, true)?;
+            for (((xv, &dv), &x2v), &d2v) in x.iter_mut().zip(&d).zip(&x2).zip(&den2) {
+                let d_avg = (dv + (x2v - d2v) / s_next) / 2.0;
+                *xv += d_avg * dt;
             }
         }
-        SampleMethod::Heun => {
-            for i in 0..steps {
-                let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let den = ev.pred(&x, s, i, s_next == 0.0)?;
-                let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
-                let dt = s_next - s;
-                if s_next == 0.0 {
-                    for (xv, &dv) in x.iter_mut().zip(&d) {
-                        *xv += dv * dt;
-                    }
-                } else {
-                    let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt).collect();
-                    let den2 = ev.pred(&x2, s_next, i, true)?;
-                    for (((xv, &dv), &x2v), &d2v) in x.iter_mut().zip(&d).zip(&x2).zip(&den2) {
-                        let d_avg = (dv + (x2v - d2v) / s_next) / 2.0;
-                        *xv += d_avg * dt;
-                    }
-                }
+    }
+    Ok(x)
+}
+
+/// DPM-Solver-2: the whole step taken with the derivative at the midpoint in log sigma
+/// (a plain Euler step for the last, to sigma 0).
+fn dpm2<D, R, E>(ev: &mut Evals<'_, D>, mut x: Vec<f32>, sigmas: &[f32]) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let den = ev.pred(&x, s, i, s_next == 0.0)?;
+        let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
+        if s_next == 0.0 {
+            let dt = s_next - s;
+            for (xv, &dv) in x.iter_mut().zip(&d) {
+                *xv += dv * dt;
+            }
+        } else {
+            let sigma_mid = (0.5 * (f64::from(s).ln() + f64::from(s_next).ln())).exp() as f32;
+            let dt_1 = sigma_mid - s;
+            let dt_2 = s_next - s;
+            let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt_1).collect();
+            let den2 = ev.pred(&x2, sigma_mid, i, true)?;
+            for ((xv, &x2v), &d2v) in x.iter_mut().zip(&x2).zip(&den2) {
+                *xv += ((x2v - d2v) / sigma_mid) * dt_2;
             }
         }
-        SampleMethod::Dpm2 => {
-            for i in 0..steps {
-                let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let den = ev.pred(&x, s, i, s_next == 0.0)?;
-                let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
-                if s_next == 0.0 {
-                    let dt = s_next - s;
-                    for (xv, &dv) in x.iter_mut().zip(&d) {
-                        *xv += dv * dt;
-                    }
-                } else {
-                    let sigma_mid = (0.5 * (f64::from(s).ln() + f64::from(s_next).ln())).exp() as f32;
-                    let dt_1 = sigma_mid - s;
-                    let dt_2 = s_next - s;
-                    let x2: Vec<f32> = x.iter().zip(&d).map(|(&xv, &dv)| xv + dv * dt_1).collect();
-                    let den2 = ev.pred(&x2, sigma_mid, i, true)?;
-                    for ((xv, &x2v), &d2v) in x.iter_mut().zip(&x2).zip(&den2) {
-                        *xv += ((x2v - d2v) / sigma_mid) * dt_2;
-                    }
-                }
+    }
+    Ok(x)
+}
+
+/// DPM-Solver++(2S) ancestral on a discrete schedule: a second-order step through the
+/// midpoint in `-log sigma` down to `sigma_down`, then noise of scale `sigma_up`.
+fn dpmpp_2s_a<D, R, E>(
+    ev: &mut Evals<'_, D>,
+    mut x: Vec<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn NoiseRng,
+    eta: f32,
+) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let (sigma_down, sigma_up) = ancestral_step(s, s_next, eta);
+        let den = ev.pred(&x, s, i, sigma_down == 0.0)?;
+        if sigma_down == 0.0 {
+            x = den;
+        } else {
+            let t = t_fn(s);
+            let t_next = t_fn(sigma_down);
+            let h = t_next - t;
+            let s_mid = t + 0.5 * h;
+            let sigma_s = sigma_fn(s_mid);
+            let a = sigma_s / sigma_fn(t);
+            let b = expm1_ref(-h * 0.5);
+            let x2: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| a * xv - b * dv).collect();
+            let den2 = ev.pred(&x2, sigma_s, i, true)?;
+            let a2 = sigma_fn(t_next) / sigma_fn(t);
+            let b2 = expm1_ref(-h);
+            for (xv, &dv) in x.iter_mut().zip(&den2) {
+                *xv = a2 * *xv - b2 * dv;
             }
         }
-        SampleMethod::DpmPp2sA if flow => x = methods::dpmpp_2s_a_flow(&mut ev, x, sigmas, rng, eta)?,
-        SampleMethod::DpmPp2sA => {
-            for i in 0..steps {
-                let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let (sigma_down, sigma_up) = ancestral_step(s, s_next, eta);
-                let den = ev.pred(&x, s, i, sigma_down == 0.0)?;
-                if sigma_down == 0.0 {
-                    x = den;
-                } else {
-                    let t = t_fn(s);
-                    let t_next = t_fn(sigma_down);
-                    let h = t_next - t;
-                    let s_mid = t + 0.5 * h;
-                    let sigma_s = sigma_fn(s_mid);
-                    let a = sigma_s / sigma_fn(t);
-                    let b = expm1_ref(-h * 0.5);
-                    let x2: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| a * xv - b * dv).collect();
-                    let den2 = ev.pred(&x2, sigma_s, i, true)?;
-                    let a2 = sigma_fn(t_next) / sigma_fn(t);
-                    let b2 = expm1_ref(-h);
-                    for (xv, &dv) in x.iter_mut().zip(&den2) {
-                        *xv = a2 * *xv - b2 * dv;
-                    }
-                }
-                if s_next > 0.0 {
-                    // Drawn even when sigma_up is 0 (eta 0), which keeps the RNG stream aligned.
-                    let z = noise(rng)?;
-                    for (xv, &zv) in x.iter_mut().zip(&z) {
-                        *xv += zv * sigma_up;
-                    }
-                }
+        if s_next > 0.0 {
+            // Drawn even when sigma_up is 0 (eta 0), which keeps the RNG stream aligned.
+            let z = draw::<E>(rng, ev.n)?;
+            for (xv, &zv) in x.iter_mut().zip(&z) {
+                *xv += zv * sigma_up;
             }
         }
-        SampleMethod::DpmPp2m => {
-            let mut old_denoised = x.clone();
-            for i in 0..steps {
-                let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-                let den = ev.pred(&x, s, i, true)?;
-                let t = t_fn(s);
-                let t_next = t_fn(s_next);
-                let h = t_next - t;
-                let a = s_next / s;
-                let b = expm1_ref(-h);
-                if i == 0 || s_next == 0.0 {
-                    for (xv, &dv) in x.iter_mut().zip(&den) {
-                        *xv = a * *xv - b * dv;
-                    }
-                } else {
-                    let h_last = t - t_fn(sigmas[i - 1]);
-                    let r = h_last / h;
-                    let c_new = 1.0 + 1.0 / (2.0 * r);
-                    let c_old = 1.0 / (2.0 * r);
-                    for ((xv, &dv), &ov) in x.iter_mut().zip(&den).zip(&old_denoised) {
-                        let dd = c_new * dv - c_old * ov;
-                        *xv = a * *xv - b * dd;
-                    }
-                }
-                old_denoised = den;
+    }
+    Ok(x)
+}
+
+/// DPM-Solver++(2M): a multistep second-order update that blends this step's denoised
+/// estimate with the last one (first order on the first step and the last, to sigma 0).
+fn dpmpp_2m<D, R, E>(ev: &mut Evals<'_, D>, mut x: Vec<f32>, sigmas: &[f32]) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    let mut old_denoised = x.clone();
+    for i in 0..ev.steps {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let den = ev.pred(&x, s, i, true)?;
+        let t = t_fn(s);
+        let t_next = t_fn(s_next);
+        let h = t_next - t;
+        let a = s_next / s;
+        let b = expm1_ref(-h);
+        if i == 0 || s_next == 0.0 {
+            for (xv, &dv) in x.iter_mut().zip(&den) {
+                *xv = a * *xv - b * dv;
+            }
+        } else {
+            let h_last = t - t_fn(sigmas[i - 1]);
+            let r = h_last / h;
+            let c_new = 1.0 + 1.0 / (2.0 * r);
+            let c_old = 1.0 / (2.0 * r);
+            for ((xv, &dv), &ov) in x.iter_mut().zip(&den).zip(&old_denoised) {
+                let dd = c_new * dv - c_old * ov;
+                *xv = a * *xv - b * dd;
             }
         }
-        SampleMethod::Lcm => {
-            for i in 0..steps {
-                let s_next = sigmas[i + 1];
-                x = ev.pred(&x, sigmas[i], i, true)?;
-                if s_next > 0.0 {
-                    if flow {
-                        let keep = 1.0 - s_next;
-                        for xv in x.iter_mut() {
-                            *xv *= keep;
-                        }
-                    }
-                    // The reference's default noise_scale is exactly 1.
-                    let z = noise(rng)?;
-                    for (xv, &zv) in x.iter_mut().zip(&z) {
-                        *xv += zv * s_next;
-                    }
+        old_denoised = den;
+    }
+    Ok(x)
+}
+
+/// LCM: the model's denoised estimate re-noised to the next sigma with fresh noise (on a flow
+/// schedule the estimate is first scaled by `1 - sigma_next`).
+fn lcm<D, R, E>(
+    ev: &mut Evals<'_, D>,
+    mut x: Vec<f32>,
+    sigmas: &[f32],
+    rng: &mut dyn NoiseRng,
+    flow: bool,
+) -> Result<Vec<f32>, E>
+where
+    D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+    R: Into<Denoised>,
+    E: From<SamplingError>,
+{
+    for i in 0..ev.steps {
+        let s_next = sigmas[i + 1];
+        x = ev.pred(&x, sigmas[i], i, true)?;
+        if s_next > 0.0 {
+            if flow {
+                let keep = 1.0 - s_next;
+                for xv in x.iter_mut() {
+                    *xv *= keep;
                 }
             }
+            // The reference's default noise_scale is exactly 1.
+            let z = draw::<E>(rng, ev.n)?;
+            for (xv, &zv) in x.iter_mut().zip(&z) {
+                *xv += zv * s_next;
+            }
         }
-        SampleMethod::DpmPp2mV2 => x = methods::dpmpp_2m_v2(&mut ev, x, sigmas)?,
-        SampleMethod::Ipndm => x = methods::ipndm(&mut ev, x, sigmas, false)?,
-        SampleMethod::IpndmV => x = methods::ipndm(&mut ev, x, sigmas, true)?,
-        SampleMethod::Tcd => x = methods::tcd(&mut ev, x, sigmas, rng, eta)?,
-        SampleMethod::ResMultistep => x = methods::res_multistep(&mut ev, x, sigmas, rng, eta, flow)?,
-        SampleMethod::Res2s => x = methods::res_2s(&mut ev, x, sigmas, rng, eta, flow)?,
-        SampleMethod::ErSde => x = methods::er_sde(&mut ev, x, sigmas, rng, eta, flow)?,
-        SampleMethod::EulerCfgPp => x = methods::euler_cfg_pp(&mut ev, x, sigmas, None)?,
-        SampleMethod::EulerACfgPp => x = methods::euler_cfg_pp(&mut ev, x, sigmas, Some((rng, eta)))?,
-        SampleMethod::EulerGe => x = methods::euler_ge(&mut ev, x, sigmas, rng, eta, flow)?,
     }
     Ok(x)
 }

@@ -229,6 +229,17 @@ struct Group {
     bytes: u64,
 }
 
+/// The groups a placement splits a set into, laid out before any storage exists
+/// ([`Weights::plan_groups`]).
+struct GroupPlan {
+    groups: Vec<Group>,
+    /// Each tensor's group (an index into `groups`).
+    group_of_tensor: Vec<usize>,
+    /// Each tensor's buffer type when the set is pinned on one device and some tensor is in
+    /// one of the device's extra buffer types; `None` otherwise.
+    pinned_bufts: Option<Vec<BufferType>>,
+}
+
 enum Home {
     /// One buffer on the computing device (every group pinned), or one per buffer type when
     /// some tensors are in the device's extra buffer types.
@@ -606,6 +617,60 @@ impl Weights {
         if devices.is_empty() {
             return Err(SchedError::Invalid(format!("{module}: no computing device to place the weights for")));
         }
+        let plan = self.plan_groups(module, &home, devices, device_of, group_of)?;
+        let devices: Vec<(Arc<Backend>, Ledger)> =
+            devices.iter().map(|b| (b.clone(), ledgers.get(&b.device().name()))).collect();
+        let n_groups = plan.groups.len();
+        let t0 = Instant::now();
+        let home_desc = home.describe();
+        let home = match home {
+            ParamHome::Compute if devices.len() > 1 => Home::Pinned,
+            ParamHome::Compute => self.pin_on_compute(module, &devices[0], &plan, &src)?,
+            ParamHome::Device(dev) => self.mirror_home(module, &dev, ledgers, &src)?,
+            ParamHome::Host => self.host_home(module, &src)?,
+            ParamHome::Disk => Home::Disk,
+        };
+        let pinned = matches!(home, Home::Compute { .. });
+        let pin_each = matches!(home, Home::Pinned);
+        self.residency = Some(Residency {
+            module: module.to_string(),
+            devices,
+            home,
+            home_desc: home_desc.clone(),
+            src,
+            id: PLACEMENTS.fetch_add(1, Ordering::Relaxed),
+            slots: Arc::new(Slots(Mutex::new((0..n_groups).map(|_| None).collect()))),
+            groups: plan.groups,
+            group_of_tensor: plan.group_of_tensor,
+            copied_bytes: AtomicU64::new(0),
+            copy_nanos: AtomicU64::new(0),
+        });
+        if pin_each {
+            self.load_each_group(n_groups)?;
+        }
+        tracing::debug!(
+            "{module}: {} parameter tensors in {n_groups} groups, params {home_desc}, placed in {:.2} s",
+            self.specs.len(),
+            t0.elapsed().as_secs_f64()
+        );
+        if pinned {
+            let r = self.residency.as_ref().expect("just set");
+            r.copied_bytes.store(r.groups.iter().map(|g| g.bytes).sum(), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Splits the tensors into their groups (`group_of`, qualified with `module`), each on the
+    /// device `device_of` gives, and lays each group's tensors out at aligned offsets in its
+    /// replica buffer. Refuses a device index out of range and a group spread over two devices.
+    fn plan_groups(
+        &self,
+        module: &str,
+        home: &ParamHome,
+        devices: &[Arc<Backend>],
+        device_of: &dyn Fn(&str) -> usize,
+        group_of: &dyn Fn(&str) -> String,
+    ) -> Result<GroupPlan> {
         let mut groups: Vec<Group> = Vec::new();
         let mut by_name: HashMap<String, usize> = HashMap::new();
         let mut group_of_tensor = Vec::with_capacity(self.specs.len());
@@ -648,148 +713,144 @@ impl Weights {
         for g in &mut groups {
             g.bytes = align_up(g.bytes as usize, devices[g.device].device().buffer_type().alignment()) as u64;
         }
-        let devices: Vec<(Arc<Backend>, Ledger)> =
-            devices.iter().map(|b| (b.clone(), ledgers.get(&b.device().name()))).collect();
-        let ledger = devices[0].1.clone();
-        let split = devices.len() > 1;
-        let n_groups = groups.len();
-        let t0 = Instant::now();
-        let home_desc = home.describe();
-        let home = match home {
-            ParamHome::Compute if split => Home::Pinned,
-            ParamHome::Compute => {
-                let buft = devices[0].0.device().buffer_type();
-                for g in &groups {
-                    ledger.add_replica(&g.name, g.bytes, true)?;
-                }
-                let mut extra = Vec::new();
-                let mut mapped = Vec::new();
-                let in_place = self.in_place_allowed
-                    && devices[0].0.device().kind() == sd_backends::DeviceKind::Cpu
-                    && buft.is_host();
-                let placed = (|| -> Result<()> {
-                    if in_place {
-                        mapped = self.place_in_mapped(src.as_ref(), pinned_bufts.as_deref(), buft)?;
-                    }
-                    match &pinned_bufts {
-                        None if mapped.is_empty() => self.allocate(buft)?,
-                        None => extra = self.allocate_by_type(&vec![buft; self.specs.len()])?,
-                        Some(bufts) => extra = self.allocate_by_type(bufts)?,
-                    }
-                    self.load_from(src.as_ref())
-                })();
-                if let Err(e) = placed {
-                    if !extra.is_empty() || !mapped.is_empty() {
-                        for i in 0..self.specs.len() {
-                            // SAFETY: the placement failed before any graph used the tensors.
-                            unsafe { self.nth(i).detach_storage() };
-                        }
-                        self.in_place.iter_mut().for_each(|m| *m = false);
-                    }
-                    for g in &groups {
-                        ledger.remove_replica(&g.name);
-                    }
-                    self.buffer = None;
-                    return Err(e);
-                }
-                for (b, n) in &extra {
-                    tracing::debug!(
-                        "{module}: {:.1} MiB of weights in buffer type {} ({n} tensors)",
-                        b.size() as f64 / (1u64 << 20) as f64,
-                        b.buffer_type().name()
-                    );
-                }
-                let (n, bytes) = self.in_place_totals();
-                if n > 0 {
-                    tracing::debug!(
-                        "{module}: {:.1} MiB of weights ({n} tensors) used in place from the model file's memory map",
-                        bytes as f64 / (1u64 << 20) as f64
-                    );
-                }
-                Home::Compute {
-                    _buffer: self.buffer.take(),
-                    _by_type: extra.into_iter().map(|(b, _)| b).collect(),
-                    _mapped: mapped,
-                }
-            }
-            ParamHome::Device(dev) => {
-                let mut mirror = Weights::new(self.specs.clone())?;
-                let mirror_ledger = ledgers.get(&dev.device().name());
-                let bytes = dev.device().buffer_type().ctx_tensors_size(&mirror.ctx) as u64;
-                mirror_ledger.add_replica(&format!("{module} (home)"), bytes, true)?;
-                let placed = (|| -> Result<()> {
-                    mirror.allocate(dev.device().buffer_type())?;
-                    mirror.load_from(src.as_ref())
-                })();
-                if let Err(e) = placed {
-                    mirror_ledger.remove_replica(&format!("{module} (home)"));
-                    return Err(e);
-                }
-                Home::Device(Box::new(mirror), mirror_ledger, format!("{module} (home)"))
-            }
-            ParamHome::Host => {
-                let mut bytes = Vec::with_capacity(self.specs.len());
-                for (i, spec) in self.specs.iter().enumerate() {
-                    let err = |e| SchedError::Source { name: spec.name.clone(), source: e };
-                    if self.in_place_allowed {
-                        if let Some(m) = src.mapped(&spec.name, spec.ty, &spec.ne).map_err(err)? {
-                            self.in_place[i] = true;
-                            bytes.push(HostBytes::Mapped(m));
-                            continue;
-                        }
-                    }
-                    let b = src.load(&spec.name, spec.ty, &spec.ne).map_err(err)?.into_owned();
-                    src.release(&spec.name);
-                    bytes.push(HostBytes::Owned(b));
-                }
-                let (n, mapped) = self.in_place_totals();
-                if n > 0 {
-                    tracing::debug!(
-                        "{module}: {:.1} MiB of the parameters in RAM ({n} tensors) are the model file's memory map",
-                        mapped as f64 / (1u64 << 20) as f64
-                    );
-                }
-                Home::Host(bytes)
-            }
-            ParamHome::Disk => Home::Disk,
-        };
-        let pinned = matches!(home, Home::Compute { .. });
-        let pin_each = matches!(home, Home::Pinned);
-        self.residency = Some(Residency {
-            module: module.to_string(),
-            devices,
-            home,
-            home_desc: home_desc.clone(),
-            src,
-            id: PLACEMENTS.fetch_add(1, Ordering::Relaxed),
-            slots: Arc::new(Slots(Mutex::new((0..n_groups).map(|_| None).collect()))),
-            groups,
-            group_of_tensor,
-            copied_bytes: AtomicU64::new(0),
-            copy_nanos: AtomicU64::new(0),
-        });
-        if pin_each {
-            // Every group loaded on its own device now, as one pinned replica each.
-            let loaded = (0..n_groups).map(GroupId).try_for_each(|g| {
-                self.alloc_replica(g, true)?;
-                let r = self.residency.as_ref().expect("just set");
-                let job = FillJob::new(self, r, &[g], HomeCopy::Disk(r.src.as_ref()));
-                job.run()
-            });
-            if let Err(e) = loaded {
-                self.release_all_forced();
-                self.residency = None;
-                return Err(e);
-            }
+        Ok(GroupPlan { groups, group_of_tensor, pinned_bufts })
+    }
+
+    /// The home of a set pinned on its one computing device: every group charged to the
+    /// device's ledger as a pinned replica, and every tensor loaded now into the device's
+    /// buffer type, the extra buffer types of the plan or the source's memory map
+    /// ([`use_in_place`](Self::use_in_place)). On an error nothing stays charged or allocated.
+    fn pin_on_compute(
+        &mut self,
+        module: &str,
+        (compute, ledger): &(Arc<Backend>, Ledger),
+        plan: &GroupPlan,
+        src: &Arc<dyn TensorSource + Send + Sync>,
+    ) -> Result<Home> {
+        let buft = compute.device().buffer_type();
+        for g in &plan.groups {
+            ledger.add_replica(&g.name, g.bytes, true)?;
         }
-        tracing::debug!(
-            "{module}: {} parameter tensors in {n_groups} groups, params {home_desc}, placed in {:.2} s",
-            self.specs.len(),
-            t0.elapsed().as_secs_f64()
-        );
-        if pinned {
+        let mut extra = Vec::new();
+        let mut mapped = Vec::new();
+        let in_place =
+            self.in_place_allowed && compute.device().kind() == sd_backends::DeviceKind::Cpu && buft.is_host();
+        let placed = (|| -> Result<()> {
+            if in_place {
+                mapped = self.place_in_mapped(src.as_ref(), plan.pinned_bufts.as_deref(), buft)?;
+            }
+            match &plan.pinned_bufts {
+                None if mapped.is_empty() => self.allocate(buft)?,
+                None => extra = self.allocate_by_type(&vec![buft; self.specs.len()])?,
+                Some(bufts) => extra = self.allocate_by_type(bufts)?,
+            }
+            self.load_from(src.as_ref())
+        })();
+        if let Err(e) = placed {
+            if !extra.is_empty() || !mapped.is_empty() {
+                for i in 0..self.specs.len() {
+                    // SAFETY: the placement failed before any graph used the tensors.
+                    unsafe { self.nth(i).detach_storage() };
+                }
+                self.in_place.iter_mut().for_each(|m| *m = false);
+            }
+            for g in &plan.groups {
+                ledger.remove_replica(&g.name);
+            }
+            self.buffer = None;
+            return Err(e);
+        }
+        self.log_pinned_buffers(module, &extra);
+        Ok(Home::Compute {
+            _buffer: self.buffer.take(),
+            _by_type: extra.into_iter().map(|(b, _)| b).collect(),
+            _mapped: mapped,
+        })
+    }
+
+    /// Logs the buffers of a set pinned on its computing device: each extra buffer type's
+    /// share (`extra`, with its tensor count) and the bytes used in place from the memory map.
+    fn log_pinned_buffers(&self, module: &str, extra: &[(Buffer, usize)]) {
+        for (b, n) in extra {
+            tracing::debug!(
+                "{module}: {:.1} MiB of weights in buffer type {} ({n} tensors)",
+                b.size() as f64 / (1u64 << 20) as f64,
+                b.buffer_type().name()
+            );
+        }
+        let (n, bytes) = self.in_place_totals();
+        if n > 0 {
+            tracing::debug!(
+                "{module}: {:.1} MiB of weights ({n} tensors) used in place from the model file's memory map",
+                bytes as f64 / (1u64 << 20) as f64
+            );
+        }
+    }
+
+    /// The home of a set whose parameters live on another device `dev`: a mirror set loaded
+    /// there now, charged to that device's ledger as `<module> (home)`.
+    fn mirror_home(
+        &self,
+        module: &str,
+        dev: &Backend,
+        ledgers: &Ledgers,
+        src: &Arc<dyn TensorSource + Send + Sync>,
+    ) -> Result<Home> {
+        let mut mirror = Weights::new(self.specs.clone())?;
+        let mirror_ledger = ledgers.get(&dev.device().name());
+        let bytes = dev.device().buffer_type().ctx_tensors_size(&mirror.ctx) as u64;
+        mirror_ledger.add_replica(&format!("{module} (home)"), bytes, true)?;
+        let placed = (|| -> Result<()> {
+            mirror.allocate(dev.device().buffer_type())?;
+            mirror.load_from(src.as_ref())
+        })();
+        if let Err(e) = placed {
+            mirror_ledger.remove_replica(&format!("{module} (home)"));
+            return Err(e);
+        }
+        Ok(Home::Device(Box::new(mirror), mirror_ledger, format!("{module} (home)")))
+    }
+
+    /// The home of a set whose parameters live in RAM: each tensor's bytes read from `src`
+    /// now, or its mapped bytes where [`use_in_place`](Self::use_in_place) allows.
+    fn host_home(&mut self, module: &str, src: &Arc<dyn TensorSource + Send + Sync>) -> Result<Home> {
+        let mut bytes = Vec::with_capacity(self.specs.len());
+        for (i, spec) in self.specs.iter().enumerate() {
+            let err = |e| SchedError::Source { name: spec.name.clone(), source: e };
+            if self.in_place_allowed {
+                if let Some(m) = src.mapped(&spec.name, spec.ty, &spec.ne).map_err(err)? {
+                    self.in_place[i] = true;
+                    bytes.push(HostBytes::Mapped(m));
+                    continue;
+                }
+            }
+            let b = src.load(&spec.name, spec.ty, &spec.ne).map_err(err)?.into_owned();
+            src.release(&spec.name);
+            bytes.push(HostBytes::Owned(b));
+        }
+        let (n, mapped) = self.in_place_totals();
+        if n > 0 {
+            tracing::debug!(
+                "{module}: {:.1} MiB of the parameters in RAM ({n} tensors) are the model file's memory map",
+                mapped as f64 / (1u64 << 20) as f64
+            );
+        }
+        Ok(Home::Host(bytes))
+    }
+
+    /// Loads every group of a layer split pinned on its computing devices into one pinned
+    /// replica on its own device; on an error frees them all and drops the placement.
+    fn load_each_group(&mut self, n_groups: usize) -> Result<()> {
+        let loaded = (0..n_groups).map(GroupId).try_for_each(|g| {
+            self.alloc_replica(g, true)?;
             let r = self.residency.as_ref().expect("just set");
-            r.copied_bytes.store(r.groups.iter().map(|g| g.bytes).sum(), Ordering::Relaxed);
+            let job = FillJob::new(self, r, &[g], HomeCopy::Disk(r.src.as_ref()));
+            job.run()
+        });
+        if let Err(e) = loaded {
+            self.release_all_forced();
+            self.residency = None;
+            return Err(e);
         }
         Ok(())
     }

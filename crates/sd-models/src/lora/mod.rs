@@ -518,6 +518,95 @@ fn matrix(files: &ModelFiles, name: &str, path: &Path) -> Result<(Vec<u64>, Vec<
     Ok((shape, v))
 }
 
+/// An adapter key of a file matched to the weight it adapts ([`match_targets`]).
+struct Matched<'k> {
+    /// The key.
+    base: &'k str,
+    /// Its tensors.
+    parts: &'k Parts,
+    kind: Kind,
+    /// Whether it adapts a row block of a fused weight (else the whole weight, as part 0).
+    fused: bool,
+}
+
+/// The adapters of each weight, by part (a fused weight's row blocks, in order).
+type ByTarget<'k> = BTreeMap<String, BTreeMap<usize, Matched<'k>>>;
+
+/// The tensors of `files` grouped by adapter key and slot, and the names of the tensors of
+/// kinds not applied (`diff_b`, `dora_scale`, ...).
+fn adapter_keys(files: &ModelFiles) -> (BTreeMap<String, Parts>, Vec<String>) {
+    let mut keys: BTreeMap<String, Parts> = BTreeMap::new();
+    let mut other: Vec<String> = Vec::new();
+    for e in files.index().entries() {
+        match split_key(&e.original_name) {
+            Some((base, slot)) => {
+                keys.entry(base.to_owned()).or_default().0.insert(slot, e.name.clone());
+            }
+            None => other.push(e.original_name.clone()),
+        }
+    }
+    (keys, other)
+}
+
+/// Matches each adapter key to the weight of `by_name` it names through `table`; the keys
+/// that cannot be used (no complete kind, a Tucker-decomposed LoKr, no such weight, a second
+/// adapter of one weight) go to `unmatched` with the reason.
+fn match_targets<'k>(
+    keys: &'k BTreeMap<String, Parts>,
+    table: &[LoraPrefix],
+    by_name: &HashMap<&str, &TensorSpec>,
+    unmatched: &mut Vec<String>,
+) -> ByTarget<'k> {
+    let mut by_target = ByTarget::new();
+    for (base, parts) in keys {
+        let Some(kind) = Kind::of(parts) else {
+            unmatched.push(format!("{base} (no up/down pair, diff, LoHa or LoKr factors)"));
+            continue;
+        };
+        // As the reference: a LoKr factor's Tucker core is not read (it would drop the
+        // core and apply the rest; here the key is reported instead).
+        if kind == Kind::Lokr && parts.0.contains_key(&Slot::LokrT2) {
+            unmatched.push(format!("{base} (a Tucker-decomposed lokr: not applied)"));
+            continue;
+        }
+        let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str())) else {
+            unmatched.push(base.clone());
+            continue;
+        };
+        // Two keys of one file for the same weight (say kohya's and diffusers' names of
+        // one module): the first in name order is kept, as the reference keeps one tensor per name.
+        let slot = by_target.entry(target.clone()).or_default();
+        let (fused, part) = (part.is_some(), part.unwrap_or(0));
+        if slot.contains_key(&part) {
+            unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
+            continue;
+        }
+        slot.insert(part, Matched { base, parts, kind, fused });
+    }
+    by_target
+}
+
+/// Warns about what the file at `path` has that is not applied: tensors of other kinds
+/// (`other`) and adapter keys that name no weight of the `family` model (`unmatched`, of `total`).
+fn warn_left_out(path: &Path, family: &str, total: usize, other: &[String], unmatched: &[String]) {
+    if !other.is_empty() {
+        let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+        tracing::warn!(
+            "LoRA '{}': {} tensors of kinds not applied (diff_b, dora_scale; first: {first})",
+            path.display(),
+            other.len()
+        );
+    }
+    if !unmatched.is_empty() {
+        let first = unmatched.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+        tracing::warn!(
+            "LoRA '{}': {} of its {total} adapters name no tensor of the {family} model (first: {first})",
+            path.display(),
+            unmatched.len()
+        );
+    }
+}
+
 impl LoraSet {
     /// Reads `requests` (in order) for a model of `family` whose weights are `targets`, with
     /// the family's key `table`. Keys that name no weight are reported as a warning (count and
@@ -532,94 +621,70 @@ impl LoraSet {
         let by_name: HashMap<&str, &TensorSpec> = targets.iter().map(|s| (s.name.as_str(), s)).collect();
         let mut set = LoraSet::default();
         for req in requests {
-            let path = &req.path;
-            let file_err = |source| LoraError::File { path: path.clone(), source: Box::new(source) };
-            let files = ModelFiles::open_model(path).map_err(file_err)?;
-            set.file_bytes += files.index().files().iter().map(|f| f.len).sum::<u64>();
-            set.files += 1;
-            let mut keys: BTreeMap<String, Parts> = BTreeMap::new();
-            let mut other: Vec<String> = Vec::new();
-            for e in files.index().entries() {
-                match split_key(&e.original_name) {
-                    Some((base, slot)) => {
-                        keys.entry(base.to_owned()).or_default().0.insert(slot, e.name.clone());
-                    }
-                    None => other.push(e.original_name.clone()),
-                }
-            }
-            let mut unmatched: Vec<String> = Vec::new();
-            let mut applied = 0usize;
-            let total = keys.len();
-            // The adapters of each weight, by part (a fused weight's row blocks, in order).
-            // (A whole weight's adapter is its part 0, marked not fused.)
-            #[allow(clippy::type_complexity)] // built and read in this function only
-            let mut by_target: BTreeMap<String, BTreeMap<usize, (&String, &Parts, Kind, bool)>> = BTreeMap::new();
-            for (base, parts) in &keys {
-                let Some(kind) = Kind::of(parts) else {
-                    unmatched.push(format!("{base} (no up/down pair, diff, LoHa or LoKr factors)"));
-                    continue;
-                };
-                // As the reference: a LoKr factor's Tucker core is not read (it would drop the
-                // core and apply the rest; here the key is reported instead).
-                if kind == Kind::Lokr && parts.0.contains_key(&Slot::LokrT2) {
-                    unmatched.push(format!("{base} (a Tucker-decomposed lokr: not applied)"));
-                    continue;
-                }
-                let Some((target, part)) = target_of(base, table).filter(|(t, _)| by_name.contains_key(t.as_str()))
-                else {
-                    unmatched.push(base.clone());
-                    continue;
-                };
-                // Two keys of one file for the same weight (say kohya's and diffusers' names of
-                // one module): the first in name order is kept, as the reference keeps one tensor per name.
-                let slot = by_target.entry(target.clone()).or_default();
-                let (fused, part) = (part.is_some(), part.unwrap_or(0));
-                if slot.contains_key(&part) {
-                    unmatched.push(format!("{base} (a second adapter of '{target}' in this file)"));
-                    continue;
-                }
-                slot.insert(part, (base, parts, kind, fused));
-            }
-            for (target, parts) in by_target {
-                let spec = by_name[target.as_str()];
-                // As the reference: the parts of a fused weight stack from part 0 on, and stop at
-                // the first one missing (what follows a gap adapts nothing).
-                let mut offset = 0usize;
-                for (k, (part, (base, key, kind, fused))) in parts.into_iter().enumerate() {
-                    if part != k {
-                        unmatched.push(format!("{base} (part {part} of '{target}' without part {k})"));
-                        continue;
-                    }
-                    let at = fused.then_some(offset);
-                    let delta = read_delta(&files, path, base, key, kind, req.multiplier, spec, at)?;
-                    offset += delta.out;
-                    set.deltas.entry(target.clone()).or_default().push(delta);
-                    applied += 1;
-                }
-            }
-            if applied == 0 {
-                let first = keys.keys().chain(other.iter()).take(3).cloned().collect::<Vec<_>>().join(", ");
-                return Err(LoraError::NothingMatches { path: path.clone(), family, keys: total, first });
-            }
-            if !other.is_empty() {
-                let first = other.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
-                tracing::warn!(
-                    "LoRA '{}': {} tensors of kinds not applied (diff_b, dora_scale; first: {first})",
-                    path.display(),
-                    other.len()
-                );
-            }
-            if !unmatched.is_empty() {
-                let first = unmatched.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
-                tracing::warn!(
-                    "LoRA '{}': {} of its {total} adapters name no tensor of the {family} model (first: {first})",
-                    path.display(),
-                    unmatched.len()
-                );
-            }
-            tracing::info!("LoRA '{}' x{}: {applied} of {total} adapters applied", path.display(), req.multiplier);
+            set.add_file(req, family, table, &by_name)?;
         }
         Ok(set)
+    }
+
+    /// Reads the file of `req` into the set: every adapter key that names one of the weights
+    /// `by_name` through `table`, read as a [`Delta`]. A file of which no key applies is an
+    /// error; keys and tensors left out are reported as warnings.
+    fn add_file(
+        &mut self,
+        req: &LoraRequest,
+        family: &'static str,
+        table: &[LoraPrefix],
+        by_name: &HashMap<&str, &TensorSpec>,
+    ) -> Result<(), LoraError> {
+        let path = &req.path;
+        let file_err = |source| LoraError::File { path: path.clone(), source: Box::new(source) };
+        let files = ModelFiles::open_model(path).map_err(file_err)?;
+        self.file_bytes += files.index().files().iter().map(|f| f.len).sum::<u64>();
+        self.files += 1;
+        let (keys, other) = adapter_keys(&files);
+        let mut unmatched: Vec<String> = Vec::new();
+        let total = keys.len();
+        let by_target = match_targets(&keys, table, by_name, &mut unmatched);
+        let applied = self.read_targets(&files, req, by_target, by_name, &mut unmatched)?;
+        if applied == 0 {
+            let first = keys.keys().chain(other.iter()).take(3).cloned().collect::<Vec<_>>().join(", ");
+            return Err(LoraError::NothingMatches { path: path.clone(), family, keys: total, first });
+        }
+        warn_left_out(path, family, total, &other, &unmatched);
+        tracing::info!("LoRA '{}' x{}: {applied} of {total} adapters applied", path.display(), req.multiplier);
+        Ok(())
+    }
+
+    /// Reads the adapters `by_target` matched in `files` (the file of `req`) and adds them to
+    /// the set; returns how many were read. As the reference, the parts of a fused weight stack
+    /// from part 0 on and stop at the first one missing: what follows a gap adapts nothing and
+    /// goes to `unmatched`.
+    fn read_targets(
+        &mut self,
+        files: &ModelFiles,
+        req: &LoraRequest,
+        by_target: ByTarget<'_>,
+        by_name: &HashMap<&str, &TensorSpec>,
+        unmatched: &mut Vec<String>,
+    ) -> Result<usize, LoraError> {
+        let mut applied = 0usize;
+        for (target, parts) in by_target {
+            let spec = by_name[target.as_str()];
+            let mut offset = 0usize;
+            for (k, (part, m)) in parts.into_iter().enumerate() {
+                if part != k {
+                    unmatched.push(format!("{} (part {part} of '{target}' without part {k})", m.base));
+                    continue;
+                }
+                let at = m.fused.then_some(offset);
+                let r = KeyReader { files, path: &req.path, base: m.base, key: m.parts };
+                let delta = read_delta(&r, m.kind, req.multiplier, spec, at)?;
+                offset += delta.out;
+                self.deltas.entry(target.clone()).or_default().push(delta);
+                applied += 1;
+            }
+        }
+        Ok(applied)
     }
 
     /// Bytes of the adapter files read.
@@ -724,7 +789,7 @@ fn rows_cols(shape: &[u64], n: usize) -> Option<(usize, usize)> {
     }
 }
 
-/// Reads the adapter `key` (of kind `kind`, [`Kind::of`]) for `target`, with `multiplier`:
+/// Reads the adapter key `r` (of kind `kind`, [`Kind::of`]) for `target`, with `multiplier`:
 /// the whole weight (`at` `None`: the delta must have the weight's shape), or the row block
 /// of a fused weight from row `at` (the weight's row width, within its rows).
 ///
@@ -739,185 +804,271 @@ fn rows_cols(shape: &[u64], n: usize) -> Option<(usize, usize)> {
 /// a LoKr's `alpha / rank` with rank the first dimension of `lokr_w2_b`, else of `lokr_w1_b`,
 /// and a scale of 1 when neither factor is decomposed (or the rank is 1) or there is no alpha.
 /// Each is then times the multiplier.
-#[allow(clippy::too_many_arguments)]
 fn read_delta(
-    files: &ModelFiles,
-    path: &Path,
-    base: &str,
-    key: &Parts,
+    r: &KeyReader<'_>,
     kind: Kind,
     multiplier: f32,
     target: &TensorSpec,
     at: Option<usize>,
 ) -> Result<Delta, LoraError> {
     use forms::{Factor, FactorValues, Form};
-    let shape_err = |problem: String| LoraError::Shape { path: path.to_path_buf(), tensor: base.to_owned(), problem };
-    let get = |slot: Slot| key.get(slot).expect("Kind::of checked the slot");
-    // A matrix of the key: its file shape, values, rows and row width.
-    let read = |slot: Slot| -> Result<(Vec<u64>, Vec<f32>, usize, usize), LoraError> {
-        let (shape, v) = matrix(files, get(slot), path)?;
-        let (r, c) =
-            rows_cols(&shape, v.len()).ok_or_else(|| shape_err(format!("{} has shape {shape:?}", get(slot))))?;
-        Ok((shape, v, r, c))
-    };
-    let is_f16 = |name: &str| files.tensor(name).is_some_and(|(e, _)| e.dtype == crate::files::DType::F16);
-    let alpha = match key.get(Slot::Alpha) {
-        Some(a) => Some(scalar(files, a, path)?),
-        None => None,
-    };
-    let (form, out, inner, scale, f16) = match kind {
-        Kind::Lora => {
-            let (up_shape, up, out, rank_up) = read(Slot::Up)?;
-            let (down_shape, down, rank, inner) = read(Slot::Down)?;
-            // The reference's rank (for alpha / rank) is down's first dimension, core or not.
-            let scale = match (key.get(Slot::Scale), alpha) {
-                (Some(s), _) => scalar(files, s, path)?,
-                (None, Some(a)) => a / rank as f32,
-                (None, None) => 1.0,
-            };
-            if key.get(Slot::LoraMid).is_some() {
-                // LoCon with a Tucker core: up 1x1, the core carries the kernel, down 1x1.
-                let (mid_shape, mid, _, _) = read(Slot::LoraMid)?;
-                let (down, inner) = tucker_down(&mid_shape, &mid, (rank_up, rank), &down, inner).ok_or_else(|| {
-                    shape_err(format!(
-                        "Tucker core {mid_shape:?} does not fit lora_up {up_shape:?} x lora_down {down_shape:?}"
-                    ))
-                })?;
-                (Form::LowRank { up, down, rank: rank_up }, out, inner, scale, false)
-            } else {
-                if rank_up != rank {
-                    return Err(shape_err(format!(
-                        "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
-                    )));
-                }
-                let f16 = is_f16(get(Slot::Up)) && is_f16(get(Slot::Down));
-                (Form::LowRank { up, down, rank }, out, inner, scale, f16)
-            }
-        }
+    let alpha = r.scalar(Slot::Alpha)?;
+    let d = match kind {
+        Kind::Lora => lora_delta(r, alpha)?,
         Kind::Diff => {
             // The whole delta, as the weight's own shape; scaled by the multiplier alone.
-            let (_, v, out, inner) = read(Slot::Diff)?;
-            (Form::Full(Factor { rows: out, cols: inner, values: FactorValues::Whole(v) }), out, inner, 1.0, false)
+            let (_, v, out, inner) = r.read(Slot::Diff)?;
+            let form = Form::Full(Factor { rows: out, cols: inner, values: FactorValues::Whole(v) });
+            KeyDelta { form, out, inner, scale: 1.0, f16: false }
         }
-        Kind::Loha => {
-            // One of the two products: `a` [out, rank] (a Tucker product's stored [rank, out], as
-            // LyCORIS writes it; the reference transposes it too), `b` [rank_b, inner] with a
-            // Tucker core folded in. `None` when the shapes do not fit.
-            struct Product {
-                up: Vec<f32>,
-                out: usize,
-                rank: usize,
-                down: Vec<f32>,
-                inner: usize,
-                /// `b`'s first dimension: the reference's rank for `alpha / rank`.
-                rank_b: usize,
-            }
-            let product = |a: Slot, b: Slot, core: Slot| -> Result<Option<Product>, LoraError> {
-                let (_, up, d0, d1) = read(a)?;
-                let (_, down, rank_b, inner) = read(b)?;
-                if key.get(core).is_none() {
-                    return Ok((d1 == rank_b).then_some(Product { up, out: d0, rank: d1, down, inner, rank_b }));
-                }
-                let (cs, cv, _, _) = read(core)?;
-                Ok(tucker_down(&cs, &cv, (d0, rank_b), &down, inner).map(|(down, inner)| Product {
-                    up: transpose(&up, d0, d1),
-                    out: d1,
-                    rank: d0,
-                    down,
-                    inner,
-                    rank_b,
-                }))
-            };
-            let p1 = product(Slot::HadaW1A, Slot::HadaW1B, Slot::HadaT1)?;
-            let p2 = product(Slot::HadaW2A, Slot::HadaW2B, Slot::HadaT2)?;
-            let Some((p1, p2)) = p1.zip(p2).filter(|(p1, p2)| p1.out == p2.out && p1.inner == p2.inner) else {
-                let shape = |slot: Slot| files.tensor(get(slot)).map(|(e, _)| e.shape.clone()).unwrap_or_default();
-                return Err(shape_err(format!(
-                    "LoHa factors do not fit: hada_w1_a {:?} x hada_w1_b {:?}, hada_w2_a {:?} x hada_w2_b {:?}",
-                    shape(Slot::HadaW1A),
-                    shape(Slot::HadaW1B),
-                    shape(Slot::HadaW2A),
-                    shape(Slot::HadaW2B)
-                )));
-            };
-            let scale = alpha.map_or(1.0, |a| a / p1.rank_b as f32);
-            let (out, inner) = (p1.out, p1.inner);
-            let form = Form::Hadamard { a1: p1.up, b1: p1.down, r1: p1.rank, a2: p2.up, b2: p2.down, r2: p2.rank };
-            (form, out, inner, scale, false)
-        }
-        Kind::Lokr => {
-            // LoKr: each factor whole or as a product.
-            let factor = |whole: Slot, a: Slot, b: Slot, name: &str| -> Result<Factor, LoraError> {
-                if key.get(whole).is_some() {
-                    let (_, v, rows, cols) = read(whole)?;
-                    return Ok(Factor { rows, cols, values: FactorValues::Whole(v) });
-                }
-                let (sa, va, rows, r) = read(a)?;
-                let (sb, vb, rb, cols) = read(b)?;
-                if r != rb {
-                    return Err(shape_err(format!("LoKr {name}_a {sa:?} x {name}_b {sb:?}: ranks {r} and {rb}")));
-                }
-                Ok(Factor { rows, cols, values: FactorValues::LowRank { a: va, b: vb, rank: r } })
-            };
-            let w1 = factor(Slot::LokrW1, Slot::LokrW1A, Slot::LokrW1B, "lokr_w1")?;
-            let w2 = factor(Slot::LokrW2, Slot::LokrW2A, Slot::LokrW2B, "lokr_w2")?;
-            // The reference's rank: w2's if it is a product, else w1's, else 1 (scale 1).
-            let rank = match (&w2.values, &w1.values) {
-                (FactorValues::LowRank { rank, .. }, _) | (_, FactorValues::LowRank { rank, .. }) => *rank,
-                _ => 1,
-            };
-            let scale = match alpha {
-                Some(a) if rank != 1 => a / rank as f32,
-                _ => 1.0,
-            };
-            let (out, inner) = (w1.rows * w2.rows, w1.cols * w2.cols);
-            (Form::Kron { w1, w2 }, out, inner, scale, false)
-        }
+        Kind::Loha => loha_delta(r, alpha)?,
+        Kind::Lokr => lokr_delta(r, alpha)?,
     };
+    check_fits(r, kind, &d, target, at)?;
+    let scale = total_scale(r, alpha, d.scale, multiplier)?;
+    let rows = target.ne.last().copied().unwrap_or(1).max(1);
+    let conv = target.ne.len() == 4;
+    let (form, out, inner, f16) = (d.form, d.out, d.inner, d.f16);
+    Ok(Delta { form, out, inner, offset: at.unwrap_or(0), rows: rows as usize, scale, f16, conv })
+}
+
+/// One adapter key of an open LoRA file, whose tensors [`read_delta`] reads.
+struct KeyReader<'a> {
+    files: &'a ModelFiles,
+    /// The file (named in errors).
+    path: &'a Path,
+    /// The key (named in errors).
+    base: &'a str,
+    /// The key's tensors.
+    key: &'a Parts,
+}
+
+impl KeyReader<'_> {
+    /// A shape error naming the file and the key.
+    fn shape_err(&self, problem: String) -> LoraError {
+        LoraError::Shape { path: self.path.to_path_buf(), tensor: self.base.to_owned(), problem }
+    }
+
+    /// Whether the key has a tensor in `slot`.
+    fn has(&self, slot: Slot) -> bool {
+        self.key.get(slot).is_some()
+    }
+
+    /// The stored name of the key's tensor in `slot`, which [`Kind::of`] found there.
+    fn name(&self, slot: Slot) -> &str {
+        self.key.get(slot).expect("Kind::of checked the slot")
+    }
+
+    /// The file shape of the stored tensor `name` (empty when the file has none).
+    fn shape_of(&self, name: &str) -> Vec<u64> {
+        self.files.tensor(name).map(|(e, _)| e.shape.clone()).unwrap_or_default()
+    }
+
+    /// The key's matrix in `slot`: its file shape, values, rows and row width.
+    fn read(&self, slot: Slot) -> Result<(Vec<u64>, Vec<f32>, usize, usize), LoraError> {
+        let (shape, v) = matrix(self.files, self.name(slot), self.path)?;
+        let (r, c) = rows_cols(&shape, v.len())
+            .ok_or_else(|| self.shape_err(format!("{} has shape {shape:?}", self.name(slot))))?;
+        Ok((shape, v, r, c))
+    }
+
+    /// The key's scalar in `slot` (an alpha or a scale); `None` when it has none.
+    fn scalar(&self, slot: Slot) -> Result<Option<f32>, LoraError> {
+        self.key.get(slot).map(|name| scalar(self.files, name, self.path)).transpose()
+    }
+
+    /// Whether the key's tensor in `slot` is stored as f16.
+    fn is_f16(&self, slot: Slot) -> bool {
+        self.files.tensor(self.name(slot)).is_some_and(|(e, _)| e.dtype == crate::files::DType::F16)
+    }
+}
+
+/// A key's delta as the file gives it, before it is checked against the weight it adapts.
+struct KeyDelta {
+    form: forms::Form,
+    /// Rows and row width of the delta.
+    out: usize,
+    inner: usize,
+    /// The file's scale (the kind's rule, [`read_delta`]), before the multiplier.
+    scale: f32,
+    /// Whether a LoRA's both matrices are f16 in the file ([`Delta::f16`]).
+    f16: bool,
+}
+
+/// A LoRA pair's delta, `up @ down`, with a LoCon convolution's Tucker core folded into `down`;
+/// its scale is the key's `scale` tensor, else `alpha / rank`, else 1.
+fn lora_delta(r: &KeyReader<'_>, alpha: Option<f32>) -> Result<KeyDelta, LoraError> {
+    let (up_shape, up, out, rank_up) = r.read(Slot::Up)?;
+    let (down_shape, down, rank, inner) = r.read(Slot::Down)?;
+    // The reference's rank (for alpha / rank) is down's first dimension, core or not.
+    let scale = match (r.scalar(Slot::Scale)?, alpha) {
+        (Some(s), _) => s,
+        (None, Some(a)) => a / rank as f32,
+        (None, None) => 1.0,
+    };
+    if r.has(Slot::LoraMid) {
+        // LoCon with a Tucker core: up 1x1, the core carries the kernel, down 1x1.
+        let (mid_shape, mid, _, _) = r.read(Slot::LoraMid)?;
+        let (down, inner) = tucker_down(&mid_shape, &mid, (rank_up, rank), &down, inner).ok_or_else(|| {
+            r.shape_err(format!(
+                "Tucker core {mid_shape:?} does not fit lora_up {up_shape:?} x lora_down {down_shape:?}"
+            ))
+        })?;
+        return Ok(KeyDelta { form: forms::Form::LowRank { up, down, rank: rank_up }, out, inner, scale, f16: false });
+    }
+    if rank_up != rank {
+        return Err(r.shape_err(format!(
+            "rank mismatch: up {up_shape:?} has rank {rank_up}, down {down_shape:?} has rank {rank}"
+        )));
+    }
+    let f16 = r.is_f16(Slot::Up) && r.is_f16(Slot::Down);
+    Ok(KeyDelta { form: forms::Form::LowRank { up, down, rank }, out, inner, scale, f16 })
+}
+
+/// One of a LoHa's two products: `up` `[out, rank]` and `down` `[rank, inner]`.
+struct Product {
+    up: Vec<f32>,
+    out: usize,
+    rank: usize,
+    down: Vec<f32>,
+    inner: usize,
+    /// `b`'s first dimension: the reference's rank for `alpha / rank`.
+    rank_b: usize,
+}
+
+/// A LoHa product from its factors `a` [out, rank] (a Tucker product's stored [rank, out], as
+/// LyCORIS writes it; the reference transposes it too) and `b` [rank_b, inner], with the Tucker
+/// `core` folded into `b` when the key has one. `None` when the shapes do not fit.
+fn loha_product(r: &KeyReader<'_>, a: Slot, b: Slot, core: Slot) -> Result<Option<Product>, LoraError> {
+    let (_, up, d0, d1) = r.read(a)?;
+    let (_, down, rank_b, inner) = r.read(b)?;
+    if !r.has(core) {
+        return Ok((d1 == rank_b).then_some(Product { up, out: d0, rank: d1, down, inner, rank_b }));
+    }
+    let (cs, cv, _, _) = r.read(core)?;
+    Ok(tucker_down(&cs, &cv, (d0, rank_b), &down, inner).map(|(down, inner)| Product {
+        up: transpose(&up, d0, d1),
+        out: d1,
+        rank: d0,
+        down,
+        inner,
+        rank_b,
+    }))
+}
+
+/// A LoHa's delta, the elementwise product of its two products; its scale is
+/// `alpha / rank` (rank: `hada_w1_b`'s first dimension), else 1.
+fn loha_delta(r: &KeyReader<'_>, alpha: Option<f32>) -> Result<KeyDelta, LoraError> {
+    let p1 = loha_product(r, Slot::HadaW1A, Slot::HadaW1B, Slot::HadaT1)?;
+    let p2 = loha_product(r, Slot::HadaW2A, Slot::HadaW2B, Slot::HadaT2)?;
+    let Some((p1, p2)) = p1.zip(p2).filter(|(p1, p2)| p1.out == p2.out && p1.inner == p2.inner) else {
+        let shape = |slot: Slot| r.shape_of(r.name(slot));
+        return Err(r.shape_err(format!(
+            "LoHa factors do not fit: hada_w1_a {:?} x hada_w1_b {:?}, hada_w2_a {:?} x hada_w2_b {:?}",
+            shape(Slot::HadaW1A),
+            shape(Slot::HadaW1B),
+            shape(Slot::HadaW2A),
+            shape(Slot::HadaW2B)
+        )));
+    };
+    let scale = alpha.map_or(1.0, |a| a / p1.rank_b as f32);
+    let (out, inner) = (p1.out, p1.inner);
+    let form = forms::Form::Hadamard { a1: p1.up, b1: p1.down, r1: p1.rank, a2: p2.up, b2: p2.down, r2: p2.rank };
+    Ok(KeyDelta { form, out, inner, scale, f16: false })
+}
+
+/// A LoKr factor, stored whole (`whole`) or as the product of `a` and `b` (`name` is the
+/// factor's name in errors).
+fn lokr_factor(r: &KeyReader<'_>, whole: Slot, a: Slot, b: Slot, name: &str) -> Result<forms::Factor, LoraError> {
+    use forms::{Factor, FactorValues};
+    if r.has(whole) {
+        let (_, v, rows, cols) = r.read(whole)?;
+        return Ok(Factor { rows, cols, values: FactorValues::Whole(v) });
+    }
+    let (sa, va, rows, rank) = r.read(a)?;
+    let (sb, vb, rb, cols) = r.read(b)?;
+    if rank != rb {
+        return Err(r.shape_err(format!("LoKr {name}_a {sa:?} x {name}_b {sb:?}: ranks {rank} and {rb}")));
+    }
+    Ok(Factor { rows, cols, values: FactorValues::LowRank { a: va, b: vb, rank } })
+}
+
+/// A LoKr's delta, the Kronecker product of its two factors; its scale is `alpha / rank` with
+/// rank the first dimension of `lokr_w2_b`, else of `lokr_w1_b`, and 1 when neither factor is
+/// decomposed (or the rank is 1) or there is no alpha.
+fn lokr_delta(r: &KeyReader<'_>, alpha: Option<f32>) -> Result<KeyDelta, LoraError> {
+    use forms::FactorValues;
+    let w1 = lokr_factor(r, Slot::LokrW1, Slot::LokrW1A, Slot::LokrW1B, "lokr_w1")?;
+    let w2 = lokr_factor(r, Slot::LokrW2, Slot::LokrW2A, Slot::LokrW2B, "lokr_w2")?;
+    // The reference's rank: w2's if it is a product, else w1's, else 1 (scale 1).
+    let rank = match (&w2.values, &w1.values) {
+        (FactorValues::LowRank { rank, .. }, _) | (_, FactorValues::LowRank { rank, .. }) => *rank,
+        _ => 1,
+    };
+    let scale = match alpha {
+        Some(a) if rank != 1 => a / rank as f32,
+        _ => 1.0,
+    };
+    let (out, inner) = (w1.rows * w2.rows, w1.cols * w2.cols);
+    Ok(KeyDelta { form: forms::Form::Kron { w1, w2 }, out, inner, scale, f16: false })
+}
+
+/// Checks that the delta `d` fits `target`: a whole weight (`at` `None`) takes a delta of its
+/// own shape (rows and row width); a row block of a fused one from row `at` takes the weight's
+/// row width, within its rows. The error names every factor's shape and the weight's.
+fn check_fits(
+    r: &KeyReader<'_>,
+    kind: Kind,
+    d: &KeyDelta,
+    target: &TensorSpec,
+    at: Option<usize>,
+) -> Result<(), LoraError> {
+    let (out, inner) = (d.out, d.inner);
     let want: i64 = target.ne.iter().product();
     let rows = target.ne.last().copied().unwrap_or(1).max(1);
     let conv = target.ne.len() == 4;
-    // A whole weight takes a delta of its own shape (rows and row width); a row block of a
-    // fused one takes the weight's row width, within its rows.
     let offset = at.unwrap_or(0);
     let fits = match at {
         None => out as i64 == rows && (out * inner) as i64 == want,
         Some(_) => !conv && inner as i64 * rows == want && (offset + out) as i64 <= rows,
     };
-    if !fits {
-        let torch: Vec<i64> = target.ne.iter().rev().copied().collect();
-        let at = if offset > 0 { format!(" at row {offset}") } else { String::new() };
-        let parts: Vec<String> = key
-            .0
-            .iter()
-            .filter(|(s, _)| !matches!(s, Slot::Alpha | Slot::Scale))
-            .map(|(_, name)| {
-                let shape = files.tensor(name).map(|(e, _)| e.shape.clone()).unwrap_or_default();
-                format!("{name} {shape:?}")
-            })
-            .collect();
-        return Err(shape_err(format!(
-            "the {} delta of {} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
-            kind.name(),
-            parts.join(", "),
-            target.name
-        )));
+    if fits {
+        return Ok(());
     }
+    let torch: Vec<i64> = target.ne.iter().rev().copied().collect();
+    let at = if offset > 0 { format!(" at row {offset}") } else { String::new() };
+    let parts: Vec<String> = r
+        .key
+        .0
+        .iter()
+        .filter(|(s, _)| !matches!(s, Slot::Alpha | Slot::Scale))
+        .map(|(_, name)| format!("{name} {:?}", r.shape_of(name)))
+        .collect();
+    Err(r.shape_err(format!(
+        "the {} delta of {} is [{out}, {inner}]{at}; the weight '{}' has shape {torch:?}",
+        kind.name(),
+        parts.join(", "),
+        target.name
+    )))
+}
+
+/// The adapter's scale, the file's `scale` times `multiplier`, refused when it is NaN or
+/// beyond [`MAX_SCALE`] in magnitude.
+fn total_scale(r: &KeyReader<'_>, alpha: Option<f32>, scale: f32, multiplier: f32) -> Result<f32, LoraError> {
     // f32: a multiplier of 1e38 times an alpha of 2 is infinite, not refused as large.
     let total = f64::from(scale) * f64::from(multiplier);
     if total.is_nan() || total.abs() > f64::from(MAX_SCALE) {
         let alpha = alpha.map_or(String::new(), |a| format!(" (alpha {a:e})"));
         return Err(LoraError::Value {
-            path: path.to_path_buf(),
-            tensor: base.to_owned(),
+            path: r.path.to_path_buf(),
+            tensor: r.base.to_owned(),
             problem: format!(
                 "the adapter's scale, multiplier x the file's scale{alpha}, is {multiplier:e} x {scale:e} = \
                  {total:.3e}: at most {MAX_SCALE} in magnitude is accepted"
             ),
         });
     }
-    let scale = total as f32;
-    Ok(Delta { form, out, inner, offset, rows: rows as usize, scale, f16, conv })
+    Ok(total as f32)
 }
 
 /// A [`TensorSource`] that adds a [`LoraSet`]'s adapters to what another source reads.

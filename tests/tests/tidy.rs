@@ -674,7 +674,10 @@ fn a_long_orchestration_function_is_reported() {
     let body = |n: usize| "    let x = 1;\n".repeat(n);
     let long = format!("//! A.\npub(super) fn stage(\n    a: u8,\n) -> u8 {{\n{}    0\n}}\n", body(76));
     let at_limit = format!("//! B.\nfn fits() {{\n{}}}\n", body(78));
-    let in_tests = format!("//! C.\nfn f() {{}}\nfn g() {{\n}}\n#[cfg(test)]\nmod tests {{\n    fn long() {{\n{}    }}\n}}\n", body(90));
+    let in_tests = format!(
+        "//! C.\nfn f() {{}}\nfn g() {{\n}}\n#[cfg(test)]\nmod tests {{\n    fn long() {{\n{}    }}\n}}\n",
+        body(90)
+    );
     let t = texts(&[
         ("crates/sd-models/src/pipeline/a.rs", &long),
         ("crates/sd-models/src/pipeline.rs", &at_limit),

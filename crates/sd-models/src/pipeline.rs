@@ -20,8 +20,8 @@
 use std::sync::Arc;
 
 use sd_backends::{Backend, GgmlType};
-use sd_sched::{Ledgers, MappedBytes, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_placement::Module;
+use sd_sched::{Ledgers, MappedBytes, ParamHome, Runner, SourceError, TensorSource, TensorSpec, Weights};
 use sd_vae::{AutoencoderKl, FirstStage, Taesd, TilingParams, VaeParts};
 
 use crate::diffusion::controlnet::ControlNetModel;
@@ -1070,7 +1070,16 @@ impl Pipeline {
         let home = &self.opts.placement.homes.controlnet;
         let mut w = Weights::new(file.specs(self.opts.wtype))?;
         let group = |name: &str| crate::diffusion::unet::group_of(name);
-        self.place(&mut w, Module::ControlNet, home, &self.opts.devices.controlnet, None, &group, &|_| false, file.source())?;
+        self.place(
+            &mut w,
+            Module::ControlNet,
+            home,
+            &self.opts.devices.controlnet,
+            None,
+            &group,
+            &|_| false,
+            file.source(),
+        )?;
         let cfg = file.config().clone();
         Ok(Some(ControlNetModel { cfg, weights: w, flash_attn: self.opts.flash_attn }))
     }

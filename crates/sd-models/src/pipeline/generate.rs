@@ -167,7 +167,12 @@ impl Pipeline {
         if let Some(u) = uncond.as_ref().filter(|u| !u.zeroed) {
             health::check("text encoder (negative prompt)", &u.data, ACTIVATIONS);
         }
-        tracing::debug!("{} params {}; {}", module_name(Module::Te), model.weights().home_description(), runner.summary());
+        tracing::debug!(
+            "{} params {}; {}",
+            module_name(Module::Te),
+            model.weights().home_description(),
+            runner.summary()
+        );
         record_module(out.report, Module::Te, model.weights(), &runner);
         kept::record(out.report, Module::Te, model.weights(), start);
         drop(runner);
@@ -322,7 +327,8 @@ impl Pipeline {
         let staged_from = kept::begin(unet.weights(), was_kept);
         clock.lap(out.report, "unet load");
         let mut control = self.control_stage(request, &mut clock, out)?;
-        let mut runner = self.runner(Module::Diffusion, &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
+        let mut runner =
+            self.runner(Module::Diffusion, &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
         let first_dims = (p.width / VAE_SCALE, p.height / VAE_SCALE);
         let mut latents: Vec<Vec<f32>> = Vec::with_capacity(p.batch_count);
         // Where each pass's images start from: the init latent (or noise), then the first

@@ -14,6 +14,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("sd-formats", 1),
     ("sd-backends", 1),
     ("sd-sched", 2),
+    ("sd-arch", 2),
     ("sd-vae", 3),
     ("sd-models", 4),
     ("sd-server", 5),
@@ -21,11 +22,13 @@ const LAYERS: &[(&str, u32)] = &[
     ("xtask", 9),
     ("sd-tests", 9),
 ];
-/// Pure logic: no FFI crate reached and no `unsafe` code.
-const PURE: &[&str] = &["sd-placement", "sd-sampling"];
-/// Crates that reach no FFI crate (pure ones, and the file-format reader, which maps files
-/// with `unsafe` but calls no ggml: other tools read model headers with it).
-const NO_FFI: &[&str] = &["sd-placement", "sd-sampling", "sd-formats"];
+/// Pure logic: no FFI crate reached and no `unsafe` code (sd-arch reads headers through
+/// sd-formats, whose maps are the one `unsafe` it reaches).
+const PURE: &[&str] = &["sd-placement", "sd-sampling", "sd-arch"];
+/// Crates that reach no FFI crate (pure ones, the file-format reader, which maps files
+/// with `unsafe` but calls no ggml, and the architectures: other tools read and describe
+/// model headers with them).
+const NO_FFI: &[&str] = &["sd-placement", "sd-sampling", "sd-formats", "sd-arch"];
 const FFI: &[&str] = &["ggml-sys", "sd-backends", "libloading", "bindgen"];
 const DLOPEN_ALLOWED: &[&str] = &["sd-backends"];
 

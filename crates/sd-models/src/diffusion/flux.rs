@@ -51,8 +51,6 @@ use sd_sched::{TensorSpec, Weights};
 
 use super::blocks::{self, AttnKernel};
 use super::{DiffusionError, Result};
-use crate::files::index::numbered;
-use crate::files::TensorIndex;
 use crate::wtype::SpecSink;
 
 pub mod chroma;
@@ -350,16 +348,6 @@ pub fn flux_specs(
         }
     }
     s.specs
-}
-
-/// The DiT's blocks in execution order, for the tensors of `index`: the double-stream
-/// blocks, then the single-stream ones. `img_in`, `txt_in`, the embedders and the final
-/// layer have none.
-pub fn block_numbering(index: &TensorIndex) -> impl Fn(&str) -> Option<u32> + Send + Sync + 'static {
-    const DOUBLE: &str = "model.diffusion_model.double_blocks.";
-    const SINGLE: &str = "model.diffusion_model.single_blocks.";
-    let doubles = index.entries().iter().filter_map(|e| numbered(&e.name, DOUBLE)).max().map_or(0, |n| n + 1);
-    move |name: &str| numbered(name, DOUBLE).or_else(|| numbered(name, SINGLE).map(|n| doubles + n))
 }
 
 /// The parameter group (block) of an internal FLUX name, for staging: `prelude` (the input

@@ -30,8 +30,6 @@ use sd_sched::{Runner, TensorSource, TensorSpec, Weights};
 
 use super::blocks::{self, AttnKernel, SpecSink, TransformerShape};
 use super::{DiffusionError, Result, TensorProblem};
-use crate::files::index::numbered;
-use crate::files::TensorIndex;
 
 /// Prefix of every UNet tensor's internal name.
 pub const PREFIX: &str = "model.diffusion_model";
@@ -697,22 +695,6 @@ fn check_shapes(cfg: &UNetConfig, x: [i64; 4], t: [i64; 4], c: [i64; 4]) -> Resu
 // ---------------------------------------------------------------------------------------
 // Model
 // ---------------------------------------------------------------------------------------
-
-/// The UNet's blocks in execution order, for the tensors of `index`: `input_blocks.N` is
-/// block N, `middle_block` comes after the file's input blocks, `output_blocks.N` after the
-/// middle block. Embeddings, `time_embed` and `out` have none.
-pub fn block_numbering(index: &TensorIndex) -> impl Fn(&str) -> Option<u32> + Send + Sync + 'static {
-    const INPUT: &str = "model.diffusion_model.input_blocks.";
-    const MIDDLE: &str = "model.diffusion_model.middle_block.";
-    const OUTPUT: &str = "model.diffusion_model.output_blocks.";
-    let inputs = index.entries().iter().filter_map(|e| numbered(&e.name, INPUT)).max().map_or(0, |n| n + 1);
-    move |name: &str| {
-        if name.starts_with(MIDDLE) {
-            return Some(inputs);
-        }
-        numbered(name, INPUT).or_else(|| numbered(name, OUTPUT).map(|n| inputs + 1 + n))
-    }
-}
 
 /// The parameter group (block) of an internal UNet tensor name, for staging: `time_embed`,
 /// `input_blocks.N`, `middle_block`, `output_blocks.N` or `out` (the order the graph uses

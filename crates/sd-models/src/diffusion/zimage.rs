@@ -44,8 +44,6 @@ use sd_sched::{TensorSpec, Weights};
 use super::blocks::{self, AttnKernel};
 use super::flux::{linspace, rope_attention, rope_axis};
 use super::{DiffusionError, Result};
-use crate::files::index::numbered;
-use crate::files::TensorIndex;
 use crate::wtype::SpecSink;
 
 const MODEL: &str = "Z-Image";
@@ -339,21 +337,6 @@ pub fn zimage_specs(
         }
     }
     s.specs
-}
-
-/// The DiT's blocks in execution order for the tensors of `index`: the context refiners,
-/// the noise refiners, then the main layers. The embedders and the final layer have none.
-pub fn block_numbering(index: &TensorIndex) -> impl Fn(&str) -> Option<u32> + Send + Sync + 'static {
-    const CONTEXT: &str = "model.diffusion_model.context_refiner.";
-    const NOISE: &str = "model.diffusion_model.noise_refiner.";
-    const LAYERS: &str = "model.diffusion_model.layers.";
-    let count = |p: &str| index.entries().iter().filter_map(|e| numbered(&e.name, p)).max().map_or(0, |n| n + 1);
-    let (contexts, noises) = (count(CONTEXT), count(NOISE));
-    move |name: &str| {
-        numbered(name, CONTEXT)
-            .or_else(|| numbered(name, NOISE).map(|n| contexts + n))
-            .or_else(|| numbered(name, LAYERS).map(|n| contexts + noises + n))
-    }
 }
 
 /// The parameter group (block) of an internal Z-Image name, for staging: `prelude`,

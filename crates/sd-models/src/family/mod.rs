@@ -8,9 +8,10 @@
 //! names a family.
 //!
 //! A family lives in one folder under `family/` and registers itself with one
-//! `inventory::submit!` of a [`FamilySpec`] (next to the [`crate::files::ArchSpec`] that
-//! detects its files). [`for_detected`] picks the spec whose `arch` is the detected one.
-//! SD 1.x and 2.x are [`sd`].
+//! `inventory::submit!` of a [`FamilySpec`]; the [`crate::files::ArchSpec`] that detects its
+//! files and numbers their blocks is registered by its file in `sd-arch` (`sd_arch::flux`
+//! for `family/flux`), which needs no ggml. [`for_detected`] picks the spec whose `arch` is
+//! the detected one. SD 1.x and 2.x are [`sd`].
 
 pub mod chroma;
 pub mod flux;
@@ -47,7 +48,7 @@ inventory::collect!(FamilySpec);
 /// takes 9 channels (the latent, the mask, the masked image's latent), as the reference tells
 /// `SD 1.x Inpaint` (and 2.x, SDXL) apart.
 pub fn is_inpainting(files: &ModelFiles) -> bool {
-    let conv_in = files.index().get(sd::detect::UNET_CONV_IN);
+    let conv_in = files.index().get(sd_arch::sd::UNET_CONV_IN);
     conv_in.is_some_and(|e| e.shape.len() == 4 && e.shape[1] == 9)
 }
 

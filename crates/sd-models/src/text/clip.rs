@@ -72,16 +72,6 @@ const TEXT_MODEL_PREFIX: &str = "cond_stage_model.transformer.text_model";
 /// Where SDXL's second text model (OpenCLIP ViT-bigG/14) lives.
 const TEXT_MODEL2_PREFIX: &str = "cond_stage_model.1.transformer.text_model";
 
-/// The layer of a CLIP text-encoder tensor: `encoder.layers.N` of the first encoder
-/// (`encoder == 0`) or of the second (SDXL's bigG, `encoder == 1`).
-pub fn layer_of(name: &str, encoder: usize) -> Option<u32> {
-    const LAYERS: [&str; 2] = [
-        "cond_stage_model.transformer.text_model.encoder.layers.",
-        "cond_stage_model.1.transformer.text_model.encoder.layers.",
-    ];
-    crate::files::index::numbered(name, LAYERS.get(encoder)?)
-}
-
 /// Errors of the text encoders.
 #[derive(Debug, thiserror::Error)]
 pub enum ClipError {

@@ -29,6 +29,7 @@
 //! onto these by `sd_formats::names`). Graph cuts: `llm.prelude` after the embedding and
 //! `llm.layers.N` after each layer, so `te` can be segmented and split by layer.
 
+use sd_arch::encoders::qwen3_block_of;
 use sd_backends::{BackendError, Context, GgmlType, Tensor};
 use sd_sched::{Runner, SchedError, TensorSpec, Weights};
 
@@ -36,11 +37,6 @@ use crate::wtype::SpecSink;
 
 /// Where the LLM's tensors live in the internal naming (no trailing dot).
 pub const LLM_PREFIX: &str = "text_encoders.llm";
-
-/// The layer of an LLM tensor: `model.layers.N`.
-pub fn block_of(name: &str) -> Option<u32> {
-    crate::files::index::numbered(name, "text_encoders.llm.model.layers.")
-}
 
 /// Errors of the Qwen3 encoder.
 #[derive(Debug, thiserror::Error)]
@@ -169,7 +165,7 @@ impl Qwen3Config {
         };
         let embed = shape("embed_tokens.weight")?;
         let gate = shape("layers.0.mlp.gate_proj.weight")?;
-        let layers = index.entries().iter().filter_map(|e| block_of(&e.name)).max().map_or(0, |n| n as usize + 1);
+        let layers = index.entries().iter().filter_map(|e| qwen3_block_of(&e.name)).max().map_or(0, |n| n as usize + 1);
         let cfg = Self {
             vocab_size: embed[0] as usize,
             hidden: embed[1] as usize,

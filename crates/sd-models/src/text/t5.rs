@@ -43,11 +43,6 @@ use crate::wtype::SpecSink;
 /// Where the encoder's tensors live in the internal naming (`--t5xxl` files are read under it).
 pub const T5XXL_PREFIX: &str = "text_encoders.t5xxl.transformer";
 
-/// The block of a T5-XXL tensor: `encoder.block.N`.
-pub fn block_of(name: &str) -> Option<u32> {
-    crate::files::index::numbered(name, "text_encoders.t5xxl.transformer.encoder.block.")
-}
-
 /// Errors of the T5 encoder.
 #[derive(Debug, thiserror::Error)]
 pub enum T5Error {

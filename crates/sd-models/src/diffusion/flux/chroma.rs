@@ -24,6 +24,7 @@
 //! attention mask (0 or -inf per token, from the conditioner) followed by zeros for the
 //! image tokens, added to every attention's scores over the keys.
 
+use sd_arch::chroma::PROBE;
 use sd_backends::{Context, GgmlType, Tensor};
 use sd_sched::Weights;
 
@@ -44,8 +45,6 @@ const IN_DIM: i64 = 64;
 const SCALAR_DIM: i32 = 16;
 /// Width of the index embedding.
 const INDEX_DIM: i32 = 32;
-/// The tensor whose presence marks a Chroma file (the reference's test).
-pub const PROBE: &str = "model.diffusion_model.distilled_guidance_layer.in_proj.weight";
 const LAYER_MARK: &str = "distilled_guidance_layer.layers.";
 
 /// The approximator's shape and Chroma's options.

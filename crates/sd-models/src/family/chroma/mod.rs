@@ -19,10 +19,7 @@
 //! names, diffusers' `transformer.*`), so FLUX.1's table serves; keys of modules Chroma pruned
 //! (the modulation projections, the embedders) find no parameter.
 
-mod detect;
 mod text;
-
-pub(crate) use detect::is_chroma;
 
 use sd_backends::GgmlType;
 use sd_sched::{Runner, TensorSpec, Weights};
@@ -72,7 +69,7 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
         index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
     let dit = FluxConfig::from_file(&tensors)?;
     if dit.chroma.is_none() {
-        return Err(PipelineError::Invalid(format!("a Chroma model needs '{}'", flux::chroma::PROBE)));
+        return Err(PipelineError::Invalid(format!("a Chroma model needs '{}'", sd_arch::chroma::PROBE)));
     }
     if !index.contains(T5_PROBE) {
         return Err(PipelineError::MissingComponent {

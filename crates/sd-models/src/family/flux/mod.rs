@@ -8,14 +8,13 @@
 //! `--clip_l`, `--t5xxl` and `--vae`. Without CLIP-L the pooled vector is zeros (a warning, as
 //! in the reference); without T5 the prompt would be ignored, which the reference only warns
 //! about and we refuse. A T5 file with fewer than 24 blocks
-//! runs with the blocks it has (the reference refuses it). `detect.rs` registers
+//! runs with the blocks it has (the reference refuses it). `sd_arch::flux` detects
 //! the two architectures (`flux`, `flux-schnell`); this file registers their runtime.
 //!
 //! The distilled guidance of dev (`--guidance`, default 3.5) is a setting of the loaded
 //! model; `--cfg-scale` stays the classifier-free guidance of the sampler (1 for FLUX, which
 //! skips the negative prompt).
 
-mod detect;
 pub(crate) mod lora;
 
 use std::sync::Arc;

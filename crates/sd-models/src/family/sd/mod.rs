@@ -2,10 +2,8 @@
 //! OpenCLIP ViT-H/14 for 2.x), the `openaimodel` UNet, the KL-f8 VAE, a discrete DDPM
 //! schedule and `euler_a` by default, as the reference runs them.
 //!
-//! `detect.rs` registers the two architectures (`sd1`, `sd2`); this file registers their
-//! runtime.
-
-pub(crate) mod detect;
+//! `sd_arch::sd` detects the two architectures (`sd1`, `sd2`) and numbers their blocks; this
+//! file registers their runtime.
 
 use std::sync::Arc;
 
@@ -66,7 +64,7 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     let (clip, mut unet) = configs(detected.arch)
         .ok_or_else(|| PipelineError::Invalid(format!("`{}` is not an SD 1.x / 2.x architecture", detected.arch)))?;
     // An inpainting checkpoint's UNet takes 9 channels (detection admits only 4 or 9).
-    if let Some(e) = files.index().get(detect::UNET_CONV_IN).filter(|e| e.shape.len() == 4) {
+    if let Some(e) = files.index().get(sd_arch::sd::UNET_CONV_IN).filter(|e| e.shape.len() == 4) {
         unet.in_channels = e.shape[1] as i64;
     }
     Ok(Box::new(Sd { arch: detected.arch, clip, unet, tokenizer: Arc::new(ClipTokenizer::new()) }))

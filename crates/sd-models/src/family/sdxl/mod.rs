@@ -7,8 +7,8 @@
 //! an empty negative prompt is encoded zeroed, its ADM vector kept, as the reference does for
 //! SDXL (it makes an exception for EDM v-parameterised files, which are not detected here).
 //!
-//! Detection: a UNet with a class embedding (`label_emb.0.0`) of width 2816 taking 4 latent
-//! channels; the refiner (ADM 2560) and inpainting variants are other architectures.
+//! `sd_arch::sdxl` detects the files (a UNet with a class embedding of width 2816) and numbers
+//! their blocks; this file registers the runtime.
 
 use std::sync::Arc;
 
@@ -16,55 +16,14 @@ use sd_backends::GgmlType;
 use sd_sched::{TensorSpec, Weights};
 use sd_vae::{TaesdConfig, VaeConfig};
 
-use super::sd::detect::LABEL_EMB;
 use super::{DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder};
 use crate::diffusion::unet::{self, UNetConfig, UNetModel};
-use crate::files::arch::{prediction_from_metadata, BlockFn};
-use crate::files::{ArchSpec, Detected, FileRole, ModelFiles, PredictionSource, TensorIndex};
+use crate::files::{Detected, FileRole, ModelFiles, TensorIndex};
 use crate::pipeline::{PipelineError, Result};
-use crate::sampling::{AysLevels, DiscreteSchedule, Prediction, SampleMethod, AYS_SDXL};
-use crate::text::clip::{self, ClipConfig};
+use crate::sampling::{AysLevels, DiscreteSchedule, SampleMethod, AYS_SDXL};
+use crate::text::clip::ClipConfig;
 use crate::text::sdxl::SdxlText;
 use crate::text::ClipTokenizer;
-
-/// ADM width of SDXL base: pooled bigG embedding (1280) and six 256-wide size embeddings.
-const ADM_IN_CHANNELS: u64 = 2816;
-/// Width of the context the UNet cross-attends to (768 + 1280).
-const CONTEXT_DIM: u64 = 2048;
-
-fn detect(index: &TensorIndex) -> Option<Detected> {
-    let label = index.get(LABEL_EMB)?;
-    if label.shape.len() != 2 || label.shape[1] != ADM_IN_CHANNELS {
-        return None;
-    }
-    let conv_in = index.get("model.diffusion_model.input_blocks.0.0.weight")?;
-    if conv_in.shape.len() != 4 || !crate::family::sd::detect::INPUT_CHANNELS.contains(&conv_in.shape[1]) {
-        return None;
-    }
-    let (prediction, prediction_source) = match prediction_from_metadata(index) {
-        Some((p, key)) => (Some(p), PredictionSource::Metadata { key }),
-        None => (Some(Prediction::Eps), PredictionSource::ArchDefault),
-    };
-    Some(Detected { arch: "sdxl", context_dim: CONTEXT_DIM, prediction, prediction_source })
-}
-
-/// SDXL blocks: the UNet's, and the layers of the dominant text encoder (bigG where the
-/// files hold it, else CLIP-L); the other encoder's layers stay with the non-block tensors.
-fn blocks(index: &TensorIndex) -> BlockFn {
-    let unet = unet::block_numbering(index);
-    let encoder = if index.entries().iter().any(|e| clip::layer_of(&e.name, 1).is_some()) { 1 } else { 0 };
-    Arc::new(move |name| unet(name).or_else(|| clip::layer_of(name, encoder)))
-}
-
-inventory::submit! {
-    ArchSpec {
-        name: "sdxl",
-        description: "Stable Diffusion XL (base, Turbo, SSD-1B, Vega)",
-        detect,
-        notable: &[LABEL_EMB, "model.diffusion_model.input_blocks.0.0.weight"],
-        blocks,
-    }
-}
 
 /// Where the second text encoder's (OpenCLIP bigG's) internal names start.
 const BIGG_PREFIX: &str = "cond_stage_model.1.";

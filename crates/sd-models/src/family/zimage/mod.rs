@@ -18,7 +18,6 @@
 //! classifier-free guidance (the reference's generic default is 7; the base model wants
 //! `--cfg-scale` set).
 
-mod detect;
 mod lora;
 
 use sd_backends::GgmlType;
@@ -86,7 +85,7 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
             "the LLM is {} wide, the Z-Image model's cap_embedder takes {} (tensor '{}')",
             llm.hidden,
             dit.cap_feat_dim,
-            detect::CAP_NORM
+            sd_arch::zimage::CAP_NORM
         )));
     }
     Ok(Box::new(ZImage { dit, llm }))

@@ -153,7 +153,7 @@ fn qwen3_4b_has_the_published_parameter_count_and_names() {
     assert_eq!(find("layers.0.self_attn.q_norm.weight").ne, [128]);
     assert_eq!(find("layers.0.mlp.down_proj.weight").ne, [9728, 2560]);
     assert_eq!(find("norm.weight").ty, F32);
-    assert_eq!(block_of(&find("layers.17.mlp.up_proj.weight").name), Some(17));
+    assert_eq!(qwen3_block_of(&find("layers.17.mlp.up_proj.weight").name), Some(17));
 }
 
 #[test]

@@ -17,7 +17,8 @@
 //! * shared code (every crate but the families', and the shared parts of `sd-models`: file
 //!   formats, loader, pipeline, placement wiring, reports; see [`SHARED`]) names no model
 //!   family in its identifiers (`sdxl`, `flux`, `sd15`, ... outside comments, strings and
-//!   tests): a family's knowledge lives in its folder under `crates/sd-models/src/family/`.
+//!   tests): a family's knowledge lives in its file under `crates/sd-arch/src/` (detection,
+//!   block numbering) and its folder under `crates/sd-models/src/family/` (its networks).
 //!   The names that still break the rule are listed in `tests/family-names.txt` with the
 //!   reason; a stale entry is an error;
 //! * the orchestration reads as named steps: no function of the pipeline, the sampler, the
@@ -68,6 +69,7 @@ const SHARED: &[&str] = &[
     "crates/sd-server/src/",
     "crates/sd-cli/src/",
     "crates/sd-formats/src/",
+    "crates/sd-arch/src/describe.rs",
     "crates/sd-models/src/pipeline.rs",
     "crates/sd-models/src/placement.rs",
     "crates/sd-models/src/loader.rs",
@@ -450,7 +452,8 @@ fn family_names_in_shared_code(
             if !allowed.contains_key(&key) {
                 out.push(format!(
                     "{file}:{line}: `{id}` names a model family in shared code: move the family's knowledge into \
-                     its folder (crates/sd-models/src/family/) and reach it through the family descriptor"
+                     its file in crates/sd-arch/src/ or its folder in crates/sd-models/src/family/ and reach it through the \
+                     family descriptor or the architecture registry"
                 ));
             }
             used.insert(key);

@@ -31,3 +31,8 @@ pub mod sdxl;
 pub mod zimage;
 
 pub use describe::{describe, ExtraFile};
+
+// The README's example is compiled (not run: it needs model files) as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}

@@ -51,3 +51,8 @@ pub use names::{FileRole, QkvPart};
 pub use raw::RawTensor;
 pub use safetensors::HeaderEntry;
 pub use store::{ModelFiles, ModelSources};
+
+// The README's example is compiled (not run: it needs model files) as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}

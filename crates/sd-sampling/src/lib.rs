@@ -48,6 +48,11 @@ pub mod schedule;
 #[cfg(test)]
 mod tests;
 
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
+
 pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings};
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
 pub use sampler::{sample, sample_flow, Denoised, SampleMethod};

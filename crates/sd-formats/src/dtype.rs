@@ -359,26 +359,6 @@ mod tests {
     }
 
     #[test]
-    fn compute_types_are_the_types_ggml_can_dequantize() {
-        // ggml's own traits, read at run time: a type computes iff ggml has a `to_float` for
-        // it (f32 needs none). ggml-cpu.c's `vec_dot` table, not reachable from here, has
-        // the same set (see `is_compute_type`); q8_1 and q8_K lack both.
-        for d in DType::ALL {
-            let Some(id) = d.ggml_type_id() else { continue };
-            // SAFETY: `id` is a type ggml knows (the facts table above); the traits are static.
-            let traits = unsafe { &*ggml_sys::ggml_get_type_traits(ggml_sys::ggml_type(id)) };
-            let ggml_computes = d == DType::F32 || traits.to_float.is_some();
-            assert_eq!(d.is_compute_type(), ggml_computes, "{d}: to_float {}", traits.to_float.is_some());
-        }
-        for d in [DType::Q8_1, DType::Q8_K, DType::I8, DType::I32, DType::F64, DType::U8, DType::Bool] {
-            assert!(!d.is_compute_type(), "{d}");
-        }
-        for d in [DType::Q8_0, DType::Q4_K, DType::IQ4_NL, DType::TQ1_0, DType::BF16, DType::F8_E4M3] {
-            assert!(d.is_compute_type(), "{d}");
-        }
-    }
-
-    #[test]
     fn removed_and_unknown_ggml_ids_are_rejected() {
         // ggml.h: 4, 5 (Q4_2/Q4_3), 31..=33 (Q4_0_4_4..), 36..=38 (IQ4_NL_4_4..) were removed;
         // GGML_TYPE_COUNT is 43.

@@ -18,9 +18,12 @@ pub struct Manifest {
     pub default: bool,
     /// `ggml-sys`: compiled by ggml-sys's build script (no CMake); otherwise by CMake.
     pub build: Option<String>,
-    /// The CPU backend's default variants (names of `crates/ggml-sys/ggml-build.toml`).
+    /// The CPU backend's default variants on x86-64 (names of `crates/ggml-sys/ggml-build.toml`).
     #[serde(default)]
     pub variants: Vec<String>,
+    /// The CPU backend's default variants on AArch64.
+    #[serde(default)]
+    pub variants_aarch64: Vec<String>,
     /// CMake options for `cargo xtask plugins`.
     #[serde(default)]
     pub cmake: Vec<String>,
@@ -59,6 +62,17 @@ pub struct RequiredHeader {
 }
 
 impl Manifest {
+    /// The CPU backend's default variants for a target architecture (`CARGO_CFG_TARGET_ARCH`):
+    /// `variants` on x86_64, `variants_aarch64` on aarch64, none elsewhere.
+    #[allow(dead_code)] // the build script's (xtask asks it for `all` or the defaults)
+    pub fn cpu_variants(&self, target_arch: &str) -> &[String] {
+        match target_arch {
+            "x86_64" => &self.variants,
+            "aarch64" => &self.variants_aarch64,
+            _ => &[],
+        }
+    }
+
     /// Reads and parses `path`.
     pub fn read(path: &Path) -> Result<Manifest, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;

@@ -5,8 +5,10 @@
 //!    compare the checksum cargo recorded in that lockfile with the pin.
 //! 2. The C/C++ compiler that the `cc` crate finds compiles `libggml-base` (linked
 //!    by us) and the default plugins (the RPC module and the CPU variants named in
-//!    `plugins/cpu/plugin.toml`) as shared libraries, with the definitions and ISA
-//!    flags of ggml's own CMake files as recorded in `ggml-build.toml`, into a
+//!    `plugins/cpu/plugin.toml` for the target's architecture) as shared libraries, with
+//!    the definitions and ISA flags of ggml's own CMake files as recorded in
+//!    `ggml-build.toml` (its CPU branch chosen by the TARGET's architecture and OS,
+//!    `build/spec.rs`, never the host's: x86-64, or AArch64 Linux), into a
 //!    directory shared by every profile: `<target>/ggml/`. A file lock serialises
 //!    concurrent builds of that directory; a cache key per library skips work
 //!    already done.
@@ -22,11 +24,11 @@
 //!
 //! Overrides: `SD_GGML_SOURCE_DIR` (use a local ggml tree; the pin is then not
 //! checked and a warning says so), `SD_GGML_BUILD_DIR` (where to build),
-//! `SD_GGML_CPU_VARIANTS` (`all`, or a comma-separated list of the variants in
-//! `ggml-build.toml`, instead of the defaults), `SD_GGML_CPU_LLAMAFILE=off` (the CPU
-//! plugins without ggml's LLAMAFILE GEMM, the reference's kernel order, for parity
-//! work; built into `target/ggml-nollamafile` unless `SD_GGML_BUILD_DIR` says where, so
-//! it never replaces the default plugins).
+//! `SD_GGML_CPU_VARIANTS` (`all`, or a comma-separated list of the variants of the
+//! target's branch in `ggml-build.toml`, instead of the defaults),
+//! `SD_GGML_CPU_LLAMAFILE=off` (the CPU plugins without ggml's LLAMAFILE GEMM, the
+//! reference's kernel order, for parity work; built into `target/ggml-nollamafile` unless
+//! `SD_GGML_BUILD_DIR` says where, so it never replaces the default plugins).
 
 #[path = "build/compile.rs"]
 mod compile;
@@ -37,6 +39,8 @@ mod manifest;
 mod names;
 #[path = "build/patch.rs"]
 mod patch;
+#[path = "build/spec.rs"]
+mod spec;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -80,21 +84,26 @@ fn run() -> Result<(), String> {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=build/compile.rs");
     println!("cargo:rerun-if-changed=build/patch.rs");
+    println!("cargo:rerun-if-changed=build/spec.rs");
     println!("cargo:rerun-if-changed=wrapper.h");
     for v in ["SD_GGML_SOURCE_DIR", "SD_GGML_BUILD_DIR", "SD_GGML_CPU_VARIANTS", "SD_GGML_CPU_LLAMAFILE"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let pin: Pin = read_toml(&pin_path)?;
-    let mut spec: compile::Spec = read_toml(&spec_path)?;
+    let spec: spec::Spec = read_toml(&spec_path)?;
     let llamafile = match std::env::var("SD_GGML_CPU_LLAMAFILE").as_deref() {
         Err(_) | Ok("on") | Ok("1") => true,
         Ok("off") | Ok("0") => false,
         Ok(v) => return Err(format!("SD_GGML_CPU_LLAMAFILE={v}: expected on or off")),
     };
-    if !llamafile {
-        spec.cpu.defines.retain(|d| d != "GGML_USE_LLAMAFILE");
-        spec.cpu.sources.retain(|s| !s.contains("/llamafile/"));
-    }
+    // The CPU backend's branch follows the target, never the host running this script.
+    let target_arch = env("CARGO_CFG_TARGET_ARCH")?;
+    let mut cpu_target =
+        spec.cpu.for_target(&target_arch, &std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default(), llamafile)?;
+    let cpu_variants = cpu_target.choose_variants(
+        std::env::var("SD_GGML_CPU_VARIANTS").ok().as_deref(),
+        manifest::Manifest::read(&cpu_path)?.cpu_variants(&target_arch),
+    )?;
 
     let local = std::env::var_os("SD_GGML_SOURCE_DIR");
     let ggml_src = match &local {
@@ -109,7 +118,6 @@ fn run() -> Result<(), String> {
     };
     check_version(&ggml_src, &pin)?;
 
-    let cpu_variants = cpu_variants(&spec, &manifest::Manifest::read(&cpu_path)?)?;
     let build_root = match std::env::var_os("SD_GGML_BUILD_DIR") {
         Some(d) => PathBuf::from(d),
         None => target_dir(&out_dir)?.join(if llamafile { "ggml" } else { "ggml-nollamafile" }),
@@ -132,6 +140,7 @@ fn run() -> Result<(), String> {
     let lock = fs::File::create(&lock_path).map_err(|e| format!("{}: {e}", lock_path.display()))?;
     lock.lock().map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
     let tc = compile::Toolchain::detect(&out_dir)?;
+    cpu_target.flags_if_accepted.retain(|f| tc.accepts_cxx_flag(f, &out_dir));
     // The RPC module is compiled from a patched copy (patches/rpc-faults.toml: deadlines,
     // no abort on a lost server, no assert on a malformed message).
     // Every CPU variant is compiled from a patched copy of src/ggml-cpu (patches/cpu-speed.toml:
@@ -151,6 +160,7 @@ fn run() -> Result<(), String> {
     let cpu = patched("src/ggml-cpu", &cpu_patch)?;
     let libs = compile::plan(
         &spec,
+        &cpu_target,
         &tc,
         &ggml_src,
         &gen_include,
@@ -248,27 +258,6 @@ fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
         return Ok(());
     }
     fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
-}
-
-/// The CPU variants to compile: plugins/cpu/plugin.toml's list, or SD_GGML_CPU_VARIANTS.
-fn cpu_variants(spec: &compile::Spec, plugin: &manifest::Manifest) -> Result<Vec<String>, String> {
-    let chosen: Vec<String> = match std::env::var("SD_GGML_CPU_VARIANTS") {
-        Ok(v) if v.trim() == "all" => spec.cpu.variants.keys().filter(|k| !k.starts_with("native")).cloned().collect(),
-        Ok(v) => v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
-        Err(_) => plugin.variants.clone(),
-    };
-    if chosen.is_empty() {
-        return Err("no CPU variant to build (SD_GGML_CPU_VARIANTS is empty)".into());
-    }
-    for v in &chosen {
-        if !spec.cpu.variants.contains_key(v) {
-            return Err(format!(
-                "unknown CPU variant `{v}`; ggml-build.toml offers: {}",
-                spec.cpu.variants.keys().cloned().collect::<Vec<_>>().join(", ")
-            ));
-        }
-    }
-    Ok(chosen)
 }
 
 /// sha256 over `wrapper.h` and [`BOUND_HEADERS`] (name, NUL, length, NUL, bytes each).

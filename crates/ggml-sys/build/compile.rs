@@ -2,7 +2,6 @@
 //! the `cc` crate finds (CC/CXX/CFLAGS/CXXFLAGS honoured), following
 //! `ggml-build.toml`: no CMake, no generator, one job pool over every object.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -11,56 +10,7 @@ use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
 
-#[derive(serde::Deserialize)]
-pub struct Spec {
-    pub defines: Vec<String>,
-    #[serde(default)]
-    pub linux_defines: Vec<String>,
-    pub base: BaseSpec,
-    pub backend: BackendSpec,
-    pub rpc: RpcSpec,
-    pub cpu: CpuSpec,
-}
-
-#[derive(serde::Deserialize)]
-pub(crate) struct BaseSpec {
-    pub sources: Vec<String>,
-    pub public_defines: Vec<String>,
-    pub private_defines: Vec<String>,
-    pub includes: Vec<String>,
-}
-
-#[derive(serde::Deserialize)]
-pub(crate) struct BackendSpec {
-    pub defines: Vec<String>,
-    pub includes: Vec<String>,
-}
-
-#[derive(serde::Deserialize)]
-pub(crate) struct RpcSpec {
-    pub target: String,
-    pub sources: Vec<String>,
-}
-
-#[derive(serde::Deserialize)]
-pub(crate) struct FeatureSpec {
-    pub flags: Vec<String>,
-    /// The `GGML_<feature>` definition upstream adds with the flags (none for the
-    /// parity-only features).
-    #[serde(default)]
-    pub define: Option<String>,
-}
-
-#[derive(serde::Deserialize)]
-pub(crate) struct CpuSpec {
-    pub sources: Vec<String>,
-    pub defines: Vec<String>,
-    pub includes: Vec<String>,
-    pub feats_source: String,
-    pub feats_includes: Vec<String>,
-    pub features: BTreeMap<String, FeatureSpec>,
-    pub variants: BTreeMap<String, Vec<String>>,
-}
+use crate::spec::{CpuTarget, Spec};
 
 /// One object file to compile.
 struct Job {
@@ -131,6 +81,23 @@ impl Toolchain {
         cmd.output().map(|o| o.status.success()).unwrap_or(false)
     }
 
+    /// Whether the C++ compiler accepts `flag`, decided as CMake's `check_cxx_compiler_flag`
+    /// does: a program builds with it, and the compiler says nothing of an option it did not
+    /// recognise or ignored (the gist of CMake's CheckCompilerFlagCommonPatterns).
+    pub fn accepts_cxx_flag(&self, flag: &str, out_dir: &Path) -> bool {
+        let dir = out_dir.join("probe");
+        let src = dir.join("flag.cpp");
+        if fs::create_dir_all(&dir).is_err() || fs::write(&src, "int main() { return 0; }\n").is_err() {
+            return false;
+        }
+        let mut cmd = self.cxx.to_command();
+        cmd.env("LC_ALL", "C").arg(flag).arg(&src).arg("-o").arg(dir.join("flag"));
+        let Ok(out) = cmd.output() else { return false };
+        let said = String::from_utf8_lossy(&out.stderr).to_lowercase();
+        let refused = ["unrecogni", "unknown", "not supported", "ignored", "ignoring", "argument unused", "invalid"];
+        out.status.success() && !refused.iter().any(|r| said.contains(r))
+    }
+
     /// A description of the compilers, part of every library's cache key.
     fn identity(&self) -> String {
         let version = |t: &cc::Tool| {
@@ -194,12 +161,14 @@ fn includes_patched(src: &Path, patched: &PatchedDir, list: &[String]) -> Vec<St
     list.iter().map(|i| format!("-I{}", patched.map(i).unwrap_or_else(|| src.join(i)).display())).collect()
 }
 
-/// Builds the job lists of the core library, the RPC plugin and the chosen CPU variants.
-/// `rpc` and `cpu` are the patched copies of `src/ggml-rpc` and `src/ggml-cpu` (every
-/// source and include directory under them is taken from the copy).
+/// Builds the job lists of the core library, the RPC plugin and the chosen CPU variants of
+/// `cpu_target` (the target's branch, `spec.rs`). `rpc` and `cpu` are the patched copies of
+/// `src/ggml-rpc` and `src/ggml-cpu` (every source and include directory under them is
+/// taken from the copy).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     spec: &Spec,
+    cpu_target: &CpuTarget,
     tc: &Toolchain,
     src: &Path,
     gen_include: &Path,
@@ -268,36 +237,23 @@ pub fn plan(
 
     // libggml-cpu-<variant>
     for v in cpu_variants {
-        let feats = spec.cpu.variants.get(v).ok_or_else(|| {
+        let variant = cpu_target.variants.get(v).ok_or_else(|| {
             format!(
-                "unknown CPU variant `{v}`; ggml-build.toml has: {}",
-                spec.cpu.variants.keys().cloned().collect::<Vec<_>>().join(", ")
+                "unknown CPU variant `{v}`; ggml-build.toml's {} branch has: {}",
+                cpu_target.arch,
+                cpu_target.variants.keys().cloned().collect::<Vec<_>>().join(", ")
             )
         })?;
-        let mut isa = Vec::new();
-        let mut arch_defs = Vec::new();
-        // Upstream adds flags in a fixed order of features, not the variant's order.
-        for (name, f) in &spec.cpu.features {
-            if feats.contains(name) {
-                isa.extend(f.flags.iter().cloned());
-                arch_defs.extend(f.define.clone());
-            }
-        }
-        for f in feats {
-            if !spec.cpu.features.contains_key(f) {
-                return Err(format!("CPU variant `{v}` names unknown feature `{f}` (ggml-build.toml)"));
-            }
-        }
         let target = format!("ggml-cpu-{v}");
         let mut extra = backend.clone();
-        extra.extend(defines(&spec.cpu.defines));
+        extra.extend(defines(&cpu_target.defines));
         extra.extend(omp.iter().cloned());
-        extra.extend(defines(&arch_defs));
-        extra.extend(includes_patched(src, cpu, &spec.cpu.includes));
-        extra.extend(isa);
+        extra.extend(defines(&variant.defines));
+        extra.extend(includes_patched(src, cpu, &cpu_target.includes));
+        extra.extend(cpu_target.flags_if_accepted.iter().cloned());
+        extra.extend(variant.flags.iter().cloned());
         // every source from the patched copy of src/ggml-cpu (patches/cpu-speed.toml)
-        let mut jobs: Vec<Job> = spec
-            .cpu
+        let mut jobs: Vec<Job> = cpu_target
             .sources
             .iter()
             .chain(cpu.added.iter().filter(|a| is_cpp(a) || a.ends_with(".c")))
@@ -305,9 +261,9 @@ pub fn plan(
             .collect::<Result<_, _>>()?;
         // the feature-check object: definitions, no ISA flags
         let mut fe: Vec<String> = defines(&spec.backend.defines).collect();
-        fe.extend(defines(&arch_defs));
-        fe.extend(includes_patched(src, cpu, &spec.cpu.feats_includes));
-        jobs.push(patched_job(cpu, &target, &spec.cpu.feats_source, &fe)?);
+        fe.extend(defines(&variant.defines));
+        fe.extend(includes_patched(src, cpu, &cpu_target.feats_includes));
+        jobs.push(patched_job(cpu, &target, &cpu_target.feats_source, &fe)?);
         libs.push(Library {
             file: crate::names::plugin_file(os, &target),
             soname: None,

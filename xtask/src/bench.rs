@@ -504,7 +504,7 @@ impl Workload {
             let path = lora_dir.join(format!("bench-{name}.safetensors"));
             match args.model {
                 Model::Sd15 => write_lora(&path, &req)?,
-                Model::Vega => write_sdxl_lora(&path, &fixture::UnetConfig::vega(), &req)?,
+                Model::Vega => write_sdxl_lora(&path, &fixture::UnetLayout::vega(), &req)?,
                 Model::Flux => write_flux_lora(&path, &flux_cfg, &req)?,
             };
             loras.push(path);

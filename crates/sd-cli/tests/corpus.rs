@@ -749,7 +749,7 @@ fn every_bad_input_gets_a_clear_error_without_signal_hang_or_lost_file() {
     // SDXL layouts (Segmind Vega's, the smallest) that cannot run: refused in validation,
     // by `plan` and by a generation alike, naming what is wrong.
     let vega = || -> Vec<(String, Vec<u64>)> {
-        let arch = Architecture::sdxl_with(sd_models::fixture::UnetConfig::vega());
+        let arch = Architecture::sdxl_with(sd_models::fixture::UnetLayout::vega());
         tensor_table(&arch).expect("vega layout").into_iter().map(|t| (t.name, t.shape)).collect()
     };
     let no_bigg: Vec<(String, Vec<u64>, DType)> = vega()

@@ -373,8 +373,8 @@ fn split_qkv_adapters_merge_as_one_fused_adapter_and_a_gap_stops_them() {
 #[test]
 fn an_sdxl_kohya_lora_adapts_the_unet_and_both_text_encoders() {
     use crate::fixture::lora::{write_sdxl_lora, LoraFixture, LoraLayout};
-    use crate::fixture::{tensor_table, Architecture, UnetConfig};
-    let unet = UnetConfig::vega();
+    use crate::fixture::{tensor_table, Architecture, UnetLayout};
+    let unet = UnetLayout::vega();
     let path = temp("vega-kohya.safetensors");
     let req = LoraFixture { layout: LoraLayout::Kohya, rank: 4, seed: 3, scale: 0.05, text_encoder: true };
     let written = write_sdxl_lora(&path, &unet, &req).unwrap();

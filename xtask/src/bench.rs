@@ -47,7 +47,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 use sd_models::report::RunReport;
 
 use crate::parity::{build_sd_cli, ensure_fixture};
@@ -425,11 +425,11 @@ fn ref_command_with(exe: &Path, model: &[OsString], cfg: &str, s: Setting, threa
 }
 
 /// The family and file type a `--type` entry `gguf:TYPE` asks for; `None` for other entries.
-fn gguf_type(model: Model, ty: &str) -> Result<Option<(Family, sd_models::fixture::WeightType)>> {
+fn gguf_type(model: Model, ty: &str) -> Result<Option<(FixtureModel, sd_models::fixture::WeightType)>> {
     let Some(name) = ty.strip_prefix("gguf:") else { return Ok(None) };
     let family = match model {
-        Model::Sd15 => Family::Sd15,
-        Model::Vega => Family::Vega,
+        Model::Sd15 => FixtureModel::Sd15,
+        Model::Vega => FixtureModel::Vega,
         Model::Flux => anyhow::bail!("--type {ty}: GGUF fixtures are written for --model sd15 and vega only"),
     };
     let wtype = sd_models::fixture::WeightType::parse(name).ok_or_else(|| {
@@ -466,8 +466,12 @@ impl Workload {
         std::fs::create_dir_all(&lora_dir).with_context(|| format!("cannot create {}", lora_dir.display()))?;
         let flux_cfg = flux::reduced(3072, 1, 2, false);
         let (label, model, cfg) = match args.model {
-            Model::Sd15 => ("sd15 fixture".to_owned(), vec!["-m".into(), ensure_fixture(Family::Sd15)?.into()], "7"),
-            Model::Vega => ("vega fixture".to_owned(), vec!["-m".into(), ensure_fixture(Family::Vega)?.into()], "7"),
+            Model::Sd15 => {
+                ("sd15 fixture".to_owned(), vec!["-m".into(), ensure_fixture(FixtureModel::Sd15)?.into()], "7")
+            }
+            Model::Vega => {
+                ("vega fixture".to_owned(), vec!["-m".into(), ensure_fixture(FixtureModel::Vega)?.into()], "7")
+            }
             Model::Flux => {
                 std::fs::create_dir_all(fixture::cache_dir())?;
                 let dit = flux::cached_flux_path(&flux_cfg, 42, WeightType::F16);
@@ -846,10 +850,13 @@ mod tests {
         // gguf:TYPE names a quantized fixture file of sd15 or vega; anything else is refused
         // before any build.
         let g: Args = crate::parse_test("--type gguf:q4_K,gguf:Q6_K,f16").unwrap();
-        assert_eq!(gguf_type(g.model, &g.types[0]).unwrap(), Some((Family::Sd15, sd_models::fixture::WeightType::Q4K)));
+        assert_eq!(
+            gguf_type(g.model, &g.types[0]).unwrap(),
+            Some((FixtureModel::Sd15, sd_models::fixture::WeightType::Q4K))
+        );
         assert_eq!(
             gguf_type(Model::Vega, &g.types[1]).unwrap(),
-            Some((Family::Vega, sd_models::fixture::WeightType::Q6K))
+            Some((FixtureModel::Vega, sd_models::fixture::WeightType::Q6K))
         );
         assert_eq!(gguf_type(g.model, &g.types[2]).unwrap(), None);
         for (model, bad, says) in [

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 use sd_models::report::RunReport;
 
 use crate::bench::{self, fmt_ratio, fmt_s, median, Size, Timings};
@@ -175,7 +175,7 @@ impl Runs {
 /// and the output folder `target/bench`.
 pub(crate) fn bench_inputs() -> Result<(PathBuf, PathBuf, PathBuf)> {
     let exe = build_sd_cli()?;
-    let model = ensure_fixture(Family::Sd15)?;
+    let model = ensure_fixture(FixtureModel::Sd15)?;
     let dir = workspace_root().join("target/bench");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     Ok((exe, model, dir))

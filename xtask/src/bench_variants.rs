@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _, Result};
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 
 use crate::bench::{
     fmt_ratio, fmt_s, median, our_command, ours_timings, parse_ref, read_report, ref_command, report_path,
@@ -109,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
     let root = workspace_root();
     let ours_exe = build_sd_cli()?;
     let ref_exe = reference::build()?;
-    let model = ensure_fixture(Family::Sd15)?;
+    let model = ensure_fixture(FixtureModel::Sd15)?;
     let plugin_dir = crate::ggml::plugin_dir();
     let dir = root.join("target/bench-variants");
     std::fs::create_dir_all(&dir)?;

@@ -59,7 +59,7 @@ use anyhow::{bail, Context, Result};
 use sd_models::diffusion::zimage::ZImageConfig;
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
-    self, flux, flux_vae, qwen3, t5, taesd, zimage, Component, Family, FileFormat, FixtureReport, FixtureRequest,
+    self, flux, flux_vae, qwen3, t5, taesd, zimage, Component, FileFormat, FixtureModel, FixtureReport, FixtureRequest,
     WeightType,
 };
 use sd_models::text::qwen3::Qwen3Config;
@@ -145,11 +145,11 @@ pub struct Args {
 /// T5-XXL text encoder alone.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Target {
-    Model(Family),
+    Model(FixtureModel),
     LoraSd15,
     LoraFlux,
     /// A LoRA for an SDXL-layout fixture (SDXL, SSD-1B, Vega).
-    LoraSdxl(Family),
+    LoraSdxl(FixtureModel),
     T5xxl,
     /// A Qwen3 LLM text encoder (`--llm`).
     Qwen3,
@@ -183,9 +183,9 @@ fn target(s: &str) -> Result<Target, String> {
     match s {
         "lora-sd15" => Ok(Target::LoraSd15),
         "lora-flux" => Ok(Target::LoraFlux),
-        "lora-sdxl" => Ok(Target::LoraSdxl(Family::Sdxl)),
-        "lora-vega" => Ok(Target::LoraSdxl(Family::Vega)),
-        "lora-ssd-1b" => Ok(Target::LoraSdxl(Family::Ssd1b)),
+        "lora-sdxl" => Ok(Target::LoraSdxl(FixtureModel::Sdxl)),
+        "lora-vega" => Ok(Target::LoraSdxl(FixtureModel::Vega)),
+        "lora-ssd-1b" => Ok(Target::LoraSdxl(FixtureModel::Ssd1b)),
         "t5xxl" => Ok(Target::T5xxl),
         "qwen3" => Ok(Target::Qwen3),
         "zimage" | "z-image" => Ok(Target::ZImage),
@@ -201,7 +201,7 @@ fn target(s: &str) -> Result<Target, String> {
         "esrgan-x2" => Ok(Target::Esrgan { scale: 2, blocks: 23 }),
         "controlnet-sd15" => Ok(Target::ControlNet { sdxl: false }),
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
-        _ => Family::parse(s)
+        _ => FixtureModel::parse(s)
             .map(Target::Model)
             .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
@@ -585,7 +585,7 @@ mod tests {
         assert_eq!(
             a,
             Args {
-                family: Target::Model(Family::Sd21),
+                family: Target::Model(FixtureModel::Sd21),
                 layers: None,
                 intermediate: None,
                 refiner_layers: None,
@@ -609,10 +609,10 @@ mod tests {
                 schnell_dit: false,
             }
         );
-        assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(Family::Ssd1b));
+        assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(FixtureModel::Ssd1b));
         let l = parse("lora-sd15 --layout peft --rank 8 --seed 3 --scale 0.1 -o l.safetensors").unwrap();
         assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
-        assert_eq!(parse("lora-vega -o v.safetensors").unwrap().family, Target::LoraSdxl(Family::Vega));
+        assert_eq!(parse("lora-vega -o v.safetensors").unwrap().family, Target::LoraSdxl(FixtureModel::Vega));
         let l = parse("lora-flux --layout diffusers --hidden 256 --double 2 --single 2 -o f.safetensors").unwrap();
         assert_eq!(
             (l.family, l.layout, l.hidden, l.double),

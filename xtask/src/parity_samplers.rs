@@ -26,7 +26,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 use sd_models::sampling::{SampleMethod, Scheduler};
 
 use crate::parity::{build_sd_cli, ensure_fixture, png_diff, run_ok, Row, Tolerance};
@@ -162,7 +162,7 @@ pub fn run(a: Args) -> Result<()> {
     let test_data_dir = a.test_data_dir.clone().unwrap_or_else(|| crate::workspace_root().join("tests/data"));
     let sdref = reference::build()?;
     let ours = build_sd_cli()?;
-    let model = ensure_fixture(Family::Sd15)?;
+    let model = ensure_fixture(FixtureModel::Sd15)?;
     let work = crate::workspace_root().join("target/parity/samplers");
     std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
     let start = Instant::now();

@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 use sd_sched::profile::{Profile, ProfileEntry};
 
 use crate::bench::{self, Size};
@@ -46,7 +46,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut s = args.size.setting();
     s.steps = args.steps;
     let exe = build_sd_cli()?;
-    let model = ensure_fixture(Family::Sd15)?;
+    let model = ensure_fixture(FixtureModel::Sd15)?;
     let dir = workspace_root().join("target/profile");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let out = dir.join(format!("profile-{}.png", s.side));

@@ -65,10 +65,13 @@ fn an_installed_and_an_unpacked_sd_cli_run_where_they_are_moved() {
     let moved = tmp.join("moved");
     std::fs::rename(&prefix, &moved).unwrap();
     assert_runs_from(&moved);
-    let model =
-        sd_models::fixture::ensure_cached(sd_models::fixture::Family::Sd15, 42, sd_models::fixture::WeightType::F16)
-            .unwrap()
-            .0;
+    let model = sd_models::fixture::ensure_cached(
+        sd_models::fixture::FixtureModel::Sd15,
+        42,
+        sd_models::fixture::WeightType::F16,
+    )
+    .unwrap()
+    .0;
     let png = tmp.join("out.png");
     run(installed(&moved)
         .arg("-m")

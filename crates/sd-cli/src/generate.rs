@@ -8,7 +8,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 use sd_backends::BackendManager;
 use sd_models::files::Prediction as FilePrediction;
-use sd_models::fixture::{self, Family, WeightType};
+use sd_models::fixture::{self, FixtureModel, WeightType};
 use sd_models::loader::LoadType;
 use sd_models::output::{ImageOutput, InputRole, OutputRole};
 use sd_models::pipeline::{GenerateParams, LoadOptions, Pipeline, Progress, Request, ValidParams};
@@ -241,7 +241,7 @@ fn prediction(s: &str) -> std::result::Result<FilePrediction, sd_models::samplin
 }
 
 pub(crate) fn ensure_fixture() -> Result<PathBuf> {
-    let path = fixture::cached_path(Family::Sd15, 42, WeightType::F16);
+    let path = fixture::cached_path(FixtureModel::Sd15, 42, WeightType::F16);
     if !path.is_file() {
         tracing::warn!(
             "no model given (-m): writing an SD 1.5 checkpoint with random weights to {} (once); \
@@ -252,7 +252,7 @@ pub(crate) fn ensure_fixture() -> Result<PathBuf> {
         tracing::warn!("no model given (-m): using the random-weight SD 1.5 fixture {}", path.display());
     }
     let (path, _) =
-        fixture::ensure_cached(Family::Sd15, 42, WeightType::F16).context("writing the fixture checkpoint")?;
+        fixture::ensure_cached(FixtureModel::Sd15, 42, WeightType::F16).context("writing the fixture checkpoint")?;
     Ok(path)
 }
 

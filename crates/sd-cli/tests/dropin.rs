@@ -6,13 +6,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use sd_models::fixture::{self, Family, WeightType};
+use sd_models::fixture::{self, FixtureModel, WeightType};
 use sd_models::image_io::{self, OutputFormat};
 use sd_models::pipeline::Image;
 
 /// The SD 1.5 fixture (seed 42, f16), shared with the other end-to-end tests.
 fn fixture() -> PathBuf {
-    fixture::ensure_cached(Family::Sd15, 42, WeightType::F16).unwrap().0
+    fixture::ensure_cached(FixtureModel::Sd15, 42, WeightType::F16).unwrap().0
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{sd_cli, write_init_png};
-use sd_models::fixture::{self, Family, WeightType};
+use sd_models::fixture::{self, FixtureModel, WeightType};
 
 /// Tolerances for agreement with the reference (issue: mean <= 1/255, max <= 8/255).
 const MEAN_TOL: f64 = 1.0;
@@ -20,7 +20,7 @@ fn workspace() -> PathBuf {
 }
 
 /// The fixture checkpoint of `family` (seed 42, f16), written once into the fixture cache.
-fn fixture(family: Family) -> PathBuf {
+fn fixture(family: FixtureModel) -> PathBuf {
     fixture::ensure_cached(family, 42, WeightType::F16).unwrap().0
 }
 
@@ -92,7 +92,7 @@ fn check_ok(out: &std::process::Output) {
 
 #[test]
 fn sd15_matches_the_reference_is_deterministic_and_thread_independent() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("sd15");
     let a = dir.join("a.png");
     check_ok(&generate(&model, &a, 2, &[]));
@@ -122,7 +122,7 @@ fn sd15_matches_the_reference_is_deterministic_and_thread_independent() {
 
 #[test]
 fn sd21_v_prediction_matches_the_reference() {
-    let model = fixture(Family::Sd21);
+    let model = fixture(FixtureModel::Sd21);
     let dir = out_dir("sd21");
     let a = dir.join("a.png");
     let out = generate(&model, &a, 2, &[]);
@@ -188,7 +188,7 @@ fn malformed_model_files_are_clear_errors() {
 /// tolerance). Changing the seed, for scale, moves the image by ~70 levels on average.
 #[test]
 fn sd15_q8_0_is_close_to_f16_and_deterministic() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("q8_0");
     let f16 = dir.join("f16.png");
     check_ok(&generate(&model, &f16, 2, &[]));
@@ -215,7 +215,7 @@ fn sd15_q8_0_is_close_to_f16_and_deterministic() {
 /// and nearer than the output for another init image does.
 #[test]
 fn sd15_img2img_stays_near_its_init_image() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("img2img");
     let (init_a, init_b) = (dir.join("init-a.png"), dir.join("init-b.png"));
     write_init_png(&init_a, false);
@@ -274,7 +274,7 @@ const CASES: [(&str, &str); 5] =
 
 #[test]
 fn new_samplers_and_schedulers_match_the_reference() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("samplers");
     let mut failures = Vec::new();
     let mut previous: Option<Vec<u8>> = None;
@@ -363,7 +363,7 @@ fn unknown_sampler_and_scheduler_names_are_errors_naming_the_flag() {
 /// keeps the four runs cheap. A bad value of the flag is a clear error.
 #[test]
 fn sd15_cpu_extra_buffer_types_stay_within_parity_of_plain_buffers() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("extra-bufts");
     for ty in ["q4_0", "q8_0"] {
         let on = dir.join(format!("{ty}-on.png"));
@@ -410,7 +410,7 @@ fn write_loras(dir: &Path) {
 
 #[test]
 fn sd15_loras_match_the_reference_and_multiplier_zero_changes_nothing() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("lora");
     write_loras(&dir);
     let gen = |name: &str, prompt: &str, extra: &[&str]| with_loras(&model, &dir, name, prompt, extra);
@@ -496,7 +496,7 @@ fn sd15_loras_match_the_reference_and_multiplier_zero_changes_nothing() {
 #[test]
 fn sd15_loha_and_lokr_match_the_reference() {
     use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("lycoris");
     for (layout, name, scale) in [(LoraLayout::Loha, "loha", 0.3), (LoraLayout::Lokr, "lokr", 0.1)] {
         let req = LoraFixture { layout, rank: 4, seed: 3, scale, text_encoder: true };
@@ -548,7 +548,7 @@ fn sd15_loha_and_lokr_match_the_reference() {
 #[test]
 fn sd15_tucker_and_diff_loras_match_the_reference() {
     use sd_models::fixture::lora::{write_lora, LoraFixture, LoraLayout};
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("tucker");
     for (layout, name, scale) in [(LoraLayout::Tucker, "tucker", 0.15), (LoraLayout::Diff, "diff", 0.008)] {
         let req = LoraFixture { layout, rank: 4, seed: 5, scale, text_encoder: true };
@@ -586,7 +586,7 @@ fn lora_at_runtime_counts_in_the_plan() {
     // `sd-cli plan` with at_runtime adds each adapter's matrices to the module it adapts (f16
     // here, as in the file: the same bytes as the file's `lora_unet_` matrices); immediately
     // adds nothing to the devices.
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("lora-plan");
     write_loras(&dir);
     let d = dir.to_str().unwrap();
@@ -622,7 +622,7 @@ fn lora_at_runtime_counts_in_the_plan() {
 
 #[test]
 fn lora_bad_inputs_are_clear_errors() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("lora-bad");
     write_loras(&dir);
     let d = dir.to_str().unwrap();
@@ -648,7 +648,7 @@ fn lora_bad_inputs_are_clear_errors() {
 #[test]
 fn sd15_with_taesd_matches_the_reference() {
     use sd_models::fixture::taesd::{cached_taesd_path, write_taesd};
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let tae = cached_taesd_path(4, 42, WeightType::F16);
     if !tae.exists() {
         std::fs::create_dir_all(fixture::cache_dir()).unwrap();
@@ -741,7 +741,7 @@ fn esrgan_upscale_mode() {
     let o = sd_cli()
         .arg("plan")
         .arg("-m")
-        .arg(fixture(Family::Sd15))
+        .arg(fixture(FixtureModel::Sd15))
         .arg("--upscale-model")
         .arg(&x4)
         .args(["--backend", "esrgan=cpu"])
@@ -766,9 +766,15 @@ fn esrgan_after_generation() {
     let dir = out_dir("esrgan-gen");
     let x2 = esrgan_fixture(&dir, 2);
     let (plain, up) = (dir.join("plain.png"), dir.join("up.png"));
-    check_ok(&generate_steps(&fixture(Family::Sd15), &plain, 2, 1, &[]));
+    check_ok(&generate_steps(&fixture(FixtureModel::Sd15), &plain, 2, 1, &[]));
     let model = x2.to_str().unwrap();
-    let o = generate_steps(&fixture(Family::Sd15), &up, 2, 1, &["--upscale-model", model, "--backend", "upscaler=cpu"]);
+    let o = generate_steps(
+        &fixture(FixtureModel::Sd15),
+        &up,
+        2,
+        1,
+        &["--upscale-model", model, "--backend", "upscaler=cpu"],
+    );
     check_ok(&o);
     let (w, h, _) = pixels(&up);
     assert_eq!((w, h), (128, 128));
@@ -796,8 +802,12 @@ fn inpaint_fixture() -> PathBuf {
     let path = fixture::cache_dir().join("sd15-inpaint-std0.01-seed7-f16.safetensors");
     if !path.exists() {
         std::fs::create_dir_all(fixture::cache_dir()).unwrap();
-        let mut req =
-            fixture::FixtureRequest::family(Family::Sd15Inpaint, 7, WeightType::F16, fixture::FileFormat::Safetensors);
+        let mut req = fixture::FixtureRequest::family(
+            FixtureModel::Sd15Inpaint,
+            7,
+            WeightType::F16,
+            fixture::FileFormat::Safetensors,
+        );
         req.weight_std = Some(0.01);
         fixture::write_fixture(&path, &req).unwrap();
     }
@@ -808,7 +818,7 @@ fn inpaint_fixture() -> PathBuf {
 /// estimate keeps the init image's latent outside the mask) within the parity tolerance.
 #[test]
 fn sd15_inpaint_with_a_normal_checkpoint_matches_the_reference() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("inpaint-sd15");
     let (init, mask, out) = (dir.join("init.png"), dir.join("mask.png"), dir.join("out.png"));
     write_init_png(&init, false);
@@ -868,7 +878,7 @@ fn controlnet_fixtures() -> (PathBuf, PathBuf) {
     std::fs::create_dir_all(fixture::cache_dir()).unwrap();
     if !model.exists() {
         let mut req =
-            fixture::FixtureRequest::family(Family::Sd15, 11, WeightType::F16, fixture::FileFormat::Safetensors);
+            fixture::FixtureRequest::family(FixtureModel::Sd15, 11, WeightType::F16, fixture::FileFormat::Safetensors);
         req.weight_std = Some(0.01);
         fixture::write_fixture(&model, &req).unwrap();
     }
@@ -937,7 +947,7 @@ fn sd15_controlnet_matches_the_reference_and_any_placement() {
 #[test]
 fn controlnet_bad_inputs_are_clear_errors() {
     let dir = out_dir("controlnet-bad");
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let control = workspace().join("tests/data/control-64x64.png");
     let control = control.to_str().unwrap();
     // An SDXL-shaped ControlNet (context 2048, a class embedding, 9 skips), narrow to stay small.
@@ -1010,7 +1020,7 @@ fn plan_counts_the_controlnet_module_and_its_placement() {
 /// tolerance, each.
 #[test]
 fn sd15_hires_matches_the_reference() {
-    let model = fixture(Family::Sd15);
+    let model = fixture(FixtureModel::Sd15);
     let dir = out_dir("hires");
     let data = workspace().join("tests/data");
     let mut failed = Vec::new();
@@ -1058,12 +1068,12 @@ fn hires_bad_inputs_are_clear_errors() {
     let e = fails(&["--hires", "--hires-upscaler", "my-esrgan"], Some(m));
     assert!(e.contains("--hires-upscaler 'my-esrgan'") && e.contains("--hires-upscalers-dir"), "{e}");
     // A file that is no upscaler: named, from its header, before the checkpoint loads.
-    let sd15 = fixture(Family::Sd15);
+    let sd15 = fixture(FixtureModel::Sd15);
     let e = fails(&["--hires", "--hires-upscaler", sd15.to_str().unwrap()], Some(m));
     assert!(e.contains("--hires-upscaler") && e.contains(sd15.to_str().unwrap()), "{e}");
     let e = fails(&["--hires", "--hires-upscalers-dir", "/nonexistent/upscalers"], Some(m));
     assert!(e.contains("--hires-upscalers-dir /nonexistent/upscalers"), "{e}");
     // A hires target far past any device is refused before sampling, naming its size.
-    let e = fails(&["--hires", "--hires-width", "1000000", "-p", "x"], Some(&fixture(Family::Sd15)));
+    let e = fails(&["--hires", "--hires-width", "1000000", "-p", "x"], Some(&fixture(FixtureModel::Sd15)));
     assert!(e.contains("1000000"), "{e}");
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use common::{level_diff, pixels, run_checked, Server};
-use sd_models::fixture::{self, taesd, Family, FileFormat, WeightType};
+use sd_models::fixture::{self, taesd, FileFormat, FixtureModel, WeightType};
 use sd_models::report::{HomeReport, Residency, RunReport};
 
 const MEAN_TOL: f64 = 1.0;
@@ -21,7 +21,7 @@ const MAX_TOL: u8 = 8;
 
 fn model() -> &'static Path {
     static M: OnceLock<PathBuf> = OnceLock::new();
-    M.get_or_init(|| fixture::ensure_cached(Family::Vega, 42, WeightType::F16).unwrap().0)
+    M.get_or_init(|| fixture::ensure_cached(FixtureModel::Vega, 42, WeightType::F16).unwrap().0)
 }
 
 fn dir(name: &str) -> PathBuf {

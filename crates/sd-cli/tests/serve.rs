@@ -852,13 +852,13 @@ fn the_page_generates_in_a_real_browser_with_progress_and_preview() {
 
 #[test]
 fn models_switch_among_the_models_dir_and_a_failed_switch_keeps_the_old_model() {
-    use sd_models::fixture::{ensure_cached, Family, WeightType};
+    use sd_models::fixture::{ensure_cached, FixtureModel, WeightType};
     let dir = out_dir("models");
     let models = dir.join("models");
     std::fs::create_dir_all(&models).unwrap();
     std::os::unix::fs::symlink(sd15_fixture(), models.join("sd15.safetensors")).unwrap();
     std::os::unix::fs::symlink(
-        ensure_cached(Family::Sd21, 42, WeightType::F16).unwrap().0,
+        ensure_cached(FixtureModel::Sd21, 42, WeightType::F16).unwrap().0,
         models.join("sd21.safetensors"),
     )
     .unwrap();

@@ -10,7 +10,7 @@ use sd_placement::presets::Preset;
 
 use crate::diffusion::flux::FluxConfig;
 use crate::files::{ModelFiles, ModelSources};
-use crate::fixture::{self, Family, FileFormat, FixtureError, FixtureRequest, WeightType};
+use crate::fixture::{self, FileFormat, FixtureError, FixtureModel, FixtureRequest, WeightType};
 use crate::text::t5::T5Config;
 
 /// The families with presets: name, what the sizes stand for.
@@ -49,13 +49,15 @@ pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError
         let path = dir.join(file);
         fixture::write_layout(&path, table, f16, rename).map(|_| path)
     };
-    let checkpoint = |family: Family| FixtureRequest::family(family, 0, f16, FileFormat::Safetensors).tensor_table();
+    let checkpoint =
+        |family: FixtureModel| FixtureRequest::family(family, 0, f16, FileFormat::Safetensors).tensor_table();
     Ok(match name {
-        "sd15" => ModelSources::model(write("sd15.safetensors", &checkpoint(Family::Sd15)?, &same)?),
-        "sdxl" => ModelSources::model(write("sdxl.safetensors", &checkpoint(Family::Sdxl)?, &same)?),
+        "sd15" => ModelSources::model(write("sd15.safetensors", &checkpoint(FixtureModel::Sd15)?, &same)?),
+        "sdxl" => ModelSources::model(write("sdxl.safetensors", &checkpoint(FixtureModel::Sdxl)?, &same)?),
         "flux-dev" => {
             const CLIP: &str = "cond_stage_model.transformer.";
-            let clip: Vec<_> = checkpoint(Family::Sd15)?.into_iter().filter(|t| t.name.starts_with(CLIP)).collect();
+            let clip: Vec<_> =
+                checkpoint(FixtureModel::Sd15)?.into_iter().filter(|t| t.name.starts_with(CLIP)).collect();
             let bare = |n: &str| n.strip_prefix(CLIP).unwrap_or(n).to_string();
             ModelSources {
                 diffusion_model: Some(write(

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
 use sd_models::files::ModelFiles;
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 
 use super::*;
 use crate::bench::run_measured;
@@ -54,7 +54,7 @@ fn gen_flags(prompt: &str, side: u32, steps: u32, threads: u32) -> Vec<String> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn check_family(
-    family: Family,
+    family: FixtureModel,
     threads: u32,
     sdref_exe: &Path,
     ours_exe: &Path,
@@ -172,7 +172,7 @@ pub(super) fn check_family(
 /// The CI test inputs: `ref-<family>-f16-seed42-64x64-euler2-cfg7.png` (tests/data/README.md),
 /// written by the reference, then compared with ours at the same settings.
 pub(super) fn write_test_data(
-    family: Family,
+    family: FixtureModel,
     threads: u32,
     sdref_exe: &Path,
     ours_exe: &Path,

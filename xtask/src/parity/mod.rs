@@ -90,7 +90,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use sd_models::fixture::Family;
+use sd_models::fixture::FixtureModel;
 
 use crate::reference;
 pub(crate) use checks::run_ok;
@@ -178,11 +178,11 @@ impl Args {
         self.threads
     }
 
-    fn families(&self) -> Vec<Family> {
+    fn families(&self) -> Vec<FixtureModel> {
         match self.family.unwrap_or(Families::All) {
-            Families::Sd15 => vec![Family::Sd15],
-            Families::Sd21 => vec![Family::Sd21],
-            Families::All => vec![Family::Sd15, Family::Sd21],
+            Families::Sd15 => vec![FixtureModel::Sd15],
+            Families::Sd21 => vec![FixtureModel::Sd21],
+            Families::All => vec![FixtureModel::Sd15, FixtureModel::Sd21],
         }
     }
 }
@@ -243,9 +243,9 @@ mod tests {
     fn parses_the_documented_command_line() {
         let parse = crate::parse_test::<Args>;
         let a = parse("sd21 --threads 4").unwrap();
-        assert_eq!((a.families(), a.threads, a.write_test_data), (vec![Family::Sd21], 4, false));
+        assert_eq!((a.families(), a.threads, a.write_test_data), (vec![FixtureModel::Sd21], 4, false));
         let d = parse("").unwrap();
-        assert_eq!((d.families(), d.threads), (vec![Family::Sd15, Family::Sd21], 2));
+        assert_eq!((d.families(), d.threads), (vec![FixtureModel::Sd15, FixtureModel::Sd21], 2));
         let w = parse("all --write-test-data --test-data-dir /tmp/x").unwrap();
         assert!(w.write_test_data);
         assert_eq!(w.test_data_dir, Some(PathBuf::from("/tmp/x")));

@@ -5,11 +5,11 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use sd_models::fixture::{self, Family, WeightType};
+use sd_models::fixture::{self, FixtureModel, WeightType};
 
 /// The fixture of `family` (seed 42, f16, safetensors) from the fixture cache, written
 /// first if missing.
-pub fn ensure_fixture(family: Family) -> Result<PathBuf> {
+pub fn ensure_fixture(family: FixtureModel) -> Result<PathBuf> {
     let path = fixture::cached_path(family, 42, WeightType::F16);
     if !path.is_file() {
         eprintln!("parity: writing the {} fixture to {} (full size, takes a while)", family.name(), path.display());

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sd_backends::rpc_wire::{WireClient, WireTensor};
-use sd_models::fixture::{self, Family, WeightType};
+use sd_models::fixture::{self, FixtureModel, WeightType};
 use sd_models::report::RunReport;
 
 pub fn sd_cli() -> Command {
@@ -16,7 +16,7 @@ pub fn sd_cli() -> Command {
 
 /// The SD 1.5 fixture (seed 42, f16), shared by the end-to-end tests.
 pub fn sd15_fixture() -> PathBuf {
-    fixture::ensure_cached(Family::Sd15, 42, WeightType::F16).unwrap().0
+    fixture::ensure_cached(FixtureModel::Sd15, 42, WeightType::F16).unwrap().0
 }
 
 /// An `sd-cli rpc-server` on a free loopback port, in its own process group (signals

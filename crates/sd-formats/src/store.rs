@@ -335,21 +335,18 @@ fn open_file(path: &Path, role: FileRole) -> Result<Parsed, FilesError> {
 /// stored (not normalized), no role checked. The planner describes extra files (`--control-net`)
 /// with it; a GGUF is told by its magic, anything else is read as safetensors.
 pub fn read_header(path: &Path) -> Result<(u64, Vec<RawTensor>), FilesError> {
-    let (file, meta) = super::open::open_regular(path)?;
-    let len = meta.len();
+    let opened = map_file(path)?;
     let malformed = |problem| FilesError::Malformed { path: path.to_owned(), problem };
-    if len == 0 {
+    if opened.len == 0 {
         return Err(malformed(FormatError::Truncated { what: "the header".into(), start: 0, end: 8, file_len: 0 }));
     }
-    // SAFETY: the map is read-only and only its header pages are read here, once, right after
-    // the open; a concurrent truncation could fault them, the window every mmap reader has.
-    let map = unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
-    let raw = if map.starts_with(&gguf::MAGIC) {
-        gguf::parse(&map).map_err(malformed)?.tensors
+    let bytes = opened.map.bytes();
+    let raw = if bytes.starts_with(&gguf::MAGIC) {
+        gguf::parse(bytes).map_err(malformed)?.tensors
     } else {
-        safetensors::parse(&map).map_err(malformed)?.tensors
+        safetensors::parse(bytes).map_err(malformed)?.tensors
     };
-    Ok((len, raw))
+    Ok((opened.len, raw))
 }
 
 /// The entries of one file: names normalized, fused q/k/v projections split.

@@ -114,6 +114,9 @@ enum Model {
     Vega,
     /// A reduced-depth FLUX.1-dev with the full T5-XXL.
     Flux,
+    /// An SD3.5 Medium layout (24 MMDiT-X blocks of width 384) with full-size CLIP-L and
+    /// CLIP-G inside, no T5-XXL.
+    Sd3,
 }
 
 /// `--reference`: which builds of the reference run.
@@ -430,7 +433,9 @@ fn gguf_type(model: Model, ty: &str) -> Result<Option<(FixtureModel, sd_models::
     let family = match model {
         Model::Sd15 => FixtureModel::Sd15,
         Model::Vega => FixtureModel::Vega,
-        Model::Flux => anyhow::bail!("--type {ty}: GGUF fixtures are written for --model sd15 and vega only"),
+        Model::Flux | Model::Sd3 => {
+            anyhow::bail!("--type {ty}: GGUF fixtures are written for --model sd15 and vega only")
+        }
     };
     let wtype = sd_models::fixture::WeightType::parse(name).ok_or_else(|| {
         anyhow::anyhow!("--type {ty}: {}", sd_models::fixture::FixtureError::UnknownType(name.to_owned()))
@@ -500,6 +505,21 @@ impl Workload {
                 }
                 ("flux fixture (width 3072, 1 double + 2 single blocks; T5-XXL q8_0)".to_owned(), m, "1")
             }
+            Model::Sd3 => {
+                use sd_models::diffusion::mmdit::MmditConfig;
+                use sd_models::fixture::sd3;
+                std::fs::create_dir_all(fixture::cache_dir())?;
+                let base = MmditConfig::sd35_medium();
+                let side = base.pos_embed_max_size;
+                let cfg = sd3::reduced(base, 384, 24, side);
+                let path = sd3::cached_sd3_path(&cfg, 42, WeightType::F16, true);
+                if !path.exists() {
+                    eprintln!("bench: writing the SD3 fixture {}", path.display());
+                    sd3::write_sd3(&path, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors, true)?;
+                }
+                let label = "sd3 fixture (SD3.5 Medium layout, width 384, 24 blocks; CLIP-L, CLIP-G, no T5)";
+                (label.to_owned(), vec!["-m".into(), path.into()], "7")
+            }
         };
         let mut loras = Vec::new();
         for k in 1..=args.loras as u64 {
@@ -510,6 +530,7 @@ impl Workload {
                 Model::Sd15 => write_lora(&path, &req)?,
                 Model::Vega => write_sdxl_lora(&path, &fixture::UnetLayout::vega(), &req)?,
                 Model::Flux => write_flux_lora(&path, &flux_cfg, &req)?,
+                Model::Sd3 => anyhow::bail!("--loras: SD3 takes no LoRA yet"),
             };
             loras.push(path);
         }
@@ -874,7 +895,7 @@ mod tests {
             ("--type ,", "--type"),
             ("--fast", "--fast"),
             ("--loras 4", "--loras"),
-            ("--model sd3", "sd3"),
+            ("--model wan", "wan"),
             ("--lora-apply-mode later", "later"),
         ] {
             let e = crate::parse_test::<Args>(line).unwrap_err();

@@ -56,11 +56,12 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use sd_models::diffusion::mmdit::MmditConfig;
 use sd_models::diffusion::zimage::ZImageConfig;
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
-    self, flux, flux_vae, qwen3, t5, taesd, zimage, Component, FileFormat, FixtureModel, FixtureReport, FixtureRequest,
-    WeightType,
+    self, flux, flux_vae, qwen3, sd3, t5, taesd, zimage, Component, FileFormat, FixtureModel, FixtureReport,
+    FixtureRequest, WeightType,
 };
 use sd_models::text::qwen3::Qwen3Config;
 use sd_models::text::t5::T5Config;
@@ -72,7 +73,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -86,13 +87,20 @@ pub struct Args {
     /// flux, chroma: single-stream blocks (0 to 38, default 38).
     #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
     single: Option<u32>,
+    /// sd35-large, sd35-medium: joint blocks, also the head count (default 38 / 24).
+    #[arg(long = "depth", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=38))]
+    depth: Option<u32>,
+    /// sd35-large, sd35-medium: also write CLIP-L and CLIP-G (full size) into the checkpoint.
+    #[arg(long = "with-clips")]
+    with_clips: bool,
     /// zimage only: noise and context refiner layers, each (0 to 2, default 2).
     #[arg(long = "refiner-layers", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=2))]
     refiner_layers: Option<u32>,
     /// zimage only: the caption width, the `--llm`'s hidden size (default 2560, Qwen3-4B's).
     #[arg(long = "cap-dim", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=8192))]
     cap_dim: Option<u32>,
-    /// flux, chroma, qwen3, zimage: the width, a multiple of 128 from 128 to 3840 (default 3072; qwen3: 2560; zimage: 3840).
+    /// flux, chroma, qwen3, zimage: the width, a multiple of 128 from 128 to 3840 (default 3072; qwen3: 2560; zimage: 3840);
+    /// sd35-large, sd35-medium: a multiple of 64 and of --depth (default 2432 / 1536).
     #[arg(long = "hidden", value_name = "N", value_parser = hidden_width)]
     hidden: Option<u32>,
     /// esrgan: RRDB blocks (default 23, RealESRGAN_x4plus; esrgan-anime: 6).
@@ -157,6 +165,10 @@ enum Target {
     ZImage,
     /// A Chroma transformer (FLUX.1-schnell's blocks with the approximator).
     Chroma,
+    /// An SD3.5 checkpoint (MMDiT and VAE): Large's layout or Medium's (MMDiT-X).
+    Sd35 {
+        medium: bool,
+    },
     /// FLUX.1-dev (`schnell: false`) or -schnell.
     Flux {
         schnell: bool,
@@ -192,6 +204,8 @@ fn target(s: &str) -> Result<Target, String> {
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
         "chroma" => Ok(Target::Chroma),
+        "sd35-large" | "sd3" => Ok(Target::Sd35 { medium: false }),
+        "sd35-medium" => Ok(Target::Sd35 { medium: true }),
         "flux-vae" => Ok(Target::FluxVae),
         "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
@@ -203,15 +217,15 @@ fn target(s: &str) -> Result<Target, String> {
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => FixtureModel::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, sd35-large, sd35-medium, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
 fn hidden_width(s: &str) -> Result<u32, String> {
     s.parse()
         .ok()
-        .filter(|v: &u32| (128..=3840).contains(v) && v.is_multiple_of(128))
-        .ok_or_else(|| "a multiple of 128 from 128 to 3840 (heads of 128)".into())
+        .filter(|v: &u32| (64..=3840).contains(v) && v.is_multiple_of(64))
+        .ok_or_else(|| "a multiple of 64 from 64 to 3840 (flux, chroma, qwen3, zimage: of 128, heads of 128)".into())
 }
 
 fn weight_type(s: &str) -> Result<WeightType, String> {
@@ -231,6 +245,11 @@ fn std_dev(s: &str) -> Result<f64, String> {
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
+    let heads_of_128 =
+        matches!(args.family, Target::Flux { .. } | Target::Chroma | Target::Qwen3 | Target::ZImage | Target::LoraFlux);
+    if let Some(h) = args.hidden.filter(|h| heads_of_128 && !h.is_multiple_of(128)) {
+        bail!("--hidden {h}: this model's heads are 128 wide, so its width is a multiple of 128");
+    }
     let family = match args.family {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
@@ -238,6 +257,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::ZImage => return run_zimage(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::Chroma => return run_chroma(&args),
+        Target::Sd35 { medium } => return run_sd35(&args, medium),
         Target::FluxVae => return run_flux_vae(&args),
         Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
@@ -247,6 +267,9 @@ pub fn run(args: Args) -> Result<()> {
     };
     if args.layers.is_some() {
         bail!("--layers applies to t5xxl and qwen3 fixtures only");
+    }
+    if args.depth.is_some() || args.with_clips {
+        bail!("--depth and --with-clips apply to sd35-large and sd35-medium fixtures only");
     }
     if args.double.is_some() || args.single.is_some() || args.hidden.is_some() {
         bail!("--double, --single and --hidden apply to flux and chroma fixtures only");
@@ -388,6 +411,44 @@ fn run_zimage(args: &Args) -> Result<()> {
     let what = format!(
         "zimage fixture, width {}, {} layers + {} refiners each, captions {}, seed {}, {}{std}",
         cfg.hidden_size, cfg.num_layers, cfg.num_refiner_layers, cfg.cap_feat_dim, args.seed, args.wtype
+    );
+    print_written(&report, &what, start);
+    Ok(())
+}
+
+/// `cargo xtask fixture sd35-large|sd35-medium [--depth N] [--hidden N] [--with-clips] ...`: an
+/// SD3.5 checkpoint (MMDiT and VAE, CLIP-L and CLIP-G with `--with-clips`).
+fn run_sd35(args: &Args, medium: bool) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to sd35 fixtures (--depth sets the blocks)");
+    }
+    if args.double.is_some() || args.single.is_some() || args.refiner_layers.is_some() || args.cap_dim.is_some() {
+        bail!("--double, --single, --refiner-layers and --cap-dim do not apply to sd35 fixtures");
+    }
+    let base = if medium { MmditConfig::sd35_medium() } else { MmditConfig::sd35_large() };
+    let depth = args.depth.map_or(base.depth, |d| d as usize);
+    let hidden = args.hidden.map_or(base.hidden_size, i64::from);
+    if hidden % depth as i64 != 0 {
+        bail!("--hidden {hidden} is not a multiple of --depth {depth}: the model has as many heads as blocks");
+    }
+    let side = base.pos_embed_max_size;
+    let cfg = sd3::reduced(base, hidden, depth, side);
+    if args.std.is_some() && args.output.is_none() {
+        bail!("an sd35 fixture with --std needs -o FILE");
+    }
+    let (path, format) = output(args, || sd3::cached_sd3_path(&cfg, args.seed, args.wtype, args.with_clips))?;
+    let start = Instant::now();
+    let report = sd3::write_sd3(&path, &cfg, args.seed, args.std, args.wtype, format, args.with_clips)?;
+    let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
+    let clips = if args.with_clips { ", with CLIP-L and CLIP-G" } else { "" };
+    let what = format!(
+        "{} fixture, width {}, {} joint blocks ({} with attn2), seed {}, {}{std}{clips}",
+        if medium { "sd35-medium" } else { "sd35-large" },
+        cfg.hidden_size,
+        cfg.depth,
+        cfg.self_attn_blocks,
+        args.seed,
+        args.wtype
     );
     print_written(&report, &what, start);
     Ok(())
@@ -588,6 +649,8 @@ mod tests {
                 family: Target::Model(FixtureModel::Sd21),
                 layers: None,
                 intermediate: None,
+                depth: None,
+                with_clips: false,
                 refiner_layers: None,
                 cap_dim: None,
                 double: None,
@@ -610,6 +673,12 @@ mod tests {
             }
         );
         assert_eq!(parse("ssd-1b --type q8_0").unwrap().family, Target::Model(FixtureModel::Ssd1b));
+        let m = parse("sd35-medium --depth 2 --hidden 128 --with-clips --std 0.04 -o m.safetensors").unwrap();
+        assert_eq!(
+            (m.family, m.depth, m.hidden, m.with_clips, m.std),
+            (Target::Sd35 { medium: true }, Some(2), Some(128), true, Some(0.04))
+        );
+        assert!(parse("sd35-large --depth 39").is_err(), "SD3.5 Large has 38 blocks");
         let l = parse("lora-sd15 --layout peft --rank 8 --seed 3 --scale 0.1 -o l.safetensors").unwrap();
         assert_eq!((l.family, l.layout, l.rank, l.seed, l.scale), (Target::LoraSd15, LoraLayout::Peft, 8, 3, 0.1));
         assert_eq!(parse("lora-vega -o v.safetensors").unwrap().family, Target::LoraSdxl(FixtureModel::Vega));
@@ -657,7 +726,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),
@@ -665,7 +734,7 @@ mod tests {
             ("t5xxl --layers 37", "--layers"),
             ("qwen3 --intermediate 8", "--intermediate"),
             ("zimage --refiner-layers 3", "--refiner-layers"),
-            ("sd3", "sd3"),
+            ("wan21", "wan21"),
             ("sd15 --type q3_k", "q3_k"),
             ("sd15 --seed -1", "--seed"),
             ("sd15 --seed", "a value is required"),

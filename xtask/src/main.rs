@@ -20,6 +20,7 @@ mod parity_flux_vae;
 mod parity_ops;
 mod parity_qwen3;
 mod parity_samplers;
+mod parity_sd3;
 mod parity_t5;
 mod parity_zimage;
 mod plugins;
@@ -181,6 +182,8 @@ mod tests {
             "parity --compare-runs /a /b",
             "parity samplers --steps 3",
             "parity zimage --steps 1 --sd-cli target/debug/sd-cli",
+            "parity sd3 --missing --size 64 --sd-cli target/debug/sd-cli",
+            "fixture sd35-medium --depth 24 --hidden 192 --with-clips -o m.safetensors",
             "fixture zimage --layers 2 --refiner-layers 1 --hidden 256 --cap-dim 256 --std 0.02 -o z.safetensors",
             "parity --fuzz 2 --model m.safetensors",
             "bench --size both --runs 1",

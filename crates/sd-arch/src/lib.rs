@@ -5,8 +5,8 @@
 //! block each tensor belongs to) needs to know the families, but not their networks. That
 //! knowledge lives here, one file per family, with no FFI and no `unsafe`:
 //!
-//! * [`sd`] (SD 1.x and 2.x, and the UNet's block numbering SDXL shares), [`sdxl`], [`flux`]
-//!   (and the DiT's block numbering Chroma shares), [`chroma`] and [`zimage`] each register
+//! * [`sd`] (SD 1.x and 2.x, and the UNet's block numbering SDXL shares), [`sdxl`], [`sd3`],
+//!   [`flux`] (and the DiT's block numbering Chroma shares), [`chroma`] and [`zimage`] each register
 //!   their `sd_formats::ArchSpec`s with `inventory::submit!`: the detection from tensor names
 //!   and shapes, the tensors an unknown-architecture error shows, and the block numbering of
 //!   the files' tensors in execution order;
@@ -27,6 +27,7 @@ pub mod describe;
 pub mod encoders;
 pub mod flux;
 pub mod sd;
+pub mod sd3;
 pub mod sdxl;
 pub mod zimage;
 

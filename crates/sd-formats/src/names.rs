@@ -63,6 +63,9 @@
 //!   (`logit_scale`, `position_ids`) keep the renamed prefix, body unchanged. Diffusers `text_encoder_2/` and `--clip_g`
 //!   files are HF CLIP (`text_model.…`, `text_projection.weight`) under
 //!   `cond_stage_model.1.transformer.` ([`FileRole::TextEncoder`] 1).
+//! * **Families' own checkpoint prefixes**, registered by the family ([`CheckpointPrefix`]): a
+//!   name under a registered prefix is read under the internal prefix it stands for (SD3's
+//!   single files put their CLIPs under `text_encoders.clip_{l,g}.transformer.`).
 //! * Component files get their component's prefix unless they already carry it (a `--vae`
 //!   file's `encoder.…` becomes `first_stage_model.encoder.…`); files saved with the
 //!   diffusers/ComfyUI short prefixes (`diffusion_model.`, `vae.`, `te.`, `text_encoder.`)
@@ -254,6 +257,21 @@ const LLM_LLAMA_NAMES: [(&str, &str); 21] = [
     ("output_norm.", "model.norm."),
 ];
 const OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
+
+/// A checkpoint prefix a family's files use for a component, and the internal prefix it
+/// stands for: registered by the family's file in `sd-arch` with `inventory::submit!` (SD3's
+/// `text_encoders.clip_l.transformer.` is `cond_stage_model.transformer.`). A name under `from`
+/// is read as the same name under `to`, then mapped as any checkpoint name; the internal
+/// prefixes and the layouts above are tried first.
+#[derive(Debug)]
+pub struct CheckpointPrefix {
+    /// The prefix in the family's files.
+    pub from: &'static str,
+    /// The internal (or LDM) prefix it stands for.
+    pub to: &'static str,
+}
+
+inventory::collect!(CheckpointPrefix);
 /// SDXL's second encoder in open_clip layout, after the `conditioner.embedders.1.` rename.
 const OPEN_CLIP2_PREFIX: &str = "cond_stage_model.1.model.";
 /// The SGM (SDXL) checkpoint prefixes and the LDM ones they become, in the order the
@@ -351,6 +369,9 @@ fn checkpoint_name(name: &str) -> Normalized {
     }
     if let Some(rest) = name.strip_prefix(TE_PREFIX) {
         return hf_clip(rest, TE_PREFIX);
+    }
+    if let Some(p) = inventory::iter::<CheckpointPrefix>.into_iter().find(|p| name.starts_with(p.from)) {
+        return checkpoint_name(&format!("{}{}", p.to, &name[p.from.len()..]));
     }
     Normalized::One(name.to_owned())
 }

@@ -155,6 +155,8 @@ enum ParityCommand {
     Esrgan(crate::parity_esrgan::Args),
     /// A whole Z-Image generation (DiT, Qwen3 `--llm`, FLUX VAE), ours against the reference's.
     Zimage(crate::parity_zimage::Args),
+    /// Whole SD3 / SD3.5 generations (MMDiT, its three encoders, its VAE), ours against the reference's.
+    Sd3(crate::parity_sd3::Args),
 }
 
 /// The positional family argument.
@@ -199,6 +201,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::FluxVae(a)) => return crate::parity_flux_vae::run(a),
         Some(ParityCommand::Esrgan(a)) => return crate::parity_esrgan::run(a),
         Some(ParityCommand::Zimage(a)) => return crate::parity_zimage::run(a),
+        Some(ParityCommand::Sd3(a)) => return crate::parity_sd3::run(a),
         None => {}
     }
     if args.fuzz.active() {

@@ -28,6 +28,7 @@
 pub mod blocks;
 pub mod controlnet;
 pub mod flux;
+pub mod mmdit;
 pub mod unet;
 pub mod zimage;
 

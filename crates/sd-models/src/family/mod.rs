@@ -16,6 +16,7 @@
 pub mod chroma;
 pub mod flux;
 pub mod sd;
+pub mod sd3;
 pub mod sdxl;
 pub mod zimage;
 

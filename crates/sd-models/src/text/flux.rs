@@ -27,15 +27,13 @@ use sd_sched::{Runner, TensorSpec, Weights};
 use super::clip::{clip_specs, ClipConfig, ClipEncoder, ClipError};
 use super::conditioning::{apply_token_weights, Conditioning};
 use super::t5::{t5_specs, T5Config, T5Encoder, T5Error};
-use super::{parse_prompt_attention, ClipTokenizer, PromptFragment, T5Tokenizer, TokenizeError};
+use super::{parse_prompt_attention, ClipTokenizer, T5Tokenizer, TokenizeError};
 use super::{BOS_ID, EOS_ID, FLUX_T5_CHUNK_LEN};
 
 /// Width of the vector without CLIP-L (CLIP ViT-L/14's hidden size).
 const POOLED_WIDTH: usize = 768;
 /// Width of the context without T5 (T5-XXL's `d_model`).
 const T5_WIDTH: usize = 4096;
-/// What the reference's prompt parser yields for `BREAK`, which FLUX encodes as text.
-const BREAK_TEXT: &str = "BREAK";
 
 /// Errors of FLUX's conditioner.
 #[derive(Debug, thiserror::Error)]
@@ -59,10 +57,7 @@ pub(crate) fn clip_l_ids(
 ) -> Result<(Vec<u32>, usize), TokenizeError> {
     let mut tokens = Vec::new();
     for fragment in parse_prompt_attention(prompt)? {
-        match fragment {
-            PromptFragment::Text { text, .. } => tokens.extend(tokenizer.tokenize(&text)),
-            PromptFragment::Break => tokens.extend(tokenizer.tokenize(BREAK_TEXT)),
-        }
+        tokens.extend(tokenizer.tokenize(fragment.text_and_weight().0));
     }
     let body = n_positions.saturating_sub(2);
     let mut ids = Vec::with_capacity(n_positions);

@@ -39,6 +39,7 @@ pub mod t5;
 mod t5_tokenizer;
 mod tokenizer;
 
+pub(crate) use chunk::build_chunks;
 pub use chunk::{Chunk, ChunkConfig};
 pub use prompt::{parse_prompt_attention, PromptFragment};
 pub use qwen2_tokenizer::{ChatTemplate, Qwen2Tokenizer, QWEN2_ENDOFTEXT_ID, QWEN2_VOCAB_SIZE};

@@ -37,6 +37,18 @@ pub enum PromptFragment {
     Break,
 }
 
+impl PromptFragment {
+    /// The fragment as the reference's parser yields it, text and weight: a `BREAK` is the text
+    /// "BREAK" with weight -1, which is what the encoders without chunk breaks (T5, FLUX's and
+    /// SD3's CLIPs) tokenize and weight.
+    pub fn text_and_weight(&self) -> (&str, f32) {
+        match self {
+            PromptFragment::Text { text, weight } => (text, *weight),
+            PromptFragment::Break => (BREAK, BREAK_WEIGHT),
+        }
+    }
+}
+
 /// The deepest bracket nesting accepted (open `(` and `[` together).
 const MAX_NESTING: usize = 256;
 

@@ -27,7 +27,7 @@ use std::sync::{Arc, OnceLock};
 use flate2::read::GzDecoder;
 
 use super::chunk::Chunk;
-use super::prompt::{parse_prompt_attention, PromptFragment};
+use super::prompt::parse_prompt_attention;
 use super::TokenizeError;
 
 /// `<pad>`: fills a chunk after its EOS.
@@ -46,11 +46,6 @@ pub const FLUX_T5_CHUNK_LEN: usize = 256;
 const UNK_PENALTY: f32 = 10.0;
 const METASPACE: &str = "\u{2581}";
 const SPECIAL_TOKENS: [(&str, u32); 3] = [("<pad>", T5_PAD_ID), ("</s>", T5_EOS_ID), ("<unk>", T5_UNK_ID)];
-/// The text the reference's prompt parser gives for `BREAK`, and its weight; FLUX's
-/// conditioner has no chunk breaks and encodes it as this text with this weight.
-const BREAK_TEXT: &str = "BREAK";
-const BREAK_WEIGHT: f32 = -1.0;
-
 static EMBEDDED_VOCAB_GZ: &[u8] = include_bytes!("../../data/t5_vocab.tsv.gz");
 
 /// The T5 tokenizer. Cloning is cheap: the parsed vocabulary is shared.
@@ -210,10 +205,7 @@ impl T5Tokenizer {
         let mut ids = Vec::new();
         let mut weights = Vec::new();
         for fragment in parse_prompt_attention(prompt)? {
-            let (text, weight) = match &fragment {
-                PromptFragment::Text { text, weight } => (text.as_str(), *weight),
-                PromptFragment::Break => (BREAK_TEXT, BREAK_WEIGHT),
-            };
+            let (text, weight) = fragment.text_and_weight();
             let start = ids.len();
             ids.extend(self.tokenize(text));
             weights.resize(weights.len() + (ids.len() - start), weight);

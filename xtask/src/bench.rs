@@ -506,7 +506,7 @@ impl Workload {
                 ("flux fixture (width 3072, 1 double + 2 single blocks; T5-XXL q8_0)".to_owned(), m, "1")
             }
             Model::Sd3 => {
-                use sd_models::diffusion::mmdit::MmditConfig;
+                use sd_models::family::sd3::mmdit::MmditConfig;
                 use sd_models::fixture::sd3;
                 std::fs::create_dir_all(fixture::cache_dir())?;
                 let base = MmditConfig::sd35_medium();

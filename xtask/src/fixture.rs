@@ -56,8 +56,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use sd_models::diffusion::mmdit::MmditConfig;
 use sd_models::diffusion::zimage::ZImageConfig;
+use sd_models::family::sd3::mmdit::MmditConfig;
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
 use sd_models::fixture::{
     self, flux, flux_vae, qwen3, sd3, t5, taesd, zimage, Component, FileFormat, FixtureModel, FixtureReport,

@@ -14,7 +14,7 @@
 //! (the parity with the reference on these files: `cargo xtask parity zimage`).
 //!
 //! SD3 (the MMDiT, here without its CLIPs) at the very end: it generates deterministically,
-//! reads the prompt, the negative prompt and `--flow-shift`, plans, refuses files without text
+//! reads the prompt, the negative prompt, `--flow-shift` and LoRAs in three layouts, plans, refuses files without text
 //! encoders or VAE, and runs segmented under a budget and layer-split with the all-CPU image.
 
 mod common;
@@ -906,7 +906,7 @@ fn chroma_without_t5_or_vae_is_a_clear_error_and_never_runs_as_flux() {
 fn sd3_files() -> &'static (PathBuf, PathBuf) {
     static FILES: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     FILES.get_or_init(|| {
-        use sd_models::diffusion::mmdit::MmditConfig;
+        use sd_models::family::sd3::mmdit::MmditConfig;
         use sd_models::fixture::sd3;
         std::fs::create_dir_all(fixture::cache_dir()).unwrap();
         let cfg = sd3::reduced(MmditConfig::sd35_medium(), 256, 2, 16);
@@ -964,6 +964,34 @@ fn sd3_generates_reads_the_prompt_and_plans() {
     let o = sd3_cli(&["plan"], true, true, &[]);
     let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && out.contains("sd3"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn sd3_loras_apply_in_every_layout_and_mode() {
+    use sd_models::family::sd3::mmdit::MmditConfig;
+    use sd_models::fixture::lora::{write_sd3_lora, LoraFixture, LoraLayout};
+    use sd_models::fixture::sd3;
+    let d = dir("sd3-lora");
+    let cfg = sd3::reduced(MmditConfig::sd35_medium(), 256, 2, 16);
+    let lora = |layout, seed| LoraFixture { layout, rank: 4, seed, scale: 0.05, text_encoder: false };
+    // One set of values in kohya's and the original dotted names (kohya's alpha = rank / 2
+    // halves the scale), another in diffusers' (qkv adapted per row block).
+    write_sd3_lora(&d.join("kohya.safetensors"), &cfg, &lora(LoraLayout::Kohya, 1)).unwrap();
+    write_sd3_lora(&d.join("peft.safetensors"), &cfg, &lora(LoraLayout::Peft, 1)).unwrap();
+    write_sd3_lora(&d.join("diffusers.safetensors"), &cfg, &lora(LoraLayout::Diffusers, 2)).unwrap();
+    let dir_arg = d.display().to_string();
+    let gen = |name: &str, prompt: &str, more: &[&str]| -> Vec<u8> {
+        let out = d.join(format!("{name}.png"));
+        let base = ["-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "--lora-model-dir", &dir_arg];
+        let o = sd3_cli(&[], true, true, &[&base[..], &["-o", out.to_str().unwrap()], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        assert!(!err.contains("name no tensor"), "{name}: an adapter was not used:\n{err}");
+        std::fs::read(&out).unwrap()
+    };
+    let base = gen("base", "a photo of a cat", &[]);
+    check_lora_layouts(&gen, &base);
     let _ = std::fs::remove_dir_all(&d);
 }
 

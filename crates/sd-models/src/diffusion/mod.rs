@@ -28,7 +28,6 @@
 pub mod blocks;
 pub mod controlnet;
 pub mod flux;
-pub mod mmdit;
 pub mod unet;
 pub mod zimage;
 

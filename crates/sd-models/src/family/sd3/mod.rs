@@ -1,5 +1,5 @@
 //! The SD3 family (SD3 Medium, SD3.5 Large, Large Turbo and Medium): CLIP-L, CLIP-G and
-//! T5-XXL's states and pooled outputs (`text.rs`), the MMDiT (`crate::diffusion::mmdit`,
+//! T5-XXL's states and pooled outputs (`text.rs`), the MMDiT (`mmdit.rs`,
 //! configuration read from the file, MMDiT-X included), SD3's 16-channel VAE
 //! (FLUX.1's network with SD3's latent scale and shift) and flow-matching sampling with SD3's linear time shift 3 and
 //! `euler`, as the reference runs them.
@@ -13,8 +13,10 @@
 //!
 //! `--cfg-scale` defaults to the reference's 7 (SD3.5 Large Turbo wants about 1 with 4 steps:
 //! the reference has no defaults per model file, and neither do we). `--clip-skip` applies to
-//! both CLIPs (<= 0: 2). No TAESD and no LoRA yet.
+//! both CLIPs (<= 0: 2). LoRA keys: `lora.rs`. No TAESD yet.
 
+mod lora;
+pub mod mmdit;
 mod text;
 
 use std::sync::Arc;
@@ -26,7 +28,6 @@ use sd_vae::{TaesdConfig, VaeConfig};
 use super::{
     DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest,
 };
-use crate::diffusion::mmdit::{self, MmditConfig, MmditModel};
 use crate::files::{Detected, FileRole, ModelFiles};
 use crate::pipeline::{Notice, PipelineError, Result};
 use crate::sampling::{AysLevels, FlowSchedule, SampleMethod};
@@ -34,6 +35,7 @@ use crate::text::clip::ClipConfig;
 use crate::text::conditioning::Conditioning;
 use crate::text::t5::T5Config;
 use crate::text::{ClipTokenizer, T5Tokenizer};
+use mmdit::{MmditConfig, MmditModel};
 use text::{Encoders, Sd3Text, Sd3TextError};
 
 /// Pixels per latent position.
@@ -236,6 +238,10 @@ impl Family for Sd3 {
 
     fn taesd(&self) -> Option<TaesdConfig> {
         None
+    }
+
+    fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
+        &lora::LORA_PREFIXES
     }
 
     fn sampling(&self) -> SamplingDefaults {

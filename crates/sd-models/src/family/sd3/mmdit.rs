@@ -38,8 +38,8 @@
 use sd_backends::{Context, GgmlType, Tensor};
 use sd_sched::{TensorSpec, Weights};
 
-use super::blocks::{self, AttnKernel};
-use super::{DiffusionError, Result};
+use crate::diffusion::blocks::{self, AttnKernel};
+use crate::diffusion::{DiffusionError, Result};
 use crate::wtype::SpecSink;
 
 const MODEL: &str = "MMDiT";
@@ -373,7 +373,7 @@ pub fn row_splittable(spec: &TensorSpec) -> bool {
 /// Checks a file's MMDiT tensors against `specs`: every missing tensor and shape mismatch in
 /// one error, naming each; on success the unused names under the prefix.
 pub fn validate_against_file(specs: &[TensorSpec], file: &[(String, Vec<u64>)]) -> Result<Vec<String>> {
-    match super::validate_against_file(specs, file) {
+    match crate::diffusion::validate_against_file(specs, file) {
         Err(DiffusionError::WeightsMismatch { problems, .. }) => {
             Err(DiffusionError::WeightsMismatch { model: MODEL, problems })
         }
@@ -576,7 +576,7 @@ fn forward<'g>(
     kernel: AttnKernel,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    let (wd, ht, _) = super::check_dit_inputs(
+    let (wd, ht, _) = crate::diffusion::check_dit_inputs(
         MODEL,
         inputs.x.shape(),
         inputs.context.shape(),
@@ -741,7 +741,7 @@ impl crate::family::DiffusionModel for MmditModel {
         cond: &[&crate::text::conditioning::Conditioning],
     ) -> crate::pipeline::Result<Vec<f32>> {
         let per = self.cfg.in_channels as usize * w * h;
-        super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
+        crate::diffusion::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
         let mut out = Vec::with_capacity(x.len());
         for (i, c) in cond.iter().enumerate() {
             if c.hidden_size != self.cfg.context_size as usize {

@@ -258,7 +258,6 @@ pub fn run(args: Args) -> Result<()> {
             let (effect, _) = png_diff(&ours_png, &first.with_file_name("txt2img.ours.png"))?;
             let what = format!("lora {name} (changes {:.2}/{})", effect.mean_abs, effect.max_abs);
             let row = Row { family: "sd3", what, shape, diff, tol: Tolerance::PNG };
-            row.print_timed(ref_s, ours_s);
             if layout == LoraLayout::Kohya {
                 // The reference cannot make kohya's flat SD3 names dotted (its list of module
                 // names with `_` lacks `joint_blocks`, `x_block`, `context_block`, ...) and drops
@@ -270,10 +269,12 @@ pub fn run(args: Args) -> Result<()> {
                     "the reference applied part of the kohya SD3 LoRA; compare it with ours"
                 );
                 println!(
-                    "(kohya: the reference drops every adapter, its image is its no-LoRA one; sd-rs applies them)"
+                    "{:<30} the reference drops every adapter (its image is its no-LoRA one); sd-rs applies them",
+                    row.what
                 );
                 continue;
             }
+            row.print_timed(ref_s, ours_s);
             rows.push(row);
         }
     }

@@ -105,6 +105,30 @@ pub(crate) fn check_batch(model: &'static str, per: usize, x: usize, timesteps: 
     Ok(())
 }
 
+/// The pipeline's batch for a DiT evaluated one sample per graph (Z-Image, SD3's MMDiT): checks
+/// the batch ([`check_batch`]) and each conditioning's width (`width`, what the model's `input`
+/// layer takes), evaluates each sample with `one(latent, timestep, conditioning)` and joins the
+/// predictions.
+pub(crate) fn eval_each(
+    model: &'static str,
+    (per, width, input): (usize, usize, &str),
+    x: &[f32],
+    timesteps: &[f32],
+    cond: &[&crate::text::conditioning::Conditioning],
+    mut one: impl FnMut(&[f32], f32, &crate::text::conditioning::Conditioning) -> Result<Vec<f32>>,
+) -> crate::pipeline::Result<Vec<f32>> {
+    check_batch(model, per, x.len(), timesteps.len(), cond.len())?;
+    let mut out = Vec::with_capacity(x.len());
+    for (i, c) in cond.iter().enumerate() {
+        if c.hidden_size != width {
+            let reason = format!("the conditioning is {} wide, the model's {input} takes {width}", c.hidden_size);
+            return Err(DiffusionError::Input { model, reason }.into());
+        }
+        out.extend(one(&x[i * per..(i + 1) * per], timesteps[i], c)?);
+    }
+    Ok(out)
+}
+
 /// The checks every patchified DiT (FLUX, Z-Image) makes on its inputs: one latent
 /// `[W, H, C, 1]` with sides that are positive multiples of `patch` and `channels` channels,
 /// and a context `[context_dim, L, 1]` of at least one token (ggml order). Returns `(W, H, L)`.

@@ -762,20 +762,10 @@ impl crate::family::DiffusionModel for ZImageModel {
         cond: &[&crate::text::conditioning::Conditioning],
     ) -> crate::pipeline::Result<Vec<f32>> {
         let per = self.cfg.in_channels as usize * w * h;
-        super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
-        let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason }.into());
-        let mut out = Vec::with_capacity(x.len());
-        for (i, c) in cond.iter().enumerate() {
-            if c.hidden_size != self.cfg.cap_feat_dim as usize {
-                return bad(format!(
-                    "the conditioning is {} wide, the model's cap_embedder takes {} (the LLM's hidden size)",
-                    c.hidden_size, self.cfg.cap_feat_dim
-                ));
-            }
-            let xi = &x[i * per..(i + 1) * per];
-            out.extend(self.eval_one(runner, xi, (w, h), timesteps[i], &c.data, c.n_tokens)?);
-        }
-        Ok(out)
+        let input = (per, self.cfg.cap_feat_dim as usize, "cap_embedder (the LLM's hidden size)");
+        super::eval_each(MODEL, input, x, timesteps, cond, |xi, t, c| {
+            self.eval_one(runner, xi, (w, h), t, &c.data, c.n_tokens)
+        })
     }
 }
 

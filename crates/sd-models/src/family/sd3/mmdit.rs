@@ -741,20 +741,10 @@ impl crate::family::DiffusionModel for MmditModel {
         cond: &[&crate::text::conditioning::Conditioning],
     ) -> crate::pipeline::Result<Vec<f32>> {
         let per = self.cfg.in_channels as usize * w * h;
-        crate::diffusion::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
-        let mut out = Vec::with_capacity(x.len());
-        for (i, c) in cond.iter().enumerate() {
-            if c.hidden_size != self.cfg.context_size as usize {
-                let reason = format!(
-                    "the conditioning is {} wide, the model's context_embedder takes {}",
-                    c.hidden_size, self.cfg.context_size
-                );
-                return Err(DiffusionError::Input { model: MODEL, reason }.into());
-            }
-            let xi = &x[i * per..(i + 1) * per];
-            out.extend(self.eval_one(runner, xi, (w, h), timesteps[i], &c.data, c.n_tokens, &c.vector)?);
-        }
-        Ok(out)
+        let input = (per, self.cfg.context_size as usize, "context_embedder");
+        crate::diffusion::eval_each(MODEL, input, x, timesteps, cond, |xi, t, c| {
+            self.eval_one(runner, xi, (w, h), t, &c.data, c.n_tokens, &c.vector)
+        })
     }
 }
 

@@ -15,6 +15,8 @@
 //! within the image bound (`Tolerance::PNG`):
 //! - `txt2img`: a prompt with weights, `BREAK` and an escaped bracket, a negative prompt, cfg 5;
 //! - `no negative`: another prompt, no negative prompt, the default cfg (7), 2 clip skip;
+//! - `taesd` (fixtures only): `txt2img`'s flags with a 16-channel tiny autoencoder (TAESD3's
+//!   layout, the TAEF1 fixture) in place of the VAE;
 //! - `img2img`: from the reference's `txt2img` image at strength 0.6.
 //!
 //! With `--loras` (fixtures only) the `txt2img` case with a LoRA in each layout: the original
@@ -191,6 +193,17 @@ pub fn run(args: Args) -> Result<()> {
     let mut plain = common("a lighthouse on a cliff at dusk", None, None);
     plain.extend(["--clip-skip".into(), "2".into()]);
     rows.push(generate(&sdref, &ours, &dir, &Case { name: "no negative", flags: plain, files: files.clone() })?.0);
+    if args.model.is_none() {
+        // TAESD3 in place of the VAE: a 16-channel tiny autoencoder fixture (TAEF1's layout).
+        let taesd = sd_models::fixture::taesd::cached_taesd_path(16, 42, WeightType::F16);
+        if !taesd.is_file() {
+            sd_models::fixture::taesd::write_taesd(&taesd, 16, 42, WeightType::F16, FileFormat::Safetensors)?;
+        }
+        let mut with_taesd = files.clone();
+        with_taesd.push(("--taesd", taesd));
+        let flags = common(prompt, Some("blurry"), Some("5"));
+        rows.push(generate(&sdref, &ours, &dir, &Case { name: "taesd", flags, files: with_taesd })?.0);
+    }
     let mut i2i = common(prompt, Some("blurry"), Some("5"));
     i2i.extend(["-i".into(), first.display().to_string(), "--strength".into(), "0.6".into()]);
     rows.push(generate(&sdref, &ours, &dir, &Case { name: "img2img", flags: i2i, files: files.clone() })?.0);

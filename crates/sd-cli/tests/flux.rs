@@ -960,6 +960,9 @@ fn sd3_generates_reads_the_prompt_and_plans() {
     assert!(neg != cat, "the negative prompt reaches the image (cfg 7 by default)");
     let (shifted, _) = gen("shift", "a photo of a cat", &["--flow-shift", "1.5"]);
     assert!(shifted != cat, "--flow-shift reaches the schedule");
+    let taesd = taesd_file(16).display().to_string();
+    let (tiny, _) = gen("taesd", "a photo of a cat", &["--taesd", &taesd]);
+    assert!(tiny != cat && pixels(&tiny).len() == 64 * 64 * 3, "TAESD3 decodes in place of the VAE");
     // `plan` from the headers: the MMDiT's joint blocks and T5's layers are the blocks.
     let o = sd3_cli(&["plan"], true, true, &[]);
     let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);

@@ -13,7 +13,7 @@
 //!
 //! `--cfg-scale` defaults to the reference's 7 (SD3.5 Large Turbo wants about 1 with 4 steps:
 //! the reference has no defaults per model file, and neither do we). `--clip-skip` applies to
-//! both CLIPs (<= 0: 2). LoRA keys: `lora.rs`. No TAESD yet.
+//! both CLIPs (<= 0: 2). LoRA keys: `lora.rs`. `--taesd` takes TAESD3 (16 latent channels).
 
 mod lora;
 pub mod mmdit;
@@ -236,8 +236,10 @@ impl Family for Sd3 {
             .collect()
     }
 
+    /// TAESD3: TAESD's graph on 16 latent channels, decoding the latents as they are (the
+    /// reference builds its TAE so for every DiT model; TAEF1's configuration).
     fn taesd(&self) -> Option<TaesdConfig> {
-        None
+        Some(TaesdConfig::flux())
     }
 
     fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {

@@ -14,11 +14,12 @@ use crate::fixture::{self, FileFormat, FixtureError, FixtureModel, FixtureReques
 use crate::text::t5::T5Config;
 
 /// The families with presets: name, what the sizes stand for.
-const FAMILIES: [(&str, &str); 4] = [
+const FAMILIES: [(&str, &str); 5] = [
     ("sd15", "Stable Diffusion 1.5: one checkpoint (UNet, CLIP ViT-L/14, VAE), no EMA weights"),
     ("sdxl", "SDXL base 1.0: one checkpoint (UNet, CLIP ViT-L/14 and OpenCLIP ViT-bigG, VAE)"),
     ("flux-dev", "FLUX.1-dev: the transformer, clip_l, t5xxl (encoder only) and ae files"),
     ("zimage-turbo", "Z-Image Turbo: the transformer, Qwen3-4B (--llm) and FLUX.1's ae files"),
+    ("sd35-large", "SD3.5 Large: the checkpoint (MMDiT and VAE), clip_l, clip_g and t5xxl (encoder only) files"),
 ];
 
 /// The weight types with presets: name, and the `--type` a load converts to (`None`: as stored, f16).
@@ -39,7 +40,8 @@ pub enum PresetError {
     Unknown(String),
 }
 
-/// Writes the f16 layout files of family `name` (`sd15`, `sdxl`, `flux-dev`, `zimage-turbo`) in `dir`: sparse
+/// Writes the f16 layout files of family `name` (`sd15`, `sdxl`, `flux-dev`, `zimage-turbo`,
+/// `sd35-large`) in `dir`: sparse
 /// files of the released layout (headers only; their tensors read as zeros), as the flags
 /// that load them. Each costs a header's bytes of disk.
 pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError> {
@@ -84,12 +86,28 @@ pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError
                 ..ModelSources::default()
             }
         }
+        "sd35-large" => {
+            use crate::family::sd3::mmdit::MmditConfig;
+            let (clip_l, bare_l) = fixture::sd3::clip_table("clip_l");
+            let (clip_g, bare_g) = fixture::sd3::clip_table("clip_g");
+            ModelSources {
+                model: Some(write(
+                    "sd3.5_large.safetensors",
+                    &fixture::sd3::checkpoint_table(&MmditConfig::sd35_large(), None),
+                    &same,
+                )?),
+                clip_l: Some(write("clip_l.safetensors", &clip_l, &bare_l)?),
+                clip_g: Some(write("clip_g.safetensors", &clip_g, &bare_g)?),
+                t5xxl: Some(write("t5xxl.safetensors", &fixture::t5::t5xxl_tensor_table(&T5Config::xxl()), &same)?),
+                ..ModelSources::default()
+            }
+        }
         other => return Err(PresetError::Unknown(other.to_string())),
     })
 }
 
 /// The file names [`write_layouts`] writes.
-const LAYOUT_FILES: [&str; 8] = [
+const LAYOUT_FILES: [&str; 10] = [
     "sd15.safetensors",
     "sdxl.safetensors",
     "flux1-dev.safetensors",
@@ -98,6 +116,8 @@ const LAYOUT_FILES: [&str; 8] = [
     "ae.safetensors",
     "z_image_turbo.safetensors",
     "qwen_3_4b.safetensors",
+    "sd3.5_large.safetensors",
+    "clip_g.safetensors",
 ];
 
 /// The description of family `name` loaded with `wtype`, from [`write_layouts`] files written
@@ -157,6 +177,10 @@ mod tests {
         // Z-Image Turbo: 2 + 2 refiners and 30 layers; Qwen3-4B's 36 layers.
         assert_eq!(blocks("zimage-turbo", sd_placement::Module::Diffusion), 34);
         assert_eq!(blocks("zimage-turbo", sd_placement::Module::Te), 36);
+        // SD3.5 Large: 38 joint blocks; T5-XXL's 24 layers are te's blocks (CLIP-L and CLIP-G
+        // are not cut).
+        assert_eq!(blocks("sd35-large", sd_placement::Module::Diffusion), 38);
+        assert_eq!(blocks("sd35-large", sd_placement::Module::Te), 24);
     }
 
     /// A plan from a preset is the plan from the files it was measured on (file sizes aside:

@@ -449,6 +449,12 @@ const KEEP_UNDERSCORE: [&str; 69] = [
 /// A kohya flat body (`down_blocks_0_attentions_0_proj_in`) made dotted
 /// (`down_blocks.0.attentions.0.proj_in`).
 pub(crate) fn dotted(flat: &str) -> String {
+    dotted_keeping(flat, &[])
+}
+
+/// [`dotted`] that also keeps the `_` of a family's own module names `extra` (SD3's
+/// `joint_blocks`, `x_block`, ...).
+pub(crate) fn dotted_keeping(flat: &str, extra: &[&str]) -> String {
     let parts: Vec<&str> = flat.split('_').collect();
     let mut out: Vec<String> = Vec::with_capacity(parts.len());
     let mut i = 0;
@@ -457,7 +463,7 @@ pub(crate) fn dotted(flat: &str) -> String {
         for n in [3, 2] {
             if i + n <= parts.len() {
                 let joined = parts[i..i + n].join("_");
-                if KEEP_UNDERSCORE.contains(&joined.as_str()) {
+                if KEEP_UNDERSCORE.contains(&joined.as_str()) || extra.contains(&joined.as_str()) {
                     out.push(joined);
                     taken = n;
                     break;

@@ -119,6 +119,15 @@ impl T5Config {
         }
     }
 
+    /// T5-XXL with as many blocks as `index` holds (`encoder.block.N` under the internal
+    /// prefix), 24 when it holds none. The reference builds all 24; a cut-down encoder runs with
+    /// the blocks it has.
+    pub(crate) fn xxl_of(index: &crate::files::TensorIndex) -> Self {
+        let xxl = Self::xxl();
+        let blocks = index.with_prefix(T5XXL_PREFIX).filter_map(|e| sd_arch::encoders::t5_block_of(&e.name)).max();
+        Self { n_layers: blocks.map_or(xxl.n_layers, |b| b as usize + 1), ..xxl }
+    }
+
     /// The attention's inner width.
     pub fn inner_dim(&self) -> usize {
         self.n_heads * self.d_kv

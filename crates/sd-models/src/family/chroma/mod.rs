@@ -47,8 +47,6 @@ const MU: f32 = 1.0;
 const CFG_SCALE: f32 = 7.0;
 /// T5-XXL's token embedding under the internal names (`--t5xxl` files land there).
 const T5_PROBE: &str = "text_encoders.t5xxl.transformer.shared.weight";
-/// Where T5's blocks are numbered.
-const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
 /// CLIP-L's token embedding (`--clip_l` files land there).
 const CLIP_L_PROBE: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
 /// The VAE's decoder input convolution (`--vae` files land there).
@@ -89,9 +87,7 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     if index.contains(CLIP_L_PROBE) {
         tracing::warn!("Chroma encodes with T5-XXL alone: the CLIP-L text encoder (--clip_l) is ignored");
     }
-    let blocks = index.with_prefix(T5_BLOCKS).filter_map(|e| index.block(e)).max().map_or(0, |b| b as usize + 1);
-    let xxl = T5Config::xxl();
-    let t5 = T5Config { n_layers: if blocks == 0 { xxl.n_layers } else { blocks }, ..xxl };
+    let t5 = T5Config::xxl_of(index);
     if t5.d_model as i64 != dit.context_in_dim {
         return Err(PipelineError::Invalid(format!(
             "T5 is {} wide, the Chroma model's txt_in takes {} (tensor 'model.diffusion_model.txt_in.weight')",

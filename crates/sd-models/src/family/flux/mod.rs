@@ -43,8 +43,6 @@ const PATCH: usize = 2;
 const CLIP_L_PROBE: &str = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight";
 /// T5-XXL's token embedding under the internal names (`--t5xxl` files land there).
 const T5_PROBE: &str = "text_encoders.t5xxl.transformer.shared.weight";
-/// Where T5's blocks are numbered.
-const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
 
 /// FLUX.1's time shift `mu`: 1.15 for a model with distilled guidance (dev: its file has
 /// `guidance_in.in_layer.weight`), 1.0 otherwise (schnell), as the reference decides it.
@@ -74,12 +72,7 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     let clip_l = index.contains(CLIP_L_PROBE).then(ClipConfig::vit_l14);
     // The reference builds all 24 blocks; a file with fewer (a cut-down encoder) runs with
     // the blocks it has.
-    let t5 = index.contains(T5_PROBE).then(|| {
-        // T5 is the dominant text encoder, so the index numbers its layers.
-        let blocks = index.with_prefix(T5_BLOCKS).filter_map(|e| index.block(e)).max().map_or(0, |b| b as usize + 1);
-        let xxl = T5Config::xxl();
-        T5Config { n_layers: if blocks == 0 { xxl.n_layers } else { blocks }, ..xxl }
-    });
+    let t5 = index.contains(T5_PROBE).then(|| T5Config::xxl_of(index));
     if t5.is_none() {
         // The reference warns and samples with a zero context, which ignores the prompt: no
         // user wants that image, so it is refused here.

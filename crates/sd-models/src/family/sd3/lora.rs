@@ -29,8 +29,8 @@ pub(crate) const LORA_PREFIXES: [P; 10] = [
     P { prefix: "text_encoders.t5xxl.transformer.", role: T5xxl, body: LoraBody::Dotted },
 ];
 
-/// The MMDiT's module names (and diffusers') that contain `_`, beside the shared list of
-/// `crate::lora::dotted`.
+/// The MMDiT's module names (and diffusers') that contain `_`, kept beside the shared list of
+/// `crate::lora::dotted_keeping`.
 const KEEP_UNDERSCORE: [&str; 9] = [
     "joint_blocks",
     "context_block",
@@ -45,9 +45,7 @@ const KEEP_UNDERSCORE: [&str; 9] = [
 
 /// A kohya flat body, made dotted (SD3's names with `_` kept), then as [`diffusers`].
 fn kohya(body: &str) -> Option<(String, Option<usize>)> {
-    const HIDDEN: char = '\u{1}';
-    let kept = KEEP_UNDERSCORE.iter().fold(body.to_string(), |b, k| b.replace(k, &k.replace('_', &HIDDEN.to_string())));
-    diffusers(&crate::lora::dotted(&kept).replace(HIDDEN, "_"))
+    diffusers(&crate::lora::dotted_keeping(body, &KEEP_UNDERSCORE))
 }
 
 /// A module path in diffusers' or the original names as the original one, and the row block

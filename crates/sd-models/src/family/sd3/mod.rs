@@ -53,8 +53,6 @@ const CLIP_L_PROBE: &str = "cond_stage_model.transformer.text_model.embeddings.t
 const CLIP_G_PROBE: &str = "cond_stage_model.1.transformer.text_model.embeddings.token_embedding.weight";
 /// T5-XXL's token embedding under the internal names (`--t5xxl` files land there).
 const T5_PROBE: &str = "text_encoders.t5xxl.transformer.shared.weight";
-/// Where T5's blocks are numbered.
-const T5_BLOCKS: &str = "text_encoders.t5xxl.transformer.encoder.block.";
 /// The VAE's decoder input convolution (`--vae` files land there).
 const VAE_PROBE: &str = "first_stage_model.decoder.conv_in.weight";
 
@@ -64,14 +62,6 @@ struct Sd3 {
     dit: MmditConfig,
     encoders: Encoders,
     tokenizer: Arc<ClipTokenizer>,
-}
-
-/// The T5 configuration of the files: XXL with the blocks the files have.
-fn t5_config(files: &ModelFiles) -> T5Config {
-    let index = files.index();
-    let blocks = index.with_prefix(T5_BLOCKS).filter_map(|e| index.block(e)).max().map_or(0, |b| b as usize + 1);
-    let xxl = T5Config::xxl();
-    T5Config { n_layers: if blocks == 0 { xxl.n_layers } else { blocks }, ..xxl }
 }
 
 fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
@@ -86,7 +76,7 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     let encoders = Encoders {
         clip_l: index.contains(CLIP_L_PROBE).then(ClipConfig::vit_l14_sdxl),
         clip_g: index.contains(CLIP_G_PROBE).then(ClipConfig::vit_bigg14),
-        t5: index.contains(T5_PROBE).then(|| t5_config(files)),
+        t5: index.contains(T5_PROBE).then(|| T5Config::xxl_of(index)),
     };
     if encoders.clip_l.is_none() && encoders.clip_g.is_none() && encoders.t5.is_none() {
         // The reference warns that it cannot process prompts and fails later; refused here.

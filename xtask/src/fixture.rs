@@ -73,7 +73,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -81,10 +81,10 @@ pub struct Args {
     /// qwen3 only: the SwiGLU width (default 9728, Qwen3-4B's; a multiple of 32).
     #[arg(long = "intermediate", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=65536))]
     intermediate: Option<u32>,
-    /// flux, chroma: double-stream blocks (0 to 19, default 19).
+    /// flux, chroma, flux2-klein: double-stream blocks (0 to 19, default 19; flux2-klein: 5).
     #[arg(long = "double", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=19))]
     double: Option<u32>,
-    /// flux, chroma: single-stream blocks (0 to 38, default 38).
+    /// flux, chroma, flux2-klein: single-stream blocks (0 to 38, default 38; flux2-klein: 20).
     #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
     single: Option<u32>,
     /// sd35-large, sd35-medium: joint blocks, also the head count (default 38 / 24).
@@ -96,7 +96,8 @@ pub struct Args {
     /// zimage only: noise and context refiner layers, each (0 to 2, default 2).
     #[arg(long = "refiner-layers", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=2))]
     refiner_layers: Option<u32>,
-    /// zimage only: the caption width, the `--llm`'s hidden size (default 2560, Qwen3-4B's).
+    /// zimage, flux2-klein: the `--llm`'s hidden size (default 2560, Qwen3-4B's; flux2-klein's
+    /// context is three of its layers side by side).
     #[arg(long = "cap-dim", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=8192))]
     cap_dim: Option<u32>,
     /// flux, chroma, qwen3, zimage: the width, a multiple of 128 from 128 to 3840 (default 3072; qwen3: 2560; zimage: 3840);
@@ -174,6 +175,10 @@ enum Target {
         schnell: bool,
     },
     FluxVae,
+    /// A FLUX.2 klein transformer (`--diffusion-model`).
+    Flux2Klein,
+    /// FLUX.2's autoencoder alone.
+    Flux2Vae,
     /// CLIP-L alone, bare names.
     ClipL,
     /// A tiny autoencoder of this many latent channels: 4 (TAESD, TAESDXL) or 16 (TAEF1).
@@ -207,6 +212,8 @@ fn target(s: &str) -> Result<Target, String> {
         "sd35-large" | "sd3" => Ok(Target::Sd35 { medium: false }),
         "sd35-medium" => Ok(Target::Sd35 { medium: true }),
         "flux-vae" => Ok(Target::FluxVae),
+        "flux2-klein" => Ok(Target::Flux2Klein),
+        "flux2-vae" => Ok(Target::Flux2Vae),
         "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
         "taef1" => Ok(Target::Taesd { z_channels: 16 }),
@@ -217,7 +224,7 @@ fn target(s: &str) -> Result<Target, String> {
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => FixtureModel::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, sd35-large, sd35-medium, flux-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
@@ -245,8 +252,10 @@ fn std_dev(s: &str) -> Result<f64, String> {
 
 /// Entry point of `cargo xtask fixture ...` (`args` excludes the subcommand name).
 pub fn run(args: Args) -> Result<()> {
-    let heads_of_128 =
-        matches!(args.family, Target::Flux { .. } | Target::Chroma | Target::Qwen3 | Target::ZImage | Target::LoraFlux);
+    let heads_of_128 = matches!(
+        args.family,
+        Target::Flux { .. } | Target::Chroma | Target::Qwen3 | Target::ZImage | Target::LoraFlux | Target::Flux2Klein
+    );
     if let Some(h) = args.hidden.filter(|h| heads_of_128 && !h.is_multiple_of(128)) {
         bail!("--hidden {h}: this model's heads are 128 wide, so its width is a multiple of 128");
     }
@@ -259,6 +268,8 @@ pub fn run(args: Args) -> Result<()> {
         Target::Chroma => return run_chroma(&args),
         Target::Sd35 { medium } => return run_sd35(&args, medium),
         Target::FluxVae => return run_flux_vae(&args),
+        Target::Flux2Klein => return run_flux2(&args),
+        Target::Flux2Vae => return run_flux2_vae(&args),
         Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
         Target::Esrgan { scale, blocks } => return run_esrgan(&args, scale, blocks),
@@ -463,6 +474,43 @@ fn run_flux_vae(args: &Args) -> Result<()> {
     let start = Instant::now();
     let report = flux_vae::write_flux_vae(&path, args.seed, args.wtype, format)?;
     print_written(&report, &format!("flux-vae fixture, seed {}, {}", args.seed, args.wtype), start);
+    Ok(())
+}
+
+fn run_flux2_vae(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std, --std-everywhere, --plain-norms and --layers do not apply to flux2-vae");
+    }
+    let (path, format) = output(args, || flux_vae::cached_flux2_vae_path(args.seed, args.wtype))?;
+    let start = Instant::now();
+    let report = flux_vae::write_flux2_vae(&path, args.seed, args.wtype, format)?;
+    print_written(&report, &format!("flux2-vae fixture, seed {}, {}", args.seed, args.wtype), start);
+    Ok(())
+}
+
+/// `cargo xtask fixture flux2-klein [--hidden N] [--double N] [--single N] [--cap-dim N] [--std S] ...`.
+fn run_flux2(args: &Args) -> Result<()> {
+    if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
+        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to flux2-klein fixtures");
+    }
+    let cfg = flux::reduced_flux2(
+        args.hidden.unwrap_or(3072) as i64,
+        args.double.unwrap_or(5) as usize,
+        args.single.unwrap_or(20) as usize,
+        3 * args.cap_dim.unwrap_or(2560) as i64,
+    );
+    if cfg.depth + cfg.depth_single_blocks == 0 {
+        bail!("--double 0 --single 0 leaves no block: give at least one");
+    }
+    let (path, format) = output(args, || flux::cached_flux2_path(&cfg, args.seed, args.std, args.wtype))?;
+    let start = Instant::now();
+    let report = flux::write_flux2(&path, &cfg, args.seed, args.std, args.wtype, format)?;
+    let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
+    let what = format!(
+        "flux2-klein fixture, width {}, {} double + {} single blocks, context {}, seed {}, {}{std}",
+        cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, cfg.context_in_dim, args.seed, args.wtype
+    );
+    print_written(&report, &what, start);
     Ok(())
 }
 

@@ -16,6 +16,7 @@ mod parity;
 mod parity_chroma;
 mod parity_esrgan;
 mod parity_flux;
+mod parity_flux2;
 mod parity_flux_vae;
 mod parity_ops;
 mod parity_qwen3;

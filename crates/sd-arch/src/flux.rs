@@ -35,8 +35,9 @@ pub(crate) fn dit_block_numbering(index: &TensorIndex) -> impl Fn(&str) -> Optio
 }
 
 fn context_width(index: &TensorIndex) -> Option<u64> {
-    // A Chroma file (FLUX.1-schnell's blocks with an approximator) is Chroma's, never FLUX.1's.
-    if crate::chroma::is_chroma(index) {
+    // A Chroma file (FLUX.1-schnell's blocks with an approximator) is Chroma's, never FLUX.1's;
+    // a FLUX.2 file (its shared modulation) is FLUX.2's.
+    if crate::chroma::is_chroma(index) || crate::flux2::is_flux2(index) {
         return None;
     }
     if !index.with_prefix(DOUBLE_BLOCKS).any(|_| true) {

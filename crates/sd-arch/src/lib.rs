@@ -6,7 +6,8 @@
 //! knowledge lives here, one file per family, with no FFI and no `unsafe`:
 //!
 //! * [`sd`] (SD 1.x and 2.x, and the UNet's block numbering SDXL shares), [`sdxl`], [`sd3`],
-//!   [`flux`] (and the DiT's block numbering Chroma shares), [`chroma`] and [`zimage`] each register
+//!   [`flux`] (and the DiT's block numbering Chroma and FLUX.2 share), [`chroma`], [`flux2`] and
+//!   [`zimage`] each register
 //!   their `sd_formats::ArchSpec`s with `inventory::submit!`: the detection from tensor names
 //!   and shapes, the tensors an unknown-architecture error shows, and the block numbering of
 //!   the files' tensors in execution order;
@@ -26,6 +27,7 @@ pub mod chroma;
 pub mod describe;
 pub mod encoders;
 pub mod flux;
+pub mod flux2;
 pub mod sd;
 pub mod sd3;
 pub mod sdxl;

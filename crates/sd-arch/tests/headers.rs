@@ -189,5 +189,20 @@ fn block_bytes(desc: &ModelDescription, name: &str) -> u64 {
 #[test]
 fn every_architecture_is_registered() {
     let names: Vec<&str> = sd_formats::arch::registered().iter().map(|a| a.name).collect();
-    assert_eq!(names, ["chroma", "chroma-radiance", "flux", "flux-schnell", "sd1", "sd2", "sd3", "sdxl", "zimage"]);
+    assert_eq!(
+        names,
+        [
+            "chroma",
+            "chroma-radiance",
+            "flux",
+            "flux-schnell",
+            "flux2",
+            "flux2-klein",
+            "sd1",
+            "sd2",
+            "sd3",
+            "sdxl",
+            "zimage"
+        ]
+    );
 }

@@ -895,6 +895,11 @@ impl Pipeline {
         self.family.spatial_multiple()
     }
 
+    /// Image pixels per diffusion latent position (8; FLUX.2's patched latent: 16).
+    pub(crate) fn latent_scale(&self) -> usize {
+        self.family.vae().latent_scale()
+    }
+
     /// The size a request of `width x height` is generated at ([`align_up`] to
     /// [`Pipeline::spatial_multiple`]), with the reference's warning when it changes.
     pub(crate) fn aligned_size(&self, width: usize, height: usize) -> (usize, usize) {
@@ -1127,9 +1132,11 @@ impl Pipeline {
     /// never fit.
     fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
         let tokens = (p.width / VAE_SCALE) as f64 * (p.height / VAE_SCALE) as f64;
+        let scale = self.latent_scale();
+        let latent_tokens = (p.width / scale) as f64 * (p.height / scale) as f64;
         // `p` is completed by `check_request`: its cfg scale is the one used.
         let batch = if p.cfg_scale != Some(1.0) { 2.0 } else { 1.0 };
-        let unet = self.family.attention_bytes(tokens, batch, self.opts.flash_attn);
+        let unet = self.family.attention_bytes(latent_tokens, batch, self.opts.flash_attn);
         let (vae_attn, vae_act) = if p.tiling.enabled {
             (0.0, 0.0)
         } else {
@@ -1212,7 +1219,7 @@ impl Pipeline {
 
     /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
     fn check_model_limits(&self, p: &GenerateParams) -> Result<()> {
-        p.tiling.validate([p.width, p.height], VAE_SCALE)?;
+        p.tiling.validate([p.width, p.height], self.latent_scale())?;
         self.family.check_text(p.clip_skip)?;
         let (need, stage) = self.working_memory_estimate(p);
         // A ControlNet's working set is the UNet's first half: its attention as large.

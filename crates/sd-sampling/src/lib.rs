@@ -57,7 +57,7 @@ pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
 pub use sampler::{sample, sample_flow, Denoised, SampleMethod};
 pub use schedule::{
-    img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, AysLevels, DiscreteSchedule,
+    flux2_mu, img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, AysLevels, DiscreteSchedule,
     FlowSchedule, FlowShift, NoiseSchedule, Schedule, ScheduleContext, Scheduler, AYS_SD15, AYS_SDXL, TIMESTEPS,
 };
 

@@ -157,6 +157,8 @@ enum ParityCommand {
     Zimage(crate::parity_zimage::Args),
     /// Whole SD3 / SD3.5 generations (MMDiT, its three encoders, its VAE), ours against the reference's.
     Sd3(crate::parity_sd3::Args),
+    /// Whole FLUX.2 klein generations (DiT, Qwen3 `--llm`, FLUX.2 VAE), ours against the reference's.
+    Flux2(crate::parity_flux2::Args),
 }
 
 /// The positional family argument.
@@ -202,6 +204,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(ParityCommand::Esrgan(a)) => return crate::parity_esrgan::run(a),
         Some(ParityCommand::Zimage(a)) => return crate::parity_zimage::run(a),
         Some(ParityCommand::Sd3(a)) => return crate::parity_sd3::run(a),
+        Some(ParityCommand::Flux2(a)) => return crate::parity_flux2::run(a),
         None => {}
     }
     if args.fuzz.active() {

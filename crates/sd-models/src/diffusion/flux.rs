@@ -59,8 +59,10 @@ const MODEL: &str = "FLUX";
 /// Internal prefix of every FLUX parameter (BFL's bare names and ComfyUI's
 /// `model.diffusion_model.` names both land here).
 pub const PREFIX: &str = "model.diffusion_model";
-/// Patch side of FLUX.1.
+/// Patch side of FLUX.1 (FLUX.2's latent comes in patches from its VAE: 1).
 const PATCH: i64 = 2;
+/// A FLUX.2 tensor (its shared modulation): the reference's test for the version.
+pub const FLUX2_PROBE: &str = "double_stream_modulation_img.lin.weight";
 /// Width of the sinusoidal timestep and guidance embeddings.
 const TIME_DIM: i64 = 256;
 /// The reference multiplies timesteps and guidance by 1000 before the embedding.
@@ -91,14 +93,22 @@ pub struct FluxConfig {
     pub depth: usize,
     /// Single-stream blocks.
     pub depth_single_blocks: usize,
-    /// RoPE channels per axis (index, row, column); their sum is the head width.
-    pub axes_dim: [i64; 3],
+    /// RoPE channels per axis (FLUX.1: index, row, column; FLUX.2 adds the text position);
+    /// their sum is the head width.
+    pub axes_dim: Vec<i64>,
     /// RoPE base.
     pub theta: f32,
     /// MLP width over hidden width.
     pub mlp_ratio: i64,
     /// Whether the qkv projections have biases.
     pub qkv_bias: bool,
+    /// Latent pixels per token side (FLUX.1: 2; FLUX.2: 1, its VAE patches the latent).
+    pub patch: i64,
+    /// FLUX.2: no biases anywhere, one modulation shared by all double blocks (per stream)
+    /// and one by all single blocks (`double_stream_modulation_{img,txt}`,
+    /// `single_stream_modulation`), SiLU-gated MLPs (`silu(gate) * x`, the gate first), text
+    /// positions on RoPE's fourth axis.
+    pub flux2: bool,
     /// Whether the model embeds a distilled guidance scale (dev; schnell has none).
     pub guidance_embed: bool,
     /// Chroma: the distilled-guidance approximator in place of the embedders and the
@@ -118,13 +128,43 @@ impl FluxConfig {
             num_heads: 24,
             depth: 19,
             depth_single_blocks: 38,
-            axes_dim: [16, 56, 56],
+            axes_dim: vec![16, 56, 56],
             theta: 10000.0,
             mlp_ratio: 4,
             qkv_bias: true,
+            patch: PATCH,
+            flux2: false,
             guidance_embed: true,
             chroma: None,
         }
+    }
+
+    /// FLUX.2 klein 4B: 5 double and 20 single blocks of width 3072, 24 heads, Qwen3-4B's
+    /// three layers as the context (7680), 128 patched latent channels, no guidance embedding.
+    pub fn flux2_klein_4b() -> Self {
+        Self { depth: 5, depth_single_blocks: 20, context_in_dim: 7680, guidance_embed: false, ..Self::flux2_base() }
+    }
+
+    /// The FLUX.2 settings the reference fixes (`sd_version_is_flux2`); depths and widths
+    /// come from the file.
+    fn flux2_base() -> Self {
+        Self {
+            in_channels: 128,
+            out_channels: 128,
+            vec_in_dim: 0,
+            mlp_ratio: 3,
+            theta: 2000.0,
+            axes_dim: vec![32, 32, 32, 32],
+            qkv_bias: false,
+            patch: 1,
+            flux2: true,
+            ..Self::dev()
+        }
+    }
+
+    /// Whether the linear layers have biases (all but FLUX.2's).
+    pub fn bias(&self) -> bool {
+        !self.flux2
     }
 
     /// FLUX.1-schnell: dev without the guidance embedding.
@@ -142,12 +182,19 @@ impl FluxConfig {
         self.hidden_size * self.mlp_ratio
     }
 
+    /// Width of the MLPs' first projection: twice [`FluxConfig::mlp_hidden`] when gated.
+    fn mlp_in(&self) -> i64 {
+        self.mlp_hidden() * if self.flux2 { 2 } else { 1 }
+    }
+
     /// The configuration the reference infers from a file's tensors: `tensors` lists
     /// (internal name, ggml shape innermost first). Errors name the tensor that is missing
     /// or malformed.
     pub fn from_file(tensors: &[(String, Vec<u64>)]) -> Result<Self> {
         let bad = |reason: String| Err(DiffusionError::Config { model: MODEL, reason });
-        let mut cfg = Self { depth: 0, depth_single_blocks: 0, guidance_embed: false, ..Self::dev() };
+        let flux2 = tensors.iter().any(|(n, _)| n.strip_prefix(&format!("{PREFIX}.")) == Some(FLUX2_PROBE));
+        let base = if flux2 { Self::flux2_base() } else { Self::dev() };
+        let mut cfg = Self { depth: 0, depth_single_blocks: 0, guidance_embed: false, ..base };
         let mut head_dim = None;
         let mut txt_in = None;
         let prefix = format!("{PREFIX}.");
@@ -221,8 +268,12 @@ impl FluxConfig {
                 self.num_heads
             ));
         }
-        if self.in_channels % (PATCH * PATCH) != 0 || self.out_channels % (PATCH * PATCH) != 0 {
-            return bad(format!("channels {} / {} are not whole 2x2 patches", self.in_channels, self.out_channels));
+        let p = self.patch;
+        if !(1..=2).contains(&p) || self.in_channels % (p * p) != 0 || self.out_channels % (p * p) != 0 {
+            return bad(format!("channels {} / {} are not whole {p}x{p} patches", self.in_channels, self.out_channels));
+        }
+        if self.flux2 && (self.chroma.is_some() || self.vec_in_dim != 0) {
+            return bad("a FLUX.2 model has neither an approximator nor vector_in".into());
         }
         if self.depth + self.depth_single_blocks == 0 {
             return bad("the file has neither double_blocks nor single_blocks".into());
@@ -244,7 +295,7 @@ impl FluxConfig {
 
     /// Latent channels before patchifying.
     pub fn latent_channels(&self) -> i64 {
-        self.in_channels / (PATCH * PATCH)
+        self.in_channels / (self.patch * self.patch)
     }
 }
 
@@ -278,9 +329,9 @@ fn name(rel: &str) -> String {
     format!("{PREFIX}.{rel}")
 }
 
-fn mlp_embedder_specs(s: &mut SpecSink<'_>, p: &str, inp: i64, hidden: i64) {
-    s.linear(&format!("{p}.in_layer"), inp, hidden, true);
-    s.linear(&format!("{p}.out_layer"), hidden, hidden, true);
+fn mlp_embedder_specs(s: &mut SpecSink<'_>, p: &str, inp: i64, hidden: i64, bias: bool) {
+    s.linear(&format!("{p}.in_layer"), inp, hidden, bias);
+    s.linear(&format!("{p}.out_layer"), hidden, hidden, bias);
 }
 
 fn qk_norm_specs(s: &mut SpecSink<'_>, p: &str, head_dim: i64) {
@@ -299,50 +350,56 @@ pub fn flux_specs(
 ) -> Vec<TensorSpec> {
     let mut s = SpecSink::new(dtype_of, wtype);
     let (h, hd, mlp) = (cfg.hidden_size, cfg.head_dim(), cfg.mlp_hidden());
+    let bias = cfg.bias();
     for block in layout(cfg) {
         match block {
             Block::Prelude => {
-                s.linear(&name("img_in"), cfg.in_channels, h, true);
+                s.linear(&name("img_in"), cfg.in_channels, h, bias);
                 if let Some(c) = &cfg.chroma {
                     chroma::specs(&mut s, c, h);
                     s.linear(&name("txt_in"), cfg.context_in_dim, h, true);
                     continue;
                 }
-                mlp_embedder_specs(&mut s, &name("time_in"), TIME_DIM, h);
+                mlp_embedder_specs(&mut s, &name("time_in"), TIME_DIM, h, bias);
                 if cfg.vec_in_dim > 0 {
-                    mlp_embedder_specs(&mut s, &name("vector_in"), cfg.vec_in_dim, h);
+                    mlp_embedder_specs(&mut s, &name("vector_in"), cfg.vec_in_dim, h, bias);
                 }
                 if cfg.guidance_embed {
-                    mlp_embedder_specs(&mut s, &name("guidance_in"), TIME_DIM, h);
+                    mlp_embedder_specs(&mut s, &name("guidance_in"), TIME_DIM, h, bias);
                 }
-                s.linear(&name("txt_in"), cfg.context_in_dim, h, true);
+                if cfg.flux2 {
+                    s.linear(&name("double_stream_modulation_img.lin"), h, 6 * h, false);
+                    s.linear(&name("double_stream_modulation_txt.lin"), h, 6 * h, false);
+                    s.linear(&name("single_stream_modulation.lin"), h, 3 * h, false);
+                }
+                s.linear(&name("txt_in"), cfg.context_in_dim, h, bias);
             }
             Block::Double(i) => {
                 for stream in ["img", "txt"] {
                     let p = name(&format!("double_blocks.{i}.{stream}"));
-                    if cfg.chroma.is_none() {
+                    if cfg.chroma.is_none() && !cfg.flux2 {
                         s.linear(&format!("{p}_mod.lin"), h, 6 * h, true);
                     }
                     s.linear(&format!("{p}_attn.qkv"), h, 3 * h, cfg.qkv_bias);
                     qk_norm_specs(&mut s, &format!("{p}_attn"), hd);
-                    s.linear(&format!("{p}_attn.proj"), h, h, true);
-                    s.linear(&format!("{p}_mlp.0"), h, mlp, true);
-                    s.linear(&format!("{p}_mlp.2"), mlp, h, true);
+                    s.linear(&format!("{p}_attn.proj"), h, h, bias);
+                    s.linear(&format!("{p}_mlp.0"), h, cfg.mlp_in(), bias);
+                    s.linear(&format!("{p}_mlp.2"), mlp, h, bias);
                 }
             }
             Block::Single(i) => {
                 let p = name(&format!("single_blocks.{i}"));
-                s.linear(&format!("{p}.linear1"), h, 3 * h + mlp, true);
-                s.linear(&format!("{p}.linear2"), h + mlp, h, true);
+                s.linear(&format!("{p}.linear1"), h, 3 * h + cfg.mlp_in(), bias);
+                s.linear(&format!("{p}.linear2"), h + mlp, h, bias);
                 qk_norm_specs(&mut s, &p, hd);
-                if cfg.chroma.is_none() {
+                if cfg.chroma.is_none() && !cfg.flux2 {
                     s.linear(&format!("{p}.modulation.lin"), h, 3 * h, true);
                 }
             }
             Block::Final => {
-                s.linear(&name("final_layer.linear"), h, cfg.out_channels, true);
+                s.linear(&name("final_layer.linear"), h, cfg.out_channels, bias);
                 if cfg.chroma.is_none() {
-                    s.linear(&name("final_layer.adaLN_modulation.1"), h, 2 * h, true);
+                    s.linear(&name("final_layer.adaLN_modulation.1"), h, 2 * h, bias);
                 }
             }
         }
@@ -407,27 +464,36 @@ pub(super) fn rope_axis(pos: &[f32], dim: usize, theta: f32) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// Number of image tokens of a `w` x `h` latent.
-pub fn image_tokens(w: usize, h: usize) -> usize {
-    w.div_ceil(PATCH as usize) * h.div_ceil(PATCH as usize)
+/// Number of image tokens of a `w` x `h` latent read in `patch` x `patch` patches.
+pub fn image_tokens(w: usize, h: usize, patch: usize) -> usize {
+    w.div_ceil(patch) * h.div_ceil(patch)
 }
 
 /// The positional embedding of `txt_tokens` text tokens followed by the image tokens of a
 /// `w` x `h` latent: ggml `[2, 2, head_dim / 2, tokens]`, as the reference computes it
-/// (text ids zero, image ids `(0, row, col)`).
+/// (text ids zero, image ids `(0, row, col)`; FLUX.2's text ids carry their position on the
+/// fourth axis, its image ids a zero there).
 pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, (w, h): (usize, usize)) -> Vec<f32> {
-    let p = PATCH as usize;
+    let p = cfg.patch as usize;
     let (h_len, w_len) = ((h + p / 2) / p, (w + p / 2) / p);
     let rows = linspace(0.0, h_len as f32 - 1.0, h_len);
     let cols = linspace(0.0, w_len as f32 - 1.0, w_len);
     let n = txt_tokens + h_len * w_len;
-    let mut ids = vec![[0f32; 3]; n];
-    for i in 0..h_len {
-        for j in 0..w_len {
-            ids[txt_tokens + i * w_len + j] = [0.0, rows[i], cols[j]];
+    let n_axes = cfg.axes_dim.len();
+    let mut ids = vec![vec![0f32; n_axes]; n];
+    if cfg.flux2 {
+        for (i, id) in ids.iter_mut().take(txt_tokens).enumerate() {
+            id[3] = i as f32;
         }
     }
-    let axes: Vec<Vec<Vec<f32>>> = (0..3)
+    for i in 0..h_len {
+        for j in 0..w_len {
+            let id = &mut ids[txt_tokens + i * w_len + j];
+            id[1] = rows[i];
+            id[2] = cols[j];
+        }
+    }
+    let axes: Vec<Vec<Vec<f32>>> = (0..n_axes)
         .map(|a| {
             let pos: Vec<f32> = ids.iter().map(|id| id[a]).collect();
             rope_axis(&pos, cfg.axes_dim[a] as usize, cfg.theta)
@@ -447,7 +513,7 @@ pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, (w, h): (usize, usize)) -> V
 // ---------------------------------------------------------------------------------------
 
 /// The graph inputs every block reads besides the streams.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Shared<'g> {
     /// The modulation vector `[hidden, 1]`.
     pub vec: Tensor<'g>,
@@ -459,6 +525,17 @@ pub struct Shared<'g> {
     pub kernel: AttnKernel,
     /// Chroma's DiT mask `[txt + img tokens]` (0 or -inf), added to the scores over the keys.
     pub mask: Option<Tensor<'g>>,
+    /// FLUX.2's shared modulations: the double blocks' img and txt triples (6 each), the
+    /// single blocks' (3), computed once in the prelude.
+    pub shared_mods: Option<SharedMods<'g>>,
+}
+
+/// FLUX.2's modulations, shared by every block of a kind.
+#[derive(Clone, Debug)]
+pub struct SharedMods<'g> {
+    img: Vec<Tensor<'g>>,
+    txt: Vec<Tensor<'g>>,
+    single: Vec<Tensor<'g>>,
 }
 
 fn weight<'w>(w: &'w Weights, name: &str) -> Result<Tensor<'w>> {
@@ -473,8 +550,20 @@ fn rms_norm<'g>(g: &'g Context, x: Tensor<'g>, scale: Tensor<'_>, eps: Tensor<'_
 
 /// `[[shift, scale, gate]; k]` from `lin(silu(vec))`: `k` triples, each a `[hidden, 1]` view.
 fn modulation<'g>(g: &'g Context, w: &Weights, p: &str, vec: Tensor<'g>, k: i64) -> Result<Vec<Tensor<'g>>> {
+    modulation_with(g, w, p, vec, k, true)
+}
+
+/// [`modulation`] with or without the projection's bias (FLUX.2 has none).
+fn modulation_with<'g>(
+    g: &'g Context,
+    w: &Weights,
+    p: &str,
+    vec: Tensor<'g>,
+    k: i64,
+    bias: bool,
+) -> Result<Vec<Tensor<'g>>> {
     let h = vec.shape()[0];
-    let m = blocks::linear(g, w, p, g.silu(vec), true)?; // [k * hidden, 1]
+    let m = blocks::linear(g, w, p, g.silu(vec), bias)?; // [k * hidden, 1]
                                                          // The reference's reshape to [hidden, k, 1] and permute to [hidden, 1, k] (a copy).
     let m = g.cont(g.permute(g.reshape(m, &[h, k, 1]), [0, 2, 1, 3]));
     let nb = m.nb();
@@ -594,10 +683,22 @@ pub(super) fn rope_attention<'g>(
     g.reshape(kqv, &[d * heads, l, 1])
 }
 
-/// `{p}.2(gelu({p}.0(x)))`.
-fn mlp<'g>(g: &'g Context, w: &Weights, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
-    let y = g.gelu(blocks::linear(g, w, &format!("{p}.0"), x, true)?);
-    blocks::linear(g, w, &format!("{p}.2"), y, true)
+/// `{p}.2(gelu({p}.0(x)))`, FLUX.2's `{p}.2(silu_act({p}.0(x)))` without biases.
+fn mlp<'g>(g: &'g Context, w: &Weights, cfg: &FluxConfig, p: &str, x: Tensor<'g>) -> Result<Tensor<'g>> {
+    let y = blocks::linear(g, w, &format!("{p}.0"), x, cfg.bias())?;
+    let y = if cfg.flux2 { silu_act(g, y) } else { g.gelu(y) };
+    blocks::linear(g, w, &format!("{p}.2"), y, cfg.bias())
+}
+
+/// The reference's `ggml_ext_silu_act`: `x` `[2n, ...]` halved along ne[0], the first half
+/// the gate: `second * silu(first)`.
+fn silu_act<'g>(g: &'g Context, x: Tensor<'g>) -> Tensor<'g> {
+    let [n2, a, b, c] = x.shape();
+    let nb = x.nb();
+    let half = n2 / 2;
+    let gate = g.cont(g.view(x, [half, a, b, c], [nb[1], nb[2], nb[3]], 0));
+    let value = g.view(x, [half, a, b, c], [nb[1], nb[2], nb[3]], half as usize * nb[0]);
+    g.mul(value, g.silu(gate))
 }
 
 /// A double-stream block: `(img [hidden, L_img, 1], txt [hidden, L_txt, 1])` -> the same.
@@ -612,7 +713,9 @@ pub fn double_block<'g>(
     s: &Shared<'g>,
 ) -> Result<(Tensor<'g>, Tensor<'g>)> {
     let p = name(&format!("double_blocks.{i}"));
-    let (img_mod, txt_mod) = if cfg.chroma.is_some() {
+    let (img_mod, txt_mod) = if let Some(m) = &s.shared_mods {
+        (m.img.clone(), m.txt.clone())
+    } else if cfg.chroma.is_some() {
         chroma::double_mods(g, s.vec, i)
     } else {
         (
@@ -637,9 +740,9 @@ pub fn double_block<'g>(
     let img_attn = g.view(attn, [attn.shape()[0], li, 1, 1], [nb[1], nb[2], nb[3]], lt as usize * nb[1]);
 
     let stream = |name: &str, x: Tensor<'g>, a: Tensor<'g>, m: &[Tensor<'g>]| -> Result<Tensor<'g>> {
-        let proj = blocks::linear(g, w, &format!("{p}.{name}_attn.proj"), a, true)?;
+        let proj = blocks::linear(g, w, &format!("{p}.{name}_attn.proj"), a, cfg.bias())?;
         let x = g.add(x, g.mul(proj, m[2]));
-        let y = mlp(g, w, &format!("{p}.{name}_mlp"), modulate(g, layer_norm(g, x), m[3], m[4]))?;
+        let y = mlp(g, w, cfg, &format!("{p}.{name}_mlp"), modulate(g, layer_norm(g, x), m[3], m[4]))?;
         Ok(g.add(x, g.mul(y, m[5])))
     };
     let img = stream("img", img, img_attn, &img_mod)?;
@@ -658,20 +761,26 @@ pub fn single_block<'g>(
 ) -> Result<Tensor<'g>> {
     let p = name(&format!("single_blocks.{i}"));
     let (h, mlp_w) = (cfg.hidden_size, cfg.mlp_hidden());
-    let m = if cfg.chroma.is_some() {
+    let m = if let Some(m) = &s.shared_mods {
+        m.single.clone()
+    } else if cfg.chroma.is_some() {
         chroma::single_mods(g, s.vec, i)
     } else {
         modulation(g, w, &format!("{p}.modulation.lin"), s.vec, 3)?
     };
     let x_mod = modulate(g, layer_norm(g, x), m[0], m[1]);
-    let qkv_mlp = blocks::linear(g, w, &format!("{p}.linear1"), x_mod, true)?; // [3h + mlp, L, 1]
+    let qkv_mlp = blocks::linear(g, w, &format!("{p}.linear1"), x_mod, cfg.bias())?; // [3h + mlp, L, 1]
     let [q, k, v] = split_qkv(g, w, cfg, &p, qkv_mlp, s.eps)?;
     let attn = attention(g, q, k, v, s);
     let l = qkv_mlp.shape()[1];
     let nb = qkv_mlp.nb();
-    let hidden = g.view(qkv_mlp, [mlp_w, l, 1, 1], [nb[1], nb[2], nb[3]], 3 * h as usize * nb[0]);
-    let hidden = g.gelu(g.cont(hidden));
-    let out = blocks::linear(g, w, &format!("{p}.linear2"), g.concat(attn, hidden, 0), true)?;
+    let hidden = if cfg.flux2 {
+        // The gate and the value side by side, as `linear1` writes them.
+        silu_act(g, g.view(qkv_mlp, [cfg.mlp_in(), l, 1, 1], [nb[1], nb[2], nb[3]], 3 * h as usize * nb[0]))
+    } else {
+        g.gelu(g.cont(g.view(qkv_mlp, [mlp_w, l, 1, 1], [nb[1], nb[2], nb[3]], 3 * h as usize * nb[0])))
+    };
+    let out = blocks::linear(g, w, &format!("{p}.linear2"), g.concat(attn, hidden, 0), cfg.bias())?;
     Ok(g.add(x, g.mul(out, m[2])))
 }
 
@@ -689,18 +798,22 @@ fn final_layer<'g>(
         return blocks::linear(g, w, &name("final_layer.linear"), x, true);
     }
     let h = vec.shape()[0];
-    let m = blocks::linear(g, w, &name("final_layer.adaLN_modulation.1"), g.silu(vec), true)?; // [2h, 1]
+    let m = blocks::linear(g, w, &name("final_layer.adaLN_modulation.1"), g.silu(vec), cfg.bias())?; // [2h, 1]
     let nb = m.nb();
     let chunk = |j: usize| g.cont(g.view(m, [h, 1, 1, 1], [nb[1], nb[2], nb[3]], j * h as usize * nb[0]));
     let (shift, scale) = (chunk(0), chunk(1));
     let x = modulate(g, layer_norm(g, img), shift, scale);
-    blocks::linear(g, w, &name("final_layer.linear"), x, true)
+    blocks::linear(g, w, &name("final_layer.linear"), x, cfg.bias())
 }
 
-/// `[W, H, C, 1]` -> `[C * 4, W/2 * H/2, 1]`: each 2x2 patch's channels, channel-major.
-fn patchify<'g>(g: &'g Context, x: Tensor<'g>) -> Tensor<'g> {
+/// `[W, H, C, 1]` -> `[C * 4, W/2 * H/2, 1]`: each 2x2 patch's channels, channel-major
+/// (FLUX.2, patch 1: `[C, W * H, 1]`).
+fn patchify<'g>(g: &'g Context, x: Tensor<'g>, p: i64) -> Tensor<'g> {
     let [wd, ht, c, n] = x.shape();
-    let (pw, ph) = (PATCH, PATCH);
+    if p == 1 {
+        return g.reshape(g.cont(g.permute(g.reshape(x, &[wd * ht, c, n, 1]), [1, 0, 2, 3])), &[c, wd * ht, n]);
+    }
+    let (pw, ph) = (p, p);
     let (w, h) = (wd / pw, ht / ph);
     let x = g.reshape(x, &[pw, w, ph, h * c * n]);
     let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw, ph, w, h*C*N]
@@ -711,9 +824,13 @@ fn patchify<'g>(g: &'g Context, x: Tensor<'g>) -> Tensor<'g> {
 
 /// The inverse of `patchify` for a `wd` x `ht` latent. It ends in a copy, not a reshape view:
 /// the graph's output gets a slot of its own in a split run, which a view cannot take.
-fn unpatchify<'g>(g: &'g Context, x: Tensor<'g>, wd: i64, ht: i64) -> Tensor<'g> {
+fn unpatchify<'g>(g: &'g Context, x: Tensor<'g>, wd: i64, ht: i64, p: i64) -> Tensor<'g> {
     let [cpp, _, n, _] = x.shape();
-    let (pw, ph) = (PATCH, PATCH);
+    if p == 1 {
+        // [C, W*H, N] -> [W, H, C, N].
+        return g.cont(g.reshape(g.cont(g.permute(x, [1, 0, 2, 3])), &[wd, ht, cpp, n]));
+    }
+    let (pw, ph) = (p, p);
     let (w, h, c) = (wd / pw, ht / ph, cpp / (pw * ph));
     let x = g.reshape(x, &[pw * ph, c, w * h, n]);
     let x = g.cont(g.permute(x, [0, 2, 1, 3])); // [pw*ph, w*h, C, N]
@@ -750,7 +867,7 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
         MODEL,
         i.x.shape(),
         i.context.shape(),
-        PATCH,
+        cfg.patch,
         cfg.latent_channels(),
         cfg.context_in_dim,
     )?;
@@ -768,7 +885,7 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
     if cfg.chroma.is_some() != i.mod_index.is_some() {
         return bad("the approximator's row indices go with a Chroma model, and only with one".into());
     }
-    let tokens = lt + (wd / PATCH) * (ht / PATCH);
+    let tokens = lt + (wd / cfg.patch) * (ht / cfg.patch);
     if let Some(m) = i.mask {
         if cfg.chroma.is_none() || m.shape()[0] != tokens || m.shape()[1..].iter().any(|&d| d != 1) {
             return bad(format!("a DiT mask of shape {:?} (Chroma only, one value per token: {tokens})", m.shape()));
@@ -781,10 +898,10 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
 }
 
 /// `time_in(t)`-style embedder of a scalar: `out_layer(silu(in_layer(emb(1000 v, 256))))`.
-fn scalar_embedding<'g>(g: &'g Context, w: &Weights, p: &str, v: Tensor<'g>) -> Result<Tensor<'g>> {
+fn scalar_embedding<'g>(g: &'g Context, w: &Weights, p: &str, v: Tensor<'g>, bias: bool) -> Result<Tensor<'g>> {
     let e = g.timestep_embedding(g.scale(v, TIME_FACTOR), TIME_DIM as i32, MAX_PERIOD);
-    let e = g.silu(blocks::linear(g, w, &format!("{p}.in_layer"), e, true)?);
-    blocks::linear(g, w, &format!("{p}.out_layer"), e, true)
+    let e = g.silu(blocks::linear(g, w, &format!("{p}.in_layer"), e, bias)?);
+    blocks::linear(g, w, &format!("{p}.out_layer"), e, bias)
 }
 
 /// The FLUX graph: the latent `[W, H, 16, 1]` to the prediction of the same shape. Pushes
@@ -811,7 +928,7 @@ pub fn forward<'g>(
         match block {
             Block::Prelude if cfg.chroma.is_some() => {
                 let c = cfg.chroma.as_ref().expect("matched");
-                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x), true)?;
+                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x, cfg.patch), true)?;
                 let (Some(gd), Some(index)) = (inputs.guidance, inputs.mod_index) else {
                     return Err(DiffusionError::Input {
                         model: MODEL,
@@ -823,24 +940,37 @@ pub fn forward<'g>(
                 cuts.push(("flux.prelude.img".into(), img));
                 cuts.push(("flux.prelude.txt".into(), txt));
                 cuts.push(("flux.prelude.vec".into(), vec));
-                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: inputs.mask });
+                shared =
+                    Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: inputs.mask, shared_mods: None });
             }
             Block::Prelude => {
-                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x), true)?;
-                vec = scalar_embedding(g, w, &name("time_in"), inputs.timestep)?;
+                let bias = cfg.bias();
+                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x, cfg.patch), bias)?;
+                vec = scalar_embedding(g, w, &name("time_in"), inputs.timestep, bias)?;
                 if let Some(gd) = inputs.guidance {
-                    vec = g.add(vec, scalar_embedding(g, w, &name("guidance_in"), gd)?);
+                    vec = g.add(vec, scalar_embedding(g, w, &name("guidance_in"), gd, bias)?);
                 }
                 if cfg.vec_in_dim > 0 {
                     let y = blocks::linear(g, w, &name("vector_in.in_layer"), inputs.y, true)?;
                     let y = blocks::linear(g, w, &name("vector_in.out_layer"), g.silu(y), true)?;
                     vec = g.add(vec, y);
                 }
-                txt = blocks::linear(g, w, &name("txt_in"), inputs.context, true)?;
+                // FLUX.2: the shared modulations, before `txt_in` as the reference orders them.
+                let shared_mods = if cfg.flux2 {
+                    let m = |p: &str, k| modulation_with(g, w, &name(p), vec, k, false);
+                    Some(SharedMods {
+                        img: m("double_stream_modulation_img.lin", 6)?,
+                        txt: m("double_stream_modulation_txt.lin", 6)?,
+                        single: m("single_stream_modulation.lin", 3)?,
+                    })
+                } else {
+                    None
+                };
+                txt = blocks::linear(g, w, &name("txt_in"), inputs.context, bias)?;
                 cuts.push(("flux.prelude.img".into(), img));
                 cuts.push(("flux.prelude.txt".into(), txt));
                 cuts.push(("flux.prelude.vec".into(), vec));
-                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: None });
+                shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: None, shared_mods });
             }
             Block::Double(i) => {
                 let s = shared.as_ref().expect("the prelude comes first");
@@ -865,7 +995,7 @@ pub fn forward<'g>(
                     None => img,
                 };
                 let y = final_layer(g, w, cfg, img_tokens, vec)?;
-                out = Some(unpatchify(g, y, wd, ht));
+                out = Some(unpatchify(g, y, wd, ht, cfg.patch));
             }
         }
     }
@@ -1028,7 +1158,7 @@ impl FluxModel {
     ) -> Result<(FluxInputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
         let cfg = &self.cfg;
         let (c, cd) = (cfg.latent_channels(), cfg.context_in_dim);
-        let tokens = (n_ctx_tokens + image_tokens(w, h)) as i64;
+        let tokens = (n_ctx_tokens + image_tokens(w, h, self.cfg.patch as usize)) as i64;
         let ins = FluxInputs {
             x: g.new_f32(&[w as i64, h as i64, c, 1]).set_name("x").set_input(),
             timestep: g.new_f32(&[1]).set_name("timestep").set_input(),
@@ -1073,7 +1203,7 @@ impl FluxModel {
         if let Some(t) = ins.mask {
             // The text mask, then zeros for the image tokens (the reference's ggml_pad).
             let mut m = s.y.to_vec();
-            m.resize(s.n_ctx_tokens + image_tokens(w, h), 0.0);
+            m.resize(s.n_ctx_tokens + image_tokens(w, h, self.cfg.patch as usize), 0.0);
             t.set_f32(&m)?;
         }
         Ok(())

@@ -15,6 +15,7 @@
 
 pub mod chroma;
 pub mod flux;
+pub mod flux2;
 pub mod sd;
 pub mod sd3;
 pub mod sdxl;

@@ -13,7 +13,7 @@ use sd_vae::{FirstStage, TilingParams};
 use super::control::ControlStage;
 use super::{
     bad_setting, inpaint, kept, planar_to_rgb8, Image, KeptWeights, Pipeline, PipelineError, Progress, Request, Result,
-    Setting, StepLatent, ACTIVATIONS, VAE_SCALE,
+    Setting, StepLatent, ACTIVATIONS,
 };
 use crate::diffusion::controlnet::ControlResiduals;
 use crate::family::{DiffusionModel, TextRequest};
@@ -187,16 +187,18 @@ impl Pipeline {
     /// latent and the masks.
     fn prepare_start(&self, request: &Request, out: &mut RunOutputs<'_, '_>) -> Result<Start> {
         let p = &request.params;
-        let (lw, lh) = (p.width / VAE_SCALE, p.height / VAE_SCALE);
+        let scale = self.latent_scale();
+        let (lw, lh) = (p.width / scale, p.height / scale);
         let channels = self.family.latent_channels();
         let schedule = self.schedule(request);
         let ctx = ScheduleContext { ays: self.family.sampling().ays, image_seq_len: lw * lh };
-        let full = request.scheduler.sigmas_for(p.steps, &schedule, &ctx)?;
+        // FLUX.2's shift follows the steps and the image's latent positions (each pass's).
+        let full = request.scheduler.sigmas_for(p.steps, &schedule.for_image(p.steps, lw * lh), &ctx)?;
         let concat_channels = self.concat_channels()?;
         // Inpainting: the mask at pixel and latent resolution; an inpainting checkpoint also
         // takes the masked image's latent (`inpaint.rs`).
         let pixel_mask = p.mask.as_ref().map(inpaint::pixel_mask);
-        let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), VAE_SCALE));
+        let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), scale));
         let (sigmas, init_latent, masked_latent) = match &p.init_image {
             None => (full, None, None),
             Some(image) => {
@@ -329,7 +331,8 @@ impl Pipeline {
         let mut control = self.control_stage(request, &mut clock, out)?;
         let mut runner =
             self.runner(Module::Diffusion, &self.opts.devices.diffusion, self.opts.devices.diffusion_split.as_ref());
-        let first_dims = (p.width / VAE_SCALE, p.height / VAE_SCALE);
+        let scale = self.latent_scale();
+        let first_dims = (p.width / scale, p.height / scale);
         let mut latents: Vec<Vec<f32>> = Vec::with_capacity(p.batch_count);
         // Where each pass's images start from: the init latent (or noise), then the first
         // pass's latents upscaled.
@@ -401,12 +404,14 @@ impl Pipeline {
     /// sampling, each image's generator seeded again as for the first).
     fn passes(&self, request: &Request, start: &Start) -> Result<Vec<PassSize>> {
         let p = &request.params;
-        let mut passes = vec![((p.width / VAE_SCALE, p.height / VAE_SCALE), start.sigmas.clone())];
+        let scale = self.latent_scale();
+        let mut passes = vec![((p.width / scale, p.height / scale), start.sigmas.clone())];
         if let Some(h) = &p.hires {
-            let (hw, hh) = (h.width / VAE_SCALE, h.height / VAE_SCALE);
+            let (hw, hh) = (h.width / scale, h.height / scale);
             let steps = crate::hires::second_pass_schedule_steps(h, p.steps);
             let ctx = ScheduleContext { ays: self.family.sampling().ays, image_seq_len: hw * hh };
-            let full = request.scheduler.sigmas_for(steps, &start.schedule, &ctx)?;
+            let schedule = start.schedule.for_image(steps, hw * hh);
+            let full = request.scheduler.sigmas_for(steps, &schedule, &ctx)?;
             let tail = img2img_sigmas(&full, h.strength())?;
             tracing::info!(
                 "hires fix: {}x{}, scheduler steps {steps}, denoising strength {:.2}, {} sigmas",
@@ -619,7 +624,8 @@ impl Pipeline {
     ) -> Result<Image> {
         let p = &request.params;
         vae.diffusion_to_vae(&mut latent);
-        let dims = (width / VAE_SCALE, height / VAE_SCALE);
+        let scale = self.latent_scale();
+        let dims = (width / scale, height / scale);
         let channels = self.family.latent_channels();
         let img = sd_vae::decode_tiled_observed(
             vae,
@@ -819,8 +825,9 @@ fn hires_image_upscale(
         sd_vae::ImageRange::MinusOneToOne => img.iter().map(|v| ((v + 1.0) * 0.5).clamp(0.0, 1.0)).collect(),
         sd_vae::ImageRange::ZeroToOne => img,
     };
-    let (pw, ph) = (from.0 * VAE_SCALE, from.1 * VAE_SCALE);
-    let (tw, th) = (to.0 * VAE_SCALE, to.1 * VAE_SCALE);
+    let scale = vae.scale_factor();
+    let (pw, ph) = (from.0 * scale, from.1 * scale);
+    let (tw, th) = (to.0 * scale, to.1 * scale);
     let up = match (upscaler, model) {
         (crate::hires::HiresUpscaler::Model, Some(m)) => {
             let mut m = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -96,6 +96,13 @@ impl ChatTemplate {
     /// turn (the reference's `LLMEmbedder::get_learned_condition`, `sd_version_is_z_image`).
     pub const Z_IMAGE: ChatTemplate =
         ChatTemplate { prefix: "<|im_start|>user\n", suffix: "<|im_end|>\n<|im_start|>assistant\n" };
+
+    /// FLUX.2 klein: a user turn, then an assistant turn with an empty thinking block (the
+    /// reference's `VERSION_FLUX2_KLEIN` template).
+    pub const FLUX2_KLEIN: ChatTemplate = ChatTemplate {
+        prefix: "<|im_start|>user\n",
+        suffix: "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    };
 }
 
 /// The Qwen2 tokenizer. Cloning is cheap: the parsed vocabulary is shared.

@@ -16,7 +16,8 @@
 //!   (base 1e6, positions 0..L), scores scaled by `1/sqrt(head_dim)` in f32 with a causal
 //!   mask of `-f32::MAX/4` (the reference's value), softmax, `o_proj`.
 //! * **MLP**: SwiGLU, `down(silu(gate x) * up x)`.
-//! * **Output**: the reference's `out_layers = {L}`: the hidden states after layer `L`
+//! * **Output**: the reference's `out_layers`: the hidden states after each layer `L` listed,
+//!   side by side per token (FLUX.2 klein takes 9, 18 and 27). For one layer `L`
 //!   (1-based; Z-Image takes 35 of 36, the second to last), without the final norm; when `L`
 //!   is not a layer of the model (0, or past its depth, as in a reduced-depth fixture), the
 //!   final `model.norm`'s output. Layers after `L` are not computed.
@@ -252,6 +253,28 @@ pub fn causal_mask(len: usize) -> Vec<f32> {
     (0..len).flat_map(|q| (0..len).map(move |k| if k > q { masked } else { 0.0 })).collect()
 }
 
+/// The causal mask of a padded sequence (`real[k]` 0 for a padding token): `-f32::MAX / 4`
+/// for a padding key plus `-f32::MAX / 4` for a key after the query, summed in f32 as the
+/// reference's `LLMEmbedder::encode_prompt` builds it.
+pub fn padded_causal_mask(real: &[f32]) -> Vec<f32> {
+    let masked = -f32::MAX / 4.0;
+    let len = real.len();
+    (0..len)
+        .flat_map(|q| {
+            (0..len).map(move |k| {
+                let mut v = 0.0f32;
+                if real[k] == 0.0 {
+                    v += masked;
+                }
+                if k > q {
+                    v += masked;
+                }
+                v
+            })
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------
 // Layers
 // ---------------------------------------------------------------------------------------
@@ -315,32 +338,43 @@ fn mlp<'g>(g: &'g Context, w: &Weights, cfg: &Qwen3Config, i: usize, x: Tensor<'
     lin("down", h)
 }
 
-/// Builds the graph: `ids` (i32 `[L]`) to the hidden states `[hidden, L]` of `out_layer` (see
-/// the module doc). `cuts` receives `llm.prelude` and `llm.layers.N`.
+/// Builds the graph: `ids` (i32 `[L]`) to the hidden states of `out_layers` (see the module
+/// doc): `[hidden * k, L]` for the `k` of them the model has. `cuts` receives `llm.prelude`
+/// and `llm.layers.N`.
 fn forward<'g>(
     g: &'g Context,
     w: &Weights,
     cfg: &Qwen3Config,
     ids: Tensor<'_>,
     inputs: Inputs<'_>,
-    out_layer: usize,
+    out_layers: &[usize],
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
-    let layers = if (1..=cfg.n_layers).contains(&out_layer) { out_layer } else { cfg.n_layers };
+    let taken: Vec<usize> = out_layers.iter().copied().filter(|l| (1..=cfg.n_layers).contains(l)).collect();
+    let with_norm = taken.is_empty() || out_layers.contains(&(cfg.n_layers + 1));
+    let layers = if with_norm { cfg.n_layers } else { taken.iter().copied().max().unwrap_or(cfg.n_layers) };
     let _span = tracing::trace_span!("qwen3.forward", layers, tokens = ids.shape()[0]).entered();
     let mut x = g.get_rows(get(w, &cfg.name("embed_tokens.weight"))?, ids);
     cuts.push(("llm.prelude".to_string(), x));
+    let mut outs = Vec::new();
     for i in 0..layers {
         let a = rms_norm(g, cfg, x, get(w, &cfg.layer(i, "input_layernorm.weight"))?);
         x = g.add(x, attention(g, w, cfg, i, a, inputs)?);
         let f = rms_norm(g, cfg, x, get(w, &cfg.layer(i, "post_attention_layernorm.weight"))?);
         x = g.add(x, mlp(g, w, cfg, i, f)?);
         cuts.push((format!("llm.layers.{i}"), x));
+        if taken.contains(&(i + 1)) {
+            outs.push(x);
+        }
     }
-    if layers == out_layer {
-        return Ok(x);
+    if with_norm {
+        outs.push(rms_norm(g, cfg, x, get(w, &cfg.name("norm.weight"))?));
     }
-    Ok(rms_norm(g, cfg, x, get(w, &cfg.name("norm.weight"))?))
+    let mut out = outs[0];
+    for o in &outs[1..] {
+        out = g.concat(out, *o, 0);
+    }
+    Ok(out)
 }
 
 /// Checks that `weights` holds every parameter of `cfg` with its shape and has storage.
@@ -382,9 +416,32 @@ impl<'a> Qwen3Encoder<'a> {
     /// `out_layer` (see the module doc): `hidden` values per token, tokens in order, before
     /// any prompt weighting.
     pub fn encode_ids(&self, runner: &mut Runner, ids: &[u32], out_layer: usize) -> Result<Vec<f32>> {
+        self.encode(runner, ids, None, &[out_layer])
+    }
+
+    /// Encodes one sequence of `ids` and returns the hidden states after each layer of
+    /// `out_layers` (1-based), concatenated per token (`hidden * k` values per token for the
+    /// `k` layers the model has; the final norm's output for `n_layers + 1`, or when it has
+    /// none of them, as the reference). `real`, when given, marks each id as text (1) or
+    /// padding (0): no query attends to a padding key, as the reference's padded LLM
+    /// conditioners mask it (its value added to the causal mask's).
+    pub fn encode(
+        &self,
+        runner: &mut Runner,
+        ids: &[u32],
+        real: Option<&[f32]>,
+        out_layers: &[usize],
+    ) -> Result<Vec<f32>> {
         let cfg = self.cfg;
         if ids.is_empty() {
             return Err(Qwen3Error::NoTokens);
+        }
+        if real.is_some_and(|r| r.len() != ids.len()) {
+            return Err(Qwen3Error::Config(format!(
+                "the padding mask has {} values for {} ids",
+                real.map_or(0, <[f32]>::len),
+                ids.len()
+            )));
         }
         let input: Vec<i32> = ids
             .iter()
@@ -406,9 +463,12 @@ impl<'a> Qwen3Encoder<'a> {
             mask: g.new_f32(&[len as i64, len as i64]).set_name("llm_mask").set_input(),
         };
         let mut cuts = Vec::new();
-        let out = forward(&g, self.weights, cfg, ids_t, inputs, out_layer, &mut cuts)?.set_output();
+        let out = forward(&g, self.weights, cfg, ids_t, inputs, out_layers, &mut cuts)?.set_output();
         let pos: Vec<i32> = (0..len as i32).collect();
-        let mask = causal_mask(len);
+        let mask = match real {
+            None => causal_mask(len),
+            Some(real) => padded_causal_mask(real),
+        };
         runner.run(self.weights, &g, graph_size, &cuts, out, &mut || {
             ids_t.set_i32(&input)?;
             inputs.pos.set_i32(&pos)?;

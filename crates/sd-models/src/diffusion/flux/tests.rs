@@ -384,7 +384,7 @@ fn block_case(double: bool) -> (Vec<f32>, Vec<f64>) {
     let w = weights(&cfg, F32);
     let mut runner = Runner::new("flux", backend());
     let (hs, lt, (lw, lh)) = (cfg.hidden_size as usize, 5, (4usize, 6usize));
-    let li = image_tokens(lw, lh);
+    let li = image_tokens(lw, lh, 2);
     let img = inputs(hs * li, "img", 1.0);
     let txt = inputs(hs * lt, "txt", 1.0);
     let vec = inputs(hs, "vec", 1.0);
@@ -401,7 +401,7 @@ fn block_case(double: bool) -> (Vec<f32>, Vec<f64>) {
     ];
     let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
     let (got, _) = run_graph(&mut runner, &ins, 4096, |g, t| {
-        let s = Shared { vec: t[2], pe: t[3], eps: t[4], kernel: AttnKernel::Plain, mask: None };
+        let s = Shared { vec: t[2], pe: t[3], eps: t[4], kernel: AttnKernel::Plain, mask: None, shared_mods: None };
         if double {
             let (i, x) = double_block(g, &w, &cfg, 0, t[0], t[1], &s)?;
             // txt then img, one output.
@@ -455,7 +455,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
     let (t, gd) = (0.75f32, 3.5f32);
     let pe = rope_pe(&cfg, lt, (lw, lh));
     let half = cfg.head_dim() / 2;
-    let n = (lt + image_tokens(lw, lh)) as i64;
+    let n = (lt + image_tokens(lw, lh, 2)) as i64;
     let shapes: Vec<(Vec<i64>, Vec<f32>)> = vec![
         (vec![lw as i64, lh as i64, c as i64, 1], x.clone()),
         (vec![1], vec![t]),
@@ -546,7 +546,7 @@ fn flash_attention_stays_close_to_plain() {
     let cfg = tiny();
     let w = weights(&cfg, F32);
     let mut runner = Runner::new("flux", backend());
-    let (hs, n) = (cfg.hidden_size, 5 + image_tokens(4, 4) as i64);
+    let (hs, n) = (cfg.hidden_size, 5 + image_tokens(4, 4, 2) as i64);
     let x = inputs((hs * n) as usize, "joint", 1.0);
     let vec = inputs(hs as usize, "vec", 1.0);
     let pe = rope_pe(&cfg, 5, (4, 4));
@@ -555,7 +555,14 @@ fn flash_attention_stays_close_to_plain() {
             vec![(vec![hs, n], &x), (vec![hs, 1], &vec), (vec![2, 2, cfg.head_dim() / 2, n], &pe), (vec![1], &[1e-6])];
         let ins: Vec<(&[i64], &[f32])> = shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
         run_graph(runner, &ins, 4096, |g, t| {
-            single_block(g, &w, &cfg, 0, t[0], &Shared { vec: t[1], pe: t[2], eps: t[3], kernel, mask: None })
+            single_block(
+                g,
+                &w,
+                &cfg,
+                0,
+                t[0],
+                &Shared { vec: t[1], pe: t[2], eps: t[3], kernel, mask: None, shared_mods: None },
+            )
         })
         .unwrap()
         .0

@@ -179,6 +179,55 @@ fn graph_matches_an_f64_encoder() {
     assert!(max < 1e-4, "prefix differs by {max:e}");
 }
 
+/// FLUX.2 klein's reading: several layers' states side by side per token (each equal to its
+/// own single-layer run), the final norm for `n_layers + 1`; and a padding mask that hides a
+/// key from every other query (changing a masked token's id moves only its own row).
+#[test]
+fn several_layers_and_a_padding_mask() {
+    let cfg = tiny();
+    let w = random_weights(qwen3_specs(&cfg, &|_| Some(F32), None), values);
+    let enc = Qwen3Encoder::new(&cfg, &w).unwrap();
+    let mut runner = Runner::new("llm", backend());
+    let ids: Vec<u32> = (0..9u32).map(|i| (i * 131 + 7) % 1000).collect();
+    let d = cfg.hidden;
+    let both = enc.encode(&mut runner, &ids, None, &[1, 3, cfg.n_layers + 1]).unwrap();
+    assert_eq!(both.len(), ids.len() * 3 * d);
+    let one = enc.encode_ids(&mut runner, &ids, 1).unwrap();
+    let three = enc.encode_ids(&mut runner, &ids, 3).unwrap();
+    let norm = enc.encode_ids(&mut runner, &ids, 99).unwrap();
+    for t in 0..ids.len() {
+        let row = &both[t * 3 * d..(t + 1) * 3 * d];
+        assert_eq!(&row[..d], &one[t * d..(t + 1) * d], "token {t}, layer 1");
+        assert_eq!(&row[d..2 * d], &three[t * d..(t + 1) * d], "token {t}, layer 3");
+        assert_eq!(&row[2 * d..], &norm[t * d..(t + 1) * d], "token {t}, final norm");
+    }
+    // Layers the model lacks are left out; none at all gives the final norm.
+    assert_eq!(enc.encode(&mut runner, &ids, None, &[2, 27]).unwrap(), enc.encode_ids(&mut runner, &ids, 2).unwrap());
+    assert_eq!(enc.encode(&mut runner, &ids, None, &[9, 18, 27]).unwrap(), norm);
+
+    let mut real = vec![1.0; ids.len()];
+    real[3] = 0.0;
+    let a = enc.encode(&mut runner, &ids, Some(&real), &[3]).unwrap();
+    let mut other = ids.clone();
+    other[3] = 999;
+    let b = enc.encode(&mut runner, &other, Some(&real), &[3]).unwrap();
+    for t in 0..ids.len() {
+        let (ra, rb) = (&a[t * d..(t + 1) * d], &b[t * d..(t + 1) * d]);
+        if t == 3 {
+            assert_ne!(ra, rb, "the masked token's own row reads its id");
+        } else {
+            assert_eq!(ra, rb, "token {t} saw the masked key");
+        }
+    }
+    // Unmasked, the later tokens do see it.
+    let c = enc.encode(&mut runner, &other, None, &[3]).unwrap();
+    assert_ne!(&c[5 * d..6 * d], &a[5 * d..6 * d]);
+    assert!(enc.encode(&mut runner, &ids, Some(&real[..4]), &[3]).is_err());
+    let m = padded_causal_mask(&[1.0, 0.0]);
+    let q = -f32::MAX / 4.0;
+    assert_eq!(m, vec![0.0, q + q, 0.0, q]);
+}
+
 #[test]
 fn bad_input_is_an_error_not_a_crash() {
     let cfg = tiny();

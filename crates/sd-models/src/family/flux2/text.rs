@@ -1,0 +1,82 @@
+//! FLUX.2 klein's conditioner (the reference's `LLMEmbedder` for `VERSION_FLUX2_KLEIN`): the
+//! prompt in klein's chat template (a user turn, then an assistant turn with an empty thinking
+//! block), the prompt's weighting syntax kept; the ids padded on the right to 512 with Qwen's
+//! `<|endoftext|>` (151643, weight 1), which no token attends to; Qwen3's hidden states after
+//! layers 9, 18 and 27 side by side per token; the token weights applied with the mean kept.
+//! Every token is the context (the template and the padding included).
+
+use sd_sched::{Runner, Weights};
+
+use crate::pipeline::PipelineError;
+use crate::text::conditioning::{apply_token_weights, Conditioning};
+use crate::text::qwen3::{Qwen3Config, Qwen3Encoder};
+use crate::text::{ChatTemplate, Qwen2Tokenizer};
+
+/// The LLM layers whose hidden states are the context (1-based; the reference's `{9, 18, 27}`).
+pub(super) const OUT_LAYERS: [usize; 3] = [9, 18, 27];
+/// The context is padded to at least this many tokens (the reference's `min_length`).
+pub(super) const MIN_TOKENS: usize = 512;
+/// Qwen's padding token, `<|endoftext|>`.
+const PAD_ID: u32 = 151_643;
+
+/// A failure of FLUX.2 klein's conditioner (loading or encoding), kept as the error's source.
+pub(super) fn conditioner_error(e: impl std::error::Error + Send + Sync + 'static) -> PipelineError {
+    PipelineError::Conditioner { what: "FLUX.2 klein text encoder (Qwen3)", source: Box::new(e) }
+}
+
+/// The conditioner: Qwen3 over its placed weights with the Qwen2 tokenizer.
+pub(super) struct KleinText {
+    pub(super) cfg: Qwen3Config,
+    pub(super) weights: Weights,
+    pub(super) tokenizer: Qwen2Tokenizer,
+}
+
+/// The ids, token weights and padding mask (1 text, 0 padding) of `prompt`.
+pub(super) fn tokenize(
+    tokenizer: &Qwen2Tokenizer,
+    prompt: &str,
+) -> Result<(Vec<u32>, Vec<f32>, Vec<f32>), PipelineError> {
+    let (mut ids, mut weights) =
+        tokenizer.tokenize_chat(&ChatTemplate::FLUX2_KLEIN, prompt).map_err(conditioner_error)?;
+    let mut real = vec![1.0; ids.len()];
+    if ids.len() < MIN_TOKENS {
+        ids.resize(MIN_TOKENS, PAD_ID);
+        weights.resize(MIN_TOKENS, 1.0);
+        real.resize(MIN_TOKENS, 0.0);
+    }
+    Ok((ids, weights, real))
+}
+
+impl KleinText {
+    pub(super) fn encode(&self, runner: &mut Runner, prompt: &str) -> Result<Conditioning, PipelineError> {
+        let encoder = Qwen3Encoder::new(&self.cfg, &self.weights).map_err(conditioner_error)?;
+        let (ids, weights, real) = tokenize(&self.tokenizer, prompt)?;
+        let mut data = encoder.encode(runner, &ids, Some(&real), &OUT_LAYERS).map_err(conditioner_error)?;
+        let hidden_size = OUT_LAYERS.len() * self.cfg.hidden;
+        apply_token_weights(&mut data, hidden_size, &weights);
+        tracing::debug!(tokens = ids.len(), hidden_size, "FLUX.2 klein prompt encoded");
+        Ok(Conditioning { data, hidden_size, n_tokens: ids.len(), vector: Vec::new(), zeroed: false })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The template around the prompt, the weights kept, the padding to 512 marked.
+    #[test]
+    fn tokens_are_templated_and_padded() {
+        let t = Qwen2Tokenizer::new();
+        let (ids, weights, real) = tokenize(&t, "a (red:1.5) fox").unwrap();
+        assert_eq!((ids.len(), weights.len(), real.len()), (MIN_TOKENS, MIN_TOKENS, MIN_TOKENS));
+        let text = real.iter().filter(|&&r| r == 1.0).count();
+        assert!(text > 10 && real[..text].iter().all(|&r| r == 1.0), "{text}");
+        assert!(ids[text..].iter().all(|&i| i == PAD_ID));
+        assert!(weights.contains(&1.5));
+        let (plain, _) = t.tokenize_chat(&ChatTemplate::FLUX2_KLEIN, "a red fox").unwrap();
+        assert_eq!(t.token_text(plain[0]), Some("<|im_start|>"));
+        let long = "fox ".repeat(600);
+        let (ids, _, real) = tokenize(&t, &long).unwrap();
+        assert!(ids.len() > MIN_TOKENS && real.iter().all(|&r| r == 1.0));
+    }
+}

@@ -1,0 +1,189 @@
+//! `cargo xtask parity flux2`: whole FLUX.2 klein generations, ours against the reference's.
+//!
+//! ```text
+//! cargo xtask parity flux2 [--diffusion-model FILE --llm FILE --vae FILE] [-p PROMPT] [--size N [--height N]]
+//!                          [--steps N] [--cfg-scale S] [--seed N] [--threads N] [--flash] [--fixture-seed N]
+//!                          [--std S] [--sd-cli EXE]
+//! ```
+//!
+//! Without files it writes (once, in the fixture cache) a reduced FLUX.2 klein DiT (width 256,
+//! two double and two single blocks, a context of three 256-wide LLM layers), a Qwen3 `--llm`
+//! of 30 layers of width 256 (klein reads its layers 9, 18 and 27; the reference reads a
+//! 28-layer Qwen3 as another model) and FLUX.2's full-size VAE; the reference reads depths
+//! and widths from the tensors, so it runs them as they are. Both programs generate with the
+//! same files, prompt, seed, size, steps, sampler (`euler`, FLUX.2's image-dependent shift)
+//! and cfg scale (default 1); then an img2img from the reference's first image, and the
+//! txt2img again with a negative prompt and cfg 3 (both passes of the guidance). The PNGs are
+//! compared with the issue's image bound (`Tolerance::PNG`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context as _, Result};
+use sd_models::fixture::{self, flux, flux_vae, qwen3, FileFormat, WeightType};
+use sd_models::text::qwen3::Qwen3Config;
+
+use crate::parity::{png_diff, run_ok, Row, Tolerance};
+use crate::reference;
+
+/// `cargo xtask parity flux2` flags.
+#[derive(clap::Args, Debug, PartialEq)]
+pub struct Args {
+    /// A FLUX.2 klein diffusion model (default: the reduced fixture).
+    #[arg(long = "diffusion-model", value_name = "FILE", requires_all = ["llm", "vae"])]
+    diffusion_model: Option<PathBuf>,
+    /// Its Qwen3 LLM (default: the reduced fixture).
+    #[arg(long = "llm", value_name = "FILE", requires = "diffusion_model")]
+    llm: Option<PathBuf>,
+    /// A FLUX.2 VAE (default: the fixture).
+    #[arg(long = "vae", value_name = "FILE", requires = "diffusion_model")]
+    vae: Option<PathBuf>,
+    /// The prompt.
+    #[arg(short = 'p', long = "prompt", default_value = "a (red:1.2) fox [in the snow], ÆØÅ 雪")]
+    prompt: String,
+    /// Image side in pixels (a multiple of 16).
+    #[arg(long = "size", default_value_t = 64, value_parser = clap::value_parser!(u32).range(16..=1024))]
+    size: u32,
+    /// Image height when it differs from the width (`--size`), a multiple of 16.
+    #[arg(long = "height", value_parser = clap::value_parser!(u32).range(16..=1024))]
+    height: Option<u32>,
+    /// Sampling steps.
+    #[arg(long = "steps", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=50))]
+    steps: u32,
+    /// Classifier-free guidance scale of the first generation.
+    #[arg(long = "cfg-scale", default_value_t = 1.0)]
+    cfg_scale: f32,
+    /// Seed.
+    #[arg(long = "seed", default_value_t = 42)]
+    seed: u64,
+    /// CPU threads of both programs.
+    #[arg(long = "threads", short = 't', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: u32,
+    /// Flash attention in the diffusion model of both programs (`--diffusion-fa`).
+    #[arg(long = "flash")]
+    flash: bool,
+    /// The fixtures' seed (the DiT's; the LLM's is one more).
+    #[arg(long = "fixture-seed", default_value_t = 7, conflicts_with = "diffusion_model")]
+    fixture_seed: u64,
+    /// The fixtures' weights N(0, STD) (the LLM's at 0.6 of it).
+    #[arg(long = "std", default_value_t = 0.05, conflicts_with = "diffusion_model")]
+    std: f64,
+    /// Our executable (default: `sd-cli` built in release).
+    #[arg(long = "sd-cli", value_name = "EXE")]
+    sd_cli: Option<PathBuf>,
+}
+
+/// The fixtures of the default run, written once: the DiT, the LLM and the VAE.
+pub(crate) fn fixtures(seed: u64, std: f64) -> Result<(PathBuf, PathBuf, PathBuf)> {
+    std::fs::create_dir_all(fixture::cache_dir())?;
+    let cfg = flux::reduced_flux2(256, 2, 2, 3 * 256);
+    let dit = flux::cached_flux2_path(&cfg, seed, Some(std), WeightType::F16);
+    if !dit.is_file() {
+        flux::write_flux2(&dit, &cfg, seed, Some(std), WeightType::F16, FileFormat::Safetensors)?;
+    }
+    let llm_std = std * 0.6;
+    let llm_cfg = Qwen3Config { n_layers: 30, hidden: 256, intermediate: 512, ..Qwen3Config::qwen3_4b() };
+    let llm =
+        fixture::cache_dir().join(format!("qwen3-fixture-std{llm_std}-seed{}-f16-30l-h256-i512.safetensors", seed + 1));
+    if !llm.is_file() {
+        qwen3::write_qwen3(&llm, &llm_cfg, seed + 1, Some(llm_std), WeightType::F16, FileFormat::Safetensors)?;
+    }
+    let vae = flux_vae::cached_flux2_vae_path(42, WeightType::F16);
+    if !vae.is_file() {
+        flux_vae::write_flux2_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
+    }
+    Ok((dit, llm, vae))
+}
+
+/// Entry point of `cargo xtask parity flux2`.
+pub fn run(args: Args) -> Result<()> {
+    let (dit, llm, vae) = match (&args.diffusion_model, &args.llm, &args.vae) {
+        (Some(d), Some(l), Some(v)) => (d.clone(), l.clone(), v.clone()),
+        _ => fixtures(args.fixture_seed, args.std)?,
+    };
+    let sdref = reference::build()?;
+    let ours = match &args.sd_cli {
+        Some(p) => p.clone(),
+        None => crate::parity::build_sd_cli()?,
+    };
+    let dir = crate::workspace_root().join("target/parity/flux2");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let side = args.size.to_string();
+    let height = args.height.unwrap_or(args.size).to_string();
+    let base: Vec<String> = [
+        "-W",
+        &side,
+        "-H",
+        &height,
+        "--steps",
+        &args.steps.to_string(),
+        "--sampling-method",
+        "euler",
+        "-s",
+        &args.seed.to_string(),
+        "-t",
+        &args.threads.to_string(),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain(args.flash.then(|| "--diffusion-fa".to_owned()))
+    .collect();
+    let generate = |name: &str, extra: &[String]| -> Result<(PathBuf, PathBuf, f64, f64)> {
+        let ref_png = dir.join(format!("{name}.ref.png"));
+        let ours_png = dir.join(format!("{name}.ours.png"));
+        let mut c = Command::new(&sdref);
+        c.arg("txt2img").arg("--diffusion-model").arg(&dit).arg("--llm").arg(&llm).arg("--vae").arg(&vae);
+        c.args(&base).args(extra).arg("-o").arg(&ref_png);
+        let ref_s = run_ok(c, &format!("sdref {name}"))?;
+        let mut c = Command::new(&ours);
+        c.arg("--diffusion-model").arg(&dit).arg("--llm").arg(&llm).arg("--vae").arg(&vae);
+        c.args(&base).args(extra).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
+        let ours_s = run_ok(c, &format!("sd-cli {name}"))?;
+        Ok((ours_png, ref_png, ref_s, ours_s))
+    };
+    let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
+    let first = dir.join("txt2img.ref.png");
+    let cases: Vec<(&str, String, Vec<String>)> = vec![
+        (
+            "txt2img",
+            format!("png {side}x{height} euler{} cfg{}", args.steps, args.cfg_scale),
+            strings(&["-p", &args.prompt, "--cfg-scale", &args.cfg_scale.to_string()]),
+        ),
+        (
+            "img2img",
+            "png img2img strength 0.6".into(),
+            strings(&[
+                "-p",
+                "a fox at night",
+                "--cfg-scale",
+                "1",
+                "-i",
+                &first.display().to_string(),
+                "--strength",
+                "0.6",
+            ]),
+        ),
+        (
+            "negative",
+            "png negative prompt cfg 3".into(),
+            strings(&["-p", &args.prompt, "-n", "blurry, (ugly:1.3)", "--cfg-scale", "3"]),
+        ),
+    ];
+    let mut failed = Vec::new();
+    for (name, what, extra) in cases {
+        let (o, r, ref_s, ours_s) = generate(name, &extra)?;
+        let (diff, shape) = png_diff(&o, &r)?;
+        let row = Row { family: "flux2", what, shape, diff, tol: Tolerance::PNG };
+        row.print_timed(ref_s, ours_s);
+        if !row.pass() {
+            failed.push(name);
+        }
+    }
+    anyhow::ensure!(
+        failed.is_empty(),
+        "FLUX.2 klein: our image differs from the reference's beyond {} in: {}",
+        Tolerance::PNG.describe(),
+        failed.join(", ")
+    );
+    Ok(())
+}

@@ -20,8 +20,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context as _, Result};
-use sd_models::fixture::{self, flux, flux_vae, qwen3, FileFormat, WeightType};
-use sd_models::text::qwen3::Qwen3Config;
+use sd_models::fixture::flux;
 
 use crate::parity::{png_diff, run_ok, Row, Tolerance};
 use crate::reference;
@@ -73,33 +72,11 @@ pub struct Args {
     sd_cli: Option<PathBuf>,
 }
 
-/// The fixtures of the default run, written once: the DiT, the LLM and the VAE.
-pub(crate) fn fixtures(seed: u64, std: f64) -> Result<(PathBuf, PathBuf, PathBuf)> {
-    std::fs::create_dir_all(fixture::cache_dir())?;
-    let cfg = flux::reduced_flux2(256, 2, 2, 3 * 256);
-    let dit = flux::cached_flux2_path(&cfg, seed, Some(std), WeightType::F16);
-    if !dit.is_file() {
-        flux::write_flux2(&dit, &cfg, seed, Some(std), WeightType::F16, FileFormat::Safetensors)?;
-    }
-    let llm_std = std * 0.6;
-    let llm_cfg = Qwen3Config { n_layers: 30, hidden: 256, intermediate: 512, ..Qwen3Config::qwen3_4b() };
-    let llm =
-        fixture::cache_dir().join(format!("qwen3-fixture-std{llm_std}-seed{}-f16-30l-h256-i512.safetensors", seed + 1));
-    if !llm.is_file() {
-        qwen3::write_qwen3(&llm, &llm_cfg, seed + 1, Some(llm_std), WeightType::F16, FileFormat::Safetensors)?;
-    }
-    let vae = flux_vae::cached_flux2_vae_path(42, WeightType::F16);
-    if !vae.is_file() {
-        flux_vae::write_flux2_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
-    }
-    Ok((dit, llm, vae))
-}
-
 /// Entry point of `cargo xtask parity flux2`.
 pub fn run(args: Args) -> Result<()> {
     let (dit, llm, vae) = match (&args.diffusion_model, &args.llm, &args.vae) {
         (Some(d), Some(l), Some(v)) => (d.clone(), l.clone(), v.clone()),
-        _ => fixtures(args.fixture_seed, args.std)?,
+        _ => flux::cached_flux2_klein_set(args.fixture_seed, args.std)?,
     };
     let sdref = reference::build()?;
     let ours = match &args.sd_cli {

@@ -864,6 +864,28 @@ fn check_node(t: &WireTensor, srcs: &[Option<&WireTensor>; 10]) -> Result<(), St
                 format!("a result {:?} for q {:?} and v {:?}", d.ne, q.ne, v.ne)
             })?;
         }
+        o::GGML_OP_ROPE => {
+            // ggml_rope_ext as the LLM encoders build it: normal or NeoX rotation, one I32
+            // position per row of ne[2], no frequency factors.
+            let s = arity(2, 0)?;
+            let (a, pos) = (&s[0], &s[1]);
+            type_in("the operand", a, &[F32, F16])?;
+            type_in("the positions", pos, &[I32])?;
+            let p = &t.op_params;
+            let (n_dims, mode, n_ctx_orig) = (p[1], p[2], p[4]);
+            ensure(matches!(mode, 0 | 2), || format!("rope mode {mode} (normal or NeoX only)"))?;
+            ensure(n_dims >= 2 && n_dims % 2 == 0 && n_dims as u64 <= a.ne[0] && n_ctx_orig >= 0, || {
+                format!("{n_dims} rotated dimensions of {} (context {n_ctx_orig})", a.ne[0])
+            })?;
+            ensure((5..=10).all(|i| param_f32(t, i).is_finite()) && param_f32(t, 5) > 0.0, || {
+                format!("frequency parameters {:?}", (5..=10).map(|i| param_f32(t, i)).collect::<Vec<_>>())
+            })?;
+            ensure(pos.contiguous() && pos.ne == [a.ne[2], 1, 1, 1], || {
+                format!("positions {:?} for {:?} (one per row of ne[2])", pos.ne, a.ne)
+            })?;
+            ensure(a.nb[0] == a.size, || "an operand with split elements".into())?;
+            ensure(d.ty == a.ty && same_shape(a, &d), || "a result of another shape or type".into())?;
+        }
         _ => return Err("not an op sd-rs's clients send (refused)".into()),
     }
     Ok(())
@@ -964,6 +986,45 @@ mod tests {
         ];
         for (what, nodes, tensors, word) in cases {
             let e = check(&nodes, &tensors).expect_err(what).0;
+            assert!(e.contains(word), "{what}: {e}");
+        }
+    }
+
+    /// The LLM encoders' NeoX RoPE passes; other modes, too many rotated dimensions, positions
+    /// that do not cover the rows, frequency factors and NaN frequencies are refused.
+    #[test]
+    fn rope_is_served_within_its_rules() {
+        use sys::ggml_op as o;
+        let x = f32t(1, [8, 2, 3, 1]);
+        let mut pos = f32t(2, [3, 1, 1, 1]);
+        pos.ty = I32;
+        pos.nb = [4, 12, 12, 12];
+        let rope = |n_dims: i32, mode: i32, base: f32| {
+            let mut r = node(3, o::GGML_OP_ROPE, [8, 2, 3, 1], &[1, 2]);
+            r.op_params[1] = n_dims;
+            r.op_params[2] = mode;
+            r.op_params[4] = 4096;
+            r.op_params[5] = base.to_bits() as i32;
+            r.op_params[6] = 1f32.to_bits() as i32;
+            r.op_params[8] = 1f32.to_bits() as i32;
+            r
+        };
+        check(&[3], &[x.clone(), pos.clone(), rope(8, 2, 1e6)]).unwrap();
+        check(&[3], &[x.clone(), pos.clone(), rope(4, 0, 1e4)]).unwrap();
+        let mut short = pos.clone();
+        short.ne = [2, 1, 1, 1];
+        let mut with_factors = rope(8, 2, 1e6);
+        with_factors.src[2] = 1;
+        let cases: Vec<(&str, Vec<WireTensor>, &str)> = vec![
+            ("mrope", vec![x.clone(), pos.clone(), rope(8, 8, 1e6)], "mode"),
+            ("too many dims", vec![x.clone(), pos.clone(), rope(10, 2, 1e6)], "rotated"),
+            ("odd dims", vec![x.clone(), pos.clone(), rope(7, 2, 1e6)], "rotated"),
+            ("NaN base", vec![x.clone(), pos.clone(), rope(8, 2, f32::NAN)], "frequency"),
+            ("short positions", vec![x.clone(), short, rope(8, 2, 1e6)], "positions"),
+            ("frequency factors", vec![x.clone(), pos.clone(), with_factors], "sources"),
+        ];
+        for (what, tensors, word) in cases {
+            let e = check(&[3], &tensors).expect_err(what).0;
             assert!(e.contains(word), "{what}: {e}");
         }
     }

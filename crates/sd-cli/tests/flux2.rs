@@ -1,0 +1,180 @@
+//! FLUX.2 klein end to end from the component files the reference takes (`--diffusion-model`,
+//! `--llm`, `--vae`), on the fixtures `cargo xtask parity flux2` compares with the reference: a
+//! reduced DiT (width 256, 2 double and 2 single blocks), a 30-layer Qwen3 of width 256 and
+//! FLUX.2's full-size VAE. Asserted here: determinism, the prompt and the init image reaching
+//! the image, `plan` from the headers, the DiT segmented on an RPC server under a budget and
+//! the LLM layer-split over the server and the CPU giving the all-CPU image, and clear errors
+//! for a missing or mismatched LLM or VAE.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::sync::OnceLock;
+
+use common::{png_pixels as pixels, sd_cli, write_init_png};
+use sd_models::fixture::{self, flux, FileFormat, WeightType};
+use sd_models::report::{Residency, RunReport};
+
+/// (DiT, LLM, VAE), written once per process into the fixture cache.
+fn files() -> &'static (PathBuf, PathBuf, PathBuf) {
+    static FILES: OnceLock<(PathBuf, PathBuf, PathBuf)> = OnceLock::new();
+    FILES.get_or_init(|| flux::cached_flux2_klein_set(7, 0.05).unwrap())
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sd-cli-flux2-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `sd-cli` with `pre` (a subcommand), the DiT `dit` (default: the fixture's), the LLM and
+/// VAE (left out when `None`) and `extra`.
+fn cli(pre: &[&str], dit: Option<&Path>, llm: Option<&Path>, vae: Option<&Path>, extra: &[&str]) -> Output {
+    let mut c = sd_cli();
+    c.env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off").args(pre);
+    c.arg("--diffusion-model").arg(dit.unwrap_or(&files().0));
+    if let Some(l) = llm {
+        c.arg("--llm").arg(l);
+    }
+    if let Some(v) = vae {
+        c.arg("--vae").arg(v);
+    }
+    c.args(extra).output().unwrap()
+}
+
+fn all(extra: &[&str]) -> Output {
+    let (_, llm, vae) = files();
+    cli(&[], None, Some(llm), Some(vae), extra)
+}
+
+#[test]
+fn flux2_generates_reads_the_prompt_and_the_init_image_and_plans() {
+    let d = dir("gen");
+    let gen = |name: &str, more: &[&str]| {
+        let out = d.join(format!("{name}.png"));
+        let width = if more.contains(&"-W") { &[][..] } else { &["-W", "64"][..] };
+        let base = ["-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
+        let o = all(&[width, &base[..], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        (std::fs::read(&out).unwrap(), err)
+    };
+    let (cat, err) = gen("cat", &["-p", "a photo of a cat"]);
+    assert!(err.contains("model: flux2-klein") && err.contains("flow matching"), "{err}");
+    let px = pixels(&cat);
+    assert_eq!(px.len(), 64 * 64 * 3);
+    assert!(px.iter().any(|&v| v != px[0]), "a flat image");
+    let (again, _) = gen("again", &["-p", "a photo of a cat"]);
+    assert!(again == cat, "the same seed gives the same image");
+    let (dog, _) = gen("dog", &["-p", "a photo of a dog"]);
+    assert!(dog != cat, "the prompt reaches the image (through Qwen3)");
+    // A non-square size (latents of 16 pixels) and an init image.
+    let (wide, _) = gen("wide", &["-p", "a photo of a cat", "-W", "96"]);
+    assert_eq!(pixels(&wide).len(), 96 * 64 * 3);
+    let init = d.join("init.png");
+    write_init_png(&init, false);
+    let i2i = ["-p", "a photo of a cat", "-i", init.to_str().unwrap(), "--strength", "0.5"];
+    let (from_init, _) = gen("i2i", &i2i);
+    assert!(from_init != cat, "the init image reaches the image");
+    let flipped = d.join("flipped.png");
+    write_init_png(&flipped, true);
+    let (from_flipped, _) = gen("i2i-flipped", &["-p", "a photo of a cat", "-i", flipped.to_str().unwrap()]);
+    assert!(from_flipped != from_init, "another init image, another image");
+    // `plan` from the headers: every module sized, klein named.
+    let (_, llm, vae) = files();
+    let o = cli(&["plan"], None, Some(llm), Some(vae), &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && out.contains("flux2-klein"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn flux2_without_a_fitting_llm_or_vae_is_a_clear_error() {
+    let d = dir("bad");
+    let (_, llm, vae) = files();
+    let out = d.join("x.png");
+    let args = ["-p", "a cat", "-W", "64", "-H", "64", "-o", out.to_str().unwrap()];
+    let check = |o: Output, needles: &[&str]| {
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.code() == Some(2), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "'{n}' missing from:\n{err}");
+        }
+        assert!(!out.exists());
+    };
+    check(cli(&[], None, None, Some(vae), &args), &["FLUX.2 klein needs", "--llm"]);
+    check(cli(&[], None, Some(llm), None, &args), &["FLUX.2 klein needs", "--vae"]);
+    // An LLM too shallow for layers 9, 18 and 27 (Z-Image's 2-layer fixture).
+    let shallow = d.join("qwen3-2l.safetensors");
+    let cfg = sd_models::text::qwen3::Qwen3Config {
+        n_layers: 2,
+        hidden: 256,
+        intermediate: 512,
+        ..sd_models::text::qwen3::Qwen3Config::qwen3_4b()
+    };
+    fixture::qwen3::write_qwen3(&shallow, &cfg, 3, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+    check(cli(&[], None, Some(&shallow), Some(vae), &args), &["has 2 layers", "at least 27"]);
+    // A DiT whose txt_in takes another LLM's width (three layers of 128).
+    let narrow = d.join("dit-c384.safetensors");
+    let c = flux::reduced_flux2(256, 1, 1, 3 * 128);
+    flux::write_flux2(&narrow, &c, 3, Some(0.05), WeightType::F16, FileFormat::Safetensors).unwrap();
+    check(cli(&[], Some(&narrow), Some(llm), Some(vae), &args), &["256 wide", "768", "takes 384", "txt_in"]);
+    // An SD VAE (4 channels) for FLUX.2's 32.
+    let sd_vae = d.join("sd-vae.safetensors");
+    let req = fixture::FixtureRequest::family(fixture::FixtureModel::Sd15, 1, WeightType::F16, FileFormat::Safetensors);
+    let mut req = req;
+    req.arch = req.arch.only(&[fixture::Component::Vae]);
+    fixture::write_fixture(&sd_vae, &req).unwrap();
+    check(cli(&[], None, Some(llm), Some(&sd_vae), &args), &["VAE"]);
+    // TAESD (the reference's TAEF2) is not supported yet.
+    let taef1 = fixture::taesd::cached_taesd_path(16, 42, WeightType::F16);
+    if !taef1.exists() {
+        fixture::taesd::write_taesd(&taef1, 16, 42, WeightType::F16, FileFormat::Safetensors).unwrap();
+    }
+    check(all(&[&args[..], &["--taesd", taef1.to_str().unwrap()]].concat()), &["--taesd", "flux2-klein"]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn flux2_segmented_under_a_budget_and_split_give_the_cpu_image() {
+    // The DiT (12.6 MiB of weights) computes on an RPC server under a 20 MiB budget (about
+    // 5.6 MiB of it the cut buffers of 512 text tokens, a double block's segment 11 MiB with its
+    // attention), params in RAM: it runs in segments at its block cuts. Then the LLM is
+    // layer-split over the server and the CPU. Both give the all-CPU image.
+    let d = dir("seg");
+    let gen = |name: &str, more: &[&str]| {
+        let (out, report) = (d.join(format!("{name}.png")), d.join(format!("{name}.json")));
+        let base =
+            ["-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
+        let o = all(&[&base[..], &["--report-json", report.to_str().unwrap()], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        (std::fs::read(&out).unwrap(), report, err)
+    };
+    let (cpu, _, _) = gen("cpu", &["--backend", "cpu"]);
+    let server = common::Server::start();
+    let placed = [
+        "--rpc",
+        server.endpoint.as_str(),
+        "--max-vram",
+        "RPC0=0.01953125",
+        "--backend",
+        "diffusion=RPC0,te=cpu,vae=cpu",
+        "--params-backend",
+        "diffusion=cpu",
+    ];
+    let (png, report, err) = gen("rpc", &placed);
+    assert!(png == cpu, "the segmented image differs from the CPU one:\n{err}");
+    let unet = report.module("unet").unwrap();
+    let s = &report.runner("unet").unwrap().stats;
+    assert_eq!((unet.devices.as_slice(), unet.residency), (&["RPC0".to_string()][..], Residency::Segmented));
+    assert!(s.segmented_runs > 1 && s.max_segments > 1, "the steps in segments: {s:?}");
+    let split = ["--rpc", server.endpoint.as_str(), "--backend", "te=RPC0&CPU,diffusion=cpu,vae=cpu"];
+    let (png, report, err) = gen("split", &split);
+    assert!(png == cpu, "the layer-split image differs from the CPU one:\n{err}");
+    assert_eq!(report.module("te").unwrap().devices.len(), 2, "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -70,7 +70,14 @@ pub struct Args {
     /// Our executable (default: `sd-cli` built in release).
     #[arg(long = "sd-cli", value_name = "EXE")]
     sd_cli: Option<PathBuf>,
+    /// Also the txt2img with a LoRA of the fixture DiT in BFL's dotted names and in kohya's,
+    /// ours from a prompt tag, the reference's from `--lora`.
+    #[arg(long = "loras", conflicts_with = "diffusion_model")]
+    loras: bool,
 }
+
+/// One comparison: its name, what the row says, the reference's flags, ours when they differ.
+type Case = (String, String, Vec<String>, Option<Vec<String>>);
 
 /// Entry point of `cargo xtask parity flux2`.
 pub fn run(args: Args) -> Result<()> {
@@ -105,7 +112,7 @@ pub fn run(args: Args) -> Result<()> {
     .map(|s| (*s).to_owned())
     .chain(args.flash.then(|| "--diffusion-fa".to_owned()))
     .collect();
-    let generate = |name: &str, extra: &[String]| -> Result<(PathBuf, PathBuf, f64, f64)> {
+    let generate = |name: &str, extra: &[String], ours_extra: &[String]| -> Result<(PathBuf, PathBuf, f64, f64)> {
         let ref_png = dir.join(format!("{name}.ref.png"));
         let ours_png = dir.join(format!("{name}.ours.png"));
         let mut c = Command::new(&sdref);
@@ -114,20 +121,21 @@ pub fn run(args: Args) -> Result<()> {
         let ref_s = run_ok(c, &format!("sdref {name}"))?;
         let mut c = Command::new(&ours);
         c.arg("--diffusion-model").arg(&dit).arg("--llm").arg(&llm).arg("--vae").arg(&vae);
-        c.args(&base).args(extra).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
+        c.args(&base).args(ours_extra).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
         let ours_s = run_ok(c, &format!("sd-cli {name}"))?;
         Ok((ours_png, ref_png, ref_s, ours_s))
     };
     let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
     let first = dir.join("txt2img.ref.png");
-    let cases: Vec<(&str, String, Vec<String>)> = vec![
+    let mut cases: Vec<Case> = vec![
         (
-            "txt2img",
+            "txt2img".into(),
             format!("png {side}x{height} euler{} cfg{}", args.steps, args.cfg_scale),
             strings(&["-p", &args.prompt, "--cfg-scale", &args.cfg_scale.to_string()]),
+            None,
         ),
         (
-            "img2img",
+            "img2img".into(),
             "png img2img strength 0.6".into(),
             strings(&[
                 "-p",
@@ -139,21 +147,42 @@ pub fn run(args: Args) -> Result<()> {
                 "--strength",
                 "0.6",
             ]),
+            None,
         ),
         (
-            "negative",
+            "negative".into(),
             "png negative prompt cfg 3".into(),
             strings(&["-p", &args.prompt, "-n", "blurry, (ugly:1.3)", "--cfg-scale", "3"]),
+            None,
         ),
     ];
+    if args.loras {
+        use sd_models::fixture::lora::{write_flux_lora, LoraFixture, LoraLayout};
+        let cfg = flux::reduced_flux2(256, 2, 2, 3 * 256);
+        for (layout, name) in [(LoraLayout::Peft, "peft"), (LoraLayout::Kohya, "kohya")] {
+            let path = dir.join(format!("flux2-lora-{name}.safetensors"));
+            let req = LoraFixture { layout, rank: 8, seed: 5, scale: 0.2, text_encoder: false };
+            write_flux_lora(&path, &cfg, &req)?;
+            let mut extra = strings(&["-p", &args.prompt, "--cfg-scale", "1"]);
+            extra.extend(["--lora".to_owned(), format!("{}:0.8", path.display())]);
+            let tagged = format!("{}<lora:flux2-lora-{name}:0.8>", args.prompt);
+            let dir_arg = dir.display().to_string();
+            let ours = strings(&["-p", &tagged, "--cfg-scale", "1", "--lora-model-dir", &dir_arg]);
+            cases.push((format!("lora-{name}"), format!("lora {name} at 0.8"), extra, Some(ours)));
+        }
+    }
     let mut failed = Vec::new();
-    for (name, what, extra) in cases {
-        let (o, r, ref_s, ours_s) = generate(name, &extra)?;
+    for (name, what, extra, ours_extra) in &cases {
+        let (o, r, ref_s, ours_s) = generate(name, extra, ours_extra.as_ref().unwrap_or(extra))?;
         let (diff, shape) = png_diff(&o, &r)?;
-        let row = Row { family: "flux2", what, shape, diff, tol: Tolerance::PNG };
+        if name.starts_with("lora") {
+            let (effect, _) = png_diff(&o, &dir.join("txt2img.ours.png"))?;
+            println!("({name}: the LoRA changes our image by {:.2} mean, {} max)", effect.mean_abs, effect.max_abs);
+        }
+        let row = Row { family: "flux2", what: what.clone(), shape, diff, tol: Tolerance::PNG };
         row.print_timed(ref_s, ours_s);
         if !row.pass() {
-            failed.push(name);
+            failed.push(name.clone());
         }
     }
     anyhow::ensure!(

@@ -67,3 +67,53 @@ inventory::submit! {
 inventory::submit! {
     ArchSpec { name: "flux2", description: "FLUX.2 dev (32B shared-modulation DiT with a Mistral text encoder)", detect: detect_dev, notable: &NOTABLE, blocks }
 }
+
+#[cfg(test)]
+mod tests {
+    use sd_formats::index::{FileFormat, SourceFile, TensorEntry};
+    use sd_formats::{DType, FileRole, TensorIndex};
+
+    fn index_of(names: &[(&str, Vec<u64>)]) -> TensorIndex {
+        let file = SourceFile {
+            path: "m.safetensors".into(),
+            format: FileFormat::Safetensors,
+            role: FileRole::DiffusionModel,
+            len: 0,
+            metadata: vec![],
+        };
+        let entry = |(name, shape): &(&str, Vec<u64>)| TensorEntry {
+            name: name.to_string(),
+            original_name: name.to_string(),
+            dtype: DType::F32,
+            shape: shape.clone(),
+            file: 0,
+            offset: 0,
+            len: 4,
+            part: None,
+        };
+        TensorIndex::new(vec![file], names.iter().map(entry).collect()).unwrap()
+    }
+
+    /// FLUX.1, klein and dev told apart by the shared modulation and the 48th single block;
+    /// klein's context width is `txt_in`'s input; the LLM's layers number after the DiT's.
+    #[test]
+    fn flux1_klein_and_dev_are_told_apart() {
+        let mut names = vec![
+            ("model.diffusion_model.double_blocks.0.img_attn.qkv.weight", vec![768, 256]),
+            ("model.diffusion_model.double_blocks.1.img_attn.qkv.weight", vec![768, 256]),
+            ("model.diffusion_model.single_blocks.0.linear1.weight", vec![2304, 256]),
+            ("model.diffusion_model.txt_in.weight", vec![256, 7680]),
+            ("text_encoders.llm.model.layers.3.mlp.up_proj.weight", vec![512, 256]),
+        ];
+        let detect = |names: &[(&str, Vec<u64>)]| sd_formats::arch::detect(&index_of(names), None).unwrap();
+        assert_eq!(detect(&names).arch, "flux-schnell");
+        names.push(("model.diffusion_model.double_stream_modulation_img.lin.weight", vec![1536, 256]));
+        let klein = detect(&names);
+        assert_eq!((klein.arch, klein.context_dim), ("flux2-klein", 7680));
+        let blocks = (super::blocks)(&index_of(&names));
+        assert_eq!(blocks("model.diffusion_model.single_blocks.0.linear1.weight"), Some(2));
+        assert_eq!(blocks("text_encoders.llm.model.layers.3.mlp.up_proj.weight"), Some(3));
+        names.push(("model.diffusion_model.single_blocks.47.linear1.weight", vec![2304, 256]));
+        assert_eq!(detect(&names).arch, "flux2");
+    }
+}

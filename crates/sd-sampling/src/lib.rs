@@ -57,8 +57,9 @@ pub use denoiser::{GuidedDenoiser, ModelInput, ModelOutput, Prediction, Scalings
 pub use rng::{new_rng, NoiseRng, PhiloxRng, RngKind, StdDefaultRng, TorchCpuRng};
 pub use sampler::{sample, sample_flow, Denoised, SampleMethod};
 pub use schedule::{
-    flux2_mu, img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, AysLevels, DiscreteSchedule,
-    FlowSchedule, FlowShift, NoiseSchedule, Schedule, ScheduleContext, Scheduler, AYS_SD15, AYS_SDXL, TIMESTEPS,
+    empirical_mu, img2img_sigmas, noised_latent, scaled_linear_alphas_cumprod, txt2img_latent, AysLevels,
+    DiscreteSchedule, FlowSchedule, FlowShift, NoiseSchedule, Schedule, ScheduleContext, Scheduler, AYS_SD15, AYS_SDXL,
+    TIMESTEPS,
 };
 
 /// Where a denoiser evaluation sits in the sampling loop.

@@ -209,17 +209,17 @@ pub enum FlowShift {
     /// `sigma = shift t / (1 + (shift - 1) t)` (SD3's; the reference's
     /// `DiscreteFlowDenoiser`); the model reads `sigma * 1000`.
     Linear,
-    /// FLUX.2's: the exponential shift with a `mu` the reference derives from the step count
-    /// and the image's latent positions (`Flux2FlowDenoiser::compute_empirical_mu`); see
+    /// The exponential shift with a `mu` derived from the step count and the image's latent
+    /// positions ([`empirical_mu`], the reference's `compute_empirical_mu`); see
     /// [`FlowSchedule::for_image`]. Until resolved it runs as [`FlowShift::Exponential`] with
     /// its `shift`.
-    Flux2,
+    Empirical,
 }
 
-/// FLUX.2's time shift for `steps` steps over `image_seq_len` latent positions, in f32 as the
-/// reference's `compute_empirical_mu` computes it.
+/// The empirical time shift `mu` for `steps` steps over `image_seq_len` latent positions, in
+/// f32 as the reference's `compute_empirical_mu` computes it.
 #[allow(clippy::excessive_precision)]
-pub fn flux2_mu(steps: u32, image_seq_len: usize) -> f32 {
+pub fn empirical_mu(steps: u32, image_seq_len: usize) -> f32 {
     let (a1, b1, a2, b2) = (8.73809524e-05_f32, 1.89833333_f32, 0.00016927_f32, 0.45666666_f32);
     let seq = image_seq_len as f32;
     if image_seq_len > 4300 {
@@ -235,8 +235,8 @@ pub fn flux2_mu(steps: u32, image_seq_len: usize) -> f32 {
 /// A flow-matching schedule: 1000 training timesteps `t = (i + 1) / 1000` mapped to sigmas by a
 /// time shift, scalings `c_skip = 1, c_out = -sigma, c_in = 1` ([`crate::Prediction::Flow`]).
 ///
-/// A family picks the kind and its default shift (FLUX.1's `mu` is constant in the reference:
-/// only FLUX.2 derives one from the image size); `--flow-shift` overrides the shift.
+/// A family picks the kind and its default shift (a constant `mu`, or one derived from the
+/// image size); `--flow-shift` overrides a constant shift.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FlowSchedule {
     kind: FlowShift,
@@ -254,26 +254,27 @@ impl FlowSchedule {
         FlowSchedule { kind: FlowShift::Linear, shift }
     }
 
-    /// FLUX.2's schedule ([`FlowShift::Flux2`]): its `mu` follows the image and the steps.
-    pub fn flux2() -> Self {
-        FlowSchedule { kind: FlowShift::Flux2, shift: 1.0 }
+    /// The empirical schedule ([`FlowShift::Empirical`]): its `mu` follows the image and the
+    /// steps.
+    pub fn empirical() -> Self {
+        FlowSchedule { kind: FlowShift::Empirical, shift: 1.0 }
     }
 
-    /// The same kind with another shift (`--flow-shift`). FLUX.2's shift is derived from the
-    /// image whatever is asked (the reference sets it again in `get_sigmas`), so it stays.
+    /// The same kind with another shift (`--flow-shift`). The empirical shift is derived from
+    /// the image whatever is asked (the reference sets it again in `get_sigmas`), so it stays.
     pub fn with_shift(self, shift: f32) -> Self {
         match self.kind {
-            FlowShift::Flux2 => self,
+            FlowShift::Empirical => self,
             _ => FlowSchedule { shift, ..self },
         }
     }
 
     /// The schedule a run of `steps` steps over `image_seq_len` latent positions samples with:
-    /// FLUX.2's becomes the exponential shift with [`flux2_mu`]; the others stay as they are.
+    /// the empirical one becomes the exponential shift with [`empirical_mu`]; the others stay.
     pub fn for_image(self, steps: usize, image_seq_len: usize) -> Self {
         match self.kind {
-            FlowShift::Flux2 => {
-                FlowSchedule::exponential(flux2_mu(u32::try_from(steps).unwrap_or(u32::MAX), image_seq_len))
+            FlowShift::Empirical => {
+                FlowSchedule::exponential(empirical_mu(u32::try_from(steps).unwrap_or(u32::MAX), image_seq_len))
             }
             _ => self,
         }
@@ -312,7 +313,7 @@ impl NoiseSchedule for FlowSchedule {
     fn t_to_sigma(&self, t: f32) -> f32 {
         let t = (t + 1.0) / TIMESTEPS as f32;
         match self.kind {
-            FlowShift::Exponential | FlowShift::Flux2 => {
+            FlowShift::Exponential | FlowShift::Empirical => {
                 // `expf(mu) / (expf(mu) + powf(1/t - 1, 1.0f))`, all in float.
                 let e = self.shift.exp();
                 e / (e + (1.0 / t - 1.0).powf(1.0))
@@ -329,7 +330,7 @@ impl NoiseSchedule for FlowSchedule {
 
     fn sigma_to_t(&self, sigma: f32) -> f32 {
         match self.kind {
-            FlowShift::Exponential | FlowShift::Flux2 => sigma,
+            FlowShift::Exponential | FlowShift::Empirical => sigma,
             FlowShift::Linear => sigma * 1000.0,
         }
     }

@@ -1065,7 +1065,7 @@ fn flow_guided_denoiser_matches_reference_composition() {
 /// `compute_empirical_mu`, recomputed here in f64), resolved per image; `--flow-shift` does
 /// not move it, as in the reference (its `get_sigmas` sets the shift again).
 #[test]
-fn flux2_mu_follows_steps_and_image_size() {
+fn empirical_mu_follows_steps_and_image_size() {
     let mu64 = |n: f64, seq: f64| {
         let (a1, b1, a2, b2) = (8.73809524e-05, 1.89833333, 0.00016927, 0.45666666);
         if seq > 4300.0 {
@@ -1076,16 +1076,16 @@ fn flux2_mu_follows_steps_and_image_size() {
         a * n + (m200 - 200.0 * a)
     };
     for (steps, seq) in [(4u32, 256usize), (1, 16), (28, 1024), (50, 4096), (4, 4301), (20, 16384)] {
-        let got = flux2_mu(steps, seq) as f64;
+        let got = empirical_mu(steps, seq) as f64;
         let want = mu64(steps as f64, seq as f64);
         assert!((got - want).abs() < 1e-4 * want.abs().max(1.0), "{steps} steps, {seq}: {got} vs {want}");
     }
     // More steps shift less at a small size, and past 4300 positions the steps do not matter.
-    assert!(flux2_mu(4, 256) > flux2_mu(40, 256));
-    assert_eq!(flux2_mu(4, 5000), flux2_mu(40, 5000));
-    let f = FlowSchedule::flux2();
+    assert!(empirical_mu(4, 256) > empirical_mu(40, 256));
+    assert_eq!(empirical_mu(4, 5000), empirical_mu(40, 5000));
+    let f = FlowSchedule::empirical();
     assert_eq!(f.with_shift(3.0), f);
-    assert_eq!(f.for_image(4, 256), FlowSchedule::exponential(flux2_mu(4, 256)));
+    assert_eq!(f.for_image(4, 256), FlowSchedule::exponential(empirical_mu(4, 256)));
     assert_eq!(FlowSchedule::linear(3.0).for_image(4, 256), FlowSchedule::linear(3.0));
     let resolved = Schedule::from(f).for_image(8, 1024);
     assert!(matches!(resolved, Schedule::Flow(r) if r.kind() == FlowShift::Exponential));

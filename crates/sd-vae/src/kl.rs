@@ -59,56 +59,23 @@ pub struct VaeConfig {
     pub scale_factor: f32,
     /// Latent shift factor.
     pub shift_factor: f32,
-    /// FLUX.2's autoencoder: the diffusion latent is the VAE latent's 2x2 patches (4 z
-    /// channels at half the resolution, channel `4 c + 2 dy + dx`), each of those channels
-    /// normalised by the published mean and standard deviation ([`FLUX2_LATENT_MEAN`],
-    /// [`FLUX2_LATENT_STD`]) after the scale factor; the encoder's mean is the latent (no
-    /// sampling), as the reference runs it.
+    /// The diffusion latent is the VAE latent's 2x2 patches (4 z channels at half the
+    /// resolution, channel `4 c + 2 dy + dx`), and the encoder's mean is the latent (no
+    /// sampling), as the reference runs FLUX.2's autoencoder.
     pub patched: bool,
+    /// Per-channel statistics of the diffusion latent (`None`: the scale and shift alone).
+    pub latent_stats: Option<LatentStats>,
 }
 
-/// FLUX.2's latent statistics per patched channel (the reference's `get_latents_mean_std`;
-/// the released VAE's batch-norm running mean).
-#[rustfmt::skip]
-pub const FLUX2_LATENT_MEAN: [f32; 128] = [
-    -0.0676, -0.0715, -0.0753, -0.0745, 0.0223, 0.0180, 0.0142, 0.0184,
-    -0.0001, -0.0063, -0.0002, -0.0031, -0.0272, -0.0281, -0.0276, -0.0290,
-    -0.0769, -0.0672, -0.0902, -0.0892, 0.0168, 0.0152, 0.0079, 0.0086,
-    0.0083, 0.0015, 0.0003, -0.0043, -0.0439, -0.0419, -0.0438, -0.0431,
-    -0.0102, -0.0132, -0.0066, -0.0048, -0.0311, -0.0306, -0.0279, -0.0180,
-    0.0030, 0.0015, 0.0126, 0.0145, 0.0347, 0.0338, 0.0337, 0.0283,
-    0.0020, 0.0047, 0.0047, 0.0050, 0.0123, 0.0081, 0.0081, 0.0146,
-    0.0681, 0.0679, 0.0767, 0.0732, -0.0462, -0.0474, -0.0392, -0.0511,
-    -0.0528, -0.0477, -0.0470, -0.0517, -0.0317, -0.0316, -0.0345, -0.0283,
-    0.0510, 0.0445, 0.0578, 0.0458, -0.0412, -0.0458, -0.0487, -0.0467,
-    -0.0088, -0.0106, -0.0088, -0.0046, -0.0376, -0.0432, -0.0436, -0.0499,
-    0.0118, 0.0166, 0.0203, 0.0279, 0.0113, 0.0129, 0.0016, 0.0072,
-    -0.0118, -0.0018, -0.0141, -0.0054, -0.0091, -0.0138, -0.0145, -0.0187,
-    0.0323, 0.0305, 0.0259, 0.0300, 0.0540, 0.0614, 0.0495, 0.0590,
-    -0.0511, -0.0603, -0.0478, -0.0524, -0.0227, -0.0274, -0.0154, -0.0255,
-    -0.0572, -0.0565, -0.0518, -0.0496, 0.0116, 0.0054, 0.0163, 0.0104,
-];
-
-/// FLUX.2's latent standard deviations per patched channel (the reference's values).
-#[rustfmt::skip]
-pub const FLUX2_LATENT_STD: [f32; 128] = [
-    1.8029, 1.7786, 1.7868, 1.7837, 1.7717, 1.7590, 1.7610, 1.7479,
-    1.7336, 1.7373, 1.7340, 1.7343, 1.8626, 1.8527, 1.8629, 1.8589,
-    1.7593, 1.7526, 1.7556, 1.7583, 1.7363, 1.7400, 1.7355, 1.7394,
-    1.7342, 1.7246, 1.7392, 1.7304, 1.7551, 1.7513, 1.7559, 1.7488,
-    1.8449, 1.8454, 1.8550, 1.8535, 1.8240, 1.7813, 1.7854, 1.7945,
-    1.8047, 1.7876, 1.7695, 1.7676, 1.7782, 1.7667, 1.7925, 1.7848,
-    1.7579, 1.7407, 1.7483, 1.7368, 1.7961, 1.7998, 1.7920, 1.7925,
-    1.7780, 1.7747, 1.7727, 1.7749, 1.7526, 1.7447, 1.7657, 1.7495,
-    1.7775, 1.7720, 1.7813, 1.7813, 1.8162, 1.8013, 1.8023, 1.8033,
-    1.7527, 1.7331, 1.7563, 1.7482, 1.7610, 1.7507, 1.7681, 1.7613,
-    1.7665, 1.7545, 1.7828, 1.7726, 1.7896, 1.7999, 1.7864, 1.7760,
-    1.7613, 1.7625, 1.7560, 1.7577, 1.7783, 1.7671, 1.7810, 1.7799,
-    1.7201, 1.7068, 1.7265, 1.7091, 1.7793, 1.7578, 1.7502, 1.7455,
-    1.7587, 1.7500, 1.7525, 1.7362, 1.7616, 1.7572, 1.7444, 1.7430,
-    1.7509, 1.7610, 1.7634, 1.7612, 1.7254, 1.7135, 1.7321, 1.7226,
-    1.7664, 1.7624, 1.7718, 1.7664, 1.7457, 1.7441, 1.7569, 1.7530,
-];
+/// Per-channel statistics a latent is normalised with: `(x - mean) * scale / std` into the
+/// diffusion space, the inverse out of it; one value per diffusion latent channel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LatentStats {
+    /// Mean per channel.
+    pub mean: &'static [f32],
+    /// Standard deviation per channel.
+    pub std: &'static [f32],
+}
 
 impl VaeConfig {
     /// The SD 1.x / 2.x VAE: ch 128, mult [1, 2, 4, 4], 2 ResNet blocks, z 4,
@@ -130,6 +97,7 @@ impl VaeConfig {
             scale_factor: 0.18215,
             shift_factor: 0.0,
             patched: false,
+            latent_stats: None,
         }
     }
 
@@ -144,13 +112,6 @@ impl VaeConfig {
             shift_factor: 0.1159,
             ..Self::sd()
         }
-    }
-
-    /// The FLUX.2 autoencoder (`flux2-vae.safetensors`): the SD network with z 32 and quant
-    /// convs, its latent in 2x2 patches (128 channels at 1/16 of the image) normalised per
-    /// channel, scale 1 and shift 0 ([`VaeConfig::patched`]).
-    pub fn flux2() -> Self {
-        Self { z_channels: 32, embed_dim: 32, scale_factor: 1.0, shift_factor: 0.0, patched: true, ..Self::sd() }
     }
 
     /// Pixels per latent pixel: 2^(levels - 1), twice that for a patched latent.
@@ -185,12 +146,12 @@ impl VaeConfig {
     /// Diffusion latents to VAE latents, in place: `x / scale + shift` (in this order,
     /// in f32, as stable-diffusion.cpp computes it). Call before decoding.
     pub fn diffusion_to_vae(&self, latents: &mut [f32]) {
-        if self.patched {
-            // `(x * std) / scale + mean` per patched channel, as the reference.
-            let plane = latents.len() / FLUX2_LATENT_STD.len();
+        if let Some(st) = &self.latent_stats {
+            // `(x * std) / scale + mean` per channel, as the reference.
+            let plane = (latents.len() / st.std.len().max(1)).max(1);
             for (i, v) in latents.iter_mut().enumerate() {
-                let c = (i / plane.max(1)).min(FLUX2_LATENT_STD.len() - 1);
-                *v = (*v * FLUX2_LATENT_STD[c]) / self.scale_factor + FLUX2_LATENT_MEAN[c];
+                let c = (i / plane).min(st.std.len() - 1);
+                *v = (*v * st.std[c]) / self.scale_factor + st.mean[c];
             }
             return;
         }
@@ -202,12 +163,12 @@ impl VaeConfig {
     /// VAE latents to diffusion latents, in place: `(x - shift) * scale`. Call after
     /// [`LatentDistribution::sample`].
     pub fn vae_to_diffusion(&self, latents: &mut [f32]) {
-        if self.patched {
-            // `((x - mean) * scale) / std` per patched channel, as the reference.
-            let plane = latents.len() / FLUX2_LATENT_STD.len();
+        if let Some(st) = &self.latent_stats {
+            // `((x - mean) * scale) / std` per channel, as the reference.
+            let plane = (latents.len() / st.std.len().max(1)).max(1);
             for (i, v) in latents.iter_mut().enumerate() {
-                let c = (i / plane.max(1)).min(FLUX2_LATENT_STD.len() - 1);
-                *v = ((*v - FLUX2_LATENT_MEAN[c]) * self.scale_factor) / FLUX2_LATENT_STD[c];
+                let c = (i / plane).min(st.std.len() - 1);
+                *v = ((*v - st.mean[c]) * self.scale_factor) / st.std[c];
             }
             return;
         }
@@ -233,11 +194,18 @@ impl VaeConfig {
         if self.ch_mult.is_empty() || self.ch == 0 || self.z_channels == 0 || self.norm_groups == 0 {
             return Err(VaeError::input(MODULE, format!("unusable configuration {self:?}")));
         }
-        if self.patched && self.latent_channels() != FLUX2_LATENT_STD.len() {
-            return Err(VaeError::input(
-                MODULE,
-                format!("a patched (FLUX.2) latent has 128 channels, not {}", self.latent_channels()),
-            ));
+        if let Some(st) = &self.latent_stats {
+            let c = self.latent_channels();
+            if st.mean.len() != c || st.std.len() != c || st.std.iter().any(|&v| !(v.is_finite() && v > 0.0)) {
+                return Err(VaeError::input(
+                    MODULE,
+                    format!(
+                        "latent statistics of {} means and {} deviations (positive) for {c} channels",
+                        st.mean.len(),
+                        st.std.len()
+                    ),
+                ));
+            }
         }
         Ok(())
     }

@@ -47,7 +47,7 @@ pub mod tiling;
 
 pub use error::{Result, VaeError};
 pub use esrgan::{canonical_name as esrgan_canonical_name, esrgan_specs, Esrgan, EsrganConfig};
-pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, VaeConfig, VaeLayout, VaeParts};
+pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, LatentStats, VaeConfig, VaeLayout, VaeParts};
 pub use nn::GraphOptions;
 pub use run::{
     decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, GRAPH_SIZE,

@@ -712,3 +712,66 @@ fn esrgan_tiles_and_retries_under_a_cap() {
     let e = net.upscale(&mut runner, &x, [32, 24], 0, Some(1024), &mut |_, _| {}).unwrap_err();
     assert!(e.is_alloc(), "{e}");
 }
+
+/// A patched latent (FLUX.2's autoencoder): the decode graph unpatchifies `4 c + 2 dy + dx`
+/// into the plain decoder's input and the encode graph patchifies the plain encoder's mean,
+/// both checked against the same weights run unpatched with the permutation done here; the
+/// per-channel statistics round-trip.
+#[test]
+fn a_patched_latent_is_the_plain_one_in_2x2_patches() {
+    static MEAN: [f32; 16] = [0.1, -0.2, 0.3, 0.0, 0.05, -0.05, 0.2, -0.3, 0.0, 0.1, 0.1, -0.1, 0.4, -0.4, 0.0, 0.2];
+    static STD: [f32; 16] = [1.5, 1.7, 1.8, 1.6, 1.9, 1.75, 1.65, 1.55, 1.5, 1.7, 1.8, 1.6, 1.9, 1.75, 1.65, 1.55];
+    let mut runner = cpu_runner("vae");
+    let stats = sd_vae::LatentStats { mean: &MEAN, std: &STD };
+    let patched_cfg = VaeConfig { patched: true, latent_stats: Some(stats), ..tiny() };
+    assert_eq!((patched_cfg.latent_scale(), patched_cfg.latent_channels()), (4, 16));
+    let patched = load(patched_cfg.clone(), &runner);
+    let plain = load(tiny(), &runner);
+    assert_eq!((patched.scale_factor(), patched.latent_channels()), (4, 16));
+    let (w, h) = (3, 2);
+    let (z, _) = input(16, h, w, 41);
+    let mut unpatched = vec![0f32; 4 * 4 * w * h];
+    for c in 0..4 {
+        for y in 0..h {
+            for x in 0..w {
+                for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                    let from = ((4 * c + 2 * dy + dx) * h + y) * w + x;
+                    unpatched[(c * 2 * h + 2 * y + dy) * 2 * w + 2 * x + dx] = z[from];
+                }
+            }
+        }
+    }
+    let (got, c) = patched.decode_graph(&mut runner, &z, [w, h], 16, None).unwrap();
+    let want = plain.decode(&mut runner, &unpatched, (2 * w, 2 * h), 4).unwrap();
+    assert_eq!((c, got.len()), (3, 3 * 4 * w * 4 * h));
+    assert_eq!(got, want, "decode: the graph's unpatchify is not the 2x2 permutation");
+
+    let (x, _) = input(3, 4 * h, 4 * w, 42);
+    let (latent, c) = patched.encode_graph(&mut runner, &x, [4 * w, 4 * h], 3, None).unwrap();
+    let dist = plain.encode(&mut runner, &x, (4 * w, 4 * h)).unwrap();
+    assert_eq!((c, dist.dims), (16, (2 * w, 2 * h)));
+    let (pw, ph) = (w, h);
+    let mut want = vec![0f32; 16 * pw * ph];
+    for ch in 0..4 {
+        for y in 0..ph {
+            for xx in 0..pw {
+                for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                    let from = (ch * 2 * ph + 2 * y + dy) * 2 * pw + 2 * xx + dx;
+                    want[((4 * ch + 2 * dy + dx) * ph + y) * pw + xx] = dist.mean[from];
+                }
+            }
+        }
+    }
+    assert_eq!(latent, want, "encode: the graph's patchify of the mean");
+
+    let mut v = z.clone();
+    patched.diffusion_to_vae(&mut v);
+    let plane = w * h;
+    let scale = patched_cfg.scale_factor;
+    assert!((v[5 * plane] - (z[5 * plane] * STD[5] / scale + MEAN[5])).abs() < 1e-5);
+    patched.vae_to_diffusion(&mut v);
+    let (d, _) = max_diff(&v, &z.iter().map(|&a| f64::from(a)).collect::<Vec<_>>());
+    assert!(d < 1e-5, "the statistics do not round-trip: {d}");
+    let bad = VaeConfig { latent_stats: Some(sd_vae::LatentStats { mean: &MEAN[..4], std: &STD }), ..patched_cfg };
+    assert!(AutoencoderKl::load(bad, VaeParts::Full, &SRC, runner.backend().device().buffer_type()).is_err());
+}

@@ -62,7 +62,7 @@ pub const PREFIX: &str = "model.diffusion_model";
 /// Patch side of FLUX.1 (FLUX.2's latent comes in patches from its VAE: 1).
 const PATCH: i64 = 2;
 /// A FLUX.2 tensor (its shared modulation): the reference's test for the version.
-pub const FLUX2_PROBE: &str = "double_stream_modulation_img.lin.weight";
+const FLUX2_PROBE: &str = "double_stream_modulation_img.lin.weight";
 /// Width of the sinusoidal timestep and guidance embeddings.
 const TIME_DIM: i64 = 256;
 /// The reference multiplies timesteps and guidance by 1000 before the embedding.
@@ -527,12 +527,12 @@ pub struct Shared<'g> {
     pub mask: Option<Tensor<'g>>,
     /// FLUX.2's shared modulations: the double blocks' img and txt triples (6 each), the
     /// single blocks' (3), computed once in the prelude.
-    pub shared_mods: Option<SharedMods<'g>>,
+    pub(crate) shared_mods: Option<SharedMods<'g>>,
 }
 
 /// FLUX.2's modulations, shared by every block of a kind.
 #[derive(Clone, Debug)]
-pub struct SharedMods<'g> {
+pub(crate) struct SharedMods<'g> {
     img: Vec<Tensor<'g>>,
     txt: Vec<Tensor<'g>>,
     single: Vec<Tensor<'g>>,

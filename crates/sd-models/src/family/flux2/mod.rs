@@ -2,7 +2,7 @@
 //! 9, 18 and 27 side by side as the context (`crate::text::qwen3`, klein's chat template, the
 //! prompt padded to 512 tokens), FLUX's DiT with FLUX.2's shared modulations and gated MLPs
 //! (`crate::diffusion::flux`, configuration read from the file), FLUX.2's 32-channel VAE whose
-//! latent the DiT reads in 2x2 patches (`sd_vae::VaeConfig::flux2`: 128 channels at 1/16 of
+//! latent the DiT reads in 2x2 patches ([`vae_config`]: 128 channels at 1/16 of
 //! the image) and flow-matching sampling with FLUX.2's shift derived from the steps and the
 //! image size (`FlowSchedule::flux2`), as the reference runs them.
 //!
@@ -21,7 +21,7 @@ mod text;
 
 use sd_backends::GgmlType;
 use sd_sched::{Runner, TensorSpec, Weights};
-use sd_vae::{TaesdConfig, VaeConfig};
+use sd_vae::{LatentStats, TaesdConfig, VaeConfig};
 
 use super::{
     DiffusionModel, DiffusionSettings, DtypeOf, Family, FamilySpec, SamplingDefaults, TextEncoder, TextRequest,
@@ -41,6 +41,64 @@ const LATENT_SCALE: usize = 16;
 const LLM_PROBE: &str = "text_encoders.llm.model.embed_tokens.weight";
 /// The VAE's decoder input convolution (`--vae` files land there).
 const VAE_PROBE: &str = "first_stage_model.decoder.conv_in.weight";
+
+/// The latent's mean per patched channel (the reference's `get_latents_mean_std`; the
+/// released VAE's batch-norm running mean).
+#[rustfmt::skip]
+const LATENT_MEAN: [f32; 128] = [
+    -0.0676, -0.0715, -0.0753, -0.0745, 0.0223, 0.0180, 0.0142, 0.0184,
+    -0.0001, -0.0063, -0.0002, -0.0031, -0.0272, -0.0281, -0.0276, -0.0290,
+    -0.0769, -0.0672, -0.0902, -0.0892, 0.0168, 0.0152, 0.0079, 0.0086,
+    0.0083, 0.0015, 0.0003, -0.0043, -0.0439, -0.0419, -0.0438, -0.0431,
+    -0.0102, -0.0132, -0.0066, -0.0048, -0.0311, -0.0306, -0.0279, -0.0180,
+    0.0030, 0.0015, 0.0126, 0.0145, 0.0347, 0.0338, 0.0337, 0.0283,
+    0.0020, 0.0047, 0.0047, 0.0050, 0.0123, 0.0081, 0.0081, 0.0146,
+    0.0681, 0.0679, 0.0767, 0.0732, -0.0462, -0.0474, -0.0392, -0.0511,
+    -0.0528, -0.0477, -0.0470, -0.0517, -0.0317, -0.0316, -0.0345, -0.0283,
+    0.0510, 0.0445, 0.0578, 0.0458, -0.0412, -0.0458, -0.0487, -0.0467,
+    -0.0088, -0.0106, -0.0088, -0.0046, -0.0376, -0.0432, -0.0436, -0.0499,
+    0.0118, 0.0166, 0.0203, 0.0279, 0.0113, 0.0129, 0.0016, 0.0072,
+    -0.0118, -0.0018, -0.0141, -0.0054, -0.0091, -0.0138, -0.0145, -0.0187,
+    0.0323, 0.0305, 0.0259, 0.0300, 0.0540, 0.0614, 0.0495, 0.0590,
+    -0.0511, -0.0603, -0.0478, -0.0524, -0.0227, -0.0274, -0.0154, -0.0255,
+    -0.0572, -0.0565, -0.0518, -0.0496, 0.0116, 0.0054, 0.0163, 0.0104,
+];
+
+/// The latent's standard deviation per patched channel (the reference's values).
+#[rustfmt::skip]
+const LATENT_STD: [f32; 128] = [
+    1.8029, 1.7786, 1.7868, 1.7837, 1.7717, 1.7590, 1.7610, 1.7479,
+    1.7336, 1.7373, 1.7340, 1.7343, 1.8626, 1.8527, 1.8629, 1.8589,
+    1.7593, 1.7526, 1.7556, 1.7583, 1.7363, 1.7400, 1.7355, 1.7394,
+    1.7342, 1.7246, 1.7392, 1.7304, 1.7551, 1.7513, 1.7559, 1.7488,
+    1.8449, 1.8454, 1.8550, 1.8535, 1.8240, 1.7813, 1.7854, 1.7945,
+    1.8047, 1.7876, 1.7695, 1.7676, 1.7782, 1.7667, 1.7925, 1.7848,
+    1.7579, 1.7407, 1.7483, 1.7368, 1.7961, 1.7998, 1.7920, 1.7925,
+    1.7780, 1.7747, 1.7727, 1.7749, 1.7526, 1.7447, 1.7657, 1.7495,
+    1.7775, 1.7720, 1.7813, 1.7813, 1.8162, 1.8013, 1.8023, 1.8033,
+    1.7527, 1.7331, 1.7563, 1.7482, 1.7610, 1.7507, 1.7681, 1.7613,
+    1.7665, 1.7545, 1.7828, 1.7726, 1.7896, 1.7999, 1.7864, 1.7760,
+    1.7613, 1.7625, 1.7560, 1.7577, 1.7783, 1.7671, 1.7810, 1.7799,
+    1.7201, 1.7068, 1.7265, 1.7091, 1.7793, 1.7578, 1.7502, 1.7455,
+    1.7587, 1.7500, 1.7525, 1.7362, 1.7616, 1.7572, 1.7444, 1.7430,
+    1.7509, 1.7610, 1.7634, 1.7612, 1.7254, 1.7135, 1.7321, 1.7226,
+    1.7664, 1.7624, 1.7718, 1.7664, 1.7457, 1.7441, 1.7569, 1.7530,
+];
+
+/// FLUX.2's autoencoder (`flux2-vae.safetensors`): the SD network with z 32 and quant convs,
+/// its latent in 2x2 patches (128 channels at 1/16 of the image) normalised per channel with
+/// [`LATENT_MEAN`] and [`LATENT_STD`], scale 1 and shift 0.
+fn vae_config() -> VaeConfig {
+    VaeConfig {
+        z_channels: 32,
+        embed_dim: 32,
+        scale_factor: 1.0,
+        shift_factor: 0.0,
+        patched: true,
+        latent_stats: Some(LatentStats { mean: &LATENT_MEAN, std: &LATENT_STD }),
+        ..VaeConfig::sd()
+    }
+}
 
 /// FLUX.2 klein built for a set of files.
 #[derive(Debug)]
@@ -167,7 +225,7 @@ impl Family for Flux2 {
     }
 
     fn vae(&self) -> VaeConfig {
-        VaeConfig::flux2()
+        vae_config()
     }
 
     /// None yet: the reference's TAEF2 is not supported.
@@ -179,7 +237,7 @@ impl Family for Flux2 {
         SamplingDefaults {
             ays: AysLevels::Unpublished("FLUX.2"),
             method: SampleMethod::Euler,
-            schedule: FlowSchedule::flux2().into(),
+            schedule: FlowSchedule::empirical().into(),
             cfg_scale: 1.0,
         }
     }
@@ -206,7 +264,7 @@ mod tests {
         let k = Flux2 { dit: FluxConfig::flux2_klein_4b(), llm: Qwen3Config::qwen3_4b() };
         let d = k.sampling();
         assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::Euler, AysLevels::Unpublished("FLUX.2"), 1.0));
-        assert!(matches!(d.schedule, Schedule::Flow(f) if f == FlowSchedule::flux2()));
+        assert!(matches!(d.schedule, Schedule::Flow(f) if f == FlowSchedule::empirical()));
         assert_eq!((k.spatial_multiple(), k.latent_channels()), (16, 128));
         assert_eq!(k.vae().latent_scale(), 16);
         assert_eq!(k.dit.context_in_dim, (OUT_LAYERS.len() * k.llm.hidden) as i64);

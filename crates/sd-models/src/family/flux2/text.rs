@@ -31,11 +31,11 @@ pub(super) struct KleinText {
     pub(super) tokenizer: Qwen2Tokenizer,
 }
 
-/// The ids, token weights and padding mask (1 text, 0 padding) of `prompt`.
-pub(super) fn tokenize(
-    tokenizer: &Qwen2Tokenizer,
-    prompt: &str,
-) -> Result<(Vec<u32>, Vec<f32>, Vec<f32>), PipelineError> {
+/// Token ids, their weights, and the padding mask (1 text, 0 padding).
+type Tokens = (Vec<u32>, Vec<f32>, Vec<f32>);
+
+/// The ids, token weights and padding mask of `prompt`.
+pub(super) fn tokenize(tokenizer: &Qwen2Tokenizer, prompt: &str) -> Result<Tokens, PipelineError> {
     let (mut ids, mut weights) =
         tokenizer.tokenize_chat(&ChatTemplate::FLUX2_KLEIN, prompt).map_err(conditioner_error)?;
     let mut real = vec![1.0; ids.len()];

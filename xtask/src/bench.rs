@@ -117,6 +117,9 @@ enum Model {
     /// An SD3.5 Medium layout (24 MMDiT-X blocks of width 384) with full-size CLIP-L and
     /// CLIP-G inside, no T5-XXL.
     Sd3,
+    /// FLUX.2 klein 4B's width (3072) at reduced depth (1 double + 2 single blocks) with a
+    /// full-width Qwen3-4B of 30 layers at q8_0 (klein reads 27) and FLUX.2's VAE.
+    Flux2,
 }
 
 /// `--reference`: which builds of the reference run.
@@ -433,7 +436,7 @@ fn gguf_type(model: Model, ty: &str) -> Result<Option<(FixtureModel, sd_models::
     let family = match model {
         Model::Sd15 => FixtureModel::Sd15,
         Model::Vega => FixtureModel::Vega,
-        Model::Flux | Model::Sd3 => {
+        Model::Flux | Model::Sd3 | Model::Flux2 => {
             anyhow::bail!("--type {ty}: GGUF fixtures are written for --model sd15 and vega only")
         }
     };
@@ -520,6 +523,34 @@ impl Workload {
                 let label = "sd3 fixture (SD3.5 Medium layout, width 384, 24 blocks; CLIP-L, CLIP-G, no T5)";
                 (label.to_owned(), vec!["-m".into(), path.into()], "7")
             }
+            Model::Flux2 => {
+                use sd_models::fixture::qwen3;
+                use sd_models::text::qwen3::Qwen3Config;
+                std::fs::create_dir_all(fixture::cache_dir())?;
+                let cfg = flux::reduced_flux2(3072, 1, 2, 3 * 2560);
+                let dit = flux::cached_flux2_path(&cfg, 42, None, WeightType::F16);
+                if !dit.exists() {
+                    eprintln!("bench: writing the FLUX.2 klein DiT fixture {}", dit.display());
+                    flux::write_flux2(&dit, &cfg, 42, None, WeightType::F16, FileFormat::Safetensors)?;
+                }
+                let llm = fixture::cache_dir().join("qwen3-fixture-seed42-q8_0-30l-h2560.gguf");
+                if !llm.exists() {
+                    eprintln!("bench: writing the Qwen3 fixture {} (3.5 GB)", llm.display());
+                    let cfg = Qwen3Config { n_layers: 30, ..Qwen3Config::qwen3_4b() };
+                    qwen3::write_qwen3(&llm, &cfg, 42, None, WeightType::Q8_0, FileFormat::Gguf)?;
+                }
+                let vae = flux_vae::cached_flux2_vae_path(42, WeightType::F16);
+                if !vae.exists() {
+                    flux_vae::write_flux2_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
+                }
+                let mut m: Vec<OsString> = Vec::new();
+                for (flag, file) in [("--diffusion-model", dit), ("--llm", llm), ("--vae", vae)] {
+                    m.push(flag.into());
+                    m.push(file.into());
+                }
+                let label = "flux2 fixture (klein 4B's width 3072, 1 double + 2 single blocks; Qwen3-4B width, 30 layers, q8_0)";
+                (label.to_owned(), m, "1")
+            }
         };
         let mut loras = Vec::new();
         for k in 1..=args.loras as u64 {
@@ -531,6 +562,7 @@ impl Workload {
                 Model::Vega => write_sdxl_lora(&path, &fixture::UnetLayout::vega(), &req)?,
                 Model::Flux => write_flux_lora(&path, &flux_cfg, &req)?,
                 Model::Sd3 => anyhow::bail!("--loras: SD3 takes no LoRA yet"),
+                Model::Flux2 => anyhow::bail!("--loras: the FLUX.2 bench takes no LoRA"),
             };
             loras.push(path);
         }

@@ -76,28 +76,10 @@ inventory::submit! {
 
 #[cfg(test)]
 mod tests {
-    use sd_formats::index::{FileFormat, SourceFile, TensorEntry};
-    use sd_formats::{DType, FileRole, TensorIndex};
+    use sd_formats::{FileRole, TensorIndex};
 
     fn index_of(names: &[(&str, Vec<u64>)]) -> TensorIndex {
-        let file = SourceFile {
-            path: "m.safetensors".into(),
-            format: FileFormat::Safetensors,
-            role: FileRole::DiffusionModel,
-            len: 0,
-            metadata: vec![],
-        };
-        let entry = |(name, shape): &(&str, Vec<u64>)| TensorEntry {
-            name: name.to_string(),
-            original_name: name.to_string(),
-            dtype: DType::F32,
-            shape: shape.clone(),
-            file: 0,
-            offset: 0,
-            len: 4,
-            part: None,
-        };
-        TensorIndex::new(vec![file], names.iter().map(entry).collect()).unwrap()
+        crate::test_support::index_of(FileRole::DiffusionModel, names)
     }
 
     #[test]

@@ -35,6 +35,35 @@ pub mod zimage;
 
 pub use describe::{describe, ExtraFile};
 
+/// Test helpers shared by the families' detection tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use sd_formats::index::{FileFormat, SourceFile, TensorEntry};
+    use sd_formats::{DType, FileRole, TensorIndex};
+
+    /// An index of one file of `role` holding `names` with their ggml shapes (PyTorch order).
+    pub(crate) fn index_of(role: FileRole, names: &[(&str, Vec<u64>)]) -> TensorIndex {
+        let file = SourceFile {
+            path: "m.safetensors".into(),
+            format: FileFormat::Safetensors,
+            role,
+            len: 0,
+            metadata: vec![],
+        };
+        let entry = |(name, shape): &(&str, Vec<u64>)| TensorEntry {
+            name: name.to_string(),
+            original_name: name.to_string(),
+            dtype: DType::F32,
+            shape: shape.clone(),
+            file: 0,
+            offset: 0,
+            len: 4,
+            part: None,
+        };
+        TensorIndex::new(vec![file], names.iter().map(entry).collect()).unwrap()
+    }
+}
+
 // The README's example is compiled (not run: it needs model files) as a doctest.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

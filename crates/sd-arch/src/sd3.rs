@@ -55,29 +55,13 @@ inventory::submit! {
 
 #[cfg(test)]
 mod tests {
-    use sd_formats::index::{FileFormat, SourceFile, TensorEntry};
     use sd_formats::names::{normalize, Normalized};
-    use sd_formats::{DType, FileRole, TensorIndex};
+    use sd_formats::{FileRole, TensorIndex};
 
     fn index_of(names: &[&str]) -> TensorIndex {
-        let file = SourceFile {
-            path: "sd3.safetensors".into(),
-            format: FileFormat::Safetensors,
-            role: FileRole::Checkpoint,
-            len: 0,
-            metadata: vec![],
-        };
-        let entry = |name: &&str| TensorEntry {
-            name: name.to_string(),
-            original_name: name.to_string(),
-            dtype: DType::F32,
-            shape: if name.ends_with("context_embedder.weight") { vec![1536, 4096] } else { vec![4] },
-            file: 0,
-            offset: 0,
-            len: 4,
-            part: None,
-        };
-        TensorIndex::new(vec![file], names.iter().map(entry).collect()).unwrap()
+        let shape = |n: &str| if n.ends_with("context_embedder.weight") { vec![1536, 4096] } else { vec![4] };
+        let named: Vec<(&str, Vec<u64>)> = names.iter().map(|&n| (n, shape(n))).collect();
+        crate::test_support::index_of(FileRole::Checkpoint, &named)
     }
 
     #[test]

@@ -203,7 +203,7 @@ pub struct PlanArgs {
     /// Available RAM in MiB (overrides the machine's or the profile's figure).
     #[arg(long = "ram-mib", value_name = "N", allow_negative_numbers = true, value_parser = ram_mib)]
     pub ram_mib: Option<u64>,
-    /// [sd-rs] Plan a named model instead of files: `sd15`, `sdxl`, `flux-dev`, `zimage-turbo` or `sd35-large`, at `:f16`,
+    /// [sd-rs] Plan a named model instead of files: `sd15`, `sdxl`, `flux-dev`, `zimage-turbo`, `sd35-large` or `flux2-klein-4b`, at `:f16`,
     /// `:q8_0` or `:q4_K` (else --type's, else f16): sd-placement's sizes measured from the
     /// released files' layouts. Compute buffers get the fixed reserves.
     #[arg(long = "preset", value_name = "NAME[:TYPE]")]

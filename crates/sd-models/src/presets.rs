@@ -14,12 +14,13 @@ use crate::fixture::{self, FileFormat, FixtureError, FixtureModel, FixtureReques
 use crate::text::t5::T5Config;
 
 /// The families with presets: name, what the sizes stand for.
-const FAMILIES: [(&str, &str); 5] = [
+const FAMILIES: [(&str, &str); 6] = [
     ("sd15", "Stable Diffusion 1.5: one checkpoint (UNet, CLIP ViT-L/14, VAE), no EMA weights"),
     ("sdxl", "SDXL base 1.0: one checkpoint (UNet, CLIP ViT-L/14 and OpenCLIP ViT-bigG, VAE)"),
     ("flux-dev", "FLUX.1-dev: the transformer, clip_l, t5xxl (encoder only) and ae files"),
     ("zimage-turbo", "Z-Image Turbo: the transformer, Qwen3-4B (--llm) and FLUX.1's ae files"),
     ("sd35-large", "SD3.5 Large: the checkpoint (MMDiT and VAE), clip_l, clip_g and t5xxl (encoder only) files"),
+    ("flux2-klein-4b", "FLUX.2 klein 4B: the transformer, Qwen3-4B (--llm) and FLUX.2's VAE files"),
 ];
 
 /// The weight types with presets: name, and the `--type` a load converts to (`None`: as stored, f16).
@@ -41,7 +42,7 @@ pub enum PresetError {
 }
 
 /// Writes the f16 layout files of family `name` (`sd15`, `sdxl`, `flux-dev`, `zimage-turbo`,
-/// `sd35-large`) in `dir`: sparse
+/// `sd35-large`, `flux2-klein-4b`) in `dir`: sparse
 /// files of the released layout (headers only; their tensors read as zeros), as the flags
 /// that load them. Each costs a header's bytes of disk.
 pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError> {
@@ -102,12 +103,25 @@ pub fn write_layouts(name: &str, dir: &Path) -> Result<ModelSources, PresetError
                 ..ModelSources::default()
             }
         }
+        "flux2-klein-4b" => {
+            let llm = crate::text::qwen3::Qwen3Config::qwen3_4b();
+            ModelSources {
+                diffusion_model: Some(write(
+                    "flux-2-klein-4b.safetensors",
+                    &fixture::flux::flux_tensor_table(&FluxConfig::flux2_klein_4b(), None),
+                    &same,
+                )?),
+                llm: Some(write("qwen_3_4b.safetensors", &fixture::qwen3::qwen3_tensor_table(&llm, None), &same)?),
+                vae: Some(write("flux2-vae.safetensors", &fixture::flux_vae::flux2_vae_tensor_table(), &same)?),
+                ..ModelSources::default()
+            }
+        }
         other => return Err(PresetError::Unknown(other.to_string())),
     })
 }
 
 /// The file names [`write_layouts`] writes.
-const LAYOUT_FILES: [&str; 10] = [
+const LAYOUT_FILES: [&str; 12] = [
     "sd15.safetensors",
     "sdxl.safetensors",
     "flux1-dev.safetensors",
@@ -118,6 +132,8 @@ const LAYOUT_FILES: [&str; 10] = [
     "qwen_3_4b.safetensors",
     "sd3.5_large.safetensors",
     "clip_g.safetensors",
+    "flux-2-klein-4b.safetensors",
+    "flux2-vae.safetensors",
 ];
 
 /// The description of family `name` loaded with `wtype`, from [`write_layouts`] files written
@@ -181,6 +197,9 @@ mod tests {
         // are not cut).
         assert_eq!(blocks("sd35-large", sd_placement::Module::Diffusion), 38);
         assert_eq!(blocks("sd35-large", sd_placement::Module::Te), 24);
+        // FLUX.2 klein 4B: 5 double and 20 single blocks; Qwen3-4B's 36 layers.
+        assert_eq!(blocks("flux2-klein-4b", sd_placement::Module::Diffusion), 25);
+        assert_eq!(blocks("flux2-klein-4b", sd_placement::Module::Te), 36);
     }
 
     /// A plan from a preset is the plan from the files it was measured on (file sizes aside:

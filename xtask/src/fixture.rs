@@ -73,7 +73,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|taef2|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -217,6 +217,7 @@ fn target(s: &str) -> Result<Target, String> {
         "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
         "taef1" => Ok(Target::Taesd { z_channels: 16 }),
+        "taef2" => Ok(Target::Taesd { z_channels: 32 }),
         "esrgan" | "esrgan-x4" => Ok(Target::Esrgan { scale: 4, blocks: 23 }),
         "esrgan-anime" => Ok(Target::Esrgan { scale: 4, blocks: 6 }),
         "esrgan-x2" => Ok(Target::Esrgan { scale: 2, blocks: 23 }),
@@ -224,7 +225,7 @@ fn target(s: &str) -> Result<Target, String> {
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => FixtureModel::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-vae, clip-l, taesd, taef1, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
@@ -774,7 +775,7 @@ mod tests {
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|taef2|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

@@ -13,14 +13,15 @@
 //! and widths from the tensors, so it runs them as they are. Both programs generate with the
 //! same files, prompt, seed, size, steps, sampler (`euler`, FLUX.2's image-dependent shift)
 //! and cfg scale (default 1); then an img2img from the reference's first image, and the
-//! txt2img again with a negative prompt and cfg 3 (both passes of the guidance). The PNGs are
+//! txt2img decoded by TAEF2 (`--taesd`, a fixture of its layout), the txt2img again with a
+//! negative prompt and cfg 3 (both passes of the guidance). The PNGs are
 //! compared with the image bound (`Tolerance::PNG`).
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context as _, Result};
-use sd_models::fixture::flux;
+use sd_models::fixture::{self, flux, FileFormat, WeightType};
 
 use crate::parity::{png_diff, run_ok, Row, Tolerance};
 use crate::reference;
@@ -127,6 +128,10 @@ pub fn run(args: Args) -> Result<()> {
     };
     let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<String>>();
     let first = dir.join("txt2img.ref.png");
+    let taef2 = fixture::taesd::cached_taesd_path(32, 42, WeightType::F16);
+    if !taef2.is_file() {
+        fixture::taesd::write_taesd(&taef2, 32, 42, WeightType::F16, FileFormat::Safetensors)?;
+    }
     let mut cases: Vec<Case> = vec![
         (
             "txt2img".into(),
@@ -147,6 +152,12 @@ pub fn run(args: Args) -> Result<()> {
                 "--strength",
                 "0.6",
             ]),
+            None,
+        ),
+        (
+            "taef2".into(),
+            "png TAEF2 (--taesd)".into(),
+            strings(&["-p", &args.prompt, "--cfg-scale", "1", "--taesd", &taef2.display().to_string()]),
             None,
         ),
         (

@@ -2,7 +2,7 @@
 //! `--llm`, `--vae`), on the fixtures `cargo xtask parity flux2` compares with the reference: a
 //! reduced DiT (width 256, 2 double and 2 single blocks), a 30-layer Qwen3 of width 256 and
 //! FLUX.2's full-size VAE. Asserted here: determinism, the prompt and the init image reaching
-//! the image, `plan` from the headers, the DiT segmented on an RPC server under a budget and
+//! the image, TAEF2 (`--taesd`), `plan` from the headers, the DiT segmented on an RPC server under a budget and
 //! the LLM layer-split over the server and the CPU giving the all-CPU image, and clear errors
 //! for a missing or mismatched LLM or VAE.
 
@@ -44,6 +44,15 @@ fn cli(pre: &[&str], dit: Option<&Path>, llm: Option<&Path>, vae: Option<&Path>,
     c.args(extra).output().unwrap()
 }
 
+/// The tiny-autoencoder fixture of `z_channels` (32: TAEF2's layout).
+fn tae(z_channels: usize) -> PathBuf {
+    let path = fixture::taesd::cached_taesd_path(z_channels, 42, WeightType::F16);
+    if !path.exists() {
+        fixture::taesd::write_taesd(&path, z_channels, 42, WeightType::F16, FileFormat::Safetensors).unwrap();
+    }
+    path
+}
+
 fn all(extra: &[&str]) -> Output {
     let (_, llm, vae) = files();
     cli(&[], None, Some(llm), Some(vae), extra)
@@ -82,6 +91,11 @@ fn flux2_generates_reads_the_prompt_and_the_init_image_and_plans() {
     write_init_png(&flipped, true);
     let (from_flipped, _) = gen("i2i-flipped", &["-p", "a photo of a cat", "-i", flipped.to_str().unwrap()]);
     assert!(from_flipped != from_init, "another init image, another image");
+    // TAEF2 decodes instead of the VAE: another image of the same size, the same each time.
+    let taef2 = tae(32);
+    let (tiny, err) = gen("taef2", &["-p", "a photo of a cat", "--taesd", taef2.to_str().unwrap()]);
+    assert!(tiny != cat && pixels(&tiny).len() == 64 * 64 * 3, "{err}");
+    assert!(gen("taef2-again", &["-p", "a photo of a cat", "--taesd", taef2.to_str().unwrap()]).0 == tiny);
     // `plan` from the headers: every module sized, klein named.
     let (_, llm, vae) = files();
     let o = cli(&["plan"], None, Some(llm), Some(vae), &[]);
@@ -128,12 +142,9 @@ fn flux2_without_a_fitting_llm_or_vae_is_a_clear_error() {
     req.arch = req.arch.only(&[fixture::Component::Vae]);
     fixture::write_fixture(&sd_vae, &req).unwrap();
     check(cli(&[], None, Some(llm), Some(&sd_vae), &args), &["VAE"]);
-    // TAESD (the reference's TAEF2) is not supported yet.
-    let taef1 = fixture::taesd::cached_taesd_path(16, 42, WeightType::F16);
-    if !taef1.exists() {
-        fixture::taesd::write_taesd(&taef1, 16, 42, WeightType::F16, FileFormat::Safetensors).unwrap();
-    }
-    check(all(&[&args[..], &["--taesd", taef1.to_str().unwrap()]].concat()), &["--taesd", "flux2-klein"]);
+    // A TAEF1 (16 channels) where FLUX.2 takes TAEF2 (32, patched).
+    let needles = ["decoder.layers.0.weight", "[64, 16, 3, 3]", "flux2-klein model expects shape [64, 32, 3, 3]"];
+    check(all(&[&args[..], &["--taesd", tae(16).to_str().unwrap()]].concat()), &needles);
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -15,11 +15,13 @@
 //! exactly where stable-diffusion.cpp applies it (`decode_first_stage`,
 //! `encode_first_stage`).
 
-use sd_backends::{BufferType, Context, GgmlType, Tensor};
+use sd_backends::{BufferType, GgmlType, Tensor};
 use sd_sched::{Runner, TensorSource, TensorSpec, Weights};
 
 use crate::error::{Result, VaeError};
-use crate::nn::{AttnBlock, Conv2d, Downsample, Fwd, GraphOptions, GroupNorm, ResnetBlock, Upsample};
+use crate::nn::{
+    patchify, unpatchify, AttnBlock, Conv2d, Downsample, Fwd, GraphOptions, GroupNorm, ResnetBlock, Upsample,
+};
 use crate::run::{decode_graph, encode_graph, run_graph, FirstStage, GraphModel, ImageRange};
 
 const MODULE: &str = "vae";
@@ -739,31 +741,6 @@ impl AutoencoderKl {
             .or_else(|| ups.into_iter().find(|u| u.conv.name.strip_suffix(".conv") == Some(full)).map(Block::Up))
             .or_else(|| downs.into_iter().find(|d| d.conv.name.strip_suffix(".conv") == Some(full)).map(Block::Down))
     }
-}
-
-/// `[w, h, C * 4, N]` (channel `4 c + 2 dy + dx`) -> `[2w, 2h, C, N]`, as the reference's
-/// FLUX.2 decode.
-fn unpatchify<'g>(g: &'g Context, z: Tensor<'g>) -> Tensor<'g> {
-    let p = 2;
-    let [w, h, cp, n] = z.shape();
-    let c = cp / (p * p);
-    let z = g.reshape(z, &[w * h, p * p, c, n]);
-    let z = g.cont(g.permute(z, [1, 0, 2, 3])); // [p*p, w*h, C, N]
-    let z = g.reshape(z, &[p, p, w, h * c * n]);
-    let z = g.cont(g.permute(z, [0, 2, 1, 3])); // [p, w, p, h*C*N]
-    g.reshape(z, &[w * p, h * p, c, n])
-}
-
-/// `[W, H, C, N]` -> `[W/2, H/2, C * 4, N]`, the inverse of [`unpatchify`].
-fn patchify<'g>(g: &'g Context, z: Tensor<'g>) -> Tensor<'g> {
-    let p = 2;
-    let [ww, hh, c, n] = z.shape();
-    let (w, h) = (ww / p, hh / p);
-    let z = g.reshape(g.cont(z), &[p, w, p, h * c * n]);
-    let z = g.cont(g.permute(z, [0, 2, 1, 3])); // [p, p, w, h*C*N]
-    let z = g.reshape(z, &[p * p, w * h, c, n]);
-    let z = g.cont(g.permute(z, [1, 0, 2, 3])); // [w*h, p*p, C, N]
-    g.reshape(z, &[w, h, p * p * c, n])
 }
 
 #[derive(Clone, Copy)]

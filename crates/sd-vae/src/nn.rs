@@ -413,3 +413,28 @@ impl Upsample {
         self.conv.forward(f, x)
     }
 }
+
+/// `[w, h, C * 4, N]` (channel `4 c + 2 dy + dx`) -> `[2w, 2h, C, N]`, as the reference's
+/// decoders of 2x2-patched latents.
+pub(crate) fn unpatchify<'g>(g: &'g Context, z: Tensor<'g>) -> Tensor<'g> {
+    let p = 2;
+    let [w, h, cp, n] = z.shape();
+    let c = cp / (p * p);
+    let z = g.reshape(z, &[w * h, p * p, c, n]);
+    let z = g.cont(g.permute(z, [1, 0, 2, 3])); // [p*p, w*h, C, N]
+    let z = g.reshape(z, &[p, p, w, h * c * n]);
+    let z = g.cont(g.permute(z, [0, 2, 1, 3])); // [p, w, p, h*C*N]
+    g.reshape(z, &[w * p, h * p, c, n])
+}
+
+/// `[W, H, C, N]` -> `[W/2, H/2, C * 4, N]`, the inverse of [`unpatchify`].
+pub(crate) fn patchify<'g>(g: &'g Context, z: Tensor<'g>) -> Tensor<'g> {
+    let p = 2;
+    let [ww, hh, c, n] = z.shape();
+    let (w, h) = (ww / p, hh / p);
+    let z = g.reshape(g.cont(z), &[p, w, p, h * c * n]);
+    let z = g.cont(g.permute(z, [0, 2, 1, 3])); // [p, p, w, h*C*N]
+    let z = g.reshape(z, &[p * p, w * h, c, n]);
+    let z = g.cont(g.permute(z, [1, 0, 2, 3])); // [w*h, p*p, C, N]
+    g.reshape(z, &[w, h, p * p * c, n])
+}

@@ -2,7 +2,8 @@
 //!
 //! Reference: madebyollin/taesd (`taesd.py`) and diffusers' `AutoencoderTiny`; the graph
 //! mirrors stable-diffusion.cpp's `tae.hpp` (SD 1.x/2.x form: 4 latent channels, 64
-//! feature channels, no mid-block group norm). Parameters are
+//! feature channels, no mid-block group norm; [`TaesdConfig::midblock_gn`] and
+//! [`TaesdConfig::patched`] give the form of 32-channel, 2x2-patched latents). Parameters are
 //! `tae.{decoder,encoder}.layers.N.*` (the file's names behind the `tae.` prefix the
 //! loader adds). Convolution kernels are f16 and biases f32, as for the big VAE.
 //!
@@ -20,7 +21,7 @@ use sd_backends::{BufferType, ScaleMode, Tensor};
 use sd_sched::{Runner, TensorSource, TensorSpec, Weights};
 
 use crate::error::{Result, VaeError};
-use crate::nn::{Conv2d, Fwd, GraphOptions};
+use crate::nn::{patchify, unpatchify, Conv2d, Fwd, GraphOptions, GroupNorm};
 use crate::run::{decode_graph, encode_graph, run_graph, FirstStage, GraphModel, ImageRange};
 
 const MODULE: &str = "taesd";
@@ -37,12 +38,19 @@ pub struct TaesdConfig {
     pub num_blocks: usize,
     /// Image channels.
     pub image_channels: usize,
+    /// A group-norm branch (`pool.0` 1x1 conv to 4x the channels, `pool.1` group norm of 4
+    /// groups, ReLU, `pool.3` 1x1 conv back, added to the input) in the blocks next to the
+    /// latent: the decoder's first stage, the encoder's last.
+    pub midblock_gn: bool,
+    /// The latent comes in 2x2 patches (4 `z_channels` at half the resolution, channel
+    /// `4 c + 2 dy + dx`): unpatchified before decoding, patchified after encoding.
+    pub patched: bool,
 }
 
 impl TaesdConfig {
     /// The SD 1.x/2.x TAESD.
     pub fn sd() -> Self {
-        Self { z_channels: 4, channels: 64, num_blocks: 3, image_channels: 3 }
+        Self { z_channels: 4, channels: 64, num_blocks: 3, image_channels: 3, midblock_gn: false, patched: false }
     }
 
     /// TAEF1, FLUX.1's tiny autoencoder: TAESD's graph on 16 latent channels (the reference
@@ -50,6 +58,20 @@ impl TaesdConfig {
     /// are (no scale or shift, as for TAESD).
     pub fn flux() -> Self {
         Self { z_channels: 16, ..Self::sd() }
+    }
+
+    /// Channels of a diffusion latent: `z_channels`, times 4 when patched.
+    pub fn latent_channels(&self) -> usize {
+        self.z_channels * if self.patched { 4 } else { 1 }
+    }
+
+    /// Image pixels per diffusion latent position: 8, or 16 when patched.
+    pub fn latent_scale(&self) -> usize {
+        if self.patched {
+            16
+        } else {
+            8
+        }
     }
 }
 
@@ -71,19 +93,35 @@ pub struct TaeBlock {
     pub convs: [Conv2d; 3],
     /// 1x1 projection of the input when the channel count changes (never in SD's TAESD).
     pub skip: Option<Conv2d>,
+    /// The group-norm branch ([`TaesdConfig::midblock_gn`]): `pool.0`, `pool.1`, `pool.3`.
+    pub pool: Option<(Conv2d, GroupNorm, Conv2d)>,
 }
 
 impl TaeBlock {
-    fn new(name: String, n_in: usize, n_out: usize) -> Self {
+    fn new(name: String, n_in: usize, n_out: usize, midblock_gn: bool) -> Self {
         let c = |i: usize, a, b| Conv2d::new(format!("{name}.conv.{i}"), a, b, 3, 1, 1);
+        let n_gn = 4 * n_in;
+        let pool = midblock_gn.then(|| {
+            (
+                Conv2d::new(format!("{name}.pool.0"), n_in, n_gn, 1, 1, 0).no_bias(),
+                GroupNorm { name: format!("{name}.pool.1"), channels: n_gn, groups: 4, eps: 1e-6 },
+                Conv2d::new(format!("{name}.pool.3"), n_gn, n_in, 1, 1, 0).no_bias(),
+            )
+        });
         Self {
             convs: [c(0, n_in, n_out), c(2, n_out, n_out), c(4, n_out, n_out)],
             skip: (n_in != n_out).then(|| Conv2d::new(format!("{name}.skip"), n_in, n_out, 1, 1, 0).no_bias()),
+            pool,
             name,
         }
     }
 
     fn specs(&self, out: &mut Vec<TensorSpec>) {
+        if let Some((p0, gn, p3)) = &self.pool {
+            p0.specs(out);
+            gn.specs(out);
+            p3.specs(out);
+        }
         for c in &self.convs {
             c.specs(out);
         }
@@ -94,6 +132,13 @@ impl TaeBlock {
 
     /// `x` is `[W, H, in, N]`; returns `[W, H, out, N]`.
     pub fn forward<'g>(&self, f: &Fwd<'_, 'g>, x: Tensor<'g>) -> Result<Tensor<'g>> {
+        let x = match &self.pool {
+            Some((p0, gn, p3)) => {
+                let p = f.ctx.relu(gn.forward(f, p0.forward(f, x)?)?);
+                f.ctx.add(x, p3.forward(f, p)?)
+            }
+            None => x,
+        };
         let h = self.convs[0].forward(f, x)?;
         let h = f.ctx.relu(h);
         let h = self.convs[1].forward(f, h)?;
@@ -144,14 +189,15 @@ fn decoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
     let p = |i: usize| format!("{PREFIX}.decoder.layers.{i}");
     let ch = cfg.channels;
     let mut layers = vec![Layer::Conv(Conv2d::new(p(0), cfg.z_channels, ch, 3, 1, 1)), Layer::Relu];
-    for _stage in 0..3 {
+    for stage in 0..3 {
         for _ in 0..cfg.num_blocks {
-            layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch))));
+            let gn = cfg.midblock_gn && stage == 0;
+            layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch, gn))));
         }
         layers.push(Layer::Upsample);
         layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, ch, 3, 1, 1).no_bias()));
     }
-    layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch))));
+    layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch, false))));
     layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, cfg.image_channels, 3, 1, 1)));
     layers
 }
@@ -161,11 +207,12 @@ fn encoder_layers(cfg: &TaesdConfig) -> Vec<Layer> {
     let p = |i: usize| format!("{PREFIX}.encoder.layers.{i}");
     let ch = cfg.channels;
     let mut layers = vec![Layer::Conv(Conv2d::new(p(0), cfg.image_channels, ch, 3, 1, 1))];
-    layers.push(Layer::Block(Box::new(TaeBlock::new(p(1), ch, ch))));
-    for _stage in 0..3 {
+    layers.push(Layer::Block(Box::new(TaeBlock::new(p(1), ch, ch, false))));
+    for stage in 0..3 {
         layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, ch, 3, 2, 1).no_bias()));
         for _ in 0..cfg.num_blocks {
-            layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch))));
+            let gn = cfg.midblock_gn && stage == 2;
+            layers.push(Layer::Block(Box::new(TaeBlock::new(p(layers.len()), ch, ch, gn))));
         }
     }
     layers.push(Layer::Conv(Conv2d::new(p(layers.len()), ch, cfg.z_channels, 3, 1, 1)));
@@ -239,6 +286,7 @@ impl Taesd {
     /// Builds the decode graph on `z` (`[w, h, 4, 1]`). Returns `[8w, 8h, 3, 1]` in about `[0, 1]`.
     pub fn build_decode<'g>(&self, f: &Fwd<'_, 'g>, z: Tensor<'g>) -> Result<Tensor<'g>> {
         let ctx = f.ctx;
+        let z = if self.cfg.patched { unpatchify(ctx, z) } else { z };
         let mut h = ctx.scale(ctx.tanh(ctx.scale(z, 1.0 / 3.0)), 3.0);
         for l in &self.decoder {
             h = layer_forward(l, f, h)?;
@@ -256,7 +304,7 @@ impl Taesd {
         for l in layers {
             h = layer_forward(l, f, h)?;
         }
-        Ok(h)
+        Ok(if self.cfg.patched { patchify(f.ctx, h) } else { h })
     }
 
     /// Decodes a diffusion-space latent (planar `[4, h, w]`) to a planar `[3, 8h, 8w]`
@@ -309,11 +357,11 @@ impl FirstStage for Taesd {
     }
 
     fn scale_factor(&self) -> usize {
-        8
+        self.cfg.latent_scale()
     }
 
     fn latent_channels(&self) -> usize {
-        self.cfg.z_channels
+        self.cfg.latent_channels()
     }
 
     fn image_channels(&self) -> usize {

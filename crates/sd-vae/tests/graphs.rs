@@ -775,3 +775,35 @@ fn a_patched_latent_is_the_plain_one_in_2x2_patches() {
     let bad = VaeConfig { latent_stats: Some(sd_vae::LatentStats { mean: &MEAN[..4], std: &STD }), ..patched_cfg };
     assert!(AutoencoderKl::load(bad, VaeParts::Full, &SRC, runner.backend().device().buffer_type()).is_err());
 }
+
+/// TAESD with the group-norm branch and a patched latent (TAEF2's form): a block with the
+/// branch against the composed reference (1x1 conv to 4x, group norm of 4 groups, ReLU, 1x1
+/// conv back, added, then the plain block), the branch only next to the latent, and the
+/// patched latent's scale and channels.
+#[test]
+fn taesd_with_group_norm_branches_and_patches() {
+    let mut runner = cpu_runner("taesd");
+    let cfg = TaesdConfig { z_channels: 4, midblock_gn: true, patched: true, ..TaesdConfig::sd() };
+    let tae = Taesd::load(cfg.clone(), TaesdParts::Full, &SRC, runner.backend().device().buffer_type()).unwrap();
+    let p = Params { src: &SRC };
+    let (x, a) = input(64, 5, 4, 51);
+    let (y, _) = tae.run_block(&mut runner, "decoder.layers.2", &x, [4, 5, 64]).unwrap();
+    let name = "tae.decoder.layers.2";
+    let g = p.conv(&format!("{name}.pool.0"), &a, 256, 1, 1, 0, false);
+    let g = p.group_norm(&format!("{name}.pool.1"), &g, 4, 1e-6);
+    let g = Act { data: g.data.iter().map(|v| v.max(0.0)).collect(), ..g };
+    let g = p.conv(&format!("{name}.pool.3"), &g, 64, 1, 1, 0, false);
+    let sum = Act { data: a.data.iter().zip(&g.data).map(|(u, v)| u + v).collect(), ..a };
+    // Five convolutions with f16 kernels in a row: the whole-model tolerance.
+    check("tae block with the group-norm branch", &y, &p.tae_block(name, &sum));
+    let names: Vec<String> = sd_vae::taesd_specs(&cfg, TaesdParts::Full).into_iter().map(|s| s.name).collect();
+    let has = |n: &str| names.iter().any(|s| s == n);
+    assert!(has("tae.decoder.layers.4.pool.1.weight") && has("tae.encoder.layers.13.pool.3.weight"));
+    assert!(!has("tae.decoder.layers.7.pool.0.weight") && !has("tae.encoder.layers.5.pool.0.weight"));
+    assert_eq!((tae.scale_factor(), tae.latent_channels()), (16, 16));
+    let (z, _) = input(16, 2, 3, 52);
+    let (img, c) = tae.decode_graph(&mut runner, &z, [3, 2], 16, None).unwrap();
+    assert_eq!((c, img.len()), (3, 3 * 48 * 32));
+    let (lat, c) = tae.encode_graph(&mut runner, &img, [48, 32], 3, None).unwrap();
+    assert_eq!((c, lat.len()), (16, 16 * 3 * 2));
+}

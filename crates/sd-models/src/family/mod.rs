@@ -64,24 +64,16 @@ pub fn for_detected(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn F
 }
 
 /// Every tensor of each `(module, specs)` exists in `files` with the expected number of
-/// elements (the `arch` model's); an error names the module, the first missing tensors and
-/// the files searched, or the misshapen tensor with its stored name and file.
+/// elements (the `arch` model's); an error names the misshapen tensor with its stored name and
+/// file, or else the module, the first missing tensors and the files searched.
 pub fn check_specs(arch: &str, files: &ModelFiles, modules: &[(&'static str, Vec<TensorSpec>)]) -> Result<()> {
     let index = files.index();
     let searched = || index.files().iter().map(|f| format!("'{}'", f.path.display())).collect::<Vec<_>>().join(", ");
     for (module, specs) in modules {
-        let missing: Vec<&str> = specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
-        if !missing.is_empty() {
-            return Err(PipelineError::MissingTensors {
-                module,
-                missing: missing.len(),
-                total: specs.len(),
-                files: searched(),
-                first: missing[..missing.len().min(3)].join(", "),
-            });
-        }
+        // A tensor of another shape first: it says which variant the file is (a TAEF1 given
+        // for TAEF2, a VAE of another latent width), where the tensors it lacks would not.
         for s in specs {
-            let e = index.get(&s.name).expect("checked above");
+            let Some(e) = index.get(&s.name) else { continue };
             if !same_layout(&e.ne(), &s.ne) {
                 let expected: Vec<i64> = s.ne.iter().rev().copied().collect();
                 let swapped = if e.n_elements() as i64 == s.ne.iter().product::<i64>() {
@@ -99,6 +91,16 @@ pub fn check_specs(arch: &str, files: &ModelFiles, modules: &[(&'static str, Vec
                     s.ne
                 )));
             }
+        }
+        let missing: Vec<&str> = specs.iter().filter(|s| !index.contains(&s.name)).map(|s| s.name.as_str()).collect();
+        if !missing.is_empty() {
+            return Err(PipelineError::MissingTensors {
+                module,
+                missing: missing.len(),
+                total: specs.len(),
+                files: searched(),
+                first: missing[..missing.len().min(3)].join(", "),
+            });
         }
     }
     Ok(())

@@ -14,8 +14,8 @@
 //!
 //! `--cfg-scale` defaults to 1: klein is distilled to sample without classifier-free guidance
 //! in four steps (its base models want `--cfg-scale` set). `--flow-shift` does not move the
-//! shift (the reference derives it again for every run). Reference images (`-r`) and TAESD
-//! (the reference's TAEF2) are not supported yet and are refused.
+//! shift (the reference derives it again for every run). `--taesd` takes TAEF2 ([`taef2`]).
+//! Reference images (`-r`) are not supported yet and are refused.
 
 mod text;
 
@@ -98,6 +98,13 @@ fn vae_config() -> VaeConfig {
         latent_stats: Some(LatentStats { mean: &LATENT_MEAN, std: &LATENT_STD }),
         ..VaeConfig::sd()
     }
+}
+
+/// TAEF2, FLUX.2's tiny autoencoder (`--taesd`): TAESD's graph on 32 channels with the
+/// group-norm branch next to the latent, its latent in 2x2 patches like the VAE's (the
+/// reference's `taef2`), decoded as it is (no statistics, as every TAE in the reference).
+pub(crate) fn taef2() -> TaesdConfig {
+    TaesdConfig { z_channels: 32, midblock_gn: true, patched: true, ..TaesdConfig::sd() }
 }
 
 /// FLUX.2 klein built for a set of files.
@@ -228,9 +235,9 @@ impl Family for Flux2 {
         vae_config()
     }
 
-    /// None yet: the reference's TAEF2 is not supported.
+    /// TAEF2 ([`taef2`]).
     fn taesd(&self) -> Option<TaesdConfig> {
-        None
+        Some(taef2())
     }
 
     fn sampling(&self) -> SamplingDefaults {

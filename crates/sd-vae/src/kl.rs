@@ -79,6 +79,18 @@ pub struct LatentStats {
     pub std: &'static [f32],
 }
 
+impl LatentStats {
+    /// Applies `f(value, mean, std)` to every value of a planar latent, each with its
+    /// channel's statistics (one plane per channel, in order).
+    fn per_channel(&self, latents: &mut [f32], f: impl Fn(f32, f32, f32) -> f32) {
+        let plane = (latents.len() / self.std.len().max(1)).max(1);
+        for (i, v) in latents.iter_mut().enumerate() {
+            let c = (i / plane).min(self.std.len() - 1);
+            *v = f(*v, self.mean[c], self.std[c]);
+        }
+    }
+}
+
 impl VaeConfig {
     /// The SD 1.x / 2.x VAE: ch 128, mult [1, 2, 4, 4], 2 ResNet blocks, z 4,
     /// 32 groups with eps 1e-6, mid-block attention, quant convs, scale 0.18215.
@@ -150,11 +162,7 @@ impl VaeConfig {
     pub fn diffusion_to_vae(&self, latents: &mut [f32]) {
         if let Some(st) = &self.latent_stats {
             // `(x * std) / scale + mean` per channel, as the reference.
-            let plane = (latents.len() / st.std.len().max(1)).max(1);
-            for (i, v) in latents.iter_mut().enumerate() {
-                let c = (i / plane).min(st.std.len() - 1);
-                *v = (*v * st.std[c]) / self.scale_factor + st.mean[c];
-            }
+            st.per_channel(latents, |v, mean, std| (v * std) / self.scale_factor + mean);
             return;
         }
         for v in latents {
@@ -167,11 +175,7 @@ impl VaeConfig {
     pub fn vae_to_diffusion(&self, latents: &mut [f32]) {
         if let Some(st) = &self.latent_stats {
             // `((x - mean) * scale) / std` per channel, as the reference.
-            let plane = (latents.len() / st.std.len().max(1)).max(1);
-            for (i, v) in latents.iter_mut().enumerate() {
-                let c = (i / plane).min(st.std.len() - 1);
-                *v = ((*v - st.mean[c]) * self.scale_factor) / st.std[c];
-            }
+            st.per_channel(latents, |v, mean, std| ((v - mean) * self.scale_factor) / std);
             return;
         }
         for v in latents {

@@ -14,8 +14,12 @@
 //! same files, prompt, seed, size, steps, sampler (`euler`, FLUX.2's image-dependent shift)
 //! and cfg scale (default 1); then an img2img from the reference's first image, and the
 //! txt2img decoded by TAEF2 (`--taesd`, a fixture of its layout), the txt2img again with a
-//! negative prompt and cfg 3 (both passes of the guidance). The PNGs are
-//! compared with the issue's image bound (`Tolerance::PNG`).
+//! negative prompt and cfg 3 (both passes of the guidance), and edits with reference images
+//! (`-r`): the first image and a 100x40 pattern resized to the image's area (96x48), then a
+//! 256x160 pattern at its own size (160 tokens, ten times the image's) (`--disable-auto-resize-ref-image`) with the negative prompt
+//! at cfg 3 (the references in both passes); each must also change our image (as must the
+//! LoRAs). The PNGs are compared with the issue's image bound (`Tolerance::PNG`), the large
+//! reference's with a mean of at most half a level.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -132,6 +136,20 @@ pub fn run(args: Args) -> Result<()> {
     if !taef2.is_file() {
         fixture::taesd::write_taesd(&taef2, 32, 42, WeightType::F16, FileFormat::Safetensors)?;
     }
+    let pattern = |name: &str, (w, h): (usize, usize)| -> Result<String> {
+        let rgb = (0..w * h)
+            .flat_map(|i| {
+                let (x, y) = (i % w, i / w);
+                [(x * 7 + y * 3) as u8, (x * y) as u8, 255u8.wrapping_sub((2 * x + y) as u8)]
+            })
+            .collect();
+        let img = sd_models::pipeline::Image { width: w, height: h, rgb };
+        let path = dir.join(name);
+        sd_models::image_io::save_image(&path, &img, sd_models::image_io::OutputFormat::Png, None)?;
+        Ok(path.display().to_string())
+    };
+    let (wide, tall) = (pattern("ref-100x40.png", (100, 40))?, pattern("ref-256x160.png", (256, 160))?);
+    let first_s = first.display().to_string();
     let mut cases: Vec<Case> = vec![
         (
             "txt2img".into(),
@@ -166,6 +184,28 @@ pub fn run(args: Args) -> Result<()> {
             strings(&["-p", &args.prompt, "-n", "blurry, (ugly:1.3)", "--cfg-scale", "3"]),
             None,
         ),
+        (
+            "refs".into(),
+            "png 2 reference images, auto-resized".into(),
+            strings(&["-p", &args.prompt, "--cfg-scale", "1", "-r", &first_s, "-r", &wide]),
+            None,
+        ),
+        (
+            "refs-cfg".into(),
+            "png reference 256x160 as it is, negative, cfg 3".into(),
+            strings(&[
+                "-p",
+                &args.prompt,
+                "-n",
+                "blurry, (ugly:1.3)",
+                "--cfg-scale",
+                "3",
+                "-r",
+                &tall,
+                "--disable-auto-resize-ref-image",
+            ]),
+            None,
+        ),
     ];
     if args.loras {
         use sd_models::fixture::lora::{write_flux_lora, LoraFixture, LoraLayout};
@@ -186,11 +226,28 @@ pub fn run(args: Args) -> Result<()> {
     for (name, what, extra, ours_extra) in &cases {
         let (o, r, ref_s, ours_s) = generate(name, extra, ours_extra.as_ref().unwrap_or(extra))?;
         let (diff, shape) = png_diff(&o, &r)?;
-        if name.starts_with("lora") {
-            let (effect, _) = png_diff(&o, &dir.join("txt2img.ours.png"))?;
-            println!("({name}: the LoRA changes our image by {:.2} mean, {} max)", effect.mean_abs, effect.max_abs);
+        // What the LoRA or the references change, against the same run without them: a case
+        // whose addition changed nothing would compare nothing.
+        let without = match name.as_str() {
+            n if n.starts_with("lora") || n == "refs" => Some("txt2img"),
+            "refs-cfg" => Some("negative"),
+            _ => None,
+        };
+        if let Some(base) = without {
+            let (effect, _) = png_diff(&o, &dir.join(format!("{base}.ours.png")))?;
+            println!(
+                "({name}: our image differs from {base}'s by {:.2} mean, {} max)",
+                effect.mean_abs, effect.max_abs
+            );
+            if effect.max_abs == 0.0 {
+                failed.push(format!("{name} (no effect)"));
+            }
         }
-        let row = Row { family: "flux2", what: what.clone(), shape, diff, tol: Tolerance::PNG };
+        // The large reference's case is held to a mean of half a level: its 160 tokens move the
+        // image by 4 levels on average, and numbering them as FLUX.1 would (RoPE index 1, not
+        // 10) gave 0.55 here, within the issue's bound (measured right: 0.16).
+        let tol = if name == "refs-cfg" { Tolerance::Levels { mean: 0.5, max: 8.0 } } else { Tolerance::PNG };
+        let row = Row { family: "flux2", what: what.clone(), shape, diff, tol };
         row.print_timed(ref_s, ours_s);
         if !row.pass() {
             failed.push(name.clone());
@@ -198,7 +255,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     anyhow::ensure!(
         failed.is_empty(),
-        "FLUX.2 klein: our image differs from the reference's beyond {} in: {}",
+        "FLUX.2 klein: our image differs from the reference's beyond {} (refs-cfg: mean 0.5) in: {}",
         Tolerance::PNG.describe(),
         failed.join(", ")
     );

@@ -51,6 +51,7 @@ fn flag(s: Setting) -> &'static str {
         Setting::HiresSize => "--hires-width/--hires-height",
         Setting::HiresDenoisingStrength => "--hires-denoising-strength",
         Setting::Hires => "--hires",
+        Setting::RefImage => "-r",
     }
 }
 
@@ -113,6 +114,7 @@ fn input_flag(r: InputRole) -> &'static str {
         InputRole::UpscaleModel => "--upscale-model",
         InputRole::ControlNet => "--control-net",
         InputRole::ControlImage => "--control-image",
+        InputRole::RefImage => "-r",
     }
 }
 

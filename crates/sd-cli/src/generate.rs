@@ -98,6 +98,16 @@ pub struct GenerateArgs {
     /// -W x -H when both are given.
     #[arg(short = 'i', long = "init-img")]
     pub init_img: Option<PathBuf>,
+    /// A reference image (PNG, JPEG, WebP or BMP; repeat for several, in order): FLUX.2 reads
+    /// each as tokens beside the image it generates, for edits ("the cat of image 1 on the
+    /// sofa of image 2"). Each is resized to the generated image's area unless
+    /// --disable-auto-resize-ref-image.
+    #[arg(short = 'r', long = "ref-image", value_name = "FILE")]
+    pub ref_image: Vec<PathBuf>,
+    /// Encode each reference image (-r) at its own size (its sides then multiples of 16)
+    /// instead of resizing it to the generated image's area.
+    #[arg(long = "disable-auto-resize-ref-image")]
+    pub disable_auto_resize_ref_image: bool,
     /// img2img: how much to change the init image (0..1).
     #[arg(long = "strength", default_value_t = 0.75)]
     pub strength: f32,
@@ -436,6 +446,7 @@ fn validate(a: &GenerateArgs, dev: &DeviceArgs) -> Result<Validated> {
         .input(InputRole::Mask, a.mask.as_deref())
         .input(InputRole::ControlNet, model.control_net.as_deref())
         .input(InputRole::ControlImage, a.control_image.as_deref())
+        .inputs(InputRole::RefImage, &a.ref_image)
         .input(InputRole::UpscaleModel, a.upscale.upscale_model.as_deref())
         .loras(&loras);
     let files = outputs.iter().fold(files, |f, o| f.output(OutputRole::Image, &o.target));
@@ -502,6 +513,11 @@ impl GenerateArgs {
             }
             other => other,
         };
+        let ref_images = self
+            .ref_image
+            .iter()
+            .map(|path| sd_models::image_io::read_image(path).with_context(|| format!("-r {}", path.display())))
+            .collect::<Result<Vec<_>>>()?;
         if self.canny && control_image.is_none() {
             tracing::warn!("--canny without --control-image: nothing to preprocess");
         }
@@ -544,6 +560,8 @@ impl GenerateArgs {
             control_image,
             control_strength: self.control_strength,
             hires: self.hires.params()?,
+            ref_images,
+            auto_resize_ref_images: !self.disable_auto_resize_ref_image,
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }

@@ -60,7 +60,7 @@ mod tests {
         let m = not_implemented("--control-video").expect("a reference flag");
         assert!(m.starts_with("--control-video: ") && m.contains("not implemented by sd-rs"), "{m}");
         assert!(not_implemented("--fa=1").is_some_and(|m| m.starts_with("--fa: ")));
-        assert!(not_implemented("-r").is_some());
+        assert!(not_implemented("--img-cfg-scale").is_some());
         assert_eq!(not_implemented("--no-such-flag"), None);
         assert_eq!(not_implemented("--control"), None);
     }

@@ -153,6 +153,78 @@ fn flux2_without_a_fitting_llm_or_vae_is_a_clear_error() {
 }
 
 #[test]
+fn flux2_edits_with_reference_images_in_order_and_segmented() {
+    // Reference images (-r): each changes the image, in order; the same refs give the same
+    // image; the DiT's extra tokens run segmented on an RPC server as on the CPU.
+    let d = dir("refs");
+    let (a, b) = (d.join("a.png"), d.join("b.png"));
+    write_init_png(&a, false);
+    write_init_png(&b, true);
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let gen = |name: &str, more: &[&str]| {
+        let out = d.join(format!("{name}.png"));
+        let base = ["-p", "the cat of image 1", "-W", "64", "-H", "48", "--steps", "2", "-s", "7"];
+        let o = all(&[&base[..], &["-o", out.to_str().unwrap()], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        pixels(&std::fs::read(&out).unwrap())
+    };
+    let plain = gen("plain", &[]);
+    let one = gen("one", &["-r", a]);
+    assert!(one != plain, "a reference image reaches the image");
+    assert!(gen("one-again", &["--ref-image", a]) == one, "the same reference, the same image");
+    let ab = gen("ab", &["-r", a, "-r", b]);
+    let ba = gen("ba", &["-r", b, "-r", a]);
+    assert!(ab != one && ba != ab, "a second reference counts, and their order does");
+    // Auto-resized, the 64x64 reference takes the 64x48 image's area (48x48); at its own size
+    // (whole latents) it is encoded as it is.
+    let own = gen("own", &["-r", a, "--disable-auto-resize-ref-image"]);
+    assert!(own != one, "64x64 encoded as it is, not resized to 48x48");
+    let server = common::Server::start();
+    let placed = [
+        "--rpc",
+        server.endpoint.as_str(),
+        "--max-vram",
+        "RPC0=0.01953125",
+        "--backend",
+        "diffusion=RPC0,te=cpu,vae=cpu",
+        "--params-backend",
+        "diffusion=cpu",
+    ];
+    let seg = gen("seg", &[&["-r", a, "-r", b][..], &placed[..]].concat());
+    assert!(seg == ab, "the segmented run with references differs from the CPU one");
+    // Bad references are errors naming them, before anything runs.
+    let out = d.join("x.png");
+    let check = |more: &[&str], needles: &[&str]| {
+        let o = all(&[&["-p", "x", "-W", "64", "-H", "64", "-o", out.to_str().unwrap()][..], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.code() == Some(2), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "'{n}' missing from:\n{err}");
+        }
+        assert!(!out.exists());
+    };
+    let missing = d.join("no-such.png");
+    check(&["-r", missing.to_str().unwrap()], &["-r ", "no-such.png"]);
+    let odd = d.join("odd.png");
+    let img = sd_models::pipeline::Image { width: 100, height: 40, rgb: vec![90; 100 * 40 * 3] };
+    sd_models::image_io::save_image(&odd, &img, sd_models::image_io::OutputFormat::Png, None).unwrap();
+    let needles = ["-r 1 (100x40)", "multiples of 16"];
+    check(&["-r", a, "-r", odd.to_str().unwrap(), "--disable-auto-resize-ref-image"], &["-r 2 (100x40)"]);
+    check(&["-r", odd.to_str().unwrap(), "--disable-auto-resize-ref-image"], &needles);
+    // A model that reads no references refuses them (the SD 1.5 fixture).
+    let o = sd_cli()
+        .arg("-m")
+        .arg(common::sd15_fixture())
+        .args(["-p", "x", "-W", "64", "-H", "64", "-r", a, "-o", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains("reads no reference images"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
 fn flux2_segmented_under_a_budget_and_split_give_the_cpu_image() {
     // The DiT (12.6 MiB of weights) computes on an RPC server under a 20 MiB budget (about
     // 5.6 MiB of it the cut buffers of 512 text tokens, a double block's segment 11 MiB with its

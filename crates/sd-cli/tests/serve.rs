@@ -387,6 +387,14 @@ fn bad_input_is_a_4xx_naming_the_field() {
         ("/sdcpp/v1/img_gen", "unsupported mask", r#"{"mask_image": "abc"}"#.into(), 400, Some("mask_image")),
         (
             "/sdcpp/v1/img_gen",
+            "a reference image that is none",
+            json!({"ref_images": [base64::engine::general_purpose::STANDARD.encode(black_png(8, 8)), "abc"]})
+                .to_string(),
+            400,
+            Some("ref_images[1]"),
+        ),
+        (
+            "/sdcpp/v1/img_gen",
             "lora traversal",
             r#"{"lora": [{"path": "../outside", "multiplier": 1}]}"#.into(),
             400,

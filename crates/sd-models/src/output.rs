@@ -304,6 +304,8 @@ pub enum InputRole {
     ControlNet,
     /// The ControlNet's control image.
     ControlImage,
+    /// A reference image (`-r`).
+    RefImage,
 }
 
 impl InputRole {
@@ -327,6 +329,7 @@ impl InputRole {
             InputRole::UpscaleModel => "the upscale model",
             InputRole::ControlNet => "the ControlNet",
             InputRole::ControlImage => "the control image",
+            InputRole::RefImage => "a reference image",
         }
     }
 }
@@ -404,6 +407,11 @@ impl RunFiles {
             self.inputs.push((role, p.as_ref().to_owned()));
         }
         self
+    }
+
+    /// Each of `paths`, in `role`.
+    pub fn inputs(self, role: InputRole, paths: &[impl AsRef<Path>]) -> Self {
+        paths.iter().fold(self, |files, p| files.input(role, Some(p)))
     }
 
     /// The model files of `sources`, each with its role.

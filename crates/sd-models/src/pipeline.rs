@@ -236,6 +236,8 @@ pub enum Setting {
     HiresDenoisingStrength,
     /// [`GenerateParams::hires`] beside another setting it cannot run with.
     Hires,
+    /// [`GenerateParams::ref_images`].
+    RefImage,
 }
 
 impl Setting {
@@ -259,6 +261,7 @@ impl Setting {
             Setting::HiresSize => "hires size",
             Setting::HiresDenoisingStrength => "hires denoising strength",
             Setting::Hires => "hires fix",
+            Setting::RefImage => "reference image",
         }
     }
 }
@@ -455,6 +458,16 @@ pub struct GenerateParams {
     /// `--hires`: the hires fix's second pass (None: one pass). [`Pipeline::check_request`]
     /// resolves its `width` and `height` to the aligned target size.
     pub hires: Option<crate::hires::HiresParams>,
+    /// `-r/--ref-image`: reference images of any size, in order (FLUX.2 reads them as tokens
+    /// beside the image it generates: "put the cat of image 1 on the sofa of image 2").
+    /// [`Pipeline::check_request`] resizes each as the reference does
+    /// ([`GenerateParams::auto_resize_ref_images`]).
+    pub ref_images: Vec<Image>,
+    /// Resize each reference image to the generated image's area (at most 1024x1024's), its
+    /// aspect kept and its sides rounded to the model's multiple, as the reference's CLI does
+    /// unless `--disable-auto-resize-ref-image`. Without it each is encoded at its own size,
+    /// whose sides must then be multiples of the model's ([`Pipeline::spatial_multiple`]).
+    pub auto_resize_ref_images: bool,
 }
 
 /// The longest prompt (and negative prompt) accepted, in bytes. The reference has no limit;
@@ -607,6 +620,16 @@ impl GenerateParams {
         }
         Ok(())
     }
+}
+
+/// The size the reference's `auto_resize_ref_image` gives a `w` x `h` reference image for a
+/// generation of `area` pixels (capped at 1024x1024's): its aspect kept, each side rounded to
+/// a multiple of `multiple`. The reference computes `area * w / h` in integers first.
+pub(crate) fn ref_image_size((w, h): (usize, usize), area: usize, multiple: usize) -> (usize, usize) {
+    let width = ((area as u64 * w as u64 / h.max(1) as u64) as f64).sqrt();
+    let height = width * h as f64 / w.max(1) as f64;
+    let m = multiple as f64;
+    ((width / m).round() as usize * multiple, (height / m).round() as usize * multiple)
 }
 
 /// A [`GenerateParams`] that passed [`GenerateParams::validate`].
@@ -1133,14 +1156,25 @@ impl Pipeline {
     fn working_memory_estimate(&self, p: &GenerateParams) -> (f64, &'static str) {
         let tokens = (p.width / VAE_SCALE) as f64 * (p.height / VAE_SCALE) as f64;
         let scale = self.latent_scale();
-        let latent_tokens = (p.width / scale) as f64 * (p.height / scale) as f64;
+        // Reference images' tokens join the image's in the diffusion model's attention.
+        let ref_tokens: f64 = p.ref_images.iter().map(|r| (r.width / scale) as f64 * (r.height / scale) as f64).sum();
+        let latent_tokens = (p.width / scale) as f64 * (p.height / scale) as f64 + ref_tokens;
         // `p` is completed by `check_request`: its cfg scale is the one used.
         let batch = if p.cfg_scale != Some(1.0) { 2.0 } else { 1.0 };
         let unet = self.family.attention_bytes(latent_tokens, batch, self.opts.flash_attn);
+        // The VAE's largest image: the generated one or a reference image it encodes.
+        let largest = p.ref_images.iter().map(|r| (r.width, r.height)).fold((p.width, p.height), |a, b| {
+            if b.0 * b.1 > a.0 * a.1 {
+                b
+            } else {
+                a
+            }
+        });
+        let tokens = tokens.max((largest.0 / VAE_SCALE) as f64 * (largest.1 / VAE_SCALE) as f64);
         let (vae_attn, vae_act) = if p.tiling.enabled {
             (0.0, 0.0)
         } else {
-            (tokens * tokens * 4.0, 3.0 * 128.0 * p.width as f64 * p.height as f64 * 4.0)
+            (tokens * tokens * 4.0, 3.0 * 128.0 * (largest.0 * largest.1) as f64 * 4.0)
         };
         let mut best = (unet, "the diffusion model's attention");
         for c in [(vae_attn, "the VAE's attention"), (vae_act, "the VAE decoder's activations")] {
@@ -1176,6 +1210,7 @@ impl Pipeline {
             // And for the control image (`sd_image_to_tensor`'s nearest interpolation).
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
+        self.fit_ref_images(&mut p)?;
         self.check_model_limits(&p)?;
         if let Some(h) = &p.hires {
             if p.mask.is_some() || self.family.concat_channels() != 0 {
@@ -1217,10 +1252,83 @@ impl Pipeline {
         Ok(Request { params: p, method, scheduler, cfg_scale })
     }
 
+    /// Reference images: refused by a model that reads none; resized as the reference's
+    /// `generate_image` does with `auto_resize_ref_image` (to the generated image's area, at
+    /// most 1024x1024's, its aspect kept, its sides rounded to the model's multiple; nearest),
+    /// else checked to be whole latents.
+    fn fit_ref_images(&self, p: &mut GenerateParams) -> Result<()> {
+        if p.ref_images.is_empty() {
+            return Ok(());
+        }
+        if !self.family.reads_reference_images() {
+            return bad_setting(
+                Setting::RefImage,
+                "",
+                format!("the {} model reads no reference images (FLUX.2 klein does)", self.family.arch()),
+            );
+        }
+        let multiple = self.spatial_multiple();
+        let area = (p.width * p.height).min(1024 * 1024);
+        for (k, image) in p.ref_images.iter_mut().enumerate() {
+            let (w, h) = (image.width, image.height);
+            if p.auto_resize_ref_images {
+                let (rw, rh) = ref_image_size((w, h), area, multiple);
+                if rw == 0 || rh == 0 {
+                    return bad_setting(
+                        Setting::RefImage,
+                        format!("{} ({w}x{h})", k + 1),
+                        format!("resized to the image's area it is {rw}x{rh}: too narrow to encode"),
+                    );
+                }
+                if (rw, rh) != (w, h) {
+                    tracing::debug!("reference image {} resized from {w}x{h} to {rw}x{rh}", k + 1);
+                    *image = crate::image_io::resize_nearest(image, rw, rh);
+                }
+            } else if w % multiple != 0 || h % multiple != 0 {
+                return bad_setting(
+                    Setting::RefImage,
+                    format!("{} ({w}x{h})", k + 1),
+                    format!(
+                        "without auto-resize a reference image's sides must be multiples of {multiple} \
+                         for the {} model",
+                        self.family.arch()
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A reference image the VAE cannot encode whole on its device (one kept at its own size):
+    /// an error naming it, rather than the generated size.
+    fn check_ref_memory(&self, p: &GenerateParams) -> Result<()> {
+        if p.tiling.enabled {
+            return Ok(());
+        }
+        let device = self.opts.devices.vae.device();
+        let (_, total) = device.memory();
+        for (k, r) in p.ref_images.iter().enumerate() {
+            let tokens = (r.width / VAE_SCALE) as f64 * (r.height / VAE_SCALE) as f64;
+            let need = tokens * tokens * 4.0;
+            if total > 0 && need > total as f64 {
+                let problem = format!(
+                    "the VAE's attention needs about {} to encode it, more than {} has ({}); \
+                     let it be resized to the image's area (no --disable-auto-resize-ref-image) or use VAE tiling",
+                    fmt_gib(need),
+                    device.name(),
+                    fmt_gib(total as f64)
+                );
+                return bad_setting(Setting::RefImage, format!("{} ({}x{})", k + 1, r.width, r.height), problem);
+            }
+        }
+        Ok(())
+    }
+
     /// The checks of [`Pipeline::check_request`] that need the model and the aligned size.
     fn check_model_limits(&self, p: &GenerateParams) -> Result<()> {
         p.tiling.validate([p.width, p.height], self.latent_scale())?;
         self.family.check_text(p.clip_skip)?;
+        self.check_ref_memory(p)?;
         let (need, stage) = self.working_memory_estimate(p);
         // A ControlNet's working set is the UNet's first half: its attention as large.
         let control =
@@ -1347,6 +1455,8 @@ mod tests {
             control_image: None,
             control_strength: 0.9,
             hires: None,
+            ref_images: Vec::new(),
+            auto_resize_ref_images: true,
         }
     }
 
@@ -1394,5 +1504,15 @@ mod tests {
         (p.cfg_scale, p.guidance, p.eta, p.flow_shift) = (Some(-100.0), 100.0, Some(100.0), Some(-50.0));
         p.prompt = "(".repeat(40) + &"x".repeat(MAX_PROMPT_BYTES - 40);
         assert!(p.validate().is_ok());
+    }
+
+    /// The reference's auto-resize: the generated area with the reference's aspect, sides
+    /// rounded to the multiple; the area caps at 1024x1024's.
+    #[test]
+    fn reference_images_take_the_generated_area() {
+        assert_eq!(ref_image_size((100, 40), 64 * 64, 16), (96, 48));
+        assert_eq!(ref_image_size((64, 64), 64 * 48, 16), (48, 48));
+        assert_eq!(ref_image_size((3000, 1000), 1024 * 1024, 16), (1776, 592));
+        assert_eq!(ref_image_size((1, 400), 64 * 64, 16), (0, 1264));
     }
 }

@@ -312,7 +312,7 @@ fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
             return Err(ApiError::unsupported(f, "this image input"));
         }
     }
-    for f in ["ref_images", "sample_params.custom_sigmas", "sample_params.guidance.slg.layers"] {
+    for f in ["sample_params.custom_sigmas", "sample_params.guidance.slg.layers"] {
         if let Some(v) = field::<Vec<Value>>(body, f)? {
             if !v.is_empty() && f != "sample_params.guidance.slg.layers" {
                 return Err(ApiError::unsupported(f, "a non-empty list"));
@@ -356,6 +356,7 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::HiresSize => "hires.target_width",
         Setting::HiresDenoisingStrength => "hires.denoising_strength",
         Setting::Hires => "hires.enabled",
+        Setting::RefImage => "ref_images",
     }
 }
 
@@ -419,6 +420,14 @@ pub(crate) fn native(body: &Value, config: &Config) -> Result<JobSpec, ApiError>
         if !s.is_empty() {
             p.init_image = Some(image("init_image", &s)?);
         }
+    }
+    // Reference images (FLUX.2's edits), each a base64 image like the init image.
+    if let Some(list) = field::<Vec<String>>(body, "ref_images")? {
+        p.ref_images =
+            list.iter().enumerate().map(|(k, s)| image(&format!("ref_images[{k}]"), s)).collect::<Result<_, _>>()?;
+    }
+    if let Some(b) = field::<bool>(body, "auto_resize_ref_image")? {
+        p.auto_resize_ref_images = b;
     }
     p.tiling = tiling(body, &p)?;
     let loras = loras(body, config)?;

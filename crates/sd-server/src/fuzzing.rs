@@ -53,6 +53,8 @@ impl Harness {
             control_image: None,
             control_strength: 0.9,
             hires: None,
+            ref_images: Vec::new(),
+            auto_resize_ref_images: true,
         };
         let config = Config {
             listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),

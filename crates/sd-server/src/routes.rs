@@ -220,7 +220,7 @@ async fn capabilities(State(state): State<AppState>) -> Json<Value> {
     });
     let features = json!({
         "init_image": true, "mask_image": false, "control_image": false, "ip_adapter_image": false,
-        "ref_images": false, "lora": true, "vae_tiling": true, "hires": false, "cache": false,
+        "ref_images": true, "lora": true, "vae_tiling": true, "hires": false, "cache": false,
         "cancel_queued": true, "cancel_generating": true,
     });
     let formats = json!(["png", "jpeg", "webp"]);

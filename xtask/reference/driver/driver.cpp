@@ -308,6 +308,14 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
                                      const_cast<uint8_t*>(o->control_rgb)};
         g.control_strength = o->control_strength;
     }
+    std::vector<sd_image_t> refs;
+    for (int i = 0; i < o->ref_count; i++) {
+        const sdref_image& r = o->ref_images[i];
+        refs.push_back(sd_image_t{r.width, r.height, r.channel, r.data});
+    }
+    g.ref_images            = refs.empty() ? nullptr : refs.data();
+    g.ref_images_count      = (int)refs.size();
+    g.auto_resize_ref_image = o->auto_resize_ref_image;
     if (o->hires_upscaler != nullptr) {
         g.hires.enabled  = true;
         g.hires.upscaler = str_to_sd_hires_upscaler(o->hires_upscaler);

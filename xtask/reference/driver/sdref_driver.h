@@ -83,9 +83,12 @@ typedef struct {
     int hires_steps;
     float hires_denoising_strength;
     int hires_upscale_tile_size;
+    int ref_count;                  /* reference images (-r), each RGB of its own size */
+    const struct sdref_image_s* ref_images;
+    bool auto_resize_ref_image;     /* the CLI's default (--disable-auto-resize-ref-image: false) */
 } sdref_gen_opts;
 
-typedef struct {
+typedef struct sdref_image_s {
     uint32_t width;
     uint32_t height;
     uint32_t channel;

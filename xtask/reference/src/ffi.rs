@@ -74,6 +74,9 @@ struct RawGenOpts {
     hires_steps: c_int,
     hires_denoising_strength: f32,
     hires_upscale_tile_size: c_int,
+    ref_count: c_int,
+    ref_images: *const RawImage,
+    auto_resize_ref_image: bool,
 }
 
 #[repr(C)]
@@ -499,6 +502,10 @@ pub struct GenOptions {
     pub control_strength: f32,
     /// The hires fix (`--hires`); `None`: one pass.
     pub hires: Option<HiresOptions>,
+    /// Reference images (`-r`): RGB8 of their own sizes (width, height, bytes).
+    pub refs: Vec<(u32, u32, Vec<u8>)>,
+    /// The CLI's default: resize each reference image to the image's area.
+    pub auto_resize_ref_image: bool,
 }
 
 /// The library's `sd_hires_params_t` (the CLI's `--hires-*` flags).
@@ -643,6 +650,16 @@ impl Context {
                 return Err(format!("mask has {} bytes, {}x{} gray needs {want}", gray.len(), o.width, o.height));
             }
         }
+        for (k, (w, h, rgb)) in o.refs.iter().enumerate() {
+            if rgb.len() != *w as usize * *h as usize * 3 || *w == 0 || *h == 0 {
+                return Err(format!("reference image {} has {} bytes for {w}x{h} RGB", k + 1, rgb.len()));
+            }
+        }
+        let refs: Vec<RawImage> = o
+            .refs
+            .iter()
+            .map(|(w, h, rgb)| RawImage { width: *w, height: *h, channel: 3, data: rgb.as_ptr() as *mut u8 })
+            .collect();
         let mut s = Strings::default();
         let mut lora_paths: Vec<*const c_char> = Vec::with_capacity(o.loras.len());
         for (path, _) in &o.loras {
@@ -680,6 +697,9 @@ impl Context {
             hires_steps: o.hires.as_ref().map_or(0, |h| h.steps),
             hires_denoising_strength: o.hires.as_ref().map_or(0.7, |h| h.denoising_strength),
             hires_upscale_tile_size: o.hires.as_ref().map_or(128, |h| h.upscale_tile_size),
+            ref_count: refs.len() as c_int,
+            ref_images: if refs.is_empty() { ptr::null() } else { refs.as_ptr() },
+            auto_resize_ref_image: o.auto_resize_ref_image,
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

@@ -241,6 +241,12 @@ struct Txt2Img {
     /// Control image (PNG, RGB, of any size: the library resizes it to the image's size).
     #[arg(long = "control-image")]
     control_image: Option<PathBuf>,
+    /// A reference image (PNG, RGB, of any size; repeat for several).
+    #[arg(short = 'r', long = "ref-image")]
+    ref_image: Vec<PathBuf>,
+    /// Encode reference images at their own sizes (the CLI's flag).
+    #[arg(long = "disable-auto-resize-ref-image")]
+    disable_auto_resize_ref_image: bool,
     /// Strength of the ControlNet's residuals (the library's default 0.9).
     #[arg(long = "control-strength", default_value_t = 0.9)]
     control_strength: f32,
@@ -645,6 +651,8 @@ fn txt2img(a: Txt2Img) -> Res<()> {
                 upscale_tile_size: a.hires_upscale_tile_size,
             }
         }),
+        refs: a.ref_image.iter().map(|p| read_png_rgb(p)).collect::<Res<Vec<_>>>()?,
+        auto_resize_ref_image: !a.disable_auto_resize_ref_image,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

@@ -464,6 +464,10 @@ pub(super) fn rope_axis(pos: &[f32], dim: usize, theta: f32) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// The step between reference images on the first RoPE axis (the reference's
+/// `ref_index_scale` of FLUX.2, whose index grows by one per reference).
+const REF_INDEX_SCALE: f32 = 10.0;
+
 /// Number of image tokens of a `w` x `h` latent read in `patch` x `patch` patches.
 pub fn image_tokens(w: usize, h: usize, patch: usize) -> usize {
     w.div_ceil(patch) * h.div_ceil(patch)
@@ -473,26 +477,45 @@ pub fn image_tokens(w: usize, h: usize, patch: usize) -> usize {
 /// `w` x `h` latent: ggml `[2, 2, head_dim / 2, tokens]`, as the reference computes it
 /// (text ids zero, image ids `(0, row, col)`; FLUX.2's text ids carry their position on the
 /// fourth axis, its image ids a zero there).
-pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, (w, h): (usize, usize)) -> Vec<f32> {
+pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, dims: (usize, usize)) -> Vec<f32> {
+    rope_pe_with_refs(cfg, txt_tokens, dims, &[])
+}
+
+/// [`rope_pe`] with the tokens of reference latents of `refs` (`(width, height)` each) after
+/// the image's, as the reference numbers them for FLUX.2: the k-th reference (from 0) has ids
+/// `(10 (k + 1), row, col, 0)`, so each is a picture of its own beside the generated one.
+pub fn rope_pe_with_refs(
+    cfg: &FluxConfig,
+    txt_tokens: usize,
+    (w, h): (usize, usize),
+    refs: &[(usize, usize)],
+) -> Vec<f32> {
     let p = cfg.patch as usize;
-    let (h_len, w_len) = ((h + p / 2) / p, (w + p / 2) / p);
-    let rows = linspace(0.0, h_len as f32 - 1.0, h_len);
-    let cols = linspace(0.0, w_len as f32 - 1.0, w_len);
-    let n = txt_tokens + h_len * w_len;
     let n_axes = cfg.axes_dim.len();
-    let mut ids = vec![vec![0f32; n_axes]; n];
+    let mut ids = vec![vec![0f32; n_axes]; txt_tokens];
     if cfg.flux2 {
-        for (i, id) in ids.iter_mut().take(txt_tokens).enumerate() {
+        for (i, id) in ids.iter_mut().enumerate() {
             id[3] = i as f32;
         }
     }
-    for i in 0..h_len {
-        for j in 0..w_len {
-            let id = &mut ids[txt_tokens + i * w_len + j];
-            id[1] = rows[i];
-            id[2] = cols[j];
+    // `index` on the first axis: 0 for the image, then the references'.
+    let mut grid = |index: f32, (w, h): (usize, usize)| {
+        let (h_len, w_len) = ((h + p / 2) / p, (w + p / 2) / p);
+        let rows = linspace(0.0, h_len as f32 - 1.0, h_len);
+        let cols = linspace(0.0, w_len as f32 - 1.0, w_len);
+        for row in &rows {
+            for col in &cols {
+                let mut id = vec![0f32; n_axes];
+                (id[0], id[1], id[2]) = (index, *row, *col);
+                ids.push(id);
+            }
         }
+    };
+    grid(0.0, (w, h));
+    for (k, &dims) in refs.iter().enumerate() {
+        grid(((k + 1) as f32 * REF_INDEX_SCALE).trunc(), dims);
     }
+    let n = ids.len();
     let axes: Vec<Vec<Vec<f32>>> = (0..n_axes)
         .map(|a| {
             let pos: Vec<f32> = ids.iter().map(|id| id[a]).collect();
@@ -840,7 +863,7 @@ fn unpatchify<'g>(g: &'g Context, x: Tensor<'g>, wd: i64, ht: i64, p: i64) -> Te
 }
 
 /// The inputs of one FLUX evaluation, as graph tensors.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct FluxInputs<'g> {
     /// The latent `[W, H, 16, 1]`.
     pub x: Tensor<'g>,
@@ -860,6 +883,9 @@ pub struct FluxInputs<'g> {
     pub mod_index: Option<Tensor<'g>>,
     /// Chroma's DiT mask `[L_txt + L_img]`: the text mask, then zeros for the image tokens.
     pub mask: Option<Tensor<'g>>,
+    /// FLUX.2's reference latents `[W_k, H_k, C, 1]`: their tokens follow the image's (and
+    /// `pe` covers them, [`rope_pe_with_refs`]); the output is the image's tokens only.
+    pub refs: Vec<Tensor<'g>>,
 }
 
 fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
@@ -885,7 +911,22 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
     if cfg.chroma.is_some() != i.mod_index.is_some() {
         return bad("the approximator's row indices go with a Chroma model, and only with one".into());
     }
-    let tokens = lt + (wd / cfg.patch) * (ht / cfg.patch);
+    let mut tokens = lt + (wd / cfg.patch) * (ht / cfg.patch);
+    if !i.refs.is_empty() && !cfg.flux2 {
+        return bad("reference latents go with a FLUX.2 model only".into());
+    }
+    for r in &i.refs {
+        let [rw, rh, rc, rn] = r.shape();
+        if rc != cfg.latent_channels() || rn != 1 || rw % cfg.patch != 0 || rh % cfg.patch != 0 {
+            return bad(format!(
+                "reference latent shape {:?}, the model takes [W, H, {}, 1] in whole patches of {}",
+                r.shape(),
+                cfg.latent_channels(),
+                cfg.patch
+            ));
+        }
+        tokens += (rw / cfg.patch) * (rh / cfg.patch);
+    }
     if let Some(m) = i.mask {
         if cfg.chroma.is_none() || m.shape()[0] != tokens || m.shape()[1..].iter().any(|&d| d != 1) {
             return bad(format!("a DiT mask of shape {:?} (Chroma only, one value per token: {tokens})", m.shape()));
@@ -945,7 +986,12 @@ pub fn forward<'g>(
             }
             Block::Prelude => {
                 let bias = cfg.bias();
-                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x, cfg.patch), bias)?;
+                // The reference latents' tokens follow the image's (FLUX.2 edits).
+                let tokens = inputs
+                    .refs
+                    .iter()
+                    .fold(patchify(g, inputs.x, cfg.patch), |all, &r| g.concat(all, patchify(g, r, cfg.patch), 1));
+                img = blocks::linear(g, w, &name("img_in"), tokens, bias)?;
                 vec = scalar_embedding(g, w, &name("time_in"), inputs.timestep, bias)?;
                 if let Some(gd) = inputs.guidance {
                     vec = g.add(vec, scalar_embedding(g, w, &name("guidance_in"), gd, bias)?);
@@ -986,11 +1032,16 @@ pub fn forward<'g>(
                 joint = Some(x);
             }
             Block::Final => {
+                // The generated image's tokens: after the text's, before any reference's.
+                let li = (wd / cfg.patch) * (ht / cfg.patch);
                 let img_tokens = match joint {
                     Some(x) => {
                         let nb = x.nb();
-                        let li = img.shape()[1];
                         g.view(x, [cfg.hidden_size, li, 1, 1], [nb[1], nb[2], nb[3]], lt as usize * nb[1])
+                    }
+                    None if img.shape()[1] != li => {
+                        let nb = img.nb();
+                        g.view(img, [cfg.hidden_size, li, 1, 1], [nb[1], nb[2], nb[3]], 0)
                     }
                     None => img,
                 };
@@ -1053,7 +1104,7 @@ impl FluxModel {
         y: &[f32],
         guidance: Option<f32>,
     ) -> Result<Vec<f32>> {
-        let sample = Sample { x, timestep, context, n_ctx_tokens, y };
+        let sample = Sample { x, timestep, context, n_ctx_tokens, y, refs: &[] };
         Ok(self.eval_samples(runner, (w, h), &[sample], guidance)?.remove(0))
     }
 
@@ -1083,7 +1134,7 @@ impl FluxModel {
             let ctxs: Vec<Context> = chunk.iter().map(|_| Context::for_graph(size, size)).collect::<Result<_, _>>()?;
             let mut graphs = Vec::with_capacity(chunk.len());
             for (g, s) in ctxs.iter().zip(chunk) {
-                graphs.push(self.graph(g, (w, h), s.n_ctx_tokens, guidance.is_some(), self.masked(s), kernel)?);
+                graphs.push(self.graph(g, (w, h), s, guidance.is_some(), kernel)?);
             }
             let mut set_inputs = || -> std::result::Result<(), sd_sched::SchedError> {
                 for ((ins, _, _), s) in graphs.iter().zip(chunk) {
@@ -1136,6 +1187,21 @@ impl FluxModel {
         } else if s.y.len() != cfg.vec_in_dim as usize {
             return bad(format!("pooled vector has {} values, the model takes {}", s.y.len(), cfg.vec_in_dim));
         }
+        if !s.refs.is_empty() && !cfg.flux2 {
+            return bad(format!("{} reference latents given; only FLUX.2 reads reference images", s.refs.len()));
+        }
+        for (k, r) in s.refs.iter().enumerate() {
+            if r.width == 0 || r.height == 0 || r.data.len() != c * r.width * r.height {
+                return bad(format!(
+                    "reference latent {} has {} values, {c} x {} x {} needs {}",
+                    k + 1,
+                    r.data.len(),
+                    r.height,
+                    r.width,
+                    c * r.width * r.height
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -1151,14 +1217,17 @@ impl FluxModel {
         &'g self,
         g: &'g Context,
         (w, h): (usize, usize),
-        n_ctx_tokens: usize,
+        s: &Sample<'_>,
         guided: bool,
-        masked: bool,
         kernel: AttnKernel,
     ) -> Result<(FluxInputs<'g>, Tensor<'g>, Vec<(String, Tensor<'g>)>)> {
         let cfg = &self.cfg;
         let (c, cd) = (cfg.latent_channels(), cfg.context_in_dim);
-        let tokens = (n_ctx_tokens + image_tokens(w, h, self.cfg.patch as usize)) as i64;
+        let (n_ctx_tokens, masked) = (s.n_ctx_tokens, self.masked(s));
+        let refs: Vec<(usize, usize)> = s.refs.iter().map(|r| (r.width, r.height)).collect();
+        let p = self.cfg.patch as usize;
+        let ref_tokens: usize = refs.iter().map(|&(rw, rh)| image_tokens(rw, rh, p)).sum();
+        let tokens = (n_ctx_tokens + image_tokens(w, h, p) + ref_tokens) as i64;
         let ins = FluxInputs {
             x: g.new_f32(&[w as i64, h as i64, c, 1]).set_name("x").set_input(),
             timestep: g.new_f32(&[1]).set_name("timestep").set_input(),
@@ -1172,6 +1241,11 @@ impl FluxModel {
                 .is_some()
                 .then(|| g.new_f32(&[chroma::MOD_INDEX_LEN as i64]).set_name("mod_index").set_input()),
             mask: masked.then(|| g.new_f32(&[tokens]).set_name("dit_mask").set_input()),
+            refs: refs
+                .iter()
+                .enumerate()
+                .map(|(k, &(rw, rh))| g.new_f32(&[rw as i64, rh as i64, c, 1]).set_name(&format!("ref{k}")).set_input())
+                .collect(),
         };
         let mut cuts = Vec::new();
         let out = forward(g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
@@ -1195,7 +1269,11 @@ impl FluxModel {
         if let (Some(t), Some(v)) = (ins.guidance, guidance) {
             t.set_f32(&[v])?;
         }
-        ins.pe.set_f32(&rope_pe(&self.cfg, s.n_ctx_tokens, (w, h)))?;
+        let refs: Vec<(usize, usize)> = s.refs.iter().map(|r| (r.width, r.height)).collect();
+        ins.pe.set_f32(&rope_pe_with_refs(&self.cfg, s.n_ctx_tokens, (w, h), &refs))?;
+        for (t, r) in ins.refs.iter().zip(s.refs) {
+            t.set_f32(&r.data)?;
+        }
         ins.eps.set_f32(&[EPS])?;
         if let Some(t) = ins.mod_index {
             t.set_f32(&chroma::mod_index_values())?;
@@ -1218,6 +1296,8 @@ struct Sample<'a> {
     context: &'a [f32],
     n_ctx_tokens: usize,
     y: &'a [f32],
+    /// FLUX.2's reference latents.
+    refs: &'a [crate::text::conditioning::ReferenceLatent],
 }
 
 /// FLUX as the pipeline evaluates it: each sample of a batch in a graph of its own (as the
@@ -1259,6 +1339,7 @@ impl crate::family::DiffusionModel for FluxModel {
                 context: &c.data,
                 n_ctx_tokens: c.n_tokens,
                 y: &c.vector,
+                refs: &c.references,
             });
         }
         Ok(self.eval_samples(runner, (w, h), &samples, guidance)?.concat())

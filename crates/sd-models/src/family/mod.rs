@@ -255,6 +255,14 @@ pub trait Family: Send + Sync + Debug {
     fn concat_channels(&self) -> usize {
         0
     }
+    /// Whether the diffusion model reads reference images (`-r`): their latents, encoded by
+    /// the family's VAE, as tokens beside the image's ([`Conditioning::references`]). False
+    /// unless the family says so; the pipeline refuses reference images then.
+    ///
+    /// [`Conditioning::references`]: crate::text::conditioning::Conditioning::references
+    fn reads_reference_images(&self) -> bool {
+        false
+    }
     /// Image sides are multiples of this (VAE scale x the diffusion model's down factor).
     fn spatial_multiple(&self) -> usize;
     /// A lower bound of the diffusion model's largest working tensor in bytes, for `tokens`

@@ -25,7 +25,7 @@ use crate::sampling::{
     img2img_sigmas, noised_latent, sample, sample_flow, txt2img_latent, Denoised, GuidedDenoiser, ModelInput,
     ModelOutput, NoiseRng, NoiseSchedule, Schedule, ScheduleContext, Step,
 };
-use crate::text::conditioning::Conditioning;
+use crate::text::conditioning::{Conditioning, ReferenceLatent};
 
 /// One stage's clock. Its laps (a module's load) and its own time go to the report; the whole
 /// stage's time goes to the log and, as [`Progress::Stage`], to the observer.
@@ -132,8 +132,16 @@ impl Pipeline {
     /// The generation's stages in order; a module is taken from `out.kept` when kept there and
     /// put back after its stage ([`KeptWeights`]).
     pub(super) fn run_stages(&self, request: &Request, out: &mut RunOutputs<'_, '_>) -> Result<Vec<Image>> {
-        let texts = self.encode_text(request, out)?;
+        let mut texts = self.encode_text(request, out)?;
         let start = self.prepare_start(request, out)?;
+        // Reference images: both conditionings read their latents, as in the reference.
+        let refs = self.encode_refs(request, out)?;
+        if !refs.is_empty() {
+            if let Some(u) = texts.uncond.as_mut() {
+                u.references = refs.clone();
+            }
+            texts.cond.references = refs;
+        }
         let latents = self.sample_latents(request, &texts, &start, out)?;
         self.decode_latents(request, latents, out)
     }
@@ -267,6 +275,61 @@ impl Pipeline {
     ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
         let p = &request.params;
         let image = crate::image_io::to_planar(image);
+        self.with_encoder(out, |vae, runner, progress| {
+            let mut rng = p.rng.seeded(p.seed);
+            let mut on_tile = |done: usize, tiles: usize| {
+                progress(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
+            };
+            let mut encode = |px: &[f32], rng: &mut dyn NoiseRng| {
+                let px = to_vae_range(vae, px);
+                encode_latent(vae, runner, &px, (p.width, p.height), &p.tiling, rng, &mut on_tile)
+            };
+            let init = encode(&image, rng.as_mut())?;
+            // The reference encodes the masked image next, drawing from the same generator.
+            let masked_latent = if masked {
+                let ones = vec![1.0; p.width * p.height];
+                let m = pixel_mask.unwrap_or(&ones);
+                Some(encode(&inpaint::masked_image(&image, m), rng.as_mut())?)
+            } else {
+                None
+            };
+            Ok((init, masked_latent))
+        })
+    }
+
+    /// The reference images' latents (`-r`), each at its size as `check_request` fitted it.
+    /// The generator is seeded with the request's seed; the one family that reads references
+    /// (FLUX.2) encodes to its VAE's mean and draws nothing from it.
+    fn encode_refs(&self, request: &Request, out: &mut RunOutputs<'_, '_>) -> Result<Vec<ReferenceLatent>> {
+        let p = &request.params;
+        if p.ref_images.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.with_encoder(out, |vae, runner, progress| {
+            let mut rng = p.rng.seeded(p.seed);
+            let images = p.ref_images.len();
+            let mut refs = Vec::with_capacity(images);
+            for (image, ref_image) in p.ref_images.iter().enumerate() {
+                let (w, h) = (ref_image.width, ref_image.height);
+                let mut on_tile = |done: usize, tiles: usize| {
+                    progress(Progress::Tile { stage: "reference image encode", image, images, done, tiles })
+                };
+                let px = to_vae_range(vae, &crate::image_io::to_planar(ref_image));
+                let data = encode_latent(vae, runner, &px, (w, h), &p.tiling, rng.as_mut(), &mut on_tile)?;
+                let s = vae.scale_factor();
+                refs.push(ReferenceLatent { data, width: w / s, height: h / s });
+            }
+            Ok(refs)
+        })
+    }
+
+    /// Runs `f` with the full VAE (encoder and decoder), its runner and the progress observer:
+    /// the VAE a server kept, else one loaded (and kept after, where the server keeps it).
+    fn with_encoder<T>(
+        &self,
+        out: &mut RunOutputs<'_, '_>,
+        f: impl FnOnce(&dyn FirstStage, &mut Runner, &mut dyn FnMut(Progress)) -> Result<T>,
+    ) -> Result<T> {
         let mut clock = StageClock::start("image encode");
         // A kept decoder without its encoder is freed for the full VAE.
         let reused = out.kept.as_deref_mut().and_then(|k| k.vae.take()).filter(|(encoder, _)| *encoder);
@@ -278,26 +341,7 @@ impl Pipeline {
         let start = vae.params().and_then(|w| kept::begin(w, was_kept));
         clock.lap(out.report, "vae load (encode)");
         let mut runner = self.runner(Module::Vae, &self.opts.devices.vae, None);
-        let mut rng = p.rng.seeded(p.seed);
-        let (init, masked_latent) = {
-            let mut on_tile = |done: usize, tiles: usize| {
-                (out.progress)(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
-            };
-            let mut encode = |px: &[f32], rng: &mut dyn NoiseRng| {
-                let px = to_vae_range(vae.as_ref(), px);
-                encode_latent(vae.as_ref(), &mut runner, &px, (p.width, p.height), &p.tiling, rng, &mut on_tile)
-            };
-            let init = encode(&image, rng.as_mut())?;
-            // The reference encodes the masked image next, drawing from the same generator.
-            let masked_latent = if masked {
-                let ones = vec![1.0; p.width * p.height];
-                let m = pixel_mask.unwrap_or(&ones);
-                Some(encode(&inpaint::masked_image(&image, m), rng.as_mut())?)
-            } else {
-                None
-            };
-            (init, masked_latent)
-        };
+        let result = f(vae.as_ref(), &mut runner, &mut *out.progress)?;
         if let Some(w) = vae.params() {
             record_module(out.report, Module::Vae, w, &runner);
             kept::record(out.report, Module::Vae, w, start);
@@ -306,7 +350,7 @@ impl Pipeline {
             k.vae = Some((true, vae));
         }
         clock.finish(out);
-        Ok((init, masked_latent))
+        Ok(result)
     }
 
     /// Sampling: every pass (the generated size, then the hires fix's target) of every image.

@@ -40,6 +40,22 @@ pub struct Conditioning {
     /// The token states are zero by design, not by a fault (SDXL's empty negative prompt,
     /// as the reference zeroes it): health checks skip them.
     pub zeroed: bool,
+    /// Latents the diffusion model reads beside the one it denoises (FLUX.2's reference
+    /// images, `-r`): the pipeline adds them to the prompt's and the negative prompt's
+    /// conditioning, as the reference hands them to both. Empty for a text-only conditioning.
+    pub references: Vec<ReferenceLatent>,
+}
+
+/// One reference image's latent: `channels x height x width` values, row-major (ggml
+/// `[width, height, channels]`), at the latent resolution the diffusion model reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceLatent {
+    /// The values.
+    pub data: Vec<f32>,
+    /// Latent columns.
+    pub width: usize,
+    /// Latent rows.
+    pub height: usize,
 }
 
 impl Conditioning {
@@ -49,9 +65,11 @@ impl Conditioning {
     }
 
     /// Whether `other` can share a batch with this one (same token count, width and vector
-    /// length).
+    /// length, reference latents of the same sizes).
     pub fn batches_with(&self, other: &Conditioning) -> bool {
-        self.shape() == other.shape() && self.vector.len() == other.vector.len()
+        let sizes =
+            |c: &Conditioning| c.references.iter().map(|r| (r.width, r.height, r.data.len())).collect::<Vec<_>>();
+        self.shape() == other.shape() && self.vector.len() == other.vector.len() && sizes(self) == sizes(other)
     }
 }
 
@@ -80,7 +98,7 @@ pub fn encode_prompt(
     }
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, "prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens, vector: Vec::new(), zeroed: false })
+    Ok(Conditioning { data, hidden_size, n_tokens, vector: Vec::new(), zeroed: false, references: Vec::new() })
 }
 
 /// Applies prompt weights to one chunk's hidden states (`hidden_size` values per token, one

@@ -478,6 +478,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
             eps: t[6],
             mod_index: None,
             mask: None,
+            refs: Vec::new(),
         };
         let mut cuts = Vec::new();
         let out = forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut cuts)?;
@@ -514,6 +515,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
             eps: t[6],
             mod_index: None,
             mask: None,
+            refs: Vec::new(),
         };
         forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut Vec::new())
     })
@@ -533,6 +535,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
             eps: t[0],
             mod_index: None,
             mask: None,
+            refs: Vec::new(),
         };
         forward(g, &w, &FluxConfig::schnell(), &fi, AttnKernel::Plain, &mut Vec::new())
     })
@@ -594,6 +597,7 @@ fn the_pipeline_interface_evaluates_each_sample_alone() {
         n_tokens: l,
         vector: inputs(cfg.vec_in_dim as usize, &format!("{seed}-y"), 1.0),
         zeroed: false,
+        references: Vec::new(),
     };
     let (a, b) = (cond("a"), cond("b"));
     let both = DiffusionModel::eval(&m, &mut runner, &x, (w, h), &[0.9, 0.2], &[&a, &b]).unwrap();

@@ -15,7 +15,9 @@
 //! `--cfg-scale` defaults to 1: klein is distilled to sample without classifier-free guidance
 //! in four steps (its base models want `--cfg-scale` set). `--flow-shift` does not move the
 //! shift (the reference derives it again for every run). `--taesd` takes TAEF2 ([`taef2`]).
-//! Reference images (`-r`) are not supported yet and are refused.
+//! Reference images (`-r`) are encoded by the VAE (resized as the reference does unless
+//! `--disable-auto-resize-ref-image`) and read by the DiT as tokens after the image's, for the
+//! prompt and the negative prompt alike (`crate::diffusion::flux::rope_pe_with_refs`).
 
 mod text;
 
@@ -206,6 +208,12 @@ impl Family for Flux2 {
             flash_attn: settings.flash_attn,
             guidance: settings.guidance,
         }))
+    }
+
+    /// Reference images (`-r`), FLUX.2's edits: their patched latents as tokens after the
+    /// image's, each on a RoPE index of its own.
+    fn reads_reference_images(&self) -> bool {
+        true
     }
 
     /// 128: the VAE's 32 channels in 2x2 patches.

@@ -68,7 +68,8 @@ fn taesd_file(z_channels: usize) -> PathBuf {
 }
 
 /// Runs a 64x64 FLUX generation (2 steps unless `extra` says) into `dir/name.png` (`extra` gives
-/// the prompt and the cfg scale); returns the PNG's bytes (None on failure), the run report and stderr.
+/// the prompt and the cfg scale); returns the image's pixels (None on failure; pixels, not the
+/// PNG's bytes, whose parameters differ with the prompt), the run report and stderr.
 fn run(dir: &Path, name: &str, extra: &[&str]) -> (Option<Vec<u8>>, Option<RunReport>, String) {
     run_dit(&files().dit, dir, name, extra)
 }
@@ -114,7 +115,7 @@ fn run_with(
         .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     // A batch writes `name_0.png`, ...: its caller reads them (empty here).
-    let png = o.status.success().then(|| std::fs::read(&out).unwrap_or_default());
+    let png = o.status.success().then(|| std::fs::read(&out).map(|b| pixels(&b)).unwrap_or_default());
     let report = std::fs::read_to_string(&report).ok().and_then(|s| RunReport::from_json(&s).ok());
     (png, report, stderr)
 }
@@ -291,7 +292,7 @@ fn flux_splits_over_two_rpc_servers_give_the_cpu_image() {
         let (_, report, err) = run(&d, name, &args);
         let report = report.unwrap_or_else(|| panic!("{name}: {err}"));
         let png = |i: usize| {
-            std::fs::read(d.join(format!("{name}_{i}.png"))).unwrap_or_else(|e| panic!("{name}: {e}\n{err}"))
+            pixels(&std::fs::read(d.join(format!("{name}_{i}.png"))).unwrap_or_else(|e| panic!("{name}: {e}\n{err}")))
         };
         (vec![png(0), png(1)], report)
     };
@@ -375,10 +376,9 @@ fn flux_schnell_gguf_runs_without_guidance_and_reads_comfyui_names() {
     // The same weights behind ComfyUI's prefix load as the same model, and schnell has no
     // guidance input, so --guidance changes nothing (the reference ignores it too): another
     // process, the same image bit for bit.
-    // (The PNGs' metadata names the model file, so the pixels are compared.)
     let (c, _, err) = run_dit(comfy, &d, "comfy", &[&CAT[..], &["--guidance", "1.0"]].concat());
     let c = c.unwrap_or_else(|| panic!("{err}"));
-    assert!(pixels(&c) == pixels(&a), "ComfyUI's names with --guidance 1 give BFL's image at 3.5: {err}");
+    assert!(c == a, "ComfyUI's names with --guidance 1 give BFL's image at 3.5: {err}");
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -472,10 +472,7 @@ fn flux_img2img_is_deterministic_and_reads_its_init_image() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// [`common::level_diff`] of two PNG files' bytes.
-fn level_diff(a: &[u8], b: &[u8]) -> (f64, u8) {
-    common::level_diff(&pixels(a), &pixels(b))
-}
+use common::level_diff;
 
 #[test]
 fn flux_loras_apply_in_every_layout_and_mode() {
@@ -519,7 +516,7 @@ fn flux_loras_apply_in_every_layout_and_mode() {
 
 /// The LoRA files `kohya`, `peft` (the same values, dotted names, no alpha) and `diffusers`
 /// (other values, split projections) in the lora directory `gen` (name, prompt, extra flags →
-/// PNG bytes) generates with: each reaches the image, kohya's at 1 is the dotted one's at 0.5
+/// pixels) generates with: each reaches the image, kohya's at 1 is the dotted one's at 0.5
 /// (kohya's alpha = rank / 2) bit for bit, multiplier 0 is no LoRA, and in the graph
 /// (`at_runtime`) equals merged within rounding. Returns the merged diffusers image.
 fn check_lora_layouts(gen: &impl Fn(&str, &str, &[&str]) -> Vec<u8>, base: &[u8]) -> Vec<u8> {
@@ -596,7 +593,7 @@ fn flux_reads_an_fp8_e4m3_t5_as_its_f16_values() {
     let a = a.unwrap_or_else(|| panic!("{err}"));
     let (b, rb, err) = run_with(dit, &widened, &d, "f16", &PLACED);
     let b = b.unwrap_or_else(|| panic!("{err}"));
-    assert!(pixels(&a) == pixels(&b), "the e4m3 T5 and its f16 values give different images");
+    assert!(a == b, "the e4m3 T5 and its f16 values give different images");
     let te = |r: Option<RunReport>| {
         let plan = r.expect("report").plan.expect("plan");
         plan.modules.iter().find(|m| m.module.name() == "te").unwrap().param_bytes
@@ -662,11 +659,11 @@ fn zimage_generates_reads_the_prompt_and_plans() {
         );
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "Z-Image generation failed:\n{err}");
-        (std::fs::read(&out).unwrap(), err)
+        (pixels(&std::fs::read(&out).unwrap()), err)
     };
     let (cat, err) = gen("cat", "a photo of a cat");
     assert!(err.contains("model: zimage") && err.contains("flow matching"), "{err}");
-    let px = pixels(&cat);
+    let px = &cat;
     assert_eq!(px.len(), 64 * 64 * 3);
     assert!(px.iter().any(|&v| v != px[0]), "a flat image");
     let (again, _) = gen("again", "a photo of a cat");
@@ -700,7 +697,7 @@ fn zimage_loras_apply_in_every_layout_and_mode() {
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "{name}:\n{err}");
         assert!(!err.contains("name no tensor"), "{name}: an adapter was not used:\n{err}");
-        std::fs::read(&out).unwrap()
+        pixels(&std::fs::read(&out).unwrap())
     };
     let base = gen("base", "a photo of a cat", &[]);
     check_lora_layouts(&gen, &base);
@@ -733,7 +730,7 @@ fn zimage_segmented_under_a_budget_gives_the_cpu_image() {
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "{name}:\n{err}");
         let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
-        (std::fs::read(&out).unwrap(), report, err)
+        (pixels(&std::fs::read(&out).unwrap()), report, err)
     };
     let (cpu, _, _) = gen("cpu", &["--backend", "cpu"]);
     let server = common::Server::start();
@@ -814,11 +811,11 @@ fn chroma_generates_with_its_negative_prompt_and_plans() {
         let o = chroma_cli(&[], true, true, &[&base[..], more, &["-o", out.to_str().unwrap()]].concat());
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "Chroma generation failed:\n{err}");
-        (std::fs::read(&out).unwrap(), err)
+        (pixels(&std::fs::read(&out).unwrap()), err)
     };
     let (cat, err) = gen("cat", "a photo of a cat", "blurry", &[]);
     assert!(err.contains("model: chroma") && err.contains("flow matching"), "{err}");
-    let px = pixels(&cat);
+    let px = &cat;
     assert_eq!(px.len(), 64 * 64 * 3);
     assert!(px.iter().any(|&v| v != px[0]), "a flat image");
     // The same seed gives the same image; the approximator's guidance input is 0 whatever
@@ -944,12 +941,12 @@ fn sd3_generates_reads_the_prompt_and_plans() {
         let o = sd3_cli(&[], true, true, &[&base[..], more].concat());
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "SD3 generation failed:\n{err}");
-        (std::fs::read(&out).unwrap(), err)
+        (pixels(&std::fs::read(&out).unwrap()), err)
     };
     let (cat, err) = gen("cat", "a photo of a cat", &[]);
     assert!(err.contains("model: sd3") && err.contains("flow matching"), "{err}");
     assert!(err.contains("no CLIP-L text encoder") && err.contains("no CLIP-G text encoder"), "{err}");
-    let px = pixels(&cat);
+    let px = &cat;
     assert_eq!(px.len(), 64 * 64 * 3);
     assert!(px.iter().any(|&v| v != px[0]), "a flat image");
     let (again, _) = gen("again", "a photo of a cat", &[]);
@@ -962,7 +959,7 @@ fn sd3_generates_reads_the_prompt_and_plans() {
     assert!(shifted != cat, "--flow-shift reaches the schedule");
     let taesd = taesd_file(16).display().to_string();
     let (tiny, _) = gen("taesd", "a photo of a cat", &["--taesd", &taesd]);
-    assert!(tiny != cat && pixels(&tiny).len() == 64 * 64 * 3, "TAESD3 decodes in place of the VAE");
+    assert!(tiny != cat && tiny.len() == 64 * 64 * 3, "TAESD3 decodes in place of the VAE");
     // `plan` from the headers: the MMDiT's joint blocks and T5's layers are the blocks.
     let o = sd3_cli(&["plan"], true, true, &[]);
     let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
@@ -991,7 +988,7 @@ fn sd3_loras_apply_in_every_layout_and_mode() {
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "{name}:\n{err}");
         assert!(!err.contains("name no tensor"), "{name}: an adapter was not used:\n{err}");
-        std::fs::read(&out).unwrap()
+        pixels(&std::fs::read(&out).unwrap())
     };
     let base = gen("base", "a photo of a cat", &[]);
     check_lora_layouts(&gen, &base);
@@ -1025,7 +1022,7 @@ fn sd3_segmented_under_a_budget_and_split_give_the_cpu_image() {
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(o.status.success(), "{name}:\n{err}");
         let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
-        (std::fs::read(&out).unwrap(), report, err)
+        (pixels(&std::fs::read(&out).unwrap()), report, err)
     };
     let (cpu, _, _) = gen("cpu", &["--backend", "cpu"]);
     let server = common::Server::start();

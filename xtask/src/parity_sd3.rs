@@ -17,7 +17,9 @@
 //! - `no negative`: another prompt, no negative prompt, the default cfg (7), 2 clip skip;
 //! - `taesd` (fixtures only): `txt2img`'s flags with a 16-channel tiny autoencoder (TAESD3's
 //!   layout, the TAEF1 fixture) in place of the VAE;
-//! - `img2img`: from the reference's `txt2img` image at strength 0.6.
+//! - `img2img`: from the reference's `txt2img` image at strength 0.6;
+//! - `slg`: `txt2img`'s flags with skip-layer guidance at 2.5 over blocks 7, 8 and 9 (the
+//!   default) on every step (`--skip-layer-end 1`), which must also change our image.
 //!
 //! With `--loras` (fixtures only) the `txt2img` case with a LoRA in each layout: the original
 //! dotted names and diffusers' names match; the reference drops every adapter of a kohya file
@@ -207,6 +209,14 @@ pub fn run(args: Args) -> Result<()> {
     let mut i2i = common(prompt, Some("blurry"), Some("5"));
     i2i.extend(["-i".into(), first.display().to_string(), "--strength".into(), "0.6".into()]);
     rows.push(generate(&sdref, &ours, &dir, &Case { name: "img2img", flags: i2i, files: files.clone() })?.0);
+    // Skip-layer guidance: the default blocks (7, 8, 9) left out of a third pass on every step.
+    let mut slg = common(prompt, Some("blurry, (low quality:1.2)"), Some("5"));
+    slg.extend(["--slg-scale", "2.5", "--skip-layer-end", "1"].map(String::from));
+    let (row, slg_png) = generate(&sdref, &ours, &dir, &Case { name: "slg", flags: slg, files: files.clone() })?;
+    rows.push(row);
+    let (effect, _) = crate::parity::png_diff(&slg_png.with_file_name("slg.ours.png"), &dir.join("txt2img.ours.png"))?;
+    println!("(slg: our image differs from txt2img's by {:.2} mean, {} max)", effect.mean_abs, effect.max_abs);
+    anyhow::ensure!(effect.max_abs > 0.0, "skip-layer guidance left our image as it was");
     if args.missing {
         let bare = checkpoint(false)?;
         for (name, flag, which) in [("clip_l only", "--clip_l", "clip_l"), ("clip_g only", "--clip_g", "clip_g")] {

@@ -52,6 +52,7 @@ fn flag(s: Setting) -> &'static str {
         Setting::HiresDenoisingStrength => "--hires-denoising-strength",
         Setting::Hires => "--hires",
         Setting::RefImage => "-r",
+        Setting::SlgScale => "--slg-scale",
     }
 }
 

@@ -108,6 +108,19 @@ pub struct GenerateArgs {
     /// instead of resizing it to the generated image's area.
     #[arg(long = "disable-auto-resize-ref-image")]
     pub disable_auto_resize_ref_image: bool,
+    /// Skip-layer guidance (SD3, SD3.5): how far each guided step moves away from the
+    /// prompt's prediction with --skip-layers left out (0: off; 2.5 is SD3.5 Medium's usual).
+    #[arg(long = "slg-scale", default_value_t = 0.0, allow_hyphen_values = true)]
+    pub slg_scale: f32,
+    /// Skip-layer guidance: the blocks left out, as the reference writes them ("[7,8,9]").
+    #[arg(long = "skip-layers", default_value = "[7,8,9]", value_name = "LIST")]
+    pub skip_layers: String,
+    /// Skip-layer guidance: where it starts, as a fraction of the steps.
+    #[arg(long = "skip-layer-start", default_value_t = 0.01, allow_hyphen_values = true)]
+    pub skip_layer_start: f32,
+    /// Skip-layer guidance: where it ends, as a fraction of the steps.
+    #[arg(long = "skip-layer-end", default_value_t = 0.2, allow_hyphen_values = true)]
+    pub skip_layer_end: f32,
     /// img2img: how much to change the init image (0..1).
     #[arg(long = "strength", default_value_t = 0.75)]
     pub strength: f32,
@@ -562,9 +575,40 @@ impl GenerateArgs {
             hires: self.hires.params()?,
             ref_images,
             auto_resize_ref_images: !self.disable_auto_resize_ref_image,
+            slg: self.skip_layer_guidance()?,
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }
+}
+
+impl GenerateArgs {
+    /// `--slg-scale` and its layers and range (None at scale 0, as the reference runs it).
+    fn skip_layer_guidance(&self) -> Result<Option<sd_models::sampling::SkipLayerGuidance>> {
+        let layers = parse_skip_layers(&self.skip_layers)?;
+        Ok((self.slg_scale != 0.0).then_some(sd_models::sampling::SkipLayerGuidance {
+            scale: self.slg_scale,
+            layers,
+            start: self.skip_layer_start,
+            end: self.skip_layer_end,
+        }))
+    }
+}
+
+/// `--skip-layers`: block numbers separated by commas, in brackets or not ("[7,8,9]", "7, 8").
+fn parse_skip_layers(s: &str) -> Result<Vec<usize>> {
+    let inner = s.trim();
+    let inner = inner.strip_prefix('[').and_then(|t| t.strip_suffix(']')).unwrap_or(inner);
+    if inner.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    inner
+        .split(',')
+        .map(|p| {
+            p.trim().parse::<usize>().map_err(|_| {
+                anyhow::anyhow!("--skip-layers {s}: '{}' is not a block number (expected e.g. [7,8,9])", p.trim())
+            })
+        })
+        .collect()
 }
 
 /// The hires fix's flags (the reference's names and defaults).

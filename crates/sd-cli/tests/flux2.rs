@@ -212,6 +212,9 @@ fn flux2_edits_with_reference_images_in_order_and_segmented() {
     let needles = ["-r 1 (100x40)", "multiples of 16"];
     check(&["-r", a, "-r", odd.to_str().unwrap(), "--disable-auto-resize-ref-image"], &["-r 2 (100x40)"]);
     check(&["-r", odd.to_str().unwrap(), "--disable-auto-resize-ref-image"], &needles);
+    // Skip-layer guidance: FLUX.2 has no layers to skip (SD3 has); a bad list is named.
+    check(&["--slg-scale", "2.5"], &["--slg-scale", "flux2-klein model has no layers to skip"]);
+    check(&["--slg-scale", "2.5", "--skip-layers", "[7,x]"], &["--skip-layers [7,x]", "'x' is not a block number"]);
     // A model that reads no references refuses them (the SD 1.5 fixture).
     let o = sd_cli()
         .arg("-m")

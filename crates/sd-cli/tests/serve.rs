@@ -395,6 +395,20 @@ fn bad_input_is_a_4xx_naming_the_field() {
         ),
         (
             "/sdcpp/v1/img_gen",
+            "skip layers that are no numbers",
+            r#"{"sample_params": {"guidance": {"slg": {"scale": 2.5, "layers": ["a"]}}}}"#.into(),
+            400,
+            Some("sample_params.guidance.slg.layers"),
+        ),
+        (
+            "/sdcpp/v1/img_gen",
+            "an infinite skip-layer scale",
+            r#"{"sample_params": {"guidance": {"slg": {"scale": 1e39}}}}"#.into(),
+            400,
+            Some("sample_params.guidance.slg.scale"),
+        ),
+        (
+            "/sdcpp/v1/img_gen",
             "lora traversal",
             r#"{"lora": [{"path": "../outside", "multiplier": 1}]}"#.into(),
             400,

@@ -238,6 +238,8 @@ pub enum Setting {
     Hires,
     /// [`GenerateParams::ref_images`].
     RefImage,
+    /// [`GenerateParams::slg`].
+    SlgScale,
 }
 
 impl Setting {
@@ -262,6 +264,7 @@ impl Setting {
             Setting::HiresDenoisingStrength => "hires denoising strength",
             Setting::Hires => "hires fix",
             Setting::RefImage => "reference image",
+            Setting::SlgScale => "skip-layer guidance scale",
         }
     }
 }
@@ -468,6 +471,9 @@ pub struct GenerateParams {
     /// unless `--disable-auto-resize-ref-image`. Without it each is encoded at its own size,
     /// whose sides must then be multiples of the model's ([`Pipeline::spatial_multiple`]).
     pub auto_resize_ref_images: bool,
+    /// Skip-layer guidance (`--slg-scale`, `--skip-layers`, `--skip-layer-start`,
+    /// `--skip-layer-end`; None or a scale of 0: off). SD3's MMDiT only.
+    pub slg: Option<crate::sampling::SkipLayerGuidance>,
 }
 
 /// The longest prompt (and negative prompt) accepted, in bytes. The reference has no limit;
@@ -566,6 +572,22 @@ impl GenerateParams {
                 format!("{:?}", self.control_strength),
                 format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
             );
+        }
+        if let Some(s) = &self.slg {
+            if !within(s.scale, MAX_GUIDANCE) {
+                return bad_setting(
+                    Setting::SlgScale,
+                    format!("{:?}", s.scale),
+                    format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
+                );
+            }
+            if !(s.start.is_finite() && s.end.is_finite()) {
+                return bad_setting(
+                    Setting::SlgScale,
+                    format!("(from {:?} to {:?})", s.start, s.end),
+                    "the skip layers' start and end must be finite fractions of the schedule",
+                );
+            }
         }
         // FLUX's schedule takes exp(shift) in f32 (overflows past 88).
         if let Some(shift) = self.flow_shift.filter(|&s| !within(s, MAX_FLOW_SHIFT)) {
@@ -1211,6 +1233,13 @@ impl Pipeline {
             *image = crate::image_io::resize_nearest(image, p.width, p.height);
         }
         self.fit_ref_images(&mut p)?;
+        if p.slg.as_ref().is_some_and(|s| s.scale != 0.0 && !s.layers.is_empty()) && !self.family.skips_layers() {
+            return bad_setting(
+                Setting::SlgScale,
+                "",
+                format!("the {} model has no layers to skip (SD3's MMDiT has)", self.family.arch()),
+            );
+        }
         self.check_model_limits(&p)?;
         if let Some(h) = &p.hires {
             if p.mask.is_some() || self.family.concat_channels() != 0 {
@@ -1457,6 +1486,7 @@ mod tests {
             hires: None,
             ref_images: Vec::new(),
             auto_resize_ref_images: true,
+            slg: None,
         }
     }
 

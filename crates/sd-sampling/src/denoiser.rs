@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use super::sampler::Denoised;
 use super::schedule::NoiseSchedule;
-use super::{parse_name, SamplingError, Step};
+use super::{parse_name, SamplingError, SkipLayerGuidance, Step};
 
 /// What the diffusion model predicts (`--prediction`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -117,6 +117,9 @@ pub struct ModelInput<'a> {
     pub step: Step,
     /// Whether the unconditional (negative-prompt) output is needed as well (`cfg != 1`).
     pub uncond: bool,
+    /// Skip-layer guidance at this evaluation: the blocks to leave out of a further evaluation
+    /// of the prompt's conditioning ([`ModelOutput::skipped`]).
+    pub skip_layers: Option<&'a [usize]>,
 }
 
 /// The model callback's answer: the conditional output, and the unconditional one if asked.
@@ -126,6 +129,9 @@ pub struct ModelOutput {
     pub cond: Vec<f32>,
     /// Output for the negative prompt's conditioning; required when [`ModelInput::uncond`] is set.
     pub uncond: Option<Vec<f32>>,
+    /// Output for the prompt's conditioning with [`ModelInput::skip_layers`] left out; required
+    /// when they are given.
+    pub skipped: Option<Vec<f32>>,
 }
 
 /// A denoiser for the samplers built from a raw model callback, a parameterisation, the
@@ -135,6 +141,7 @@ pub struct GuidedDenoiser<'s, F> {
     schedule: &'s dyn NoiseSchedule,
     prediction: Prediction,
     cfg_scale: f32,
+    slg: Option<SkipLayerGuidance>,
     model: F,
 }
 
@@ -150,7 +157,13 @@ impl<F> fmt::Debug for GuidedDenoiser<'_, F> {
 impl<'s, F> GuidedDenoiser<'s, F> {
     /// Wraps `model`; with `cfg_scale == 1` the unconditional pass is never requested.
     pub fn new(schedule: &'s dyn NoiseSchedule, prediction: Prediction, cfg_scale: f32, model: F) -> Self {
-        GuidedDenoiser { schedule, prediction, cfg_scale, model }
+        GuidedDenoiser { schedule, prediction, cfg_scale, slg: None, model }
+    }
+
+    /// With skip-layer guidance (`None` or a scale of 0: without).
+    pub fn with_skip_layer_guidance(mut self, slg: Option<SkipLayerGuidance>) -> Self {
+        self.slg = slg.filter(|s| s.scale != 0.0 && !s.layers.is_empty());
+        self
     }
 
     /// Whether each evaluation needs the unconditional output (the reference: `cfg != 1`).
@@ -181,10 +194,14 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         let timestep = self.schedule.sigma_to_t(sigma);
         let x_in: Vec<f32> = x.iter().map(|&v| v * c_in).collect();
         let uncond = self.uses_uncond();
-        let out = (self.model)(ModelInput { x: &x_in, timestep, sigma, step, uncond })?;
+        let slg = self.slg.as_ref().filter(|s| s.applies(step));
+        let skip_layers = slg.map(|s| s.layers.as_slice());
+        let out = (self.model)(ModelInput { x: &x_in, timestep, sigma, step, uncond, skip_layers })?;
         check_len("model output (cond)", x.len(), out.cond.len())?;
         let denoised =
             |pred: &[f32]| -> Vec<f32> { pred.iter().zip(x).map(|(&p, &xv)| p * c_out + xv * c_skip).collect() };
+        // The prompt's prediction before guidance, for skip-layer guidance.
+        let cond = slg.map(|_| out.cond.clone());
         let mut pred = out.cond;
         let mut uncond_denoised = None;
         if uncond {
@@ -198,6 +215,15 @@ impl<'s, F> GuidedDenoiser<'s, F> {
             let cfg = self.cfg_scale;
             for (p, &u) in pred.iter_mut().zip(&u) {
                 *p = u + cfg * (*p - u);
+            }
+        }
+        if let (Some(s), Some(cond)) = (slg, cond) {
+            let Some(skipped) = out.skipped else {
+                return Err(SamplingError::MissingSkipped.into());
+            };
+            check_len("model output (skipped layers)", x.len(), skipped.len())?;
+            for ((p, &c), &k) in pred.iter_mut().zip(&cond).zip(&skipped) {
+                *p += (c - k) * s.scale;
             }
         }
         let pred = denoised(&pred);

@@ -72,6 +72,41 @@ pub struct Step {
     /// Whether this is the step's last model evaluation (second-order samplers evaluate twice per
     /// step except on their final step): a progress display advances after it.
     pub last_eval: bool,
+    /// The first evaluation of a step of a sampler that evaluates twice per step (heun, dpm2,
+    /// dpm++2s_a, res_2s), which the reference numbers negative: skip-layer guidance never
+    /// applies to it ([`SkipLayerGuidance::applies`]).
+    pub leading: bool,
+}
+
+/// Skip-layer guidance (`--slg-scale`, `--skip-layers`, `--skip-layer-start`, `--skip-layer-end`),
+/// as the reference's `SkipLayerGuidance`: on the steps it applies to, the guided prediction
+/// moves by `scale (cond - skipped)`, `skipped` being the prompt's prediction with the
+/// diffusion model's blocks `layers` left out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SkipLayerGuidance {
+    /// The factor (0: off).
+    pub scale: f32,
+    /// The blocks left out (SD3's joint blocks; the reference's default 7, 8, 9).
+    pub layers: Vec<usize>,
+    /// The fraction of the schedule where it starts (default 0.01).
+    pub start: f32,
+    /// The fraction where it ends (default 0.2).
+    pub end: f32,
+}
+
+impl SkipLayerGuidance {
+    /// Whether it applies to the evaluation `step`: the reference numbers evaluations from 1
+    /// (a leading one negative) and takes those strictly between `start` and `end` of the
+    /// schedule's length (steps + 1), each cut to an integer.
+    pub fn applies(&self, step: Step) -> bool {
+        if self.layers.is_empty() || self.scale == 0.0 {
+            return false;
+        }
+        let size = (step.count + 1) as f32;
+        let (from, to) = ((self.start * size) as i64, (self.end * size) as i64);
+        let n = (step.index + 1) as i64 * if step.leading { -1 } else { 1 };
+        n > from && n < to
+    }
 }
 
 /// Errors of the sampling module: bad names, bad settings, inconsistent lengths.
@@ -125,6 +160,12 @@ pub enum SamplingError {
     /// Guidance is on (`cfg != 1`) but the model callback returned no unconditional output.
     #[error("classifier-free guidance needs the unconditional model output, but the model callback returned none")]
     MissingUncond,
+    /// Skip-layer guidance applies, but the model callback returned no prediction without the
+    /// skipped layers.
+    #[error(
+        "skip-layer guidance needs the model output without the skipped layers, but the model callback returned none"
+    )]
+    MissingSkipped,
     /// A vector whose length does not match the latent's.
     #[error("{what} has {got} values, expected {expected} (the latent's size)")]
     LengthMismatch {

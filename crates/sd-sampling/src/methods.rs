@@ -282,7 +282,7 @@ where
         let (sigma_from, sigma_to) = (sigmas[i], sigmas[i + 1]);
         let (sigma_down, sigma_up, alpha_scale) = ancestral(sigma_from, sigma_to, eta, flow);
         let single = sigma_down == 0.0 || sigma_from == 0.0;
-        let den = ev.pred(&x, sigma_from, i, single)?;
+        let den = ev.pred_leading(&x, sigma_from, i, single)?;
         if single {
             x = den;
         } else {

@@ -277,7 +277,26 @@ impl<D> Evals<'_, D> {
         R: Into<Denoised>,
         E: From<SamplingError>,
     {
-        let out: Denoised = (self.denoise)(x, sigma, Step { index, count: self.steps, last_eval })?.into();
+        self.eval(x, sigma, Step { index, count: self.steps, last_eval, leading: false })
+    }
+
+    /// [`Evals::pred`] for the first evaluation of a two-evaluation step ([`Step::leading`]).
+    pub fn pred_leading<R, E>(&mut self, x: &[f32], sigma: f32, index: usize, last_eval: bool) -> Result<Vec<f32>, E>
+    where
+        D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+        R: Into<Denoised>,
+        E: From<SamplingError>,
+    {
+        Ok(self.eval(x, sigma, Step { index, count: self.steps, last_eval, leading: true })?.pred)
+    }
+
+    fn eval<R, E>(&mut self, x: &[f32], sigma: f32, step: Step) -> Result<Denoised, E>
+    where
+        D: FnMut(&[f32], f32, Step) -> Result<R, E>,
+        R: Into<Denoised>,
+        E: From<SamplingError>,
+    {
+        let out: Denoised = (self.denoise)(x, sigma, step)?.into();
         if out.pred.len() != self.n {
             return Err(SamplingError::LengthMismatch {
                 what: "denoiser output",
@@ -487,7 +506,7 @@ where
 {
     for i in 0..ev.steps {
         let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-        let den = ev.pred(&x, s, i, s_next == 0.0)?;
+        let den = ev.pred_leading(&x, s, i, s_next == 0.0)?;
         let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
         let dt = s_next - s;
         if s_next == 0.0 {
@@ -516,7 +535,7 @@ where
 {
     for i in 0..ev.steps {
         let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-        let den = ev.pred(&x, s, i, s_next == 0.0)?;
+        let den = ev.pred_leading(&x, s, i, s_next == 0.0)?;
         let d: Vec<f32> = x.iter().zip(&den).map(|(&xv, &dv)| (xv - dv) / s).collect();
         if s_next == 0.0 {
             let dt = s_next - s;
@@ -554,7 +573,7 @@ where
     for i in 0..ev.steps {
         let (s, s_next) = (sigmas[i], sigmas[i + 1]);
         let (sigma_down, sigma_up) = ancestral_step(s, s_next, eta);
-        let den = ev.pred(&x, s, i, sigma_down == 0.0)?;
+        let den = ev.pred_leading(&x, s, i, sigma_down == 0.0)?;
         if sigma_down == 0.0 {
             x = den;
         } else {

@@ -540,9 +540,9 @@ fn guided_denoiser_matches_reference_composition() {
                 let t = m.timestep;
                 let cond = m.x.iter().enumerate().map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32).collect();
                 let uncond = m.x.iter().enumerate().map(|(i, &v)| 0.2 * v - 0.01 * i as f32).collect();
-                Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond) })
+                Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond), skipped: None })
             });
-            let step = Step { index: 0, count: 1, last_eval: true };
+            let step = Step { index: 0, count: 1, last_eval: true, leading: false };
             let got = den.denoise(&x, sigma, step).unwrap();
             assert_eq!(asked_uncond, Some(cfg != 1.0));
             let head = t
@@ -560,13 +560,13 @@ fn guided_denoiser_matches_reference_composition() {
 #[test]
 fn guided_denoiser_rejects_missing_uncond_and_wrong_lengths() {
     let schedule = DiscreteSchedule::sd();
-    let step = Step { index: 0, count: 1, last_eval: true };
+    let step = Step { index: 0, count: 1, last_eval: true, leading: false };
     let mut no_uncond = GuidedDenoiser::new(&schedule, Prediction::Eps, 5.0, |m: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput { cond: m.x.to_vec(), uncond: None })
+        Ok::<_, SamplingError>(ModelOutput { cond: m.x.to_vec(), uncond: None, skipped: None })
     });
     assert!(matches!(no_uncond.denoise(&[1.0, 2.0], 1.0, step), Err(SamplingError::MissingUncond)));
     let mut short = GuidedDenoiser::new(&schedule, Prediction::V, 1.0, |_: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput { cond: vec![0.0], uncond: None })
+        Ok::<_, SamplingError>(ModelOutput { cond: vec![0.0], uncond: None, skipped: None })
     });
     assert!(matches!(short.denoise(&[1.0, 2.0], 1.0, step), Err(SamplingError::LengthMismatch { got: 1, .. })));
 }
@@ -580,9 +580,9 @@ fn eps_denoiser_recovers_the_clean_latent_from_the_true_noise() {
     let sigma = 2.0_f32;
     let x: Vec<f32> = clean.iter().zip(&noise).map(|(c, n)| c + n * sigma).collect();
     let mut den = GuidedDenoiser::new(&schedule, Prediction::Eps, 1.0, |_: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput { cond: noise.to_vec(), uncond: None })
+        Ok::<_, SamplingError>(ModelOutput { cond: noise.to_vec(), uncond: None, skipped: None })
     });
-    let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true }).unwrap();
+    let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true, leading: false }).unwrap();
     for (g, c) in got.iter().zip(&clean) {
         assert!((g - c).abs() < 1e-6, "{got:?}");
     }
@@ -1048,9 +1048,9 @@ fn flow_guided_denoiser_matches_reference_composition() {
             let t = m.timestep;
             let cond = m.x.iter().enumerate().map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32).collect();
             let uncond = m.x.iter().enumerate().map(|(i, &v)| 0.2 * v - 0.01 * i as f32).collect();
-            Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond) })
+            Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond), skipped: None })
         });
-        let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true }).unwrap();
+        let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true, leading: false }).unwrap();
         let head = t.keys().find(|k| k.starts_with(&format!("flowguided flux1.15 {cfg} "))).expect("line").clone();
         let want_t: f32 = head.split_whitespace().nth(4).unwrap().parse().unwrap();
         assert_eq!(f.sigma_to_t(sigma).to_bits(), want_t.to_bits(), "{head}: timestep");
@@ -1091,4 +1091,53 @@ fn empirical_mu_follows_steps_and_image_size() {
     assert!(matches!(resolved, Schedule::Flow(r) if r.kind() == FlowShift::Exponential));
     // Unresolved, it runs as the exponential shift with its own value.
     assert_eq!(f.t_to_sigma(500.0), FlowSchedule::exponential(1.0).t_to_sigma(500.0));
+}
+
+/// Skip-layer guidance applies where the reference's does: evaluations numbered from 1, a
+/// leading one (heun's first) negative, strictly between start and end of steps + 1, each cut
+/// to an integer; and it moves the guided prediction by `scale (cond - skipped)`.
+#[test]
+fn skip_layer_guidance_applies_on_the_reference_steps_and_adds_its_term() {
+    use crate::SkipLayerGuidance;
+    let slg = SkipLayerGuidance { scale: 2.5, layers: vec![7, 8, 9], start: 0.01, end: 0.2 };
+    let at = |index, count, leading| slg.applies(Step { index, count, last_eval: true, leading });
+    // 20 steps: 21 sigmas, 0.21 -> 0 and 4.2 -> 4: evaluations 1, 2 and 3.
+    let on: Vec<usize> = (0..20).filter(|&i| at(i, 20, false)).collect();
+    assert_eq!(on, [0, 1, 2]);
+    assert!((0..20).all(|i| !at(i, 20, true)), "a leading evaluation is never guided");
+    // 2 steps: 0.6 -> 0, nothing; up to the end (1.0: 3) both.
+    assert!(!at(0, 2, false) && !at(1, 2, false));
+    let whole = SkipLayerGuidance { end: 1.0, ..slg.clone() };
+    assert!(whole.applies(Step { index: 1, count: 2, last_eval: true, leading: false }));
+    assert!(!SkipLayerGuidance { scale: 0.0, ..whole.clone() }.applies(Step {
+        index: 1,
+        count: 2,
+        last_eval: true,
+        leading: false
+    }));
+
+    let schedule = FlowSchedule::linear(3.0);
+    let x = [0.5_f32, -1.0, 2.0];
+    let (cond, uncond, skipped) = ([1.0_f32, 2.0, 3.0], [0.5_f32, 0.5, 0.5], [0.0_f32, 1.0, 5.0]);
+    let mut asked = Vec::new();
+    let mut den = GuidedDenoiser::new(&schedule, Prediction::Eps, 4.0, |m: ModelInput<'_>| {
+        asked.push(m.skip_layers.map(<[usize]>::to_vec));
+        Ok::<_, SamplingError>(ModelOutput {
+            cond: cond.to_vec(),
+            uncond: Some(uncond.to_vec()),
+            skipped: m.skip_layers.map(|_| skipped.to_vec()),
+        })
+    })
+    .with_skip_layer_guidance(Some(whole.clone()));
+    let sigma = 0.5_f32;
+    let got = den.denoise(&x, sigma, Step { index: 1, count: 2, last_eval: true, leading: false }).unwrap();
+    let plain = den.denoise(&x, sigma, Step { index: 1, count: 2, last_eval: true, leading: true }).unwrap();
+    drop(den);
+    assert_eq!(asked, [Some(vec![7, 8, 9]), None]);
+    for i in 0..3 {
+        let guided = uncond[i] + 4.0 * (cond[i] - uncond[i]);
+        let want = |p: f32| x[i] - sigma * p;
+        assert!((got[i] - want(guided + 2.5 * (cond[i] - skipped[i]))).abs() < 1e-5, "{got:?}");
+        assert!((plain[i] - want(guided)).abs() < 1e-5, "{plain:?}");
+    }
 }

@@ -312,15 +312,8 @@ fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
             return Err(ApiError::unsupported(f, "this image input"));
         }
     }
-    for f in ["sample_params.custom_sigmas", "sample_params.guidance.slg.layers"] {
-        if let Some(v) = field::<Vec<Value>>(body, f)? {
-            if !v.is_empty() && f != "sample_params.guidance.slg.layers" {
-                return Err(ApiError::unsupported(f, "a non-empty list"));
-            }
-        }
-    }
-    if number(body, "sample_params.guidance.slg.scale")?.is_some_and(|s| s != 0.0) {
-        return Err(ApiError::unsupported("sample_params.guidance.slg.scale", "skip-layer guidance"));
+    if field::<Vec<Value>>(body, "sample_params.custom_sigmas")?.is_some_and(|v| !v.is_empty()) {
+        return Err(ApiError::unsupported("sample_params.custom_sigmas", "a non-empty list"));
     }
     if field::<i64>(body, "sample_params.shifted_timestep")?.is_some_and(|s| s != 0) {
         return Err(ApiError::unsupported("sample_params.shifted_timestep", "a shifted timestep"));
@@ -357,6 +350,7 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::HiresDenoisingStrength => "hires.denoising_strength",
         Setting::Hires => "hires.enabled",
         Setting::RefImage => "ref_images",
+        Setting::SlgScale => "sample_params.guidance.slg.scale",
     }
 }
 
@@ -416,6 +410,13 @@ pub(crate) fn native(body: &Value, config: &Config) -> Result<JobSpec, ApiError>
         p.guidance = v;
     }
     number(body, "sample_params.guidance.img_cfg")?;
+    // Skip-layer guidance, with the reference's defaults for what is left out.
+    let slg_scale = number(body, "sample_params.guidance.slg.scale")?.unwrap_or(0.0);
+    let layers = field::<Vec<usize>>(body, "sample_params.guidance.slg.layers")?.unwrap_or_else(|| vec![7, 8, 9]);
+    let start = number(body, "sample_params.guidance.slg.layer_start")?.unwrap_or(0.01);
+    let end = number(body, "sample_params.guidance.slg.layer_end")?.unwrap_or(0.2);
+    p.slg =
+        (slg_scale != 0.0).then_some(sd_models::sampling::SkipLayerGuidance { scale: slg_scale, layers, start, end });
     if let Some(s) = field::<String>(body, "init_image")? {
         if !s.is_empty() {
             p.init_image = Some(image("init_image", &s)?);

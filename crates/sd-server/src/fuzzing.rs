@@ -55,6 +55,7 @@ impl Harness {
             hires: None,
             ref_images: Vec::new(),
             auto_resize_ref_images: true,
+            slg: None,
         };
         let config = Config {
             listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -211,7 +211,7 @@ async fn capabilities(State(state): State<AppState>) -> Json<Value> {
                 "txt_cfg": d.cfg_scale,
                 "img_cfg": null,
                 "distilled_guidance": d.guidance,
-                "slg": {"layers": [], "layer_start": 0.01, "layer_end": 0.2, "scale": 0.0},
+                "slg": {"layers": [7, 8, 9], "layer_start": 0.01, "layer_end": 0.2, "scale": 0.0},
             },
         },
         "lora": [],

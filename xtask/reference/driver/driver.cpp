@@ -273,6 +273,13 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
     static int skip_layers[]           = {7, 8, 9};
     g.sample_params.guidance.slg.layers      = skip_layers;
     g.sample_params.guidance.slg.layer_count = 3;
+    if (o->skip_layer_count > 0) {
+        g.sample_params.guidance.slg.layers      = const_cast<int*>(o->skip_layers);
+        g.sample_params.guidance.slg.layer_count = (size_t)o->skip_layer_count;
+    }
+    g.sample_params.guidance.slg.scale       = o->slg_scale;
+    g.sample_params.guidance.slg.layer_start = o->skip_layer_start;
+    g.sample_params.guidance.slg.layer_end   = o->skip_layer_end;
     g.sample_params.guidance.txt_cfg         = o->cfg_scale;
     g.sample_params.sample_steps             = o->steps;
 

@@ -77,6 +77,11 @@ struct RawGenOpts {
     ref_count: c_int,
     ref_images: *const RawImage,
     auto_resize_ref_image: bool,
+    slg_scale: f32,
+    skip_layer_count: c_int,
+    skip_layers: *const c_int,
+    skip_layer_start: f32,
+    skip_layer_end: f32,
 }
 
 #[repr(C)]
@@ -506,6 +511,8 @@ pub struct GenOptions {
     pub refs: Vec<(u32, u32, Vec<u8>)>,
     /// The CLI's default: resize each reference image to the image's area.
     pub auto_resize_ref_image: bool,
+    /// Skip-layer guidance: scale (0: off), layers (empty: 7, 8, 9), start, end.
+    pub slg: (f32, Vec<i32>, f32, f32),
 }
 
 /// The library's `sd_hires_params_t` (the CLI's `--hires-*` flags).
@@ -700,6 +707,11 @@ impl Context {
             ref_count: refs.len() as c_int,
             ref_images: if refs.is_empty() { ptr::null() } else { refs.as_ptr() },
             auto_resize_ref_image: o.auto_resize_ref_image,
+            slg_scale: o.slg.0,
+            skip_layer_count: o.slg.1.len() as c_int,
+            skip_layers: if o.slg.1.is_empty() { ptr::null() } else { o.slg.1.as_ptr() },
+            skip_layer_start: o.slg.2,
+            skip_layer_end: o.slg.3,
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

@@ -244,6 +244,16 @@ struct Txt2Img {
     /// A reference image (PNG, RGB, of any size; repeat for several).
     #[arg(short = 'r', long = "ref-image")]
     ref_image: Vec<PathBuf>,
+    /// Skip-layer guidance scale (0: off).
+    #[arg(long = "slg-scale", default_value_t = 0.0)]
+    slg_scale: f32,
+    /// Skip-layer guidance's blocks, "[7,8,9]" as the CLI takes them.
+    #[arg(long = "skip-layers", default_value = "[7,8,9]")]
+    skip_layers: String,
+    #[arg(long = "skip-layer-start", default_value_t = 0.01)]
+    skip_layer_start: f32,
+    #[arg(long = "skip-layer-end", default_value_t = 0.2)]
+    skip_layer_end: f32,
     /// Encode reference images at their own sizes (the CLI's flag).
     #[arg(long = "disable-auto-resize-ref-image")]
     disable_auto_resize_ref_image: bool,
@@ -653,6 +663,17 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         }),
         refs: a.ref_image.iter().map(|p| read_png_rgb(p)).collect::<Res<Vec<_>>>()?,
         auto_resize_ref_image: !a.disable_auto_resize_ref_image,
+        slg: (
+            a.slg_scale,
+            a.skip_layers
+                .trim_matches(|c| c == '[' || c == ']')
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| s.trim().parse::<i32>().map_err(|_| format!("--skip-layers {}: bad number", a.skip_layers)))
+                .collect::<Res<Vec<_>>>()?,
+            a.skip_layer_start,
+            a.skip_layer_end,
+        ),
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

@@ -263,6 +263,12 @@ pub trait Family: Send + Sync + Debug {
     fn reads_reference_images(&self) -> bool {
         false
     }
+    /// Whether the diffusion model can leave blocks out for skip-layer guidance
+    /// ([`DiffusionModel::eval_skipping_layers`]; `--slg-scale`). False unless the family says
+    /// so; the pipeline refuses skip-layer guidance then.
+    fn skips_layers(&self) -> bool {
+        false
+    }
     /// Image sides are multiples of this (VAE scale x the diffusion model's down factor).
     fn spatial_multiple(&self) -> usize;
     /// A lower bound of the diffusion model's largest working tensor in bytes, for `tokens`
@@ -337,6 +343,21 @@ pub trait DiffusionModel {
         timesteps: &[f32],
         cond: &[&Conditioning],
     ) -> Result<Vec<f32>>;
+
+    /// [`DiffusionModel::eval`] with the blocks `skip` left out (skip-layer guidance). The
+    /// default has no blocks to skip: an error naming the model ([`Family::skips_layers`] says
+    /// which families have them).
+    fn eval_skipping_layers(
+        &self,
+        _runner: &mut Runner,
+        _x: &[f32],
+        _dims: (usize, usize),
+        _timesteps: &[f32],
+        _cond: &[&Conditioning],
+        _skip: &[usize],
+    ) -> Result<Vec<f32>> {
+        Err(PipelineError::Invalid("skip-layer guidance is not implemented for this diffusion model".into()))
+    }
 
     /// [`DiffusionModel::eval`] with a ControlNet's residuals for the batch (`None`: none). The
     /// default takes none: residuals are an error naming the model.

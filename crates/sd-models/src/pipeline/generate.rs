@@ -519,7 +519,8 @@ impl Pipeline {
             }
             Ok(out)
         };
-        let mut denoiser = GuidedDenoiser::new(&start.schedule, self.prediction, request.cfg_scale, model);
+        let mut denoiser = GuidedDenoiser::new(&start.schedule, self.prediction, request.cfg_scale, model)
+            .with_skip_layer_guidance(p.slg.clone());
         let with_uncond = request.method.needs_uncond_denoised();
         let mut step_start = Instant::now();
         let mut denoise = |x: &[f32], sigma: f32, step: Step| -> Result<Denoised> {
@@ -722,7 +723,7 @@ fn eval_pass(
         }
     };
     let texts = pass.texts;
-    eval_guided(
+    let mut out = eval_guided(
         pass.unet,
         runner,
         x,
@@ -732,7 +733,13 @@ fn eval_pass(
         &texts.cond,
         texts.uncond.as_ref().filter(|_| inp.uncond),
         control.map(|c| (c, inp.x)),
-    )
+    )?;
+    // Skip-layer guidance: the prompt's prediction again, some blocks left out.
+    if let Some(layers) = inp.skip_layers {
+        let (times, conds) = (vec![inp.timestep; images], vec![&texts.cond; images]);
+        out.skipped = Some(pass.unet.eval_skipping_layers(runner, x, pass.dims, &times, &conds, layers)?);
+    }
+    Ok(out)
 }
 
 /// Pixels in `[0, 1]` in the range the VAE takes.
@@ -776,7 +783,7 @@ fn eval_guided(
         None => {
             let r = residuals(1, &conds)?;
             let c = model.eval_controlled(runner, x, dims, &times, &conds, r.as_ref())?;
-            Ok(ModelOutput { cond: c, uncond: None })
+            Ok(ModelOutput { cond: c, uncond: None, skipped: None })
         }
         Some(u) if u.batches_with(cond) => {
             let mut xx = Vec::with_capacity(2 * x.len());
@@ -788,7 +795,7 @@ fn eval_guided(
             let mut out = model.eval_controlled(runner, &xx, dims, &times2, &both, r.as_ref())?;
             // Each half is one output per image (an inpainting UNet's input has more channels).
             let un = out.split_off(out.len() / 2);
-            Ok(ModelOutput { cond: out, uncond: Some(un) })
+            Ok(ModelOutput { cond: out, uncond: Some(un), skipped: None })
         }
         Some(u) => {
             let r = residuals(1, &conds)?;
@@ -796,7 +803,7 @@ fn eval_guided(
             let uncs = vec![u; images];
             let r = residuals(1, &uncs)?;
             let un = model.eval_controlled(runner, x, dims, &times, &uncs, r.as_ref())?;
-            Ok(ModelOutput { cond: c, uncond: Some(un) })
+            Ok(ModelOutput { cond: c, uncond: Some(un), skipped: None })
         }
     }
 }

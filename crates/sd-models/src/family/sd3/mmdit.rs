@@ -566,8 +566,9 @@ struct MmditInputs<'g> {
     pub y: Tensor<'g>,
 }
 
-/// The MMDiT graph: the latent `[W, H, C, 1]` to the prediction of the same shape. Pushes the
-/// cuts described in the module documentation.
+/// The MMDiT graph: the latent `[W, H, C, 1]` to the prediction of the same shape, the joint
+/// blocks of `skip` left out (skip-layer guidance: their streams pass unchanged, as in the
+/// reference). Pushes the cuts described in the module documentation.
 fn forward<'g>(
     g: &'g Context,
     w: &Weights,
@@ -575,6 +576,7 @@ fn forward<'g>(
     inputs: &MmditInputs<'g>,
     kernel: AttnKernel,
     cuts: &mut Vec<(String, Tensor<'g>)>,
+    skip: &[usize],
 ) -> Result<Tensor<'g>> {
     let (wd, ht, _) = crate::diffusion::check_dit_inputs(
         MODEL,
@@ -615,6 +617,7 @@ fn forward<'g>(
                 cuts.push(("mmdit.prelude.c".into(), c));
                 cuts.push(("mmdit.prelude.context".into(), ctx));
             }
+            Block::Joint(i) if skip.contains(&i) => {}
             Block::Joint(i) => {
                 let Some(ctx) = context else {
                     return Err(DiffusionError::Config {
@@ -675,11 +678,26 @@ impl MmditModel {
         &self,
         runner: &mut sd_sched::Runner,
         x: &[f32],
-        (w, h): (usize, usize),
+        dims: (usize, usize),
         t: f32,
         context: &[f32],
         n_ctx_tokens: usize,
         y: &[f32],
+    ) -> Result<Vec<f32>> {
+        self.eval_skipping(runner, x, dims, t, (context, n_ctx_tokens), y, &[])
+    }
+
+    /// [`MmditModel::eval_one`] with the joint blocks of `skip` left out.
+    #[allow(clippy::too_many_arguments)]
+    fn eval_skipping(
+        &self,
+        runner: &mut sd_sched::Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        t: f32,
+        (context, n_ctx_tokens): (&[f32], usize),
+        y: &[f32],
+        skip: &[usize],
     ) -> Result<Vec<f32>> {
         let bad = |reason: String| Err(DiffusionError::Input { model: MODEL, reason });
         let cfg = &self.cfg;
@@ -712,7 +730,7 @@ impl MmditModel {
             y: g.new_f32(&[adm as i64, 1]).set_name("y").set_input(),
         };
         let mut cuts = Vec::new();
-        let out = forward(&g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
+        let out = forward(&g, &self.weights, cfg, &ins, kernel, &mut cuts, skip)?.set_output();
         let mut set_inputs = || -> std::result::Result<(), sd_sched::SchedError> {
             ins.x.set_f32(x)?;
             ins.timestep.set_f32(&[t])?;
@@ -744,6 +762,22 @@ impl crate::family::DiffusionModel for MmditModel {
         let input = (per, self.cfg.context_size as usize, "context_embedder");
         crate::diffusion::eval_each(MODEL, input, x, timesteps, cond, |xi, t, c| {
             self.eval_one(runner, xi, (w, h), t, &c.data, c.n_tokens, &c.vector)
+        })
+    }
+
+    fn eval_skipping_layers(
+        &self,
+        runner: &mut sd_sched::Runner,
+        x: &[f32],
+        (w, h): (usize, usize),
+        timesteps: &[f32],
+        cond: &[&crate::text::conditioning::Conditioning],
+        skip: &[usize],
+    ) -> crate::pipeline::Result<Vec<f32>> {
+        let per = self.cfg.in_channels as usize * w * h;
+        let input = (per, self.cfg.context_size as usize, "context_embedder");
+        crate::diffusion::eval_each(MODEL, input, x, timesteps, cond, |xi, t, c| {
+            self.eval_skipping(runner, xi, (w, h), t, (&c.data, c.n_tokens), &c.vector, skip)
         })
     }
 }

@@ -180,6 +180,11 @@ impl Family for Sd3 {
         Ok(Box::new(MmditModel { cfg: self.dit.clone(), weights, flash_attn: settings.flash_attn }))
     }
 
+    /// Skip-layer guidance (`--slg-scale`) leaves joint blocks out.
+    fn skips_layers(&self) -> bool {
+        true
+    }
+
     fn latent_channels(&self) -> usize {
         self.dit.in_channels as usize
     }

@@ -17,8 +17,8 @@
 //! negative prompt and cfg 3 (both passes of the guidance), and edits with reference images
 //! (`-r`): the first image and a 100x40 pattern resized to the image's area (96x48), then a
 //! 256x160 pattern at its own size (160 tokens, ten times the image's) (`--disable-auto-resize-ref-image`) with the negative prompt
-//! at cfg 3 (the references in both passes); each must also change our image (as must the
-//! LoRAs). The PNGs are compared with the issue's image bound (`Tolerance::PNG`), the large
+//! at cfg 3 (the references in both passes), skip-layer guidance over the second double block and
+//! the first single one; each must also change our image (as must the LoRAs). The PNGs are compared with the issue's image bound (`Tolerance::PNG`), the large
 //! reference's with a mean of at most half a level.
 
 use std::path::PathBuf;
@@ -185,6 +185,23 @@ pub fn run(args: Args) -> Result<()> {
             None,
         ),
         (
+            "slg".into(),
+            "png skip-layer guidance 2 over blocks 1 and 2".into(),
+            strings(&[
+                "-p",
+                &args.prompt,
+                "--cfg-scale",
+                "1",
+                "--slg-scale",
+                "2",
+                "--skip-layers",
+                "[1,2]",
+                "--skip-layer-end",
+                "1",
+            ]),
+            None,
+        ),
+        (
             "refs".into(),
             "png 2 reference images, auto-resized".into(),
             strings(&["-p", &args.prompt, "--cfg-scale", "1", "-r", &first_s, "-r", &wide]),
@@ -229,7 +246,7 @@ pub fn run(args: Args) -> Result<()> {
         // What the LoRA or the references change, against the same run without them: a case
         // whose addition changed nothing would compare nothing.
         let without = match name.as_str() {
-            n if n.starts_with("lora") || n == "refs" => Some("txt2img"),
+            n if n.starts_with("lora") || n == "refs" || n == "slg" => Some("txt2img"),
             "refs-cfg" => Some("negative"),
             _ => None,
         };

@@ -212,8 +212,7 @@ fn flux2_edits_with_reference_images_in_order_and_segmented() {
     let needles = ["-r 1 (100x40)", "multiples of 16"];
     check(&["-r", a, "-r", odd.to_str().unwrap(), "--disable-auto-resize-ref-image"], &["-r 2 (100x40)"]);
     check(&["-r", odd.to_str().unwrap(), "--disable-auto-resize-ref-image"], &needles);
-    // Skip-layer guidance: FLUX.2 has no layers to skip (SD3 has); a bad list is named.
-    check(&["--slg-scale", "2.5"], &["--slg-scale", "flux2-klein model has no layers to skip"]);
+    // Skip-layer guidance: a bad list of blocks is named.
     check(&["--slg-scale", "2.5", "--skip-layers", "[7,x]"], &["--skip-layers [7,x]", "'x' is not a block number"]);
     // A model that reads no references refuses them (the SD 1.5 fixture).
     let o = sd_cli()
@@ -224,6 +223,15 @@ fn flux2_edits_with_reference_images_in_order_and_segmented() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.code() == Some(2) && err.contains("reads no reference images"), "{err}");
+    // Nor has its UNet blocks to skip for skip-layer guidance (the DiTs have).
+    let o = sd_cli()
+        .arg("-m")
+        .arg(common::sd15_fixture())
+        .args(["-p", "x", "-W", "64", "-H", "64", "--slg-scale", "2", "-o", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains("--slg-scale: the sd1 model has no layers to skip"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -1237,7 +1237,10 @@ impl Pipeline {
             return bad_setting(
                 Setting::SlgScale,
                 "",
-                format!("the {} model has no layers to skip (SD3's MMDiT has)", self.family.arch()),
+                format!(
+                    "the {} model has no layers to skip (the DiTs of SD3, FLUX and Chroma have)",
+                    self.family.arch()
+                ),
             );
         }
         self.check_model_limits(&p)?;

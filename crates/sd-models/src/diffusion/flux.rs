@@ -955,6 +955,20 @@ pub fn forward<'g>(
     kernel: AttnKernel,
     cuts: &mut Vec<(String, Tensor<'g>)>,
 ) -> Result<Tensor<'g>> {
+    forward_skipping(g, w, cfg, inputs, kernel, cuts, &[])
+}
+
+/// [`forward`] with the blocks of `skip` left out (skip-layer guidance), numbered as the
+/// reference numbers them: the double blocks from 0, then the single blocks after them.
+fn forward_skipping<'g>(
+    g: &'g Context,
+    w: &Weights,
+    cfg: &FluxConfig,
+    inputs: &FluxInputs<'g>,
+    kernel: AttnKernel,
+    cuts: &mut Vec<(String, Tensor<'g>)>,
+    skip: &[usize],
+) -> Result<Tensor<'g>> {
     check_inputs(cfg, inputs)?;
     let [wd, ht, _, _] = inputs.x.shape();
     let _span = tracing::trace_span!("flux.forward", double = cfg.depth, single = cfg.depth_single_blocks).entered();
@@ -1018,6 +1032,8 @@ pub fn forward<'g>(
                 cuts.push(("flux.prelude.vec".into(), vec));
                 shared = Some(Shared { vec, pe: inputs.pe, eps: inputs.eps, kernel, mask: None, shared_mods });
             }
+            Block::Double(i) if skip.contains(&i) => {}
+            Block::Single(i) if skip.contains(&(i + cfg.depth)) => {}
             Block::Double(i) => {
                 let s = shared.as_ref().expect("the prelude comes first");
                 (img, txt) = double_block(g, w, cfg, i, img, txt, s)?;
@@ -1104,7 +1120,7 @@ impl FluxModel {
         y: &[f32],
         guidance: Option<f32>,
     ) -> Result<Vec<f32>> {
-        let sample = Sample { x, timestep, context, n_ctx_tokens, y, refs: &[] };
+        let sample = Sample { x, timestep, context, n_ctx_tokens, y, refs: &[], skip: &[] };
         Ok(self.eval_samples(runner, (w, h), &[sample], guidance)?.remove(0))
     }
 
@@ -1248,7 +1264,7 @@ impl FluxModel {
                 .collect(),
         };
         let mut cuts = Vec::new();
-        let out = forward(g, &self.weights, cfg, &ins, kernel, &mut cuts)?.set_output();
+        let out = forward_skipping(g, &self.weights, cfg, &ins, kernel, &mut cuts, s.skip)?.set_output();
         Ok((ins, out, cuts))
     }
 
@@ -1298,6 +1314,8 @@ struct Sample<'a> {
     y: &'a [f32],
     /// FLUX.2's reference latents.
     refs: &'a [crate::text::conditioning::ReferenceLatent],
+    /// The blocks left out (skip-layer guidance; see [`forward_skipping`]).
+    skip: &'a [usize],
 }
 
 /// FLUX as the pipeline evaluates it: each sample of a batch in a graph of its own (as the
@@ -1314,9 +1332,21 @@ impl crate::family::DiffusionModel for FluxModel {
         &self,
         runner: &mut sd_sched::Runner,
         x: &[f32],
+        dims: (usize, usize),
+        timesteps: &[f32],
+        cond: &[&crate::text::conditioning::Conditioning],
+    ) -> crate::pipeline::Result<Vec<f32>> {
+        self.eval_skipping_layers(runner, x, dims, timesteps, cond, &[])
+    }
+
+    fn eval_skipping_layers(
+        &self,
+        runner: &mut sd_sched::Runner,
+        x: &[f32],
         (w, h): (usize, usize),
         timesteps: &[f32],
         cond: &[&crate::text::conditioning::Conditioning],
+        skip: &[usize],
     ) -> crate::pipeline::Result<Vec<f32>> {
         let per = self.cfg.latent_channels() as usize * w * h;
         super::check_batch(MODEL, per, x.len(), timesteps.len(), cond.len())?;
@@ -1340,6 +1370,7 @@ impl crate::family::DiffusionModel for FluxModel {
                 n_ctx_tokens: c.n_tokens,
                 y: &c.vector,
                 refs: &c.references,
+                skip,
             });
         }
         Ok(self.eval_samples(runner, (w, h), &samples, guidance)?.concat())

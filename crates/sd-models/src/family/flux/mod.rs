@@ -167,6 +167,12 @@ impl Family for Flux {
         }))
     }
 
+    /// Skip-layer guidance (`--slg-scale`) leaves blocks out: the double blocks numbered from 0,
+    /// the single blocks after them.
+    fn skips_layers(&self) -> bool {
+        true
+    }
+
     fn latent_channels(&self) -> usize {
         self.dit.latent_channels() as usize
     }

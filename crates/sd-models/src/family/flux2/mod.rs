@@ -216,6 +216,12 @@ impl Family for Flux2 {
         true
     }
 
+    /// Skip-layer guidance (`--slg-scale`) leaves blocks out: the double blocks numbered from 0,
+    /// the single blocks after them.
+    fn skips_layers(&self) -> bool {
+        true
+    }
+
     /// 128: the VAE's 32 channels in 2x2 patches.
     fn latent_channels(&self) -> usize {
         self.dit.latent_channels() as usize

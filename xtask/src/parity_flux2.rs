@@ -18,7 +18,8 @@
 //! (`-r`): the first image and a 100x40 pattern resized to the image's area (96x48), then a
 //! 256x160 pattern at its own size (160 tokens, ten times the image's) (`--disable-auto-resize-ref-image`) with the negative prompt
 //! at cfg 3 (the references in both passes), skip-layer guidance over the second double block and
-//! the first single one; each must also change our image (as must the LoRAs). The PNGs are compared with the issue's image bound (`Tolerance::PNG`), the large
+//! the first single one, the two references again with the image guidance at 2.5 (the negative
+//! prompt with and without them); each must also change our image (as must the LoRAs). The PNGs are compared with the issue's image bound (`Tolerance::PNG`), the large
 //! reference's with a mean of at most half a level.
 
 use std::path::PathBuf;
@@ -208,6 +209,12 @@ pub fn run(args: Args) -> Result<()> {
             None,
         ),
         (
+            "refs-img-cfg".into(),
+            "png 2 references, image guidance 2.5 (3 passes)".into(),
+            strings(&["-p", &args.prompt, "--cfg-scale", "1", "-r", &first_s, "-r", &wide, "--img-cfg-scale", "2.5"]),
+            None,
+        ),
+        (
             "refs-cfg".into(),
             "png reference 256x160 as it is, negative, cfg 3".into(),
             strings(&[
@@ -248,6 +255,7 @@ pub fn run(args: Args) -> Result<()> {
         let without = match name.as_str() {
             n if n.starts_with("lora") || n == "refs" || n == "slg" => Some("txt2img"),
             "refs-cfg" => Some("negative"),
+            "refs-img-cfg" => Some("refs"),
             _ => None,
         };
         if let Some(base) = without {

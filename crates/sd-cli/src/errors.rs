@@ -53,6 +53,7 @@ fn flag(s: Setting) -> &'static str {
         Setting::Hires => "--hires",
         Setting::RefImage => "-r",
         Setting::SlgScale => "--slg-scale",
+        Setting::ImgCfgScale => "--img-cfg-scale",
     }
 }
 

@@ -108,7 +108,12 @@ pub struct GenerateArgs {
     /// instead of resizing it to the generated image's area.
     #[arg(long = "disable-auto-resize-ref-image")]
     pub disable_auto_resize_ref_image: bool,
-    /// Skip-layer guidance (SD3, SD3.5): how far each guided step moves away from the
+    /// Image guidance with reference images (-r, FLUX.2): how far each step moves from the
+    /// negative prompt without the references toward it with them (three passes; default 1,
+    /// off). Ignored with a warning by a model without reference images, as in the reference.
+    #[arg(long = "img-cfg-scale", allow_hyphen_values = true)]
+    pub img_cfg_scale: Option<f32>,
+    /// Skip-layer guidance (SD3/SD3.5, FLUX, Chroma, FLUX.2): how far each step moves away from the
     /// prompt's prediction with --skip-layers left out (0: off; 2.5 is SD3.5 Medium's usual).
     #[arg(long = "slg-scale", default_value_t = 0.0, allow_hyphen_values = true)]
     pub slg_scale: f32,
@@ -576,6 +581,7 @@ impl GenerateArgs {
             ref_images,
             auto_resize_ref_images: !self.disable_auto_resize_ref_image,
             slg: self.skip_layer_guidance()?,
+            img_cfg_scale: self.img_cfg_scale,
         };
         Ok((params.validate().map_err(crate::errors::with_flag)?, loras))
     }

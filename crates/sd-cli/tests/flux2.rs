@@ -176,6 +176,9 @@ fn flux2_edits_with_reference_images_in_order_and_segmented() {
     let ab = gen("ab", &["-r", a, "-r", b]);
     let ba = gen("ba", &["-r", b, "-r", a]);
     assert!(ab != one && ba != ab, "a second reference counts, and their order does");
+    // The image guidance: three passes with references, ignored without (as the reference).
+    assert!(gen("ab-img-cfg", &["-r", a, "-r", b, "--img-cfg-scale", "2"]) != ab, "--img-cfg-scale ignored");
+    assert!(gen("img-cfg-alone", &["--img-cfg-scale", "2"]) == plain, "image guidance without references");
     // Auto-resized, the 64x64 reference takes the 64x48 image's area (48x48); at its own size
     // (whole latents) it is encoded as it is.
     let own = gen("own", &["-r", a, "--disable-auto-resize-ref-image"]);

@@ -240,6 +240,8 @@ pub enum Setting {
     RefImage,
     /// [`GenerateParams::slg`].
     SlgScale,
+    /// [`GenerateParams::img_cfg_scale`].
+    ImgCfgScale,
 }
 
 impl Setting {
@@ -265,6 +267,7 @@ impl Setting {
             Setting::Hires => "hires fix",
             Setting::RefImage => "reference image",
             Setting::SlgScale => "skip-layer guidance scale",
+            Setting::ImgCfgScale => "image guidance scale",
         }
     }
 }
@@ -474,6 +477,11 @@ pub struct GenerateParams {
     /// Skip-layer guidance (`--slg-scale`, `--skip-layers`, `--skip-layer-start`,
     /// `--skip-layer-end`; None or a scale of 0: off). SD3's MMDiT only.
     pub slg: Option<crate::sampling::SkipLayerGuidance>,
+    /// `--img-cfg-scale`: the image guidance scale of the reference's three-pass guidance, where
+    /// the model reads images beside the latent (FLUX.2 with reference images: the negative
+    /// prompt once with them, once without). None: 1, off; a model without such images
+    /// ignores it with a warning, as the reference does.
+    pub img_cfg_scale: Option<f32>,
 }
 
 /// The longest prompt (and negative prompt) accepted, in bytes. The reference has no limit;
@@ -570,6 +578,13 @@ impl GenerateParams {
             return bad_setting(
                 Setting::ControlStrength,
                 format!("{:?}", self.control_strength),
+                format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
+            );
+        }
+        if let Some(v) = self.img_cfg_scale.filter(|&v| !within(v, MAX_GUIDANCE)) {
+            return bad_setting(
+                Setting::ImgCfgScale,
+                format!("{v:?}"),
                 format!("must be a finite number from -{MAX_GUIDANCE} to {MAX_GUIDANCE}"),
             );
         }
@@ -674,6 +689,8 @@ pub struct Request {
     method: SampleMethod,
     scheduler: Scheduler,
     cfg_scale: f32,
+    /// The image guidance scale in use (1: off; see [`GenerateParams::img_cfg_scale`]).
+    img_cfg: f32,
 }
 
 impl Request {
@@ -1281,7 +1298,38 @@ impl Pipeline {
             let (tw, th) = h.target_size(p.width, p.height);
             (h.width, h.height) = align_up(tw, th, self.spatial_multiple());
         }
-        Ok(Request { params: p, method, scheduler, cfg_scale })
+        let img_cfg = self.image_guidance(&p)?;
+        Ok(Request { params: p, method, scheduler, cfg_scale, img_cfg })
+    }
+
+    /// The image guidance scale the run uses: the request's where the model reads reference
+    /// images and has some, else 1 (a warning where another was asked, as the reference);
+    /// refused for an inpainting model, whose image guidance is not implemented.
+    fn image_guidance(&self, p: &GenerateParams) -> Result<f32> {
+        let v = p.img_cfg_scale.unwrap_or(1.0);
+        if v == 1.0 {
+            return Ok(1.0);
+        }
+        if self.family.reads_reference_images() && !p.ref_images.is_empty() {
+            return Ok(v);
+        }
+        if self.family.concat_channels() != 0 {
+            return bad_setting(
+                Setting::ImgCfgScale,
+                v,
+                "the image guidance of inpainting models is not implemented by sd-rs yet",
+            );
+        }
+        tracing::warn!(
+            "--img-cfg-scale {v} ignored: the {} model {} (three-pass guidance needs reference images)",
+            self.family.arch(),
+            if self.family.reads_reference_images() {
+                "has no reference images (-r)"
+            } else {
+                "reads no reference images"
+            }
+        );
+        Ok(1.0)
     }
 
     /// Reference images: refused by a model that reads none; resized as the reference's
@@ -1490,6 +1538,7 @@ mod tests {
             ref_images: Vec::new(),
             auto_resize_ref_images: true,
             slg: None,
+            img_cfg_scale: None,
         }
     }
 

@@ -115,8 +115,13 @@ pub struct ModelInput<'a> {
     pub sigma: f32,
     /// Which sampling step this evaluation belongs to.
     pub step: Step,
-    /// Whether the unconditional (negative-prompt) output is needed as well (`cfg != 1`).
+    /// Whether the unconditional (negative-prompt) output is needed as well (the reference:
+    /// `cfg` differs from the image guidance scale, 1 unless set).
     pub uncond: bool,
+    /// Whether the image-unconditional output is needed as well (an image guidance scale other
+    /// than 1): the negative prompt without the images the model reads beside the latent
+    /// (FLUX.2's reference images).
+    pub img_uncond: bool,
     /// Skip-layer guidance at this evaluation: the blocks to leave out of a further evaluation
     /// of the prompt's conditioning ([`ModelOutput::skipped`]).
     pub skip_layers: Option<&'a [usize]>,
@@ -132,6 +137,9 @@ pub struct ModelOutput {
     /// Output for the prompt's conditioning with [`ModelInput::skip_layers`] left out; required
     /// when they are given.
     pub skipped: Option<Vec<f32>>,
+    /// Output for the image-unconditional conditioning; required when [`ModelInput::img_uncond`]
+    /// is set.
+    pub img_uncond: Option<Vec<f32>>,
 }
 
 /// A denoiser for the samplers built from a raw model callback, a parameterisation, the
@@ -141,6 +149,8 @@ pub struct GuidedDenoiser<'s, F> {
     schedule: &'s dyn NoiseSchedule,
     prediction: Prediction,
     cfg_scale: f32,
+    /// The image guidance scale (`--img-cfg-scale`; 1: off).
+    img_cfg: f32,
     slg: Option<SkipLayerGuidance>,
     model: F,
 }
@@ -157,7 +167,14 @@ impl<F> fmt::Debug for GuidedDenoiser<'_, F> {
 impl<'s, F> GuidedDenoiser<'s, F> {
     /// Wraps `model`; with `cfg_scale == 1` the unconditional pass is never requested.
     pub fn new(schedule: &'s dyn NoiseSchedule, prediction: Prediction, cfg_scale: f32, model: F) -> Self {
-        GuidedDenoiser { schedule, prediction, cfg_scale, slg: None, model }
+        GuidedDenoiser { schedule, prediction, cfg_scale, img_cfg: 1.0, slg: None, model }
+    }
+
+    /// With an image guidance scale (`--img-cfg-scale`; 1: off): the reference's three-pass
+    /// guidance `img_uncond + img_cfg (uncond - img_uncond) + cfg (cond - uncond)`.
+    pub fn with_image_guidance(mut self, img_cfg: f32) -> Self {
+        self.img_cfg = img_cfg;
+        self
     }
 
     /// With skip-layer guidance (`None` or a scale of 0: without).
@@ -166,9 +183,10 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         self
     }
 
-    /// Whether each evaluation needs the unconditional output (the reference: `cfg != 1`).
+    /// Whether each evaluation needs the unconditional output (the reference: `cfg` differs from
+    /// the image guidance scale, 1 unless set).
     fn uses_uncond(&self) -> bool {
-        self.cfg_scale != 1.0
+        self.cfg_scale != self.img_cfg
     }
 
     /// The denoised estimate of `x` at `sigma`: one model evaluation (cond and, if guided, uncond).
@@ -194,9 +212,10 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         let timestep = self.schedule.sigma_to_t(sigma);
         let x_in: Vec<f32> = x.iter().map(|&v| v * c_in).collect();
         let uncond = self.uses_uncond();
+        let img_uncond = self.img_cfg != 1.0;
         let slg = self.slg.as_ref().filter(|s| s.applies(step));
         let skip_layers = slg.map(|s| s.layers.as_slice());
-        let out = (self.model)(ModelInput { x: &x_in, timestep, sigma, step, uncond, skip_layers })?;
+        let out = (self.model)(ModelInput { x: &x_in, timestep, sigma, step, uncond, img_uncond, skip_layers })?;
         check_len("model output (cond)", x.len(), out.cond.len())?;
         let denoised =
             |pred: &[f32]| -> Vec<f32> { pred.iter().zip(x).map(|(&p, &xv)| p * c_out + xv * c_skip).collect() };
@@ -204,18 +223,46 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         let cond = slg.map(|_| out.cond.clone());
         let mut pred = out.cond;
         let mut uncond_denoised = None;
-        if uncond {
+        let u = if uncond {
             let Some(u) = out.uncond else {
                 return Err(SamplingError::MissingUncond.into());
             };
             check_len("model output (uncond)", x.len(), u.len())?;
-            if with_uncond {
-                uncond_denoised = Some(denoised(&u));
+            Some(u)
+        } else {
+            None
+        };
+        let iu = if img_uncond {
+            let Some(iu) = out.img_uncond else {
+                return Err(SamplingError::MissingUncond.into());
+            };
+            check_len("model output (image uncond)", x.len(), iu.len())?;
+            Some(iu)
+        } else {
+            None
+        };
+        // CFG++ takes the image-unconditional output, else the unconditional one.
+        if with_uncond {
+            uncond_denoised = iu.as_deref().or(u.as_deref()).map(&denoised);
+        }
+        let (cfg, img_cfg) = (self.cfg_scale, self.img_cfg);
+        match (&u, &iu) {
+            (Some(u), Some(iu)) => {
+                for ((p, &u), &iu) in pred.iter_mut().zip(u).zip(iu) {
+                    *p = iu + img_cfg * (u - iu) + cfg * (*p - u);
+                }
             }
-            let cfg = self.cfg_scale;
-            for (p, &u) in pred.iter_mut().zip(&u) {
-                *p = u + cfg * (*p - u);
+            (Some(u), None) => {
+                for (p, &u) in pred.iter_mut().zip(u) {
+                    *p = u + cfg * (*p - u);
+                }
             }
+            (None, Some(iu)) => {
+                for (p, &iu) in pred.iter_mut().zip(iu) {
+                    *p = iu + cfg * (*p - iu);
+                }
+            }
+            (None, None) => {}
         }
         if let (Some(s), Some(cond)) = (slg, cond) {
             let Some(skipped) = out.skipped else {

@@ -540,7 +540,12 @@ fn guided_denoiser_matches_reference_composition() {
                 let t = m.timestep;
                 let cond = m.x.iter().enumerate().map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32).collect();
                 let uncond = m.x.iter().enumerate().map(|(i, &v)| 0.2 * v - 0.01 * i as f32).collect();
-                Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond), skipped: None })
+                Ok::<_, SamplingError>(ModelOutput {
+                    cond,
+                    uncond: m.uncond.then_some(uncond),
+                    skipped: None,
+                    img_uncond: None,
+                })
             });
             let step = Step { index: 0, count: 1, last_eval: true, leading: false };
             let got = den.denoise(&x, sigma, step).unwrap();
@@ -562,11 +567,11 @@ fn guided_denoiser_rejects_missing_uncond_and_wrong_lengths() {
     let schedule = DiscreteSchedule::sd();
     let step = Step { index: 0, count: 1, last_eval: true, leading: false };
     let mut no_uncond = GuidedDenoiser::new(&schedule, Prediction::Eps, 5.0, |m: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput { cond: m.x.to_vec(), uncond: None, skipped: None })
+        Ok::<_, SamplingError>(ModelOutput { cond: m.x.to_vec(), uncond: None, skipped: None, img_uncond: None })
     });
     assert!(matches!(no_uncond.denoise(&[1.0, 2.0], 1.0, step), Err(SamplingError::MissingUncond)));
     let mut short = GuidedDenoiser::new(&schedule, Prediction::V, 1.0, |_: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput { cond: vec![0.0], uncond: None, skipped: None })
+        Ok::<_, SamplingError>(ModelOutput { cond: vec![0.0], uncond: None, skipped: None, img_uncond: None })
     });
     assert!(matches!(short.denoise(&[1.0, 2.0], 1.0, step), Err(SamplingError::LengthMismatch { got: 1, .. })));
 }
@@ -580,7 +585,7 @@ fn eps_denoiser_recovers_the_clean_latent_from_the_true_noise() {
     let sigma = 2.0_f32;
     let x: Vec<f32> = clean.iter().zip(&noise).map(|(c, n)| c + n * sigma).collect();
     let mut den = GuidedDenoiser::new(&schedule, Prediction::Eps, 1.0, |_: ModelInput<'_>| {
-        Ok::<_, SamplingError>(ModelOutput { cond: noise.to_vec(), uncond: None, skipped: None })
+        Ok::<_, SamplingError>(ModelOutput { cond: noise.to_vec(), uncond: None, skipped: None, img_uncond: None })
     });
     let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true, leading: false }).unwrap();
     for (g, c) in got.iter().zip(&clean) {
@@ -1048,7 +1053,12 @@ fn flow_guided_denoiser_matches_reference_composition() {
             let t = m.timestep;
             let cond = m.x.iter().enumerate().map(|(i, &v)| 0.3 * v + 0.001 * t * (i + 1) as f32).collect();
             let uncond = m.x.iter().enumerate().map(|(i, &v)| 0.2 * v - 0.01 * i as f32).collect();
-            Ok::<_, SamplingError>(ModelOutput { cond, uncond: m.uncond.then_some(uncond), skipped: None })
+            Ok::<_, SamplingError>(ModelOutput {
+                cond,
+                uncond: m.uncond.then_some(uncond),
+                skipped: None,
+                img_uncond: None,
+            })
         });
         let got = den.denoise(&x, sigma, Step { index: 0, count: 1, last_eval: true, leading: false }).unwrap();
         let head = t.keys().find(|k| k.starts_with(&format!("flowguided flux1.15 {cfg} "))).expect("line").clone();
@@ -1126,6 +1136,7 @@ fn skip_layer_guidance_applies_on_the_reference_steps_and_adds_its_term() {
             cond: cond.to_vec(),
             uncond: Some(uncond.to_vec()),
             skipped: m.skip_layers.map(|_| skipped.to_vec()),
+            img_uncond: None,
         })
     })
     .with_skip_layer_guidance(Some(whole.clone()));
@@ -1140,4 +1151,49 @@ fn skip_layer_guidance_applies_on_the_reference_steps_and_adds_its_term() {
         assert!((got[i] - want(guided + 2.5 * (cond[i] - skipped[i]))).abs() < 1e-5, "{got:?}");
         assert!((plain[i] - want(guided)).abs() < 1e-5, "{plain:?}");
     }
+}
+
+/// The image guidance scale, as the reference's `ClassifierFreeGuidance`: with both negative
+/// passes `iu + img_cfg (u - iu) + cfg (c - u)`; with img_cfg = cfg only the image-unconditional
+/// pass (`iu + cfg (c - iu)`); at 1 the two-pass guidance as before.
+#[test]
+fn image_guidance_takes_the_passes_the_reference_takes() {
+    let schedule = FlowSchedule::linear(3.0);
+    let x = [0.5_f32, -1.0, 2.0];
+    let (c, u, iu) = ([1.0_f32, 2.0, 3.0], [0.5_f32, 0.25, -0.5], [0.0_f32, 1.0, 4.0]);
+    let sigma = 0.5_f32;
+    let step = Step { index: 0, count: 1, last_eval: true, leading: false };
+    let run = |cfg: f32, img_cfg: f32| {
+        let mut asked = None;
+        let got = GuidedDenoiser::new(&schedule, Prediction::Eps, cfg, |m: ModelInput<'_>| {
+            asked = Some((m.uncond, m.img_uncond));
+            Ok::<_, SamplingError>(ModelOutput {
+                cond: c.to_vec(),
+                uncond: m.uncond.then(|| u.to_vec()),
+                skipped: None,
+                img_uncond: m.img_uncond.then(|| iu.to_vec()),
+            })
+        })
+        .with_image_guidance(img_cfg)
+        .denoise(&x, sigma, step)
+        .unwrap();
+        (got, asked.unwrap())
+    };
+    let check = |got: &[f32], pred: &dyn Fn(usize) -> f32| {
+        for i in 0..3 {
+            assert!((got[i] - (x[i] - sigma * pred(i))).abs() < 1e-5, "{got:?}");
+        }
+    };
+    let (got, asked) = run(3.0, 2.0);
+    assert_eq!(asked, (true, true));
+    check(&got, &|i| iu[i] + 2.0 * (u[i] - iu[i]) + 3.0 * (c[i] - u[i]));
+    let (got, asked) = run(3.0, 3.0);
+    assert_eq!(asked, (false, true));
+    check(&got, &|i| iu[i] + 3.0 * (c[i] - iu[i]));
+    let (got, asked) = run(3.0, 1.0);
+    assert_eq!(asked, (true, false));
+    check(&got, &|i| u[i] + 3.0 * (c[i] - u[i]));
+    let (got, asked) = run(1.0, 1.0);
+    assert_eq!(asked, (false, false));
+    check(&got, &|i| c[i]);
 }

@@ -351,6 +351,7 @@ fn setting_field(s: Setting) -> &'static str {
         Setting::Hires => "hires.enabled",
         Setting::RefImage => "ref_images",
         Setting::SlgScale => "sample_params.guidance.slg.scale",
+        Setting::ImgCfgScale => "sample_params.guidance.img_cfg",
     }
 }
 
@@ -409,7 +410,9 @@ pub(crate) fn native(body: &Value, config: &Config) -> Result<JobSpec, ApiError>
     if let Some(v) = number(body, "sample_params.guidance.distilled_guidance")? {
         p.guidance = v;
     }
-    number(body, "sample_params.guidance.img_cfg")?;
+    if let Some(v) = number(body, "sample_params.guidance.img_cfg")? {
+        p.img_cfg_scale = Some(v);
+    }
     // Skip-layer guidance, with the reference's defaults for what is left out.
     let slg_scale = number(body, "sample_params.guidance.slg.scale")?.unwrap_or(0.0);
     let layers = field::<Vec<usize>>(body, "sample_params.guidance.slg.layers")?.unwrap_or_else(|| vec![7, 8, 9]);

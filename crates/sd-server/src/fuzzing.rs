@@ -56,6 +56,7 @@ impl Harness {
             ref_images: Vec::new(),
             auto_resize_ref_images: true,
             slg: None,
+            img_cfg_scale: None,
         };
         let config = Config {
             listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),

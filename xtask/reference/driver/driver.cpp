@@ -14,6 +14,7 @@
 
 #include "sdref_driver.h"
 
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -280,6 +281,9 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
     g.sample_params.guidance.slg.scale       = o->slg_scale;
     g.sample_params.guidance.slg.layer_start = o->skip_layer_start;
     g.sample_params.guidance.slg.layer_end   = o->skip_layer_end;
+    if (!std::isnan(o->img_cfg_scale)) {
+        g.sample_params.guidance.img_cfg = o->img_cfg_scale;
+    }
     g.sample_params.guidance.txt_cfg         = o->cfg_scale;
     g.sample_params.sample_steps             = o->steps;
 

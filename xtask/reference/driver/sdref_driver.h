@@ -91,6 +91,7 @@ typedef struct {
     const int* skip_layers;
     float skip_layer_start;
     float skip_layer_end;
+    float img_cfg_scale;            /* --img-cfg-scale; NaN: not set (the library's INFINITY) */
 } sdref_gen_opts;
 
 typedef struct sdref_image_s {

@@ -82,6 +82,7 @@ struct RawGenOpts {
     skip_layers: *const c_int,
     skip_layer_start: f32,
     skip_layer_end: f32,
+    img_cfg_scale: f32,
 }
 
 #[repr(C)]
@@ -513,6 +514,8 @@ pub struct GenOptions {
     pub auto_resize_ref_image: bool,
     /// Skip-layer guidance: scale (0: off), layers (empty: 7, 8, 9), start, end.
     pub slg: (f32, Vec<i32>, f32, f32),
+    /// `--img-cfg-scale` (None: not set).
+    pub img_cfg: Option<f32>,
 }
 
 /// The library's `sd_hires_params_t` (the CLI's `--hires-*` flags).
@@ -712,6 +715,7 @@ impl Context {
             skip_layers: if o.slg.1.is_empty() { ptr::null() } else { o.slg.1.as_ptr() },
             skip_layer_start: o.slg.2,
             skip_layer_end: o.slg.3,
+            img_cfg_scale: o.img_cfg.unwrap_or(f32::NAN),
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

@@ -244,6 +244,9 @@ struct Txt2Img {
     /// A reference image (PNG, RGB, of any size; repeat for several).
     #[arg(short = 'r', long = "ref-image")]
     ref_image: Vec<PathBuf>,
+    /// Image guidance scale (default: not set).
+    #[arg(long = "img-cfg-scale")]
+    img_cfg_scale: Option<f32>,
     /// Skip-layer guidance scale (0: off).
     #[arg(long = "slg-scale", default_value_t = 0.0)]
     slg_scale: f32,
@@ -674,6 +677,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
             a.skip_layer_start,
             a.skip_layer_end,
         ),
+        img_cfg: a.img_cfg_scale,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;

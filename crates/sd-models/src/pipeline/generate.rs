@@ -65,10 +65,12 @@ pub(super) struct RunOutputs<'r, 'k> {
     pub progress: &'r mut dyn FnMut(Progress),
 }
 
-/// The text stage's result: the prompt's conditioning and, with guidance, the negative prompt's.
+/// The text stage's result: the prompt's conditioning and, with guidance, the negative prompt's;
+/// with the image guidance the negative prompt's again without the reference images.
 struct Texts {
     cond: Conditioning,
     uncond: Option<Conditioning>,
+    img_uncond: Option<Conditioning>,
 }
 
 /// Where sampling starts: the schedule, the first pass's sigmas, and for img2img and inpainting
@@ -142,6 +144,10 @@ impl Pipeline {
             }
             texts.cond.references = refs;
         }
+        if request.img_cfg != 1.0 {
+            // The image guidance's negative pass: the negative prompt without the references.
+            texts.img_uncond = texts.uncond.clone().map(|u| Conditioning { references: Vec::new(), ..u });
+        }
         let latents = self.sample_latents(request, &texts, &start, out)?;
         self.decode_latents(request, latents, out)
     }
@@ -168,7 +174,8 @@ impl Pipeline {
             negative,
         };
         let cond = model.encode(&mut runner, &text(&p.prompt, false))?;
-        let guided = request.cfg_scale != 1.0;
+        // The negative prompt for classifier-free guidance and for the image guidance.
+        let guided = request.cfg_scale != request.img_cfg || request.img_cfg != 1.0;
         let uncond = if guided { Some(model.encode(&mut runner, &text(&p.negative_prompt, true))?) } else { None };
         health::check("text encoder (prompt)", &cond.data, ACTIVATIONS);
         // A conditioning may be zero by design (SDXL's empty negative prompt).
@@ -188,7 +195,7 @@ impl Pipeline {
             k.te = Some(model);
         }
         clock.finish(out);
-        Ok(Texts { cond, uncond })
+        Ok(Texts { cond, uncond, img_uncond: None })
     }
 
     /// Start: the schedule and its sigmas and, for img2img and inpainting, the init image's
@@ -520,7 +527,8 @@ impl Pipeline {
             Ok(out)
         };
         let mut denoiser = GuidedDenoiser::new(&start.schedule, self.prediction, request.cfg_scale, model)
-            .with_skip_layer_guidance(p.slg.clone());
+            .with_skip_layer_guidance(p.slg.clone())
+            .with_image_guidance(request.img_cfg);
         let with_uncond = request.method.needs_uncond_denoised();
         let mut step_start = Instant::now();
         let mut denoise = |x: &[f32], sigma: f32, step: Step| -> Result<Denoised> {
@@ -734,6 +742,11 @@ fn eval_pass(
         texts.uncond.as_ref().filter(|_| inp.uncond),
         control.map(|c| (c, inp.x)),
     )?;
+    // The image guidance: the negative prompt without the reference images.
+    if let (true, Some(iu)) = (inp.img_uncond, texts.img_uncond.as_ref()) {
+        let (times, conds) = (vec![inp.timestep; images], vec![iu; images]);
+        out.img_uncond = Some(pass.unet.eval(runner, x, pass.dims, &times, &conds)?);
+    }
     // Skip-layer guidance: the prompt's prediction again, some blocks left out.
     if let Some(layers) = inp.skip_layers {
         let (times, conds) = (vec![inp.timestep; images], vec![&texts.cond; images]);
@@ -783,7 +796,7 @@ fn eval_guided(
         None => {
             let r = residuals(1, &conds)?;
             let c = model.eval_controlled(runner, x, dims, &times, &conds, r.as_ref())?;
-            Ok(ModelOutput { cond: c, uncond: None, skipped: None })
+            Ok(ModelOutput { cond: c, uncond: None, skipped: None, img_uncond: None })
         }
         Some(u) if u.batches_with(cond) => {
             let mut xx = Vec::with_capacity(2 * x.len());
@@ -795,7 +808,7 @@ fn eval_guided(
             let mut out = model.eval_controlled(runner, &xx, dims, &times2, &both, r.as_ref())?;
             // Each half is one output per image (an inpainting UNet's input has more channels).
             let un = out.split_off(out.len() / 2);
-            Ok(ModelOutput { cond: out, uncond: Some(un), skipped: None })
+            Ok(ModelOutput { cond: out, uncond: Some(un), skipped: None, img_uncond: None })
         }
         Some(u) => {
             let r = residuals(1, &conds)?;
@@ -803,7 +816,7 @@ fn eval_guided(
             let uncs = vec![u; images];
             let r = residuals(1, &uncs)?;
             let un = model.eval_controlled(runner, x, dims, &times, &uncs, r.as_ref())?;
-            Ok(ModelOutput { cond: c, uncond: Some(un), skipped: None })
+            Ok(ModelOutput { cond: c, uncond: Some(un), skipped: None, img_uncond: None })
         }
     }
 }

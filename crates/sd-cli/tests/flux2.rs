@@ -58,6 +58,21 @@ fn all(extra: &[&str]) -> Output {
     cli(&[], None, Some(llm), Some(vae), extra)
 }
 
+/// The DiT (12.6 MiB of weights) on the RPC server at `endpoint` under a 20 MiB budget, params
+/// in RAM: it runs in segments at its block cuts (the text encoder and the VAE on the CPU).
+fn segmented_on(endpoint: &str) -> [&str; 8] {
+    [
+        "--rpc",
+        endpoint,
+        "--max-vram",
+        "RPC0=0.01953125",
+        "--backend",
+        "diffusion=RPC0,te=cpu,vae=cpu",
+        "--params-backend",
+        "diffusion=cpu",
+    ]
+}
+
 #[test]
 fn flux2_generates_reads_the_prompt_and_the_init_image_and_plans() {
     let d = dir("gen");
@@ -184,16 +199,7 @@ fn flux2_edits_with_reference_images_in_order_and_segmented() {
     let own = gen("own", &["-r", a, "--disable-auto-resize-ref-image"]);
     assert!(own != one, "64x64 encoded as it is, not resized to 48x48");
     let server = common::Server::start();
-    let placed = [
-        "--rpc",
-        server.endpoint.as_str(),
-        "--max-vram",
-        "RPC0=0.01953125",
-        "--backend",
-        "diffusion=RPC0,te=cpu,vae=cpu",
-        "--params-backend",
-        "diffusion=cpu",
-    ];
+    let placed = segmented_on(&server.endpoint);
     let seg = gen("seg", &[&["-r", a, "-r", b][..], &placed[..]].concat());
     assert!(seg == ab, "the segmented run with references differs from the CPU one");
     // Bad references are errors naming them, before anything runs.
@@ -257,16 +263,7 @@ fn flux2_segmented_under_a_budget_and_split_give_the_cpu_image() {
     };
     let (cpu, _, _) = gen("cpu", &["--backend", "cpu"]);
     let server = common::Server::start();
-    let placed = [
-        "--rpc",
-        server.endpoint.as_str(),
-        "--max-vram",
-        "RPC0=0.01953125",
-        "--backend",
-        "diffusion=RPC0,te=cpu,vae=cpu",
-        "--params-backend",
-        "diffusion=cpu",
-    ];
+    let placed = segmented_on(&server.endpoint);
     let (png, report, err) = gen("rpc", &placed);
     assert!(png == cpu, "the segmented image differs from the CPU one:\n{err}");
     let unet = report.module("unet").unwrap();

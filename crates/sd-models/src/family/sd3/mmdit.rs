@@ -754,15 +754,11 @@ impl crate::family::DiffusionModel for MmditModel {
         &self,
         runner: &mut sd_sched::Runner,
         x: &[f32],
-        (w, h): (usize, usize),
+        dims: (usize, usize),
         timesteps: &[f32],
         cond: &[&crate::text::conditioning::Conditioning],
     ) -> crate::pipeline::Result<Vec<f32>> {
-        let per = self.cfg.in_channels as usize * w * h;
-        let input = (per, self.cfg.context_size as usize, "context_embedder");
-        crate::diffusion::eval_each(MODEL, input, x, timesteps, cond, |xi, t, c| {
-            self.eval_one(runner, xi, (w, h), t, &c.data, c.n_tokens, &c.vector)
-        })
+        self.eval_skipping_layers(runner, x, dims, timesteps, cond, &[])
     }
 
     fn eval_skipping_layers(

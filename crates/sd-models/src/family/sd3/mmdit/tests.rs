@@ -177,9 +177,18 @@ fn the_graph_runs_and_reads_every_input() {
     let other_ctx = model.eval_one(&mut runner, &x, (w, h), 500.0, &seeded_uniform(4, "ctx", 5 * 24), 5, &y).unwrap();
     let other_y = model.eval_one(&mut runner, &x, (w, h), 500.0, &ctx, 5, &seeded_uniform(5, "y", 20)).unwrap();
     let fewer = model.eval_one(&mut runner, &x, (w, h), 500.0, &ctx[..4 * 24], 4, &y).unwrap();
-    for (what, o) in
-        [("timestep", &other_t), ("context", &other_ctx), ("pooled vector", &other_y), ("text length", &fewer)]
-    {
+    // Skip-layer guidance's pass: a block left out changes the prediction; a block the model
+    // does not have is no block (as in the reference).
+    let skipped = model.eval_skipping(&mut runner, &x, (w, h), 500.0, (&ctx, 5), &y, &[0]).unwrap();
+    let none = model.eval_skipping(&mut runner, &x, (w, h), 500.0, (&ctx, 5), &y, &[99]).unwrap();
+    assert_eq!(none, out, "skipping a block the model lacks");
+    for (what, o) in [
+        ("timestep", &other_t),
+        ("context", &other_ctx),
+        ("pooled vector", &other_y),
+        ("text length", &fewer),
+        ("skipped block", &skipped),
+    ] {
         let d = o.iter().zip(&out).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(d > 1e-3, "the {what} changes nothing ({d})");
     }

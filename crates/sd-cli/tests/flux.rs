@@ -442,7 +442,7 @@ fn flux_plan_sizes_every_module_from_the_headers_and_checks_memory() {
 }
 
 #[test]
-fn flux_img2img_is_deterministic_and_reads_its_init_image() {
+fn flux_img2img_is_deterministic_and_reads_its_init_image_and_references() {
     // The init image is encoded by the FLUX VAE and noised the flow way (`(1 - sigma) x +
     // sigma noise`) at the first sigma the strength keeps: of 3 steps, strength 0.5 keeps the last
     // 2, from the schedule's second sigma. (With 2 steps it would keep both, from sigma 1, where
@@ -469,6 +469,20 @@ fn flux_img2img_is_deterministic_and_reads_its_init_image() {
     assert!(again.as_ref() == Some(&a), "the same seed and init give the same image");
     let (b, _, err) = run_i2i("b", &init_b);
     assert!(b.is_some_and(|p| p != a), "the init image reaches the result: {err}");
+    // A reference image (FLUX.1 Kontext's edits, -r): it reaches the image, the same each time,
+    // and its order beside a second one counts.
+    let with = |name: &str, refs: &[&Path]| {
+        let mut a: Vec<String> = args(&init_a).into();
+        for r in refs {
+            a.extend(["-r".to_string(), r.to_str().unwrap().to_string()]);
+        }
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (png, _, err) = run(&d, name, &a);
+        png.unwrap_or_else(|| panic!("{name}: {err}"))
+    };
+    let r = with("ref-b", &[&init_b]);
+    assert!(r != a && with("ref-b-again", &[&init_b]) == r, "a reference reaches the image, the same each time");
+    assert!(with("refs-ab", &[&init_a, &init_b]) != with("refs-ba", &[&init_b, &init_a]), "their order counts");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -1344,7 +1344,7 @@ impl Pipeline {
             return bad_setting(
                 Setting::RefImage,
                 "",
-                format!("the {} model reads no reference images (FLUX.2 klein does)", self.family.arch()),
+                format!("the {} model reads no reference images (FLUX.1 Kontext and FLUX.2 do)", self.family.arch()),
             );
         }
         let multiple = self.spatial_multiple();

@@ -482,8 +482,11 @@ pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, dims: (usize, usize)) -> Vec
 }
 
 /// [`rope_pe`] with the tokens of reference latents of `refs` (`(width, height)` each) after
-/// the image's, as the reference numbers them for FLUX.2: the k-th reference (from 0) has ids
-/// `(10 (k + 1), row, col, 0)`, so each is a picture of its own beside the generated one.
+/// the image's, as the reference numbers them. FLUX.2: the k-th reference (from 0) has ids
+/// `(10 (k + 1), row, col, 0)`, each a picture of its own beside the generated one. FLUX.1
+/// (Kontext): every reference has index 1, laid out beside the ones before it: below them
+/// when that keeps the whole taller than wide, else to their right (the offsets in latent
+/// positions, added to the rows and columns of patches, as the reference adds them).
 pub fn rope_pe_with_refs(
     cfg: &FluxConfig,
     txt_tokens: usize,
@@ -498,11 +501,13 @@ pub fn rope_pe_with_refs(
             id[3] = i as f32;
         }
     }
-    // `index` on the first axis: 0 for the image, then the references'.
-    let mut grid = |index: f32, (w, h): (usize, usize)| {
+    // `index` on the first axis: 0 for the image, then the references'; rows and columns from
+    // the offsets.
+    let mut grid = |index: f32, (w, h): (usize, usize), (h_off, w_off): (usize, usize)| {
         let (h_len, w_len) = ((h + p / 2) / p, (w + p / 2) / p);
-        let rows = linspace(0.0, h_len as f32 - 1.0, h_len);
-        let cols = linspace(0.0, w_len as f32 - 1.0, w_len);
+        let (h0, w0) = (h_off as f32, w_off as f32);
+        let rows = linspace(h0, h0 + h_len as f32 - 1.0, h_len);
+        let cols = linspace(w0, w0 + w_len as f32 - 1.0, w_len);
         for row in &rows {
             for col in &cols {
                 let mut id = vec![0f32; n_axes];
@@ -511,9 +516,16 @@ pub fn rope_pe_with_refs(
             }
         }
     };
-    grid(0.0, (w, h));
-    for (k, &dims) in refs.iter().enumerate() {
-        grid(((k + 1) as f32 * REF_INDEX_SCALE).trunc(), dims);
+    grid(0.0, (w, h), (0, 0));
+    let (mut cur_h, mut cur_w) = (0, 0);
+    for (k, &(rw, rh)) in refs.iter().enumerate() {
+        if cfg.flux2 {
+            grid(((k + 1) as f32 * REF_INDEX_SCALE).trunc(), (rw, rh), (0, 0));
+            continue;
+        }
+        let (h_off, w_off) = if rh + cur_h > rw + cur_w { (0, cur_w) } else { (cur_h, 0) };
+        grid(1.0, (rw, rh), (h_off, w_off));
+        (cur_h, cur_w) = (cur_h.max(rh + h_off), cur_w.max(rw + w_off));
     }
     let n = ids.len();
     let axes: Vec<Vec<Vec<f32>>> = (0..n_axes)
@@ -883,8 +895,9 @@ pub struct FluxInputs<'g> {
     pub mod_index: Option<Tensor<'g>>,
     /// Chroma's DiT mask `[L_txt + L_img]`: the text mask, then zeros for the image tokens.
     pub mask: Option<Tensor<'g>>,
-    /// FLUX.2's reference latents `[W_k, H_k, C, 1]`: their tokens follow the image's (and
-    /// `pe` covers them, [`rope_pe_with_refs`]); the output is the image's tokens only.
+    /// Reference latents `[W_k, H_k, C, 1]` (FLUX.1 Kontext's, FLUX.2's): their tokens follow
+    /// the image's (and `pe` covers them, [`rope_pe_with_refs`]); the output is the image's
+    /// tokens only.
     pub refs: Vec<Tensor<'g>>,
 }
 
@@ -912,8 +925,8 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
         return bad("the approximator's row indices go with a Chroma model, and only with one".into());
     }
     let mut tokens = lt + (wd / cfg.patch) * (ht / cfg.patch);
-    if !i.refs.is_empty() && !cfg.flux2 {
-        return bad("reference latents go with a FLUX.2 model only".into());
+    if !i.refs.is_empty() && cfg.chroma.is_some() {
+        return bad("Chroma reads no reference latents".into());
     }
     for r in &i.refs {
         let [rw, rh, rc, rn] = r.shape();
@@ -1000,7 +1013,7 @@ fn forward_skipping<'g>(
             }
             Block::Prelude => {
                 let bias = cfg.bias();
-                // The reference latents' tokens follow the image's (FLUX.2 edits).
+                // The reference latents' tokens follow the image's (edits).
                 let tokens = inputs
                     .refs
                     .iter()
@@ -1203,8 +1216,8 @@ impl FluxModel {
         } else if s.y.len() != cfg.vec_in_dim as usize {
             return bad(format!("pooled vector has {} values, the model takes {}", s.y.len(), cfg.vec_in_dim));
         }
-        if !s.refs.is_empty() && !cfg.flux2 {
-            return bad(format!("{} reference latents given; only FLUX.2 reads reference images", s.refs.len()));
+        if !s.refs.is_empty() && cfg.chroma.is_some() {
+            return bad(format!("{} reference latents given; Chroma reads no reference images", s.refs.len()));
         }
         for (k, r) in s.refs.iter().enumerate() {
             if r.width == 0 || r.height == 0 || r.data.len() != c * r.width * r.height {
@@ -1312,7 +1325,7 @@ struct Sample<'a> {
     context: &'a [f32],
     n_ctx_tokens: usize,
     y: &'a [f32],
-    /// FLUX.2's reference latents.
+    /// Reference latents (FLUX.1 Kontext, FLUX.2).
     refs: &'a [crate::text::conditioning::ReferenceLatent],
     /// The blocks left out (skip-layer guidance; see [`forward_skipping`]).
     skip: &'a [usize],

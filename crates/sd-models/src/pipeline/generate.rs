@@ -83,6 +83,9 @@ struct Start {
     concat: Option<Vec<f32>>,
     /// Where the denoised estimate is repainted (elsewhere it keeps the init latent).
     denoise_mask: Option<Vec<f32>>,
+    /// The VAE encoder's generator after the init image's draws (seeded with the request's
+    /// seed): the reference images' encodings draw from it next, as in the reference.
+    encoder_rng: Box<dyn NoiseRng>,
 }
 
 /// Where a sampling pass's images start from.
@@ -135,9 +138,9 @@ impl Pipeline {
     /// put back after its stage ([`KeptWeights`]).
     pub(super) fn run_stages(&self, request: &Request, out: &mut RunOutputs<'_, '_>) -> Result<Vec<Image>> {
         let mut texts = self.encode_text(request, out)?;
-        let start = self.prepare_start(request, out)?;
+        let mut start = self.prepare_start(request, out)?;
         // Reference images: both conditionings read their latents, as in the reference.
-        let refs = self.encode_refs(request, out)?;
+        let refs = self.encode_refs(request, start.encoder_rng.as_mut(), out)?;
         if !refs.is_empty() {
             if let Some(u) = texts.uncond.as_mut() {
                 u.references = refs.clone();
@@ -214,11 +217,13 @@ impl Pipeline {
         // takes the masked image's latent (`inpaint.rs`).
         let pixel_mask = p.mask.as_ref().map(inpaint::pixel_mask);
         let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), scale));
+        let mut encoder_rng = p.rng.seeded(p.seed);
         let (sigmas, init_latent, masked_latent) = match &p.init_image {
             None => (full, None, None),
             Some(image) => {
+                let masked = concat_channels > 0;
                 let (init, masked) =
-                    self.encode_init(request, image, pixel_mask.as_deref(), concat_channels > 0, out)?;
+                    self.encode_init(request, image, pixel_mask.as_deref(), masked, encoder_rng.as_mut(), out)?;
                 (img2img_sigmas(&full, p.strength)?, Some(init), masked)
             }
         };
@@ -239,7 +244,7 @@ impl Pipeline {
             // The reference's warning; it then runs as this does.
             tracing::warn!("an inpainting model needs both an init image (-i) and a mask (--mask)");
         }
-        Ok(Start { schedule, sigmas, init_latent, concat, denoise_mask })
+        Ok(Start { schedule, sigmas, init_latent, concat, denoise_mask, encoder_rng })
     }
 
     /// The family's schedule with the request's flow shift, where the model has a flow schedule.
@@ -271,19 +276,19 @@ impl Pipeline {
     }
 
     /// The init image's latent and, for an inpainting UNet (`masked`), the masked image's,
-    /// both drawn from the generator seeded with the request's seed, as the reference.
+    /// both drawn from `rng` (seeded with the request's seed), as the reference.
     fn encode_init(
         &self,
         request: &Request,
         image: &Image,
         pixel_mask: Option<&[f32]>,
         masked: bool,
+        rng: &mut dyn NoiseRng,
         out: &mut RunOutputs<'_, '_>,
     ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
         let p = &request.params;
         let image = crate::image_io::to_planar(image);
         self.with_encoder(out, |vae, runner, progress| {
-            let mut rng = p.rng.seeded(p.seed);
             let mut on_tile = |done: usize, tiles: usize| {
                 progress(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
             };
@@ -291,12 +296,12 @@ impl Pipeline {
                 let px = to_vae_range(vae, px);
                 encode_latent(vae, runner, &px, (p.width, p.height), &p.tiling, rng, &mut on_tile)
             };
-            let init = encode(&image, rng.as_mut())?;
+            let init = encode(&image, &mut *rng)?;
             // The reference encodes the masked image next, drawing from the same generator.
             let masked_latent = if masked {
                 let ones = vec![1.0; p.width * p.height];
                 let m = pixel_mask.unwrap_or(&ones);
-                Some(encode(&inpaint::masked_image(&image, m), rng.as_mut())?)
+                Some(encode(&inpaint::masked_image(&image, m), &mut *rng)?)
             } else {
                 None
             };
@@ -304,16 +309,20 @@ impl Pipeline {
         })
     }
 
-    /// The reference images' latents (`-r`), each at its size as `check_request` fitted it.
-    /// The generator is seeded with the request's seed; the one family that reads references
-    /// (FLUX.2) encodes to its VAE's mean and draws nothing from it.
-    fn encode_refs(&self, request: &Request, out: &mut RunOutputs<'_, '_>) -> Result<Vec<ReferenceLatent>> {
+    /// The reference images' latents (`-r`), each at its size as `check_request` fitted it,
+    /// drawn from `rng` after the init image's draws (FLUX.1's VAE samples; FLUX.2's takes
+    /// the mean and draws nothing).
+    fn encode_refs(
+        &self,
+        request: &Request,
+        rng: &mut dyn NoiseRng,
+        out: &mut RunOutputs<'_, '_>,
+    ) -> Result<Vec<ReferenceLatent>> {
         let p = &request.params;
         if p.ref_images.is_empty() {
             return Ok(Vec::new());
         }
         self.with_encoder(out, |vae, runner, progress| {
-            let mut rng = p.rng.seeded(p.seed);
             let images = p.ref_images.len();
             let mut refs = Vec::with_capacity(images);
             for (image, ref_image) in p.ref_images.iter().enumerate() {
@@ -322,7 +331,7 @@ impl Pipeline {
                     progress(Progress::Tile { stage: "reference image encode", image, images, done, tiles })
                 };
                 let px = to_vae_range(vae, &crate::image_io::to_planar(ref_image));
-                let data = encode_latent(vae, runner, &px, (w, h), &p.tiling, rng.as_mut(), &mut on_tile)?;
+                let data = encode_latent(vae, runner, &px, (w, h), &p.tiling, &mut *rng, &mut on_tile)?;
                 let s = vae.scale_factor();
                 refs.push(ReferenceLatent { data, width: w / s, height: h / s });
             }

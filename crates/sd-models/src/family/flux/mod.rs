@@ -167,6 +167,12 @@ impl Family for Flux {
         }))
     }
 
+    /// Reference images (`-r`, FLUX.1 Kontext's edits): their latents as tokens after the
+    /// image's, all on RoPE index 1, laid out side by side (`rope_pe_with_refs`).
+    fn reads_reference_images(&self) -> bool {
+        true
+    }
+
     /// Skip-layer guidance (`--slg-scale`) leaves blocks out: the double blocks numbered from 0,
     /// the single blocks after them.
     fn skips_layers(&self) -> bool {

@@ -223,24 +223,8 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         let cond = slg.map(|_| out.cond.clone());
         let mut pred = out.cond;
         let mut uncond_denoised = None;
-        let u = if uncond {
-            let Some(u) = out.uncond else {
-                return Err(SamplingError::MissingUncond.into());
-            };
-            check_len("model output (uncond)", x.len(), u.len())?;
-            Some(u)
-        } else {
-            None
-        };
-        let iu = if img_uncond {
-            let Some(iu) = out.img_uncond else {
-                return Err(SamplingError::MissingUncond.into());
-            };
-            check_len("model output (image uncond)", x.len(), iu.len())?;
-            Some(iu)
-        } else {
-            None
-        };
+        let u = asked_output(out.uncond, uncond, "model output (uncond)", x.len())?;
+        let iu = asked_output(out.img_uncond, img_uncond, "model output (image uncond)", x.len())?;
         // CFG++ takes the image-unconditional output, else the unconditional one.
         if with_uncond {
             uncond_denoised = iu.as_deref().or(u.as_deref()).map(&denoised);
@@ -279,6 +263,21 @@ impl<'s, F> GuidedDenoiser<'s, F> {
         }
         Ok(Denoised { pred, uncond: uncond_denoised })
     }
+}
+
+/// A negative pass's output where it was asked for (`asked`), of the latent's length `n`.
+fn asked_output(
+    out: Option<Vec<f32>>,
+    asked: bool,
+    what: &'static str,
+    n: usize,
+) -> Result<Option<Vec<f32>>, SamplingError> {
+    if !asked {
+        return Ok(None);
+    }
+    let v = out.ok_or(SamplingError::MissingUncond)?;
+    check_len(what, n, v.len())?;
+    Ok(Some(v))
 }
 
 fn check_len(what: &'static str, expected: usize, got: usize) -> Result<(), SamplingError> {

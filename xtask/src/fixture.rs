@@ -11,7 +11,7 @@
 //! cargo xtask fixture qwen3 [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture zimage [--layers N] [--refiner-layers N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
-//! cargo xtask fixture chroma [--double N] [--single N] [--hidden N] [--seed N] [--std S] [--type ...] [-o FILE]
+//! cargo xtask fixture chroma|chroma-radiance [--double N] [--single N] [--hidden N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux-vae [--seed N] [--type f16|f32] [-o FILE]
 //! cargo xtask fixture clip-l [--seed N] [--type ...] [-o FILE]
 //! ```
@@ -73,7 +73,7 @@ pub struct Args {
     /// for the sd15 / flux fixture);
     /// or t5xxl, the text encoder alone; flux or flux-schnell, a FLUX.1 transformer; flux-vae,
     /// FLUX.1's autoencoder alone; taesd (also TAESDXL's layout) or taef1, a tiny autoencoder.
-    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|taef2|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
+    #[arg(value_name = "sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|chroma-radiance|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|taef2|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl", value_parser = target)]
     family: Target,
     /// t5xxl: encoder blocks (1 to 24); qwen3: decoder layers (1 to 36, not 28); zimage: main layers (default 30).
     #[arg(long = "layers", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=36))]
@@ -164,8 +164,11 @@ enum Target {
     Qwen3,
     /// A Z-Image transformer (`--diffusion-model`).
     ZImage,
-    /// A Chroma transformer (FLUX.1-schnell's blocks with the approximator).
-    Chroma,
+    /// A Chroma transformer (FLUX.1-schnell's blocks with the approximator); `radiance`:
+    /// Chroma1-Radiance's, in pixel space (a patch convolution and a NeRF head).
+    Chroma {
+        radiance: bool,
+    },
     /// An SD3.5 checkpoint (MMDiT and VAE): Large's layout or Medium's (MMDiT-X).
     Sd35 {
         medium: bool,
@@ -208,7 +211,8 @@ fn target(s: &str) -> Result<Target, String> {
         "zimage" | "z-image" => Ok(Target::ZImage),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
-        "chroma" => Ok(Target::Chroma),
+        "chroma" => Ok(Target::Chroma { radiance: false }),
+        "chroma-radiance" | "chroma1-radiance" => Ok(Target::Chroma { radiance: true }),
         "sd35-large" | "sd3" => Ok(Target::Sd35 { medium: false }),
         "sd35-medium" => Ok(Target::Sd35 { medium: true }),
         "flux-vae" => Ok(Target::FluxVae),
@@ -225,7 +229,7 @@ fn target(s: &str) -> Result<Target, String> {
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => FixtureModel::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, chroma-radiance, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
@@ -255,7 +259,12 @@ fn std_dev(s: &str) -> Result<f64, String> {
 pub fn run(args: Args) -> Result<()> {
     let heads_of_128 = matches!(
         args.family,
-        Target::Flux { .. } | Target::Chroma | Target::Qwen3 | Target::ZImage | Target::LoraFlux | Target::Flux2Klein
+        Target::Flux { .. }
+            | Target::Chroma { .. }
+            | Target::Qwen3
+            | Target::ZImage
+            | Target::LoraFlux
+            | Target::Flux2Klein
     );
     if let Some(h) = args.hidden.filter(|h| heads_of_128 && !h.is_multiple_of(128)) {
         bail!("--hidden {h}: this model's heads are 128 wide, so its width is a multiple of 128");
@@ -266,7 +275,7 @@ pub fn run(args: Args) -> Result<()> {
         Target::Qwen3 => return run_qwen3(&args),
         Target::ZImage => return run_zimage(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
-        Target::Chroma => return run_chroma(&args),
+        Target::Chroma { radiance } => return run_chroma(&args, radiance),
         Target::Sd35 { medium } => return run_sd35(&args, medium),
         Target::FluxVae => return run_flux_vae(&args),
         Target::Flux2Klein => return run_flux2(&args),
@@ -630,11 +639,12 @@ fn flux_config(args: &Args, schnell: bool) -> sd_models::diffusion::flux::FluxCo
 
 /// `cargo xtask fixture chroma ...`: the released approximator (5120 wide, 5 layers, which the
 /// reference builds whatever the file holds) with reduced blocks.
-fn run_chroma(args: &Args) -> Result<()> {
+fn run_chroma(args: &Args, radiance: bool) -> Result<()> {
     if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
         bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to chroma fixtures");
     }
-    let cfg = flux::reduced_chroma(
+    let reduced = if radiance { flux::reduced_chroma_radiance } else { flux::reduced_chroma };
+    let cfg = reduced(
         args.hidden.unwrap_or(3072) as i64,
         args.double.unwrap_or(19) as usize,
         args.single.unwrap_or(38) as usize,
@@ -650,8 +660,13 @@ fn run_chroma(args: &Args) -> Result<()> {
     let report = flux::write_chroma(&path, &cfg, args.seed, args.std, args.wtype, format)?;
     let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
     let what = format!(
-        "chroma fixture, width {}, {} double + {} single blocks, seed {}, {}{std}",
-        cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, args.seed, args.wtype
+        "{} fixture, width {}, {} double + {} single blocks, seed {}, {}{std}",
+        if radiance { "chroma-radiance" } else { "chroma" },
+        cfg.hidden_size,
+        cfg.depth,
+        cfg.depth_single_blocks,
+        args.seed,
+        args.wtype
     );
     print_written(&report, &what, start);
     Ok(())
@@ -768,14 +783,14 @@ mod tests {
         let c = parse("chroma --double 2 --single 1 --hidden 256 --seed 9 --std 0.02 -o c.safetensors").unwrap();
         assert_eq!(
             (c.family, c.double, c.single, c.hidden, c.std),
-            (Target::Chroma, Some(2), Some(1), Some(256), Some(0.02))
+            (Target::Chroma { radiance: false }, Some(2), Some(1), Some(256), Some(0.02))
         );
     }
 
     #[test]
     fn rejects_bad_command_lines_with_the_reason() {
         for (line, needle) in [
-            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|taef2|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
+            ("", "<sd15|sd21|sd-turbo|sdxl|ssd-1b|vega|sd15-inpaint|lora-sd15|lora-flux|t5xxl|qwen3|flux|flux-schnell|chroma|chroma-radiance|sd35-large|sd35-medium|flux-vae|flux2-klein|flux2-vae|clip-l|taesd|taef1|taef2|zimage|esrgan|esrgan-anime|esrgan-x2|controlnet-sd15|controlnet-sdxl>"),
             ("flux --hidden 200", "--hidden"),
             ("flux --double 20", "--double"),
             ("lora-sd15 --layout lycoris", "lycoris"),

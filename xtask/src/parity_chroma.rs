@@ -7,6 +7,15 @@
 //!                           [--threads N] [--sd-cli EXE]
 //! ```
 //!
+//! `--radiance` evaluates Chroma1-Radiance instead (the reduced fixture in pixel space:
+//! [`flux::reduced_chroma_radiance`], seed 11, N(0, 0.03), **f32**): its input is an RGB image
+//! of `--size` times 8 pixels (64x64 by default: 4x4 patches of 16), and the reference loads
+//! it without a VAE (its `FakeVAE`). The fixture is f32 because the NeRF head amplifies the
+//! transformer's f16 rounding differences: its weights are generated from each patch's hidden
+//! state and L2-normalised. The same fixture in f16 differs by rel_rms 1.8e-2 (over the
+//! rounding-point bound, 1.2e-2), in f32 by 1.0e-3; give an f16 file with
+//! `--diffusion-model` to see the drift.
+//!
 //! `--image` compares whole generations instead (`IMAGE_CASES`: txt2img with a weighted
 //! prompt and a negative prompt, txt2img without one, img2img from the reference's image of
 //! the case before), on the same files, as PNGs within the image bound (`Tolerance::PNG`). The
@@ -47,9 +56,14 @@ use crate::reference;
 /// linear (3); the approximator's `in_proj`, two products per layer and `out_proj`; per
 /// double block qkv, projection, two MLP products and the GELU table (5); per single block
 /// `linear1`, the GELU table and `linear2` (3). The attention products are f32 in both.
+///
+/// Radiance has no final linear but its NeRF head: the embedder, one generated-weight product
+/// per block (the generated matrices are f32) and the output convolution.
 fn chroma_points(cfg: &FluxConfig) -> u32 {
     let layers = cfg.chroma.as_ref().map_or(0, |c| c.layers);
-    (3 + 2 + 2 * layers + 5 * cfg.depth + 3 * cfg.depth_single_blocks) as u32
+    // The embedder, the blocks and the convolution, less the final linear the 3 counted.
+    let head = if cfg.radiance.is_some() { sd_models::diffusion::flux::radiance::NERF_DEPTH + 1 } else { 0 };
+    (3 + head + 2 + 2 * layers + 5 * cfg.depth + 3 * cfg.depth_single_blocks) as u32
 }
 
 /// `cargo xtask parity chroma` flags.
@@ -84,6 +98,10 @@ pub struct Args {
     /// txt2img without a negative prompt, img2img), compared with the image bound.
     #[arg(long = "image")]
     image: bool,
+    /// Chroma1-Radiance (pixel space) instead: the reduced Radiance fixture, an RGB input of
+    /// `--size` times 8 pixels, no VAE.
+    #[arg(long = "radiance", conflicts_with_all = ["image", "vae"])]
+    radiance: bool,
     /// With --image: the T5-XXL (default: the 24-layer q8_0 fixture, 4.8 GB, written on first
     /// use; the reference needs every layer).
     #[arg(long = "t5xxl", value_name = "FILE", requires = "image")]
@@ -107,6 +125,19 @@ fn fixtures() -> Result<(PathBuf, PathBuf)> {
         flux_vae::write_flux_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors)?;
     }
     Ok((dit, vae))
+}
+
+/// The reduced Chroma1-Radiance fixture: width 256, 2 double and 2 single blocks, the released
+/// approximator and NeRF head, seed 11, N(0, 0.03), f32 (1.2 GB).
+fn radiance_fixture() -> Result<PathBuf> {
+    let cfg = flux::reduced_chroma_radiance(256, 2, 2);
+    let dir = sd_models::fixture::cache_dir();
+    std::fs::create_dir_all(&dir)?;
+    let dit = dir.join("chroma-radiance-std0.03-seed11-f32-h256-d2-s2-a5120x5.safetensors");
+    if !dit.is_file() {
+        flux::write_chroma(&dit, &cfg, 11, Some(0.03), WeightType::F32, FileFormat::Safetensors)?;
+    }
+    Ok(dit)
 }
 
 /// The cases of `--image`: a name and the generation flags both programs take (the img2img
@@ -236,11 +267,14 @@ pub fn run(args: Args) -> Result<()> {
     if args.masked >= args.tokens {
         bail!("--masked {} must leave at least one of the {} tokens open", args.masked, args.tokens);
     }
-    let (fixture_dit, fixture_vae) = fixtures()?;
-    let model = args.diffusion_model.clone().unwrap_or(fixture_dit);
-    let vae = args.vae.clone().unwrap_or(fixture_vae);
+    let (model, vae) = if args.radiance {
+        (args.diffusion_model.clone().map_or_else(radiance_fixture, Ok)?, None)
+    } else {
+        let (fixture_dit, fixture_vae) = fixtures()?;
+        (args.diffusion_model.clone().unwrap_or(fixture_dit), Some(args.vae.clone().unwrap_or(fixture_vae)))
+    };
     if args.image {
-        return images(&args, &model, &vae);
+        return images(&args, &model, vae.as_deref().context("whole images need a VAE")?);
     }
     let exe = reference::build()?;
     let dir = std::env::temp_dir().join(format!("parity-chroma-{}", std::process::id()));
@@ -253,12 +287,16 @@ pub fn run(args: Args) -> Result<()> {
     if cfg.chroma.is_none() {
         bail!("{} is no Chroma model (no distilled_guidance_layer)", model.display());
     }
+    if cfg.radiance.is_some() != args.radiance {
+        bail!("{}: --radiance goes with a Chroma1-Radiance file, and only with one", model.display());
+    }
     let mut m = FluxModel::new(cfg.clone(), &dtype_of(&files), None)?;
     m.weights.allocate(cpu.backend.device().buffer_type())?;
     m.weights.load_from(&FileSource::new(&files))?;
     let mut runner = Runner::new("chroma", cpu.backend.clone());
 
-    let (w, h) = args.size;
+    // Radiance reads pixels: 8 per latent position of --size.
+    let (w, h) = if args.radiance { (args.size.0 * 8, args.size.1 * 8) } else { args.size };
     let (c, l, cd) = (cfg.latent_channels() as usize, args.tokens as usize, cfg.context_in_dim as usize);
     let x = crate::parity_flux::normal(args.seed, 1, c * w * h);
     let ctx = crate::parity_flux::normal(args.seed, 2, l * cd);
@@ -276,8 +314,13 @@ pub fn run(args: Args) -> Result<()> {
         write_raw(&yp, &[1, l], &mask, "Chroma's DiT mask")?;
         let s = |p: &PathBuf| p.to_str().map(str::to_owned).context("a temporary path is not UTF-8");
         let t = Instant::now();
-        let status = Command::new(&exe)
-            .args(["unet", "--diffusion-model", &s(&model)?, "--vae", &s(&vae)?, "--latent", &s(&xp)?])
+        let mut cmd = Command::new(&exe);
+        cmd.args(["unet", "--diffusion-model", &s(&model)?]);
+        if let Some(vae) = &vae {
+            cmd.args(["--vae", &s(vae)?]);
+        }
+        let status = cmd
+            .args(["--latent", &s(&xp)?])
             .args(["--context", &s(&cp)?, "--y", &s(&yp)?, "-o", &s(&op)?])
             .args(["--timestep", &args.timestep.to_string(), "--guidance", "0"])
             .args(["-t", &args.threads.to_string()])
@@ -293,7 +336,8 @@ pub fn run(args: Args) -> Result<()> {
         }
         let v = Verdict::of(&ours, &reference, Tolerance::rounding_points(chroma_points(&cfg)))?;
         println!(
-            "chroma {} (width {}, {}+{} blocks, approximator {:?}) {w}x{h}, {l} tokens ({masked} masked), t {}: {}  sdref {ref_s:.1} s (with loading)  ours {ours_s:.2} s  {}",
+            "{} {} (width {}, {}+{} blocks, approximator {:?}) {w}x{h}, {l} tokens ({masked} masked), t {}: {}  sdref {ref_s:.1} s (with loading)  ours {ours_s:.2} s  {}",
+            if args.radiance { "chroma-radiance" } else { "chroma" },
             model.display(),
             cfg.hidden_size,
             cfg.depth,

@@ -52,8 +52,7 @@ fn detect(index: &TensorIndex) -> Option<Detected> {
 }
 
 /// Chroma1-Radiance (pixel space: a patch convolution in, a NeRF head out, no VAE) is detected
-/// so that it is named, never run as Chroma; it has no runtime yet, so a generation is refused
-/// ("has no runtime yet") and `plan` describes it from its headers.
+/// as its own architecture, never run as Chroma (`sd_models`' Chroma family builds both).
 fn detect_radiance(index: &TensorIndex) -> Option<Detected> {
     if !is_radiance(index) {
         return None;

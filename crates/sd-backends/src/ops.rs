@@ -130,6 +130,18 @@ impl Context {
         Tensor::from_raw(unsafe { sys::ggml_norm(self.as_raw(), a.as_raw(), eps) })
     }
 
+    /// L2 normalisation over ne[0]: `a / max(sqrt(sum(a^2)), eps)`.
+    pub fn l2_norm<'c>(&'c self, a: Tensor<'_>, eps: f32) -> Tensor<'c> {
+        // SAFETY: live context and operand.
+        Tensor::from_raw(unsafe { sys::ggml_l2_norm(self.as_raw(), a.as_raw(), eps) })
+    }
+
+    /// Repeats `a` to the shape `ne` (each a multiple of `a`'s).
+    pub fn repeat_4d<'c>(&'c self, a: Tensor<'_>, ne: [i64; 4]) -> Tensor<'c> {
+        // SAFETY: live context and operand; ggml checks that `ne` is a whole repeat of `a`.
+        Tensor::from_raw(unsafe { sys::ggml_repeat_4d(self.as_raw(), a.as_raw(), ne[0], ne[1], ne[2], ne[3]) })
+    }
+
     /// RMS normalisation over ne[0] without a weight: `a / sqrt(mean(a^2) + eps)`.
     pub fn rms_norm<'c>(&'c self, a: Tensor<'_>, eps: f32) -> Tensor<'c> {
         // SAFETY: live context and operand.

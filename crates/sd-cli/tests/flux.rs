@@ -865,6 +865,63 @@ fn chroma_generates_with_its_negative_prompt_and_plans() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Chroma1-Radiance's DiT: [`chroma_dit`]'s sizes in pixel space (a 16x16 patch convolution in,
+/// the NeRF head out), written once per process into the fixture cache.
+fn radiance_dit() -> &'static PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        use sd_models::diffusion::flux::chroma::ChromaConfig;
+        std::fs::create_dir_all(fixture::cache_dir()).unwrap();
+        let approx = ChromaConfig { inner: 256, layers: 2, ..ChromaConfig::released() };
+        let cfg =
+            sd_models::diffusion::flux::FluxConfig { chroma: Some(approx), ..flux::reduced_chroma_radiance(256, 1, 1) };
+        let path = flux::cached_chroma_path(&cfg, 5, WeightType::F16);
+        if !path.exists() {
+            flux::write_chroma(&path, &cfg, 5, Some(0.03), WeightType::F16, FileFormat::Safetensors).unwrap();
+        }
+        path
+    })
+}
+
+/// Chroma1-Radiance generates in pixel space with no VAE: txt2img and img2img, the same
+/// image with a VAE given (ignored, with a warning) or with VAE tiling (nothing to tile), and
+/// `plan` names it.
+#[test]
+fn chroma_radiance_generates_in_pixel_space_without_a_vae() {
+    let d = dir("chroma-radiance");
+    let gen = |name: &str, pre: &[&str], more: &[&str]| {
+        let out = d.join(format!("{name}.png"));
+        let mut c = sd_cli();
+        c.env(sd_backends::backend::CPU_EXTRA_BUFTS_ENV, "off").args(pre);
+        c.arg("--diffusion-model").arg(radiance_dit()).arg("--t5xxl").arg(chroma_t5());
+        let base = ["-p", "a red (cat:1.2)", "-n", "blurry", "-W", "64", "-H", "48", "--steps", "2", "-s", "9"];
+        let o = c.args(base).args(more).arg("-o").arg(&out).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "Chroma1-Radiance ({name}) failed:\n{err}");
+        (pixels(&std::fs::read(&out).unwrap()), err)
+    };
+    let (img, err) = gen("txt2img", &[], &[]);
+    assert!(err.contains("model: chroma-radiance"), "{err}");
+    assert_eq!(img.len(), 64 * 48 * 3);
+    assert!(img.iter().any(|&v| v != img[0]), "a flat image");
+    let (with_vae, err) = gen("vae", &[], &["--vae", files().vae.to_str().unwrap()]);
+    assert!(with_vae == img && err.contains("has no VAE"), "{err}");
+    let (tiled, _) = gen("tiled", &[], &["--vae-tiling"]);
+    assert!(tiled == img, "VAE tiling changes nothing in pixel space");
+    let init = d.join("init.png");
+    write_init_png(&init, false);
+    // Two steps at strength 0.3 start at the schedule's second sigma (0.5), as the reference
+    // slices it; at 0.5 it would start from pure noise, where the init image has no weight.
+    let (edit, _) = gen("img2img", &[], &["-i", init.to_str().unwrap(), "--strength", "0.3"]);
+    assert!(edit != img, "img2img starts from the init image");
+    let mut c = sd_cli();
+    c.args(["plan", "--diffusion-model"]).arg(radiance_dit()).arg("--t5xxl").arg(chroma_t5());
+    let o = c.args(["-W", "64", "-H", "64"]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && out.contains("chroma-radiance"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn chroma_without_t5_or_vae_is_a_clear_error_and_never_runs_as_flux() {
     let d = dir("chroma-bad");

@@ -957,9 +957,10 @@ impl Pipeline {
         self.family.spatial_multiple()
     }
 
-    /// Image pixels per diffusion latent position (8; FLUX.2's patched latent: 16).
+    /// Image pixels per diffusion latent position (8; FLUX.2's patched latent: 16; a
+    /// pixel-space model: 1).
     pub(crate) fn latent_scale(&self) -> usize {
-        self.family.vae().latent_scale()
+        self.family.vae().map_or(1, |v| v.latent_scale())
     }
 
     /// The size a request of `width x height` is generated at ([`align_up`] to
@@ -1157,6 +1158,9 @@ impl Pipeline {
     }
 
     fn load_first_stage(&self, need_encoder: bool) -> Result<Box<dyn FirstStage>> {
+        let Some(cfg) = self.family.vae() else {
+            return Ok(Box::new(sd_vae::PixelSpace::new(self.family.latent_channels())));
+        };
         let home = &self.opts.placement.homes.vae;
         let backend = &self.opts.devices.vae;
         let vae_err = |e| sd_vae::VaeError::Weights { module: "VAE", source: e };
@@ -1168,7 +1172,6 @@ impl Pipeline {
             return Ok(Box::new(Taesd::from_weights(cfg, w)?));
         }
         let parts = if need_encoder { VaeParts::Full } else { VaeParts::DecoderOnly };
-        let cfg = self.family.vae();
         let mut w = Weights::new(sd_vae::vae_specs(&cfg, parts)).map_err(vae_err)?;
         self.place(&mut w, Module::Vae, home, backend, None, &block_group, &|_| false, self.source())?;
         Ok(Box::new(AutoencoderKl::from_weights(cfg, w)?))
@@ -1210,7 +1213,8 @@ impl Pipeline {
             }
         });
         let tokens = tokens.max((largest.0 / VAE_SCALE) as f64 * (largest.1 / VAE_SCALE) as f64);
-        let (vae_attn, vae_act) = if p.tiling.enabled {
+        // A pixel-space model has no autoencoder to run.
+        let (vae_attn, vae_act) = if p.tiling.enabled || self.family.vae().is_none() {
             (0.0, 0.0)
         } else {
             (tokens * tokens * 4.0, 3.0 * 128.0 * (largest.0 * largest.1) as f64 * 4.0)

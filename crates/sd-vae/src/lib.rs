@@ -41,6 +41,7 @@ pub mod error;
 pub mod esrgan;
 pub mod kl;
 pub mod nn;
+pub mod pixel;
 pub mod run;
 pub mod tae;
 pub mod tiling;
@@ -49,6 +50,7 @@ pub use error::{Result, VaeError};
 pub use esrgan::{canonical_name as esrgan_canonical_name, esrgan_specs, Esrgan, EsrganConfig};
 pub use kl::{vae_specs, AutoencoderKl, LatentDistribution, LatentStats, VaeConfig, VaeLayout, VaeParts};
 pub use nn::GraphOptions;
+pub use pixel::PixelSpace;
 pub use run::{
     decode_tiled, decode_tiled_observed, encode_tiled, encode_tiled_observed, FirstStage, ImageRange, GRAPH_SIZE,
 };

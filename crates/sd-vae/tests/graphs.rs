@@ -807,3 +807,23 @@ fn taesd_with_group_norm_branches_and_patches() {
     let (lat, c) = tae.encode_graph(&mut runner, &img, [48, 32], 3, None).unwrap();
     assert_eq!((c, lat.len()), (16, 16 * 3 * 2));
 }
+
+/// The pixel-space stage passes values unchanged both ways, through the tiled paths too, and
+/// refuses a wrong channel count or length by name.
+#[test]
+fn pixel_space_copies_and_checks_shapes() {
+    use sd_vae::{FirstStage, PixelSpace};
+    let stage = PixelSpace::new(3);
+    let mut runner = common::cpu_runner("vae");
+    let data: Vec<f32> = (0..3 * 4 * 2).map(|i| i as f32 * 0.1 - 1.0).collect();
+    let (out, c) = stage.decode_graph(&mut runner, &data, [4, 2], 3, None).unwrap();
+    assert_eq!((out, c), (data.clone(), 3));
+    let (out, _) = stage.encode_graph(&mut runner, &data, [4, 2], 3, None).unwrap();
+    assert_eq!(out, data);
+    let tiling = sd_vae::TilingParams::default();
+    let out = sd_vae::decode_tiled(&stage, &mut runner, &data, (4, 2), 3, &tiling, None).unwrap();
+    assert_eq!(out, data);
+    let e = stage.decode_graph(&mut runner, &data, [4, 2], 4, None).unwrap_err().to_string();
+    assert!(e.contains("pixel space") && e.contains("takes 3 channels"), "{e}");
+    assert!(stage.encode_graph(&mut runner, &data[1..], [4, 2], 3, None).is_err());
+}

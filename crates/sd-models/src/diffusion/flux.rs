@@ -54,6 +54,7 @@ use super::{DiffusionError, Result};
 use crate::wtype::SpecSink;
 
 pub mod chroma;
+pub mod radiance;
 
 const MODEL: &str = "FLUX";
 /// Internal prefix of every FLUX parameter (BFL's bare names and ComfyUI's
@@ -114,6 +115,9 @@ pub struct FluxConfig {
     /// Chroma: the distilled-guidance approximator in place of the embedders and the
     /// modulation projections ([`chroma`]); `None` for FLUX.1.
     pub chroma: Option<chroma::ChromaConfig>,
+    /// Chroma1-Radiance: pixel space, a patch convolution in and a NeRF head out
+    /// ([`radiance`]); `None` for the latent-space models.
+    pub radiance: Option<radiance::RadianceConfig>,
 }
 
 impl FluxConfig {
@@ -136,6 +140,7 @@ impl FluxConfig {
             flux2: false,
             guidance_embed: true,
             chroma: None,
+            radiance: None,
         }
     }
 
@@ -222,6 +227,13 @@ impl FluxConfig {
             }
         }
         cfg.chroma = chroma::from_file(tensors)?;
+        cfg.radiance = radiance::from_file(tensors)?;
+        if let Some(r) = &cfg.radiance {
+            // RGB in patches of r.patch, the same out of the NeRF head.
+            cfg.patch = r.patch;
+            cfg.in_channels = 3 * r.patch * r.patch;
+            cfg.out_channels = cfg.in_channels;
+        }
         if cfg.chroma.is_some() {
             // Chroma has no vector_in: the conditioner's vector is the text mask.
             cfg.vec_in_dim = 0;
@@ -269,8 +281,12 @@ impl FluxConfig {
             ));
         }
         let p = self.patch;
-        if !(1..=2).contains(&p) || self.in_channels % (p * p) != 0 || self.out_channels % (p * p) != 0 {
+        let patches = if self.radiance.is_some() { [16, 32].contains(&p) } else { (1..=2).contains(&p) };
+        if !patches || self.in_channels % (p * p) != 0 || self.out_channels % (p * p) != 0 {
             return bad(format!("channels {} / {} are not whole {p}x{p} patches", self.in_channels, self.out_channels));
+        }
+        if self.radiance.is_some() && (self.chroma.is_none() || self.latent_channels() != 3) {
+            return bad("a pixel-space (Radiance) model is a Chroma model on RGB".into());
         }
         if self.flux2 && (self.chroma.is_some() || self.vec_in_dim != 0) {
             return bad("a FLUX.2 model has neither an approximator nor vector_in".into());
@@ -354,7 +370,10 @@ pub fn flux_specs(
     for block in layout(cfg) {
         match block {
             Block::Prelude => {
-                s.linear(&name("img_in"), cfg.in_channels, h, bias);
+                match &cfg.radiance {
+                    Some(r) => radiance::input_specs(&mut s, r, h),
+                    None => s.linear(&name("img_in"), cfg.in_channels, h, bias),
+                }
                 if let Some(c) = &cfg.chroma {
                     chroma::specs(&mut s, c, h);
                     s.linear(&name("txt_in"), cfg.context_in_dim, h, true);
@@ -396,6 +415,7 @@ pub fn flux_specs(
                     s.linear(&format!("{p}.modulation.lin"), h, 3 * h, true);
                 }
             }
+            Block::Final if cfg.radiance.is_some() => radiance::head_specs(&mut s, h),
             Block::Final => {
                 s.linear(&name("final_layer.linear"), h, cfg.out_channels, bias);
                 if cfg.chroma.is_none() {
@@ -416,6 +436,8 @@ pub fn group_of(name: &str) -> String {
     match (parts.next(), parts.next()) {
         (Some(b @ ("double_blocks" | "single_blocks")), Some(i)) => format!("{b}.{i}"),
         (Some("final_layer"), _) => "final_layer".into(),
+        // Chroma1-Radiance's head runs where the final layer would.
+        (Some(head), _) if head.starts_with("nerf_") => "final_layer".into(),
         _ => "prelude".into(),
     }
 }
@@ -899,6 +921,9 @@ pub struct FluxInputs<'g> {
     /// the image's (and `pe` covers them, [`rope_pe_with_refs`]); the output is the image's
     /// tokens only.
     pub refs: Vec<Tensor<'g>>,
+    /// Chroma1-Radiance: the DCT features of a patch's pixels `[64, patch^2]`
+    /// ([`radiance::dct_features`]).
+    pub dct: Option<Tensor<'g>>,
 }
 
 fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
@@ -920,6 +945,9 @@ fn check_inputs(cfg: &FluxConfig, i: &FluxInputs<'_>) -> Result<()> {
             "the model {} a guidance input",
             if guided { "embeds guidance (dev, Chroma) and needs" } else { "has no guidance embedding, yet got" }
         ));
+    }
+    if cfg.radiance.is_some() != i.dct.is_some() {
+        return bad("the DCT features go with a pixel-space (Radiance) model, and only with one".into());
     }
     if cfg.chroma.is_some() != i.mod_index.is_some() {
         return bad("the approximator's row indices go with a Chroma model, and only with one".into());
@@ -996,7 +1024,10 @@ fn forward_skipping<'g>(
         match block {
             Block::Prelude if cfg.chroma.is_some() => {
                 let c = cfg.chroma.as_ref().expect("matched");
-                img = blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x, cfg.patch), true)?;
+                img = match &cfg.radiance {
+                    Some(r) => radiance::embed(g, w, r, inputs.x)?,
+                    None => blocks::linear(g, w, &name("img_in"), patchify(g, inputs.x, cfg.patch), true)?,
+                };
                 let (Some(gd), Some(index)) = (inputs.guidance, inputs.mod_index) else {
                     return Err(DiffusionError::Input {
                         model: MODEL,
@@ -1074,6 +1105,10 @@ fn forward_skipping<'g>(
                     }
                     None => img,
                 };
+                if let (Some(r), Some(dct)) = (&cfg.radiance, inputs.dct) {
+                    out = Some(radiance::decode(g, w, r, img_tokens, inputs.x, dct, inputs.timestep)?);
+                    continue;
+                }
                 let y = final_layer(g, w, cfg, img_tokens, vec)?;
                 out = Some(unpatchify(g, y, wd, ht, cfg.patch));
             }
@@ -1275,6 +1310,10 @@ impl FluxModel {
                 .enumerate()
                 .map(|(k, &(rw, rh))| g.new_f32(&[rw as i64, rh as i64, c, 1]).set_name(&format!("ref{k}")).set_input())
                 .collect(),
+            dct: cfg.radiance.as_ref().map(|r| {
+                let dims = [radiance::NERF_MAX_FREQS * radiance::NERF_MAX_FREQS, r.patch * r.patch];
+                g.new_f32(&dims).set_name("dct").set_input()
+            }),
         };
         let mut cuts = Vec::new();
         let out = forward_skipping(g, &self.weights, cfg, &ins, kernel, &mut cuts, s.skip)?.set_output();
@@ -1304,6 +1343,9 @@ impl FluxModel {
             t.set_f32(&r.data)?;
         }
         ins.eps.set_f32(&[EPS])?;
+        if let (Some(t), Some(r)) = (ins.dct, &self.cfg.radiance) {
+            t.set_f32(&radiance::dct_features(r.patch as usize))?;
+        }
         if let Some(t) = ins.mod_index {
             t.set_f32(&chroma::mod_index_values())?;
         }

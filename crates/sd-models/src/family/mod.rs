@@ -153,12 +153,15 @@ pub(crate) fn generation_specs(
 ) -> Result<[(&'static str, Vec<TensorSpec>); 3]> {
     let dtype = crate::loader::dtype_of(files);
     let taesd = files.index().files().iter().any(|f| f.role == crate::files::FileRole::Taesd);
-    let first = if taesd {
+    let vae = family.vae();
+    let first = if vae.is_none() {
+        ("first stage", Vec::new())
+    } else if taesd {
         let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
         ("TAESD", sd_vae::taesd_specs(&taesd_config(family)?, parts))
     } else {
         let parts = if need_encoder { sd_vae::VaeParts::Full } else { sd_vae::VaeParts::DecoderOnly };
-        ("VAE", sd_vae::vae_specs(&family.vae(), parts))
+        ("VAE", vae.map(|cfg| sd_vae::vae_specs(&cfg, parts)).unwrap_or_default())
     };
     Ok([
         ("text encoder", family.text_specs(&dtype, wtype)),
@@ -282,8 +285,9 @@ pub trait Family: Send + Sync + Debug {
         77
     }
 
-    /// The VAE's configuration.
-    fn vae(&self) -> VaeConfig;
+    /// The VAE's configuration; `None`: the model diffuses in pixel space and has no
+    /// autoencoder (its first stage is [`sd_vae::PixelSpace`]).
+    fn vae(&self) -> Option<VaeConfig>;
     /// What loading found that a user should know (a missing optional encoder).
     fn notices(&self) -> Vec<crate::pipeline::Notice> {
         Vec::new()

@@ -479,6 +479,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
             mod_index: None,
             mask: None,
             refs: Vec::new(),
+            dct: None,
         };
         let mut cuts = Vec::new();
         let out = forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut cuts)?;
@@ -516,6 +517,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
             mod_index: None,
             mask: None,
             refs: Vec::new(),
+            dct: None,
         };
         forward(g, &w, &cfg, &fi, AttnKernel::Plain, &mut Vec::new())
     })
@@ -536,6 +538,7 @@ fn whole_graph_matches_an_f64_model_and_refuses_bad_inputs() {
             mod_index: None,
             mask: None,
             refs: Vec::new(),
+            dct: None,
         };
         forward(g, &w, &FluxConfig::schnell(), &fi, AttnKernel::Plain, &mut Vec::new())
     })

@@ -5,6 +5,12 @@
 //! VAE and flow-matching sampling with FLUX's time shift 1.0 (the reference's default for a
 //! FLUX-style model without `guidance_in`), as the reference runs them.
 //!
+//! **Chroma1-Radiance** (`chroma-radiance`) is the same family in pixel space: its DiT reads
+//! and predicts the RGB image in `[-1, 1]` through a patch convolution and a NeRF head
+//! (`crate::diffusion::flux::radiance`), and there is no VAE (the first stage is
+//! [`sd_vae::PixelSpace`], as the reference's `FakeVAE`). Sizes are multiples of the patch (16).
+//! A `--vae` or `--taesd` given with it is ignored with a warning.
+//!
 //! Files come as the reference takes them: `--diffusion-model`, `--t5xxl` and `--vae`. Without
 //! T5 or the VAE a generation is refused with [`PipelineError::MissingComponent`]. A `--clip_l`
 //! is ignored with a warning, as the reference's T5-only conditioner leaves it unused.
@@ -61,13 +67,23 @@ struct Chroma {
     mask_pad: usize,
 }
 
-fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     let index = files.index();
     let tensors: Vec<(String, Vec<u64>)> =
         index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
     let dit = FluxConfig::from_file(&tensors)?;
     if dit.chroma.is_none() {
         return Err(PipelineError::Invalid(format!("a Chroma model needs '{}'", sd_arch::chroma::PROBE)));
+    }
+    let pixel_space = dit.radiance.is_some();
+    if pixel_space != (detected.arch == "chroma-radiance") {
+        return Err(PipelineError::Invalid(format!(
+            "the {} model's files {} a NeRF head ('{}.{}')",
+            detected.arch,
+            if pixel_space { "hold" } else { "lack" },
+            flux::PREFIX,
+            flux::radiance::PROBE
+        )));
     }
     if !index.contains(T5_PROBE) {
         return Err(PipelineError::MissingComponent {
@@ -77,7 +93,11 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
         });
     }
     let taesd = index.files().iter().any(|f| f.role == FileRole::Taesd);
-    if !taesd && !index.contains(VAE_PROBE) {
+    if pixel_space {
+        if taesd || index.contains(VAE_PROBE) {
+            tracing::warn!("Chroma1-Radiance works in pixel space and has no VAE: the --vae / --taesd file is ignored");
+        }
+    } else if !taesd && !index.contains(VAE_PROBE) {
         return Err(PipelineError::MissingComponent {
             family: "Chroma",
             role: FileRole::Vae,
@@ -98,6 +118,7 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
 }
 
 inventory::submit! { FamilySpec { arch: "chroma", build } }
+inventory::submit! { FamilySpec { arch: "chroma-radiance", build } }
 
 /// A failure of Chroma's conditioner (loading or encoding), kept as the error's source.
 fn conditioner_error(e: impl Into<ChromaTextError>) -> PipelineError {
@@ -106,7 +127,11 @@ fn conditioner_error(e: impl Into<ChromaTextError>) -> PipelineError {
 
 impl Family for Chroma {
     fn arch(&self) -> &'static str {
-        "chroma"
+        if self.dit.radiance.is_some() {
+            "chroma-radiance"
+        } else {
+            "chroma"
+        }
     }
 
     fn text_specs(&self, dtype: DtypeOf<'_>, wtype: Option<GgmlType>) -> Vec<TensorSpec> {
@@ -164,11 +189,16 @@ impl Family for Chroma {
         self.dit.latent_channels() as usize
     }
 
+    /// Whole patches: 2x2 latent positions of 8 pixels, or Radiance's pixel patches.
     fn spatial_multiple(&self) -> usize {
-        VAE_SCALE_FACTOR * PATCH
+        match &self.dit.radiance {
+            Some(r) => r.patch as usize,
+            None => VAE_SCALE_FACTOR * PATCH,
+        }
     }
 
-    /// The joint attention's scores over text (512 tokens) and image tokens, f32.
+    /// The joint attention's scores over text (512 tokens) and image tokens, f32 (`tokens`
+    /// counts latent positions: a token is 2x2 of them, or Radiance's pixel patch).
     /// T5 reads the prompt in chunks of 512 tokens.
     fn text_tokens(&self) -> u64 {
         text::CHUNK_LEN as u64
@@ -178,17 +208,19 @@ impl Family for Chroma {
         if flash_attn {
             return 0.0;
         }
-        let all = tokens / (PATCH * PATCH) as f64 + text::CHUNK_LEN as f64;
+        let patch = self.dit.radiance.map_or(PATCH as i64, |r| r.patch) as f64;
+        let all = tokens / (patch * patch) + text::CHUNK_LEN as f64;
         self.dit.num_heads as f64 * all * all * 4.0
     }
 
-    fn vae(&self) -> VaeConfig {
-        VaeConfig::flux()
+    /// FLUX.1's; none in pixel space.
+    fn vae(&self) -> Option<VaeConfig> {
+        self.dit.radiance.is_none().then(VaeConfig::flux)
     }
 
-    /// TAEF1: Chroma decodes with FLUX.1's autoencoder.
+    /// TAEF1: Chroma decodes with FLUX.1's autoencoder (Radiance has none).
     fn taesd(&self) -> Option<TaesdConfig> {
-        Some(TaesdConfig::flux())
+        self.dit.radiance.is_none().then(TaesdConfig::flux)
     }
 
     /// The reference's Chroma options: `chroma_use_dit_mask` (true/false), `chroma_t5_mask_pad`

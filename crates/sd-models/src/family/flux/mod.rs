@@ -204,8 +204,8 @@ impl Family for Flux {
         self.dit.num_heads as f64 * all * all * 4.0
     }
 
-    fn vae(&self) -> VaeConfig {
-        VaeConfig::flux()
+    fn vae(&self) -> Option<VaeConfig> {
+        Some(VaeConfig::flux())
     }
 
     /// TAEF1, FLUX's 16-channel tiny autoencoder.

@@ -245,8 +245,8 @@ impl Family for Flux2 {
         self.dit.num_heads as f64 * all * all * 4.0
     }
 
-    fn vae(&self) -> VaeConfig {
-        vae_config()
+    fn vae(&self) -> Option<VaeConfig> {
+        Some(vae_config())
     }
 
     /// TAEF2 ([`taef2`]).
@@ -287,7 +287,7 @@ mod tests {
         assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::Euler, AysLevels::Unpublished("FLUX.2"), 1.0));
         assert!(matches!(d.schedule, Schedule::Flow(f) if f == FlowSchedule::empirical()));
         assert_eq!((k.spatial_multiple(), k.latent_channels()), (16, 128));
-        assert_eq!(k.vae().latent_scale(), 16);
+        assert_eq!(k.vae().map(|v| v.latent_scale()), Some(16));
         assert_eq!(k.dit.context_in_dim, (OUT_LAYERS.len() * k.llm.hidden) as i64);
     }
 }

@@ -133,8 +133,8 @@ impl Family for Sd {
         }
     }
 
-    fn vae(&self) -> VaeConfig {
-        VaeConfig::sd()
+    fn vae(&self) -> Option<VaeConfig> {
+        Some(VaeConfig::sd())
     }
 
     fn taesd(&self) -> Option<TaesdConfig> {

@@ -209,8 +209,8 @@ impl Family for Sd3 {
     }
 
     /// FLUX.1's network (z 16, no quant convs) with SD3's latent scale and shift.
-    fn vae(&self) -> VaeConfig {
-        VaeConfig { scale_factor: VAE_SCALE, shift_factor: VAE_SHIFT, ..VaeConfig::flux() }
+    fn vae(&self) -> Option<VaeConfig> {
+        Some(VaeConfig { scale_factor: VAE_SCALE, shift_factor: VAE_SHIFT, ..VaeConfig::flux() })
     }
 
     fn notices(&self) -> Vec<Notice> {

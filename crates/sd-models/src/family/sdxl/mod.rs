@@ -170,8 +170,8 @@ impl Family for Sdxl {
         }
     }
 
-    fn vae(&self) -> VaeConfig {
-        VaeConfig { scale_factor: SCALE_FACTOR, ..VaeConfig::sd() }
+    fn vae(&self) -> Option<VaeConfig> {
+        Some(VaeConfig { scale_factor: SCALE_FACTOR, ..VaeConfig::sd() })
     }
 
     fn taesd(&self) -> Option<TaesdConfig> {

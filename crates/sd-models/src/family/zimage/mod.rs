@@ -160,8 +160,8 @@ impl Family for ZImage {
         self.dit.num_heads as f64 * all * all * 4.0
     }
 
-    fn vae(&self) -> VaeConfig {
-        VaeConfig::flux()
+    fn vae(&self) -> Option<VaeConfig> {
+        Some(VaeConfig::flux())
     }
 
     /// TAEF1: Z-Image decodes with FLUX.1's autoencoder.

@@ -3,7 +3,7 @@
 //! ```text
 //! cargo xtask parity chroma [--diffusion-model FILE] [--vae FILE] [--size WxH] [--tokens N]
 //!                           [--masked N] [--timestep T] [--seed N] [--threads N]
-//! cargo xtask parity chroma --image [--diffusion-model FILE] [--vae FILE] [--t5xxl FILE]
+//! cargo xtask parity chroma --image [--radiance] [--diffusion-model FILE] [--vae FILE] [--t5xxl FILE]
 //!                           [--threads N] [--sd-cli EXE]
 //! ```
 //!
@@ -100,7 +100,7 @@ pub struct Args {
     image: bool,
     /// Chroma1-Radiance (pixel space) instead: the reduced Radiance fixture, an RGB input of
     /// `--size` times 8 pixels, no VAE.
-    #[arg(long = "radiance", conflicts_with_all = ["image", "vae"])]
+    #[arg(long = "radiance", conflicts_with = "vae")]
     radiance: bool,
     /// With --image: the T5-XXL (default: the 24-layer q8_0 fixture, 4.8 GB, written on first
     /// use; the reference needs every layer).
@@ -205,7 +205,7 @@ const IMAGE_CASES: [(&str, &[&str]); 3] = [
 ];
 
 /// `--image`: whole generations of both programs on the same files, compared as PNGs.
-fn images(args: &Args, dit: &std::path::Path, vae: &std::path::Path) -> Result<()> {
+fn images(args: &Args, dit: &std::path::Path, vae: Option<&std::path::Path>) -> Result<()> {
     use crate::parity::{png_diff, run_ok, Row};
     let t5 = match &args.t5xxl {
         Some(p) => p.clone(),
@@ -224,10 +224,14 @@ fn images(args: &Args, dit: &std::path::Path, vae: &std::path::Path) -> Result<(
         Some(p) => p.clone(),
         None => crate::parity::build_sd_cli()?,
     };
-    let dir = crate::workspace_root().join("target/parity/chroma");
+    let family = if args.radiance { "chroma-radiance" } else { "chroma" };
+    let dir = crate::workspace_root().join("target/parity").join(family);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let files = |c: &mut Command| {
-        c.arg("--diffusion-model").arg(dit).arg("--t5xxl").arg(&t5).arg("--vae").arg(vae);
+        c.arg("--diffusion-model").arg(dit).arg("--t5xxl").arg(&t5);
+        if let Some(vae) = vae {
+            c.arg("--vae").arg(vae);
+        }
         c.args(["-t", &args.threads.to_string()]);
     };
     let mut failed = false;
@@ -251,7 +255,7 @@ fn images(args: &Args, dit: &std::path::Path, vae: &std::path::Path) -> Result<(
         c.args(*flags).arg("-o").arg(&ours_png).env("NO_COLOR", "1");
         let ours_s = run_ok(c, "sd-cli")?;
         let (diff, shape) = png_diff(&ours_png, &ref_png)?;
-        let row = Row { family: "chroma", what: (*name).to_owned(), shape, diff, tol: Tolerance::PNG };
+        let row = Row { family, what: (*name).to_owned(), shape, diff, tol: Tolerance::PNG };
         row.print_timed(ref_s, ours_s);
         failed |= !row.pass();
         init = Some(ref_png);
@@ -274,7 +278,7 @@ pub fn run(args: Args) -> Result<()> {
         (args.diffusion_model.clone().unwrap_or(fixture_dit), Some(args.vae.clone().unwrap_or(fixture_vae)))
     };
     if args.image {
-        return images(&args, &model, vae.as_deref().context("whole images need a VAE")?);
+        return images(&args, &model, vae.as_deref());
     }
     let exe = reference::build()?;
     let dir = std::env::temp_dir().join(format!("parity-chroma-{}", std::process::id()));

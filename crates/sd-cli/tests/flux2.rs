@@ -198,6 +198,14 @@ fn flux2_edits_with_reference_images_in_order_and_segmented() {
     // (whole latents) it is encoded as it is.
     let own = gen("own", &["-r", a, "--disable-auto-resize-ref-image"]);
     assert!(own != one, "64x64 encoded as it is, not resized to 48x48");
+    // img2img with a reference: the init image and the reference go through one encoder
+    // load (one `vae load (encode)` stage in the run report), and both reach the image.
+    let report = d.join("edit.json");
+    let edit = gen("edit", &["-r", a, "-i", b, "--strength", "0.3", "--report-json", report.to_str().unwrap()]);
+    assert!(edit != one, "the init image reaches the image");
+    let report = sd_models::report::RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let loads = report.stages.iter().filter(|s| s.name == "vae load (encode)").count();
+    assert_eq!(loads, 1, "{:?}", report.stages);
     let server = common::Server::start();
     let placed = segmented_on(&server.endpoint);
     let seg = gen("seg", &[&["-r", a, "-r", b][..], &placed[..]].concat());

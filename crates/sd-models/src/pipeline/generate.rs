@@ -83,9 +83,8 @@ struct Start {
     concat: Option<Vec<f32>>,
     /// Where the denoised estimate is repainted (elsewhere it keeps the init latent).
     denoise_mask: Option<Vec<f32>>,
-    /// The VAE encoder's generator after the init image's draws (seeded with the request's
-    /// seed): the reference images' encodings draw from it next, as in the reference.
-    encoder_rng: Box<dyn NoiseRng>,
+    /// The reference images' latents (`-r`).
+    refs: Vec<ReferenceLatent>,
 }
 
 /// Where a sampling pass's images start from.
@@ -140,7 +139,7 @@ impl Pipeline {
         let mut texts = self.encode_text(request, out)?;
         let mut start = self.prepare_start(request, out)?;
         // Reference images: both conditionings read their latents, as in the reference.
-        let refs = self.encode_refs(request, start.encoder_rng.as_mut(), out)?;
+        let refs = std::mem::take(&mut start.refs);
         if !refs.is_empty() {
             if let Some(u) = texts.uncond.as_mut() {
                 u.references = refs.clone();
@@ -201,8 +200,10 @@ impl Pipeline {
         Ok(Texts { cond, uncond, img_uncond: None })
     }
 
-    /// Start: the schedule and its sigmas and, for img2img and inpainting, the init image's
-    /// latent and the masks.
+    /// Start: the schedule and its sigmas, for img2img and inpainting the init image's
+    /// latent and the masks, and the reference images' latents. One encoder session encodes
+    /// them all; its generator is seeded with the request's seed, and the references draw
+    /// from it after the init image, as in the reference.
     fn prepare_start(&self, request: &Request, out: &mut RunOutputs<'_, '_>) -> Result<Start> {
         let p = &request.params;
         let scale = self.latent_scale();
@@ -217,14 +218,19 @@ impl Pipeline {
         // takes the masked image's latent (`inpaint.rs`).
         let pixel_mask = p.mask.as_ref().map(inpaint::pixel_mask);
         let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), scale));
-        let mut encoder_rng = p.rng.seeded(p.seed);
-        let (sigmas, init_latent, masked_latent) = match &p.init_image {
-            None => (full, None, None),
+        let (sigmas, init_latent, masked_latent, refs) = match &p.init_image {
+            None if p.ref_images.is_empty() => (full, None, None, Vec::new()),
+            None => {
+                let mut rng = p.rng.seeded(p.seed);
+                let refs = self.with_encoder(out, |vae, runner, progress| {
+                    encode_refs(vae, runner, progress, request, rng.as_mut())
+                })?;
+                (full, None, None, refs)
+            }
             Some(image) => {
                 let masked = concat_channels > 0;
-                let (init, masked) =
-                    self.encode_init(request, image, pixel_mask.as_deref(), masked, encoder_rng.as_mut(), out)?;
-                (img2img_sigmas(&full, p.strength)?, Some(init), masked)
+                let (init, masked, refs) = self.encode_init(request, image, pixel_mask.as_deref(), masked, out)?;
+                (img2img_sigmas(&full, p.strength)?, Some(init), masked, refs)
             }
         };
         if sigmas.len() < 2 {
@@ -244,7 +250,7 @@ impl Pipeline {
             // The reference's warning; it then runs as this does.
             tracing::warn!("an inpainting model needs both an init image (-i) and a mask (--mask)");
         }
-        Ok(Start { schedule, sigmas, init_latent, concat, denoise_mask, encoder_rng })
+        Ok(Start { schedule, sigmas, init_latent, concat, denoise_mask, refs })
     }
 
     /// The family's schedule with the request's flow shift, where the model has a flow schedule.
@@ -275,19 +281,22 @@ impl Pipeline {
         }
     }
 
-    /// The init image's latent and, for an inpainting UNet (`masked`), the masked image's,
-    /// both drawn from `rng` (seeded with the request's seed), as the reference.
+    /// The init image's latent, for an inpainting UNet (`masked`) the masked image's, and the
+    /// reference images' latents, drawn in that order from one generator seeded with the
+    /// request's seed, as the reference.
+    #[allow(clippy::type_complexity)]
     fn encode_init(
         &self,
         request: &Request,
         image: &Image,
         pixel_mask: Option<&[f32]>,
         masked: bool,
-        rng: &mut dyn NoiseRng,
         out: &mut RunOutputs<'_, '_>,
-    ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>, Vec<ReferenceLatent>)> {
         let p = &request.params;
         let image = crate::image_io::to_planar(image);
+        let mut rng = p.rng.seeded(p.seed);
+        let rng = rng.as_mut();
         self.with_encoder(out, |vae, runner, progress| {
             let mut on_tile = |done: usize, tiles: usize| {
                 progress(Progress::Tile { stage: "image encode", image: 0, images: 1, done, tiles })
@@ -305,37 +314,8 @@ impl Pipeline {
             } else {
                 None
             };
-            Ok((init, masked_latent))
-        })
-    }
-
-    /// The reference images' latents (`-r`), each at its size as `check_request` fitted it,
-    /// drawn from `rng` after the init image's draws (FLUX.1's VAE samples; FLUX.2's takes
-    /// the mean and draws nothing).
-    fn encode_refs(
-        &self,
-        request: &Request,
-        rng: &mut dyn NoiseRng,
-        out: &mut RunOutputs<'_, '_>,
-    ) -> Result<Vec<ReferenceLatent>> {
-        let p = &request.params;
-        if p.ref_images.is_empty() {
-            return Ok(Vec::new());
-        }
-        self.with_encoder(out, |vae, runner, progress| {
-            let images = p.ref_images.len();
-            let mut refs = Vec::with_capacity(images);
-            for (image, ref_image) in p.ref_images.iter().enumerate() {
-                let (w, h) = (ref_image.width, ref_image.height);
-                let mut on_tile = |done: usize, tiles: usize| {
-                    progress(Progress::Tile { stage: "reference image encode", image, images, done, tiles })
-                };
-                let px = to_vae_range(vae, &crate::image_io::to_planar(ref_image));
-                let data = encode_latent(vae, runner, &px, (w, h), &p.tiling, &mut *rng, &mut on_tile)?;
-                let s = vae.scale_factor();
-                refs.push(ReferenceLatent { data, width: w / s, height: h / s });
-            }
-            Ok(refs)
+            let refs = encode_refs(vae, runner, progress, request, &mut *rng)?;
+            Ok((init, masked_latent, refs))
         })
     }
 
@@ -872,6 +852,31 @@ fn encode_latent(
     };
     vae.vae_to_diffusion(&mut latent);
     Ok(latent)
+}
+
+/// The reference images' latents (`-r`), each at its size as `check_request` fitted it,
+/// drawn from `rng` (FLUX.1's VAE samples; FLUX.2's takes the mean and draws nothing).
+fn encode_refs(
+    vae: &dyn FirstStage,
+    runner: &mut Runner,
+    progress: &mut dyn FnMut(Progress),
+    request: &Request,
+    rng: &mut dyn NoiseRng,
+) -> Result<Vec<ReferenceLatent>> {
+    let p = &request.params;
+    let images = p.ref_images.len();
+    let mut refs = Vec::with_capacity(images);
+    for (image, ref_image) in p.ref_images.iter().enumerate() {
+        let (w, h) = (ref_image.width, ref_image.height);
+        let mut on_tile = |done: usize, tiles: usize| {
+            progress(Progress::Tile { stage: "reference image encode", image, images, done, tiles })
+        };
+        let px = to_vae_range(vae, &crate::image_io::to_planar(ref_image));
+        let data = encode_latent(vae, runner, &px, (w, h), &p.tiling, &mut *rng, &mut on_tile)?;
+        let s = vae.scale_factor();
+        refs.push(ReferenceLatent { data, width: w / s, height: h / s });
+    }
+    Ok(refs)
 }
 
 /// The hires fix's image upscalers: the first pass's `latent` decoded, resized in pixels as

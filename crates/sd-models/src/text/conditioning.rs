@@ -59,6 +59,12 @@ pub struct ReferenceLatent {
 }
 
 impl Conditioning {
+    /// The states of `n_tokens` tokens, `hidden_size` values each, with `vector` beside them
+    /// (empty for families without one): not zero by design, no reference latents.
+    pub fn tokens(data: Vec<f32>, hidden_size: usize, n_tokens: usize, vector: Vec<f32>) -> Self {
+        Self { data, hidden_size, n_tokens, vector, zeroed: false, references: Vec::new() }
+    }
+
     /// ggml shape `[hidden_size, n_tokens]`.
     pub fn shape(&self) -> [usize; 2] {
         [self.hidden_size, self.n_tokens]
@@ -98,7 +104,7 @@ pub fn encode_prompt(
     }
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, "prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens, vector: Vec::new(), zeroed: false, references: Vec::new() })
+    Ok(Conditioning::tokens(data, hidden_size, n_tokens, Vec::new()))
 }
 
 /// Applies prompt weights to one chunk's hidden states (`hidden_size` values per token, one

@@ -100,7 +100,7 @@ pub(crate) fn encode_flux(
     };
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, vector = vector.len(), "FLUX prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens, vector, zeroed: false, references: Vec::new() })
+    Ok(Conditioning::tokens(data, hidden_size, n_tokens, vector))
 }
 
 /// FLUX's two text encoders over one weight set (the `te` module), with their tokenizers;

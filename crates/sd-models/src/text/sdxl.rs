@@ -126,7 +126,7 @@ pub fn encode_sdxl(
     let vector = adm_vector(&pooled, width, height);
     let n_tokens = data.len() / hidden_size;
     tracing::debug!(tokens = n_tokens, hidden_size, vector = vector.len(), "SDXL prompt encoded");
-    Ok(Conditioning { data, hidden_size, n_tokens, vector, zeroed: zero_out, references: Vec::new() })
+    Ok(Conditioning { zeroed: zero_out, ..Conditioning::tokens(data, hidden_size, n_tokens, vector) })
 }
 
 /// SDXL's two text encoders over one weight set (the `te` module), with the tokenizer.

@@ -594,13 +594,13 @@ fn the_pipeline_interface_evaluates_each_sample_alone() {
     let (w, h, l) = (4usize, 6usize, 3usize);
     let per = cfg.latent_channels() as usize * w * h;
     let x = inputs(2 * per, "batch", 1.0);
-    let cond = |seed: &str| Conditioning {
-        data: inputs(l * cfg.context_in_dim as usize, seed, 1.0),
-        hidden_size: cfg.context_in_dim as usize,
-        n_tokens: l,
-        vector: inputs(cfg.vec_in_dim as usize, &format!("{seed}-y"), 1.0),
-        zeroed: false,
-        references: Vec::new(),
+    let cond = |seed: &str| {
+        Conditioning::tokens(
+            inputs(l * cfg.context_in_dim as usize, seed, 1.0),
+            cfg.context_in_dim as usize,
+            l,
+            inputs(cfg.vec_in_dim as usize, &format!("{seed}-y"), 1.0),
+        )
     };
     let (a, b) = (cond("a"), cond("b"));
     let both = DiffusionModel::eval(&m, &mut runner, &x, (w, h), &[0.9, 0.2], &[&a, &b]).unwrap();

@@ -62,7 +62,7 @@ pub(crate) fn encode_chroma(
     }
     let vector = text_mask(&ids, mask_pad);
     tracing::debug!(tokens = ids.len(), width, "Chroma prompt encoded");
-    Ok(Conditioning { data, hidden_size: width, n_tokens: ids.len(), vector, zeroed: false, references: Vec::new() })
+    Ok(Conditioning::tokens(data, width, ids.len(), vector))
 }
 
 /// T5 over its placed weights, with the tokenizer and the mask option.

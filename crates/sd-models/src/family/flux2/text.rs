@@ -55,14 +55,7 @@ impl KleinText {
         let hidden_size = OUT_LAYERS.len() * self.cfg.hidden;
         apply_token_weights(&mut data, hidden_size, &weights);
         tracing::debug!(tokens = ids.len(), hidden_size, "FLUX.2 klein prompt encoded");
-        Ok(Conditioning {
-            data,
-            hidden_size,
-            n_tokens: ids.len(),
-            vector: Vec::new(),
-            zeroed: false,
-            references: Vec::new(),
-        })
+        Ok(Conditioning::tokens(data, hidden_size, ids.len(), Vec::new()))
     }
 }
 

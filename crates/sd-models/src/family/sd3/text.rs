@@ -185,6 +185,6 @@ impl Sd3Text {
         });
         let n_tokens = data.len() / CONTEXT_WIDTH;
         tracing::debug!(tokens = n_tokens, vector = vector.len(), "SD3 prompt encoded");
-        Ok(Conditioning { data, hidden_size: CONTEXT_WIDTH, n_tokens, vector, zeroed: false, references: Vec::new() })
+        Ok(Conditioning::tokens(data, CONTEXT_WIDTH, n_tokens, vector))
     }
 }

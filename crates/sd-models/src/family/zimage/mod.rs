@@ -200,14 +200,7 @@ pub(crate) fn encode_caption(
     let hidden_size = encoder.config().hidden;
     apply_token_weights(&mut data, hidden_size, &weights);
     tracing::debug!(tokens = ids.len(), hidden_size, "Z-Image prompt encoded");
-    Ok(Conditioning {
-        data,
-        hidden_size,
-        n_tokens: ids.len(),
-        vector: Vec::new(),
-        zeroed: false,
-        references: Vec::new(),
-    })
+    Ok(Conditioning::tokens(data, hidden_size, ids.len(), Vec::new()))
 }
 
 impl TextEncoder for ZImageText {

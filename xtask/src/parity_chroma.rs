@@ -10,11 +10,11 @@
 //! `--radiance` evaluates Chroma1-Radiance instead (the reduced fixture in pixel space:
 //! [`flux::reduced_chroma_radiance`], seed 11, N(0, 0.03), **f32**): its input is an RGB image
 //! of `--size` times 8 pixels (64x64 by default: 4x4 patches of 16), and the reference loads
-//! it without a VAE (its `FakeVAE`). The fixture is f32 because the NeRF head amplifies the
-//! transformer's f16 rounding differences: its weights are generated from each patch's hidden
-//! state and L2-normalised. The same fixture in f16 differs by rel_rms 1.8e-2 (over the
-//! rounding-point bound, 1.2e-2), in f32 by 1.0e-3; give an f16 file with
-//! `--diffusion-model` to see the drift.
+//! it without a VAE (its `FakeVAE`); `--x0` adds the marker of x0 files. The fixture is f32
+//! because the NeRF head amplifies the transformer's f16 rounding differences: its weights are
+//! generated from each patch's hidden state and L2-normalised. The same fixture in f16 differs
+//! by rel_rms 1.8e-2 (over the rounding-point bound, 1.2e-2), in f32 by 1.0e-3; give an f16
+//! file with `--diffusion-model` to see the drift.
 //!
 //! `--image` compares whole generations instead (`IMAGE_CASES`: txt2img with a weighted
 //! prompt and a negative prompt, txt2img without one, img2img from the reference's image of
@@ -102,6 +102,10 @@ pub struct Args {
     /// `--size` times 8 pixels, no VAE.
     #[arg(long = "radiance", conflicts_with = "vae")]
     radiance: bool,
+    /// With --radiance: the fixture of an x0 file (its `__x0__` marker: the head predicts the
+    /// clean image, the model returns `(x - x0) / t`).
+    #[arg(long = "x0", requires = "radiance")]
+    x0: bool,
     /// With --image: the T5-XXL (default: the 24-layer q8_0 fixture, 4.8 GB, written on first
     /// use; the reference needs every layer).
     #[arg(long = "t5xxl", value_name = "FILE", requires = "image")]
@@ -128,12 +132,16 @@ fn fixtures() -> Result<(PathBuf, PathBuf)> {
 }
 
 /// The reduced Chroma1-Radiance fixture: width 256, 2 double and 2 single blocks, the released
-/// approximator and NeRF head, seed 11, N(0, 0.03), f32 (1.2 GB).
-fn radiance_fixture() -> Result<PathBuf> {
-    let cfg = flux::reduced_chroma_radiance(256, 2, 2);
+/// approximator and NeRF head, seed 11, N(0, 0.03), f32 (1.2 GB); `x0`: with the x0 marker.
+fn radiance_fixture(x0: bool) -> Result<PathBuf> {
+    let mut cfg = flux::reduced_chroma_radiance(256, 2, 2);
+    if let Some(r) = cfg.radiance.as_mut() {
+        r.x0 = x0;
+    }
     let dir = sd_models::fixture::cache_dir();
     std::fs::create_dir_all(&dir)?;
-    let dit = dir.join("chroma-radiance-std0.03-seed11-f32-h256-d2-s2-a5120x5.safetensors");
+    let kind = if x0 { "-x0" } else { "" };
+    let dit = dir.join(format!("chroma-radiance{kind}-std0.03-seed11-f32-h256-d2-s2-a5120x5.safetensors"));
     if !dit.is_file() {
         flux::write_chroma(&dit, &cfg, 11, Some(0.03), WeightType::F32, FileFormat::Safetensors)?;
     }
@@ -272,7 +280,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--masked {} must leave at least one of the {} tokens open", args.masked, args.tokens);
     }
     let (model, vae) = if args.radiance {
-        (args.diffusion_model.clone().map_or_else(radiance_fixture, Ok)?, None)
+        (args.diffusion_model.clone().map_or_else(|| radiance_fixture(args.x0), Ok)?, None)
     } else {
         let (fixture_dit, fixture_vae) = fixtures()?;
         (args.diffusion_model.clone().unwrap_or(fixture_dit), Some(args.vae.clone().unwrap_or(fixture_vae)))

@@ -108,6 +108,10 @@ pub struct GenerateArgs {
     /// instead of resizing it to the generated image's area.
     #[arg(long = "disable-auto-resize-ref-image")]
     pub disable_auto_resize_ref_image: bool,
+    /// FLUX.1 Kontext: read the k-th reference image on RoPE index k + 1 instead of all on
+    /// index 1 side by side (FLUX.2 always numbers them).
+    #[arg(long = "increase-ref-index")]
+    pub increase_ref_index: bool,
     /// Image guidance with reference images (-r, FLUX.2): how far each step moves from the
     /// negative prompt without the references toward it with them (three passes; default 1,
     /// off). Ignored with a warning by a model without reference images, as in the reference.
@@ -580,6 +584,7 @@ impl GenerateArgs {
             hires: self.hires.params()?,
             ref_images,
             auto_resize_ref_images: !self.disable_auto_resize_ref_image,
+            increase_ref_index: self.increase_ref_index,
             slg: self.skip_layer_guidance()?,
             img_cfg_scale: self.img_cfg_scale,
         };

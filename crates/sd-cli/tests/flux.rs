@@ -471,18 +471,26 @@ fn flux_img2img_is_deterministic_and_reads_its_init_image_and_references() {
     assert!(b.is_some_and(|p| p != a), "the init image reaches the result: {err}");
     // A reference image (FLUX.1 Kontext's edits, -r): it reaches the image, the same each time,
     // and its order beside a second one counts.
-    let with = |name: &str, refs: &[&Path]| {
+    let with_flags = |name: &str, refs: &[&Path], flags: &[&str]| {
         let mut a: Vec<String> = args(&init_a).into();
         for r in refs {
             a.extend(["-r".to_string(), r.to_str().unwrap().to_string()]);
         }
+        a.extend(flags.iter().map(|f| f.to_string()));
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let (png, _, err) = run(&d, name, &a);
         png.unwrap_or_else(|| panic!("{name}: {err}"))
     };
+    let with = |name: &str, refs: &[&Path]| with_flags(name, refs, &[]);
     let r = with("ref-b", &[&init_b]);
     assert!(r != a && with("ref-b-again", &[&init_b]) == r, "a reference reaches the image, the same each time");
-    assert!(with("refs-ab", &[&init_a, &init_b]) != with("refs-ba", &[&init_b, &init_a]), "their order counts");
+    let ab = with("refs-ab", &[&init_a, &init_b]);
+    assert!(ab != with("refs-ba", &[&init_b, &init_a]), "their order counts");
+    // --increase-ref-index: one reference is read as before (index 1, no offset); a second
+    // moves from beside the first to an index of its own.
+    let increase = ["--increase-ref-index"];
+    assert!(with_flags("ref-b-inc", &[&init_b], &increase) == r, "one reference, the same image");
+    assert!(with_flags("refs-ab-inc", &[&init_a, &init_b], &increase) != ab, "--increase-ref-index ignored");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -474,6 +474,10 @@ pub struct GenerateParams {
     /// unless `--disable-auto-resize-ref-image`. Without it each is encoded at its own size,
     /// whose sides must then be multiples of the model's ([`Pipeline::spatial_multiple`]).
     pub auto_resize_ref_images: bool,
+    /// `--increase-ref-index`: FLUX.1 Kontext reads the k-th reference image (from 0) on RoPE
+    /// index `k + 1` instead of all on index 1 laid out side by side, as the reference's flag
+    /// does (FLUX.2 always numbers them so).
+    pub increase_ref_index: bool,
     /// Skip-layer guidance (`--slg-scale`, `--skip-layers`, `--skip-layer-start`,
     /// `--skip-layer-end`; None or a scale of 0: off). SD3's MMDiT only.
     pub slg: Option<crate::sampling::SkipLayerGuidance>,
@@ -1541,6 +1545,7 @@ mod tests {
             hires: None,
             ref_images: Vec::new(),
             auto_resize_ref_images: true,
+            increase_ref_index: false,
             slg: None,
             img_cfg_scale: None,
         }

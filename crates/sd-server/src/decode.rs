@@ -433,6 +433,9 @@ pub(crate) fn native(body: &Value, config: &Config) -> Result<JobSpec, ApiError>
     if let Some(b) = field::<bool>(body, "auto_resize_ref_image")? {
         p.auto_resize_ref_images = b;
     }
+    if let Some(b) = field::<bool>(body, "increase_ref_index")? {
+        p.increase_ref_index = b;
+    }
     p.tiling = tiling(body, &p)?;
     let loras = loras(body, config)?;
     let output = output(body)?;

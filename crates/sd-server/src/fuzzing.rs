@@ -55,6 +55,7 @@ impl Harness {
             hires: None,
             ref_images: Vec::new(),
             auto_resize_ref_images: true,
+            increase_ref_index: false,
             slg: None,
             img_cfg_scale: None,
         };

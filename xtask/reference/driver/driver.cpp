@@ -327,6 +327,7 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
     g.ref_images            = refs.empty() ? nullptr : refs.data();
     g.ref_images_count      = (int)refs.size();
     g.auto_resize_ref_image = o->auto_resize_ref_image;
+    g.increase_ref_index    = o->increase_ref_index;
     if (o->hires_upscaler != nullptr) {
         g.hires.enabled  = true;
         g.hires.upscaler = str_to_sd_hires_upscaler(o->hires_upscaler);

@@ -86,6 +86,7 @@ typedef struct {
     int ref_count;                  /* reference images (-r), each RGB of its own size */
     const struct sdref_image_s* ref_images;
     bool auto_resize_ref_image;     /* the CLI's default (--disable-auto-resize-ref-image: false) */
+    bool increase_ref_index;        /* --increase-ref-index */
     float slg_scale;                /* skip-layer guidance (--slg-scale; 0: off) */
     int skip_layer_count;           /* --skip-layers; 0: the CLI's default 7, 8, 9 */
     const int* skip_layers;

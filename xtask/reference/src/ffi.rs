@@ -77,6 +77,7 @@ struct RawGenOpts {
     ref_count: c_int,
     ref_images: *const RawImage,
     auto_resize_ref_image: bool,
+    increase_ref_index: bool,
     slg_scale: f32,
     skip_layer_count: c_int,
     skip_layers: *const c_int,
@@ -512,6 +513,8 @@ pub struct GenOptions {
     pub refs: Vec<(u32, u32, Vec<u8>)>,
     /// The CLI's default: resize each reference image to the image's area.
     pub auto_resize_ref_image: bool,
+    /// `--increase-ref-index`.
+    pub increase_ref_index: bool,
     /// Skip-layer guidance: scale (0: off), layers (empty: 7, 8, 9), start, end.
     pub slg: (f32, Vec<i32>, f32, f32),
     /// `--img-cfg-scale` (None: not set).
@@ -710,6 +713,7 @@ impl Context {
             ref_count: refs.len() as c_int,
             ref_images: if refs.is_empty() { ptr::null() } else { refs.as_ptr() },
             auto_resize_ref_image: o.auto_resize_ref_image,
+            increase_ref_index: o.increase_ref_index,
             slg_scale: o.slg.0,
             skip_layer_count: o.slg.1.len() as c_int,
             skip_layers: if o.slg.1.is_empty() { ptr::null() } else { o.slg.1.as_ptr() },

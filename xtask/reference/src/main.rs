@@ -260,6 +260,9 @@ struct Txt2Img {
     /// Encode reference images at their own sizes (the CLI's flag).
     #[arg(long = "disable-auto-resize-ref-image")]
     disable_auto_resize_ref_image: bool,
+    /// Each reference image on its own RoPE index (the CLI's flag).
+    #[arg(long = "increase-ref-index")]
+    increase_ref_index: bool,
     /// Strength of the ControlNet's residuals (the library's default 0.9).
     #[arg(long = "control-strength", default_value_t = 0.9)]
     control_strength: f32,
@@ -666,6 +669,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
         }),
         refs: a.ref_image.iter().map(|p| read_png_rgb(p)).collect::<Res<Vec<_>>>()?,
         auto_resize_ref_image: !a.disable_auto_resize_ref_image,
+        increase_ref_index: a.increase_ref_index,
         slg: (
             a.slg_scale,
             a.skip_layers

@@ -500,7 +500,7 @@ pub fn image_tokens(w: usize, h: usize, patch: usize) -> usize {
 /// (text ids zero, image ids `(0, row, col)`; FLUX.2's text ids carry their position on the
 /// fourth axis, its image ids a zero there).
 pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, dims: (usize, usize)) -> Vec<f32> {
-    rope_pe_with_refs(cfg, txt_tokens, dims, &[])
+    rope_pe_with_refs(cfg, txt_tokens, dims, &[], false)
 }
 
 /// [`rope_pe`] with the tokens of reference latents of `refs` (`(width, height)` each) after
@@ -508,12 +508,14 @@ pub fn rope_pe(cfg: &FluxConfig, txt_tokens: usize, dims: (usize, usize)) -> Vec
 /// `(10 (k + 1), row, col, 0)`, each a picture of its own beside the generated one. FLUX.1
 /// (Kontext): every reference has index 1, laid out beside the ones before it: below them
 /// when that keeps the whole taller than wide, else to their right (the offsets in latent
-/// positions, added to the rows and columns of patches, as the reference adds them).
+/// positions, added to the rows and columns of patches, as the reference adds them); with
+/// `increase_ref_index` the k-th has index `k + 1` and no offset instead.
 pub fn rope_pe_with_refs(
     cfg: &FluxConfig,
     txt_tokens: usize,
     (w, h): (usize, usize),
     refs: &[(usize, usize)],
+    increase_ref_index: bool,
 ) -> Vec<f32> {
     let p = cfg.patch as usize;
     let n_axes = cfg.axes_dim.len();
@@ -541,8 +543,9 @@ pub fn rope_pe_with_refs(
     grid(0.0, (w, h), (0, 0));
     let (mut cur_h, mut cur_w) = (0, 0);
     for (k, &(rw, rh)) in refs.iter().enumerate() {
-        if cfg.flux2 {
-            grid(((k + 1) as f32 * REF_INDEX_SCALE).trunc(), (rw, rh), (0, 0));
+        if cfg.flux2 || increase_ref_index {
+            let scale = if cfg.flux2 { REF_INDEX_SCALE } else { 1.0 };
+            grid(((k + 1) as f32 * scale).trunc(), (rw, rh), (0, 0));
             continue;
         }
         let (h_off, w_off) = if rh + cur_h > rw + cur_w { (0, cur_w) } else { (cur_h, 0) };
@@ -1168,7 +1171,7 @@ impl FluxModel {
         y: &[f32],
         guidance: Option<f32>,
     ) -> Result<Vec<f32>> {
-        let sample = Sample { x, timestep, context, n_ctx_tokens, y, refs: &[], skip: &[] };
+        let sample = Sample { x, timestep, context, n_ctx_tokens, y, refs: &[], increase_ref_index: false, skip: &[] };
         Ok(self.eval_samples(runner, (w, h), &[sample], guidance)?.remove(0))
     }
 
@@ -1338,7 +1341,7 @@ impl FluxModel {
             t.set_f32(&[v])?;
         }
         let refs: Vec<(usize, usize)> = s.refs.iter().map(|r| (r.width, r.height)).collect();
-        ins.pe.set_f32(&rope_pe_with_refs(&self.cfg, s.n_ctx_tokens, (w, h), &refs))?;
+        ins.pe.set_f32(&rope_pe_with_refs(&self.cfg, s.n_ctx_tokens, (w, h), &refs, s.increase_ref_index))?;
         for (t, r) in ins.refs.iter().zip(s.refs) {
             t.set_f32(&r.data)?;
         }
@@ -1369,6 +1372,8 @@ struct Sample<'a> {
     y: &'a [f32],
     /// Reference latents (FLUX.1 Kontext, FLUX.2).
     refs: &'a [crate::text::conditioning::ReferenceLatent],
+    /// Each reference on its own RoPE index (see [`rope_pe_with_refs`]).
+    increase_ref_index: bool,
     /// The blocks left out (skip-layer guidance; see [`forward_skipping`]).
     skip: &'a [usize],
 }
@@ -1425,6 +1430,7 @@ impl crate::family::DiffusionModel for FluxModel {
                 n_ctx_tokens: c.n_tokens,
                 y: &c.vector,
                 refs: &c.references,
+                increase_ref_index: c.increase_ref_index,
                 skip,
             });
         }

@@ -141,10 +141,11 @@ impl Pipeline {
         // Reference images: both conditionings read their latents, as in the reference.
         let refs = std::mem::take(&mut start.refs);
         if !refs.is_empty() {
+            let increase = request.params.increase_ref_index;
             if let Some(u) = texts.uncond.as_mut() {
-                u.references = refs.clone();
+                (u.references, u.increase_ref_index) = (refs.clone(), increase);
             }
-            texts.cond.references = refs;
+            (texts.cond.references, texts.cond.increase_ref_index) = (refs, increase);
         }
         if request.img_cfg != 1.0 {
             // The image guidance's negative pass: the negative prompt without the references.

@@ -44,6 +44,9 @@ pub struct Conditioning {
     /// images, `-r`): the pipeline adds them to the prompt's and the negative prompt's
     /// conditioning, as the reference hands them to both. Empty for a text-only conditioning.
     pub references: Vec<ReferenceLatent>,
+    /// How a FLUX.1 model numbers the references (`--increase-ref-index`): each on its own
+    /// RoPE index instead of all on one, side by side.
+    pub increase_ref_index: bool,
 }
 
 /// One reference image's latent: `channels x height x width` values, row-major (ggml
@@ -62,7 +65,7 @@ impl Conditioning {
     /// The states of `n_tokens` tokens, `hidden_size` values each, with `vector` beside them
     /// (empty for families without one): not zero by design, no reference latents.
     pub fn tokens(data: Vec<f32>, hidden_size: usize, n_tokens: usize, vector: Vec<f32>) -> Self {
-        Self { data, hidden_size, n_tokens, vector, zeroed: false, references: Vec::new() }
+        Self { data, hidden_size, n_tokens, vector, zeroed: false, references: Vec::new(), increase_ref_index: false }
     }
 
     /// ggml shape `[hidden_size, n_tokens]`.

@@ -731,3 +731,29 @@ fn chroma_segmented_under_a_budget_equals_the_whole_graph() {
     assert_eq!(seg, whole, "segmented = whole (same kernels)");
     assert!(stats.segmented_runs == 1 && stats.max_segments >= 4, "{stats:?}");
 }
+
+/// `--increase-ref-index`: one reference is read the same way either way (index 1, no
+/// offset); a second one moves from index 1 beside the first to index 2 at the origin, where it
+/// lies exactly as a lone reference on index 2 would; FLUX.2 always numbers them.
+#[test]
+fn increase_ref_index_numbers_the_references() {
+    let cfg = tiny();
+    let pe = |refs: &[(usize, usize)], inc| rope_pe_with_refs(&cfg, 3, (4, 4), refs, inc);
+    let (a, b) = ((4, 4), (4, 2));
+    assert_eq!(pe(&[a], true), pe(&[a], false));
+    let (side, numbered) = (pe(&[a, b], false), pe(&[a, b], true));
+    assert_eq!(side.len(), numbered.len());
+    assert_ne!(side, numbered);
+    // Tokens: 3 text, 4 image, 4 of `a`, 2 of `b` (2x2 patches); each token's pe is
+    // head_dim / 2 rotation matrices of 4 values.
+    let per = cfg.head_dim() as usize * 2;
+    let b_start = (3 + 4 + 4) * per;
+    assert_eq!(side[..b_start], numbered[..b_start], "the image's and the first reference's tokens");
+    // `b` numbered: the tokens of `b` alone on index 2 match an index-2 grid at the origin,
+    // which is what the first reference's grid is on index 1 with the same rows and columns.
+    let alone = rope_pe_with_refs(&cfg, 3, (4, 4), &[(4, 2), (4, 2)], true);
+    assert_eq!(numbered[b_start..], alone[b_start - 2 * per..b_start], "b on index 2, no offset");
+    let flux2 = FluxConfig::flux2_klein_4b();
+    let pe2 = |inc| rope_pe_with_refs(&flux2, 3, (4, 4), &[a, b], inc);
+    assert_eq!(pe2(true), pe2(false));
+}

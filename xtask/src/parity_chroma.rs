@@ -43,6 +43,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
+use sd_models::diffusion::flux::radiance::RadianceConfig;
 use sd_models::diffusion::flux::{FluxConfig, FluxModel};
 use sd_models::files::{ModelFiles, ModelSources};
 use sd_models::fixture::{flux, flux_vae, FileFormat, WeightType};
@@ -115,6 +116,17 @@ pub struct Args {
     sd_cli: Option<PathBuf>,
 }
 
+impl Args {
+    /// The architecture compared, as rows and folders name it.
+    fn family(&self) -> &'static str {
+        if self.radiance {
+            "chroma-radiance"
+        } else {
+            "chroma"
+        }
+    }
+}
+
 /// The default files: the reduced Chroma fixture and the FLUX VAE fixture.
 fn fixtures() -> Result<(PathBuf, PathBuf)> {
     let cfg = flux::reduced_chroma(256, 2, 2);
@@ -134,10 +146,7 @@ fn fixtures() -> Result<(PathBuf, PathBuf)> {
 /// The reduced Chroma1-Radiance fixture: width 256, 2 double and 2 single blocks, the released
 /// approximator and NeRF head, seed 11, N(0, 0.03), f32 (1.2 GB); `x0`: with the x0 marker.
 fn radiance_fixture(x0: bool) -> Result<PathBuf> {
-    let mut cfg = flux::reduced_chroma_radiance(256, 2, 2);
-    if let Some(r) = cfg.radiance.as_mut() {
-        r.x0 = x0;
-    }
+    let cfg = flux::reduced_chroma(256, 2, 2).with_radiance(RadianceConfig { x0, ..RadianceConfig::released() });
     let dir = sd_models::fixture::cache_dir();
     std::fs::create_dir_all(&dir)?;
     let kind = if x0 { "-x0" } else { "" };
@@ -232,7 +241,7 @@ fn images(args: &Args, dit: &std::path::Path, vae: Option<&std::path::Path>) -> 
         Some(p) => p.clone(),
         None => crate::parity::build_sd_cli()?,
     };
-    let family = if args.radiance { "chroma-radiance" } else { "chroma" };
+    let family = args.family();
     let dir = crate::workspace_root().join("target/parity").join(family);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let files = |c: &mut Command| {
@@ -349,7 +358,7 @@ pub fn run(args: Args) -> Result<()> {
         let v = Verdict::of(&ours, &reference, Tolerance::rounding_points(chroma_points(&cfg)))?;
         println!(
             "{} {} (width {}, {}+{} blocks, approximator {:?}) {w}x{h}, {l} tokens ({masked} masked), t {}: {}  sdref {ref_s:.1} s (with loading)  ours {ours_s:.2} s  {}",
-            if args.radiance { "chroma-radiance" } else { "chroma" },
+            args.family(),
             model.display(),
             cfg.hidden_size,
             cfg.depth,

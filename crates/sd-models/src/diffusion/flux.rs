@@ -167,6 +167,12 @@ impl FluxConfig {
         }
     }
 
+    /// `self` in pixel space (Chroma1-Radiance): RGB read and predicted in `r.patch` patches.
+    pub fn with_radiance(self, r: radiance::RadianceConfig) -> Self {
+        let pixels = 3 * r.patch * r.patch;
+        Self { radiance: Some(r), patch: r.patch, in_channels: pixels, out_channels: pixels, ..self }
+    }
+
     /// Whether the linear layers have biases (all but FLUX.2's).
     pub fn bias(&self) -> bool {
         !self.flux2
@@ -227,12 +233,8 @@ impl FluxConfig {
             }
         }
         cfg.chroma = chroma::from_file(tensors)?;
-        cfg.radiance = radiance::from_file(tensors)?;
-        if let Some(r) = &cfg.radiance {
-            // RGB in patches of r.patch, the same out of the NeRF head.
-            cfg.patch = r.patch;
-            cfg.in_channels = 3 * r.patch * r.patch;
-            cfg.out_channels = cfg.in_channels;
+        if let Some(r) = radiance::from_file(tensors)? {
+            cfg = cfg.with_radiance(r);
         }
         if cfg.chroma.is_some() {
             // Chroma has no vector_in: the conditioner's vector is the text mask.

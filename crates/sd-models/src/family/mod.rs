@@ -153,15 +153,17 @@ pub(crate) fn generation_specs(
 ) -> Result<[(&'static str, Vec<TensorSpec>); 3]> {
     let dtype = crate::loader::dtype_of(files);
     let taesd = files.index().files().iter().any(|f| f.role == crate::files::FileRole::Taesd);
-    let vae = family.vae();
-    let first = if vae.is_none() {
-        ("first stage", Vec::new())
-    } else if taesd {
-        let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
-        ("TAESD", sd_vae::taesd_specs(&taesd_config(family)?, parts))
-    } else {
-        let parts = if need_encoder { sd_vae::VaeParts::Full } else { sd_vae::VaeParts::DecoderOnly };
-        ("VAE", vae.map(|cfg| sd_vae::vae_specs(&cfg, parts)).unwrap_or_default())
+    let first = match family.vae() {
+        // Pixel space: no autoencoder.
+        None => ("first stage", Vec::new()),
+        Some(_) if taesd => {
+            let parts = if need_encoder { sd_vae::TaesdParts::Full } else { sd_vae::TaesdParts::DecoderOnly };
+            ("TAESD", sd_vae::taesd_specs(&taesd_config(family)?, parts))
+        }
+        Some(cfg) => {
+            let parts = if need_encoder { sd_vae::VaeParts::Full } else { sd_vae::VaeParts::DecoderOnly };
+            ("VAE", sd_vae::vae_specs(&cfg, parts))
+        }
     };
     Ok([
         ("text encoder", family.text_specs(&dtype, wtype)),

@@ -87,6 +87,17 @@ struct Start {
     refs: Vec<ReferenceLatent>,
 }
 
+/// The latents of the images a generation starts from ([`Pipeline::encode_images`]).
+#[derive(Default)]
+struct Encoded {
+    /// The init image's (img2img, inpainting).
+    init: Option<Vec<f32>>,
+    /// An inpainting UNet's masked image's.
+    masked: Option<Vec<f32>>,
+    /// The reference images' (`-r`).
+    refs: Vec<ReferenceLatent>,
+}
+
 /// Where a sampling pass's images start from.
 enum PassStart {
     /// The init latent (img2img), else noise.
@@ -219,21 +230,13 @@ impl Pipeline {
         // takes the masked image's latent (`inpaint.rs`).
         let pixel_mask = p.mask.as_ref().map(inpaint::pixel_mask);
         let latent_mask = pixel_mask.as_ref().map(|m| inpaint::latent_mask(m, (p.width, p.height), scale));
-        let (sigmas, init_latent, masked_latent, refs) = match &p.init_image {
-            None if p.ref_images.is_empty() => (full, None, None, Vec::new()),
-            None => {
-                let mut rng = p.rng.seeded(p.seed);
-                let refs = self.with_encoder(out, |vae, runner, progress| {
-                    encode_refs(vae, runner, progress, request, rng.as_mut())
-                })?;
-                (full, None, None, refs)
-            }
-            Some(image) => {
-                let masked = concat_channels > 0;
-                let (init, masked, refs) = self.encode_init(request, image, pixel_mask.as_deref(), masked, out)?;
-                (img2img_sigmas(&full, p.strength)?, Some(init), masked, refs)
-            }
+        let encoded = if p.init_image.is_some() || !p.ref_images.is_empty() {
+            self.encode_images(request, pixel_mask.as_deref(), concat_channels > 0, out)?
+        } else {
+            Encoded::default()
         };
+        let Encoded { init: init_latent, masked: masked_latent, refs } = encoded;
+        let sigmas = if init_latent.is_some() { img2img_sigmas(&full, p.strength)? } else { full };
         if sigmas.len() < 2 {
             return bad_setting(Setting::Strength, p.strength, "too low: no sampling step remains");
         }
@@ -282,20 +285,19 @@ impl Pipeline {
         }
     }
 
-    /// The init image's latent, for an inpainting UNet (`masked`) the masked image's, and the
-    /// reference images' latents, drawn in that order from one generator seeded with the
-    /// request's seed, as the reference.
-    #[allow(clippy::type_complexity)]
-    fn encode_init(
+    /// The images a generation starts from, in one encoder session: the init image's latent,
+    /// for an inpainting UNet (`masked`) the masked image's, and the reference images'
+    /// latents, drawn in that order from one generator seeded with the request's seed, as the
+    /// reference.
+    fn encode_images(
         &self,
         request: &Request,
-        image: &Image,
         pixel_mask: Option<&[f32]>,
         masked: bool,
         out: &mut RunOutputs<'_, '_>,
-    ) -> Result<(Vec<f32>, Option<Vec<f32>>, Vec<ReferenceLatent>)> {
+    ) -> Result<Encoded> {
         let p = &request.params;
-        let image = crate::image_io::to_planar(image);
+        let image = p.init_image.as_ref().map(crate::image_io::to_planar);
         let mut rng = p.rng.seeded(p.seed);
         let rng = rng.as_mut();
         self.with_encoder(out, |vae, runner, progress| {
@@ -306,17 +308,18 @@ impl Pipeline {
                 let px = to_vae_range(vae, px);
                 encode_latent(vae, runner, &px, (p.width, p.height), &p.tiling, rng, &mut on_tile)
             };
-            let init = encode(&image, &mut *rng)?;
-            // The reference encodes the masked image next, drawing from the same generator.
-            let masked_latent = if masked {
-                let ones = vec![1.0; p.width * p.height];
-                let m = pixel_mask.unwrap_or(&ones);
-                Some(encode(&inpaint::masked_image(&image, m), &mut *rng)?)
-            } else {
-                None
-            };
-            let refs = encode_refs(vae, runner, progress, request, &mut *rng)?;
-            Ok((init, masked_latent, refs))
+            let mut encoded = Encoded::default();
+            if let Some(image) = &image {
+                encoded.init = Some(encode(image, &mut *rng)?);
+                // The reference encodes the masked image next, drawing from the same generator.
+                if masked {
+                    let ones = vec![1.0; p.width * p.height];
+                    let m = pixel_mask.unwrap_or(&ones);
+                    encoded.masked = Some(encode(&inpaint::masked_image(image, m), &mut *rng)?);
+                }
+            }
+            encoded.refs = encode_refs(vae, runner, progress, request, &mut *rng)?;
+            Ok(encoded)
         })
     }
 

@@ -177,12 +177,15 @@ pub(super) fn decode<'g>(
         let params = blocks::linear(g, w, &format!("{pre}.param_generator"), s, true)?; // [3 nh mh, P]
         let nb1 = params.nb()[1];
         let (span, offset) = (nb1 * patches as usize, (nh * mh) as usize * params.nb()[0]);
-        let chunk = |k: usize| g.cont(g.view(params, [nh * mh, patches, 1, 1], [nb1, span, span], k * offset));
-        // The gate and value as [nh, mh, P] (each output's nh weights a row), the output as
-        // [mh, nh, P]; every row L2-normalised.
-        let gate = g.l2_norm(g.cont(g.permute(g.reshape(chunk(0), &[mh, nh, patches, 1]), [1, 0, 2, 3])), L2_EPS);
-        let value = g.l2_norm(g.cont(g.permute(g.reshape(chunk(1), &[mh, nh, patches, 1]), [1, 0, 2, 3])), L2_EPS);
-        let out = g.l2_norm(g.cont(g.permute(g.reshape(chunk(2), &[nh, mh, patches, 1]), [1, 0, 2, 3])), L2_EPS);
+        // The k-th generated matrix of a layer from `inp` to `outp` channels, per patch: stored
+        // transposed, returned as ggml `[inp, outp, P]` (one row of `inp` weights per output),
+        // every row L2-normalised.
+        let matrix = |k: usize, inp: i64, outp: i64| {
+            let m = g.cont(g.view(params, [nh * mh, patches, 1, 1], [nb1, span, span], k * offset));
+            g.l2_norm(g.cont(g.permute(g.reshape(m, &[outp, inp, patches, 1]), [1, 0, 2, 3])), L2_EPS)
+        };
+        // The gate and value map nh to mh channels, the output mh back to nh.
+        let (gate, value, out) = (matrix(0, nh, mh), matrix(1, nh, mh), matrix(2, mh, nh));
         let n = g.mul(g.rms_norm(v, RMS_EPS), w.get(&format!("{pre}.norm.scale"))?);
         let h = g.mul(g.silu(g.mul_mat(gate, n)), g.mul_mat(value, n)); // [mh, p^2, P]
         v = g.add(g.mul_mat(out, h), v);

@@ -43,10 +43,6 @@ use crate::text::t5::{self, T5Config, T5Encoder};
 use crate::text::T5Tokenizer;
 use text::{ChromaText, ChromaTextError};
 
-/// Pixels per latent position.
-const VAE_SCALE_FACTOR: usize = 8;
-/// The DiT reads 2x2 patches of the latent.
-const PATCH: usize = 2;
 /// FLUX's time shift of a model without `guidance_in`.
 const MU: f32 = 1.0;
 /// The reference's default `--cfg-scale`.
@@ -189,16 +185,14 @@ impl Family for Chroma {
         self.dit.latent_channels() as usize
     }
 
-    /// Whole patches: 2x2 latent positions of 8 pixels, or Radiance's pixel patches.
+    /// Whole patches: the DiT's patch (2x2 latent positions, or Radiance's 16x16 pixels) in
+    /// pixels.
     fn spatial_multiple(&self) -> usize {
-        match &self.dit.radiance {
-            Some(r) => r.patch as usize,
-            None => VAE_SCALE_FACTOR * PATCH,
-        }
+        self.vae().map_or(1, |v| v.latent_scale()) * self.dit.patch as usize
     }
 
     /// The joint attention's scores over text (512 tokens) and image tokens, f32 (`tokens`
-    /// counts latent positions: a token is 2x2 of them, or Radiance's pixel patch).
+    /// counts latent positions; a token is a patch of them).
     /// T5 reads the prompt in chunks of 512 tokens.
     fn text_tokens(&self) -> u64 {
         text::CHUNK_LEN as u64
@@ -208,7 +202,7 @@ impl Family for Chroma {
         if flash_attn {
             return 0.0;
         }
-        let patch = self.dit.radiance.map_or(PATCH as i64, |r| r.patch) as f64;
+        let patch = self.dit.patch as f64;
         let all = tokens / (patch * patch) + text::CHUNK_LEN as f64;
         self.dit.num_heads as f64 * all * all * 4.0
     }

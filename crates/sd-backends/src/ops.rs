@@ -159,6 +159,31 @@ impl Context {
         n_ctx_orig: i32,
         base: f32,
     ) -> Tensor<'c> {
+        self.rope_mode(a, pos, n_dims, sys::GGML_ROPE_TYPE_NEOX as i32, n_ctx_orig, base)
+    }
+
+    /// Rotary position embedding in the original (GPT-J, "normal") layout: pairs `2i` and
+    /// `2i + 1` of ne[0] rotate together; otherwise as [`Context::rope_neox`].
+    pub fn rope_normal<'c>(
+        &'c self,
+        a: Tensor<'_>,
+        pos: Tensor<'_>,
+        n_dims: i32,
+        n_ctx_orig: i32,
+        base: f32,
+    ) -> Tensor<'c> {
+        self.rope_mode(a, pos, n_dims, sys::GGML_ROPE_TYPE_NORMAL as i32, n_ctx_orig, base)
+    }
+
+    fn rope_mode<'c>(
+        &'c self,
+        a: Tensor<'_>,
+        pos: Tensor<'_>,
+        n_dims: i32,
+        mode: i32,
+        n_ctx_orig: i32,
+        base: f32,
+    ) -> Tensor<'c> {
         // SAFETY: live context and operands; no frequency-factor tensor (null).
         Tensor::from_raw(unsafe {
             sys::ggml_rope_ext(
@@ -167,7 +192,7 @@ impl Context {
                 pos.as_raw(),
                 std::ptr::null_mut(),
                 n_dims,
-                sys::GGML_ROPE_TYPE_NEOX as i32,
+                mode,
                 n_ctx_orig,
                 base,
                 1.0,

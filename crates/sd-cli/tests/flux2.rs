@@ -319,3 +319,141 @@ fn flux2_loras_apply_in_both_layouts_and_modes() {
     assert!(mean <= 1.0 && max <= 8, "at_runtime vs immediately: mean {mean:.3}, max {max}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// FLUX.2 dev on its reduced fixtures (a DiT of width 256 with 1 double and 48 single blocks and
+/// the guidance embedding, a 30-layer Mistral of width 256, FLUX.2's VAE; `cargo xtask parity
+/// flux2 --dev` compares them with the reference): it generates, reads the prompt (through
+/// Mistral) and `--guidance`, `plan` names it, and an LLM of the other FLUX.2 is refused by name
+/// in both directions, as is a Mistral too shallow for layers 10, 20 and 30.
+#[test]
+fn flux2_dev_generates_with_mistral_and_refuses_the_other_llm() {
+    let d = dir("dev");
+    let (dit, llm, vae) = flux::cached_flux2_dev_set(7, 0.05).unwrap();
+    let gen = |name: &str, more: &[&str]| {
+        let out = d.join(format!("{name}.png"));
+        let base = ["-W", "64", "-H", "64", "--steps", "2", "-s", "7", "-o", out.to_str().unwrap()];
+        let o = cli(&[], Some(&dit), Some(&llm), Some(&vae), &[&base[..], more].concat());
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}:\n{err}");
+        (pixels(&std::fs::read(&out).unwrap()), err)
+    };
+    let (cat, err) = gen("cat", &["-p", "a photo of a cat"]);
+    assert!(err.contains("model: flux2") && !err.contains("flux2-klein"), "{err}");
+    assert!(cat.iter().any(|&v| v != cat[0]), "a flat image");
+    let (dog, _) = gen("dog", &["-p", "a photo of a dog"]);
+    assert!(dog != cat, "the prompt reaches the image (through Mistral)");
+    let (guided, _) = gen("guided", &["-p", "a photo of a cat", "--guidance", "6"]);
+    assert!(guided != cat, "--guidance reaches the DiT's guidance embedding");
+    let o = cli(&["plan"], Some(&dit), Some(&llm), Some(&vae), &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && out.contains("flux2") && !out.contains("flux2-klein"), "{out}");
+    let refused = |dit: &Path, llm: &Path, needles: &[&str]| {
+        let out = d.join("x.png");
+        let o = cli(&[], Some(dit), Some(llm), Some(&vae), &["-p", "a cat", "-o", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.code() == Some(2), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "missing {n:?} in:\n{err}");
+        }
+        assert!(!out.exists());
+    };
+    let (klein_dit, qwen, _) = files();
+    refused(&dit, qwen, &["q_norm", "Qwen3", "Mistral-Small-3.2"]);
+    refused(klein_dit, &llm, &["q_norm", "FLUX.2 klein reads a Qwen3"]);
+    let shallow = d.join("mistral-2l.safetensors");
+    let cfg = sd_models::text::qwen3::Qwen3Config {
+        n_layers: 2,
+        hidden: 256,
+        intermediate: 512,
+        ..sd_models::text::qwen3::Qwen3Config::mistral_small_3_2()
+    };
+    fixture::qwen3::write_qwen3(&shallow, &cfg, 3, None, WeightType::F16, FileFormat::Safetensors).unwrap();
+    refused(&dit, &shallow, &["has 2 layers", "at least 30"]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A sparse safetensors file (the header, then a hole as long as the data) of `specs` (ggml
+/// order) with `prefix` taken off each name, as bf16 (FLUX.2 dev's and Mistral's release type).
+fn write_sparse_bf16(path: &Path, specs: &[sd_sched::TensorSpec], prefix: &str) -> u64 {
+    use sd_models::files::safetensors::{header_bytes, HeaderEntry};
+    use sd_models::files::DType;
+    let tensors: Vec<(String, Vec<u64>)> = specs
+        .iter()
+        .map(|s| (s.name.strip_prefix(prefix).unwrap().to_owned(), s.ne.iter().rev().map(|&d| d as u64).collect()))
+        .collect();
+    let entries: Vec<HeaderEntry<'_>> =
+        tensors.iter().map(|(n, s)| HeaderEntry { name: n, dtype: DType::BF16, shape: s }).collect();
+    let header = header_bytes(&entries, &Default::default()).unwrap();
+    let data: u64 = tensors.iter().map(|(_, s)| 2 * s.iter().product::<u64>()).sum();
+    std::fs::write(path, &header).unwrap();
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(header.len() as u64 + data).unwrap();
+    data
+}
+
+/// FLUX.2 dev at its real sizes (a 32B DiT and Mistral-Small-3.2-24B, bf16; sparse files of
+/// their headers) on one 24 GiB GPU: `plan` (headers only) computes both on the GPU with neither
+/// resident there (about 103 GiB of weights), streaming the DiT's blocks from system memory with
+/// 128 GiB of RAM; with 64 GiB the DiT streams from disk and the encoder from RAM, and the
+/// memory check refuses the load as its seed says (the estimate, 129 GiB, exceeds the GPU plus
+/// RAM) unless `--no-memory-check`.
+#[test]
+fn flux2_dev_at_real_size_auto_fits_one_24_gib_gpu_and_ram() {
+    use sd_models::diffusion::flux::{flux_specs, FluxConfig, PREFIX};
+    use sd_models::text::qwen3::{qwen3_specs, Qwen3Config, LLM_PREFIX};
+    use sd_placement::{ParamsHome, Plan, Verdict};
+    let d = dir("dev-plan");
+    let bf16 = |_: &str| Some(sd_backends::GgmlType::GGML_TYPE_BF16);
+    let dit = d.join("flux2-dev.safetensors");
+    let dit_bytes = write_sparse_bf16(&dit, &flux_specs(&FluxConfig::flux2_dev(), &bf16, None), &format!("{PREFIX}."));
+    let llm = d.join("mistral-small-3.2.safetensors");
+    let llm_bytes = write_sparse_bf16(
+        &llm,
+        &qwen3_specs(&Qwen3Config::mistral_small_3_2(), &bf16, None),
+        &format!("{LLM_PREFIX}."),
+    );
+    // 32.2 and 22.9 billion parameters at two bytes.
+    assert!(dit_bytes > 64_000_000_000 && llm_bytes > 45_000_000_000, "{dit_bytes} {llm_bytes}");
+    let vae = fixture::flux_vae::cached_flux2_vae_path(42, WeightType::F16);
+    if !vae.is_file() {
+        fixture::flux_vae::write_flux2_vae(&vae, 42, WeightType::F16, FileFormat::Safetensors).unwrap();
+    }
+    let plan = |ram_gib: u64, more: &[&str]| -> (Plan, String) {
+        let profile = d.join(format!("gpu24-ram{ram_gib}.toml"));
+        std::fs::write(
+            &profile,
+            format!(
+                "ram_available_mib = {}\n[[device]]\nname = \"GPU0\"\ntype = \"gpu\"\nfree_mib = 24576\n\
+                 total_mib = 24576\n[[device]]\nname = \"CPU\"\ntype = \"cpu\"\n",
+                ram_gib * 1024
+            ),
+        )
+        .unwrap();
+        let args = [&["--devices", profile.to_str().unwrap(), "--json"][..], more].concat();
+        let o = cli(&["plan"], Some(&dit), Some(&llm), Some(&vae), &args);
+        let plan: Plan =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stderr)));
+        let text = serde_json::to_string_pretty(&plan).unwrap();
+        // `plan` exits 1 for a plan that does not fit.
+        assert_eq!(o.status.code(), Some(if plan.fits { 0 } else { 1 }), "{text}");
+        (plan, text)
+    };
+    let params = |p: &Plan, name: &str| {
+        let m = p.modules.iter().find(|m| m.module.name() == name).unwrap();
+        assert_eq!(m.runtime, vec!["GPU0".to_string()], "{name} computes on the GPU");
+        m.params.clone()
+    };
+    let cpu = ParamsHome::Device("CPU".into());
+    let (big, text) = plan(128, &[]);
+    assert!(big.fits && big.auto_fit && big.main_device == "GPU0", "{text}");
+    assert_eq!((params(&big, "diffusion"), params(&big, "te")), (cpu.clone(), cpu.clone()), "{text}");
+    let gpu = big.devices.iter().find(|u| u.device == "GPU0").unwrap();
+    assert!(gpu.fits && gpu.param_bytes == 0 && Some(gpu.used_bytes) <= gpu.budget_bytes, "{text}");
+    assert_eq!(big.memory_check.verdict, Verdict::Warn, "{text}");
+    let (small, text) = plan(64, &[]);
+    assert_eq!((params(&small, "diffusion"), params(&small, "te")), (ParamsHome::Disk, cpu), "{text}");
+    assert!(!small.fits && small.memory_check.verdict == Verdict::Refuse, "{text}");
+    assert!(small.memory_check.message.contains("exceeds every discrete GPU plus available RAM"), "{text}");
+    let (forced, text) = plan(64, &["--no-memory-check"]);
+    assert!(forced.fits && forced.memory_check.verdict == Verdict::Skipped, "{text}");
+    let _ = std::fs::remove_dir_all(&d);
+}

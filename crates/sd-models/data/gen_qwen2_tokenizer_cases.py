@@ -15,8 +15,13 @@ plus the chat-template markers and Qwen's special tokens written in prompts.
 - `raw`: `Qwen2Tokenizer::encode(prompt)`: ids only.
 - `zimage`: what Z-Image's conditioner feeds the LLM: ids and per-token weights.
 
+With `--mistral` it writes mistral_tokenizer_cases.json instead: the same prompts plus
+Mistral's control tokens written in prompts, through sd.cpp's MistralTokenizer (`raw`) and
+FLUX.2 dev's template with BOS (`flux2`, ids and weights).
+
 Usage (after `cargo xtask reference`):
   python3 gen_qwen2_tokenizer_cases.py target/reference/release/sdref > qwen2_tokenizer_cases.json
+  python3 gen_qwen2_tokenizer_cases.py --mistral target/reference/release/sdref > mistral_tokenizer_cases.json
 """
 
 import json
@@ -37,13 +42,21 @@ EXTRA = [
 ]
 
 
-def prompts():
+MISTRAL_EXTRA = [
+    "[INST]hello[/INST] <s>x</s> [SYSTEM_PROMPT]sys[/SYSTEM_PROMPT] <SPECIAL_42><SPECIAL_999> <pad>",
+    "[inst] lower-case markers are text, <SPECIAL_1000> too, and <unk>",
+]
+
+
+def prompts(mistral=False):
     out = []
     t5 = json.load(open(os.path.join(HERE, "t5_tokenizer_cases.json"), encoding="utf-8"))
     out += [c["prompt"] for c in t5["raw"]]
     clip = json.load(open(os.path.join(HERE, "reference_prompt_tokens.json"), encoding="utf-8"))
     out += [c["prompt"] for c in clip]
     out += EXTRA
+    if mistral:
+        out += MISTRAL_EXTRA
     seen, uniq = set(), []
     for p in out:
         if p not in seen:
@@ -58,27 +71,32 @@ def run(sdref, path, *extra):
 
 
 def main():
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    mistral = args[:1] == ["--mistral"]
+    if mistral:
+        args = args[1:]
+    if len(args) != 1:
         sys.exit(__doc__)
-    sdref = sys.argv[1]
+    sdref = args[0]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as f:
-        json.dump(prompts(), f, ensure_ascii=False)
+        json.dump(prompts(mistral), f, ensure_ascii=False)
         path = f.name
     try:
-        raw = run(sdref, path)
-        zimage = run(sdref, path, "--zimage")
+        raw = run(sdref, path, *(["--mistral"] if mistral else []))
+        templated = run(sdref, path, *(["--mistral", "--flux2"] if mistral else ["--zimage"]))
     finally:
         os.unlink(path)
+    key = "flux2" if mistral else "zimage"
     doc = {
-        "generator": "crates/sd-models/data/gen_qwen2_tokenizer_cases.py",
+        "generator": "crates/sd-models/data/gen_qwen2_tokenizer_cases.py" + (" --mistral" if mistral else ""),
         "source": "stable-diffusion.cpp 5db680c (diffusion-rs-sys 0.1.20) via `sdref qwen-tokens`",
         "raw": [{"prompt": r["prompt"], "ids": r["ids"]} for r in raw],
-        "zimage": [{"prompt": r["prompt"], "ids": r["ids"], "weights": r["weights"]} for r in zimage],
+        key: [{"prompt": r["prompt"], "ids": r["ids"], "weights": r["weights"]} for r in templated],
     }
     lines = ["{"]
     for k in ("generator", "source"):
         lines.append(f" {json.dumps(k)}: {json.dumps(doc[k], ensure_ascii=False)},")
-    for k in ("raw", "zimage"):
+    for k in ("raw", key):
         lines.append(f" {json.dumps(k)}: [")
         cases = [" " + json.dumps(c, ensure_ascii=False) for c in doc[k]]
         lines.append(",\n".join(cases))

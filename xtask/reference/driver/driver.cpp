@@ -285,6 +285,7 @@ int sdref_generate(sdref_ctx* ctx, const sdref_gen_opts* o, sdref_image** out_im
         g.sample_params.guidance.img_cfg = o->img_cfg_scale;
     }
     g.sample_params.guidance.txt_cfg         = o->cfg_scale;
+    g.sample_params.guidance.distilled_guidance = o->guidance;
     g.sample_params.sample_steps             = o->steps;
 
     g.prompt                     = opt_str(o->prompt);
@@ -612,6 +613,57 @@ int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, flo
             parts.push_back(item);
         }
         parts.emplace_back("<|im_end|>\n<|im_start|>assistant\n", 1.f);
+        for (const auto& item : parts) {
+            std::vector<int> curr = tokenizer.encode(item.first, nullptr);
+            ids.insert(ids.end(), curr.begin(), curr.end());
+            weights.insert(weights.end(), curr.size(), item.second);
+        }
+        std::vector<float> mask;
+        tokenizer.pad_tokens(ids, &weights, &mask, 0, 100000000);
+    }
+    size_t n  = ids.size();
+    auto* pid = static_cast<int32_t*>(malloc(sizeof(int32_t) * (n == 0 ? 1 : n)));
+    auto* pw  = static_cast<float*>(malloc(sizeof(float) * (n == 0 ? 1 : n)));
+    if (pid == nullptr || pw == nullptr) {
+        free(pid);
+        free(pw);
+        set_err(err, err_len, "out of memory for %zu tokens", n);
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pid[i] = ids[i];
+        pw[i]  = weights[i];
+    }
+    *out_ids     = pid;
+    *out_weights = pw;
+    *out_len     = n;
+    return 0;
+}
+
+int sdref_mistral_tokenize(const char* prompt, bool flux2, int32_t** out_ids, float** out_weights,
+                           size_t* out_len, char* err, size_t err_len) {
+    *out_ids     = nullptr;
+    *out_weights = nullptr;
+    *out_len     = 0;
+    if (prompt == nullptr) {
+        set_err(err, err_len, "prompt is NULL");
+        return 1;
+    }
+    // One tokenizer per process: its constructor parses the embedded vocabulary and merges.
+    static MistralTokenizer tokenizer;
+    std::vector<int> ids;
+    std::vector<float> weights;
+    if (!flux2) {
+        ids = tokenizer.encode(prompt);
+        weights.assign(ids.size(), 1.0f);
+    } else {
+        // LLMEmbedder::get_learned_condition for VERSION_FLUX2 and its tokenize.
+        std::vector<std::pair<std::string, float>> parts;
+        parts.emplace_back("[SYSTEM_PROMPT]You are an AI that reasons about image descriptions. You give structured responses focusing on object relationships, object\nattribution and actions without speculation.[/SYSTEM_PROMPT][INST]", 1.f);
+        for (const auto& item : parse_prompt_attention(prompt)) {
+            parts.push_back(item);
+        }
+        parts.emplace_back("[/INST]", 1.f);
         for (const auto& item : parts) {
             std::vector<int> curr = tokenizer.encode(item.first, nullptr);
             ids.insert(ids.end(), curr.begin(), curr.end());

@@ -93,6 +93,7 @@ typedef struct {
     float skip_layer_start;
     float skip_layer_end;
     float img_cfg_scale;            /* --img-cfg-scale; NaN: not set (the library's INFINITY) */
+    float guidance;                 /* --guidance (FLUX distilled guidance; the CLI's default 3.5) */
 } sdref_gen_opts;
 
 typedef struct sdref_image_s {
@@ -177,6 +178,14 @@ int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, in
  * sdref_t5_tokens_free. */
 int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, float** out_weights,
                          size_t* out_len, char* err, size_t err_len);
+
+/* Mistral BPE token ids for `prompt`, by sd.cpp's own MistralTokenizer. flux2 false: the
+ * tokenizer's encode of the whole prompt (weights all 1). flux2 true: what LLMEmbedder gives
+ * the LLM for FLUX.2 dev: its system prompt and "[INST]" (weight 1), parse_prompt_attention of
+ * the prompt, "[/INST]" (weight 1), each encoded on its own, then pad_tokens(0, 100000000)
+ * (BOS first, no padding). Free the arrays with sdref_t5_tokens_free. */
+int sdref_mistral_tokenize(const char* prompt, bool flux2, int32_t** out_ids, float** out_weights,
+                           size_t* out_len, char* err, size_t err_len);
 
 /* The hidden states sd.cpp's LLMRunner (arch QWEN3, as Z-Image and FLUX.2 klein use it) gives
  * for `n_ids` token ids with out_layers = {out_layer} (Z-Image: 35; a layer past the file's

@@ -84,6 +84,7 @@ struct RawGenOpts {
     skip_layer_start: f32,
     skip_layer_end: f32,
     img_cfg_scale: f32,
+    guidance: f32,
 }
 
 #[repr(C)]
@@ -215,6 +216,15 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    fn sdref_mistral_tokenize(
+        prompt: *const c_char,
+        flux2: bool,
+        out_ids: *mut *mut i32,
+        out_weights: *mut *mut f32,
+        out_len: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn sdref_llm_encode(
         llm_path: *const c_char,
         ids: *const i32,
@@ -294,6 +304,30 @@ pub fn qwen2_tokenize(prompt: &str, zimage: bool) -> Result<(Vec<i32>, Vec<f32>)
     let out =
         unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
     // SAFETY: the arrays came from sdref_qwen2_tokenize (malloc'd, as sdref_t5_tokens_free expects)
+    // and are freed once.
+    unsafe { sdref_t5_tokens_free(ids, weights) };
+    Ok(out)
+}
+
+/// sd.cpp's Mistral token ids and weights for `prompt` (see `sdref_mistral_tokenize` in
+/// driver/sdref_driver.h): the tokenizer's `encode` alone, or FLUX.2 dev's template around it (BOS first).
+pub fn mistral_tokenize(prompt: &str, flux2: bool) -> Result<(Vec<i32>, Vec<f32>), String> {
+    let prompt = CString::new(prompt).map_err(|_| "the prompt holds a NUL byte".to_owned())?;
+    let mut ids: *mut i32 = std::ptr::null_mut();
+    let mut weights: *mut f32 = std::ptr::null_mut();
+    let mut len = 0usize;
+    let mut err = ErrBuf::new();
+    // SAFETY: valid NUL-terminated prompt and out-pointers; no context is involved.
+    let rc = unsafe {
+        sdref_mistral_tokenize(prompt.as_ptr(), flux2, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len())
+    };
+    if rc != 0 {
+        return Err(err.message());
+    }
+    // SAFETY: on success the driver returned two malloc'd arrays of `len` values each.
+    let out =
+        unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
+    // SAFETY: the arrays came from sdref_mistral_tokenize (malloc'd, as sdref_t5_tokens_free expects)
     // and are freed once.
     unsafe { sdref_t5_tokens_free(ids, weights) };
     Ok(out)
@@ -519,6 +553,8 @@ pub struct GenOptions {
     pub slg: (f32, Vec<i32>, f32, f32),
     /// `--img-cfg-scale` (None: not set).
     pub img_cfg: Option<f32>,
+    /// `--guidance`, FLUX's distilled guidance.
+    pub guidance: f32,
 }
 
 /// The library's `sd_hires_params_t` (the CLI's `--hires-*` flags).
@@ -720,6 +756,7 @@ impl Context {
             skip_layer_start: o.slg.2,
             skip_layer_end: o.slg.3,
             img_cfg_scale: o.img_cfg.unwrap_or(f32::NAN),
+            guidance: o.guidance,
         };
         let mut images: *mut RawImage = ptr::null_mut();
         let mut count: c_int = 0;

@@ -18,7 +18,8 @@
 //!   does, each 256-id chunk encoded on its own; the raw hidden states (before the token
 //!   weights) as raw f32.
 //! - `qwen-tokens`: sd.cpp's Qwen2 tokenizer on a list of prompts (raw, or Z-Image's chat
-//!   template with the prompt's weights), as JSON; no model is loaded.
+//!   template with the prompt's weights), as JSON; no model is loaded. `--mistral`: its
+//!   Mistral tokenizer (raw, or with `--flux2` FLUX.2 dev's template).
 //! - `llm-encode`: sd.cpp's Qwen3 LLM on an `--llm` file alone, for a prompt tokenized as
 //!   Z-Image does; the hidden states of `--out-layer` (before the token weights) as raw f32.
 //! - `upscale`: sd.cpp's ESRGAN upscaler (`new_upscaler_ctx`, `upscale`) on a PNG, as its
@@ -247,6 +248,9 @@ struct Txt2Img {
     /// Image guidance scale (default: not set).
     #[arg(long = "img-cfg-scale")]
     img_cfg_scale: Option<f32>,
+    /// FLUX's distilled guidance (dev models; the CLI's default).
+    #[arg(long = "guidance", default_value_t = 3.5)]
+    guidance: f32,
     /// Skip-layer guidance scale (0: off).
     #[arg(long = "slg-scale", default_value_t = 0.0)]
     slg_scale: f32,
@@ -337,8 +341,14 @@ struct QwenTokens {
     #[arg(long = "prompts")]
     prompts: PathBuf,
     /// Z-Image's chat template and prompt weighting around each prompt (else encode alone).
-    #[arg(long = "zimage")]
+    #[arg(long = "zimage", conflicts_with = "mistral")]
     zimage: bool,
+    /// sd.cpp's Mistral tokenizer instead (FLUX.2 dev's); with --flux2, FLUX.2 dev's template.
+    #[arg(long = "mistral")]
+    mistral: bool,
+    /// FLUX.2 dev's system prompt, [INST] markers, weighting and BOS (with --mistral).
+    #[arg(long = "flux2", requires = "mistral")]
+    flux2: bool,
 }
 
 #[derive(Args, Debug)]
@@ -682,6 +692,7 @@ fn txt2img(a: Txt2Img) -> Res<()> {
             a.skip_layer_end,
         ),
         img_cfg: a.img_cfg_scale,
+        guidance: a.guidance,
     };
     let t_gen = Instant::now();
     let images = ctx.generate(&gen)?;
@@ -741,7 +752,12 @@ fn qwen_tokens(a: QwenTokens) -> Res<()> {
         .map_err(|e| format!("{}: not a JSON array of strings: {e}", a.prompts.display()))?;
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
-        let (ids, weights) = ffi::qwen2_tokenize(&p, a.zimage).map_err(|e| format!("prompt {p:?}: {e}"))?;
+        let (ids, weights) = if a.mistral {
+            ffi::mistral_tokenize(&p, a.flux2)
+        } else {
+            ffi::qwen2_tokenize(&p, a.zimage)
+        }
+        .map_err(|e| format!("prompt {p:?}: {e}"))?;
         out.push(json!({ "prompt": p, "ids": ids, "weights": weights }));
     }
     println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);

@@ -150,6 +150,20 @@ impl FluxConfig {
         Self { depth: 5, depth_single_blocks: 20, context_in_dim: 7680, guidance_embed: false, ..Self::flux2_base() }
     }
 
+    /// FLUX.2 dev: 8 double and 48 single blocks of width 6144, 48 heads, Mistral-Small-3.2's
+    /// three layers as the context (15360), the guidance embedding.
+    pub fn flux2_dev() -> Self {
+        Self {
+            hidden_size: 6144,
+            num_heads: 48,
+            depth: 8,
+            depth_single_blocks: 48,
+            context_in_dim: 15360,
+            guidance_embed: true,
+            ..Self::flux2_base()
+        }
+    }
+
     /// The FLUX.2 settings the reference fixes (`sd_version_is_flux2`); depths and widths
     /// come from the file.
     fn flux2_base() -> Self {

@@ -18,7 +18,9 @@
 //!   reference runs it, with FLUX's 256-id chunks; [`t5`] is the T5 v1.1 encoder.
 //! - [`Qwen2Tokenizer`] is Qwen2's byte-level BPE (`qwen2_tokenizer.rs`, the vocabulary in
 //!   `data/qwen2_merges.txt.gz`) for the Qwen3 LLM encoder ([`qwen3`]), with each family's
-//!   [`ChatTemplate`].
+//!   [`ChatTemplate`]. [`MistralTokenizer`] runs the same machinery over Mistral's tables
+//!   (`mistral_tokenizer.rs`, `data/mistral_*.txt.gz`) for FLUX.2 dev's Mistral-Small-3.2, which
+//!   [`qwen3`] runs as `LlmArch::Mistral`.
 //! - `flux` is FLUX's conditioner: T5-XXL's hidden states and CLIP-L's pooled output.
 //! - [`sdxl`] is SDXL's conditioner over CLIP ViT-L/14 and OpenCLIP ViT-bigG/14 (both in
 //!   [`clip`]): concatenated hidden states and the ADM vector.
@@ -31,6 +33,7 @@ mod chunk;
 pub mod clip;
 pub mod conditioning;
 pub(crate) mod flux;
+mod mistral_tokenizer;
 mod prompt;
 mod qwen2_tokenizer;
 pub mod qwen3;
@@ -41,6 +44,7 @@ mod tokenizer;
 
 pub(crate) use chunk::build_chunks;
 pub use chunk::{Chunk, ChunkConfig};
+pub use mistral_tokenizer::{MistralTokenizer, MISTRAL_BOS_ID, MISTRAL_VOCAB_SIZE};
 pub use prompt::{parse_prompt_attention, PromptFragment};
 pub use qwen2_tokenizer::{ChatTemplate, Qwen2Tokenizer, QWEN2_ENDOFTEXT_ID, QWEN2_VOCAB_SIZE};
 pub use t5_tokenizer::{T5Tokenizer, FLUX_T5_CHUNK_LEN, T5_EOS_ID, T5_PAD_ID, T5_UNK_ID, T5_VOCAB_PIECES};

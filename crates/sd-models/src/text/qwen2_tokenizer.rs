@@ -117,9 +117,13 @@ impl std::fmt::Debug for Qwen2Tokenizer {
     }
 }
 
-struct Vocab {
+/// A byte-level BPE vocabulary as the reference's `BPETokenizer` runs it: Qwen2's (ids built
+/// from the merges) or one read from a token list (Mistral's, `super::mistral_tokenizer`).
+pub(super) struct Vocab {
     /// Token strings in byte-to-unicode form (the specials as themselves), indexed by id.
-    tokens: Vec<String>,
+    pub(super) tokens: Vec<String>,
+    /// The special tokens in the reference's list order, with their ids.
+    specials: Vec<(String, u32)>,
     /// Id of each byte as a one-byte symbol.
     byte_id: [u32; 256],
     /// (left id, right id) -> (rank, id of the merged symbol).
@@ -139,7 +143,7 @@ impl Qwen2Tokenizer {
     pub fn new() -> Self {
         static SHARED: OnceLock<Arc<Vocab>> = OnceLock::new();
         let vocab = SHARED.get_or_init(|| {
-            let vocab = Vocab::parse(EMBEDDED_MERGES_GZ, LETTER_RANGES)
+            let vocab = Vocab::qwen2(EMBEDDED_MERGES_GZ)
                 .unwrap_or_else(|e| panic!("embedded Qwen2 vocabulary is corrupt (a build bug): {e}"));
             tracing::debug!(ids = vocab.tokens.len(), merges = vocab.merges.len(), "Qwen2 vocabulary loaded");
             Arc::new(vocab)
@@ -155,30 +159,7 @@ impl Qwen2Tokenizer {
     /// Token ids of `text` (the reference's `encode`): special tokens, pre-tokenization and
     /// BPE, no weighting syntax, nothing added.
     pub fn encode(&self, text: &str) -> Vec<u32> {
-        let mut ids = Vec::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            // Leftmost special token; at one position, the first in the list.
-            let hit = SPECIAL_TOKENS
-                .iter()
-                .enumerate()
-                .filter_map(|(n, s)| rest.find(s).map(|at| (at, n, s.len())))
-                .min_by_key(|&(at, n, _)| (at, n));
-            let (text_part, special) = match hit {
-                Some((at, n, len)) => {
-                    let part = &rest[..at];
-                    rest = &rest[at + len..];
-                    (part, Some(QWEN2_ENDOFTEXT_ID + n as u32))
-                }
-                None => (std::mem::take(&mut rest), None),
-            };
-            for piece in self.vocab.pre_tokenize(text_part) {
-                let sym: Vec<u32> = piece.bytes().map(|b| self.vocab.byte_id[b as usize]).collect();
-                merge_symbols(&self.vocab.merges, sym, &mut ids);
-            }
-            ids.extend(special);
-        }
-        ids
+        self.vocab.encode(text)
     }
 
     /// The ids and per-token weights the LLM reads for `prompt` in `template`: the prefix, each
@@ -186,6 +167,138 @@ impl Qwen2Tokenizer {
     /// BPE piece crosses them). A `BREAK` is the text `BREAK` with weight -1, as in the
     /// reference (its LLM conditioner has no chunks to break).
     pub fn tokenize_chat(&self, template: &ChatTemplate, prompt: &str) -> Result<(Vec<u32>, Vec<f32>), TokenizeError> {
+        self.vocab.tokenize_chat(template, prompt)
+    }
+
+    /// The vocabulary string of `id` (bytes in GPT-2's byte-to-unicode form, a special token as
+    /// itself), what the reference's debug log prints; `None` for an unknown id.
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.vocab.tokens.get(id as usize).map(String::as_str)
+    }
+}
+
+/// The text of a gzip-compressed data file.
+pub(super) fn gunzip(what: &str, gz: &[u8]) -> Result<String, String> {
+    let mut text = String::new();
+    GzDecoder::new(gz).read_to_string(&mut text).map_err(|e| format!("{what}: {e}"))?;
+    Ok(text)
+}
+
+/// The `left right` merge lines of `text`; the reference keeps the lines that end in a newline.
+pub(super) fn merge_lines(text: &str) -> Result<Vec<(&str, &str)>, String> {
+    let lines: Vec<&str> = text.split('\n').collect();
+    lines[..lines.len() - 1]
+        .iter()
+        .enumerate()
+        .map(|(n, l)| l.split_once(' ').ok_or_else(|| format!("merge line {} has no space: {l:?}", n + 1)))
+        .collect()
+}
+
+impl Vocab {
+    /// Qwen2's vocabulary: the 256 bytes, one id per merge in file order, then the specials.
+    fn qwen2(merges_gz: &[u8]) -> Result<Self, String> {
+        let text = gunzip("merges", merges_gz)?;
+        let merges = merge_lines(&text)?;
+        if merges.len() != MERGE_COUNT {
+            return Err(format!("{} merges found, {MERGE_COUNT} expected", merges.len()));
+        }
+        let byte_chars = bytes_to_unicode();
+        let mut tokens: Vec<String> = Vec::with_capacity(QWEN2_VOCAB_SIZE);
+        tokens.extend(byte_chars.iter().map(|(_, c)| c.to_string()));
+        tokens.extend(merges.iter().map(|(a, b)| format!("{a}{b}")));
+        tokens.extend(SPECIAL_TOKENS.iter().map(|s| s.to_string()));
+        if tokens.len() != QWEN2_VOCAB_SIZE || tokens[QWEN2_ENDOFTEXT_ID as usize] != SPECIAL_TOKENS[0] {
+            return Err(format!("{} ids built, {QWEN2_VOCAB_SIZE} expected", tokens.len()));
+        }
+        let specials =
+            SPECIAL_TOKENS.iter().enumerate().map(|(n, s)| (s.to_string(), QWEN2_ENDOFTEXT_ID + n as u32)).collect();
+        Self::build(tokens, specials, &merges)
+    }
+
+    /// A vocabulary of `tokens` (indexed by id) with the reference's `specials` (in its list
+    /// order; each must be a token) and `merges` (in rank order).
+    pub(super) fn build(
+        tokens: Vec<String>,
+        specials: Vec<(String, u32)>,
+        merges: &[(&str, &str)],
+    ) -> Result<Self, String> {
+        let byte_chars = bytes_to_unicode();
+        // A string maps to its last index, as in the reference's map.
+        let mut id_of: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+        for (id, t) in tokens.iter().enumerate() {
+            id_of.insert(t.as_str(), id as u32);
+        }
+        let mut byte_id = [0u32; 256];
+        for &(byte, c) in &byte_chars {
+            byte_id[byte as usize] =
+                *id_of.get(c.to_string().as_str()).ok_or_else(|| format!("no token for the byte {byte:#04x}"))?;
+        }
+        if let Some((s, _)) = specials.iter().find(|(s, id)| tokens.get(*id as usize) != Some(s)) {
+            return Err(format!("the special token {s:?} is not at its id"));
+        }
+        // A later duplicate of a pair replaces the earlier rank, as in the reference's map.
+        let mut merge_map = HashMap::with_capacity(merges.len());
+        for (rank, (a, b)) in merges.iter().enumerate() {
+            // A merge whose result has no id can never give a token (the reference maps what
+            // it builds to its unknown id); none of the shipped vocabularies has one.
+            if let (Some(&l), Some(&r), Some(&merged)) =
+                (id_of.get(a), id_of.get(b), id_of.get(format!("{a}{b}").as_str()))
+            {
+                merge_map.insert((l, r), (rank as u32, merged));
+            }
+        }
+        let letters = LETTER_RANGES
+            .lines()
+            .map(|l| {
+                let (a, b) = l.split_once(' ').ok_or_else(|| format!("letter range {l:?}"))?;
+                let a = u32::from_str_radix(a, 16).map_err(|e| format!("letter range {l:?}: {e}"))?;
+                let b = u32::from_str_radix(b, 16).map_err(|e| format!("letter range {l:?}: {e}"))?;
+                Ok((a, b))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        if letters.windows(2).any(|w| w[0].1 >= w[1].0) || letters.iter().any(|&(a, b)| a > b) {
+            return Err("letter ranges are not sorted and disjoint".into());
+        }
+        Ok(Self { tokens, specials, byte_id, merges: merge_map, letters })
+    }
+
+    /// Token ids of `text` (the reference's `encode`): special tokens, pre-tokenization and
+    /// BPE, no weighting syntax, nothing added.
+    pub(super) fn encode(&self, text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            // Leftmost special token; at one position, the first in the list.
+            let hit = self
+                .specials
+                .iter()
+                .enumerate()
+                .filter_map(|(n, (s, id))| rest.find(s.as_str()).map(|at| (at, n, s.len(), *id)))
+                .min_by_key(|&(at, n, _, _)| (at, n));
+            let (text_part, special) = match hit {
+                Some((at, _, len, id)) => {
+                    let part = &rest[..at];
+                    rest = &rest[at + len..];
+                    (part, Some(id))
+                }
+                None => (std::mem::take(&mut rest), None),
+            };
+            for piece in self.pre_tokenize(text_part) {
+                let sym: Vec<u32> = piece.bytes().map(|b| self.byte_id[b as usize]).collect();
+                merge_symbols(&self.merges, sym, &mut ids);
+            }
+            ids.extend(special);
+        }
+        ids
+    }
+
+    /// The ids and per-token weights of `prompt` in `template` (see
+    /// [`Qwen2Tokenizer::tokenize_chat`]).
+    pub(super) fn tokenize_chat(
+        &self,
+        template: &ChatTemplate,
+        prompt: &str,
+    ) -> Result<(Vec<u32>, Vec<f32>), TokenizeError> {
         let mut parts: Vec<(String, f32)> = vec![(template.prefix.to_owned(), 1.0)];
         for fragment in parse_prompt_attention(prompt)? {
             parts.push(match fragment {
@@ -202,67 +315,6 @@ impl Qwen2Tokenizer {
             weights.resize(weights.len() + (ids.len() - start), weight);
         }
         Ok((ids, weights))
-    }
-
-    /// The vocabulary string of `id` (bytes in GPT-2's byte-to-unicode form, a special token as
-    /// itself), what the reference's debug log prints; `None` for an unknown id.
-    pub fn token_text(&self, id: u32) -> Option<&str> {
-        self.vocab.tokens.get(id as usize).map(String::as_str)
-    }
-}
-
-impl Vocab {
-    fn parse(merges_gz: &[u8], letters: &str) -> Result<Self, String> {
-        let mut text = String::new();
-        GzDecoder::new(merges_gz).read_to_string(&mut text).map_err(|e| format!("merges: {e}"))?;
-        // The reference keeps the lines that end in a newline.
-        let lines: Vec<&str> = text.split('\n').collect();
-        let merges: Vec<(&str, &str)> = lines[..lines.len() - 1]
-            .iter()
-            .enumerate()
-            .map(|(n, l)| l.split_once(' ').ok_or_else(|| format!("merge line {} has no space: {l:?}", n + 1)))
-            .collect::<Result<_, _>>()?;
-        if merges.len() != MERGE_COUNT {
-            return Err(format!("{} merges found, {MERGE_COUNT} expected", merges.len()));
-        }
-        let byte_chars = bytes_to_unicode();
-        let mut tokens: Vec<String> = Vec::with_capacity(QWEN2_VOCAB_SIZE);
-        tokens.extend(byte_chars.iter().map(|(_, c)| c.to_string()));
-        tokens.extend(merges.iter().map(|(a, b)| format!("{a}{b}")));
-        tokens.extend(SPECIAL_TOKENS.iter().map(|s| s.to_string()));
-        if tokens.len() != QWEN2_VOCAB_SIZE || tokens[QWEN2_ENDOFTEXT_ID as usize] != SPECIAL_TOKENS[0] {
-            return Err(format!("{} ids built, {QWEN2_VOCAB_SIZE} expected", tokens.len()));
-        }
-        // A string maps to its last index, as in the reference's map.
-        let mut id_of: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
-        for (id, t) in tokens.iter().enumerate() {
-            id_of.insert(t.as_str(), id as u32);
-        }
-        let mut byte_id = [0u32; 256];
-        for &(byte, c) in &byte_chars {
-            byte_id[byte as usize] = id_of[c.to_string().as_str()];
-        }
-        // A later duplicate of a pair replaces the earlier rank, as in the reference's map.
-        let mut merge_map = HashMap::with_capacity(merges.len());
-        for (rank, (a, b)) in merges.iter().enumerate() {
-            if let (Some(&l), Some(&r)) = (id_of.get(a), id_of.get(b)) {
-                let merged = id_of[format!("{a}{b}").as_str()];
-                merge_map.insert((l, r), (rank as u32, merged));
-            }
-        }
-        let letters = letters
-            .lines()
-            .map(|l| {
-                let (a, b) = l.split_once(' ').ok_or_else(|| format!("letter range {l:?}"))?;
-                let a = u32::from_str_radix(a, 16).map_err(|e| format!("letter range {l:?}: {e}"))?;
-                let b = u32::from_str_radix(b, 16).map_err(|e| format!("letter range {l:?}: {e}"))?;
-                Ok((a, b))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        if letters.windows(2).any(|w| w[0].1 >= w[1].0) || letters.iter().any(|&(a, b)| a > b) {
-            return Err("letter ranges are not sorted and disjoint".into());
-        }
-        Ok(Self { tokens, byte_id, merges: merge_map, letters })
     }
 
     fn is_letter(&self, c: char) -> bool {

@@ -22,6 +22,11 @@
 //!   is not a layer of the model (0, or past its depth, as in a reduced-depth fixture), the
 //!   final `model.norm`'s output. Layers after `L` are not computed.
 //!
+//! **Mistral** (`LlmArch::Mistral`: Mistral-Small-3.2-24B, FLUX.2 dev's encoder) is the same
+//! decoder without `q_norm`/`k_norm`, with RoPE in the original layout (pairs `2i`, `2i + 1`;
+//! base 1e9, the reference's `ggml_rope_ext(.., GGML_ROPE_TYPE_NORMAL, 8192, 1e9, ..)`) and
+//! RMSNorm eps 1e-5: the reference's `LLMArch::MISTRAL_SMALL_3_2`.
+//!
 //! Tensor names are the reference's internal ones under `text_encoders.llm` (`--llm` files
 //! are read under it): `model.embed_tokens.weight`, `model.layers.N.input_layernorm.weight`,
 //! `model.layers.N.self_attn.{q,k,v,o}_proj.weight`, `model.layers.N.self_attn.{q,k}_norm.weight`,
@@ -71,9 +76,35 @@ pub enum Qwen3Error {
 /// Result alias of this module.
 pub type Result<T, E = Qwen3Error> = std::result::Result<T, E>;
 
-/// Hyper-parameters of a Qwen3 dense model used as a text encoder.
+/// Which dense decoder: what the layers hold besides the shared Llama-style core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlmArch {
+    /// Qwen3: RMSNorm of each head's q and k, NeoX RoPE.
+    Qwen3,
+    /// Mistral (Small 3.2): no q/k norms, RoPE in the original layout.
+    Mistral,
+}
+
+impl LlmArch {
+    /// Whether the attention holds `q_norm` and `k_norm`.
+    pub fn qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+
+    /// The name the reference gives the architecture (its `llm_arch_to_str`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qwen3 => "Qwen3",
+            Self::Mistral => "Mistral-Small-3.2",
+        }
+    }
+}
+
+/// Hyper-parameters of a dense decoder (Qwen3 or Mistral) used as a text encoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Qwen3Config {
+    /// Which decoder.
+    pub arch: LlmArch,
     /// Name prefix of every parameter (no trailing dot).
     pub prefix: &'static str,
     /// Rows of `model.embed_tokens.weight`.
@@ -103,6 +134,7 @@ impl Qwen3Config {
     /// and 8 key/value heads of 128, SwiGLU 9728, 151936 embedding rows, RoPE base 1e6.
     pub fn qwen3_4b() -> Self {
         Self {
+            arch: LlmArch::Qwen3,
             prefix: LLM_PREFIX,
             vocab_size: 151_936,
             hidden: 2560,
@@ -114,6 +146,26 @@ impl Qwen3Config {
             eps: 1e-6,
             rope_base: 1_000_000.0,
             rope_ctx: 40960,
+        }
+    }
+
+    /// Mistral-Small-3.2-24B, FLUX.2 dev's encoder: 40 layers of width 5120, 32 query and 8
+    /// key/value heads of 128, SwiGLU 32768, 131072 embedding rows, RoPE base 1e9 (original
+    /// layout), eps 1e-5.
+    pub fn mistral_small_3_2() -> Self {
+        Self {
+            arch: LlmArch::Mistral,
+            prefix: LLM_PREFIX,
+            vocab_size: 131_072,
+            hidden: 5120,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            intermediate: 32_768,
+            n_layers: 40,
+            eps: 1e-5,
+            rope_base: 1e9,
+            rope_ctx: 8192,
         }
     }
 
@@ -153,6 +205,12 @@ impl Qwen3Config {
     /// the layer names (`model.layers.N`), width and vocabulary from the embedding, SwiGLU width
     /// from layer 0's gate; heads stay Qwen3-4B's. Errors name the missing or malformed tensor.
     pub fn from_index(index: &crate::files::TensorIndex) -> Result<Self> {
+        Self::from_index_as(index, Self::qwen3_4b())
+    }
+
+    /// [`Qwen3Config::from_index`] for the decoder `base` describes (its arch, heads, eps and
+    /// RoPE kept; depth, widths and vocabulary read from the file).
+    pub fn from_index_as(index: &crate::files::TensorIndex, base: Self) -> Result<Self> {
         let shape = |suffix: &str| -> Result<Vec<u64>> {
             let full = format!("{LLM_PREFIX}.model.{suffix}");
             match index.get(&full) {
@@ -172,7 +230,7 @@ impl Qwen3Config {
             hidden: embed[1] as usize,
             intermediate: gate[0] as usize,
             n_layers: layers,
-            ..Self::qwen3_4b()
+            ..base
         };
         cfg.validate()?;
         Ok(cfg)
@@ -219,8 +277,10 @@ pub fn qwen3_specs(
         b.linear(&cfg.layer(i, "self_attn.k_proj"), d, kv, false);
         b.linear(&cfg.layer(i, "self_attn.v_proj"), d, kv, false);
         b.linear(&cfg.layer(i, "self_attn.o_proj"), q, d, false);
-        b.push(cfg.layer(i, "self_attn.q_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
-        b.push(cfg.layer(i, "self_attn.k_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
+        if cfg.arch.qk_norm() {
+            b.push(cfg.layer(i, "self_attn.q_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
+            b.push(cfg.layer(i, "self_attn.k_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
+        }
         b.push(cfg.layer(i, "post_attention_layernorm.weight"), GgmlType::GGML_TYPE_F32, &[d]);
         b.linear(&cfg.layer(i, "mlp.gate_proj"), d, ff, false);
         b.linear(&cfg.layer(i, "mlp.up_proj"), d, ff, false);
@@ -316,9 +376,18 @@ fn attention<'g>(
     let q = g.reshape(lin("q", x)?, &[d, h, l, 1]);
     let k = g.reshape(lin("k", x)?, &[d, kvh, l, 1]);
     let v = g.reshape(lin("v", x)?, &[d, kvh, l, 1]);
-    let q = rms_norm(g, cfg, q, get(w, &cfg.layer(i, "self_attn.q_norm.weight"))?);
-    let k = rms_norm(g, cfg, k, get(w, &cfg.layer(i, "self_attn.k_norm.weight"))?);
-    let rope = |t: Tensor<'g>| g.rope_neox(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base);
+    let (q, k) = if cfg.arch.qk_norm() {
+        (
+            rms_norm(g, cfg, q, get(w, &cfg.layer(i, "self_attn.q_norm.weight"))?),
+            rms_norm(g, cfg, k, get(w, &cfg.layer(i, "self_attn.k_norm.weight"))?),
+        )
+    } else {
+        (q, k)
+    };
+    let rope = |t: Tensor<'g>| match cfg.arch {
+        LlmArch::Qwen3 => g.rope_neox(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base),
+        LlmArch::Mistral => g.rope_normal(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base),
+    };
     let (q, k) = (rope(q), rope(k));
     // [d, heads, L] -> [d, L, heads]
     let q = g.cont(g.permute(q, [0, 2, 1, 3]));

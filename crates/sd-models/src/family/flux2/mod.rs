@@ -1,4 +1,5 @@
-//! The FLUX.2 klein family (4B and 9B, distilled and base): Qwen3's hidden states after layers
+//! The FLUX.2 family, klein (4B and 9B, distilled and base) and dev (32B, guidance-distilled,
+//! Mistral-Small-3.2-24B as its text encoder, see `text.rs`). Klein: Qwen3's hidden states after layers
 //! 9, 18 and 27 side by side as the context (`crate::text::qwen3`, klein's chat template, the
 //! prompt padded to 512 tokens), FLUX's DiT with FLUX.2's shared modulations and gated MLPs
 //! (`crate::diffusion::flux`, configuration read from the file), FLUX.2's 32-channel VAE whose
@@ -9,8 +10,9 @@
 //! Files come as the reference takes them: `--diffusion-model`, `--llm` (Qwen3-4B for klein 4B,
 //! Qwen3-8B for 9B) and `--vae`. Without the LLM or the VAE a generation is refused with
 //! [`PipelineError::MissingComponent`]; an LLM of the wrong width or with fewer than 27 layers
-//! is refused before anything loads. FLUX.2 dev (Mistral-Small-3.2 as its encoder) is detected
-//! by `sd_arch::flux2` and refused as having no runtime yet.
+//! is refused before anything loads. FLUX.2 dev (a 48th single block, as the reference detects
+//! it) takes a Mistral `--llm` (no q/k norms; a Qwen3 file is refused by name) of at least 30
+//! layers, embeds `--guidance` (default 3.5) and samples like klein.
 //!
 //! `--cfg-scale` defaults to 1: klein is distilled to sample without classifier-free guidance
 //! in four steps (its base models want `--cfg-scale` set). `--flow-shift` does not move the
@@ -34,8 +36,10 @@ use crate::pipeline::{PipelineError, Result};
 use crate::sampling::{AysLevels, FlowSchedule, SampleMethod};
 use crate::text::conditioning::Conditioning;
 use crate::text::qwen3::{self, Qwen3Config, Qwen3Encoder};
-use crate::text::Qwen2Tokenizer;
-use text::{conditioner_error, OUT_LAYERS};
+use crate::text::{MistralTokenizer, Qwen2Tokenizer};
+#[cfg(test)]
+pub(crate) use text::DEV_TEMPLATE;
+use text::{conditioner_error, dev_conditioner_error, DEV_OUT_LAYERS, OUT_LAYERS};
 
 /// Pixels per diffusion latent position (the VAE's 8, times its 2x2 patches).
 const LATENT_SCALE: usize = 16;
@@ -109,14 +113,22 @@ pub(crate) fn taef2() -> TaesdConfig {
     TaesdConfig { z_channels: 32, midblock_gn: true, patched: true, ..TaesdConfig::sd() }
 }
 
-/// FLUX.2 klein built for a set of files.
+/// FLUX.2 built for a set of files.
 #[derive(Debug)]
 struct Flux2 {
     dit: FluxConfig,
     llm: Qwen3Config,
+    /// dev (Mistral) rather than klein (Qwen3).
+    dev: bool,
 }
 
-fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+/// The first layer's q norm, which Qwen3 has and Mistral has not.
+const QK_NORM_PROBE: &str = "text_encoders.llm.model.layers.0.self_attn.q_norm.weight";
+
+fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
+    if detected.arch == "flux2" {
+        return build_dev(files);
+    }
     let index = files.index();
     let tensors: Vec<(String, Vec<u64>)> =
         index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
@@ -156,14 +168,72 @@ fn build(_detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
             dit.context_in_dim
         )));
     }
-    Ok(Box::new(Flux2 { dit, llm }))
+    if !index.contains(QK_NORM_PROBE) {
+        return Err(PipelineError::Invalid(format!(
+            "the LLM (--llm) has no '{}': FLUX.2 klein reads a Qwen3 (a Mistral file is FLUX.2 dev's encoder)",
+            QK_NORM_PROBE.trim_start_matches("text_encoders.llm.")
+        )));
+    }
+    Ok(Box::new(Flux2 { dit, llm, dev: false }))
+}
+
+/// FLUX.2 dev: the DiT with its guidance embedding, Mistral-Small-3.2 as the LLM.
+fn build_dev(files: &ModelFiles) -> Result<Box<dyn Family>> {
+    let index = files.index();
+    let tensors: Vec<(String, Vec<u64>)> =
+        index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
+    let dit = FluxConfig::from_file(&tensors)?;
+    if !index.contains(LLM_PROBE) {
+        return Err(PipelineError::MissingComponent {
+            family: "FLUX.2 dev",
+            role: FileRole::Llm,
+            what: "its Mistral-Small-3.2 text encoder (no text_encoders.llm tensors in the files)".into(),
+        });
+    }
+    if !index.contains(VAE_PROBE) {
+        return Err(PipelineError::MissingComponent {
+            family: "FLUX.2 dev",
+            role: FileRole::Vae,
+            what: "its VAE (FLUX.2's 32-channel autoencoder; no first_stage_model tensors in the files)".into(),
+        });
+    }
+    if index.contains(QK_NORM_PROBE) {
+        return Err(PipelineError::Invalid(format!(
+            "the LLM (--llm) holds '{}', a Qwen3 (FLUX.2 klein's encoder); FLUX.2 dev reads Mistral-Small-3.2",
+            QK_NORM_PROBE.trim_start_matches("text_encoders.llm.")
+        )));
+    }
+    let llm = Qwen3Config::from_index_as(index, Qwen3Config::mistral_small_3_2()).map_err(dev_conditioner_error)?;
+    let deepest = DEV_OUT_LAYERS[DEV_OUT_LAYERS.len() - 1];
+    if llm.n_layers < deepest {
+        return Err(PipelineError::Invalid(format!(
+            "the LLM (--llm) has {} layers; FLUX.2 dev reads its layers {DEV_OUT_LAYERS:?}, so it needs at least {deepest}",
+            llm.n_layers
+        )));
+    }
+    let width = (DEV_OUT_LAYERS.len() * llm.hidden) as i64;
+    if width != dit.context_in_dim {
+        return Err(PipelineError::Invalid(format!(
+            "the LLM (--llm) is {} wide, so its {} layers give {width} values per token; the FLUX.2 dev model's \
+             txt_in takes {} (tensor 'model.diffusion_model.txt_in.weight'): dev takes Mistral-Small-3.2 (5120 wide)",
+            llm.hidden,
+            DEV_OUT_LAYERS.len(),
+            dit.context_in_dim
+        )));
+    }
+    Ok(Box::new(Flux2 { dit, llm, dev: true }))
 }
 
 inventory::submit! { FamilySpec { arch: "flux2-klein", build } }
+inventory::submit! { FamilySpec { arch: "flux2", build } }
 
 impl Family for Flux2 {
     fn arch(&self) -> &'static str {
-        "flux2-klein"
+        if self.dev {
+            "flux2"
+        } else {
+            "flux2-klein"
+        }
     }
 
     fn lora_prefixes(&self) -> &'static [crate::lora::LoraPrefix] {
@@ -174,12 +244,16 @@ impl Family for Flux2 {
         qwen3::qwen3_specs(&self.llm, dtype, wtype)
     }
 
-    /// `--clip-skip` has no effect: the context is layers 9, 18 and 27.
+    /// `--clip-skip` has no effect: the context is layers 9, 18 and 27 (dev: 10, 20, 30).
     fn check_text(&self, _clip_skip: i64) -> Result<()> {
         Ok(())
     }
 
     fn load_text(&self, weights: Weights) -> Result<Box<dyn TextEncoder>> {
+        if self.dev {
+            Qwen3Encoder::new(&self.llm, &weights).map_err(dev_conditioner_error)?;
+            return Ok(Box::new(text::DevText { cfg: self.llm.clone(), weights, tokenizer: MistralTokenizer::new() }));
+        }
         Qwen3Encoder::new(&self.llm, &weights).map_err(conditioner_error)?;
         Ok(Box::new(text::KleinText { cfg: self.llm.clone(), weights, tokenizer: Qwen2Tokenizer::new() }))
     }
@@ -274,6 +348,16 @@ impl TextEncoder for text::KleinText {
     }
 }
 
+impl TextEncoder for text::DevText {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn encode(&self, runner: &mut Runner, request: &TextRequest<'_>) -> Result<Conditioning> {
+        text::DevText::encode(self, runner, request.prompt)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,12 +366,15 @@ mod tests {
     /// Euler on FLUX.2's image-dependent shift, no classifier-free guidance, 16-pixel latents.
     #[test]
     fn sampling_defaults() {
-        let k = Flux2 { dit: FluxConfig::flux2_klein_4b(), llm: Qwen3Config::qwen3_4b() };
+        let k = Flux2 { dit: FluxConfig::flux2_klein_4b(), llm: Qwen3Config::qwen3_4b(), dev: false };
         let d = k.sampling();
         assert_eq!((d.method, d.ays, d.cfg_scale), (SampleMethod::Euler, AysLevels::Unpublished("FLUX.2"), 1.0));
         assert!(matches!(d.schedule, Schedule::Flow(f) if f == FlowSchedule::empirical()));
         assert_eq!((k.spatial_multiple(), k.latent_channels()), (16, 128));
         assert_eq!(k.vae().map(|v| v.latent_scale()), Some(16));
         assert_eq!(k.dit.context_in_dim, (OUT_LAYERS.len() * k.llm.hidden) as i64);
+        let d = Flux2 { dit: FluxConfig::flux2_dev(), llm: Qwen3Config::mistral_small_3_2(), dev: true };
+        assert_eq!(d.arch(), "flux2");
+        assert_eq!(d.dit.context_in_dim, (DEV_OUT_LAYERS.len() * d.llm.hidden) as i64);
     }
 }

@@ -49,15 +49,17 @@ fn linear(x: &Rows, w: &[f64], out: usize) -> Rows {
     x.iter().map(|r| (0..out).map(|o| (0..r.len()).map(|i| w[o * r.len() + i] * r[i]).sum()).collect()).collect()
 }
 
-/// NeoX rotation of one head at position `pos`: pairs (i, i + d/2), angle pos * base^(-2i/d).
-fn rope(x: &[f64], pos: usize, base: f64) -> Vec<f64> {
+/// Rotation of one head at position `pos`, angle pos * base^(-2i/d) for pair i: NeoX pairs
+/// (i, i + d/2), or with `pairwise` (Mistral's original layout) pairs (2i, 2i + 1).
+fn rope(x: &[f64], pos: usize, base: f64, pairwise: bool) -> Vec<f64> {
     let d = x.len();
     let mut out = x.to_vec();
     for i in 0..d / 2 {
         let theta = pos as f64 * base.powf(-2.0 * i as f64 / d as f64);
         let (c, s) = (theta.cos(), theta.sin());
-        out[i] = x[i] * c - x[i + d / 2] * s;
-        out[i + d / 2] = x[i] * s + x[i + d / 2] * c;
+        let (a, b) = if pairwise { (2 * i, 2 * i + 1) } else { (i, i + d / 2) };
+        out[a] = x[a] * c - x[b] * s;
+        out[b] = x[a] * s + x[b] * c;
     }
     out
 }
@@ -90,9 +92,16 @@ fn reference_with(
         let q = linear(&a, &b("self_attn.q_proj.weight"), h * hd);
         let k = linear(&a, &b("self_attn.k_proj.weight"), kvh * hd);
         let v = linear(&a, &b("self_attn.v_proj.weight"), kvh * hd);
-        let (qn, kn) = (b("self_attn.q_norm.weight"), b("self_attn.k_norm.weight"));
+        let mistral = cfg.arch == LlmArch::Mistral;
+        let (qn, kn) = if mistral {
+            (Vec::new(), Vec::new())
+        } else {
+            (b("self_attn.q_norm.weight"), b("self_attn.k_norm.weight"))
+        };
         let head = |t: &[f64], n: usize, w: &[f64], pos: usize| {
-            rope(&rms(&t[n * hd..(n + 1) * hd], w, eps), pos, cfg.rope_base as f64)
+            let t = &t[n * hd..(n + 1) * hd];
+            let t = if mistral { t.to_vec() } else { rms(t, w, eps) };
+            rope(&t, pos, cfg.rope_base as f64, mistral)
         };
         let mut att = vec![vec![0.0; h * hd]; l];
         for hq in 0..h {
@@ -154,6 +163,33 @@ fn qwen3_4b_has_the_published_parameter_count_and_names() {
     assert_eq!(find("layers.0.mlp.down_proj.weight").ne, [9728, 2560]);
     assert_eq!(find("norm.weight").ty, F32);
     assert_eq!(qwen3_block_of(&find("layers.17.mlp.up_proj.weight").name), Some(17));
+}
+
+/// Mistral (FLUX.2 dev's encoder): no q/k norms, pairwise RoPE of base 1e9, eps 1e-5, against
+/// the f64 encoder; and the published size of Mistral-Small-3.2's text model.
+#[test]
+fn mistral_graph_matches_an_f64_encoder() {
+    let full = qwen3_specs(&Qwen3Config::mistral_small_3_2(), &|_| Some(F16), None);
+    let total: i64 = full.iter().map(|s| s.ne.iter().product::<i64>()).sum();
+    // Mistral-Small-3.2-24B's language model without its lm_head (0.67B) and vision tower: 40
+    // layers of 555,755,520 (q and o 5120x4096, k and v 5120x1024, SwiGLU 3x5120x32768, two
+    // norms) plus the 131072x5120 embedding and the final norm.
+    assert_eq!(total, 40 * 555_755_520 + 131_072 * 5120 + 5120);
+    assert!(full.iter().all(|s| !s.name.contains("_norm.weight") || !s.name.contains("self_attn")));
+    let cfg = Qwen3Config { arch: LlmArch::Mistral, eps: 1e-5, rope_base: 1e9, ..tiny() };
+    let w = random_weights(qwen3_specs(&cfg, &|_| Some(F32), None), values);
+    let enc = Qwen3Encoder::new(&cfg, &w).unwrap();
+    let mut runner = Runner::new("llm", backend());
+    let ids: Vec<u32> = (0..19u32).map(|i| (i * 6151 + 29) % 1000).collect();
+    for out_layer in [3, 1] {
+        let got = enc.encode_ids(&mut runner, &ids, out_layer).unwrap();
+        let want = reference(&cfg, &ids, out_layer);
+        let (max, mean) = diff(&got, &want);
+        assert!(max < 2e-3 && mean < 2e-5, "out layer {out_layer}: max {max:e}, mean {mean:e}");
+        // The same weights read as Qwen3's NeoX layout give other states: the layout matters.
+        let neox = reference(&Qwen3Config { arch: LlmArch::Qwen3, ..cfg.clone() }, &ids, out_layer);
+        assert!(neox.len() != want.len() || diff(&got, &neox).0 > 1e-2);
+    }
 }
 
 #[test]

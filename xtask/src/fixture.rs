@@ -8,7 +8,8 @@
 //!                     [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-sdxl|lora-vega|lora-ssd-1b [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
-//! cargo xtask fixture qwen3 [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
+//! cargo xtask fixture qwen3|mistral [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
+//! cargo xtask fixture flux2-klein|flux2-dev [--double N] [--single N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture zimage [--layers N] [--refiner-layers N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture chroma|chroma-radiance [--double N] [--single N] [--hidden N] [--seed N] [--std S] [--type ...] [-o FILE]
@@ -37,7 +38,11 @@
 //! `ae.safetensors` names it (`--vae`: bare `encoder.*` / `decoder.*`, 16 latent channels, no
 //! quant convs; `sd_models::fixture::flux_vae`), full size (83.8M parameters). `clip-l` writes
 //! the sd15 fixture's CLIP-L alone under the bare names of `clip_l.safetensors` (`--clip_l`
-//! of FLUX and SDXL, which the reference reads only in that layout).
+//! of FLUX and SDXL, which the reference reads only in that layout). `mistral` writes
+//! Mistral-Small-3.2's text model as `qwen3` writes Qwen3 (the same names without the q/k norms;
+//! 40 layers of width 5120 unless told less). `flux2-dev` writes FLUX.2 dev's transformer (8
+//! double and 48 single blocks of width 6144, the guidance embedding; the reference takes a file
+//! for dev by its 48th single block, so `--single` stays at 48 or more).
 //!
 //! Defaults: seed 42, type f16, output the fixture cache entry of that family, seed and type
 //! (`sd_models::fixture::cached_path`, shared with `sd-cli` and the tests), whose
@@ -56,6 +61,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use sd_models::diffusion::flux::FluxConfig;
 use sd_models::diffusion::zimage::ZImageConfig;
 use sd_models::family::sd3::mmdit::MmditConfig;
 use sd_models::fixture::lora::{write_flux_lora, write_lora, write_sdxl_lora, LoraFixture, LoraLayout};
@@ -81,11 +87,13 @@ pub struct Args {
     /// qwen3 only: the SwiGLU width (default 9728, Qwen3-4B's; a multiple of 32).
     #[arg(long = "intermediate", value_name = "N", value_parser = clap::value_parser!(u32).range(32..=65536))]
     intermediate: Option<u32>,
-    /// flux, chroma, flux2-klein: double-stream blocks (0 to 19, default 19; flux2-klein: 5).
+    /// flux, chroma, flux2-klein, flux2-dev: double-stream blocks (0 to 19, default 19;
+    /// flux2-klein 5, flux2-dev 8).
     #[arg(long = "double", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=19))]
     double: Option<u32>,
-    /// flux, chroma, flux2-klein: single-stream blocks (0 to 38, default 38; flux2-klein: 20).
-    #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=38))]
+    /// flux, chroma, flux2-klein, flux2-dev: single-stream blocks (0 to 64; default 38,
+    /// flux2-klein 20, flux2-dev 48).
+    #[arg(long = "single", value_name = "N", value_parser = clap::value_parser!(u32).range(0..=64))]
     single: Option<u32>,
     /// sd35-large, sd35-medium: joint blocks, also the head count (default 38 / 24).
     #[arg(long = "depth", value_name = "N", value_parser = clap::value_parser!(u32).range(1..=38))]
@@ -160,8 +168,10 @@ enum Target {
     /// A LoRA for an SDXL-layout fixture (SDXL, SSD-1B, Vega).
     LoraSdxl(FixtureModel),
     T5xxl,
-    /// A Qwen3 LLM text encoder (`--llm`).
-    Qwen3,
+    /// An LLM text encoder (`--llm`): Qwen3's layout, or Mistral-Small-3.2's.
+    Qwen3 {
+        mistral: bool,
+    },
     /// A Z-Image transformer (`--diffusion-model`).
     ZImage,
     /// A Chroma transformer (FLUX.1-schnell's blocks with the approximator); `radiance`:
@@ -178,8 +188,11 @@ enum Target {
         schnell: bool,
     },
     FluxVae,
-    /// A FLUX.2 klein transformer (`--diffusion-model`).
-    Flux2Klein,
+    /// A FLUX.2 transformer (`--diffusion-model`): klein's, or dev's (48 single blocks by
+    /// default, the guidance embedding).
+    Flux2 {
+        dev: bool,
+    },
     /// FLUX.2's autoencoder alone.
     Flux2Vae,
     /// CLIP-L alone, bare names.
@@ -207,7 +220,8 @@ fn target(s: &str) -> Result<Target, String> {
         "lora-vega" => Ok(Target::LoraSdxl(FixtureModel::Vega)),
         "lora-ssd-1b" => Ok(Target::LoraSdxl(FixtureModel::Ssd1b)),
         "t5xxl" => Ok(Target::T5xxl),
-        "qwen3" => Ok(Target::Qwen3),
+        "qwen3" => Ok(Target::Qwen3 { mistral: false }),
+        "mistral" | "mistral-small-3.2" => Ok(Target::Qwen3 { mistral: true }),
         "zimage" | "z-image" => Ok(Target::ZImage),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
@@ -216,7 +230,8 @@ fn target(s: &str) -> Result<Target, String> {
         "sd35-large" | "sd3" => Ok(Target::Sd35 { medium: false }),
         "sd35-medium" => Ok(Target::Sd35 { medium: true }),
         "flux-vae" => Ok(Target::FluxVae),
-        "flux2-klein" => Ok(Target::Flux2Klein),
+        "flux2-klein" => Ok(Target::Flux2 { dev: false }),
+        "flux2-dev" | "flux2" => Ok(Target::Flux2 { dev: true }),
         "flux2-vae" => Ok(Target::Flux2Vae),
         "clip-l" => Ok(Target::ClipL),
         "taesd" | "taesdxl" => Ok(Target::Taesd { z_channels: 4 }),
@@ -229,7 +244,7 @@ fn target(s: &str) -> Result<Target, String> {
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => FixtureModel::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, flux, flux-schnell, chroma, chroma-radiance, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, mistral, flux, flux-schnell, chroma, chroma-radiance, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-dev, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
@@ -261,10 +276,10 @@ pub fn run(args: Args) -> Result<()> {
         args.family,
         Target::Flux { .. }
             | Target::Chroma { .. }
-            | Target::Qwen3
+            | Target::Qwen3 { .. }
             | Target::ZImage
             | Target::LoraFlux
-            | Target::Flux2Klein
+            | Target::Flux2 { .. }
     );
     if let Some(h) = args.hidden.filter(|h| heads_of_128 && !h.is_multiple_of(128)) {
         bail!("--hidden {h}: this model's heads are 128 wide, so its width is a multiple of 128");
@@ -272,13 +287,13 @@ pub fn run(args: Args) -> Result<()> {
     let family = match args.family {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
-        Target::Qwen3 => return run_qwen3(&args),
+        Target::Qwen3 { mistral } => return run_qwen3(&args, mistral),
         Target::ZImage => return run_zimage(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::Chroma { radiance } => return run_chroma(&args, radiance),
         Target::Sd35 { medium } => return run_sd35(&args, medium),
         Target::FluxVae => return run_flux_vae(&args),
-        Target::Flux2Klein => return run_flux2(&args),
+        Target::Flux2 { dev } => return run_flux2(&args, dev),
         Target::Flux2Vae => return run_flux2_vae(&args),
         Target::ClipL => return run_clip_l(&args),
         Target::Taesd { z_channels } => return run_taesd(&args, z_channels),
@@ -363,18 +378,19 @@ fn run_t5xxl(args: &Args) -> Result<()> {
 /// `cargo xtask fixture qwen3 ...`: a Qwen3 `--llm` file (Qwen3-4B's heads), Hugging Face
 /// names in safetensors, llama.cpp's in GGUF; `-o` is required unless every size is the
 /// default (the cache entry names seed, type and depth only).
-fn run_qwen3(args: &Args) -> Result<()> {
+fn run_qwen3(args: &Args, mistral: bool) -> Result<()> {
+    let name = if mistral { "mistral" } else { "qwen3" };
     if args.only.is_some() || args.std_everywhere || args.plain_norms {
-        bail!("--only, --std-everywhere and --plain-norms apply to checkpoint families, not qwen3");
+        bail!("--only, --std-everywhere and --plain-norms apply to checkpoint families, not {name}");
     }
-    let full = Qwen3Config::qwen3_4b();
+    let full = if mistral { Qwen3Config::mistral_small_3_2() } else { Qwen3Config::qwen3_4b() };
     let cfg = Qwen3Config {
         n_layers: args.layers.map_or(full.n_layers, |l| l as usize),
         hidden: args.hidden.map_or(full.hidden, |h| h as usize),
         intermediate: args.intermediate.map_or(full.intermediate, |i| i as usize),
         ..full.clone()
     };
-    if cfg.n_layers == 28 {
+    if cfg.n_layers == 28 && !mistral {
         bail!("the reference reads a 28-layer Qwen3 as Qwen3-1.7B (16 heads): choose another depth");
     }
     if !cfg.intermediate.is_multiple_of(32) {
@@ -382,12 +398,12 @@ fn run_qwen3(args: &Args) -> Result<()> {
     }
     let modified = cfg.hidden != full.hidden || cfg.intermediate != full.intermediate || args.std.is_some();
     if modified && args.output.is_none() {
-        bail!("a qwen3 fixture with --hidden, --intermediate or --std needs -o FILE");
+        bail!("a {name} fixture with --hidden, --intermediate or --std needs -o FILE");
     }
     let (path, format) = output(args, || {
         let format = FileFormat::for_type(args.wtype);
         fixture::cache_dir().join(format!(
-            "qwen3-fixture-seed{}-{}-{}l.{}",
+            "{name}-fixture-seed{}-{}-{}l.{}",
             args.seed,
             args.wtype,
             cfg.n_layers,
@@ -398,7 +414,7 @@ fn run_qwen3(args: &Args) -> Result<()> {
     let report = qwen3::write_qwen3(&path, &cfg, args.seed, args.std, args.wtype, format)?;
     let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
     let what = format!(
-        "qwen3 fixture, {} layers, width {}, SwiGLU {}, seed {}, {}{std}",
+        "{name} fixture, {} layers, width {}, SwiGLU {}, seed {}, {}{std}",
         cfg.n_layers, cfg.hidden, cfg.intermediate, args.seed, args.wtype
     );
     print_written(&report, &what, start);
@@ -498,26 +514,39 @@ fn run_flux2_vae(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask fixture flux2-klein [--hidden N] [--double N] [--single N] [--cap-dim N] [--std S] ...`.
-fn run_flux2(args: &Args) -> Result<()> {
+/// `cargo xtask fixture flux2-klein|flux2-dev [--hidden N] [--double N] [--single N] [--cap-dim N]
+/// [--std S] ...` (dev: the guidance embedding; the reference takes a file for dev by its 48th
+/// single block, so dev needs `--single` of 48 or more).
+fn run_flux2(args: &Args, dev: bool) -> Result<()> {
+    let name = if dev { "flux2-dev" } else { "flux2-klein" };
     if args.only.is_some() || args.std_everywhere || args.plain_norms || args.layers.is_some() {
-        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to flux2-klein fixtures");
+        bail!("--only, --std-everywhere, --plain-norms and --layers do not apply to {name} fixtures");
     }
-    let cfg = flux::reduced_flux2(
-        args.hidden.unwrap_or(3072) as i64,
-        args.double.unwrap_or(5) as usize,
-        args.single.unwrap_or(20) as usize,
-        3 * args.cap_dim.unwrap_or(2560) as i64,
-    );
+    let full = if dev { FluxConfig::flux2_dev() } else { FluxConfig::flux2_klein_4b() };
+    let cfg = FluxConfig {
+        guidance_embed: dev,
+        ..flux::reduced_flux2(
+            args.hidden.map_or(full.hidden_size, i64::from),
+            args.double.map_or(full.depth, |d| d as usize),
+            args.single.map_or(full.depth_single_blocks, |s| s as usize),
+            args.cap_dim.map_or(full.context_in_dim, |c| 3 * i64::from(c)),
+        )
+    };
     if cfg.depth + cfg.depth_single_blocks == 0 {
         bail!("--double 0 --single 0 leaves no block: give at least one");
+    }
+    if dev != (cfg.depth_single_blocks >= 48) {
+        bail!(
+            "--single {}: the reference takes a FLUX.2 file with a 48th single block for dev and without one for klein",
+            cfg.depth_single_blocks
+        );
     }
     let (path, format) = output(args, || flux::cached_flux2_path(&cfg, args.seed, args.std, args.wtype))?;
     let start = Instant::now();
     let report = flux::write_flux2(&path, &cfg, args.seed, args.std, args.wtype, format)?;
     let std = args.std.map(|s| format!(", weights N(0, {s})")).unwrap_or_default();
     let what = format!(
-        "flux2-klein fixture, width {}, {} double + {} single blocks, context {}, seed {}, {}{std}",
+        "{name} fixture, width {}, {} double + {} single blocks, context {}, seed {}, {}{std}",
         cfg.hidden_size, cfg.depth, cfg.depth_single_blocks, cfg.context_in_dim, args.seed, args.wtype
     );
     print_written(&report, &what, start);
@@ -754,8 +783,12 @@ mod tests {
         let q = parse("qwen3 --layers 3 --hidden 256 --intermediate 512 --std 0.03 -o q.safetensors").unwrap();
         assert_eq!(
             (q.family, q.layers, q.hidden, q.intermediate, q.std),
-            (Target::Qwen3, Some(3), Some(256), Some(512), Some(0.03))
+            (Target::Qwen3 { mistral: false }, Some(3), Some(256), Some(512), Some(0.03))
         );
+        assert_eq!(parse("mistral --layers 30 -o m.gguf").unwrap().family, Target::Qwen3 { mistral: true });
+        let d = parse("flux2-dev --hidden 256 --double 1 --single 48 -o d.safetensors").unwrap();
+        assert_eq!((d.family, d.single), (Target::Flux2 { dev: true }, Some(48)));
+        assert!(parse("flux2-dev --single 65").is_err());
         let z = parse(
             "zimage --layers 2 --refiner-layers 1 --seed 3 --std 0.02 --hidden 256 --cap-dim 256 -o z.safetensors",
         )

@@ -323,8 +323,10 @@ fn flux2_loras_apply_in_both_layouts_and_modes() {
 /// FLUX.2 dev on its reduced fixtures (a DiT of width 256 with 1 double and 48 single blocks and
 /// the guidance embedding, a 30-layer Mistral of width 256, FLUX.2's VAE; `cargo xtask parity
 /// flux2 --dev` compares them with the reference): it generates, reads the prompt (through
-/// Mistral) and `--guidance`, `plan` names it, and an LLM of the other FLUX.2 is refused by name
-/// in both directions, as is a Mistral too shallow for layers 10, 20 and 30.
+/// Mistral) and `--guidance`, gives the CPU's image with Mistral layer-split over an RPC server and
+/// the CPU and with Mistral segmented on the server under a budget, `plan` names it, and an LLM
+/// of the other FLUX.2 is refused by name in both directions, as is a Mistral too shallow for
+/// layers 10, 20 and 30.
 #[test]
 fn flux2_dev_generates_with_mistral_and_refuses_the_other_llm() {
     let d = dir("dev");
@@ -344,6 +346,32 @@ fn flux2_dev_generates_with_mistral_and_refuses_the_other_llm() {
     assert!(dog != cat, "the prompt reaches the image (through Mistral)");
     let (guided, _) = gen("guided", &["-p", "a photo of a cat", "--guidance", "6"]);
     assert!(guided != cat, "--guidance reaches the DiT's guidance embedding");
+    // Placement of the Mistral encoder: layer-split over an RPC server and the CPU, then alone
+    // on the server in segments under an 80 MiB budget (237 MiB of weights in RAM, the embedding
+    // table 64 MiB of them): the CPU's image.
+    let server = common::Server::start();
+    let (cpu, _) = gen("cpu", &["-p", "a photo of a cat", "--backend", "cpu"]);
+    assert!(cpu == cat);
+    let split = ["--rpc", server.endpoint.as_str(), "--backend", "te=RPC0&CPU,diffusion=cpu,vae=cpu"];
+    let (png, err) = gen("split", &[&["-p", "a photo of a cat"][..], &split].concat());
+    assert!(png == cpu, "the layer-split image differs from the CPU one:\n{err}");
+    let seg = [
+        "--rpc",
+        server.endpoint.as_str(),
+        "--backend",
+        "te=RPC0,diffusion=cpu,vae=cpu",
+        "--params-backend",
+        "te=cpu",
+        "--max-vram",
+        "RPC0=0.078125",
+    ];
+    let report = d.join("seg.json");
+    let (png, err) =
+        gen("seg", &[&["-p", "a photo of a cat", "--report-json", report.to_str().unwrap()][..], &seg].concat());
+    assert!(png == cpu, "the segmented encoder's image differs from the CPU one:\n{err}");
+    let report = RunReport::from_json(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let s = &report.runner("te").unwrap().stats;
+    assert!(s.segmented_runs > 0 && s.max_segments > 1, "the encoder in segments: {s:?}");
     let o = cli(&["plan"], Some(&dit), Some(&llm), Some(&vae), &[]);
     let out = String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && out.contains("flux2") && !out.contains("flux2-klein"), "{out}");

@@ -142,6 +142,10 @@ pub struct Args {
     /// LoRA fixtures to apply (0 to 3).
     #[arg(long = "loras", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=3))]
     loras: u32,
+    /// Reference images (`-r`) both programs edit with (0 to 3; --model flux2 only): patterns
+    /// of 128x128, 200x80 and 96x160 pixels, auto-resized to the image's area by both.
+    #[arg(long = "refs", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=3))]
+    refs: u32,
     /// How both programs apply the LoRAs.
     #[arg(long = "lora-apply-mode", value_name = "MODE", default_value = "auto", value_parser = ["auto", "immediately", "at_runtime"])]
     lora_apply_mode: String,
@@ -551,6 +555,29 @@ impl Workload {
                 let label = "flux2 fixture (klein 4B's width 3072, 1 double + 2 single blocks; Qwen3-4B width, 30 layers, q8_0)";
                 (label.to_owned(), m, "1")
             }
+        };
+        let (label, model) = if args.refs == 0 {
+            (label, model)
+        } else if args.model != Model::Flux2 {
+            anyhow::bail!("--refs: reference images are benchmarked with --model flux2 only");
+        } else {
+            let mut model = model;
+            for (k, (w, h)) in
+                [(128usize, 128usize), (200, 80), (96, 160)].into_iter().take(args.refs as usize).enumerate()
+            {
+                let rgb = (0..w * h)
+                    .flat_map(|i| {
+                        let (x, y) = (i % w, i / w);
+                        [(x * 5 + y * 3 + k * 40) as u8, (x * y / 7) as u8, 255u8.wrapping_sub((x + 2 * y) as u8)]
+                    })
+                    .collect();
+                let img = sd_models::pipeline::Image { width: w, height: h, rgb };
+                let path = dir.join(format!("bench-ref-{w}x{h}.png"));
+                sd_models::image_io::save_image(&path, &img, sd_models::image_io::OutputFormat::Png, None)?;
+                model.push("-r".into());
+                model.push(path.into());
+            }
+            (format!("{label}, {} reference image(s)", args.refs), model)
         };
         let mut loras = Vec::new();
         for k in 1..=args.loras as u64 {

@@ -589,8 +589,13 @@ int sdref_t5_encode(const char* t5xxl_path, const int32_t* ids, size_t n_ids, in
 }
 
 
-int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, float** out_weights,
-                         size_t* out_len, char* err, size_t err_len) {
+// The ids and weights an LLM conditioner feeds its model: `encode` of the whole prompt (no
+// template: weights all 1), or LLMEmbedder's tokenize: the template's prefix (weight 1), the
+// prompt's parse_prompt_attention fragments and the suffix (weight 1), each encoded on its own,
+// then pad_tokens(0, 100000000) (BOS where the tokenizer adds one, no padding). The arrays are
+// malloc'd for sdref_t5_tokens_free.
+static int llm_tokenize(BPETokenizer& tokenizer, const char* prompt, const char* prefix, const char* suffix,
+                        int32_t** out_ids, float** out_weights, size_t* out_len, char* err, size_t err_len) {
     *out_ids     = nullptr;
     *out_weights = nullptr;
     *out_len     = 0;
@@ -598,21 +603,18 @@ int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, flo
         set_err(err, err_len, "prompt is NULL");
         return 1;
     }
-    // One tokenizer per process: its constructor parses the embedded merges.
-    static Qwen2Tokenizer tokenizer;
     std::vector<int> ids;
     std::vector<float> weights;
-    if (!zimage) {
+    if (prefix == nullptr) {
         ids = tokenizer.encode(prompt);
         weights.assign(ids.size(), 1.0f);
     } else {
-        // LLMEmbedder::get_learned_condition (Z-Image, no reference image) and its tokenize.
         std::vector<std::pair<std::string, float>> parts;
-        parts.emplace_back("<|im_start|>user\n", 1.f);
+        parts.emplace_back(prefix, 1.f);
         for (const auto& item : parse_prompt_attention(prompt)) {
             parts.push_back(item);
         }
-        parts.emplace_back("<|im_end|>\n<|im_start|>assistant\n", 1.f);
+        parts.emplace_back(suffix, 1.f);
         for (const auto& item : parts) {
             std::vector<int> curr = tokenizer.encode(item.first, nullptr);
             ids.insert(ids.end(), curr.begin(), curr.end());
@@ -640,55 +642,25 @@ int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, flo
     return 0;
 }
 
+int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, float** out_weights,
+                         size_t* out_len, char* err, size_t err_len) {
+    // One tokenizer per process: its constructor parses the embedded merges. Z-Image without
+    // reference images (LLMEmbedder::get_learned_condition).
+    static Qwen2Tokenizer tokenizer;
+    return llm_tokenize(tokenizer, prompt, zimage ? "<|im_start|>user\n" : nullptr,
+                        "<|im_end|>\n<|im_start|>assistant\n", out_ids, out_weights, out_len, err, err_len);
+}
+
 int sdref_mistral_tokenize(const char* prompt, bool flux2, int32_t** out_ids, float** out_weights,
                            size_t* out_len, char* err, size_t err_len) {
-    *out_ids     = nullptr;
-    *out_weights = nullptr;
-    *out_len     = 0;
-    if (prompt == nullptr) {
-        set_err(err, err_len, "prompt is NULL");
-        return 1;
-    }
     // One tokenizer per process: its constructor parses the embedded vocabulary and merges.
+    // FLUX.2 dev (LLMEmbedder::get_learned_condition for VERSION_FLUX2).
     static MistralTokenizer tokenizer;
-    std::vector<int> ids;
-    std::vector<float> weights;
-    if (!flux2) {
-        ids = tokenizer.encode(prompt);
-        weights.assign(ids.size(), 1.0f);
-    } else {
-        // LLMEmbedder::get_learned_condition for VERSION_FLUX2 and its tokenize.
-        std::vector<std::pair<std::string, float>> parts;
-        parts.emplace_back("[SYSTEM_PROMPT]You are an AI that reasons about image descriptions. You give structured responses focusing on object relationships, object\nattribution and actions without speculation.[/SYSTEM_PROMPT][INST]", 1.f);
-        for (const auto& item : parse_prompt_attention(prompt)) {
-            parts.push_back(item);
-        }
-        parts.emplace_back("[/INST]", 1.f);
-        for (const auto& item : parts) {
-            std::vector<int> curr = tokenizer.encode(item.first, nullptr);
-            ids.insert(ids.end(), curr.begin(), curr.end());
-            weights.insert(weights.end(), curr.size(), item.second);
-        }
-        std::vector<float> mask;
-        tokenizer.pad_tokens(ids, &weights, &mask, 0, 100000000);
-    }
-    size_t n  = ids.size();
-    auto* pid = static_cast<int32_t*>(malloc(sizeof(int32_t) * (n == 0 ? 1 : n)));
-    auto* pw  = static_cast<float*>(malloc(sizeof(float) * (n == 0 ? 1 : n)));
-    if (pid == nullptr || pw == nullptr) {
-        free(pid);
-        free(pw);
-        set_err(err, err_len, "out of memory for %zu tokens", n);
-        return 1;
-    }
-    for (size_t i = 0; i < n; i++) {
-        pid[i] = ids[i];
-        pw[i]  = weights[i];
-    }
-    *out_ids     = pid;
-    *out_weights = pw;
-    *out_len     = n;
-    return 0;
+    const char* prefix =
+        "[SYSTEM_PROMPT]You are an AI that reasons about image descriptions. You give structured responses "
+        "focusing on object relationships, object\nattribution and actions without speculation.[/SYSTEM_PROMPT][INST]";
+    return llm_tokenize(tokenizer, prompt, flux2 ? prefix : nullptr, "[/INST]", out_ids, out_weights, out_len, err,
+                        err_len);
 }
 
 int sdref_llm_encode(const char* llm_path, const int32_t* ids, size_t n_ids, int out_layer,

@@ -285,52 +285,41 @@ pub fn t5_encode(path: &str, ids: &[i32], threads: i32) -> Result<Tensor, String
     take_raw(out).ok_or_else(|| "T5 returned no tensor".to_owned())
 }
 
-/// sd.cpp's Qwen2 token ids and weights for `prompt` (see `sdref_qwen2_tokenize` in
-/// driver/sdref_driver.h): the tokenizer's `encode` alone, or Z-Image's template around it.
-pub fn qwen2_tokenize(prompt: &str, zimage: bool) -> Result<(Vec<i32>, Vec<f32>), String> {
+/// The signature of the driver's LLM tokenizers (`sdref_qwen2_tokenize`, `sdref_mistral_tokenize`).
+type LlmTokenizeFn =
+    unsafe extern "C" fn(*const c_char, bool, *mut *mut i32, *mut *mut f32, *mut usize, *mut c_char, usize) -> c_int;
+
+/// Runs one of the driver's LLM tokenizers on `prompt` (`templated`: its family's template).
+fn llm_tokenize(f: LlmTokenizeFn, prompt: &str, templated: bool) -> Result<(Vec<i32>, Vec<f32>), String> {
     let prompt = CString::new(prompt).map_err(|_| "the prompt holds a NUL byte".to_owned())?;
     let mut ids: *mut i32 = std::ptr::null_mut();
     let mut weights: *mut f32 = std::ptr::null_mut();
     let mut len = 0usize;
     let mut err = ErrBuf::new();
     // SAFETY: valid NUL-terminated prompt and out-pointers; no context is involved.
-    let rc = unsafe {
-        sdref_qwen2_tokenize(prompt.as_ptr(), zimage, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len())
-    };
+    let rc = unsafe { f(prompt.as_ptr(), templated, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len()) };
     if rc != 0 {
         return Err(err.message());
     }
     // SAFETY: on success the driver returned two malloc'd arrays of `len` values each.
     let out =
         unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
-    // SAFETY: the arrays came from sdref_qwen2_tokenize (malloc'd, as sdref_t5_tokens_free expects)
-    // and are freed once.
+    // SAFETY: the arrays came from the driver (malloc'd, as sdref_t5_tokens_free expects) and are
+    // freed once.
     unsafe { sdref_t5_tokens_free(ids, weights) };
     Ok(out)
+}
+
+/// sd.cpp's Qwen2 token ids and weights for `prompt` (see `sdref_qwen2_tokenize` in
+/// driver/sdref_driver.h): the tokenizer's `encode` alone, or Z-Image's template around it.
+pub fn qwen2_tokenize(prompt: &str, zimage: bool) -> Result<(Vec<i32>, Vec<f32>), String> {
+    llm_tokenize(sdref_qwen2_tokenize, prompt, zimage)
 }
 
 /// sd.cpp's Mistral token ids and weights for `prompt` (see `sdref_mistral_tokenize` in
 /// driver/sdref_driver.h): the tokenizer's `encode` alone, or FLUX.2 dev's template around it (BOS first).
 pub fn mistral_tokenize(prompt: &str, flux2: bool) -> Result<(Vec<i32>, Vec<f32>), String> {
-    let prompt = CString::new(prompt).map_err(|_| "the prompt holds a NUL byte".to_owned())?;
-    let mut ids: *mut i32 = std::ptr::null_mut();
-    let mut weights: *mut f32 = std::ptr::null_mut();
-    let mut len = 0usize;
-    let mut err = ErrBuf::new();
-    // SAFETY: valid NUL-terminated prompt and out-pointers; no context is involved.
-    let rc = unsafe {
-        sdref_mistral_tokenize(prompt.as_ptr(), flux2, &mut ids, &mut weights, &mut len, err.ptr(), err.0.len())
-    };
-    if rc != 0 {
-        return Err(err.message());
-    }
-    // SAFETY: on success the driver returned two malloc'd arrays of `len` values each.
-    let out =
-        unsafe { (std::slice::from_raw_parts(ids, len).to_vec(), std::slice::from_raw_parts(weights, len).to_vec()) };
-    // SAFETY: the arrays came from sdref_mistral_tokenize (malloc'd, as sdref_t5_tokens_free expects)
-    // and are freed once.
-    unsafe { sdref_t5_tokens_free(ids, weights) };
-    Ok(out)
+    llm_tokenize(sdref_mistral_tokenize, prompt, flux2)
 }
 
 /// sd.cpp's Qwen3 hidden states for `ids` with `out_layers = {out_layer}`, weights from the

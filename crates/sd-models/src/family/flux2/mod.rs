@@ -125,10 +125,41 @@ struct Flux2 {
 /// The first layer's q norm, which Qwen3 has and Mistral has not.
 const QK_NORM_PROBE: &str = "text_encoders.llm.model.layers.0.self_attn.q_norm.weight";
 
+/// What tells klein and dev apart when their files are read.
+struct Variant {
+    dev: bool,
+    family: &'static str,
+    /// The encoder it reads, for messages.
+    llm: &'static str,
+    /// The encoder's fixed settings (its depth and widths come from the file).
+    base: fn() -> Qwen3Config,
+    out_layers: &'static [usize],
+    /// Which encoder widths the released models take.
+    widths: &'static str,
+}
+
+const KLEIN: Variant = Variant {
+    dev: false,
+    family: "FLUX.2 klein",
+    llm: "Qwen3",
+    base: Qwen3Config::qwen3_4b,
+    out_layers: &OUT_LAYERS,
+    widths: "klein 4B takes Qwen3-4B, 9B Qwen3-8B",
+};
+
+const DEV: Variant = Variant {
+    dev: true,
+    family: "FLUX.2 dev",
+    llm: "Mistral-Small-3.2",
+    base: Qwen3Config::mistral_small_3_2,
+    out_layers: &DEV_OUT_LAYERS,
+    widths: "dev takes Mistral-Small-3.2 (5120 wide)",
+};
+
 fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
-    if detected.arch == "flux2" {
-        return build_dev(files);
-    }
+    let v = if detected.arch == "flux2" { DEV } else { KLEIN };
+    let failed =
+        |e: crate::text::qwen3::Qwen3Error| if v.dev { dev_conditioner_error(e) } else { conditioner_error(e) };
     let index = files.index();
     let tensors: Vec<(String, Vec<u64>)> =
         index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
@@ -138,90 +169,54 @@ fn build(detected: &Detected, files: &ModelFiles) -> Result<Box<dyn Family>> {
     }
     if !index.contains(LLM_PROBE) {
         return Err(PipelineError::MissingComponent {
-            family: "FLUX.2 klein",
+            family: v.family,
             role: FileRole::Llm,
-            what: "its Qwen3 text encoder (no text_encoders.llm tensors in the files)".into(),
+            what: format!("its {} text encoder (no text_encoders.llm tensors in the files)", v.llm),
         });
     }
     if !index.contains(VAE_PROBE) {
         return Err(PipelineError::MissingComponent {
-            family: "FLUX.2 klein",
+            family: v.family,
             role: FileRole::Vae,
             what: "its VAE (FLUX.2's 32-channel autoencoder; no first_stage_model tensors in the files)".into(),
         });
     }
-    let llm = Qwen3Config::from_index(index).map_err(conditioner_error)?;
-    let deepest = OUT_LAYERS[OUT_LAYERS.len() - 1];
+    // Qwen3 has q/k norms, Mistral none: the other FLUX.2's encoder is named as such.
+    let norm = QK_NORM_PROBE.trim_start_matches("text_encoders.llm.");
+    match (index.contains(QK_NORM_PROBE), v.dev) {
+        (true, true) => {
+            return Err(PipelineError::Invalid(format!(
+                "the LLM (--llm) holds '{norm}', a Qwen3 (FLUX.2 klein's encoder); FLUX.2 dev reads Mistral-Small-3.2"
+            )))
+        }
+        (false, false) => {
+            return Err(PipelineError::Invalid(format!(
+                "the LLM (--llm) has no '{norm}': FLUX.2 klein reads a Qwen3 (a Mistral file is FLUX.2 dev's encoder)"
+            )))
+        }
+        _ => {}
+    }
+    let llm = Qwen3Config::from_index_as(index, (v.base)()).map_err(failed)?;
+    let deepest = v.out_layers[v.out_layers.len() - 1];
     if llm.n_layers < deepest {
         return Err(PipelineError::Invalid(format!(
-            "the LLM (--llm) has {} layers; FLUX.2 klein reads its layers {OUT_LAYERS:?}, so it needs at least {deepest}",
-            llm.n_layers
+            "the LLM (--llm) has {} layers; {} reads its layers {:?}, so it needs at least {deepest}",
+            llm.n_layers, v.family, v.out_layers
         )));
     }
-    let width = (OUT_LAYERS.len() * llm.hidden) as i64;
+    let width = (v.out_layers.len() * llm.hidden) as i64;
     if width != dit.context_in_dim {
         return Err(PipelineError::Invalid(format!(
-            "the LLM (--llm) is {} wide, so its {} layers give {width} values per token; the FLUX.2 model's \
-             txt_in takes {} (tensor 'model.diffusion_model.txt_in.weight'): klein 4B takes Qwen3-4B, 9B Qwen3-8B",
+            "the LLM (--llm) is {} wide, so its {} layers give {width} values per token; the {} model's \
+             txt_in takes {} (tensor 'model.diffusion_model.txt_in.weight'): {}",
             llm.hidden,
-            OUT_LAYERS.len(),
-            dit.context_in_dim
+            v.out_layers.len(),
+            v.family,
+            dit.context_in_dim,
+            v.widths
         )));
     }
-    if !index.contains(QK_NORM_PROBE) {
-        return Err(PipelineError::Invalid(format!(
-            "the LLM (--llm) has no '{}': FLUX.2 klein reads a Qwen3 (a Mistral file is FLUX.2 dev's encoder)",
-            QK_NORM_PROBE.trim_start_matches("text_encoders.llm.")
-        )));
-    }
-    Ok(Box::new(Flux2 { dit, llm, dev: false }))
-}
-
-/// FLUX.2 dev: the DiT with its guidance embedding, Mistral-Small-3.2 as the LLM.
-fn build_dev(files: &ModelFiles) -> Result<Box<dyn Family>> {
-    let index = files.index();
-    let tensors: Vec<(String, Vec<u64>)> =
-        index.entries().iter().filter(|e| e.name.starts_with(flux::PREFIX)).map(|e| (e.name.clone(), e.ne())).collect();
-    let dit = FluxConfig::from_file(&tensors)?;
-    if !index.contains(LLM_PROBE) {
-        return Err(PipelineError::MissingComponent {
-            family: "FLUX.2 dev",
-            role: FileRole::Llm,
-            what: "its Mistral-Small-3.2 text encoder (no text_encoders.llm tensors in the files)".into(),
-        });
-    }
-    if !index.contains(VAE_PROBE) {
-        return Err(PipelineError::MissingComponent {
-            family: "FLUX.2 dev",
-            role: FileRole::Vae,
-            what: "its VAE (FLUX.2's 32-channel autoencoder; no first_stage_model tensors in the files)".into(),
-        });
-    }
-    if index.contains(QK_NORM_PROBE) {
-        return Err(PipelineError::Invalid(format!(
-            "the LLM (--llm) holds '{}', a Qwen3 (FLUX.2 klein's encoder); FLUX.2 dev reads Mistral-Small-3.2",
-            QK_NORM_PROBE.trim_start_matches("text_encoders.llm.")
-        )));
-    }
-    let llm = Qwen3Config::from_index_as(index, Qwen3Config::mistral_small_3_2()).map_err(dev_conditioner_error)?;
-    let deepest = DEV_OUT_LAYERS[DEV_OUT_LAYERS.len() - 1];
-    if llm.n_layers < deepest {
-        return Err(PipelineError::Invalid(format!(
-            "the LLM (--llm) has {} layers; FLUX.2 dev reads its layers {DEV_OUT_LAYERS:?}, so it needs at least {deepest}",
-            llm.n_layers
-        )));
-    }
-    let width = (DEV_OUT_LAYERS.len() * llm.hidden) as i64;
-    if width != dit.context_in_dim {
-        return Err(PipelineError::Invalid(format!(
-            "the LLM (--llm) is {} wide, so its {} layers give {width} values per token; the FLUX.2 dev model's \
-             txt_in takes {} (tensor 'model.diffusion_model.txt_in.weight'): dev takes Mistral-Small-3.2 (5120 wide)",
-            llm.hidden,
-            DEV_OUT_LAYERS.len(),
-            dit.context_in_dim
-        )));
-    }
-    Ok(Box::new(Flux2 { dit, llm, dev: true }))
+    Ok(Box::new(Flux2 { dit, llm, dev: v.dev }))
 }
 
 inventory::submit! { FamilySpec { arch: "flux2-klein", build } }

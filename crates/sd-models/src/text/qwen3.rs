@@ -83,6 +83,10 @@ pub enum LlmArch {
     Qwen3,
     /// Mistral (Small 3.2): no q/k norms, RoPE in the original layout.
     Mistral,
+    /// Qwen2.5-VL's text model (Qwen-Image's encoder): biases on q, k and v, no q/k norms,
+    /// NeoX RoPE (its multimodal RoPE gives a text token one position on every section, which
+    /// is NeoX RoPE at that position).
+    Qwen25Vl,
 }
 
 impl LlmArch {
@@ -91,11 +95,17 @@ impl LlmArch {
         self == Self::Qwen3
     }
 
+    /// Whether the q, k and v projections have biases.
+    pub fn qkv_bias(self) -> bool {
+        self == Self::Qwen25Vl
+    }
+
     /// The name the reference gives the architecture (its `llm_arch_to_str`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Qwen3 => "Qwen3",
             Self::Mistral => "Mistral-Small-3.2",
+            Self::Qwen25Vl => "Qwen2.5-VL",
         }
     }
 }
@@ -166,6 +176,26 @@ impl Qwen3Config {
             eps: 1e-5,
             rope_base: 1e9,
             rope_ctx: 8192,
+        }
+    }
+
+    /// Qwen2.5-VL-7B's text model, Qwen-Image's encoder: 28 layers of width 3584, 28 query and
+    /// 4 key/value heads of 128 with q/k/v biases, SwiGLU 18944, 152064 embedding rows, RoPE
+    /// base 1e6, eps 1e-6 (the reference's `LLMConfig` defaults for `QWEN2_5_VL`).
+    pub fn qwen25_vl_7b() -> Self {
+        Self {
+            arch: LlmArch::Qwen25Vl,
+            prefix: LLM_PREFIX,
+            vocab_size: 152_064,
+            hidden: 3584,
+            n_heads: 28,
+            n_kv_heads: 4,
+            head_dim: 128,
+            intermediate: 18_944,
+            n_layers: 28,
+            eps: 1e-6,
+            rope_base: 1_000_000.0,
+            rope_ctx: 128_000,
         }
     }
 
@@ -273,9 +303,10 @@ pub fn qwen3_specs(
     b.push(embed, ty, &[d, cfg.vocab_size as i64]);
     for i in 0..cfg.n_layers {
         b.push(cfg.layer(i, "input_layernorm.weight"), GgmlType::GGML_TYPE_F32, &[d]);
-        b.linear(&cfg.layer(i, "self_attn.q_proj"), d, q, false);
-        b.linear(&cfg.layer(i, "self_attn.k_proj"), d, kv, false);
-        b.linear(&cfg.layer(i, "self_attn.v_proj"), d, kv, false);
+        let bias = cfg.arch.qkv_bias();
+        b.linear(&cfg.layer(i, "self_attn.q_proj"), d, q, bias);
+        b.linear(&cfg.layer(i, "self_attn.k_proj"), d, kv, bias);
+        b.linear(&cfg.layer(i, "self_attn.v_proj"), d, kv, bias);
         b.linear(&cfg.layer(i, "self_attn.o_proj"), q, d, false);
         if cfg.arch.qk_norm() {
             b.push(cfg.layer(i, "self_attn.q_norm.weight"), GgmlType::GGML_TYPE_F32, &[hd]);
@@ -373,9 +404,17 @@ fn attention<'g>(
     let l = x.shape()[1];
     let (h, kvh, d) = (cfg.n_heads as i64, cfg.n_kv_heads as i64, cfg.head_dim as i64);
     let lin = |p: &str, x| linear(g, w, &cfg.layer(i, &format!("self_attn.{p}_proj.weight")), x);
-    let q = g.reshape(lin("q", x)?, &[d, h, l, 1]);
-    let k = g.reshape(lin("k", x)?, &[d, kvh, l, 1]);
-    let v = g.reshape(lin("v", x)?, &[d, kvh, l, 1]);
+    // q, k and v with their biases where the architecture has them.
+    let qkv = |p: &str| -> Result<Tensor<'g>> {
+        let y = lin(p, x)?;
+        if !cfg.arch.qkv_bias() {
+            return Ok(y);
+        }
+        Ok(g.add(y, get(w, &cfg.layer(i, &format!("self_attn.{p}_proj.bias")))?))
+    };
+    let q = g.reshape(qkv("q")?, &[d, h, l, 1]);
+    let k = g.reshape(qkv("k")?, &[d, kvh, l, 1]);
+    let v = g.reshape(qkv("v")?, &[d, kvh, l, 1]);
     let (q, k) = if cfg.arch.qk_norm() {
         (
             rms_norm(g, cfg, q, get(w, &cfg.layer(i, "self_attn.q_norm.weight"))?),
@@ -385,7 +424,7 @@ fn attention<'g>(
         (q, k)
     };
     let rope = |t: Tensor<'g>| match cfg.arch {
-        LlmArch::Qwen3 => g.rope_neox(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base),
+        LlmArch::Qwen3 | LlmArch::Qwen25Vl => g.rope_neox(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base),
         LlmArch::Mistral => g.rope_normal(t, inputs.pos, d as i32, cfg.rope_ctx as i32, cfg.rope_base),
     };
     let (q, k) = (rope(q), rope(k));

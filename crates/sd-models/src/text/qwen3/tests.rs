@@ -89,18 +89,26 @@ fn reference_with(
     for i in 0..layers {
         let b = |s: &str| p(cfg.layer(i, s));
         let a: Rows = x.iter().map(|r| rms(r, &b("input_layernorm.weight"), eps)).collect();
-        let q = linear(&a, &b("self_attn.q_proj.weight"), h * hd);
-        let k = linear(&a, &b("self_attn.k_proj.weight"), kvh * hd);
-        let v = linear(&a, &b("self_attn.v_proj.weight"), kvh * hd);
+        let biased = |p: &str, out: usize| {
+            let y = linear(&a, &b(&format!("self_attn.{p}_proj.weight")), out);
+            if !cfg.arch.qkv_bias() {
+                return y;
+            }
+            let bias = b(&format!("self_attn.{p}_proj.bias"));
+            y.into_iter().map(|r| r.iter().zip(&bias).map(|(v, c)| v + c).collect()).collect::<Rows>()
+        };
+        let q = biased("q", h * hd);
+        let k = biased("k", kvh * hd);
+        let v = biased("v", kvh * hd);
         let mistral = cfg.arch == LlmArch::Mistral;
-        let (qn, kn) = if mistral {
+        let (qn, kn) = if !cfg.arch.qk_norm() {
             (Vec::new(), Vec::new())
         } else {
             (b("self_attn.q_norm.weight"), b("self_attn.k_norm.weight"))
         };
         let head = |t: &[f64], n: usize, w: &[f64], pos: usize| {
             let t = &t[n * hd..(n + 1) * hd];
-            let t = if mistral { t.to_vec() } else { rms(t, w, eps) };
+            let t = if cfg.arch.qk_norm() { rms(t, w, eps) } else { t.to_vec() };
             rope(&t, pos, cfg.rope_base as f64, mistral)
         };
         let mut att = vec![vec![0.0; h * hd]; l];
@@ -189,6 +197,29 @@ fn mistral_graph_matches_an_f64_encoder() {
         // The same weights read as Qwen3's NeoX layout give other states: the layout matters.
         let neox = reference(&Qwen3Config { arch: LlmArch::Qwen3, ..cfg.clone() }, &ids, out_layer);
         assert!(neox.len() != want.len() || diff(&got, &neox).0 > 1e-2);
+    }
+}
+
+/// Qwen2.5-VL's text model (Qwen-Image's encoder): q/k/v biases, no q/k norms, NeoX RoPE,
+/// against the f64 encoder; and the published size of Qwen2.5-VL-7B's language model.
+#[test]
+fn qwen25_vl_graph_matches_an_f64_encoder() {
+    let full = qwen3_specs(&Qwen3Config::qwen25_vl_7b(), &|_| Some(F16), None);
+    let total: i64 = full.iter().map(|s| s.ne.iter().product::<i64>()).sum();
+    // Qwen2.5-VL-7B's language model without its lm_head (545M) and vision tower: 7.07B.
+    assert_eq!(total, 7_070_619_136);
+    let bias = full.iter().find(|s| s.name.ends_with("layers.27.self_attn.k_proj.bias")).unwrap();
+    assert_eq!((bias.ne.as_slice(), bias.ty), (&[512i64][..], F32));
+    let cfg = Qwen3Config { arch: LlmArch::Qwen25Vl, ..tiny() };
+    let w = random_weights(qwen3_specs(&cfg, &|_| Some(F32), None), values);
+    let enc = Qwen3Encoder::new(&cfg, &w).unwrap();
+    let mut runner = Runner::new("llm", backend());
+    let ids: Vec<u32> = (0..17u32).map(|i| (i * 4099 + 7) % 1000).collect();
+    for out_layer in [35, 2] {
+        let got = enc.encode_ids(&mut runner, &ids, out_layer).unwrap();
+        let want = reference(&cfg, &ids, out_layer);
+        let (max, mean) = diff(&got, &want);
+        assert!(max < 2e-3 && mean < 2e-5, "out layer {out_layer}: max {max:e}, mean {mean:e}");
     }
 }
 

@@ -8,7 +8,7 @@
 //!                     [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture lora-sdxl|lora-vega|lora-ssd-1b [--rank R] [--seed S] [--scale X] [--unet-only] -o FILE.safetensors
 //! cargo xtask fixture t5xxl [--layers N] [--seed N] [--type ...] [-o FILE]
-//! cargo xtask fixture qwen3|mistral [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
+//! cargo xtask fixture qwen3|mistral|qwen25vl [--layers N] [--hidden N] [--intermediate N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux2-klein|flux2-dev [--double N] [--single N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
 //! cargo xtask fixture flux|flux-schnell [--double N] [--single N] [--hidden N] [--seed N] [--type ...] [-o FILE]
 //! cargo xtask fixture zimage [--layers N] [--refiner-layers N] [--hidden N] [--cap-dim N] [--seed N] [--std S] [--type ...] [-o FILE]
@@ -69,7 +69,7 @@ use sd_models::fixture::{
     self, flux, flux_vae, qwen3, sd3, t5, taesd, zimage, Component, FileFormat, FixtureModel, FixtureReport,
     FixtureRequest, WeightType,
 };
-use sd_models::text::qwen3::Qwen3Config;
+use sd_models::text::qwen3::{LlmArch, Qwen3Config};
 use sd_models::text::t5::T5Config;
 
 /// `cargo xtask fixture` flags.
@@ -168,9 +168,9 @@ enum Target {
     /// A LoRA for an SDXL-layout fixture (SDXL, SSD-1B, Vega).
     LoraSdxl(FixtureModel),
     T5xxl,
-    /// An LLM text encoder (`--llm`): Qwen3's layout, or Mistral-Small-3.2's.
+    /// An LLM text encoder (`--llm`): Qwen3's layout, Mistral-Small-3.2's or Qwen2.5-VL's.
     Qwen3 {
-        mistral: bool,
+        arch: LlmArch,
     },
     /// A Z-Image transformer (`--diffusion-model`).
     ZImage,
@@ -220,8 +220,9 @@ fn target(s: &str) -> Result<Target, String> {
         "lora-vega" => Ok(Target::LoraSdxl(FixtureModel::Vega)),
         "lora-ssd-1b" => Ok(Target::LoraSdxl(FixtureModel::Ssd1b)),
         "t5xxl" => Ok(Target::T5xxl),
-        "qwen3" => Ok(Target::Qwen3 { mistral: false }),
-        "mistral" | "mistral-small-3.2" => Ok(Target::Qwen3 { mistral: true }),
+        "qwen3" => Ok(Target::Qwen3 { arch: LlmArch::Qwen3 }),
+        "mistral" | "mistral-small-3.2" => Ok(Target::Qwen3 { arch: LlmArch::Mistral }),
+        "qwen25vl" | "qwen2.5-vl" => Ok(Target::Qwen3 { arch: LlmArch::Qwen25Vl }),
         "zimage" | "z-image" => Ok(Target::ZImage),
         "flux" | "flux-dev" => Ok(Target::Flux { schnell: false }),
         "flux-schnell" => Ok(Target::Flux { schnell: true }),
@@ -244,7 +245,7 @@ fn target(s: &str) -> Result<Target, String> {
         "controlnet-sdxl" => Ok(Target::ControlNet { sdxl: true }),
         _ => FixtureModel::parse(s)
             .map(Target::Model)
-            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, mistral, flux, flux-schnell, chroma, chroma-radiance, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-dev, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
+            .map_err(|e| format!("{e}; or lora-sd15, lora-flux, lora-sdxl, lora-vega, lora-ssd-1b, t5xxl, qwen3, mistral, qwen25vl, flux, flux-schnell, chroma, chroma-radiance, sd35-large, sd35-medium, flux-vae, flux2-klein, flux2-dev, flux2-vae, clip-l, taesd, taef1, taef2, zimage, esrgan, esrgan-anime, esrgan-x2, controlnet-sd15, controlnet-sdxl")),
     }
 }
 
@@ -287,7 +288,7 @@ pub fn run(args: Args) -> Result<()> {
     let family = match args.family {
         Target::Model(f) => f,
         Target::T5xxl => return run_t5xxl(&args),
-        Target::Qwen3 { mistral } => return run_qwen3(&args, mistral),
+        Target::Qwen3 { arch } => return run_qwen3(&args, arch),
         Target::ZImage => return run_zimage(&args),
         Target::Flux { schnell } => return run_flux(&args, schnell),
         Target::Chroma { radiance } => return run_chroma(&args, radiance),
@@ -378,19 +379,22 @@ fn run_t5xxl(args: &Args) -> Result<()> {
 /// `cargo xtask fixture qwen3 ...`: a Qwen3 `--llm` file (Qwen3-4B's heads), Hugging Face
 /// names in safetensors, llama.cpp's in GGUF; `-o` is required unless every size is the
 /// default (the cache entry names seed, type and depth only).
-fn run_qwen3(args: &Args, mistral: bool) -> Result<()> {
-    let name = if mistral { "mistral" } else { "qwen3" };
+fn run_qwen3(args: &Args, arch: LlmArch) -> Result<()> {
+    let (name, full) = match arch {
+        LlmArch::Qwen3 => ("qwen3", Qwen3Config::qwen3_4b()),
+        LlmArch::Mistral => ("mistral", Qwen3Config::mistral_small_3_2()),
+        LlmArch::Qwen25Vl => ("qwen25vl", Qwen3Config::qwen25_vl_7b()),
+    };
     if args.only.is_some() || args.std_everywhere || args.plain_norms {
         bail!("--only, --std-everywhere and --plain-norms apply to checkpoint families, not {name}");
     }
-    let full = if mistral { Qwen3Config::mistral_small_3_2() } else { Qwen3Config::qwen3_4b() };
     let cfg = Qwen3Config {
         n_layers: args.layers.map_or(full.n_layers, |l| l as usize),
         hidden: args.hidden.map_or(full.hidden, |h| h as usize),
         intermediate: args.intermediate.map_or(full.intermediate, |i| i as usize),
         ..full.clone()
     };
-    if cfg.n_layers == 28 && !mistral {
+    if cfg.n_layers == 28 && arch == LlmArch::Qwen3 {
         bail!("the reference reads a 28-layer Qwen3 as Qwen3-1.7B (16 heads): choose another depth");
     }
     if !cfg.intermediate.is_multiple_of(32) {
@@ -783,9 +787,10 @@ mod tests {
         let q = parse("qwen3 --layers 3 --hidden 256 --intermediate 512 --std 0.03 -o q.safetensors").unwrap();
         assert_eq!(
             (q.family, q.layers, q.hidden, q.intermediate, q.std),
-            (Target::Qwen3 { mistral: false }, Some(3), Some(256), Some(512), Some(0.03))
+            (Target::Qwen3 { arch: LlmArch::Qwen3 }, Some(3), Some(256), Some(512), Some(0.03))
         );
-        assert_eq!(parse("mistral --layers 30 -o m.gguf").unwrap().family, Target::Qwen3 { mistral: true });
+        assert_eq!(parse("mistral --layers 30 -o m.gguf").unwrap().family, Target::Qwen3 { arch: LlmArch::Mistral });
+        assert_eq!(parse("qwen25vl -o q.gguf").unwrap().family, Target::Qwen3 { arch: LlmArch::Qwen25Vl });
         let d = parse("flux2-dev --hidden 256 --double 1 --single 48 -o d.safetensors").unwrap();
         assert_eq!((d.family, d.single), (Target::Flux2 { dev: true }, Some(48)));
         assert!(parse("flux2-dev --single 65").is_err());

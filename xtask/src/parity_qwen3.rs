@@ -1,8 +1,11 @@
-//! `cargo xtask parity qwen3`: our Qwen3 LLM encoder against the reference's on one `--llm` file.
+//! `cargo xtask parity qwen3`: our LLM encoder against the reference's on one `--llm` file.
 //!
 //! ```text
-//! cargo xtask parity qwen3 --llm FILE [-p PROMPT]... [--out-layer L] [--threads N]
+//! cargo xtask parity qwen3 --llm FILE [--arch qwen3|mistral|qwen2.5vl] [-p PROMPT]... [--out-layer L] [--threads N]
 //! ```
+//!
+//! `--arch mistral` runs both as FLUX.2 dev's Mistral-Small-3.2 (its tokenizer and template),
+//! `--arch qwen2.5vl` as Qwen-Image's Qwen2.5-VL text model (tokenized as for Z-Image).
 //!
 //! For each prompt, `sdref llm-encode` tokenizes it as Z-Image's conditioner does (its chat
 //! template, the prompt's weights) and runs the reference's `LLMRunner` (`QWEN3`) with
@@ -22,7 +25,7 @@ use anyhow::{bail, Context as _, Result};
 use sd_models::files::{ModelFiles, ModelSources};
 use sd_models::loader::{dtype_of, FileSource};
 use sd_models::text::qwen3::{qwen3_specs, Qwen3Config, Qwen3Encoder};
-use sd_models::text::{ChatTemplate, Qwen2Tokenizer};
+use sd_models::text::{ChatTemplate, MistralTokenizer, Qwen2Tokenizer};
 use sd_sched::{Runner, Weights};
 
 use crate::parity::{read_raw, Tolerance, Verdict};
@@ -41,6 +44,9 @@ pub struct Args {
     /// Prompts (default: two, one of them weighted).
     #[arg(short = 'p', long = "prompt", value_name = "TEXT")]
     prompts: Vec<String>,
+    /// The decoder: qwen3, mistral or qwen2.5vl.
+    #[arg(long = "arch", default_value = "qwen3", value_parser = ["qwen3", "mistral", "qwen2.5vl"])]
+    arch: String,
     /// The layer whose hidden states are compared (Z-Image: 35).
     #[arg(long = "out-layer", default_value_t = 35)]
     out_layer: u32,
@@ -49,9 +55,14 @@ pub struct Args {
     threads: u32,
 }
 
-/// The configuration of the Qwen3 model in `files` ([`Qwen3Config::from_index`]).
-fn config_of(files: &ModelFiles) -> Result<Qwen3Config> {
-    Ok(Qwen3Config::from_index(files.index())?)
+/// The configuration of the `arch` model in `files` ([`Qwen3Config::from_index_as`]).
+fn config_of(files: &ModelFiles, arch: &str) -> Result<Qwen3Config> {
+    let base = match arch {
+        "mistral" => Qwen3Config::mistral_small_3_2(),
+        "qwen2.5vl" => Qwen3Config::qwen25_vl_7b(),
+        _ => Qwen3Config::qwen3_4b(),
+    };
+    Ok(Qwen3Config::from_index_as(files.index(), base)?)
 }
 
 /// Entry point of `cargo xtask parity qwen3`.
@@ -68,7 +79,7 @@ pub fn run(args: Args) -> Result<()> {
 
     let cpu = crate::parity::Cpu::new(args.threads)?;
     let files = ModelFiles::open(&ModelSources { llm: Some(args.llm.clone()), ..Default::default() })?;
-    let cfg = config_of(&files)?;
+    let cfg = config_of(&files, &args.arch)?;
     let mut w = Weights::new(qwen3_specs(&cfg, &dtype_of(&files), None))?;
     w.allocate(cpu.backend.device().buffer_type())?;
     w.load_from(&FileSource::new(&files))?;
@@ -84,7 +95,8 @@ pub fn run(args: Args) -> Result<()> {
         let out = dir.join(format!("ref-{i}.f32"));
         let t = Instant::now();
         let status = Command::new(&exe)
-            .args(["llm-encode", "--llm", path, "-p", prompt, "--out-layer", &args.out_layer.to_string()])
+            .args(["llm-encode", "--llm", path, "--arch", &args.arch, "-p", prompt])
+            .args(["--out-layer", &args.out_layer.to_string()])
             .args(["-t", &args.threads.to_string(), "-o"])
             .arg(&out)
             .status()
@@ -98,15 +110,24 @@ pub fn run(args: Args) -> Result<()> {
         let ref_ids: Vec<u32> = serde_json::from_value(side["ids"].clone())?;
 
         let t = Instant::now();
-        let (ids, _) = tokenizer.tokenize_chat(&ChatTemplate::Z_IMAGE, prompt)?;
+        let (ids, _) = if args.arch == "mistral" {
+            MistralTokenizer::new().tokenize_chat(&ChatTemplate::FLUX2_DEV, prompt)?
+        } else {
+            tokenizer.tokenize_chat(&ChatTemplate::Z_IMAGE, prompt)?
+        };
         if ids != ref_ids {
-            bail!("{prompt:?}: our Qwen2 ids differ from the reference's\n ours {ids:?}\n ref  {ref_ids:?}");
+            bail!("{prompt:?}: our ids differ from the reference's\n ours {ids:?}\n ref  {ref_ids:?}");
         }
         let ours = encoder.encode_ids(&mut runner, &ids, args.out_layer as usize)?;
         let ours_s = t.elapsed().as_secs_f64();
         let v = Verdict::of(&ours, &reference, tol)?;
         failed += usize::from(!v.pass);
-        println!("qwen3 {prompt:?} {shape:?}: {}  sdref {ref_s:.1} s  ours {ours_s:.1} s  {}", v.figures, v.word());
+        println!(
+            "{} {prompt:?} {shape:?}: {}  sdref {ref_s:.1} s  ours {ours_s:.1} s  {}",
+            args.arch,
+            v.figures,
+            v.word()
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
     if failed > 0 {

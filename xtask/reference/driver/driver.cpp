@@ -663,7 +663,7 @@ int sdref_mistral_tokenize(const char* prompt, bool flux2, int32_t** out_ids, fl
                         err_len);
 }
 
-int sdref_llm_encode(const char* llm_path, const int32_t* ids, size_t n_ids, int out_layer,
+int sdref_llm_encode(const char* llm_path, int arch, const int32_t* ids, size_t n_ids, int out_layer,
                      int n_threads, sdref_tensor* out, char* err, size_t err_len) {
     *out = sdref_tensor{};
     if (llm_path == nullptr || ids == nullptr || n_ids == 0) {
@@ -695,8 +695,10 @@ int sdref_llm_encode(const char* llm_path, const int32_t* ids, size_t n_ids, int
             set_err(err, err_len, "sd.cpp cannot read '%s' as an LLM file", llm_path);
             return 1;
         }
-        auto* runner = new LLM::LLMRunner(LLM::LLMArch::QWEN3, backend, loader.get_tensor_storage_map(), prefix, false,
-                                          manager);
+        const LLM::LLMArch which = arch == 1   ? LLM::LLMArch::MISTRAL_SMALL_3_2
+                                   : arch == 2 ? LLM::LLMArch::QWEN2_5_VL
+                                               : LLM::LLMArch::QWEN3;
+        auto* runner = new LLM::LLMRunner(which, backend, loader.get_tensor_storage_map(), prefix, false, manager);
         if (!manager->register_runner_params("llm", *runner, prefix, ModelManager::ResidencyMode::ParamBackend,
                                              backend, backend) ||
             !manager->validate_registered_tensors()) {

@@ -187,12 +187,13 @@ int sdref_qwen2_tokenize(const char* prompt, bool zimage, int32_t** out_ids, flo
 int sdref_mistral_tokenize(const char* prompt, bool flux2, int32_t** out_ids, float** out_weights,
                            size_t* out_len, char* err, size_t err_len);
 
-/* The hidden states sd.cpp's LLMRunner (arch QWEN3, as Z-Image and FLUX.2 klein use it) gives
+/* The hidden states sd.cpp's LLMRunner (arch: 0 QWEN3, as Z-Image and FLUX.2 klein use it; 1
+ * MISTRAL_SMALL_3_2, FLUX.2 dev's; 2 QWEN2_5_VL, Qwen-Image's) gives
  * for `n_ids` token ids with out_layers = {out_layer} (Z-Image: 35; a layer past the file's
  * depth gives the final norm's output), the causal mask LLMEmbedder builds, and the weights of
  * the `--llm` file `llm_path` read as sd.cpp reads that flag (prefix text_encoders.llm., its
  * name conversion). No token weights applied. out: ne = {hidden, n_ids}. */
-int sdref_llm_encode(const char* llm_path, const int32_t* ids, size_t n_ids, int out_layer,
+int sdref_llm_encode(const char* llm_path, int arch, const int32_t* ids, size_t n_ids, int out_layer,
                      int n_threads, sdref_tensor* out, char* err, size_t err_len);
 
 #ifdef __cplusplus

@@ -227,6 +227,7 @@ extern "C" {
     ) -> c_int;
     fn sdref_llm_encode(
         llm_path: *const c_char,
+        arch: c_int,
         ids: *const i32,
         n_ids: usize,
         out_layer: c_int,
@@ -323,14 +324,25 @@ pub fn mistral_tokenize(prompt: &str, flux2: bool) -> Result<(Vec<i32>, Vec<f32>
 }
 
 /// sd.cpp's Qwen3 hidden states for `ids` with `out_layers = {out_layer}`, weights from the
-/// `--llm` file `path` (see `sdref_llm_encode` in driver/sdref_driver.h).
-pub fn llm_encode(path: &str, ids: &[i32], out_layer: i32, threads: i32) -> Result<Tensor, String> {
+/// `--llm` file `path`; `arch` 0 Qwen3, 1 Mistral-Small-3.2, 2 Qwen2.5-VL (see `sdref_llm_encode`
+/// in driver/sdref_driver.h).
+pub fn llm_encode(path: &str, arch: i32, ids: &[i32], out_layer: i32, threads: i32) -> Result<Tensor, String> {
     let path = CString::new(path).map_err(|_| "the path holds a NUL byte".to_owned())?;
     let mut out = empty_raw();
     let mut err = ErrBuf::new();
     // SAFETY: valid path string, `ids.len()` ids, valid out-pointers.
     let rc = unsafe {
-        sdref_llm_encode(path.as_ptr(), ids.as_ptr(), ids.len(), out_layer, threads, &mut out, err.ptr(), err.0.len())
+        sdref_llm_encode(
+            path.as_ptr(),
+            arch,
+            ids.as_ptr(),
+            ids.len(),
+            out_layer,
+            threads,
+            &mut out,
+            err.ptr(),
+            err.0.len(),
+        )
     };
     if rc != 0 {
         return Err(err.message());

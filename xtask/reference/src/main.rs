@@ -20,7 +20,7 @@
 //! - `qwen-tokens`: sd.cpp's Qwen2 tokenizer on a list of prompts (raw, or Z-Image's chat
 //!   template with the prompt's weights), as JSON; no model is loaded. `--mistral`: its
 //!   Mistral tokenizer (raw, or with `--flux2` FLUX.2 dev's template).
-//! - `llm-encode`: sd.cpp's Qwen3 LLM on an `--llm` file alone, for a prompt tokenized as
+//! - `llm-encode`: sd.cpp's LLM (`--arch`: Qwen3, Mistral or Qwen2.5-VL) on an `--llm` file alone, for a prompt tokenized as
 //!   Z-Image does; the hidden states of `--out-layer` (before the token weights) as raw f32.
 //! - `upscale`: sd.cpp's ESRGAN upscaler (`new_upscaler_ctx`, `upscale`) on a PNG, as its
 //!   CLI's `-M upscale` runs it; writes the PNG and an `SDREF_TIMING` line.
@@ -353,9 +353,13 @@ struct QwenTokens {
 
 #[derive(Args, Debug)]
 struct LlmEncode {
-    /// The Qwen3 file (safetensors with HF names or GGUF with llama.cpp names).
+    /// The LLM file (safetensors with HF names or GGUF with llama.cpp names).
     #[arg(long = "llm")]
     llm: String,
+    /// Its architecture: qwen3 (tokenized as Z-Image does), mistral (as FLUX.2 dev does) or
+    /// qwen2.5vl (Qwen-Image's encoder; tokenized as Z-Image does).
+    #[arg(long = "arch", default_value = "qwen3", value_parser = ["qwen3", "mistral", "qwen2.5vl"])]
+    arch: String,
     #[arg(short = 'p', long = "prompt", default_value = "")]
     prompt: String,
     /// The layer whose output is taken (Z-Image: 35); past the file's depth: the final norm.
@@ -766,9 +770,18 @@ fn qwen_tokens(a: QwenTokens) -> Res<()> {
 
 fn llm_encode(a: LlmEncode) -> Res<()> {
     start(a.verbose);
-    let (ids, _) = ffi::qwen2_tokenize(&a.prompt, true)?;
+    let (ids, _) = if a.arch == "mistral" {
+        ffi::mistral_tokenize(&a.prompt, true)?
+    } else {
+        ffi::qwen2_tokenize(&a.prompt, true)?
+    };
+    let arch = match a.arch.as_str() {
+        "mistral" => 1,
+        "qwen2.5vl" => 2,
+        _ => 0,
+    };
     let t0 = Instant::now();
-    let t = ffi::llm_encode(&a.llm, &ids, a.out_layer, a.threads)?;
+    let t = ffi::llm_encode(&a.llm, arch, &ids, a.out_layer, a.threads)?;
     let ms = timing::ms(t0.elapsed().as_secs_f64());
     let tokens = ids.len() as i64;
     let width = t.data.len() as i64 / tokens.max(1);

@@ -97,6 +97,14 @@ impl ChatTemplate {
     pub const Z_IMAGE: ChatTemplate =
         ChatTemplate { prefix: "<|im_start|>user\n", suffix: "<|im_end|>\n<|im_start|>assistant\n" };
 
+    /// FLUX.2 dev (Mistral's tokenizer): its system prompt and `[INST]`, then `[/INST]` (the
+    /// reference's `VERSION_FLUX2` template; the tokenizer adds BOS).
+    pub const FLUX2_DEV: ChatTemplate = ChatTemplate {
+        prefix: "[SYSTEM_PROMPT]You are an AI that reasons about image descriptions. You give structured responses \
+                 focusing on object relationships, object\nattribution and actions without speculation.[/SYSTEM_PROMPT][INST]",
+        suffix: "[/INST]",
+    };
+
     /// FLUX.2 klein: a user turn, then an assistant turn with an empty thinking block (the
     /// reference's `VERSION_FLUX2_KLEIN` template).
     pub const FLUX2_KLEIN: ChatTemplate = ChatTemplate {

@@ -26,11 +26,7 @@ const PAD_ID: u32 = 151_643;
 /// FLUX.2 dev: the Mistral layers whose hidden states are the context (1-based).
 pub(super) const DEV_OUT_LAYERS: [usize; 3] = [10, 20, 30];
 /// FLUX.2 dev's template (the reference's `VERSION_FLUX2` prompt).
-pub(crate) const DEV_TEMPLATE: ChatTemplate = ChatTemplate {
-    prefix: "[SYSTEM_PROMPT]You are an AI that reasons about image descriptions. You give structured responses \
-             focusing on object relationships, object\nattribution and actions without speculation.[/SYSTEM_PROMPT][INST]",
-    suffix: "[/INST]",
-};
+pub(crate) const DEV_TEMPLATE: ChatTemplate = ChatTemplate::FLUX2_DEV;
 
 /// A failure of FLUX.2 klein's conditioner (loading or encoding), kept as the error's source.
 pub(super) fn conditioner_error(e: impl std::error::Error + Send + Sync + 'static) -> PipelineError {

@@ -151,10 +151,7 @@ mod tests {
         flux2: Vec<Case>,
     }
 
-    /// The text the reference tokenized: it drops U+FE0F (see `qwen2_tokenizer`'s tests).
-    fn reference_text(prompt: &str) -> String {
-        prompt.replace('\u{fe0f}', "")
-    }
+    use crate::text::qwen2_tokenizer::tests::reference_text;
 
     #[test]
     fn ids_equal_the_reference_tokenizer() {
@@ -175,9 +172,8 @@ mod tests {
         let t = MistralTokenizer::new();
         let cases: Cases = serde_json::from_str(CASES).expect("mistral_tokenizer_cases.json parses");
         assert_eq!(cases.flux2.len(), cases.raw.len());
-        let template = crate::family::flux2::DEV_TEMPLATE;
         for c in &cases.flux2 {
-            let (ids, weights) = t.tokenize_chat(&template, &reference_text(&c.prompt)).unwrap();
+            let (ids, weights) = t.tokenize_chat(&ChatTemplate::FLUX2_DEV, &reference_text(&c.prompt)).unwrap();
             assert_eq!(ids, c.ids, "prompt {:?}", c.prompt);
             assert_eq!(weights, c.weights, "prompt {:?}", c.prompt);
         }

@@ -447,4 +447,4 @@ fn ascii_lower(c: char) -> String {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

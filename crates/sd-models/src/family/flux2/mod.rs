@@ -37,8 +37,6 @@ use crate::sampling::{AysLevels, FlowSchedule, SampleMethod};
 use crate::text::conditioning::Conditioning;
 use crate::text::qwen3::{self, Qwen3Config, Qwen3Encoder};
 use crate::text::{MistralTokenizer, Qwen2Tokenizer};
-#[cfg(test)]
-pub(crate) use text::DEV_TEMPLATE;
 use text::{conditioner_error, dev_conditioner_error, DEV_OUT_LAYERS, OUT_LAYERS};
 
 /// Pixels per diffusion latent position (the VAE's 8, times its 2x2 patches).

@@ -25,8 +25,6 @@ pub(super) const MIN_TOKENS: usize = 512;
 const PAD_ID: u32 = 151_643;
 /// FLUX.2 dev: the Mistral layers whose hidden states are the context (1-based).
 pub(super) const DEV_OUT_LAYERS: [usize; 3] = [10, 20, 30];
-/// FLUX.2 dev's template (the reference's `VERSION_FLUX2` prompt).
-pub(crate) const DEV_TEMPLATE: ChatTemplate = ChatTemplate::FLUX2_DEV;
 
 /// A failure of FLUX.2 klein's conditioner (loading or encoding), kept as the error's source.
 pub(super) fn conditioner_error(e: impl std::error::Error + Send + Sync + 'static) -> PipelineError {
@@ -48,7 +46,8 @@ pub(super) struct DevText {
 impl DevText {
     pub(super) fn encode(&self, runner: &mut Runner, prompt: &str) -> Result<Conditioning, PipelineError> {
         let encoder = Qwen3Encoder::new(&self.cfg, &self.weights).map_err(dev_conditioner_error)?;
-        let (ids, weights) = self.tokenizer.tokenize_chat(&DEV_TEMPLATE, prompt).map_err(dev_conditioner_error)?;
+        let (ids, weights) =
+            self.tokenizer.tokenize_chat(&ChatTemplate::FLUX2_DEV, prompt).map_err(dev_conditioner_error)?;
         let mut data = encoder.encode(runner, &ids, None, &DEV_OUT_LAYERS).map_err(dev_conditioner_error)?;
         let hidden_size = DEV_OUT_LAYERS.len() * self.cfg.hidden;
         apply_token_weights(&mut data, hidden_size, &weights);
@@ -119,11 +118,11 @@ mod tests {
     #[test]
     fn dev_template_is_mistrals() {
         let t = MistralTokenizer::new();
-        let (ids, weights) = t.tokenize_chat(&DEV_TEMPLATE, "a (red:1.5) fox").unwrap();
+        let (ids, weights) = t.tokenize_chat(&ChatTemplate::FLUX2_DEV, "a (red:1.5) fox").unwrap();
         assert_eq!((ids[0], ids[1]), (crate::text::MISTRAL_BOS_ID, 17), "BOS, [SYSTEM_PROMPT]");
         assert_eq!(*ids.last().unwrap(), 4, "[/INST]");
         assert!(ids.contains(&18) && ids.contains(&3), "[/SYSTEM_PROMPT][INST]");
         assert_eq!(weights.iter().filter(|&&w| w == 1.5).count(), 1, "{weights:?}");
-        assert!(DEV_TEMPLATE.prefix.contains("object\nattribution"));
+        assert!(ChatTemplate::FLUX2_DEV.prefix.contains("object\nattribution"));
     }
 }

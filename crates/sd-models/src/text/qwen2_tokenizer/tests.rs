@@ -191,7 +191,7 @@ fn ids_equal_the_reference_tokenizer() {
 /// finds a space bit (23648 of the BMP's on the Debian glibc 2.36 that made the table), so it
 /// drops it; we keep such characters (see the module doc). The only such character in the
 /// corpus; with it removed, the ids must agree exactly.
-fn reference_text(prompt: &str) -> String {
+pub(in crate::text) fn reference_text(prompt: &str) -> String {
     prompt.replace('\u{fe0f}', "")
 }
 
